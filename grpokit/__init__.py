@@ -1,0 +1,20 @@
+"""grpokit: GRPO post-training for autoregressive token models.
+
+    from grpokit import GRPOConfig, GRPOTrainer     # drop-in for trl's classes of the same names
+"""
+
+__version__ = "0.1.0"
+
+from .advantages import group_advantages, process_advantages
+from .config import GRPOConfig
+from .loss import policy_loss, selective_log_softmax
+from .trainer import GRPOTrainer
+
+__all__ = [
+    "GRPOConfig",
+    "GRPOTrainer",
+    "group_advantages",
+    "policy_loss",
+    "process_advantages",
+    "selective_log_softmax",
+]

@@ -1,0 +1,139 @@
+"""Datasets, prompt rendering and the order in which prompts are drawn."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PROMPT_COLUMNS = ("prompt", "prompt_ids")
+
+
+def load_dataset_source(spec: str, split: str = "train"):
+    """A `datasets.Dataset` from a jsonl/json/csv/parquet file, a local directory, or a Hub id."""
+    import datasets
+
+    path = Path(spec).expanduser()
+    suffix_to_builder = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+    if path.is_file():
+        builder = suffix_to_builder.get(path.suffix)
+        if builder is None:
+            raise ValueError(f"Dataset file {spec!r}: unsupported extension; use .jsonl, .json, .csv or .parquet.")
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    if path.is_dir():
+        if (path / "dataset_info.json").exists() or (path / "state.json").exists():
+            loaded = datasets.load_from_disk(str(path))
+            return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
+        return datasets.load_dataset(str(path), split=split)
+    if spec.startswith(("/", "./", "../", "~")):
+        raise FileNotFoundError(f"Dataset {spec!r} not found: no such file or directory.")
+    return datasets.load_dataset(spec, split=split)
+
+
+def check_dataset(dataset, name: str = "train_dataset") -> None:
+    """The errors a user can fix before any model is loaded."""
+    if dataset is None:
+        raise ValueError(f"{name} is None: pass a dataset with a 'prompt' column (or 'prompt_ids').")
+    columns = dataset_columns(dataset)
+    if not any(c in columns for c in PROMPT_COLUMNS):
+        raise ValueError(
+            f"{name} has no 'prompt' column (columns: {sorted(columns)}). Rename the column holding the prompts to "
+            f"'prompt' (e.g. dataset.rename_column('question', 'prompt')), or give token ids in 'prompt_ids'."
+        )
+    if len(dataset) == 0:
+        raise ValueError(f"{name} is empty: it has no rows to draw prompts from.")
+
+
+def dataset_columns(dataset) -> list[str]:
+    if hasattr(dataset, "column_names"):
+        return list(dataset.column_names)
+    if isinstance(dataset, list) and dataset:
+        return list(dataset[0].keys())
+    return []
+
+
+def is_conversational(prompt: Any) -> bool:
+    """A prompt given as a list of chat messages ({"role": ..., "content": ...})."""
+    return isinstance(prompt, list) and len(prompt) > 0 and isinstance(prompt[0], dict) and "role" in prompt[0]
+
+
+def render_prompt(prompt: Any, tokenizer, chat_template_kwargs: dict | None = None) -> str:
+    if not is_conversational(prompt):
+        return prompt
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            "A conversational prompt (a list of messages) needs a tokenizer with a chat template; this tokenizer "
+            "has none. Set tokenizer.chat_template or give plain-text prompts."
+        )
+    continue_final = prompt[-1]["role"] == "assistant"
+    return tokenizer.apply_chat_template(
+        prompt, tokenize=False, add_generation_prompt=not continue_final, continue_final_message=continue_final,
+        **(chat_template_kwargs or {}),
+    )  # fmt: skip
+
+
+def tokenize_prompts(
+    prompts: list[Any],
+    tokenizer,
+    max_prompt_length: int | None,
+    chat_template_kwargs: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids and mask [N, P]; prompts longer than max_prompt_length keep their last tokens."""
+    texts = [render_prompt(p, tokenizer, chat_template_kwargs) for p in prompts]
+    # A chat template already wrote the special tokens it wants.
+    add_special = not any(is_conversational(p) for p in prompts)
+    ids = [tokenizer(t, add_special_tokens=add_special)["input_ids"] for t in texts]
+    return pad_left(ids, tokenizer.pad_token_id, max_prompt_length)
+
+
+def pad_left(sequences: list[list[int]], pad_token_id: int, max_length: int | None = None):
+    if max_length is not None:
+        sequences = [s[-max_length:] for s in sequences]
+    if any(len(s) == 0 for s in sequences):
+        raise ValueError("A prompt is empty after tokenization; every prompt needs at least one token.")
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s) :] = 1
+    return ids, mask
+
+
+class PromptSampler:
+    """Draws prompt indices in a seeded order, epoch after epoch; its state is two integers, so resuming is exact.
+
+    Every process builds the same order (same seed) and takes its own slice of each draw.
+    """
+
+    def __init__(self, num_rows: int, seed: int, shuffle: bool = True):
+        self.num_rows, self.seed, self.shuffle = num_rows, seed, shuffle
+        self.epoch, self.position = 0, 0
+
+    def _order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_rows))
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.num_rows, generator=generator).tolist()
+
+    def draw(self, count: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < count:
+            order = self._order(self.epoch)
+            take = order[self.position : self.position + count - len(out)]
+            out.extend(take)
+            self.position += len(take)
+            if self.position >= self.num_rows:
+                self.epoch, self.position = self.epoch + 1, 0
+        return out
+
+    @property
+    def epochs_done(self) -> float:
+        return self.epoch + self.position / self.num_rows
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]

@@ -1,0 +1,98 @@
+"""Metrics: averaged per logging window, written to metrics.jsonl always, to the console, and to trackers."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+CONSOLE_KEYS = ("loss", "reward", "reward_std", "kl", "entropy", "completions/mean_length", "learning_rate")
+
+
+class MetricWindow:
+    """Collects values between two logging steps; `flush` returns their means."""
+
+    def __init__(self):
+        self._values: dict[str, list[float]] = defaultdict(list)
+
+    def add(self, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            if value is not None and not (isinstance(value, float) and math.isnan(value)):
+                self._values[key].append(float(value))
+
+    def flush(self) -> dict[str, float]:
+        out = {key: sum(values) / len(values) for key, values in self._values.items() if values}
+        self._values.clear()
+        return out
+
+    def state_dict(self) -> dict:
+        return dict(self._values)
+
+    def load_state_dict(self, state: dict) -> None:
+        self._values = defaultdict(list, {k: list(v) for k, v in state.items()})
+
+
+class MetricSink:
+    """metrics.jsonl (always), the console, TensorBoard and W&B (when asked for). Main process only."""
+
+    def __init__(self, output_dir: str, report_to: list[str], run_name: str | None, logging_dir: str | None,
+                 config: dict, enabled: bool = True):  # fmt: skip
+        self.enabled = enabled
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.tensorboard = self.wandb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        unknown = set(report_to) - {"tensorboard", "wandb"}
+        if unknown:
+            raise ValueError(f"report_to={sorted(unknown)} is not supported; use 'tensorboard', 'wandb' or 'none'.")
+        if "tensorboard" in report_to:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as error:
+                raise ImportError("report_to='tensorboard' needs: pip install 'grpokit[trackers]'") from error
+            self.tensorboard = SummaryWriter(logging_dir or str(Path(output_dir) / "runs"))
+        if "wandb" in report_to:
+            try:
+                import wandb
+            except ImportError as error:
+                raise ImportError("report_to='wandb' needs: pip install 'grpokit[trackers]'") from error
+            self.wandb = wandb.init(name=run_name or Path(output_dir).name, config=config)
+
+    def truncate_after(self, step: int) -> None:
+        """On resume, drop lines logged after the checkpoint's step (they will be logged again)."""
+        if not self.enabled or not self.path.exists():
+            return
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line)
+            except ValueError:
+                continue  # a line cut short by a crash
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict, console: bool = True) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        step = record.get("step", 0)
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tensorboard.add_scalar(f"train/{key}", value, step)
+            self.tensorboard.flush()
+        if self.wandb is not None:
+            self.wandb.log({f"train/{k}": v for k, v in record.items() if k != "step"}, step=step)
+        if console:
+            shown = " ".join(f"{k}={record[k]:.4g}" for k in CONSOLE_KEYS if k in record)
+            print(f"[step {step}] {shown}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()

@@ -1,0 +1,256 @@
+"""The GRPO objective as pure functions of tensors.
+
+Shapes: N completions in the (micro-)batch, T completion tokens (padded), V vocabulary entries.
+
+Per token t of completion i (DeepSeekMath §4.1, with TRL's extensions):
+
+    log_ratio    = logprobs - old_logprobs                       (token level), or its masked mean over the
+                                                                 sequence, broadcast to every token (GSPO,
+                                                                 `importance_sampling_level="sequence"`)
+    ratio        = exp(log_ratio)
+    clipped      = clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+    objective    = min(ratio · A, clipped · A)                   (ratio capped at `delta` first, if given)
+    loss_token   = -objective + beta · KL_k3 - entropy_coef · entropy
+    KL_k3        = exp(ref - logp) - (ref - logp) - 1            (Schulman's k3, unbiased and >= 0)
+
+and the tokens are aggregated by `loss_type` (see `AGGREGATIONS`). With one update per generation the ratio is
+exp(logp - logp.detach()) = 1: the loss *value* is then beta·KL, but its gradient is the policy gradient
+(TRL PR #2565's derivation).
+
+Nothing in this module knows about models, configs or accelerators; the trainer calls these functions and users
+may call them from their own loops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+# --------------------------------------------------------------------------------------------- log-probabilities
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
+    """log_softmax(logits)[..., index] without materialising the full log-softmax.
+
+    logits: [..., V]; index: [...] (int). Returns [...] in logits' dtype.
+
+    For float32/float64 the result is `logit[index] - logsumexp(logits)`, computed over chunks of rows so that
+    the temporary of the log-sum-exp never spans all N·T rows at once. Half precision loses too much in the
+    log-sum-exp subtraction, so those dtypes take `log_softmax` per chunk (in their own dtype, as the forward
+    pass produced them).
+    """
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_index = index.reshape(-1)
+    out = torch.empty(flat_index.shape, dtype=logits.dtype, device=logits.device)
+    for start in range(0, flat_logits.shape[0], chunk_rows):
+        rows = flat_logits[start : start + chunk_rows]
+        idx = flat_index[start : start + chunk_rows, None]
+        if rows.dtype in (torch.float32, torch.float64):
+            out[start : start + chunk_rows] = rows.gather(-1, idx).squeeze(-1) - torch.logsumexp(rows, dim=-1)
+        else:
+            out[start : start + chunk_rows] = rows.log_softmax(-1).gather(-1, idx).squeeze(-1)
+    return out.view(index.shape)
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
+    """Entropy of softmax(logits) over the last dimension, in chunks of rows: [..., V] -> [...] (float32)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    for start in range(0, flat.shape[0], chunk_rows):
+        rows = flat[start : start + chunk_rows].float()
+        logp = rows.log_softmax(-1)
+        out[start : start + chunk_rows] = -(logp.exp() * logp).sum(-1)
+    return out.view(logits.shape[:-1])
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(π_θ ‖ π_ref) from samples of π_θ: exp(r - l) - (r - l) - 1."""
+    delta = ref_logprobs - logprobs
+    return torch.exp(delta) - delta - 1
+
+
+# ---------------------------------------------------------------------------------------------- aggregation
+
+# An aggregation turns a per-token loss [N, T] into a scalar. Each receives the batch-wide counts so that a
+# micro-batch's loss is its share of the accumulated batch's loss: summing the micro-batch losses of one
+# optimizer step then equals the loss of the whole batch in one piece (for every type but `bnpo`).
+Aggregation = Callable[..., torch.Tensor]
+
+
+def _aggregate_grpo(loss, mask, *, num_sequences, num_tokens, max_completion_length):
+    # Mean over sequences of each sequence's token mean (DeepSeekMath eq. 3).
+    per_sequence = (loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+    return per_sequence.sum() / num_sequences
+
+
+def _aggregate_bnpo(loss, mask, *, num_sequences, num_tokens, max_completion_length):
+    # Token mean over this micro-batch only: by definition it depends on how the batch is split.
+    return (loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _aggregate_dr_grpo(loss, mask, *, num_sequences, num_tokens, max_completion_length):
+    # Dr. GRPO (Liu et al. 2025): a constant denominator, so no length bias.
+    return (loss * mask).sum() / (num_sequences * max_completion_length)
+
+
+def _aggregate_dapo(loss, mask, *, num_sequences, num_tokens, max_completion_length):
+    # DAPO (Yu et al. 2025): token mean over the whole accumulated batch.
+    return (loss * mask).sum() / max(float(num_tokens), 1.0)
+
+
+AGGREGATIONS: dict[str, Aggregation] = {
+    "grpo": _aggregate_grpo,
+    "bnpo": _aggregate_bnpo,
+    "dr_grpo": _aggregate_dr_grpo,
+    "dapo": _aggregate_dapo,
+}
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+def aggregate(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    loss_type: str,
+    *,
+    num_sequences: float | None = None,
+    num_tokens: float | None = None,
+    max_completion_length: int | None = None,
+) -> torch.Tensor:
+    """Aggregate a per-token quantity [N, T] as `loss_type` does (counts default to this batch's own)."""
+    if loss_type not in AGGREGATIONS:
+        raise ValueError(f"Unknown loss_type {loss_type!r}; choose one of {sorted(AGGREGATIONS)}.")
+    mask = mask.to(per_token.dtype)
+    return AGGREGATIONS[loss_type](
+        per_token,
+        mask,
+        num_sequences=per_token.shape[0] if num_sequences is None else num_sequences,
+        num_tokens=mask.sum().item() if num_tokens is None else num_tokens,
+        max_completion_length=per_token.shape[1] if max_completion_length is None else max_completion_length,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- the loss
+
+
+@dataclass
+class LossStats:
+    """Detached statistics of one loss evaluation (token means over the completion mask)."""
+
+    kl: torch.Tensor | None  # mean k3 KL, None when beta == 0 and no reference was given
+    entropy: torch.Tensor | None  # mean entropy, None when no entropies were given
+    clip_ratio_low: torch.Tensor  # share of tokens with ratio < 1 - epsilon and A < 0
+    clip_ratio_high: torch.Tensor  # share of tokens with ratio > 1 + epsilon_high and A > 0
+    clip_ratio_region: torch.Tensor  # either of the two
+    ratio_mean: torch.Tensor  # mean importance ratio, 1 on-policy
+
+    def as_dict(self) -> dict[str, float]:
+        out = {
+            "clip_ratio/low_mean": self.clip_ratio_low.item(),
+            "clip_ratio/high_mean": self.clip_ratio_high.item(),
+            "clip_ratio/region_mean": self.clip_ratio_region.item(),
+        }
+        if self.kl is not None:
+            out["kl"] = self.kl.item()
+        if self.entropy is not None:
+            out["entropy"] = self.entropy.item()
+        return out
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
+    ref_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss_type: str = "dapo",
+    beta: float = 0.0,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    importance_sampling_level: str = "token",
+    max_completion_length: int | None = None,
+    num_sequences: float | None = None,
+    num_tokens: float | None = None,
+    delta: float | None = None,
+    entropies: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    loss_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, LossStats]:
+    """The clipped GRPO surrogate plus beta·KL, aggregated by `loss_type`.
+
+    logprobs:      [N, T] log π_θ of the chosen tokens (with grad)
+    old_logprobs:  [N, T] log π_old (the policy that sampled), or None for on-policy (= logprobs.detach())
+    ref_logprobs:  [N, T] log π_ref, or None (required when beta > 0)
+    advantages:    [N] per completion, or [N, T] per token (process supervision)
+    mask:          [N, T] 1 for completion tokens that count
+    num_sequences, num_tokens: counts over the whole accumulated batch (default: this batch), so that
+                   micro-batch losses add up to the full-batch loss.
+    delta:         two-sided clipping: cap the unclipped ratio at delta (INTELLECT-2), None = off
+    entropies:     [N, T] per-token entropies (with grad) for the entropy bonus `entropy_coef`
+    loss_weights:  [N, T] optional 0/1 weights on the policy-gradient term only (e.g. top-entropy tokens)
+
+    Returns (loss, stats).
+    """
+    if beta > 0 and ref_logprobs is None:
+        raise ValueError("policy_loss: beta > 0 needs ref_logprobs (the reference policy's log-probs).")
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(
+            f"Unknown importance_sampling_level {importance_sampling_level!r}; "
+            f"choose one of {list(IMPORTANCE_SAMPLING_LEVELS)}."
+        )
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    mask = mask.to(logprobs.dtype)
+    if old_logprobs is None:
+        old_logprobs = logprobs.detach()
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+
+    log_ratio = logprobs - old_logprobs
+    if importance_sampling_level == "sequence":
+        # GSPO (Zheng et al. 2025): one length-normalised ratio per sequence.
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
+    ratio = torch.exp(log_ratio)
+    clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+    unclipped_ratio = ratio if delta is None else torch.clamp(ratio, max=delta)
+    per_token = -torch.min(unclipped_ratio * advantages, clipped_ratio * advantages)
+    if loss_weights is not None:
+        per_token = per_token * loss_weights
+
+    kl = None
+    if ref_logprobs is not None:
+        per_token_kl = kl_k3(logprobs, ref_logprobs)
+        kl = masked_mean(per_token_kl.detach(), mask)
+        if beta > 0:
+            per_token = per_token + beta * per_token_kl
+    if entropies is not None and entropy_coef != 0:
+        per_token = per_token - entropy_coef * entropies
+
+    loss = aggregate(
+        per_token,
+        mask,
+        loss_type,
+        num_sequences=num_sequences,
+        num_tokens=num_tokens,
+        max_completion_length=max_completion_length,
+    )
+
+    with torch.no_grad():
+        ratio_tokens = ratio.expand_as(mask)
+        is_low = (ratio_tokens < 1 - epsilon) & (advantages.expand_as(mask) < 0)
+        is_high = (ratio_tokens > 1 + epsilon_high) & (advantages.expand_as(mask) > 0)
+        stats = LossStats(
+            kl=kl,
+            entropy=None if entropies is None else masked_mean(entropies.detach(), mask),
+            clip_ratio_low=masked_mean(is_low.to(mask.dtype), mask),
+            clip_ratio_high=masked_mean(is_high.to(mask.dtype), mask),
+            clip_ratio_region=masked_mean((is_low | is_high).to(mask.dtype), mask),
+            ratio_mean=masked_mean(ratio_tokens.detach(), mask),
+        )
+    return loss, stats

@@ -1,0 +1,89 @@
+"""Loading the policy, its tokenizer and its reference; the training forward that gives token log-probs."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import torch
+
+from .loss import entropy_from_logits, selective_log_softmax
+from .rollout import _logits_of, forward_accepts, position_ids_from_mask
+
+
+def looks_like_local_path(name: str) -> bool:
+    """Hub ids are `name` or `org/name`; anything else (absolute, ./, ~, more slashes) is meant as a path."""
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+
+
+def check_model_source(name: str) -> None:
+    """Fail early, before any network call, for a path that does not exist."""
+    if Path(name).expanduser().exists():
+        return
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    if looks_like_local_path(name) or offline:
+        raise FileNotFoundError(
+            f"Model {name!r} not found: no such local directory"
+            + (" (and HF_HUB_OFFLINE is set, so the Hub is not tried)" if offline else "")
+            + ". Pass the directory that holds config.json and the weights, or a Hugging Face Hub id."
+        )
+
+
+def load_causal_lm(name: str, model_init_kwargs: dict | None = None):
+    from transformers import AutoModelForCausalLM
+
+    check_model_source(name)
+    kwargs = dict(model_init_kwargs or {})
+    if "torch_dtype" in kwargs:  # the transformers 4 spelling
+        kwargs["dtype"] = kwargs.pop("torch_dtype")
+    return AutoModelForCausalLM.from_pretrained(name, **kwargs)
+
+
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    check_model_source(name)
+    tokenizer = AutoTokenizer.from_pretrained(name, padding_side="left")
+    return tokenizer
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A reference policy: a copy of the weights that never trains."""
+    reference = copy.deepcopy(model)
+    reference.requires_grad_(False)
+    return reference.eval()
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_length: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs [N, T] (and entropies [N, T]) of the last T tokens of input_ids [N, P + T] under the model.
+
+    Position ids skip left padding exactly as the rollout's do, so the values match the sampling log-probs.
+    Only the T + 1 last positions' logits are computed when the model supports `logits_to_keep`.
+    """
+    kwargs = {}
+    if forward_accepts(model, "attention_mask"):
+        kwargs.update(attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask))
+    if forward_accepts(model, "logits_to_keep"):
+        kwargs["logits_to_keep"] = completion_length + 1
+    logits = _logits_of(model(input_ids, **kwargs))
+    logits = logits[:, -completion_length - 1 : -1]  # position t predicts token t + 1
+    if temperature != 1.0:
+        logits = logits / temperature
+    targets = input_ids[:, -completion_length:]
+    logprobs = selective_log_softmax(logits.float() if logits.dtype != torch.float32 else logits, targets)
+    entropies = entropy_from_logits(logits) if with_entropy else None
+    return logprobs, entropies

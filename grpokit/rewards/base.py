@@ -1,0 +1,204 @@
+"""Calling reward functions with TRL's contract, and checking what they return.
+
+A reward function is called with keyword arguments `prompts`, `completions`, `completion_ids` and every dataset
+column (one value per completion) and returns one `float | None` per completion; None means "does not apply".
+Async functions run concurrently with each other and with the synchronous ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import threading
+from dataclasses import dataclass, field
+from numbers import Real
+from typing import Any, Callable
+
+import torch
+
+STANDARD_ARGUMENTS = ("prompts", "completions", "completion_ids")
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised or returned something unusable; the message names the function and the row."""
+
+
+@dataclass
+class RewardFunction:
+    name: str
+    fn: Callable[..., Any]
+    is_async: bool = field(init=False)
+
+    def __post_init__(self):
+        self.is_async = inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(
+            getattr(self.fn, "__call__", None)
+        )
+
+    def required_columns(self) -> list[str]:
+        """Keyword parameters the function needs that are not standard arguments (dataset columns)."""
+        try:
+            params = inspect.signature(self.fn).parameters.values()
+        except (TypeError, ValueError):
+            return []
+        return [
+            p.name
+            for p in params
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and p.default is p.empty
+            and p.name not in STANDARD_ARGUMENTS
+        ]
+
+
+def reward_name(fn) -> str:
+    if hasattr(fn, "config") and hasattr(fn.config, "_name_or_path"):  # a reward model
+        return str(fn.config._name_or_path).rstrip("/").split("/")[-1] or type(fn).__name__
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def check_required_columns(functions: list[RewardFunction], columns: list[str]) -> None:
+    available = set(columns) | set(STANDARD_ARGUMENTS)
+    for function in functions:
+        missing = [c for c in function.required_columns() if c not in available]
+        if missing:
+            raise ValueError(
+                f"Reward function {function.name!r} needs column(s) {missing} that the dataset lacks (columns: "
+                f"{sorted(columns)}). Add the column(s) to the dataset or give the parameter a default value."
+            )
+
+
+def _excerpt(value: Any, limit: int = 80) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_values(name: str, values: Any, expected: int) -> list[float]:
+    """Turn a reward function's output into floats (NaN for None), or raise naming the function."""
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)):
+        raise RewardFunctionError(
+            f"Reward function {name!r} returned {type(values).__name__}; it must return a list with one float (or "
+            f"None) per completion."
+        )
+    if len(values) != expected:
+        raise RewardFunctionError(
+            f"Reward function {name!r} returned {len(values)} values for {expected} completions; it must return "
+            f"exactly one float (or None) per completion."
+        )
+    out = []
+    for row, value in enumerate(values):
+        if value is None:
+            out.append(float("nan"))
+            continue
+        if isinstance(value, bool) or not isinstance(value, Real):
+            raise RewardFunctionError(
+                f"Reward function {name!r} returned {value!r} ({type(value).__name__}) for row {row}; rewards must "
+                f"be numbers, or None for 'does not apply'."
+            )
+        if not math.isfinite(float(value)):
+            raise RewardFunctionError(
+                f"Reward function {name!r} returned {value} for row {row}; rewards must be finite (return None "
+                f"for a completion the function cannot score)."
+            )
+        out.append(float(value))
+    return out
+
+
+def _call(function: RewardFunction, kwargs: dict) -> Any:
+    result = function.fn(**kwargs)
+    if inspect.isawaitable(result):
+        return asyncio.run(_await(result))
+    return result
+
+
+async def _await(awaitable):
+    return await awaitable
+
+
+def _row_kwargs(kwargs: dict, row: int) -> dict:
+    return {key: value[row : row + 1] for key, value in kwargs.items()}
+
+
+def _locate_failure(function: RewardFunction, kwargs: dict, error: Exception, n: int) -> RewardFunctionError:
+    """Find the first row on which the function raises, to name it in the error."""
+    for row in range(n):
+        try:
+            _call(function, _row_kwargs(kwargs, row))
+        except Exception:
+            prompt = kwargs["prompts"][row]
+            return RewardFunctionError(
+                f"Reward function {function.name!r} raised {type(error).__name__}: {error} — on row {row} (prompt: "
+                f"{_excerpt(prompt)!r}). Fix the function, or set reward_fn_errors='none' to score such rows None."
+            )
+    return RewardFunctionError(f"Reward function {function.name!r} raised {type(error).__name__}: {error}")
+
+
+def _score_rows_separately(function: RewardFunction, kwargs: dict, n: int) -> tuple[list[float], int]:
+    """With reward_fn_errors='none': score row by row, failures become None; returns (values, failures)."""
+    values, failures = [], 0
+    for row in range(n):
+        try:
+            values.extend(_check_values(function.name, _call(function, _row_kwargs(kwargs, row)), 1))
+        except Exception:
+            values.append(float("nan"))
+            failures += 1
+    return values, failures
+
+
+def compute_rewards(
+    functions: list[RewardFunction],
+    prompts: list[Any],
+    completions: list[Any],
+    completion_ids: list[list[int]],
+    columns: dict[str, list[Any]],
+    on_error: str = "raise",
+) -> tuple[torch.Tensor, dict[str, int]]:
+    """Scores [N, F] (NaN where a function returned None) and the number of failed rows per function."""
+    n = len(completions)
+    kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
+    results: dict[int, Any] = {}
+    errors: dict[int, Exception] = {}
+
+    async def run_async():
+        async def one(index, function):
+            try:
+                results[index] = await function.fn(**kwargs)
+            except Exception as error:  # handled below, with the synchronous ones
+                errors[index] = error
+
+        await asyncio.gather(*(one(i, f) for i, f in enumerate(functions) if f.is_async))
+
+    # Async functions run in their own event loop on a thread (this also works when the caller is inside a
+    # running loop, e.g. Jupyter), while the synchronous ones run here.
+    thread = None
+    if any(f.is_async for f in functions):
+        thread = threading.Thread(target=lambda: asyncio.run(run_async()), daemon=True)
+        thread.start()
+    for index, function in enumerate(functions):
+        if not function.is_async:
+            try:
+                results[index] = function.fn(**kwargs)
+            except Exception as error:
+                errors[index] = error
+    if thread is not None:
+        thread.join()
+
+    columns_out, failures = [], {}
+    for index, function in enumerate(functions):
+        if index in errors:
+            if on_error == "none":
+                values, failures[function.name] = _score_rows_separately(function, kwargs, n)
+            else:
+                raise _locate_failure(function, kwargs, errors[index], n) from errors[index]
+        else:
+            values = _check_values(function.name, results[index], n)
+        columns_out.append(values)
+    scores = torch.tensor(columns_out, dtype=torch.float32).T.reshape(n, len(functions))
+    return scores, failures
+
+
+def combine_rewards(scores: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted sum over functions [N, F] -> [N], skipping None (NaN); NaN only where every function is None."""
+    weighted = (scores * weights[None]).nansum(-1)
+    return torch.where(scores.isnan().all(-1), torch.full_like(weighted, float("nan")), weighted)

@@ -1,0 +1,460 @@
+"""GRPOTrainer: rollout → rewards → advantages → μ optimisation passes → optimizer step, on accelerate.
+
+Batch semantics are TRL's: a process generates `generation_batch_size` = per_device_train_batch_size ×
+steps_per_generation completions at a time (G per prompt; a prompt's group may span processes), splits them into
+steps_per_generation micro-batches, and takes one optimizer step every gradient_accumulation_steps micro-batches;
+the generation batch is reused num_iterations (μ) times. Micro-batch losses are normalised by the counts of the
+whole optimizer step's batch, so gradient accumulation does not change the update (except for `bnpo`, which is a
+per-micro-batch mean by definition).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .advantages import group_advantages, group_stats
+from .checkpoint import latest_checkpoint, rng_state, rotate_checkpoints, set_rng_state, write_checkpoint
+from .config import GRPOConfig
+from .data import PromptSampler, check_dataset, dataset_columns, is_conversational, pad_left, tokenize_prompts
+from .logs import MetricSink, MetricWindow
+from .loss import policy_loss
+from .policy import disable_dropout, frozen_copy, load_causal_lm, load_tokenizer, token_logprobs
+from .rewards.base import RewardFunction, check_required_columns, combine_rewards, compute_rewards, reward_name
+from .rollout import SamplingParams, generate
+
+
+@dataclass
+class TrainerState:
+    global_step: int = 0
+    max_steps: int = 0
+    epoch: float = 0.0
+    num_tokens: int = 0
+    generations: int = 0  # generation batches produced so far (seeds each rollout)
+    log_history: list[dict] = field(default_factory=list)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(dataclasses.asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, path: Path) -> "TrainerState":
+        return cls(**json.loads(path.read_text()))
+
+
+class GRPOTrainer:
+    def __init__(
+        self,
+        model,
+        reward_funcs,
+        args: GRPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        peft_config=None,
+        callbacks=None,
+    ):
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        self.args = args = args or GRPOConfig()
+        if eval_dataset is not None:
+            warnings.warn("eval_dataset is not implemented yet: it is ignored.", UserWarning, stacklevel=2)
+        if peft_config is not None or reward_processing_classes is not None or callbacks:
+            raise NotImplementedError("peft_config, reward_processing_classes and callbacks are not supported yet.")
+        # Everything a user can get wrong in the data or rewards is checked before the model is loaded.
+        check_dataset(train_dataset)
+        self.train_dataset = train_dataset
+        self.reward_functions = self._build_reward_functions(reward_funcs)
+        check_required_columns(self.reward_functions, dataset_columns(train_dataset))
+        weights = args.reward_weights or [1.0] * len(self.reward_functions)
+        if len(weights) != len(self.reward_functions):
+            raise ValueError(
+                f"reward_weights has {len(weights)} entries for {len(self.reward_functions)} reward functions; give "
+                f"one weight per function."
+            )
+        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
+
+        mixed_precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
+        self.accelerator = Accelerator(cpu=args.use_cpu, mixed_precision=mixed_precision)
+        args.check_batch(self.accelerator.num_processes)
+        set_seed(args.seed)
+
+        self.model, self.processing_class = self._build_policy(model, processing_class)
+        self.reference = frozen_copy(self.model) if args.beta > 0 else None
+        if args.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False}
+            )
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+            weight_decay=args.weight_decay,
+        )  # fmt: skip
+        self.model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
+        if self.reference is not None:
+            self.reference = self.reference.to(self.accelerator.device)
+
+        self.state = TrainerState(max_steps=self._total_steps())
+        self.scheduler = self._build_scheduler()
+        self.sampler = PromptSampler(len(train_dataset), args.data_seed or args.seed, args.shuffle_dataset)
+        self.window = MetricWindow()
+        self._generation: dict[str, Any] | None = None  # the current generation batch, split in micro-batches
+        self._micro_step = 0  # micro-steps taken on the current generation batch (over all μ passes)
+
+    # ------------------------------------------------------------------------------------------------ setup
+
+    def _build_reward_functions(self, reward_funcs) -> list[RewardFunction]:
+        funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        if not funcs:
+            raise ValueError("reward_funcs is empty: pass at least one reward function.")
+        for f in funcs:
+            if isinstance(f, str) or not callable(f):
+                raise NotImplementedError(f"Reward {f!r}: only Python callables are supported as reward functions yet.")
+        return [RewardFunction(reward_name(f), f) for f in funcs]
+
+    def _build_policy(self, model, processing_class):
+        if isinstance(model, str):
+            name = model
+            model = load_causal_lm(name, self.args.model_init_kwargs)
+            processing_class = processing_class or load_tokenizer(name)
+        if processing_class is None and hasattr(model, "config"):
+            name = getattr(model.config, "_name_or_path", "")
+            processing_class = load_tokenizer(name) if name else None
+        if processing_class is not None:
+            processing_class.padding_side = "left"
+            if processing_class.pad_token is None:
+                processing_class.pad_token = processing_class.eos_token
+                warnings.warn("The tokenizer has no pad token: using its EOS token for padding.", stacklevel=3)
+        if self.args.disable_dropout:
+            disable_dropout(model)
+        return model, processing_class
+
+    def _total_steps(self) -> int:
+        args = self.args
+        steps_per_generation = args.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps
+        if args.max_steps > 0:
+            return args.max_steps
+        prompts_per_generation = args.generation_batch_size * self.accelerator.num_processes // args.num_generations
+        generations = math.ceil(args.num_train_epochs * len(self.train_dataset) / prompts_per_generation)
+        return max(generations * steps_per_generation, 1)
+
+    def _build_scheduler(self):
+        from transformers import get_scheduler
+
+        args = self.args
+        warmup = args.warmup_steps or math.ceil(args.warmup_ratio * self.state.max_steps)
+        return get_scheduler(
+            args.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup,
+            num_training_steps=self.state.max_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs or None,
+        )  # fmt: skip
+
+    @property
+    def unwrapped_model(self):
+        return self.accelerator.unwrap_model(self.model)
+
+    # ------------------------------------------------------------------------------------------- generation
+
+    def _sampling_params(self) -> SamplingParams:
+        args, tokenizer = self.args, self.processing_class
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(getattr(self.unwrapped_model, "generation_config", None), "eos_token_id", None)
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        pad = getattr(tokenizer, "pad_token_id", None)
+        return SamplingParams(
+            max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+            eos_token_ids=eos_ids, pad_token_id=pad if pad is not None else (eos_ids[0] if eos_ids else 0),
+        )  # fmt: skip
+
+    def _draw_rows(self) -> tuple[list[dict], int]:
+        """This process's rows of the next generation batch (each prompt repeated G times) and its offset."""
+        args, acc = self.args, self.accelerator
+        per_process = args.generation_batch_size
+        prompt_indices = self.sampler.draw(per_process * acc.num_processes // args.num_generations)
+        expanded = [i for i in prompt_indices for _ in range(args.num_generations)]
+        offset = acc.process_index * per_process
+        local = expanded[offset : offset + per_process]
+        return [self.train_dataset[i] for i in local], offset
+
+    def _prompt_tensors(self, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+        if "prompt_ids" in rows[0]:
+            return pad_left([list(r["prompt_ids"]) for r in rows], self._sampling_params().pad_token_id,
+                            self.args.max_prompt_length)  # fmt: skip
+        return tokenize_prompts([r["prompt"] for r in rows], self.processing_class, self.args.max_prompt_length,
+                                self.args.chat_template_kwargs)  # fmt: skip
+
+    def _completions_as_given(self, rows, completion_ids, completion_mask):
+        ids = [c[m.bool()].tolist() for c, m in zip(completion_ids, completion_mask)]
+        if self.processing_class is None:
+            return ids, ids
+        texts = self.processing_class.batch_decode(ids, skip_special_tokens=True)
+        if rows and is_conversational(rows[0].get("prompt")):
+            return [[{"role": "assistant", "content": t}] for t in texts], ids
+        return texts, ids
+
+    @torch.no_grad()
+    def _logprobs_in_chunks(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+        size = self.args.per_device_train_batch_size
+        out = []
+        for start in range(0, len(prompt_ids), size):
+            batch = slice(start, start + size)
+            ids = torch.cat([prompt_ids[batch], completion_ids[batch]], 1)
+            mask = torch.cat([prompt_mask[batch], completion_mask[batch]], 1)
+            with self.accelerator.autocast():
+                logprobs, _ = token_logprobs(model, ids, mask, completion_ids.shape[1], self.args.temperature)
+            out.append(logprobs.float())
+        return torch.cat(out)
+
+    def _generate_batch(self) -> dict[str, Any]:
+        args, acc, device = self.args, self.accelerator, self.accelerator.device
+        rows, offset = self._draw_rows()
+        prompt_ids, prompt_mask = (t.to(device) for t in self._prompt_tensors(rows))
+        generator = torch.Generator(device=device).manual_seed(
+            args.seed * 1_000_003 + self.state.generations * 1009 + acc.process_index
+        )
+        self.state.generations += 1
+        model = self.unwrapped_model
+        with acc.autocast():
+            rollout = generate(model, prompt_ids, prompt_mask, self._sampling_params(), generator=generator,
+                               num_generations=args.num_generations)  # fmt: skip
+
+        completions, completion_lists = self._completions_as_given(rows, rollout.completion_ids, rollout.completion_mask)
+        columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt",)}
+        prompts = [r.get("prompt", r.get("prompt_ids")) for r in rows]
+        scores, failures = compute_rewards(self.reward_functions, prompts, completions, completion_lists, columns,
+                                           on_error=args.reward_fn_errors)  # fmt: skip
+        # A group may span processes: its statistics need every process's scores.
+        all_scores = acc.gather(scores.to(device)).cpu()
+        rewards = combine_rewards(all_scores, self.reward_weights)
+        advantages = group_advantages(rewards, args.num_generations, args.scale_rewards)
+        local = slice(offset, offset + len(rows))
+
+        completion_mask = rollout.completion_mask
+        if args.mask_truncated_completions:
+            completion_mask = completion_mask * (~rollout.is_truncated)[:, None].long()
+        batch = {
+            "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": rollout.completion_ids,
+            "completion_mask": completion_mask, "advantages": advantages[local].to(device),
+        }  # fmt: skip
+        off_policy = args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
+        if off_policy:
+            # In float32 the sampling log-probs are the training forward's (tested to 1e-5); under autocast the
+            # incremental decode rounds differently, so the old log-probs come from a training-style forward.
+            batch["old_logprobs"] = rollout.logprobs if not (args.bf16 or args.fp16) else self._logprobs_in_chunks(
+                model, prompt_ids, prompt_mask, rollout.completion_ids, rollout.completion_mask)
+        if self.reference is not None:
+            batch["ref_logprobs"] = self._logprobs_in_chunks(
+                self.reference, prompt_ids, prompt_mask, rollout.completion_ids, rollout.completion_mask)
+        self._log_generation(all_scores, rewards, rollout, prompt_mask, failures)
+        # Shuffle before splitting so that each optimizer step sees a mix of groups (as TRL does).
+        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(args.seed + self.state.generations))
+        return {key: value[order.to(value.device)] for key, value in batch.items()}
+
+    def _log_generation(self, scores, rewards, rollout, prompt_mask, failures) -> None:
+        args, acc = self.args, self.accelerator
+        lengths = acc.gather(rollout.completion_lengths.float()).cpu()
+        truncated = acc.gather(rollout.is_truncated.float()).cpu()
+        tokens = acc.gather((prompt_mask.sum() + rollout.completion_mask.sum()).reshape(1)).sum().item()
+        self.state.num_tokens += int(tokens)
+        _, group_std = group_stats(rewards, args.num_generations)
+        metrics = {
+            "reward": rewards.nanmean().item(),
+            "reward_std": group_std.mean().item(),
+            "frac_reward_zero_std": (group_std < 1e-6).float().mean().item(),
+            "completions/mean_length": lengths.mean().item(),
+            "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(),
+            "completions/clipped_ratio": truncated.mean().item(),
+        }
+        terminated = lengths[truncated == 0]
+        metrics["completions/mean_terminated_length"] = terminated.mean().item() if len(terminated) else 0.0
+        for index, function in enumerate(self.reward_functions):
+            column = scores[:, index]
+            metrics[f"rewards/{function.name}/mean"] = column.nanmean().item()
+            valid = column[~column.isnan()]
+            metrics[f"rewards/{function.name}/std"] = valid.std().item() if len(valid) > 1 else 0.0
+            if function.name in failures:
+                metrics[f"rewards/{function.name}/errors"] = failures[function.name]
+        self.window.add(metrics)
+
+    # ------------------------------------------------------------------------------------------- training
+
+    def _micro_batches(self) -> list[dict[str, torch.Tensor]]:
+        size = self.args.per_device_train_batch_size
+        n = len(self._generation["advantages"])
+        return [{k: v[s : s + size] for k, v in self._generation.items()} for s in range(0, n, size)]
+
+    def _train_micro_batch(self, batch, num_sequences, num_tokens) -> tuple[float, dict]:
+        args = self.args
+        width = int(batch["completion_mask"].sum(-1).max().clamp(min=1))  # trim padding shared by the batch
+        completion_ids, completion_mask = batch["completion_ids"][:, :width], batch["completion_mask"][:, :width]
+        ids = torch.cat([batch["prompt_ids"], completion_ids], 1)
+        mask = torch.cat([batch["prompt_mask"], completion_mask], 1)
+        with self.accelerator.autocast():
+            logprobs, entropies = token_logprobs(self.model, ids, mask, width, args.temperature, with_entropy=True)
+        old = batch["old_logprobs"][:, :width] if "old_logprobs" in batch else None
+        ref = batch["ref_logprobs"][:, :width] if "ref_logprobs" in batch else None
+        loss, stats = policy_loss(
+            logprobs, old, ref, batch["advantages"], completion_mask,
+            loss_type=args.loss_type, beta=args.beta, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
+            importance_sampling_level=args.importance_sampling_level,
+            max_completion_length=args.max_completion_length, num_sequences=num_sequences, num_tokens=num_tokens,
+            delta=args.delta, entropies=entropies, entropy_coef=args.entropy_coef,
+        )  # fmt: skip
+        self.accelerator.backward(loss)
+        return loss.item(), stats.as_dict()
+
+    def _optimizer_step(self) -> None:
+        args, acc = self.args, self.accelerator
+        if self._generation is None or self._micro_step == args.steps_per_generation * args.num_iterations:
+            self._generation, self._micro_step = self._generate_batch(), 0
+        micro_batches = self._micro_batches()
+        first = self._micro_step % args.steps_per_generation
+        window = micro_batches[first : first + args.gradient_accumulation_steps]
+        # Counts over the whole optimizer step (all micro-batches, all processes) normalise each micro-batch's
+        # loss; DDP averages gradients over processes, so each process's share is multiplied back.
+        local_counts = torch.tensor([sum(len(b["advantages"]) for b in window),
+                                     sum(b["completion_mask"].sum().item() for b in window)],
+                                    dtype=torch.float64, device=acc.device)  # fmt: skip
+        num_sequences, num_tokens = (acc.reduce(local_counts, "sum") / acc.num_processes).tolist()
+
+        loss_total, stats = 0.0, MetricWindow()
+        for index, batch in enumerate(window):
+            sync = index == len(window) - 1
+            with acc.no_sync(self.model) if not sync else contextlib.nullcontext():
+                loss, batch_stats = self._train_micro_batch(batch, num_sequences, num_tokens)
+            loss_total += loss
+            stats.add(batch_stats)
+            self._micro_step += 1
+        grad_norm = None
+        if args.max_grad_norm and args.max_grad_norm > 0:
+            grad_norm = acc.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
+        learning_rate = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.global_step += 1
+        self.state.epoch = self.sampler.epochs_done
+        metrics = {"loss": loss_total, "learning_rate": learning_rate, **stats.flush()}
+        if grad_norm is not None:
+            metrics["grad_norm"] = float(grad_norm)
+        self.window.add({k: acc.reduce(torch.tensor(v, device=acc.device), "mean").item() for k, v in metrics.items()})
+
+    def train(self, resume_from_checkpoint: bool | str | None = None):
+        from tqdm.auto import tqdm
+
+        args, acc = self.args, self.accelerator
+        resume = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
+        if resume in ("true", "True"):
+            resume = True
+        if resume:
+            self._resume(resume)
+        sink = MetricSink(args.output_dir, args.report_to, args.run_name, args.logging_dir, args.to_dict(),
+                          enabled=acc.is_main_process)  # fmt: skip
+        sink.truncate_after(self.state.global_step)
+        if acc.is_main_process:
+            args.save(Path(args.output_dir) / "grpo_config.json")
+        logging_steps = _as_steps(args.logging_steps, self.state.max_steps)
+        save_steps = _as_steps(args.save_steps, self.state.max_steps)
+        bar = tqdm(total=self.state.max_steps, initial=self.state.global_step, desc="GRPO",
+                   disable=args.disable_tqdm or not acc.is_main_process, dynamic_ncols=True)  # fmt: skip
+        self.model.train()
+        started = time.perf_counter()
+        while self.state.global_step < self.state.max_steps:
+            step_started = time.perf_counter()
+            self._optimizer_step()
+            self.window.add({"step_time": time.perf_counter() - step_started})
+            step = self.state.global_step
+            bar.update(1)
+            if step % logging_steps == 0 or step == self.state.max_steps or (step == 1 and args.logging_first_step):
+                record = {"step": step, "epoch": round(self.state.epoch, 4), **self.window.flush(),
+                          "num_tokens": self.state.num_tokens}  # fmt: skip
+                self.state.log_history.append(record)
+                bar.set_postfix(reward=f"{record.get('reward', float('nan')):.3f}")
+                sink.write(record)
+            if args.save_strategy == "steps" and step % save_steps == 0:
+                self._save_checkpoint()
+        bar.close()
+        sink.close()
+        self.train_runtime = time.perf_counter() - started
+        return self.state
+
+    # ------------------------------------------------------------------------------------------ saving
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        output_dir = Path(output_dir or self.args.output_dir)
+        self.accelerator.wait_for_everyone()
+        if not self.accelerator.is_main_process:
+            return
+        output_dir.mkdir(parents=True, exist_ok=True)
+        model = self.unwrapped_model
+        if hasattr(model, "save_pretrained"):
+            model.save_pretrained(output_dir, safe_serialization=True)
+        else:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(output_dir / "model.safetensors"))
+        if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
+            self.processing_class.save_pretrained(output_dir)
+
+    def _save_checkpoint(self) -> Path | None:
+        args, acc = self.args, self.accelerator
+        acc.wait_for_everyone()
+        if not acc.is_main_process:
+            return None
+
+        def write(directory: Path) -> None:
+            self.save_model(directory)
+            if args.save_only_model:
+                return
+            torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+            torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
+            torch.save(rng_state(), directory / "rng_state.pth")
+            torch.save({"sampler": self.sampler.state_dict(), "window": self.window.state_dict(),
+                        "generation": self._generation, "micro_step": self._micro_step},
+                       directory / "generation_state.pt")  # fmt: skip
+            self.state.save(directory / "trainer_state.json")
+
+        path = write_checkpoint(args.output_dir, self.state.global_step, write)
+        rotate_checkpoints(args.output_dir, args.save_total_limit)
+        return path
+
+    def _resume(self, resume: bool | str) -> None:
+        path = latest_checkpoint(self.args.output_dir) if resume is True else Path(resume)
+        if path is None:
+            raise FileNotFoundError(
+                f"resume_from_checkpoint=True but {self.args.output_dir} holds no complete checkpoint; "
+                f"start without resume_from_checkpoint or pass a checkpoint directory."
+            )
+        if not (path / "trainer_state.json").exists():
+            raise FileNotFoundError(f"{path} is not a resumable checkpoint (no trainer_state.json).")
+        from safetensors.torch import load_file
+
+        weights = {}
+        for file in sorted(path.glob("*.safetensors")):
+            weights.update(load_file(str(file)))
+        self.unwrapped_model.load_state_dict(weights, strict=False)
+        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+        set_rng_state(torch.load(path / "rng_state.pth", weights_only=False))
+        extra = torch.load(path / "generation_state.pt", weights_only=False, map_location=self.accelerator.device)
+        self.sampler.load_state_dict(extra["sampler"])
+        self.window.load_state_dict(extra["window"])
+        self._generation, self._micro_step = extra["generation"], extra["micro_step"]
+        self.state = TrainerState.load(path / "trainer_state.json")
+
+
+def _as_steps(value: float, max_steps: int) -> int:
+    """TrainingArguments allow a fraction of the run for logging/saving intervals."""
+    return max(1, math.ceil(value * max_steps)) if 0 < value < 1 else max(1, int(value))

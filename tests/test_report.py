@@ -1,0 +1,183 @@
+"""Tests for grpokit.report: loading a (possibly in-progress) run dir, plots, HTML."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from grpokit.report import collect_series, load_run, plot_metrics, write_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+REWARDS = [0.1, 0.5, 0.3, 0.9, 0.7]  # first 0.1, last 0.7, best 0.9 at step 4
+SCRIPT = '<script>alert("pwned")</script>'
+
+
+def make_run(root: Path, name: str = "run_a", rewards=REWARDS, truncated: bool = True) -> Path:
+    d = root / name
+    d.mkdir(parents=True)
+    lines = []
+    for i, r in enumerate(rewards, 1):
+        # Deliberately no "kl" (beta=0) and no "entropy": those panels must not appear.
+        lines.append({
+            "step": i, "reward": r, "reward_std": 0.3, "rewards/exact_match/mean": r,
+            "rewards/format/mean": 1.0, "frac_reward_zero_std": 0.25, "clip_ratio/region_mean": 0.01,
+            "completions/mean_length": 7.5 + i, "completions/min_length": 3, "completions/max_length": 16,
+            "completions/clipped_ratio": 0.1, "learning_rate": 1e-5, "grad_norm": 0.8, "step_time": 0.31,
+        })
+    lines.insert(3, {"step": 3, "eval/reward": 0.55})  # eval-only line: every other key missing
+    text = "".join(json.dumps(rec) + "\n" for rec in lines)
+    if truncated:
+        text += '{"step": 6, "reward": 0.'  # writer killed / still writing mid-line
+    (d / "metrics.jsonl").write_text(text)
+    comps = []
+    for step, tag in [(1, "EARLY"), (3, "MIDDLE"), (5, "LATE")]:
+        for k in range(2):
+            comps.append({
+                "step": step, "prompt": f"{tag} prompt {k} {SCRIPT} & more",
+                "completion": f"{tag} completion {k}", "rewards": {"exact_match": 1.0, "format": None},
+                "reward": 1.0, "advantage": 0.7 if k else -0.7,
+            })
+    (d / "completions.jsonl").write_text("".join(json.dumps(c) + "\n" for c in comps))
+    (d / "grpo_config.json").write_text(json.dumps(
+        {"model_name_or_path": "tiny-test-model", "beta": 0.0, "num_generations": 8, "loss_type": "dr_grpo"}))
+    return d
+
+
+def test_load_run_tolerates_truncated_last_line(tmp_path):
+    run = load_run(make_run(tmp_path))
+    assert run.name == "run_a"
+    assert len(run.metrics) == 6  # 5 training lines + 1 eval line; broken tail dropped
+    assert run.partial is True
+    assert len(run.completions) == 6
+    assert run.config["num_generations"] == 8
+    assert load_run(make_run(tmp_path, "done", truncated=False)).partial is False
+
+
+def test_load_run_missing_files_and_bad_dir(tmp_path):
+    (tmp_path / "empty").mkdir()
+    run = load_run(tmp_path / "empty")
+    assert (run.metrics, run.completions, run.config) == ([], [], {})
+    with pytest.raises(FileNotFoundError):
+        load_run(tmp_path / "nope")
+
+
+def test_corrupt_middle_line_is_skipped(tmp_path):
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text('{"step": 1, "reward": 1}\nGARBAGE\n{"step": 2, "reward": 2}\n')
+    run = load_run(d)
+    assert [m["reward"] for m in run.metrics] == [1, 2]
+    assert run.partial is False
+
+
+def test_plot_metrics_writes_valid_pngs_only_for_present_metrics(tmp_path):
+    paths = plot_metrics([load_run(make_run(tmp_path))], tmp_path / "plots")
+    names = {p.name for p in paths}
+    assert names == {"reward.png", "reward_std.png", "clip_ratio.png", "completion_length.png",
+                     "learning_rate.png", "grad_norm.png", "step_time.png"}
+    for p in paths:
+        data = p.read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 5000, p
+    assert not (tmp_path / "plots" / "kl.png").exists()
+    assert not (tmp_path / "plots" / "entropy.png").exists()
+
+
+def test_collect_series_values_and_sparse_keys(tmp_path):
+    panels = collect_series([load_run(make_run(tmp_path))])
+    reward = {s.label: s for s in panels["reward"][0]}
+    assert list(reward) == ["reward", "rewards/exact_match/mean", "rewards/format/mean", "eval/reward"]
+    assert reward["reward"].xs == [1, 2, 3, 4, 5] and reward["reward"].ys == REWARDS
+    assert reward["eval/reward"].xs == [3] and reward["eval/reward"].ys == [0.55]
+    # Differently-scaled metrics of one panel land in separate subplots.
+    assert [[s.key for s in sub] for sub in panels["reward_std"]] == [["reward_std"], ["frac_reward_zero_std"]]
+    assert "kl" not in panels and "entropy" not in panels
+
+
+def test_overlay_two_runs_labels_both(tmp_path):
+    a = load_run(make_run(tmp_path, "run_a"))
+    b = load_run(make_run(tmp_path, "run_b", rewards=[0.2, 0.4]))
+    panels = collect_series([a, b])
+    labels = [s.label for s in panels["reward"][0]]
+    assert "run_a: reward" in labels and "run_b: reward" in labels
+    assert {s.run for s in panels["reward"][0]} == {0, 1}
+    paths = plot_metrics([a, b], tmp_path / "cmp")
+    assert (tmp_path / "cmp" / "reward.png") in paths
+
+
+def test_same_dir_names_are_disambiguated(tmp_path):
+    a = load_run(make_run(tmp_path / "exp1", "out"))
+    b = load_run(make_run(tmp_path / "exp2", "out"))
+    labels = [s.label for s in collect_series([a, b])["reward"][0]]
+    assert "exp1/out: reward" in labels and "exp2/out: reward" in labels
+
+
+def test_write_report_html(tmp_path):
+    run_dir = make_run(tmp_path)
+    html_path = write_report([run_dir])
+    assert html_path == run_dir / "report" / "report.html"
+    assert (run_dir / "report" / "reward.png").is_file()
+    page = html_path.read_text()
+    # Config values.
+    for value in ("tiny-test-model", "num_generations", "dr_grpo"):
+        assert value in page
+    # All text escaped; the page has no script and no external resources.
+    assert SCRIPT not in page and "<script" not in page
+    assert "&lt;script&gt;alert(&quot;pwned&quot;)&lt;/script&gt; &amp; more" in page
+    assert 'src="http' not in page and "<link" not in page
+    assert page.count('src="data:image/png;base64,') == 7
+    # Early and late completions shown, the middle step is not.
+    assert "EARLY prompt 0" in page and "EARLY completion 1" in page
+    assert "LATE prompt 1" in page and "LATE completion 0" in page
+    assert "MIDDLE" not in page
+    assert "-0.7" in page and "exact_match" in page
+    # Summary: logged lines, last step, first/last/best reward, best step.
+    summary = page.split("<h2>Summary</h2>")[1].split("<h2>")[0]
+    cells = [c.split("</td>")[0] for c in summary.split('<td class="num">')[1:]]
+    assert cells == ["6", "5", "0.1", "0.7", "0.9", "4"]
+    assert "in progress" in summary
+
+
+def test_write_report_comparison_and_empty_run(tmp_path):
+    a, b = make_run(tmp_path, "run_a"), make_run(tmp_path, "run_b", truncated=False)
+    (tmp_path / "fresh").mkdir()  # a run that has not logged anything yet
+    html_path = write_report([a, b, tmp_path / "fresh"], out=tmp_path / "out")
+    assert html_path == tmp_path / "out" / "report.html"
+    page = html_path.read_text()
+    assert "GRPO report: run_a vs run_b vs fresh" in page
+    assert "Sample completions — run_b" in page
+    assert "No completions.jsonl found." in page
+
+    only_fresh = write_report([tmp_path / "fresh"])
+    assert "No metrics logged yet." in only_fresh.read_text()
+
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian package chromium")
+def test_html_renders_in_headless_chromium(tmp_path):
+    html_path = write_report([make_run(tmp_path, "run_a"), make_run(tmp_path, "run_b")], out=tmp_path / "out")
+    shot = tmp_path / "shot.png"
+    common = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+              f"--user-data-dir={tmp_path / 'profile'}"]
+    url = html_path.as_uri()
+    dom = subprocess.run(common + ["--dump-dom", url], check=False, capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert "<title>GRPO report: run_a vs run_b</title>" in dom.stdout
+    assert dom.stdout.count("<img") == 7
+    # Check that every embedded PNG actually decodes: a copy of the page (the report itself
+    # has no JS) counts the loaded images into a DOM attribute that --dump-dom shows.
+    probe = tmp_path / "probe.html"
+    probe.write_text(html_path.read_text().replace("</body>", (
+        "<script>window.onload=()=>{document.body.dataset.ok=[...document.images]"
+        ".filter(i=>i.complete&&i.naturalWidth>300).length}</script></body>")))
+    dom = subprocess.run(common + ["--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
+                         check=False, capture_output=True, text=True, timeout=120)
+    assert 'data-ok="7"' in dom.stdout, dom.stdout[:300]
+    res = subprocess.run(common + ["--window-size=1400,3000", f"--screenshot={shot}", url],
+                         check=False, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 50_000  # a blank page is a few KB
