@@ -14,7 +14,8 @@ Per token t of completion i (DeepSeekMath §4.1, with TRL's extensions):
     KL_k3        = exp(ref - logp) - (ref - logp) - 1            (Schulman's k3, unbiased and >= 0)
 
 and the tokens are aggregated by `loss_type` (see `AGGREGATIONS`). With one update per generation the ratio is
-exp(logp - logp.detach()) = 1: the loss *value* is then beta·KL, but its gradient is the policy gradient
+exp(logp - logp.detach()) = 1 in value, so the loss value is the aggregate of -A + beta·KL — which is just beta·KL
+when the advantages cancel (zero mean per group under `grpo`) — while its gradient is the policy gradient
 (TRL PR #2565's derivation).
 
 Nothing in this module knows about models, configs or accelerators; the trainer calls these functions and users
@@ -125,9 +126,10 @@ def aggregate(
     return AGGREGATIONS[loss_type](
         per_token,
         mask,
-        num_sequences=per_token.shape[0] if num_sequences is None else num_sequences,
+        num_sequences=mask.shape[0] if num_sequences is None else num_sequences,
         num_tokens=mask.sum().item() if num_tokens is None else num_tokens,
-        max_completion_length=per_token.shape[1] if max_completion_length is None else max_completion_length,
+        # The mask, not the loss, has the token width: a sequence-level loss is [N, 1] until broadcast.
+        max_completion_length=mask.shape[1] if max_completion_length is None else max_completion_length,
     )
 
 

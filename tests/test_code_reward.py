@@ -204,12 +204,14 @@ def test_no_network(reward):
 
 
 def test_no_long_lived_children(reward):
-    m1, m2 = marker(), marker()
+    m1, m2, m3 = marker(), marker(), marker()
     leaver = ("import os, subprocess\n"
               f"subprocess.Popen(['sleep', '{m1}'])\n"
-              f"if os.fork() == 0:\n    os.execvp('sleep', ['sleep', '{m2}'])\n")
+              f"if os.fork() == 0:\n    os.execvp('sleep', ['sleep', '{m2}'])\n"
+              # leaves our process group (but not the session)
+              f"subprocess.Popen(['sleep', '{m3}'], preexec_fn=os.setpgrp)\n")
     assert reward([leaver], [""]) == [1.0]
-    assert_no_survivors(m1, m2)
+    assert_no_survivors(m1, m2, m3)
 
 
 def test_double_fork_setsid_escape_is_contained(reward):

@@ -207,7 +207,7 @@ def _run(source: str, limits: SandboxLimits, mode: _Mode) -> tuple[bool, str]:
             # Kill the whole group whatever happened, so no stray children survive.
             # Bubblewrap: killing bwrap tears down its PID namespace (--die-with-parent).
             try:
-                pass
+                os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
             if not mode.bubblewrap:

@@ -1,0 +1,486 @@
+#!/usr/bin/env python
+"""grpokit vs TRL: throughput, step time and peak memory of GRPO training on the same model and configuration.
+
+    pip install -e '.[bench]'            # TRL (+ psutil)
+    python benchmarks/bench_vs_trl.py --config small    --steps 5 --repeats 2 --out results_small.json
+    python benchmarks/bench_vs_trl.py --config vocab32k --steps 5 --repeats 2 --out results_32k.json
+    python benchmarks/bench_vs_trl.py --config gpu      --steps 5 --repeats 2 --out results_gpu.json   # CUDA only
+
+The parent process builds a random-weight Qwen2 model and a character-level tokenizer offline (grpokit.testing),
+saves them to a temporary directory, and then runs TRL and grpokit alternately (trl, grpokit, trl, grpokit, ...),
+each run in a fresh subprocess (`--child`), so that every run has its own peak RSS / CUDA peak and neither library
+warms caches for the other. Both trainers receive the *same* TRL-style keyword arguments (see `common_args`);
+only flags whose TRL default differs from what a fair comparison needs are set explicitly (bf16, gradient
+checkpointing, optimizer, dropout), and they are set identically for both.
+
+Completions always run to max_completion_length: the tokenizer's EOS is a token id the model cannot produce (the
+model's vocabulary is one token smaller than the tokenizer's and EOS is that last token), so both trainers generate
+exactly the same number of tokens per step; each child checks this from its logged completion lengths.
+
+Timing: each child records a timestamp whenever the trainer appends a step's record to `state.log_history`
+(logging_steps=1; a TrainerCallback.on_log for TRL, a list wrapper for grpokit). After `--warmup` steps, the
+measured window is the next `--steps` steps: tokens/s = (num_tokens[end] - num_tokens[warmup]) / (t[end] -
+t[warmup]), where num_tokens is the trainer's own cumulative count of prompt + completion tokens; the step time is
+the median of the per-step wall-clock intervals in the window (generation, reference and policy forwards,
+backward, optimizer step, logging all included). Peak memory: the child's ru_maxrss (CPU) or
+torch.cuda.max_memory_allocated (GPU). The table shows the median over repeats and the ratio grpokit/TRL of the
+medians (tokens/s > 1 and step time / memory < 1 favour grpokit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# ----------------------------------------------------------------------------------------------- configurations
+
+CONFIGS = {
+    # ~4M parameters: 4 layers, hidden 256, SwiGLU 1024, 4 heads (head_dim 64), 2 KV heads, ~50-token vocabulary.
+    "small": dict(
+        vocab_size=None, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024,
+        max_position_embeddings=512, batch=64, num_generations=8, grad_accum=1, max_completion_length=64,
+        bf16=False, cuda=False,
+    ),
+    # Same shape with a 32k vocabulary (tied embeddings: ~12M parameters, the LM head dominates).
+    "vocab32k": dict(
+        vocab_size=32_000, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024,
+        max_position_embeddings=512, batch=64, num_generations=8, grad_accum=1, max_completion_length=64,
+        bf16=False, cuda=False,
+    ),
+    # Qwen2.5-0.5B shape (random weights), bf16 autocast, 256 completions (32 prompts x 8) x 512 tokens per step:
+    # 8 micro-batches of 32 accumulated into one optimizer step (one generation of 256 per step).
+    "gpu": dict(
+        vocab_size=151_936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
+        max_position_embeddings=32_768, rope_theta=1_000_000.0, batch=32, num_generations=8, grad_accum=8,
+        max_completion_length=512, bf16=True, cuda=True,
+    ),
+}
+
+PROMPT_TEMPLATE = "q{index:04d}: what is {a:02d}+{b:02d}? answer:"  # every prompt has the same token length
+
+
+def common_args(config: dict, output_dir: str, max_steps: int, learning_rate: float, beta: float, seed: int) -> dict:
+    """The GRPOConfig keyword arguments, identical for trl.GRPOConfig and grpokit.GRPOConfig."""
+    return dict(
+        output_dir=output_dir,
+        max_steps=max_steps,
+        per_device_train_batch_size=config["batch"],
+        gradient_accumulation_steps=config["grad_accum"],
+        num_generations=config["num_generations"],
+        max_completion_length=config["max_completion_length"],
+        learning_rate=learning_rate,
+        beta=beta,
+        temperature=1.0,
+        loss_type="dapo",
+        seed=seed,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        # TRL's defaults differ here (bf16=True, gradient_checkpointing=True, fused AdamW, dropout kept); fix them
+        # for both so that the two runs do the same work.
+        bf16=config["bf16"],
+        gradient_checkpointing=False,
+        optim="adamw_torch",
+        disable_dropout=True,
+        use_cpu=not config["cuda"],
+    )
+
+
+def reward_len(completions, **kwargs):
+    """Trivial reward, identical for both trainers: the completion's length in characters."""
+    return [float(len(c if isinstance(c, str) else str(c))) for c in completions]
+
+
+# ----------------------------------------------------------------------------------------------- building
+
+
+def build_model_dir(config: dict, path: Path) -> dict:
+    """Save a random-weight Qwen2 model and its char tokenizer; EOS is a token id the model cannot emit."""
+    import torch
+
+    from grpokit.testing import DEFAULT_CHARS, build_char_tokenizer, build_tiny_model
+
+    base = len(build_char_tokenizer(DEFAULT_CHARS))
+    model_vocab = config["vocab_size"] or base
+    tokenizer = build_char_tokenizer(DEFAULT_CHARS, extra_words=max(0, model_vocab - base))
+    assert len(tokenizer) == model_vocab, (len(tokenizer), model_vocab)
+    # A new special token with id == model_vocab: outside the LM head, so no completion ever ends early.
+    tokenizer.add_special_tokens({"eos_token": "<never_eos>"})
+    eos = tokenizer.eos_token_id
+    assert eos == model_vocab, (eos, model_vocab)
+    model = build_tiny_model(
+        model_vocab,
+        hidden_size=config["hidden_size"],
+        num_layers=config["num_layers"],
+        num_heads=config["num_heads"],
+        num_kv_heads=config["num_kv_heads"],
+        intermediate_size=config["intermediate_size"],
+        max_position_embeddings=config["max_position_embeddings"],
+        eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    if "rope_theta" in config:
+        model.config.rope_theta = config["rope_theta"]
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    n_params = sum(p.numel() for p in model.parameters())
+    del model
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return {"parameters": n_params, "model_vocab": model_vocab, "tokenizer_len": len(tokenizer), "eos_id": eos}
+
+
+def make_dataset(n: int, seed: int):
+    import random
+
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    prompts = [PROMPT_TEMPLATE.format(index=i, a=rng.randrange(100), b=rng.randrange(100)) for i in range(n)]
+    return Dataset.from_dict({"prompt": prompts})
+
+
+# ----------------------------------------------------------------------------------------------- child
+
+
+def peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def current_rss_mib() -> float:
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**20
+    except ImportError:
+        return float("nan")
+
+
+def run_child(spec: dict) -> dict:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    impl, config = spec["impl"], spec["config"]
+    cuda = config["cuda"]
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("this configuration needs CUDA")
+    import transformers
+
+    if impl == "trl":
+        import trl
+        from transformers import TrainerCallback
+        from trl import GRPOConfig, GRPOTrainer
+
+        version = trl.__version__
+    else:
+        import grpokit
+        from grpokit import GRPOConfig, GRPOTrainer
+
+        version = grpokit.__version__
+
+    stamps: list[float] = []
+    dataset = make_dataset(spec["num_prompts"], spec["seed"])
+    kwargs = common_args(config, spec["output_dir"], spec["warmup"] + spec["steps"], spec["learning_rate"],
+                         spec["beta"], spec["seed"])  # fmt: skip
+    args = GRPOConfig(**kwargs)
+    rss_before_trainer = current_rss_mib()
+    if impl == "trl":
+
+        class Stamp(TrainerCallback):
+            def on_log(self, args, state, control, logs=None, **kw):
+                if logs and "num_tokens" in logs:
+                    stamps.append(time.perf_counter())
+
+        trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=reward_len, args=args, train_dataset=dataset,
+                              callbacks=[Stamp()])  # fmt: skip
+    else:
+        trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=reward_len, args=args, train_dataset=dataset)
+
+        class StampedList(list):
+            def append(self, item):
+                if isinstance(item, dict) and "num_tokens" in item:
+                    stamps.append(time.perf_counter())
+                super().append(item)
+
+        trainer.state.log_history = StampedList(trainer.state.log_history)
+    policy = trainer.model
+    grad_ckpt = bool(getattr(policy, "is_gradient_checkpointing", False))
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    rss_before_train = current_rss_mib()
+    started = time.perf_counter()
+    trainer.train()
+    total = time.perf_counter() - started
+    if cuda:
+        torch.cuda.synchronize()
+
+    records = [r for r in trainer.state.log_history if "num_tokens" in r]
+    assert len(records) == len(stamps) == spec["warmup"] + spec["steps"], (len(records), len(stamps))
+    w = spec["warmup"]
+    tokens = [float(r["num_tokens"]) for r in records]
+    intervals = [b - a for a, b in zip(stamps[w - 1 :], stamps[w:])] if w > 0 else None
+    if w == 0:  # no warm-up: the first interval starts at train()
+        intervals = [stamps[0] - started] + [b - a for a, b in zip(stamps, stamps[1:])]
+    window_time = stamps[-1] - (stamps[w - 1] if w > 0 else started)
+    window_tokens = tokens[-1] - (tokens[w - 1] if w > 0 else 0.0)
+    lengths = [r.get("completions/mean_length") for r in records]
+    min_lengths = [r.get("completions/min_length") for r in records]
+    return {
+        "impl": impl,
+        "version": version,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": sys.executable,
+        "threads": torch.get_num_threads(),
+        "tokens_per_s": window_tokens / window_time,
+        "step_time_median_s": statistics.median(intervals),
+        "step_time_mean_s": statistics.fmean(intervals),
+        "step_times_s": intervals,
+        "warmup_time_s": stamps[w - 1] - started if w > 0 else 0.0,
+        "train_total_s": total,
+        "tokens_per_step": window_tokens / spec["steps"],
+        "num_tokens": tokens,
+        "completion_mean_length": lengths,
+        "completion_min_length": min_lengths,
+        "trainer_step_time_s": [r.get("step_time") for r in records],  # each library's own metric (not comparable)
+        "loss": [r.get("loss") for r in records],
+        "reward": [r.get("reward") for r in records],
+        "gradient_checkpointing": grad_ckpt,
+        "peak_rss_mib": peak_rss_mib(),
+        "rss_before_trainer_mib": rss_before_trainer,
+        "rss_before_train_mib": rss_before_train,
+        "cuda_max_allocated_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
+        "cuda_device": torch.cuda.get_device_name() if cuda else None,
+    }
+
+
+# ----------------------------------------------------------------------------------------------- parent
+
+
+def machine_info() -> dict:
+    import torch
+    import transformers
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "memory_gib": None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "loadavg_start": os.getloadavg(),
+    }
+    try:
+        import psutil
+
+        info["memory_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
+    except ImportError:
+        pass
+    for name in ("accelerate", "datasets", "trl", "grpokit"):
+        try:
+            from importlib.metadata import version
+
+            info[name] = version(name)
+        except Exception:
+            info[name] = None
+    return info
+
+
+def launch(spec: dict, python: str, workdir: Path, index: int, timeout: float) -> dict:
+    spec_path = workdir / f"spec_{index}_{spec['impl']}.json"
+    out_path = workdir / f"result_{index}_{spec['impl']}.json"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", WANDB_DISABLED="true", TRL_EXPERIMENTAL_SILENCE="1")  # fmt: skip
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    command = [python, os.path.abspath(__file__), "--child", str(spec_path), "--child-out", str(out_path)]
+    started = time.perf_counter()
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 or not out_path.exists():
+        return {"impl": spec["impl"], "error": f"exit code {proc.returncode}", "stderr_tail": proc.stderr[-6000:],
+                "stdout_tail": proc.stdout[-2000:]}  # fmt: skip
+    result = json.loads(out_path.read_text())
+    result["process_wall_s"] = time.perf_counter() - started
+    return result
+
+
+def fmt(x, digits=3):
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}g}" if abs(x) < 1000 else f"{x:,.0f}"
+    return str(x)
+
+
+def summarise(results: list[dict]) -> dict:
+    out = {}
+    keys = ("tokens_per_s", "step_time_median_s", "peak_rss_mib", "rss_before_train_mib", "cuda_max_allocated_mib")
+    for impl in ("trl", "grpokit"):
+        runs = [r for r in results if r["impl"] == impl and "error" not in r]
+        out[impl] = {"runs": len(runs)}
+        for key in keys:
+            values = [r[key] for r in runs if r.get(key) is not None]
+            out[impl][key] = statistics.median(values) if values else None
+            out[impl][key + "_min"] = min(values) if values else None
+            out[impl][key + "_max"] = max(values) if values else None
+    ratios = {}
+    for key in keys:
+        a, b = out["grpokit"].get(key), out["trl"].get(key)
+        ratios[key] = a / b if a is not None and b else None
+    out["ratio_grpokit_over_trl"] = ratios
+    return out
+
+
+def markdown(name: str, config: dict, model_info: dict, summary: dict, info: dict, args) -> str:
+    cuda = config["cuda"]
+    lines = [
+        f"### `{name}`: {model_info['parameters'] / 1e6:.2f}M parameters, vocab {model_info['model_vocab']}, "
+        f"{config['batch'] * config['grad_accum']} completions/step ({config['batch'] * config['grad_accum'] // config['num_generations']} prompts x "
+        f"{config['num_generations']}) x {config['max_completion_length']} tokens, beta={args.beta}, "
+        f"{'bf16' if config['bf16'] else 'fp32'}, {args.warmup} warm-up + {args.steps} measured steps, "
+        f"{args.repeats} repeat(s) each (median [min-max])",
+        "",
+        "| metric | TRL | grpokit | grpokit / TRL |",
+        "|---|---|---|---|",
+    ]
+    rows = [("tokens/s", "tokens_per_s", 4), ("step time (s, median)", "step_time_median_s", 3)]
+    rows.append(("peak GPU memory allocated (MiB)", "cuda_max_allocated_mib", 4) if cuda
+                else ("peak RSS (MiB)", "peak_rss_mib", 4))  # fmt: skip
+    rows.append(("RSS before train() (MiB)", "rss_before_train_mib", 4))
+    for label, key, digits in rows:
+        cells = []
+        for impl in ("trl", "grpokit"):
+            s = summary[impl]
+            cells.append(f"{fmt(s[key], digits)} [{fmt(s[key + '_min'], digits)}-{fmt(s[key + '_max'], digits)}]"
+                         if s[key] is not None else "-")  # fmt: skip
+        ratio = summary["ratio_grpokit_over_trl"][key]
+        lines.append(f"| {label} | {cells[0]} | {cells[1]} | {fmt(ratio, 3)} |")
+    lines += [
+        "",
+        f"Machine: {info['cpu']}, {info['usable_cpus']} usable / {info['logical_cpus']} logical CPUs"
+        + (f", {info['memory_gib']} GiB RAM" if info.get("memory_gib") else "")
+        + (f", GPU {info['gpu']}" if info.get("gpu") else "")
+        + f"; load average at start {', '.join(f'{x:.2f}' for x in info['loadavg_start'])}"
+        + (f", at end {', '.join(f'{x:.2f}' for x in info['loadavg_end'])}" if info.get("loadavg_end") else ""),
+        f"Versions: python {info['python']}, torch {info['torch']}, transformers {info['transformers']}, "
+        f"accelerate {info['accelerate']}, datasets {info['datasets']}, trl {info.get('trl_child') or info['trl']}, "
+        f"grpokit {info['grpokit']}",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
+    parser.add_argument("--steps", type=int, default=5, help="measured optimizer steps per run")
+    parser.add_argument("--warmup", type=int, default=2, help="optimizer steps excluded from timing")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per library (alternating trl, grpokit)")
+    parser.add_argument("--out", default=None, help="write all results (per run and summary) to this JSON file")
+    parser.add_argument("--beta", type=float, default=0.04)
+    parser.add_argument("--learning-rate", type=float, default=1e-5)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads in the children (0: default)")
+    parser.add_argument("--impls", default="trl,grpokit", help="order within one repeat, e.g. 'grpokit,trl'")
+    parser.add_argument("--trl-python", default=sys.executable, help="interpreter for the TRL runs (e.g. a venv)")
+    parser.add_argument("--grpokit-python", default=sys.executable, help="interpreter for the grpokit runs")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per child run")
+    parser.add_argument("--keep", default=None, help="save the model here instead of a temporary directory")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.child:
+        spec = json.loads(Path(args.child).read_text())
+        result = run_child(spec)
+        Path(args.child_out).write_text(json.dumps(result))
+        return 0
+
+    config = CONFIGS[args.config]
+    if config["cuda"]:
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"--config {args.config} needs a CUDA device; none is available, nothing to do.")
+            return 0
+    info = machine_info()
+    impls = [s.strip() for s in args.impls.split(",") if s.strip()]
+    with tempfile.TemporaryDirectory(prefix="grpokit-bench-") as tmp:
+        workdir = Path(tmp)
+        model_dir = Path(args.keep) if args.keep else workdir / "model"
+        model_info = build_model_dir(config, model_dir)
+        print(f"[bench] {args.config}: {model_info['parameters']:,} parameters, model saved to {model_dir}",
+              flush=True)  # fmt: skip
+        prompts_per_step = config["batch"] * config["grad_accum"] // config["num_generations"]
+        results = []
+        for repeat in range(args.repeats):
+            for impl in impls:
+                spec = {
+                    "impl": impl, "config": config, "model_dir": str(model_dir), "steps": args.steps,
+                    "warmup": args.warmup, "beta": args.beta, "learning_rate": args.learning_rate, "seed": args.seed,
+                    "threads": args.threads, "output_dir": str(workdir / f"out_{impl}_{repeat}"),
+                    "num_prompts": max(64, prompts_per_step * (args.steps + args.warmup)),
+                }  # fmt: skip
+                python = args.trl_python if impl == "trl" else args.grpokit_python
+                result = launch(spec, python, workdir, repeat, args.timeout)
+                result["repeat"] = repeat
+                results.append(result)
+                if "error" in result:
+                    print(f"[bench] {impl} run {repeat} FAILED ({result['error']}):\n{result['stderr_tail']}",
+                          flush=True)  # fmt: skip
+                    continue
+                full = all(m == config["max_completion_length"] for m in result["completion_min_length"])
+                print(f"[bench] {impl:8s} run {repeat}: {result['tokens_per_s']:10.1f} tokens/s, step "
+                      f"{result['step_time_median_s']:.3f} s, peak RSS {result['peak_rss_mib']:.0f} MiB"
+                      + (f", CUDA peak {result['cuda_max_allocated_mib']:.0f} MiB" if config["cuda"] else "")
+                      + f", tokens/step {result['tokens_per_step']:.0f}"
+                      + ("" if full else " (WARNING: some completions shorter than max_completion_length)"),
+                      flush=True)  # fmt: skip
+    info["loadavg_end"] = os.getloadavg()
+    trl_runs = [r for r in results if r["impl"] == "trl" and "error" not in r]
+    info["trl_child"] = trl_runs[0]["version"] if trl_runs else None
+    ok = [r for r in results if "error" not in r]
+    per_step = {r["impl"]: r["tokens_per_step"] for r in ok}
+    if len(set(per_step.values())) > 1:
+        print(f"[bench] WARNING: tokens per step differ between libraries: {per_step}")
+    summary = summarise(results)
+    table = markdown(args.config, config, model_info, summary, info, args)
+    print()
+    print(table)
+    if args.out:
+        Path(args.out).write_text(json.dumps({
+            "config_name": args.config, "config": config, "model": model_info, "machine": info,
+            "settings": {k: v for k, v in vars(args).items() if not k.startswith("child")},
+            "common_args": common_args(config, "<tmp>", args.warmup + args.steps, args.learning_rate, args.beta,
+                                       args.seed),
+            "summary": summary, "runs": results, "markdown": table,
+        }, indent=1, default=str))  # fmt: skip
+    return 1 if any("error" in r for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

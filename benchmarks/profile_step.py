@@ -1,0 +1,281 @@
+#!/usr/bin/env python
+"""Where one GRPO step's time goes, for grpokit (and, for comparison, TRL), on a bench_vs_trl configuration.
+
+    python benchmarks/profile_step.py --config vocab32k --impl grpokit --warmup 1 --steps 2
+    python benchmarks/profile_step.py --config vocab32k --impl trl --warmup 1 --steps 2
+    python benchmarks/profile_step.py --config vocab32k --impl grpokit --cprofile --torch-profiler   # op detail
+
+Builds the same model and uses the same trainer arguments as bench_vs_trl.py. The phases are timed by wrapping,
+in this process only (no library file is changed), the functions each trainer calls for them: the rollout
+(`generate`), the model forwards inside it, the reference and policy log-prob forwards, the loss, the backward,
+gradient clipping, the optimizer step and the rewards. Wrapped calls are timed with perf_counter (after a CUDA
+synchronize on GPU); the first `--warmup` steps are run but not counted. "other" is the step's wall time minus the
+top-level phases (logging, batching, masks, advantages...).
+
+`--cprofile` prints the top functions (cProfile over the measured steps; it slows Python-heavy parts such as the
+decode loop), `--torch-profiler` the top operators by self CPU time (a separate pass over the same steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_vs_trl import CONFIGS, build_model_dir, common_args, make_dataset, reward_len  # noqa: E402
+
+
+class PhaseTimer:
+    """Accumulates wall time per phase name while `active`; `context` names the enclosing top-level phase."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.active = False
+        self.totals: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
+        self.stack: list[str] = []
+
+    def _sync(self):
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+
+    def wrap(self, fn, name):
+        """name: a phase name, or a callable(stack) -> name (to classify a call by the phase it runs inside)."""
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            label = name(self.stack) if callable(name) else name
+            self._sync()
+            self.stack.append(label)
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._sync()
+                self.stack.pop()
+                if self.active:
+                    self.totals[label] += time.perf_counter() - started
+                    self.counts[label] += 1
+
+        return timed
+
+
+def instrument_grpokit(trainer, timer: PhaseTimer):
+    import grpokit.rollout as rollout
+    import grpokit.trainer as gtrainer
+
+    gtrainer.generate = timer.wrap(gtrainer.generate, "rollout")
+    rollout.CachedDecoder.prefill = timer.wrap(rollout.CachedDecoder.prefill, "rollout: model forwards")
+    rollout.CachedDecoder.step = timer.wrap(rollout.CachedDecoder.step, "rollout: model forwards")
+    rollout.CachedDecoder.keep = timer.wrap(rollout.CachedDecoder.keep, "rollout: drop finished rows")
+    rollout.sample_tokens = timer.wrap(rollout.sample_tokens, "rollout: sampling arithmetic")
+    trainer._completions_as_given = timer.wrap(trainer._completions_as_given, "decode completions")
+    gtrainer.compute_rewards = timer.wrap(gtrainer.compute_rewards, "reward functions")
+    trainer._logprobs_in_chunks = timer.wrap(trainer._logprobs_in_chunks, "reference log-probs (forward)")
+    def forward_label(stack):
+        return "ref: token_logprobs" if stack and stack[-1].startswith("reference") else \
+            "policy forward (log-probs + entropy)"
+
+    gtrainer.token_logprobs = timer.wrap(gtrainer.token_logprobs, forward_label)
+    gtrainer.policy_loss = timer.wrap(gtrainer.policy_loss, "loss")
+    acc = trainer.accelerator
+    acc.backward = timer.wrap(acc.backward, "backward")
+    acc.clip_grad_norm_ = timer.wrap(acc.clip_grad_norm_, "grad clip")
+    trainer.optimizer.step = timer.wrap(trainer.optimizer.step, "optimizer step")
+
+
+def instrument_trl(trainer, timer: PhaseTimer):
+    import torch
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    model.generate = timer.wrap(model.generate, "rollout")
+    inner_forward = model.forward
+
+    def forward_label(stack):
+        return "rollout: model forwards" if "rollout" in stack else "model forward (log-probs)"
+
+    model.forward = timer.wrap(inner_forward, forward_label)
+    trainer._calculate_rewards = timer.wrap(trainer._calculate_rewards, "reward functions")
+    tokenizer = trainer.processing_class
+    tokenizer.batch_decode = timer.wrap(tokenizer.batch_decode, "decode completions")
+
+    def logps_label(stack):
+        return "policy forward (log-probs + entropy)" if "loss" in stack else "reference log-probs (forward)"
+
+    trainer._get_per_token_logps_and_entropies = timer.wrap(trainer._get_per_token_logps_and_entropies, logps_label)
+    trainer.compute_loss = timer.wrap(trainer.compute_loss, "loss")
+    acc = trainer.accelerator
+    acc.backward = timer.wrap(acc.backward, "backward")
+    acc.clip_grad_norm_ = timer.wrap(acc.clip_grad_norm_, "grad clip")
+    # The optimizer is created inside train(): time AdamW.step for this process.
+    torch.optim.AdamW.step = timer.wrap(torch.optim.AdamW.step, "optimizer step")
+
+
+# Top-level phases (their sum plus "other" is the step); the rest are shown indented under their parent.
+TOP = ["rollout", "decode completions", "reward functions", "reference log-probs (forward)", "loss", "backward",
+       "grad clip", "optimizer step"]  # fmt: skip
+CHILDREN = {
+    "rollout": ["rollout: model forwards", "rollout: sampling arithmetic", "rollout: drop finished rows"],
+    "loss": ["policy forward (log-probs + entropy)"],
+}
+
+
+def make_trainer(impl, config, model_dir, workdir, steps, hook):
+    args_kwargs = common_args(config, str(workdir / f"out_{impl}"), steps, 1e-5, 0.04, 42)
+    dataset = make_dataset(max(64, 8 * steps), 42)
+    if impl == "trl":
+        from transformers import TrainerCallback
+        from trl import GRPOConfig, GRPOTrainer
+
+        class Hook(TrainerCallback):
+            def on_log(self, args, state, control, logs=None, **kw):
+                if logs and "num_tokens" in logs:
+                    hook()
+
+        return GRPOTrainer(model=str(model_dir), reward_funcs=reward_len, args=GRPOConfig(**args_kwargs),
+                           train_dataset=dataset, callbacks=[Hook()])  # fmt: skip
+    from grpokit import GRPOConfig, GRPOTrainer
+
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward_len, args=GRPOConfig(**args_kwargs),
+                          train_dataset=dataset)  # fmt: skip
+
+    class Hooked(list):
+        def append(self, item):
+            super().append(item)
+            if isinstance(item, dict) and "num_tokens" in item:
+                hook()
+
+    trainer.state.log_history = Hooked()
+    return trainer
+
+
+def phase_table(impl, timer: PhaseTimer, wall: float, steps: int) -> str:
+    lines = ["| phase | s / step | % of step | calls / step |", "|---|---|---|---|"]
+    if impl == "grpokit":
+        # grpokit's policy forward runs inside _train_micro_batch, not inside policy_loss: show it top-level.
+        top = TOP[:4] + ["policy forward (log-probs + entropy)"] + TOP[4:]
+        children = {"rollout": CHILDREN["rollout"]}
+    else:
+        top, children = TOP, {"loss": CHILDREN["loss"], "rollout": ["rollout: model forwards"]}
+    accounted = 0.0
+    for phase in top:
+        seconds = timer.totals.get(phase, 0.0)
+        accounted += seconds
+        label = phase if not (impl == "trl" and phase == "loss") else "policy forward + loss (compute_loss)"
+        lines.append(f"| {label} | {seconds / steps:.3f} | {100 * seconds / wall:.1f} | "
+                     f"{timer.counts.get(phase, 0) / steps:g} |")  # fmt: skip
+        kids = children.get(phase, [])
+        for child in kids:
+            c = timer.totals.get(child, 0.0)
+            lines.append(f"| &nbsp;&nbsp;{child} | {c / steps:.3f} | {100 * c / wall:.1f} | "
+                         f"{timer.counts.get(child, 0) / steps:g} |")  # fmt: skip
+        if phase == "rollout" and kids:
+            rest = seconds - sum(timer.totals.get(c, 0.0) for c in kids)
+            lines.append(f"| &nbsp;&nbsp;rollout: rest (outside the model forwards) | {rest / steps:.3f} | "
+                         f"{100 * rest / wall:.1f} | |")  # fmt: skip
+    other = wall - accounted
+    lines.append(f"| other (batching, masks, advantages, logging) | {other / steps:.3f} | {100 * other / wall:.1f} | |")
+    lines.append(f"| **step (wall)** | **{wall / steps:.3f}** | 100 | |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="vocab32k")
+    parser.add_argument("--impl", choices=["grpokit", "trl"], default="grpokit")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--cprofile", action="store_true", help="also print cProfile's top functions")
+    parser.add_argument("--torch-profiler", action="store_true", help="also print torch.profiler's top operators")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args(argv)
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        os.environ.setdefault(key, "1")
+
+    import torch
+
+    config = CONFIGS[args.config]
+    if config["cuda"] and not torch.cuda.is_available():
+        print("this configuration needs CUDA")
+        return 0
+    total_steps = args.warmup + args.steps
+    with tempfile.TemporaryDirectory(prefix="grpokit-prof-") as tmp:
+        workdir = Path(tmp)
+        info = build_model_dir(config, workdir / "model")
+        timer = PhaseTimer(config["cuda"])
+        marks: list[float] = []
+        profiler = None
+        if args.cprofile:
+            import cProfile
+
+            profiler = cProfile.Profile()
+
+        def hook():
+            if config["cuda"]:
+                torch.cuda.synchronize()
+            marks.append(time.perf_counter())
+            if len(marks) == args.warmup:
+                timer.active = True
+                if profiler:
+                    profiler.enable()
+            elif len(marks) == total_steps:
+                timer.active = False
+                if profiler:
+                    profiler.disable()
+
+        trainer = make_trainer(args.impl, config, workdir / "model", workdir, total_steps, hook)
+        (instrument_trl if args.impl == "trl" else instrument_grpokit)(trainer, timer)
+        load = os.getloadavg()[0]
+        trainer.train()
+        wall = marks[-1] - marks[args.warmup - 1]
+        print(f"\n## {args.impl} on `{args.config}` ({info['parameters'] / 1e6:.2f}M parameters, vocab "
+              f"{info['model_vocab']}): {args.steps} timed step(s) after {args.warmup} warm-up, "
+              f"{torch.get_num_threads()} threads, load average {load:.2f} -> {os.getloadavg()[0]:.2f}\n")  # fmt: skip
+        print(phase_table(args.impl, timer, wall, args.steps))
+        if profiler:
+            import pstats
+
+            stats = pstats.Stats(profiler)
+            print("\ncProfile, top functions by cumulative time:")
+            stats.sort_stats("cumulative").print_stats(args.top)
+            print("cProfile, top functions by own time:")
+            stats.sort_stats("tottime").print_stats(args.top)
+
+        if args.torch_profiler:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if config["cuda"] else [])
+            tp = profile(activities=activities)
+            marks.clear()
+
+            def hook2():
+                marks.append(time.perf_counter())
+                if len(marks) == args.warmup:
+                    tp.start()
+                elif len(marks) == total_steps:
+                    tp.stop()
+
+            timer.active = False
+            trainer = make_trainer(args.impl, config, workdir / "model", workdir, total_steps, hook2)
+            with contextlib.redirect_stdout(sys.stderr):
+                trainer.train()
+            sort = "self_cuda_time_total" if config["cuda"] else "self_cpu_time_total"
+            print(f"\ntorch.profiler, top operators by {sort}:")
+            print(tp.key_averages().table(sort_by=sort, row_limit=args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

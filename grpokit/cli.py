@@ -1,0 +1,145 @@
+"""The command line: `grpokit train [config.yaml] [--field value ...]`, `grpokit report OUTPUT_DIR ...`.
+
+`grpokit train` with no model and no dataset runs the built-in demo (flags still apply, e.g. --max_steps).
+Every GRPOConfig field is a flag; values are parsed as YAML scalars (`--bf16`, `--bf16 false`,
+`--reward_weights "[1, 0.5]"`, `--top_k null`). A YAML file gives the same keys, plus `model`, `dataset` and
+`reward`; flags override the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import yaml
+
+from .config import GRPOConfig
+
+RUN_KEYS = ("model", "dataset", "dataset_split", "reward")
+
+
+def _parse_value(raw: str):
+    value = yaml.safe_load(raw)
+    return None if isinstance(value, str) and value.lower() == "none" else value
+
+
+def _coerce(name: str, value):
+    """Match the type of the field's default (YAML reads `1e-3` as a string, `2` as an int, ...)."""
+    default = GRPOConfig.__dataclass_fields__[name].default
+    if value is None or default is dataclasses.MISSING or default is None:
+        return value
+    if isinstance(default, bool):
+        if isinstance(value, str):
+            value = value.lower()
+            if value not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(f"--{name} takes true or false, not {value!r}.")
+            return value in ("true", "1", "yes")
+        return bool(value)
+    if isinstance(default, float) and isinstance(value, (int, str)):
+        return float(value)
+    if isinstance(default, int) and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(default, int) and isinstance(value, str):
+        return int(value)
+    return value
+
+
+def build_train_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="grpokit train",
+        description="Train with GRPO. With no --model and no --dataset (and no config file), runs the built-in demo.",
+    )
+    parser.add_argument("config", nargs="?", help="YAML file with GRPOConfig fields and model/dataset/reward.")
+    parser.add_argument("--model", help="Model directory or Hugging Face Hub id.")
+    parser.add_argument("--dataset", help="Hub id, local directory, or a .jsonl/.json/.csv/.parquet file.")
+    parser.add_argument("--dataset_split", default=None, help="Split of a Hub / directory dataset (default: train).")
+    parser.add_argument("--reward", action="append", default=None,
+                        help="Reward: a built-in name (accuracy, think_format, length, code_execution, exact_match) "
+                             "or module:function / path.py:function. Repeat for several.")  # fmt: skip
+    for f in dataclasses.fields(GRPOConfig):
+        parser.add_argument(f"--{f.name}", dest=f.name, default=argparse.SUPPRESS, nargs="?", const="true",
+                            metavar="VALUE", help=f.metadata.get("help", ""))  # fmt: skip
+    return parser
+
+
+def parse_train_args(argv: list[str]) -> tuple[dict, dict]:
+    """(run options: model/dataset/reward, GRPOConfig values) from a YAML file and flags."""
+    namespace = vars(build_train_parser().parse_args(argv))
+    values: dict = {}
+    if namespace.get("config"):
+        path = Path(namespace["config"])
+        if not path.is_file():
+            raise FileNotFoundError(f"Config file {path} not found.")
+        values = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(values, dict):
+            raise ValueError(f"Config file {path} must hold a mapping of field: value.")
+    run = {key: values.pop(key, None) for key in RUN_KEYS}
+    if "reward_funcs" in values:
+        run["reward"] = values.pop("reward_funcs")
+    for key in RUN_KEYS:
+        if namespace.get(key) is not None:
+            run[key] = namespace[key]
+    if isinstance(run["reward"], str):
+        run["reward"] = [run["reward"]]
+    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ValueError(f"Unknown key(s) in the config file: {unknown}. `grpokit train --help` lists the fields.")
+    for name in fields & set(namespace):
+        values[name] = _parse_value(namespace[name]) if isinstance(namespace[name], str) else namespace[name]
+    return run, {name: _coerce(name, value) for name, value in values.items()}
+
+
+def train_command(argv: list[str]) -> int:
+    run, values = parse_train_args(argv)
+    if run["model"] is None and run["dataset"] is None:
+        from .demo import run_demo
+
+        result = run_demo(**{"output_dir": "grpo-demo", **values})
+        return 0 if result["accuracy_after"] > result["accuracy_before"] else 1
+    missing = [key for key in ("model", "dataset", "reward") if not run[key]]
+    if missing:
+        raise SystemExit(f"grpokit train: missing {', '.join('--' + k for k in missing)} (or give them in the YAML file).")
+    from .data import load_dataset_source
+    from .rewards.builtin import resolve_reward
+    from .trainer import GRPOTrainer
+
+    rewards = [resolve_reward(spec) for spec in run["reward"]]  # bad reward names fail before any loading
+    args = GRPOConfig(**values)
+    dataset = load_dataset_source(run["dataset"], split=run["dataset_split"] or "train")
+    trainer = GRPOTrainer(model=run["model"], reward_funcs=rewards, args=args, train_dataset=dataset)
+    trainer.train()
+    trainer.save_model(args.output_dir)
+    print(f"Model saved to {Path(args.output_dir).resolve()}; metrics in {Path(args.output_dir).resolve() / 'metrics.jsonl'}.")
+    return 0
+
+
+def report_command(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="grpokit report", description="Plots and an HTML page for one or more runs.")
+    parser.add_argument("output_dirs", nargs="+", help="Run output directories (several are overlaid).")
+    parser.add_argument("--out", default=None, help="Where to write the report (default: FIRST_DIR/report).")
+    options = parser.parse_args(argv)
+    from .report import write_report
+
+    path = write_report(options.output_dirs, Path(options.out) if options.out else None)
+    print(f"Report written to {path}")
+    return 0
+
+
+COMMANDS = {"train": train_command, "report": report_command}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: grpokit {train,report} ...\n\n"
+              "  train [config.yaml] [--field value ...]   GRPO training (no arguments: the built-in demo)\n"
+              "  report OUTPUT_DIR [OUTPUT_DIR ...]        plots and an HTML report of runs\n")  # fmt: skip
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

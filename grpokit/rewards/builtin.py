@@ -1,0 +1,102 @@
+"""Built-in reward functions, usable by name from the CLI (`--reward accuracy`)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+_THINK_FORMAT = re.compile(r"^<think>(?!.*<think>)(.*?)</think>.*$", re.DOTALL)
+
+
+def completion_text(completion: Any) -> str:
+    """The text of a completion, plain or conversational ([{"role": "assistant", "content": ...}])."""
+    if isinstance(completion, list):
+        return completion[-1]["content"] if completion else ""
+    return completion
+
+
+def accuracy_reward(completions, solution, **kwargs) -> list[float | None]:
+    """1.0 when the completion's final answer is mathematically equal to `solution`, else 0.0.
+
+    Parsing and comparison are math-verify's (LaTeX, fractions, sets, intervals, units). A solution that cannot
+    be parsed gives None: the row is not scored rather than punished for a bad label.
+    """
+    try:
+        from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+    except ImportError as error:
+        raise ImportError("accuracy_reward needs math-verify: pip install 'grpokit[math]'") from error
+    scores: list[float | None] = []
+    for completion, answer in zip(completions, solution):
+        gold = parse(str(answer), extraction_mode="first_match")
+        if not gold:
+            gold = parse(f"${answer}$", extraction_mode="first_match")
+        if not gold:
+            scores.append(None)
+            continue
+        predicted = parse(completion_text(completion), extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
+                          extraction_mode="first_match")  # fmt: skip
+        scores.append(float(verify(gold, predicted)) if predicted else 0.0)
+    return scores
+
+
+def think_format_reward(completions, **kwargs) -> list[float]:
+    """1.0 when the completion opens with one <think>...</think> block, else 0.0."""
+    return [float(bool(_THINK_FORMAT.match(completion_text(c)))) for c in completions]
+
+
+def length_reward(completions, **kwargs) -> list[float]:
+    """Minus the completion's length in characters divided by 1000 (a mild push towards brevity)."""
+    return [-len(completion_text(c)) / 1000 for c in completions]
+
+
+def _code_execution(completions, tests, **kwargs):
+    from .code import code_execution_reward
+
+    return code_execution_reward(completions, tests, **kwargs)
+
+
+_code_execution.__name__ = "code_execution_reward"
+
+
+def _demo_exact_match(completions, target, **kwargs):
+    from ..demo.task import exact_match
+
+    return exact_match([completion_text(c) for c in completions], target)
+
+
+_demo_exact_match.__name__ = "exact_match"
+
+BUILTIN_REWARDS = {
+    "accuracy": accuracy_reward,
+    "think_format": think_format_reward,
+    "length": length_reward,
+    "code_execution": _code_execution,
+    "exact_match": _demo_exact_match,
+}
+
+
+def resolve_reward(spec: str):
+    """A built-in reward's name, or `module:function` (a module on the path or a .py file)."""
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    if ":" not in spec:
+        raise ValueError(
+            f"Unknown reward {spec!r}: use a built-in name ({', '.join(BUILTIN_REWARDS)}) or 'module:function'."
+        )
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    module_name, _, function_name = spec.rpartition(":")
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise FileNotFoundError(f"Reward {spec!r}: no file {path}.")
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(module_name)
+    if not hasattr(module, function_name):
+        raise AttributeError(f"Reward {spec!r}: module {module_name!r} has no function {function_name!r}.")
+    return getattr(module, function_name)

@@ -1,0 +1,203 @@
+"""Group-relative advantages (`grpokit.advantages`) against hand-computed numbers.
+
+A = (r - group mean) / (std + 1e-4), Bessel-corrected std (TRL's convention); the expected values are written
+out below with plain Python arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from grpokit import group_advantages, process_advantages
+
+ATOL = 1e-5  # the functions work in float32
+EPS = 1e-4
+
+
+def close(actual, expected, atol=ATOL):
+    actual = torch.as_tensor(actual, dtype=torch.float64)
+    expected = torch.as_tensor(expected, dtype=torch.float64)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert torch.isfinite(actual).all(), actual
+    assert torch.allclose(actual, expected, atol=atol, rtol=0), f"\nactual   {actual}\nexpected {expected}"
+
+
+# ------------------------------------------------------------------------------------------ group_advantages
+
+
+def test_docstring_example():
+    # [1, 0, 0, 1]: mean 0.5, deviations ±0.5, Bessel var = 4·0.25 / 3 = 1/3
+    std = math.sqrt(1 / 3)  # 0.57735
+    a = 0.5 / (std + EPS)  # 0.86588
+    out = group_advantages([1, 0, 0, 1], num_generations=4)
+    close(out, [a, -a, -a, a])
+    assert abs(a - 0.8659) < 1e-4
+    assert out.dtype == torch.float32 and out.shape == (4,)
+
+
+def test_three_distinct_values_and_a_constant_group():
+    # group 0 = [1, 2, 6]: mean 3, deviations -2, -1, 3, Bessel var = (4 + 1 + 9) / 2 = 7
+    # group 1 = [0.5, 0.5, 0.5]: zero spread -> 0 (no NaN)
+    s = math.sqrt(7) + EPS
+    out = group_advantages([1.0, 2.0, 6.0, 0.5, 0.5, 0.5], num_generations=3)
+    close(out, [-2 / s, -1 / s, 3 / s, 0.0, 0.0, 0.0])
+
+
+def test_groups_are_consecutive_rows():
+    # G = 2 on [1, 2, 6, 0]: groups [1, 2] (mean 1.5, std sqrt(0.5)) and [6, 0] (mean 3, std sqrt(18))
+    s0 = math.sqrt(0.5) + EPS
+    s1 = math.sqrt(18) + EPS
+    close(group_advantages([1, 2, 6, 0], num_generations=2), [-0.5 / s0, 0.5 / s0, 3 / s1, -3 / s1])
+
+
+REWARDS_2G = [1.0, 2.0, 6.0, 0.0, 0.0, 3.0]  # groups of 3: means 3 and 1
+CENTRED_2G = [-2.0, -1.0, 3.0, -1.0, -1.0, 2.0]
+
+
+def test_scale_group():
+    s0 = math.sqrt((4 + 1 + 9) / 2) + EPS  # group 0 std sqrt(7)
+    s1 = math.sqrt((1 + 1 + 4) / 2) + EPS  # group 1 [0, 0, 3]: mean 1, var 3
+    expected = [c / s0 for c in CENTRED_2G[:3]] + [c / s1 for c in CENTRED_2G[3:]]
+    close(group_advantages(REWARDS_2G, 3, scale_rewards="group"), expected)
+    close(group_advantages(REWARDS_2G, 3, scale_rewards=True), expected)
+    close(group_advantages(REWARDS_2G, 3), expected)  # the default
+
+
+def test_scale_batch_uses_std_of_the_whole_batch_rewards():
+    # std over all six rewards [1, 2, 6, 0, 0, 3]: mean 2, deviations -1, 0, 4, -2, -2, 1 -> var 26 / 5
+    # (not the std of the centred values, which would be sqrt(20/5) = 2)
+    s = math.sqrt(26 / 5) + EPS
+    close(group_advantages(REWARDS_2G, 3, scale_rewards="batch"), [c / s for c in CENTRED_2G])
+
+
+def test_scale_none_only_centres():
+    close(group_advantages(REWARDS_2G, 3, scale_rewards="none"), CENTRED_2G)
+    close(group_advantages(REWARDS_2G, 3, scale_rewards=False), CENTRED_2G)
+
+
+def test_invalid_scale_rewards_raises():
+    with pytest.raises(ValueError, match="'grop'"):
+        group_advantages(REWARDS_2G, 3, scale_rewards="grop")
+
+
+def test_tensor_input_int_and_float64():
+    s = math.sqrt(7) + EPS
+    close(group_advantages(torch.tensor([1, 2, 6]), 3), [-2 / s, -1 / s, 3 / s])
+    close(group_advantages(torch.tensor([1.0, 2.0, 6.0], dtype=torch.float64), 3), [-2 / s, -1 / s, 3 / s])
+
+
+# None as a list entry, NaN in a tensor: G = 3, three groups
+#   group 0 = [1, None, 3]: valid [1, 3], mean 2, Bessel std sqrt(2) -> [-1/s, 0, 1/s]
+#   group 1 = [None, None, None]                                      -> zeros
+#   group 2 = [4, None, None]: one valid reward                        -> zeros
+MISSING_LIST = [1.0, None, 3.0, None, None, None, 4.0, None, None]
+
+
+def _expected_missing_group():
+    s = math.sqrt(2) + EPS
+    return [-1 / s, 0.0, 1 / s, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_none_rewards_list():
+    close(group_advantages(MISSING_LIST, 3), _expected_missing_group())
+
+
+def test_nan_rewards_tensor():
+    rewards = torch.tensor([float("nan") if r is None else r for r in MISSING_LIST])
+    close(group_advantages(rewards, 3), _expected_missing_group())
+
+
+def test_none_rewards_excluded_from_mean():
+    # [5, None, 1, 3] (G = 4): valid [5, 1, 3], mean 3 (a None counted as 0 would give mean 2.25)
+    # var = (4 + 0 + 4) / 2 = 4, std 2
+    s = 2 + EPS
+    close(group_advantages([5, None, 1, 3], 4), [2 / s, 0.0, -2 / s, 0.0])
+    close(group_advantages([5, None, 1, 3], 4, scale_rewards="none"), [2.0, 0.0, -2.0, 0.0])
+
+
+def test_none_rewards_batch_scale():
+    # centred: group 0 -> [-1, 0, 1], group 2 -> [0]; batch std over the valid rewards [1, 3, 4]:
+    # mean 8/3, deviations -5/3, 1/3, 4/3 -> var (25 + 1 + 16) / 9 / 2 = 7/3
+    s = math.sqrt(7 / 3) + EPS
+    close(group_advantages(MISSING_LIST, 3, scale_rewards="batch"), [-1 / s, 0, 1 / s, 0, 0, 0, 0, 0, 0])
+    close(group_advantages(MISSING_LIST, 3, scale_rewards="none"), [-1.0, 0, 1.0, 0, 0, 0, 0, 0, 0])
+
+
+def test_all_none_batch_gives_zeros():
+    for scale in ("group", "batch", "none"):
+        close(group_advantages([None, None, None, None], 2, scale_rewards=scale), [0.0] * 4)
+
+
+def test_zero_spread_groups_give_zeros():
+    for scale in ("group", "batch", "none"):
+        out = group_advantages([2.0, 2.0, 2.0, 2.0, -1.0, -1.0, -1.0, -1.0], 4, scale_rewards=scale)
+        close(out, [0.0] * 8)
+
+
+def test_wrong_length_raises():
+    with pytest.raises(ValueError, match="num_generations"):
+        group_advantages([1.0, 0.0, 1.0, 0.0, 1.0], num_generations=4)
+    with pytest.raises(ValueError):
+        group_advantages(torch.ones(7), num_generations=2)
+
+
+# ---------------------------------------------------------------------------------------- process_advantages
+
+
+def test_process_docstring_example():
+    # group rewards [1, 0, 1]: mean 2/3, Bessel var (1/9 + 4/9 + 1/9) / 2 = 1/3
+    s = math.sqrt(1 / 3) + EPS
+    hi = (1 - 2 / 3) / s  # 0.5773
+    lo = (0 - 2 / 3) / s  # -1.1546
+    out = process_advantages([[1, 0], [1]], [[2, 4], [3]], num_generations=2, completion_length=5)
+    close(out, [[hi + lo, hi + lo, lo, lo, 0.0], [hi, hi, hi, 0.0, 0.0]])
+    assert out.shape == (2, 5) and out.dtype == torch.float32
+    assert abs(hi - 0.5773) < 1e-4 and abs(lo + 1.1546) < 1e-4
+
+
+def test_process_two_groups_with_clamped_step_ends():
+    # G = 2, two groups, T = 4.
+    # group A (completions 0, 1): rewards [[3, 0], [0]], ends [[1, 4], [6]] (6 > T: clamped to 4)
+    #   pooled [3, 0, 0]: mean 1, deviations 2, -1, -1 -> var 6/2 = 3 ; k = 1 / (sqrt(3) + 1e-4)
+    #   normalised [2k, -k, -k]
+    #   A[0, t] = sum over steps ending after t: t=0 -> 2k - k = k ; t=1..3 -> -k
+    #   A[1, t] = -k for every t < min(6, 4)
+    k = 1 / (math.sqrt(3) + EPS)
+    # group B (completions 2, 3): rewards [[1, 1, 4], [2, 5]], ends [[1, 2, 3], [2, 4]]
+    #   pooled [1, 1, 4, 2, 5]: mean 2.6, deviations -1.6 -1.6 1.4 -0.6 2.4 -> var 13.2 / 4 = 3.3
+    s = math.sqrt(3.3) + EPS
+    n = {r: (r - 2.6) / s for r in (1, 2, 4, 5)}
+    #   A[2]: t=0 -> all three steps ; t=1 -> steps 2, 3 ; t=2 -> step 3 ; t=3 -> none
+    #   A[3]: t=0,1 -> both steps ; t=2,3 -> the step ending at 4
+    expected = [
+        [k, -k, -k, -k],
+        [-k, -k, -k, -k],
+        [n[1] + n[1] + n[4], n[1] + n[4], n[4], 0.0],
+        [n[2] + n[5], n[2] + n[5], n[5], n[5]],
+    ]
+    out = process_advantages(
+        [[3, 0], [0], [1, 1, 4], [2, 5]],
+        [[1, 4], [6], [1, 2, 3], [2, 4]],
+        num_generations=2,
+        completion_length=4,
+    )
+    close(out, expected)
+
+
+def test_process_step_end_exactly_at_completion_length():
+    # G = 2, T = 3: rewards [[2], [0]] ends [[3], [3]] -> pooled [2, 0], mean 1, var 2 -> std sqrt(2)
+    s = math.sqrt(2) + EPS
+    out = process_advantages([[2], [0]], [[3], [3]], num_generations=2, completion_length=3)
+    close(out, [[1 / s] * 3, [-1 / s] * 3])
+
+
+def test_process_mismatched_lengths_raise():
+    with pytest.raises(ValueError):  # 2 reward lists, 3 end lists
+        process_advantages([[1], [0]], [[1], [2], [3]], num_generations=2, completion_length=4)
+    with pytest.raises(ValueError):  # not a multiple of num_generations
+        process_advantages([[1], [0], [1]], [[1], [2], [3]], num_generations=2, completion_length=4)
+    with pytest.raises(ValueError, match="completion 1"):  # one completion has 2 rewards but 1 end
+        process_advantages([[1], [0, 1]], [[1], [2]], num_generations=2, completion_length=4)
