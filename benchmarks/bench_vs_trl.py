@@ -129,8 +129,11 @@ def build_model_dir(config: dict, path: Path) -> dict:
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
     )
-    if "rope_theta" in config:
-        model.config.rope_theta = config["rope_theta"]
+    if "rope_theta" in config:  # transformers 5 keeps it in rope_parameters, 4 in rope_theta
+        if isinstance(getattr(model.config, "rope_parameters", None), dict):
+            model.config.rope_parameters["rope_theta"] = config["rope_theta"]
+        else:
+            model.config.rope_theta = config["rope_theta"]
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     n_params = sum(p.numel() for p in model.parameters())

@@ -245,6 +245,18 @@ def generate(
     when at least a quarter of the running rows have finished). `use_cache=None` picks the KV-cached decoder when
     the model supports it.
     """
+    # Eval mode: transformers turns the KV cache off for a training-mode model with gradient checkpointing.
+    was_training = model.training
+    model.eval()
+    try:
+        return _generate(model, prompt_ids, prompt_mask, params, generator, num_generations, use_cache,
+                         share_prefix, drop_finished)  # fmt: skip
+    finally:
+        model.train(was_training)
+
+
+def _generate(model, prompt_ids, prompt_mask, params, generator, num_generations, use_cache, share_prefix,
+              drop_finished) -> Rollout:  # fmt: skip
     n, device = prompt_ids.shape[0], prompt_ids.device
     use_cache = supports_kv_cache(model) if use_cache is None else use_cache
     decoder = CachedDecoder(model) if use_cache else FullForwardDecoder(model)

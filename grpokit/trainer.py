@@ -453,6 +453,7 @@ class GRPOTrainer:
         self.window.load_state_dict(extra["window"])
         self._generation, self._micro_step = extra["generation"], extra["micro_step"]
         self.state = TrainerState.load(path / "trainer_state.json")
+        self.state.max_steps = self._total_steps()  # the run's length is this config's, not the checkpoint's
 
 
 def _as_steps(value: float, max_steps: int) -> int:

@@ -5,11 +5,14 @@ or unusable) and in the forced resource-limits-only fallback.  Hostile cases tha
 only bubblewrap (or the root -> nobody uid drop) can stop are skipped elsewhere.
 """
 
+import contextlib
 import dataclasses
 import os
 import random
+import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -53,15 +56,17 @@ def marker():
     return f"30{random.randrange(10**6)}.5"  # unique `sleep` argument to find in /proc
 
 
+def read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def processes_with(mark: str) -> list[int]:
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if mark.encode() in f.read():
-                    found.append(int(pid))
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            if mark.encode() in read_bytes(f"/proc/{pid}/cmdline"):
+                found.append(int(pid))
     return found
 
 
@@ -72,10 +77,8 @@ def assert_no_survivors(*marks: str) -> None:
     left = {m: processes_with(m) for m in marks}
     for pids in left.values():  # don't leak them into later tests even on failure
         for pid in pids:
-            try:
+            with contextlib.suppress(OSError):
                 os.kill(pid, 9)
-            except OSError:
-                pass
     assert not any(left.values()), f"processes survived the sandbox: {left}"
 
 
@@ -111,6 +114,19 @@ def test_fallback_warns_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         make_code_execution_reward(LIMITS, use_bubblewrap=False)(["pass"], [""])
+
+
+def test_missing_bwrap(monkeypatch):
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, path=None: None if name == "bwrap"
+                        else real_which(name, path=path))
+    monkeypatch.setattr(code_mod, "_warned", False)
+    with pytest.raises(RuntimeError, match="bwrap not found"):
+        make_code_execution_reward(LIMITS, require_bubblewrap=True)([GOOD], [TEST])
+    fallback = make_code_execution_reward(LIMITS)
+    with pytest.warns(RuntimeWarning, match="missing or unusable"):
+        assert fallback([GOOD, BAD], [TEST, TEST]) == [1.0, 0.0]
+    assert not fallback.sandbox_mode().bubblewrap
 
 
 def test_honest_and_wrong(reward):
@@ -154,12 +170,12 @@ def test_secret_in_other_process_environ(reward):
     holder = subprocess.Popen(["sleep", "30"], env={"GRPOKIT_TEST_SECRET": secret})
     try:
         deadline = time.monotonic() + 3  # wait for the exec, then check the secret is out there
-        while secret.encode() not in open(f"/proc/{holder.pid}/environ", "rb").read():
+        while secret.encode() not in read_bytes(f"/proc/{holder.pid}/environ"):
             assert time.monotonic() < deadline, "helper never showed its environment"
             time.sleep(0.01)
         spy = ("import glob\nfound = False\nfor p in glob.glob('/proc/*/environ'):\n"
-               "    try:\n        found |= %r in open(p, 'rb').read()\n"
-               "    except OSError:\n        pass\nassert found" % secret.encode())
+               f"    try:\n        found |= {secret.encode()!r} in open(p, 'rb').read()\n"
+               "    except OSError:\n        pass\nassert found")
         assert reward([spy], [""]) == [0.0]
     finally:
         holder.kill()
@@ -176,6 +192,13 @@ def test_cannot_write_outside_workdir(reward, tmp_path):
     assert reward(["open('ok.txt', 'w').write('x')\nassert open('ok.txt').read() == 'x'"], [""]) == [1.0]
 
 
+def test_no_capabilities(reward):
+    if not strong(reward):
+        pytest.skip("the fallback keeps our own uid and capabilities")
+    caps = "caps = open('/proc/self/status').read().split('CapEff:')[1].split()[0]\nassert int(caps, 16)"
+    assert reward([caps], [""]) == [0.0]
+
+
 def test_no_network(reward):
     if not reward.sandbox_mode().bubblewrap:
         pytest.skip("the fallback does not isolate the network")
@@ -185,15 +208,14 @@ def test_no_network(reward):
 
     def serve():
         while not stop.is_set():
-            try:
+            with contextlib.suppress(OSError):  # accept() timed out
                 seen.append(server.accept())
-            except OSError:
-                pass
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
-        client = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\ns.sendall(b'hi')"
+        client = ("import socket\n"
+                  f"s = socket.create_connection(('127.0.0.1', {port}), timeout=1)\ns.sendall(b'hi')")
         assert reward([client], [""]) == [0.0]
         time.sleep(0.2)
         assert seen == []
@@ -234,3 +256,21 @@ def test_fork_bomb_is_capped(reward):
             "except OSError:\n    pass\nassert n >= 200, n\n")
     assert reward([bomb], [""]) == [0.0]
     assert_no_survivors(m)
+
+
+def test_bubblewrap_started_by_root_without_uid_drop():
+    """The mode used where unprivileged user namespaces are disabled (bwrap run by root)."""
+    if os.geteuid() != 0 or not shutil.which("bwrap"):
+        pytest.skip("needs root and bwrap")
+    mode = code_mod._Mode(True, None, os.path.realpath(sys.executable))
+
+    def passes(src):
+        return code_mod._run(src, LIMITS, mode)[0]
+
+    if not passes("pass"):
+        pytest.skip("bubblewrap unusable here")
+    assert not passes("caps = open('/proc/self/status').read().split('CapEff:')[1].split()[0]\n"
+                      "assert int(caps, 16)")
+    assert not passes("import socket\nassert len(socket.if_nameindex()) > 1")  # only lo
+    assert not passes("open('/usr/pwned', 'w')")
+    assert not passes("import os\nassert sum(p.isdigit() for p in os.listdir('/proc')) > 5")  # PID ns

@@ -1,41 +1,42 @@
 """Sandboxed code-execution reward for RL on code (TRL reward-function contract).
 
-For each completion the last ```python (or untagged ```) block is extracted, the
-row's test code is appended, and the result runs in a fresh ``python -I -S``
-process.  Reward is 1.0 iff the process exits 0 within the limits *and* ran to
-the end of the tests (see "exit hacks" below), else 0.0.
+Each completion's last ```python (or untagged ```) block, followed by the row's
+test code, runs in a fresh ``python -I -S`` process.  Reward is 1.0 iff it exits 0
+within the limits *and* ran to the end of the tests, else 0.0.
 
-What is isolated
+Isolated
 * Always: rlimits on CPU time, address space, file size, process count and core
-  dumps; a parent-enforced wall-clock timeout; an empty environment; a fresh
-  temp dir as cwd; the child's process group (and, without bubblewrap, every
-  process in its session) is SIGKILLed when the run ends, pass or fail.  When
-  running as root the child drops to uid/gid 65534 (nobody) if that works, so
-  it cannot write root-owned files or read other processes' /proc/*/environ,
-  and RLIMIT_NPROC (which root ignores) takes effect.
+  dumps; a wall-clock timeout enforced by the parent; an empty environment; a
+  fresh temp dir as cwd; the child's process group (and, without bubblewrap, its
+  whole session) is SIGKILLed when the run ends, pass or fail.  When running as
+  root the child drops to uid/gid 65534 (nobody) if that works, so it cannot
+  write root-owned files or read other processes' /proc/*/environ, and
+  RLIMIT_NPROC (which root ignores) applies.
 * With a working bubblewrap (``apt-get install bubblewrap``), additionally: new
-  user/PID/network/IPC/UTS/cgroup namespaces (no network at all, no view of host
-  processes, everything dies with the sandbox), only /usr, /etc, /bin-like dirs
-  and the interpreter's prefix mounted read-only, and a private writable /tmp
-  (the work dir).
+  user/PID/network/IPC/UTS/cgroup namespaces (no network, no host processes,
+  everything dies with the sandbox), no capabilities, only /usr, /etc, /bin-like
+  dirs and the interpreter's prefix mounted read-only, and a private writable
+  /tmp (the work dir).
 
-What is NOT isolated
-* Without bubblewrap: the network, the host filesystem (as readable/writable by
-  the child's uid, e.g. world-writable /tmp), other processes of that uid (all
-  sandboxes share it, including the RLIMIT_NPROC count), and a grandchild that
-  double-forks into a new session escapes the kill.  A one-time warning says so.
-* Exit hacks: a completion that calls ``sys.exit(0)``/``os._exit(0)`` before the
-  tests is rejected because success also requires a per-run token that the
-  trusted wrapper prints after the tests; code that deliberately digs the token
-  out of the wrapper's memory could still forge it (in-process, not a boundary).
-* Kernel/CPU side channels; bubblewrap is a namespace sandbox, not a VM.
+NOT isolated
+* Without bubblewrap: the network, the host filesystem as far as the child's uid
+  may read/write it (e.g. world-writable /tmp), other processes of that uid (all
+  sandboxes share it, and its RLIMIT_NPROC count: a fork bomb in one makes forks
+  fail in concurrent ones), and a grandchild that double-forks into a new
+  session escapes the kill.  A one-time warning says so.
+* ``sys.exit(0)``/``os._exit(0)`` before the tests fails, because success also
+  needs a per-run token the trusted wrapper prints after them; but code that
+  deliberately digs the token out of the wrapper's memory could forge it.
+* Kernel/CPU side channels: bubblewrap is a namespace sandbox, not a VM.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
+import math
 import os
 import re
 import secrets
@@ -120,9 +121,14 @@ def _completion_text(completion) -> str:
 
 
 def _bwrap_argv(mode: _Mode, work: str) -> list[str]:
-    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
-            "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", _WORK,
-            "--setenv", "TMPDIR", _WORK, "--ro-bind", "/usr", "/usr", "--ro-bind-try", "/etc", "/etc"]
+    argv = ["bwrap",
+            "--unshare-all",  # new user/pid/net/ipc/uts/cgroup namespaces: no network, no host pids
+            "--die-with-parent",  # trainer dies -> sandbox dies
+            "--new-session",  # no controlling tty (TIOCSTI injection)
+            "--cap-drop", "ALL",  # bwrap keeps all capabilities when started as root
+            "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
+            "--setenv", "HOME", _WORK, "--setenv", "TMPDIR", _WORK,
+            "--ro-bind", "/usr", "/usr", "--ro-bind-try", "/etc", "/etc"]
     # Merged-/usr systems have /bin etc. as symlinks; recreate them as such.
     for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
         if os.path.islink(d):
@@ -186,9 +192,9 @@ def _run(source: str, limits: SandboxLimits, mode: _Mode) -> tuple[bool, str]:
             os.chown(work, mode.uid, mode.uid)
             os.chmod(tmp, 0o711)  # the dropped uid (and bwrap) must traverse to work/
         token = secrets.token_hex(16)
-        argv = [mode.python, "-I", "-S", "-c", _WRAPPER, str(limits.cpu_seconds),
-                str(limits.memory_bytes), str(limits.file_size_bytes), str(limits.max_processes),
-                "solution.py"]
+        rlimits = (max(1, math.ceil(limits.cpu_seconds)), limits.memory_bytes,
+                   limits.file_size_bytes, limits.max_processes)
+        argv = [mode.python, "-I", "-S", "-c", _WRAPPER, *map(str, map(int, rlimits)), "solution.py"]
         if mode.bubblewrap:
             argv = _bwrap_argv(mode, work) + argv
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": work, "TMPDIR": work}
@@ -206,10 +212,8 @@ def _run(source: str, limits: SandboxLimits, mode: _Mode) -> tuple[bool, str]:
             exited = _wait_unreaped(proc.pid, limits.wall_seconds)
             # Kill the whole group whatever happened, so no stray children survive.
             # Bubblewrap: killing bwrap tears down its PID namespace (--die-with-parent).
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
             if not mode.bubblewrap:
                 _kill_session(proc.pid)
             proc.wait()
@@ -256,11 +260,17 @@ def _resolve_mode(limits: SandboxLimits, use_bubblewrap: bool | None, require_bu
             if not mode.bubblewrap:
                 _warn_weak_isolation("bubblewrap disabled" if use_bubblewrap is False
                                      else "bubblewrap (bwrap) is missing or unusable here")
+                if errors:
+                    logger.warning("bubblewrap failed: %s", "; ".join(errors))
+            if mode.uid is None and os.geteuid() == 0:
+                logger.warning("code_execution_reward: sandboxed code runs as root (uid drop failed); "
+                               "RLIMIT_NPROC is not enforced for root")
             logger.info("code_execution_reward sandbox: %s", mode)
             return mode
         errors.append(f"{mode}: {tail[-500:]!r}")
     what = "bubblewrap sandbox" if require_bubblewrap else "sandbox"
-    raise RuntimeError(f"no working {what} for code_execution_reward:\n" + "\n".join(errors or ["bwrap not found"]))
+    errors = errors or ["bwrap not found"]
+    raise RuntimeError(f"no working {what} for code_execution_reward:\n" + "\n".join(errors))
 
 
 def make_code_execution_reward(limits: SandboxLimits = SandboxLimits(), workers: int | None = None,

@@ -1,0 +1,398 @@
+"""Sampling (`grpokit.rollout`): the recorded log-probs, the fast decode paths against the naive loop, EOS
+handling, and the sampling distribution on hand-made logits.
+
+Shapes as in rollout.py: N = B·G rows, P prompt tokens (left-padded), T completion tokens (right-padded).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from grpokit.data import tokenize_prompts
+from grpokit.policy import token_logprobs
+from grpokit.rollout import (
+    SamplingParams,
+    apply_repetition_penalty,
+    filter_logits,
+    generate,
+    sample_tokens,
+    supports_kv_cache,
+)
+from grpokit.testing import build_char_tokenizer, build_tiny_model
+
+LOGPROB_ATOL = 1e-5  # float32: sampling forward (KV cache) vs training forward (one pass)
+PLAIN_PROMPTS = ["1+1=", "what is 12+30?", "a"]  # 4, 14 and 1 characters: real left padding
+CONVERSATIONS = [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is 2+2?"}],
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return build_tiny_model(len(tokenizer), hidden_size=32, num_layers=2, seed=0).eval()
+
+
+def params_for(tokenizer, **overrides) -> SamplingParams:
+    values = dict(max_new_tokens=12, eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id)
+    values.update(overrides)
+    return SamplingParams(**values)
+
+
+def seeded(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def grouped(prompts, tokenizer, num_generations):
+    """Prompt ids/mask [B·G, P]: each prompt repeated G times, consecutively (the trainer's layout)."""
+    ids, mask = tokenize_prompts(prompts, tokenizer, None)
+    return ids.repeat_interleave(num_generations, 0), mask.repeat_interleave(num_generations, 0)
+
+
+def training_logprobs(model, rollout, temperature):
+    with torch.no_grad():
+        logprobs, _ = token_logprobs(
+            model,
+            torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
+            torch.cat([rollout.prompt_mask, rollout.completion_mask], 1),
+            rollout.completion_ids.shape[1],
+            temperature,
+        )
+    return logprobs
+
+
+# ------------------------------------------------------------------------- sampling log-probs = training forward
+
+
+def test_chat_template_renders_conversations_left_padded(tokenizer):
+    ids, mask = tokenize_prompts(CONVERSATIONS, tokenizer, None)
+    texts = tokenizer.batch_decode([row[m.bool()] for row, m in zip(ids, mask)])
+    assert texts == [
+        "<|user|>hi<|end|><|assistant|>",
+        "<|system|>be brief<|end|><|user|>what is 2+2?<|end|><|assistant|>",
+    ]
+    # The longer conversation fills the width; the shorter one is padded on the left only.
+    assert mask[1].all() and mask[0].tolist() == sorted(mask[0].tolist())
+    assert int(mask[0].sum()) == 1 + 2 + 1 + 1  # <|user|> h i <|end|> <|assistant|>
+
+
+@pytest.mark.parametrize("prompts", [PLAIN_PROMPTS, CONVERSATIONS], ids=["plain", "conversational"])
+@pytest.mark.parametrize(
+    "temperature, filters",
+    [(1.0, {}), (0.7, {}), (0.7, {"top_k": 8, "top_p": 0.9, "repetition_penalty": 1.3})],
+    ids=["T1", "T0.7", "T0.7-filtered"],
+)
+def test_sampling_logprobs_equal_training_forward(model, tokenizer, prompts, temperature, filters):
+    ids, mask = grouped(prompts, tokenizer, 2)
+    params = params_for(tokenizer, temperature=temperature, **filters)
+    rollout = generate(model, ids, mask, params, generator=seeded(1), num_generations=2)
+    completion_mask = rollout.completion_mask.bool()
+    assert completion_mask.sum() >= 2 * len(prompts)  # something was sampled for every row
+
+    expected = training_logprobs(model, rollout, temperature)
+    diff = (rollout.logprobs - expected).abs()[completion_mask]
+    assert diff.max() <= LOGPROB_ATOL, f"max |sampling - training| log-prob = {diff.max():.2e}"
+    # The recorded value is the policy's log-prob, not the filtered distribution's: filtering only ever raises a
+    # kept token's probability, so the two differ unless nothing was filtered.
+    assert (rollout.logprobs[completion_mask] < 0).all()
+    assert (rollout.logprobs[~completion_mask] == 0).all()
+
+
+def test_temperature_changes_the_recorded_logprobs(model, tokenizer):
+    """Guards the test above: a training forward at the wrong temperature must not match."""
+    ids, mask = grouped(PLAIN_PROMPTS, tokenizer, 1)
+    rollout = generate(model, ids, mask, params_for(tokenizer, temperature=0.7), generator=seeded(1))
+    wrong = training_logprobs(model, rollout, 1.0)
+    completion_mask = rollout.completion_mask.bool()
+    assert (rollout.logprobs - wrong).abs()[completion_mask].max() > 1e-2
+
+
+# ------------------------------------------------------------------------------- fast paths = the naive loop
+
+
+FAST_PATH_PARAMS = {
+    "plain": {},
+    "filtered": {"temperature": 0.8, "top_k": 20, "top_p": 0.95, "min_p": 0.02, "repetition_penalty": 1.3},
+}
+
+
+@pytest.mark.parametrize("sampling", list(FAST_PATH_PARAMS), ids=list(FAST_PATH_PARAMS))
+def test_fast_paths_match_the_naive_loop(model, tokenizer, sampling):
+    num_generations, max_new_tokens = 4, 12
+    ids, mask = grouped(PLAIN_PROMPTS, tokenizer, num_generations)
+    params = params_for(tokenizer, max_new_tokens=max_new_tokens, **FAST_PATH_PARAMS[sampling])
+
+    def run(use_cache, share_prefix, drop_finished):
+        return generate(
+            model, ids, mask, params, generator=seeded(0), num_generations=num_generations,
+            use_cache=use_cache, share_prefix=share_prefix, drop_finished=drop_finished,
+        )  # fmt: skip
+
+    naive = run(use_cache=False, share_prefix=False, drop_finished=False)
+    # The compaction path only runs when at least a quarter of the rows finish before the last step, and it only
+    # matters when others keep running.
+    lengths = naive.completion_lengths
+    assert int((lengths < max_new_tokens).sum()) >= len(lengths) / 4, lengths.tolist()
+    assert naive.is_truncated.any(), lengths.tolist()
+    assert naive.completion_ids.shape[1] == max_new_tokens
+
+    for use_cache, share_prefix, drop_finished in itertools.product([False, True], repeat=3):
+        fast = run(use_cache, share_prefix, drop_finished)
+        label = f"use_cache={use_cache} share_prefix={share_prefix} drop_finished={drop_finished}"
+        assert torch.equal(fast.completion_ids, naive.completion_ids), label
+        assert torch.equal(fast.completion_mask, naive.completion_mask), label
+        assert torch.equal(fast.is_truncated, naive.is_truncated), label
+        assert (fast.logprobs - naive.logprobs).abs().max() <= LOGPROB_ATOL, label
+
+
+# ------------------------------------------------------------------------------------------------- EOS
+
+
+def test_eos_masks_and_pads_after_the_first_eos(model, tokenizer):
+    """With EOS the completion is the no-EOS completion (same seed) cut after its first EOS token."""
+    num_generations, max_new_tokens, pad = 4, 12, 5  # a pad id no prompt uses, so padding is visible
+    eos_ids = (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("e"))  # two EOS ids
+    ids, mask = grouped(PLAIN_PROMPTS, tokenizer, num_generations)
+
+    def run(eos, max_tokens=max_new_tokens):
+        params = params_for(tokenizer, max_new_tokens=max_tokens, eos_token_ids=eos, pad_token_id=pad)
+        return generate(model, ids, mask, params, generator=seeded(3), num_generations=num_generations)
+
+    free = run(eos=())  # never stops early
+    assert free.completion_ids.shape[1] == max_new_tokens
+    assert free.completion_mask.all() and free.is_truncated.all()
+
+    rollout = run(eos=eos_ids)
+    expected_lengths, expected_truncated = [], []
+    for row in free.completion_ids.tolist():
+        hits = [t for t, token in enumerate(row) if token in eos_ids]
+        expected_lengths.append(hits[0] + 1 if hits else max_new_tokens)
+        expected_truncated.append(not hits)
+    assert min(expected_lengths) < max_new_tokens and any(expected_truncated)
+
+    width = max(expected_lengths)
+    assert rollout.completion_ids.shape == (len(ids), width)
+    assert rollout.is_truncated.tolist() == expected_truncated
+    for row, length in enumerate(expected_lengths):
+        assert rollout.completion_mask[row].tolist() == [1] * length + [0] * (width - length), row
+        assert rollout.completion_ids[row, :length].tolist() == free.completion_ids[row, :length].tolist(), row
+        assert (rollout.completion_ids[row, length:] == pad).all(), row
+        assert (rollout.logprobs[row, length:] == 0).all(), row
+
+    # EOS exactly on the last allowed token: the row is complete (not truncated) and keeps its full length.
+    row = next(r for r, length in enumerate(expected_lengths) if length > 1 and not expected_truncated[r])
+    last = expected_lengths[row]
+    cut = run(eos=eos_ids, max_tokens=last)
+    assert cut.completion_ids.shape[1] <= last
+    assert cut.completion_lengths[row] == last and not cut.is_truncated[row]
+    assert cut.completion_ids[row].tolist() == rollout.completion_ids[row, :last].tolist()
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 3])
+def test_max_new_tokens_is_respected(model, tokenizer, max_new_tokens):
+    ids, mask = grouped(PLAIN_PROMPTS, tokenizer, 2)
+    params = params_for(tokenizer, max_new_tokens=max_new_tokens, eos_token_ids=())
+    rollout = generate(model, ids, mask, params, generator=seeded(0), num_generations=2)
+    assert rollout.completion_ids.shape == (len(ids), max_new_tokens)
+    assert rollout.completion_lengths.tolist() == [max_new_tokens] * len(ids)
+    assert rollout.is_truncated.all()
+
+
+# ------------------------------------------------------------------------------- the sampling distribution
+
+# Probabilities [0.5, 0.3, 0.15, 0.05] as logits.
+PROBS = [0.5, 0.3, 0.15, 0.05]
+LOGITS = torch.tensor([[math.log(p) for p in PROBS]])
+
+
+def kept(scores: torch.Tensor) -> list[int]:
+    return torch.isfinite(scores[0]).nonzero().squeeze(-1).tolist()
+
+
+@pytest.mark.parametrize(
+    "top_p, expected",
+    [(0.4, [0]), (0.5, [0]), (0.6, [0, 1]), (0.8, [0, 1]), (0.81, [0, 1, 2]), (0.96, [0, 1, 2, 3]), (1.0, [0, 1, 2, 3])],
+)
+def test_top_p_keeps_the_smallest_set_reaching_top_p(top_p, expected):
+    assert kept(filter_logits(LOGITS, SamplingParams(1, top_p=top_p))) == expected
+
+
+def test_top_p_on_unsorted_logits():
+    # The same probabilities in another order: the kept set follows the tokens, not the positions.
+    order = [2, 0, 3, 1]  # token i has probability PROBS[order[i]]
+    logits = torch.tensor([[math.log(PROBS[i]) for i in order]])
+    assert kept(filter_logits(logits, SamplingParams(1, top_p=0.8))) == [1, 3]
+    assert kept(filter_logits(logits, SamplingParams(1, top_p=0.81))) == [0, 1, 3]
+
+
+@pytest.mark.parametrize("top_k, expected", [(1, [0]), (2, [0, 1]), (3, [0, 1, 2]), (4, [0, 1, 2, 3]), (None, [0, 1, 2, 3])])
+def test_top_k_keeps_the_k_best(top_k, expected):
+    assert kept(filter_logits(LOGITS, SamplingParams(1, top_k=top_k))) == expected
+
+
+@pytest.mark.parametrize("min_p, expected", [(0.05, [0, 1, 2, 3]), (0.2, [0, 1, 2]), (0.59, [0, 1]), (0.61, [0])])
+def test_min_p_drops_tokens_below_min_p_times_the_best(min_p, expected):
+    # Thresholds: 0.025, 0.1, 0.295 and 0.305 against probabilities 0.5, 0.3, 0.15, 0.05.
+    assert kept(filter_logits(LOGITS, SamplingParams(1, min_p=min_p))) == expected
+
+
+def test_filter_logits_divides_by_temperature():
+    scores = filter_logits(torch.tensor([[2.0, -1.0, 0.5]]), SamplingParams(1, temperature=0.5))
+    assert scores.tolist() == [[4.0, -2.0, 1.0]]
+
+
+def test_min_p_applies_after_temperature():
+    # At T = 2 the probabilities are ∝ sqrt(p): 0.7071, 0.5477, 0.3873, 0.2236 (sum 1.8657), so the best is 0.379
+    # and min_p = 0.5 keeps tokens above 0.190: the first three (0.294, 0.208) but not 0.120.
+    assert kept(filter_logits(LOGITS, SamplingParams(1, temperature=2.0, min_p=0.5))) == [0, 1, 2]
+    assert kept(filter_logits(LOGITS, SamplingParams(1, temperature=1.0, min_p=0.5))) == [0, 1]
+
+
+def test_repetition_penalty_on_hand_values():
+    logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 0.0]])
+    seen = torch.tensor([[True, True, False, False, True]])
+    out = apply_repetition_penalty(logits, seen, 2.0)
+    assert out.tolist() == [[1.0, -2.0, 0.5, -0.5, 0.0]]
+
+
+def test_inverse_cdf_picks_tokens_by_uniform():
+    # CDF of PROBS: 0.5, 0.8, 0.95, 1.0.
+    uniforms = torch.tensor([0.0, 0.1, 0.49, 0.51, 0.79, 0.81, 0.94, 0.96, 0.999])
+    tokens, logprobs = sample_tokens(LOGITS.expand(len(uniforms), -1), uniforms, SamplingParams(1))
+    assert tokens.tolist() == [0, 0, 0, 1, 1, 2, 2, 3, 3]
+    expected = torch.tensor([math.log(PROBS[t]) for t in tokens.tolist()])
+    assert torch.allclose(logprobs, expected, atol=1e-6)
+
+
+def test_filtered_tokens_are_never_drawn_even_at_the_edges():
+    # top_k = 1 keeps only token 2; uniforms at both ends of [0, 1) must still land on it.
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0]])
+    uniforms = torch.tensor([0.0, 1e-9, 0.5, 1 - 2**-24])
+    tokens, _ = sample_tokens(logits.expand(4, -1), uniforms, SamplingParams(1, top_k=1))
+    assert tokens.tolist() == [2, 2, 2, 2]
+
+
+def test_sampled_logprob_is_the_policy_not_the_filtered_distribution():
+    logits = torch.tensor([[1.0, 0.5, -0.3, 2.0]])
+    temperature = 0.7
+    params = SamplingParams(1, temperature=temperature, top_k=2, repetition_penalty=1.5)
+    seen = torch.tensor([[False, False, False, True]])
+    uniforms = torch.tensor([0.0, 0.99])
+    tokens, logprobs = sample_tokens(logits.expand(2, -1), uniforms, params, seen.expand(2, -1))
+    # After the penalty token 3's logit is 2/1.5 = 1.333, still one of the top 2 (with token 0): both are drawn.
+    assert tokens.tolist() == [0, 3]
+    scaled = [v / temperature for v in logits[0].tolist()]
+    log_total = math.log(sum(math.exp(v) for v in scaled))
+    expected = [scaled[t] - log_total for t in tokens.tolist()]  # unfiltered, unpenalised softmax(logits / T)
+    assert torch.allclose(logprobs, torch.tensor(expected), atol=1e-6)
+
+
+def softmax(values: list[float]) -> list[float]:
+    exps = [math.exp(v) for v in values]
+    return [e / sum(exps) for e in exps]
+
+
+@pytest.mark.parametrize("top_k", [None, 2, 3])
+def test_empirical_frequencies_match_softmax(top_k):
+    logits = [1.0, 0.5, -0.3, 2.0, 0.0, -1.5]
+    temperature, draws = 0.7, 20_000
+    scaled = [v / temperature for v in logits]
+    best = sorted(range(len(logits)), key=lambda i: -logits[i])[: top_k or len(logits)]
+    restricted = softmax([scaled[i] for i in best])
+    expected = [0.0] * len(logits)
+    for i, p in zip(best, restricted):
+        expected[i] = p
+
+    uniforms = torch.rand(draws, generator=seeded(1234))
+    params = SamplingParams(1, temperature=temperature, top_k=top_k)
+    tokens, logprobs = sample_tokens(torch.tensor([logits]).expand(draws, -1), uniforms, params)
+    counts = torch.bincount(tokens, minlength=len(logits)).tolist()
+    for token, (count, p) in enumerate(zip(counts, expected)):
+        if p == 0:
+            assert count == 0, f"token {token} is filtered out by top_k={top_k} but was drawn {count} times"
+            continue
+        sigma = math.sqrt(p * (1 - p) / draws)
+        assert abs(count / draws - p) <= 5 * sigma, (token, count / draws, p)
+    policy = [math.log(p) for p in softmax(scaled)]
+    assert torch.allclose(logprobs, torch.tensor(policy)[tokens], atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------ a plain nn.Module
+
+
+class TinyGRULM(torch.nn.Module):
+    """Not a transformers model: forward(input_ids) -> logits [B, T, V], no attention mask, no KV cache."""
+
+    def __init__(self, vocab_size: int = 11, hidden: int = 16):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab_size, hidden)
+        self.gru = torch.nn.GRU(hidden, hidden, batch_first=True)
+        self.head = torch.nn.Linear(hidden, vocab_size)
+
+    def forward(self, input_ids):
+        states, _ = self.gru(self.embed(input_ids))
+        return self.head(states)
+
+
+def naive_sample(model, ids, params, generator):
+    """The straightforward loop: full forward each step, CTRL penalty on every token so far, inverse CDF on
+    softmax(scores / T), no early exit. Log-probs are the unpenalised policy's."""
+    completion, logprobs = [], []
+    for _ in range(params.max_new_tokens):
+        uniforms = torch.rand(len(ids), generator=generator)
+        logits = model(ids)[:, -1]
+        seen = torch.zeros_like(logits, dtype=torch.bool).scatter(1, ids, True)
+        penalty = params.repetition_penalty
+        scores = torch.where(seen & (logits > 0), logits / penalty, logits)
+        scores = torch.where(seen & (logits <= 0), logits * penalty, scores)
+        cdf = (scores / params.temperature).softmax(-1).cumsum(-1)
+        tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(-1)
+        completion.append(tokens)
+        logprobs.append((logits / params.temperature).log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1))
+        ids = torch.cat([ids, tokens[:, None]], 1)
+    return torch.stack(completion, 1), torch.stack(logprobs, 1)
+
+
+@pytest.mark.parametrize("repetition_penalty", [1.0, 3.0])
+def test_plain_module_generates_through_the_full_forward_path(repetition_penalty):
+    torch.manual_seed(0)
+    model = TinyGRULM().eval()
+    assert not supports_kv_cache(model)
+    prompt_ids = torch.tensor([[3, 4, 5], [3, 4, 5], [7, 8, 2], [7, 8, 2]])  # 2 prompts x G = 2, equal lengths
+    prompt_mask = torch.ones_like(prompt_ids)
+    params = SamplingParams(
+        max_new_tokens=10, temperature=0.9, repetition_penalty=repetition_penalty, eos_token_ids=(1,), pad_token_id=0
+    )
+
+    rollout = generate(model, prompt_ids, prompt_mask, params, generator=seeded(7), num_generations=2)
+    with torch.no_grad():
+        naive_ids, naive_logprobs = naive_sample(model, prompt_ids, params, seeded(7))
+    lengths = rollout.completion_lengths.tolist()
+    assert max(lengths) >= 5  # the comparison below covers several steps
+    for row, length in enumerate(lengths):
+        expected = naive_ids[row].tolist()
+        first_eos = expected.index(1) + 1 if 1 in expected else params.max_new_tokens
+        assert length == first_eos, row
+        assert rollout.completion_ids[row, :length].tolist() == expected[:length], row
+        assert torch.allclose(rollout.logprobs[row, :length], naive_logprobs[row, :length], atol=LOGPROB_ATOL)
+    # The training forward of a plain module (no mask) gives the same log-probs.
+    expected = training_logprobs(model, rollout, params.temperature)
+    mask = rollout.completion_mask.bool()
+    assert (rollout.logprobs - expected).abs()[mask].max() <= LOGPROB_ATOL
+
+
+def test_plain_module_rejects_ragged_prompts():
+    model = TinyGRULM().eval()
+    prompt_ids = torch.tensor([[0, 4, 5], [3, 4, 5]])
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    with pytest.raises(ValueError, match="equal"):
+        generate(model, prompt_ids, prompt_mask, SamplingParams(max_new_tokens=2), generator=seeded(0))
