@@ -21,13 +21,24 @@ RUN_KEYS = ("model", "dataset", "dataset_split", "reward")
 
 
 def _parse_value(raw: str):
-    value = yaml.safe_load(raw)
-    return None if isinstance(value, str) and value.lower() == "none" else value
+    return yaml.safe_load(raw)
 
 
 def _coerce(name: str, value):
     """Match the type of the field's default (YAML reads `1e-3` as a string, `2` as an int, ...)."""
-    default = GRPOConfig.__dataclass_fields__[name].default
+    spec = GRPOConfig.__dataclass_fields__[name]
+    default, annotation = spec.default, str(spec.type)
+    if isinstance(value, str) and value in ("none", "None") and "str" not in annotation and annotation != "Any":
+        return None  # `--top_k none`; but `--scale_rewards none` stays the string 'none'
+    if default is None and isinstance(value, str):
+        # YAML reads 5e-2 as a string; numeric fields whose default is None still want a number.
+        for kind in ("int", "float"):
+            if kind in annotation:
+                try:
+                    return int(value) if kind == "int" else float(value)
+                except ValueError:
+                    pass
+        return value
     if value is None or default is dataclasses.MISSING or default is None:
         return value
     if isinstance(default, bool):

@@ -150,6 +150,14 @@ class GRPOConfig:
                     f"per_device_train_batch_size ({self.per_device_train_batch_size})."
                 )
             self.steps_per_generation = self.generation_batch_size // self.per_device_train_batch_size
+        elif self.generation_batch_size is not None and self.generation_batch_size != (
+            self.per_device_train_batch_size * self.steps_per_generation
+        ):
+            raise ValueError(
+                f"generation_batch_size ({self.generation_batch_size}) and steps_per_generation "
+                f"({self.steps_per_generation}) disagree: generation_batch_size must equal "
+                f"per_device_train_batch_size x steps_per_generation. Set only one of them."
+            )
         if self.steps_per_generation is None:
             self.steps_per_generation = self.gradient_accumulation_steps
         self.generation_batch_size = self.per_device_train_batch_size * self.steps_per_generation

@@ -63,7 +63,6 @@ class GRPOTrainer:
         peft_config=None,
         callbacks=None,
     ):
-        from accelerate import Accelerator
         from accelerate.utils import set_seed
 
         self.args = args = args or GRPOConfig()
@@ -84,8 +83,7 @@ class GRPOTrainer:
             )
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
 
-        mixed_precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
-        self.accelerator = Accelerator(cpu=args.use_cpu, mixed_precision=mixed_precision)
+        self.accelerator = build_accelerator(args)
         args.check_batch(self.accelerator.num_processes)
         set_seed(args.seed)
 
@@ -454,6 +452,22 @@ class GRPOTrainer:
         self._generation, self._micro_step = extra["generation"], extra["micro_step"]
         self.state = TrainerState.load(path / "trainer_state.json")
         self.state.max_steps = self._total_steps()  # the run's length is this config's, not the checkpoint's
+
+
+def build_accelerator(args: GRPOConfig):
+    """An Accelerator with the run's precision. In a single process (a notebook, a test session) accelerate's
+    process-wide state may hold an earlier trainer's precision; it is reset rather than refusing the new run."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, PartialState
+
+    mixed_precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
+    try:
+        return Accelerator(cpu=args.use_cpu, mixed_precision=mixed_precision)
+    except ValueError:
+        if PartialState().num_processes > 1:
+            raise
+        AcceleratorState._reset_state(reset_partial_state=True)
+        return Accelerator(cpu=args.use_cpu, mixed_precision=mixed_precision)
 
 
 def _as_steps(value: float, max_steps: int) -> int:

@@ -98,11 +98,11 @@ def test_sampling_logprobs_equal_training_forward(model, tokenizer, prompts, tem
     completion_mask = rollout.completion_mask.bool()
     assert completion_mask.sum() >= 2 * len(prompts)  # something was sampled for every row
 
+    # The training forward knows nothing of top-k / top-p / the penalty, so equality also shows that the recorded
+    # value is the policy's log-prob and not the filtered distribution's.
     expected = training_logprobs(model, rollout, temperature)
     diff = (rollout.logprobs - expected).abs()[completion_mask]
     assert diff.max() <= LOGPROB_ATOL, f"max |sampling - training| log-prob = {diff.max():.2e}"
-    # The recorded value is the policy's log-prob, not the filtered distribution's: filtering only ever raises a
-    # kept token's probability, so the two differ unless nothing was filtered.
     assert (rollout.logprobs[completion_mask] < 0).all()
     assert (rollout.logprobs[~completion_mask] == 0).all()
 
@@ -220,8 +220,9 @@ def kept(scores: torch.Tensor) -> list[int]:
 
 @pytest.mark.parametrize(
     "top_p, expected",
-    [(0.4, [0]), (0.5, [0]), (0.6, [0, 1]), (0.8, [0, 1]), (0.81, [0, 1, 2]), (0.96, [0, 1, 2, 3]), (1.0, [0, 1, 2, 3])],
-)
+    [(0.4, [0]), (0.5, [0]), (0.6, [0, 1]), (0.8, [0, 1]), (0.81, [0, 1, 2]), (0.96, [0, 1, 2, 3]),
+     (1.0, [0, 1, 2, 3])],
+)  # fmt: skip
 def test_top_p_keeps_the_smallest_set_reaching_top_p(top_p, expected):
     assert kept(filter_logits(LOGITS, SamplingParams(1, top_p=top_p))) == expected
 
@@ -234,7 +235,9 @@ def test_top_p_on_unsorted_logits():
     assert kept(filter_logits(logits, SamplingParams(1, top_p=0.81))) == [0, 1, 3]
 
 
-@pytest.mark.parametrize("top_k, expected", [(1, [0]), (2, [0, 1]), (3, [0, 1, 2]), (4, [0, 1, 2, 3]), (None, [0, 1, 2, 3])])
+@pytest.mark.parametrize(
+    "top_k, expected", [(1, [0]), (2, [0, 1]), (3, [0, 1, 2]), (4, [0, 1, 2, 3]), (None, [0, 1, 2, 3])]
+)
 def test_top_k_keeps_the_k_best(top_k, expected):
     assert kept(filter_logits(LOGITS, SamplingParams(1, top_k=top_k))) == expected
 

@@ -74,7 +74,7 @@ def _excerpt(value: Any, limit: int = 80) -> str:
 
 def _check_values(name: str, values: Any, expected: int) -> list[float]:
     """Turn a reward function's output into floats (NaN for None), or raise naming the function."""
-    if isinstance(values, torch.Tensor):
+    if isinstance(values, torch.Tensor) or type(values).__module__ == "numpy":
         values = values.tolist()
     if not isinstance(values, (list, tuple)):
         raise RewardFunctionError(
@@ -91,6 +91,8 @@ def _check_values(name: str, values: Any, expected: int) -> list[float]:
         if value is None:
             out.append(float("nan"))
             continue
+        if hasattr(value, "item") and not isinstance(value, (list, tuple)):  # numpy / torch scalars
+            value = value.item()
         if isinstance(value, bool) or not isinstance(value, Real):
             raise RewardFunctionError(
                 f"Reward function {name!r} returned {value!r} ({type(value).__name__}) for row {row}; rewards must "

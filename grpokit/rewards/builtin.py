@@ -27,10 +27,11 @@ def accuracy_reward(completions, solution, **kwargs) -> list[float | None]:
         raise ImportError("accuracy_reward needs math-verify: pip install 'grpokit[math]'") from error
     scores: list[float | None] = []
     for completion, answer in zip(completions, solution):
+        # math-verify returns [expression, text] on success and only the raw text when it understood nothing.
         gold = parse(str(answer), extraction_mode="first_match")
-        if not gold:
+        if not any(not isinstance(g, str) for g in gold):
             gold = parse(f"${answer}$", extraction_mode="first_match")
-        if not gold:
+        if not any(not isinstance(g, str) for g in gold):
             scores.append(None)
             continue
         predicted = parse(completion_text(completion), extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
