@@ -57,7 +57,8 @@ def test_train_with_model_dataset_and_reward_file(tmp_path):
 
     run_cli("report", str(tmp_path / "out"), cwd=tmp_path)
     html = (tmp_path / "out" / "report" / "report.html").read_text()
-    assert "same_letter" in html
+    assert "GRPO report" in html and "data:image/png;base64," in html
+    assert (tmp_path / "out" / "report" / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bad_flag_value_fails_with_a_message(tmp_path):
