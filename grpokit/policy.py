@@ -68,6 +68,7 @@ def token_logprobs(
     completion_length: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [N, T] (and entropies [N, T]) of the last T tokens of input_ids [N, P + T] under the model.
 
@@ -85,5 +86,9 @@ def token_logprobs(
         logits = logits / temperature
     targets = input_ids[:, -completion_length:]
     logprobs = selective_log_softmax(logits.float() if logits.dtype != torch.float32 else logits, targets)
-    entropies = entropy_from_logits(logits) if with_entropy else None
+    entropies = None
+    if with_entropy:
+        # The entropy keeps a graph (another softmax over V per token) only when the loss needs its gradient.
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropies = entropy_from_logits(logits)
     return logprobs, entropies

@@ -255,6 +255,15 @@ class GRPOTrainer:
             batch["ref_logprobs"] = self._logprobs_in_chunks(
                 self.reference, prompt_ids, prompt_mask, rollout.completion_ids, rollout.completion_mask)
         self._log_generation(all_scores, rewards, rollout, prompt_mask, failures)
+        if args.log_completions:
+            shown = args.num_completions_to_print or args.num_generations
+            self._samples = [
+                {"prompt": prompts[i], "completion": completions[i],
+                 "rewards": {f.name: _none_if_nan(all_scores[offset + i, j].item())
+                             for j, f in enumerate(self.reward_functions)},
+                 "reward": _none_if_nan(rewards[offset + i].item()), "advantage": advantages[offset + i].item()}
+                for i in range(min(shown, len(rows)))
+            ]  # fmt: skip
         # Shuffle before splitting so that each optimizer step sees a mix of groups (as TRL does).
         order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(args.seed + self.state.generations))
         return {key: value[order.to(value.device)] for key, value in batch.items()}
@@ -300,15 +309,19 @@ class GRPOTrainer:
         ids = torch.cat([batch["prompt_ids"], completion_ids], 1)
         mask = torch.cat([batch["prompt_mask"], completion_mask], 1)
         with self.accelerator.autocast():
-            logprobs, entropies = token_logprobs(self.model, ids, mask, width, args.temperature, with_entropy=True)
+            logprobs, entropies = token_logprobs(self.model, ids, mask, width, args.temperature, with_entropy=True,
+                                                 entropy_grad=args.entropy_coef != 0)  # fmt: skip
         old = batch["old_logprobs"][:, :width] if "old_logprobs" in batch else None
         ref = batch["ref_logprobs"][:, :width] if "ref_logprobs" in batch else None
+        loss_weights = None
+        if args.top_entropy_quantile < 1.0:
+            loss_weights = high_entropy_mask(entropies.detach(), completion_mask, args.top_entropy_quantile)
         loss, stats = policy_loss(
             logprobs, old, ref, batch["advantages"], completion_mask,
             loss_type=args.loss_type, beta=args.beta, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
             importance_sampling_level=args.importance_sampling_level,
             max_completion_length=args.max_completion_length, num_sequences=num_sequences, num_tokens=num_tokens,
-            delta=args.delta, entropies=entropies, entropy_coef=args.entropy_coef,
+            delta=args.delta, entropies=entropies, entropy_coef=args.entropy_coef, loss_weights=loss_weights,
         )  # fmt: skip
         self.accelerator.backward(loss)
         return loss.item(), stats.as_dict()
@@ -344,6 +357,8 @@ class GRPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.state.global_step += 1
         self.state.epoch = self.sampler.epochs_done
+        if args.sync_ref_model and self.reference is not None and self.state.global_step % args.ref_model_sync_steps == 0:
+            mix_into_reference(self.reference, self.unwrapped_model, args.ref_model_mixup_alpha)
         metrics = {"loss": loss_total, "learning_rate": learning_rate, **stats.flush()}
         if grad_norm is not None:
             metrics["grad_norm"] = float(grad_norm)
@@ -369,6 +384,7 @@ class GRPOTrainer:
                    disable=args.disable_tqdm or not acc.is_main_process, dynamic_ncols=True)  # fmt: skip
         self.model.train()
         started = time.perf_counter()
+        last_epoch = int(self.state.epoch)
         while self.state.global_step < self.state.max_steps:
             step_started = time.perf_counter()
             self._optimizer_step()
@@ -381,12 +397,28 @@ class GRPOTrainer:
                 self.state.log_history.append(record)
                 bar.set_postfix(reward=f"{record.get('reward', float('nan')):.3f}")
                 sink.write(record)
-            if args.save_strategy == "steps" and step % save_steps == 0:
+                if args.log_completions:
+                    self._write_completions(step, sink)
+            epoch_ended = int(self.state.epoch) > last_epoch
+            last_epoch = int(self.state.epoch)
+            if (args.save_strategy == "steps" and step % save_steps == 0) or (args.save_strategy == "epoch" and epoch_ended):
                 self._save_checkpoint()
         bar.close()
         sink.close()
         self.train_runtime = time.perf_counter() - started
         return self.state
+
+    def _write_completions(self, step: int, sink: MetricSink) -> None:
+        """The last generation's first completions with their rewards: completions.jsonl and the console."""
+        if not self.accelerator.is_main_process or not getattr(self, "_samples", None):
+            return
+        path = Path(self.args.output_dir) / "completions.jsonl"
+        with open(path, "a") as handle:
+            for sample in self._samples:
+                handle.write(json.dumps({"step": step, **sample}, default=str) + "\n")
+        lines = [f"  {_short(s['prompt'])!r} -> {_short(s['completion'])!r}  reward={s['reward']}  "
+                 f"advantage={s['advantage']:+.3f}" for s in self._samples]  # fmt: skip
+        print(f"[step {step}] completions:\n" + "\n".join(lines), flush=True)
 
     # ------------------------------------------------------------------------------------------ saving
 
@@ -423,6 +455,11 @@ class GRPOTrainer:
                         "generation": self._generation, "micro_step": self._micro_step},
                        directory / "generation_state.pt")  # fmt: skip
             self.state.save(directory / "trainer_state.json")
+            if args.sync_ref_model and self.reference is not None:  # the reference has moved: keep it too
+                from safetensors.torch import save_file
+
+                save_file({k: v.contiguous() for k, v in self.reference.state_dict().items()},
+                          str(directory / "reference.safetensors"))  # fmt: skip
 
         path = write_checkpoint(args.output_dir, self.state.global_step, write)
         rotate_checkpoints(args.output_dir, args.save_total_limit)
@@ -441,8 +478,11 @@ class GRPOTrainer:
 
         weights = {}
         for file in sorted(path.glob("*.safetensors")):
-            weights.update(load_file(str(file)))
+            if file.name != "reference.safetensors":
+                weights.update(load_file(str(file)))
         self.unwrapped_model.load_state_dict(weights, strict=False)
+        if (path / "reference.safetensors").exists() and self.reference is not None:
+            self.reference.load_state_dict(load_file(str(path / "reference.safetensors")), strict=False)
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
         self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
         set_rng_state(torch.load(path / "rng_state.pth", weights_only=False))
@@ -452,6 +492,34 @@ class GRPOTrainer:
         self._generation, self._micro_step = extra["generation"], extra["micro_step"]
         self.state = TrainerState.load(path / "trainer_state.json")
         self.state.max_steps = self._total_steps()  # the run's length is this config's, not the checkpoint's
+
+
+def _none_if_nan(value: float) -> float | None:
+    return None if math.isnan(value) else value
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """1 for the tokens whose entropy is in the top `quantile` share of this batch's tokens (Wang et al. 2025,
+    "Beyond the 80/20 rule"), else 0: only those take part in the policy-gradient term."""
+    values = entropies[mask.bool()].float()
+    if values.numel() == 0:
+        return torch.zeros_like(entropies)
+    threshold = torch.quantile(values, 1 - quantile)
+    return ((entropies >= threshold) & mask.bool()).to(entropies.dtype)
+
+
+@torch.no_grad()
+def mix_into_reference(reference: torch.nn.Module, policy: torch.nn.Module, alpha: float) -> None:
+    """TRL's reference sync: ref <- alpha * policy + (1 - alpha) * ref (alpha = 1 copies the policy)."""
+    # named_parameters, not state_dict: tied weights (embeddings = LM head) must be mixed once, not twice.
+    policy_parameters = dict(policy.named_parameters())
+    for name, value in reference.named_parameters():
+        value.mul_(1 - alpha).add_(policy_parameters[name].detach().to(value.dtype), alpha=alpha)
 
 
 def build_accelerator(args: GRPOConfig):

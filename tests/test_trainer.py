@@ -172,3 +172,48 @@ def test_conversational_prompts_reach_rewards_as_messages(model_dir, tmp_path):
     trainer.train()
     assert seen["prompt"][0]["role"] == "user"
     assert seen["completion"][0]["role"] == "assistant" and isinstance(seen["completion"][0]["content"], str)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.5])
+def test_reference_sync_happens_exactly_when_configured(model_dir, tmp_path, alpha):
+    args = dict(beta=0.04, sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=alpha)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=config(tmp_path, max_steps=1, **args),
+                          train_dataset=letter_dataset())  # fmt: skip
+    initial = {k: v.clone() for k, v in trainer.reference.named_parameters()}
+    trainer.train()
+    assert all(torch.equal(v, initial[k]) for k, v in trainer.reference.named_parameters())  # step 1: no sync
+    trainer.state.max_steps = 2
+    trainer.train()  # step 2: sync
+    policy = dict(trainer.unwrapped_model.named_parameters())
+    for name, value in trainer.reference.named_parameters():
+        expected = alpha * policy[name].detach() + (1 - alpha) * initial[name]
+        torch.testing.assert_close(value, expected, rtol=0, atol=1e-6)
+    assert any(not torch.equal(v, initial[k]) for k, v in trainer.reference.named_parameters())
+
+
+def test_high_entropy_mask_keeps_the_top_share():
+    from grpokit.trainer import high_entropy_mask
+
+    entropies = torch.tensor([[0.1, 0.9, 0.5, 7.0], [0.3, 0.7, 0.2, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    # Valid entropies: 0.1 0.9 0.5 0.3 0.7 0.2 0.0; the top 2/7 (quantile 1 - 2/7) are 0.9 and 0.7.
+    kept = high_entropy_mask(entropies, mask, 2 / 7)
+    assert kept.tolist() == [[0, 1, 0, 0], [0, 1, 0, 0]]
+
+
+def test_completions_are_logged_with_their_rewards(model_dir, tmp_path):
+    args = config(tmp_path, max_steps=2, logging_steps=2, log_completions=True, num_completions_to_print=3)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset())
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "out" / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 1, 1, 2, 2, 2]
+    for row in rows:
+        assert row["rewards"]["repeat_letter"] == float(row["completion"][:1] == row["prompt"][0])
+        assert row["reward"] == row["rewards"]["repeat_letter"]
+
+
+def test_save_strategy_epoch(model_dir, tmp_path):
+    data = letter_dataset(copies=8)  # 64 rows and 8 prompts per step: an epoch ends every 8 steps
+    args = config(tmp_path, max_steps=9, save_strategy="epoch")
+    GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=args, train_dataset=data).train()
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-8"]
