@@ -304,6 +304,14 @@ def machine_info() -> dict:
         info["memory_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
     except ImportError:
         pass
+    try:  # grpokit's source state: the benchmark is often run on a working tree
+        repo = Path(__file__).resolve().parent.parent
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "grpokit"], cwd=repo, capture_output=True, text=True)
+        if head.returncode == 0:
+            info["grpokit_git"] = head.stdout.strip() + (" (+ uncommitted changes)" if dirty.stdout.strip() else "")
+    except OSError:
+        pass
     for name in ("accelerate", "datasets", "trl", "grpokit"):
         try:
             from importlib.metadata import version
@@ -390,9 +398,11 @@ def markdown(name: str, config: dict, model_info: dict, summary: dict, info: dic
         + (f", GPU {info['gpu']}" if info.get("gpu") else "")
         + f"; load average at start {', '.join(f'{x:.2f}' for x in info['loadavg_start'])}"
         + (f", at end {', '.join(f'{x:.2f}' for x in info['loadavg_end'])}" if info.get("loadavg_end") else ""),
+        f"Threads per run (torch.get_num_threads in the child): {info.get('threads_used') or '-'}"
+        + ("" if args.threads else " (torch's default; on a shared machine prefer --threads 1, see README)"),
         f"Versions: python {info['python']}, torch {info['torch']}, transformers {info['transformers']}, "
         f"accelerate {info['accelerate']}, datasets {info['datasets']}, trl {info.get('trl_child') or info['trl']}, "
-        f"grpokit {info['grpokit']}",
+        f"grpokit {info['grpokit']}" + (f" (git {info['grpokit_git']})" if info.get("grpokit_git") else ""),
     ]
     return "\n".join(lines)
 
@@ -466,6 +476,7 @@ def main(argv=None) -> int:
     info["loadavg_end"] = os.getloadavg()
     trl_runs = [r for r in results if r["impl"] == "trl" and "error" not in r]
     info["trl_child"] = trl_runs[0]["version"] if trl_runs else None
+    info["threads_used"] = sorted({r["threads"] for r in results if "error" not in r})
     ok = [r for r in results if "error" not in r]
     per_step = {r["impl"]: r["tokens_per_step"] for r in ok}
     if len(set(per_step.values())) > 1:

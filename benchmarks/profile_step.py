@@ -200,12 +200,15 @@ def main(argv=None) -> int:
     parser.add_argument("--cprofile", action="store_true", help="also print cProfile's top functions")
     parser.add_argument("--torch-profiler", action="store_true", help="also print torch.profiler's top operators")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     args = parser.parse_args(argv)
     for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
         os.environ.setdefault(key, "1")
 
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     config = CONFIGS[args.config]
     if config["cuda"] and not torch.cuda.is_available():
         print("this configuration needs CUDA")

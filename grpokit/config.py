@@ -108,6 +108,8 @@ class GRPOConfig:
     top_entropy_quantile: float = _f(1.0, "Keep only tokens above this entropy quantile in the policy loss.")
     entropy_coef: float = _f(0.0, "Entropy bonus coefficient (subtracted from the loss).")
     reward_fn_errors: str = _f("raise", "A reward function that raises: 'raise' (named) or 'none' (count as None).")
+    max_nonfinite_steps: int = _f(3, "Stop after this many optimizer steps in a row whose loss or gradient is "
+                                     "NaN/inf (each such step is skipped and counted in `nonfinite_steps`).")
 
     # ---- accepted for compatibility with TRL / transformers, not implemented (warned when set)
     use_vllm: bool = _f(False, "Not implemented: grpokit samples with its own KV-cached loop.")
@@ -243,6 +245,8 @@ class GRPOConfig:
                 f"gradient_accumulation_steps ({self.gradient_accumulation_steps}), so that an optimizer step "
                 f"never straddles two generation batches."
             )
+        if self.max_nonfinite_steps < 1:
+            fail(f"max_nonfinite_steps={self.max_nonfinite_steps} must be >= 1.")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             fail(f"save_total_limit={self.save_total_limit} must be >= 1, or None to keep every checkpoint.")
 

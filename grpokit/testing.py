@@ -54,7 +54,7 @@ def build_tiny_model(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     intermediate_size: int | None = None,
-    max_position_embeddings: int = 256,
+    max_position_embeddings: int = 1024,
     tie_word_embeddings: bool = True,
     seed: int = 0,
     eos_token_id: int | None = 1,

@@ -40,6 +40,8 @@ class TrainerState:
     epoch: float = 0.0
     num_tokens: int = 0
     generations: int = 0  # generation batches produced so far (seeds each rollout)
+    nonfinite_steps: int = 0  # updates skipped for a NaN/inf loss or gradient
+    nonfinite_in_a_row: int = 0
     log_history: list[dict] = field(default_factory=list)
 
     def save(self, path: Path) -> None:
@@ -88,6 +90,7 @@ class GRPOTrainer:
         set_seed(args.seed)
 
         self.model, self.processing_class = self._build_policy(model, processing_class)
+        check_context_length(self.model, args)
         self.reference = frozen_copy(self.model) if args.beta > 0 else None
         if args.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(
@@ -348,20 +351,35 @@ class GRPOTrainer:
             loss_total += loss
             stats.add(batch_stats)
             self._micro_step += 1
-        grad_norm = None
-        if args.max_grad_norm and args.max_grad_norm > 0:
-            grad_norm = acc.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
+        grad_norm = acc.clip_grad_norm_(self.model.parameters(), args.max_grad_norm if args.max_grad_norm > 0
+                                        else float("inf"))  # fmt: skip
         learning_rate = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
+        # A NaN/inf loss or gradient (on any process) skips the update rather than poisoning the weights.
+        finite = torch.tensor(float(math.isfinite(loss_total) and math.isfinite(float(grad_norm))), device=acc.device)
+        if acc.reduce(finite, "min").item() == 1.0:
+            self.optimizer.step()
+            self.state.nonfinite_in_a_row = 0
+        else:
+            self.state.nonfinite_steps += 1
+            self.state.nonfinite_in_a_row += 1
+            warnings.warn(f"Step {self.state.global_step + 1}: non-finite loss or gradient norm; update skipped "
+                          f"({self.state.nonfinite_in_a_row} in a row).", RuntimeWarning, stacklevel=2)  # fmt: skip
+            if self.state.nonfinite_in_a_row >= args.max_nonfinite_steps:
+                raise FloatingPointError(
+                    f"{self.state.nonfinite_in_a_row} optimizer steps in a row had a NaN/inf loss or gradient; "
+                    f"training stopped (max_nonfinite_steps={args.max_nonfinite_steps}). Lower the learning rate, "
+                    f"check the rewards and inputs, or use bf16 instead of fp16."
+                )
+        with warnings.catch_warnings():  # a skipped update still advances the schedule, on purpose
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.global_step += 1
         self.state.epoch = self.sampler.epochs_done
         if args.sync_ref_model and self.reference is not None and self.state.global_step % args.ref_model_sync_steps == 0:
             mix_into_reference(self.reference, self.unwrapped_model, args.ref_model_mixup_alpha)
-        metrics = {"loss": loss_total, "learning_rate": learning_rate, **stats.flush()}
-        if grad_norm is not None:
-            metrics["grad_norm"] = float(grad_norm)
+        metrics = {"loss": loss_total, "learning_rate": learning_rate, "grad_norm": float(grad_norm),
+                   "nonfinite_steps": self.state.nonfinite_steps, **stats.flush()}  # fmt: skip
         self.window.add({k: acc.reduce(torch.tensor(v, device=acc.device), "mean").item() for k, v in metrics.items()})
 
     def train(self, resume_from_checkpoint: bool | str | None = None):
@@ -444,6 +462,11 @@ class GRPOTrainer:
         if not acc.is_main_process:
             return None
 
+        bad = [name for name, p in self.unwrapped_model.named_parameters() if not torch.isfinite(p).all()]
+        if bad:
+            raise FloatingPointError(f"Refusing to checkpoint non-finite weights ({bad[:3]}...) at step "
+                                     f"{self.state.global_step}; the last complete checkpoint is kept.")  # fmt: skip
+
         def write(directory: Path) -> None:
             self.save_model(directory)
             if args.save_only_model:
@@ -492,6 +515,21 @@ class GRPOTrainer:
         self._generation, self._micro_step = extra["generation"], extra["micro_step"]
         self.state = TrainerState.load(path / "trainer_state.json")
         self.state.max_steps = self._total_steps()  # the run's length is this config's, not the checkpoint's
+
+
+def check_context_length(model, args: GRPOConfig) -> None:
+    """Prompt + completion must fit the model's positions; say which knob to turn before anything runs."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if limit is None:
+        return
+    if args.max_completion_length >= limit:
+        raise ValueError(f"max_completion_length={args.max_completion_length} does not fit the model's context "
+                         f"({limit} positions); lower max_completion_length.")  # fmt: skip
+    if args.max_prompt_length is None or args.max_prompt_length + args.max_completion_length > limit:
+        args.max_prompt_length = limit - args.max_completion_length
+        warnings.warn(f"Prompts are cut to their last {args.max_prompt_length} tokens so that prompt + completion "
+                      f"fits the model's {limit} positions (max_completion_length={args.max_completion_length}).",
+                      UserWarning, stacklevel=3)  # fmt: skip
 
 
 def _none_if_nan(value: float) -> float | None:
