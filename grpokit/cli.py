@@ -1,4 +1,5 @@
-"""The command line: `grpokit train [config.yaml] [--field value ...]`, `grpokit report OUTPUT_DIR ...`.
+"""The command line: `grpokit train [config.yaml] [--field value ...]`, `grpokit eval --model DIR ...`,
+`grpokit report OUTPUT_DIR ...`.
 
 `grpokit train` with no model and no dataset runs the built-in demo (flags still apply, e.g. --max_steps).
 Every GRPOConfig field is a flag; values are parsed as YAML scalars (`--bf16`, `--bf16 false`,
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -139,14 +141,70 @@ def report_command(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": train_command, "report": report_command}
+# The GRPOConfig fields that shape an evaluation (every one is a flag of `grpokit eval`).
+EVAL_FIELDS = (
+    "num_generations_eval", "per_device_eval_batch_size", "pass_threshold", "max_completion_length",
+    "max_prompt_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "chat_template_kwargs",
+    "reward_weights", "reward_fn_errors", "seed", "bf16", "fp16", "use_cpu", "model_init_kwargs",
+)  # fmt: skip
+
+
+def eval_command(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="grpokit eval",
+        description="Sample num_generations_eval completions per prompt from a saved model or checkpoint, score them "
+                    "with the rewards, print mean rewards and pass@k, and write them with every completion to JSON.",
+    )  # fmt: skip
+    parser.add_argument("--model", required=True, help="A save_model or checkpoint-<step> directory, or a Hub id.")
+    parser.add_argument("--dataset", required=True, help="Hub id, local directory, or .jsonl/.json/.csv/.parquet file.")
+    parser.add_argument("--dataset_split", default=None, help="Split of a Hub / directory dataset (default: train).")
+    parser.add_argument("--reward", action="append", required=True,
+                        help="Reward, as for `grpokit train --reward`. Repeat for several.")  # fmt: skip
+    parser.add_argument("--out", default="eval_results.json", help="JSON file to write (default: %(default)s).")
+    for name in EVAL_FIELDS:
+        parser.add_argument(f"--{name}", dest=name, default=argparse.SUPPRESS, nargs="?", const="true",
+                            metavar="VALUE", help=GRPOConfig.field_help(name))  # fmt: skip
+    options = vars(parser.parse_args(argv))
+    values = {name: _coerce(name, _parse_value(options[name])) for name in EVAL_FIELDS if name in options}
+    from .data import load_dataset_source
+    from .evaluation import format_table
+    from .rewards.builtin import resolve_reward
+    from .trainer import GRPOTrainer
+
+    rewards = [resolve_reward(spec) for spec in options["reward"]]
+    args = GRPOConfig(disable_tqdm=True, **values)
+    dataset = load_dataset_source(options["dataset"], split=options["dataset_split"] or "train")
+    # The trainer loads the model exactly as training does and evaluates exactly as it does during training.
+    trainer = GRPOTrainer(model=options["model"], reward_funcs=rewards, args=args, train_dataset=dataset,
+                          eval_dataset=dataset)  # fmt: skip
+    metrics = trainer.evaluate()
+    names = [f.name for f in trainer.reward_functions]
+    n = args.num_generations_eval or args.num_generations
+    print(f"{options['model']} on {options['dataset']}: {len(dataset)} prompts x {n} completions, "
+          f"pass threshold {args.pass_threshold}\n" + format_table(metrics, names, n))  # fmt: skip
+    results = {
+        "model": options["model"], "dataset": options["dataset"], "num_prompts": len(dataset),
+        "num_generations_eval": n, "pass_threshold": args.pass_threshold,
+        "rewards": dict(zip(names, trainer.reward_weights.tolist())),
+        "config": {name: getattr(args, name) for name in EVAL_FIELDS}, "metrics": metrics,
+        "samples": trainer.eval_samples,
+    }  # fmt: skip
+    out = Path(options["out"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1, default=str))
+    print(f"Results written to {out.resolve()}")
+    return 0
+
+
+COMMANDS = {"train": train_command, "report": report_command, "eval": eval_command}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: grpokit {train,report} ...\n\n"
+        print("usage: grpokit {train,eval,report} ...\n\n"
               "  train [config.yaml] [--field value ...]   GRPO training (no arguments: the built-in demo)\n"
+              "  eval --model DIR --dataset D --reward R   mean rewards and pass@k of a saved model or checkpoint\n"
               "  report OUTPUT_DIR [OUTPUT_DIR ...]        plots and an HTML report of runs\n")  # fmt: skip
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     return COMMANDS[argv[0]](argv[1:])

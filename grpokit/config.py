@@ -108,8 +108,27 @@ class GRPOConfig:
     top_entropy_quantile: float = _f(1.0, "Keep only tokens above this entropy quantile in the policy loss.")
     entropy_coef: float = _f(0.0, "Entropy bonus coefficient (subtracted from the loss).")
     reward_fn_errors: str = _f("raise", "A reward function that raises: 'raise' (named) or 'none' (count as None).")
+    reward_routing_column: str = _f("reward_funcs", "Dataset column listing, per row, the names of the reward "
+                                                    "functions that apply to it (the others count as None).")
+    step_separator: Any = _f("\n", "Where process rewards cut a completion into steps (a token id for models "
+                                   "without a tokenizer).")
+    save_merged: bool = _f(False, "With LoRA, save_model also writes the adapter merged into full weights "
+                                  "(in <dir>/merged).")
     max_nonfinite_steps: int = _f(3, "Stop after this many optimizer steps in a row whose loss or gradient is "
                                      "NaN/inf (each such step is skipped and counted in `nonfinite_steps`).")
+
+    # ---- evaluation and reward-hacking signals
+    eval_strategy: str = _f("no", "'steps': evaluate on eval_dataset every eval_steps optimizer steps; 'no': never.")
+    eval_steps: float | None = _f(None, "Evaluate every N optimizer steps (a float < 1 is a fraction; default: "
+                                        "logging_steps).")
+    per_device_eval_batch_size: int = _f(8, "Completions per process per evaluation generation (whole groups of "
+                                            "num_generations_eval, at least one).")
+    num_generations_eval: int | None = _f(None, "Completions sampled per eval prompt, n of pass@k (default: "
+                                                "num_generations).")
+    pass_threshold: float = _f(1.0, "A completion passes a reward function (for pass@k) when its reward >= this.")
+    guard_metric: str | None = _f(None, "Warn when the reward rises while this metric falls (e.g. "
+                                        "'rewards/format/mean', 'completions/mean_length'); None: off.")
+    guard_window: int = _f(5, "Logging steps over which guard_metric's trend is compared with the reward's.")
 
     # ---- accepted for compatibility with TRL / transformers, not implemented (warned when set)
     use_vllm: bool = _f(False, "Not implemented: grpokit samples with its own KV-cached loop.")
@@ -120,9 +139,6 @@ class GRPOConfig:
     hub_model_id: str | None = _f(None, "Not implemented (Hub).")
     optim: str = _f("adamw_torch", "Only AdamW ('adamw_torch') is implemented.")
     torch_compile: bool = _f(False, "Not implemented.")
-    eval_strategy: str = _f("no", "Not implemented yet: evaluation during training.")
-    eval_steps: float | None = _f(None, "Not implemented yet: evaluation during training.")
-    per_device_eval_batch_size: int = _f(8, "Not implemented yet: evaluation during training.")
     label_smoothing_factor: float = _f(0.0, "Not applicable to GRPO.")
     wandb_log_unique_prompts: bool = _f(False, "Not implemented.")
     ds3_gather_for_generation: bool = _f(True, "Not implemented (DeepSpeed ZeRO-3 generation).")
@@ -134,9 +150,8 @@ class GRPOConfig:
 
     NOT_IMPLEMENTED = (
         "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization", "use_liger_loss", "push_to_hub", "hub_model_id",
-        "optim", "torch_compile", "eval_strategy", "eval_steps", "per_device_eval_batch_size",
-        "label_smoothing_factor", "wandb_log_unique_prompts", "ds3_gather_for_generation", "deepspeed", "fsdp",
-        "dataloader_num_workers", "generation_kwargs",
+        "optim", "torch_compile", "label_smoothing_factor", "wandb_log_unique_prompts", "ds3_gather_for_generation",
+        "deepspeed", "fsdp", "dataloader_num_workers", "generation_kwargs",
     )  # fmt: skip
 
     def __post_init__(self):
@@ -247,6 +262,16 @@ class GRPOConfig:
             )
         if self.max_nonfinite_steps < 1:
             fail(f"max_nonfinite_steps={self.max_nonfinite_steps} must be >= 1.")
+        if self.eval_strategy not in ("no", "steps"):
+            fail(f"eval_strategy={self.eval_strategy!r} is not valid; use 'steps' (with eval_steps) or 'no'.")
+        if self.eval_steps is not None and self.eval_steps <= 0:
+            fail(f"eval_steps={self.eval_steps} must be > 0, or None to evaluate every logging_steps.")
+        if self.num_generations_eval is not None and self.num_generations_eval < 1:
+            fail(f"num_generations_eval={self.num_generations_eval} must be >= 1, or None for num_generations.")
+        if self.per_device_eval_batch_size < 1:
+            fail(f"per_device_eval_batch_size={self.per_device_eval_batch_size} must be >= 1.")
+        if self.guard_window < 2:
+            fail(f"guard_window={self.guard_window} must be >= 2: a trend needs at least two logging steps.")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             fail(f"save_total_limit={self.save_total_limit} must be >= 1, or None to keep every checkpoint.")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from pathlib import Path
@@ -92,3 +93,64 @@ def token_logprobs(
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropies = entropy_from_logits(logits)
     return logprobs, entropies
+
+
+# ------------------------------------------------------------------------------------------------- LoRA
+
+
+def is_peft_model(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def apply_peft(model, peft_config):
+    try:
+        from peft import get_peft_model
+    except ImportError as error:
+        raise ImportError("peft_config needs peft: pip install 'grpokit[peft]'") from error
+    if is_peft_model(model):
+        raise ValueError("The model already has a LoRA adapter (a PeftModel): do not pass peft_config as well.")
+    return get_peft_model(model, peft_config)
+
+
+@contextlib.contextmanager
+def reference_policy(policy, frozen_reference=None):
+    """The reference policy: a frozen copy when there is one, else (LoRA) the policy with its adapter disabled."""
+    if frozen_reference is not None:
+        yield frozen_reference
+    elif is_peft_model(policy):
+        with policy.disable_adapter():
+            yield policy
+    else:
+        raise ValueError("beta > 0 needs a reference policy: a frozen copy or a LoRA model.")
+
+
+def save_merged(model, directory: Path, tokenizer=None) -> None:
+    """The adapter merged into a copy of the base weights, saved as a plain model (the live model is untouched)."""
+    merged = copy.deepcopy(model).merge_and_unload()
+    merged.save_pretrained(directory, safe_serialization=True)
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(directory)
+
+
+def load_model_weights(model, directory: Path) -> None:
+    """Load what save_model wrote into `directory` back into `model` (adapter only for LoRA models)."""
+    from safetensors.torch import load_file
+
+    if is_peft_model(model):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(str(directory / "adapter_model.safetensors")))
+        return
+    weights = {}
+    for file in sorted(directory.glob("model*.safetensors")):
+        weights.update(load_file(str(file)))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    missing = [k for k in missing if k not in tied and not any(k.endswith(t) for t in tied)]
+    if unexpected or missing:
+        raise RuntimeError(f"Checkpoint {directory} does not match the model: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}.")  # fmt: skip

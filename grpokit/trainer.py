@@ -14,6 +14,8 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -28,9 +30,33 @@ from .config import GRPOConfig
 from .data import PromptSampler, check_dataset, dataset_columns, is_conversational, pad_left, tokenize_prompts
 from .logs import MetricSink, MetricWindow
 from .loss import policy_loss
-from .policy import disable_dropout, frozen_copy, load_causal_lm, load_tokenizer, token_logprobs
-from .rewards.base import RewardFunction, check_required_columns, combine_rewards, compute_rewards, reward_name
+from .advantages import process_advantages
+from .policy import (
+    apply_peft,
+    disable_dropout,
+    frozen_copy,
+    is_peft_model,
+    load_causal_lm,
+    load_model_weights,
+    load_tokenizer,
+    reference_policy,
+    save_merged,
+    token_logprobs,
+)
+from .rewards.model import RewardModel
+from .rewards.process import step_token_ends
+from .rewards.base import (
+    RewardFunction,
+    check_required_columns,
+    combine_rewards,
+    compute_rewards,
+    reward_name,
+    routes_from_column,
+)
 from .rollout import SamplingParams, generate
+from .evaluation import evaluation_metrics, group_records
+from .model_card import describe_dataset, model_card_writable, render_model_card, write_model_card
+from .signals import duplicate_ratio, guard_alerts, guard_series, sequence_keys
 
 
 @dataclass
@@ -69,13 +95,17 @@ class GRPOTrainer:
 
         self.args = args = args or GRPOConfig()
         if eval_dataset is not None:
-            warnings.warn("eval_dataset is not implemented yet: it is ignored.", UserWarning, stacklevel=2)
-        if peft_config is not None or reward_processing_classes is not None or callbacks:
-            raise NotImplementedError("peft_config, reward_processing_classes and callbacks are not supported yet.")
+            check_dataset(eval_dataset, "eval_dataset")
+        elif args.eval_strategy != "no":
+            raise ValueError(f"eval_strategy={args.eval_strategy!r} needs an eval_dataset: pass "
+                             f"GRPOTrainer(eval_dataset=...), or set eval_strategy='no'.")  # fmt: skip
+        self.eval_dataset = eval_dataset
+        if callbacks:
+            raise NotImplementedError("callbacks are not supported yet; read trainer.state.log_history instead.")
         # Everything a user can get wrong in the data or rewards is checked before the model is loaded.
         check_dataset(train_dataset)
         self.train_dataset = train_dataset
-        self.reward_functions = self._build_reward_functions(reward_funcs)
+        self.reward_functions = self._build_reward_functions(reward_funcs, reward_processing_classes)
         check_required_columns(self.reward_functions, dataset_columns(train_dataset))
         weights = args.reward_weights or [1.0] * len(self.reward_functions)
         if len(weights) != len(self.reward_functions):
@@ -89,13 +119,22 @@ class GRPOTrainer:
         args.check_batch(self.accelerator.num_processes)
         set_seed(args.seed)
 
-        self.model, self.processing_class = self._build_policy(model, processing_class)
+        self.model, self.processing_class = self._build_policy(model, processing_class, peft_config)
         check_context_length(self.model, args)
-        self.reference = frozen_copy(self.model) if args.beta > 0 else None
+        # With LoRA the reference is the same model with its adapter disabled: no second copy of the weights.
+        self.reference = frozen_copy(self.model) if args.beta > 0 and not is_peft_model(self.model) else None
+        if args.sync_ref_model and is_peft_model(self.model):
+            raise ValueError(
+                "sync_ref_model with LoRA is not supported: the reference is the base model with the adapter off, "
+                "and the base weights never change. Train without LoRA to refresh the reference, or turn "
+                "sync_ref_model off."
+            )
         if args.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False}
             )
+            if is_peft_model(self.model):  # frozen embeddings would cut the graph through checkpointed blocks
+                self.model.enable_input_require_grads()
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
@@ -104,6 +143,9 @@ class GRPOTrainer:
         self.model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
         if self.reference is not None:
             self.reference = self.reference.to(self.accelerator.device)
+        for function in self.reward_functions:
+            if isinstance(function.fn, RewardModel):
+                function.fn.to(self.accelerator.device)
 
         self.state = TrainerState(max_steps=self._total_steps())
         self.scheduler = self._build_scheduler()
@@ -111,19 +153,33 @@ class GRPOTrainer:
         self.window = MetricWindow()
         self._generation: dict[str, Any] | None = None  # the current generation batch, split in micro-batches
         self._micro_step = 0  # micro-steps taken on the current generation batch (over all μ passes)
+        if eval_dataset is not None:
+            check_required_columns(self.reward_functions, dataset_columns(eval_dataset))
 
     # ------------------------------------------------------------------------------------------------ setup
 
-    def _build_reward_functions(self, reward_funcs) -> list[RewardFunction]:
-        funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    def _build_reward_functions(self, reward_funcs, processing_classes) -> list[RewardFunction]:
+        """Callables keep TRL's contract; a path / hub id or a PreTrainedModel is a reward model."""
+        from transformers import PreTrainedModel
+
+        funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         if not funcs:
             raise ValueError("reward_funcs is empty: pass at least one reward function.")
-        for f in funcs:
-            if isinstance(f, str) or not callable(f):
-                raise NotImplementedError(f"Reward {f!r}: only Python callables are supported as reward functions yet.")
-        return [RewardFunction(reward_name(f), f) for f in funcs]
+        classes = list(processing_classes) if isinstance(processing_classes, (list, tuple)) else [processing_classes]
+        classes = classes + [None] * (len(funcs) - len(classes))
+        out = []
+        for f, tokenizer in zip(funcs, classes):
+            if isinstance(f, (str, PreTrainedModel)):
+                f = RewardModel(f, tokenizer, batch_size=self.args.per_device_train_batch_size)
+            elif not callable(f):
+                raise TypeError(f"Reward {f!r} is neither a function, a reward model nor a path to one.")
+            out.append(RewardFunction(reward_name(f), f))
+        names = [f.name for f in out]
+        if len(set(names)) != len(names):
+            raise ValueError(f"Reward functions need distinct names (their metrics are keyed by name): {names}.")
+        return out
 
-    def _build_policy(self, model, processing_class):
+    def _build_policy(self, model, processing_class, peft_config=None):
         if isinstance(model, str):
             name = model
             model = load_causal_lm(name, self.args.model_init_kwargs)
@@ -138,6 +194,8 @@ class GRPOTrainer:
                 warnings.warn("The tokenizer has no pad token: using its EOS token for padding.", stacklevel=3)
         if self.args.disable_dropout:
             disable_dropout(model)
+        if peft_config is not None:
+            model = apply_peft(model, peft_config)
         return model, processing_class
 
     def _total_steps(self) -> int:
@@ -233,13 +291,29 @@ class GRPOTrainer:
         completions, completion_lists = self._completions_as_given(rows, rollout.completion_ids, rollout.completion_mask)
         columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt",)}
         prompts = [r.get("prompt", r.get("prompt_ids")) for r in rows]
-        scores, failures = compute_rewards(self.reward_functions, prompts, completions, completion_lists, columns,
-                                           on_error=args.reward_fn_errors)  # fmt: skip
+        names = [f.name for f in self.reward_functions]
+        routes = (routes_from_column(columns[args.reward_routing_column], names, args.reward_routing_column)
+                  if args.reward_routing_column in columns else None)  # fmt: skip
+        process = [i for i, f in enumerate(self.reward_functions) if f.is_process]
+        step_ends = ([step_token_ends(ids, self.processing_class, args.step_separator) for ids in completion_lists]
+                     if process else None)  # fmt: skip
+        scores, failures, step_rewards = compute_rewards(
+            self.reward_functions, prompts, completions, completion_lists, columns, on_error=args.reward_fn_errors,
+            routes=routes, step_counts=[len(e) for e in step_ends] if step_ends else None,
+        )  # fmt: skip
         # A group may span processes: its statistics need every process's scores.
         all_scores = acc.gather(scores.to(device)).cpu()
-        rewards = combine_rewards(all_scores, self.reward_weights)
-        advantages = group_advantages(rewards, args.num_generations, args.scale_rewards)
+        outcome_weights = self.reward_weights.clone()
+        outcome_weights[process] = 0.0
+        rewards = combine_rewards(all_scores, outcome_weights)
         local = slice(offset, offset + len(rows))
+        if len(process) < len(self.reward_functions):
+            advantages = group_advantages(rewards, args.num_generations, args.scale_rewards)
+        else:  # only process rewards: the per-token advantages below are the whole signal
+            advantages = torch.zeros(len(rewards))
+        if process:
+            advantages = self._add_process_advantages(advantages, process, step_rewards, step_ends,
+                                                      rollout.completion_ids.shape[1])  # fmt: skip
 
         completion_mask = rollout.completion_mask
         if args.mask_truncated_completions:
@@ -254,9 +328,10 @@ class GRPOTrainer:
             # incremental decode rounds differently, so the old log-probs come from a training-style forward.
             batch["old_logprobs"] = rollout.logprobs if not (args.bf16 or args.fp16) else self._logprobs_in_chunks(
                 model, prompt_ids, prompt_mask, rollout.completion_ids, rollout.completion_mask)
-        if self.reference is not None:
-            batch["ref_logprobs"] = self._logprobs_in_chunks(
-                self.reference, prompt_ids, prompt_mask, rollout.completion_ids, rollout.completion_mask)
+        if args.beta > 0:
+            with reference_policy(model, self.reference) as reference:
+                batch["ref_logprobs"] = self._logprobs_in_chunks(
+                    reference, prompt_ids, prompt_mask, rollout.completion_ids, rollout.completion_mask)
         self._log_generation(all_scores, rewards, rollout, prompt_mask, failures)
         if args.log_completions:
             shown = args.num_completions_to_print or args.num_generations
@@ -270,6 +345,23 @@ class GRPOTrainer:
         # Shuffle before splitting so that each optimizer step sees a mix of groups (as TRL does).
         order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(args.seed + self.state.generations))
         return {key: value[order.to(value.device)] for key, value in batch.items()}
+
+    def _add_process_advantages(self, advantages, process, step_rewards, step_ends, width) -> torch.Tensor:
+        """Outcome advantages [N_global] broadcast over tokens, plus each process function's weighted token
+        advantages; every process gathers the step rewards of the whole batch (groups may span processes)."""
+        from accelerate.utils import gather_object
+
+        ends = gather_object(step_ends) if self.accelerator.num_processes > 1 else step_ends
+        widths = [width] * self.accelerator.num_processes
+        width = max(gather_object(widths)) if self.accelerator.num_processes > 1 else width
+        token_advantages = advantages[:, None].expand(-1, width).clone()
+        for index in process:
+            rewards = step_rewards[index]
+            rewards = gather_object(rewards) if self.accelerator.num_processes > 1 else rewards
+            token_advantages += self.reward_weights[index] * process_advantages(
+                rewards, ends, self.args.num_generations, width
+            )
+        return token_advantages
 
     def _log_generation(self, scores, rewards, rollout, prompt_mask, failures) -> None:
         args, acc = self.args, self.accelerator
@@ -289,13 +381,18 @@ class GRPOTrainer:
         }
         terminated = lengths[truncated == 0]
         metrics["completions/mean_terminated_length"] = terminated.mean().item() if len(terminated) else 0.0
+        keys = torch.tensor(sequence_keys(rollout.completion_ids, rollout.completion_mask), device=acc.device)
+        metrics["completions/duplicate_ratio"] = duplicate_ratio(acc.gather(keys).tolist(), args.num_generations)
+        # Reward errors are counted where they happen: the metric is the total over the processes.
+        errors = acc.reduce(torch.tensor([float(failures.get(f.name, 0)) for f in self.reward_functions],
+                                         device=acc.device), "sum").tolist()  # fmt: skip
         for index, function in enumerate(self.reward_functions):
             column = scores[:, index]
             metrics[f"rewards/{function.name}/mean"] = column.nanmean().item()
             valid = column[~column.isnan()]
             metrics[f"rewards/{function.name}/std"] = valid.std().item() if len(valid) > 1 else 0.0
-            if function.name in failures:
-                metrics[f"rewards/{function.name}/errors"] = failures[function.name]
+            if function.name in failures or errors[index]:
+                metrics[f"rewards/{function.name}/errors"] = errors[index]
         self.window.add(metrics)
 
     # ------------------------------------------------------------------------------------------- training
@@ -319,8 +416,9 @@ class GRPOTrainer:
         loss_weights = None
         if args.top_entropy_quantile < 1.0:
             loss_weights = high_entropy_mask(entropies.detach(), completion_mask, args.top_entropy_quantile)
+        advantages = batch["advantages"] if batch["advantages"].dim() == 1 else batch["advantages"][:, :width]
         loss, stats = policy_loss(
-            logprobs, old, ref, batch["advantages"], completion_mask,
+            logprobs, old, ref, advantages, completion_mask,
             loss_type=args.loss_type, beta=args.beta, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
             importance_sampling_level=args.importance_sampling_level,
             max_completion_length=args.max_completion_length, num_sequences=num_sequences, num_tokens=num_tokens,
@@ -355,8 +453,9 @@ class GRPOTrainer:
                                         else float("inf"))  # fmt: skip
         learning_rate = self.scheduler.get_last_lr()[0]
         # A NaN/inf loss or gradient (on any process) skips the update rather than poisoning the weights.
-        finite = torch.tensor(float(math.isfinite(loss_total) and math.isfinite(float(grad_norm))), device=acc.device)
-        if acc.reduce(finite, "min").item() == 1.0:
+        # (accelerate's reduce knows "sum", "mean" and "max" only: any other name silently sums.)
+        finite = math.isfinite(loss_total) and math.isfinite(float(grad_norm))
+        if acc.reduce(torch.tensor(float(not finite), device=acc.device), "max").item() == 0.0:
             self.optimizer.step()
             self.state.nonfinite_in_a_row = 0
         else:
@@ -380,7 +479,11 @@ class GRPOTrainer:
             mix_into_reference(self.reference, self.unwrapped_model, args.ref_model_mixup_alpha)
         metrics = {"loss": loss_total, "learning_rate": learning_rate, "grad_norm": float(grad_norm),
                    "nonfinite_steps": self.state.nonfinite_steps, **stats.flush()}  # fmt: skip
-        self.window.add({k: acc.reduce(torch.tensor(v, device=acc.device), "mean").item() for k, v in metrics.items()})
+        # One all-reduce for all metrics; every process has the same keys (sorted, so in the same order).
+        names = sorted(metrics)
+        means = acc.reduce(torch.tensor([float(metrics[k]) for k in names], dtype=torch.float64, device=acc.device),
+                           "mean")  # fmt: skip
+        self.window.add(dict(zip(names, means.tolist())))
 
     def train(self, resume_from_checkpoint: bool | str | None = None):
         from tqdm.auto import tqdm
@@ -398,6 +501,7 @@ class GRPOTrainer:
             args.save(Path(args.output_dir) / "grpo_config.json")
         logging_steps = _as_steps(args.logging_steps, self.state.max_steps)
         save_steps = _as_steps(args.save_steps, self.state.max_steps)
+        eval_steps = _as_steps(args.eval_steps or args.logging_steps, self.state.max_steps)
         bar = tqdm(total=self.state.max_steps, initial=self.state.global_step, desc="GRPO",
                    disable=args.disable_tqdm or not acc.is_main_process, dynamic_ncols=True)  # fmt: skip
         self.model.train()
@@ -415,8 +519,11 @@ class GRPOTrainer:
                 self.state.log_history.append(record)
                 bar.set_postfix(reward=f"{record.get('reward', float('nan')):.3f}")
                 sink.write(record)
+                self._check_guard()
                 if args.log_completions:
                     self._write_completions(step, sink)
+            if args.eval_strategy == "steps" and step % eval_steps == 0:  # before saving: the checkpoint holds it
+                self._log_evaluation(step, sink)
             epoch_ended = int(self.state.epoch) > last_epoch
             last_epoch = int(self.state.epoch)
             if (args.save_strategy == "steps" and step % save_steps == 0) or (args.save_strategy == "epoch" and epoch_ended):
@@ -438,44 +545,153 @@ class GRPOTrainer:
                  f"advantage={s['advantage']:+.3f}" for s in self._samples]  # fmt: skip
         print(f"[step {step}] completions:\n" + "\n".join(lines), flush=True)
 
+    # ------------------------------------------------------------------------------------------ evaluation
+
+    def _score(self, rows, completions, completion_lists):
+        """(prompts, scores [N, F], failures, step rewards, step ends) of the completions of rows, with the
+        routing and process-reward handling of training; the one place rows are scored."""
+        args = self.args
+        columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt",)}
+        prompts = [r.get("prompt", r.get("prompt_ids")) for r in rows]
+        names = [f.name for f in self.reward_functions]
+        routes = (routes_from_column(columns[args.reward_routing_column], names, args.reward_routing_column)
+                  if args.reward_routing_column in columns else None)  # fmt: skip
+        step_ends = ([step_token_ends(ids, self.processing_class, args.step_separator) for ids in completion_lists]
+                     if any(f.is_process for f in self.reward_functions) else None)  # fmt: skip
+        scores, failures, step_rewards = compute_rewards(
+            self.reward_functions, prompts, completions, completion_lists, columns, on_error=args.reward_fn_errors,
+            routes=routes, step_counts=[len(e) for e in step_ends] if step_ends else None,
+        )  # fmt: skip
+        return prompts, scores, failures, step_rewards, step_ends
+
+    def evaluate(self, eval_dataset=None) -> dict[str, float]:
+        """The `eval/...` metrics (grpokit.evaluation) of num_generations_eval completions per prompt of
+        eval_dataset (default: the trainer's). Sampling uses the training settings and a fixed seed, so the same
+        weights always give the same completions; they are kept, with their rewards, in `self.eval_samples`."""
+        from accelerate.utils import gather_object
+
+        args, acc = self.args, self.accelerator
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if dataset is None:
+            raise ValueError("No eval_dataset: pass one to GRPOTrainer(eval_dataset=...) or to evaluate().")
+        n = args.num_generations_eval or args.num_generations
+        names = [f.name for f in self.reward_functions]
+        # As the training `reward`: process rewards shape per-token advantages, not the outcome reward.
+        weights = torch.tensor([0.0 if f.is_process else w for f, w in zip(self.reward_functions,
+                                                                          self.reward_weights.tolist())])  # fmt: skip
+        indices = list(range(acc.process_index, len(dataset), acc.num_processes))
+        prompts_per_batch = max(1, args.per_device_eval_batch_size // n)
+        generator = torch.Generator(device=acc.device).manual_seed(args.seed + 1_000_000_007 * (1 + acc.process_index))
+        records = []
+        for start in range(0, len(indices), prompts_per_batch):
+            rows = [dataset[i] for i in indices[start : start + prompts_per_batch] for _ in range(n)]
+            prompt_ids, prompt_mask = (t.to(acc.device) for t in self._prompt_tensors(rows))
+            with acc.autocast():  # generate() puts the model in eval mode and back
+                rollout = generate(self.unwrapped_model, prompt_ids, prompt_mask, self._sampling_params(),
+                                   generator=generator, num_generations=n)  # fmt: skip
+            completions, completion_lists = self._completions_as_given(rows, rollout.completion_ids,
+                                                                       rollout.completion_mask)  # fmt: skip
+            prompts, scores, *_ = self._score(rows, completions, completion_lists)
+            records += group_records(prompts, completions, scores, combine_rewards(scores, weights),
+                                     rollout.completion_lengths, rollout.is_truncated, names, n)  # fmt: skip
+        self.eval_samples = gather_object(records) if acc.num_processes > 1 else records
+        return evaluation_metrics(self.eval_samples, names, args.pass_threshold)
+
+    def _log_evaluation(self, step: int, sink: MetricSink) -> None:
+        record = {"step": step, "epoch": round(self.state.epoch, 4), **self.evaluate()}
+        self.state.log_history.append(record)
+        sink.write(record, console=False)
+        if self.accelerator.is_main_process:
+            shown = " ".join(f"{k[5:]}={v:.4g}" for k, v in record.items() if k == "eval/reward" or "/pass@" in k)
+            print(f"[step {step}] eval: {shown}", file=sys.stderr, flush=True)
+        self._check_guard()
+
+    def _check_guard(self) -> None:
+        """Warn, once per guard_window logging steps, when the reward rises while guard_metric falls."""
+        args = self.args
+        if args.guard_metric is None:
+            return
+        rewards, guards, steps = guard_series(self.state.log_history, args.guard_metric)
+        alerts = guard_alerts(rewards, guards, args.guard_window)
+        if not alerts or alerts[-1] != len(steps) - 1 or getattr(self, "_guard_warned_step", None) == steps[-1]:
+            return
+        self._guard_warned_step = steps[-1]
+        first = len(steps) - args.guard_window
+        reward_key = "eval/reward" if args.guard_metric.startswith("eval/") else "reward"
+        warnings.warn(
+            f"Possible reward hacking: from step {steps[first]} to {steps[-1]} {reward_key!r} rose "
+            f"({rewards[first]:.4g} -> {rewards[-1]:.4g}) while {args.guard_metric!r} fell ({guards[first]:.4g} -> "
+            f"{guards[-1]:.4g}). Look at the completions (log_completions=True) before trusting the reward.",
+            RuntimeWarning, stacklevel=2,
+        )  # fmt: skip
+
     # ------------------------------------------------------------------------------------------ saving
 
     def save_model(self, output_dir: str | None = None) -> None:
-        output_dir = Path(output_dir or self.args.output_dir)
+        """Every process calls it; the main process writes."""
         self.accelerator.wait_for_everyone()
-        if not self.accelerator.is_main_process:
-            return
+        if self.accelerator.is_main_process:
+            self._write_model(Path(output_dir or self.args.output_dir))
+
+    def _write_model(self, output_dir: Path) -> None:
         output_dir.mkdir(parents=True, exist_ok=True)
+        card = model_card_writable(output_dir)  # asked first: peft's save_pretrained writes a README.md of its own
         model = self.unwrapped_model
         if hasattr(model, "save_pretrained"):
-            model.save_pretrained(output_dir, safe_serialization=True)
+            model.save_pretrained(output_dir, safe_serialization=True)  # with LoRA: the adapter only
+            if self.args.save_merged and is_peft_model(model):
+                save_merged(model, output_dir / "merged", self.processing_class)
         else:
             from safetensors.torch import save_file
 
             save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(output_dir / "model.safetensors"))
         if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
             self.processing_class.save_pretrained(output_dir)
+        if card:
+            write_model_card(output_dir, self._model_card())
+
+    def _model_card(self) -> str:
+        history = self.state.log_history
+        base_model = getattr(getattr(self.unwrapped_model, "config", None), "name_or_path", "") or "(a model object)"
+        return render_model_card(
+            self.args.run_name or Path(self.args.output_dir).name, base_model,
+            describe_dataset(self.train_dataset),
+            [(f.name, w) for f, w in zip(self.reward_functions, self.reward_weights.tolist())],
+            {**self.args.to_dict(), "max_steps": self.state.max_steps},
+            final_metrics=next((r for r in reversed(history) if "reward" in r), None),
+            final_eval=next((r for r in reversed(history) if "eval/reward" in r), None),
+        )  # fmt: skip
 
     def _save_checkpoint(self) -> Path | None:
-        args, acc = self.args, self.accelerator
-        acc.wait_for_everyone()
-        if not acc.is_main_process:
-            return None
+        """Every process calls it: each hands its own RNG state and half-used generation batch to the main
+        process, which writes the one (unsharded) checkpoint while the others wait."""
+        from accelerate.utils import gather_object
 
+        args, acc = self.args, self.accelerator
+        # Checked on every process (the weights are the same everywhere), so that all of them stop together.
         bad = [name for name, p in self.unwrapped_model.named_parameters() if not torch.isfinite(p).all()]
         if bad:
             raise FloatingPointError(f"Refusing to checkpoint non-finite weights ({bad[:3]}...) at step "
                                      f"{self.state.global_step}; the last complete checkpoint is kept.")  # fmt: skip
+        per_process = [] if args.save_only_model else gather_object([{
+            "rng": rng_state(),
+            "generation": None if self._generation is None else {k: v.cpu() for k, v in self._generation.items()},
+        }])  # fmt: skip
+        if not acc.is_main_process:
+            acc.wait_for_everyone()
+            return None
 
         def write(directory: Path) -> None:
-            self.save_model(directory)
+            self._write_model(directory)
             if args.save_only_model:
                 return
             torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
             torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
-            torch.save(rng_state(), directory / "rng_state.pth")
+            for rank, state in enumerate(per_process):  # Transformers' names: rng_state.pth in one process
+                torch.save(state["rng"], directory / (f"rng_state_{rank}.pth" if len(per_process) > 1
+                                                      else "rng_state.pth"))  # fmt: skip
             torch.save({"sampler": self.sampler.state_dict(), "window": self.window.state_dict(),
-                        "generation": self._generation, "micro_step": self._micro_step},
+                        "generations": [state["generation"] for state in per_process], "micro_step": self._micro_step},
                        directory / "generation_state.pt")  # fmt: skip
             self.state.save(directory / "trainer_state.json")
             if args.sync_ref_model and self.reference is not None:  # the reference has moved: keep it too
@@ -486,6 +702,7 @@ class GRPOTrainer:
 
         path = write_checkpoint(args.output_dir, self.state.global_step, write)
         rotate_checkpoints(args.output_dir, args.save_total_limit)
+        acc.wait_for_everyone()  # once any process goes on, the checkpoint is complete
         return path
 
     def _resume(self, resume: bool | str) -> None:
@@ -499,20 +716,39 @@ class GRPOTrainer:
             raise FileNotFoundError(f"{path} is not a resumable checkpoint (no trainer_state.json).")
         from safetensors.torch import load_file
 
-        weights = {}
-        for file in sorted(path.glob("*.safetensors")):
-            if file.name != "reference.safetensors":
-                weights.update(load_file(str(file)))
-        self.unwrapped_model.load_state_dict(weights, strict=False)
+        load_model_weights(self.unwrapped_model, path)
         if (path / "reference.safetensors").exists() and self.reference is not None:
             self.reference.load_state_dict(load_file(str(path / "reference.safetensors")), strict=False)
-        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+        # Loaded on the CPU: the state was saved from the main process's device, and load_state_dict moves it to
+        # each parameter's device (the optimizer state is the same on every process).
+        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False, map_location="cpu"))
         self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-        set_rng_state(torch.load(path / "rng_state.pth", weights_only=False))
-        extra = torch.load(path / "generation_state.pt", weights_only=False, map_location=self.accelerator.device)
+        acc = self.accelerator
+        own_rng = path / f"rng_state_{acc.process_index}.pth"
+        if not own_rng.exists() and (path / "rng_state.pth").exists():  # written by a single process
+            own_rng = path / "rng_state.pth"
+        if own_rng.exists():
+            set_rng_state(torch.load(own_rng, weights_only=False))
+        else:
+            warnings.warn(f"{path} holds no RNG state for process {acc.process_index}: it keeps its seeded RNG.",
+                          stacklevel=3)  # fmt: skip
+        extra = torch.load(path / "generation_state.pt", weights_only=False, map_location="cpu")
         self.sampler.load_state_dict(extra["sampler"])
         self.window.load_state_dict(extra["window"])
-        self._generation, self._micro_step = extra["generation"], extra["micro_step"]
+        generations = extra.get("generations", [extra.get("generation")])
+        if len(generations) == acc.num_processes:
+            generation = generations[acc.process_index]
+            self._generation = None if generation is None else {k: v.to(acc.device) for k, v in generation.items()}
+            self._micro_step = extra["micro_step"]
+        else:
+            # Each process's half-used generation batch is its slice of a global batch laid out for another
+            # number of processes: the next step samples a fresh batch instead (those prompts are skipped).
+            self._generation, self._micro_step = None, 0
+            passes = self.args.steps_per_generation * self.args.num_iterations
+            if generations[0] is not None and extra["micro_step"] < passes:
+                warnings.warn(f"{path} was written by {len(generations)} process(es), this run has "
+                              f"{acc.num_processes}: its half-used generation batch is dropped and a new one is "
+                              f"sampled.", stacklevel=3)  # fmt: skip
         self.state = TrainerState.load(path / "trainer_state.json")
         self.state.max_steps = self._total_steps()  # the run's length is this config's, not the checkpoint's
 
@@ -567,13 +803,21 @@ def build_accelerator(args: GRPOConfig):
     from accelerate.state import AcceleratorState, PartialState
 
     mixed_precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
+    # Under torchrun on a machine without an accelerator device, accelerate only forms a (gloo) process group when
+    # told `cpu=True`; otherwise every process silently trains alone on the whole run.
+    cpu = args.use_cpu or (int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_accelerator_device())
     try:
-        return Accelerator(cpu=args.use_cpu, mixed_precision=mixed_precision)
+        return Accelerator(cpu=cpu, mixed_precision=mixed_precision)
     except ValueError:
         if PartialState().num_processes > 1:
             raise
         AcceleratorState._reset_state(reset_partial_state=True)
-        return Accelerator(cpu=args.use_cpu, mixed_precision=mixed_precision)
+        return Accelerator(cpu=cpu, mixed_precision=mixed_precision)
+
+
+def _has_accelerator_device() -> bool:
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6 knows CUDA, XPU, MPS, ...
+    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
 
 
 def _as_steps(value: float, max_steps: int) -> int:

@@ -30,7 +30,7 @@ COLUMNS = {"answer": ["2", "2", "5050", "5050"], "difficulty": [1, 1, 3, 3]}
 
 def score(functions, on_error="raise", columns=COLUMNS):
     wrapped = [RewardFunction(f.__name__, f) for f in functions]
-    return compute_rewards(wrapped, PROMPTS, COMPLETIONS, COMPLETION_IDS, columns, on_error=on_error)
+    return compute_rewards(wrapped, PROMPTS, COMPLETIONS, COMPLETION_IDS, columns, on_error=on_error)[:2]
 
 
 def exact_answer(completions, answer, **kwargs):
@@ -144,7 +144,7 @@ def test_async_callable_object_is_detected():
 
     judge = RewardFunction("judge", Judge())
     assert judge.is_async
-    scores, _ = compute_rewards([judge], PROMPTS, COMPLETIONS, COMPLETION_IDS, COLUMNS)
+    scores, _, _ = compute_rewards([judge], PROMPTS, COMPLETIONS, COMPLETION_IDS, COLUMNS)
     assert scores.tolist() == [[1.0]] * 4
 
 
@@ -311,7 +311,7 @@ def test_accuracy_reward_unparsable_gold_is_none(gold):
 
 
 def test_accuracy_reward_none_survives_compute_rewards():
-    scores, _ = compute_rewards(
+    scores, _, _ = compute_rewards(
         [RewardFunction("accuracy", accuracy_reward)], ["p"] * 2, [r"$\boxed{2}$", r"$\boxed{2}$"], [[1], [1]],
         {"solution": ["2", ""]},
     )  # fmt: skip

@@ -1,7 +1,7 @@
 """The built-in demo: teach a tiny transformer to find the last letter in alphabetical order, offline, in minutes.
 
-The task is verifiable: the prompt is 5 letters and `>`, the answer is the one that comes last in the alphabet
-(`cfadb>` -> `f`).
+The task is verifiable: the prompt is 4 letters and `>`, the answer is the one that comes last in the alphabet
+(`cfad>` -> `f`).
 A random-weight model has nothing for GRPO to sharpen, so the demo first runs a short supervised warm-up that stops
 as soon as held-out accuracy reaches a low bar (real GRPO starts from a pretrained model); GRPO then turns a policy
 that mostly fails into one that mostly succeeds. Accuracy is exact match under greedy decoding on prompts never
@@ -22,8 +22,8 @@ from ..data import pad_left
 from ..rollout import SamplingParams, generate
 from ..testing import build_char_tokenizer, build_tiny_model
 
-LETTERS = "abcdefghij"
-LENGTH = 5
+LETTERS = "abcdefgh"
+LENGTH = 4
 
 
 def answer_format(completions, **kwargs) -> list[float]:
@@ -49,8 +49,8 @@ class DemoTask:
 
     @staticmethod
     def _word(rng: random.Random) -> str:
-        # The answer is uniform over the last six letters, so no constant guess is right more than 1 time in 6.
-        top = rng.randrange(4, len(LETTERS))
+        # The answer is uniform over the last five letters, so no constant guess is right more than 1 time in 5.
+        top = rng.randrange(3, len(LETTERS))
         letters = [rng.choice(LETTERS[: top + 1]) for _ in range(LENGTH - 1)]
         letters.insert(rng.randrange(LENGTH), LETTERS[top])
         return "".join(letters)
@@ -117,7 +117,7 @@ def run_demo(output_dir: str = "grpo-demo", max_steps: int = 300, seed: int = 0,
     torch.manual_seed(seed)
     task = DemoTask(seed=seed)
     model = task.build_model(hidden_size)
-    print(f"grpokit demo: name the last of {LENGTH} letters in alphabetical order ('cfadb>' -> 'f') with a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter model, built offline.")
+    print(f"grpokit demo: name the last of {LENGTH} letters in alphabetical order ('cfad>' -> 'f') with a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter model, built offline.")
     print(f"Supervised warm-up (the tiny model starts from random weights; real GRPO starts from a pretrained model) until held-out accuracy >= {warmup_target:.0%} ...")
     warm_steps = task.warm_up(model, target_accuracy=warmup_target)
     before = task.accuracy(model)

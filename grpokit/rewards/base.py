@@ -29,11 +29,13 @@ class RewardFunction:
     name: str
     fn: Callable[..., Any]
     is_async: bool = field(init=False)
+    is_process: bool = field(init=False)  # returns one list of step rewards per completion
 
     def __post_init__(self):
         self.is_async = inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(
             getattr(self.fn, "__call__", None)
         )
+        self.is_process = bool(getattr(self.fn, "is_process_reward", False))
 
     def required_columns(self) -> list[str]:
         """Keyword parameters the function needs that are not standard arguments (dataset columns)."""
@@ -148,6 +150,30 @@ def _score_rows_separately(function: RewardFunction, kwargs: dict, n: int) -> tu
     return values, failures
 
 
+def _check_steps(name: str, values: Any, step_counts: list[int]) -> tuple[list[float], list[list[float]]]:
+    """A process function's output: per completion a list of step rewards (or None). Returns (means, steps)."""
+    if not isinstance(values, (list, tuple)) or len(values) != len(step_counts):
+        raise RewardFunctionError(
+            f"Process reward function {name!r} must return one list of step rewards per completion "
+            f"({len(step_counts)} completions)."
+        )
+    means, steps = [], []
+    for row, (item, count) in enumerate(zip(values, step_counts)):
+        if item is None:
+            means.append(float("nan"))
+            steps.append([])
+            continue
+        rewards = _check_values(name, list(item), len(item))
+        if len(rewards) != count or any(math.isnan(r) for r in rewards):
+            raise RewardFunctionError(
+                f"Process reward function {name!r} returned {len(rewards)} step rewards for row {row}, whose "
+                f"completion has {count} step(s) (steps end at each step_separator); return one float per step."
+            )
+        means.append(sum(rewards) / len(rewards) if rewards else float("nan"))
+        steps.append(rewards)
+    return means, steps
+
+
 def compute_rewards(
     functions: list[RewardFunction],
     prompts: list[Any],
@@ -155,49 +181,91 @@ def compute_rewards(
     completion_ids: list[list[int]],
     columns: dict[str, list[Any]],
     on_error: str = "raise",
-) -> tuple[torch.Tensor, dict[str, int]]:
-    """Scores [N, F] (NaN where a function returned None) and the number of failed rows per function."""
+    routes: list[set[str]] | None = None,
+    step_counts: list[int] | None = None,
+) -> tuple[torch.Tensor, dict[str, int], dict[int, list[list[float]]]]:
+    """Score every completion with every function.
+
+    routes: per row, the names of the functions that apply to it (None = all); a function is called only on its
+    rows and the others get None. step_counts: per row, the number of steps (for process functions).
+    Returns (scores [N, F] with NaN for None — a process function's column holds its mean step reward —,
+    failed rows per function name, {function index: step rewards per row} for process functions).
+    """
     n = len(completions)
-    kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
+    base_kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
+    rows_of = [list(range(n)) if routes is None else [i for i in range(n) if f.name in routes[i]] for f in functions]
+    kwargs_of = [base_kwargs if len(rows) == n else {k: [v[i] for i in rows] for k, v in base_kwargs.items()}
+                 for rows in rows_of]  # fmt: skip
     results: dict[int, Any] = {}
     errors: dict[int, Exception] = {}
 
     async def run_async():
         async def one(index, function):
             try:
-                results[index] = await function.fn(**kwargs)
+                results[index] = await function.fn(**kwargs_of[index])
             except Exception as error:  # handled below, with the synchronous ones
                 errors[index] = error
 
-        await asyncio.gather(*(one(i, f) for i, f in enumerate(functions) if f.is_async))
+        await asyncio.gather(*(one(i, f) for i, f in enumerate(functions) if f.is_async and rows_of[i]))
 
     # Async functions run in their own event loop on a thread (this also works when the caller is inside a
     # running loop, e.g. Jupyter), while the synchronous ones run here.
     thread = None
-    if any(f.is_async for f in functions):
+    if any(f.is_async and rows_of[i] for i, f in enumerate(functions)):
         thread = threading.Thread(target=lambda: asyncio.run(run_async()), daemon=True)
         thread.start()
     for index, function in enumerate(functions):
-        if not function.is_async:
+        if not function.is_async and rows_of[index]:
             try:
-                results[index] = function.fn(**kwargs)
+                results[index] = function.fn(**kwargs_of[index])
             except Exception as error:
                 errors[index] = error
     if thread is not None:
         thread.join()
 
-    columns_out, failures = [], {}
+    scores = torch.full((n, len(functions)), float("nan"), dtype=torch.float32)
+    failures: dict[str, int] = {}
+    step_rewards: dict[int, list[list[float]]] = {}
     for index, function in enumerate(functions):
+        rows, kwargs = rows_of[index], kwargs_of[index]
+        if not rows:
+            if function.is_process:
+                step_rewards[index] = [[] for _ in range(n)]
+            continue
+        if function.is_process:
+            if index in errors:
+                raise _locate_failure(function, kwargs, errors[index], len(rows)) from errors[index]
+            counts = [step_counts[i] for i in rows] if step_counts is not None else [0] * len(rows)
+            means, steps = _check_steps(function.name, results[index], counts)
+            all_steps: list[list[float]] = [[] for _ in range(n)]
+            for row, mean, row_steps in zip(rows, means, steps):
+                scores[row, index], all_steps[row] = mean, row_steps
+            step_rewards[index] = all_steps
+            continue
         if index in errors:
-            if on_error == "none":
-                values, failures[function.name] = _score_rows_separately(function, kwargs, n)
-            else:
-                raise _locate_failure(function, kwargs, errors[index], n) from errors[index]
+            if on_error != "none":
+                raise _locate_failure(function, kwargs, errors[index], len(rows)) from errors[index]
+            values, failures[function.name] = _score_rows_separately(function, kwargs, len(rows))
         else:
-            values = _check_values(function.name, results[index], n)
-        columns_out.append(values)
-    scores = torch.tensor(columns_out, dtype=torch.float32).T.reshape(n, len(functions))
-    return scores, failures
+            values = _check_values(function.name, results[index], len(rows))
+        scores[rows, index] = torch.tensor(values, dtype=torch.float32)
+    return scores, failures, step_rewards
+
+
+def routes_from_column(values: list[Any], names: list[str], column: str) -> list[set[str]]:
+    """Per-row reward routing: each value lists the reward functions (by name) that apply to that row."""
+    known = set(names)
+    routes = []
+    for row, value in enumerate(values):
+        chosen = {value} if isinstance(value, str) else set(value or [])
+        unknown = chosen - known
+        if unknown:
+            raise ValueError(
+                f"Row {row} of column {column!r} names reward function(s) {sorted(unknown)} that are not among "
+                f"the trainer's reward functions {names}."
+            )
+        routes.append(chosen)
+    return routes
 
 
 def combine_rewards(scores: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,101 @@
+"""Reward-hacking signals, as pure functions: duplicated completions and a reward that rises while a guard falls.
+
+A policy that finds a loophole in its reward usually shows it before the reward does: its G samples of a prompt
+collapse onto the same string (`completions/duplicate_ratio`), completions run into max_completion_length
+(`completions/clipped_ratio`), or a metric that should move with the reward moves against it (the format reward,
+the completion length, an eval score). `guard_alerts` finds the last kind in the logged series.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Hashable, Sequence
+
+
+def duplicate_ratio(completions: Sequence[Hashable], num_generations: int) -> float:
+    """Share of completions that are identical to at least one *other* completion of their group, averaged over
+    groups (G = num_generations consecutive completions per group).
+
+    A completion counts once however many twins it has, and both (all) members of a set of identical completions
+    count: 0 when a group's G completions are all different, 1 when each has a twin (e.g. all the same).
+
+    Worked example (G = 4): ["ab", "ab", "c", "d"] -> 2/4 = 0.5; ["x", "x", "x", "x"] -> 1.0; two groups
+    ["a", "b", "c", "d"] and ["a", "a", "a", "b"] -> mean(0, 3/4) = 0.375.
+
+    Completions must be hashable: the trainer compares token-id tuples, so "identical" means the same tokens up
+    to and including EOS.
+    """
+    if num_generations < 1 or len(completions) % num_generations:
+        raise ValueError(f"{len(completions)} completions do not split into groups of {num_generations}.")
+    shares = []
+    for start in range(0, len(completions), num_generations):
+        counts = Counter(completions[start : start + num_generations])
+        shares.append(sum(count for count in counts.values() if count > 1) / num_generations)
+    return sum(shares) / len(shares) if shares else 0.0
+
+
+def sequence_keys(completion_ids, completion_mask) -> list[int]:
+    """One integer per completion that is equal for equal token sequences: the hash of its masked token ids
+    ([N, T] tensors). Hashes of tuples of ints do not depend on PYTHONHASHSEED, so processes agree on them."""
+    return [hash(tuple(ids[mask.bool()].tolist())) for ids, mask in zip(completion_ids, completion_mask)]
+
+
+def kendall_tau(values: Sequence[float]) -> float:
+    """Kendall's tau-a of values against their order: (rising pairs - falling pairs) / all pairs, in [-1, 1].
+
+    1 for a strictly increasing series, -1 for a strictly decreasing one, 0 for a flat one. Only the order of the
+    values matters, so metrics on any scale (a reward in [0, 1], a length in tokens) compare alike.
+
+    Worked example: [1, 3, 2, 4] has pairs (1,3)+ (1,2)+ (1,4)+ (3,2)- (3,4)+ (2,4)+ -> (5 - 1) / 6 = 0.667.
+    """
+    n = len(values)
+    if n < 2:
+        return 0.0
+    signs = [(values[j] > values[i]) - (values[j] < values[i]) for i in range(n) for j in range(i + 1, n)]
+    return sum(signs) / len(signs)
+
+
+def guard_alerts(reward: Sequence[float], guard: Sequence[float], window: int = 5, min_tau: float = 0.6) -> list[int]:
+    """Positions i of the series at which "the reward rises while the guard falls" is signalled.
+
+    reward and guard are aligned series (one value per logging step). At position i the last `window` values
+    (i - window + 1 .. i) are tested: the reward's Kendall tau must be >= min_tau and the guard's <= -min_tau
+    (with window 5 and min_tau 0.6: at least 8 of the 10 pairs of steps agree with the trend). After an alert the
+    next window - 1 positions are quiet, so a long stretch of hacking signals once per window, not at every step.
+    A window holding NaN is not tested.
+
+    Worked example (window 3): reward [1, 2, 3, 4, 5, 6] with guard [6, 5, 4, 3, 2, 1] -> [2, 5] (positions 3
+    and 4 are quiet after the alert at 2); the same reward with a flat guard [6, 6, 6, 6, 6, 6] -> [].
+    """
+    if len(reward) != len(guard):
+        raise ValueError(f"reward and guard series differ in length ({len(reward)} vs {len(guard)}).")
+    if window < 2:
+        raise ValueError(f"window={window}: a trend needs at least 2 values.")
+    alerts: list[int] = []
+    for end in range(window, len(reward) + 1):
+        if alerts and end - 1 - alerts[-1] < window:
+            continue
+        rewards, guards = reward[end - window : end], guard[end - window : end]
+        if any(math.isnan(x) for x in (*rewards, *guards)):
+            continue
+        if kendall_tau(rewards) >= min_tau and kendall_tau(guards) <= -min_tau:
+            alerts.append(end - 1)
+    return alerts
+
+
+def guard_series(log_history: Sequence[dict], guard_metric: str) -> tuple[list[float], list[float], list[int]]:
+    """(reward, guard, step) series from logged records that hold both the reward and the guard metric.
+
+    A guard among the eval metrics (`eval/...`) pairs with `eval/reward`, any other with the training `reward`.
+    Raises ValueError naming the logged metrics when records with a reward exist but none has the guard metric
+    (a misspelt guard_metric would otherwise never fire).
+    """
+    reward_key = "eval/reward" if guard_metric.startswith("eval/") else "reward"
+    with_reward = [record for record in log_history if reward_key in record]
+    records = [record for record in with_reward if guard_metric in record]
+    if with_reward and not records:
+        available = sorted({key for record in with_reward for key in record} - {"step", "epoch"})
+        raise ValueError(f"guard_metric={guard_metric!r} is not a logged metric; choose one of {available}.")
+    return ([float(r[reward_key]) for r in records], [float(r[guard_metric]) for r in records],
+            [int(r.get("step", i)) for i, r in enumerate(records)])  # fmt: skip

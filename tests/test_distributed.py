@@ -1,0 +1,309 @@
+"""Two processes on CPU (torchrun, gloo) against one: the same update, identical ranks, gathered rewards, resume.
+
+Each test writes nothing into the library: a small script (SCRIPT below) runs under
+`python -m torch.distributed.run --nproc_per_node 2` and leaves its evidence in files (weights per rank, the rows each
+rank's reward function saw, the advantages of each generation batch); the test reads them.
+"""
+
+import json
+import os
+import runpy
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+from grpokit import group_advantages
+from grpokit.testing import save_tiny_model
+
+LETTERS = "abcdefgh"
+
+SCRIPT = textwrap.dedent(
+    '''
+    import json, os, sys
+    from pathlib import Path
+
+    import torch
+    from datasets import Dataset
+
+    from grpokit import GRPOConfig, GRPOTrainer, group_advantages
+
+    RANK = int(os.environ.get("RANK", 0))
+    LETTERS = "abcdefgh"
+
+
+    def dataset():
+        # 64 distinct prompts "xy:", so that a prompt's text names its row; the task: repeat the first letter.
+        return Dataset.from_list([{"prompt": f"{a}{b}:", "letter": a} for a in LETTERS for b in LETTERS])
+
+
+    def recording_reward(log, tiebreak):
+        def repeat_letter(prompts, completions, letter, **kwargs):
+            scores = [(1.0 if c[:1] == t else 0.0) + tiebreak * (sum(map(ord, c)) % 7)
+                      for c, t in zip(completions, letter)]
+            with open(log, "a") as handle:
+                handle.write(json.dumps({"prompts": prompts, "scores": scores}) + "\\n")
+            return scores
+        return repeat_letter
+
+
+    def config(out, **values):
+        defaults = dict(max_completion_length=2, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
+                        disable_tqdm=True, seed=0)
+        return GRPOConfig(output_dir=str(out), **{**defaults, **values})
+
+
+    def fixed_batch(model):
+        """One global generation batch, the same in every process: 4 prompts x G=4, ragged completions."""
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        generator = torch.Generator().manual_seed(0)
+        prompt_ids = torch.tensor(tokenizer(["ab:", "cd:", "ef:", "gh:"])["input_ids"]).repeat_interleave(4, 0)
+        first_letter = tokenizer.convert_tokens_to_ids("a")
+        completion_ids = torch.randint(first_letter, len(tokenizer), (16, 5), generator=generator)
+        lengths = torch.randint(1, 6, (16, 1), generator=generator)
+        return {"prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids), "completion_ids": completion_ids,
+                "completion_mask": (torch.arange(5) < lengths).long(),
+                "advantages": group_advantages(torch.rand(16, generator=generator), 4)}
+
+
+    def one_update(spec):
+        """One optimizer step on this process's slice of the fixed batch, for each variant; weights to files."""
+        out, batch = Path(spec["out"]), fixed_batch(spec["model"])
+        for name, values in spec["variants"].items():
+            args = config(out / name, num_generations=4, max_steps=1, max_grad_norm=0.0, learning_rate=1e6,
+                          adam_epsilon=1e6, **values)
+            trainer = GRPOTrainer(model=spec["model"], reward_funcs=recording_reward(os.devnull, 0.0), args=args,
+                                  train_dataset=dataset())
+            rows = slice(trainer.accelerator.process_index * args.generation_batch_size,
+                         (trainer.accelerator.process_index + 1) * args.generation_batch_size)
+            trainer._generate_batch = lambda: {key: value[rows] for key, value in batch.items()}
+            trainer.train()
+            torch.save({"weights": trainer.unwrapped_model.state_dict(), "log_history": trainer.state.log_history},
+                       out / f"{name}_{RANK}.pt")
+
+
+    def train(spec):
+        """A real run; records what the rewards saw and each generation batch's advantages, per process."""
+        out = Path(spec["out"])
+        out.mkdir(parents=True, exist_ok=True)
+        trainer = GRPOTrainer(model=spec["model"], args=config(out, **spec["config"]), train_dataset=dataset(),
+                              reward_funcs=recording_reward(out / f"rewards_{RANK}.jsonl", spec["tiebreak"]))
+        batches, generate = [], trainer._generate_batch
+
+        def observed_generate():  # the real generation, observed: its advantages are the evidence
+            batch = generate()
+            batches.append({"prompts": trainer.processing_class.batch_decode(batch["prompt_ids"],
+                                                                             skip_special_tokens=True),
+                            "advantages": batch["advantages"].tolist()})
+            return batch
+
+        trainer._generate_batch = observed_generate
+        trainer.train(resume_from_checkpoint=spec.get("resume"))
+        torch.save({"weights": trainer.unwrapped_model.state_dict(), "log_history": trainer.state.log_history,
+                    "global_step": trainer.state.global_step, "num_processes": trainer.accelerator.num_processes,
+                    "batches": batches}, out / f"final_{RANK}.pt")
+
+
+    def main(spec_path):
+        for spec in json.loads(Path(spec_path).read_text()):  # jobs, one after the other, in the same processes
+            {"one_update": one_update, "train": train}[spec["job"]](spec)
+
+
+    if __name__ == "__main__":
+        main(sys.argv[1])
+    '''
+)
+
+# per_device_train_batch_size 6 x steps_per_generation 2 = 12 completions per process, 24 in all: 3 prompts of G=8,
+# so the second prompt's group spans the two processes (8 + 4 | 4 + 8).
+TWO_PROCESS_RUN = dict(per_device_train_batch_size=6, steps_per_generation=2, num_generations=8, learning_rate=1e-2,
+                       max_steps=6, save_strategy="steps", save_steps=1)  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_script(directory) -> str:
+    path = directory / "run.py"
+    path.write_text(SCRIPT)
+    return str(path)
+
+
+def launch(directory, *specs: dict, nproc: int = 2, timeout: float = 600) -> None:
+    """Run SCRIPT's jobs `specs` in `nproc` processes under torchrun (gloo on CPU); fail with their output."""
+    spec_path = directory / f"spec-{len(list(directory.glob('spec-*')))}.json"
+    spec_path.write_text(json.dumps(specs))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), write_script(directory),
+               str(spec_path)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    errors = "\n".join(line for line in result.stderr.splitlines() if line.startswith("[rank"))
+    assert result.returncode == 0, f"torchrun failed:\n{result.stdout[-2000:]}\n{errors[-8000:] or result.stderr[-8000:]}"
+
+
+def run_in_this_process(directory, spec: dict) -> None:
+    """The same script in one plain process (no torchrun): the single-process reference."""
+    spec_path = directory / "spec-single.json"
+    spec_path.write_text(json.dumps([spec]))
+    runpy.run_path(write_script(directory))["main"](str(spec_path))
+
+
+def load(path):
+    return torch.load(path, weights_only=False)
+
+
+def max_difference(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("model") / "tiny", chars=LETTERS + ":", hidden_size=32))
+
+
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo")  # bnpo is a per-process mean by definition (as in TRL): not comparable
+UPDATE_VARIANTS = {loss: dict(loss_type=loss, per_device_train_batch_size=8) for loss in LOSS_TYPES}
+UPDATE_VARIANTS["dapo_accumulated"] = dict(loss_type="dapo", per_device_train_batch_size=4, gradient_accumulation_steps=2)
+
+
+@pytest.fixture(scope="module")
+def two_process_run(model_dir, tmp_path_factory):
+    """One torchrun launch, two jobs: six real steps with a checkpoint after each (evidence in `out`), and one
+    update on a fixed batch per variant of UPDATE_VARIANTS (weights in `update`)."""
+    directory = tmp_path_factory.mktemp("two")
+    launch(directory, dict(job="train", model=model_dir, out=str(directory / "out"), config=TWO_PROCESS_RUN,
+                           tiebreak=0.01),
+           dict(job="one_update", model=model_dir, out=str(directory / "update"), variants=UPDATE_VARIANTS))
+    return directory / "out"
+
+
+def test_two_processes_make_the_update_of_one_with_the_same_global_batch(two_process_run, model_dir, tmp_path):
+    # The same 16 completions (fixed, so the comparison is exact): 1 process x 16 rows against 2 processes x 8 rows
+    # (and 2 x 2 micro-batches of 4 accumulated). With adam_epsilon = learning_rate >> |g| the first AdamW update is
+    # the gradient itself, and max_grad_norm = 0 leaves it unclipped: any error in the normalisation shows.
+    run_in_this_process(tmp_path, dict(job="one_update", model=model_dir, out=str(tmp_path / "one"),
+                                       variants={loss: dict(loss_type=loss, per_device_train_batch_size=16)
+                                                 for loss in LOSS_TYPES}))  # fmt: skip
+    variants, two = UPDATE_VARIANTS, two_process_run.parent / "update"
+
+    from transformers import AutoModelForCausalLM
+
+    initial = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    for name, values in variants.items():
+        one = load(tmp_path / "one" / f"{values['loss_type']}_0.pt")
+        rank0, rank1 = load(two / f"{name}_0.pt"), load(two / f"{name}_1.pt")
+        moved = max_difference(one["weights"], {k: v for k, v in initial.items() if k in one["weights"]})
+        assert moved > 1e-2, name
+        assert max_difference(rank0["weights"], rank1["weights"]) == 0.0, name  # DDP keeps the ranks identical
+        assert max_difference(rank0["weights"], one["weights"]) < 1e-5 * moved, name
+        # The logged loss is the mean over processes of each one's share: the one-process loss.
+        assert rank0["log_history"][0]["loss"] == pytest.approx(one["log_history"][0]["loss"], abs=1e-6), name
+
+
+def test_ranks_end_identical_and_only_the_main_process_writes(two_process_run):
+    rank0, rank1 = load(two_process_run / "final_0.pt"), load(two_process_run / "final_1.pt")
+    assert rank0["num_processes"] == rank1["num_processes"] == 2
+    assert rank0["global_step"] == rank1["global_step"] == 6
+    assert max_difference(rank0["weights"], rank1["weights"]) == 0.0
+    # One metrics line per step (a second writer would duplicate or interleave them), equal to the logged history.
+    lines = [json.loads(line) for line in (two_process_run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
+    assert lines == rank0["log_history"]
+    assert sorted(p.name for p in two_process_run.iterdir() if p.name.startswith(("checkpoint-", ".tmp"))) == [
+        f"checkpoint-{step}" for step in range(1, 7)
+    ]
+    checkpoint = two_process_run / "checkpoint-6"
+    assert {"rng_state_0.pth", "rng_state_1.pth", "generation_state.pt", "optimizer.pt"} <= {
+        p.name for p in checkpoint.iterdir()
+    }
+    assert not (checkpoint / "rng_state.pth").exists()
+
+
+def test_ranks_score_disjoint_slices_and_advantages_use_every_rank_s_rewards(two_process_run):
+    calls = [[json.loads(line) for line in (two_process_run / f"rewards_{rank}.jsonl").read_text().splitlines()]
+             for rank in (0, 1)]  # fmt: skip
+    batches = [load(two_process_run / f"final_{rank}.pt")["batches"] for rank in (0, 1)]
+    assert len(calls[0]) == len(calls[1]) == len(batches[0]) == 3  # 6 steps, 2 per generation batch
+    group = TWO_PROCESS_RUN["num_generations"]
+    for call0, call1, batch0, batch1 in zip(*calls, *batches):
+        # Rank 0 scored the first 12 completions of the generation batch, rank 1 the next 12: together the
+        # 3 prompts x 8, each prompt's completions contiguous, no completion scored twice.
+        prompts = call0["prompts"] + call1["prompts"]
+        assert len(call0["prompts"]) == len(call1["prompts"]) == 12
+        distinct = list(dict.fromkeys(prompts))
+        assert prompts == [p for p in distinct for _ in range(group)] and len(distinct) == 3
+        assert call0["prompts"][-1] == call1["prompts"][0]  # the middle group spans the two processes
+        # Each process's advantages are those of the global batch's groups (gathered rewards), not of its half.
+        expected = group_advantages(torch.tensor(call0["scores"] + call1["scores"]), group)
+        spanning = distinct[1]
+        rewards = torch.tensor(call0["scores"] + call1["scores"])[[p == spanning for p in prompts]]
+        assert rewards.std() > 0  # the check below would hold trivially for a group of equal rewards
+        for prompt in distinct:
+            got = [a for b in (batch0, batch1) for p, a in zip(b["prompts"], b["advantages"]) if p == prompt]
+            want = expected[[p == prompt for p in prompts]].tolist()
+            assert sorted(got) == pytest.approx(sorted(want), abs=1e-5), prompt
+    # The logged reward is the mean over both processes' scores.
+    first = load(two_process_run / "final_0.pt")["log_history"][0]
+    assert first["reward"] == pytest.approx(sum(calls[0][0]["scores"] + calls[1][0]["scores"]) / 24, abs=1e-6)
+
+
+def test_checkpoint_resumes_in_two_processes_to_the_same_weights(two_process_run, model_dir, tmp_path):
+    # checkpoint-3 is half-way through a generation batch (2 steps each): each process must get back its own slice.
+    spec = dict(job="train", model=model_dir, out=str(tmp_path / "out"), config=TWO_PROCESS_RUN, tiebreak=0.01,
+                resume=str(two_process_run / "checkpoint-3"))  # fmt: skip
+    launch(tmp_path, spec)
+    resumed, unbroken = load(tmp_path / "out" / "final_0.pt"), load(two_process_run / "final_0.pt")
+    assert resumed["global_step"] == 6
+    assert [e["step"] for e in resumed["log_history"]] == [1, 2, 3, 4, 5, 6]
+    assert [json.loads(line)["step"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()] == [
+        4, 5, 6
+    ]
+    assert max_difference(resumed["weights"], unbroken["weights"]) == 0.0
+    assert [e["loss"] for e in resumed["log_history"]] == [e["loss"] for e in unbroken["log_history"]]
+
+
+def test_checkpoint_of_two_processes_resumes_in_one(two_process_run, model_dir, tmp_path):
+    # The same global batch in one process (12 x 2 = 24 completions). Resuming from a generation boundary keeps
+    # every state; resuming mid-generation drops the half-used batch (laid out for 2 processes) with a warning.
+    config = {**TWO_PROCESS_RUN, "per_device_train_batch_size": 12, "max_steps": 8}
+    for checkpoint, warns in (("checkpoint-4", False), ("checkpoint-3", True)):
+        out = tmp_path / checkpoint
+        spec = dict(job="train", model=model_dir, out=str(out), config=config, tiebreak=0.01,
+                    resume=str(two_process_run / checkpoint))  # fmt: skip
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run_in_this_process(tmp_path, spec)
+        assert any("half-used generation batch" in str(w.message) for w in caught) == warns
+        state = load(out / "final_0.pt")
+        assert state["num_processes"] == 1 and state["global_step"] == 8
+        start = int(checkpoint.split("-")[1])
+        assert [e["step"] for e in state["log_history"]] == list(range(1, 9))
+        assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == list(
+            range(start + 1, 9)
+        )
+        assert all(torch.isfinite(v).all() for v in state["weights"].values())
+
+
+@pytest.mark.slow
+def test_two_processes_learn(model_dir, tmp_path):
+    # "Repeat the prompt's first letter" with 2 x 32 completions per step: the reward rises as in one process.
+    config = dict(per_device_train_batch_size=32, num_generations=8, learning_rate=1e-2, max_steps=60,
+                  logging_steps=5, save_strategy="steps", save_steps=30)  # fmt: skip
+    launch(tmp_path, dict(job="train", model=model_dir, out=str(tmp_path / "out"), config=config, tiebreak=0.0))
+    rank0, rank1 = load(tmp_path / "out" / "final_0.pt"), load(tmp_path / "out" / "final_1.pt")
+    rewards = [entry["reward"] for entry in rank0["log_history"]]
+    assert rewards[0] < 0.25 and sum(rewards[-3:]) / 3 >= 0.5, rewards
+    assert max_difference(rank0["weights"], rank1["weights"]) == 0.0
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-30", "checkpoint-60"]
+    shutil.rmtree(tmp_path / "out")
