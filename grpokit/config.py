@@ -108,6 +108,10 @@ class GRPOConfig:
     top_entropy_quantile: float = _f(1.0, "Keep only tokens above this entropy quantile in the policy loss.")
     entropy_coef: float = _f(0.0, "Entropy bonus coefficient (subtracted from the loss).")
     reward_fn_errors: str = _f("raise", "A reward function that raises: 'raise' (named) or 'none' (count as None).")
+    dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose rewards are all equal and sample "
+                                       "more prompts until the batch is full.")
+    max_resample_rounds: int = _f(4, "Dynamic sampling: extra sampling rounds per batch at most (then zero-spread "
+                                     "groups fill what is missing, counted in dynamic_sampling/filled_groups).")
     reward_routing_column: str = _f("reward_funcs", "Dataset column listing, per row, the names of the reward "
                                                     "functions that apply to it (the others count as None).")
     step_separator: Any = _f("\n", "Where process rewards cut a completion into steps (a token id for models "

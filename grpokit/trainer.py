@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import json
 import math
 import os
@@ -53,7 +54,7 @@ from .rewards.base import (
     reward_name,
     routes_from_column,
 )
-from .rollout import SamplingParams, generate
+from .rollout import Rollout, SamplingParams, generate
 from .evaluation import evaluation_metrics, group_records
 from .model_card import describe_dataset, model_card_writable, render_model_card, write_model_card
 from .signals import duplicate_ratio, guard_alerts, guard_series, sequence_keys
@@ -76,6 +77,62 @@ class TrainerState:
     @classmethod
     def load(cls, path: Path) -> "TrainerState":
         return cls(**json.loads(path.read_text()))
+
+
+@dataclass
+class ScoredRollout:
+    """One process's sampled and scored rows (n of them) before advantages: what dynamic sampling filters."""
+
+    rows: list[dict]
+    prompts: list[Any]
+    completions: list[Any]
+    completion_lists: list[list[int]]
+    prompt_ids: torch.Tensor  # [n, P] left-padded
+    prompt_mask: torch.Tensor  # [n, P]
+    rollout: Rollout
+    scores: torch.Tensor  # [n, F]
+    failures: dict[str, int]
+    step_rewards: dict[int, list[list[float]]]  # process function index -> per row
+    step_ends: list[list[int]]  # per row
+    offset: int  # first row's index in the global batch
+
+    def select(self, indices: list[int]) -> "ScoredRollout":
+        pick = lambda values: [values[i] for i in indices]  # noqa: E731
+        index = torch.tensor(indices, dtype=torch.long)
+        r = self.rollout
+        rollout = Rollout(r.prompt_ids[index], r.prompt_mask[index], r.completion_ids[index],
+                          r.completion_mask[index], r.logprobs[index], r.is_truncated[index])  # fmt: skip
+        return ScoredRollout(pick(self.rows), pick(self.prompts), pick(self.completions),
+                             pick(self.completion_lists), self.prompt_ids[index], self.prompt_mask[index], rollout,
+                             self.scores[index], dict(self.failures),
+                             {k: pick(v) for k, v in self.step_rewards.items()}, pick(self.step_ends), self.offset)
+
+    @staticmethod
+    def concat(parts: list["ScoredRollout"]) -> "ScoredRollout":
+        """Join parts, re-padding prompts on the left and completions on the right to a common width (the new
+        padding is masked out everywhere, so its value does not matter)."""
+        def pad(tensors, on_left: bool):
+            width = max(t.shape[1] for t in tensors)
+            sides = lambda t: (width - t.shape[1], 0) if on_left else (0, width - t.shape[1])  # noqa: E731
+            return torch.cat([torch.nn.functional.pad(t, sides(t)) for t in tensors])
+
+        left = lambda tensors: pad(tensors, True)  # noqa: E731
+        right = lambda tensors: pad(tensors, False)  # noqa: E731
+        rollout = Rollout(left([p.prompt_ids for p in parts]), left([p.prompt_mask for p in parts]),
+                          right([p.rollout.completion_ids for p in parts]),
+                          right([p.rollout.completion_mask for p in parts]),
+                          right([p.rollout.logprobs for p in parts]),
+                          torch.cat([p.rollout.is_truncated for p in parts]))  # fmt: skip
+        failures: dict[str, int] = {}
+        for p in parts:
+            for k, v in p.failures.items():
+                failures[k] = failures.get(k, 0) + v
+        join = lambda name: [x for p in parts for x in getattr(p, name)]  # noqa: E731
+        return ScoredRollout(join("rows"), join("prompts"), join("completions"), join("completion_lists"),
+                             rollout.prompt_ids, rollout.prompt_mask, rollout,
+                             torch.cat([p.scores for p in parts]), failures,
+                             {k: [x for p in parts for x in p.step_rewards[k]] for k in parts[0].step_rewards},
+                             join("step_ends"), parts[0].offset)  # fmt: skip
 
 
 class GRPOTrainer:
@@ -102,6 +159,12 @@ class GRPOTrainer:
         self.eval_dataset = eval_dataset
         if callbacks:
             raise NotImplementedError("callbacks are not supported yet; read trainer.state.log_history instead.")
+        if args.dynamic_sampling and (args.generation_batch_size % args.num_generations):
+            raise ValueError("dynamic_sampling keeps or drops whole groups: make the per-process generation batch a "
+                             "multiple of num_generations.")  # fmt: skip
+        if args.dynamic_sampling and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise NotImplementedError("dynamic_sampling runs in one process only for now: processes would draw "
+                                      "different numbers of prompt batches and fall out of step.")  # fmt: skip
         # Everything a user can get wrong in the data or rewards is checked before the model is loaded.
         check_dataset(train_dataset)
         self.train_dataset = train_dataset
@@ -275,7 +338,8 @@ class GRPOTrainer:
             out.append(logprobs.float())
         return torch.cat(out)
 
-    def _generate_batch(self) -> dict[str, Any]:
+    def _sample_and_score(self) -> ScoredRollout:
+        """Draw this process's next rows, sample their completions and score them."""
         args, acc, device = self.args, self.accelerator, self.accelerator.device
         rows, offset = self._draw_rows()
         prompt_ids, prompt_mask = (t.to(device) for t in self._prompt_tensors(rows))
@@ -283,29 +347,68 @@ class GRPOTrainer:
             args.seed * 1_000_003 + self.state.generations * 1009 + acc.process_index
         )
         self.state.generations += 1
-        model = self.unwrapped_model
         with acc.autocast():
-            rollout = generate(model, prompt_ids, prompt_mask, self._sampling_params(), generator=generator,
-                               num_generations=args.num_generations)  # fmt: skip
-
+            rollout = generate(self.unwrapped_model, prompt_ids, prompt_mask, self._sampling_params(),
+                               generator=generator, num_generations=args.num_generations)  # fmt: skip
         completions, completion_lists = self._completions_as_given(rows, rollout.completion_ids, rollout.completion_mask)
         columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt",)}
         prompts = [r.get("prompt", r.get("prompt_ids")) for r in rows]
         names = [f.name for f in self.reward_functions]
         routes = (routes_from_column(columns[args.reward_routing_column], names, args.reward_routing_column)
                   if args.reward_routing_column in columns else None)  # fmt: skip
-        process = [i for i, f in enumerate(self.reward_functions) if f.is_process]
         step_ends = ([step_token_ends(ids, self.processing_class, args.step_separator) for ids in completion_lists]
-                     if process else None)  # fmt: skip
+                     if self._process_indices else [[] for _ in rows])  # fmt: skip
         scores, failures, step_rewards = compute_rewards(
             self.reward_functions, prompts, completions, completion_lists, columns, on_error=args.reward_fn_errors,
-            routes=routes, step_counts=[len(e) for e in step_ends] if step_ends else None,
+            routes=routes, step_counts=[len(e) for e in step_ends],
         )  # fmt: skip
+        return ScoredRollout(rows, prompts, completions, completion_lists, prompt_ids, prompt_mask, rollout, scores,
+                             failures, step_rewards, step_ends, offset)  # fmt: skip
+
+    @property
+    def _process_indices(self) -> list[int]:
+        return [i for i, f in enumerate(self.reward_functions) if f.is_process]
+
+    def _outcome_rewards(self, scores: torch.Tensor) -> torch.Tensor:
+        weights = self.reward_weights.clone()
+        weights[self._process_indices] = 0.0  # process rewards enter as token advantages, not here
+        return combine_rewards(scores, weights)
+
+    def _fill_with_varied_groups(self, first: ScoredRollout) -> ScoredRollout:
+        """DAPO's dynamic sampling: keep only groups whose rewards vary, and sample more prompts until the batch
+        is full (at most max_resample_rounds more rounds; then zero-spread groups fill the rest, counted)."""
+        args, size = self.args, len(first.rows)
+        kept, rounds, current = [], 0, first
+        while True:
+            _, std = group_stats(self._outcome_rewards(current.scores), args.num_generations)
+            varied = [i for g, s in enumerate(std.tolist()) if s > 0 for i in range(g * args.num_generations,
+                                                                                    (g + 1) * args.num_generations)]
+            kept.append(current.select(varied))
+            if sum(len(k.rows) for k in kept) >= size or rounds >= args.max_resample_rounds:
+                break
+            current, rounds = self._sample_and_score(), rounds + 1
+        filled = ScoredRollout.concat(kept)
+        missing = size - len(filled.rows)
+        self.window.add({"dynamic_sampling/rounds": rounds, "dynamic_sampling/filled_groups": max(missing, 0) / args.num_generations})
+        if missing > 0:  # out of rounds: complete the batch with the first round's zero-spread groups
+            _, std = group_stats(self._outcome_rewards(first.scores), args.num_generations)
+            flat = [i for g, s in enumerate(std.tolist()) if s == 0 for i in range(g * args.num_generations,
+                                                                                   (g + 1) * args.num_generations)]
+            filled = ScoredRollout.concat([filled, first.select(flat[:missing])])
+        return filled.select(list(range(size)))
+
+    def _generate_batch(self) -> dict[str, Any]:
+        args, acc, device = self.args, self.accelerator, self.accelerator.device
+        scored = self._sample_and_score()
+        if args.dynamic_sampling:
+            scored = self._fill_with_varied_groups(scored)
+        rows, prompts, completions, offset = scored.rows, scored.prompts, scored.completions, scored.offset
+        prompt_ids, prompt_mask, rollout = scored.prompt_ids, scored.prompt_mask, scored.rollout
+        failures, step_rewards, step_ends = scored.failures, scored.step_rewards, scored.step_ends
+        model, process = self.unwrapped_model, self._process_indices
         # A group may span processes: its statistics need every process's scores.
-        all_scores = acc.gather(scores.to(device)).cpu()
-        outcome_weights = self.reward_weights.clone()
-        outcome_weights[process] = 0.0
-        rewards = combine_rewards(all_scores, outcome_weights)
+        all_scores = acc.gather(scored.scores.to(device)).cpu()
+        rewards = self._outcome_rewards(all_scores)
         local = slice(offset, offset + len(rows))
         if len(process) < len(self.reward_functions):
             advantages = group_advantages(rewards, args.num_generations, args.scale_rewards)
@@ -339,7 +442,8 @@ class GRPOTrainer:
                 {"prompt": prompts[i], "completion": completions[i],
                  "rewards": {f.name: _none_if_nan(all_scores[offset + i, j].item())
                              for j, f in enumerate(self.reward_functions)},
-                 "reward": _none_if_nan(rewards[offset + i].item()), "advantage": advantages[offset + i].item()}
+                 "reward": _none_if_nan(rewards[offset + i].item()),
+                 "advantage": advantages[offset + i].float().mean().item()}
                 for i in range(min(shown, len(rows)))
             ]  # fmt: skip
         # Shuffle before splitting so that each optimizer step sees a mix of groups (as TRL does).

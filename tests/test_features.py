@@ -247,3 +247,25 @@ def test_plain_module_without_tokenizer_learns_to_draw(tmp_path):
     assert trainer.processing_class is None
     assert history[-1]["reward"] > history[0]["reward"] + 0.1, [h["reward"] for h in history]
     assert (trainer.state.global_step == 30)
+
+
+# ---------------------------------------------------------------------------------------------- DAPO extras
+
+
+def test_dynamic_sampling_fills_the_batch_with_varied_groups(model_dir, tmp_path):
+    # Prompts 'a:'..'d:' always score 1, 'e:'..'h:' score by chance: the constant groups must be dropped.
+    def half_constant(completions, letter, **kwargs):
+        return [1.0 if target in "abcd" else float(c[:1] == target) + 0.01 * len(c)
+                for c, target in zip(completions, letter)]  # fmt: skip
+
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=half_constant, train_dataset=letter_dataset(),
+                          args=config(tmp_path, dynamic_sampling=True, max_resample_rounds=8,
+                                      max_completion_length=4))  # fmt: skip
+    batch = trainer._generate_batch()
+    assert len(batch["advantages"]) == 32  # full
+    # Every kept completion comes from a varied group: none of the constant prompts remain.
+    prompts = trainer.processing_class.batch_decode(batch["prompt_ids"], skip_special_tokens=True)
+    assert all(p[0] in "efgh" for p in prompts), prompts
+    assert trainer.window.flush()["dynamic_sampling/rounds"] >= 1
+    # Each group's advantages have spread (none all-zero)
+    assert (batch["advantages"] != 0).float().mean() > 0.5
