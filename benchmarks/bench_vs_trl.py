@@ -64,6 +64,9 @@ CONFIGS = {
     ),
 }
 
+IMPLS = ("trl", "grpokit", "grpokit-baseline")
+BASELINE = "grpokit-baseline"  # grpokit from another source tree (--baseline), e.g. before a change
+
 PROMPT_TEMPLATE = "q{index:04d}: what is {a:02d}+{b:02d}? answer:"  # every prompt has the same token length
 
 
@@ -191,10 +194,13 @@ def run_child(spec: dict) -> dict:
 
         version = trl.__version__
     else:
+        if spec.get("src"):  # an earlier grpokit source tree (--baseline) shadows the installed one
+            sys.path.insert(0, spec["src"])
         import grpokit
         from grpokit import GRPOConfig, GRPOTrainer
 
         version = grpokit.__version__
+        assert not spec.get("src") or Path(grpokit.__file__).resolve().is_relative_to(Path(spec["src"]).resolve())
 
     stamps: list[float] = []
     dataset = make_dataset(spec["num_prompts"], spec["seed"])
@@ -351,7 +357,7 @@ def fmt(x, digits=3):
 def summarise(results: list[dict]) -> dict:
     out = {}
     keys = ("tokens_per_s", "step_time_median_s", "peak_rss_mib", "rss_before_train_mib", "cuda_max_allocated_mib")
-    for impl in ("trl", "grpokit"):
+    for impl in IMPLS:
         runs = [r for r in results if r["impl"] == impl and "error" not in r]
         out[impl] = {"runs": len(runs)}
         for key in keys:
@@ -364,6 +370,11 @@ def summarise(results: list[dict]) -> dict:
         a, b = out["grpokit"].get(key), out["trl"].get(key)
         ratios[key] = a / b if a is not None and b else None
     out["ratio_grpokit_over_trl"] = ratios
+    if out[BASELINE]["runs"]:
+        out["ratio_baseline_over_trl"] = {
+            key: out[BASELINE][key] / out["trl"][key] if out[BASELINE][key] is not None and out["trl"][key] else None
+            for key in keys
+        }
     return out
 
 
@@ -376,21 +387,26 @@ def markdown(name: str, config: dict, model_info: dict, summary: dict, info: dic
         f"{'bf16' if config['bf16'] else 'fp32'}, {args.warmup} warm-up + {args.steps} measured steps, "
         f"{args.repeats} repeat(s) each (median [min-max])",
         "",
-        "| metric | TRL | grpokit | grpokit / TRL |",
-        "|---|---|---|---|",
     ]
+    baseline = bool(summary[BASELINE]["runs"])
+    impls = ("trl", BASELINE, "grpokit") if baseline else ("trl", "grpokit")
+    lines += (["| metric | TRL | grpokit before (--baseline) | grpokit | before / TRL | grpokit / TRL |",
+               "|---|---|---|---|---|---|"] if baseline else
+              ["| metric | TRL | grpokit | grpokit / TRL |", "|---|---|---|---|"])  # fmt: skip
     rows = [("tokens/s", "tokens_per_s", 4), ("step time (s, median)", "step_time_median_s", 3)]
     rows.append(("peak GPU memory allocated (MiB)", "cuda_max_allocated_mib", 4) if cuda
                 else ("peak RSS (MiB)", "peak_rss_mib", 4))  # fmt: skip
     rows.append(("RSS before train() (MiB)", "rss_before_train_mib", 4))
     for label, key, digits in rows:
         cells = []
-        for impl in ("trl", "grpokit"):
+        for impl in impls:
             s = summary[impl]
             cells.append(f"{fmt(s[key], digits)} [{fmt(s[key + '_min'], digits)}-{fmt(s[key + '_max'], digits)}]"
                          if s[key] is not None else "-")  # fmt: skip
-        ratio = summary["ratio_grpokit_over_trl"][key]
-        lines.append(f"| {label} | {cells[0]} | {cells[1]} | {fmt(ratio, 3)} |")
+        ratios = [summary["ratio_grpokit_over_trl"][key]]
+        if baseline:
+            ratios.insert(0, summary["ratio_baseline_over_trl"][key])
+        lines.append(f"| {label} | {' | '.join(cells)} | {' | '.join(fmt(r, 3) for r in ratios)} |")
     lines += [
         "",
         f"Machine: {info['cpu']}, {info['usable_cpus']} usable / {info['logical_cpus']} logical CPUs"
@@ -423,6 +439,9 @@ def main(argv=None) -> int:
     parser.add_argument("--grpokit-python", default=sys.executable, help="interpreter for the grpokit runs")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per child run")
     parser.add_argument("--keep", default=None, help="save the model here instead of a temporary directory")
+    parser.add_argument("--baseline", default=None, metavar="DIR",
+                        help="also run grpokit from this source tree (a directory holding a `grpokit` package, "
+                             "e.g. `git archive HEAD grpokit | tar -x -C DIR`), as a third implementation")  # fmt: skip
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -442,6 +461,8 @@ def main(argv=None) -> int:
             return 0
     info = machine_info()
     impls = [s.strip() for s in args.impls.split(",") if s.strip()]
+    if args.baseline:
+        impls.append(BASELINE)
     with tempfile.TemporaryDirectory(prefix="grpokit-bench-") as tmp:
         workdir = Path(tmp)
         model_dir = Path(args.keep) if args.keep else workdir / "model"
@@ -457,6 +478,7 @@ def main(argv=None) -> int:
                     "warmup": args.warmup, "beta": args.beta, "learning_rate": args.learning_rate, "seed": args.seed,
                     "threads": args.threads, "output_dir": str(workdir / f"out_{impl}_{repeat}"),
                     "num_prompts": max(64, prompts_per_step * (args.steps + args.warmup)),
+                    "src": str(Path(args.baseline).resolve()) if impl == BASELINE else None,
                 }  # fmt: skip
                 python = args.trl_python if impl == "trl" else args.grpokit_python
                 result = launch(spec, python, workdir, repeat, args.timeout)

@@ -201,7 +201,18 @@ def main(argv=None) -> int:
     parser.add_argument("--torch-profiler", action="store_true", help="also print torch.profiler's top operators")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
+    parser.add_argument("--src", default=None, metavar="DIR",
+                        help="import grpokit from this source tree instead (e.g. `git archive HEAD grpokit | tar -x "
+                             "-C DIR`), to profile an earlier version")  # fmt: skip
+    parser.add_argument("--plain-head", action="store_true",
+                        help="grpokit: force the plain logits path (grpokit.policy.USE_CHUNKED_HEAD = False)")
     args = parser.parse_args(argv)
+    if args.src:  # before anything imports grpokit
+        sys.path.insert(0, str(Path(args.src).resolve()))
+    if args.plain_head:
+        import grpokit.policy
+
+        grpokit.policy.USE_CHUNKED_HEAD = False
     for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
         os.environ.setdefault(key, "1")
 
@@ -243,7 +254,8 @@ def main(argv=None) -> int:
         load = os.getloadavg()[0]
         trainer.train()
         wall = marks[-1] - marks[args.warmup - 1]
-        print(f"\n## {args.impl} on `{args.config}` ({info['parameters'] / 1e6:.2f}M parameters, vocab "
+        variant = (f" (source {args.src})" if args.src else "") + (" (plain head)" if args.plain_head else "")
+        print(f"\n## {args.impl}{variant} on `{args.config}` ({info['parameters'] / 1e6:.2f}M parameters, vocab "
               f"{info['model_vocab']}): {args.steps} timed step(s) after {args.warmup} warm-up, "
               f"{torch.get_num_threads()} threads, load average {load:.2f} -> {os.getloadavg()[0]:.2f}\n")  # fmt: skip
         print(phase_table(args.impl, timer, wall, args.steps))

@@ -7,6 +7,7 @@ __version__ = "0.1.0"
 
 from .advantages import group_advantages, process_advantages
 from .config import GRPOConfig
+from .evaluation import pass_at_k
 from .loss import policy_loss, selective_log_softmax
 from .trainer import GRPOTrainer
 
@@ -14,6 +15,7 @@ __all__ = [
     "GRPOConfig",
     "GRPOTrainer",
     "group_advantages",
+    "pass_at_k",
     "policy_loss",
     "process_advantages",
     "selective_log_softmax",

@@ -19,7 +19,7 @@ import yaml
 
 from .config import GRPOConfig
 
-RUN_KEYS = ("model", "dataset", "dataset_split", "reward")
+RUN_KEYS = ("model", "dataset", "dataset_split", "reward", "eval_dataset", "eval_dataset_split")
 
 
 def _parse_value(raw: str):
@@ -68,6 +68,8 @@ def build_train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", help="Model directory or Hugging Face Hub id.")
     parser.add_argument("--dataset", help="Hub id, local directory, or a .jsonl/.json/.csv/.parquet file.")
     parser.add_argument("--dataset_split", default=None, help="Split of a Hub / directory dataset (default: train).")
+    parser.add_argument("--eval_dataset", default=None, help="Prompts for eval_strategy=steps (forms of --dataset).")
+    parser.add_argument("--eval_dataset_split", default=None, help="Split of a Hub / dir eval set (default: test).")
     parser.add_argument("--reward", action="append", default=None,
                         help="Reward: a built-in name (accuracy, think_format, length, code_execution, exact_match) "
                              "or module:function / path.py:function. Repeat for several.")  # fmt: skip
@@ -122,10 +124,15 @@ def train_command(argv: list[str]) -> int:
     rewards = [resolve_reward(spec) for spec in run["reward"]]  # bad reward names fail before any loading
     args = GRPOConfig(**values)
     dataset = load_dataset_source(run["dataset"], split=run["dataset_split"] or "train")
-    trainer = GRPOTrainer(model=run["model"], reward_funcs=rewards, args=args, train_dataset=dataset)
+    eval_dataset = (load_dataset_source(run["eval_dataset"], split=run["eval_dataset_split"] or "test")
+                    if run["eval_dataset"] else None)  # fmt: skip
+    trainer = GRPOTrainer(model=run["model"], reward_funcs=rewards, args=args, train_dataset=dataset,
+                          eval_dataset=eval_dataset)  # fmt: skip
     trainer.train()
     trainer.save_model(args.output_dir)
-    print(f"Model saved to {Path(args.output_dir).resolve()}; metrics in {Path(args.output_dir).resolve() / 'metrics.jsonl'}.")
+    if trainer.accelerator.is_main_process:  # once, also under torchrun / accelerate launch
+        out = Path(args.output_dir).resolve()
+        print(f"Model saved to {out}; metrics in {out / 'metrics.jsonl'}.")
     return 0
 
 
@@ -178,8 +185,10 @@ def eval_command(argv: list[str]) -> int:
     trainer = GRPOTrainer(model=options["model"], reward_funcs=rewards, args=args, train_dataset=dataset,
                           eval_dataset=dataset)  # fmt: skip
     metrics = trainer.evaluate()
+    if not trainer.accelerator.is_main_process:  # under accelerate launch every process evaluates its share
+        return 0
     names = [f.name for f in trainer.reward_functions]
-    n = args.num_generations_eval or args.num_generations
+    n = args.num_generations_eval
     print(f"{options['model']} on {options['dataset']}: {len(dataset)} prompts x {n} completions, "
           f"pass threshold {args.pass_threshold}\n" + format_table(metrics, names, n))  # fmt: skip
     results = {

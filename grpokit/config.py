@@ -184,6 +184,8 @@ class GRPOConfig:
         self.generation_batch_size = self.per_device_train_batch_size * self.steps_per_generation
         if self.top_k == 0:
             self.top_k = None
+        if self.num_generations_eval is None:
+            self.num_generations_eval = self.num_generations
         self.validate()
         for name in self.NOT_IMPLEMENTED:
             default = _default_of(name)

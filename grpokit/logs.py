@@ -11,6 +11,11 @@ from pathlib import Path
 CONSOLE_KEYS = ("loss", "reward", "reward_std", "kl", "entropy", "completions/mean_length", "learning_rate")
 
 
+def _tracker_key(key: str) -> str:
+    """`train/reward`, but `eval/reward` stays as it is."""
+    return key if key.startswith("eval/") else f"train/{key}"
+
+
 class MetricWindow:
     """Collects values between two logging steps; `flush` returns their means."""
 
@@ -83,10 +88,10 @@ class MetricSink:
         if self.tensorboard is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
-                    self.tensorboard.add_scalar(f"train/{key}", value, step)
+                    self.tensorboard.add_scalar(_tracker_key(key), value, step)
             self.tensorboard.flush()
         if self.wandb is not None:
-            self.wandb.log({f"train/{k}": v for k, v in record.items() if k != "step"}, step=step)
+            self.wandb.log({_tracker_key(k): v for k, v in record.items() if k != "step"}, step=step)
         if console:
             shown = " ".join(f"{k}={record[k]:.4g}" for k in CONSOLE_KEYS if k in record)
             print(f"[step {step}] {shown}", file=sys.stderr, flush=True)

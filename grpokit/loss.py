@@ -66,6 +66,146 @@ def entropy_from_logits(logits: torch.Tensor, chunk_rows: int = 1024) -> torch.T
     return out.view(logits.shape[:-1])
 
 
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """Autograd for `chunked_token_logprobs` on flat rows: hidden [M, H], targets [M] -> logprobs, entropies [M].
+
+    The forward keeps only the log-sum-exp of each row; the backward recomputes each chunk's logits from the saved
+    hidden states and weight, so no [M, V] tensor lives across the two passes (nor within either of them).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_rows, compute_dtype, with_entropy):
+        rows, out_dtype = hidden.shape[0], _softmax_dtype(compute_dtype)
+        logprobs = torch.empty(rows, dtype=out_dtype, device=hidden.device)
+        entropies = torch.empty(rows if with_entropy else 0, dtype=out_dtype, device=hidden.device)
+        lse = torch.empty(rows, dtype=out_dtype, device=hidden.device)
+        weight_c = weight.to(compute_dtype)
+        bias_c = None if bias is None else bias.to(compute_dtype)
+        for start in range(0, rows, chunk_rows):
+            chunk = slice(start, start + chunk_rows)
+            logits = _chunk_logits(hidden[chunk], weight_c, bias_c, temperature, compute_dtype)  # [c, V]
+            target_logits = logits.gather(-1, targets[chunk, None]).squeeze(-1)
+            if with_entropy:
+                # entropy = lse - sum(softmax · logits), from the same exp pass that gives the log-sum-exp.
+                row_max = logits.amax(-1, keepdim=True)
+                shifted = logits - row_max
+                exp = shifted.exp()
+                total = exp.sum(-1)
+                lse[chunk] = row_max.squeeze(-1) + total.log()
+                entropies[chunk] = total.log() - torch.linalg.vecdot(exp, shifted) / total
+            else:
+                lse[chunk] = torch.logsumexp(logits, dim=-1)
+            logprobs[chunk] = target_logits - lse[chunk]
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.temperature, ctx.chunk_rows, ctx.compute_dtype = temperature, chunk_rows, compute_dtype
+        ctx.mark_non_differentiable(entropies)
+        return logprobs, entropies
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logprobs, grad_entropies):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        temperature, chunk_rows, compute_dtype = ctx.temperature, ctx.chunk_rows, ctx.compute_dtype
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        accumulate_dtype = _softmax_dtype(compute_dtype)
+        grad_weight = torch.zeros(weight.shape, dtype=accumulate_dtype, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=accumulate_dtype, device=weight.device) if need_bias else None
+        weight_c = weight.to(compute_dtype)
+        bias_c = None if bias is None else bias.to(compute_dtype)
+        grad_logprobs = grad_logprobs.to(accumulate_dtype) / temperature
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, hidden.shape[0], chunk_rows):
+                chunk = slice(start, start + chunk_rows)
+                hidden_chunk = hidden[chunk]
+                logits = _chunk_logits(hidden_chunk, weight_c, bias_c, temperature, compute_dtype)
+                # d logprob / d logits = onehot(target) - softmax, times the upstream gradient and 1/temperature
+                # (the logits were divided by it); computed in place in the chunk's logits buffer.
+                grad_logits = logits.sub_(lse[chunk, None]).exp_().mul_(-grad_logprobs[chunk, None])
+                grad_logits.scatter_add_(-1, targets[chunk, None], grad_logprobs[chunk, None])
+                if need_bias:
+                    grad_bias += grad_logits.sum(0)
+                grad_logits = grad_logits.to(compute_dtype)
+                if need_hidden:
+                    grad_hidden[chunk] = (grad_logits @ weight_c).to(hidden.dtype)
+                if need_weight:
+                    if compute_dtype == accumulate_dtype:
+                        grad_weight.addmm_(grad_logits.t(), hidden_chunk.to(compute_dtype))
+                    else:
+                        grad_weight += (grad_logits.t() @ hidden_chunk.to(compute_dtype)).to(accumulate_dtype)
+        return (
+            grad_hidden,
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
+            None, None, None, None, None,
+        )  # fmt: skip
+
+
+def _softmax_dtype(compute_dtype: torch.dtype) -> torch.dtype:
+    """float32 for float32 and half-precision matmuls, float64 for float64."""
+    return torch.promote_types(compute_dtype, torch.float32)
+
+
+def _chunk_logits(hidden_chunk, weight, bias, temperature, compute_dtype) -> torch.Tensor:
+    """(hidden_chunk @ weight.T + bias) / temperature as float32 [c, V], the matmul in `compute_dtype`."""
+    hidden_chunk = hidden_chunk.to(compute_dtype)
+    logits = hidden_chunk @ weight.t() if bias is None else torch.addmm(bias, hidden_chunk, weight.t())
+    logits = logits.to(_softmax_dtype(compute_dtype))
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return logits
+
+
+# Logits per chunk (chunk_rows × V float32 values). On CPU a chunk that fits in the last-level cache is fastest
+# (measured on a 32 MiB-L3 EPYC with V = 32k: 64–256 rows beat 512–4096 rows by ~30 %, forward and backward); an
+# accelerator wants large matmuls and few launches, and has the memory for 256 MiB of them.
+CHUNK_ELEMENTS = {"cpu": 2**22, "default": 2**26}
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    bias: torch.Tensor | None = None,
+    chunk_rows: int | None = None,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of `targets` under softmax((hidden @ weight.T + bias) / temperature), never holding all logits.
+
+    hidden:  [..., H] final hidden states (the LM head's input), e.g. [N, T, H]
+    weight:  [V, H] the LM head's weight; bias: [V] or None
+    targets: [...] token ids, the same leading shape as hidden
+    Returns (logprobs [...], entropies [...] or None), float32 (float64 for float64 inputs).
+
+    Equal to `log_softmax((hidden @ weight.T + bias) / temperature).gather(-1, targets)` and to the entropy of that
+    softmax, computed `chunk_rows` rows at a time in forward and backward: the forward saves hidden, weight and one
+    log-sum-exp per row; the backward recomputes each chunk's logits and accumulates the gradients of hidden,
+    weight and bias (each only when it requires grad). The entropies carry no gradient (a metric; an entropy bonus
+    needs the plain path).
+
+    Precision: the matmul runs in the dtype the plain `nn.Linear` head would use — the autocast dtype under
+    autocast, else the inputs' dtype — and everything after it (log-sum-exp, softmax, entropy, the logits'
+    gradient) in float32. In float32 this is the plain computation, chunk by chunk.
+    """
+    vocab_size = weight.shape[0]
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        compute_dtype = torch.get_autocast_dtype(device_type)
+    else:
+        compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    if chunk_rows is None:
+        chunk_rows = max(1, CHUNK_ELEMENTS.get(device_type, CHUNK_ELEMENTS["default"]) // vocab_size)
+    leading = targets.shape
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_targets = targets.reshape(-1)
+    with torch.autocast(device_type, enabled=False):
+        logprobs, entropies = _ChunkedTokenLogprobs.apply(
+            flat_hidden, weight, bias, flat_targets, float(temperature), int(chunk_rows), compute_dtype, with_entropy
+        )
+    return logprobs.view(leading), entropies.view(leading) if with_entropy else None
+
+
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimator of KL(π_θ ‖ π_ref) from samples of π_θ: exp(r - l) - (r - l) - 1."""
     delta = ref_logprobs - logprobs

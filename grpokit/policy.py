@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .loss import entropy_from_logits, selective_log_softmax
+from .loss import chunked_token_logprobs, entropy_from_logits, selective_log_softmax
 from .rollout import _logits_of, forward_accepts, position_ids_from_mask
 
 
@@ -62,6 +62,57 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     return reference.eval()
 
 
+# The chunked LM head (`loss.chunked_token_logprobs`) replaces `logits = lm_head(hidden_states)` only where that
+# line is the whole head. These architectures' transformers implementations apply a plain Linear to the decoder's
+# last hidden state and nothing after it (read in transformers 5.23; tests/test_chunked.py compares the two paths
+# on a tiny model of each). Others soft-cap (Gemma 2/3), scale (Cohere, Granite) or slice the logits.
+CHUNKED_HEAD_MODEL_TYPES = frozenset({
+    "deepseek_v3", "ernie4_5", "gemma", "glm", "glm4", "gpt2", "gpt_neox", "llama", "mistral", "mixtral", "olmo",
+    "olmo2", "olmo3", "phi", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "seed_oss", "smollm3", "stablelm",
+    "starcoder2",
+})  # fmt: skip
+# Config fields that, where an architecture has them, change the logits after the LM head: refuse the chunked head
+# when any is set, whatever the model type claims.
+LOGIT_TRANSFORM_FIELDS = ("final_logit_softcapping", "logit_softcapping", "logits_soft_cap", "logit_scale",
+                          "logits_scaling", "output_multiplier", "lm_head_multiplier", "unpadded_vocab_size")  # fmt: skip
+# False forces the plain logits path everywhere (tests compare the two; also a switch for debugging).
+USE_CHUNKED_HEAD = True
+
+
+def causal_lm_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers causal LM inside a LoRA-style PeftModel (its adapter layers live in it), else the model."""
+    if is_peft_model(model) and not model.active_peft_config.is_prompt_learning:
+        return model.get_base_model()
+    return model
+
+
+def supports_chunked_head(model: torch.nn.Module) -> bool:
+    """Whether `token_logprobs` may run the decoder and `chunked_token_logprobs` instead of the model's forward.
+
+    True for a transformers causal LM of a type in CHUNKED_HEAD_MODEL_TYPES (or a LoRA PeftModel of one) whose
+    output embedding is exactly an `nn.Linear` (not a quantised or adapter-wrapped head) and whose config has no
+    logit soft-capping or scaling. A wrapper such as DistributedDataParallel gets False: its forward must run for
+    gradient synchronisation, and the decoder call would bypass it.
+    """
+    if not USE_CHUNKED_HEAD:
+        return False
+    if is_peft_model(model) and model.active_peft_config.is_prompt_learning:
+        return False  # virtual tokens are added by the PeftModel's forward
+    lm = causal_lm_of(model)
+    config = getattr(lm, "config", None)
+    if config is None or getattr(config, "model_type", None) not in CHUNKED_HEAD_MODEL_TYPES:
+        return False
+    if not type(lm).__module__.startswith("transformers.models."):
+        return False  # remote code with a familiar model_type may still change the head
+    if any(getattr(config, field, None) not in (None, False, 1, 1.0) for field in LOGIT_TRANSFORM_FIELDS):
+        return False
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    if type(head) is not torch.nn.Linear or not head.weight.is_floating_point():
+        return False
+    decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
+    return isinstance(decoder, torch.nn.Module) and decoder is not lm
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -70,22 +121,46 @@ def token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    chunked: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [N, T] (and entropies [N, T]) of the last T tokens of input_ids [N, P + T] under the model.
 
     Position ids skip left padding exactly as the rollout's do, so the values match the sampling log-probs.
-    Only the T + 1 last positions' logits are computed when the model supports `logits_to_keep`.
+
+    Two paths give the same numbers. The chunked one (`chunked=None` picks it where `supports_chunked_head`) runs
+    the decoder, keeps the T hidden states that predict completion tokens, and computes their log-probs and
+    entropies from the LM head's weight in chunks of rows (`loss.chunked_token_logprobs`), so the [N, T, V] logits
+    never exist in forward or backward. The plain one takes the model's logits (of the T + 1 last positions when
+    the model supports `logits_to_keep`). An entropy that needs a gradient (`entropy_grad`, for an entropy bonus)
+    takes the plain path: the chunked entropies are a metric without one.
     """
+    use_chunked = supports_chunked_head(model) if chunked is None else chunked
+    if use_chunked and with_entropy and entropy_grad and torch.is_grad_enabled():
+        if chunked:
+            raise ValueError("token_logprobs: the chunked head gives entropies without a gradient; "
+                             "an entropy bonus needs chunked=False.")  # fmt: skip
+        use_chunked = False
+    position_ids = position_ids_from_mask(attention_mask)
+    targets = input_ids[:, -completion_length:]
+    if use_chunked:
+        lm = causal_lm_of(model)
+        head = lm.get_output_embeddings()
+        out = lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False)  # fmt: skip
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        hidden = hidden[:, -completion_length - 1 : -1]  # position t predicts token t + 1
+        return chunked_token_logprobs(hidden, head.weight, targets, temperature, bias=head.bias,
+                                      with_entropy=with_entropy)  # fmt: skip
+
     kwargs = {}
     if forward_accepts(model, "attention_mask"):
-        kwargs.update(attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask))
+        kwargs.update(attention_mask=attention_mask, position_ids=position_ids)
     if forward_accepts(model, "logits_to_keep"):
         kwargs["logits_to_keep"] = completion_length + 1
     logits = _logits_of(model(input_ids, **kwargs))
     logits = logits[:, -completion_length - 1 : -1]  # position t predicts token t + 1
     if temperature != 1.0:
         logits = logits / temperature
-    targets = input_ids[:, -completion_length:]
     logprobs = selective_log_softmax(logits.float() if logits.dtype != torch.float32 else logits, targets)
     entropies = None
     if with_entropy:

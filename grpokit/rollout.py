@@ -80,6 +80,41 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     return torch.where(seen, penalised, logits)
 
 
+def is_filtered(params: SamplingParams, seen: torch.Tensor | None = None) -> bool:
+    """Whether tokens are drawn from something other than softmax(logits / temperature)."""
+    return (
+        (params.repetition_penalty != 1.0 and seen is not None)
+        or (params.top_k is not None and params.top_k > 0)
+        or params.top_p < 1.0
+        or (params.min_p is not None and params.min_p > 0)
+    )
+
+
+def _sample_unfiltered(
+    logits: torch.Tensor, uniforms: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_tokens` when the sampling distribution is the policy's: one exp pass serves both the draw and the
+    log-prob (the CDF needs no normalisation, the draw scales the uniform by the total), instead of a softmax for
+    the draw and a second log-softmax for the log-prob."""
+    scaled = logits if temperature == 1.0 else logits / temperature
+    row_max = scaled.amax(-1, keepdim=True)
+    exp = (scaled - row_max).exp_()
+    log_total = exp.sum(-1).log()
+    cdf = exp.cumsum_(-1)
+    targets = (uniforms * cdf[:, -1]).unsqueeze(-1)
+    tokens = torch.searchsorted(cdf, targets, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+    # A token of zero probability has a flat CDF step; searchsorted(right=True) skips those, except past the last
+    # positive one (rounding at the edge): step back to the last token whose CDF step is positive.
+    previous = torch.where(tokens > 0, cdf.gather(-1, (tokens - 1).clamp(min=0)[:, None]).squeeze(-1), 0.0)
+    bad = cdf.gather(-1, tokens[:, None]).squeeze(-1) <= previous
+    if bad.any():
+        steps = torch.diff(cdf[bad], dim=-1, prepend=torch.zeros_like(cdf[bad][:, :1])) > 0
+        positions = torch.arange(cdf.shape[-1], device=cdf.device).expand_as(steps)
+        tokens[bad] = torch.where(steps & (positions <= tokens[bad, None]), positions, -1).max(-1).values
+    logprobs = scaled.gather(-1, tokens[:, None]).squeeze(-1) - row_max.squeeze(-1) - log_total
+    return tokens, logprobs
+
+
 def sample_tokens(
     logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,6 +123,15 @@ def sample_tokens(
     Returns (tokens [n], policy log-probs [n] of those tokens under logits / temperature).
     """
     logits = logits.float()
+    if not is_filtered(params, seen):
+        return _sample_unfiltered(logits, uniforms, params.temperature)
+    return _sample_filtered(logits, uniforms, params, seen)
+
+
+def _sample_filtered(
+    logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The general `sample_tokens`: draw from the filtered distribution, score under the policy's."""
     scores = logits
     if params.repetition_penalty != 1.0 and seen is not None:
         scores = apply_repetition_penalty(scores, seen, params.repetition_penalty)

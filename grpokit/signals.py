@@ -38,7 +38,8 @@ def duplicate_ratio(completions: Sequence[Hashable], num_generations: int) -> fl
 def sequence_keys(completion_ids, completion_mask) -> list[int]:
     """One integer per completion that is equal for equal token sequences: the hash of its masked token ids
     ([N, T] tensors). Hashes of tuples of ints do not depend on PYTHONHASHSEED, so processes agree on them."""
-    return [hash(tuple(ids[mask.bool()].tolist())) for ids, mask in zip(completion_ids, completion_mask)]
+    completion_ids, completion_mask = completion_ids.cpu(), completion_mask.cpu().bool()  # one copy, not N
+    return [hash(tuple(ids[mask].tolist())) for ids, mask in zip(completion_ids, completion_mask)]
 
 
 def kendall_tau(values: Sequence[float]) -> float:

@@ -351,17 +351,7 @@ class GRPOTrainer:
             rollout = generate(self.unwrapped_model, prompt_ids, prompt_mask, self._sampling_params(),
                                generator=generator, num_generations=args.num_generations)  # fmt: skip
         completions, completion_lists = self._completions_as_given(rows, rollout.completion_ids, rollout.completion_mask)
-        columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt",)}
-        prompts = [r.get("prompt", r.get("prompt_ids")) for r in rows]
-        names = [f.name for f in self.reward_functions]
-        routes = (routes_from_column(columns[args.reward_routing_column], names, args.reward_routing_column)
-                  if args.reward_routing_column in columns else None)  # fmt: skip
-        step_ends = ([step_token_ends(ids, self.processing_class, args.step_separator) for ids in completion_lists]
-                     if self._process_indices else [[] for _ in rows])  # fmt: skip
-        scores, failures, step_rewards = compute_rewards(
-            self.reward_functions, prompts, completions, completion_lists, columns, on_error=args.reward_fn_errors,
-            routes=routes, step_counts=[len(e) for e in step_ends],
-        )  # fmt: skip
+        prompts, scores, failures, step_rewards, step_ends = self._score(rows, completions, completion_lists)
         return ScoredRollout(rows, prompts, completions, completion_lists, prompt_ids, prompt_mask, rollout, scores,
                              failures, step_rewards, step_ends, offset)  # fmt: skip
 
@@ -545,13 +535,13 @@ class GRPOTrainer:
                                     dtype=torch.float64, device=acc.device)  # fmt: skip
         num_sequences, num_tokens = (acc.reduce(local_counts, "sum") / acc.num_processes).tolist()
 
-        loss_total, stats = 0.0, MetricWindow()
+        loss_total, stats = 0.0, []
         for index, batch in enumerate(window):
             sync = index == len(window) - 1
             with acc.no_sync(self.model) if not sync else contextlib.nullcontext():
                 loss, batch_stats = self._train_micro_batch(batch, num_sequences, num_tokens)
             loss_total += loss
-            stats.add(batch_stats)
+            stats.append(batch_stats)
             self._micro_step += 1
         grad_norm = acc.clip_grad_norm_(self.model.parameters(), args.max_grad_norm if args.max_grad_norm > 0
                                         else float("inf"))  # fmt: skip
@@ -582,8 +572,10 @@ class GRPOTrainer:
         if args.sync_ref_model and self.reference is not None and self.state.global_step % args.ref_model_sync_steps == 0:
             mix_into_reference(self.reference, self.unwrapped_model, args.ref_model_mixup_alpha)
         metrics = {"loss": loss_total, "learning_rate": learning_rate, "grad_norm": float(grad_norm),
-                   "nonfinite_steps": self.state.nonfinite_steps, **stats.flush()}  # fmt: skip
-        # One all-reduce for all metrics; every process has the same keys (sorted, so in the same order).
+                   "nonfinite_steps": self.state.nonfinite_steps,
+                   **{key: sum(s[key] for s in stats) / len(stats) for key in stats[0]}}  # fmt: skip
+        # One all-reduce for all metrics. Every process has the same keys (sorted, so in the same order): a NaN is
+        # kept through the reduction (the window drops it after), never dropped on one process only.
         names = sorted(metrics)
         means = acc.reduce(torch.tensor([float(metrics[k]) for k in names], dtype=torch.float64, device=acc.device),
                            "mean")  # fmt: skip
@@ -653,7 +645,7 @@ class GRPOTrainer:
 
     def _score(self, rows, completions, completion_lists):
         """(prompts, scores [N, F], failures, step rewards, step ends) of the completions of rows, with the
-        routing and process-reward handling of training; the one place rows are scored."""
+        reward routing and process-reward handling of training (evaluation scores through this)."""
         args = self.args
         columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt",)}
         prompts = [r.get("prompt", r.get("prompt_ids")) for r in rows]
@@ -661,10 +653,10 @@ class GRPOTrainer:
         routes = (routes_from_column(columns[args.reward_routing_column], names, args.reward_routing_column)
                   if args.reward_routing_column in columns else None)  # fmt: skip
         step_ends = ([step_token_ends(ids, self.processing_class, args.step_separator) for ids in completion_lists]
-                     if any(f.is_process for f in self.reward_functions) else None)  # fmt: skip
+                     if self._process_indices else [[] for _ in rows])  # fmt: skip
         scores, failures, step_rewards = compute_rewards(
             self.reward_functions, prompts, completions, completion_lists, columns, on_error=args.reward_fn_errors,
-            routes=routes, step_counts=[len(e) for e in step_ends] if step_ends else None,
+            routes=routes, step_counts=[len(e) for e in step_ends],
         )  # fmt: skip
         return prompts, scores, failures, step_rewards, step_ends
 
@@ -678,11 +670,8 @@ class GRPOTrainer:
         dataset = self.eval_dataset if eval_dataset is None else eval_dataset
         if dataset is None:
             raise ValueError("No eval_dataset: pass one to GRPOTrainer(eval_dataset=...) or to evaluate().")
-        n = args.num_generations_eval or args.num_generations
+        n = args.num_generations_eval
         names = [f.name for f in self.reward_functions]
-        # As the training `reward`: process rewards shape per-token advantages, not the outcome reward.
-        weights = torch.tensor([0.0 if f.is_process else w for f, w in zip(self.reward_functions,
-                                                                          self.reward_weights.tolist())])  # fmt: skip
         indices = list(range(acc.process_index, len(dataset), acc.num_processes))
         prompts_per_batch = max(1, args.per_device_eval_batch_size // n)
         generator = torch.Generator(device=acc.device).manual_seed(args.seed + 1_000_000_007 * (1 + acc.process_index))
@@ -696,7 +685,7 @@ class GRPOTrainer:
             completions, completion_lists = self._completions_as_given(rows, rollout.completion_ids,
                                                                        rollout.completion_mask)  # fmt: skip
             prompts, scores, *_ = self._score(rows, completions, completion_lists)
-            records += group_records(prompts, completions, scores, combine_rewards(scores, weights),
+            records += group_records(prompts, completions, scores, self._outcome_rewards(scores),
                                      rollout.completion_lengths, rollout.is_truncated, names, n)  # fmt: skip
         self.eval_samples = gather_object(records) if acc.num_processes > 1 else records
         return evaluation_metrics(self.eval_samples, names, args.pass_threshold)
@@ -706,7 +695,8 @@ class GRPOTrainer:
         self.state.log_history.append(record)
         sink.write(record, console=False)
         if self.accelerator.is_main_process:
-            shown = " ".join(f"{k[5:]}={v:.4g}" for k, v in record.items() if k == "eval/reward" or "/pass@" in k)
+            shown = " ".join(f"{k.removeprefix('eval/')}={v:.4g}" for k, v in record.items()
+                             if k == "eval/reward" or "/pass@" in k)  # fmt: skip
             print(f"[step {step}] eval: {shown}", file=sys.stderr, flush=True)
         self._check_guard()
 
@@ -718,6 +708,8 @@ class GRPOTrainer:
         rewards, guards, steps = guard_series(self.state.log_history, args.guard_metric)
         alerts = guard_alerts(rewards, guards, args.guard_window)
         if not alerts or alerts[-1] != len(steps) - 1 or getattr(self, "_guard_warned_step", None) == steps[-1]:
+            return
+        if not self.accelerator.is_main_process:  # every process has the same history; one warning is enough
             return
         self._guard_warned_step = steps[-1]
         first = len(steps) - args.guard_window
@@ -779,7 +771,7 @@ class GRPOTrainer:
                                      f"{self.state.global_step}; the last complete checkpoint is kept.")  # fmt: skip
         per_process = [] if args.save_only_model else gather_object([{
             "rng": rng_state(),
-            "generation": None if self._generation is None else {k: v.cpu() for k, v in self._generation.items()},
+            "generation": _batch_to(self._generation, "cpu"),
         }])  # fmt: skip
         if not acc.is_main_process:
             acc.wait_for_everyone()
@@ -841,8 +833,7 @@ class GRPOTrainer:
         self.window.load_state_dict(extra["window"])
         generations = extra.get("generations", [extra.get("generation")])
         if len(generations) == acc.num_processes:
-            generation = generations[acc.process_index]
-            self._generation = None if generation is None else {k: v.to(acc.device) for k, v in generation.items()}
+            self._generation = _batch_to(generations[acc.process_index], acc.device)
             self._micro_step = extra["micro_step"]
         else:
             # Each process's half-used generation batch is its slice of a global batch laid out for another
@@ -909,14 +900,37 @@ def build_accelerator(args: GRPOConfig):
     mixed_precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
     # Under torchrun on a machine without an accelerator device, accelerate only forms a (gloo) process group when
     # told `cpu=True`; otherwise every process silently trains alone on the whole run.
-    cpu = args.use_cpu or (int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_accelerator_device())
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    cpu = args.use_cpu or (world_size > 1 and not _has_accelerator_device())
     try:
-        return Accelerator(cpu=cpu, mixed_precision=mixed_precision)
+        accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision)
     except ValueError:
         if PartialState().num_processes > 1:
             raise
         AcceleratorState._reset_state(reset_partial_state=True)
-        return Accelerator(cpu=cpu, mixed_precision=mixed_precision)
+        accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision)
+    if world_size > 1 and accelerator.num_processes == 1:
+        # The script created accelerate's state earlier without a process group (e.g. `PartialState()` on a CPU-only
+        # machine, where it needs cpu=True): none was formed, so nothing is torn down by creating it again.
+        AcceleratorState._reset_state(reset_partial_state=True)
+        accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision)
+    # Fail at once rather than hang or train wrongly later (README.md, "Scaling out").
+    unsupported = {
+        "FSDP": "with sharded parameters every forward is a collective, but each process's sampler stops when its "
+                "own completions end, so the processes fall out of step and hang; checkpoints are written by the "
+                "main process from unsharded state",
+        "DEEPSPEED": "accelerate's DeepSpeed engine steps inside backward() (grpokit accumulates micro-batches, "
+                     "clips and skips non-finite updates around optimizer.step()), and ZeRO-3 shards parameters as "
+                     "FSDP does",
+    }.get(accelerator.distributed_type.value)  # fmt: skip
+    if unsupported:
+        raise NotImplementedError(f"grpokit does not support {accelerator.distributed_type.value} yet: {unsupported}. "
+                                  f"Use DDP (plain torchrun, or examples/accelerate/ddp.yaml).")  # fmt: skip
+    return accelerator
+
+
+def _batch_to(batch: dict | None, device) -> dict | None:
+    return None if batch is None else {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 def _has_accelerator_device() -> bool:

@@ -216,7 +216,8 @@ def test_flags_override_the_yaml_file(tmp_path):
         "learning_rate: 5e-6\nnum_generations: 4\nmax_steps: 20\nloss_type: grpo\n",
     )
     run, values = parse_train_args([path, "--learning_rate", "1e-3", "--max_steps", "5", "--model", "other"])
-    assert run == {"model": "other", "dataset": "data.jsonl", "dataset_split": None, "reward": ["accuracy"]}
+    assert run == {"model": "other", "dataset": "data.jsonl", "dataset_split": None, "reward": ["accuracy"],
+                   "eval_dataset": None, "eval_dataset_split": None}
     assert values["learning_rate"] == 1e-3 and type(values["learning_rate"]) is float
     assert values["max_steps"] == 5 and type(values["max_steps"]) is int
     assert values["num_generations"] == 4 and values["loss_type"] == "grpo"  # from the file

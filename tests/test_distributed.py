@@ -1,14 +1,14 @@
 """Two processes on CPU (torchrun, gloo) against one: the same update, identical ranks, gathered rewards, resume.
 
-Each test writes nothing into the library: a small script (SCRIPT below) runs under
-`python -m torch.distributed.run --nproc_per_node 2` and leaves its evidence in files (weights per rank, the rows each
-rank's reward function saw, the advantages of each generation batch); the test reads them.
+A small script (SCRIPT below) runs under `python -m torch.distributed.run --nproc_per_node 2` and leaves its evidence
+in files: weights per rank, the rows each rank's reward function saw, the advantages of each generation batch. The
+library is used as it ships; only the exact-update comparison hands the trainer a fixed generation batch (in place
+of sampling), so that one and two processes see the same completions.
 """
 
 import json
 import os
 import runpy
-import shutil
 import socket
 import subprocess
 import sys
@@ -17,6 +17,8 @@ import warnings
 
 import pytest
 import torch
+
+from transformers import AutoModelForCausalLM
 
 from grpokit import group_advantages
 from grpokit.testing import save_tiny_model
@@ -93,6 +95,10 @@ SCRIPT = textwrap.dedent(
         """A real run; records what the rewards saw and each generation batch's advantages, per process."""
         out = Path(spec["out"])
         out.mkdir(parents=True, exist_ok=True)
+        if spec.get("partial_state_first"):  # as TRL scripts do; on a CPU-only machine it forms no process group
+            from accelerate import PartialState
+
+            PartialState()
         trainer = GRPOTrainer(model=spec["model"], args=config(out, **spec["config"]), train_dataset=dataset(),
                               reward_funcs=recording_reward(out / f"rewards_{RANK}.jsonl", spec["tiebreak"]))
         batches, generate = [], trainer._generate_batch
@@ -143,13 +149,17 @@ def launch(directory, *specs: dict, nproc: int = 2, timeout: float = 600) -> Non
     """Run SCRIPT's jobs `specs` in `nproc` processes under torchrun (gloo on CPU); fail with their output."""
     spec_path = directory / f"spec-{len(list(directory.glob('spec-*')))}.json"
     spec_path.write_text(json.dumps(specs))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), write_script(directory),
-               str(spec_path)]  # fmt: skip
+    run_launcher([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                  "--master_addr", "127.0.0.1", "--master_port", str(free_port()), write_script(directory),
+                  str(spec_path)], timeout)  # fmt: skip
+
+
+def run_launcher(command: list[str], timeout: float = 600) -> None:
+    """Run a launcher command (one thread per process: the CPU is shared); fail with the ranks' tracebacks."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     errors = "\n".join(line for line in result.stderr.splitlines() if line.startswith("[rank"))
-    assert result.returncode == 0, f"torchrun failed:\n{result.stdout[-2000:]}\n{errors[-8000:] or result.stderr[-8000:]}"
+    assert result.returncode == 0, f"launch failed:\n{result.stdout[-2000:]}\n{errors[-8000:] or result.stderr[-8000:]}"
 
 
 def run_in_this_process(directory, spec: dict) -> None:
@@ -174,7 +184,8 @@ def model_dir(tmp_path_factory):
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")  # bnpo is a per-process mean by definition (as in TRL): not comparable
 UPDATE_VARIANTS = {loss: dict(loss_type=loss, per_device_train_batch_size=8) for loss in LOSS_TYPES}
-UPDATE_VARIANTS["dapo_accumulated"] = dict(loss_type="dapo", per_device_train_batch_size=4, gradient_accumulation_steps=2)
+UPDATE_VARIANTS["dapo_accumulated"] = dict(loss_type="dapo", per_device_train_batch_size=4,
+                                           gradient_accumulation_steps=2)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +194,7 @@ def two_process_run(model_dir, tmp_path_factory):
     update on a fixed batch per variant of UPDATE_VARIANTS (weights in `update`)."""
     directory = tmp_path_factory.mktemp("two")
     launch(directory, dict(job="train", model=model_dir, out=str(directory / "out"), config=TWO_PROCESS_RUN,
-                           tiebreak=0.01),
+                           tiebreak=0.01, partial_state_first=True),
            dict(job="one_update", model=model_dir, out=str(directory / "update"), variants=UPDATE_VARIANTS))
     return directory / "out"
 
@@ -195,12 +206,9 @@ def test_two_processes_make_the_update_of_one_with_the_same_global_batch(two_pro
     run_in_this_process(tmp_path, dict(job="one_update", model=model_dir, out=str(tmp_path / "one"),
                                        variants={loss: dict(loss_type=loss, per_device_train_batch_size=16)
                                                  for loss in LOSS_TYPES}))  # fmt: skip
-    variants, two = UPDATE_VARIANTS, two_process_run.parent / "update"
-
-    from transformers import AutoModelForCausalLM
-
+    two = two_process_run.parent / "update"
     initial = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
-    for name, values in variants.items():
+    for name, values in UPDATE_VARIANTS.items():
         one = load(tmp_path / "one" / f"{values['loss_type']}_0.pt")
         rank0, rank1 = load(two / f"{name}_0.pt"), load(two / f"{name}_1.pt")
         moved = max_difference(one["weights"], {k: v for k, v in initial.items() if k in one["weights"]})
@@ -230,7 +238,7 @@ def test_ranks_end_identical_and_only_the_main_process_writes(two_process_run):
     assert not (checkpoint / "rng_state.pth").exists()
 
 
-def test_ranks_score_disjoint_slices_and_advantages_use_every_rank_s_rewards(two_process_run):
+def test_ranks_score_disjoint_slices_and_advantages_use_the_whole_group(two_process_run):
     calls = [[json.loads(line) for line in (two_process_run / f"rewards_{rank}.jsonl").read_text().splitlines()]
              for rank in (0, 1)]  # fmt: skip
     batches = [load(two_process_run / f"final_{rank}.pt")["batches"] for rank in (0, 1)]
@@ -298,13 +306,44 @@ def test_checkpoint_of_two_processes_resumes_in_one(two_process_run, model_dir, 
 @pytest.mark.slow
 def test_two_processes_learn(model_dir, tmp_path):
     # "Repeat the prompt's first letter" with 2 x 32 completions per step: the reward rises as in one process.
-    config = dict(per_device_train_batch_size=32, num_generations=8, learning_rate=1e-2, max_steps=60,
-                  logging_steps=5, save_strategy="steps", save_steps=30)  # fmt: skip
+    config = dict(per_device_train_batch_size=32, num_generations=8, learning_rate=1e-2, max_steps=80,
+                  logging_steps=5, save_strategy="steps", save_steps=40)  # fmt: skip
     launch(tmp_path, dict(job="train", model=model_dir, out=str(tmp_path / "out"), config=config, tiebreak=0.0))
     rank0, rank1 = load(tmp_path / "out" / "final_0.pt"), load(tmp_path / "out" / "final_1.pt")
     rewards = [entry["reward"] for entry in rank0["log_history"]]
-    print(rewards)
     assert rewards[0] < 0.25 and sum(rewards[-3:]) / 3 >= 0.5, rewards
     assert max_difference(rank0["weights"], rank1["weights"]) == 0.0
-    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-30", "checkpoint-60"]
-    shutil.rmtree(tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-40", "checkpoint-80"]
+
+
+@pytest.mark.slow
+def test_example_script_under_accelerate_launch_with_the_ddp_config(tmp_path):
+    # The shipped examples/train_grpo.py and examples/accelerate/ddp.yaml, as a user runs them (2 CPU processes).
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run_launcher([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                  os.path.join(root, "examples", "accelerate", "ddp.yaml"), "--num_processes", "2",
+                  "--main_process_port", str(free_port()), os.path.join(root, "examples", "train_grpo.py"), "--tiny",
+                  "--output_dir", str(tmp_path / "out"), "--max_steps", "30"])  # fmt: skip
+    lines = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 10, 20, 30]  # written once, by the main process
+    config = json.loads((tmp_path / "out" / "grpo_config.json").read_text())
+    assert config["per_device_train_batch_size"] == 32
+    # Counted over both processes: 2 x 32 completions, each with a 3-token prompt.
+    assert lines[0]["num_tokens"] == 2 * 32 * 3 + round(lines[0]["completions/mean_length"] * 64)
+    assert (tmp_path / "out" / "checkpoint-30" / "rng_state_1.pth").is_file()
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_command_line_under_torchrun(model_dir, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}{b}:", "target": a}) + "\n" for a in LETTERS for b in LETTERS))
+    run_launcher([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                  str(free_port()), "-m", "grpokit.cli", "train", "--model", model_dir, "--dataset", str(data),
+                  "--reward", "exact_match", "--num_generations", "4", "--per_device_train_batch_size", "8",
+                  "--max_completion_length", "2", "--max_steps", "3", "--logging_steps", "1", "--save_steps", "2",
+                  "--output_dir", str(tmp_path / "out"), "--disable_tqdm"])  # fmt: skip
+    out = tmp_path / "out"
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= {p.name for p in (out / "checkpoint-2").iterdir()}
+    assert (out / "model.safetensors").is_file()

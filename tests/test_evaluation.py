@@ -8,12 +8,13 @@ import sys
 import warnings
 
 import pytest
+import torch
 from datasets import Dataset
 
 from grpokit import GRPOConfig, GRPOTrainer
 from grpokit.evaluation import evaluation_metrics, pass_at_k
 from grpokit.model_card import MARKER
-from grpokit.signals import duplicate_ratio, guard_alerts, guard_series, kendall_tau
+from grpokit.signals import duplicate_ratio, guard_alerts, guard_series, kendall_tau, sequence_keys
 from grpokit.testing import save_tiny_model
 
 LETTERS = "abcd"
@@ -43,7 +44,7 @@ def letters(copies=1):
 
 
 def config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=16, num_generations=4,
+    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
                   max_completion_length=2, learning_rate=1e-2, max_steps=2, logging_steps=1, save_strategy="no",
                   disable_tqdm=True, seed=0)  # fmt: skip
     values.update(overrides)
@@ -95,6 +96,10 @@ def test_duplicate_ratio_hand_made_groups():
     assert duplicate_ratio([(1, 2), (1, 2), (1, 2, 3)], 3) == pytest.approx(2 / 3)  # token-id tuples
     with pytest.raises(ValueError, match="groups of 4"):
         duplicate_ratio(["a"] * 6, 4)
+    # The trainer's keys: equal masked token ids (padding ignored) are equal keys.
+    ids = torch.tensor([[5, 6, 0], [5, 6, 9], [5, 6, 7], [5, 0, 0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    assert duplicate_ratio(sequence_keys(ids, mask), 4) == 0.5
 
 
 def test_guard_fires_on_rising_reward_and_falling_guard_not_on_flat():
@@ -218,26 +223,40 @@ def test_eval_setup_errors_before_loading(tmp_path):
 # ----------------------------------------------------------------------------------------------- the CLI
 
 
-def test_grpokit_eval_through_the_cli(model_dir, tmp_path):
+def test_train_with_eval_dataset_then_grpokit_eval_reproduces_it(model_dir, tmp_path):
+    from grpokit.cli import main
+
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{c}:", "letter": c}) + "\n" for c in "abc"))
-    (tmp_path / "my_rewards.py").write_text(
+    rewards = tmp_path / "my_rewards.py"
+    rewards.write_text(
         "def always_one(completions, **kwargs):\n    return [1.0] * len(completions)\n"
         "def same_letter(completions, letter, **kwargs):\n"
         "    return [float(c[:1] == l) for c, l in zip(completions, letter)]\n"
     )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    sampling = ["--num_generations_eval", "8", "--max_completion_length", "3", "--temperature", "2.0"]
+    reward_flags = ["--reward", f"{rewards}:always_one", "--reward", f"{rewards}:same_letter"]
+    # `grpokit train` (in this process) evaluates at steps 1 and 2 and checkpoints at step 2.
+    assert main(["train", "--model", model_dir, "--dataset", str(data), "--eval_dataset", str(data), *reward_flags,
+                 *sampling, "--output_dir", str(tmp_path / "out"), "--num_generations", "4",
+                 "--per_device_train_batch_size", "8", "--max_steps", "2", "--logging_steps", "1",
+                 "--eval_strategy", "steps", "--eval_steps", "1", "--save_steps", "2", "--disable_tqdm"]) == 0  # fmt: skip
+    logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "eval/reward" in r] == [1, 2]
+    assert "`same_letter`" in (tmp_path / "out" / "README.md").read_text()
+
+    # `grpokit eval` (the real command line) on the step-2 checkpoint, with the same sampling settings.
     result = subprocess.run(
-        [sys.executable, "-m", "grpokit.cli", "eval", "--model", model_dir, "--dataset", str(data),
-         "--reward", f"{tmp_path / 'my_rewards.py'}:always_one", "--reward", f"{tmp_path / 'my_rewards.py'}:same_letter",
-         "--num_generations_eval", "8", "--max_completion_length", "3", "--temperature", "2.0",
-         "--out", str(tmp_path / "results" / "eval.json")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "grpokit.cli", "eval", "--model", str(tmp_path / "out" / "checkpoint-2"),
+         "--dataset", str(data), *reward_flags, *sampling, "--out", str(tmp_path / "results" / "eval.json")],
+        cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert "pass@8" in result.stdout and "always_one" in result.stdout
     results = json.loads((tmp_path / "results" / "eval.json").read_text())
     metrics, samples = results["metrics"], results["samples"]
+    # The same evaluation as during training: the same weights and seed give the same numbers.
+    assert metrics == {k: v for k, v in logged[-1].items() if k.startswith("eval/")}
     assert results["num_generations_eval"] == 8 and results["config"]["temperature"] == 2.0
     assert [s["prompt"] for s in samples] == ["a:", "b:", "c:"] and all(len(s["completions"]) == 8 for s in samples)
     assert metrics["eval/rewards/always_one/pass@1"] == metrics["eval/rewards/always_one/pass@8"] == 1.0

@@ -399,3 +399,31 @@ def test_plain_module_rejects_ragged_prompts():
     prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
     with pytest.raises(ValueError, match="equal"):
         generate(model, prompt_ids, prompt_mask, SamplingParams(max_new_tokens=2), generator=seeded(0))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_unfiltered_sampling_matches_the_general_path(temperature):
+    # The fast path (one exp pass, unnormalised CDF) against the general one (softmax, then log_softmax) on logits
+    # wide enough that some tokens underflow to probability zero, with uniforms at both ends of [0, 1).
+    from grpokit.rollout import _sample_filtered, _sample_unfiltered, is_filtered
+
+    params = SamplingParams(1, temperature=temperature)
+    assert not is_filtered(params) and is_filtered(SamplingParams(1, top_p=0.9))
+    generator = seeded(3)
+    logits = torch.randn(512, 1000, generator=generator) * 40
+    uniforms = torch.rand(512, generator=generator)
+    uniforms[:2] = torch.tensor([0.0, 1 - 2**-24])
+    tokens, logprobs = _sample_unfiltered(logits, uniforms, temperature)
+    expected_tokens, expected_logprobs = _sample_filtered(logits, uniforms, params)
+    assert tokens.tolist() == expected_tokens.tolist()
+    torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-5, rtol=0)
+    assert (logits / temperature).softmax(-1).gather(-1, tokens[:, None]).min() > 0
+
+
+def test_unfiltered_sampling_never_draws_an_underflowed_token_at_the_edge():
+    # Tokens 2 and 3 have probability exp(-1000) = 0 in float32; u -> 1 must still land on token 1.
+    logits = torch.tensor([[0.0, 0.0, -1000.0, -1000.0]]).expand(3, -1)
+    uniforms = torch.tensor([0.0, 0.75, 1 - 2**-24])
+    tokens, logprobs = sample_tokens(logits, uniforms, SamplingParams(1))
+    assert tokens.tolist() == [0, 1, 1]
+    torch.testing.assert_close(logprobs, torch.full((3,), -math.log(2)), atol=1e-6, rtol=0)

@@ -217,3 +217,15 @@ def test_save_strategy_epoch(model_dir, tmp_path):
     args = config(tmp_path, max_steps=9, save_strategy="epoch")
     GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=args, train_dataset=data).train()
     assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-8"]
+
+
+def test_tensorboard_receives_the_metrics(model_dir, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    args = config(tmp_path, max_steps=2, report_to="tensorboard")
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset())
+    trainer.train()
+    events = EventAccumulator(str(tmp_path / "out" / "runs"))
+    events.Reload()
+    rewards = [event.value for event in events.Scalars("train/reward")]
+    assert rewards == pytest.approx([entry["reward"] for entry in trainer.state.log_history])

@@ -1,0 +1,351 @@
+"""The chunked LM head against its naive twin: log-probs, entropies and gradients, then `token_logprobs` on real
+(tiny) models through both paths, LoRA included, and what the chunked path keeps in memory.
+
+The naive twin is the computation the fast path replaces: logits = (hidden @ weight.T + bias) / temperature over the
+whole batch, `log_softmax(...).gather(...)` and the entropy of that softmax, differentiated by autograd.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import grpokit.policy as policy
+from grpokit.loss import chunked_token_logprobs
+from grpokit.policy import supports_chunked_head, token_logprobs
+from grpokit.testing import build_tiny_model
+
+ATOL32 = 1e-5
+
+
+def naive_token_logprobs(hidden, weight, targets, temperature=1.0, bias=None):
+    logits = hidden @ weight.T
+    if bias is not None:
+        logits = logits + bias
+    logits = logits / temperature
+    log_softmax = logits.log_softmax(-1)
+    logprobs = log_softmax.gather(-1, targets[..., None]).squeeze(-1)
+    entropies = -(log_softmax.exp() * log_softmax).sum(-1)
+    return logprobs, entropies
+
+
+def make_inputs(n=3, t=13, h=16, v=101, bias=True, seed=0, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, t, h, generator=generator, dtype=dtype).requires_grad_()
+    weight = (torch.randn(v, h, generator=generator, dtype=dtype) / h**0.5).requires_grad_()
+    bias_ = torch.randn(v, generator=generator, dtype=dtype).requires_grad_() if bias else None
+    targets = torch.randint(v, (n, t), generator=generator)
+    upstream = torch.randn(n, t, generator=generator, dtype=dtype)  # a random linear functional of the log-probs
+    return hidden, weight, bias_, targets, upstream
+
+
+def grads(loss, tensors):
+    return torch.autograd.grad(loss, [x for x in tensors if x is not None and x.requires_grad])
+
+
+# ------------------------------------------------------------------------------------------ the function
+
+
+# N·T = 39 rows: chunks of 1, 7 (does not divide 39), 16, 39 (one chunk) and the default.
+@pytest.mark.parametrize("chunk_rows", [1, 7, 16, 39, None])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_values_and_gradients_match_naive(chunk_rows, temperature, with_bias):
+    hidden, weight, bias, targets, upstream = make_inputs(bias=with_bias)
+    logprobs, entropies = chunked_token_logprobs(hidden, weight, targets, temperature, bias=bias,
+                                                 chunk_rows=chunk_rows, with_entropy=True)  # fmt: skip
+    expected_logprobs, expected_entropies = naive_token_logprobs(hidden, weight, targets, temperature, bias)
+    assert logprobs.dtype == entropies.dtype == torch.float32 and logprobs.shape == targets.shape
+    torch.testing.assert_close(logprobs, expected_logprobs, atol=ATOL32, rtol=0)
+    torch.testing.assert_close(entropies, expected_entropies.detach(), atol=ATOL32, rtol=0)
+    assert not entropies.requires_grad  # a metric: an entropy bonus takes the plain path
+
+    for actual, expected in zip(grads((logprobs * upstream).sum(), (hidden, weight, bias)),
+                                grads((expected_logprobs * upstream).sum(), (hidden, weight, bias))):  # fmt: skip
+        torch.testing.assert_close(actual, expected, atol=ATOL32, rtol=0)
+
+
+def test_float64_gradcheck():
+    hidden, weight, bias, targets, _ = make_inputs(n=2, t=5, h=4, v=11, dtype=torch.float64)
+    assert torch.autograd.gradcheck(
+        lambda h, w, b: chunked_token_logprobs(h, w, targets, 0.8, bias=b, chunk_rows=3)[0], (hidden, weight, bias)
+    )
+
+
+def test_without_entropy_and_under_no_grad():
+    hidden, weight, bias, targets, _ = make_inputs()
+    expected, _ = naive_token_logprobs(hidden, weight, targets, 1.3, bias)
+    with torch.no_grad():
+        logprobs, entropies = chunked_token_logprobs(hidden, weight, targets, 1.3, bias=bias, chunk_rows=5)
+    assert entropies is None and not logprobs.requires_grad
+    torch.testing.assert_close(logprobs, expected.detach(), atol=ATOL32, rtol=0)
+
+
+@pytest.mark.parametrize("trainable", ["hidden", "weight", "bias"])
+def test_only_the_inputs_that_need_grad_get_one(trainable):
+    # A frozen (or tied and frozen) LM head under LoRA, or a frozen decoder: needs_input_grad is respected.
+    hidden, weight, bias, targets, upstream = make_inputs()
+    for name, tensor in (("hidden", hidden), ("weight", weight), ("bias", bias)):
+        tensor.requires_grad_(name == trainable)
+    logprobs, _ = chunked_token_logprobs(hidden, weight, targets, 0.9, bias=bias, chunk_rows=8)
+    (logprobs * upstream).sum().backward()
+    tensors = {"hidden": hidden, "weight": weight, "bias": bias}
+    for name, tensor in tensors.items():
+        assert (tensor.grad is not None) == (name == trainable), name
+    detached = {k: v.detach().clone().requires_grad_() for k, v in tensors.items()}
+    expected_logprobs, _ = naive_token_logprobs(detached["hidden"], detached["weight"], targets, 0.9,
+                                                detached["bias"])  # fmt: skip
+    (expected_logprobs * upstream).sum().backward()
+    torch.testing.assert_close(tensors[trainable].grad, detached[trainable].grad, atol=ATOL32, rtol=0)
+
+
+def test_bf16_autocast_matches_the_plain_head_under_autocast():
+    # Under autocast the chunk matmul runs in bf16 like nn.Linear's, the softmax in float32.
+    hidden, weight, _, targets, upstream = make_inputs(h=64, v=300, bias=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logprobs, entropies = chunked_token_logprobs(hidden, weight, targets, chunk_rows=7, with_entropy=True)
+        plain_logits = torch.nn.functional.linear(hidden, weight)
+    assert plain_logits.dtype == torch.bfloat16 and logprobs.dtype == torch.float32
+    expected = plain_logits.float().log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
+    torch.testing.assert_close(logprobs, expected, atol=2e-2, rtol=0)
+    hidden_grad, weight_grad = grads((logprobs * upstream).sum(), (hidden, weight))
+    expected_hidden_grad, expected_weight_grad = grads((expected * upstream).sum(), (hidden, weight))
+    assert hidden_grad.dtype == hidden.dtype and weight_grad.dtype == weight.dtype
+    torch.testing.assert_close(hidden_grad, expected_hidden_grad, atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(weight_grad, expected_weight_grad, atol=5e-2, rtol=5e-2)
+
+
+class SavedTensorSizes(torch.autograd.graph.saved_tensors_hooks):
+    """Records the number of elements of every tensor autograd saves for the backward (parameters aside: saving
+    one costs no memory)."""
+
+    def __init__(self):
+        self.sizes: list[int] = []
+
+        def pack(tensor):
+            if not isinstance(tensor, torch.nn.Parameter):
+                self.sizes.append(tensor.numel())
+            return tensor
+
+        super().__init__(pack, lambda tensor: tensor)
+
+    def __enter__(self):
+        super().__enter__()
+        return self
+
+
+def test_no_saved_tensor_spans_the_logits_32k_vocabulary():
+    n, t, h, v = 64, 64, 8, 32_000  # N·T = 4,096 rows: the [N, T, V] logits would be 131M floats (500 MiB)
+    hidden, weight, _, targets, upstream = make_inputs(n=n, t=t, h=h, v=v, bias=False)
+    with SavedTensorSizes() as saved:
+        logprobs, _ = chunked_token_logprobs(hidden, weight, targets, with_entropy=True)
+    assert saved.sizes and max(saved.sizes) < n * t * v // 100, saved.sizes
+    (logprobs * upstream).sum().backward()
+    assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape
+
+
+# ------------------------------------------------------------------------------------------ token_logprobs
+
+VOCAB = 1024  # large enough that the logits outsize every decoder activation of these tiny models
+
+
+def batch(n=6, length=14, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (n, length), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding, as prompts have
+    mask[n - 1, :1] = 0
+    return ids, mask
+
+
+def both_paths(model, ids, mask, width, temperature=0.8, seed=2, **kwargs):
+    """Log-probs, entropies and parameter gradients of a random linear functional, per path."""
+    upstream = torch.randn(ids.shape[0], width, generator=torch.Generator().manual_seed(seed))
+    results = {}
+    for chunked in (False, True):
+        model.zero_grad(set_to_none=True)
+        with SavedTensorSizes() as saved:
+            logprobs, entropies = token_logprobs(model, ids, mask, width, temperature, with_entropy=True,
+                                                 chunked=chunked, **kwargs)  # fmt: skip
+        if logprobs.requires_grad:
+            (logprobs * upstream).sum().backward()
+        gradients = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        results[chunked] = logprobs.detach(), entropies, gradients, max(saved.sizes, default=0)
+    return results
+
+
+def assert_paths_agree(results, ids, width):
+    (plain_lp, plain_ent, plain_grads, plain_saved), (lp, ent, grads_, saved) = results[False], results[True]
+    torch.testing.assert_close(lp, plain_lp, atol=ATOL32, rtol=0)
+    torch.testing.assert_close(ent, plain_ent, atol=ATOL32, rtol=0)
+    assert grads_.keys() == plain_grads.keys()
+    for name in plain_grads:
+        torch.testing.assert_close(grads_[name], plain_grads[name], atol=ATOL32, rtol=0, msg=name)
+    # The paths did differ: the plain one saved a tensor as large as the logits, the chunked one did not.
+    if plain_grads:
+        assert plain_saved >= ids.shape[0] * width * VOCAB > saved
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_token_logprobs_chunked_equals_plain_on_qwen2(tied):
+    model = build_tiny_model(VOCAB, tie_word_embeddings=tied)
+    assert supports_chunked_head(model)
+    ids, mask = batch()
+    results = both_paths(model, ids, mask, width=5)
+    assert_paths_agree(results, ids, 5)
+    assert ("lm_head.weight" in results[True][2]) == (not tied)
+
+
+def test_token_logprobs_picks_the_chunked_path_by_default(monkeypatch):
+    model = build_tiny_model(VOCAB)
+    ids, mask = batch()
+    calls = []
+    original = policy.chunked_token_logprobs
+    monkeypatch.setattr(policy, "chunked_token_logprobs", lambda *a, **k: calls.append(1) or original(*a, **k))
+    token_logprobs(model, ids, mask, 4, with_entropy=True)
+    assert calls == [1]
+    monkeypatch.setattr(policy, "USE_CHUNKED_HEAD", False)
+    assert not supports_chunked_head(model)
+    token_logprobs(model, ids, mask, 4, with_entropy=True)
+    assert calls == [1]
+
+
+def test_entropy_bonus_takes_the_plain_path():
+    model = build_tiny_model(VOCAB)
+    ids, mask = batch()
+    _, entropies = token_logprobs(model, ids, mask, 4, with_entropy=True, entropy_grad=True)
+    assert entropies.requires_grad  # the plain path's entropy, with its graph
+    with pytest.raises(ValueError, match="entropy bonus"):
+        token_logprobs(model, ids, mask, 4, with_entropy=True, entropy_grad=True, chunked=True)
+
+
+def test_lora_model_and_its_disabled_adapter():
+    peft = pytest.importorskip("peft")
+    base = build_tiny_model(VOCAB, tie_word_embeddings=False)
+    # Random B (not the zero init) so that the adapter changes the outputs and disabling it is visible.
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(base, config)
+    assert supports_chunked_head(model)
+    ids, mask = batch()
+    results = both_paths(model, ids, mask, width=5)
+    assert_paths_agree(results, ids, 5)
+    assert results[True][2] and all("lora_" in name for name in results[True][2])
+    with model.disable_adapter(), torch.no_grad():
+        disabled = both_paths(model, ids, mask, width=5)
+    assert_paths_agree(disabled, ids, 5)
+    assert not torch.allclose(disabled[True][0], results[True][0], atol=1e-3)
+    # get_peft_model injected the LoRA layers into `base`: its own forward is the adapted model's.
+    with torch.no_grad():
+        base_logprobs, _ = token_logprobs(base, ids, mask, 5, 0.8, chunked=False)
+    torch.testing.assert_close(base_logprobs, results[True][0], atol=ATOL32, rtol=0)
+
+
+def test_lora_on_the_lm_head_falls_back_to_the_plain_path():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(build_tiny_model(VOCAB, tie_word_embeddings=False),
+                                peft.LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))  # fmt: skip
+    assert not supports_chunked_head(model)
+
+
+def test_heads_the_chunked_path_must_not_take():
+    class LogitsOnly(torch.nn.Module):  # any module whose forward returns logits
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(VOCAB, 8)
+            self.head = torch.nn.Linear(8, VOCAB)
+
+        def forward(self, input_ids):
+            return self.head(self.embed(input_ids))
+
+    assert not supports_chunked_head(LogitsOnly())
+    ids, mask = batch()
+    logprobs, _ = token_logprobs(LogitsOnly(), ids, torch.ones_like(mask), 4)
+    assert logprobs.shape == (6, 4)
+
+    capped = build_tiny_model(VOCAB)
+    capped.config.final_logit_softcapping = 30.0  # Gemma 2's tanh soft-capping after the head
+    assert not supports_chunked_head(capped)
+    scaled = build_tiny_model(VOCAB)
+    scaled.logit_scale = 0.5  # Cohere keeps its scale on the model; its config has it too
+    scaled.config.logit_scale = 0.5
+    assert not supports_chunked_head(scaled)
+
+    class ScaledHead(torch.nn.Linear):  # e.g. a quantised Linear subclass
+        pass
+
+    custom = build_tiny_model(VOCAB, tie_word_embeddings=False)
+    custom.lm_head = ScaledHead(custom.config.hidden_size, VOCAB, bias=False)
+    assert not supports_chunked_head(custom)
+
+
+# One tiny model per architecture in the allow-list: the chunked path equals the model's own logits.
+ARCH_OVERRIDES = {
+    "deepseek_v3": dict(num_key_value_heads=4, head_dim=None, moe_intermediate_size=16, n_routed_experts=4,
+                        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=0, q_lora_rank=None,
+                        kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8),
+    "gpt2": dict(n_embd=32, n_layer=1, n_head=4, n_positions=64),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=16),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", sorted(policy.CHUNKED_HEAD_MODEL_TYPES))
+def test_every_allowed_architecture_matches_its_plain_head(model_type):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2)  # fmt: skip
+    kwargs.update(ARCH_OVERRIDES.get(model_type, {}))
+    if kwargs["head_dim"] is None:  # DeepSeek-V3 derives its head sizes from the MLA ranks
+        del kwargs["head_dim"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = AutoConfig.for_model(model_type, **kwargs)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).float().eval()  # eval: no dropout draws to compare
+    assert supports_chunked_head(model)
+    ids, mask = batch(n=4, length=10)
+    assert_paths_agree(both_paths(model, ids, mask, width=6), ids, 6)
+
+
+# ------------------------------------------------------------------------------------------ the trainer
+
+
+def test_one_training_step_is_the_same_through_either_head(tmp_path, monkeypatch):
+    from datasets import Dataset
+
+    from grpokit import GRPOConfig, GRPOTrainer
+    from grpokit.testing import save_tiny_model
+
+    model_dir = str(save_tiny_model(tmp_path / "model", chars="abcd:", hidden_size=32))
+    dataset = Dataset.from_list([{"prompt": f"{c}:"} for c in "abcd"] * 4)
+
+    def reward(completions, **kwargs):
+        return [float(c.count("a")) for c in completions]
+
+    calls = []
+    original = policy.chunked_token_logprobs
+    monkeypatch.setattr(policy, "chunked_token_logprobs", lambda *a, **k: calls.append(1) or original(*a, **k))
+    weights = {}
+    for chunked in (False, True):
+        monkeypatch.setattr(policy, "USE_CHUNKED_HEAD", chunked)
+        args = GRPOConfig(output_dir=str(tmp_path / f"out{chunked}"), per_device_train_batch_size=16,
+                          num_generations=4, max_completion_length=6, learning_rate=1e-2, beta=0.04,
+                          temperature=0.9, max_steps=2, logging_steps=1, save_strategy="no", disable_tqdm=True,
+                          seed=0, report_to="none")  # fmt: skip
+        trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=dataset)
+        trainer.train()
+        weights[chunked] = {k: v.detach().clone() for k, v in trainer.unwrapped_model.state_dict().items()}
+        weights[chunked, "log"] = trainer.state.log_history
+        # Per step: the reference forward and the policy's forward (plus nothing else: μ = 1, float32).
+        assert len(calls) == (4 if chunked else 0)
+    for name, value in weights[False].items():
+        torch.testing.assert_close(weights[True][name], value, atol=ATOL32, rtol=0, msg=name)
+    for plain, chunked_ in zip(weights[False, "log"], weights[True, "log"]):
+        assert chunked_["entropy"] == pytest.approx(plain["entropy"], abs=1e-5)
+        assert chunked_["kl"] == pytest.approx(plain["kl"], abs=1e-6)
