@@ -242,11 +242,13 @@ def test_plain_module_without_tokenizer_learns_to_draw(tmp_path):
     checker = example.target_image(example.CHECKER)
     inverted = [1 - p for p in checker]
     assert example.pattern_reward([checker, inverted, [0] * 64], [example.CHECKER] * 3) == [1.0, 0.0, 0.5]
-    trainer = example.train(steps=30, output_dir=str(tmp_path / "out"), disable_tqdm=True)
-    history = trainer.state.log_history
-    assert trainer.processing_class is None
-    assert history[-1]["reward"] > history[0]["reward"] + 0.1, [h["reward"] for h in history]
-    assert (trainer.state.global_step == 30)
+    trainer = example.train(steps=15, output_dir=str(tmp_path / "out"), disable_tqdm=True,
+                            per_device_train_batch_size=16, learning_rate=1e-2, logging_steps=3)  # fmt: skip
+    rewards = [h["reward"] for h in trainer.state.log_history]
+    assert trainer.processing_class is None and trainer.state.global_step == 15
+    # A random model spends ~3/5 of its tokens on non-pixels (~0.2); it learns to draw pixels, then to match the
+    # pattern better than a random 0/1 image (0.5).
+    assert rewards[0] < 0.3 and sum(rewards[-3:]) / 3 > 0.52, rewards
 
 
 # ---------------------------------------------------------------------------------------------- DAPO extras
