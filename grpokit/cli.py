@@ -112,7 +112,7 @@ def train_command(argv: list[str]) -> int:
     if run["model"] is None and run["dataset"] is None:
         from .demo import run_demo
 
-        result = run_demo(**{"output_dir": "grpo-demo", **values})
+        run_demo(**{"output_dir": "grpo-demo", **values})
         return 0
     missing = [key for key in ("model", "dataset", "reward") if not run[key]]
     if missing:

@@ -396,3 +396,13 @@ def policy_loss(
             ratio_mean=masked_mean(ratio_tokens.detach(), mask),
         )
     return loss, stats
+
+
+def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """1 for the tokens whose entropy is in the top `quantile` share of this batch's tokens (Wang et al. 2025,
+    "Beyond the 80/20 rule"), else 0: only those take part in the policy-gradient term."""
+    values = entropies[mask.bool()].float()
+    if values.numel() == 0:
+        return torch.zeros_like(entropies)
+    threshold = torch.quantile(values, 1 - quantile)
+    return ((entropies >= threshold) & mask.bool()).to(entropies.dtype)

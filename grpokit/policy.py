@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -229,3 +230,27 @@ def load_model_weights(model, directory: Path) -> None:
     if unexpected or missing:
         raise RuntimeError(f"Checkpoint {directory} does not match the model: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}.")  # fmt: skip
+
+
+def check_context_length(model, args) -> None:
+    """Prompt + completion must fit the model's positions; say which knob to turn before anything runs."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if limit is None:
+        return
+    if args.max_completion_length >= limit:
+        raise ValueError(f"max_completion_length={args.max_completion_length} does not fit the model's context "
+                         f"({limit} positions); lower max_completion_length.")  # fmt: skip
+    if args.max_prompt_length is None or args.max_prompt_length + args.max_completion_length > limit:
+        args.max_prompt_length = limit - args.max_completion_length
+        warnings.warn(f"Prompts are cut to their last {args.max_prompt_length} tokens so that prompt + completion "
+                      f"fits the model's {limit} positions (max_completion_length={args.max_completion_length}).",
+                      UserWarning, stacklevel=3)  # fmt: skip
+
+
+@torch.no_grad()
+def mix_into_reference(reference: torch.nn.Module, policy: torch.nn.Module, alpha: float) -> None:
+    """TRL's reference sync: ref <- alpha * policy + (1 - alpha) * ref (alpha = 1 copies the policy)."""
+    # named_parameters, not state_dict: tied weights (embeddings = LM head) must be mixed once, not twice.
+    policy_parameters = dict(policy.named_parameters())
+    for name, value in reference.named_parameters():
+        value.mul_(1 - alpha).add_(policy_parameters[name].detach().to(value.dtype), alpha=alpha)

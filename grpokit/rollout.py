@@ -20,7 +20,6 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass

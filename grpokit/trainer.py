@@ -15,7 +15,6 @@ import dataclasses
 import os
 import json
 import math
-import os
 import sys
 import time
 import warnings
@@ -32,7 +31,12 @@ from .data import PromptSampler, check_dataset, dataset_columns, is_conversation
 from .logs import MetricSink, MetricWindow
 from .loss import policy_loss
 from .advantages import process_advantages
+from .batch import ScoredRollout
+from .distributed import build_accelerator
+from .loss import high_entropy_mask
 from .policy import (
+    check_context_length,
+    mix_into_reference,
     apply_peft,
     disable_dropout,
     frozen_copy,
@@ -54,7 +58,7 @@ from .rewards.base import (
     reward_name,
     routes_from_column,
 )
-from .rollout import Rollout, SamplingParams, generate
+from .rollout import SamplingParams, generate
 from .evaluation import evaluation_metrics, group_records
 from .model_card import describe_dataset, model_card_writable, render_model_card, write_model_card
 from .signals import duplicate_ratio, guard_alerts, guard_series, sequence_keys
@@ -77,62 +81,6 @@ class TrainerState:
     @classmethod
     def load(cls, path: Path) -> "TrainerState":
         return cls(**json.loads(path.read_text()))
-
-
-@dataclass
-class ScoredRollout:
-    """One process's sampled and scored rows (n of them) before advantages: what dynamic sampling filters."""
-
-    rows: list[dict]
-    prompts: list[Any]
-    completions: list[Any]
-    completion_lists: list[list[int]]
-    prompt_ids: torch.Tensor  # [n, P] left-padded
-    prompt_mask: torch.Tensor  # [n, P]
-    rollout: Rollout
-    scores: torch.Tensor  # [n, F]
-    failures: dict[str, int]
-    step_rewards: dict[int, list[list[float]]]  # process function index -> per row
-    step_ends: list[list[int]]  # per row
-    offset: int  # first row's index in the global batch
-
-    def select(self, indices: list[int]) -> "ScoredRollout":
-        pick = lambda values: [values[i] for i in indices]  # noqa: E731
-        index = torch.tensor(indices, dtype=torch.long)
-        r = self.rollout
-        rollout = Rollout(r.prompt_ids[index], r.prompt_mask[index], r.completion_ids[index],
-                          r.completion_mask[index], r.logprobs[index], r.is_truncated[index])  # fmt: skip
-        return ScoredRollout(pick(self.rows), pick(self.prompts), pick(self.completions),
-                             pick(self.completion_lists), self.prompt_ids[index], self.prompt_mask[index], rollout,
-                             self.scores[index], dict(self.failures),
-                             {k: pick(v) for k, v in self.step_rewards.items()}, pick(self.step_ends), self.offset)
-
-    @staticmethod
-    def concat(parts: list["ScoredRollout"]) -> "ScoredRollout":
-        """Join parts, re-padding prompts on the left and completions on the right to a common width (the new
-        padding is masked out everywhere, so its value does not matter)."""
-        def pad(tensors, on_left: bool):
-            width = max(t.shape[1] for t in tensors)
-            sides = lambda t: (width - t.shape[1], 0) if on_left else (0, width - t.shape[1])  # noqa: E731
-            return torch.cat([torch.nn.functional.pad(t, sides(t)) for t in tensors])
-
-        left = lambda tensors: pad(tensors, True)  # noqa: E731
-        right = lambda tensors: pad(tensors, False)  # noqa: E731
-        rollout = Rollout(left([p.prompt_ids for p in parts]), left([p.prompt_mask for p in parts]),
-                          right([p.rollout.completion_ids for p in parts]),
-                          right([p.rollout.completion_mask for p in parts]),
-                          right([p.rollout.logprobs for p in parts]),
-                          torch.cat([p.rollout.is_truncated for p in parts]))  # fmt: skip
-        failures: dict[str, int] = {}
-        for p in parts:
-            for k, v in p.failures.items():
-                failures[k] = failures.get(k, 0) + v
-        join = lambda name: [x for p in parts for x in getattr(p, name)]  # noqa: E731
-        return ScoredRollout(join("rows"), join("prompts"), join("completions"), join("completion_lists"),
-                             rollout.prompt_ids, rollout.prompt_mask, rollout,
-                             torch.cat([p.scores for p in parts]), failures,
-                             {k: [x for p in parts for x in p.step_rewards[k]] for k in parts[0].step_rewards},
-                             join("step_ends"), parts[0].offset)  # fmt: skip
 
 
 class GRPOTrainer:
@@ -848,21 +796,6 @@ class GRPOTrainer:
         self.state.max_steps = self._total_steps()  # the run's length is this config's, not the checkpoint's
 
 
-def check_context_length(model, args: GRPOConfig) -> None:
-    """Prompt + completion must fit the model's positions; say which knob to turn before anything runs."""
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if limit is None:
-        return
-    if args.max_completion_length >= limit:
-        raise ValueError(f"max_completion_length={args.max_completion_length} does not fit the model's context "
-                         f"({limit} positions); lower max_completion_length.")  # fmt: skip
-    if args.max_prompt_length is None or args.max_prompt_length + args.max_completion_length > limit:
-        args.max_prompt_length = limit - args.max_completion_length
-        warnings.warn(f"Prompts are cut to their last {args.max_prompt_length} tokens so that prompt + completion "
-                      f"fits the model's {limit} positions (max_completion_length={args.max_completion_length}).",
-                      UserWarning, stacklevel=3)  # fmt: skip
-
-
 def _none_if_nan(value: float) -> float | None:
     return None if math.isnan(value) else value
 
@@ -872,70 +805,8 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
-    """1 for the tokens whose entropy is in the top `quantile` share of this batch's tokens (Wang et al. 2025,
-    "Beyond the 80/20 rule"), else 0: only those take part in the policy-gradient term."""
-    values = entropies[mask.bool()].float()
-    if values.numel() == 0:
-        return torch.zeros_like(entropies)
-    threshold = torch.quantile(values, 1 - quantile)
-    return ((entropies >= threshold) & mask.bool()).to(entropies.dtype)
-
-
-@torch.no_grad()
-def mix_into_reference(reference: torch.nn.Module, policy: torch.nn.Module, alpha: float) -> None:
-    """TRL's reference sync: ref <- alpha * policy + (1 - alpha) * ref (alpha = 1 copies the policy)."""
-    # named_parameters, not state_dict: tied weights (embeddings = LM head) must be mixed once, not twice.
-    policy_parameters = dict(policy.named_parameters())
-    for name, value in reference.named_parameters():
-        value.mul_(1 - alpha).add_(policy_parameters[name].detach().to(value.dtype), alpha=alpha)
-
-
-def build_accelerator(args: GRPOConfig):
-    """An Accelerator with the run's precision. In a single process (a notebook, a test session) accelerate's
-    process-wide state may hold an earlier trainer's precision; it is reset rather than refusing the new run."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, PartialState
-
-    mixed_precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
-    # Under torchrun on a machine without an accelerator device, accelerate only forms a (gloo) process group when
-    # told `cpu=True`; otherwise every process silently trains alone on the whole run.
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    cpu = args.use_cpu or (world_size > 1 and not _has_accelerator_device())
-    try:
-        accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision)
-    except ValueError:
-        if PartialState().num_processes > 1:
-            raise
-        AcceleratorState._reset_state(reset_partial_state=True)
-        accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision)
-    if world_size > 1 and accelerator.num_processes == 1:
-        # The script created accelerate's state earlier without a process group (e.g. `PartialState()` on a CPU-only
-        # machine, where it needs cpu=True): none was formed, so nothing is torn down by creating it again.
-        AcceleratorState._reset_state(reset_partial_state=True)
-        accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision)
-    # Fail at once rather than hang or train wrongly later (README.md, "Scaling out").
-    unsupported = {
-        "FSDP": "with sharded parameters every forward is a collective, but each process's sampler stops when its "
-                "own completions end, so the processes fall out of step and hang; checkpoints are written by the "
-                "main process from unsharded state",
-        "DEEPSPEED": "accelerate's DeepSpeed engine steps inside backward() (grpokit accumulates micro-batches, "
-                     "clips and skips non-finite updates around optimizer.step()), and ZeRO-3 shards parameters as "
-                     "FSDP does",
-    }.get(accelerator.distributed_type.value)  # fmt: skip
-    if unsupported:
-        raise NotImplementedError(f"grpokit does not support {accelerator.distributed_type.value} yet: {unsupported}. "
-                                  f"Use DDP (plain torchrun, or examples/accelerate/ddp.yaml).")  # fmt: skip
-    return accelerator
-
-
 def _batch_to(batch: dict | None, device) -> dict | None:
     return None if batch is None else {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-def _has_accelerator_device() -> bool:
-    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6 knows CUDA, XPU, MPS, ...
-    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
 
 
 def _as_steps(value: float, max_steps: int) -> int:

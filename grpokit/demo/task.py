@@ -10,7 +10,6 @@ seen in training.
 
 from __future__ import annotations
 
-import itertools
 import random
 import time
 from dataclasses import dataclass
