@@ -141,6 +141,10 @@ def report_command(argv: list[str]) -> int:
     parser.add_argument("output_dirs", nargs="+", help="Run output directories (several are overlaid).")
     parser.add_argument("--out", default=None, help="Where to write the report (default: FIRST_DIR/report).")
     options = parser.parse_args(argv)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit("grpokit report draws its plots with matplotlib: pip install 'grpokit[report]'") from None
     from .report import write_report
 
     path = write_report(options.output_dirs, Path(options.out) if options.out else None)
