@@ -11,6 +11,11 @@ from pathlib import Path
 CONSOLE_KEYS = ("loss", "reward", "reward_std", "kl", "entropy", "completions/mean_length", "learning_rate")
 
 
+def _short(value, limit: int = 60) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _tracker_key(key: str) -> str:
     """`train/reward`, but `eval/reward` stays as it is."""
     return key if key.startswith("eval/") else f"train/{key}"
@@ -68,16 +73,19 @@ class MetricSink:
 
     def truncate_after(self, step: int) -> None:
         """On resume, drop lines logged after the checkpoint's step (they will be logged again)."""
-        if not self.enabled or not self.path.exists():
+        if not self.enabled:
             return
-        kept = []
-        for line in self.path.read_text().splitlines():
-            try:
-                if json.loads(line).get("step", 0) <= step:
-                    kept.append(line)
-            except ValueError:
-                continue  # a line cut short by a crash
-        self.path.write_text("".join(line + "\n" for line in kept))
+        for path in (self.path, self.path.parent / "completions.jsonl"):
+            if not path.exists():
+                continue
+            kept = []
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line).get("step", 0) <= step:
+                        kept.append(line)
+                except ValueError:
+                    continue  # a line cut short by a crash
+            path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict, console: bool = True) -> None:
         if not self.enabled:
@@ -95,6 +103,29 @@ class MetricSink:
         if console:
             shown = " ".join(f"{k}={record[k]:.4g}" for k in CONSOLE_KEYS if k in record)
             print(f"[step {step}] {shown}", file=sys.stderr, flush=True)
+
+    def write_completions(self, step: int, samples: list[dict]) -> None:
+        """Sample completions with their rewards: completions.jsonl, a compact console table, and the trackers
+        (a Markdown table as TensorBoard text, a W&B table)."""
+        if not self.enabled or not samples:
+            return
+        with open(self.path.parent / "completions.jsonl", "a") as handle:
+            for sample in samples:
+                handle.write(json.dumps({"step": step, **sample}, default=str) + "\n")
+        lines = [f"  {_short(s['prompt'])!r} -> {_short(s['completion'])!r}  reward={s['reward']}  "
+                 f"advantage={s['advantage']:+.3f}" for s in samples]  # fmt: skip
+        print(f"[step {step}] completions:\n" + "\n".join(lines), file=sys.stderr, flush=True)
+        columns = ["prompt", "completion", "reward", "advantage"]
+        rows = [[_short(s["prompt"], 200), _short(s["completion"], 200), s["reward"], s["advantage"]] for s in samples]
+        if self.tensorboard is not None:
+            table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            table += ["| " + " | ".join(str(v).replace("|", "\\|").replace("\n", " ") for v in row) + " |" for row in rows]
+            self.tensorboard.add_text("completions", "\n".join(table), step)
+            self.tensorboard.flush()
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log({"completions": wandb.Table(columns=columns, data=rows)}, step=step)
 
     def close(self) -> None:
         if self.tensorboard is not None:

@@ -71,6 +71,10 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
     The forward keeps only the log-sum-exp of each row; the backward recomputes each chunk's logits from the saved
     hidden states and weight, so no [M, V] tensor lives across the two passes (nor within either of them).
+
+    A frozen head (LoRA, whose adapters sit in the decoder) needs only d/d hidden = g / temperature · (W[target] -
+    softmax @ W). The forward then computes softmax @ W [M, H] while it has the softmax, and the backward is a
+    gather: no recomputed logits and no matmul over V.
     """
 
     @staticmethod
@@ -81,39 +85,52 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         lse = torch.empty(rows, dtype=out_dtype, device=hidden.device)
         weight_c = weight.to(compute_dtype)
         bias_c = None if bias is None else bias.to(compute_dtype)
+        frozen_head = ctx.needs_input_grad[0] and not any(ctx.needs_input_grad[1:3])
+        expected_rows = torch.empty(hidden.shape, dtype=out_dtype, device=hidden.device) if frozen_head else None
         for start in range(0, rows, chunk_rows):
             chunk = slice(start, start + chunk_rows)
             logits = _chunk_logits(hidden[chunk], weight_c, bias_c, temperature, compute_dtype)  # [c, V]
             target_logits = logits.gather(-1, targets[chunk, None]).squeeze(-1)
-            if with_entropy:
+            if with_entropy or frozen_head:
                 # entropy = lse - sum(softmax · logits), from the same exp pass that gives the log-sum-exp.
                 row_max = logits.amax(-1, keepdim=True)
                 shifted = logits - row_max
                 exp = shifted.exp()
                 total = exp.sum(-1)
                 lse[chunk] = row_max.squeeze(-1) + total.log()
-                entropies[chunk] = total.log() - torch.linalg.vecdot(exp, shifted) / total
+                if with_entropy:
+                    entropies[chunk] = total.log() - torch.linalg.vecdot(exp, shifted) / total
+                if frozen_head:  # softmax @ W, the expected output embedding of each row
+                    expected_rows[chunk] = (exp.to(compute_dtype) @ weight_c).to(out_dtype) / total[:, None]
             else:
                 lse[chunk] = torch.logsumexp(logits, dim=-1)
             logprobs[chunk] = target_logits - lse[chunk]
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        if frozen_head:
+            ctx.save_for_backward(None, weight, None, targets, None, expected_rows)
+        else:
+            ctx.save_for_backward(hidden, weight, bias, targets, lse, None)
         ctx.temperature, ctx.chunk_rows, ctx.compute_dtype = temperature, chunk_rows, compute_dtype
+        ctx.hidden_dtype, ctx.frozen_head = hidden.dtype, frozen_head
         ctx.mark_non_differentiable(entropies)
         return logprobs, entropies
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logprobs, grad_entropies):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, expected_rows = ctx.saved_tensors
         temperature, chunk_rows, compute_dtype = ctx.temperature, ctx.chunk_rows, ctx.compute_dtype
+        accumulate_dtype = _softmax_dtype(compute_dtype)
+        grad_logprobs = grad_logprobs.to(accumulate_dtype) / temperature
+        if ctx.frozen_head:
+            target_rows = weight[targets].to(accumulate_dtype)  # W[target], [M, H]
+            grad_hidden = grad_logprobs[:, None] * (target_rows - expected_rows)
+            return (grad_hidden.to(ctx.hidden_dtype), None, None, None, None, None, None, None)
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        accumulate_dtype = _softmax_dtype(compute_dtype)
         grad_weight = torch.zeros(weight.shape, dtype=accumulate_dtype, device=weight.device) if need_weight else None
         grad_bias = torch.zeros(weight.shape[0], dtype=accumulate_dtype, device=weight.device) if need_bias else None
         weight_c = weight.to(compute_dtype)
         bias_c = None if bias is None else bias.to(compute_dtype)
-        grad_logprobs = grad_logprobs.to(accumulate_dtype) / temperature
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], chunk_rows):
                 chunk = slice(start, start + chunk_rows)

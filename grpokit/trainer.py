@@ -578,16 +578,9 @@ class GRPOTrainer:
         return self.state
 
     def _write_completions(self, step: int, sink: MetricSink) -> None:
-        """The last generation's first completions with their rewards: completions.jsonl and the console."""
-        if not self.accelerator.is_main_process or not getattr(self, "_samples", None):
-            return
-        path = Path(self.args.output_dir) / "completions.jsonl"
-        with open(path, "a") as handle:
-            for sample in self._samples:
-                handle.write(json.dumps({"step": step, **sample}, default=str) + "\n")
-        lines = [f"  {_short(s['prompt'])!r} -> {_short(s['completion'])!r}  reward={s['reward']}  "
-                 f"advantage={s['advantage']:+.3f}" for s in self._samples]  # fmt: skip
-        print(f"[step {step}] completions:\n" + "\n".join(lines), flush=True)
+        """The last generation's first completions with their rewards (completions.jsonl, console, trackers)."""
+        if self.accelerator.is_main_process and getattr(self, "_samples", None):
+            sink.write_completions(step, self._samples)
 
     # ------------------------------------------------------------------------------------------ evaluation
 
@@ -798,11 +791,6 @@ class GRPOTrainer:
 
 def _none_if_nan(value: float) -> float | None:
     return None if math.isnan(value) else value
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _batch_to(batch: dict | None, device) -> dict | None:

@@ -67,8 +67,11 @@ def test_values_and_gradients_match_naive(chunk_rows, temperature, with_bias):
         torch.testing.assert_close(actual, expected, atol=ATOL32, rtol=0)
 
 
-def test_float64_gradcheck():
+@pytest.mark.parametrize("frozen_head", [False, True])
+def test_float64_gradcheck(frozen_head):
     hidden, weight, bias, targets, _ = make_inputs(n=2, t=5, h=4, v=11, dtype=torch.float64)
+    weight.requires_grad_(not frozen_head)
+    bias.requires_grad_(not frozen_head)
     assert torch.autograd.gradcheck(
         lambda h, w, b: chunked_token_logprobs(h, w, targets, 0.8, bias=b, chunk_rows=3)[0], (hidden, weight, bias)
     )
@@ -83,13 +86,16 @@ def test_without_entropy_and_under_no_grad():
     torch.testing.assert_close(logprobs, expected.detach(), atol=ATOL32, rtol=0)
 
 
+@pytest.mark.parametrize("with_entropy", [False, True])
 @pytest.mark.parametrize("trainable", ["hidden", "weight", "bias"])
-def test_only_the_inputs_that_need_grad_get_one(trainable):
-    # A frozen (or tied and frozen) LM head under LoRA, or a frozen decoder: needs_input_grad is respected.
+def test_only_the_inputs_that_need_grad_get_one(trainable, with_entropy):
+    # A frozen (or tied and frozen) LM head under LoRA — the backward without recomputed logits —, or a frozen
+    # decoder: needs_input_grad is respected.
     hidden, weight, bias, targets, upstream = make_inputs()
     for name, tensor in (("hidden", hidden), ("weight", weight), ("bias", bias)):
         tensor.requires_grad_(name == trainable)
-    logprobs, _ = chunked_token_logprobs(hidden, weight, targets, 0.9, bias=bias, chunk_rows=8)
+    logprobs, _ = chunked_token_logprobs(hidden, weight, targets, 0.9, bias=bias, chunk_rows=8,
+                                         with_entropy=with_entropy)  # fmt: skip
     (logprobs * upstream).sum().backward()
     tensors = {"hidden": hidden, "weight": weight, "bias": bias}
     for name, tensor in tensors.items():

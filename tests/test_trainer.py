@@ -222,10 +222,15 @@ def test_save_strategy_epoch(model_dir, tmp_path):
 def test_tensorboard_receives_the_metrics(model_dir, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    args = config(tmp_path, max_steps=2, report_to="tensorboard")
+    args = config(tmp_path, max_steps=2, report_to="tensorboard", log_completions=True, num_completions_to_print=2)
     trainer = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset())
     trainer.train()
-    events = EventAccumulator(str(tmp_path / "out" / "runs"))
+    events = EventAccumulator(str(tmp_path / "out" / "runs"), size_guidance={"tensors": 0})
     events.Reload()
     rewards = [event.value for event in events.Scalars("train/reward")]
     assert rewards == pytest.approx([entry["reward"] for entry in trainer.state.log_history])
+    # The completions table reaches TensorBoard as text, one per logging step, with the logged prompts.
+    texts = events.Tensors("completions/text_summary")
+    assert [t.step for t in texts] == [1, 2]
+    logged = [json.loads(line) for line in (tmp_path / "out" / "completions.jsonl").read_text().splitlines()]
+    assert logged[-1]["prompt"] in texts[-1].tensor_proto.string_val[0].decode()
