@@ -8,12 +8,13 @@ __version__ = "0.1.0"
 from .advantages import group_advantages, process_advantages
 from .config import GRPOConfig
 from .evaluation import pass_at_k
-from .loss import policy_loss, selective_log_softmax
+from .loss import chunked_token_logprobs, policy_loss, selective_log_softmax
 from .trainer import GRPOTrainer
 
 __all__ = [
     "GRPOConfig",
     "GRPOTrainer",
+    "chunked_token_logprobs",
     "group_advantages",
     "pass_at_k",
     "policy_loss",

@@ -80,6 +80,11 @@ LOGIT_TRANSFORM_FIELDS = ("final_logit_softcapping", "logit_softcapping", "logit
 USE_CHUNKED_HEAD = True
 
 
+def _is_set(value) -> bool:
+    """A logit transform is off when absent, None, False or 1 (a scale of one)."""
+    return value is not None and value is not False and not (isinstance(value, (int, float)) and value == 1)
+
+
 def causal_lm_of(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers causal LM inside a LoRA-style PeftModel (its adapter layers live in it), else the model."""
     if is_peft_model(model) and not model.active_peft_config.is_prompt_learning:
@@ -105,8 +110,8 @@ def supports_chunked_head(model: torch.nn.Module) -> bool:
         return False
     if not type(lm).__module__.startswith("transformers.models."):
         return False  # remote code with a familiar model_type may still change the head
-    if any(getattr(config, field, None) not in (None, False, 1, 1.0) for field in LOGIT_TRANSFORM_FIELDS):
-        return False
+    if any(_is_set(getattr(source, field, None)) for source in (config, lm) for field in LOGIT_TRANSFORM_FIELDS):
+        return False  # on the config (Gemma 2, Granite) or on the model itself (Cohere's `logit_scale`)
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     if type(head) is not torch.nn.Linear or not head.weight.is_floating_point():
         return False

@@ -274,9 +274,14 @@ def test_heads_the_chunked_path_must_not_take():
     capped.config.final_logit_softcapping = 30.0  # Gemma 2's tanh soft-capping after the head
     assert not supports_chunked_head(capped)
     scaled = build_tiny_model(VOCAB)
-    scaled.logit_scale = 0.5  # Cohere keeps its scale on the model; its config has it too
-    scaled.config.logit_scale = 0.5
+    scaled.config.logits_scaling = 8.0  # Granite divides the logits by it
     assert not supports_chunked_head(scaled)
+    scaled = build_tiny_model(VOCAB)
+    scaled.logit_scale = torch.nn.Parameter(torch.tensor(0.5))  # Cohere multiplies by the model's logit_scale
+    assert not supports_chunked_head(scaled)
+    unscaled = build_tiny_model(VOCAB)
+    unscaled.config.logits_scaling = 1.0
+    assert supports_chunked_head(unscaled)
 
     class ScaledHead(torch.nn.Linear):  # e.g. a quantised Linear subclass
         pass
