@@ -8,11 +8,12 @@ import pytest
 import torch
 from datasets import Dataset
 
-from grpokit import GRPOConfig, GRPOTrainer, process_advantages
+from grpokit import GRPOTrainer, process_advantages
 from grpokit.rewards.process import process_reward, soft_overlong_punishment, split_steps, step_token_ends
 from grpokit.testing import build_char_tokenizer, save_tiny_model
 
-LETTERS = "abcdefgh"
+from letters import LETTERS, letter_config, letter_dataset, repeat_letter
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -21,19 +22,8 @@ def model_dir(tmp_path_factory):
     return str(save_tiny_model(tmp_path_factory.mktemp("model") / "tiny", chars=LETTERS + ":\n", hidden_size=64))
 
 
-def letter_dataset(copies=8):
-    return Dataset.from_list([{"prompt": f"{c}:", "letter": c} for c in LETTERS] * copies)
-
-
-def repeat_letter(completions, letter, **kwargs):
-    return [1.0 if c[:1] == target else 0.0 for c, target in zip(completions, letter)]
-
-
 def config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=32, num_generations=8,
-                  max_completion_length=2, learning_rate=1e-2, lr_scheduler_type="constant", max_steps=3,
-                  logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0)  # fmt: skip
-    return GRPOConfig(**{**values, **overrides})
+    return letter_config(tmp_path, **{"per_device_train_batch_size": 32, "max_steps": 3, **overrides})
 
 
 # ---------------------------------------------------------------------------------------------------- LoRA

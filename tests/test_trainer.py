@@ -9,28 +9,13 @@ from datasets import Dataset
 from grpokit import GRPOConfig, GRPOTrainer
 from grpokit.testing import save_tiny_model
 
-LETTERS = "abcdefgh"
+from letters import LETTERS, letter_dataset, repeat_letter
+from letters import letter_config as config
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return str(save_tiny_model(tmp_path_factory.mktemp("model") / "tiny", chars=LETTERS + ":", hidden_size=64))
-
-
-def letter_dataset(copies=8):
-    return Dataset.from_list([{"prompt": f"{c}:", "letter": c} for c in LETTERS] * copies)
-
-
-def repeat_letter(completions, letter, **kwargs):
-    return [1.0 if c[:1] == target else 0.0 for c, target in zip(completions, letter)]
-
-
-def config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=64, num_generations=8,
-                  max_completion_length=2, learning_rate=1e-2, lr_scheduler_type="constant", max_steps=10,
-                  logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0)  # fmt: skip
-    values.update(overrides)
-    return GRPOConfig(**values)
 
 
 def weights(trainer):
