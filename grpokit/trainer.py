@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import json
 import math
+import os
+import re
 import sys
 import time
 import warnings
@@ -24,32 +25,30 @@ from typing import Any
 
 import torch
 
-from .advantages import group_advantages, group_stats
+from .advantages import group_advantages, group_stats, process_advantages
+from .batch import ScoredRollout
 from .checkpoint import latest_checkpoint, rng_state, rotate_checkpoints, set_rng_state, write_checkpoint
 from .config import GRPOConfig
 from .data import PromptSampler, check_dataset, dataset_columns, is_conversational, pad_left, tokenize_prompts
-from .logs import MetricSink, MetricWindow
-from .loss import policy_loss
-from .advantages import process_advantages
-from .batch import ScoredRollout
 from .distributed import build_accelerator
-from .loss import high_entropy_mask
+from .evaluation import evaluation_metrics, group_records
+from .logs import MetricSink, MetricWindow
+from .loss import high_entropy_mask, policy_loss
+from .model_card import describe_dataset, model_card_writable, render_model_card, write_model_card
 from .policy import (
-    check_context_length,
-    mix_into_reference,
     apply_peft,
+    check_context_length,
     disable_dropout,
     frozen_copy,
     is_peft_model,
     load_causal_lm,
     load_model_weights,
     load_tokenizer,
+    mix_into_reference,
     reference_policy,
     save_merged,
     token_logprobs,
 )
-from .rewards.model import RewardModel
-from .rewards.process import step_token_ends
 from .rewards.base import (
     RewardFunction,
     check_required_columns,
@@ -58,9 +57,9 @@ from .rewards.base import (
     reward_name,
     routes_from_column,
 )
+from .rewards.model import RewardModel
+from .rewards.process import step_token_ends
 from .rollout import SamplingParams, generate
-from .evaluation import evaluation_metrics, group_records
-from .model_card import describe_dataset, model_card_writable, render_model_card, write_model_card
 from .signals import duplicate_ratio, guard_alerts, guard_series, sequence_keys
 
 
@@ -512,7 +511,7 @@ class GRPOTrainer:
                     f"check the rewards and inputs, or use bf16 instead of fp16."
                 )
         with warnings.catch_warnings():  # a skipped update still advances the schedule, on purpose
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.global_step += 1
