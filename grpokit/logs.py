@@ -8,6 +8,34 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+def generation_metrics(rewards, scores, names, lengths, truncated, num_generations: int,
+                       errors: dict[str, float] | None = None) -> dict[str, float]:
+    """TRL's per-generation metrics from the whole batch's rewards [N], per-function scores [N, F] (NaN = None),
+    completion lengths [N] and truncation flags [N]."""
+    from .advantages import group_stats
+
+    _, group_std = group_stats(rewards, num_generations)
+    terminated = lengths[truncated == 0]
+    metrics = {
+        "reward": rewards.nanmean().item(),
+        "reward_std": group_std.mean().item(),
+        "frac_reward_zero_std": (group_std < 1e-6).float().mean().item(),
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": truncated.mean().item(),
+        "completions/mean_terminated_length": terminated.mean().item() if len(terminated) else 0.0,
+    }
+    for index, name in enumerate(names):
+        column = scores[:, index]
+        valid = column[~column.isnan()]
+        metrics[f"rewards/{name}/mean"] = column.nanmean().item()
+        metrics[f"rewards/{name}/std"] = valid.std().item() if len(valid) > 1 else 0.0
+    for name, count in (errors or {}).items():
+        metrics[f"rewards/{name}/errors"] = count
+    return metrics
+
+
 CONSOLE_KEYS = ("loss", "reward", "reward_std", "kl", "entropy", "completions/mean_length", "learning_rate")
 
 

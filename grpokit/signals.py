@@ -100,3 +100,19 @@ def guard_series(log_history: Sequence[dict], guard_metric: str) -> tuple[list[f
         raise ValueError(f"guard_metric={guard_metric!r} is not a logged metric; choose one of {available}.")
     return ([float(r[reward_key]) for r in records], [float(r[guard_metric]) for r in records],
             [int(r.get("step", i)) for i, r in enumerate(records)])  # fmt: skip
+
+
+def guard_message(log_history: Sequence[dict], guard_metric: str, window: int) -> tuple[int | None, str | None]:
+    """(the latest logged step, a warning) when, over the last `window` logged values up to that step, the reward
+    rose while `guard_metric` fell; (step, None) otherwise."""
+    rewards, guards, steps = guard_series(log_history, guard_metric)
+    alerts = guard_alerts(rewards, guards, window)
+    if not steps or not alerts or alerts[-1] != len(steps) - 1:
+        return (steps[-1] if steps else None), None
+    first = len(steps) - window
+    reward_key = "eval/reward" if guard_metric.startswith("eval/") else "reward"
+    return steps[-1], (
+        f"Possible reward hacking: from step {steps[first]} to {steps[-1]} {reward_key!r} rose "
+        f"({rewards[first]:.4g} -> {rewards[-1]:.4g}) while {guard_metric!r} fell ({guards[first]:.4g} -> "
+        f"{guards[-1]:.4g}). Look at the completions (log_completions=True) before trusting the reward."
+    )

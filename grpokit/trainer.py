@@ -32,7 +32,7 @@ from .config import GRPOConfig
 from .data import PromptSampler, check_dataset, dataset_columns, is_conversational, pad_left, tokenize_prompts
 from .distributed import build_accelerator
 from .evaluation import evaluation_metrics, group_records
-from .logs import MetricSink, MetricWindow
+from .logs import MetricSink, MetricWindow, generation_metrics
 from .loss import high_entropy_mask, policy_loss
 from .model_card import describe_dataset, model_card_writable, render_model_card, write_model_card
 from .policy import (
@@ -60,7 +60,7 @@ from .rewards.base import (
 from .rewards.model import RewardModel
 from .rewards.process import step_token_ends
 from .rollout import SamplingParams, generate
-from .signals import duplicate_ratio, guard_alerts, guard_series, sequence_keys
+from .signals import duplicate_ratio, guard_message, sequence_keys
 
 
 @dataclass
@@ -410,31 +410,15 @@ class GRPOTrainer:
         truncated = acc.gather(rollout.is_truncated.float()).cpu()
         tokens = acc.gather((prompt_mask.sum() + rollout.completion_mask.sum()).reshape(1)).sum().item()
         self.state.num_tokens += int(tokens)
-        _, group_std = group_stats(rewards, args.num_generations)
-        metrics = {
-            "reward": rewards.nanmean().item(),
-            "reward_std": group_std.mean().item(),
-            "frac_reward_zero_std": (group_std < 1e-6).float().mean().item(),
-            "completions/mean_length": lengths.mean().item(),
-            "completions/min_length": lengths.min().item(),
-            "completions/max_length": lengths.max().item(),
-            "completions/clipped_ratio": truncated.mean().item(),
-        }
-        terminated = lengths[truncated == 0]
-        metrics["completions/mean_terminated_length"] = terminated.mean().item() if len(terminated) else 0.0
         keys = torch.tensor(sequence_keys(rollout.completion_ids, rollout.completion_mask), device=acc.device)
-        metrics["completions/duplicate_ratio"] = duplicate_ratio(acc.gather(keys).tolist(), args.num_generations)
         # Reward errors are counted where they happen: the metric is the total over the processes.
         errors = acc.reduce(torch.tensor([float(failures.get(f.name, 0)) for f in self.reward_functions],
                                          device=acc.device), "sum").tolist()  # fmt: skip
-        for index, function in enumerate(self.reward_functions):
-            column = scores[:, index]
-            metrics[f"rewards/{function.name}/mean"] = column.nanmean().item()
-            valid = column[~column.isnan()]
-            metrics[f"rewards/{function.name}/std"] = valid.std().item() if len(valid) > 1 else 0.0
-            if function.name in failures or errors[index]:
-                metrics[f"rewards/{function.name}/errors"] = errors[index]
-        self.window.add(metrics)
+        names = [f.name for f in self.reward_functions]
+        self.window.add(generation_metrics(rewards, scores, names, lengths, truncated, args.num_generations,
+                                           errors={n: e for n, e in zip(names, errors) if n in failures or e}))
+        self.window.add({"completions/duplicate_ratio": duplicate_ratio(acc.gather(keys).tolist(),
+                                                                        args.num_generations)})  # fmt: skip
 
     # ------------------------------------------------------------------------------------------- training
 
@@ -643,23 +627,12 @@ class GRPOTrainer:
     def _check_guard(self) -> None:
         """Warn, once per guard_window logging steps, when the reward rises while guard_metric falls."""
         args = self.args
-        if args.guard_metric is None:
+        if args.guard_metric is None or not self.accelerator.is_main_process:  # one warning is enough
             return
-        rewards, guards, steps = guard_series(self.state.log_history, args.guard_metric)
-        alerts = guard_alerts(rewards, guards, args.guard_window)
-        if not alerts or alerts[-1] != len(steps) - 1 or getattr(self, "_guard_warned_step", None) == steps[-1]:
-            return
-        if not self.accelerator.is_main_process:  # every process has the same history; one warning is enough
-            return
-        self._guard_warned_step = steps[-1]
-        first = len(steps) - args.guard_window
-        reward_key = "eval/reward" if args.guard_metric.startswith("eval/") else "reward"
-        warnings.warn(
-            f"Possible reward hacking: from step {steps[first]} to {steps[-1]} {reward_key!r} rose "
-            f"({rewards[first]:.4g} -> {rewards[-1]:.4g}) while {args.guard_metric!r} fell ({guards[first]:.4g} -> "
-            f"{guards[-1]:.4g}). Look at the completions (log_completions=True) before trusting the reward.",
-            RuntimeWarning, stacklevel=2,
-        )  # fmt: skip
+        step, message = guard_message(self.state.log_history, args.guard_metric, args.guard_window)
+        if message and getattr(self, "_guard_warned_step", None) != step:
+            self._guard_warned_step = step
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
 
     # ------------------------------------------------------------------------------------------ saving
 
