@@ -32,23 +32,25 @@ import torch
 # --------------------------------------------------------------------------------------------- log-probabilities
 
 
-def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
+def selective_log_softmax(
+    logits: torch.Tensor, index: torch.Tensor, chunk_rows: int = 1024, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """log_softmax(logits)[..., index] without materialising the full log-softmax.
 
-    logits: [..., V]; index: [...] (int). Returns [...] in logits' dtype.
+    logits: [..., V]; index: [...] (int). Returns [...] in `dtype` (default: logits' dtype).
 
-    For float32/float64 the result is `logit[index] - logsumexp(logits)`, computed over chunks of rows so that
-    the temporary of the log-sum-exp never spans all N·T rows at once. Half precision loses too much in the
-    log-sum-exp subtraction, so those dtypes take `log_softmax` per chunk (in their own dtype, as the forward
-    pass produced them).
+    Each chunk of rows is cast to `dtype` on its own, so asking for float32 from bf16 logits never builds a
+    float32 copy of all N·T·V logits. In float32/float64 the result is `logit[index] - logsumexp(logits)`, per
+    chunk; half precision loses too much in that subtraction, so half dtypes take `log_softmax` per chunk.
     """
+    dtype = logits.dtype if dtype is None else dtype
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_index = index.reshape(-1)
-    out = torch.empty(flat_index.shape, dtype=logits.dtype, device=logits.device)
+    out = torch.empty(flat_index.shape, dtype=dtype, device=logits.device)
     for start in range(0, flat_logits.shape[0], chunk_rows):
-        rows = flat_logits[start : start + chunk_rows]
+        rows = flat_logits[start : start + chunk_rows].to(dtype)
         idx = flat_index[start : start + chunk_rows, None]
-        if rows.dtype in (torch.float32, torch.float64):
+        if dtype in (torch.float32, torch.float64):
             out[start : start + chunk_rows] = rows.gather(-1, idx).squeeze(-1) - torch.logsumexp(rows, dim=-1)
         else:
             out[start : start + chunk_rows] = rows.log_softmax(-1).gather(-1, idx).squeeze(-1)

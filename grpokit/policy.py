@@ -167,7 +167,7 @@ def token_logprobs(
     logits = logits[:, -completion_length - 1 : -1]  # position t predicts token t + 1
     if temperature != 1.0:
         logits = logits / temperature
-    logprobs = selective_log_softmax(logits.float() if logits.dtype != torch.float32 else logits, targets)
+    logprobs = selective_log_softmax(logits, targets, dtype=torch.float32)  # upcast chunk by chunk
     entropies = None
     if with_entropy:
         # The entropy keeps a graph (another softmax over V per token) only when the loss needs its gradient.

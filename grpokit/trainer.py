@@ -392,15 +392,12 @@ class GRPOTrainer:
         advantages; every process gathers the step rewards of the whole batch (groups may span processes)."""
         from accelerate.utils import gather_object
 
-        ends = gather_object(step_ends) if self.accelerator.num_processes > 1 else step_ends
-        widths = [width] * self.accelerator.num_processes
-        width = max(gather_object(widths)) if self.accelerator.num_processes > 1 else width
+        gather = gather_object if self.accelerator.num_processes > 1 else (lambda values: values)
+        ends, width = gather(step_ends), max(gather([width]))
         token_advantages = advantages[:, None].expand(-1, width).clone()
         for index in process:
-            rewards = step_rewards[index]
-            rewards = gather_object(rewards) if self.accelerator.num_processes > 1 else rewards
             token_advantages += self.reward_weights[index] * process_advantages(
-                rewards, ends, self.args.num_generations, width
+                gather(step_rewards[index]), ends, self.args.num_generations, width
             )
         return token_advantages
 

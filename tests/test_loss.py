@@ -641,3 +641,13 @@ def test_invalid_importance_sampling_level_raises():
     logprobs, old = make_inputs()
     with pytest.raises(ValueError, match="'sentence'"):
         policy_loss(logprobs, old, None, t(ADV), t(MASK), importance_sampling_level="sentence")
+
+
+def test_selective_log_softmax_upcasts_chunk_by_chunk():
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(5, 7, 50, generator=gen) * 3).to(torch.bfloat16)
+    index = torch.randint(0, 50, (5, 7), generator=gen)
+    out = selective_log_softmax(logits, index, chunk_rows=4, dtype=torch.float32)
+    expected = torch.log_softmax(logits.float(), -1).gather(-1, index[..., None]).squeeze(-1)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
