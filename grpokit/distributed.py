@@ -1,4 +1,11 @@
-"""Setting up accelerate for one process or many (torchrun / accelerate launch); DDP only for now."""
+"""Setting up accelerate for one process or many (torchrun / accelerate launch): DDP or FSDP2.
+
+FSDP2 (`torch.distributed.fsdp.fully_shard`, through accelerate) shards parameters, gradients and optimizer state.
+Three things change for grpokit when parameters are sharded (`is_sharded`): every forward is a collective, so the
+processes' sampling loops run in step until all of them are done (`all_processes_done`); the log-probs take the
+model's own forward (the chunked LM head reads the head's weight outside it); and checkpoints are gathered into
+full, unsharded state dicts (`full_state_dict`), so one checkpoint resumes under DDP, FSDP2 or in one process.
+"""
 
 from __future__ import annotations
 
@@ -32,19 +39,112 @@ def build_accelerator(args: GRPOConfig):
         # machine, where it needs cpu=True): none was formed, so nothing is torn down by creating it again.
         AcceleratorState._reset_state(reset_partial_state=True)
         accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision)
+    _fsdp_on_cpu(accelerator)
     # Fail at once rather than hang or train wrongly later (README.md, "Scaling out").
     unsupported = {
-        "FSDP": "with sharded parameters every forward is a collective, but each process's sampler stops when its "
-                "own completions end, so the processes fall out of step and hang; checkpoints are written by the "
-                "main process from unsharded state",
+        "FSDP": None if accelerator.is_fsdp2 else
+                "FSDP1 (FullyShardedDataParallel) is not supported; set `fsdp_version: 2` in the accelerate config "
+                "(or FSDP_VERSION=2) to use FSDP2",
         "DEEPSPEED": "accelerate's DeepSpeed engine steps inside backward() (grpokit accumulates micro-batches, "
                      "clips and skips non-finite updates around optimizer.step()), and ZeRO-3 shards parameters as "
                      "FSDP does",
     }.get(accelerator.distributed_type.value)  # fmt: skip
     if unsupported:
         raise NotImplementedError(f"grpokit does not support {accelerator.distributed_type.value} yet: {unsupported}. "
-                                  f"Use DDP (plain torchrun, or examples/accelerate/ddp.yaml).")  # fmt: skip
+                                  f"Use DDP (plain torchrun, or examples/accelerate/ddp.yaml) or FSDP2 "
+                                  f"(examples/accelerate/fsdp2.yaml).")  # fmt: skip
     return accelerator
+
+
+def _fsdp_on_cpu(accelerator) -> None:
+    """accelerate turns an FSDP config into FSDP only on accelerator devices; on CPU processes (gloo) it silently
+    trains with DDP instead. torch's FSDP2 runs on CPU, so an FSDP2 request (`accelerate launch` with an FSDP config
+    and --cpu, or ACCELERATE_USE_FSDP=true FSDP_VERSION=2 under torchrun) is honoured there too."""
+    from accelerate import FullyShardedDataParallelPlugin
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.MULTI_CPU:
+        return
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return
+    if os.environ.get("FSDP_VERSION", "1") != "2":
+        raise NotImplementedError("FSDP1 (FullyShardedDataParallel) is not supported; set `fsdp_version: 2` in the "
+                                  "accelerate config (or FSDP_VERSION=2) to use FSDP2.")  # fmt: skip
+    from accelerate.state import PartialState
+
+    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* variables
+    # Both shared states: every AcceleratorState() copies PartialState's distributed type over its own.
+    PartialState().distributed_type = accelerator.state.distributed_type = DistributedType.FSDP
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether the model's parameters are sharded by FSDP2 (each process holds a slice of each tensor)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def all_processes_done(done: bool) -> bool:
+    """True once `done` holds on every process (a collective: every process must call it, equally often)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return done
+    flag = torch.tensor([0 if done else 1], dtype=torch.int32, device=_collective_device())
+    dist.all_reduce(flag)
+    return int(flag.item()) == 0
+
+
+def _collective_device() -> torch.device:
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with full (unsharded) tensors on the CPU. Under FSDP2 it is a collective (every
+    process must call it) and only the main process gets the tensors; the others get an empty dict."""
+    if not is_sharded(model):
+        return {k: v.detach() for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], strict: bool = True):
+    """Load full tensors into a model, sharding them where the model is sharded. Returns (missing, unexpected)."""
+    if not is_sharded(model):
+        return model.load_state_dict(state, strict=strict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    return set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer) -> dict:
+    """The optimizer state as a portable dict: under FSDP2 gathered and keyed by parameter name (a collective; the
+    main process gets it), otherwise the optimizer's own state dict."""
+    if not is_sharded(model):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer, state: dict) -> None:
+    """Load what `full_optimizer_state` wrote, whichever way the run that wrote it was laid out."""
+    keyed_by_name = any(isinstance(p, str) for group in state["param_groups"] for p in group["params"])
+    if not keyed_by_name and not is_sharded(model):
+        optimizer.load_state_dict(state)
+        return
+    if not keyed_by_name:  # positions in the optimizer's parameter list -> parameter names
+        names = [name for name, p in model.named_parameters() if p.requires_grad]
+        state = {"state": {names[i]: v for i, v in state["state"].items()},
+                 "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
 def _has_accelerator_device() -> bool:

@@ -98,9 +98,12 @@ def supports_chunked_head(model: torch.nn.Module) -> bool:
     True for a transformers causal LM of a type in CHUNKED_HEAD_MODEL_TYPES (or a LoRA PeftModel of one) whose
     output embedding is exactly an `nn.Linear` (not a quantised or adapter-wrapped head) and whose config has no
     logit soft-capping or scaling. A wrapper such as DistributedDataParallel gets False: its forward must run for
-    gradient synchronisation, and the decoder call would bypass it.
+    gradient synchronisation, and the decoder call would bypass it; so does an FSDP2-sharded model, whose head
+    weight is a shard outside the model's forward.
     """
-    if not USE_CHUNKED_HEAD:
+    from .distributed import is_sharded
+
+    if not USE_CHUNKED_HEAD or is_sharded(model):
         return False
     if is_peft_model(model) and model.active_peft_config.is_prompt_learning:
         return False  # virtual tokens are added by the PeftModel's forward
@@ -229,7 +232,9 @@ def load_model_weights(model, directory: Path) -> None:
     weights = {}
     for file in sorted(directory.glob("model*.safetensors")):
         weights.update(load_file(str(file)))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    from .distributed import load_full_state_dict
+
+    missing, unexpected = load_full_state_dict(model, weights, strict=False)  # sharded where the model is
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     missing = [k for k in missing if k not in tied and not any(k.endswith(t) for t in tied)]
     if unexpected or missing:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -280,6 +281,7 @@ def generate(
     use_cache: bool | None = None,
     share_prefix: bool = True,
     drop_finished: bool = True,
+    all_done: Callable[[bool], bool] | None = None,
 ) -> Rollout:
     """Sample one completion per row of the left-padded prompts [N, P].
 
@@ -287,19 +289,23 @@ def generate(
     run once per group. `drop_finished` removes rows that reached EOS from the decode batch (compacting the cache
     when at least a quarter of the running rows have finished). `use_cache=None` picks the KV-cached decoder when
     the model supports it.
+
+    all_done: for sharded models (FSDP2), where every forward is a collective: called once per step with whether
+    this process's rows have all finished, it returns whether every process's have, and the loop runs until then
+    (finished rows keep decoding, masked out), so that all processes make the same forward calls.
     """
     # Eval mode: transformers turns the KV cache off for a training-mode model with gradient checkpointing.
     was_training = model.training
     model.eval()
     try:
         return _generate(model, prompt_ids, prompt_mask, params, generator, num_generations, use_cache,
-                         share_prefix, drop_finished)  # fmt: skip
+                         share_prefix, drop_finished, all_done)  # fmt: skip
     finally:
         model.train(was_training)
 
 
 def _generate(model, prompt_ids, prompt_mask, params, generator, num_generations, use_cache, share_prefix,
-              drop_finished) -> Rollout:  # fmt: skip
+              drop_finished, all_done) -> Rollout:  # fmt: skip
     n, device = prompt_ids.shape[0], prompt_ids.device
     use_cache = supports_kv_cache(model) if use_cache is None else use_cache
     decoder = CachedDecoder(model) if use_cache else FullForwardDecoder(model)
@@ -329,11 +335,15 @@ def _generate(model, prompt_ids, prompt_mask, params, generator, num_generations
         done_now &= ~finished[rows]  # a finished row still in the batch may sample EOS again
         lengths[rows[done_now]] = t + 1
         finished[rows[done_now]] = True
-        if bool(finished.all()) or t + 1 == params.max_new_tokens:
+        if t + 1 == params.max_new_tokens:
+            break
+        done = bool(finished.all())
+        if all_done(done) if all_done is not None else done:
             break
         running = ~finished[rows]
         if drop_finished and int(running.sum()) <= 0.75 * len(rows):
-            keep = running.nonzero().squeeze(-1)
+            # Under all_done a process whose rows are all finished still steps: it keeps one row to do so.
+            keep = running.nonzero().squeeze(-1) if not done else running.new_zeros(1, dtype=torch.long)
             decoder.keep(keep)
             rows, tokens = rows[keep], tokens[keep]
             # Finished rows that stay in the batch keep decoding; their tokens are masked out below.

@@ -30,7 +30,15 @@ from .batch import ScoredRollout
 from .checkpoint import latest_checkpoint, rng_state, rotate_checkpoints, set_rng_state, write_checkpoint
 from .config import GRPOConfig
 from .data import PromptSampler, check_dataset, dataset_columns, is_conversational, pad_left, tokenize_prompts
-from .distributed import build_accelerator
+from .distributed import (
+    all_processes_done,
+    build_accelerator,
+    full_optimizer_state,
+    full_state_dict,
+    is_sharded,
+    load_full_state_dict,
+    load_optimizer_state,
+)
 from .evaluation import evaluation_metrics, group_records
 from .logs import MetricSink, MetricWindow, generation_metrics
 from .loss import high_entropy_mask, policy_loss
@@ -150,9 +158,18 @@ class GRPOTrainer:
             lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
             weight_decay=args.weight_decay,
         )  # fmt: skip
+        if self.accelerator.is_fsdp2 and is_peft_model(self.model):
+            raise NotImplementedError("LoRA under FSDP2 is not supported yet: train LoRA with DDP (plain torchrun "
+                                      "or examples/accelerate/ddp.yaml), or train all weights with FSDP2.")  # fmt: skip
         self.model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
-        if self.reference is not None:
+        if self.reference is not None and self.accelerator.is_fsdp2:
+            from accelerate.utils import fsdp2_prepare_model
+
+            self.reference = fsdp2_prepare_model(self.accelerator, self.reference)  # sharded like the policy
+        elif self.reference is not None:
             self.reference = self.reference.to(self.accelerator.device)
+        # With sharded parameters every forward is a collective: the processes sample in step (see generate()).
+        self._all_done = all_processes_done if is_sharded(self.unwrapped_model) else None
         for function in self.reward_functions:
             if isinstance(function.fn, RewardModel):
                 function.fn.to(self.accelerator.device)
@@ -296,7 +313,8 @@ class GRPOTrainer:
         self.state.generations += 1
         with acc.autocast():
             rollout = generate(self.unwrapped_model, prompt_ids, prompt_mask, self._sampling_params(),
-                               generator=generator, num_generations=args.num_generations)  # fmt: skip
+                               generator=generator, num_generations=args.num_generations,
+                               all_done=self._all_done)  # fmt: skip
         completions, completion_lists = self._completions_as_given(rows, rollout.completion_ids, rollout.completion_mask)
         prompts, scores, failures, step_rewards, step_ends = self._score(rows, completions, completion_lists)
         return ScoredRollout(rows, prompts, completions, completion_lists, prompt_ids, prompt_mask, rollout, scores,
@@ -596,13 +614,21 @@ class GRPOTrainer:
         indices = list(range(acc.process_index, len(dataset), acc.num_processes))
         prompts_per_batch = max(1, args.per_device_eval_batch_size // n)
         generator = torch.Generator(device=acc.device).manual_seed(args.seed + 1_000_000_007 * (1 + acc.process_index))
-        records = []
-        for start in range(0, len(indices), prompts_per_batch):
+        records, batches = [], math.ceil(len(indices) / prompts_per_batch)
+        if self._all_done is not None:  # sharded: every process samples as many batches as the busiest one
+            batches = math.ceil(math.ceil(len(dataset) / acc.num_processes) / prompts_per_batch)
+        for start in range(0, batches * prompts_per_batch, prompts_per_batch):
+            if start >= len(indices):  # this process has no prompts left: it samples a discarded one in step
+                rows = [dataset[0] for _ in range(n)]
+                prompt_ids, prompt_mask = (t.to(acc.device) for t in self._prompt_tensors(rows))
+                generate(self.unwrapped_model, prompt_ids, prompt_mask, self._sampling_params(), generator=generator,
+                         num_generations=n, all_done=self._all_done)  # fmt: skip
+                continue
             rows = [dataset[i] for i in indices[start : start + prompts_per_batch] for _ in range(n)]
             prompt_ids, prompt_mask = (t.to(acc.device) for t in self._prompt_tensors(rows))
             with acc.autocast():  # generate() puts the model in eval mode and back
                 rollout = generate(self.unwrapped_model, prompt_ids, prompt_mask, self._sampling_params(),
-                                   generator=generator, num_generations=n)  # fmt: skip
+                                   generator=generator, num_generations=n, all_done=self._all_done)  # fmt: skip
             completions, completion_lists = self._completions_as_given(rows, rollout.completion_ids,
                                                                        rollout.completion_mask)  # fmt: skip
             prompts, scores, *_ = self._score(rows, completions, completion_lists)
@@ -634,23 +660,32 @@ class GRPOTrainer:
     # ------------------------------------------------------------------------------------------ saving
 
     def save_model(self, output_dir: str | None = None) -> None:
-        """Every process calls it; the main process writes."""
+        """Every process calls it; the main process writes (under FSDP2 all of them gather the weights first)."""
         self.accelerator.wait_for_everyone()
+        weights = self._gathered_weights()
         if self.accelerator.is_main_process:
-            self._write_model(Path(output_dir or self.args.output_dir))
+            self._write_model(Path(output_dir or self.args.output_dir), weights)
 
-    def _write_model(self, output_dir: Path) -> None:
+    def _gathered_weights(self) -> dict[str, torch.Tensor] | None:
+        """Under FSDP2 the full weights, gathered (a collective; the main process gets them); otherwise None: the
+        model's own state dict is whole."""
+        return full_state_dict(self.unwrapped_model) if is_sharded(self.unwrapped_model) else None
+
+    def _write_model(self, output_dir: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
         output_dir.mkdir(parents=True, exist_ok=True)
         card = model_card_writable(output_dir)  # asked first: peft's save_pretrained writes a README.md of its own
         model = self.unwrapped_model
         if hasattr(model, "save_pretrained"):
-            model.save_pretrained(output_dir, safe_serialization=True)  # with LoRA: the adapter only
+            # With LoRA: the adapter only. A sharded model saves the gathered weights.
+            model.save_pretrained(output_dir, safe_serialization=True,
+                                  **({"state_dict": weights} if weights is not None else {}))  # fmt: skip
             if self.args.save_merged and is_peft_model(model):
                 save_merged(model, output_dir / "merged", self.processing_class)
         else:
             from safetensors.torch import save_file
 
-            save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(output_dir / "model.safetensors"))
+            weights = model.state_dict() if weights is None else weights
+            save_file({k: v.contiguous() for k, v in weights.items()}, str(output_dir / "model.safetensors"))
         if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
             self.processing_class.save_pretrained(output_dir)
         if card:
@@ -673,12 +708,22 @@ class GRPOTrainer:
         process, which writes the one (unsharded) checkpoint while the others wait."""
         from accelerate.utils import gather_object
 
-        args, acc = self.args, self.accelerator
-        # Checked on every process (the weights are the same everywhere), so that all of them stop together.
-        bad = [name for name, p in self.unwrapped_model.named_parameters() if not torch.isfinite(p).all()]
+        args, acc, model = self.args, self.accelerator, self.unwrapped_model
+        # Checked on every process so that all of them stop together (FSDP2: each checks its shards, then they
+        # agree).
+        bad = [name for name, p in model.named_parameters()
+               if not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()]  # fmt: skip
+        if is_sharded(model) and acc.reduce(torch.tensor(float(len(bad)), device=acc.device), "sum").item() > 0:
+            bad = bad or ["(on another process)"]
         if bad:
             raise FloatingPointError(f"Refusing to checkpoint non-finite weights ({bad[:3]}...) at step "
                                      f"{self.state.global_step}; the last complete checkpoint is kept.")  # fmt: skip
+        # Collectives under FSDP2: every process takes part, the main process gets the full tensors.
+        weights = self._gathered_weights()
+        optimizer_state = (full_optimizer_state(model, self.optimizer)
+                           if is_sharded(model) and not args.save_only_model else None)  # fmt: skip
+        keep_reference = args.sync_ref_model and self.reference is not None and not args.save_only_model
+        reference_weights = full_state_dict(self.reference) if keep_reference else None
         per_process = [] if args.save_only_model else gather_object([{
             "rng": rng_state(),
             "generation": _batch_to(self._generation, "cpu"),
@@ -688,10 +733,11 @@ class GRPOTrainer:
             return None
 
         def write(directory: Path) -> None:
-            self._write_model(directory)
+            self._write_model(directory, weights)
             if args.save_only_model:
                 return
-            torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+            torch.save(self.optimizer.state_dict() if optimizer_state is None else optimizer_state,
+                       directory / "optimizer.pt")
             torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
             for rank, state in enumerate(per_process):  # Transformers' names: rng_state.pth in one process
                 torch.save(state["rng"], directory / (f"rng_state_{rank}.pth" if len(per_process) > 1
@@ -700,11 +746,10 @@ class GRPOTrainer:
                         "generations": [state["generation"] for state in per_process], "micro_step": self._micro_step},
                        directory / "generation_state.pt")  # fmt: skip
             self.state.save(directory / "trainer_state.json")
-            if args.sync_ref_model and self.reference is not None:  # the reference has moved: keep it too
+            if keep_reference:  # the reference has moved: keep it too
                 from safetensors.torch import save_file
 
-                save_file({k: v.contiguous() for k, v in self.reference.state_dict().items()},
-                          str(directory / "reference.safetensors"))  # fmt: skip
+                save_file(_untied(reference_weights), str(directory / "reference.safetensors"))
 
         path = write_checkpoint(args.output_dir, self.state.global_step, write)
         rotate_checkpoints(args.output_dir, args.save_total_limit)
@@ -724,10 +769,11 @@ class GRPOTrainer:
 
         load_model_weights(self.unwrapped_model, path)
         if (path / "reference.safetensors").exists() and self.reference is not None:
-            self.reference.load_state_dict(load_file(str(path / "reference.safetensors")), strict=False)
-        # Loaded on the CPU: the state was saved from the main process's device, and load_state_dict moves it to
-        # each parameter's device (the optimizer state is the same on every process).
-        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False, map_location="cpu"))
+            load_full_state_dict(self.reference, load_file(str(path / "reference.safetensors")), strict=False)
+        # Loaded on the CPU: the state was saved from the main process's device, and loading moves it to each
+        # parameter's device (and, under FSDP2, keeps this process's shard of it).
+        load_optimizer_state(self.unwrapped_model, self.optimizer,
+                             torch.load(path / "optimizer.pt", weights_only=False, map_location="cpu"))
         self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
         acc = self.accelerator
         own_rng = path / f"rng_state_{acc.process_index}.pth"
@@ -760,6 +806,18 @@ class GRPOTrainer:
 
 def _none_if_nan(value: float) -> float | None:
     return None if math.isnan(value) else value
+
+
+def _untied(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors to save with safetensors: a tied weight (embeddings = LM head) once, under its first name (loading
+    with strict=False fills the tie)."""
+    seen, out = set(), {}
+    for name, value in weights.items():
+        key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape))
+        if key not in seen:
+            seen.add(key)
+            out[name] = value.contiguous()
+    return out
 
 
 def _batch_to(batch: dict | None, device) -> dict | None:

@@ -34,6 +34,7 @@ SCRIPT = textwrap.dedent(
     from datasets import Dataset
 
     from grpokit import GRPOConfig, GRPOTrainer, group_advantages
+    from grpokit.distributed import full_state_dict
 
     RANK = int(os.environ.get("RANK", 0))
     LETTERS = "abcdefgh"
@@ -87,7 +88,8 @@ SCRIPT = textwrap.dedent(
                          (trainer.accelerator.process_index + 1) * args.generation_batch_size)
             trainer._generate_batch = lambda: {key: value[rows] for key, value in batch.items()}
             trainer.train()
-            torch.save({"weights": trainer.unwrapped_model.state_dict(), "log_history": trainer.state.log_history},
+            # Full weights (gathered under FSDP2, where only the main process gets them).
+            torch.save({"weights": full_state_dict(trainer.unwrapped_model), "log_history": trainer.state.log_history},
                        out / f"{name}_{RANK}.pt")
 
 
@@ -112,7 +114,8 @@ SCRIPT = textwrap.dedent(
 
         trainer._generate_batch = observed_generate
         trainer.train(resume_from_checkpoint=spec.get("resume"))
-        torch.save({"weights": trainer.unwrapped_model.state_dict(), "log_history": trainer.state.log_history,
+        torch.save({"weights": full_state_dict(trainer.unwrapped_model),
+                    "distributed_type": trainer.accelerator.distributed_type.value, "log_history": trainer.state.log_history,
                     "global_step": trainer.state.global_step, "num_processes": trainer.accelerator.num_processes,
                     "batches": batches}, out / f"final_{RANK}.pt")
 
@@ -145,18 +148,18 @@ def write_script(directory) -> str:
     return str(path)
 
 
-def launch(directory, *specs: dict, nproc: int = 2, timeout: float = 600) -> None:
+def launch(directory, *specs: dict, nproc: int = 2, timeout: float = 600, env: dict | None = None) -> None:
     """Run SCRIPT's jobs `specs` in `nproc` processes under torchrun (gloo on CPU); fail with their output."""
     spec_path = directory / f"spec-{len(list(directory.glob('spec-*')))}.json"
     spec_path.write_text(json.dumps(specs))
     run_launcher([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                   "--master_addr", "127.0.0.1", "--master_port", str(free_port()), write_script(directory),
-                  str(spec_path)], timeout)  # fmt: skip
+                  str(spec_path)], timeout, env)  # fmt: skip
 
 
-def run_launcher(command: list[str], timeout: float = 600) -> None:
+def run_launcher(command: list[str], timeout: float = 600, env: dict | None = None) -> None:
     """Run a launcher command (one thread per process: the CPU is shared); fail with the ranks' tracebacks."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     errors = "\n".join(line for line in result.stderr.splitlines() if line.startswith("[rank"))
     assert result.returncode == 0, f"launch failed:\n{result.stdout[-2000:]}\n{errors[-8000:] or result.stderr[-8000:]}"
@@ -347,3 +350,112 @@ def test_command_line_under_torchrun(model_dir, tmp_path):
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= {p.name for p in (out / "checkpoint-2").iterdir()}
     assert (out / "model.safetensors").is_file()
+
+
+# ------------------------------------------------------------------------------------------------------ FSDP2
+# torch's FSDP2 runs on CPU with gloo; accelerate routes an FSDP config to it only on GPUs, and grpokit honours the
+# request on CPU (distributed._fsdp_on_cpu). These variables are what `accelerate launch` sets for
+# examples/accelerate/fsdp2.yaml; each decoder layer is its own unit, gathered for each forward and resharded after.
+FSDP2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+         "FSDP_RESHARD_AFTER_FORWARD": "true", "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT"}  # fmt: skip
+# Completions of up to 16 tokens from a model that often ends them early (eos_prone_model_dir): the two processes'
+# rows finish at different steps, so their sampling loops must be kept in step. A KL term to a reference that is
+# mixed with the policy every 2 steps: the reference is sharded too, moves, and is checkpointed.
+FSDP2_RUN = {**TWO_PROCESS_RUN, "max_completion_length": 16, "beta": 0.04, "sync_ref_model": True,
+             "ref_model_sync_steps": 2, "ref_model_mixup_alpha": 0.5}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def eos_prone_model_dir(model_dir, tmp_path_factory):
+    """The tiny model with its EOS row of the LM head along the mean final hidden state: P(EOS) ~ 0.17 a token."""
+    from transformers import AutoTokenizer
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    ids = torch.randint(7, len(tokenizer), (64, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        mean = model.model(ids).last_hidden_state.mean((0, 1))
+        model.lm_head.weight[tokenizer.eos_token_id] = 0.5 * mean / mean.norm()
+    path = tmp_path_factory.mktemp("eos_prone") / "tiny"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def fsdp2_runs(eos_prone_model_dir, model_dir, tmp_path_factory):
+    """Six steps under FSDP2 (checkpoint after each) and the same under DDP; one FSDP2 update per UPDATE_VARIANT."""
+    directory = tmp_path_factory.mktemp("fsdp2")
+    launch(directory, dict(job="train", model=eos_prone_model_dir, out=str(directory / "fsdp2"), config=FSDP2_RUN,
+                           tiebreak=0.01),
+           dict(job="one_update", model=model_dir, out=str(directory / "update"), variants=UPDATE_VARIANTS),
+           env=FSDP2)  # fmt: skip
+    launch(directory, dict(job="train", model=eos_prone_model_dir, out=str(directory / "ddp"), config=FSDP2_RUN,
+                           tiebreak=0.01))  # fmt: skip
+    return directory
+
+
+def test_fsdp2_makes_the_update_of_one_process(fsdp2_runs, model_dir, tmp_path):
+    run_in_this_process(tmp_path, dict(job="one_update", model=model_dir, out=str(tmp_path / "one"),
+                                       variants={loss: dict(loss_type=loss, per_device_train_batch_size=16)
+                                                 for loss in LOSS_TYPES}))  # fmt: skip
+    initial = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    for name, values in UPDATE_VARIANTS.items():
+        one = load(tmp_path / "one" / f"{values['loss_type']}_0.pt")
+        gathered = load(fsdp2_runs / "update" / f"{name}_0.pt")  # the full weights, gathered on the main process
+        assert load(fsdp2_runs / "update" / f"{name}_1.pt")["weights"] == {}  # rank 1 holds shards only
+        moved = max_difference(one["weights"], {k: v for k, v in initial.items() if k in one["weights"]})
+        assert moved > 1e-2, name
+        assert max_difference(gathered["weights"], one["weights"]) < 1e-5 * moved, name
+        assert gathered["log_history"][0]["loss"] == pytest.approx(one["log_history"][0]["loss"], abs=1e-6), name
+
+
+def test_fsdp2_training_follows_ddp_with_sharded_sampling(fsdp2_runs):
+    # Sampling, scoring and updating with sharded parameters give the run DDP gives (same seeds, same completions),
+    # up to the rounding of reduce-scatter against all-reduce.
+    fsdp2, ddp = load(fsdp2_runs / "fsdp2" / "final_0.pt"), load(fsdp2_runs / "ddp" / "final_0.pt")
+    assert fsdp2["distributed_type"] == "FSDP" and ddp["distributed_type"] == "MULTI_CPU"
+    assert fsdp2["global_step"] == 6
+    generations = fsdp2["log_history"][::2]  # a generation batch lasts two steps
+    lengths = [e["completions/mean_length"] for e in generations]
+    assert lengths == pytest.approx([e["completions/mean_length"] for e in ddp["log_history"][::2]], abs=1e-9)
+    assert all(e["completions/min_length"] < e["completions/max_length"] for e in generations)  # ragged
+    assert fsdp2["log_history"][-1]["kl"] > 0
+    for key in ("loss", "reward", "entropy", "kl"):
+        assert [e.get(key) for e in fsdp2["log_history"]] == pytest.approx(
+            [e.get(key) for e in ddp["log_history"]], abs=1e-5), key  # fmt: skip
+    assert max_difference(fsdp2["weights"], ddp["weights"]) < 1e-4
+    assert [p.name for p in sorted((fsdp2_runs / "fsdp2").glob("checkpoint-*"))] == [
+        f"checkpoint-{step}" for step in range(1, 7)
+    ]
+
+
+def test_fsdp2_checkpoint_is_a_plain_model_and_resumes_in_two_processes_or_one(fsdp2_runs, eos_prone_model_dir,
+                                                                               tmp_path):  # fmt: skip
+    out = fsdp2_runs / "fsdp2"
+    final = load(out / "final_0.pt")
+    saved = AutoModelForCausalLM.from_pretrained(out / "checkpoint-6")  # unsharded, loadable without grpokit
+    assert type(saved).__name__ == "Qwen2ForCausalLM"
+    assert (out / "checkpoint-6" / "reference.safetensors").is_file()
+    assert max_difference({k: v for k, v in saved.state_dict().items() if k in final["weights"]}, final["weights"]) == 0
+    # FSDP2 -> FSDP2, from the middle of a generation batch: the same run, exactly.
+    launch(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "two"), config=FSDP2_RUN,
+                          tiebreak=0.01, resume=str(out / "checkpoint-3")), env=FSDP2)  # fmt: skip
+    resumed = load(tmp_path / "two" / "final_0.pt")
+    assert max_difference(resumed["weights"], final["weights"]) == 0.0
+    assert [e["loss"] for e in resumed["log_history"]] == [e["loss"] for e in final["log_history"]]
+    # FSDP2 -> one process, at a generation boundary: the sharded optimizer state, gathered by parameter name,
+    # loads into a plain optimizer, and the run goes on to the same weights as under DDP up to rounding.
+    config = {**FSDP2_RUN, "per_device_train_batch_size": 12}
+    run_in_this_process(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "one"),
+                                       config=config, tiebreak=0.01, resume=str(out / "checkpoint-4")))  # fmt: skip
+    one = load(tmp_path / "one" / "final_0.pt")
+    assert one["num_processes"] == 1 and one["global_step"] == 6
+    assert all(torch.isfinite(v).all() for v in one["weights"].values())
+    ddp_checkpoint = torch.load(fsdp2_runs / "ddp" / "checkpoint-4" / "optimizer.pt", weights_only=False)
+    fsdp2_checkpoint = torch.load(out / "checkpoint-4" / "optimizer.pt", weights_only=False)
+    names = list(fsdp2_checkpoint["state"])
+    assert len(names) == len(ddp_checkpoint["state"]) and all(isinstance(n, str) for n in names)
+    for index, name in enumerate(names):  # the same Adam moments, keyed by name rather than position
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert torch.allclose(fsdp2_checkpoint["state"][name][moment], ddp_checkpoint["state"][index][moment],
+                                  atol=1e-6), (name, moment)  # fmt: skip

@@ -427,3 +427,32 @@ def test_unfiltered_sampling_never_draws_an_underflowed_token_at_the_edge():
     tokens, logprobs = sample_tokens(logits, uniforms, SamplingParams(1))
     assert tokens.tolist() == [0, 1, 1]
     torch.testing.assert_close(logprobs, torch.full((3,), -math.log(2)), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("drop_finished", [False, True])
+def test_all_done_keeps_stepping_until_every_process_is_done(model, tokenizer, drop_finished):
+    # Under FSDP2 every forward is a collective: a process whose rows have all finished keeps stepping (one row,
+    # masked out) until all_done says every process is done. Here "the other process" finishes at step 11: the
+    # model is called exactly 11 times (prefill + 10 steps), and the completions are those of the plain loop.
+    ids, mask = grouped(["ab", "ba"], tokenizer, 2)
+    # An eighth of the vocabulary ends a completion, so that ours finish within a few steps.
+    params = params_for(tokenizer, max_new_tokens=24, eos_token_ids=tuple(range(len(tokenizer) // 8)))
+    plain = generate(model, ids, mask, params, generator=seeded(4), num_generations=2)
+    assert int(plain.completion_lengths.max()) < 11, plain.completion_lengths.tolist()  # ours finish first
+    calls, asked = [], []
+    handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+
+    def all_done(done: bool) -> bool:  # the collective, with another process still running until step 11
+        asked.append(done)
+        return done and len(asked) >= 11
+
+    try:
+        synced = generate(model, ids, mask, params, generator=seeded(4), num_generations=2, all_done=all_done,
+                          drop_finished=drop_finished)  # fmt: skip
+    finally:
+        handle.remove()
+    assert len(calls) == 11 and len(asked) == 11
+    assert asked[-1] and not asked[0]
+    assert torch.equal(synced.completion_ids, plain.completion_ids)
+    assert torch.equal(synced.completion_mask, plain.completion_mask)
+    assert (synced.logprobs - plain.logprobs).abs().max() <= LOGPROB_ATOL
