@@ -120,9 +120,26 @@ SCRIPT = textwrap.dedent(
                     "batches": batches}, out / f"final_{RANK}.pt")
 
 
+    def refused(spec):
+        """Build a trainer that must be refused; record the error."""
+        peft_config = None
+        if spec.get("lora"):
+            from peft import LoraConfig
+
+            peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        try:
+            GRPOTrainer(model=spec["model"], args=config(spec["out"]), train_dataset=dataset(),
+                        reward_funcs=recording_reward(os.devnull, 0.0), peft_config=peft_config)
+            message = None
+        except NotImplementedError as error:
+            message = str(error)
+        Path(spec["out"]).mkdir(parents=True, exist_ok=True)
+        (Path(spec["out"]) / f"error_{RANK}.json").write_text(json.dumps(message))
+
+
     def main(spec_path):
         for spec in json.loads(Path(spec_path).read_text()):  # jobs, one after the other, in the same processes
-            {"one_update": one_update, "train": train}[spec["job"]](spec)
+            {"one_update": one_update, "train": train, "refused": refused}[spec["job"]](spec)
 
 
     if __name__ == "__main__":
@@ -320,11 +337,12 @@ def test_two_processes_learn(model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_example_script_under_accelerate_launch_with_the_ddp_config(tmp_path):
-    # The shipped examples/train_grpo.py and examples/accelerate/ddp.yaml, as a user runs them (2 CPU processes).
+@pytest.mark.parametrize("launch_config", ["ddp.yaml", "fsdp2.yaml"])
+def test_example_script_under_accelerate_launch(tmp_path, launch_config):
+    # The shipped examples/train_grpo.py and examples/accelerate configs, as a user runs them (2 CPU processes).
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run_launcher([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                  os.path.join(root, "examples", "accelerate", "ddp.yaml"), "--num_processes", "2",
+                  os.path.join(root, "examples", "accelerate", launch_config), "--num_processes", "2",
                   "--main_process_port", str(free_port()), os.path.join(root, "examples", "train_grpo.py"), "--tiny",
                   "--output_dir", str(tmp_path / "out"), "--max_steps", "30"])  # fmt: skip
     lines = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
@@ -335,6 +353,9 @@ def test_example_script_under_accelerate_launch_with_the_ddp_config(tmp_path):
     assert lines[0]["num_tokens"] == 2 * 32 * 3 + round(lines[0]["completions/mean_length"] * 64)
     assert (tmp_path / "out" / "checkpoint-30" / "rng_state_1.pth").is_file()
     assert (tmp_path / "out" / "model.safetensors").is_file()
+    # FSDP2 really sharded: its optimizer state was gathered by parameter name (DDP's is the optimizer's own).
+    optimizer = torch.load(tmp_path / "out" / "checkpoint-30" / "optimizer.pt", weights_only=False)
+    assert all(isinstance(key, str) for key in optimizer["state"]) == (launch_config == "fsdp2.yaml")
 
 
 @pytest.mark.slow
@@ -451,6 +472,14 @@ def test_fsdp2_checkpoint_is_a_plain_model_and_resumes_in_two_processes_or_one(f
     one = load(tmp_path / "one" / "final_0.pt")
     assert one["num_processes"] == 1 and one["global_step"] == 6
     assert all(torch.isfinite(v).all() for v in one["weights"].values())
+    # DDP -> FSDP2: the positional optimizer state is mapped to names and sharded; the run ends where DDP's did.
+    launch(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "from_ddp"), config=FSDP2_RUN,
+                          tiebreak=0.01, resume=str(fsdp2_runs / "ddp" / "checkpoint-4")), env=FSDP2)  # fmt: skip
+    from_ddp, ddp = load(tmp_path / "from_ddp" / "final_0.pt"), load(fsdp2_runs / "ddp" / "final_0.pt")
+    assert from_ddp["distributed_type"] == "FSDP" and from_ddp["global_step"] == 6
+    assert max_difference(from_ddp["weights"], ddp["weights"]) < 1e-4
+    assert [e["loss"] for e in from_ddp["log_history"]] == pytest.approx([e["loss"] for e in ddp["log_history"]],
+                                                                        abs=1e-5)  # fmt: skip
     ddp_checkpoint = torch.load(fsdp2_runs / "ddp" / "checkpoint-4" / "optimizer.pt", weights_only=False)
     fsdp2_checkpoint = torch.load(out / "checkpoint-4" / "optimizer.pt", weights_only=False)
     names = list(fsdp2_checkpoint["state"])
@@ -459,3 +488,14 @@ def test_fsdp2_checkpoint_is_a_plain_model_and_resumes_in_two_processes_or_one(f
         for moment in ("exp_avg", "exp_avg_sq"):
             assert torch.allclose(fsdp2_checkpoint["state"][name][moment], ddp_checkpoint["state"][index][moment],
                                   atol=1e-6), (name, moment)  # fmt: skip
+
+
+def test_fsdp1_and_lora_under_fsdp2_are_refused_with_the_way_out(model_dir, tmp_path):
+    launch(tmp_path, dict(job="refused", model=model_dir, out=str(tmp_path / "fsdp1")),
+           env={**FSDP2, "FSDP_VERSION": "1"})  # fmt: skip
+    launch(tmp_path, dict(job="refused", model=model_dir, out=str(tmp_path / "lora"), lora=True), env=FSDP2)
+    for rank in (0, 1):
+        fsdp1 = json.loads((tmp_path / "fsdp1" / f"error_{rank}.json").read_text())
+        assert "FSDP1" in fsdp1 and "fsdp_version: 2" in fsdp1
+        lora = json.loads((tmp_path / "lora" / f"error_{rank}.json").read_text())
+        assert "LoRA under FSDP2" in lora and "DDP" in lora
