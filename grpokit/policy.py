@@ -131,6 +131,7 @@ def token_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     chunked: bool | None = None,
+    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [N, T] (and entropies [N, T]) of the last T tokens of input_ids [N, P + T] under the model.
 
@@ -142,6 +143,12 @@ def token_logprobs(
     never exist in forward or backward. The plain one takes the model's logits (of the T + 1 last positions when
     the model supports `logits_to_keep`). An entropy that needs a gradient (`entropy_grad`, for an entropy bonus)
     takes the plain path: the chunked entropies are a metric without one.
+
+    On the chunked path, when rows repeat prompts (a GRPO batch holds G completions per prompt) and `share_prompts`
+    is on, each distinct prompt (the first P tokens, with its padding) runs through the decoder once and its KV
+    cache is shared by its rows, whose completions then run against it (`shared_prompt_hidden`): (G - 1) / G of the
+    prompt tokens' forward and backward work is saved, and the gradient reaches the prompt's activations through
+    the shared cache. The values are those of the full forward up to float rounding.
     """
     use_chunked = supports_chunked_head(model) if chunked is None else chunked
     if use_chunked and with_entropy and entropy_grad and torch.is_grad_enabled():
@@ -153,11 +160,14 @@ def token_logprobs(
     targets = input_ids[:, -completion_length:]
     if use_chunked:
         lm = causal_lm_of(model)
-        head = lm.get_output_embeddings()
-        out = lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               use_cache=False)  # fmt: skip
-        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        hidden = hidden[:, -completion_length - 1 : -1]  # position t predicts token t + 1
+        head, decoder = lm.get_output_embeddings(), lm.get_decoder()
+        hidden = None
+        if share_prompts and can_share_prompts(lm):
+            hidden = shared_prompt_hidden(decoder, input_ids, attention_mask, position_ids, completion_length)
+        if hidden is None:
+            out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False)  # fmt: skip
+            hidden = _last_hidden(out)[:, -completion_length - 1 : -1]  # position t predicts token t + 1
         return chunked_token_logprobs(hidden, head.weight, targets, temperature, bias=head.bias,
                                       with_entropy=with_entropy)  # fmt: skip
 
@@ -177,6 +187,57 @@ def token_logprobs(
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropies = entropy_from_logits(logits)
     return logprobs, entropies
+
+
+def _last_hidden(out) -> torch.Tensor:
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def can_share_prompts(lm: torch.nn.Module) -> bool:
+    """Whether the decoder can run prompts and completions in two calls through a KV cache with the same result:
+    full attention in every layer (no sliding window, whose mask the cache would change) and no gradient
+    checkpointing (under which transformers turns the cache off)."""
+    config = getattr(lm, "config", None)
+    checkpointing = "is_activation_checkpointing" if hasattr(type(lm), "is_activation_checkpointing") else \
+        "is_gradient_checkpointing"  # transformers 5 renamed it  # fmt: skip
+    if getattr(lm, checkpointing, False):
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
+        return False
+    return getattr(config, "sliding_window", None) is None or getattr(config, "use_sliding_window", True) is False
+
+
+# Share a prompt when at most this fraction of the rows have distinct prompts (a second decoder call costs more
+# than it saves when few rows share one).
+SHARE_PROMPTS_MAX_DISTINCT = 0.5
+
+
+def shared_prompt_hidden(decoder, input_ids, attention_mask, position_ids, completion_length: int):
+    """The hidden states [N, T, H] that predict the last T tokens of input_ids [N, P + T], each distinct prompt
+    (first P tokens and mask) run once; None when too few rows share a prompt to gain from it."""
+    from transformers import DynamicCache
+
+    n, prompt_length = input_ids.shape[0], input_ids.shape[1] - completion_length
+    if prompt_length < 1 or completion_length < 1:
+        return None
+    prompts = torch.cat([input_ids[:, :prompt_length], attention_mask[:, :prompt_length].long()], 1)
+    distinct, row_of = torch.unique(prompts, dim=0, return_inverse=True)
+    if len(distinct) > SHARE_PROMPTS_MAX_DISTINCT * n:
+        return None
+    first = torch.full((len(distinct),), n, dtype=torch.long, device=input_ids.device)
+    first = first.scatter_reduce(0, row_of, torch.arange(n, device=input_ids.device), reduce="amin")
+    out = decoder(input_ids=input_ids[first, :prompt_length], attention_mask=attention_mask[first, :prompt_length],
+                  position_ids=position_ids[first, :prompt_length], past_key_values=DynamicCache(), use_cache=True)
+    cache = out.past_key_values
+    cache.batch_select_indices(row_of)  # each row gets its prompt's keys and values (an index: differentiable)
+    prompt_end = _last_hidden(out)[row_of, -1:]  # the prompt's last position predicts the first completion token
+    if completion_length == 1:
+        return prompt_end
+    # The completion's last token predicts nothing: it is not run.
+    rest = decoder(input_ids=input_ids[:, prompt_length:-1], attention_mask=attention_mask[:, :-1],
+                   position_ids=position_ids[:, prompt_length:-1], past_key_values=cache, use_cache=True)
+    return torch.cat([prompt_end, _last_hidden(rest)], 1)
 
 
 # ------------------------------------------------------------------------------------------------- LoRA

@@ -360,3 +360,101 @@ def test_one_training_step_is_the_same_through_either_head(tmp_path, monkeypatch
     for plain, chunked_ in zip(weights[False, "log"], weights[True, "log"]):
         assert chunked_["entropy"] == pytest.approx(plain["entropy"], abs=1e-5)
         assert chunked_["kl"] == pytest.approx(plain["kl"], abs=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ shared prompts
+
+
+def grouped_batch(prompts=3, group=3, prompt_length=7, completion_length=6, seed=3):
+    """Rows that repeat prompts (one left-padded), completions ragged (one ends early), rows shuffled."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(3, VOCAB, (prompts, prompt_length), generator=generator).repeat_interleave(group, 0)
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_mask[:group, :3] = 0
+    completion_ids = torch.randint(3, VOCAB, (prompts * group, completion_length), generator=generator)
+    completion_mask = torch.ones_like(completion_ids)
+    completion_mask[1, 2:] = 0
+    order = torch.randperm(prompts * group, generator=generator)
+    return torch.cat([prompt_ids, completion_ids], 1)[order], torch.cat([prompt_mask, completion_mask], 1)[order]
+
+
+def shared_and_full(model, ids, mask, width, monkeypatch):
+    """(log-probs, entropies, gradients) with and without shared prompts; asserts which path ran."""
+    shared_runs = []
+    original = policy.shared_prompt_hidden
+    monkeypatch.setattr(policy, "shared_prompt_hidden",
+                        lambda *a, **k: shared_runs.append(1) or original(*a, **k))  # fmt: skip
+    upstream = torch.randn(ids.shape[0], width, generator=torch.Generator().manual_seed(4))
+    results = {}
+    for share in (False, True):
+        model.zero_grad(set_to_none=True)
+        logprobs, entropies = token_logprobs(model, ids, mask, width, 0.8, with_entropy=True, chunked=True,
+                                             share_prompts=share)  # fmt: skip
+        (logprobs * upstream * mask[:, -width:]).sum().backward()
+        results[share] = (logprobs.detach(), entropies,
+                          {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    assert shared_runs == [1]
+    return results
+
+
+def assert_same_where_real(results, mask, width):
+    real = mask[:, -width:].bool()
+    (lp, ent, grads_), (shared_lp, shared_ent, shared_grads) = results[False], results[True]
+    torch.testing.assert_close(shared_lp[real], lp[real], atol=ATOL32, rtol=0)
+    torch.testing.assert_close(shared_ent[real], ent[real], atol=ATOL32, rtol=0)
+    assert shared_grads.keys() == grads_.keys() and grads_
+    for name in grads_:  # float32 rounding, relative to the gradient's scale (some reach ~30 here)
+        scale = max(1.0, grads_[name].abs().max().item())
+        torch.testing.assert_close(shared_grads[name], grads_[name], atol=ATOL32 * scale, rtol=0, msg=name)
+
+
+# Sliding-window attention in some layers by default: the prompt is never shared for them.
+SLIDING_WINDOW_TYPES = {"mistral", "olmo3"}
+
+
+@pytest.mark.parametrize("model_type", sorted(policy.CHUNKED_HEAD_MODEL_TYPES))
+def test_shared_prompts_give_the_full_forward_on_every_allowed_architecture(model_type, monkeypatch):
+    # Each distinct prompt through the decoder once, its cache indexed out to its rows, the completions run
+    # against it: the same log-probs, entropies and parameter gradients as one forward over the whole rows.
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2)  # fmt: skip
+    kwargs.update(ARCH_OVERRIDES.get(model_type, {}))
+    if kwargs["head_dim"] is None:
+        del kwargs["head_dim"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = AutoConfig.for_model(model_type, **kwargs)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).float().eval()
+    assert policy.can_share_prompts(model) == (model_type not in SLIDING_WINDOW_TYPES)
+    if model_type in SLIDING_WINDOW_TYPES:
+        return
+    ids, mask = grouped_batch()
+    assert_same_where_real(shared_and_full(model, ids, mask, 6, monkeypatch), mask, 6)
+
+
+def test_shared_prompts_with_lora_and_a_one_token_completion(monkeypatch):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(build_tiny_model(VOCAB, tie_word_embeddings=False),
+                                peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    ids, mask = grouped_batch(completion_length=1)
+    results = shared_and_full(model, ids, mask, 1, monkeypatch)
+    assert_same_where_real(results, mask, 1)
+    assert all("lora_" in name for name in results[True][2])
+
+
+def test_prompts_are_shared_only_where_it_pays_and_the_cache_is_exact():
+    model = build_tiny_model(VOCAB)
+    ids, mask = batch()  # six distinct prompts: nothing to share
+    position_ids = policy.position_ids_from_mask(mask)
+    assert policy.shared_prompt_hidden(model.model, ids, mask, position_ids, 5) is None
+    ids, mask = grouped_batch()  # three prompts for nine rows
+    assert policy.shared_prompt_hidden(model.model, ids, mask, policy.position_ids_from_mask(mask), 6) is not None
+    model.gradient_checkpointing_enable()  # transformers turns the cache off under checkpointing
+    assert not policy.can_share_prompts(model)
+    windowed = build_tiny_model(VOCAB)
+    windowed.config.layer_types = ["sliding_attention"] * len(windowed.config.layer_types)
+    assert not policy.can_share_prompts(windowed)
