@@ -456,3 +456,32 @@ def test_all_done_keeps_stepping_until_every_process_is_done(model, tokenizer, d
     assert torch.equal(synced.completion_ids, plain.completion_ids)
     assert torch.equal(synced.completion_mask, plain.completion_mask)
     assert (synced.logprobs - plain.logprobs).abs().max() <= LOGPROB_ATOL
+
+
+def test_preallocated_cache_layer_holds_what_concatenation_would():
+    # The rollout's cache writes into buffers instead of concatenating; through prefill, steps, repeats, row
+    # selection and a sequence longer than its capacity, it holds exactly what transformers' DynamicLayer holds.
+    from transformers.cache_utils import DynamicLayer
+
+    from grpokit.rollout import preallocated_layer_class
+
+    generator = torch.Generator().manual_seed(0)
+    ours, reference = preallocated_layer_class()(capacity=6), DynamicLayer()
+
+    def update(batch, length):
+        keys, values = torch.randn(2, batch, 2, length, 4, generator=generator)
+        got, want = ours.update(keys, values), reference.update(keys, values)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        assert ours.get_seq_length() == reference.get_seq_length()
+
+    update(2, 3)  # prefill of 2 prompts
+    ours.batch_repeat_interleave(3)
+    reference.batch_repeat_interleave(3)
+    update(6, 1)
+    rows = torch.tensor([0, 2, 5])
+    ours.batch_select_indices(rows)
+    reference.batch_select_indices(rows)
+    for _ in range(5):  # past the capacity of 6 positions: the buffers grow
+        update(3, 1)
+    assert ours.get_seq_length() == 9 and ours._keys.shape[2] >= 9
