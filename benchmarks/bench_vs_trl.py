@@ -430,6 +430,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="optimizer steps excluded from timing")
     parser.add_argument("--repeats", type=int, default=2, help="runs per library (alternating trl, grpokit)")
     parser.add_argument("--out", default=None, help="write all results (per run and summary) to this JSON file")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default=None,
+                        help="override the config's precision for both trainers (bf16: autocast)")
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--learning-rate", type=float, default=1e-5)
     parser.add_argument("--seed", type=int, default=42)
@@ -452,7 +454,9 @@ def main(argv=None) -> int:
         Path(args.child_out).write_text(json.dumps(result))
         return 0
 
-    config = CONFIGS[args.config]
+    config = dict(CONFIGS[args.config])
+    if args.precision is not None:  # the same precision for both trainers (TRL's own default is bf16=True)
+        config["bf16"] = args.precision == "bf16"
     if config["cuda"]:
         import torch
 
