@@ -144,11 +144,13 @@ def token_logprobs(
     the model supports `logits_to_keep`). An entropy that needs a gradient (`entropy_grad`, for an entropy bonus)
     takes the plain path: the chunked entropies are a metric without one.
 
-    On the chunked path, when rows repeat prompts (a GRPO batch holds G completions per prompt) and `share_prompts`
+    On the chunked path the head runs on real completion tokens only (attention_mask 1; log-probs and entropies
+    are 0 on padding). When rows repeat prompts (a GRPO batch holds G completions per prompt) and `share_prompts`
     is on, each distinct prompt (the first P tokens, with its padding) runs through the decoder once and its KV
-    cache is shared by its rows, whose completions then run against it (`shared_prompt_hidden`): (G - 1) / G of the
-    prompt tokens' forward and backward work is saved, and the gradient reaches the prompt's activations through
-    the shared cache. The values are those of the full forward up to float rounding.
+    cache is shared by its rows, whose completions then run against it in groups of similar length
+    (`shared_prompt_hidden`): (G - 1) / G of the prompt tokens' forward and backward work is saved, the gradient
+    reaches the prompt's activations through the shared cache, and a completion is padded only to the longest in
+    its length group. The values are those of the full forward up to float rounding.
     """
     use_chunked = supports_chunked_head(model) if chunked is None else chunked
     if use_chunked and with_entropy and entropy_grad and torch.is_grad_enabled():
@@ -161,15 +163,26 @@ def token_logprobs(
     if use_chunked:
         lm = causal_lm_of(model)
         head, decoder = lm.get_output_embeddings(), lm.get_decoder()
-        hidden = None
+        real = attention_mask[:, -completion_length:].bool()
+        shared = None
         if share_prompts and can_share_prompts(lm):
-            hidden = shared_prompt_hidden(decoder, input_ids, attention_mask, position_ids, completion_length)
-        if hidden is None:
+            shared = shared_prompt_hidden(decoder, input_ids, attention_mask, position_ids, completion_length)
+        if shared is not None:
+            hidden, rows, columns = shared  # [M, H] for the real completion tokens at (rows, columns)
+        else:
             out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False)  # fmt: skip
             hidden = _last_hidden(out)[:, -completion_length - 1 : -1]  # position t predicts token t + 1
-        return chunked_token_logprobs(hidden, head.weight, targets, temperature, bias=head.bias,
-                                      with_entropy=with_entropy)  # fmt: skip
+            if bool(real.all()):
+                return chunked_token_logprobs(hidden, head.weight, targets, temperature, bias=head.bias,
+                                              with_entropy=with_entropy)  # fmt: skip
+            rows, columns = real.nonzero(as_tuple=True)
+            hidden = hidden[rows, columns]
+        logprobs, entropies = chunked_token_logprobs(hidden[None], head.weight, targets[rows, columns][None],
+                                                     temperature, bias=head.bias, with_entropy=with_entropy)
+        shape = tuple(targets.shape)
+        return (_scatter(logprobs[0], rows, columns, shape),
+                None if entropies is None else _scatter(entropies[0], rows, columns, shape))  # fmt: skip
 
     kwargs = {}
     if forward_accepts(model, "attention_mask"):
@@ -187,6 +200,11 @@ def token_logprobs(
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropies = entropy_from_logits(logits)
     return logprobs, entropies
+
+
+def _scatter(values: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, shape) -> torch.Tensor:
+    """values [M] placed at (rows, columns) of a zero tensor of `shape` (differentiable)."""
+    return values.new_zeros(shape).index_put((rows, columns), values)
 
 
 def _last_hidden(out) -> torch.Tensor:
@@ -211,11 +229,33 @@ def can_share_prompts(lm: torch.nn.Module) -> bool:
 # Share a prompt when at most this fraction of the rows have distinct prompts (a second decoder call costs more
 # than it saves when few rows share one).
 SHARE_PROMPTS_MAX_DISTINCT = 0.5
+# Completions run in at most this many groups of similar length; a row joins the current group while its length
+# is at least this fraction of the group's longest.
+LENGTH_GROUPS, LENGTH_GROUP_RATIO = 4, 0.75
+
+
+def length_groups(lengths: torch.Tensor) -> list[torch.Tensor]:
+    """Row indices in groups of similar length, longest first (the padding each group needs is to its longest)."""
+    order = torch.argsort(lengths, descending=True, stable=True)
+    groups, start = [], 0
+    values = lengths[order].tolist()
+    for i in range(1, len(values) + 1):
+        ends_group = i == len(values) or (values[i] < LENGTH_GROUP_RATIO * values[start]
+                                          and len(groups) < LENGTH_GROUPS - 1)  # fmt: skip
+        if ends_group:
+            groups.append(order[start:i])
+            start = i
+    return groups
 
 
 def shared_prompt_hidden(decoder, input_ids, attention_mask, position_ids, completion_length: int):
-    """The hidden states [N, T, H] that predict the last T tokens of input_ids [N, P + T], each distinct prompt
-    (first P tokens and mask) run once; None when too few rows share a prompt to gain from it."""
+    """Hidden states of the real completion tokens of input_ids [N, P + T], each distinct prompt (first P tokens
+    and mask) run once: (hidden [M, H], rows [M], columns [M]), where hidden[m] predicts token columns[m] of the
+    completion of row rows[m]; None when too few rows share a prompt to gain from it.
+
+    Each distinct prompt's KV cache is indexed out to its rows (an index: the gradient flows back through it), and
+    the completions run against it in groups of similar length (`length_groups`), each padded to its longest; the
+    completion's last token predicts nothing and is not run."""
     from transformers import DynamicCache
 
     n, prompt_length = input_ids.shape[0], input_ids.shape[1] - completion_length
@@ -225,19 +265,38 @@ def shared_prompt_hidden(decoder, input_ids, attention_mask, position_ids, compl
     distinct, row_of = torch.unique(prompts, dim=0, return_inverse=True)
     if len(distinct) > SHARE_PROMPTS_MAX_DISTINCT * n:
         return None
-    first = torch.full((len(distinct),), n, dtype=torch.long, device=input_ids.device)
-    first = first.scatter_reduce(0, row_of, torch.arange(n, device=input_ids.device), reduce="amin")
+    device = input_ids.device
+    first = torch.full((len(distinct),), n, dtype=torch.long, device=device)
+    first = first.scatter_reduce(0, row_of, torch.arange(n, device=device), reduce="amin")
     out = decoder(input_ids=input_ids[first, :prompt_length], attention_mask=attention_mask[first, :prompt_length],
                   position_ids=position_ids[first, :prompt_length], past_key_values=DynamicCache(), use_cache=True)
-    cache = out.past_key_values
-    cache.batch_select_indices(row_of)  # each row gets its prompt's keys and values (an index: differentiable)
-    prompt_end = _last_hidden(out)[row_of, -1:]  # the prompt's last position predicts the first completion token
-    if completion_length == 1:
-        return prompt_end
-    # The completion's last token predicts nothing: it is not run.
-    rest = decoder(input_ids=input_ids[:, prompt_length:-1], attention_mask=attention_mask[:, :-1],
-                   position_ids=position_ids[:, prompt_length:-1], past_key_values=cache, use_cache=True)
-    return torch.cat([prompt_end, _last_hidden(rest)], 1)
+    prompt_cache = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+    prompt_end = _last_hidden(out)[:, -1]  # [U, H]: a prompt's last position predicts its first completion token
+
+    real = attention_mask[:, prompt_length:].bool()
+    positions = torch.arange(1, completion_length + 1, device=device)
+    lengths = torch.where(real, positions, 0).amax(-1)  # up to the last real completion token
+    hidden, rows, columns = [], [], []
+    for group in length_groups(lengths):
+        longest = int(lengths[group].max())
+        if longest == 0:
+            continue
+        prompt_rows = row_of[group]
+        states = prompt_end[prompt_rows][:, None]
+        if longest > 1:
+            cache = DynamicCache(ddp_cache_data=[(keys[prompt_rows], values[prompt_rows]) for keys, values in
+                                                 prompt_cache])  # fmt: skip
+            end = prompt_length + longest - 1
+            rest = decoder(input_ids=input_ids[group, prompt_length:end], attention_mask=attention_mask[group, :end],
+                           position_ids=position_ids[group, prompt_length:end], past_key_values=cache, use_cache=True)
+            states = torch.cat([states, _last_hidden(rest)], 1)  # [rows, longest, H]
+        group_rows, group_columns = real[group, :longest].nonzero(as_tuple=True)
+        hidden.append(states[group_rows, group_columns])
+        rows.append(group[group_rows])
+        columns.append(group_columns)
+    if not hidden:  # no real completion token anywhere: the plain forward handles that edge
+        return None
+    return torch.cat(hidden), torch.cat(rows), torch.cat(columns)
 
 
 # ------------------------------------------------------------------------------------------------- LoRA

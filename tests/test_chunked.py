@@ -453,8 +453,60 @@ def test_prompts_are_shared_only_where_it_pays_and_the_cache_is_exact():
     assert policy.shared_prompt_hidden(model.model, ids, mask, position_ids, 5) is None
     ids, mask = grouped_batch()  # three prompts for nine rows
     assert policy.shared_prompt_hidden(model.model, ids, mask, policy.position_ids_from_mask(mask), 6) is not None
+    mask[:, -6:] = 0  # no real completion token: the plain forward takes the edge
+    assert policy.shared_prompt_hidden(model.model, ids, mask, policy.position_ids_from_mask(mask), 6) is None
     model.gradient_checkpointing_enable()  # transformers turns the cache off under checkpointing
     assert not policy.can_share_prompts(model)
     windowed = build_tiny_model(VOCAB)
     windowed.config.layer_types = ["sliding_attention"] * len(windowed.config.layer_types)
     assert not policy.can_share_prompts(windowed)
+
+
+
+def ragged_batch(prompts=4, group=4, prompt_length=5, completion_length=12, seed=5):
+    """Grouped, shuffled rows whose completions end anywhere from 0 to 12 tokens (right-padded)."""
+    ids, mask = grouped_batch(prompts, group, prompt_length, completion_length, seed)
+    lengths = torch.tensor([12, 11, 3, 0, 7, 12, 1, 5, 9, 2, 12, 6, 4, 10, 8, 12])[: prompts * group]
+    mask[:, prompt_length:] = (torch.arange(completion_length) < lengths[:, None]).long()
+    return ids, mask
+
+
+def test_completions_run_in_length_groups_and_the_head_only_on_real_tokens(monkeypatch):
+    # Completions of lengths 0..12 run in groups of similar length against their prompt's shared cache: fewer
+    # token positions than one padded forward, the same values (0 on padding) and the same gradients.
+    model = build_tiny_model(VOCAB)
+    ids, mask = ragged_batch()
+    width = 12
+    lengths = mask[:, -width:].sum(-1)
+    groups = policy.length_groups(lengths)
+    assert 2 <= len(groups) <= policy.LENGTH_GROUPS
+    assert sorted(torch.cat(groups).tolist()) == list(range(len(ids)))
+    for longer, shorter in zip(groups, groups[1:]):
+        assert lengths[shorter].max() <= lengths[longer].min()
+    positions = []
+    handle = model.model.layers[0].register_forward_pre_hook(
+        lambda module, args, kwargs: positions.append((args[0] if args else kwargs["hidden_states"]).shape[:2].numel()),
+        with_kwargs=True,
+    )  # fmt: skip
+    try:
+        results = shared_and_full(model, ids, mask, width, monkeypatch)
+    finally:
+        handle.remove()
+    full, shared = positions[0], sum(positions[1:])
+    assert full == ids.numel() and shared < 0.75 * full, positions
+    assert_same_where_real(results, mask, width)
+    padding = ~mask[:, -width:].bool()
+    assert (results[True][0][padding] == 0).all() and (results[True][1][padding] == 0).all()
+
+
+def test_the_full_path_runs_the_head_only_on_real_tokens():
+    model = build_tiny_model(VOCAB)
+    ids, mask = batch()  # distinct prompts: no sharing
+    mask[2, -3:] = 0
+    with torch.no_grad():
+        logprobs, entropies = token_logprobs(model, ids, mask, 5, with_entropy=True)
+        plain, plain_entropies = token_logprobs(model, ids, mask, 5, with_entropy=True, chunked=False)
+    real = mask[:, -5:].bool()
+    torch.testing.assert_close(logprobs[real], plain[real], atol=ATOL32, rtol=0)
+    torch.testing.assert_close(entropies[real], plain_entropies[real], atol=ATOL32, rtol=0)
+    assert (logprobs[~real] == 0).all() and (entropies[~real] == 0).all()
