@@ -39,12 +39,23 @@ def _fsync_dir(path: Path) -> None:
 
 def write_checkpoint(output_dir: str | Path, step: int, write: Callable[[Path], None]) -> Path:
     """Call `write(tmp_dir)` to fill a checkpoint, then publish it atomically as output_dir/checkpoint-<step>."""
+    tmp = begin_checkpoint(output_dir, step)
+    write(tmp)
+    return finish_checkpoint(output_dir, step, tmp)
+
+
+def begin_checkpoint(output_dir: str | Path, step: int) -> Path:
+    """The temporary directory a checkpoint is written into (debris of earlier killed saves removed)."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     for stale in output_dir.glob(f"{TMP_PREFIX}*"):  # debris of a save that was killed
         shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{step}-", dir=output_dir))
-    write(tmp)
+    return Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{step}-", dir=output_dir))
+
+
+def finish_checkpoint(output_dir: str | Path, step: int, tmp: Path) -> Path:
+    """fsync what `tmp` holds, list it in a manifest, and rename it to output_dir/checkpoint-<step>."""
+    output_dir = Path(output_dir)
     files = {}
     for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
         with open(path, "rb") as handle:

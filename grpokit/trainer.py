@@ -27,7 +27,15 @@ import torch
 
 from .advantages import group_advantages, group_stats, process_advantages
 from .batch import ScoredRollout
-from .checkpoint import latest_checkpoint, rng_state, rotate_checkpoints, set_rng_state, write_checkpoint
+from .checkpoint import (
+    begin_checkpoint,
+    finish_checkpoint,
+    latest_checkpoint,
+    rng_state,
+    rotate_checkpoints,
+    set_rng_state,
+    write_checkpoint,
+)
 from .config import GRPOConfig
 from .data import PromptSampler, check_dataset, dataset_columns, is_conversational, pad_left, tokenize_prompts
 from .distributed import (
@@ -35,9 +43,13 @@ from .distributed import (
     build_accelerator,
     full_optimizer_state,
     full_state_dict,
+    SHARDED_DIR,
     is_sharded,
     load_full_state_dict,
     load_optimizer_state,
+    load_sharded,
+    save_sharded,
+    wants_sharded_checkpoints,
 )
 from .evaluation import evaluation_metrics, group_records
 from .logs import MetricSink, MetricWindow, generation_metrics
@@ -705,8 +717,9 @@ class GRPOTrainer:
 
     def _save_checkpoint(self) -> Path | None:
         """Every process calls it: each hands its own RNG state and half-used generation batch to the main
-        process, which writes the one (unsharded) checkpoint while the others wait."""
-        from accelerate.utils import gather_object
+        process, which writes the one checkpoint while the others wait. Under FSDP2 the weights and optimizer
+        state are gathered into it, or (SHARDED_STATE_DICT) each process writes its shards into it first."""
+        from accelerate.utils import broadcast_object_list, gather_object
 
         args, acc, model = self.args, self.accelerator, self.unwrapped_model
         # Checked on every process so that all of them stop together (FSDP2: each checks its shards, then they
@@ -718,12 +731,18 @@ class GRPOTrainer:
         if bad:
             raise FloatingPointError(f"Refusing to checkpoint non-finite weights ({bad[:3]}...) at step "
                                      f"{self.state.global_step}; the last complete checkpoint is kept.")  # fmt: skip
-        # Collectives under FSDP2: every process takes part, the main process gets the full tensors.
-        weights = self._gathered_weights()
-        optimizer_state = (full_optimizer_state(model, self.optimizer)
-                           if is_sharded(model) and not args.save_only_model else None)  # fmt: skip
         keep_reference = args.sync_ref_model and self.reference is not None and not args.save_only_model
-        reference_weights = full_state_dict(self.reference) if keep_reference else None
+        sharded = wants_sharded_checkpoints(acc) and not args.save_only_model
+        weights = optimizer_state = reference_weights = tmp = None
+        if sharded:  # every process writes its shards into the checkpoint's temporary directory
+            tmp = broadcast_object_list([begin_checkpoint(args.output_dir, self.state.global_step)
+                                         if acc.is_main_process else None])[0]  # fmt: skip
+            save_sharded(tmp / SHARDED_DIR, model, self.optimizer, self.reference if keep_reference else None)
+        else:  # collectives under FSDP2: every process takes part, the main process gets the full tensors
+            weights = self._gathered_weights()
+            optimizer_state = (full_optimizer_state(model, self.optimizer)
+                               if is_sharded(model) and not args.save_only_model else None)  # fmt: skip
+            reference_weights = full_state_dict(self.reference) if keep_reference else None
         per_process = [] if args.save_only_model else gather_object([{
             "rng": rng_state(),
             "generation": _batch_to(self._generation, "cpu"),
@@ -733,11 +752,18 @@ class GRPOTrainer:
             return None
 
         def write(directory: Path) -> None:
-            self._write_model(directory, weights)
+            if sharded:  # the weights are in SHARDED_DIR; the config and tokenizer make the directory legible
+                if hasattr(getattr(model, "config", None), "save_pretrained"):
+                    model.config.save_pretrained(directory)
+                if hasattr(self.processing_class, "save_pretrained"):
+                    self.processing_class.save_pretrained(directory)
+            else:
+                self._write_model(directory, weights)
             if args.save_only_model:
                 return
-            torch.save(self.optimizer.state_dict() if optimizer_state is None else optimizer_state,
-                       directory / "optimizer.pt")
+            if not sharded:
+                torch.save(self.optimizer.state_dict() if optimizer_state is None else optimizer_state,
+                           directory / "optimizer.pt")  # fmt: skip
             torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
             for rank, state in enumerate(per_process):  # Transformers' names: rng_state.pth in one process
                 torch.save(state["rng"], directory / (f"rng_state_{rank}.pth" if len(per_process) > 1
@@ -746,12 +772,16 @@ class GRPOTrainer:
                         "generations": [state["generation"] for state in per_process], "micro_step": self._micro_step},
                        directory / "generation_state.pt")  # fmt: skip
             self.state.save(directory / "trainer_state.json")
-            if keep_reference:  # the reference has moved: keep it too
+            if keep_reference and not sharded:  # the reference has moved: keep it too
                 from safetensors.torch import save_file
 
                 save_file(_untied(reference_weights), str(directory / "reference.safetensors"))
 
-        path = write_checkpoint(args.output_dir, self.state.global_step, write)
+        if sharded:
+            write(tmp)
+            path = finish_checkpoint(args.output_dir, self.state.global_step, tmp)
+        else:
+            path = write_checkpoint(args.output_dir, self.state.global_step, write)
         rotate_checkpoints(args.output_dir, args.save_total_limit)
         acc.wait_for_everyone()  # once any process goes on, the checkpoint is complete
         return path
@@ -767,13 +797,18 @@ class GRPOTrainer:
             raise FileNotFoundError(f"{path} is not a resumable checkpoint (no trainer_state.json).")
         from safetensors.torch import load_file
 
-        load_model_weights(self.unwrapped_model, path)
-        if (path / "reference.safetensors").exists() and self.reference is not None:
-            load_full_state_dict(self.reference, load_file(str(path / "reference.safetensors")), strict=False)
-        # Loaded on the CPU: the state was saved from the main process's device, and loading moves it to each
-        # parameter's device (and, under FSDP2, keeps this process's shard of it).
-        load_optimizer_state(self.unwrapped_model, self.optimizer,
-                             torch.load(path / "optimizer.pt", weights_only=False, map_location="cpu"))
+        if (path / SHARDED_DIR).is_dir():  # written by FSDP2 processes, each its shards: resharded to this layout
+            keep_reference = self.args.sync_ref_model and self.reference is not None
+            load_sharded(path / SHARDED_DIR, self.unwrapped_model, self.optimizer,
+                         self.reference if keep_reference else None)  # fmt: skip
+        else:
+            load_model_weights(self.unwrapped_model, path)
+            if (path / "reference.safetensors").exists() and self.reference is not None:
+                load_full_state_dict(self.reference, load_file(str(path / "reference.safetensors")), strict=False)
+            # Loaded on the CPU: the state was saved from the main process's device, and loading moves it to each
+            # parameter's device (and, under FSDP2, keeps this process's shard of it).
+            load_optimizer_state(self.unwrapped_model, self.optimizer,
+                                 torch.load(path / "optimizer.pt", weights_only=False, map_location="cpu"))
         self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
         acc = self.accelerator
         own_rng = path / f"rng_state_{acc.process_index}.pth"

@@ -499,3 +499,31 @@ def test_fsdp1_and_lora_under_fsdp2_are_refused_with_the_way_out(model_dir, tmp_
         assert "FSDP1" in fsdp1 and "fsdp_version: 2" in fsdp1
         lora = json.loads((tmp_path / "lora" / f"error_{rank}.json").read_text())
         assert "LoRA under FSDP2" in lora and "DDP" in lora
+
+
+def test_fsdp2_sharded_checkpoints_resume_in_two_processes_or_one(fsdp2_runs, eos_prone_model_dir, tmp_path):
+    # accelerate's SHARDED_STATE_DICT: each process writes its own shards (torch.distributed.checkpoint) into the
+    # atomic checkpoint directory; nothing is gathered. The run is the FULL_STATE_DICT run, bit for bit.
+    sharded_env = {**FSDP2, "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}
+    launch(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "sharded"), config=FSDP2_RUN,
+                          tiebreak=0.01), env=sharded_env)  # fmt: skip
+    out, full = tmp_path / "sharded", load(fsdp2_runs / "fsdp2" / "final_0.pt")
+    assert max_difference(load(out / "final_0.pt")["weights"], full["weights"]) == 0.0
+    checkpoint = out / "checkpoint-3"
+    files = json.loads((checkpoint / "manifest.json").read_text())["files"]
+    assert {"sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp", "config.json"} <= set(files)
+    assert not (checkpoint / "model.safetensors").exists() and not (checkpoint / "optimizer.pt").exists()
+    # FSDP2 -> FSDP2 from the middle of a generation batch: the unbroken run, exactly (the moving reference too).
+    launch(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "two"), config=FSDP2_RUN,
+                          tiebreak=0.01, resume=str(checkpoint)), env=sharded_env)  # fmt: skip
+    resumed = load(tmp_path / "two" / "final_0.pt")
+    assert max_difference(resumed["weights"], full["weights"]) == 0.0
+    assert [e["loss"] for e in resumed["log_history"]] == [e["loss"] for e in full["log_history"]]
+    # Sharded -> one process: the same weights as resuming the FULL_STATE_DICT checkpoint of the same step.
+    config = {**FSDP2_RUN, "per_device_train_batch_size": 12}
+    for name, source in (("from_sharded", out / "checkpoint-4"), ("from_full", fsdp2_runs / "fsdp2" / "checkpoint-4")):
+        run_in_this_process(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / name),
+                                           config=config, tiebreak=0.01, resume=str(source)))  # fmt: skip
+    from_sharded, from_full = load(tmp_path / "from_sharded" / "final_0.pt"), load(tmp_path / "from_full" / "final_0.pt")
+    assert from_sharded["global_step"] == 6
+    assert max_difference(from_sharded["weights"], from_full["weights"]) == 0.0
