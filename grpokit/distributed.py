@@ -28,33 +28,61 @@ def build_accelerator(args: GRPOConfig):
     # told `cpu=True`; otherwise every process silently trains alone on the whole run.
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cpu = args.use_cpu or (world_size > 1 and not _has_accelerator_device())
+    kwargs = {"cpu": cpu, "mixed_precision": mixed_precision}
+    if cpu and world_size > 1 and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        # DeepSpeed on CPU processes: accelerate forms no process group for it unless told gloo, and would count one
+        # process while DeepSpeed's world has all of them.
+        from accelerate.utils import InitProcessGroupKwargs
+
+        kwargs = {"mixed_precision": mixed_precision, "kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]}
     try:
-        accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision)
+        accelerator = Accelerator(**kwargs)
     except ValueError:
         if PartialState().num_processes > 1:
             raise
         AcceleratorState._reset_state(reset_partial_state=True)
-        accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision)
+        accelerator = Accelerator(**kwargs)
     if world_size > 1 and accelerator.num_processes == 1:
         # The script created accelerate's state earlier without a process group (e.g. `PartialState()` on a CPU-only
         # machine, where it needs cpu=True): none was formed, so nothing is torn down by creating it again.
         AcceleratorState._reset_state(reset_partial_state=True)
-        accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision)
+        accelerator = Accelerator(**kwargs)
     _fsdp_on_cpu(accelerator)
     # Fail at once rather than hang or train wrongly later (README.md, "Scaling out").
     unsupported = {
         "FSDP": None if accelerator.is_fsdp2 else
                 "FSDP1 (FullyShardedDataParallel) is not supported; set `fsdp_version: 2` in the accelerate config "
                 "(or FSDP_VERSION=2) to use FSDP2",
-        "DEEPSPEED": "accelerate's DeepSpeed engine steps inside backward() (grpokit accumulates micro-batches, "
-                     "clips and skips non-finite updates around optimizer.step()), and ZeRO-3 shards parameters as "
-                     "FSDP does",
+        "DEEPSPEED": None if deepspeed_stage(accelerator) in (1, 2) else
+                     "ZeRO-3 partitions the parameters, which grpokit's sampling, reference and checkpoints do not "
+                     "handle under DeepSpeed yet; use ZeRO-2, or FSDP2 (examples/accelerate/fsdp2.yaml) for sharded "
+                     "parameters",
     }.get(accelerator.distributed_type.value)  # fmt: skip
     if unsupported:
         raise NotImplementedError(f"grpokit does not support {accelerator.distributed_type.value} yet: {unsupported}. "
                                   f"Use DDP (plain torchrun, or examples/accelerate/ddp.yaml) or FSDP2 "
                                   f"(examples/accelerate/fsdp2.yaml).")  # fmt: skip
     return accelerator
+
+
+def deepspeed_stage(accelerator) -> int | None:
+    """The ZeRO stage under DeepSpeed, else None."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if accelerator.distributed_type.value != "DEEPSPEED" or plugin is None:
+        return None
+    return int(plugin.deepspeed_config.get("zero_optimization", {}).get("stage", plugin.zero_stage))
+
+
+def configure_deepspeed(accelerator, args: GRPOConfig) -> None:
+    """The DeepSpeed config values grpokit's step depends on (before `prepare`): micro-batch and accumulation as
+    configured, and clipping by DeepSpeed, which takes the optimizer step inside backward()."""
+    config = accelerator.state.deepspeed_plugin.deepspeed_config
+    config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
+    config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
+    config["train_batch_size"] = (args.per_device_train_batch_size * args.gradient_accumulation_steps
+                                  * accelerator.num_processes)  # fmt: skip
+    config["gradient_clipping"] = args.max_grad_norm if args.max_grad_norm > 0 else 0.0
+    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
 
 
 def _fsdp_on_cpu(accelerator) -> None:
@@ -156,6 +184,7 @@ def _has_accelerator_device() -> bool:
 # --------------------------------------------------------------------------------------- sharded checkpoints
 
 SHARDED_DIR = "sharded"  # inside a checkpoint: torch.distributed.checkpoint files, one per process, + .metadata
+DEEPSPEED_DIR = "deepspeed"  # inside a checkpoint: the DeepSpeed engine's own (weights + optimizer partitions)
 
 
 def wants_sharded_checkpoints(accelerator) -> bool:

@@ -41,8 +41,11 @@ from .data import PromptSampler, check_dataset, dataset_columns, is_conversation
 from .distributed import (
     all_processes_done,
     build_accelerator,
+    configure_deepspeed,
+    deepspeed_stage,
     full_optimizer_state,
     full_state_dict,
+    DEEPSPEED_DIR,
     SHARDED_DIR,
     is_sharded,
     load_full_state_dict,
@@ -173,6 +176,13 @@ class GRPOTrainer:
         if self.accelerator.is_fsdp2 and is_peft_model(self.model):
             raise NotImplementedError("LoRA under FSDP2 is not supported yet: train LoRA with DDP (plain torchrun "
                                       "or examples/accelerate/ddp.yaml), or train all weights with FSDP2.")  # fmt: skip
+        # Under DeepSpeed (ZeRO-1/2) the engine takes the optimizer step inside backward(); see _optimizer_step.
+        self._deepspeed = deepspeed_stage(self.accelerator) is not None
+        if self._deepspeed:
+            if is_peft_model(self.model):
+                raise NotImplementedError("LoRA under DeepSpeed is not supported yet: train LoRA with DDP (plain "
+                                          "torchrun or examples/accelerate/ddp.yaml).")  # fmt: skip
+            configure_deepspeed(self.accelerator, args)
         self.model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
         if self.reference is not None and self.accelerator.is_fsdp2:
             from accelerate.utils import fsdp2_prepare_model
@@ -476,7 +486,8 @@ class GRPOTrainer:
             max_completion_length=args.max_completion_length, num_sequences=num_sequences, num_tokens=num_tokens,
             delta=args.delta, entropies=entropies, entropy_coef=args.entropy_coef, loss_weights=loss_weights,
         )  # fmt: skip
-        self.accelerator.backward(loss)
+        # The loss is already normalised over the whole optimizer step: DeepSpeed must not divide it again.
+        self.accelerator.backward(loss, **({"scale_wrt_gas": False} if self._deepspeed else {}))
         return loss.item(), stats.as_dict()
 
     def _optimizer_step(self) -> None:
@@ -496,6 +507,8 @@ class GRPOTrainer:
         loss_total, stats = 0.0, []
         for index, batch in enumerate(window):
             sync = index == len(window) - 1
+            if self._deepspeed:  # DeepSpeed steps inside the backward of the window's last micro-batch
+                acc.gradient_state._set_sync_gradients(sync)
             with acc.no_sync(self.model) if not sync else contextlib.nullcontext():
                 loss, batch_stats = self._train_micro_batch(batch, num_sequences, num_tokens)
             loss_total += loss
@@ -507,6 +520,12 @@ class GRPOTrainer:
         # A NaN/inf loss or gradient (on any process) skips the update rather than poisoning the weights.
         # (accelerate's reduce knows "sum", "mean" and "max" only: any other name silently sums.)
         finite = math.isfinite(loss_total) and math.isfinite(float(grad_norm))
+        if self._deepspeed and not finite:  # the engine has already applied it: stop rather than go on poisoned
+            raise FloatingPointError(
+                f"Step {self.state.global_step + 1}: non-finite loss or gradient norm under DeepSpeed, which takes "
+                f"the optimizer step inside backward(), so the update could not be skipped; resume from the last "
+                f"checkpoint with a lower learning rate, or use DDP/FSDP2, where such steps are skipped."
+            )
         if acc.reduce(torch.tensor(float(not finite), device=acc.device), "max").item() == 0.0:
             self.optimizer.step()
             self.state.nonfinite_in_a_row = 0
@@ -732,11 +751,15 @@ class GRPOTrainer:
             raise FloatingPointError(f"Refusing to checkpoint non-finite weights ({bad[:3]}...) at step "
                                      f"{self.state.global_step}; the last complete checkpoint is kept.")  # fmt: skip
         keep_reference = args.sync_ref_model and self.reference is not None and not args.save_only_model
-        sharded = wants_sharded_checkpoints(acc) and not args.save_only_model
+        sharded = (wants_sharded_checkpoints(acc) or self._deepspeed) and not args.save_only_model
         weights = optimizer_state = reference_weights = tmp = None
         if sharded:  # every process writes its shards into the checkpoint's temporary directory
             tmp = broadcast_object_list([begin_checkpoint(args.output_dir, self.state.global_step)
                                          if acc.is_main_process else None])[0]  # fmt: skip
+        if sharded and self._deepspeed:  # the engine's own format: weights and each process's optimizer partition
+            self.model.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag="state")
+            reference_weights = full_state_dict(self.reference) if keep_reference else None
+        elif sharded:
             save_sharded(tmp / SHARDED_DIR, model, self.optimizer, self.reference if keep_reference else None)
         else:  # collectives under FSDP2: every process takes part, the main process gets the full tensors
             weights = self._gathered_weights()
@@ -772,7 +795,7 @@ class GRPOTrainer:
                         "generations": [state["generation"] for state in per_process], "micro_step": self._micro_step},
                        directory / "generation_state.pt")  # fmt: skip
             self.state.save(directory / "trainer_state.json")
-            if keep_reference and not sharded:  # the reference has moved: keep it too
+            if keep_reference and reference_weights is not None:  # the reference has moved: keep it too
                 from safetensors.torch import save_file
 
                 save_file(_untied(reference_weights), str(directory / "reference.safetensors"))
@@ -786,6 +809,19 @@ class GRPOTrainer:
         acc.wait_for_everyone()  # once any process goes on, the checkpoint is complete
         return path
 
+    def _load_deepspeed_checkpoint(self, path: Path) -> None:
+        if not self._deepspeed:
+            raise ValueError(f"{path} was written under DeepSpeed (its optimizer state is in DeepSpeed's partitioned "
+                             f"format): resume it under DeepSpeed with the same number of processes.")  # fmt: skip
+        loaded, _ = self.model.load_checkpoint(str(path / DEEPSPEED_DIR), tag="state", load_optimizer_states=True,
+                                               load_lr_scheduler_states=False)  # fmt: skip
+        if loaded is None:
+            raise RuntimeError(f"DeepSpeed could not load {path / DEEPSPEED_DIR} (was it written by as many processes?).")
+        if (path / "reference.safetensors").exists() and self.reference is not None:
+            from safetensors.torch import load_file
+
+            load_full_state_dict(self.reference, load_file(str(path / "reference.safetensors")), strict=False)
+
     def _resume(self, resume: bool | str) -> None:
         path = latest_checkpoint(self.args.output_dir) if resume is True else Path(resume)
         if path is None:
@@ -797,7 +833,9 @@ class GRPOTrainer:
             raise FileNotFoundError(f"{path} is not a resumable checkpoint (no trainer_state.json).")
         from safetensors.torch import load_file
 
-        if (path / SHARDED_DIR).is_dir():  # written by FSDP2 processes, each its shards: resharded to this layout
+        if (path / DEEPSPEED_DIR).is_dir():
+            self._load_deepspeed_checkpoint(path)
+        elif (path / SHARDED_DIR).is_dir():  # written by FSDP2 processes, each its shards: resharded to this layout
             keep_reference = self.args.sync_ref_model and self.reference is not None
             load_sharded(path / SHARDED_DIR, self.unwrapped_model, self.optimizer,
                          self.reference if keep_reference else None)  # fmt: skip

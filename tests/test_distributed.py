@@ -527,3 +527,66 @@ def test_fsdp2_sharded_checkpoints_resume_in_two_processes_or_one(fsdp2_runs, eo
     from_sharded, from_full = load(tmp_path / "from_sharded" / "final_0.pt"), load(tmp_path / "from_full" / "final_0.pt")
     assert from_sharded["global_step"] == 6
     assert max_difference(from_sharded["weights"], from_full["weights"]) == 0.0
+
+
+# -------------------------------------------------------------------------------------------------- DeepSpeed
+# ZeRO-2 through accelerate on CPU processes (gloo). DeepSpeed is not among the test extras (it JIT-compiles a
+# communication op on first use): these run where it is installed, e.g. `pip install deepspeed` in a venv.
+DEEPSPEED_ZERO2 = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
+                   "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "none",
+                   "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none", "ACCELERATE_DEEPSPEED_ZERO3_INIT": "false",
+                   "ACCELERATE_MIXED_PRECISION": "no"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def zero2_runs(fsdp2_runs, eos_prone_model_dir, model_dir, tmp_path_factory):
+    pytest.importorskip("deepspeed")
+    directory = tmp_path_factory.mktemp("zero2")
+    launch(directory, dict(job="train", model=eos_prone_model_dir, out=str(directory / "zero2"), config=FSDP2_RUN,
+                           tiebreak=0.01),
+           dict(job="one_update", model=model_dir, out=str(directory / "update"), variants=UPDATE_VARIANTS),
+           env=DEEPSPEED_ZERO2)  # fmt: skip
+    return directory
+
+
+def test_zero2_makes_the_update_of_one_process(zero2_runs, model_dir, tmp_path):
+    run_in_this_process(tmp_path, dict(job="one_update", model=model_dir, out=str(tmp_path / "one"),
+                                       variants={loss: dict(loss_type=loss, per_device_train_batch_size=16)
+                                                 for loss in LOSS_TYPES}))  # fmt: skip
+    initial = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    for name, values in UPDATE_VARIANTS.items():  # with 2 accumulated micro-batches too: no double scaling
+        one = load(tmp_path / "one" / f"{values['loss_type']}_0.pt")
+        rank0, rank1 = (load(zero2_runs / "update" / f"{name}_{rank}.pt") for rank in (0, 1))
+        moved = max_difference(one["weights"], {k: v for k, v in initial.items() if k in one["weights"]})
+        assert moved > 1e-2, name
+        assert max_difference(rank0["weights"], rank1["weights"]) == 0.0, name
+        assert max_difference(rank0["weights"], one["weights"]) < 1e-5 * moved, name
+        assert rank0["log_history"][0]["loss"] == pytest.approx(one["log_history"][0]["loss"], abs=1e-6), name
+
+
+def test_zero2_training_follows_ddp_and_its_checkpoint_resumes(zero2_runs, fsdp2_runs, eos_prone_model_dir, tmp_path):
+    zero2, ddp = load(zero2_runs / "zero2" / "final_0.pt"), load(fsdp2_runs / "ddp" / "final_0.pt")
+    assert zero2["distributed_type"] == "DEEPSPEED" and zero2["global_step"] == 6
+    for key in ("loss", "reward", "kl", "grad_norm"):
+        assert [e.get(key) for e in zero2["log_history"]] == pytest.approx(
+            [e.get(key) for e in ddp["log_history"]], abs=1e-5), key  # fmt: skip
+    assert max_difference(zero2["weights"], ddp["weights"]) < 1e-4
+    assert max_difference(zero2["weights"], load(zero2_runs / "zero2" / "final_1.pt")["weights"]) == 0.0
+    checkpoint = zero2_runs / "zero2" / "checkpoint-3"
+    files = json.loads((checkpoint / "manifest.json").read_text())["files"]
+    assert {"deepspeed/state/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            "deepspeed/state/zero_pp_rank_1_mp_rank_00_optim_states.pt", "reference.safetensors"} <= set(files)
+    launch(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "resumed"), config=FSDP2_RUN,
+                          tiebreak=0.01, resume=str(checkpoint)), env=DEEPSPEED_ZERO2)  # fmt: skip
+    resumed = load(tmp_path / "resumed" / "final_0.pt")
+    assert max_difference(resumed["weights"], zero2["weights"]) == 0.0
+    assert [e["loss"] for e in resumed["log_history"]] == [e["loss"] for e in zero2["log_history"]]
+
+
+def test_zero3_is_refused_with_the_way_out(tmp_path, model_dir):
+    pytest.importorskip("deepspeed")
+    launch(tmp_path, dict(job="refused", model=model_dir, out=str(tmp_path / "zero3")),
+           env={**DEEPSPEED_ZERO2, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"})  # fmt: skip
+    for rank in (0, 1):
+        message = json.loads((tmp_path / "zero3" / f"error_{rank}.json").read_text())
+        assert "ZeRO-3" in message and "ZeRO-2" in message and "FSDP2" in message
