@@ -53,10 +53,8 @@ def build_accelerator(args: GRPOConfig):
         "FSDP": None if accelerator.is_fsdp2 else
                 "FSDP1 (FullyShardedDataParallel) is not supported; set `fsdp_version: 2` in the accelerate config "
                 "(or FSDP_VERSION=2) to use FSDP2",
-        "DEEPSPEED": None if deepspeed_stage(accelerator) in (1, 2) else
-                     "ZeRO-3 partitions the parameters, which grpokit's sampling, reference and checkpoints do not "
-                     "handle under DeepSpeed yet; use ZeRO-2, or FSDP2 (examples/accelerate/fsdp2.yaml) for sharded "
-                     "parameters",
+        "DEEPSPEED": None if deepspeed_stage(accelerator) in (1, 2, 3) else
+                     f"ZeRO stage {deepspeed_stage(accelerator)} is not one of 1, 2, 3",
     }.get(accelerator.distributed_type.value)  # fmt: skip
     if unsupported:
         raise NotImplementedError(f"grpokit does not support {accelerator.distributed_type.value} yet: {unsupported}. "
@@ -82,7 +80,24 @@ def configure_deepspeed(accelerator, args: GRPOConfig) -> None:
     config["train_batch_size"] = (args.per_device_train_batch_size * args.gradient_accumulation_steps
                                   * accelerator.num_processes)  # fmt: skip
     config["gradient_clipping"] = args.max_grad_norm if args.max_grad_norm > 0 else 0.0
+    if deepspeed_stage(accelerator) == 3:  # save_model gathers the partitioned weights into a full state dict
+        config.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
     accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
+
+
+def zero3_inference_engine(model: torch.nn.Module, engine) -> torch.nn.Module:
+    """A frozen ZeRO-3-partitioned model (the reference) wrapped by DeepSpeed for forwards only, with the
+    training engine's resolved ZeRO configuration (and no optimizer)."""
+    import copy
+
+    import deepspeed
+
+    config = copy.deepcopy(engine.config if isinstance(engine.config, dict) else engine._config._param_dict)
+    for key in ("optimizer", "scheduler"):
+        config.pop(key, None)
+    reference, *_ = deepspeed.initialize(model=model, config=config)
+    reference.eval()  # (DeepSpeedEngine.eval returns None)
+    return reference
 
 
 def _fsdp_on_cpu(accelerator) -> None:
@@ -107,10 +122,23 @@ def _fsdp_on_cpu(accelerator) -> None:
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether the model's parameters are sharded by FSDP2 (each process holds a slice of each tensor)."""
+    """Whether the model's parameters are sharded, by FSDP2 or DeepSpeed ZeRO-3 (each process holds a slice)."""
     from torch.distributed.fsdp import FSDPModule
 
-    return isinstance(model, FSDPModule)
+    return isinstance(model, FSDPModule) or is_zero3(model)
+
+
+def is_zero3(model: torch.nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions the model's parameters (they carry a `ds_id`)."""
+    first = next(model.parameters(), None)
+    return first is not None and hasattr(first, "ds_id")
+
+
+def local_shard(parameter: torch.Tensor) -> torch.Tensor:
+    """This process's part of a parameter: an FSDP2 DTensor's local shard, a ZeRO-3 partition, else the tensor."""
+    if hasattr(parameter, "to_local"):
+        return parameter.to_local()
+    return getattr(parameter, "ds_tensor", parameter)
 
 
 def all_processes_done(done: bool) -> bool:
@@ -134,7 +162,13 @@ def _collective_device() -> torch.device:
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict with full (unsharded) tensors on the CPU. Under FSDP2 it is a collective (every
-    process must call it) and only the main process gets the tensors; the others get an empty dict."""
+    process must call it) and only the main process gets the tensors; the others get an empty dict. Under ZeRO-3
+    (a collective too) every process gets them."""
+    if is_zero3(model):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+            return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     if not is_sharded(model):
         return {k: v.detach() for k, v in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -48,11 +48,14 @@ from .distributed import (
     DEEPSPEED_DIR,
     SHARDED_DIR,
     is_sharded,
+    is_zero3,
     load_full_state_dict,
+    local_shard,
     load_optimizer_state,
     load_sharded,
     save_sharded,
     wants_sharded_checkpoints,
+    zero3_inference_engine,
 )
 from .evaluation import evaluation_metrics, group_records
 from .logs import MetricSink, MetricWindow, generation_metrics
@@ -155,7 +158,9 @@ class GRPOTrainer:
         self.model, self.processing_class = self._build_policy(model, processing_class, peft_config)
         check_context_length(self.model, args)
         # With LoRA the reference is the same model with its adapter disabled: no second copy of the weights.
-        self.reference = frozen_copy(self.model) if args.beta > 0 and not is_peft_model(self.model) else None
+        self.reference = None
+        if args.beta > 0 and not is_peft_model(self.model):
+            self.reference = self._reference_for(model)
         if args.sync_ref_model and is_peft_model(self.model):
             raise ValueError(
                 "sync_ref_model with LoRA is not supported: the reference is the base model with the adapter off, "
@@ -183,8 +188,13 @@ class GRPOTrainer:
                 raise NotImplementedError("LoRA under DeepSpeed is not supported yet: train LoRA with DDP (plain "
                                           "torchrun or examples/accelerate/ddp.yaml).")  # fmt: skip
             configure_deepspeed(self.accelerator, args)
+            if deepspeed_stage(self.accelerator) == 3 and args.sync_ref_model:
+                raise NotImplementedError("sync_ref_model under ZeRO-3 is not supported yet (the policy's weights "
+                                          "are partitioned); use ZeRO-2 or FSDP2.")  # fmt: skip
         self.model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
-        if self.reference is not None and self.accelerator.is_fsdp2:
+        if self.reference is not None and is_zero3(self.reference):  # partitioned as loaded: ZeRO-3 hooks too
+            self.reference = zero3_inference_engine(self.reference, self.model)
+        elif self.reference is not None and self.accelerator.is_fsdp2:
             from accelerate.utils import fsdp2_prepare_model
 
             self.reference = fsdp2_prepare_model(self.accelerator, self.reference)  # sharded like the policy
@@ -227,6 +237,20 @@ class GRPOTrainer:
         if len(set(names)) != len(names):
             raise ValueError(f"Reward functions need distinct names (their metrics are keyed by name): {names}.")
         return out
+
+    def _reference_for(self, model_argument):
+        """A frozen copy of the policy; under ZeRO-3 with the model loaded partitioned (accelerate's zero.Init), a
+        second load of it, partitioned the same way (a partitioned model cannot be copied)."""
+        if not is_zero3(self.model):
+            return frozen_copy(self.model)
+        if not isinstance(model_argument, str):
+            raise NotImplementedError("Under ZeRO-3 the model was loaded already partitioned, so its reference "
+                                      "cannot be copied from it: pass the model as a path or hub id "
+                                      "(GRPOTrainer(model=...)), or set beta=0.")  # fmt: skip
+        reference = load_causal_lm(model_argument, self.args.model_init_kwargs)
+        if self.args.disable_dropout:
+            disable_dropout(reference)
+        return reference.requires_grad_(False).eval()
 
     def _build_policy(self, model, processing_class, peft_config=None):
         if isinstance(model, str):
@@ -698,8 +722,8 @@ class GRPOTrainer:
             self._write_model(Path(output_dir or self.args.output_dir), weights)
 
     def _gathered_weights(self) -> dict[str, torch.Tensor] | None:
-        """Under FSDP2 the full weights, gathered (a collective; the main process gets them); otherwise None: the
-        model's own state dict is whole."""
+        """Under FSDP2 or ZeRO-3 the full weights, gathered (a collective; the main process gets them); otherwise
+        None: the model's own state dict is whole."""
         return full_state_dict(self.unwrapped_model) if is_sharded(self.unwrapped_model) else None
 
     def _write_model(self, output_dir: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
@@ -743,8 +767,7 @@ class GRPOTrainer:
         args, acc, model = self.args, self.accelerator, self.unwrapped_model
         # Checked on every process so that all of them stop together (FSDP2: each checks its shards, then they
         # agree).
-        bad = [name for name, p in model.named_parameters()
-               if not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()]  # fmt: skip
+        bad = [name for name, p in model.named_parameters() if not torch.isfinite(local_shard(p)).all()]
         if is_sharded(model) and acc.reduce(torch.tensor(float(len(bad)), device=acc.device), "sum").item() > 0:
             bad = bad or ["(on another process)"]
         if bad:

@@ -583,10 +583,34 @@ def test_zero2_training_follows_ddp_and_its_checkpoint_resumes(zero2_runs, fsdp2
     assert [e["loss"] for e in resumed["log_history"]] == [e["loss"] for e in zero2["log_history"]]
 
 
-def test_zero3_is_refused_with_the_way_out(tmp_path, model_dir):
+@pytest.fixture(scope="module")
+def zero3_config(tmp_path_factory):
+    """ZeRO-3 with nothing kept resident: every forward gathers every layer's partitions (with DeepSpeed's
+    defaults a model this small would stay whole and uneven forward counts would go unnoticed)."""
+    path = tmp_path_factory.mktemp("zero3") / "ds_config.json"
+    path.write_text(json.dumps({
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 0,
+                              "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0},
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+    }))  # fmt: skip
+    return {**DEEPSPEED_ZERO2, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(path)}
+
+
+def test_zero3_samples_in_step_follows_ddp_and_resumes(zero3_config, fsdp2_runs, eos_prone_model_dir, tmp_path):
     pytest.importorskip("deepspeed")
-    launch(tmp_path, dict(job="refused", model=model_dir, out=str(tmp_path / "zero3")),
-           env={**DEEPSPEED_ZERO2, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"})  # fmt: skip
-    for rank in (0, 1):
-        message = json.loads((tmp_path / "zero3" / f"error_{rank}.json").read_text())
-        assert "ZeRO-3" in message and "ZeRO-2" in message and "FSDP2" in message
+    config = {**FSDP2_RUN, "sync_ref_model": False}  # the reference stays the initial weights under ZeRO-3
+    for name, env in (("zero3", zero3_config), ("ddp", {})):
+        launch(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / name), config=config,
+                              tiebreak=0.01), env=env)  # fmt: skip
+    zero3, ddp = load(tmp_path / "zero3" / "final_0.pt"), load(tmp_path / "ddp" / "final_0.pt")
+    assert zero3["distributed_type"] == "DEEPSPEED"
+    assert all(e["completions/min_length"] < e["completions/max_length"] for e in zero3["log_history"][::2])
+    for key in ("loss", "reward", "kl", "completions/mean_length"):
+        assert [e.get(key) for e in zero3["log_history"]] == pytest.approx(
+            [e.get(key) for e in ddp["log_history"]], abs=1e-5), key  # fmt: skip
+    assert max_difference(zero3["weights"], ddp["weights"]) < 1e-4
+    launch(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "resumed"), config=config,
+                          tiebreak=0.01, resume=str(tmp_path / "zero3" / "checkpoint-3")), env=zero3_config)
+    resumed = load(tmp_path / "resumed" / "final_0.pt")
+    assert max_difference(resumed["weights"], zero3["weights"]) == 0.0
