@@ -614,3 +614,25 @@ def test_zero3_samples_in_step_follows_ddp_and_resumes(zero3_config, fsdp2_runs,
                           tiebreak=0.01, resume=str(tmp_path / "zero3" / "checkpoint-3")), env=zero3_config)
     resumed = load(tmp_path / "resumed" / "final_0.pt")
     assert max_difference(resumed["weights"], zero3["weights"]) == 0.0
+
+
+@pytest.mark.slow
+def test_two_nodes_through_a_c10d_rendezvous(model_dir, tmp_path):
+    # The multi-node launch line of the README, with two "nodes" on this machine (one process each): they meet at
+    # a c10d rendezvous endpoint, split the prompts, and end with identical weights after the same steps.
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps([dict(job="train", model=model_dir, out=str(tmp_path / "out"), tiebreak=0.01,
+                                          config={**TWO_PROCESS_RUN, "save_strategy": "no"})]))  # fmt: skip
+    endpoint, script = f"127.0.0.1:{free_port()}", write_script(tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                               "--rdzv-id", "grpo", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, script,
+                               str(spec_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]  # fmt: skip
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(output[-3000:] for output in outputs)
+    rank0, rank1 = load(tmp_path / "out" / "final_0.pt"), load(tmp_path / "out" / "final_1.pt")
+    assert rank0["num_processes"] == rank1["num_processes"] == 2 and rank0["global_step"] == 6
+    assert max_difference(rank0["weights"], rank1["weights"]) == 0.0
+    calls = [len((tmp_path / "out" / f"rewards_{rank}.jsonl").read_text().splitlines()) for rank in (0, 1)]
+    assert calls == [3, 3]  # each node scored its own slice of every generation batch
