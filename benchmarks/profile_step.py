@@ -195,6 +195,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="vocab32k")
     parser.add_argument("--impl", choices=["grpokit", "trl"], default="grpokit")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default=None, help="override the config's precision")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--cprofile", action="store_true", help="also print cProfile's top functions")
@@ -220,7 +221,9 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = CONFIGS[args.config]
+    config = dict(CONFIGS[args.config])
+    if args.precision is not None:
+        config["bf16"] = args.precision == "bf16"
     if config["cuda"] and not torch.cuda.is_available():
         print("this configuration needs CUDA")
         return 0
