@@ -219,24 +219,41 @@ def two_process_run(model_dir, tmp_path_factory):
     return directory / "out"
 
 
-def test_two_processes_make_the_update_of_one_with_the_same_global_batch(two_process_run, model_dir, tmp_path):
-    # The same 16 completions (fixed, so the comparison is exact): 1 process x 16 rows against 2 processes x 8 rows
-    # (and 2 x 2 micro-batches of 4 accumulated). With adam_epsilon = learning_rate >> |g| the first AdamW update is
-    # the gradient itself, and max_grad_norm = 0 leaves it unclipped: any error in the normalisation shows.
-    run_in_this_process(tmp_path, dict(job="one_update", model=model_dir, out=str(tmp_path / "one"),
-                                       variants={loss: dict(loss_type=loss, per_device_train_batch_size=16)
-                                                 for loss in LOSS_TYPES}))  # fmt: skip
-    two = two_process_run.parent / "update"
+@pytest.fixture(scope="module")
+def one_process_update(model_dir, tmp_path_factory):
+    """The single-process reference: one update on the whole fixed batch (1 x 16 rows) per loss type."""
+    directory = tmp_path_factory.mktemp("one")
+    run_in_this_process(directory, dict(job="one_update", model=model_dir, out=str(directory / "one"),
+                                        variants={loss: dict(loss_type=loss, per_device_train_batch_size=16)
+                                                  for loss in LOSS_TYPES}))  # fmt: skip
+    return directory / "one"
+
+
+def assert_same_update_as_one_process(two, one_dir, model_dir, replicated: bool = True) -> None:
+    """The update of 2 processes x 8 rows (files in `two`) against 1 x 16 (`one_dir`), per UPDATE_VARIANT. With
+    adam_epsilon = learning_rate >> |g| the first AdamW update is the gradient itself, and max_grad_norm = 0 leaves
+    it unclipped: any error in the normalisation shows. `replicated`: every rank holds the full weights (DDP,
+    ZeRO-2); otherwise the main process holds them gathered and the other only its shards (FSDP2)."""
     initial = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     for name, values in UPDATE_VARIANTS.items():
-        one = load(tmp_path / "one" / f"{values['loss_type']}_0.pt")
+        one = load(one_dir / f"{values['loss_type']}_0.pt")
         rank0, rank1 = load(two / f"{name}_0.pt"), load(two / f"{name}_1.pt")
         moved = max_difference(one["weights"], {k: v for k, v in initial.items() if k in one["weights"]})
         assert moved > 1e-2, name
-        assert max_difference(rank0["weights"], rank1["weights"]) == 0.0, name  # DDP keeps the ranks identical
+        if replicated:
+            assert max_difference(rank0["weights"], rank1["weights"]) == 0.0, name
+        else:
+            assert rank1["weights"] == {}, name
         assert max_difference(rank0["weights"], one["weights"]) < 1e-5 * moved, name
         # The logged loss is the mean over processes of each one's share: the one-process loss.
         assert rank0["log_history"][0]["loss"] == pytest.approx(one["log_history"][0]["loss"], abs=1e-6), name
+
+
+def test_two_processes_make_the_update_of_one_with_the_same_global_batch(two_process_run, one_process_update,
+                                                                         model_dir):  # fmt: skip
+    # The same 16 completions (fixed, so the comparison is exact): 1 process x 16 rows against 2 processes x 8 rows
+    # (and 2 x 2 micro-batches of 4 accumulated).
+    assert_same_update_as_one_process(two_process_run.parent / "update", one_process_update, model_dir)
 
 
 def test_ranks_end_identical_and_only_the_main_process_writes(two_process_run):
@@ -415,19 +432,8 @@ def fsdp2_runs(eos_prone_model_dir, model_dir, tmp_path_factory):
     return directory
 
 
-def test_fsdp2_makes_the_update_of_one_process(fsdp2_runs, model_dir, tmp_path):
-    run_in_this_process(tmp_path, dict(job="one_update", model=model_dir, out=str(tmp_path / "one"),
-                                       variants={loss: dict(loss_type=loss, per_device_train_batch_size=16)
-                                                 for loss in LOSS_TYPES}))  # fmt: skip
-    initial = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
-    for name, values in UPDATE_VARIANTS.items():
-        one = load(tmp_path / "one" / f"{values['loss_type']}_0.pt")
-        gathered = load(fsdp2_runs / "update" / f"{name}_0.pt")  # the full weights, gathered on the main process
-        assert load(fsdp2_runs / "update" / f"{name}_1.pt")["weights"] == {}  # rank 1 holds shards only
-        moved = max_difference(one["weights"], {k: v for k, v in initial.items() if k in one["weights"]})
-        assert moved > 1e-2, name
-        assert max_difference(gathered["weights"], one["weights"]) < 1e-5 * moved, name
-        assert gathered["log_history"][0]["loss"] == pytest.approx(one["log_history"][0]["loss"], abs=1e-6), name
+def test_fsdp2_makes_the_update_of_one_process(fsdp2_runs, one_process_update, model_dir):
+    assert_same_update_as_one_process(fsdp2_runs / "update", one_process_update, model_dir, replicated=False)
 
 
 def test_fsdp2_training_follows_ddp_with_sharded_sampling(fsdp2_runs):
@@ -549,19 +555,9 @@ def zero2_runs(fsdp2_runs, eos_prone_model_dir, model_dir, tmp_path_factory):
     return directory
 
 
-def test_zero2_makes_the_update_of_one_process(zero2_runs, model_dir, tmp_path):
-    run_in_this_process(tmp_path, dict(job="one_update", model=model_dir, out=str(tmp_path / "one"),
-                                       variants={loss: dict(loss_type=loss, per_device_train_batch_size=16)
-                                                 for loss in LOSS_TYPES}))  # fmt: skip
-    initial = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
-    for name, values in UPDATE_VARIANTS.items():  # with 2 accumulated micro-batches too: no double scaling
-        one = load(tmp_path / "one" / f"{values['loss_type']}_0.pt")
-        rank0, rank1 = (load(zero2_runs / "update" / f"{name}_{rank}.pt") for rank in (0, 1))
-        moved = max_difference(one["weights"], {k: v for k, v in initial.items() if k in one["weights"]})
-        assert moved > 1e-2, name
-        assert max_difference(rank0["weights"], rank1["weights"]) == 0.0, name
-        assert max_difference(rank0["weights"], one["weights"]) < 1e-5 * moved, name
-        assert rank0["log_history"][0]["loss"] == pytest.approx(one["log_history"][0]["loss"], abs=1e-6), name
+def test_zero2_makes_the_update_of_one_process(zero2_runs, one_process_update, model_dir):
+    # With 2 accumulated micro-batches too: DeepSpeed must not divide the loss by the accumulation steps again.
+    assert_same_update_as_one_process(zero2_runs / "update", one_process_update, model_dir)
 
 
 def test_zero2_training_follows_ddp_and_its_checkpoint_resumes(zero2_runs, fsdp2_runs, eos_prone_model_dir, tmp_path):

@@ -143,8 +143,8 @@ CHILD = textwrap.dedent("""
             time.sleep(60)
         return original_write(directory, step, write)
 
-    import grpokit.trainer
-    grpokit.trainer.write_checkpoint = write_checkpoint
+    import grpokit.saving
+    grpokit.saving.write_checkpoint = write_checkpoint
 
     def repeat_letter(completions, letter, **kwargs):
         return [1.0 if c[:1] == t else 0.0 for c, t in zip(completions, letter)]
@@ -196,6 +196,8 @@ def test_sigkill_then_resume_gives_the_same_weights(model_dir, child_script, unb
     else:
         while not (broken / "PAUSED").exists() and time.time() < deadline:
             time.sleep(0.02)
+        assert (broken / "PAUSED").exists(), "the child never reached the moment to be killed at"
+    assert child.poll() is None, "the child finished before it could be killed"
     child.send_signal(signal.SIGKILL)
     child.wait()
     assert latest_checkpoint(broken) is not None
