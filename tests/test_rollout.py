@@ -485,3 +485,46 @@ def test_preallocated_cache_layer_holds_what_concatenation_would():
     for _ in range(5):  # past the capacity of 6 positions: the buffers grow
         update(3, 1)
     assert ours.get_seq_length() == 9 and ours._keys.shape[2] >= 9
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "gemma", "gpt2", "llama", "mistral", "qwen2", "qwen3_moe"])
+def test_one_token_attention_samples_what_sdpa_samples(model_type):
+    # Sampling on CPU swaps SDPA for two matmuls on one-token queries (grouped heads packed, masks applied): the
+    # same tokens and log-probs (float32), on architectures with GQA, MLA (value size != query size), sliding
+    # windows and MoE; and the model's attention setting is back to SDPA afterwards.
+    import warnings
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from grpokit import rollout
+    from test_chunked import ARCH_OVERRIDES
+
+    kwargs = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2, sliding_window=4 if model_type == "mistral" else None)  # fmt: skip
+    kwargs.update(ARCH_OVERRIDES.get(model_type, {}))
+    if kwargs["head_dim"] is None:
+        del kwargs["head_dim"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = AutoConfig.for_model(model_type, **kwargs)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
+    ids = torch.randint(3, 64, (3, 5), generator=seeded(1)).repeat_interleave(2, 0)
+    mask = torch.ones_like(ids)
+    mask[:2, :2] = 0  # left padding: the mask reaches the one-token path
+    params = SamplingParams(max_new_tokens=8, eos_token_ids=(2,), pad_token_id=0)
+    calls = []
+    original = rollout.one_token_attention_forward
+    rollout.one_token_attention_forward = lambda *a, **k: calls.append(a[1].shape[2]) or original(*a, **k)
+    try:
+        rollout._register_one_token_attention.cache_clear()
+        fast = generate(model, ids, mask, params, generator=seeded(2), num_generations=2)
+    finally:
+        rollout.one_token_attention_forward = original
+        rollout._register_one_token_attention.cache_clear()
+    assert model.config._attn_implementation == "sdpa"
+    assert 1 in calls  # the decode steps went through it
+    plain = generate(model, ids, mask, params, generator=seeded(2), num_generations=2, use_cache=False)
+    assert torch.equal(fast.completion_ids, plain.completion_ids)
+    assert (fast.logprobs - plain.logprobs).abs().max() <= LOGPROB_ATOL
