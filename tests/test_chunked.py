@@ -304,21 +304,27 @@ ARCH_OVERRIDES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("model_type", sorted(policy.CHUNKED_HEAD_MODEL_TYPES))
-def test_every_allowed_architecture_matches_its_plain_head(model_type):
+def tiny_model_of_type(model_type: str, num_layers: int = 1, vocab_size: int = VOCAB, **overrides):
+    """A random-weight transformers causal LM of `model_type` (float32, eval mode: no dropout draws)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kwargs = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
-                  eos_token_id=2)  # fmt: skip
+    kwargs = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
     kwargs.update(ARCH_OVERRIDES.get(model_type, {}))
+    kwargs.update(overrides)
     if kwargs["head_dim"] is None:  # DeepSeek-V3 derives its head sizes from the MLA ranks
         del kwargs["head_dim"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = AutoConfig.for_model(model_type, **kwargs)
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config).float().eval()  # eval: no dropout draws to compare
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
+
+
+@pytest.mark.parametrize("model_type", sorted(policy.CHUNKED_HEAD_MODEL_TYPES))
+def test_every_allowed_architecture_matches_its_plain_head(model_type):
+    model = tiny_model_of_type(model_type)
     assert supports_chunked_head(model)
     ids, mask = batch(n=4, length=10)
     assert_paths_agree(both_paths(model, ids, mask, width=6), ids, 6)
@@ -416,19 +422,7 @@ SLIDING_WINDOW_TYPES = {"mistral", "olmo3"}
 def test_shared_prompts_give_the_full_forward_on_every_allowed_architecture(model_type, monkeypatch):
     # Each distinct prompt through the decoder once, its cache indexed out to its rows, the completions run
     # against it: the same log-probs, entropies and parameter gradients as one forward over the whole rows.
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    kwargs = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
-                  eos_token_id=2)  # fmt: skip
-    kwargs.update(ARCH_OVERRIDES.get(model_type, {}))
-    if kwargs["head_dim"] is None:
-        del kwargs["head_dim"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        config = AutoConfig.for_model(model_type, **kwargs)
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config).float().eval()
+    model = tiny_model_of_type(model_type, num_layers=2)
     assert policy.can_share_prompts(model) == (model_type not in SLIDING_WINDOW_TYPES)
     if model_type in SLIDING_WINDOW_TYPES:
         return

@@ -492,24 +492,11 @@ def test_one_token_attention_samples_what_sdpa_samples(model_type):
     # Sampling on CPU swaps SDPA for two matmuls on one-token queries (grouped heads packed, masks applied): the
     # same tokens and log-probs (float32), on architectures with GQA, MLA (value size != query size), sliding
     # windows and MoE; and the model's attention setting is back to SDPA afterwards.
-    import warnings
-
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from grpokit import rollout
-    from test_chunked import ARCH_OVERRIDES
+    from test_chunked import tiny_model_of_type
 
-    kwargs = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
-                  eos_token_id=2, sliding_window=4 if model_type == "mistral" else None)  # fmt: skip
-    kwargs.update(ARCH_OVERRIDES.get(model_type, {}))
-    if kwargs["head_dim"] is None:
-        del kwargs["head_dim"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        config = AutoConfig.for_model(model_type, **kwargs)
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
+    window = {"sliding_window": 4} if model_type == "mistral" else {}
+    model = tiny_model_of_type(model_type, num_layers=2, vocab_size=64, **window)
     ids = torch.randint(3, 64, (3, 5), generator=seeded(1)).repeat_interleave(2, 0)
     mask = torch.ones_like(ids)
     mask[:2, :2] = 0  # left padding: the mask reaches the one-token path
