@@ -160,11 +160,23 @@ EVAL_FIELDS = (
 )  # fmt: skip
 
 
+def run_config_of(model: str) -> Path | None:
+    """The grpo_config.json of the run that wrote `model`: in a save_model directory (the run's output_dir) or in
+    the parent of a checkpoint-<step> directory; None for a Hub id or a model from elsewhere."""
+    path = Path(model).expanduser()
+    for directory in (path, path.parent):
+        if (directory / "grpo_config.json").is_file():
+            return directory / "grpo_config.json"
+    return None
+
+
 def eval_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="grpokit eval",
         description="Sample num_generations_eval completions per prompt from a saved model or checkpoint, score them "
-                    "with the rewards, print mean rewards and pass@k, and write them with every completion to JSON.",
+                    "with the rewards, print mean rewards and pass@k, and write them with every completion to JSON. "
+                    "Sampling settings default to the run's grpo_config.json (next to the model or its checkpoint "
+                    "directory); flags override them.",
     )  # fmt: skip
     parser.add_argument("--model", required=True, help="A save_model or checkpoint-<step> directory, or a Hub id.")
     parser.add_argument("--dataset", required=True, help="Hub id, local directory, or .jsonl/.json/.csv/.parquet file.")
@@ -177,6 +189,13 @@ def eval_command(argv: list[str]) -> int:
                             metavar="VALUE", help=GRPOConfig.field_help(name))  # fmt: skip
     options = vars(parser.parse_args(argv))
     values = {name: _coerce(name, _parse_value(options[name])) for name in EVAL_FIELDS if name in options}
+    run_config = run_config_of(options["model"])
+    if run_config is not None:  # the run's own sampling settings, unless a flag says otherwise
+        saved = json.loads(run_config.read_text())
+        inherited = {name: saved[name] for name in EVAL_FIELDS if name in saved and name not in values}
+        values = {**inherited, **values}
+        print(f"Settings from {run_config} (flags override): "
+              + ", ".join(f"{k}={v}" for k, v in inherited.items() if v is not None))  # fmt: skip
     from .data import load_dataset_source
     from .evaluation import format_table
     from .rewards.builtin import resolve_reward

@@ -245,14 +245,16 @@ def test_train_with_eval_dataset_then_grpokit_eval_reproduces_it(model_dir, tmp_
     assert [r["step"] for r in logged if "eval/reward" in r] == [1, 2]
     assert "`same_letter`" in (tmp_path / "out" / "README.md").read_text()
 
-    # `grpokit eval` (the real command line) on the step-2 checkpoint, with the same sampling settings.
+    # `grpokit eval` (the real command line) on the step-2 checkpoint: its sampling settings come from the run's
+    # grpo_config.json, next to the checkpoint directory, without repeating the flags.
     result = subprocess.run(
         [sys.executable, "-m", "grpokit.cli", "eval", "--model", str(tmp_path / "out" / "checkpoint-2"),
-         "--dataset", str(data), *reward_flags, *sampling, "--out", str(tmp_path / "results" / "eval.json")],
+         "--dataset", str(data), *reward_flags, "--out", str(tmp_path / "results" / "eval.json")],
         cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert "pass@8" in result.stdout and "always_one" in result.stdout
+    assert "temperature=2.0" in result.stdout and "grpo_config.json" in result.stdout
     results = json.loads((tmp_path / "results" / "eval.json").read_text())
     metrics, samples = results["metrics"], results["samples"]
     # The same evaluation as during training: the same weights and seed give the same numbers.
@@ -266,3 +268,9 @@ def test_train_with_eval_dataset_then_grpokit_eval_reproduces_it(model_dir, tmp_
         expected = sum(naive_pass_at_k(p, k) for p in passes) / 3
         assert metrics[f"eval/rewards/same_letter/pass@{k}"] == pytest.approx(expected, abs=1e-12)
     assert all(len(c) <= 3 for s in samples for c in s["completions"])
+    # A flag overrides the run's setting; the others still come from the run.
+    assert main(["eval", "--model", str(tmp_path / "out" / "checkpoint-2"), "--dataset", str(data), *reward_flags,
+                 "--temperature", "1.0", "--num_generations_eval", "2", "--out", str(tmp_path / "two.json")]) == 0
+    config = json.loads((tmp_path / "two.json").read_text())["config"]
+    assert config["temperature"] == 1.0 and config["num_generations_eval"] == 2
+    assert config["max_completion_length"] == 3
