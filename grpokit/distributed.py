@@ -1,10 +1,10 @@
-"""Setting up accelerate for one process or many (torchrun / accelerate launch): DDP or FSDP2.
+"""Setting up accelerate for one process or many (torchrun / accelerate launch): DDP, FSDP2 or DeepSpeed ZeRO-1/2/3.
 
-FSDP2 (`torch.distributed.fsdp.fully_shard`, through accelerate) shards parameters, gradients and optimizer state.
-Three things change for grpokit when parameters are sharded (`is_sharded`): every forward is a collective, so the
-processes' sampling loops run in step until all of them are done (`all_processes_done`); the log-probs take the
-model's own forward (the chunked LM head reads the head's weight outside it); and checkpoints are gathered into
-full, unsharded state dicts (`full_state_dict`), so one checkpoint resumes under DDP, FSDP2 or in one process.
+Three things change for grpokit when parameters are sharded (`is_sharded`: FSDP2 or ZeRO-3): every forward is a
+collective, so the processes' sampling loops run in step until all of them are done (`all_processes_done`); the
+log-probs take the model's own forward (the chunked LM head reads the head's weight outside it); and checkpoints
+either gather full, unsharded state dicts (`full_state_dict`, resumable under DDP, FSDP2 or in one process) or
+hold each process's shards (`save_sharded`; DeepSpeed's own format under DeepSpeed).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def zero3_inference_engine(model: torch.nn.Module, engine) -> torch.nn.Module:
 def _fsdp_on_cpu(accelerator) -> None:
     """accelerate turns an FSDP config into FSDP only on accelerator devices; on CPU processes (gloo) it silently
     trains with DDP instead. torch's FSDP2 runs on CPU, so an FSDP2 request (`accelerate launch` with an FSDP config
-    and --cpu, or ACCELERATE_USE_FSDP=true FSDP_VERSION=2 under torchrun) is honoured there too."""
+    on a machine without a GPU, or ACCELERATE_USE_FSDP=true FSDP_VERSION=2 under torchrun) is honoured there too."""
     from accelerate import FullyShardedDataParallelPlugin
     from accelerate.utils import DistributedType
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from .distributed import is_sharded, load_full_state_dict
 from .loss import chunked_token_logprobs, entropy_from_logits, selective_log_softmax
 from .rollout import _logits_of, forward_accepts, position_ids_from_mask
 
@@ -98,11 +99,9 @@ def supports_chunked_head(model: torch.nn.Module) -> bool:
     True for a transformers causal LM of a type in CHUNKED_HEAD_MODEL_TYPES (or a LoRA PeftModel of one) whose
     output embedding is exactly an `nn.Linear` (not a quantised or adapter-wrapped head) and whose config has no
     logit soft-capping or scaling. A wrapper such as DistributedDataParallel gets False: its forward must run for
-    gradient synchronisation, and the decoder call would bypass it; so does an FSDP2-sharded model, whose head
-    weight is a shard outside the model's forward.
+    gradient synchronisation, and the decoder call would bypass it; so does a sharded model (FSDP2, ZeRO-3), whose
+    head weight is a shard outside the model's forward.
     """
-    from .distributed import is_sharded
-
     if not USE_CHUNKED_HEAD or is_sharded(model):
         return False
     if is_peft_model(model) and model.active_peft_config.is_prompt_learning:
@@ -163,7 +162,6 @@ def token_logprobs(
     if use_chunked:
         lm = causal_lm_of(model)
         head, decoder = lm.get_output_embeddings(), lm.get_decoder()
-        real = attention_mask[:, -completion_length:].bool()
         shared = None
         if share_prompts and can_share_prompts(lm):
             shared = shared_prompt_hidden(decoder, input_ids, attention_mask, position_ids, completion_length)
@@ -173,6 +171,7 @@ def token_logprobs(
             out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False)  # fmt: skip
             hidden = _last_hidden(out)[:, -completion_length - 1 : -1]  # position t predicts token t + 1
+            real = attention_mask[:, -completion_length:].bool()
             if bool(real.all()):
                 return chunked_token_logprobs(hidden, head.weight, targets, temperature, bias=head.bias,
                                               with_entropy=with_entropy)  # fmt: skip
@@ -352,8 +351,6 @@ def load_model_weights(model, directory: Path) -> None:
     weights = {}
     for file in sorted(directory.glob("model*.safetensors")):
         weights.update(load_file(str(file)))
-    from .distributed import load_full_state_dict
-
     missing, unexpected = load_full_state_dict(model, weights, strict=False)  # sharded where the model is
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     missing = [k for k in missing if k not in tied and not any(k.endswith(t) for t in tied)]

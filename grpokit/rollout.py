@@ -296,7 +296,8 @@ def one_token_attention(model: torch.nn.Module, device: torch.device):
     config = getattr(model, "config", None)
     base = getattr(model, "get_base_model", lambda: None)()  # a PeftModel: the config the layers read
     config = getattr(base, "config", config)
-    if device.type != "cpu" or getattr(config, "_attn_implementation", None) != "sdpa" or _has_sub_configs(config):
+    multimodal = bool(getattr(config, "sub_configs", None))  # the layers may read a sub-config's setting
+    if device.type != "cpu" or getattr(config, "_attn_implementation", None) != "sdpa" or multimodal:
         yield
         return
     _register_one_token_attention()
@@ -305,10 +306,6 @@ def one_token_attention(model: torch.nn.Module, device: torch.device):
         yield
     finally:
         config._attn_implementation = "sdpa"
-
-
-def _has_sub_configs(config) -> bool:
-    return bool(getattr(config, "sub_configs", None))
 
 
 class CachedDecoder:
@@ -418,7 +415,7 @@ def generate(
     when at least a quarter of the running rows have finished). `use_cache=None` picks the KV-cached decoder when
     the model supports it.
 
-    all_done: for sharded models (FSDP2), where every forward is a collective: called once per step with whether
+    all_done: for sharded models (FSDP2, ZeRO-3), where every forward is a collective: called once per step with whether
     this process's rows have all finished, it returns whether every process's have, and the loop runs until then
     (finished rows keep decoding, masked out), so that all processes make the same forward calls.
     """

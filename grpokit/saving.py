@@ -67,8 +67,8 @@ class Checkpointing:
             self._write_model(Path(output_dir or self.args.output_dir), weights)
 
     def _gathered_weights(self) -> dict[str, torch.Tensor] | None:
-        """Under FSDP2 or ZeRO-3 the full weights, gathered (a collective; the main process gets them); otherwise
-        None: the model's own state dict is whole."""
+        """Under FSDP2 or ZeRO-3 the full weights, gathered (a collective; the main process gets them, and under
+        ZeRO-3 the others too); otherwise None: the model's own state dict is whole."""
         return full_state_dict(self.unwrapped_model) if is_sharded(self.unwrapped_model) else None
 
     def _write_model(self, output_dir: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
@@ -203,6 +203,10 @@ class Checkpointing:
 
         if (path / DEEPSPEED_DIR).is_dir():
             self._load_deepspeed_checkpoint(path)
+        elif self._deepspeed:
+            raise ValueError(f"{path} was not written under DeepSpeed, and DeepSpeed's engine resumes only from its "
+                             f"own checkpoints: resume it without DeepSpeed (DDP, FSDP2 or one process), or start "
+                             f"this DeepSpeed run from its weights as the model.")  # fmt: skip
         elif (path / SHARDED_DIR).is_dir():  # written by FSDP2 processes, each its shards: resharded to this layout
             keep_reference = self.args.sync_ref_model and self.reference is not None
             load_sharded(path / SHARDED_DIR, self.unwrapped_model, self.optimizer,

@@ -138,7 +138,7 @@ class GRPOTrainer(Checkpointing):
         if self.accelerator.is_fsdp2 and is_peft_model(self.model):
             raise NotImplementedError("LoRA under FSDP2 is not supported yet: train LoRA with DDP (plain torchrun "
                                       "or examples/accelerate/ddp.yaml), or train all weights with FSDP2.")  # fmt: skip
-        # Under DeepSpeed (ZeRO-1/2) the engine takes the optimizer step inside backward(); see _optimizer_step.
+        # Under DeepSpeed the engine takes the optimizer step inside backward(); see _optimizer_step.
         self._deepspeed = deepspeed_stage(self.accelerator) is not None
         if self._deepspeed:
             if is_peft_model(self.model):
@@ -630,17 +630,15 @@ class GRPOTrainer(Checkpointing):
         if self._all_done is not None:  # sharded: every process samples as many batches as the busiest one
             batches = math.ceil(math.ceil(len(dataset) / acc.num_processes) / prompts_per_batch)
         for start in range(0, batches * prompts_per_batch, prompts_per_batch):
-            if start >= len(indices):  # this process has no prompts left: it samples a discarded one in step
-                rows = [dataset[0] for _ in range(n)]
-                prompt_ids, prompt_mask = (t.to(acc.device) for t in self._prompt_tensors(rows))
-                generate(self.unwrapped_model, prompt_ids, prompt_mask, self._sampling_params(), generator=generator,
-                         num_generations=n, all_done=self._all_done)  # fmt: skip
-                continue
-            rows = [dataset[i] for i in indices[start : start + prompts_per_batch] for _ in range(n)]
+            chunk = indices[start : start + prompts_per_batch]
+            # A process with no prompts left samples a discarded one, in step with the others.
+            rows = [dataset[i] for i in (chunk or [0]) for _ in range(n)]
             prompt_ids, prompt_mask = (t.to(acc.device) for t in self._prompt_tensors(rows))
             with acc.autocast():  # generate() puts the model in eval mode and back
                 rollout = generate(self.unwrapped_model, prompt_ids, prompt_mask, self._sampling_params(),
                                    generator=generator, num_generations=n, all_done=self._all_done)  # fmt: skip
+            if not chunk:
+                continue
             completions, completion_lists = self._completions_as_given(rows, rollout.completion_ids,
                                                                        rollout.completion_mask)  # fmt: skip
             prompts, scores, *_ = self._score(rows, completions, completion_lists)

@@ -101,8 +101,10 @@ SCRIPT = textwrap.dedent(
             from accelerate import PartialState
 
             PartialState()
+        evaluation = dataset().select(range(spec["eval_rows"])) if spec.get("eval_rows") else None
         trainer = GRPOTrainer(model=spec["model"], args=config(out, **spec["config"]), train_dataset=dataset(),
-                              reward_funcs=recording_reward(out / f"rewards_{RANK}.jsonl", spec["tiebreak"]))
+                              reward_funcs=recording_reward(out / f"rewards_{RANK}.jsonl", spec["tiebreak"]),
+                              eval_dataset=evaluation)
         batches, generate = [], trainer._generate_batch
 
         def observed_generate():  # the real generation, observed: its advantages are the evidence
@@ -632,3 +634,15 @@ def test_two_nodes_through_a_c10d_rendezvous(model_dir, tmp_path):
     assert max_difference(rank0["weights"], rank1["weights"]) == 0.0
     calls = [len((tmp_path / "out" / f"rewards_{rank}.jsonl").read_text().splitlines()) for rank in (0, 1)]
     assert calls == [3, 3]  # each node scored its own slice of every generation batch
+
+
+def test_fsdp2_evaluates_an_uneven_split_in_step(eos_prone_model_dir, tmp_path):
+    # 3 eval prompts over 2 processes, one prompt per batch: process 0 samples 2 batches, process 1 only 1, and
+    # then samples a discarded one so that its sharded forwards stay in step (otherwise the run hangs).
+    config = {**FSDP2_RUN, "max_steps": 1, "save_strategy": "no", "eval_strategy": "steps", "eval_steps": 1,
+              "num_generations_eval": 2, "per_device_eval_batch_size": 2}  # fmt: skip
+    launch(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "out"), config=config,
+                          tiebreak=0.01, eval_rows=3), env=FSDP2, timeout=300)  # fmt: skip
+    history = load(tmp_path / "out" / "final_0.pt")["log_history"]
+    evaluation = [e for e in history if "eval/reward" in e]
+    assert len(evaluation) == 1 and 0.0 <= evaluation[0]["eval/reward"] <= 1.1
