@@ -1,0 +1,122 @@
+"""Pinned numbers: the final weights of seeded tiny runs, as digests taken before the rollout-seam redesign (issue
+"One rollout seam, one readable training step"). A refactor of the loop, the rollout, the batch or the loss must
+leave every one of them bitwise equal; a change that is meant to change the numbers updates a digest here and says
+why in its commit.
+
+The digests are of float32 runs on the CPU (bf16 too, which is deterministic on one machine); a different CPU
+kernel set (another ISA, another torch build) may round differently, in which case all of them move together.
+"""
+
+import hashlib
+import json
+
+import pytest
+import torch
+from datasets import Dataset
+
+from grpokit import GRPOConfig, GRPOTrainer
+from grpokit.testing import build_char_tokenizer, build_tiny_model
+
+LETTERS = "abcdefgh"
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def repeat_letter(completions, letter, **kwargs):
+    return [1.0 if c[:1] == target else 0.0 for c, target in zip(completions, letter)]
+
+
+def length_reward(completion_ids, **kwargs):  # dense: varies inside every group
+    return [len(c) / 10 for c in completion_ids]
+
+
+def letter_data():
+    return Dataset.from_list([{"prompt": f"{c}:", "letter": c} for c in LETTERS] * 4)
+
+
+def tiny(seed=0):
+    tokenizer = build_char_tokenizer(LETTERS + ":")
+    model = build_tiny_model(len(tokenizer), hidden_size=32, seed=seed, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
+    return model, tokenizer
+
+
+def run(tmp_path, *, rewards=(repeat_letter,), peft=False, eval_dataset=None, **overrides):
+    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=16, num_generations=4,
+                  max_completion_length=3, learning_rate=1e-2, max_steps=3, logging_steps=1, save_strategy="no",
+                  disable_tqdm=True, seed=0, beta=0.04)  # fmt: skip
+    model, tokenizer = tiny()
+    peft_config = None
+    if peft:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    trainer = GRPOTrainer(model=model, reward_funcs=list(rewards), args=GRPOConfig(**{**values, **overrides}),
+                          train_dataset=letter_data(), processing_class=tokenizer, peft_config=peft_config,
+                          eval_dataset=eval_dataset)  # fmt: skip
+    trainer.train()
+    weights = {k: v for k, v in trainer.unwrapped_model.state_dict().items()}
+    return trainer, digest(weights)
+
+
+# Taken at commit 93b45f7 (before the redesign), on the project's 2-core x86-64 CPU with torch 2.13.0+cpu.
+PINNED = {
+    "on_policy": "a3a79da9d5f0bf18",
+    "mu2": "cf9f60060076e669",
+    "accumulated": "543f4c9cb91045da",
+    "bf16_mu2": "76e8d428f2ca1fa3",
+    "lora": "0ad062e83b9a5551",
+    "process": "6d11b77dd15ffd90",
+}
+
+CASES = {
+    "on_policy": dict(),
+    "mu2": dict(num_iterations=2, steps_per_generation=2),
+    "accumulated": dict(num_iterations=2, gradient_accumulation_steps=2, steps_per_generation=4,
+                        per_device_train_batch_size=8, loss_type="grpo", scale_rewards="batch",
+                        top_entropy_quantile=0.5, entropy_coef=0.01, mask_truncated_completions=True,
+                        rewards=(repeat_letter, length_reward)),
+    "bf16_mu2": dict(bf16=True, num_iterations=2, steps_per_generation=2, loss_type="dr_grpo"),
+    "lora": dict(peft=True, learning_rate=5e-2),
+    "process": dict(rewards=(repeat_letter, "process"), step_separator="a", loss_type="bnpo",
+                    importance_sampling_level="sequence", num_iterations=2),
+}
+
+
+def _process_reward():
+    from grpokit.rewards.process import process_reward, split_steps
+
+    @process_reward
+    def steps(completions, **kwargs):
+        return [[0.1 * (i + 1) for i in range(len(split_steps(c, "a")))] for c in completions]
+
+    return steps
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_final_weights_are_pinned(tmp_path, case):
+    overrides = dict(CASES[case])
+    if "rewards" in overrides:
+        overrides["rewards"] = tuple(_process_reward() if r == "process" else r for r in overrides["rewards"])
+    trainer, found = run(tmp_path, **overrides)
+    assert len(trainer.state.log_history) >= 3
+    assert found == PINNED[case], f"{case}: final weights {found} != pinned {PINNED[case]}"
+
+
+def test_evaluation_is_pinned(tmp_path):
+    data = Dataset.from_list([{"prompt": f"{c}:", "letter": c} for c in LETTERS[:3]])
+    trainer, _ = run(tmp_path, eval_dataset=data, max_steps=1, num_generations_eval=4, per_device_eval_batch_size=8)
+    metrics = trainer.evaluate()
+    samples = json.dumps(trainer.eval_samples, sort_keys=True)
+    assert hashlib.sha256(samples.encode()).hexdigest()[:16] == PINNED_EVAL, samples
+    assert metrics["eval/reward"] == pytest.approx(PINNED_EVAL_REWARD, abs=1e-12)
+
+
+PINNED_EVAL = "78e02a0978ada90e"
+PINNED_EVAL_REWARD = 0.25
