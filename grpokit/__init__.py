@@ -6,18 +6,29 @@
 __version__ = "0.1.0"
 
 from .advantages import group_advantages, process_advantages
+from .batch import TrainBatch
 from .config import GRPOConfig
 from .evaluation import pass_at_k
-from .loss import chunked_token_logprobs, policy_loss, selective_log_softmax
+from .logprobs import chunked_token_logprobs, selective_log_softmax, token_logprobs
+from .loss import policy_loss
+from .rollout import HFEngine, PromptBatch, Rollout, RolloutEngine, SamplingParams, ScriptedEngine
 from .trainer import GRPOTrainer
 
 __all__ = [
     "GRPOConfig",
     "GRPOTrainer",
+    "HFEngine",
+    "PromptBatch",
+    "Rollout",
+    "RolloutEngine",
+    "SamplingParams",
+    "ScriptedEngine",
+    "TrainBatch",
     "chunked_token_logprobs",
     "group_advantages",
     "pass_at_k",
     "policy_loss",
     "process_advantages",
     "selective_log_softmax",
+    "token_logprobs",
 ]

@@ -1,7 +1,12 @@
-"""The scored rollout of one process: what dynamic sampling filters and joins before advantages are computed."""
+"""What flows from sampling to the loss: a process's scored rollout (before advantages), and the typed train batch
+that the loss consumes.
+
+Shapes: N rows (completions) of this process, P prompt tokens (left-padded), T completion tokens (right-padded).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,55 +17,93 @@ from .rollout import Rollout
 
 @dataclass
 class ScoredRollout:
-    """One process's sampled and scored rows (n of them) before advantages: what dynamic sampling filters."""
+    """One process's sampled and scored rows before advantages: what dynamic sampling filters and joins."""
 
-    rows: list[dict]
-    prompts: list[Any]
-    completions: list[Any]
-    completion_lists: list[list[int]]
-    prompt_ids: torch.Tensor  # [n, P] left-padded
-    prompt_mask: torch.Tensor  # [n, P]
+    rows: list[dict]  # [N] the dataset rows
+    prompts: list[Any]  # [N] as reward functions receive them
+    completions: list[Any]  # [N] as reward functions receive them (text, messages or ids)
+    completion_ids: list[list[int]]  # [N] real completion tokens
     rollout: Rollout
-    scores: torch.Tensor  # [n, F]
-    failures: dict[str, int]
-    step_rewards: dict[int, list[list[float]]]  # process function index -> per row
-    step_ends: list[list[int]]  # per row
-    offset: int  # first row's index in the global batch
+    scores: torch.Tensor  # [N, F] one column per reward function, NaN = None
+    failures: dict[str, int]  # reward function name -> rows whose call raised (reward_fn_errors='none')
+    step_rewards: dict[int, list[list[float]]]  # process reward function index -> per row, one reward per step
+    step_ends: list[list[int]]  # [N] token position where each step ends
+    offset: int  # first row's index in the global generation batch
 
     def select(self, indices: list[int]) -> "ScoredRollout":
         pick = lambda values: [values[i] for i in indices]  # noqa: E731
-        index = torch.tensor(indices, dtype=torch.long)
-        r = self.rollout
-        rollout = Rollout(r.prompt_ids[index], r.prompt_mask[index], r.completion_ids[index],
-                          r.completion_mask[index], r.logprobs[index], r.is_truncated[index])  # fmt: skip
-        return ScoredRollout(pick(self.rows), pick(self.prompts), pick(self.completions),
-                             pick(self.completion_lists), self.prompt_ids[index], self.prompt_mask[index], rollout,
-                             self.scores[index], dict(self.failures),
+        return ScoredRollout(pick(self.rows), pick(self.prompts), pick(self.completions), pick(self.completion_ids),
+                             self.rollout.select(indices), self.scores[indices], dict(self.failures),
                              {k: pick(v) for k, v in self.step_rewards.items()}, pick(self.step_ends), self.offset)
 
     @staticmethod
     def concat(parts: list["ScoredRollout"]) -> "ScoredRollout":
-        """Join parts, re-padding prompts on the left and completions on the right to a common width (the new
-        padding is masked out everywhere, so its value does not matter)."""
-        def pad(tensors, on_left: bool):
-            width = max(t.shape[1] for t in tensors)
-            sides = lambda t: (width - t.shape[1], 0) if on_left else (0, width - t.shape[1])  # noqa: E731
-            return torch.cat([torch.nn.functional.pad(t, sides(t)) for t in tensors])
-
-        left = lambda tensors: pad(tensors, True)  # noqa: E731
-        right = lambda tensors: pad(tensors, False)  # noqa: E731
-        rollout = Rollout(left([p.prompt_ids for p in parts]), left([p.prompt_mask for p in parts]),
-                          right([p.rollout.completion_ids for p in parts]),
-                          right([p.rollout.completion_mask for p in parts]),
-                          right([p.rollout.logprobs for p in parts]),
-                          torch.cat([p.rollout.is_truncated for p in parts]))  # fmt: skip
         failures: dict[str, int] = {}
         for p in parts:
             for k, v in p.failures.items():
                 failures[k] = failures.get(k, 0) + v
         join = lambda name: [x for p in parts for x in getattr(p, name)]  # noqa: E731
-        return ScoredRollout(join("rows"), join("prompts"), join("completions"), join("completion_lists"),
-                             rollout.prompt_ids, rollout.prompt_mask, rollout,
-                             torch.cat([p.scores for p in parts]), failures,
-                             {k: [x for p in parts for x in p.step_rewards[k]] for k in parts[0].step_rewards},
+        return ScoredRollout(join("rows"), join("prompts"), join("completions"), join("completion_ids"),
+                             Rollout.concat([p.rollout for p in parts]), torch.cat([p.scores for p in parts]),
+                             failures, {k: [x for p in parts for x in p.step_rewards[k]] for k in parts[0].step_rewards},
                              join("step_ends"), parts[0].offset)  # fmt: skip
+
+
+@dataclass
+class TrainBatch:
+    """The rows the loss is computed on: a whole generation batch, or a micro-batch of it (`split`).
+
+    π_old (`old_logprobs`) is present when some optimizer step trains on these rows after the policy has moved
+    (μ > 1, or a generation batch spread over several optimizer steps); otherwise the ratio is exp(logp -
+    logp.detach()). π_ref (`ref_logprobs`) is present when beta > 0.
+    """
+
+    prompt_ids: torch.Tensor  # [N, P] left-padded
+    prompt_mask: torch.Tensor  # [N, P]
+    completion_ids: torch.Tensor  # [N, T] right-padded
+    attention_mask: torch.Tensor  # [N, T] every real completion token
+    loss_mask: torch.Tensor  # [N, T] the tokens trained on (sampled by the policy, not masked out)
+    lengths: torch.Tensor  # [N] real completion tokens
+    advantages: torch.Tensor  # [N, T] per token (a completion's advantage repeated, plus process advantages)
+    old_logprobs: torch.Tensor | None = None  # [N, T] π_old
+    ref_logprobs: torch.Tensor | None = None  # [N, T] π_ref
+    sampling_logprobs: torch.Tensor | None = None  # [N, T] the behaviour policy's, as the engine reported them
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+    def _map(self, fn) -> "TrainBatch":
+        return TrainBatch(**{f.name: None if (value := getattr(self, f.name)) is None else fn(value)
+                             for f in dataclasses.fields(self)})  # fmt: skip
+
+    def select(self, index: torch.Tensor | slice) -> "TrainBatch":
+        """Rows `index` (a permutation, a slice)."""
+        return self._map(lambda t: t[index.to(t.device) if torch.is_tensor(index) else index])
+
+    def split(self, size: int) -> list["TrainBatch"]:
+        """Consecutive micro-batches of `size` rows (the last may be smaller)."""
+        return [self.select(slice(start, start + size)) for start in range(0, len(self), size)]
+
+    def to(self, device) -> "TrainBatch":
+        return self._map(lambda t: t.to(device))
+
+    def trimmed(self) -> "TrainBatch":
+        """Without the completion columns past the longest real completion (padding shared by every row)."""
+        width = int(self.lengths.max().clamp(min=1)) if len(self) else 1
+        return self._map(lambda t: t[:, :width] if t.dim() == 2 and t is not self.prompt_ids
+                         and t is not self.prompt_mask else t)  # fmt: skip
+
+    @property
+    def input_ids(self) -> torch.Tensor:  # [N, P + T]
+        return torch.cat([self.prompt_ids, self.completion_ids], 1)
+
+    @property
+    def input_mask(self) -> torch.Tensor:  # [N, P + T]
+        return torch.cat([self.prompt_mask, self.attention_mask], 1)
+
+    def state_dict(self) -> dict[str, torch.Tensor | None]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "TrainBatch":
+        return cls(**state)

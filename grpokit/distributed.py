@@ -10,10 +10,10 @@ hold each process's shards (`save_sharded`; DeepSpeed's own format under DeepSpe
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
+from .compat import deepspeed_config_of, reset_accelerate_state
 from .config import GRPOConfig
 
 
@@ -21,7 +21,7 @@ def build_accelerator(args: GRPOConfig):
     """An Accelerator with the run's precision. In a single process (a notebook, a test session) accelerate's
     process-wide state may hold an earlier trainer's precision; it is reset rather than refusing the new run."""
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.state import PartialState
 
     mixed_precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
     # Under torchrun on a machine without an accelerator device, accelerate only forms a (gloo) process group when
@@ -40,12 +40,12 @@ def build_accelerator(args: GRPOConfig):
     except ValueError:
         if PartialState().num_processes > 1:
             raise
-        AcceleratorState._reset_state(reset_partial_state=True)
+        reset_accelerate_state()
         accelerator = Accelerator(**kwargs)
     if world_size > 1 and accelerator.num_processes == 1:
         # The script created accelerate's state earlier without a process group (e.g. `PartialState()` on a CPU-only
         # machine, where it needs cpu=True): none was formed, so nothing is torn down by creating it again.
-        AcceleratorState._reset_state(reset_partial_state=True)
+        reset_accelerate_state()
         accelerator = Accelerator(**kwargs)
     _fsdp_on_cpu(accelerator)
     # Fail at once rather than hang or train wrongly later (README.md, "Scaling out").
@@ -92,7 +92,7 @@ def zero3_inference_engine(model: torch.nn.Module, engine) -> torch.nn.Module:
 
     import deepspeed
 
-    config = copy.deepcopy(engine.config if isinstance(engine.config, dict) else engine._config._param_dict)
+    config = copy.deepcopy(deepspeed_config_of(engine))
     for key in ("optimizer", "scheduler"):
         config.pop(key, None)
     reference, *_ = deepspeed.initialize(model=model, config=config)
@@ -215,52 +215,33 @@ def _has_accelerator_device() -> bool:
     return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
 
 
-# --------------------------------------------------------------------------------------- sharded checkpoints
-
-SHARDED_DIR = "sharded"  # inside a checkpoint: torch.distributed.checkpoint files, one per process, + .metadata
-DEEPSPEED_DIR = "deepspeed"  # inside a checkpoint: the DeepSpeed engine's own (weights + optimizer partitions)
-
-
-def wants_sharded_checkpoints(accelerator) -> bool:
-    """FSDP2 with accelerate's `fsdp_state_dict_type: SHARDED_STATE_DICT` (its default for FSDP2)."""
-    if not accelerator.is_fsdp2:
-        return False
-    kind = getattr(accelerator.state.fsdp_plugin, "state_dict_type", None)
-    return getattr(kind, "name", str(kind)).upper().endswith("SHARDED_STATE_DICT")
-
-
-def _inner(optimizer):
-    return getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper skips steps it thinks are partial
-
-
-def save_sharded(directory: Path, model, optimizer, reference=None) -> None:
-    """Every process writes its own shards of the weights, the optimizer state and the moving reference (a
-    collective; `torch.distributed.checkpoint`). Loadable under any number of processes, or in one."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-    model_state, optimizer_state = get_state_dict(model, _inner(optimizer))
-    state = {"model": model_state, "optimizer": optimizer_state}
-    if reference is not None:
-        state["reference"] = get_model_state_dict(reference)
-    dcp.save(state, checkpoint_id=str(directory))
+def check_backend(accelerator, lora: bool, args: GRPOConfig) -> None:
+    """What this backend (or LoRA) cannot run, refused before anything is prepared, with the way out."""
+    if args.sync_ref_model and lora:
+        raise ValueError("sync_ref_model with LoRA is not supported: the reference is the base model with the adapter "
+                         "off, and the base weights never change. Train without LoRA to refresh the reference, or "
+                         "turn sync_ref_model off.")  # fmt: skip
+    if accelerator.is_fsdp2 and lora:
+        raise NotImplementedError("LoRA under FSDP2 is not supported yet: train LoRA with DDP (plain torchrun or "
+                                  "examples/accelerate/ddp.yaml), or train all weights with FSDP2.")  # fmt: skip
+    stage = deepspeed_stage(accelerator)
+    if stage is not None and lora:
+        raise NotImplementedError("LoRA under DeepSpeed is not supported yet: train LoRA with DDP (plain torchrun "
+                                  "or examples/accelerate/ddp.yaml).")  # fmt: skip
+    if stage == 3 and args.sync_ref_model:
+        raise NotImplementedError("sync_ref_model under ZeRO-3 is not supported yet (the policy's weights are "
+                                  "partitioned); use ZeRO-2 or FSDP2.")  # fmt: skip
 
 
-def load_sharded(directory: Path, model, optimizer, reference=None) -> None:
-    """Load what `save_sharded` wrote into this layout (sharded or not); every process calls it."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_state_dict,
-        set_model_state_dict,
-        set_state_dict,
-    )
+def prepare_reference(accelerator, reference: torch.nn.Module | None, engine) -> torch.nn.Module | None:
+    """Place the frozen reference like the policy: partitioned and wrapped for forwards under ZeRO-3 (as loaded),
+    sharded under FSDP2, else moved to the device."""
+    if reference is None:
+        return None
+    if is_zero3(reference):
+        return zero3_inference_engine(reference, engine)
+    if accelerator.is_fsdp2:
+        from accelerate.utils import fsdp2_prepare_model
 
-    model_state, optimizer_state = get_state_dict(model, _inner(optimizer))  # creates the optimizer's state
-    state = {"model": model_state, "optimizer": optimizer_state}
-    if reference is not None:
-        state["reference"] = get_model_state_dict(reference)
-    dcp.load(state, checkpoint_id=str(directory))
-    set_state_dict(model, _inner(optimizer), model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    if reference is not None:
-        set_model_state_dict(reference, state["reference"])
+        return fsdp2_prepare_model(accelerator, reference)
+    return reference.to(accelerator.device)

@@ -12,9 +12,9 @@ import warnings
 import pytest
 import torch
 
-import grpokit.policy as policy
-from grpokit.loss import chunked_token_logprobs
-from grpokit.policy import supports_chunked_head, token_logprobs
+import grpokit.logprobs as policy
+from grpokit.logprobs import chunked_token_logprobs
+from grpokit.logprobs import supports_chunked_head, token_logprobs
 from grpokit.testing import build_tiny_model
 
 ATOL32 = 1e-5

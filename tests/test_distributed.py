@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent(
     import torch
     from datasets import Dataset
 
-    from grpokit import GRPOConfig, GRPOTrainer, group_advantages
+    from grpokit import GRPOConfig, GRPOTrainer, TrainBatch, group_advantages
     from grpokit.distributed import full_state_dict
 
     RANK = int(os.environ.get("RANK", 0))
@@ -71,9 +71,10 @@ SCRIPT = textwrap.dedent(
         first_letter = tokenizer.convert_tokens_to_ids("a")
         completion_ids = torch.randint(first_letter, len(tokenizer), (16, 5), generator=generator)
         lengths = torch.randint(1, 6, (16, 1), generator=generator)
-        return {"prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids), "completion_ids": completion_ids,
-                "completion_mask": (torch.arange(5) < lengths).long(),
-                "advantages": group_advantages(torch.rand(16, generator=generator), 4)}
+        mask = (torch.arange(5) < lengths).long()
+        advantages = group_advantages(torch.rand(16, generator=generator), 4)
+        return TrainBatch(prompt_ids, torch.ones_like(prompt_ids), completion_ids, attention_mask=mask, loss_mask=mask,
+                          lengths=mask.sum(-1), advantages=advantages[:, None].expand(-1, 5).contiguous())
 
 
     def one_update(spec):
@@ -86,7 +87,7 @@ SCRIPT = textwrap.dedent(
                                   train_dataset=dataset())
             rows = slice(trainer.accelerator.process_index * args.generation_batch_size,
                          (trainer.accelerator.process_index + 1) * args.generation_batch_size)
-            trainer._generate_batch = lambda: {key: value[rows] for key, value in batch.items()}
+            trainer.generate_batch = lambda: batch.select(rows)
             trainer.train()
             # Full weights (gathered under FSDP2, where only the main process gets them).
             torch.save({"weights": full_state_dict(trainer.unwrapped_model), "log_history": trainer.state.log_history},
@@ -105,16 +106,16 @@ SCRIPT = textwrap.dedent(
         trainer = GRPOTrainer(model=spec["model"], args=config(out, **spec["config"]), train_dataset=dataset(),
                               reward_funcs=recording_reward(out / f"rewards_{RANK}.jsonl", spec["tiebreak"]),
                               eval_dataset=evaluation)
-        batches, generate = [], trainer._generate_batch
+        batches, generate = [], trainer.generate_batch
 
         def observed_generate():  # the real generation, observed: its advantages are the evidence
             batch = generate()
-            batches.append({"prompts": trainer.processing_class.batch_decode(batch["prompt_ids"],
+            batches.append({"prompts": trainer.processing_class.batch_decode(batch.prompt_ids,
                                                                              skip_special_tokens=True),
-                            "advantages": batch["advantages"].tolist()})
+                            "advantages": batch.advantages[:, 0].tolist()})
             return batch
 
-        trainer._generate_batch = observed_generate
+        trainer.generate_batch = observed_generate
         trainer.train(resume_from_checkpoint=spec.get("resume"))
         torch.save({"weights": full_state_dict(trainer.unwrapped_model),
                     "distributed_type": trainer.accelerator.distributed_type.value, "log_history": trainer.state.log_history,

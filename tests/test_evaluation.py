@@ -135,8 +135,8 @@ def test_trainer_guard_warning_names_both_metrics_once_per_window(model_dir, tmp
         trainer.state.log_history.append({"step": step, "reward": reward, "rewards/format/mean": format_reward})
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            trainer._check_guard()
-            trainer._check_guard()  # a second check of the same record does not warn again
+            trainer.check_guard()
+            trainer.check_guard()  # a second check of the same record does not warn again
         messages.append([str(w.message) for w in caught])
     assert [len(m) for m in messages] == [0, 0, 1, 0, 0]  # window 3: fires at step 3, quiet at 4 and 5
     assert "'reward' rose (0.1 -> 0.5)" in messages[2][0] and "'rewards/format/mean' fell (1 -> 0.5)" in messages[2][0]

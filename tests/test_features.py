@@ -191,15 +191,15 @@ def test_process_rewards_give_hand_computed_token_advantages(model_dir, tmp_path
 
     trainer = GRPOTrainer(model=model_dir, reward_funcs=per_step, train_dataset=letter_dataset(),
                           args=config(tmp_path, max_steps=1, max_completion_length=6, temperature=2.0))  # fmt: skip
-    batch = trainer._generate_batch()
+    batch = trainer.generate_batch()
     tokenizer = trainer.processing_class
     # Undo the shuffle to regroup the completions by prompt, then recompute the advantages by hand.
     order = torch.randperm(32, generator=torch.Generator().manual_seed(trainer.args.seed + trainer.state.generations))
-    ids = torch.empty_like(batch["completion_ids"])
-    ids[order], mask = batch["completion_ids"], torch.empty_like(batch["completion_mask"])
-    mask[order] = batch["completion_mask"]
-    advantages = torch.empty_like(batch["advantages"])
-    advantages[order] = batch["advantages"]
+    ids = torch.empty_like(batch.completion_ids)
+    ids[order], mask = batch.completion_ids, torch.empty_like(batch.attention_mask)
+    mask[order] = batch.attention_mask
+    advantages = torch.empty_like(batch.advantages)
+    advantages[order] = batch.advantages
     completions = [ids[i][mask[i].bool()].tolist() for i in range(32)]
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     step_rewards = [[float(s.startswith("a")) for s in split_steps(t)] for t in texts]
@@ -253,11 +253,11 @@ def test_dynamic_sampling_fills_the_batch_with_varied_groups(model_dir, tmp_path
     trainer = GRPOTrainer(model=model_dir, reward_funcs=half_constant, train_dataset=letter_dataset(),
                           args=config(tmp_path, dynamic_sampling=True, max_resample_rounds=8,
                                       max_completion_length=4))  # fmt: skip
-    batch = trainer._generate_batch()
-    assert len(batch["advantages"]) == 32  # full
+    batch = trainer.generate_batch()
+    assert len(batch) == 32  # full
     # Every kept completion comes from a varied group: none of the constant prompts remain.
-    prompts = trainer.processing_class.batch_decode(batch["prompt_ids"], skip_special_tokens=True)
+    prompts = trainer.processing_class.batch_decode(batch.prompt_ids, skip_special_tokens=True)
     assert all(p[0] in "efgh" for p in prompts), prompts
     assert trainer.window.flush()["dynamic_sampling/rounds"] >= 1
     # Each group's advantages have spread (none all-zero)
-    assert (batch["advantages"] != 0).float().mean() > 0.5
+    assert (batch.advantages[:, 0] != 0).float().mean() > 0.5

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from grpokit import policy_loss, selective_log_softmax
+from grpokit import policy_loss, selective_log_softmax  # the log-prob helper is grpokit.logprobs'
 from grpokit.loss import aggregate, kl_k3
 
 F64 = torch.float64

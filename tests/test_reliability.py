@@ -108,7 +108,7 @@ def test_resume_inside_a_generation_batch(model_dir, tmp_path):
     first = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letter_dataset(),
                         args=config(tmp_path / "split", **{**args, "max_steps": 2}))  # fmt: skip
     first.train()
-    assert first._micro_step == 2  # stopped inside the generation batch
+    assert first.cursor.micro_index == 2  # stopped inside the generation batch
     resumed = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letter_dataset(),
                           args=config(tmp_path / "split", **args))  # fmt: skip
     resumed.train(resume_from_checkpoint=str(tmp_path / "split" / "out" / "checkpoint-2"))
@@ -122,7 +122,8 @@ def test_resume_inside_a_generation_batch(model_dir, tmp_path):
 CHILD = textwrap.dedent("""
     import os, sys, time, torch
     from datasets import Dataset
-    import grpokit.checkpoint as checkpoint
+    import grpokit.checkpoint.atomic as checkpoint
+    import grpokit.checkpoint.checkpointer as checkpointer
     from grpokit import GRPOConfig, GRPOTrainer
 
     model_dir, output_dir, max_steps, pause_at = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
@@ -144,8 +145,7 @@ CHILD = textwrap.dedent("""
             time.sleep(60)
         return original_write(directory, step, write)
 
-    import grpokit.saving
-    grpokit.saving.write_checkpoint = write_checkpoint
+    checkpointer.write_checkpoint = write_checkpoint
 
     def repeat_letter(completions, letter, **kwargs):
         return [1.0 if c[:1] == t else 0.0 for c, t in zip(completions, letter)]

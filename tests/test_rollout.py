@@ -13,15 +13,10 @@ import pytest
 import torch
 
 from grpokit.data import tokenize_prompts
-from grpokit.policy import token_logprobs
-from grpokit.rollout import (
-    SamplingParams,
-    apply_repetition_penalty,
-    filter_logits,
-    generate,
-    sample_tokens,
-    supports_kv_cache,
-)
+from grpokit.logprobs import token_logprobs
+from grpokit.rollout import SamplingParams
+from grpokit.rollout.hf import generate, supports_kv_cache
+from grpokit.rollout.sampling import apply_repetition_penalty, filter_logits, sample_tokens
 from grpokit.testing import build_char_tokenizer, build_tiny_model
 
 LOGPROB_ATOL = 1e-5  # float32: sampling forward (KV cache) vs training forward (one pass)
@@ -63,7 +58,7 @@ def training_logprobs(model, rollout, temperature):
         logprobs, _ = token_logprobs(
             model,
             torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
-            torch.cat([rollout.prompt_mask, rollout.completion_mask], 1),
+            torch.cat([rollout.prompt_mask, rollout.attention_mask], 1),
             rollout.completion_ids.shape[1],
             temperature,
         )
@@ -95,16 +90,16 @@ def test_sampling_logprobs_equal_training_forward(model, tokenizer, prompts, tem
     ids, mask = grouped(prompts, tokenizer, 2)
     params = params_for(tokenizer, temperature=temperature, **filters)
     rollout = generate(model, ids, mask, params, generator=seeded(1), num_generations=2)
-    completion_mask = rollout.completion_mask.bool()
+    completion_mask = rollout.attention_mask.bool()
     assert completion_mask.sum() >= 2 * len(prompts)  # something was sampled for every row
 
     # The training forward knows nothing of top-k / top-p / the penalty, so equality also shows that the recorded
     # value is the policy's log-prob and not the filtered distribution's.
     expected = training_logprobs(model, rollout, temperature)
-    diff = (rollout.logprobs - expected).abs()[completion_mask]
+    diff = (rollout.sampling_logprobs - expected).abs()[completion_mask]
     assert diff.max() <= LOGPROB_ATOL, f"max |sampling - training| log-prob = {diff.max():.2e}"
-    assert (rollout.logprobs[completion_mask] < 0).all()
-    assert (rollout.logprobs[~completion_mask] == 0).all()
+    assert (rollout.sampling_logprobs[completion_mask] < 0).all()
+    assert (rollout.sampling_logprobs[~completion_mask] == 0).all()
 
 
 def test_temperature_changes_the_recorded_logprobs(model, tokenizer):
@@ -112,8 +107,8 @@ def test_temperature_changes_the_recorded_logprobs(model, tokenizer):
     ids, mask = grouped(PLAIN_PROMPTS, tokenizer, 1)
     rollout = generate(model, ids, mask, params_for(tokenizer, temperature=0.7), generator=seeded(1))
     wrong = training_logprobs(model, rollout, 1.0)
-    completion_mask = rollout.completion_mask.bool()
-    assert (rollout.logprobs - wrong).abs()[completion_mask].max() > 1e-2
+    completion_mask = rollout.attention_mask.bool()
+    assert (rollout.sampling_logprobs - wrong).abs()[completion_mask].max() > 1e-2
 
 
 # ------------------------------------------------------------------------------- fast paths = the naive loop
@@ -140,7 +135,7 @@ def test_fast_paths_match_the_naive_loop(model, tokenizer, sampling):
     naive = run(use_cache=False, share_prefix=False, drop_finished=False)
     # The compaction path only runs when at least a quarter of the rows finish before the last step, and it only
     # matters when others keep running.
-    lengths = naive.completion_lengths
+    lengths = naive.lengths
     assert int((lengths < max_new_tokens).sum()) >= len(lengths) / 4, lengths.tolist()
     assert naive.is_truncated.any(), lengths.tolist()
     assert naive.completion_ids.shape[1] == max_new_tokens
@@ -149,9 +144,9 @@ def test_fast_paths_match_the_naive_loop(model, tokenizer, sampling):
         fast = run(use_cache, share_prefix, drop_finished)
         label = f"use_cache={use_cache} share_prefix={share_prefix} drop_finished={drop_finished}"
         assert torch.equal(fast.completion_ids, naive.completion_ids), label
-        assert torch.equal(fast.completion_mask, naive.completion_mask), label
+        assert torch.equal(fast.attention_mask, naive.attention_mask), label
         assert torch.equal(fast.is_truncated, naive.is_truncated), label
-        assert (fast.logprobs - naive.logprobs).abs().max() <= LOGPROB_ATOL, label
+        assert (fast.sampling_logprobs - naive.sampling_logprobs).abs().max() <= LOGPROB_ATOL, label
 
 
 # ------------------------------------------------------------------------------------------------- EOS
@@ -169,7 +164,7 @@ def test_eos_masks_and_pads_after_the_first_eos(model, tokenizer):
 
     free = run(eos=())  # never stops early
     assert free.completion_ids.shape[1] == max_new_tokens
-    assert free.completion_mask.all() and free.is_truncated.all()
+    assert free.attention_mask.all() and free.is_truncated.all()
 
     rollout = run(eos=eos_ids)
     expected_lengths, expected_truncated = [], []
@@ -183,17 +178,17 @@ def test_eos_masks_and_pads_after_the_first_eos(model, tokenizer):
     assert rollout.completion_ids.shape == (len(ids), width)
     assert rollout.is_truncated.tolist() == expected_truncated
     for row, length in enumerate(expected_lengths):
-        assert rollout.completion_mask[row].tolist() == [1] * length + [0] * (width - length), row
+        assert rollout.attention_mask[row].tolist() == [1] * length + [0] * (width - length), row
         assert rollout.completion_ids[row, :length].tolist() == free.completion_ids[row, :length].tolist(), row
         assert (rollout.completion_ids[row, length:] == pad).all(), row
-        assert (rollout.logprobs[row, length:] == 0).all(), row
+        assert (rollout.sampling_logprobs[row, length:] == 0).all(), row
 
     # EOS exactly on the last allowed token: the row is complete (not truncated) and keeps its full length.
     row = next(r for r, length in enumerate(expected_lengths) if length > 1 and not expected_truncated[r])
     last = expected_lengths[row]
     cut = run(eos=eos_ids, max_tokens=last)
     assert cut.completion_ids.shape[1] <= last
-    assert cut.completion_lengths[row] == last and not cut.is_truncated[row]
+    assert cut.lengths[row] == last and not cut.is_truncated[row]
     assert cut.completion_ids[row].tolist() == rollout.completion_ids[row, :last].tolist()
 
 
@@ -203,7 +198,7 @@ def test_max_new_tokens_is_respected(model, tokenizer, max_new_tokens):
     params = params_for(tokenizer, max_new_tokens=max_new_tokens, eos_token_ids=())
     rollout = generate(model, ids, mask, params, generator=seeded(0), num_generations=2)
     assert rollout.completion_ids.shape == (len(ids), max_new_tokens)
-    assert rollout.completion_lengths.tolist() == [max_new_tokens] * len(ids)
+    assert rollout.lengths.tolist() == [max_new_tokens] * len(ids)
     assert rollout.is_truncated.all()
 
 
@@ -379,18 +374,18 @@ def test_plain_module_generates_through_the_full_forward_path(repetition_penalty
     rollout = generate(model, prompt_ids, prompt_mask, params, generator=seeded(7), num_generations=2)
     with torch.no_grad():
         naive_ids, naive_logprobs = naive_sample(model, prompt_ids, params, seeded(7))
-    lengths = rollout.completion_lengths.tolist()
+    lengths = rollout.lengths.tolist()
     assert max(lengths) >= 5  # the comparison below covers several steps
     for row, length in enumerate(lengths):
         expected = naive_ids[row].tolist()
         first_eos = expected.index(1) + 1 if 1 in expected else params.max_new_tokens
         assert length == first_eos, row
         assert rollout.completion_ids[row, :length].tolist() == expected[:length], row
-        assert torch.allclose(rollout.logprobs[row, :length], naive_logprobs[row, :length], atol=LOGPROB_ATOL)
+        assert torch.allclose(rollout.sampling_logprobs[row, :length], naive_logprobs[row, :length], atol=LOGPROB_ATOL)
     # The training forward of a plain module (no mask) gives the same log-probs.
     expected = training_logprobs(model, rollout, params.temperature)
-    mask = rollout.completion_mask.bool()
-    assert (rollout.logprobs - expected).abs()[mask].max() <= LOGPROB_ATOL
+    mask = rollout.attention_mask.bool()
+    assert (rollout.sampling_logprobs - expected).abs()[mask].max() <= LOGPROB_ATOL
 
 
 def test_plain_module_rejects_ragged_prompts():
@@ -405,7 +400,7 @@ def test_plain_module_rejects_ragged_prompts():
 def test_unfiltered_sampling_matches_the_general_path(temperature):
     # The fast path (one exp pass, unnormalised CDF) against the general one (softmax, then log_softmax) on logits
     # wide enough that some tokens underflow to probability zero, with uniforms at both ends of [0, 1).
-    from grpokit.rollout import _sample_filtered, _sample_unfiltered, is_filtered
+    from grpokit.rollout.sampling import _sample_filtered, _sample_unfiltered, is_filtered
 
     params = SamplingParams(1, temperature=temperature)
     assert not is_filtered(params) and is_filtered(SamplingParams(1, top_p=0.9))
@@ -438,7 +433,7 @@ def test_all_done_keeps_stepping_until_every_process_is_done(model, tokenizer, d
     # An eighth of the vocabulary ends a completion, so that ours finish within a few steps.
     params = params_for(tokenizer, max_new_tokens=24, eos_token_ids=tuple(range(len(tokenizer) // 8)))
     plain = generate(model, ids, mask, params, generator=seeded(4), num_generations=2)
-    assert int(plain.completion_lengths.max()) < 11, plain.completion_lengths.tolist()  # ours finish first
+    assert int(plain.lengths.max()) < 11, plain.lengths.tolist()  # ours finish first
     calls, asked = [], []
     handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
 
@@ -454,8 +449,8 @@ def test_all_done_keeps_stepping_until_every_process_is_done(model, tokenizer, d
     assert len(calls) == 11 and len(asked) == 11
     assert asked[-1] and not asked[0]
     assert torch.equal(synced.completion_ids, plain.completion_ids)
-    assert torch.equal(synced.completion_mask, plain.completion_mask)
-    assert (synced.logprobs - plain.logprobs).abs().max() <= LOGPROB_ATOL
+    assert torch.equal(synced.attention_mask, plain.attention_mask)
+    assert (synced.sampling_logprobs - plain.sampling_logprobs).abs().max() <= LOGPROB_ATOL
 
 
 def test_preallocated_cache_layer_holds_what_concatenation_would():
@@ -463,7 +458,7 @@ def test_preallocated_cache_layer_holds_what_concatenation_would():
     # selection and a sequence longer than its capacity, it holds exactly what transformers' DynamicLayer holds.
     from transformers.cache_utils import DynamicLayer
 
-    from grpokit.rollout import preallocated_layer_class
+    from grpokit.rollout.fast import preallocated_layer_class
 
     generator = torch.Generator().manual_seed(0)
     ours, reference = preallocated_layer_class()(capacity=6), DynamicLayer()
@@ -492,7 +487,7 @@ def test_one_token_attention_samples_what_sdpa_samples(model_type):
     # Sampling on CPU swaps SDPA for two matmuls on one-token queries (grouped heads packed, masks applied): the
     # same tokens and log-probs (float32), on architectures with GQA, MLA (value size != query size), sliding
     # windows and MoE; and the model's attention setting is back to SDPA afterwards.
-    from grpokit import rollout
+    from grpokit.rollout import fast as rollout
     from test_chunked import tiny_model_of_type
 
     window = {"sliding_window": 4} if model_type == "mistral" else {}
@@ -514,4 +509,4 @@ def test_one_token_attention_samples_what_sdpa_samples(model_type):
     assert 1 in calls  # the decode steps went through it
     plain = generate(model, ids, mask, params, generator=seeded(2), num_generations=2, use_cache=False)
     assert torch.equal(fast.completion_ids, plain.completion_ids)
-    assert (fast.logprobs - plain.logprobs).abs().max() <= LOGPROB_ATOL
+    assert (fast.sampling_logprobs - plain.sampling_logprobs).abs().max() <= LOGPROB_ATOL

@@ -24,14 +24,14 @@ def test_thousand_demo_steps_with_frequent_checkpoints_do_not_grow_memory(tmp_pa
     trainer = GRPOTrainer(model=task.build_model(), reward_funcs=[answer_format, exact_match], args=args,
                           train_dataset=task.dataset(), processing_class=task.tokenizer)  # fmt: skip
     samples = {}
-    original = trainer._optimizer_step
+    original = trainer.optimizer_step
 
-    def step_and_measure():
-        original()
+    def step_and_measure(window):
+        original(window)
         if trainer.state.global_step % 100 == 0:
             samples[trainer.state.global_step] = current_rss_mib()
 
-    trainer._optimizer_step = step_and_measure
+    trainer.optimizer_step = step_and_measure
     trainer.train()
     print("RSS (MiB) by step:", {k: round(v, 1) for k, v in samples.items()})
     assert trainer.state.global_step == 1000

@@ -81,8 +81,7 @@ class DemoTask:
         model.eval()
         rollout = generate(model, ids, mask, params)
         model.train(was_training)
-        texts = tok.batch_decode([c[m.bool()].tolist() for c, m in zip(rollout.completion_ids, rollout.completion_mask)],
-                                 skip_special_tokens=True)  # fmt: skip
+        texts = tok.batch_decode(rollout.completion_id_lists(), skip_special_tokens=True)
         return sum(exact_match(texts, [max(w) for w in words])) / len(words)
 
     def warm_up(self, model, target_accuracy: float = 0.15, max_steps: int = 600, log=print) -> int:

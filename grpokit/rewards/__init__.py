@@ -5,6 +5,7 @@ from .builtin import BUILTIN_REWARDS, accuracy_reward, length_reward, resolve_re
 
 __all__ = [
     "BUILTIN_REWARDS",
+    "build_reward_functions",
     "RewardFunction",
     "RewardFunctionError",
     "accuracy_reward",
@@ -23,3 +24,29 @@ def __getattr__(name):
 
         return code_execution_reward
     raise AttributeError(name)
+
+
+def build_reward_functions(reward_funcs, processing_classes=None, batch_size: int = 8) -> list[RewardFunction]:
+    """The trainer's reward functions: callables keep TRL's contract; a path / hub id or a PreTrainedModel is a
+    reward model (with its processing class from `processing_classes`, one per function, None for callables)."""
+    from transformers import PreTrainedModel
+
+    from .base import reward_name
+    from .model import RewardModel
+
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if not funcs:
+        raise ValueError("reward_funcs is empty: pass at least one reward function.")
+    classes = list(processing_classes) if isinstance(processing_classes, (list, tuple)) else [processing_classes]
+    classes = classes + [None] * (len(funcs) - len(classes))
+    out = []
+    for f, tokenizer in zip(funcs, classes):
+        if isinstance(f, (str, PreTrainedModel)):
+            f = RewardModel(f, tokenizer, batch_size=batch_size)
+        elif not callable(f):
+            raise TypeError(f"Reward {f!r} is neither a function, a reward model nor a path to one.")
+        out.append(RewardFunction(reward_name(f), f))
+    names = [f.name for f in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"Reward functions need distinct names (their metrics are keyed by name): {names}.")
+    return out

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..data import is_conversational
-from ..policy import check_model_source
+from ..models import check_model_source
 
 
 class RewardModel:

@@ -1,0 +1,82 @@
+"""Every touch of another library's private or version-dependent internals, in one place.
+
+Each function names what it reaches into and why no public API does the job; tests/test_compat.py checks each
+against the installed versions, so that an upgrade that moves one fails there, by name, rather than deep in a run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+# ---------------------------------------------------------------------------------------------------- accelerate
+
+
+def set_accumulation_boundary(accelerator, is_boundary: bool) -> None:
+    """Tell accelerate (and through it DeepSpeed, which steps inside backward) whether this micro-batch ends an
+    optimizer step. `GradientState._set_sync_gradients` is private; the public `accumulate()` context counts
+    steps itself, and grpokit's windows need not line up with that count."""
+    accelerator.gradient_state._set_sync_gradients(is_boundary)
+
+
+def reset_accelerate_state() -> None:
+    """Forget accelerate's process-wide state (an earlier trainer's precision in the same Python process).
+    `AcceleratorState._reset_state` is private; accelerate's own tests use it for the same purpose."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def deepspeed_config_of(engine) -> dict:
+    """The resolved configuration dict of a DeepSpeed engine (`engine.config` in recent versions, the private
+    `_config._param_dict` before)."""
+    return engine.config if isinstance(engine.config, dict) else engine._config._param_dict
+
+
+# --------------------------------------------------------------------------------------------------- transformers
+
+
+def is_activation_checkpointing(model: torch.nn.Module) -> bool:
+    """Whether gradient (activation) checkpointing is on: transformers 5 renamed `is_gradient_checkpointing`."""
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else \
+        "is_gradient_checkpointing"  # fmt: skip
+    return bool(getattr(model, name, False))
+
+
+def cache_from_layers(layers: list[tuple[torch.Tensor, torch.Tensor]]):
+    """A DynamicCache holding given (keys, values) per layer. The `ddp_cache_data` constructor argument is the
+    only way to build one from tensors that keeps them in the autograd graph (`update` would too, but appends)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(ddp_cache_data=layers)
+
+
+def replicate_layers_with(cache, make_layer) -> None:
+    """Make `cache` create its layers with `make_layer()` (a DynamicLayer subclass) as the model first writes
+    them: transformers' `layer_class_to_replicate` hook, set after construction."""
+    cache.layer_class_to_replicate = make_layer
+
+
+def attention_implementation(config) -> str | None:
+    return getattr(config, "_attn_implementation", None)
+
+
+@contextlib.contextmanager
+def attention_implementation_set_to(config, name: str):
+    """Switch a loaded model's attention implementation for a while: `config._attn_implementation` is what the
+    attention layers read at every call (`set_attn_implementation` would also re-check and re-load kernels)."""
+    before = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+def tied_weight_keys(model: torch.nn.Module) -> set[str]:
+    """Names of parameters tied to another one (a saved checkpoint may hold them once): `_tied_weights_keys`, a
+    list in transformers 4 and a dict {tied name: source name} in transformers 5."""
+    keys = getattr(model, "_tied_weights_keys", None) or []
+    return set(keys.keys() if isinstance(keys, dict) else keys)

@@ -1,0 +1,203 @@
+"""Loading the policy, its tokenizer and its reference; LoRA; saving and loading model weights."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from .compat import tied_weight_keys
+from .distributed import load_full_state_dict
+
+
+def looks_like_local_path(name: str) -> bool:
+    """Hub ids are `name` or `org/name`; anything else (absolute, ./, ~, more slashes) is meant as a path."""
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+
+
+def check_model_source(name: str) -> None:
+    """Fail early, before any network call, for a path that does not exist."""
+    if Path(name).expanduser().exists():
+        return
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    if looks_like_local_path(name) or offline:
+        raise FileNotFoundError(
+            f"Model {name!r} not found: no such local directory"
+            + (" (and HF_HUB_OFFLINE is set, so the Hub is not tried)" if offline else "")
+            + ". Pass the directory that holds config.json and the weights, or a Hugging Face Hub id."
+        )
+
+
+def load_causal_lm(name: str, model_init_kwargs: dict | None = None):
+    from transformers import AutoModelForCausalLM
+
+    check_model_source(name)
+    kwargs = dict(model_init_kwargs or {})
+    if "torch_dtype" in kwargs:  # the transformers 4 spelling
+        kwargs["dtype"] = kwargs.pop("torch_dtype")
+    return AutoModelForCausalLM.from_pretrained(name, **kwargs)
+
+
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    check_model_source(name)
+    tokenizer = AutoTokenizer.from_pretrained(name, padding_side="left")
+    return tokenizer
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A reference policy: a copy of the weights that never trains."""
+    reference = copy.deepcopy(model)
+    reference.requires_grad_(False)
+    return reference.eval()
+
+
+# ------------------------------------------------------------------------------------------------- LoRA
+
+
+def is_peft_model(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def apply_peft(model, peft_config):
+    try:
+        from peft import get_peft_model
+    except ImportError as error:
+        raise ImportError("peft_config needs peft: pip install 'grpokit[peft]'") from error
+    if is_peft_model(model):
+        raise ValueError("The model already has a LoRA adapter (a PeftModel): do not pass peft_config as well.")
+    return get_peft_model(model, peft_config)
+
+
+@contextlib.contextmanager
+def reference_policy(policy, frozen_reference=None):
+    """The reference policy: a frozen copy when there is one, else (LoRA) the policy with its adapter disabled."""
+    if frozen_reference is not None:
+        yield frozen_reference
+    elif is_peft_model(policy):
+        with policy.disable_adapter():
+            yield policy
+    else:
+        raise ValueError("beta > 0 needs a reference policy: a frozen copy or a LoRA model.")
+
+
+def save_merged(model, directory: Path, tokenizer=None) -> None:
+    """The adapter merged into a copy of the base weights, saved as a plain model (the live model is untouched)."""
+    merged = copy.deepcopy(model).merge_and_unload()
+    merged.save_pretrained(directory, safe_serialization=True)
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(directory)
+
+
+def load_model_weights(model, directory: Path) -> None:
+    """Load what save_model wrote into `directory` back into `model` (adapter only for LoRA models)."""
+    from safetensors.torch import load_file
+
+    if is_peft_model(model):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(str(directory / "adapter_model.safetensors")))
+        return
+    weights = {}
+    for file in sorted(directory.glob("model*.safetensors")):
+        weights.update(load_file(str(file)))
+    missing, unexpected = load_full_state_dict(model, weights, strict=False)  # sharded where the model is
+    tied = tied_weight_keys(model)
+    missing = [k for k in missing if k not in tied and not any(k.endswith(t) for t in tied)]
+    if unexpected or missing:
+        raise RuntimeError(f"Checkpoint {directory} does not match the model: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}.")  # fmt: skip
+
+
+def check_context_length(model, args) -> None:
+    """Prompt + completion must fit the model's positions; say which knob to turn before anything runs."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if limit is None:
+        return
+    if args.max_completion_length >= limit:
+        raise ValueError(f"max_completion_length={args.max_completion_length} does not fit the model's context "
+                         f"({limit} positions); lower max_completion_length.")  # fmt: skip
+    if args.max_prompt_length is None or args.max_prompt_length + args.max_completion_length > limit:
+        args.max_prompt_length = limit - args.max_completion_length
+        warnings.warn(f"Prompts are cut to their last {args.max_prompt_length} tokens so that prompt + completion "
+                      f"fits the model's {limit} positions (max_completion_length={args.max_completion_length}).",
+                      UserWarning, stacklevel=3)  # fmt: skip
+
+
+@torch.no_grad()
+def mix_into_reference(reference: torch.nn.Module, policy: torch.nn.Module, alpha: float) -> None:
+    """TRL's reference sync: ref <- alpha * policy + (1 - alpha) * ref (alpha = 1 copies the policy)."""
+    # named_parameters, not state_dict: tied weights (embeddings = LM head) must be mixed once, not twice.
+    policy_parameters = dict(policy.named_parameters())
+    for name, value in reference.named_parameters():
+        value.mul_(1 - alpha).add_(policy_parameters[name].detach().to(value.dtype), alpha=alpha)
+
+
+def build_policy(model, processing_class, peft_config, args):
+    """The policy and its processing class from GRPOTrainer's arguments: a path / hub id is loaded (with its
+    tokenizer); a model object is taken as it is (its tokenizer loaded from its config's name when none is given).
+    Dropout is turned off when asked, LoRA applied when a peft_config is given."""
+    if isinstance(model, str):
+        name = model
+        model = load_causal_lm(name, args.model_init_kwargs)
+        processing_class = processing_class or load_tokenizer(name)
+    if processing_class is None and hasattr(model, "config"):
+        name = getattr(model.config, "_name_or_path", "")
+        processing_class = load_tokenizer(name) if name else None
+    if processing_class is not None:
+        processing_class.padding_side = "left"
+        if processing_class.pad_token is None:
+            processing_class.pad_token = processing_class.eos_token
+            warnings.warn("The tokenizer has no pad token: using its EOS token for padding.", stacklevel=3)
+    if args.disable_dropout:
+        disable_dropout(model)
+    if peft_config is not None:
+        model = apply_peft(model, peft_config)
+    return model, processing_class
+
+
+def enable_gradient_checkpointing(model, args) -> None:
+    """After the reference is copied (a copy would inherit it, and a checkpointed model cannot share prompts)."""
+    if not args.gradient_checkpointing:
+        return
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False}
+    )
+    if is_peft_model(model):  # frozen embeddings would cut the graph through checkpointed blocks
+        model.enable_input_require_grads()
+
+
+def build_reference(model_argument, policy, args):
+    """The frozen reference policy, or None: none when beta = 0, and none with LoRA, whose reference is the same
+    model with its adapter disabled (no second copy of the weights; see `reference_policy`). Under ZeRO-3 with the
+    model loaded partitioned (accelerate's zero.Init), a second load of it, partitioned the same way (a
+    partitioned model cannot be copied)."""
+    from .distributed import is_zero3
+
+    if args.beta == 0 or is_peft_model(policy):
+        return None
+    if not is_zero3(policy):
+        return frozen_copy(policy)
+    if not isinstance(model_argument, str):
+        raise NotImplementedError("Under ZeRO-3 the model was loaded already partitioned, so its reference cannot be "
+                                  "copied from it: pass the model as a path or hub id (GRPOTrainer(model=...)), or "
+                                  "set beta=0.")  # fmt: skip
+    reference = load_causal_lm(model_argument, args.model_init_kwargs)
+    if args.disable_dropout:
+        disable_dropout(reference)
+    return reference.requires_grad_(False).eval()

@@ -1,0 +1,148 @@
+"""The rollout seam: what an engine is given and what it returns.
+
+An engine samples completions for one generation's prompts. It is given each prompt once, with how many
+completions to draw from it (G = num_generations, so that an engine can share the prompt's prefix natively), the
+sampling parameters and an integer seed, and returns a typed `Rollout`. `sync_weights(model)` is called before
+each generation with the policy being trained (a no-op for an engine that samples from that very model).
+
+Shapes: B distinct prompts; N = sum of their counts (rows, one per completion; a prompt's rows are consecutive);
+P prompt tokens (left-padded); T completion tokens (right-padded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
+
+
+@dataclass
+class PromptBatch:
+    """One generation's prompts, each once, with the number of completions to sample from each."""
+
+    ids: list[list[int]]  # [B] each prompt's token ids (truncated to max_prompt_length, unpadded)
+    counts: list[int]  # [B] completions to sample per prompt: G, or fewer where a group spans processes
+    raw: list[Any]  # [B] the prompts as the dataset gave them (text, chat messages or token ids)
+
+    def __post_init__(self):
+        if not (len(self.ids) == len(self.counts) == len(self.raw)):
+            raise ValueError("PromptBatch: ids, counts and raw need one entry per prompt.")
+        if any(len(ids) == 0 for ids in self.ids):
+            raise ValueError("A prompt is empty after tokenization; every prompt needs at least one token.")
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.counts)
+
+    def rows(self) -> list[int]:
+        """The prompt index of each row: [0, 0, 0, 1, 1, 1] for counts [3, 3]."""
+        return [i for i, count in enumerate(self.counts) for _ in range(count)]
+
+    def padded(self, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded ids and mask [N, P], one row per completion to sample."""
+        sequences = [self.ids[i] for i in self.rows()]
+        width = max(len(s) for s in sequences)
+        ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for i, s in enumerate(sequences):
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s) :] = 1
+        return ids, mask
+
+
+@dataclass
+class Rollout:
+    """What one generation produced: N rows, one per completion.
+
+    The masks are distinct on purpose: a completion may hold tokens the policy did not sample (a tool's output in
+    a multi-turn episode). Those are attended to by every later token (`attention_mask`) but carry no loss
+    (`loss_mask`). `lengths` is the extent of the real tokens; nothing assumes the loss mask is a run of 1s.
+    """
+
+    prompt_ids: torch.Tensor  # [N, P] left-padded
+    prompt_mask: torch.Tensor  # [N, P] 1 on real prompt tokens
+    completion_ids: torch.Tensor  # [N, T] right-padded
+    attention_mask: torch.Tensor  # [N, T] 1 on every real completion token (sampled or inserted)
+    loss_mask: torch.Tensor  # [N, T] 1 on the tokens the policy sampled and is trained on
+    lengths: torch.Tensor  # [N] real completion tokens (up to and including EOS)
+    is_truncated: torch.Tensor  # [N] bool: ended by max_new_tokens, not EOS
+    # [N, T] float32 log-probs of the sampled tokens under the behaviour policy (the engine's), 0 elsewhere;
+    # None when the engine does not report them. Distinct from π_old, which the trainer may recompute.
+    sampling_logprobs: torch.Tensor | None = None
+    extra: dict[str, list] = field(default_factory=dict)  # per-row fields an engine passes on to reward functions
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+    def completion_id_lists(self) -> list[list[int]]:
+        """Each completion's real tokens (attention mask 1), as lists."""
+        return [ids[mask.bool()].tolist() for ids, mask in zip(self.completion_ids, self.attention_mask)]
+
+    def to(self, device) -> "Rollout":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return Rollout(move(self.prompt_ids), move(self.prompt_mask), move(self.completion_ids),
+                       move(self.attention_mask), move(self.loss_mask), move(self.lengths), move(self.is_truncated),
+                       move(self.sampling_logprobs), self.extra)  # fmt: skip
+
+    def select(self, index: list[int] | torch.Tensor) -> "Rollout":
+        index = torch.as_tensor(index, dtype=torch.long)
+        pick = lambda t: None if t is None else t[index.to(t.device)]  # noqa: E731
+        return Rollout(pick(self.prompt_ids), pick(self.prompt_mask), pick(self.completion_ids),
+                       pick(self.attention_mask), pick(self.loss_mask), pick(self.lengths), pick(self.is_truncated),
+                       pick(self.sampling_logprobs), {k: [v[i] for i in index.tolist()] for k, v in self.extra.items()})
+
+    @staticmethod
+    def concat(parts: list["Rollout"]) -> "Rollout":
+        """Join rollouts, re-padding prompts on the left and completions on the right to a common width (the new
+        padding is masked out everywhere)."""
+
+        def pad(tensors, on_left: bool):
+            width = max(t.shape[1] for t in tensors)
+            sides = lambda t: (width - t.shape[1], 0) if on_left else (0, width - t.shape[1])  # noqa: E731
+            return torch.cat([torch.nn.functional.pad(t, sides(t)) for t in tensors])
+
+        logprobs = [p.sampling_logprobs for p in parts]
+        return Rollout(
+            pad([p.prompt_ids for p in parts], True), pad([p.prompt_mask for p in parts], True),
+            pad([p.completion_ids for p in parts], False), pad([p.attention_mask for p in parts], False),
+            pad([p.loss_mask for p in parts], False), torch.cat([p.lengths for p in parts]),
+            torch.cat([p.is_truncated for p in parts]),
+            None if any(x is None for x in logprobs) else pad(logprobs, False),
+            {k: [x for p in parts for x in p.extra[k]] for k in parts[0].extra},
+        )  # fmt: skip
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Anything that samples completions for the trainer (`GRPOTrainer(rollout_engine=...)`)."""
+
+    def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
+        """Sample prompts.counts[b] completions of each prompt b (rows in prompt order), reproducibly from seed."""
+        ...
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Make the engine sample from `model`'s current weights (called before each generation)."""
+        ...
+
+
+def rollout_seed(seed: int, generation: int, process_index: int) -> int:
+    """The seed of one generation on one process: every engine and every evaluation batch gets its seed here."""
+    return seed * 1_000_003 + generation * 1009 + process_index
+
+
+# Evaluation batches draw from their own seeds (rollout_seed(seed + EVAL_SEED_OFFSET, batch, process)): the same
+# weights always give the same evaluation, whatever the training has sampled.
+EVAL_SEED_OFFSET = 1_000_000_007

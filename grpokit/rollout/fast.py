@@ -1,0 +1,131 @@
+"""CPU fast paths of the in-process engine, each equal to the plain computation it replaces (tests/test_rollout.py):
+a KV cache that writes into preallocated buffers, and one-token decode attention as two matmuls."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from ..compat import attention_implementation, attention_implementation_set_to, replicate_layers_with
+
+def preallocated_cache(capacity: int):
+    """A transformers DynamicCache whose layers write each step's keys and values into buffers of `capacity`
+    positions (`PreallocatedLayer`) instead of concatenating: a decode loop of T steps copies the cache once, not T
+    times (the concatenation was a third of the rollout's time on a small model)."""
+    from transformers import DynamicCache
+
+    layer_class = preallocated_layer_class()
+    cache = DynamicCache()
+    replicate_layers_with(cache, lambda: layer_class(capacity))
+    return cache
+
+
+@functools.cache  # the class subclasses a transformers class: defined on first use
+def preallocated_layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    class PreallocatedLayer(DynamicLayer):
+        """A full-attention cache layer over buffers [B, H, capacity, D]; `keys`/`values` are views of the filled
+        part. Grows (one copy) if a sequence outruns the capacity. For sampling only: the writes are in place."""
+
+        def __init__(self, capacity: int):
+            super().__init__()
+            self.capacity, self.length = capacity, 0
+            self._keys = self._values = None
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self.length + key_states.shape[-2]
+            if self._keys is None or end > self._keys.shape[-2]:
+                self._keys = self._grown(self._keys, key_states, max(end, self.capacity))
+                self._values = self._grown(self._values, value_states, max(end, self.capacity))
+            self._keys[:, :, self.length : end].copy_(key_states)
+            self._values[:, :, self.length : end].copy_(value_states)
+            self.length = end
+            self._refresh()
+            return self.keys, self.values
+
+        def _grown(self, buffer, states, size):
+            new = states.new_empty(*states.shape[:2], size, states.shape[-1])
+            if buffer is not None:
+                new[:, :, : self.length].copy_(buffer[:, :, : self.length])
+            return new
+
+        def _refresh(self):
+            self.keys, self.values = self._keys[:, :, : self.length], self._values[:, :, : self.length]
+
+        def get_seq_length(self) -> int:
+            return self.length
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            if self.length:
+                self._keys = self._keys.repeat_interleave(repeats, dim=0)
+                self._values = self._values.repeat_interleave(repeats, dim=0)
+                self._refresh()
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if self.length:
+                self._keys, self._values = self._keys[indices], self._values[indices]
+                self._refresh()
+
+        def reset(self) -> None:
+            self.length, self._keys, self._values = 0, None, None
+            super().reset()
+
+        def crop(self, tokens_to_remove: int) -> None:
+            raise NotImplementedError("PreallocatedLayer does not crop")
+
+    return PreallocatedLayer
+
+
+ONE_TOKEN_ATTENTION = "grpokit_one_token"
+
+
+def one_token_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                                is_causal=None, **kwargs):  # fmt: skip
+    """transformers' SDPA attention, except for one-token queries (decode steps), which take two matmuls over the
+    key/value heads (grouped-query heads packed, no repeat): on CPU, torch's SDPA kernels cost more than the
+    arithmetic for these shapes (bf16 especially: 1.4 ms a call where the matmuls take 0.3). Same values up to
+    float rounding."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if query.shape[2] != 1 or dropout or kwargs.get("sinks") is not None or kwargs.get("s_aux") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)  # fmt: skip
+    batch, heads, _, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)  # head h attends with key/value head h // g
+    scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * (dim**-0.5 if scaling is None else scaling)
+    if attention_mask is not None:
+        mask = attention_mask[:, :, -1:, :length]  # [batch, 1, 1, length]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    out = torch.matmul(scores.softmax(-1).to(value.dtype), value)  # [batch, kv_heads, g, value dim]
+    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def _register_one_token_attention() -> None:
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(ONE_TOKEN_ATTENTION, one_token_attention_forward)
+    AttentionMaskInterface.register(ONE_TOKEN_ATTENTION, sdpa_mask)
+
+
+@contextlib.contextmanager
+def one_token_attention(model: torch.nn.Module, device: torch.device):
+    """While sampling on CPU, a transformers model that uses SDPA attention takes `one_token_attention_forward`
+    (its config's attention implementation is switched for the duration, and back)."""
+    config = getattr(model, "config", None)
+    base = getattr(model, "get_base_model", lambda: None)()  # a PeftModel: the config the layers read
+    config = getattr(base, "config", config)
+    multimodal = bool(getattr(config, "sub_configs", None))  # the layers may read a sub-config's setting
+    if device.type != "cpu" or attention_implementation(config) != "sdpa" or multimodal:
+        yield
+        return
+    _register_one_token_attention()
+    with attention_implementation_set_to(config, ONE_TOKEN_ATTENTION):
+        yield

@@ -1,0 +1,259 @@
+"""The in-process engine: a batched, KV-cached decode loop over the policy being trained.
+
+Why our own loop rather than `model.generate`: we record the policy's log-prob of every sampled token (so that with
+μ > 1 in float32 the first pass's old log-probs need no extra forward), we compute each prompt's prefix once per
+group and share its KV cache across its rows, and we drop finished rows from the batch. Token draws are in
+`sampling.py`, the CPU fast paths (preallocated cache, one-token attention) in `fast.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Callable
+
+import torch
+
+from .engine import PromptBatch, Rollout, SamplingParams
+from .fast import one_token_attention, preallocated_cache
+from .sampling import sample_tokens
+
+
+class HFEngine:
+    """Samples from the model being trained, in this process (`RolloutEngine`).
+
+    autocast: a context factory the forwards run under (the trainer's mixed precision); all_done: see `generate`.
+    Its log-probs are the training forward's (to float rounding) when no autocast is given: `exact_logprobs`.
+    """
+
+    def __init__(self, model: torch.nn.Module, device: torch.device | str = "cpu",
+                 autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
+                 all_done: Callable[[bool], bool] | None = None, exact_logprobs: bool | None = None):  # fmt: skip
+        self.model, self.device = model, torch.device(device)
+        self.autocast, self.all_done = autocast or contextlib.nullcontext, all_done
+        self.exact_logprobs = autocast is None if exact_logprobs is None else exact_logprobs
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        self.model = model  # the very weights being trained: nothing to copy
+
+    def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
+        ids, mask = (t.to(self.device) for t in prompts.padded(params.pad_token_id))
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        counts = set(prompts.counts)
+        with self.autocast():
+            return generate(self.model, ids, mask, params, generator=generator,
+                            num_generations=counts.pop() if len(counts) == 1 else 1, all_done=self.all_done)
+
+
+# ------------------------------------------------------------------------------------------------ decoders
+
+
+def logits_of(output) -> torch.Tensor:
+    return output.logits if hasattr(output, "logits") else output
+
+
+def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding: [0 0 0 1 2] for mask [0 0 1 1 1]."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def supports_kv_cache(model: torch.nn.Module) -> bool:
+    """Hugging Face causal LMs take `past_key_values`; a plain nn.Module usually does not."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "past_key_values" in params and "attention_mask" in params
+
+
+def forward_accepts(model: torch.nn.Module, name: str) -> bool:
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+class CachedDecoder:
+    """Incremental decoding with a transformers KV cache; finished rows can be dropped from it."""
+
+    def __init__(self, model, capacity: int = 0):
+        self.model = model
+        self.capacity = capacity  # prompt + completion positions, for a preallocated cache
+        self.cache = None
+        self.mask = None  # [n, P + t]
+        self.next_position = None  # [n]
+
+    def prefill(self, ids, mask, repeats: int = 1) -> torch.Tensor:
+        self.cache = preallocated_cache(max(self.capacity, ids.shape[1]))
+        positions = position_ids_from_mask(mask)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
+            use_cache=True, logits_to_keep=1,
+        )  # fmt: skip
+        self.cache = out.past_key_values
+        logits = logits_of(out)[:, -1]
+        if repeats > 1:  # one prefill per group, shared by its G rows
+            self.cache.batch_repeat_interleave(repeats)
+            logits, mask, positions = (x.repeat_interleave(repeats, 0) for x in (logits, mask, positions))
+        self.mask, self.next_position = mask, positions[:, -1] + 1
+        return logits
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(tokens), 1)], dim=1)
+        out = self.model(
+            input_ids=tokens[:, None], attention_mask=self.mask, position_ids=self.next_position[:, None],
+            past_key_values=self.cache, use_cache=True,
+        )  # fmt: skip
+        self.cache = out.past_key_values
+        self.next_position = self.next_position + 1
+        return logits_of(out)[:, -1]
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.cache.batch_select_indices(rows)
+        self.mask, self.next_position = self.mask[rows], self.next_position[rows]
+
+
+class FullForwardDecoder:
+    """No cache: re-runs the whole sequence each step (any module whose forward(input_ids) gives logits)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.use_mask = forward_accepts(model, "attention_mask")
+        self.ids = self.mask = None
+
+    def _forward(self) -> torch.Tensor:
+        if self.use_mask:
+            out = self.model(self.ids, attention_mask=self.mask, position_ids=position_ids_from_mask(self.mask))
+        else:
+            if not bool(self.mask.all()):
+                raise ValueError(
+                    "This model's forward() takes no attention_mask, so prompts in one batch must have equal "
+                    "lengths; grpokit groups prompts by length for such models — pass equal-length prompt_ids."
+                )
+            out = self.model(self.ids)
+        return logits_of(out)[:, -1]
+
+    def prefill(self, ids, mask, repeats: int = 1) -> torch.Tensor:
+        self.ids, self.mask = ids.repeat_interleave(repeats, 0), mask.repeat_interleave(repeats, 0)
+        return self._forward()
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.ids = torch.cat([self.ids, tokens[:, None]], dim=1)
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(tokens), 1)], dim=1)
+        return self._forward()
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.ids, self.mask = self.ids[rows], self.mask[rows]
+
+
+# ------------------------------------------------------------------------------------------------ the loop
+
+
+def groups_share_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_generations: int) -> bool:
+    n = prompt_ids.shape[0]
+    if num_generations <= 1 or n % num_generations:
+        return False
+    ids = prompt_ids.view(n // num_generations, num_generations, -1)
+    mask = prompt_mask.view(n // num_generations, num_generations, -1)
+    return bool((ids == ids[:, :1]).all() and (mask == mask[:, :1]).all())
+
+
+# no_grad rather than inference_mode: the rollout's tensors feed autograd graphs later (as targets).
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    params: SamplingParams,
+    *,
+    generator: torch.Generator | None = None,
+    num_generations: int = 1,
+    use_cache: bool | None = None,
+    share_prefix: bool = True,
+    drop_finished: bool = True,
+    all_done: Callable[[bool], bool] | None = None,
+) -> Rollout:
+    """Sample one completion per row of the left-padded prompts [N, P].
+
+    num_generations: rows come in groups of this size that repeat one prompt; with `share_prefix` the prompt is
+    run once per group. `drop_finished` removes rows that reached EOS from the decode batch (compacting the cache
+    when at least a quarter of the running rows have finished). `use_cache=None` picks the KV-cached decoder when
+    the model supports it.
+
+    all_done: for sharded models (FSDP2, ZeRO-3), where every forward is a collective: called once per step with whether
+    this process's rows have all finished, it returns whether every process's have, and the loop runs until then
+    (finished rows keep decoding, masked out), so that all processes make the same forward calls.
+    """
+    # Eval mode: transformers turns the KV cache off for a training-mode model with gradient checkpointing.
+    was_training = model.training
+    model.eval()
+    try:
+        with one_token_attention(model, prompt_ids.device):
+            return _generate(model, prompt_ids, prompt_mask, params, generator, num_generations, use_cache,
+                             share_prefix, drop_finished, all_done)  # fmt: skip
+    finally:
+        model.train(was_training)
+
+
+def _generate(model, prompt_ids, prompt_mask, params, generator, num_generations, use_cache, share_prefix,
+              drop_finished, all_done) -> Rollout:  # fmt: skip
+    n, device = prompt_ids.shape[0], prompt_ids.device
+    use_cache = supports_kv_cache(model) if use_cache is None else use_cache
+    capacity = prompt_ids.shape[1] + params.max_new_tokens
+    decoder = CachedDecoder(model, capacity) if use_cache else FullForwardDecoder(model)
+    repeats = num_generations if share_prefix and groups_share_prompts(prompt_ids, prompt_mask, num_generations) else 1
+    logits = decoder.prefill(prompt_ids[::repeats], prompt_mask[::repeats], repeats)
+
+    vocab_size = logits.shape[-1]
+    seen = None
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
+        seen.scatter_(1, prompt_ids.clamp(max=vocab_size - 1), prompt_mask.bool())
+    eos = torch.tensor(list(params.eos_token_ids), dtype=torch.long, device=device)
+    completion_ids = torch.full((n, params.max_new_tokens), params.pad_token_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros(n, params.max_new_tokens, dtype=torch.float32, device=device)
+    lengths = torch.full((n,), params.max_new_tokens, dtype=torch.long, device=device)
+    finished = torch.zeros(n, dtype=torch.bool, device=device)
+    rows = torch.arange(n, device=device)  # original row of each decode-batch row
+
+    for t in range(params.max_new_tokens):
+        uniforms = torch.rand(n, generator=generator, device=device)[rows]
+        tokens, token_logprobs = sample_tokens(logits, uniforms, params, None if seen is None else seen[rows])
+        completion_ids[rows, t] = tokens
+        logprobs[rows, t] = token_logprobs
+        if seen is not None:
+            seen[rows, tokens] = True
+        done_now = torch.isin(tokens, eos) if eos.numel() else torch.zeros_like(tokens, dtype=torch.bool)
+        done_now &= ~finished[rows]  # a finished row still in the batch may sample EOS again
+        lengths[rows[done_now]] = t + 1
+        finished[rows[done_now]] = True
+        if t + 1 == params.max_new_tokens:
+            break
+        done = bool(finished.all())
+        if all_done(done) if all_done is not None else done:
+            break
+        running = ~finished[rows]
+        if drop_finished and int(running.sum()) <= 0.75 * len(rows):
+            # Under all_done a process whose rows are all finished still steps: it keeps one row to do so.
+            keep = running.nonzero().squeeze(-1) if not done else running.new_zeros(1, dtype=torch.long)
+            decoder.keep(keep)
+            rows, tokens = rows[keep], tokens[keep]
+            # Finished rows that stay in the batch keep decoding; their tokens are masked out below.
+        logits = decoder.step(tokens)
+
+    completion_mask = (torch.arange(params.max_new_tokens, device=device)[None] < lengths[:, None]).long()
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, params.pad_token_id)
+    logprobs = logprobs * completion_mask
+    width = int(lengths.max()) if n else 0  # trim the all-padding tail
+    mask = completion_mask[:, :width]
+    return Rollout(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids[:, :width],
+        attention_mask=mask,
+        loss_mask=mask.clone(),
+        lengths=lengths,
+        is_truncated=~finished,
+        sampling_logprobs=logprobs[:, :width],
+    )

@@ -1,0 +1,80 @@
+"""Between dataset rows and token ids: the one place where prompts are encoded, completions decoded, and the EOS
+and padding ids resolved. The trainer's generations and `evaluate()` both go through a `PromptCodec`, whatever the
+engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..data import is_conversational, render_prompt
+from .engine import PromptBatch, Rollout, SamplingParams
+
+
+def eos_token_ids(tokenizer, model) -> tuple[int, ...]:
+    """The tokens that end a completion: the tokenizer's EOS and every EOS of the model's generation_config (a chat
+    model often ends its turns with a token other than the tokenizer's EOS), as TRL does."""
+    found: list[int] = []
+    for source in (getattr(tokenizer, "eos_token_id", None),
+                   getattr(getattr(model, "generation_config", None), "eos_token_id", None)):  # fmt: skip
+        for token in source if isinstance(source, (list, tuple)) else [source]:
+            if token is not None and token not in found:
+                found.append(int(token))
+    return tuple(found)
+
+
+class PromptCodec:
+    """Encodes prompts (text, chat messages or `prompt_ids`) and decodes completions for reward functions.
+
+    tokenizer: None for token models, whose rows carry `prompt_ids` and whose completions stay token ids.
+    """
+
+    def __init__(self, tokenizer, model: torch.nn.Module, max_prompt_length: int | None = None,
+                 chat_template_kwargs: dict | None = None):  # fmt: skip
+        self.tokenizer, self.max_prompt_length = tokenizer, max_prompt_length
+        self.chat_template_kwargs = chat_template_kwargs
+        self.eos_token_ids = eos_token_ids(tokenizer, model)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.pad_token_id = pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
+
+    def sampling_params(self, max_new_tokens: int, **sampling) -> SamplingParams:
+        return SamplingParams(max_new_tokens=max_new_tokens, eos_token_ids=self.eos_token_ids,
+                              pad_token_id=self.pad_token_id, **sampling)  # fmt: skip
+
+    def encode(self, rows: list[dict], counts: list[int]) -> PromptBatch:
+        """A PromptBatch of rows (one per distinct prompt), sampled counts[i] times each. Prompts longer than
+        max_prompt_length keep their last tokens."""
+        if "prompt_ids" in rows[0]:
+            raw = [list(r["prompt_ids"]) for r in rows]
+            ids = raw
+        else:
+            raw = [r["prompt"] for r in rows]
+            texts = [render_prompt(p, self.tokenizer, self.chat_template_kwargs) for p in raw]
+            add_special = not any(is_conversational(p) for p in raw)  # a chat template wrote its special tokens
+            ids = [self.tokenizer(t, add_special_tokens=add_special)["input_ids"] for t in texts]
+        if self.max_prompt_length is not None:
+            ids = [s[-self.max_prompt_length :] for s in ids]
+        return PromptBatch(ids=ids, counts=list(counts), raw=raw)
+
+    def decode(self, rollout: Rollout, raw_prompts: list[Any]) -> tuple[list[Any], list[list[int]]]:
+        """(completions as reward functions receive them, completion token ids) for each row: text (a list with
+        one assistant message for conversational prompts), or the ids themselves for token models."""
+        ids = rollout.completion_id_lists()
+        if self.tokenizer is None:
+            return ids, ids
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        if raw_prompts and is_conversational(raw_prompts[0]):
+            return [[{"role": "assistant", "content": t}] for t in texts], ids
+        return texts, ids
+
+
+def group_counts(num_rows: int, num_generations: int, offset: int) -> list[int]:
+    """Sizes of the runs of consecutive rows in one group, for rows offset .. offset + num_rows - 1 of a global
+    batch whose groups are num_generations rows each: [4, 2] for 6 rows from offset 0 with G = 4."""
+    counts: list[int] = []
+    for i in range(num_rows):
+        if i == 0 or (offset + i) % num_generations == 0:
+            counts.append(0)
+        counts[-1] += 1
+    return counts

@@ -1,0 +1,88 @@
+"""grpokit.compat: each touch of another library's internals, checked against the installed versions."""
+
+import pytest
+import torch
+
+from grpokit import compat
+from grpokit.testing import build_tiny_model
+
+
+def test_accumulation_boundary_flips_accelerates_sync_flag():
+    from accelerate import Accelerator
+
+    compat.reset_accelerate_state()
+    accelerator = Accelerator(cpu=True)
+    compat.set_accumulation_boundary(accelerator, False)
+    assert accelerator.sync_gradients is False
+    compat.set_accumulation_boundary(accelerator, True)
+    assert accelerator.sync_gradients is True
+
+
+def test_reset_lets_a_second_accelerator_take_another_precision():
+    from accelerate import Accelerator
+
+    compat.reset_accelerate_state()
+    Accelerator(cpu=True, mixed_precision="no")
+    with pytest.raises(ValueError):
+        Accelerator(cpu=True, mixed_precision="bf16")
+    compat.reset_accelerate_state()
+    assert Accelerator(cpu=True, mixed_precision="bf16").mixed_precision == "bf16"
+    compat.reset_accelerate_state()
+
+
+def test_deepspeed_config_of_reads_either_spelling():
+    class New:
+        config = {"zero_optimization": {"stage": 2}}
+
+    class Old:
+        config = "a path"
+
+        class _config:
+            _param_dict = {"zero_optimization": {"stage": 3}}
+
+    assert compat.deepspeed_config_of(New())["zero_optimization"]["stage"] == 2
+    assert compat.deepspeed_config_of(Old())["zero_optimization"]["stage"] == 3
+
+
+def test_activation_checkpointing_flag():
+    model = build_tiny_model(16)
+    assert compat.is_activation_checkpointing(model) is False
+    model.gradient_checkpointing_enable()
+    assert compat.is_activation_checkpointing(model) is True
+
+
+def test_cache_from_layers_keeps_the_tensors_in_the_graph():
+    keys = torch.randn(2, 1, 3, 4, requires_grad=True)
+    values = torch.randn(2, 1, 3, 4, requires_grad=True)
+    cache = compat.cache_from_layers([(keys * 2, values)])
+    assert cache.get_seq_length() == 3
+    cache.layers[0].keys.sum().backward()
+    assert torch.equal(keys.grad, torch.full_like(keys, 2.0))
+
+
+def test_replicated_layers_come_from_the_factory():
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    class Marked(DynamicLayer):
+        pass
+
+    model = build_tiny_model(16)
+    cache = DynamicCache()
+    compat.replicate_layers_with(cache, Marked)
+    model(torch.tensor([[1, 2, 3]]), past_key_values=cache, use_cache=True)
+    assert len(cache.layers) == 2 and all(type(layer) is Marked for layer in cache.layers)
+
+
+def test_attention_implementation_is_switched_and_restored():
+    model = build_tiny_model(16)
+    before = compat.attention_implementation(model.config)
+    assert before == "sdpa"
+    with compat.attention_implementation_set_to(model.config, "eager"):
+        assert compat.attention_implementation(model.config) == "eager"
+        model(torch.tensor([[1, 2, 3]]))  # the layers read it at every call
+    assert compat.attention_implementation(model.config) == before
+
+
+def test_tied_weight_keys():
+    assert "lm_head.weight" in compat.tied_weight_keys(build_tiny_model(16, tie_word_embeddings=True))
