@@ -31,26 +31,56 @@ def load_dataset_source(spec: str, split: str = "train"):
     return datasets.load_dataset(spec, split=split)
 
 
+def is_iterable_dataset(dataset) -> bool:
+    """A stream without len() or indexing (datasets.IterableDataset, a torch IterableDataset, a generator-backed
+    iterable)."""
+    return not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__")
+
+
+def is_empty(dataset) -> bool:
+    if is_iterable_dataset(dataset):
+        return next(iter(dataset), None) is None
+    return len(dataset) == 0
+
+
 def check_dataset(dataset, name: str = "train_dataset") -> None:
     """The errors a user can fix before any model is loaded."""
     if dataset is None:
         raise ValueError(f"{name} is None: pass a dataset with a 'prompt' column (or 'prompt_ids').")
+    if is_empty(dataset):
+        raise ValueError(f"{name} is empty: it has no rows to draw prompts from.")
     columns = dataset_columns(dataset)
     if not any(c in columns for c in PROMPT_COLUMNS):
         raise ValueError(
             f"{name} has no 'prompt' column (columns: {sorted(columns)}). Rename the column holding the prompts to "
             f"'prompt' (e.g. dataset.rename_column('question', 'prompt')), or give token ids in 'prompt_ids'."
         )
-    if len(dataset) == 0:
-        raise ValueError(f"{name} is empty: it has no rows to draw prompts from.")
 
 
 def dataset_columns(dataset) -> list[str]:
-    if hasattr(dataset, "column_names"):
+    if getattr(dataset, "column_names", None) is not None:
         return list(dataset.column_names)
     if isinstance(dataset, list) and dataset:
         return list(dataset[0].keys())
+    if is_iterable_dataset(dataset):  # a stream whose features are unknown: its first row's keys
+        first = next(iter(dataset), None)
+        return list(first.keys()) if isinstance(first, dict) else []
     return []
+
+
+def named_eval_datasets(eval_dataset) -> dict[str | None, Any]:
+    """{None: dataset} for one eval set; {name: dataset} for a dict or DatasetDict of named sets (metrics are then
+    prefixed with the name, as transformers' Trainer does)."""
+    if eval_dataset is None:
+        return {}
+    if isinstance(eval_dataset, dict):  # DatasetDict and IterableDatasetDict are dicts
+        return dict(eval_dataset)
+    return {None: eval_dataset}
+
+
+def dataset_rows(dataset) -> list[dict]:
+    """Every row of a finite dataset (an evaluation set), map-style or a stream."""
+    return list(dataset) if is_iterable_dataset(dataset) else [dataset[i] for i in range(len(dataset))]
 
 
 def is_conversational(prompt: Any) -> bool:
@@ -128,6 +158,9 @@ class PromptSampler:
                 self.epoch, self.position = self.epoch + 1, 0
         return out
 
+    def rows(self, dataset, count: int) -> list[dict]:
+        return [dataset[i] for i in self.draw(count)]
+
     @property
     def epochs_done(self) -> float:
         return self.epoch + self.position / self.num_rows
@@ -137,3 +170,47 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position = state["epoch"], state["position"]
+
+
+class StreamSampler:
+    """Draws prompts from a stream (an IterableDataset) in its order, epoch after epoch: each epoch iterates it
+    anew (calling its `set_epoch`, which reshuffles a shuffled datasets.IterableDataset). The state is two integers;
+    resuming iterates the epoch again and skips the rows already drawn, so it is exact for a deterministic stream.
+    The run's length must be given by max_steps (a stream has no len())."""
+
+    def __init__(self, dataset):
+        self.dataset, self.epoch, self.position = dataset, 0, 0
+        self._iterator = None
+
+    def _rows(self):
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(self.epoch)
+        iterator = iter(self.dataset)
+        for _ in range(self.position):
+            next(iterator, None)
+        return iterator
+
+    def rows(self, dataset, count: int) -> list[dict]:
+        out: list[dict] = []
+        while len(out) < count:
+            if self._iterator is None:
+                self._iterator = self._rows()
+            row = next(self._iterator, None)
+            if row is None:
+                if self.position == 0:
+                    raise ValueError("train_dataset yielded no rows in a whole epoch.")
+                self.epoch, self.position, self._iterator = self.epoch + 1, 0, None
+                continue
+            out.append(row)
+            self.position += 1
+        return out
+
+    @property
+    def epochs_done(self) -> float:
+        return float(self.epoch)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position, self._iterator = state["epoch"], state["position"], None

@@ -1,27 +1,71 @@
-"""The trainer's progress that outlives a process: saved in every checkpoint as trainer_state.json."""
+"""The trainer's progress that outlives a process (trainer_state.json in every checkpoint), and the callbacks
+that watch it.
+
+`TrainerState` is transformers' own, with grpokit's counters added, so a `TrainerCallback` written for the HF
+Trainer or TRL reads the fields it knows (global_step, max_steps, epoch, log_history, is_world_process_zero, ...).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+from transformers import TrainerCallback, TrainerControl
+from transformers import TrainerState as HFTrainerState
 
 
 @dataclass
-class TrainerState:
-    global_step: int = 0
-    max_steps: int = 0
-    epoch: float = 0.0
-    num_tokens: int = 0
+class TrainerState(HFTrainerState):
+    num_tokens: int = 0  # prompt + completion tokens sampled so far (TRL's `num_tokens`)
     generations: int = 0  # generation batches produced so far (seeds each rollout)
     nonfinite_steps: int = 0  # updates skipped for a NaN/inf loss or gradient
     nonfinite_in_a_row: int = 0
-    log_history: list[dict] = field(default_factory=list)
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(dataclasses.asdict(self), indent=1))
 
     @classmethod
     def load(cls, path: Path) -> "TrainerState":
-        return cls(**json.loads(path.read_text()))
+        values = json.loads(path.read_text())
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+
+class Callbacks:
+    """The user's `TrainerCallback`s, called with transformers' arguments: (args, state, control, model=...,
+    processing_class=..., optimizer=..., lr_scheduler=..., train_dataloader=None, eval_dataloader=None, **extra).
+    A callback may return a `TrainerControl` or change the one it is given; the trainer acts on its flags."""
+
+    def __init__(self, callbacks, model=None, processing_class=None, optimizer=None, lr_scheduler=None):
+        self.callbacks: list[TrainerCallback] = []
+        for callback in callbacks or []:
+            self.add(callback)
+        self.model, self.processing_class = model, processing_class
+        self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
+        self.control = TrainerControl()
+
+    def add(self, callback) -> None:
+        callback = callback() if isinstance(callback, type) else callback
+        if not isinstance(callback, TrainerCallback):
+            raise TypeError(f"callbacks take transformers.TrainerCallback instances or classes, not {callback!r}.")
+        self.callbacks.append(callback)
+
+    def pop(self, callback):
+        for existing in self.callbacks:
+            if existing is callback or (isinstance(callback, type) and isinstance(existing, callback)):
+                self.callbacks.remove(existing)
+                return existing
+        return None
+
+    def __call__(self, event: str, args, state, **extra) -> TrainerControl:
+        for callback in self.callbacks:
+            result = getattr(callback, event)(
+                args, state, self.control, model=self.model, processing_class=self.processing_class,
+                optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, train_dataloader=None,
+                eval_dataloader=None, **extra,
+            )  # fmt: skip
+            if result is not None:
+                self.control = result
+        return self.control

@@ -36,7 +36,15 @@ from .advantages import group_advantages, group_stats, process_advantages
 from .batch import ScoredRollout, TrainBatch
 from .checkpoint import Checkpointer, TrainingParts
 from .config import GRPOConfig
-from .data import PromptSampler, check_dataset, dataset_columns
+from .data import (
+    PromptSampler,
+    StreamSampler,
+    check_dataset,
+    dataset_columns,
+    dataset_rows,
+    is_iterable_dataset,
+    named_eval_datasets,
+)
 from .distributed import (
     all_processes_done,
     build_accelerator,
@@ -62,12 +70,13 @@ from .models import (
     save_merged,
 )
 from .rewards import build_reward_functions
+from .rewards.context import RewardLogs
 from .rewards.base import check_required_columns, combine_rewards, compute_rewards, routes_from_column
 from .rewards.model import RewardModel
 from .rewards.process import step_token_ends
 from .rollout import EVAL_SEED_OFFSET, HFEngine, PromptCodec, RolloutEngine, group_counts, rollout_seed
 from .signals import duplicate_ratio, guard_message, sequence_keys
-from .state import TrainerState
+from .state import Callbacks, TrainerState
 from .stepping import OptimizerStepper
 
 
@@ -85,38 +94,48 @@ class GRPOTrainer:
     def __init__(
         self,
         model,
-        reward_funcs,
+        reward_funcs=None,
         args: GRPOConfig | None = None,
         train_dataset=None,
         eval_dataset=None,
         processing_class=None,
         reward_processing_classes=None,
-        peft_config=None,
         callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        tools=None,
+        rollout_func=None,
+        environment_factory=None,
         rollout_engine: RolloutEngine | None = None,
     ):
+        """TRL 1.16's arguments, in its order, plus `rollout_engine` (any `RolloutEngine`; default: sampling in
+        this process with `HFEngine`)."""
         from accelerate.utils import set_seed
 
         self.args = args = args or GRPOConfig()
         # Everything a user can get wrong in the data or rewards is checked before the model is loaded.
-        check_run(args, train_dataset, eval_dataset, callbacks, rollout_engine)
+        check_run(args, train_dataset, eval_dataset, rollout_engine, tools, rollout_func, environment_factory)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.reward_functions = build_reward_functions(reward_funcs, reward_processing_classes,
-                                                       args.per_device_train_batch_size)  # fmt: skip
-        for dataset in (train_dataset, eval_dataset):
-            if dataset is not None:
-                check_required_columns(self.reward_functions, dataset_columns(dataset))
+                                                       args.per_device_train_batch_size, args.trust_remote_code)
+        for dataset in (train_dataset, *named_eval_datasets(eval_dataset).values()):
+            check_required_columns(self.reward_functions, dataset_columns(dataset))
         self.reward_weights = reward_weights(args, len(self.reward_functions))
+        warn_like_trl(args, model, quantization_config)
 
         self.accelerator = acc = build_accelerator(args)
         args.check_batch(acc.num_processes)
         set_seed(args.seed)
+        if quantization_config is not None and isinstance(model, str):
+            args.model_init_kwargs = {**(args.model_init_kwargs or {}), "quantization_config": quantization_config}
         self.model, self.processing_class = build_policy(model, processing_class, peft_config, args)
         check_context_length(self.model, args)
         self.reference = build_reference(model, self.model, args)
         enable_gradient_checkpointing(self.model, args)
         check_backend(acc, is_peft_model(self.model), args)
-        self.optimizer = torch.optim.AdamW(
+        optimizer, scheduler = optimizers
+        self.optimizer = optimizer or torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=args.learning_rate,
             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, weight_decay=args.weight_decay,
         )  # fmt: skip
@@ -135,15 +154,38 @@ class GRPOTrainer:
         all_done = all_processes_done if is_sharded(self.unwrapped_model) else None
         self.engine = rollout_engine or HFEngine(self.unwrapped_model, acc.device, autocast=acc.autocast,
                                                  all_done=all_done, exact_logprobs=not (args.bf16 or args.fp16))
-        self.state = TrainerState(max_steps=total_steps(args, len(train_dataset), acc.num_processes))
-        self.scheduler = build_scheduler(self.optimizer, args, self.state.max_steps)
+        self.state = self._new_state()
+        self.scheduler = scheduler or build_scheduler(self.optimizer, args, self.state.max_steps)
         self.stepper = OptimizerStepper(acc, self.model, self.optimizer, self.scheduler, deepspeed=deepspeed,
                                         max_grad_norm=args.max_grad_norm, max_nonfinite_steps=args.max_nonfinite_steps)
         self.checkpointer = Checkpointer(acc, args.output_dir, self._write_model, save_total_limit=args.save_total_limit,
                                          save_only_model=args.save_only_model, deepspeed=deepspeed)  # fmt: skip
-        self.sampler = PromptSampler(len(train_dataset), args.data_seed or args.seed, args.shuffle_dataset)
+        self.sampler = (StreamSampler(train_dataset) if is_iterable_dataset(train_dataset) else
+                        PromptSampler(len(train_dataset), args.data_seed or args.seed, args.shuffle_dataset))  # fmt: skip
         self.window = MetricWindow()
         self.cursor = GenerationCursor()
+        self.reward_logs = RewardLogs()  # what reward functions report through log_metric / log_extra
+        self.callback_handler = Callbacks(callbacks, self.unwrapped_model, self.processing_class, self.optimizer,
+                                          self.scheduler)  # fmt: skip
+        self.callback_handler("on_init_end", args, self.state)
+
+    def _new_state(self) -> TrainerState:
+        args, acc = self.args, self.accelerator
+        return TrainerState(max_steps=total_steps(args, self.train_dataset, acc.num_processes),
+                            logging_steps=args.logging_steps, eval_steps=args.eval_steps, save_steps=args.save_steps,
+                            train_batch_size=args.per_device_train_batch_size, num_train_epochs=args.num_train_epochs,
+                            is_local_process_zero=acc.is_local_main_process,
+                            is_world_process_zero=acc.is_main_process)  # fmt: skip
+
+    # HF Trainer's callback API
+    def add_callback(self, callback) -> None:
+        self.callback_handler.add(callback)
+
+    def pop_callback(self, callback):
+        return self.callback_handler.pop(callback)
+
+    def remove_callback(self, callback) -> None:
+        self.callback_handler.pop(callback)
 
     @property
     def unwrapped_model(self):
@@ -151,14 +193,20 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------------------------ the loop
 
-    def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainerState:
+    def train(self, resume_from_checkpoint: bool | str | None = None, **unused):
+        """Train to max_steps (or num_train_epochs); returns transformers' `TrainOutput(global_step,
+        training_loss, metrics)` and appends the summary record (`train_loss`, `train_runtime`, ...) to
+        `state.log_history`, as the HF Trainer does."""
         from tqdm.auto import tqdm
+        from transformers.trainer_utils import TrainOutput
 
-        args, acc, state = self.args, self.accelerator, self.state
+        if unused:
+            raise TypeError(f"train() got unexpected arguments {sorted(unused)}; it takes resume_from_checkpoint.")
+        args, acc = self.args, self.accelerator
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
         if resume:
             self._resume(True if resume in (True, "true", "True") else resume)
-            state = self.state
+        state, callbacks = self.state, self.callback_handler
         sink = MetricSink(args.output_dir, args.report_to, args.run_name, args.logging_dir, args.to_dict(),
                           enabled=acc.is_main_process)  # fmt: skip
         sink.truncate_after(state.global_step)
@@ -170,31 +218,61 @@ class GRPOTrainer:
                    disable=args.disable_tqdm or not acc.is_main_process, dynamic_ncols=True)  # fmt: skip
         self.model.train()
         micro_batches = self._micro_batch_stream()
-        last_epoch = int(state.epoch)
-        while state.global_step < state.max_steps:
-            started = time.perf_counter()
+        first_step, started, losses = state.global_step, time.perf_counter(), []
+        control = callbacks("on_train_begin", args, state)
+        if state.global_step == 0 or int(state.epoch) == state.epoch:
+            control = callbacks("on_epoch_begin", args, state)
+        while state.global_step < state.max_steps and not control.should_training_stop:
+            step_started, epoch_before = time.perf_counter(), int(state.epoch)
+            control = callbacks("on_step_begin", args, state)
             window = [next(micro_batches) for _ in range(args.gradient_accumulation_steps)]
-            self.optimizer_step(window)
-            self.window.add({"step_time": time.perf_counter() - started})
+            losses.append(self.optimizer_step(window))
+            self.window.add({"step_time": time.perf_counter() - step_started})
             step = state.global_step
             bar.update(1)
-            if step % logging_steps == 0 or step == state.max_steps or (step == 1 and args.logging_first_step):
+            control = callbacks("on_step_end", args, state)
+            if step % logging_steps == 0 or step == state.max_steps or (step == 1 and args.logging_first_step) or \
+                    control.should_log or control.should_training_stop:  # fmt: skip
+                control.should_log = False
                 record = {"step": step, "epoch": round(state.epoch, 4), **self.window.flush(),
                           "num_tokens": state.num_tokens}  # fmt: skip
                 state.log_history.append(record)
                 bar.set_postfix(reward=f"{record.get('reward', float('nan')):.3f}")
                 sink.write(record)
+                control = callbacks("on_log", args, state, logs=record)
                 self.check_guard()
                 if args.log_completions and acc.is_main_process and getattr(self, "_samples", None):
                     sink.write_completions(step, self._samples)
-            if args.eval_strategy == "steps" and step % eval_steps == 0:  # before saving: the checkpoint holds it
+            if (args.eval_strategy == "steps" and step % eval_steps == 0) or control.should_evaluate:
+                control.should_evaluate = False  # before saving: the checkpoint holds the evaluation
                 self._log_evaluation(step, sink)
-            epoch_ended, last_epoch = int(state.epoch) > last_epoch, int(state.epoch)
-            if (args.save_strategy == "steps" and step % save_steps == 0) or (args.save_strategy == "epoch" and epoch_ended):
+            epoch_ended = int(state.epoch) > epoch_before
+            if epoch_ended:
+                control = callbacks("on_epoch_end", args, state)
+            if (args.save_strategy == "steps" and step % save_steps == 0) or control.should_save or \
+                    (args.save_strategy == "epoch" and epoch_ended):  # fmt: skip
+                control.should_save = False
                 self._save_checkpoint()
+                control = callbacks("on_save", args, state)
+            if epoch_ended and state.global_step < state.max_steps:
+                control = callbacks("on_epoch_begin", args, state)
         bar.close()
+        runtime = time.perf_counter() - started
+        steps = state.global_step - first_step
+        samples = steps * args.per_device_train_batch_size * args.gradient_accumulation_steps * acc.num_processes
+        train_loss = sum(losses) / len(losses) if losses else 0.0
+        summary = {"train_runtime": round(runtime, 4), "train_samples_per_second": round(samples / runtime, 3),
+                   "train_steps_per_second": round(steps / runtime, 3), "total_flos": float(state.total_flos),
+                   "train_loss": train_loss, "epoch": round(state.epoch, 4), "step": state.global_step}  # fmt: skip
+        state.log_history.append(summary)
+        callbacks("on_log", args, state, logs=summary)
+        if acc.is_main_process:  # the HF Trainer's save_metrics("train", ...) file
+            import json
+
+            (Path(args.output_dir) / "train_results.json").write_text(json.dumps(summary, indent=1))
         sink.close()
-        return state
+        callbacks("on_train_end", args, state)
+        return TrainOutput(state.global_step, train_loss, summary)
 
     def _micro_batch_stream(self) -> Iterator[TrainBatch]:
         """For each generation batch, for each of the μ passes over it, its micro-batches in order, from the
@@ -211,7 +289,9 @@ class GRPOTrainer:
                 cursor.pass_index, cursor.micro_index = cursor.pass_index + 1, 0
             cursor.batch = None
 
-    def optimizer_step(self, window: list[TrainBatch]) -> None:
+    def optimizer_step(self, window: list[TrainBatch]) -> float:
+        """One optimizer step on a window of micro-batches (a public seam: tests feed it typed batches). Returns
+        the step's loss, averaged over processes."""
         args, acc = self.args, self.accelerator
         # Counts over the whole window (all micro-batches, all processes) normalise each micro-batch's loss; DDP
         # averages gradients over processes, so each process's share is multiplied back.
@@ -224,7 +304,11 @@ class GRPOTrainer:
                 loss, micro_stats = self._train_micro_batch(micro_batch, num_sequences, num_tokens)
             loss_total += loss
             stats.append(micro_stats)
+            if index < len(window) - 1:
+                self.callback_handler("on_substep_end", args, self.state)
+        self.callback_handler("on_pre_optimizer_step", args, self.state)
         result = self.stepper.step(loss_total, self.state)
+        self.callback_handler("on_optimizer_step", args, self.state)
         self.state.global_step += 1
         self.state.epoch = self.sampler.epochs_done
         if args.sync_ref_model and self.reference is not None and self.state.global_step % args.ref_model_sync_steps == 0:
@@ -238,6 +322,7 @@ class GRPOTrainer:
         means = acc.reduce(torch.tensor([float(metrics[k]) for k in names], dtype=torch.float64, device=acc.device),
                            "mean")  # fmt: skip
         self.window.add(dict(zip(names, means.tolist())))
+        return means[names.index("loss")].item()
 
     def _train_micro_batch(self, batch: TrainBatch, num_sequences: float, num_tokens: float) -> tuple[float, dict]:
         args = self.args
@@ -299,6 +384,8 @@ class GRPOTrainer:
             with reference_policy(self.unwrapped_model, self.reference) as reference:
                 batch.ref_logprobs = self._logprobs_in_chunks(reference, batch)
         self._log_generation(all_scores, rewards, rollout, scored.failures)
+        self.window.add(self.reward_logs.flush_metrics(acc))
+        extra = self.reward_logs.flush_extra()
         if args.log_completions:
             shown = args.num_completions_to_print or args.num_generations
             self._samples = [
@@ -306,7 +393,8 @@ class GRPOTrainer:
                  "rewards": {f.name: _none_if_nan(all_scores[offset + i, j].item())
                              for j, f in enumerate(self.reward_functions)},
                  "reward": _none_if_nan(rewards[offset + i].item()),
-                 "advantage": advantages[offset + i].float().mean().item()}
+                 "advantage": advantages[offset + i].float().mean().item(),
+                 **({"extra": {k: v[i] for k, v in extra.items() if i < len(v)}} if extra else {})}
                 for i in range(min(shown, n))
             ]  # fmt: skip
         order = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed + self.state.generations))
@@ -316,10 +404,10 @@ class GRPOTrainer:
         """Draw this process's next rows, sample their completions with the engine and score them."""
         args, acc = self.args, self.accelerator
         per_process = args.generation_batch_size
-        prompt_indices = self.sampler.draw(per_process * acc.num_processes // args.num_generations)
+        prompts = self.sampler.rows(self.train_dataset, per_process * acc.num_processes // args.num_generations)
         offset = acc.process_index * per_process
-        global_rows = [i for i in prompt_indices for _ in range(args.num_generations)]  # each prompt G times
-        rows = [self.train_dataset[i] for i in global_rows[offset : offset + per_process]]
+        global_rows = [row for row in prompts for _ in range(args.num_generations)]  # each prompt G times
+        rows = global_rows[offset : offset + per_process]
         seed = rollout_seed(args.seed, self.state.generations, acc.process_index)
         self.state.generations += 1
         rollout, completions, completion_ids = self._rollout(rows, group_counts(len(rows), args.num_generations, offset),
@@ -376,10 +464,18 @@ class GRPOTrainer:
                   if args.reward_routing_column in columns else None)  # fmt: skip
         step_ends = ([step_token_ends(ids, self.processing_class, args.step_separator) for ids in completion_ids]
                      if self._process_indices else [[] for _ in rows])  # fmt: skip
+        context = {"trainer_state": self.state, "log_metric": self.reward_logs.log_metric,
+                   "log_extra": self.reward_logs.log_extra}  # fmt: skip
         scores, failures, step_rewards = compute_rewards(
             self.reward_functions, prompts, completions, completion_ids, columns, on_error=args.reward_fn_errors,
-            routes=routes, step_counts=[len(e) for e in step_ends],
+            routes=routes, step_counts=[len(e) for e in step_ends], context=context,
         )  # fmt: skip
+        unscored = torch.isnan(scores).all(dim=1).nonzero().flatten().tolist() if scores.shape[1] else []
+        if unscored:  # TRL's warning: such a completion has no reward at all
+            row = unscored[0]
+            warnings.warn(f"All reward functions returned None for {len(unscored)} completion(s), e.g. prompt "
+                          f"{_short(prompts[row])}, completion {_short(completions[row])}: they get no advantage. "
+                          f"Make sure at least one reward function scores every completion.", stacklevel=3)
         return prompts, scores, failures, step_rewards, step_ends
 
     def _fill_with_varied_groups(self, first: ScoredRollout) -> ScoredRollout:
@@ -437,16 +533,30 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------------------ evaluation
 
-    def evaluate(self, eval_dataset=None) -> dict[str, float]:
-        """The `eval/...` metrics (grpokit.evaluation) of num_generations_eval completions per prompt of
-        eval_dataset (default: the trainer's). Sampling uses the training settings and fixed seeds, so the same
-        weights always give the same completions; they are kept, with their rewards, in `self.eval_samples`."""
-        from accelerate.utils import gather_object
-
-        args, acc = self.args, self.accelerator
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Sample num_generations_eval completions per prompt of eval_dataset (default: the trainer's), score them
+        and return grpokit's `eval/...` metrics (grpokit.evaluation: rewards, pass@k, lengths) and `eval_loss`
+        (the GRPO loss of those completions with their group advantages, as TRL computes it in evaluation).
+        Named sets (a dict / DatasetDict) are evaluated one by one, their metrics prefixed `eval_<name>/` and
+        `eval_<name>_loss`. Sampling uses the training settings and fixed seeds, so the same weights always give
+        the same completions; they are kept, with their rewards, in `self.eval_samples`."""
         dataset = self.eval_dataset if eval_dataset is None else eval_dataset
         if dataset is None:
             raise ValueError("No eval_dataset: pass one to GRPOTrainer(eval_dataset=...) or to evaluate().")
+        metrics: dict[str, float] = {}
+        for name, one in named_eval_datasets(dataset).items():
+            prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
+            metrics.update(self._evaluate_one(one, prefix))
+        self.callback_handler("on_evaluate", self.args, self.state, metrics=metrics)
+        return metrics
+
+    @torch.no_grad()
+    def _evaluate_one(self, dataset, prefix: str) -> dict[str, float]:
+        from accelerate.utils import gather_object
+
+        args, acc = self.args, self.accelerator
+        if is_iterable_dataset(dataset):
+            dataset = dataset_rows(dataset)
         n = args.num_generations_eval
         names = [f.name for f in self.reward_functions]
         indices = list(range(acc.process_index, len(dataset), acc.num_processes))
@@ -454,20 +564,48 @@ class GRPOTrainer:
         batches = math.ceil(len(indices) / prompts_per_batch)
         if is_sharded(self.unwrapped_model):  # every process samples as many batches as the busiest one
             batches = math.ceil(math.ceil(len(dataset) / acc.num_processes) / prompts_per_batch)
-        records = []
+        records, loss_sum, loss_count = [], 0.0, 0
         for batch_index in range(batches):
             chunk = indices[batch_index * prompts_per_batch : (batch_index + 1) * prompts_per_batch]
             # A process with no prompts left samples a discarded one, in step with the others.
             rows = [dataset[i] for i in (chunk or [0]) for _ in range(n)]
             seed = rollout_seed(args.seed + EVAL_SEED_OFFSET, batch_index, acc.process_index)
             rollout, completions, completion_ids = self._rollout(rows, [n] * (len(rows) // n), seed)
+            prompts, scores, *_ = self._score(rows, completions, completion_ids)
+            rewards = self._outcome_rewards(scores)
+            loss = self._evaluation_loss(rollout, group_advantages(rewards, n, args.scale_rewards))
             if not chunk:
                 continue
-            prompts, scores, *_ = self._score(rows, completions, completion_ids)
-            records += group_records(prompts, completions, scores, self._outcome_rewards(scores), rollout.lengths,
-                                     rollout.is_truncated, names, n)  # fmt: skip
+            loss_sum, loss_count = loss_sum + loss, loss_count + 1
+            records += group_records(prompts, completions, scores, rewards, rollout.lengths, rollout.is_truncated,
+                                     names, n)  # fmt: skip
+        self.reward_logs.flush_extra()
+        logged = self.reward_logs.flush_metrics(acc)
+        totals = acc.reduce(torch.tensor([loss_sum, float(loss_count)], dtype=torch.float64, device=acc.device), "sum")
         self.eval_samples = gather_object(records) if acc.num_processes > 1 else records
-        return evaluation_metrics(self.eval_samples, names, args.pass_threshold)
+        metrics = evaluation_metrics(self.eval_samples, names, args.pass_threshold, prefix=f"{prefix}/")
+        metrics.update({f"{prefix}/{k}": v for k, v in logged.items()})
+        metrics[f"{prefix}_loss"] = (totals[0] / totals[1].clamp(min=1)).item()
+        return metrics
+
+    def _evaluation_loss(self, rollout, advantages: torch.Tensor) -> float:
+        """The GRPO loss value of an evaluation batch (no gradient): on-policy, so the ratio is 1 and the value
+        is the aggregate of -A (+ beta·KL)."""
+        args = self.args
+        width = rollout.completion_ids.shape[1]
+        batch = TrainBatch(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.attention_mask,
+                           rollout.loss_mask, rollout.lengths,
+                           advantages.to(rollout.prompt_ids.device)[:, None].expand(-1, width))  # fmt: skip
+        logprobs = self._logprobs_in_chunks(self.unwrapped_model, batch)
+        ref = None
+        if args.beta > 0:
+            with reference_policy(self.unwrapped_model, self.reference) as reference:
+                ref = self._logprobs_in_chunks(reference, batch)
+        loss, _ = policy_loss(logprobs, None, ref, batch.advantages, batch.loss_mask, loss_type=args.loss_type,
+                              beta=args.beta, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
+                              importance_sampling_level=args.importance_sampling_level,
+                              max_completion_length=args.max_completion_length, delta=args.delta)  # fmt: skip
+        return loss.item()
 
     def _log_evaluation(self, step: int, sink: MetricSink) -> None:
         record = {"step": step, "epoch": round(self.state.epoch, 4), **self.evaluate()}
@@ -516,7 +654,7 @@ class GRPOTrainer:
             self.cursor = GenerationCursor(TrainBatch.from_state_dict(batch).to(self.accelerator.device),
                                            resumed.loop["pass_index"], resumed.loop["micro_index"])  # fmt: skip
         self.state = resumed.state
-        self.state.max_steps = total_steps(self.args, len(self.train_dataset), self.accelerator.num_processes)
+        self.state.max_steps = total_steps(self.args, self.train_dataset, self.accelerator.num_processes)
 
     def save_model(self, output_dir: str | None = None) -> None:
         """Every process calls it; the main process writes (under FSDP2 / ZeRO-3 all of them gather first)."""
@@ -567,16 +705,22 @@ class GRPOTrainer:
 # ------------------------------------------------------------------------------------------------------ setup
 
 
-def check_run(args: GRPOConfig, train_dataset, eval_dataset, callbacks, rollout_engine) -> None:
+def check_run(args: GRPOConfig, train_dataset, eval_dataset, rollout_engine, tools, rollout_func,
+              environment_factory) -> None:  # fmt: skip
     """The run-time checks (what GRPOConfig.validate cannot know: the data, the launch, the arguments)."""
+    for name, value in (("tools", tools), ("rollout_func", rollout_func), ("environment_factory", environment_factory)):
+        if value:
+            raise NotImplementedError(f"GRPOTrainer({name}=...) (multi-turn agents) is not supported by grpokit yet; "
+                                      f"train single-turn, or use trl.GRPOTrainer for agents.")  # fmt: skip
     check_dataset(train_dataset)
-    if eval_dataset is not None:
-        check_dataset(eval_dataset, "eval_dataset")
-    elif args.eval_strategy != "no":
+    if is_iterable_dataset(train_dataset) and args.max_steps <= 0:
+        raise ValueError("train_dataset is an IterableDataset (no len()): set max_steps > 0 to say how long to "
+                         "train, as with transformers' Trainer.")  # fmt: skip
+    for name, dataset in named_eval_datasets(eval_dataset).items():
+        check_dataset(dataset, "eval_dataset" if name is None else f"eval_dataset[{name!r}]")
+    if eval_dataset is None and args.eval_strategy != "no":
         raise ValueError(f"eval_strategy={args.eval_strategy!r} needs an eval_dataset: pass "
                          f"GRPOTrainer(eval_dataset=...), or set eval_strategy='no'.")  # fmt: skip
-    if callbacks:
-        raise NotImplementedError("callbacks are not supported yet; read trainer.state.log_history instead.")
     if args.dynamic_sampling and (args.generation_batch_size % args.num_generations):
         raise ValueError("dynamic_sampling keeps or drops whole groups: make the per-process generation batch a "
                          "multiple of num_generations.")  # fmt: skip
@@ -602,10 +746,11 @@ def trains_on_policy(args: GRPOConfig) -> bool:
     return args.num_iterations == 1 and args.gradient_accumulation_steps % args.steps_per_generation == 0
 
 
-def total_steps(args: GRPOConfig, num_prompts: int, num_processes: int) -> int:
+def total_steps(args: GRPOConfig, train_dataset, num_processes: int) -> int:
     """max_steps, or the optimizer steps that num_train_epochs passes over the prompts take."""
     if args.max_steps > 0:
         return args.max_steps
+    num_prompts = len(train_dataset)
     prompts_per_generation = args.generation_batch_size * num_processes // args.num_generations
     generations = math.ceil(args.num_train_epochs * num_prompts / prompts_per_generation)
     micro_batches = generations * args.steps_per_generation * args.num_iterations
@@ -618,6 +763,24 @@ def build_scheduler(optimizer, args: GRPOConfig, max_steps: int):
     warmup = args.warmup_steps or math.ceil(args.warmup_ratio * max_steps)
     return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=max_steps,
                          scheduler_specific_kwargs=args.lr_scheduler_kwargs or None)  # fmt: skip
+
+
+def warn_like_trl(args: GRPOConfig, model, quantization_config) -> None:
+    """TRL's advisory warnings, with its wording's substance."""
+    if args.importance_sampling_level == "sequence" and args.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        warnings.warn(f"importance_sampling_level='sequence' with loss_type={args.loss_type!r}: the loss sums "
+                      f"per-token contributions, which weights each sequence by its length instead of optimising the "
+                      f"per-sequence objective; GSPO's setup is loss_type='grpo'.", UserWarning, stacklevel=3)
+    if not isinstance(model, str) and quantization_config is not None:
+        warnings.warn("quantization_config is ignored: the model is already instantiated (quantize it when loading, "
+                      "or pass the model as a path).", UserWarning, stacklevel=3)  # fmt: skip
+    if not isinstance(model, str) and args.model_init_kwargs:
+        warnings.warn("model_init_kwargs is ignored: the model is already instantiated.", UserWarning, stacklevel=3)
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _none_if_nan(value: float) -> float | None:

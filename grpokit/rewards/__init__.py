@@ -26,7 +26,8 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-def build_reward_functions(reward_funcs, processing_classes=None, batch_size: int = 8) -> list[RewardFunction]:
+def build_reward_functions(reward_funcs, processing_classes=None, batch_size: int = 8,
+                           trust_remote_code: bool = False) -> list[RewardFunction]:  # fmt: skip
     """The trainer's reward functions: callables keep TRL's contract; a path / hub id or a PreTrainedModel is a
     reward model (with its processing class from `processing_classes`, one per function, None for callables)."""
     from transformers import PreTrainedModel
@@ -34,15 +35,23 @@ def build_reward_functions(reward_funcs, processing_classes=None, batch_size: in
     from .base import reward_name
     from .model import RewardModel
 
-    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else \
+        [reward_funcs]  # fmt: skip
     if not funcs:
-        raise ValueError("reward_funcs is empty: pass at least one reward function.")
-    classes = list(processing_classes) if isinstance(processing_classes, (list, tuple)) else [processing_classes]
-    classes = classes + [None] * (len(funcs) - len(classes))
+        raise ValueError("No reward functions: pass reward_funcs (a function, a reward model or a list of them). "
+                         "(TRL also takes none when an environment_factory supplies get_reward; grpokit does not "
+                         "support environments yet.)")  # fmt: skip
+    if processing_classes is None:
+        classes = [None] * len(funcs)
+    else:
+        classes = list(processing_classes) if isinstance(processing_classes, (list, tuple)) else [processing_classes]
+        if len(classes) != len(funcs):
+            raise ValueError(f"reward_processing_classes has {len(classes)} entries for {len(funcs)} reward "
+                             f"functions: give one per function (None for plain functions).")  # fmt: skip
     out = []
     for f, tokenizer in zip(funcs, classes):
         if isinstance(f, (str, PreTrainedModel)):
-            f = RewardModel(f, tokenizer, batch_size=batch_size)
+            f = RewardModel(f, tokenizer, batch_size=batch_size, trust_remote_code=trust_remote_code)
         elif not callable(f):
             raise TypeError(f"Reward {f!r} is neither a function, a reward model nor a path to one.")
         out.append(RewardFunction(reward_name(f), f))

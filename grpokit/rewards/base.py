@@ -17,7 +17,9 @@ from typing import Any, Callable
 
 import torch
 
-STANDARD_ARGUMENTS = ("prompts", "completions", "completion_ids")
+from .context import CONTEXT_ARGUMENTS
+
+STANDARD_ARGUMENTS = ("prompts", "completions", "completion_ids", *CONTEXT_ARGUMENTS)
 
 
 class RewardFunctionError(RuntimeError):
@@ -121,7 +123,7 @@ async def _await(awaitable):
 
 
 def _row_kwargs(kwargs: dict, row: int) -> dict:
-    return {key: value[row : row + 1] for key, value in kwargs.items()}
+    return {key: value if key in CONTEXT_ARGUMENTS else value[row : row + 1] for key, value in kwargs.items()}
 
 
 def _locate_failure(function: RewardFunction, kwargs: dict, error: Exception, n: int) -> RewardFunctionError:
@@ -183,6 +185,7 @@ def compute_rewards(
     on_error: str = "raise",
     routes: list[set[str]] | None = None,
     step_counts: list[int] | None = None,
+    context: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, dict[str, int], dict[int, list[list[float]]]]:
     """Score every completion with every function.
 
@@ -194,8 +197,8 @@ def compute_rewards(
     n = len(completions)
     base_kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
     rows_of = [list(range(n)) if routes is None else [i for i in range(n) if f.name in routes[i]] for f in functions]
-    kwargs_of = [base_kwargs if len(rows) == n else {k: [v[i] for i in rows] for k, v in base_kwargs.items()}
-                 for rows in rows_of]  # fmt: skip
+    kwargs_of = [{**(base_kwargs if len(rows) == n else {k: [v[i] for i in rows] for k, v in base_kwargs.items()}),
+                  **(context or {})} for rows in rows_of]  # context (trainer_state, log_metric, ...): not per row
     results: dict[int, Any] = {}
     errors: dict[int, Exception] = {}
 

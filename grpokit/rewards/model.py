@@ -16,13 +16,15 @@ from ..models import check_model_source
 
 
 class RewardModel:
-    def __init__(self, model, tokenizer=None, batch_size: int = 16, max_length: int | None = None):
+    def __init__(self, model, tokenizer=None, batch_size: int = 16, max_length: int | None = None,
+                 trust_remote_code: bool = False):  # fmt: skip
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         if isinstance(model, str):
             check_model_source(model)
             name = model
-            model = AutoModelForSequenceClassification.from_pretrained(model, num_labels=1)
+            model = AutoModelForSequenceClassification.from_pretrained(model, num_labels=1,
+                                                                       trust_remote_code=trust_remote_code)
         else:
             name = getattr(model.config, "_name_or_path", "") or type(model).__name__
         if getattr(model.config, "num_labels", 1) != 1:
@@ -31,7 +33,7 @@ class RewardModel:
                 f"(a sequence-classification model with num_labels=1)."
             )
         if tokenizer is None:
-            tokenizer = AutoTokenizer.from_pretrained(model.config._name_or_path)
+            tokenizer = AutoTokenizer.from_pretrained(model.config._name_or_path, trust_remote_code=trust_remote_code)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         if model.config.pad_token_id is None:

@@ -1,0 +1,293 @@
+"""What a TRL 1.16 / HF Trainer script relies on beyond the math: the final summary record, TrainerCallbacks with
+TrainerControl, optimizers=, IterableDataset, named eval sets and eval_loss, the reward kwargs trainer_state /
+log_metric / log_extra, and optimizer steps that straddle two generation batches."""
+
+import json
+
+import pytest
+import torch
+from datasets import Dataset, IterableDataset
+from transformers import TrainerCallback, TrainerState
+
+from grpokit import GRPOConfig, GRPOTrainer, TrainBatch
+from grpokit.testing import build_char_tokenizer, build_tiny_model
+
+LETTERS = "abcdefgh"
+
+
+def tiny():
+    tokenizer = build_char_tokenizer(LETTERS + ":")
+    model = build_tiny_model(len(tokenizer), hidden_size=32, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
+    return model, tokenizer
+
+
+def letters(copies=2):
+    return Dataset.from_list([{"prompt": f"{c}:", "letter": c} for c in LETTERS] * copies)
+
+
+def repeat_letter(completions, letter, **kwargs):
+    return [1.0 if c[:1] == target else 0.0 for c, target in zip(completions, letter)]
+
+
+def config(tmp_path, **overrides):
+    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
+                  max_completion_length=3, learning_rate=1e-2, max_steps=4, logging_steps=1, save_strategy="no",
+                  disable_tqdm=True, seed=0, report_to="none")  # fmt: skip
+    return GRPOConfig(**{**values, **overrides})
+
+
+def trainer_for(tmp_path, **kwargs):
+    model, tokenizer = tiny()
+    args = kwargs.pop("args", None) or config(tmp_path)
+    reward_funcs = kwargs.pop("reward_funcs", repeat_letter)
+    train_dataset = kwargs.pop("train_dataset", None) or letters()
+    return GRPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
+                       processing_class=tokenizer, **kwargs)
+
+
+# -------------------------------------------------------------------------------------- the summary record
+
+
+def test_train_appends_the_hf_summary_record_and_returns_train_output(tmp_path):
+    trainer = trainer_for(tmp_path)
+    output = trainer.train()
+    summary = trainer.state.log_history[-1]
+    assert set(summary) == {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos",
+                            "train_loss", "epoch", "step"}  # fmt: skip
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 4 and summary["train_loss"] == pytest.approx(sum(losses) / 4, rel=1e-6)
+    assert summary["step"] == 4 and output.global_step == 4 and output.training_loss == summary["train_loss"]
+    assert summary["train_samples_per_second"] == pytest.approx(4 * 8 / summary["train_runtime"], rel=0.01)
+    assert json.loads((tmp_path / "out" / "train_results.json").read_text())["train_loss"] == summary["train_loss"]
+    assert isinstance(trainer.state, TrainerState)  # transformers' own class: callbacks read its fields
+
+
+# --------------------------------------------------------------------------------------------- callbacks
+
+
+class Recorder(TrainerCallback):
+    def __init__(self):
+        self.events, self.logs = [], []
+
+    def __getattribute__(self, name):
+        if name.startswith("on_"):
+            self_events = object.__getattribute__(self, "events")
+
+            def record(args, state, control, **kwargs):
+                self_events.append((name, state.global_step))
+                if name == "on_log":
+                    object.__getattribute__(self, "logs").append(dict(kwargs["logs"]))
+                assert kwargs["model"] is not None and kwargs["optimizer"] is not None
+                return control
+
+            return record
+        return object.__getattribute__(self, name)
+
+
+class StopAfter(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+            control.should_save = True
+
+
+def test_callbacks_see_every_event_and_can_stop_and_save(tmp_path):
+    recorder = Recorder()
+    trainer = trainer_for(tmp_path, callbacks=[recorder, StopAfter(2)], args=config(tmp_path, logging_steps=10))
+    trainer.train()
+    names = [name for name, _ in recorder.events]
+    assert names[0] == "on_init_end" and names[1] == "on_train_begin" and names[-1] == "on_train_end"
+    assert names.count("on_step_begin") == 2 and names.count("on_step_end") == 2  # stopped after step 2
+    assert ("on_save", 2) in recorder.events and (tmp_path / "out" / "checkpoint-2").is_dir()
+    # The stop step is logged (as should_training_stop asks), then the summary; step 1 was logged as first step.
+    assert [log.get("step") for log in recorder.logs] == [1, 2, 2] and "train_loss" in recorder.logs[-1]
+    assert names.index("on_pre_optimizer_step") < names.index("on_optimizer_step") < names.index("on_step_end")
+
+
+class LogEveryStepAndEvaluate(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_log = True
+        control.should_evaluate = state.global_step == 3
+        return control
+
+
+def test_callback_flags_log_and_evaluate(tmp_path):
+    evaluation = letters(1).select(range(2))
+    metrics = []
+
+    class Seen(TrainerCallback):
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            seen_metrics.append(metrics)
+
+    seen_metrics = metrics
+    trainer = trainer_for(tmp_path, callbacks=[LogEveryStepAndEvaluate, Seen()], eval_dataset=evaluation,
+                          args=config(tmp_path, logging_steps=100, logging_first_step=False,
+                                      per_device_eval_batch_size=8))  # fmt: skip
+    trainer.train()
+    steps = [h["step"] for h in trainer.state.log_history if "loss" in h]
+    assert steps == [1, 2, 3, 4]
+    assert len(metrics) == 1 and "eval_loss" in metrics[0] and "eval/reward" in metrics[0]
+    with pytest.raises(TypeError, match="TrainerCallback"):
+        trainer_for(tmp_path / "b", callbacks=[object()])
+
+
+# ------------------------------------------------------------------------------------------- optimizers=
+
+
+def test_optimizers_argument_is_used(tmp_path):
+    model, tokenizer = tiny()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.1)
+    trainer = GRPOTrainer(model=model, reward_funcs=repeat_letter, args=config(tmp_path, max_steps=2),
+                          train_dataset=letters(), processing_class=tokenizer, optimizers=(optimizer, scheduler))
+    trainer.train()
+    assert [h["learning_rate"] for h in trainer.state.log_history if "loss" in h] == pytest.approx([0.05, 0.05])
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    assert inner is optimizer
+
+
+# ---------------------------------------------------------------------------------------- iterable data
+
+
+def stream(rows):
+    def generate():
+        yield from rows
+
+    return IterableDataset.from_generator(generate)
+
+
+def test_iterable_train_and_eval_datasets(tmp_path):
+    rows = [{"prompt": f"{c}:", "letter": c} for c in LETTERS]
+    trainer = trainer_for(tmp_path, train_dataset=stream(rows), eval_dataset=stream(rows[:2]),
+                          args=config(tmp_path, max_steps=5, eval_strategy="steps", eval_steps=5))  # fmt: skip
+    trainer.train()
+    assert trainer.state.global_step == 5
+    # 5 generations of 2 prompts from an 8-row stream: a second epoch began, from the first row again.
+    assert trainer.sampler.state_dict() == {"epoch": 1, "position": 2}
+    evaluation = next(h for h in trainer.state.log_history if "eval_loss" in h)
+    assert "eval/reward" in evaluation
+    with pytest.raises(ValueError, match="max_steps"):
+        trainer_for(tmp_path / "b", train_dataset=stream(rows), args=config(tmp_path / "b", max_steps=-1))
+
+
+def test_named_eval_datasets_get_prefixed_metrics(tmp_path):
+    sets = {"early": letters(1).select(range(2)), "late": letters(1).select(range(6, 8))}
+    trainer = trainer_for(tmp_path, eval_dataset=sets, args=config(tmp_path, max_steps=1))
+    metrics = trainer.evaluate()
+    for name in sets:
+        assert f"eval_{name}_loss" in metrics and f"eval_{name}/reward" in metrics
+        assert f"eval_{name}/rewards/repeat_letter/pass@1" in metrics
+
+
+def test_eval_loss_is_the_grpo_loss_of_the_eval_completions(tmp_path):
+    """On-policy the ratio is 1: with `grpo` aggregation and no KL the loss is -mean over sequences of A, which
+    is 0 up to rounding for group-normalised advantages (each group's advantages sum to zero)."""
+    trainer = trainer_for(tmp_path, args=config(tmp_path, loss_type="grpo", max_steps=1),
+                          eval_dataset=letters(1).select(range(4)))  # fmt: skip
+    assert abs(trainer.evaluate()["eval_loss"]) < 1e-6
+    with_kl = trainer_for(tmp_path / "kl", args=config(tmp_path / "kl", loss_type="grpo", beta=0.5, max_steps=1),
+                          eval_dataset=letters(1).select(range(4)))  # fmt: skip
+    with_kl.train()  # the policy moves away from the reference: a positive KL term
+    assert with_kl.evaluate()["eval_loss"] > 1e-6
+
+
+# --------------------------------------------------------------------------------------- reward kwargs
+
+
+def test_reward_functions_receive_trainer_state_log_metric_and_log_extra(tmp_path):
+    steps_seen = []
+
+    def shaped(completions, letter, trainer_state, log_metric, log_extra, **kwargs):
+        steps_seen.append(trainer_state.global_step)
+        log_metric("shaped/first_letter", sum(c[:1] == t for c, t in zip(completions, letter)) / len(completions))
+        log_extra("first", [c[:1] for c in completions])
+        return [float(c[:1] == t) * (1 + trainer_state.global_step) for c, t in zip(completions, letter)]
+
+    trainer = trainer_for(tmp_path, reward_funcs=shaped,
+                          args=config(tmp_path, max_steps=3, log_completions=True, num_completions_to_print=2))
+    trainer.train()
+    assert steps_seen == [0, 1, 2]  # the state as it was when each batch was sampled
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert all(0.0 <= h["shaped/first_letter"] <= 1.0 for h in logged)
+    lines = [json.loads(x) for x in (tmp_path / "out" / "completions.jsonl").read_text().splitlines()]
+    assert all(line["extra"]["first"] == line["completion"][:1] for line in lines)
+
+
+def test_reward_processing_classes_must_match_the_reward_functions(tmp_path):
+    with pytest.raises(ValueError, match="reward_processing_classes has 2 entries for 1"):
+        trainer_for(tmp_path, reward_processing_classes=[None, None])
+    with pytest.raises(ValueError, match="No reward functions"):
+        trainer_for(tmp_path, reward_funcs=None)
+
+
+def test_all_none_rewards_warn_like_trl(tmp_path):
+    def never(completions, **kwargs):
+        return [None] * len(completions)
+
+    trainer = trainer_for(tmp_path, reward_funcs=never, args=config(tmp_path, max_steps=1))
+    with pytest.warns(UserWarning, match="All reward functions returned None"):
+        trainer.train()
+
+
+def test_sequence_level_with_a_token_sum_warns(tmp_path):
+    with pytest.warns(UserWarning, match="weights each sequence by its length"):
+        trainer_for(tmp_path, args=config(tmp_path, importance_sampling_level="sequence", loss_type="dapo"))
+
+
+# ------------------------------------------------------------------ steps that straddle generation batches
+
+
+def test_an_optimizer_step_straddling_two_generation_batches_is_one_big_batch(tmp_path):
+    """steps_per_generation=3, gradient_accumulation_steps=2: the second optimizer step takes the last
+    micro-batch of generation 1 and the first of generation 2. With plain SGD (lr 1) its update is minus the
+    gradient, which must equal the gradient of one optimizer step on those two micro-batches joined (the DAPO
+    token count spans both)."""
+
+    def sgd_trainer(directory, model, **values):
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        args = config(directory, loss_type="dapo", beta=0.04, max_grad_norm=0.0, max_completion_length=4, **values)
+        return GRPOTrainer(model=model, reward_funcs=repeat_letter, args=args, train_dataset=letters(),
+                           processing_class=tokenizer, optimizers=(optimizer, schedule))  # fmt: skip
+
+    model, tokenizer = tiny()
+    trainer = sgd_trainer(tmp_path / "a", model, per_device_train_batch_size=4, steps_per_generation=3,
+                          gradient_accumulation_steps=2, max_steps=2)  # fmt: skip
+    windows, before = [], {}
+    original = trainer.optimizer_step
+
+    def observe(window):
+        windows.append(window)
+        before.update({k: v.detach().clone() for k, v in trainer.unwrapped_model.state_dict().items()})
+        return original(window)
+
+    trainer.optimizer_step = observe
+    trainer.train()
+    assert trainer.state.generations == 2 and [len(w) for w in windows] == [2, 2]
+    straddling = windows[1]
+    assert straddling[0].old_logprobs is not None  # trained after the policy moved: π_old kept
+    update = {k: v.detach() - before[k] for k, v in trainer.unwrapped_model.state_dict().items()}
+
+    joined = TrainBatch(**{f: None if getattr(straddling[0], f) is None else _cat(straddling, f)
+                           for f in TrainBatch.__dataclass_fields__})  # fmt: skip
+    fresh, _ = tiny()
+    fresh.load_state_dict(before)
+    single = sgd_trainer(tmp_path / "b", fresh, per_device_train_batch_size=8, max_steps=1)
+    single.optimizer_step([joined])
+    for name, value in single.unwrapped_model.state_dict().items():
+        expected = value - before[name]
+        scale = expected.abs().max().clamp(min=1e-12)
+        assert ((update[name] - expected).abs().max() / scale).item() < 1e-4, name
+    assert max(update[name].abs().max().item() for name in update) > 1e-6  # the step did move the weights
+
+
+def _cat(parts, field):
+    tensors = [getattr(p, field) for p in parts]
+    if tensors[0].dim() == 2 and tensors[0].shape[1] != tensors[1].shape[1]:  # completions: pad on the right
+        width = max(t.shape[1] for t in tensors)
+        tensors = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors]
+    return torch.cat(tensors)
