@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import warnings
 
@@ -9,6 +10,7 @@ import pytest
 
 from grpokit.cli import parse_train_args
 from grpokit.config import GRPOConfig
+from grpokit.logs import TRACKERS
 
 # ------------------------------------------------------------------------------------------------- defaults
 
@@ -54,7 +56,16 @@ def test_top_k_zero_means_no_top_k():
 def test_report_to_is_normalised_to_a_list():
     assert GRPOConfig(report_to="tensorboard").report_to == ["tensorboard"]
     assert GRPOConfig(report_to="none").report_to == []
-    assert GRPOConfig(report_to="all").report_to == ["tensorboard", "wandb"]
+    # 'all': every supported tracker that is installed (transformers' meaning), metrics.jsonl always.
+    installed = [name for name in TRACKERS if importlib.util.find_spec(TRACKERS[name].module)]
+    assert GRPOConfig(report_to="all").report_to == installed
+
+
+def test_unsupported_report_to_fails_naming_the_supported_trackers():
+    with pytest.raises(ValueError) as error:
+        GRPOConfig(report_to=["tensorboard", "comet_ml"])
+    message = str(error.value)
+    assert "['comet_ml']" in message and all(name in message for name in TRACKERS)
 
 
 # ------------------------------------------------------------------------------------------------ validation
@@ -153,7 +164,7 @@ def test_check_batch_counts_steps_per_generation():
 
 @pytest.mark.parametrize(
     "name, value",
-    [("use_vllm", True), ("torch_compile", True), ("optim", "sgd"), ("generation_kwargs", {"do_sample": False})],
+    [("use_vllm", True), ("torch_compile", True), ("push_to_hub", True), ("generation_kwargs", {"do_sample": False})],
 )
 def test_not_implemented_fields_warn_by_name(name, value):
     with pytest.warns(UserWarning) as record:
