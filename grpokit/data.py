@@ -35,14 +35,14 @@ def check_dataset(dataset, name: str = "train_dataset") -> None:
     """The errors a user can fix before any model is loaded."""
     if dataset is None:
         raise ValueError(f"{name} is None: pass a dataset with a 'prompt' column (or 'prompt_ids').")
+    if len(dataset) == 0:  # before the columns: an empty list has none to name
+        raise ValueError(f"{name} is empty: it has no rows to draw prompts from. Check the split and any filtering.")
     columns = dataset_columns(dataset)
     if not any(c in columns for c in PROMPT_COLUMNS):
         raise ValueError(
             f"{name} has no 'prompt' column (columns: {sorted(columns)}). Rename the column holding the prompts to "
             f"'prompt' (e.g. dataset.rename_column('question', 'prompt')), or give token ids in 'prompt_ids'."
         )
-    if len(dataset) == 0:
-        raise ValueError(f"{name} is empty: it has no rows to draw prompts from.")
 
 
 def dataset_columns(dataset) -> list[str]:
