@@ -9,11 +9,13 @@ from .advantages import group_advantages, process_advantages
 from .config import GRPOConfig
 from .evaluation import pass_at_k
 from .loss import chunked_token_logprobs, policy_loss, selective_log_softmax
+from .optim import build_optimizer
 from .trainer import GRPOTrainer
 
 __all__ = [
     "GRPOConfig",
     "GRPOTrainer",
+    "build_optimizer",
     "chunked_token_logprobs",
     "group_advantages",
     "pass_at_k",
