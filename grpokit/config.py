@@ -73,15 +73,15 @@ def _deprecated(default, message: str, moved_to: str | None = None):
 @dataclass
 class GRPOConfig:
     # ---- output, logging, checkpoints
-    output_dir: str | None = _f("grpo-output", "Where checkpoints, metrics.jsonl and the final model are written "
-                                               "(None: 'trainer_output', as in TRL).")
+    output_dir: str | None = _f(None, "Where checkpoints, metrics.jsonl and the final model are written (None: "
+                                     "'trainer_output', as in TRL).")
     run_name: str | None = _f(None, "Name of the run for trackers (default: the output directory's name).")
     logging_steps: float = _f(10, "Log metrics every N optimizer steps (a float < 1 is a fraction of all steps).")
     logging_first_step: bool = _f(True, "Also log the first step.")
     report_to: str | list | None = _f("none", f"Trackers besides metrics.jsonl: {', '.join(TRACKERS)}, a list of "
                                               f"them, 'all' (those installed) or 'none'.")
     project: str = _f("huggingface", "Trackio project the run is logged to (report_to='trackio').")
-    disable_tqdm: bool | None = _f(False, "Hide the progress bar (None: show it).")
+    disable_tqdm: bool | None = _f(None, "Hide the progress bar (None: show it).")
     save_strategy: str = _f("steps", "'steps' (every save_steps), 'epoch', or 'no'.")
     save_steps: float = _f(500, "Save a checkpoint every N optimizer steps (a float < 1 is a fraction).")
     save_total_limit: int | None = _f(None, "Keep at most this many checkpoints (the newest); None keeps all.")
@@ -106,7 +106,7 @@ class GRPOConfig:
     adam_epsilon: float = _f(1e-8, "Adam epsilon.")
     max_grad_norm: float = _f(1.0, "Clip the gradient to this global norm (0 or less: no clipping).")
     lr_scheduler_type: str = _f("linear", f"Learning-rate schedule: one of {', '.join(LR_SCHEDULERS)}.")
-    lr_scheduler_kwargs: dict | None = _f({}, "Extra arguments of the schedule (e.g. min_lr_rate).")
+    lr_scheduler_kwargs: dict | None = _f(None, "Extra arguments of the schedule (e.g. min_lr_rate).")
     warmup_steps: float = _f(0, "Linear warm-up over this many steps; a float in (0, 1) is a fraction of all steps.")
     seed: int = _f(42, "Seed of every random generator (data order, sampling, initialisation).")
     data_seed: int | None = _f(None, "Seed of the data order only (default: seed).")
@@ -130,13 +130,13 @@ class GRPOConfig:
 
     # ---- data and generation
     num_generations: int | None = _f(8, "G: completions sampled per prompt.")
-    max_completion_length: int | None = _f(256, "Stop a completion after this many tokens.")
+    max_completion_length: int | None = _f(512, "Stop a completion after this many tokens.")
     generation_batch_size: int | None = _f(None, "Completions per process per generation (default: "
                                                  "per_device_train_batch_size * steps_per_generation).")
     steps_per_generation: int | None = _f(None, "Micro-steps per generation (default: gradient_accumulation_steps).")
     temperature: float = _f(1.0, "Sampling temperature (also divides the logits of the training forward).")
     top_p: float = _f(1.0, "Nucleus sampling: keep the smallest set of tokens with this total probability.")
-    top_k: int | None = _f(None, "Keep only the k most likely tokens (None or 0: all).")
+    top_k: int | None = _f(0, "Keep only the k most likely tokens (None or 0: all).")
     min_p: float | None = _f(None, "Drop tokens less likely than min_p times the most likely one.")
     repetition_penalty: float = _f(1.0, "CTRL repetition penalty on tokens already in the prompt/completion.")
     chat_template_kwargs: dict | None = _f(None, "Extra arguments of tokenizer.apply_chat_template.")
@@ -343,7 +343,7 @@ class GRPOConfig:
     transformers_continuous_batching_config: dict | None = _no_effect(None, "only read with "
                                                                             "use_transformers_continuous_batching "
                                                                             "(not implemented; warned there).")
-    vllm_mode: str = _no_effect("server", "only read with use_vllm (not implemented; warned there).")
+    vllm_mode: str = _no_effect("colocate", "only read with use_vllm (not implemented; warned there).")
     vllm_model_impl: str = _no_effect("vllm", "only read with use_vllm (not implemented; warned there).")
     vllm_enable_sleep_mode: bool = _no_effect(False, "only read with use_vllm (not implemented; warned there).")
     vllm_structured_outputs_regex: str | None = _no_effect(None, "only read with use_vllm (not implemented; warned "

@@ -26,7 +26,8 @@ def test_defaults_match_trl():
     assert config.importance_sampling_level == "token"
     assert config.num_iterations == 1
     assert config.temperature == 1.0 and config.top_p == 1.0 and config.top_k is None
-    assert config.max_completion_length == 256
+    assert config.max_completion_length == 512
+    assert config.output_dir == "trainer_output" and config.disable_tqdm is False and config.top_k is None
     assert config.learning_rate == 1e-6
     assert config.mask_truncated_completions is False
     assert config.report_to == []
