@@ -51,6 +51,8 @@ def _coerce(name: str, value):
         if numbers:
             raise ValueError(f"--{name} takes a number, not {value!r}.")
         return value
+    if isinstance(value, bool) and "bool" not in types and "str" in types and not value:
+        return "no"  # YAML 1.1 reads `save_strategy: no` as False
     if value is None or isinstance(value, bool):
         return value
     if numbers == ["float"] and isinstance(value, int):
@@ -106,7 +108,10 @@ def parse_train_args(argv: list[str]) -> tuple[dict, dict]:
     if unknown:
         raise ValueError(f"Unknown key(s) in the config file: {unknown}. `grpokit train --help` lists the fields.")
     for name in fields & set(namespace):
-        values[name] = _parse_value(namespace[name]) if isinstance(namespace[name], str) else namespace[name]
+        raw = namespace[name]
+        values[name] = _parse_value(raw) if isinstance(raw, str) else raw
+        if isinstance(values[name], bool) and "bool" not in _field_types(name) and "str" in _field_types(name):
+            values[name] = raw  # YAML 1.1 reads `--eval_strategy no` as False; the field wants the word
     return run, {name: _coerce(name, value) for name, value in values.items()}
 
 

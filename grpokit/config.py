@@ -414,6 +414,8 @@ class GRPOConfig:
             value = getattr(self, name)
             if isinstance(value, float) and value >= 1 and value.is_integer():
                 setattr(self, name, int(value))  # as transformers does: 10.0 steps is 10
+        if isinstance(self.include_num_input_tokens_seen, bool):  # transformers' spelling
+            self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
         if isinstance(self.report_to, str):
             self.report_to = [] if self.report_to in ("none", "") else [self.report_to]
         self.report_to = list(self.report_to or [])

@@ -259,6 +259,10 @@ def test_yaml_exponent_floats_are_coerced(tmp_path):
         (["--num_train_epochs", "2"], "num_train_epochs", 2.0),
         (["--loss_type", "dr_grpo"], "loss_type", "dr_grpo"),
         (["--lr_scheduler_kwargs", "{min_lr_rate: 0.1}"], "lr_scheduler_kwargs", {"min_lr_rate": 0.1}),
+        (["--save_strategy", "no"], "save_strategy", "no"),  # not YAML's False
+        (["--logging_steps", "5"], "logging_steps", 5.0),
+        (["--run_name", "2024"], "run_name", "2024"),
+        (["--warmup_steps", "0.1"], "warmup_steps", 0.1),
     ],
 )
 def test_flag_values_are_parsed_and_coerced(argv, name, expected):
@@ -276,6 +280,16 @@ def test_exponent_floats_are_coerced_for_fields_that_default_to_none(tmp_path, n
     for values in (from_flag, from_file):
         assert values == {name: expected} and type(values[name]) is float
         assert getattr(GRPOConfig(**values), name) == expected
+
+
+def test_yaml_no_is_the_word_for_string_fields(tmp_path):
+    _, values = parse_train_args([write_yaml(tmp_path, "save_strategy: no\neval_strategy: no\n")])
+    assert values == {"save_strategy": "no", "eval_strategy": "no"}
+
+
+def test_number_flag_rejects_words():
+    with pytest.raises(ValueError, match="--max_steps takes a number, not 'many'"):
+        parse_train_args(["--max_steps", "many"])
 
 
 def test_scale_rewards_none_flag_stays_the_string_none():
