@@ -12,6 +12,7 @@ from .evaluation import pass_at_k
 from .logprobs import chunked_token_logprobs, selective_log_softmax, token_logprobs
 from .loss import policy_loss
 from .rollout import HFEngine, PromptBatch, Rollout, RolloutEngine, SamplingParams, ScriptedEngine
+from .optim import build_optimizer
 from .trainer import GRPOTrainer
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "SamplingParams",
     "ScriptedEngine",
     "TrainBatch",
+    "build_optimizer",
     "chunked_token_logprobs",
     "group_advantages",
     "pass_at_k",

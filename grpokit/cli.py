@@ -26,36 +26,41 @@ def _parse_value(raw: str):
     return yaml.safe_load(raw)
 
 
+def _field_types(name: str) -> set[str]:
+    """The types a field's annotation allows, by name: `float | None` -> {'float', 'None'}."""
+    return {part.strip() for part in str(GRPOConfig.__dataclass_fields__[name].type).split("|")}
+
+
 def _coerce(name: str, value):
-    """Match the type of the field's default (YAML reads `1e-3` as a string, `2` as an int, ...)."""
-    spec = GRPOConfig.__dataclass_fields__[name]
-    default, annotation = spec.default, str(spec.type)
-    if isinstance(value, str) and value in ("none", "None") and "str" not in annotation and annotation != "Any":
-        return None  # `--top_k none`; but `--scale_rewards none` stays the string 'none'
-    if default is None and isinstance(value, str):
-        # YAML reads 5e-2 as a string; numeric fields whose default is None still want a number.
-        for kind in ("int", "float"):
-            if kind in annotation:
-                try:
-                    return int(value) if kind == "int" else float(value)
-                except ValueError:
-                    pass
-        return value
-    if value is None or default is dataclasses.MISSING or default is None:
-        return value
-    if isinstance(default, bool):
-        if isinstance(value, str):
-            value = value.lower()
-            if value not in ("true", "false", "1", "0", "yes", "no"):
+    """Give a flag's or a YAML file's value the type of the field's annotation (YAML reads `1e-3` as a string,
+    `2` as an int where a float is wanted, `none` as a string)."""
+    types = _field_types(name)
+    numbers = [kind for kind in ("int", "float") if kind in types]
+    if isinstance(value, str) and "str" not in types:
+        if value in ("none", "None") and "None" in types:
+            return None  # `--top_k none`; but `--scale_rewards none` stays the string 'none'
+        if "bool" in types:
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
                 raise ValueError(f"--{name} takes true or false, not {value!r}.")
-            return value in ("true", "1", "yes")
-        return bool(value)
-    if isinstance(default, float) and isinstance(value, (int, str)):
+            return value.lower() in ("true", "1", "yes")
+        for kind in numbers:  # int first: `--save_steps 50` stays an int where int is allowed
+            try:
+                return int(value) if kind == "int" else float(value)
+            except ValueError:
+                pass
+        if numbers:
+            raise ValueError(f"--{name} takes a number, not {value!r}.")
+        return value
+    if isinstance(value, bool) and "bool" not in types and "str" in types and not value:
+        return "no"  # YAML 1.1 reads `save_strategy: no` as False
+    if value is None or isinstance(value, bool):
+        return value
+    if numbers == ["float"] and isinstance(value, int):
         return float(value)
-    if isinstance(default, int) and isinstance(value, float) and value.is_integer():
+    if numbers == ["int"] and isinstance(value, float) and value.is_integer():
         return int(value)
-    if isinstance(default, int) and isinstance(value, str):
-        return int(value)
+    if types <= {"str", "None"} and isinstance(value, (int, float)):
+        return str(value)  # `--run_name 2024`
     return value
 
 
@@ -103,7 +108,10 @@ def parse_train_args(argv: list[str]) -> tuple[dict, dict]:
     if unknown:
         raise ValueError(f"Unknown key(s) in the config file: {unknown}. `grpokit train --help` lists the fields.")
     for name in fields & set(namespace):
-        values[name] = _parse_value(namespace[name]) if isinstance(namespace[name], str) else namespace[name]
+        raw = namespace[name]
+        values[name] = _parse_value(raw) if isinstance(raw, str) else raw
+        if isinstance(values[name], bool) and "bool" not in _field_types(name) and "str" in _field_types(name):
+            values[name] = raw  # YAML 1.1 reads `--eval_strategy no` as False; the field wants the word
     return run, {name: _coerce(name, value) for name, value in values.items()}
 
 
@@ -144,7 +152,8 @@ def report_command(argv: list[str]) -> int:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise SystemExit("grpokit report draws its plots with matplotlib: pip install 'grpokit[report]'") from None
+        raise SystemExit("grpokit report draws its plots with matplotlib, a dependency of grpokit that is missing "
+                         "here: pip install matplotlib") from None
     from .report import write_report
 
     path = write_report(options.output_dirs, Path(options.out) if options.out else None)

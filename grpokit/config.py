@@ -1,43 +1,87 @@
 """GRPOConfig: the one place where a run's configuration lives.
 
-Field names follow `trl.GRPOConfig` (and the `transformers.TrainingArguments` fields TRL users pass), so a TRL
-script runs with only its import changed. YAML files and CLI flags load into this dataclass; every cross-field
-check lives in `validate()`, with messages that say how to fix the value. Fields accepted for compatibility but
-not implemented warn by name when set to anything but their default.
+Every field of TRL 1.16's `trl.GRPOConfig` (its own and the `transformers.TrainingArguments` fields it inherits,
+listed with their defaults in `grpokit/trl_fields.json`) is a field here with TRL's name, so a TRL script runs with
+only its import changed. Each field is one of four kinds, told by how it is declared:
+
+- `_f`: implemented by grpokit;
+- `_not_implemented`: accepted, but grpokit does not do what TRL does with it; a value other than the default warns
+  once, by name, saying what TRL does with it and what to use in grpokit instead (`NOT_IMPLEMENTED`);
+- `_no_effect`: accepted, and nothing needs doing: it does not change what a GRPO run computes, or grpokit always does
+  what it asks (`NO_EFFECT`, with the reason);
+- `_deprecated`: an older grpokit name that TRL 1.16 / transformers 5 dropped or renamed; it keeps working and warns
+  (FutureWarning) naming the replacement (`DEPRECATED`).
+
+YAML files and CLI flags load into this dataclass (the annotations drive the CLI's type coercion); every
+cross-field check lives in `validate()`, with messages that say how to fix the value.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import importlib.util
 import json
 import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .advantages import SCALE_REWARDS
+from .logs import TRACKERS
 from .loss import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS
 
-LR_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr")
+if TYPE_CHECKING:
+    from accelerate.parallelism_config import ParallelismConfig
+
+# transformers' schedules that need no metric; extra arguments go in lr_scheduler_kwargs (name -> required keys,
+# any one of which will do).
+LR_SCHEDULERS = {
+    "linear": (), "cosine": (), "cosine_with_restarts": (), "polynomial": (), "constant": (),
+    "constant_with_warmup": (), "inverse_sqrt": (), "cosine_with_min_lr": ("min_lr", "min_lr_rate"),
+    "cosine_warmup_with_min_lr": ("min_lr", "min_lr_rate"), "warmup_stable_decay": ("num_decay_steps",),
+}  # fmt: skip
+
+NOT_IMPLEMENTED_KIND, NO_EFFECT_KIND, DEPRECATED_KIND = "not implemented", "no effect", "deprecated"
 
 
-def _f(default, help: str, **kwargs):
+def _field(default, help: str, metadata: dict):
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kwargs)
-    return field(default=default, metadata={"help": help}, **kwargs)
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **metadata})
+    return field(default=default, metadata={"help": help, **metadata})
+
+
+def _f(default, help: str):
+    return _field(default, help, {})
+
+
+def _not_implemented(default, message: str):
+    return _field(default, f"Not implemented. {message}", {"kind": NOT_IMPLEMENTED_KIND, "message": message})
+
+
+def _no_effect(default, reason: str):
+    return _field(default, f"Accepted, no effect: {reason}", {"kind": NO_EFFECT_KIND, "message": reason})
+
+
+def _deprecated(default, message: str, moved_to: str | None = None):
+    """`moved_to`: the field that takes the value over (a plain rename)."""
+    return _field(default, f"Deprecated: {message}", {"kind": DEPRECATED_KIND, "message": message,
+                                                      "moved_to": moved_to})  # fmt: skip
 
 
 @dataclass
 class GRPOConfig:
     # ---- output, logging, checkpoints
-    output_dir: str = _f("grpo-output", "Where checkpoints, metrics.jsonl and the final model are written.")
+    output_dir: str | None = _f(None, "Where checkpoints, metrics.jsonl and the final model are written (None: "
+                                     "'trainer_output', as in TRL).")
     run_name: str | None = _f(None, "Name of the run for trackers (default: the output directory's name).")
     logging_steps: float = _f(10, "Log metrics every N optimizer steps (a float < 1 is a fraction of all steps).")
     logging_first_step: bool = _f(True, "Also log the first step.")
-    report_to: Any = _f("none", "Trackers besides metrics.jsonl: 'tensorboard', 'wandb', a list, 'all' or 'none'.")
-    logging_dir: str | None = _f(None, "TensorBoard directory (default: output_dir/runs).")
-    disable_tqdm: bool = _f(False, "Hide the progress bar.")
+    report_to: str | list | None = _f("none", f"Trackers besides metrics.jsonl: {', '.join(TRACKERS)}, a list of "
+                                              f"them, 'all' (those installed) or 'none'.")
+    project: str = _f("huggingface", "Trackio project the run is logged to (report_to='trackio').")
+    disable_tqdm: bool | None = _f(None, "Hide the progress bar (None: show it).")
     save_strategy: str = _f("steps", "'steps' (every save_steps), 'epoch', or 'no'.")
     save_steps: float = _f(500, "Save a checkpoint every N optimizer steps (a float < 1 is a fraction).")
     save_total_limit: int | None = _f(None, "Keep at most this many checkpoints (the newest); None keeps all.")
@@ -51,44 +95,50 @@ class GRPOConfig:
     gradient_accumulation_steps: int = _f(1, "Micro-steps accumulated into one optimizer step.")
     num_train_epochs: float = _f(3.0, "Passes over the prompts (ignored when max_steps > 0).")
     max_steps: int = _f(-1, "Total optimizer steps; overrides num_train_epochs when > 0.")
-    learning_rate: float = _f(1e-6, "Peak AdamW learning rate.")
-    weight_decay: float = _f(0.0, "AdamW weight decay.")
-    adam_beta1: float = _f(0.9, "AdamW beta1.")
-    adam_beta2: float = _f(0.999, "AdamW beta2.")
-    adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
+    learning_rate: float = _f(1e-6, "Peak learning rate.")
+    optim: str = _f("adamw_torch", "Optimizer, by transformers' name (adamw_torch, adamw_torch_fused, adafactor, sgd, "
+                                   "adamw_8bit, ...): grpokit.optim.build_optimizer.")
+    optim_args: str | None = _f(None, "Extra optimizer arguments as 'key=value,key=value' (transformers' format).")
+    optim_target_modules: str | list | None = _f(None, "Modules that GaLore / APOLLO optimizers project.")
+    weight_decay: float = _f(0.0, "Weight decay (not applied to biases and norm weights, as in transformers).")
+    adam_beta1: float = _f(0.9, "Adam beta1.")
+    adam_beta2: float = _f(0.999, "Adam beta2.")
+    adam_epsilon: float = _f(1e-8, "Adam epsilon.")
     max_grad_norm: float = _f(1.0, "Clip the gradient to this global norm (0 or less: no clipping).")
     lr_scheduler_type: str = _f("linear", f"Learning-rate schedule: one of {', '.join(LR_SCHEDULERS)}.")
-    lr_scheduler_kwargs: dict = _f({}, "Extra arguments of the schedule (e.g. min_lr_rate).")
-    warmup_ratio: float = _f(0.0, "Linear warm-up over this fraction of the steps.")
-    warmup_steps: int = _f(0, "Linear warm-up over this many steps (overrides warmup_ratio).")
+    lr_scheduler_kwargs: dict | None = _f(None, "Extra arguments of the schedule (e.g. min_lr_rate).")
+    warmup_steps: float = _f(0, "Linear warm-up over this many steps; a float in (0, 1) is a fraction of all steps.")
     seed: int = _f(42, "Seed of every random generator (data order, sampling, initialisation).")
     data_seed: int | None = _f(None, "Seed of the data order only (default: seed).")
-    bf16: bool = _f(False, "bfloat16 autocast for forward passes (weights and optimizer stay float32).")
+    bf16: bool | None = _f(False, "bfloat16 autocast for forward passes (weights and optimizer stay float32). "
+                                  "None: on unless fp16 (TRL's meaning).")
     fp16: bool = _f(False, "float16 autocast with loss scaling (GPU).")
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass to save memory.")
     gradient_checkpointing_kwargs: dict | None = _f(None, "Passed to model.gradient_checkpointing_enable.")
+    activation_checkpointing: bool | None = _f(None, "transformers 5's name for gradient_checkpointing (wins when "
+                                                     "set).")
+    activation_checkpointing_kwargs: dict | None = _f(None, "transformers 5's name for gradient_checkpointing_kwargs "
+                                                            "(wins when set).")
     use_cpu: bool = _f(False, "Train on the CPU even when a GPU is present.")
-    shuffle_dataset: bool = _f(True, "Shuffle the prompts each epoch.")
-    dataloader_drop_last: bool = _f(False, "Accepted for compatibility: prompts stream across epochs.")
+    shuffle_dataset: bool | None = _f(True, "Shuffle the prompts each epoch.")
+    auto_find_batch_size: bool = _f(False, "Refused, as in TRL: halving the batch on out-of-memory would break the "
+                                           "groups of num_generations.")
 
     # ---- model
     model_init_kwargs: dict | None = _f(None, "Keyword arguments of from_pretrained when model is a path / id.")
     disable_dropout: bool = _f(True, "Turn dropout off so that sampling and training see the same policy.")
 
     # ---- data and generation
-    remove_unused_columns: bool = _f(False, "Accepted for compatibility; every column reaches the rewards.")
-    max_prompt_length: int | None = _f(512, "Keep the last N prompt tokens (left truncation); None keeps all.")
-    num_generations: int = _f(8, "G: completions sampled per prompt.")
-    max_completion_length: int = _f(256, "Stop a completion after this many tokens.")
+    num_generations: int | None = _f(8, "G: completions sampled per prompt.")
+    max_completion_length: int | None = _f(512, "Stop a completion after this many tokens.")
     generation_batch_size: int | None = _f(None, "Completions per process per generation (default: "
                                                  "per_device_train_batch_size * steps_per_generation).")
     steps_per_generation: int | None = _f(None, "Micro-steps per generation (default: gradient_accumulation_steps).")
     temperature: float = _f(1.0, "Sampling temperature (also divides the logits of the training forward).")
     top_p: float = _f(1.0, "Nucleus sampling: keep the smallest set of tokens with this total probability.")
-    top_k: int | None = _f(None, "Keep only the k most likely tokens (None or 0: all).")
+    top_k: int | None = _f(0, "Keep only the k most likely tokens (None or 0: all).")
     min_p: float | None = _f(None, "Drop tokens less likely than min_p times the most likely one.")
     repetition_penalty: float = _f(1.0, "CTRL repetition penalty on tokens already in the prompt/completion.")
-    generation_kwargs: dict | None = _f(None, "Accepted for compatibility; use the named sampling fields.")
     chat_template_kwargs: dict | None = _f(None, "Extra arguments of tokenizer.apply_chat_template.")
 
     # ---- the objective
@@ -99,7 +149,7 @@ class GRPOConfig:
     delta: float | None = _f(None, "Two-sided clipping: cap the unclipped ratio at delta (> 1 + epsilon).")
     importance_sampling_level: str = _f("token", "'token' ratios (GRPO) or one 'sequence' ratio (GSPO).")
     reward_weights: list | None = _f(None, "Weight of each reward function (default: all 1).")
-    scale_rewards: Any = _f("group", "Divide advantages by the std of the 'group', the 'batch', or 'none'.")
+    scale_rewards: str | bool = _f("group", "Divide advantages by the std of the 'group', the 'batch', or 'none'.")
     loss_type: str = _f("dapo", f"Token aggregation: one of {', '.join(AGGREGATIONS)}.")
     mask_truncated_completions: bool = _f(False, "Exclude completions that hit max_completion_length from the loss.")
     sync_ref_model: bool = _f(False, "Move the reference towards the policy every ref_model_sync_steps.")
@@ -107,21 +157,8 @@ class GRPOConfig:
     ref_model_sync_steps: int = _f(512, "Optimizer steps between reference syncs.")
     top_entropy_quantile: float = _f(1.0, "Keep only tokens above this entropy quantile in the policy loss.")
     entropy_coef: float = _f(0.0, "Entropy bonus coefficient (subtracted from the loss).")
-    reward_fn_errors: str = _f("raise", "A reward function that raises: 'raise' (named) or 'none' (count as None).")
-    dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose rewards are all equal and sample "
-                                       "more prompts until the batch is full.")
-    max_resample_rounds: int = _f(4, "Dynamic sampling: extra sampling rounds per batch at most (then zero-spread "
-                                     "groups fill what is missing, counted in dynamic_sampling/filled_groups).")
-    reward_routing_column: str = _f("reward_funcs", "Dataset column listing, per row, the names of the reward "
-                                                    "functions that apply to it (the others count as None).")
-    step_separator: Any = _f("\n", "Where process rewards cut a completion into steps (a token id for models "
-                                   "without a tokenizer).")
-    save_merged: bool = _f(False, "With LoRA, save_model also writes the adapter merged into full weights "
-                                  "(in <dir>/merged).")
-    max_nonfinite_steps: int = _f(3, "Stop after this many optimizer steps in a row whose loss or gradient is "
-                                     "NaN/inf (each such step is skipped and counted in `nonfinite_steps`).")
 
-    # ---- evaluation and reward-hacking signals
+    # ---- evaluation
     eval_strategy: str = _f("no", "'steps': evaluate on eval_dataset every eval_steps optimizer steps; 'no': never.")
     eval_steps: float | None = _f(None, "Evaluate every N optimizer steps (a float < 1 is a fraction; default: "
                                         "logging_steps).")
@@ -129,41 +166,301 @@ class GRPOConfig:
                                             "num_generations_eval, at least one).")
     num_generations_eval: int | None = _f(None, "Completions sampled per eval prompt, n of pass@k (default: "
                                                 "num_generations).")
+
+    # ---- grpokit's own (not in TRL)
+    reward_fn_errors: str = _f("raise", "A reward function that raises: 'raise' (named) or 'none' (count as None).")
+    dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose rewards are all equal and sample "
+                                       "more prompts until the batch is full.")
+    max_resample_rounds: int = _f(4, "Dynamic sampling: extra sampling rounds per batch at most (then zero-spread "
+                                     "groups fill what is missing, counted in dynamic_sampling/filled_groups).")
+    reward_routing_column: str = _f("reward_funcs", "Dataset column listing, per row, the names of the reward "
+                                                    "functions that apply to it (the others count as None).")
+    step_separator: str | int = _f("\n", "Where process rewards cut a completion into steps (a token id for models "
+                                         "without a tokenizer).")
+    save_merged: bool = _f(False, "With LoRA, save_model also writes the adapter merged into full weights "
+                                  "(in <dir>/merged).")
+    max_nonfinite_steps: int = _f(3, "Stop after this many optimizer steps in a row whose loss or gradient is "
+                                     "NaN/inf (each such step is skipped and counted in `nonfinite_steps`).")
     pass_threshold: float = _f(1.0, "A completion passes a reward function (for pass@k) when its reward >= this.")
     guard_metric: str | None = _f(None, "Warn when the reward rises while this metric falls (e.g. "
                                         "'rewards/format/mean', 'completions/mean_length'); None: off.")
     guard_window: int = _f(5, "Logging steps over which guard_metric's trend is compared with the reward's.")
 
-    # ---- accepted for compatibility with TRL / transformers, not implemented (warned when set)
-    use_vllm: bool = _f(False, "Not implemented: grpokit samples with its own KV-cached loop.")
-    vllm_mode: str = _f("server", "Not implemented (vLLM).")
-    vllm_gpu_memory_utilization: float = _f(0.3, "Not implemented (vLLM).")
-    use_liger_loss: bool = _f(False, "Not implemented (Liger kernels).")
-    push_to_hub: bool = _f(False, "Not implemented: no network access is assumed.")
-    hub_model_id: str | None = _f(None, "Not implemented (Hub).")
-    optim: str = _f("adamw_torch", "Only AdamW ('adamw_torch') is implemented.")
-    torch_compile: bool = _f(False, "Not implemented.")
-    label_smoothing_factor: float = _f(0.0, "Not applicable to GRPO.")
-    wandb_log_unique_prompts: bool = _f(False, "Not implemented.")
-    ds3_gather_for_generation: bool = _f(True, "Not implemented (DeepSpeed ZeRO-3 generation).")
-    deepspeed: Any = _f(None, "Not implemented here: configure DeepSpeed through `accelerate launch`.")
-    fsdp: Any = _f("", "Not implemented here: configure FSDP through `accelerate launch`.")
-    dataloader_num_workers: int = _f(0, "Not implemented: prompts are read in the main process.")
-    overwrite_output_dir: bool = _f(False, "Accepted for compatibility; output_dir is always reused.")
-    do_train: bool = _f(False, "Accepted for compatibility; train() always trains.")
+    # ---- accepted, not implemented: a value other than the default warns (what TRL does; what to use instead)
+    use_vllm: bool = _not_implemented(False, "TRL samples with vLLM; grpokit samples with its own KV-cached loop "
+                                             "(no vLLM needed).")
+    use_transformers_continuous_batching: bool = _not_implemented(False, "TRL samples with transformers' continuous "
+                                                                         "batching; grpokit uses its own sampler.")
+    use_transformers_paged: bool = _not_implemented(False, "TRL's deprecated spelling of "
+                                                           "use_transformers_continuous_batching; grpokit uses its "
+                                                           "own sampler.")
+    cache_implementation: str | None = _not_implemented(None, "TRL picks generate()'s KV-cache class; grpokit's "
+                                                              "sampler has its own preallocated cache.")
+    generation_kwargs: dict | None = _not_implemented(None, "TRL passes these to generate() / vLLM; use the named "
+                                                            "sampling fields (temperature, top_p, top_k, min_p, "
+                                                            "repetition_penalty).")
+    max_tool_calling_iterations: int | None = _not_implemented(None, "TRL caps tool-calling turns of an agent "
+                                                                     "(GRPOTrainer(tools=...)); grpokit has no tool "
+                                                                     "calling.")
+    multi_objective_aggregation: str = _not_implemented("sum_then_normalize", "TRL can normalise each reward before "
+                                                                              "summing ('normalize_then_sum'); "
+                                                                              "grpokit sums the weighted rewards, "
+                                                                              "then normalises.")
+    use_adaptive_entropy: bool = _not_implemented(False, "TRL adapts entropy_coef towards entropy_target "
+                                                         "(Skywork-OR1); grpokit keeps entropy_coef fixed.")
+    off_policy_mask_threshold: float | None = _not_implemented(None, "TRL masks negative-advantage sequences that "
+                                                                     "drifted off-policy (DeepSeek-V3.2); use "
+                                                                     "delta or epsilon to bound the ratio.")
+    use_bias_correction_kl: bool = _not_implemented(False, "TRL (default True) multiplies the KL term by the "
+                                                           "importance ratio (DeepSeek-V3.2); grpokit's KL is the "
+                                                           "plain k3 estimate, TRL's use_bias_correction_kl=False.")
+    router_aux_loss_coef: float | None = _not_implemented(None, "TRL adds an MoE load-balancing loss; grpokit's "
+                                                                "loss has none.")
+    cast_lm_head_to_fp32: bool = _not_implemented(False, "TRL casts the LM head to float32; grpokit keeps the "
+                                                         "head's dtype and computes log-probs in float32.")
+    trust_remote_code: bool = _not_implemented(False, "TRL loads custom model/tokenizer code; pass "
+                                                      "model_init_kwargs={'trust_remote_code': True} (model only), "
+                                                      "or load the model and tokenizer yourself.")
+    use_liger_kernel: bool = _not_implemented(False, "TRL patches the model with Liger kernels; grpokit's chunked LM "
+                                                     "head already avoids full-vocabulary logits.")
+    liger_kernel_config: dict | None = _not_implemented(None, "Liger kernel options (see use_liger_kernel).")
+    torch_compile: bool = _not_implemented(False, "TRL compiles the model with torch.compile; grpokit runs eagerly.")
+    torch_compile_backend: str | None = _not_implemented(None, "torch.compile backend (see torch_compile).")
+    torch_compile_mode: str | None = _not_implemented(None, "torch.compile mode (see torch_compile).")
+    neftune_noise_alpha: float | None = _not_implemented(None, "TRL adds NEFTune noise to the embeddings (an SFT "
+                                                               "technique); grpokit does not.")
+    bf16_full_eval: bool = _not_implemented(False, "TRL evaluates in pure bfloat16; grpokit evaluates with the "
+                                                   "training precision (set bf16).")
+    fp16_full_eval: bool = _not_implemented(False, "TRL evaluates in pure float16; grpokit evaluates with the "
+                                                   "training precision (set fp16).")
+    logging_strategy: str = _not_implemented("steps", "TRL can log each epoch ('epoch') or never ('no'); grpokit "
+                                                      "logs every logging_steps ('steps').")
+    log_level: str = _not_implemented("passive", "TRL sets transformers' logging level; call "
+                                                 "transformers.logging.set_verbosity_info() (etc.) yourself.")
+    log_level_replica: str = _not_implemented("warning", "TRL sets the logging level of non-main processes; call "
+                                                         "transformers.logging.set_verbosity_* yourself.")
+    log_unique_prompts: bool = _not_implemented(False, "TRL logs each prompt once in the completions table; grpokit "
+                                                       "logs every sampled completion.")
+    log_completions_hub_repo: str | None = _not_implemented(None, "TRL uploads completions to a Hub dataset; "
+                                                                  "grpokit writes completions.jsonl in output_dir.")
+    trackio_space_id: str | None = _not_implemented(None, "TRL logs to a Trackio Space on the Hub; grpokit logs to "
+                                                          "Trackio locally (trackio sync to upload).")
+    trackio_bucket_id: str | None = _not_implemented(None, "Hub bucket of a Trackio Space; grpokit logs to Trackio "
+                                                           "locally.")
+    trackio_static_space_id: str | bool | None = _not_implemented(None, "TRL publishes a static Trackio Space; "
+                                                                        "grpokit logs to Trackio locally.")
+    eval_delay: float = _not_implemented(0, "TRL skips evaluations before this step/epoch; grpokit evaluates every "
+                                            "eval_steps from the start.")
+    eval_on_start: bool = _not_implemented(False, "TRL evaluates before the first step; call trainer.evaluate() "
+                                                  "before trainer.train().")
+    load_best_model_at_end: bool = _not_implemented(False, "TRL reloads the best checkpoint at the end; pick a "
+                                                           "checkpoint-<step> from eval results yourself.")
+    metric_for_best_model: str | None = _not_implemented(None, "TRL's metric for the best checkpoint (see "
+                                                               "load_best_model_at_end).")
+    greater_is_better: bool | None = _not_implemented(None, "Direction of metric_for_best_model (see "
+                                                            "load_best_model_at_end).")
+    save_on_each_node: bool = _not_implemented(False, "TRL saves on every node; grpokit saves from the main process: "
+                                                      "put output_dir on storage all nodes share.")
+    enable_jit_checkpoint: bool = _not_implemented(False, "TRL checkpoints on SIGTERM; grpokit's checkpoints are "
+                                                          "atomic: resume from the last one (save_steps).")
+    ignore_data_skip: bool = _not_implemented(False, "With True, TRL restarts the data order on resume; grpokit "
+                                                     "always resumes the prompt order where it stopped.")
+    full_determinism: bool = _not_implemented(False, "TRL turns on deterministic kernels; call "
+                                                     "transformers.enable_full_determinism(seed) before training.")
+    push_to_hub: bool = _not_implemented(False, "TRL uploads the model to the Hub; upload output_dir with "
+                                                "huggingface_hub.upload_folder after training.")
+    accelerator_config: dict | str | None = _not_implemented(None, "TRL's accelerate options; configure accelerate "
+                                                                   "with `accelerate config` / `accelerate launch`.")
+    parallelism_config: ParallelismConfig | None = _not_implemented(None, "TRL's tensor/context parallelism; grpokit "
+                                                                          "runs DDP, FSDP2 or ZeRO through "
+                                                                          "accelerate launch.")
+    deepspeed: dict | str | None = _not_implemented(None, "TRL reads a DeepSpeed config; pass it to `accelerate "
+                                                          "launch` (examples/accelerate).")
+    fsdp: str | None = _not_implemented(None, "TRL sets up FSDP from this; use `accelerate launch` with "
+                                              "examples/accelerate/fsdp2.yaml.")
+    fsdp_config: dict | str | None = _not_implemented(None, "FSDP options; put them in the accelerate config "
+                                                            "(examples/accelerate/fsdp2.yaml).")
+    ddp_backend: str | None = _not_implemented(None, "TRL picks the process-group backend; accelerate picks nccl "
+                                                     "(GPU) or gloo (CPU).")
+    ddp_find_unused_parameters: bool | None = _not_implemented(None, "DDP option; grpokit uses accelerate's DDP "
+                                                                     "defaults.")
+    ddp_bucket_cap_mb: int | None = _not_implemented(None, "DDP option; grpokit uses accelerate's DDP defaults.")
+    ddp_broadcast_buffers: bool | None = _not_implemented(None, "DDP option; grpokit uses accelerate's DDP "
+                                                                "defaults.")
+    ddp_static_graph: bool | None = _not_implemented(None, "DDP option; grpokit uses accelerate's DDP defaults.")
+    debug: str | list = _not_implemented("", "TRL's underflow/overflow and TPU debugging; not available in grpokit.")
 
-    NOT_IMPLEMENTED = (
-        "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization", "use_liger_loss", "push_to_hub", "hub_model_id",
-        "optim", "torch_compile", "label_smoothing_factor", "wandb_log_unique_prompts", "ds3_gather_for_generation",
-        "deepspeed", "fsdp", "dataloader_num_workers", "generation_kwargs",
-    )  # fmt: skip
+    # ---- accepted, no effect needed (why)
+    do_train: bool = _no_effect(False, "read by training scripts, not by the trainer; train() always trains.")
+    do_eval: bool = _no_effect(False, "read by scripts, not by the trainer; eval_strategy decides evaluation.")
+    do_predict: bool = _no_effect(False, "read by scripts, not by the trainer.")
+    local_rank: int = _no_effect(-1, "the launcher's rank; accelerate reads it from the environment.")
+    remove_unused_columns: bool | None = _no_effect(False, "every column reaches the reward functions.")
+    dataloader_drop_last: bool = _no_effect(False, "prompts stream across epochs, so no batch is ever short.")
+    dataloader_num_workers: int = _no_effect(0, "prompts are read in the main process (no DataLoader).")
+    dataloader_pin_memory: bool = _no_effect(True, "prompts are read in the main process (no DataLoader).")
+    dataloader_persistent_workers: bool = _no_effect(False, "prompts are read in the main process (no DataLoader).")
+    dataloader_prefetch_factor: int | None = _no_effect(None, "prompts are read in the main process (no DataLoader).")
+    dataloader_multiprocessing_context: str | None = _no_effect(None, "prompts are read in the main process (no "
+                                                                      "DataLoader).")
+    dataloader_in_order: bool = _no_effect(True, "prompts are read in the main process, in order.")
+    train_sampling_strategy: str = _no_effect("random", "TRL's GRPO ignores it too (its own prompt sampler); use "
+                                                        "shuffle_dataset.")
+    length_column_name: str = _no_effect("length", "only read by group_by_length sampling, which GRPO does not use.")
+    label_names: list | None = _no_effect(None, "GRPO has no labels.")
+    label_smoothing_factor: float = _no_effect(0.0, "a term of supervised losses; GRPO has none.")
+    prediction_loss_only: bool = _no_effect(False, "for Trainer.predict; GRPO evaluation returns rewards.")
+    eval_do_concat_batches: bool = _no_effect(True, "for compute_metrics, which GRPO evaluation does not use.")
+    eval_use_gather_object: bool = _no_effect(False, "for compute_metrics, which GRPO evaluation does not use.")
+    eval_accumulation_steps: int | None = _no_effect(None, "for compute_metrics, which GRPO evaluation does not use.")
+    include_for_metrics: list = _no_effect([], "for compute_metrics, which GRPO evaluation does not use.")
+    batch_eval_metrics: bool = _no_effect(False, "for compute_metrics, which GRPO evaluation does not use.")
+    average_tokens_across_devices: bool = _no_effect(True, "for label losses; GRPO's loss_type does its own token "
+                                                           "normalisation across processes.")
+    include_num_input_tokens_seen: str | bool = _no_effect("no", "grpokit, like TRL's GRPO, always logs num_tokens.")
+    log_on_each_node: bool = _no_effect(True, "grpokit logs from the main process only.")
+    logging_nan_inf_filter: bool = _no_effect(True, "logged means leave NaN out; non-finite steps are skipped "
+                                                    "(max_nonfinite_steps).")
+    skip_memory_metrics: bool = _no_effect(True, "grpokit adds no memory-profiler metrics.")
+    log_multimodal: bool = _no_effect(True, "grpokit logs completions as text.")
+    restore_callback_states_from_checkpoint: bool = _no_effect(False, "grpokit has no trainer callbacks.")
+    use_cache: bool = _no_effect(False, "training forwards never use a KV cache; sampling always does.")
+    torch_empty_cache_steps: int | None = _no_effect(None, "it only returns cached allocator memory to the device.")
+    tf32: bool | None = _no_effect(None, "grpokit leaves torch's matmul precision as it is (set "
+                                         "torch.backends.cuda.matmul.allow_tf32 yourself).")
+    ddp_timeout: int = _no_effect(1800, "grpokit keeps torch's default process-group timeout.")
+    pad_to_multiple_of: int | str | None = _no_effect("auto", "padding for shape-compiled backends (Neuron); values "
+                                                              "are the same without it.")
+    ds3_gather_for_generation: bool = _no_effect(True, "under ZeRO-3 grpokit samples over the partitioned weights; "
+                                                       "the completions are the same either way.")
+    hub_model_id: str | None = _no_effect(None, "only read by push_to_hub (not implemented; warned there).")
+    hub_token: str | None = _no_effect(None, "only read by push_to_hub (not implemented; warned there).")
+    hub_private_repo: bool | None = _no_effect(None, "only read by push_to_hub and Trackio Spaces (not "
+                                                     "implemented; warned there).")
+    hub_strategy: str = _no_effect("every_save", "only read by push_to_hub (not implemented; warned there).")
+    hub_always_push: bool = _no_effect(False, "only read by push_to_hub (not implemented; warned there).")
+    hub_revision: str | None = _no_effect(None, "only read by push_to_hub (not implemented; warned there).")
+    transformers_continuous_batching_config: dict | None = _no_effect(None, "only read with "
+                                                                            "use_transformers_continuous_batching "
+                                                                            "(not implemented; warned there).")
+    vllm_mode: str = _no_effect("colocate", "only read with use_vllm (not implemented; warned there).")
+    vllm_model_impl: str = _no_effect("vllm", "only read with use_vllm (not implemented; warned there).")
+    vllm_enable_sleep_mode: bool = _no_effect(False, "only read with use_vllm (not implemented; warned there).")
+    vllm_structured_outputs_regex: str | None = _no_effect(None, "only read with use_vllm (not implemented; warned "
+                                                                 "there).")
+    vllm_server_base_url: str | None = _no_effect(None, "only read with use_vllm (not implemented; warned there).")
+    vllm_server_host: str = _no_effect("0.0.0.0", "only read with use_vllm (not implemented; warned there).")
+    vllm_server_port: int = _no_effect(8000, "only read with use_vllm (not implemented; warned there).")
+    vllm_server_timeout: float = _no_effect(240.0, "only read with use_vllm (not implemented; warned there).")
+    vllm_group_port: int = _no_effect(51216, "only read with use_vllm (not implemented; warned there).")
+    vllm_gpu_memory_utilization: float = _no_effect(0.3, "only read with use_vllm (not implemented; warned there).")
+    vllm_max_model_length: int | None = _no_effect(None, "only read with use_vllm (not implemented; warned there).")
+    vllm_tensor_parallel_size: int = _no_effect(1, "only read with use_vllm (not implemented; warned there).")
+    vllm_importance_sampling_correction: bool = _no_effect(True, "only read with use_vllm (grpokit's sampler and "
+                                                                 "training forward agree).")
+    vllm_importance_sampling_mode: str = _no_effect("sequence_mask", "only read with use_vllm (not implemented; "
+                                                                     "warned there).")
+    vllm_importance_sampling_clip_max: float | None = _no_effect(3.0, "only read with use_vllm (not implemented; "
+                                                                      "warned there).")
+    vllm_importance_sampling_clip_min: float | None = _no_effect(None, "only read with use_vllm (not implemented; "
+                                                                       "warned there).")
+    vllm_importance_sampling_cap: float | None = _no_effect(None, "TRL's deprecated vllm_importance_sampling_clip_max; "
+                                                                  "only read with use_vllm.")
+    sapo_temperature_neg: float = _no_effect(1.05, "only read by loss_type='sapo', which grpokit rejects.")
+    sapo_temperature_pos: float = _no_effect(1.0, "only read by loss_type='sapo', which grpokit rejects.")
+    vespo_k_pos: float = _no_effect(2.0, "only read by loss_type='vespo', which grpokit rejects.")
+    vespo_lambda_pos: float = _no_effect(3.0, "only read by loss_type='vespo', which grpokit rejects.")
+    vespo_k_neg: float = _no_effect(3.0, "only read by loss_type='vespo', which grpokit rejects.")
+    vespo_lambda_neg: float = _no_effect(2.0, "only read by loss_type='vespo', which grpokit rejects.")
+    entropy_coef_min: float = _no_effect(0.0, "only read with use_adaptive_entropy (not implemented; warned there).")
+    entropy_coef_max: float = _no_effect(1.0, "only read with use_adaptive_entropy (not implemented; warned there).")
+    entropy_coef_delta: float = _no_effect(0.005, "only read with use_adaptive_entropy (not implemented; warned "
+                                                  "there).")
+    entropy_target: float = _no_effect(0.2, "only read with use_adaptive_entropy (not implemented; warned there).")
+
+    # ---- deprecated grpokit names (TRL 1.16 / transformers 5 dropped or renamed them): they still take effect
+    max_prompt_length: int | None = _deprecated(512, "TRL 1.16 dropped it and no longer cuts prompts; filter "
+                                                     "overlong prompts out of the dataset instead. grpokit still "
+                                                     "keeps the last max_prompt_length tokens (None: all).")
+    warmup_ratio: float = _deprecated(0.0, "transformers 5 dropped it; use warmup_steps=<fraction> (a float in "
+                                           "(0, 1)). A fraction given either way is kept here.")
+    logging_dir: str | None = _deprecated(None, "transformers 5 dropped it; set the TENSORBOARD_LOGGING_DIR "
+                                                "environment variable (default: output_dir/runs).")
+    use_liger_loss: bool = _deprecated(False, "TRL renamed it use_liger_kernel.", moved_to="use_liger_kernel")
+    wandb_log_unique_prompts: bool = _deprecated(False, "TRL renamed it log_unique_prompts.",
+                                                 moved_to="log_unique_prompts")
+    overwrite_output_dir: bool = _deprecated(False, "transformers 5 dropped it; nothing replaces it: grpokit always "
+                                                    "writes into output_dir (and resumes only when asked).")
 
     def __post_init__(self):
+        self._normalise()
+        self._apply_deprecated()
+        self._resolve_aliases_and_nones()
+        self._derive_generation_batch()
+        self.validate()
+        self._warn_not_implemented()
+
+    # ------------------------------------------------------------------------------------- normalisation
+
+    def _normalise(self) -> None:
+        """Plain values from what TRL also accepts: enum members, dicts given as JSON strings, integral floats."""
+        for spec in dataclasses.fields(self):
+            value = getattr(self, spec.name)
+            if isinstance(value, enum.Enum):  # transformers' SchedulerType.COSINE, IntervalStrategy.STEPS, ...
+                setattr(self, spec.name, value.value)
+            elif isinstance(value, str) and value.startswith("{") and "dict" in spec.type:
+                setattr(self, spec.name, json.loads(value))
+        for name in ("logging_steps", "save_steps", "eval_steps", "warmup_steps"):
+            value = getattr(self, name)
+            if isinstance(value, float) and value >= 1 and value.is_integer():
+                setattr(self, name, int(value))  # as transformers does: 10.0 steps is 10
+        if isinstance(self.include_num_input_tokens_seen, bool):  # transformers' spelling
+            self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
         if isinstance(self.report_to, str):
             self.report_to = [] if self.report_to in ("none", "") else [self.report_to]
         self.report_to = list(self.report_to or [])
-        if self.report_to == ["all"]:
-            self.report_to = ["tensorboard", "wandb"]
+        if self.report_to == ["none"]:
+            self.report_to = []
+        if self.report_to == ["all"]:  # transformers' meaning: every supported tracker that is installed
+            self.report_to = [name for name, tracker in TRACKERS.items() if importlib.util.find_spec(tracker.module)]
+
+    def _apply_deprecated(self) -> None:
+        for name, message in DEPRECATED.items():
+            default, value = _default_of(name), getattr(self, name)
+            if _is_default(value, default):
+                continue
+            warnings.warn(f"GRPOConfig.{name} is deprecated: {message}", FutureWarning, stacklevel=4)
+            moved_to = GRPOConfig.__dataclass_fields__[name].metadata["moved_to"]
+            if moved_to is not None:
+                setattr(self, moved_to, value)
+                setattr(self, name, default)
+        # A warm-up fraction lives in warmup_ratio, whichever name gave it (the trainer reads it there).
+        if 0 < self.warmup_steps < 1:
+            self.warmup_ratio, self.warmup_steps = float(self.warmup_steps), 0
+
+    def _resolve_aliases_and_nones(self) -> None:
+        # transformers 5's activation_checkpointing* win over gradient_checkpointing* when set. They are not mirrored
+        # back: a copy that changes gradient_checkpointing (dataclasses.replace) must not be overruled by a stale copy.
+        for old, new in (("gradient_checkpointing", "activation_checkpointing"),
+                         ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):  # fmt: skip
+            if getattr(self, new) is not None:
+                setattr(self, old, getattr(self, new))
+        if self.output_dir is None:
+            self.output_dir = "trainer_output"
+        if self.bf16 is None:
+            self.bf16 = not self.fp16
+        if self.disable_tqdm is None:
+            self.disable_tqdm = False
+        if self.shuffle_dataset is None:
+            self.shuffle_dataset = True
+        if self.top_k == 0:
+            self.top_k = None
+        if self.num_generations_eval is None:
+            self.num_generations_eval = self.num_generations
+
+    def _derive_generation_batch(self) -> None:
+        if not isinstance(self.per_device_train_batch_size, int) or self.per_device_train_batch_size < 1:
+            return  # validate() names the field
         if self.steps_per_generation is None and self.generation_batch_size is not None:
             if self.generation_batch_size % self.per_device_train_batch_size:
                 raise ValueError(
@@ -181,20 +478,18 @@ class GRPOConfig:
             )
         if self.steps_per_generation is None:
             self.steps_per_generation = self.gradient_accumulation_steps
-        self.generation_batch_size = self.per_device_train_batch_size * self.steps_per_generation
-        if self.top_k == 0:
-            self.top_k = None
-        if self.num_generations_eval is None:
-            self.num_generations_eval = self.num_generations
-        self.validate()
-        for name in self.NOT_IMPLEMENTED:
-            default = _default_of(name)
-            if getattr(self, name) != default:
+        if isinstance(self.steps_per_generation, int):
+            self.generation_batch_size = self.per_device_train_batch_size * self.steps_per_generation
+
+    def _warn_not_implemented(self) -> None:
+        for name, message in NOT_IMPLEMENTED.items():
+            value = getattr(self, name)
+            if not _is_default(value, _default_of(name)):
                 warnings.warn(
-                    f"GRPOConfig.{name}={getattr(self, name)!r} is accepted for compatibility with TRL but is not "
-                    f"implemented by grpokit: it has no effect. {self.field_help(name)}",
+                    f"GRPOConfig.{name}={value!r} is accepted for compatibility with TRL but is not implemented by "
+                    f"grpokit: it has no effect. {message}",
                     UserWarning,
-                    stacklevel=3,
+                    stacklevel=4,
                 )
 
     # ------------------------------------------------------------------------------------------- validation
@@ -212,10 +507,15 @@ class GRPOConfig:
                 f"importance_sampling_level={self.importance_sampling_level!r} is not valid; use 'token' (GRPO) "
                 f"or 'sequence' (GSPO)."
             )
-        if self.scale_rewards not in (*SCALE_REWARDS, True, False):
+        if self.scale_rewards not in (*SCALE_REWARDS, True, False):  # True / False: TRL's legacy spelling
             fail(f"scale_rewards={self.scale_rewards!r} is not valid; use 'group', 'batch' or 'none'.")
         if self.lr_scheduler_type not in LR_SCHEDULERS:
-            fail(f"lr_scheduler_type={self.lr_scheduler_type!r} is not supported; use one of {list(LR_SCHEDULERS)}.")
+            fail(f"lr_scheduler_type={self.lr_scheduler_type!r} is not supported; use one of {list(LR_SCHEDULERS)} "
+                 f"(reduce_lr_on_plateau and greedy need an evaluation metric each step, which GRPO has not).")
+        needed = LR_SCHEDULERS[self.lr_scheduler_type]
+        if needed and not any(key in (self.lr_scheduler_kwargs or {}) for key in needed):
+            fail(f"lr_scheduler_type={self.lr_scheduler_type!r} needs {' or '.join(needed)} in lr_scheduler_kwargs, "
+                 f"e.g. lr_scheduler_kwargs={{{needed[0]!r}: {0.1 if 'rate' in needed[-1] else 100}}}.")
         if self.save_strategy not in ("steps", "epoch", "no"):
             fail(f"save_strategy={self.save_strategy!r} is not valid; use 'steps', 'epoch' or 'no'.")
         if self.reward_fn_errors not in ("raise", "none"):
@@ -225,7 +525,7 @@ class GRPOConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 fail(f"{name}={value!r} must be a positive integer (>= 1).")
-        if self.num_generations < 2:
+        if not isinstance(self.num_generations, int) or self.num_generations < 2:
             fail(
                 f"num_generations={self.num_generations} must be at least 2: GRPO's advantage compares the "
                 f"completions of one prompt with each other, so a group of 1 has no signal."
@@ -256,6 +556,9 @@ class GRPOConfig:
             fail(f"ref_model_sync_steps={self.ref_model_sync_steps} must be >= 1.")
         if not 0 <= self.warmup_ratio <= 1:
             fail(f"warmup_ratio={self.warmup_ratio} must be in [0, 1].")
+        if self.warmup_steps < 0 or (self.warmup_steps >= 1 and self.warmup_steps != int(self.warmup_steps)):
+            fail(f"warmup_steps={self.warmup_steps} must be a whole number of steps, or a fraction in (0, 1) of "
+                 f"all steps.")
         if self.bf16 and self.fp16:
             fail("bf16 and fp16 are both set; choose one.")
         if self.max_steps <= 0 and self.num_train_epochs <= 0:
@@ -266,6 +569,24 @@ class GRPOConfig:
                 f"gradient_accumulation_steps ({self.gradient_accumulation_steps}), so that an optimizer step "
                 f"never straddles two generation batches."
             )
+        if self.auto_find_batch_size:
+            fail(
+                "auto_find_batch_size=True is not supported (nor by TRL's GRPO): the generation batch must hold whole "
+                "groups of num_generations completions, and halving the batch on out-of-memory breaks them. Set "
+                "auto_find_batch_size=False and lower per_device_train_batch_size instead."
+            )
+        unknown = [name for name in self.report_to if name not in TRACKERS]
+        if unknown:
+            fail(
+                f"report_to={unknown} is not supported by grpokit; use one or more of {list(TRACKERS)}, 'all' (those "
+                f"installed) or 'none'. metrics.jsonl in output_dir is written in every case."
+            )
+        if self.optim != _default_of("optim"):
+            from transformers.training_args import OptimizerNames
+
+            if self.optim not in {name.value for name in OptimizerNames}:
+                fail(f"optim={self.optim!r} is not an optimizer transformers knows; use e.g. 'adamw_torch', "
+                     f"'adamw_torch_fused', 'adafactor', 'sgd' or 'adamw_8bit'.")
         if self.max_nonfinite_steps < 1:
             fail(f"max_nonfinite_steps={self.max_nonfinite_steps} must be >= 1.")
         if self.eval_strategy not in ("no", "steps"):
@@ -297,7 +618,7 @@ class GRPOConfig:
 
     @classmethod
     def field_help(cls, name: str) -> str:
-        return next(f.metadata.get("help", "") for f in dataclasses.fields(cls) if f.name == name)
+        return cls.__dataclass_fields__[name].metadata.get("help", "")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -307,15 +628,42 @@ class GRPOConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "GRPOConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = set(cls.__dataclass_fields__)
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(
                 f"Unknown GRPOConfig field(s): {unknown}. Check the spelling; `grpokit train --help` lists them all."
             )
+        values = dict(values)
+        if 0 < values.get("warmup_ratio", 0) < 1 and not values.get("warmup_steps"):
+            # A saved config keeps a warm-up fraction in warmup_ratio; load it under its current name.
+            values["warmup_steps"] = values.pop("warmup_ratio")
         return cls(**values)
 
 
 def _default_of(name: str):
-    f = GRPOConfig.__dataclass_fields__[name]
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    spec = GRPOConfig.__dataclass_fields__[name]
+    return spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
+
+
+def _is_empty(value) -> bool:
+    return value is None or (isinstance(value, (str, list, tuple, dict)) and len(value) == 0)
+
+
+def _is_default(value, default) -> bool:
+    """Equal to the default, or empty where the default is empty too (transformers' older fsdp='', debug=[])."""
+    return value == default or (_is_empty(value) and _is_empty(default))
+
+
+def _fields_of_kind(kind: str) -> dict[str, str]:
+    return {spec.name: spec.metadata["message"] for spec in dataclasses.fields(GRPOConfig)
+            if spec.metadata.get("kind") == kind}  # fmt: skip
+
+
+# name -> what TRL does with it and what to use in grpokit instead (warned when set to anything but the default)
+NOT_IMPLEMENTED: dict[str, str] = _fields_of_kind(NOT_IMPLEMENTED_KIND)
+# name -> why nothing needs doing (accepted silently)
+NO_EFFECT: dict[str, str] = _fields_of_kind(NO_EFFECT_KIND)
+# name -> what replaces it (warned with a FutureWarning when set; still takes effect)
+DEPRECATED: dict[str, str] = _fields_of_kind(DEPRECATED_KIND)
+IMPLEMENTED: tuple[str, ...] = tuple(spec.name for spec in dataclasses.fields(GRPOConfig) if "kind" not in spec.metadata)

@@ -48,7 +48,7 @@ def check_dataset(dataset, name: str = "train_dataset") -> None:
     if dataset is None:
         raise ValueError(f"{name} is None: pass a dataset with a 'prompt' column (or 'prompt_ids').")
     if is_empty(dataset):
-        raise ValueError(f"{name} is empty: it has no rows to draw prompts from.")
+        raise ValueError(f"{name} is empty: it has no rows to draw prompts from. Check the split and any filtering.")
     columns = dataset_columns(dataset)
     if not any(c in columns for c in PROMPT_COLUMNS):
         raise ValueError(

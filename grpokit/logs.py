@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -72,32 +73,137 @@ class MetricWindow:
         self._values = defaultdict(list, {k: list(v) for k, v in state.items()})
 
 
+class TensorBoardTracker:
+    module = "tensorboard"
+
+    def __init__(self, output_dir: str, run_name: str, logging_dir: str | None, config: dict):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as error:
+            raise ImportError("report_to='tensorboard' needs: pip install 'grpokit[trackers]'") from error
+        # transformers 5 reads the directory from TENSORBOARD_LOGGING_DIR (logging_dir is grpokit's older spelling).
+        directory = logging_dir or os.environ.get("TENSORBOARD_LOGGING_DIR") or str(Path(output_dir) / "runs")
+        self.writer = SummaryWriter(os.path.expanduser(directory))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def log_table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        """A Markdown table, as TensorBoard text."""
+        table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        table += ["| " + " | ".join(str(v).replace("|", "\\|").replace("\n", " ") for v in row) + " |" for row in rows]
+        self.writer.add_text(name, "\n".join(table), step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    module = "wandb"
+
+    def __init__(self, output_dir: str, run_name: str, logging_dir: str | None, config: dict):
+        try:
+            import wandb
+        except ImportError as error:
+            raise ImportError("report_to='wandb' needs: pip install 'grpokit[trackers]'") from error
+        self.wandb = wandb
+        self.run = wandb.init(name=run_name, config=config)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def log_table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        self.run.log({name: self.wandb.Table(columns=columns, data=rows)}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowTracker:
+    """Where and under which experiment come from mlflow's own environment variables, as with transformers'
+    MLflowCallback: MLFLOW_TRACKING_URI (default ./mlruns) and MLFLOW_EXPERIMENT_NAME. A run the caller started is
+    logged into and left open; otherwise one is started and ended."""
+
+    module = "mlflow"
+    MAX_PARAM_LENGTH = 6000  # mlflow refuses longer parameter values
+    PARAMS_PER_CALL = 100  # and more parameters in one call
+
+    def __init__(self, output_dir: str, run_name: str, logging_dir: str | None, config: dict):
+        try:
+            import mlflow
+        except ImportError as error:
+            raise ImportError("report_to='mlflow' needs: pip install 'grpokit[trackers]'") from error
+        self.mlflow = mlflow
+        if os.environ.get("MLFLOW_EXPERIMENT_NAME"):
+            mlflow.set_experiment(os.environ["MLFLOW_EXPERIMENT_NAME"])
+        self.owns_run = mlflow.active_run() is None
+        self.run_id = (mlflow.start_run(run_name=run_name) if self.owns_run else mlflow.active_run()).info.run_id
+        params = [(key, str(value)) for key, value in config.items() if len(str(value)) <= self.MAX_PARAM_LENGTH]
+        for start in range(0, len(params), self.PARAMS_PER_CALL):
+            mlflow.log_params(dict(params[start : start + self.PARAMS_PER_CALL]), run_id=self.run_id)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.mlflow.log_metrics(metrics, step=step, run_id=self.run_id)
+
+    def log_table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        table = {column: [row[index] for row in rows] for index, column in enumerate(columns)}
+        self.mlflow.log_table(table, artifact_file=f"{name}/step_{step}.json", run_id=self.run_id)
+
+    def close(self) -> None:
+        if self.owns_run:
+            self.mlflow.end_run()
+
+
+class TrackioTracker:
+    """Logs to Trackio's local store (TRACKIO_DIR, default ~/.cache/huggingface/trackio) under `project`; `trackio
+    show` opens the dashboard. Publishing to a Hub Space (trackio_space_id) is not implemented."""
+
+    module = "trackio"
+
+    def __init__(self, output_dir: str, run_name: str, logging_dir: str | None, config: dict):
+        try:
+            import trackio
+        except ImportError as error:
+            raise ImportError("report_to='trackio' needs: pip install 'grpokit[trackers]'") from error
+        self.trackio = trackio
+        trackio.init(project=config.get("project") or "huggingface", name=run_name, config=config, resume="allow")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.trackio.log(metrics, step=step)
+
+    def log_table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        import pandas
+
+        self.trackio.log({name: self.trackio.Table(dataframe=pandas.DataFrame(rows, columns=columns))}, step=step)
+
+    def close(self) -> None:
+        self.trackio.finish()
+
+
+# report_to name -> tracker: built with (output_dir, run_name, logging_dir, config); log, log_table and close.
+TRACKERS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker,
+            "trackio": TrackioTracker}  # fmt: skip
+
+
 class MetricSink:
-    """metrics.jsonl (always), the console, TensorBoard and W&B (when asked for). Main process only."""
+    """metrics.jsonl (always), the console, and the trackers named in `report_to`. Main process only."""
 
     def __init__(self, output_dir: str, report_to: list[str], run_name: str | None, logging_dir: str | None,
                  config: dict, enabled: bool = True):  # fmt: skip
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
-        self.tensorboard = self.wandb = None
+        self.trackers = []
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        unknown = set(report_to) - {"tensorboard", "wandb"}
+        unknown = [name for name in report_to if name not in TRACKERS]
         if unknown:
-            raise ValueError(f"report_to={sorted(unknown)} is not supported; use 'tensorboard', 'wandb' or 'none'.")
-        if "tensorboard" in report_to:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as error:
-                raise ImportError("report_to='tensorboard' needs: pip install 'grpokit[trackers]'") from error
-            self.tensorboard = SummaryWriter(logging_dir or str(Path(output_dir) / "runs"))
-        if "wandb" in report_to:
-            try:
-                import wandb
-            except ImportError as error:
-                raise ImportError("report_to='wandb' needs: pip install 'grpokit[trackers]'") from error
-            self.wandb = wandb.init(name=run_name or Path(output_dir).name, config=config)
+            raise ValueError(f"report_to={unknown} is not supported; use some of {list(TRACKERS)}, or 'none'.")
+        run_name = run_name or Path(output_dir).name
+        self.trackers = [TRACKERS[name](output_dir, run_name, logging_dir, config) for name in report_to]
 
     def truncate_after(self, step: int) -> None:
         """On resume, drop lines logged after the checkpoint's step (they will be logged again)."""
@@ -121,20 +227,16 @@ class MetricSink:
         with open(self.path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
         step = record.get("step", 0)
-        if self.tensorboard is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.tensorboard.add_scalar(_tracker_key(key), value, step)
-            self.tensorboard.flush()
-        if self.wandb is not None:
-            self.wandb.log({_tracker_key(k): v for k, v in record.items() if k != "step"}, step=step)
+        scalars = {_tracker_key(k): v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+        for tracker in self.trackers:
+            tracker.log(scalars, step)
         if console:
             shown = " ".join(f"{k}={record[k]:.4g}" for k in CONSOLE_KEYS if k in record)
             print(f"[step {step}] {shown}", file=sys.stderr, flush=True)
 
     def write_completions(self, step: int, samples: list[dict]) -> None:
-        """Sample completions with their rewards: completions.jsonl, a compact console table, and the trackers
-        (a Markdown table as TensorBoard text, a W&B table)."""
+        """Sample completions with their rewards: completions.jsonl, a compact console table, and a table in each
+        tracker."""
         if not self.enabled or not samples:
             return
         with open(self.path.parent / "completions.jsonl", "a") as handle:
@@ -145,18 +247,9 @@ class MetricSink:
         print(f"[step {step}] completions:\n" + "\n".join(lines), file=sys.stderr, flush=True)
         columns = ["prompt", "completion", "reward", "advantage"]
         rows = [[_short(s["prompt"], 200), _short(s["completion"], 200), s["reward"], s["advantage"]] for s in samples]
-        if self.tensorboard is not None:
-            table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-            table += ["| " + " | ".join(str(v).replace("|", "\\|").replace("\n", " ") for v in row) + " |" for row in rows]
-            self.tensorboard.add_text("completions", "\n".join(table), step)
-            self.tensorboard.flush()
-        if self.wandb is not None:
-            import wandb
-
-            self.wandb.log({"completions": wandb.Table(columns=columns, data=rows)}, step=step)
+        for tracker in self.trackers:
+            tracker.log_table("completions", columns, rows, step)
 
     def close(self) -> None:
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+        for tracker in self.trackers:
+            tracker.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import warnings
 
@@ -9,6 +10,7 @@ import pytest
 
 from grpokit.cli import parse_train_args
 from grpokit.config import GRPOConfig
+from grpokit.logs import TRACKERS
 
 # ------------------------------------------------------------------------------------------------- defaults
 
@@ -24,7 +26,8 @@ def test_defaults_match_trl():
     assert config.importance_sampling_level == "token"
     assert config.num_iterations == 1
     assert config.temperature == 1.0 and config.top_p == 1.0 and config.top_k is None
-    assert config.max_completion_length == 256
+    assert config.max_completion_length == 512
+    assert config.output_dir == "trainer_output" and config.disable_tqdm is False and config.top_k is None
     assert config.learning_rate == 1e-6
     assert config.mask_truncated_completions is False
     assert config.report_to == []
@@ -54,7 +57,16 @@ def test_top_k_zero_means_no_top_k():
 def test_report_to_is_normalised_to_a_list():
     assert GRPOConfig(report_to="tensorboard").report_to == ["tensorboard"]
     assert GRPOConfig(report_to="none").report_to == []
-    assert GRPOConfig(report_to="all").report_to == ["tensorboard", "wandb"]
+    # 'all': every supported tracker that is installed (transformers' meaning), metrics.jsonl always.
+    installed = [name for name in TRACKERS if importlib.util.find_spec(TRACKERS[name].module)]
+    assert GRPOConfig(report_to="all").report_to == installed
+
+
+def test_unsupported_report_to_fails_naming_the_supported_trackers():
+    with pytest.raises(ValueError) as error:
+        GRPOConfig(report_to=["tensorboard", "comet_ml"])
+    message = str(error.value)
+    assert "['comet_ml']" in message and all(name in message for name in TRACKERS)
 
 
 # ------------------------------------------------------------------------------------------------ validation
@@ -153,7 +165,7 @@ def test_check_batch_counts_steps_per_generation():
 
 @pytest.mark.parametrize(
     "name, value",
-    [("use_vllm", True), ("torch_compile", True), ("optim", "sgd"), ("generation_kwargs", {"do_sample": False})],
+    [("use_vllm", True), ("torch_compile", True), ("push_to_hub", True), ("generation_kwargs", {"do_sample": False})],
 )
 def test_not_implemented_fields_warn_by_name(name, value):
     with pytest.warns(UserWarning) as record:
@@ -247,6 +259,10 @@ def test_yaml_exponent_floats_are_coerced(tmp_path):
         (["--num_train_epochs", "2"], "num_train_epochs", 2.0),
         (["--loss_type", "dr_grpo"], "loss_type", "dr_grpo"),
         (["--lr_scheduler_kwargs", "{min_lr_rate: 0.1}"], "lr_scheduler_kwargs", {"min_lr_rate": 0.1}),
+        (["--save_strategy", "no"], "save_strategy", "no"),  # not YAML's False
+        (["--logging_steps", "5"], "logging_steps", 5.0),
+        (["--run_name", "2024"], "run_name", "2024"),
+        (["--warmup_steps", "0.1"], "warmup_steps", 0.1),
     ],
 )
 def test_flag_values_are_parsed_and_coerced(argv, name, expected):
@@ -264,6 +280,16 @@ def test_exponent_floats_are_coerced_for_fields_that_default_to_none(tmp_path, n
     for values in (from_flag, from_file):
         assert values == {name: expected} and type(values[name]) is float
         assert getattr(GRPOConfig(**values), name) == expected
+
+
+def test_yaml_no_is_the_word_for_string_fields(tmp_path):
+    _, values = parse_train_args([write_yaml(tmp_path, "save_strategy: no\neval_strategy: no\n")])
+    assert values == {"save_strategy": "no", "eval_strategy": "no"}
+
+
+def test_number_flag_rejects_words():
+    with pytest.raises(ValueError, match="--max_steps takes a number, not 'many'"):
+        parse_train_args(["--max_steps", "many"])
 
 
 def test_scale_rewards_none_flag_stays_the_string_none():

@@ -1,0 +1,80 @@
+"""Write grpokit/trl_fields.json: every field of the installed `trl.GRPOConfig` (TRL's own fields and the
+`transformers.TrainingArguments` fields it inherits) with its default, the surface grpokit's GRPOConfig accepts.
+
+    python scripts/trl_fields.py           # regenerate the JSON from the installed trl
+    python scripts/trl_fields.py --check   # report fields added, removed or with a changed default; exit 1 on drift
+
+Defaults are the dataclass defaults, before TRL's `__post_init__` resolves them (`bf16=None` stays None). A default
+that JSON cannot hold is stored as {"repr": "..."}; none of TRL 1.16's needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+JSON_PATH = Path(__file__).resolve().parents[1] / "grpokit" / "trl_fields.json"
+
+
+def _jsonable(value):
+    try:
+        if json.loads(json.dumps(value)) == value:
+            return value
+    except (TypeError, ValueError):
+        pass
+    return {"repr": repr(value)}
+
+
+def installed_fields() -> dict:
+    """{"versions": {...}, "fields": {name: default}} from the installed trl, in declaration order."""
+    import torch
+    import transformers
+    import trl
+
+    fields = {}
+    for spec in dataclasses.fields(trl.GRPOConfig):
+        if not spec.init:
+            continue
+        default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
+        fields[spec.name] = _jsonable(default)
+    # transformers picks optim's default from the torch version (adamw_torch_fused for torch >= 2.8).
+    versions = {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__}
+    return {"versions": versions, "fields": fields}
+
+
+def drift(committed: dict, installed: dict) -> list[str]:
+    """One line per field added, removed or whose default changed (committed -> installed)."""
+    old, new = committed["fields"], installed["fields"]
+    lines = [f"added: {name} (default {new[name]!r})" for name in new if name not in old]
+    lines += [f"removed: {name}" for name in old if name not in new]
+    lines += [f"default changed: {name}: {old[name]!r} -> {new[name]!r}"
+              for name in new if name in old and old[name] != new[name]]  # fmt: skip
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="Compare with the committed JSON instead of writing it.")
+    options = parser.parse_args(argv)
+    installed = installed_fields()
+    if not options.check:
+        JSON_PATH.write_text(json.dumps(installed, indent=1) + "\n")
+        print(f"Wrote {len(installed['fields'])} fields of trl {installed['versions']['trl']} to {JSON_PATH}")
+        return 0
+    committed = json.loads(JSON_PATH.read_text())
+    lines = drift(committed, installed)
+    if committed["versions"] != installed["versions"]:
+        print(f"versions: committed {committed['versions']}, installed {installed['versions']}")
+    if lines:
+        print("\n".join(lines))
+        print(f"{len(lines)} difference(s): update grpokit/config.py, then run `python scripts/trl_fields.py`.")
+        return 1
+    print(f"No drift: {len(installed['fields'])} fields match {JSON_PATH.name}.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Trackers (`grpokit.logs`): what MetricSink logs reaches MLflow and Trackio stores, read back with their own
+clients. Each test skips when its tracker is not installed (`pip install 'grpokit[trackers]'`)."""
+
+import sys
+
+import pytest
+
+from grpokit import GRPOConfig, GRPOTrainer
+from grpokit.logs import MetricSink
+from grpokit.testing import save_tiny_model
+
+from letters import LETTERS, letter_config, letter_dataset, repeat_letter
+
+RECORDS = [{"step": 1, "loss": 0.5, "reward": 0.25, "completions/mean_length": 3.0},
+           {"step": 2, "loss": 0.25, "reward": 0.75, "completions/mean_length": 2.5},
+           {"step": 2, "eval/reward": 0.5}]  # fmt: skip
+SAMPLES = [{"prompt": "a:", "completion": "a|b\nc", "reward": 1.0, "advantage": 0.5}]
+
+
+def write_run(output_dir, report_to, config: GRPOConfig, run_name="run-1"):
+    sink = MetricSink(str(output_dir), report_to, run_name, None, config.to_dict())
+    for record in RECORDS:
+        sink.write(record, console=False)
+    sink.write_completions(2, SAMPLES)
+    sink.close()
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'mlruns'}")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow 3 keeps the file store behind this switch
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "grpokit-test")
+    mlflow.set_experiment("grpokit-test")  # mlflow remembers the active experiment across tests: this test's store
+    return mlflow
+
+
+def mlflow_run(mlflow):
+    client = mlflow.tracking.MlflowClient()
+    experiment = client.get_experiment_by_name("grpokit-test")
+    (run,) = client.search_runs([experiment.experiment_id])
+    return client, run
+
+
+def test_mlflow_file_store_receives_metrics_params_and_completions(tmp_path, mlflow_store):
+    config = GRPOConfig(output_dir=str(tmp_path / "out"), learning_rate=3e-4, report_to="mlflow")
+    write_run(tmp_path / "out", config.report_to, config)
+    client, run = mlflow_run(mlflow_store)
+    assert run.info.run_name == "run-1" and run.info.status == "FINISHED"
+    history = {key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+               for key in ("train/reward", "train/loss", "eval/reward")}  # fmt: skip
+    assert history == {"train/reward": [(1, 0.25), (2, 0.75)], "train/loss": [(1, 0.5), (2, 0.25)],
+                       "eval/reward": [(2, 0.5)]}  # fmt: skip
+    assert run.data.params["learning_rate"] == "0.0003" and run.data.params["report_to"] == "['mlflow']"
+    artifacts = [a.path for a in client.list_artifacts(run.info.run_id, "completions")]
+    assert artifacts == ["completions/step_2.json"]
+
+
+def test_mlflow_run_started_by_the_caller_stays_open(tmp_path, mlflow_store):
+    config = GRPOConfig(output_dir=str(tmp_path / "out"))
+    with mlflow_store.start_run(run_name="outer") as outer:
+        write_run(tmp_path / "out", ["mlflow"], config)
+        assert mlflow_store.active_run().info.run_id == outer.info.run_id
+    _, run = mlflow_run(mlflow_store)
+    assert run.info.run_name == "outer" and run.data.metrics["train/reward"] == 0.75
+
+
+def test_trainer_reports_to_mlflow(tmp_path, mlflow_store):
+    model_dir = str(save_tiny_model(tmp_path / "tiny", chars=LETTERS + ":", hidden_size=32))
+    args = letter_config(tmp_path, max_steps=2, report_to="mlflow")
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset())
+    trainer.train()
+    client, run = mlflow_run(mlflow_store)
+    logged = [m.value for m in client.get_metric_history(run.info.run_id, "train/reward")]
+    assert logged == pytest.approx([entry["reward"] for entry in trainer.state.log_history])
+    assert run.info.run_name == "out"  # the output directory's name, as for the other trackers
+
+
+def test_trackio_local_store_receives_metrics(tmp_path, monkeypatch):
+    if "trackio" in sys.modules:
+        pytest.skip("trackio was imported before TRACKIO_DIR could point it at a temporary directory")
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
+    trackio = pytest.importorskip("trackio")
+    from trackio.sqlite_storage import SQLiteStorage
+
+    config = GRPOConfig(output_dir=str(tmp_path / "out"), project="grpokit-test", report_to="trackio")
+    write_run(tmp_path / "out", config.report_to, config)
+    assert trackio.utils.TRACKIO_DIR == tmp_path / "trackio"
+    logs = SQLiteStorage.get_logs("grpokit-test", "run-1")
+    rewards = [(log["step"], log["train/reward"]) for log in logs if "train/reward" in log]
+    assert rewards == [(1, 0.25), (2, 0.75)]
+    assert [log["eval/reward"] for log in logs if "eval/reward" in log] == [0.5]
+
+
+@pytest.mark.parametrize("name", ["mlflow", "trackio", "wandb"])
+def test_missing_tracker_package_says_what_to_install(tmp_path, monkeypatch, name):
+    monkeypatch.setitem(sys.modules, name, None)  # makes `import name` fail
+    with pytest.raises(ImportError, match=rf"report_to='{name}' needs: pip install 'grpokit\[trackers\]'"):
+        MetricSink(str(tmp_path), [name], None, None, {})
