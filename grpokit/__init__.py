@@ -11,8 +11,8 @@ from .config import GRPOConfig
 from .evaluation import pass_at_k
 from .logprobs import chunked_token_logprobs, selective_log_softmax, token_logprobs
 from .loss import policy_loss
-from .rollout import HFEngine, PromptBatch, Rollout, RolloutEngine, SamplingParams, ScriptedEngine
 from .optim import build_optimizer
+from .rollout import HFEngine, PromptBatch, Rollout, RolloutEngine, SamplingParams, ScriptedEngine
 from .trainer import GRPOTrainer
 
 __all__ = [

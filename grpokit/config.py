@@ -218,9 +218,8 @@ class GRPOConfig:
                                                                 "loss has none.")
     cast_lm_head_to_fp32: bool = _not_implemented(False, "TRL casts the LM head to float32; grpokit keeps the "
                                                          "head's dtype and computes log-probs in float32.")
-    trust_remote_code: bool = _not_implemented(False, "TRL loads custom model/tokenizer code; pass "
-                                                      "model_init_kwargs={'trust_remote_code': True} (model only), "
-                                                      "or load the model and tokenizer yourself.")
+    trust_remote_code: bool = _f(False, "Allow custom model code from the Hub for the policy, its tokenizer and "
+                                        "reward models (as TRL).")
     use_liger_kernel: bool = _not_implemented(False, "TRL patches the model with Liger kernels; grpokit's chunked LM "
                                                      "head already avoids full-vocabulary logits.")
     liger_kernel_config: dict | None = _not_implemented(None, "Liger kernel options (see use_liger_kernel).")
@@ -267,8 +266,8 @@ class GRPOConfig:
                                                      "always resumes the prompt order where it stopped.")
     full_determinism: bool = _not_implemented(False, "TRL turns on deterministic kernels; call "
                                                      "transformers.enable_full_determinism(seed) before training.")
-    push_to_hub: bool = _not_implemented(False, "TRL uploads the model to the Hub; upload output_dir with "
-                                                "huggingface_hub.upload_folder after training.")
+    push_to_hub: bool = _f(False, "Upload the model to the Hub (hub_model_id, default: output_dir's name) when "
+                                  "save_model / push_to_hub() is called; the Hub is checked at start-up.")
     accelerator_config: dict | str | None = _not_implemented(None, "TRL's accelerate options; configure accelerate "
                                                                    "with `accelerate config` / `accelerate launch`.")
     parallelism_config: ParallelismConfig | None = _not_implemented(None, "TRL's tensor/context parallelism; grpokit "
@@ -333,13 +332,13 @@ class GRPOConfig:
                                                               "are the same without it.")
     ds3_gather_for_generation: bool = _no_effect(True, "under ZeRO-3 grpokit samples over the partitioned weights; "
                                                        "the completions are the same either way.")
-    hub_model_id: str | None = _no_effect(None, "only read by push_to_hub (not implemented; warned there).")
-    hub_token: str | None = _no_effect(None, "only read by push_to_hub (not implemented; warned there).")
-    hub_private_repo: bool | None = _no_effect(None, "only read by push_to_hub and Trackio Spaces (not "
-                                                     "implemented; warned there).")
-    hub_strategy: str = _no_effect("every_save", "only read by push_to_hub (not implemented; warned there).")
-    hub_always_push: bool = _no_effect(False, "only read by push_to_hub (not implemented; warned there).")
-    hub_revision: str | None = _no_effect(None, "only read by push_to_hub (not implemented; warned there).")
+    hub_model_id: str | None = _f(None, "Hub repository push_to_hub uploads to (default: output_dir's name).")
+    hub_token: str | None = _f(None, "Token for the Hub (default: the logged-in one).")
+    hub_private_repo: bool | None = _f(None, "Create the Hub repository private.")
+    hub_strategy: str = _no_effect("every_save", "grpokit pushes when save_model / push_to_hub() is called (TRL's "
+                                                 "scripts call them at the end); checkpoints are not pushed.")
+    hub_always_push: bool = _no_effect(False, "checkpoints are not pushed (see hub_strategy).")
+    hub_revision: str | None = _f(None, "Branch of the Hub repository to push to.")
     transformers_continuous_batching_config: dict | None = _no_effect(None, "only read with "
                                                                             "use_transformers_continuous_batching "
                                                                             "(not implemented; warned there).")
@@ -563,12 +562,6 @@ class GRPOConfig:
             fail("bf16 and fp16 are both set; choose one.")
         if self.max_steps <= 0 and self.num_train_epochs <= 0:
             fail("Set max_steps > 0 or num_train_epochs > 0: otherwise there is nothing to train.")
-        if self.steps_per_generation % self.gradient_accumulation_steps:
-            fail(
-                f"steps_per_generation ({self.steps_per_generation}) must be a multiple of "
-                f"gradient_accumulation_steps ({self.gradient_accumulation_steps}), so that an optimizer step "
-                f"never straddles two generation batches."
-            )
         if self.auto_find_batch_size:
             fail(
                 "auto_find_batch_size=True is not supported (nor by TRL's GRPO): the generation batch must hold whole "

@@ -9,6 +9,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+
 def generation_metrics(rewards, scores, names, lengths, truncated, num_generations: int,
                        errors: dict[str, float] | None = None) -> dict[str, float]:
     """TRL's per-generation metrics from the whole batch's rewards [N], per-function scores [N, F] (NaN = None),

@@ -32,22 +32,21 @@ def check_model_source(name: str) -> None:
         )
 
 
-def load_causal_lm(name: str, model_init_kwargs: dict | None = None):
+def load_causal_lm(name: str, model_init_kwargs: dict | None = None, trust_remote_code: bool = False):
     from transformers import AutoModelForCausalLM
 
     check_model_source(name)
-    kwargs = dict(model_init_kwargs or {})
+    kwargs = {"trust_remote_code": trust_remote_code, **(model_init_kwargs or {})}
     if "torch_dtype" in kwargs:  # the transformers 4 spelling
         kwargs["dtype"] = kwargs.pop("torch_dtype")
     return AutoModelForCausalLM.from_pretrained(name, **kwargs)
 
 
-def load_tokenizer(name: str):
+def load_tokenizer(name: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     check_model_source(name)
-    tokenizer = AutoTokenizer.from_pretrained(name, padding_side="left")
-    return tokenizer
+    return AutoTokenizer.from_pretrained(name, padding_side="left", trust_remote_code=trust_remote_code)
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -154,11 +153,11 @@ def build_policy(model, processing_class, peft_config, args):
     Dropout is turned off when asked, LoRA applied when a peft_config is given."""
     if isinstance(model, str):
         name = model
-        model = load_causal_lm(name, args.model_init_kwargs)
-        processing_class = processing_class or load_tokenizer(name)
+        model = load_causal_lm(name, args.model_init_kwargs, args.trust_remote_code)
+        processing_class = processing_class or load_tokenizer(name, args.trust_remote_code)
     if processing_class is None and hasattr(model, "config"):
         name = getattr(model.config, "_name_or_path", "")
-        processing_class = load_tokenizer(name) if name else None
+        processing_class = load_tokenizer(name, args.trust_remote_code) if name else None
     if processing_class is not None:
         processing_class.padding_side = "left"
         if processing_class.pad_token is None:
@@ -197,7 +196,7 @@ def build_reference(model_argument, policy, args):
         raise NotImplementedError("Under ZeRO-3 the model was loaded already partitioned, so its reference cannot be "
                                   "copied from it: pass the model as a path or hub id (GRPOTrainer(model=...)), or "
                                   "set beta=0.")  # fmt: skip
-    reference = load_causal_lm(model_argument, args.model_init_kwargs)
+    reference = load_causal_lm(model_argument, args.model_init_kwargs, args.trust_remote_code)
     if args.disable_dropout:
         disable_dropout(reference)
     return reference.requires_grad_(False).eval()

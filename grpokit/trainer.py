@@ -55,6 +55,7 @@ from .distributed import (
     prepare_reference,
 )
 from .evaluation import evaluation_metrics, group_records
+from .hub import check_hub, push_folder
 from .logprobs import token_logprobs
 from .logs import MetricSink, MetricWindow, generation_metrics
 from .loss import high_entropy_mask, policy_loss
@@ -69,9 +70,10 @@ from .models import (
     reference_policy,
     save_merged,
 )
+from .optim import build_optimizer
 from .rewards import build_reward_functions
-from .rewards.context import RewardLogs
 from .rewards.base import check_required_columns, combine_rewards, compute_rewards, routes_from_column
+from .rewards.context import RewardLogs
 from .rewards.model import RewardModel
 from .rewards.process import step_token_ends
 from .rollout import EVAL_SEED_OFFSET, HFEngine, PromptCodec, RolloutEngine, group_counts, rollout_seed
@@ -123,6 +125,8 @@ class GRPOTrainer:
             check_required_columns(self.reward_functions, dataset_columns(dataset))
         self.reward_weights = reward_weights(args, len(self.reward_functions))
         warn_like_trl(args, model, quantization_config)
+        if args.push_to_hub:
+            check_hub(args)
 
         self.accelerator = acc = build_accelerator(args)
         args.check_batch(acc.num_processes)
@@ -135,10 +139,7 @@ class GRPOTrainer:
         enable_gradient_checkpointing(self.model, args)
         check_backend(acc, is_peft_model(self.model), args)
         optimizer, scheduler = optimizers
-        self.optimizer = optimizer or torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad], lr=args.learning_rate,
-            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, weight_decay=args.weight_decay,
-        )  # fmt: skip
+        self.optimizer = optimizer or build_optimizer(self.model, args)
         deepspeed = deepspeed_stage(acc) is not None
         if deepspeed:
             configure_deepspeed(acc, args)
@@ -656,7 +657,7 @@ class GRPOTrainer:
         self.state = resumed.state
         self.state.max_steps = total_steps(self.args, self.train_dataset, self.accelerator.num_processes)
 
-    def save_model(self, output_dir: str | None = None) -> None:
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Every process calls it; the main process writes (under FSDP2 / ZeRO-3 all of them gather first)."""
         from .distributed import full_state_dict
 
@@ -664,6 +665,15 @@ class GRPOTrainer:
         weights = full_state_dict(self.unwrapped_model) if is_sharded(self.unwrapped_model) else None
         if self.accelerator.is_main_process:
             self._write_model(Path(output_dir or self.args.output_dir), weights)
+            if self.args.push_to_hub and not _internal_call:
+                push_folder(self.args, Path(output_dir or self.args.output_dir), "Model saved by grpokit")
+
+    def push_to_hub(self, commit_message: str | None = "End of training", **unused) -> str | None:
+        """Save the model to output_dir and upload it to hub_model_id (transformers' Trainer.push_to_hub)."""
+        self.save_model(self.args.output_dir, _internal_call=True)
+        if self.accelerator.is_main_process:
+            return push_folder(self.args, Path(self.args.output_dir), commit_message or "End of training")
+        return None
 
     def _write_model(self, output_dir: Path, weights: dict[str, torch.Tensor] | None = None,
                      with_weights: bool = True) -> None:  # fmt: skip

@@ -105,10 +105,6 @@ INVALID = {
     "warmup_ratio>1": ({"warmup_ratio": 1.5}, ["warmup_ratio", "[0, 1]"]),
     "bf16+fp16": ({"bf16": True, "fp16": True}, ["bf16", "fp16", "choose one"]),
     "nothing to train": ({"max_steps": 0, "num_train_epochs": 0}, ["max_steps", "num_train_epochs"]),
-    "steps_per_generation": (
-        {"steps_per_generation": 3, "gradient_accumulation_steps": 2},
-        ["steps_per_generation (3)", "gradient_accumulation_steps (2)", "multiple"],
-    ),
     "save_total_limit=0": ({"save_total_limit": 0}, ["save_total_limit", "None"]),
 }
 
@@ -165,7 +161,7 @@ def test_check_batch_counts_steps_per_generation():
 
 @pytest.mark.parametrize(
     "name, value",
-    [("use_vllm", True), ("torch_compile", True), ("push_to_hub", True), ("generation_kwargs", {"do_sample": False})],
+    [("use_vllm", True), ("torch_compile", True), ("generation_kwargs", {"do_sample": False})],
 )
 def test_not_implemented_fields_warn_by_name(name, value):
     with pytest.warns(UserWarning) as record:

@@ -90,7 +90,7 @@ SCRIPT = textwrap.dedent(
             trainer.generate_batch = lambda: batch.select(rows)
             trainer.train()
             # Full weights (gathered under FSDP2, where only the main process gets them).
-            torch.save({"weights": full_state_dict(trainer.unwrapped_model), "log_history": trainer.state.log_history},
+            torch.save({"weights": full_state_dict(trainer.unwrapped_model), "log_history": trainer.state.log_history[:-1]},
                        out / f"{name}_{RANK}.pt")
 
 
@@ -118,7 +118,7 @@ SCRIPT = textwrap.dedent(
         trainer.generate_batch = observed_generate
         trainer.train(resume_from_checkpoint=spec.get("resume"))
         torch.save({"weights": full_state_dict(trainer.unwrapped_model),
-                    "distributed_type": trainer.accelerator.distributed_type.value, "log_history": trainer.state.log_history,
+                    "distributed_type": trainer.accelerator.distributed_type.value, "log_history": trainer.state.log_history[:-1],
                     "global_step": trainer.state.global_step, "num_processes": trainer.accelerator.num_processes,
                     "batches": batches}, out / f"final_{RANK}.pt")
 

@@ -168,7 +168,7 @@ def evaluated(model_dir, tmp_path_factory):
 
 def test_eval_records_are_logged_at_eval_steps_with_recomputable_values(evaluated):
     trainer, tmp_path = evaluated
-    history = trainer.state.log_history
+    history = trainer.state.log_history[:-1]
     eval_records = [r for r in history if "eval/reward" in r]
     assert [r["step"] for r in eval_records] == [2, 4]
     assert [r["step"] for r in history] == [1, 2, 2, 3, 4, 4]  # each eval record follows its step's training log
@@ -188,7 +188,7 @@ def test_eval_records_are_logged_at_eval_steps_with_recomputable_values(evaluate
     assert last["eval/completions/mean_length"] == pytest.approx(sum(lengths) / len(lengths))
     # Seeded: the same weights give the same completions; the model goes back to training mode.
     assert trainer.unwrapped_model.training
-    assert trainer.evaluate() == {k: v for k, v in last.items() if k.startswith("eval/")}
+    assert trainer.evaluate() == {k: v for k, v in last.items() if k.startswith("eval")}
     assert trainer.unwrapped_model.training
     assert "completions/duplicate_ratio" in history[0] and 0 <= history[0]["completions/duplicate_ratio"] <= 1
 
@@ -258,7 +258,7 @@ def test_train_with_eval_dataset_then_grpokit_eval_reproduces_it(model_dir, tmp_
     results = json.loads((tmp_path / "results" / "eval.json").read_text())
     metrics, samples = results["metrics"], results["samples"]
     # The same evaluation as during training: the same weights and seed give the same numbers.
-    assert metrics == {k: v for k, v in logged[-1].items() if k.startswith("eval/")}
+    assert metrics == {k: v for k, v in logged[-1].items() if k.startswith("eval")}
     assert results["num_generations_eval"] == 8 and results["config"]["temperature"] == 2.0
     assert [s["prompt"] for s in samples] == ["a:", "b:", "c:"] and all(len(s["completions"]) == 8 for s in samples)
     assert metrics["eval/rewards/always_one/pass@1"] == metrics["eval/rewards/always_one/pass@8"] == 1.0

@@ -30,7 +30,7 @@ def test_trl_style_script_learns(model_dir, tmp_path):
     trainer = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=training_args,
                           train_dataset=letter_dataset())  # fmt: skip
     trainer.train()
-    rewards = [entry["reward"] for entry in trainer.state.log_history]
+    rewards = [entry["reward"] for entry in trainer.state.log_history[:-1]]
     assert rewards[0] < 0.25, rewards  # a random policy names the letter ~1 time in 17
     # Averaged over the last 8 logs (40 steps): sampling is chaotic, and a change in the last bits of a forward
     # moves single logs by ~0.1 (seen: last-4 means of 0.49 and 0.62 from two exact forwards that round apart).
@@ -47,7 +47,7 @@ def test_metrics_have_trl_names_and_reach_jsonl(model_dir, tmp_path):
                 "clip_ratio/region_mean", "completions/mean_length", "completions/min_length",
                 "completions/max_length", "completions/clipped_ratio", "completions/mean_terminated_length",
                 "num_tokens", "learning_rate", "grad_norm", "step_time", "step", "epoch"}  # fmt: skip
-    history = trainer.state.log_history
+    history = trainer.state.log_history[:-1]
     assert expected <= set(history[-1]), expected - set(history[-1])
     lines = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert lines == history
@@ -65,7 +65,7 @@ def test_second_iteration_uses_old_logprobs(model_dir, tmp_path):
     args = config(tmp_path, num_iterations=2, max_steps=6, epsilon=0.02, learning_rate=3e-2)
     trainer = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset())
     trainer.train()
-    clip = [entry["clip_ratio/region_mean"] for entry in trainer.state.log_history]
+    clip = [entry["clip_ratio/region_mean"] for entry in trainer.state.log_history[:-1]]
     assert clip[0::2] == [0.0, 0.0, 0.0], clip  # first pass of each generation
     assert all(c > 0 for c in clip[1::2]), clip  # second pass
 
@@ -73,7 +73,7 @@ def test_second_iteration_uses_old_logprobs(model_dir, tmp_path):
                             args=config(tmp_path / "b", max_steps=4, epsilon=0.02, learning_rate=3e-2),
                             train_dataset=letter_dataset())  # fmt: skip
     on_policy.train()
-    assert all(entry["clip_ratio/region_mean"] == 0.0 for entry in on_policy.state.log_history)
+    assert all(entry["clip_ratio/region_mean"] == 0.0 for entry in on_policy.state.log_history[:-1])
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
@@ -131,7 +131,7 @@ def test_resume_continues_to_the_same_weights(model_dir, tmp_path):
     resumed.train(resume_from_checkpoint=True)
     a, b = weights(full), weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert [e["loss"] for e in full.state.log_history] == [e["loss"] for e in resumed.state.log_history]
+    assert [e["loss"] for e in full.state.log_history[:-1]] == [e["loss"] for e in resumed.state.log_history[:-1]]
 
 
 def test_bf16_autocast_and_gradient_checkpointing_train(model_dir, tmp_path):
@@ -215,7 +215,7 @@ def test_tensorboard_receives_the_metrics(model_dir, tmp_path):
     events = EventAccumulator(str(tmp_path / "out" / "runs"), size_guidance={"tensors": 0})
     events.Reload()
     rewards = [event.value for event in events.Scalars("train/reward")]
-    assert rewards == pytest.approx([entry["reward"] for entry in trainer.state.log_history])
+    assert rewards == pytest.approx([entry["reward"] for entry in trainer.state.log_history[:-1]])
     # The completions table reaches TensorBoard as text, one per logging step, with the logged prompts.
     texts = events.Tensors("completions/text_summary")
     assert [t.step for t in texts] == [1, 2]

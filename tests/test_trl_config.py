@@ -24,7 +24,9 @@ IMPLEMENTED_TRL = [name for name in IMPLEMENTED if name in TRL_FIELDS]
 DEFAULTS_THAT_WARN = {"use_bias_correction_kl"}
 # Implemented fields that grpokit's own code does not read by name: transformers reads them, through grpokit.
 READ_BY_TRANSFORMERS = {"optim_args": "Trainer.get_optimizer_cls_and_kwargs, called by grpokit.optim",
-                        "optim_target_modules": "GaLore/APOLLO handlers, called by grpokit.optim"}  # fmt: skip
+                        "optim_target_modules": "GaLore/APOLLO handlers, called by grpokit.optim",
+                        **{name: "the optimizer's hyperparameters, Trainer.get_optimizer_cls_and_kwargs (grpokit.optim)"
+                           for name in ("adam_beta1", "adam_beta2", "adam_epsilon")}}  # fmt: skip
 
 
 def build(**values):

@@ -291,3 +291,46 @@ def _cat(parts, field):
         width = max(t.shape[1] for t in tensors)
         tensors = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors]
     return torch.cat(tensors)
+
+
+# ------------------------------------------------------------------------------------- Hub, remote code
+
+
+def test_push_to_hub_fails_at_start_when_the_hub_cannot_be_used(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(RuntimeError, match="push_to_hub=True but HF_HUB_OFFLINE is set"):
+        trainer_for(tmp_path, args=config(tmp_path, push_to_hub=True))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    with pytest.raises(RuntimeError, match="Hugging Face Hub cannot be used"):
+        trainer_for(tmp_path, args=config(tmp_path, push_to_hub=True, hub_token="hf_not_a_token"))
+
+
+def test_trust_remote_code_reaches_the_tokenizer_and_reward_models(tmp_path, monkeypatch):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config
+
+    from grpokit.testing import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "policy", chars=LETTERS + ":", hidden_size=32)
+    reward_dir = tmp_path / "reward"
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    AutoModelForSequenceClassification.from_config(
+        Qwen2Config(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                    num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=0)
+    ).save_pretrained(reward_dir)  # fmt: skip
+    tokenizer.save_pretrained(reward_dir)
+    seen = []
+    for cls in (AutoTokenizer, AutoModelForSequenceClassification):
+        real = cls.from_pretrained.__func__
+
+        def recording(klass, name, *args, _real=real, **kwargs):
+            seen.append((klass.__name__, kwargs.get("trust_remote_code")))
+            return _real(klass, name, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "from_pretrained", classmethod(recording))
+    GRPOTrainer(model=str(model_dir), reward_funcs=[repeat_letter, str(reward_dir)], train_dataset=letters(),
+                args=config(tmp_path, trust_remote_code=True))  # fmt: skip
+    assert ("AutoTokenizer", True) in seen and ("AutoModelForSequenceClassification", True) in seen
+    assert all(flag is True for _, flag in seen)

@@ -10,6 +10,7 @@ import torch
 
 from ..compat import attention_implementation, attention_implementation_set_to, replicate_layers_with
 
+
 def preallocated_cache(capacity: int):
     """A transformers DynamicCache whose layers write each step's keys and values into buffers of `capacity`
     positions (`PreallocatedLayer`) instead of concatenating: a decode loop of T steps copies the cache once, not T
