@@ -42,8 +42,8 @@ may call them from their own loops.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
@@ -214,7 +214,7 @@ def vespo_weights(
     log_w = torch.clamp(sequence_log_ratio, VESPO_LOG_MIN, 20.0)
     w = torch.exp(log_w)
     nonnegative = advantages >= 0
-    like = dict(dtype=log_w.dtype, device=log_w.device)
+    like = {"dtype": log_w.dtype, "device": log_w.device}
     k = torch.where(nonnegative, torch.tensor(k_pos, **like), torch.tensor(k_neg, **like))
     lam = torch.where(nonnegative, torch.tensor(lambda_pos, **like), torch.tensor(lambda_neg, **like)).clamp(min=1e-4)
     log_phi = lam + k * log_w - lam * w
