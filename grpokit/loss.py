@@ -8,22 +8,22 @@ Per token t of completion i (DeepSeekMath §4.1, with TRL 1.16's extensions):
                                                                  sequence, broadcast to every token (GSPO,
                                                                  `importance_sampling_level="sequence"`)
     ratio        = exp(log_ratio)
-    objective    = the loss type's per-token objective of (ratio, A, logprobs), e.g. for `grpo`/`dapo`/...:
-                   min(ratio · A, clamp(ratio, 1 - epsilon, 1 + epsilon_high) · A)   (ratio capped at `delta` first)
-    loss_token   = -objective · off_policy_mask · loss_weights + beta · KL
+    policy_term  = the loss type's per-token loss of (ratio, A, logprobs), e.g. for `grpo`/`dapo`/...:
+                   -min(ratio · A, clamp(ratio, 1 - epsilon, 1 + epsilon_high) · A)  (ratio capped at `delta` first)
+    loss_token   = policy_term · off_policy_mask · loss_weights + beta · KL
     KL           = KL_k3 = exp(ref - logp) - (ref - logp) - 1    (Schulman's k3, unbiased and >= 0), times the
                    ratio when `use_bias_correction_kl` (DeepSeek-V3.2)
 
 and the tokens are aggregated by the loss type's aggregation. A loss type is one entry of `LOSS_TYPES`: a per-token
 objective, an aggregation and the statistics it reports, looked up once; `policy_loss` runs the same steps for all.
 
-    loss_type  objective                                   aggregation                        source
-    grpo       clipped surrogate                           mean of per-sequence token means   DeepSeekMath
+    loss_type  per-token loss                              aggregation                        source
+    grpo       clipped surrogate (above)                   mean of per-sequence token means   DeepSeekMath
     bnpo       clipped surrogate                           token mean of this micro-batch     TRL
     dr_grpo    clipped surrogate                           token sum / (N · max length)       Dr. GRPO
     dapo       clipped surrogate                           token sum / tokens of the batch    DAPO
     cispo      -sg(min(ratio, eps_high)) · A · logp        token sum / tokens of the batch    MiniMax-M1, ScaleRL
-    sapo       σ(τ (ratio - 1)) · 4/τ · A  (soft gate)     mean of per-sequence token means   SAPO
+    sapo       -σ(τ (ratio - 1)) · 4/τ · A  (soft gate)    mean of per-sequence token means   SAPO
     luspo      clipped surrogate (sequence ratio)          token sum / sequences              LUSPO
     vespo      -sg(φ(w_seq)) · A · logp  (Gamma weight)    token sum / tokens of the batch    VESPO
 
@@ -57,8 +57,8 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 
 
 def bias_corrected_kl(per_token_kl: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
-    """The k3 KL weighted by the importance ratio π_θ/π_old (DeepSeek-V3.2, arXiv 2512.02556, §"Unbiased KL
-    Estimate"; TRL 1.16 `use_bias_correction_kl`):
+    """The k3 KL weighted by the importance ratio π_θ/π_old (DeepSeek-V3.2, arXiv 2512.02556, its unbiased KL
+    estimate; TRL 1.16 `use_bias_correction_kl`):
 
         KL_i,t = ratio_i,t · (exp(ref - logp) - (ref - logp) - 1)
 
@@ -153,22 +153,23 @@ def clipped_surrogate(terms: PolicyTerms, params: ObjectiveParams) -> torch.Tens
 
 
 def cispo_objective(terms: PolicyTerms, params: ObjectiveParams) -> torch.Tensor:
-    """CISPO, clipped importance-sampling-weight policy optimisation (MiniMax-M1, arXiv 2506.13585, eq. 4-5; in
-    the form of ScaleRL, arXiv 2510.13786, which TRL 1.16 implements), per token:
+    """CISPO, clipped importance-sampling-weight policy optimisation (MiniMax-M1, arXiv 2506.13585), in the form
+    of ScaleRL (arXiv 2510.13786) that TRL 1.16 implements, per token:
 
         loss = -sg(min(r, epsilon_high)) · A · logp
 
     The ratio is clipped, not the objective, and detached (sg = stop-gradient): every token keeps a gradient
     -sg(min(r, ε_high)) · A · ∇logp, none is dropped as in the clipped surrogate. There is no lower bound, and the
     upper bound is `epsilon_high` ITSELF (ScaleRL's ε_max, recommended 5.0), not 1 + epsilon_high — with TRL's
-    default epsilon_high = epsilon = 0.2 every token's weight is at most 0.2.
+    default epsilon_high = epsilon = 0.2 every token's weight is at most 0.2. (MiniMax-M1 writes the clip as
+    clip(r, 1 - ε_low, 1 + ε_high) with no effective lower bound; ScaleRL's min(r, ε_max) is its upper half.)
     """
     weight = torch.clamp(terms.ratio, max=params.epsilon_high).detach()
     return -weight * terms.advantages * terms.logprobs
 
 
 def sapo_objective(terms: PolicyTerms, params: ObjectiveParams) -> torch.Tensor:
-    """SAPO, soft adaptive policy optimisation (Gao et al., arXiv 2511.20347), per token:
+    """SAPO, soft adaptive policy optimisation (arXiv 2511.20347), per token:
 
         loss = -f_τ(r) · A,   f_τ(r) = σ(τ (r - 1)) · 4 / τ,   τ = sapo_temperature_pos if A > 0 else _neg
 
@@ -403,7 +404,7 @@ def entropy_token_mean(entropies: torch.Tensor, mask: torch.Tensor) -> torch.Ten
 def update_entropy_coef(
     coef: float, entropy: float, *, target: float, delta: float, coef_min: float, coef_max: float
 ) -> float:
-    """Skywork-OR1's adaptive entropy control (arXiv 2505.22312, §3.2.4; TRL 1.16 `use_adaptive_entropy`), one
+    """Skywork-OR1's adaptive entropy control (arXiv 2505.22312; TRL 1.16 `use_adaptive_entropy`), one
     optimizer step:
 
         coef' = min(coef + delta, coef_max)   if entropy <= target
