@@ -2,16 +2,31 @@
 
 Completions come in groups of G = `num_generations` consecutive rows (all the samples of one prompt). A reward of
 None (NaN in a tensor) means "this reward does not apply to this completion": it takes no part in its group's
-mean and standard deviation, and the completion's advantage is 0 (no policy-gradient signal either way).
+baseline and standard deviation, nor in any batch statistic, and the completion's advantage is 0 (no
+policy-gradient signal either way).
 
 Worked example (G = 4, scale_rewards="group"):
     rewards = [1, 0, 0, 1]  -> mean 0.5, std (Bessel) 0.5774
     advantages = (r - 0.5) / (0.5774 + 1e-4) = [0.8659, -0.8659, -0.8659, 0.8659]
+
+Estimators (`ADVANTAGE_ESTIMATORS`, one name each):
+    grpo                   (r - group mean) / (group std | batch std | 1)            DeepSeekMath §4.1.2, TRL
+    rloo                   r_i - mean_{j != i} r_j, then scale_rewards               Ahmadian et al. 2024, TRL RLOO
+    reinforce_pp_baseline  r - group mean, then whitened over the batch              REINFORCE++ (Hu et al. 2025)
+
+Several reward functions (`combine_and_normalize`): "sum_then_normalize" weights and sums the functions' scores,
+then applies the estimator; "normalize_then_sum" (GDPO) z-scores each function inside its group, weights and sums,
+then whitens over the batch (TRL 1.16).
+
+Process rewards compose by addition: the estimator gives each completion's outcome advantage [N] from the outcome
+reward functions only (process functions' columns left out, or weighted 0); `process_advantages` normalises the
+step rewards of each process function inside the group (DeepSeekMath §4.1.3) whatever the estimator, and the token
+advantage is outcome[:, None] + sum_k weight_k · process_k [N, T].
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -74,6 +89,169 @@ def group_advantages(rewards, num_generations: int, scale_rewards="group") -> to
     elif scale_rewards == "batch":
         centred = centred / (_nan_std(rewards) + EPS)
     return torch.nan_to_num(centred, nan=0.0)
+
+
+
+def _check_flat(rewards: torch.Tensor, num_generations: int, name: str) -> None:
+    if rewards.dim() != 1 or rewards.numel() % num_generations:
+        raise ValueError(
+            f"{name}: expected a flat list of rewards whose length ({rewards.numel()}) is a multiple of "
+            f"num_generations ({num_generations})."
+        )
+
+
+def rloo_advantages(rewards, num_generations: int, scale_rewards="none") -> torch.Tensor:
+    """REINFORCE leave-one-out advantages [N] (Kool et al. 2019; Ahmadian et al. 2024, arXiv 2402.14740), as TRL
+    1.16's RLOOTrainer computes them:
+
+        A_i = r_i - (sum_{j valid} r_j - r_i) / (n_valid - 1)     over the valid (non-None) rewards of i's group
+
+    then, by `scale_rewards`:
+        "none"  : nothing more — TRL RLOOTrainer's default (normalize_advantages=False), verl and OpenRLHF `rloo`
+        "batch" : (A - batch mean of A) / (batch std of A + 1e-4) — TRL RLOOTrainer's normalize_advantages=True
+                  (the centring is a no-op: leave-one-out advantages sum to 0 in every group)
+        "group" : A / (group std of r + 1e-4), grpokit's extension, so that rloo composes with GRPO's default;
+                  then A = n/(n-1) times GRPO's advantage, n the group's valid count
+    A group with one valid reward gives it 0 (no sibling to compare with), like a missing reward.
+
+    Example (G = 3, "none"): [1, 0, 0] -> [1 - 0, 0 - 0.5, 0 - 0.5] = [1, -0.5, -0.5].
+    """
+    rewards = as_reward_tensor(rewards)
+    _check_flat(rewards, num_generations, "rloo_advantages")
+    scale_rewards = normalize_scale_rewards(scale_rewards)
+    grouped = rewards.view(-1, num_generations)
+    count = (~grouped.isnan()).sum(-1, keepdim=True)
+    total = grouped.nansum(-1, keepdim=True)
+    # (count - 1) = 0 gives 0/0 = NaN for a lone valid reward: zeroed below with the missing ones.
+    advantages = (grouped - (total - grouped) / (count - 1)).view(-1)
+    if scale_rewards == "group":
+        advantages = advantages / (group_stats(rewards, num_generations)[1].repeat_interleave(num_generations) + EPS)
+    elif scale_rewards == "batch":
+        advantages = (advantages - advantages.nanmean()) / (_nan_std(advantages) + EPS)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+def reinforce_pp_baseline_advantages(
+    rewards, num_generations: int, scale_rewards="batch", token_counts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """REINFORCE++-baseline advantages [N] (Hu et al. 2025, arXiv 2501.03262, §3; OpenRLHF's
+    `advantage_estimator="reinforce_baseline"`): subtract the group mean, then whiten over the whole batch:
+
+        c_i = r_i - mean of the valid rewards of i's group
+        A_i = (c_i - μ) / sqrt(max(σ², 1e-8)),   μ = sum_i w_i c_i / sum_i w_i,   σ² = sum_i w_i (c_i - μ)² / sum_i w_i
+
+    with w_i = token_counts[i] (OpenRLHF whitens over every completion token, so a completion weighs its length)
+    or 1 when token_counts is None, and w = 0 for missing rewards. σ² is the population variance and 1e-8 its
+    floor, as in OpenRLHF (verl's variant uses the Bessel correction). scale_rewards: "batch" (the method) or
+    "none" (only centre on μ: OpenRLHF's no_advantage_std_norm); "group" is an error — the batch is the point.
+
+    Example (G = 2, w = 1): [1, 0, 3, 3] -> c = [0.5, -0.5, 0, 0], μ = 0, σ² = 0.125 -> [1.4142, -1.4142, 0, 0].
+    """
+    rewards = as_reward_tensor(rewards)
+    _check_flat(rewards, num_generations, "reinforce_pp_baseline_advantages")
+    scale_rewards = normalize_scale_rewards(scale_rewards)
+    if scale_rewards == "group":
+        raise ValueError(
+            "reinforce_pp_baseline normalises over the batch (REINFORCE++): use scale_rewards='batch', or 'none' to "
+            "only centre the advantages."
+        )
+    mean, _ = group_stats(rewards, num_generations)
+    centred = rewards - mean.to(rewards.dtype).repeat_interleave(num_generations)
+    valid = ~centred.isnan()
+    weights = torch.ones_like(rewards) if token_counts is None else torch.as_tensor(token_counts).to(rewards.dtype)
+    weights = torch.where(valid, weights, torch.zeros_like(weights))
+    values = torch.nan_to_num(centred, nan=0.0)
+    batch_mean = (weights * values).sum() / weights.sum()
+    advantages = centred - batch_mean
+    if scale_rewards == "batch":
+        variance = (weights * (values - batch_mean) ** 2).sum() / weights.sum()
+        advantages = advantages * variance.clamp(min=1e-8).rsqrt()
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+# name -> (rewards [N], num_generations, scale_rewards) -> advantages [N]
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
+    "grpo": group_advantages,
+    "rloo": rloo_advantages,
+    "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
+}
+# The scale_rewards values each estimator accepts (for config validation).
+ESTIMATOR_SCALE_REWARDS = {"grpo": SCALE_REWARDS, "rloo": SCALE_REWARDS, "reinforce_pp_baseline": ("batch", "none")}
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+
+
+def weighted_reward_sum(scores: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted sum over functions [N, F] -> [N], skipping None (NaN); NaN only where every function is None."""
+    weighted = (scores * weights[None]).nansum(-1)
+    return torch.where(scores.isnan().all(-1), torch.full_like(weighted, float("nan")), weighted)
+
+
+def normalize_then_sum(scores: torch.Tensor, weights: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """GDPO's decoupled normalisation (arXiv 2601.05242; TRL 1.16 `multi_objective_aggregation=
+    "normalize_then_sum"`), advantages [N] from scores [N, F]:
+
+        z_i,f = (s_i,f - group mean_f) / (group std_f + 1e-4)      each function inside each group (Bessel std)
+        R_i   = sum_f w_f · z_i,f                                  (None scores skipped; NaN where all are None)
+        A_i   = (R_i - batch mean R) / (batch std R + 1e-4)        then a batch normalisation, as TRL does
+
+    A function with a single valid score in a group contributes 0 there. Missing rows get 0.
+    """
+    grouped = scores.view(-1, num_generations, scores.shape[-1])
+    mean = grouped.nanmean(1, keepdim=True)
+    std = _nan_std(grouped, dim=1)[:, None, :]
+    normalised = ((grouped - mean) / (std + EPS)).view_as(scores)
+    rewards = weighted_reward_sum(normalised, weights)
+    advantages = (rewards - rewards.nanmean()) / (_nan_std(rewards) + EPS)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+def combine_and_normalize(
+    scores: torch.Tensor,
+    weights: torch.Tensor | Sequence[float],
+    num_generations: int,
+    *,
+    estimator: str = "grpo",
+    scale_rewards="group",
+    multi_objective_aggregation: str = "sum_then_normalize",
+    token_counts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Advantages [N] of the outcome scores [N, F] (NaN = None) of F reward functions with weights [F]; the
+    trainer's one call. Pass only the outcome functions' columns (or weight the process ones 0).
+
+    "sum_then_normalize": ADVANTAGE_ESTIMATORS[estimator](weighted_reward_sum(scores, weights), num_generations,
+                          scale_rewards) — with estimator "grpo" exactly `group_advantages` of today.
+    "normalize_then_sum": `normalize_then_sum` (GDPO); it defines its own normalisation, so `scale_rewards` is not
+                          used (as in TRL 1.16) and the estimator must be "grpo".
+    token_counts [N]: loss tokens per completion, for reinforce_pp_baseline's token-weighted whitening only.
+    """
+    scores = torch.as_tensor(scores)
+    scores = scores.to(torch.float32) if not scores.is_floating_point() else scores
+    if scores.dim() != 2 or scores.shape[0] % num_generations:
+        raise ValueError(
+            f"combine_and_normalize: expected scores [N, F] with N a multiple of num_generations ({num_generations}), "
+            f"got shape {tuple(scores.shape)}."
+        )
+    weights = torch.as_tensor(weights, dtype=scores.dtype)
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"Unknown advantage estimator {estimator!r}; choose one of {sorted(ADVANTAGE_ESTIMATORS)}.")
+    if token_counts is not None and estimator != "reinforce_pp_baseline":
+        raise ValueError(f"token_counts weights reinforce_pp_baseline's whitening only; estimator is {estimator!r}.")
+    if multi_objective_aggregation == "normalize_then_sum":
+        if estimator != "grpo":
+            raise ValueError(
+                f"multi_objective_aggregation='normalize_then_sum' (GDPO) normalises each reward inside its group "
+                f"itself; it takes estimator='grpo', not {estimator!r}."
+            )
+        return normalize_then_sum(scores, weights, num_generations)
+    if multi_objective_aggregation != "sum_then_normalize":
+        raise ValueError(
+            f"Unknown multi_objective_aggregation {multi_objective_aggregation!r}; "
+            f"choose one of {list(MULTI_OBJECTIVE_AGGREGATIONS)}."
+        )
+    rewards = weighted_reward_sum(scores, weights)
+    if estimator == "reinforce_pp_baseline":
+        return reinforce_pp_baseline_advantages(rewards, num_generations, scale_rewards, token_counts=token_counts)
+    return ADVANTAGE_ESTIMATORS[estimator](rewards, num_generations, scale_rewards)
 
 
 def process_advantages(

@@ -1,22 +1,39 @@
-"""The GRPO objective as pure functions of tensors.
+"""The GRPO objective as pure functions of tensors, with its variants as a table.
 
-Shapes: N completions in the (micro-)batch, T completion tokens (padded), V vocabulary entries.
+Shapes: N completions in the (micro-)batch, T completion tokens (padded), V vocabulary entries, E experts.
 
-Per token t of completion i (DeepSeekMath §4.1, with TRL's extensions):
+Per token t of completion i (DeepSeekMath §4.1, with TRL 1.16's extensions):
 
     log_ratio    = logprobs - old_logprobs                       (token level), or its masked mean over the
                                                                  sequence, broadcast to every token (GSPO,
                                                                  `importance_sampling_level="sequence"`)
     ratio        = exp(log_ratio)
-    clipped      = clamp(ratio, 1 - epsilon, 1 + epsilon_high)
-    objective    = min(ratio · A, clipped · A)                   (ratio capped at `delta` first, if given)
-    loss_token   = -objective + beta · KL_k3 - entropy_coef · entropy
-    KL_k3        = exp(ref - logp) - (ref - logp) - 1            (Schulman's k3, unbiased and >= 0)
+    policy_term  = the loss type's per-token loss of (ratio, A, logprobs), e.g. for `grpo`/`dapo`/...:
+                   -min(ratio · A, clamp(ratio, 1 - epsilon, 1 + epsilon_high) · A)  (ratio capped at `delta` first)
+    loss_token   = policy_term · off_policy_mask · loss_weights + beta · KL
+    KL           = KL_k3 = exp(ref - logp) - (ref - logp) - 1    (Schulman's k3, unbiased and >= 0), times the
+                   ratio when `use_bias_correction_kl` (DeepSeek-V3.2)
 
-and the tokens are aggregated by `loss_type` (see `AGGREGATIONS`). With one update per generation the ratio is
-exp(logp - logp.detach()) = 1 in value, so the loss value is the aggregate of -A + beta·KL — which is just beta·KL
-when the advantages cancel (zero mean per group under `grpo`) — while its gradient is the policy gradient
-(TRL PR #2565's derivation).
+and the tokens are aggregated by the loss type's aggregation. A loss type is one entry of `LOSS_TYPES`: a per-token
+objective, an aggregation and the statistics it reports, looked up once; `policy_loss` runs the same steps for all.
+
+    loss_type  per-token loss                              aggregation                        source
+    grpo       clipped surrogate (above)                   mean of per-sequence token means   DeepSeekMath
+    bnpo       clipped surrogate                           token mean of this micro-batch     TRL
+    dr_grpo    clipped surrogate                           token sum / (N · max length)       Dr. GRPO
+    dapo       clipped surrogate                           token sum / tokens of the batch    DAPO
+    cispo      -sg(min(ratio, eps_high)) · A · logp        token sum / tokens of the batch    MiniMax-M1, ScaleRL
+    sapo       -σ(τ (ratio - 1)) · 4/τ · A  (soft gate)    mean of per-sequence token means   SAPO
+    luspo      clipped surrogate (sequence ratio)          token sum / sequences              LUSPO
+    vespo      -sg(φ(w_seq)) · A · logp  (Gamma weight)    token sum / tokens of the batch    VESPO
+
+With one update per generation the ratio is exp(logp - logp.detach()) = 1 in value, so the loss value of the
+clipped family is the aggregate of -A + beta·KL — which is just beta·KL when the advantages cancel (zero mean per
+group under `grpo`) — while its gradient is the policy gradient (TRL PR #2565's derivation).
+
+An entropy bonus is either part of the per-token loss and aggregated with it (`entropy_normalization="loss_type"`,
+what grpokit always did) or, as TRL 1.16 does, the mean per-token entropy of the micro-batch whatever the loss type
+(`"token_mean"`). The MoE router load-balancing loss and the adaptive entropy coefficient (Skywork-OR1) are here too.
 
 Nothing in this module knows about models, configs or accelerators; the trainer calls these functions and users
 may call them from their own loops.
@@ -24,8 +41,9 @@ may call them from their own loops.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,42 +56,295 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1
 
 
-# ---------------------------------------------------------------------------------------------- aggregation
+def bias_corrected_kl(per_token_kl: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
+    """The k3 KL weighted by the importance ratio π_θ/π_old (DeepSeek-V3.2, arXiv 2512.02556, its unbiased KL
+    estimate; TRL 1.16 `use_bias_correction_kl`):
 
-# An aggregation turns a per-token loss [N, T] into a scalar. Each receives the batch-wide counts so that a
-# micro-batch's loss is its share of the accumulated batch's loss: summing the micro-batch losses of one
-# optimizer step then equals the loss of the whole batch in one piece (for every type but `bnpo`).
+        KL_i,t = ratio_i,t · (exp(ref - logp) - (ref - logp) - 1)
+
+    The tokens were sampled from π_old, so the plain k3 is an estimate of KL under the wrong distribution once
+    π_θ moves away from π_old; the ratio (with its gradient: it is not detached) makes the gradient the unbiased
+    gradient of the reverse KL(π_θ ‖ π_ref): d/dlogp = ratio · (k3 + 1 - exp(ref - logp)). It changes the gradient
+    even on-policy, where the ratio is 1 in value. At sequence level the sequence ratio [N, 1] is broadcast.
+    """
+    return per_token_kl * ratio
+
+
+# ---------------------------------------------------------------------------------------------- aggregations
+
+# An aggregation turns a per-token loss [N, T] (or [N, 1], broadcast over the mask) into a scalar. Each receives
+# the batch-wide counts so that a micro-batch's loss is its share of the accumulated batch's loss: summing the
+# micro-batch losses of one optimizer step then equals the loss of the whole batch in one piece (for every
+# aggregation but `token_mean_local`).
 Aggregation = Callable[..., torch.Tensor]
 
 
-def _aggregate_grpo(loss, mask, *, num_sequences, num_tokens, max_completion_length):
-    # Mean over sequences of each sequence's token mean (DeepSeekMath eq. 3).
+def aggregate_sequence_mean(loss, mask, *, num_sequences, num_tokens, max_completion_length):
+    """Mean over sequences of each sequence's token mean (DeepSeekMath eq. 3): sum_i (sum_t l·m / sum_t m) / N."""
     per_sequence = (loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
     return per_sequence.sum() / num_sequences
 
 
-def _aggregate_bnpo(loss, mask, *, num_sequences, num_tokens, max_completion_length):
-    # Token mean over this micro-batch only: by definition it depends on how the batch is split.
+def aggregate_token_mean_local(loss, mask, *, num_sequences, num_tokens, max_completion_length):
+    """Token mean over this micro-batch only (TRL's `bnpo`): by definition it depends on how the batch is split."""
     return (loss * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def _aggregate_dr_grpo(loss, mask, *, num_sequences, num_tokens, max_completion_length):
-    # Dr. GRPO (Liu et al. 2025): a constant denominator, so no length bias.
+def aggregate_constant(loss, mask, *, num_sequences, num_tokens, max_completion_length):
+    """Token sum over (N · max_completion_length), a constant (Dr. GRPO, Liu et al. 2025): no length bias."""
     return (loss * mask).sum() / (num_sequences * max_completion_length)
 
 
-def _aggregate_dapo(loss, mask, *, num_sequences, num_tokens, max_completion_length):
-    # DAPO (Yu et al. 2025): token mean over the whole accumulated batch.
+def aggregate_token_mean(loss, mask, *, num_sequences, num_tokens, max_completion_length):
+    """Token sum over the token count of the whole accumulated batch (DAPO, Yu et al. 2025)."""
     return (loss * mask).sum() / max(float(num_tokens), 1.0)
 
 
-AGGREGATIONS: dict[str, Aggregation] = {
-    "grpo": _aggregate_grpo,
-    "bnpo": _aggregate_bnpo,
-    "dr_grpo": _aggregate_dr_grpo,
-    "dapo": _aggregate_dapo,
+def aggregate_sequence_sum(loss, mask, *, num_sequences, num_tokens, max_completion_length):
+    """Mean over sequences of each sequence's token SUM (LUSPO, arXiv 2602.05261): sum_i sum_t l·m / N. With one
+    ratio per sequence this scales each sequence's loss by its length, undoing GSPO's length normalisation."""
+    return (loss * mask).sum() / num_sequences
+
+
+# ---------------------------------------------------------------------------------------------- objectives
+
+
+@dataclass(frozen=True)
+class PolicyTerms:
+    """What every per-token objective sees (all on the same device and dtype)."""
+
+    logprobs: torch.Tensor  # [N, T] log π_θ of the chosen tokens (with grad)
+    log_ratio: torch.Tensor  # [N, T] logprobs - old_logprobs, token level (with grad)
+    ratio: torch.Tensor  # [N, T] token level, [N, 1] sequence level: exp of the importance-sampling log-ratio
+    advantages: torch.Tensor  # [N, 1] per completion or [N, T] per token
+    mask: torch.Tensor  # [N, T] 1 for the tokens that count, in the dtype of logprobs
+
+
+@dataclass(frozen=True)
+class ObjectiveParams:
+    """The hyper-parameters of the objectives, under TRL 1.16's names and with its defaults."""
+
+    epsilon: float = 0.2  # lower clip: ratio >= 1 - epsilon (TRL's epsilon_low)
+    epsilon_high: float = 0.2  # upper clip 1 + epsilon_high; CISPO's absolute cap on the ratio
+    delta: float | None = None  # INTELLECT-2 two-sided clipping of the unclipped ratio
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+
+
+Objective = Callable[[PolicyTerms, ObjectiveParams], torch.Tensor]
+
+
+def clipped_surrogate(terms: PolicyTerms, params: ObjectiveParams) -> torch.Tensor:
+    """PPO's clipped surrogate as GRPO uses it (DeepSeekMath eq. 3; Schulman et al. 2017), per token:
+
+        loss = -min(r̃ · A, clamp(r, 1 - epsilon, 1 + epsilon_high) · A),   r̃ = min(r, delta) if delta else r
+
+    with DAPO's decoupled clip-higher (epsilon_high) and INTELLECT-2's two-sided cap `delta` (arXiv 2505.07291).
+    Shape [N, T], or [N, 1] at sequence level (GSPO).
+    """
+    ratio, advantages = terms.ratio, terms.advantages
+    clipped_ratio = torch.clamp(ratio, 1 - params.epsilon, 1 + params.epsilon_high)
+    unclipped_ratio = ratio if params.delta is None else torch.clamp(ratio, max=params.delta)
+    return -torch.min(unclipped_ratio * advantages, clipped_ratio * advantages)
+
+
+def cispo_objective(terms: PolicyTerms, params: ObjectiveParams) -> torch.Tensor:
+    """CISPO, clipped importance-sampling-weight policy optimisation (MiniMax-M1, arXiv 2506.13585), in the form
+    of ScaleRL (arXiv 2510.13786) that TRL 1.16 implements, per token:
+
+        loss = -sg(min(r, epsilon_high)) · A · logp
+
+    The ratio is clipped, not the objective, and detached (sg = stop-gradient): every token keeps a gradient
+    -sg(min(r, ε_high)) · A · ∇logp, none is dropped as in the clipped surrogate. There is no lower bound, and the
+    upper bound is `epsilon_high` ITSELF (ScaleRL's ε_max, recommended 5.0), not 1 + epsilon_high — with TRL's
+    default epsilon_high = epsilon = 0.2 every token's weight is at most 0.2. (MiniMax-M1 writes the clip as
+    clip(r, 1 - ε_low, 1 + ε_high) with no effective lower bound; ScaleRL's min(r, ε_max) is its upper half.)
+    """
+    weight = torch.clamp(terms.ratio, max=params.epsilon_high).detach()
+    return -weight * terms.advantages * terms.logprobs
+
+
+def sapo_objective(terms: PolicyTerms, params: ObjectiveParams) -> torch.Tensor:
+    """SAPO, soft adaptive policy optimisation (arXiv 2511.20347), per token:
+
+        loss = -f_τ(r) · A,   f_τ(r) = σ(τ (r - 1)) · 4 / τ,   τ = sapo_temperature_pos if A > 0 else _neg
+
+    A smooth gate instead of the hard clip: f_τ(1) = 2/τ and f_τ'(1) = 1, so near on-policy the gradient is the
+    policy gradient, and it decays smoothly (rate τ) as the ratio leaves 1. A larger τ for negative advantages
+    (default 1.05 vs 1.0) damps those updates sooner.
+    """
+    advantages = terms.advantages
+    temperatures = torch.where(
+        advantages > 0,
+        torch.tensor(params.sapo_temperature_pos, dtype=advantages.dtype, device=advantages.device),
+        torch.tensor(params.sapo_temperature_neg, dtype=advantages.dtype, device=advantages.device),
+    )
+    soft_ratio = torch.sigmoid(temperatures * (terms.ratio - 1)) * 4 / temperatures
+    return -soft_ratio * advantages
+
+
+VESPO_LOG_MIN = math.log(1e-8)  # TRL clamps the sequence log-weight to [log 1e-8, 20]
+
+
+@torch.no_grad()
+def vespo_weights(
+    advantages: torch.Tensor,
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    k_pos: float = 2.0,
+    lambda_pos: float = 3.0,
+    k_neg: float = 3.0,
+    lambda_neg: float = 2.0,
+) -> torch.Tensor:
+    """VESPO's Gamma weight of each sequence (arXiv 2602.10693; TRL 1.16 `get_gamma_weights`), detached:
+
+        log w = clamp(sum_t clamp(log_ratio_t, -20, 20) · m_t, log 1e-8, 20)     (the sequence ratio, a SUM)
+        φ(w)  = exp(λ + k · log w - λ · w) = e^λ · w^k · e^(-λ w)                 (φ(1) = 1)
+
+    with (k, λ) = (k_pos, λ_pos) where A >= 0 and (k_neg, λ_neg) where A < 0, λ clamped to >= 1e-4, and a
+    non-finite φ set to 0. φ rises as w^k below w = k/λ and decays as e^(-λ w) above. Returns [N, 1] for [N, 1]
+    advantages ([N, T] for per-token advantages). TRL's optional vLLM importance-sampling factor is not taken.
+    """
+    log_ratio_clamped = torch.clamp(log_ratio, -20.0, 20.0)
+    sequence_log_ratio = torch.sum(log_ratio_clamped * mask, dim=-1, keepdim=True)
+    log_w = torch.clamp(sequence_log_ratio, VESPO_LOG_MIN, 20.0)
+    w = torch.exp(log_w)
+    nonnegative = advantages >= 0
+    like = {"dtype": log_w.dtype, "device": log_w.device}
+    k = torch.where(nonnegative, torch.tensor(k_pos, **like), torch.tensor(k_neg, **like))
+    lam = torch.where(nonnegative, torch.tensor(lambda_pos, **like), torch.tensor(lambda_neg, **like)).clamp(min=1e-4)
+    log_phi = lam + k * log_w - lam * w
+    return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def vespo_objective(terms: PolicyTerms, params: ObjectiveParams) -> torch.Tensor:
+    """VESPO, variational sequence-level soft policy optimisation (arXiv 2602.10693), per token:
+
+        loss = -sg(φ(w_seq)) · A · logp,   φ from `vespo_weights`
+
+    so the gradient is φ(w) · A · ∇logp: a REINFORCE gradient with a smooth, asymmetric weight of the sequence's
+    importance ratio instead of hard clipping. The ratio is always the token-level log-ratio summed over the
+    sequence, whatever `importance_sampling_level` says (TRL recommends "token").
+    """
+    phi = vespo_weights(
+        terms.advantages, terms.log_ratio.detach(), terms.mask,
+        k_pos=params.vespo_k_pos, lambda_pos=params.vespo_lambda_pos,
+        k_neg=params.vespo_k_neg, lambda_neg=params.vespo_lambda_neg,
+    )  # fmt: skip
+    return -phi * terms.advantages * terms.logprobs
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+
+Statistics = Callable[[PolicyTerms, ObjectiveParams], "dict[str, torch.Tensor]"]
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def clip_statistics(terms: PolicyTerms, params: ObjectiveParams) -> dict[str, torch.Tensor]:
+    """Share of tokens whose ratio is clipped where it matters (TRL's `clip_ratio/*`): below 1 - epsilon with
+    A < 0 (low), above 1 + epsilon_high with A > 0 (high), either (region). Token means over the mask."""
+    mask = terms.mask
+    ratio_tokens = terms.ratio.expand_as(mask)
+    advantages = terms.advantages.expand_as(mask)
+    is_low = (ratio_tokens < 1 - params.epsilon) & (advantages < 0)
+    is_high = (ratio_tokens > 1 + params.epsilon_high) & (advantages > 0)
+    return {
+        "clip_ratio/low_mean": masked_mean(is_low.to(mask.dtype), mask),
+        "clip_ratio/high_mean": masked_mean(is_high.to(mask.dtype), mask),
+        "clip_ratio/region_mean": masked_mean((is_low | is_high).to(mask.dtype), mask),
+    }
+
+
+def cispo_statistics(terms: PolicyTerms, params: ObjectiveParams) -> dict[str, torch.Tensor]:
+    """TRL's `cispo_clip_ratio`: share of tokens with ratio > epsilon_high and A > 0 (token mean over the mask)."""
+    mask = terms.mask
+    clipped = (terms.ratio.expand_as(mask) > params.epsilon_high) & (terms.advantages.expand_as(mask) > 0)
+    return {"cispo_clip_ratio": masked_mean(clipped.to(mask.dtype), mask)}
+
+
+def vespo_statistics(terms: PolicyTerms, params: ObjectiveParams) -> dict[str, torch.Tensor]:
+    """TRL's `vespo/phi_seq_mean`: the mean Gamma weight, over sequences ([N, 1]) or over masked tokens."""
+    phi = vespo_weights(
+        terms.advantages, terms.log_ratio.detach(), terms.mask,
+        k_pos=params.vespo_k_pos, lambda_pos=params.vespo_lambda_pos,
+        k_neg=params.vespo_k_neg, lambda_neg=params.vespo_lambda_neg,
+    )  # fmt: skip
+    return {"vespo/phi_seq_mean": phi.mean() if phi.shape[-1] == 1 else masked_mean(phi, terms.mask)}
+
+
+def no_statistics(terms: PolicyTerms, params: ObjectiveParams) -> dict[str, torch.Tensor]:
+    """SAPO has no clipping to count (TRL logs none for it)."""
+    return {}
+
+
+# ---------------------------------------------------------------------------------------------- the table
+
+
+@dataclass(frozen=True)
+class LossType:
+    """One loss type: what each token contributes, how tokens become a scalar, and what is reported."""
+
+    objective: Objective
+    aggregation: Aggregation
+    statistics: Statistics
+    # The importance-sampling level the method is defined with (None: either); another one is allowed, with a
+    # warning from `loss_type_warnings`, as TRL does.
+    importance_sampling_level: str | None = None
+    # Whether summing micro-batch losses computed with whole-batch counts equals the whole batch's loss.
+    accumulation_invariant: bool = True
+
+
+LOSS_TYPES: dict[str, LossType] = {
+    "grpo": LossType(clipped_surrogate, aggregate_sequence_mean, clip_statistics),
+    "bnpo": LossType(clipped_surrogate, aggregate_token_mean_local, clip_statistics, accumulation_invariant=False),
+    "dr_grpo": LossType(clipped_surrogate, aggregate_constant, clip_statistics),
+    "dapo": LossType(clipped_surrogate, aggregate_token_mean, clip_statistics),
+    "cispo": LossType(cispo_objective, aggregate_token_mean, cispo_statistics),
+    "sapo": LossType(sapo_objective, aggregate_sequence_mean, no_statistics),
+    "luspo": LossType(clipped_surrogate, aggregate_sequence_sum, clip_statistics, importance_sampling_level="sequence"),
+    "vespo": LossType(vespo_objective, aggregate_token_mean, vespo_statistics, importance_sampling_level="token"),
 }
+# The name config validation imports: a key of this table is a valid `loss_type`.
+AGGREGATIONS = LOSS_TYPES
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+ENTROPY_NORMALIZATIONS = ("loss_type", "token_mean")
+
+
+def loss_type_spec(loss_type: str) -> LossType:
+    """The table entry of `loss_type`, or a ValueError that lists the valid names."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"Unknown loss_type {loss_type!r}; choose one of {sorted(LOSS_TYPES)}.")
+    return LOSS_TYPES[loss_type]
+
+
+def loss_type_warnings(loss_type: str, importance_sampling_level: str, epsilon_high: float | None = None) -> list[str]:
+    """Combinations TRL 1.16 allows but warns about (for config validation to log), plus CISPO's absolute cap."""
+    spec, warnings = loss_type_spec(loss_type), []
+    if spec.importance_sampling_level not in (None, importance_sampling_level):
+        warnings.append(
+            f"loss_type={loss_type!r} is defined with importance_sampling_level={spec.importance_sampling_level!r}, "
+            f"got {importance_sampling_level!r}."
+        )
+    if importance_sampling_level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        warnings.append(
+            f"importance_sampling_level='sequence' with loss_type={loss_type!r} sums per-token terms, weighting each "
+            "sequence by its length; GSPO's setup is loss_type='grpo'."
+        )
+    if loss_type == "cispo" and epsilon_high is not None and epsilon_high < 1:
+        warnings.append(
+            f"loss_type='cispo' caps the ratio at epsilon_high itself ({epsilon_high}), not at 1 + epsilon_high: every "
+            "token's weight is at most that. ScaleRL recommends epsilon_high=5.0."
+        )
+    return warnings
 
 
 def aggregate(
@@ -86,10 +357,13 @@ def aggregate(
     max_completion_length: int | None = None,
 ) -> torch.Tensor:
     """Aggregate a per-token quantity [N, T] as `loss_type` does (counts default to this batch's own)."""
-    if loss_type not in AGGREGATIONS:
-        raise ValueError(f"Unknown loss_type {loss_type!r}; choose one of {sorted(AGGREGATIONS)}.")
+    return _aggregate(loss_type_spec(loss_type).aggregation, per_token, mask, num_sequences, num_tokens,
+                      max_completion_length)  # fmt: skip
+
+
+def _aggregate(aggregation, per_token, mask, num_sequences, num_tokens, max_completion_length):
     mask = mask.to(per_token.dtype)
-    return AGGREGATIONS[loss_type](
+    return aggregation(
         per_token,
         mask,
         num_sequences=mask.shape[0] if num_sequences is None else num_sequences,
@@ -99,6 +373,143 @@ def aggregate(
     )
 
 
+# ---------------------------------------------------------------------------------------------- masks, entropy
+
+
+def off_policy_mask(
+    advantages: torch.Tensor, logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, mask: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:  # fmt: skip
+    """Off-policy sequence masking (DeepSeek-V3.2, arXiv 2512.02556, eq. 9; TRL 1.16 `get_off_policy_mask`):
+
+        KL_i = sum_t m_t · (sampling_logp - sg(logp)) / max(sum_t m_t, 1)      (NaN log-prob differences -> 0)
+        keep_i = A_i >= 0  or  KL_i <= threshold
+
+    A sequence is dropped (0) only when it is both bad (negative advantage: the update pushes its tokens down)
+    and far from the policy that sampled it, where such pushes are the least reliable. Returns [N, 1] for [N, 1]
+    advantages, [N, T] for per-token advantages, in the dtype of the mask; no gradient.
+    """
+    mask = mask.to(logprobs.dtype)
+    kl = torch.nan_to_num(sampling_logprobs - logprobs.detach(), nan=0.0)
+    sequence_kl = (kl * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+    return ((advantages >= 0) | (sequence_kl <= threshold)).to(mask.dtype)
+
+
+def entropy_token_mean(entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mean per-token entropy H = sum(H·m) / max(sum(m), 1) of one micro-batch, with grad: TRL 1.16's entropy
+    bonus, the same whatever the loss type (it is not rescaled by the loss type's normalisation)."""
+    return (entropies * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def update_entropy_coef(
+    coef: float, entropy: float, *, target: float, delta: float, coef_min: float, coef_max: float
+) -> float:
+    """Skywork-OR1's adaptive entropy control (arXiv 2505.22312; TRL 1.16 `use_adaptive_entropy`), one
+    optimizer step:
+
+        coef' = min(coef + delta, coef_max)   if entropy <= target
+        coef' = max(coef - delta, coef_min)   otherwise
+    """
+    return min(coef + delta, coef_max) if entropy <= target else max(coef - delta, coef_min)
+
+
+@dataclass
+class AdaptiveEntropyController:
+    """The entropy coefficient of TRL 1.16's `use_adaptive_entropy`, as a small state machine.
+
+    Per micro-batch: `coef_to_apply()` is the coefficient for `policy_loss(entropy_coef=...)` — the current one if
+    the entropy measured at the last optimizer step was <= target, else 0 (no bonus until it is; the first window
+    measures nothing yet, so it applies none) — and `observe(entropies, mask)` adds the micro-batch's entropy sum and
+    token count to the window. At each optimizer step: `step(totals)` with the window totals summed over processes
+    (`window_totals()` on one process) updates the coefficient with `update_entropy_coef` and empties the window.
+    The mask is the one the loss acts on (the loss mask times the top-entropy mask when one is used).
+    `state_dict` / `load_state_dict` carry everything, for an exact resume.
+    """
+
+    coef: float  # TRL: entropy_coef (the initial value)
+    target: float = 0.2  # TRL: entropy_target
+    delta: float = 0.005  # TRL: entropy_coef_delta
+    coef_min: float = 0.0  # TRL: entropy_coef_min
+    coef_max: float = 1.0  # TRL: entropy_coef_max
+    last_entropy: float = math.inf  # window-global mean entropy at the last optimizer step
+    window_sum: float = 0.0
+    window_count: float = 0.0
+
+    def coef_to_apply(self) -> float:
+        return self.coef if self.last_entropy <= self.target else 0.0
+
+    def observe(self, entropies: torch.Tensor, mask: torch.Tensor) -> None:
+        mask = mask.to(entropies.dtype)
+        self.window_sum += float((entropies.detach() * mask).sum())
+        self.window_count += float(mask.sum())
+
+    def window_totals(self) -> torch.Tensor:
+        """[entropy sum, token count] of this process's window (float64), to be summed over processes."""
+        return torch.tensor([self.window_sum, self.window_count], dtype=torch.float64)
+
+    def step(self, totals: torch.Tensor | Sequence[float] | None = None) -> float:
+        """Close the window: update the coefficient from the window-global mean entropy; returns the new one."""
+        entropy_sum, count = (self.window_sum, self.window_count) if totals is None else (float(v) for v in totals)
+        self.last_entropy = entropy_sum / max(count, 1.0)
+        self.coef = update_entropy_coef(self.coef, self.last_entropy, target=self.target, delta=self.delta,
+                                        coef_min=self.coef_min, coef_max=self.coef_max)  # fmt: skip
+        self.window_sum, self.window_count = 0.0, 0.0
+        return self.coef
+
+    def state_dict(self) -> dict[str, float]:
+        return {"coef": self.coef, "last_entropy": self.last_entropy, "window_sum": self.window_sum,
+                "window_count": self.window_count}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.coef = float(state["coef"])
+        self.last_entropy = float(state["last_entropy"])
+        self.window_sum = float(state.get("window_sum", 0.0))
+        self.window_count = float(state.get("window_count", 0.0))
+
+
+# ---------------------------------------------------------------------------------------------- MoE router loss
+
+
+def load_balancing_loss(
+    router_logits: Sequence[torch.Tensor] | torch.Tensor | None,
+    num_experts: int,
+    top_k: int,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The Switch Transformer load-balancing loss (Fedus et al. 2021, arXiv 2101.03961, eq. 4-6), with top-k
+    routing as in Mixtral, computed the way transformers 5.x's `load_balancing_loss_func` does for Qwen3-MoE:
+
+        p_l,t   = softmax(router_logits_l,t)                       [E] per layer l and token t
+        f_e     = sum_l sum_t m_t · [e in top_k(p_l,t)] / (L · sum_t m_t)     share of routed slots (sums to k)
+        P_e     = sum_l sum_t m_t · p_l,t,e / (L · sum_t m_t)                 mean router probability
+        loss    = E · sum_e f_e · P_e
+
+    router_logits: one [B·S, E] tensor per MoE layer (the model's `router_logits` output), or a stacked
+                   [L, B·S, E] tensor; None or empty gives 0.
+    attention_mask: [B, S] 1 for real tokens (prompt and completion), or None (every row counts).
+    The gradient flows through P only (f is a count). Computed in float32, or float64 for float64 logits.
+    Its minimum, k, is reached when routing is uniform; TRL adds `router_aux_loss_coef` times it to the loss.
+    """
+    if router_logits is None or len(router_logits) == 0:
+        return torch.tensor(0.0)
+    layers = list(router_logits)
+    device = layers[0].device
+    dtype = torch.float64 if layers[0].dtype == torch.float64 else torch.float32
+    rows = layers[0].shape[0]
+    weights = (torch.ones(rows, dtype=dtype, device=device) if attention_mask is None
+               else attention_mask.reshape(-1).to(device=device, dtype=dtype))  # fmt: skip
+    routed = torch.zeros(num_experts, dtype=dtype, device=device)
+    probability = torch.zeros(num_experts, dtype=dtype, device=device)
+    for layer in layers:
+        probs = torch.softmax(layer.to(device=device, dtype=dtype), dim=-1)
+        chosen = torch.topk(probs, top_k, dim=-1).indices  # [rows, k]
+        slots = torch.zeros_like(probs).scatter_add_(1, chosen, torch.ones_like(chosen, dtype=dtype))
+        routed = routed + (slots.detach() * weights[:, None]).sum(0)
+        probability = probability + (probs * weights[:, None]).sum(0)
+    total = weights.sum() * len(layers)
+    return num_experts * torch.sum((routed / total) * (probability / total))
+
+
 # ---------------------------------------------------------------------------------------------- the loss
 
 
@@ -106,29 +517,33 @@ def aggregate(
 class LossStats:
     """Detached statistics of one loss evaluation (token means over the completion mask)."""
 
-    kl: torch.Tensor | None  # mean k3 KL, None when beta == 0 and no reference was given
+    kl: torch.Tensor | None  # mean KL (bias-corrected when asked), None without ref_logprobs
     entropy: torch.Tensor | None  # mean entropy, None when no entropies were given
-    clip_ratio_low: torch.Tensor  # share of tokens with ratio < 1 - epsilon and A < 0
-    clip_ratio_high: torch.Tensor  # share of tokens with ratio > 1 + epsilon_high and A > 0
-    clip_ratio_region: torch.Tensor  # either of the two
     ratio_mean: torch.Tensor  # mean importance ratio, 1 on-policy
+    objective: dict[str, torch.Tensor] = field(default_factory=dict)  # the loss type's own, under TRL's names
+    policy_loss: torch.Tensor | None = None  # the loss without the entropy bonus ("token_mean" bonus only)
+
+    @property
+    def clip_ratio_low(self) -> torch.Tensor | None:  # share of tokens with ratio < 1 - epsilon and A < 0
+        return self.objective.get("clip_ratio/low_mean")
+
+    @property
+    def clip_ratio_high(self) -> torch.Tensor | None:  # share of tokens with ratio > 1 + epsilon_high and A > 0
+        return self.objective.get("clip_ratio/high_mean")
+
+    @property
+    def clip_ratio_region(self) -> torch.Tensor | None:  # either of the two
+        return self.objective.get("clip_ratio/region_mean")
 
     def as_dict(self) -> dict[str, float]:
-        out = {
-            "clip_ratio/low_mean": self.clip_ratio_low.item(),
-            "clip_ratio/high_mean": self.clip_ratio_high.item(),
-            "clip_ratio/region_mean": self.clip_ratio_region.item(),
-        }
+        out = {name: value.item() for name, value in self.objective.items()}
         if self.kl is not None:
             out["kl"] = self.kl.item()
         if self.entropy is not None:
             out["entropy"] = self.entropy.item()
+        if self.policy_loss is not None:
+            out["policy_loss"] = self.policy_loss.item()
         return out
-
-
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def policy_loss(
@@ -150,8 +565,19 @@ def policy_loss(
     entropies: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     loss_weights: torch.Tensor | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
+    off_policy_mask_threshold: float | None = None,
+    sampling_logprobs: torch.Tensor | None = None,
+    use_bias_correction_kl: bool = False,
+    entropy_normalization: str = "loss_type",
+    num_micro_batches: int = 1,
 ) -> tuple[torch.Tensor, LossStats]:
-    """The clipped GRPO surrogate plus beta·KL, aggregated by `loss_type`.
+    """The loss type's objective plus beta·KL, aggregated by the loss type (see `LOSS_TYPES`).
 
     logprobs:      [N, T] log π_θ of the chosen tokens (with grad)
     old_logprobs:  [N, T] log π_old (the policy that sampled), or None for on-policy (= logprobs.detach())
@@ -163,9 +589,21 @@ def policy_loss(
     delta:         two-sided clipping: cap the unclipped ratio at delta (INTELLECT-2), None = off
     entropies:     [N, T] per-token entropies (with grad) for the entropy bonus `entropy_coef`
     loss_weights:  [N, T] optional 0/1 weights on the policy-gradient term only (e.g. top-entropy tokens)
+    sapo_*, vespo_*: the `sapo` and `vespo` objectives' parameters (TRL 1.16's names and defaults)
+    off_policy_mask_threshold: drop negative-advantage sequences whose mean KL(sampler ‖ π_θ) exceeds it
+                   (DeepSeek-V3.2; `off_policy_mask`), None = off
+    sampling_logprobs: [N, T] log-probs of the policy that sampled (the engine's), for that mask; default
+                   old_logprobs
+    use_bias_correction_kl: weight the k3 KL by the importance ratio (`bias_corrected_kl`); TRL 1.16's default
+                   is True, this function's False keeps its earlier numbers
+    entropy_normalization: "loss_type" = the bonus -entropy_coef·H is part of each token's loss and aggregated
+                   with it (grpokit before TRL parity); "token_mean" = TRL 1.16: the loss minus entropy_coef times
+                   the micro-batch's mean entropy over mask·loss_weights, divided by `num_micro_batches`
+    num_micro_batches: micro-batches accumulated into this optimizer step (only the "token_mean" bonus uses it)
 
     Returns (loss, stats).
     """
+    spec = loss_type_spec(loss_type)
     if beta > 0 and ref_logprobs is None:
         raise ValueError("policy_loss: beta > 0 needs ref_logprobs (the reference policy's log-probs).")
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
@@ -173,53 +611,65 @@ def policy_loss(
             f"Unknown importance_sampling_level {importance_sampling_level!r}; "
             f"choose one of {list(IMPORTANCE_SAMPLING_LEVELS)}."
         )
-    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    if entropy_normalization not in ENTROPY_NORMALIZATIONS:
+        raise ValueError(
+            f"Unknown entropy_normalization {entropy_normalization!r}; choose one of {list(ENTROPY_NORMALIZATIONS)}."
+        )
+    params = ObjectiveParams(
+        epsilon=epsilon, epsilon_high=epsilon if epsilon_high is None else epsilon_high, delta=delta,
+        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+        vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+        vespo_lambda_neg=vespo_lambda_neg,
+    )  # fmt: skip
     mask = mask.to(logprobs.dtype)
     if old_logprobs is None:
         old_logprobs = logprobs.detach()
     if advantages.dim() == 1:
         advantages = advantages[:, None]
 
-    log_ratio = logprobs - old_logprobs
+    token_log_ratio = logprobs - old_logprobs
+    log_ratio = token_log_ratio
     if importance_sampling_level == "sequence":
         # GSPO (Zheng et al. 2025): one length-normalised ratio per sequence.
         log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
     ratio = torch.exp(log_ratio)
-    clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
-    unclipped_ratio = ratio if delta is None else torch.clamp(ratio, max=delta)
-    per_token = -torch.min(unclipped_ratio * advantages, clipped_ratio * advantages)
+    terms = PolicyTerms(logprobs=logprobs, log_ratio=token_log_ratio, ratio=ratio, advantages=advantages, mask=mask)
+
+    per_token = spec.objective(terms, params)
+    if off_policy_mask_threshold is not None:
+        behaviour = old_logprobs if sampling_logprobs is None else sampling_logprobs
+        per_token = per_token * off_policy_mask(advantages, logprobs, behaviour, mask, off_policy_mask_threshold)
     if loss_weights is not None:
         per_token = per_token * loss_weights
 
     kl = None
     if ref_logprobs is not None:
         per_token_kl = kl_k3(logprobs, ref_logprobs)
-        kl = masked_mean(per_token_kl.detach(), mask)
+        if use_bias_correction_kl:
+            per_token_kl = bias_corrected_kl(per_token_kl, ratio)
+        kl = masked_mean(per_token_kl.detach().expand_as(mask), mask)
         if beta > 0:
             per_token = per_token + beta * per_token_kl
-    if entropies is not None and entropy_coef != 0:
+    bonus = entropies is not None and entropy_coef != 0
+    if bonus and entropy_normalization == "loss_type":
         per_token = per_token - entropy_coef * entropies
 
-    loss = aggregate(
-        per_token,
-        mask,
-        loss_type,
-        num_sequences=num_sequences,
-        num_tokens=num_tokens,
-        max_completion_length=max_completion_length,
-    )
+    loss = _aggregate(spec.aggregation, per_token, mask, num_sequences, num_tokens, max_completion_length)
+
+    policy_part = None
+    if entropies is not None and entropy_normalization == "token_mean":
+        policy_part = loss.detach()
+        if bonus:
+            effective_mask = mask if loss_weights is None else mask * loss_weights
+            loss = loss - entropy_coef * (entropy_token_mean(entropies, effective_mask) / num_micro_batches)
 
     with torch.no_grad():
-        ratio_tokens = ratio.expand_as(mask)
-        is_low = (ratio_tokens < 1 - epsilon) & (advantages.expand_as(mask) < 0)
-        is_high = (ratio_tokens > 1 + epsilon_high) & (advantages.expand_as(mask) > 0)
         stats = LossStats(
             kl=kl,
             entropy=None if entropies is None else masked_mean(entropies.detach(), mask),
-            clip_ratio_low=masked_mean(is_low.to(mask.dtype), mask),
-            clip_ratio_high=masked_mean(is_high.to(mask.dtype), mask),
-            clip_ratio_region=masked_mean((is_low | is_high).to(mask.dtype), mask),
-            ratio_mean=masked_mean(ratio_tokens.detach(), mask),
+            ratio_mean=masked_mean(ratio.expand_as(mask).detach(), mask),
+            objective=spec.statistics(terms, params),
+            policy_loss=policy_part,
         )
     return loss, stats
 
