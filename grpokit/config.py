@@ -202,18 +202,18 @@ class GRPOConfig:
     max_tool_calling_iterations: int | None = _not_implemented(None, "TRL caps tool-calling turns of an agent "
                                                                      "(GRPOTrainer(tools=...)); grpokit has no tool "
                                                                      "calling.")
-    multi_objective_aggregation: str = _not_implemented("sum_then_normalize", "TRL can normalise each reward before "
-                                                                              "summing ('normalize_then_sum'); "
-                                                                              "grpokit sums the weighted rewards, "
-                                                                              "then normalises.")
-    use_adaptive_entropy: bool = _not_implemented(False, "TRL adapts entropy_coef towards entropy_target "
-                                                         "(Skywork-OR1); grpokit keeps entropy_coef fixed.")
-    off_policy_mask_threshold: float | None = _not_implemented(None, "TRL masks negative-advantage sequences that "
-                                                                     "drifted off-policy (DeepSeek-V3.2); use "
-                                                                     "delta or epsilon to bound the ratio.")
-    use_bias_correction_kl: bool = _not_implemented(False, "TRL (default True) multiplies the KL term by the "
-                                                           "importance ratio (DeepSeek-V3.2); grpokit's KL is the "
-                                                           "plain k3 estimate, TRL's use_bias_correction_kl=False.")
+    multi_objective_aggregation: str = _f("sum_then_normalize", "'sum_then_normalize': weight and sum the rewards, "
+                                                                "then normalise in the group; 'normalize_then_sum' "
+                                                                "(GDPO): normalise each reward in its group first.")
+    advantage_estimator: str = _f("grpo", "grpokit-only: 'grpo' (group z-score), 'rloo' (leave-one-out baseline) or "
+                                          "'reinforce_pp_baseline' (group mean, batch std); docs/objectives.md.")
+    use_adaptive_entropy: bool = _f(False, "Skywork-OR1: adapt entropy_coef (within entropy_coef_min/max, by "
+                                           "entropy_coef_delta) towards entropy_target; the bonus applies only while "
+                                           "entropy is below the target.")
+    off_policy_mask_threshold: float | None = _f(None, "DeepSeek-V3.2: drop negative-advantage sequences whose KL to "
+                                                       "the sampling policy exceeds this (None: off).")
+    use_bias_correction_kl: bool = _f(True, "Weight the k3 KL term by the importance ratio (DeepSeek-V3.2), so its "
+                                            "gradient is the unbiased reverse-KL gradient (TRL's default).")
     router_aux_loss_coef: float | None = _not_implemented(None, "TRL adds an MoE load-balancing loss; grpokit's "
                                                                 "loss has none.")
     cast_lm_head_to_fp32: bool = _not_implemented(False, "TRL casts the LM head to float32; grpokit keeps the "
@@ -365,17 +365,16 @@ class GRPOConfig:
                                                                        "warned there).")
     vllm_importance_sampling_cap: float | None = _no_effect(None, "TRL's deprecated vllm_importance_sampling_clip_max; "
                                                                   "only read with use_vllm.")
-    sapo_temperature_neg: float = _no_effect(1.05, "only read by loss_type='sapo', which grpokit rejects.")
-    sapo_temperature_pos: float = _no_effect(1.0, "only read by loss_type='sapo', which grpokit rejects.")
-    vespo_k_pos: float = _no_effect(2.0, "only read by loss_type='vespo', which grpokit rejects.")
-    vespo_lambda_pos: float = _no_effect(3.0, "only read by loss_type='vespo', which grpokit rejects.")
-    vespo_k_neg: float = _no_effect(3.0, "only read by loss_type='vespo', which grpokit rejects.")
-    vespo_lambda_neg: float = _no_effect(2.0, "only read by loss_type='vespo', which grpokit rejects.")
-    entropy_coef_min: float = _no_effect(0.0, "only read with use_adaptive_entropy (not implemented; warned there).")
-    entropy_coef_max: float = _no_effect(1.0, "only read with use_adaptive_entropy (not implemented; warned there).")
-    entropy_coef_delta: float = _no_effect(0.005, "only read with use_adaptive_entropy (not implemented; warned "
-                                                  "there).")
-    entropy_target: float = _no_effect(0.2, "only read with use_adaptive_entropy (not implemented; warned there).")
+    sapo_temperature_neg: float = _f(1.05, "SAPO gate temperature for negative advantages.")
+    sapo_temperature_pos: float = _f(1.0, "SAPO gate temperature for positive advantages.")
+    vespo_k_pos: float = _f(2.0, "VESPO k for positive advantages.")
+    vespo_lambda_pos: float = _f(3.0, "VESPO lambda for positive advantages.")
+    vespo_k_neg: float = _f(3.0, "VESPO k for negative advantages.")
+    vespo_lambda_neg: float = _f(2.0, "VESPO lambda for negative advantages.")
+    entropy_coef_min: float = _f(0.0, "use_adaptive_entropy: lowest entropy_coef.")
+    entropy_coef_max: float = _f(1.0, "use_adaptive_entropy: highest entropy_coef.")
+    entropy_coef_delta: float = _f(0.005, "use_adaptive_entropy: change of entropy_coef per step.")
+    entropy_target: float = _f(0.2, "use_adaptive_entropy: the mean token entropy aimed at.")
 
     # ---- deprecated grpokit names (TRL 1.16 / transformers 5 dropped or renamed them): they still take effect
     max_prompt_length: int | None = _deprecated(512, "TRL 1.16 dropped it and no longer cuts prompts; filter "

@@ -32,7 +32,7 @@ from typing import Iterator
 
 import torch
 
-from .advantages import group_advantages, group_stats, process_advantages
+from .advantages import combine_and_normalize, group_advantages, group_stats, process_advantages
 from .batch import ScoredRollout, TrainBatch
 from .checkpoint import Checkpointer, TrainingParts
 from .config import GRPOConfig
@@ -58,7 +58,7 @@ from .evaluation import evaluation_metrics, group_records
 from .hub import check_hub, push_folder
 from .logprobs import token_logprobs
 from .logs import MetricSink, MetricWindow, generation_metrics
-from .loss import high_entropy_mask, policy_loss
+from .loss import AdaptiveEntropyController, high_entropy_mask, policy_loss
 from .model_card import describe_dataset, model_card_writable, render_model_card, write_model_card
 from .models import (
     build_policy,
@@ -165,6 +165,9 @@ class GRPOTrainer:
                         PromptSampler(len(train_dataset), args.data_seed or args.seed, args.shuffle_dataset))  # fmt: skip
         self.window = MetricWindow()
         self.cursor = GenerationCursor()
+        self.entropy_controller = None if not args.use_adaptive_entropy else AdaptiveEntropyController(
+            args.entropy_coef, args.entropy_target, args.entropy_coef_delta, args.entropy_coef_min,
+            args.entropy_coef_max)  # fmt: skip
         self.reward_logs = RewardLogs()  # what reward functions report through log_metric / log_extra
         self.callback_handler = Callbacks(callbacks, self.unwrapped_model, self.processing_class, self.optimizer,
                                           self.scheduler)  # fmt: skip
@@ -302,7 +305,7 @@ class GRPOTrainer:
         loss_total, stats = 0.0, []
         for index, micro_batch in enumerate(window):
             with self.stepper.micro_batch(is_last=index == len(window) - 1):
-                loss, micro_stats = self._train_micro_batch(micro_batch, num_sequences, num_tokens)
+                loss, micro_stats = self._train_micro_batch(micro_batch, num_sequences, num_tokens, len(window))
             loss_total += loss
             stats.append(micro_stats)
             if index < len(window) - 1:
@@ -310,13 +313,17 @@ class GRPOTrainer:
         self.callback_handler("on_pre_optimizer_step", args, self.state)
         result = self.stepper.step(loss_total, self.state)
         self.callback_handler("on_optimizer_step", args, self.state)
+        if self.entropy_controller is not None:  # the coefficient for the next step, from this window's entropy
+            stats.append({"entropy_coef": self.entropy_controller.coef})
+            self.entropy_controller.step(acc.reduce(self.entropy_controller.window_totals().to(acc.device), "sum"))
         self.state.global_step += 1
         self.state.epoch = self.sampler.epochs_done
         if args.sync_ref_model and self.reference is not None and self.state.global_step % args.ref_model_sync_steps == 0:
             mix_into_reference(self.reference, self.unwrapped_model, args.ref_model_mixup_alpha)
         metrics = {"loss": loss_total, "learning_rate": result.learning_rate, "grad_norm": result.grad_norm,
                    "nonfinite_steps": self.state.nonfinite_steps,
-                   **{key: sum(s[key] for s in stats) / len(stats) for key in stats[0]}}  # fmt: skip
+                   **{key: sum(s[key] for s in stats if key in s) / sum(key in s for s in stats)
+                      for key in sorted({k for s in stats for k in s})}}  # fmt: skip
         # One all-reduce for all metrics. Every process has the same keys (sorted, so in the same order): a NaN is
         # kept through the reduction (the window drops it after), never dropped on one process only.
         names = sorted(metrics)
@@ -325,23 +332,27 @@ class GRPOTrainer:
         self.window.add(dict(zip(names, means.tolist())))
         return means[names.index("loss")].item()
 
-    def _train_micro_batch(self, batch: TrainBatch, num_sequences: float, num_tokens: float) -> tuple[float, dict]:
-        args = self.args
+    def _train_micro_batch(self, batch: TrainBatch, num_sequences: float, num_tokens: float,
+                           num_micro_batches: int) -> tuple[float, dict]:  # fmt: skip
+        args, controller = self.args, self.entropy_controller
         batch = batch.trimmed()
+        entropy_coef = controller.coef_to_apply() if controller is not None else args.entropy_coef
         with self.accelerator.autocast():
             logprobs, entropies = token_logprobs(self.model, batch.input_ids, batch.input_mask,
                                                  batch.completion_ids.shape[1], args.temperature, with_entropy=True,
-                                                 entropy_grad=args.entropy_coef != 0)  # fmt: skip
+                                                 entropy_grad=args.entropy_coef != 0 or controller is not None)
         loss_weights = None
         if args.top_entropy_quantile < 1.0:
             loss_weights = high_entropy_mask(entropies.detach(), batch.loss_mask, args.top_entropy_quantile)
         loss, stats = policy_loss(
             logprobs, batch.old_logprobs, batch.ref_logprobs, batch.advantages, batch.loss_mask,
-            loss_type=args.loss_type, beta=args.beta, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
-            importance_sampling_level=args.importance_sampling_level,
-            max_completion_length=args.max_completion_length, num_sequences=num_sequences, num_tokens=num_tokens,
-            delta=args.delta, entropies=entropies, entropy_coef=args.entropy_coef, loss_weights=loss_weights,
+            num_sequences=num_sequences, num_tokens=num_tokens, entropies=entropies, entropy_coef=entropy_coef,
+            loss_weights=loss_weights, sampling_logprobs=batch.sampling_logprobs, num_micro_batches=num_micro_batches,
+            entropy_normalization="token_mean", **objective_options(args),
         )  # fmt: skip
+        if controller is not None:
+            mask = batch.loss_mask if loss_weights is None else batch.loss_mask * loss_weights
+            controller.observe(entropies.detach(), mask)
         self.stepper.backward(loss)
         return loss.item(), stats.as_dict()
 
@@ -359,8 +370,15 @@ class GRPOTrainer:
         all_scores = acc.gather(scored.scores.to(device)).cpu()
         rewards = self._outcome_rewards(all_scores)
         process = self._process_indices
-        if len(process) < len(self.reward_functions):
-            advantages = group_advantages(rewards, args.num_generations, args.scale_rewards)
+        outcome = [i for i in range(len(self.reward_functions)) if i not in process]
+        if outcome:  # advantages.py: the estimator and the multi-objective aggregation (docs/objectives.md)
+            token_counts = None
+            if args.advantage_estimator == "reinforce_pp_baseline":
+                token_counts = acc.gather(rollout.loss_mask.sum(-1).to(device)).cpu().float()
+            advantages = combine_and_normalize(all_scores[:, outcome], self.reward_weights[outcome],
+                                               args.num_generations, estimator=args.advantage_estimator,
+                                               scale_rewards=args.scale_rewards, token_counts=token_counts,
+                                               multi_objective_aggregation=args.multi_objective_aggregation)
         else:  # only process rewards: the per-token advantages below are the whole signal
             advantages = torch.zeros(len(rewards))
         if process:
@@ -602,10 +620,7 @@ class GRPOTrainer:
         if args.beta > 0:
             with reference_policy(self.unwrapped_model, self.reference) as reference:
                 ref = self._logprobs_in_chunks(reference, batch)
-        loss, _ = policy_loss(logprobs, None, ref, batch.advantages, batch.loss_mask, loss_type=args.loss_type,
-                              beta=args.beta, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
-                              importance_sampling_level=args.importance_sampling_level,
-                              max_completion_length=args.max_completion_length, delta=args.delta)  # fmt: skip
+        loss, _ = policy_loss(logprobs, None, ref, batch.advantages, batch.loss_mask, **objective_options(args))
         return loss.item()
 
     def _log_evaluation(self, step: int, sink: MetricSink) -> None:
@@ -640,7 +655,8 @@ class GRPOTrainer:
                 cursor.micro_index == math.ceil(len(cursor.batch) / args.per_device_train_batch_size):
             cursor = GenerationCursor()  # used up: the resumed run samples the next one, as this one would  # fmt: skip
         loop = {"sampler": self.sampler.state_dict(), "window": self.window.state_dict(),
-                "pass_index": cursor.pass_index, "micro_index": cursor.micro_index}  # fmt: skip
+                "pass_index": cursor.pass_index, "micro_index": cursor.micro_index,
+                "entropy_controller": None if self.entropy_controller is None else self.entropy_controller.state_dict()}
         process = {"batch": None if cursor.batch is None else cursor.batch.to("cpu").state_dict()}
         return self.checkpointer.save(self._training_parts(), self.state, loop, process)
 
@@ -648,6 +664,8 @@ class GRPOTrainer:
         resumed = self.checkpointer.load(self.checkpointer.find(resume), self._training_parts())
         self.sampler.load_state_dict(resumed.loop["sampler"])
         self.window.load_state_dict(resumed.loop["window"])
+        if self.entropy_controller is not None and resumed.loop.get("entropy_controller"):
+            self.entropy_controller.load_state_dict(resumed.loop["entropy_controller"])
         batch = (resumed.process or {}).get("batch")
         if batch is None:
             self.cursor = GenerationCursor()
@@ -740,6 +758,14 @@ def check_run(args: GRPOConfig, train_dataset, eval_dataset, rollout_engine, too
     if rollout_engine is not None and not isinstance(rollout_engine, RolloutEngine):
         raise TypeError(f"rollout_engine={rollout_engine!r} is not a RolloutEngine: it needs generate(prompts, "
                         f"params, seed) -> Rollout and sync_weights(model) (see grpokit.rollout.engine).")
+
+
+def objective_options(args: GRPOConfig) -> dict:
+    """The config's objective settings as policy_loss's keyword arguments."""
+    names = ("loss_type", "beta", "epsilon", "epsilon_high", "importance_sampling_level", "max_completion_length",
+             "delta", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+             "vespo_lambda_neg", "off_policy_mask_threshold", "use_bias_correction_kl")  # fmt: skip
+    return {name: getattr(args, name) for name in names}
 
 
 def reward_weights(args: GRPOConfig, count: int) -> torch.Tensor:

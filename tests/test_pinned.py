@@ -50,7 +50,7 @@ def tiny(seed=0):
 def run(tmp_path, *, rewards=(repeat_letter,), peft=False, eval_dataset=None, **overrides):
     values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=16, num_generations=4,
                   max_completion_length=3, learning_rate=1e-2, max_steps=3, logging_steps=1, save_strategy="no",
-                  disable_tqdm=True, seed=0, beta=0.04)  # fmt: skip
+                  disable_tqdm=True, seed=0, beta=0.04, use_bias_correction_kl=False)  # fmt: skip
     model, tokenizer = tiny()
     peft_config = None
     if peft:
@@ -71,13 +71,18 @@ def run(tmp_path, *, rewards=(repeat_letter,), peft=False, eval_dataset=None, **
 #   *attention* mask too, so its tokens were run as padding (they carry no loss either way) and the micro-batch was
 #   trimmed to the longest untruncated completion; now it touches only the loss mask. The same case without
 #   mask_truncated_completions ("accumulated_untruncated") is bitwise what it was before.
+# - accumulated and accumulated_untruncated again (45df9351e62722bd and ad15bf3e588c5619 before), with the
+#   objectives issue: the entropy bonus is now TRL's token mean (the mean entropy over the window's trained tokens,
+#   whatever the loss_type) instead of a per-token term aggregated by the loss_type. Both use entropy_coef=0.01;
+#   the cases without an entropy bonus did not move. The runs pin use_bias_correction_kl=False (TRL's default is
+#   True, and grpokit's now too): that option changes the KL gradient, and tests/test_objectives.py checks it.
 # - the evaluation (78e02a0978ada90e before): each evaluation batch now gets its own seed (rollout_seed) instead of
 #   continuing one generator across batches, so that every engine can be seeded with an integer.
 PINNED = {
-    "accumulated_untruncated": "ad15bf3e588c5619",
+    "accumulated_untruncated": "da5a80a3a00ae37d",
     "on_policy": "a3a79da9d5f0bf18",
     "mu2": "cf9f60060076e669",
-    "accumulated": "45df9351e62722bd",
+    "accumulated": "fd4848ec47b07017",
     "bf16_mu2": "76e8d428f2ca1fa3",
     "lora": "0ad062e83b9a5551",
     "process": "6d11b77dd15ffd90",

@@ -153,7 +153,7 @@ CHILD = textwrap.dedent("""
     data = Dataset.from_list([{"prompt": f"{c}:", "letter": c} for c in "abcdefgh"] * 4)
     args = GRPOConfig(output_dir=output_dir, per_device_train_batch_size=16, num_generations=4, max_completion_length=3,
                       learning_rate=1e-2, max_steps=max_steps, logging_steps=1, save_steps=2, disable_tqdm=True,
-                      beta=0.04, num_iterations=2, steps_per_generation=2)
+                      beta=0.04, num_iterations=2, steps_per_generation=2, use_bias_correction_kl=False)
     trainer = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=args, train_dataset=data)
     trainer.train(resume_from_checkpoint=pause_at == "resume")
     trainer.save_model(os.path.join(output_dir, "final"))

@@ -21,7 +21,7 @@ TRL_FIELDS: dict = TRL["fields"]
 IMPLEMENTED_TRL = [name for name in IMPLEMENTED if name in TRL_FIELDS]
 # Fields whose grpokit default is not TRL's, so that passing TRL's default explicitly warns: grpokit does what
 # TRL's *other* value does (its KL has no importance-ratio correction).
-DEFAULTS_THAT_WARN = {"use_bias_correction_kl"}
+DEFAULTS_THAT_WARN: set[str] = set()  # TRL defaults grpokit does not implement (none today)
 # Implemented fields that grpokit's own code does not read by name: transformers reads them, through grpokit.
 READ_BY_TRANSFORMERS = {"optim_args": "Trainer.get_optimizer_cls_and_kwargs, called by grpokit.optim",
                         "optim_target_modules": "GaLore/APOLLO handlers, called by grpokit.optim",
