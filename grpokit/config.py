@@ -391,6 +391,8 @@ class GRPOConfig:
                                                     "writes into output_dir (and resumes only when asked).")
 
     def __post_init__(self):
+        # What the user wrote, before anything is derived: saved as the run's grpo_config.json (`save`).
+        object.__setattr__(self, "_as_written", {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
         self._normalise()
         self._apply_deprecated()
         self._resolve_aliases_and_nones()
@@ -616,7 +618,10 @@ class GRPOConfig:
         return dataclasses.asdict(self)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2, default=str))
+        """The configuration as the user wrote it (derived values, such as steps_per_generation from
+        gradient_accumulation_steps, are derived again on loading): `GRPOConfig.from_dict` of it is this config."""
+        written = getattr(self, "_as_written", None) or self.to_dict()
+        Path(path).write_text(json.dumps(written, indent=2, default=str))
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "GRPOConfig":

@@ -123,19 +123,22 @@ def load_model_weights(model, directory: Path) -> None:
                            f"unexpected {unexpected[:5]}.")  # fmt: skip
 
 
-def check_context_length(model, args) -> None:
-    """Prompt + completion must fit the model's positions; say which knob to turn before anything runs."""
+def prompt_length_limit(model, args) -> int | None:
+    """The prompt tokens kept (the last ones): max_prompt_length, lowered so that prompt + completion fits the
+    model's positions (with a warning); fails before anything runs if a completion alone does not fit."""
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if limit is None:
-        return
+        return args.max_prompt_length
     if args.max_completion_length >= limit:
         raise ValueError(f"max_completion_length={args.max_completion_length} does not fit the model's context "
                          f"({limit} positions); lower max_completion_length.")  # fmt: skip
-    if args.max_prompt_length is None or args.max_prompt_length + args.max_completion_length > limit:
-        args.max_prompt_length = limit - args.max_completion_length
-        warnings.warn(f"Prompts are cut to their last {args.max_prompt_length} tokens so that prompt + completion "
-                      f"fits the model's {limit} positions (max_completion_length={args.max_completion_length}).",
-                      UserWarning, stacklevel=3)  # fmt: skip
+    if args.max_prompt_length is not None and args.max_prompt_length + args.max_completion_length <= limit:
+        return args.max_prompt_length
+    kept = limit - args.max_completion_length
+    warnings.warn(f"Prompts are cut to their last {kept} tokens so that prompt + completion fits the model's "
+                  f"{limit} positions (max_completion_length={args.max_completion_length}).", UserWarning,
+                  stacklevel=3)  # fmt: skip
+    return kept
 
 
 @torch.no_grad()
@@ -147,13 +150,15 @@ def mix_into_reference(reference: torch.nn.Module, policy: torch.nn.Module, alph
         value.mul_(1 - alpha).add_(policy_parameters[name].detach().to(value.dtype), alpha=alpha)
 
 
-def build_policy(model, processing_class, peft_config, args):
+def build_policy(model, processing_class, peft_config, args, quantization_config=None):
     """The policy and its processing class from GRPOTrainer's arguments: a path / hub id is loaded (with its
     tokenizer); a model object is taken as it is (its tokenizer loaded from its config's name when none is given).
     Dropout is turned off when asked, LoRA applied when a peft_config is given."""
     if isinstance(model, str):
         name = model
-        model = load_causal_lm(name, args.model_init_kwargs, args.trust_remote_code)
+        init_kwargs = {**(args.model_init_kwargs or {}),
+                       **({"quantization_config": quantization_config} if quantization_config is not None else {})}
+        model = load_causal_lm(name, init_kwargs, args.trust_remote_code)
         processing_class = processing_class or load_tokenizer(name, args.trust_remote_code)
     if processing_class is None and hasattr(model, "config"):
         name = getattr(model.config, "_name_or_path", "")

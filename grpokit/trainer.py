@@ -63,10 +63,10 @@ from .model_card import describe_dataset, model_card_writable, render_model_card
 from .models import (
     build_policy,
     build_reference,
-    check_context_length,
     enable_gradient_checkpointing,
     is_peft_model,
     mix_into_reference,
+    prompt_length_limit,
     reference_policy,
     save_merged,
 )
@@ -131,10 +131,9 @@ class GRPOTrainer:
         self.accelerator = acc = build_accelerator(args)
         args.check_batch(acc.num_processes)
         set_seed(args.seed)
-        if quantization_config is not None and isinstance(model, str):
-            args.model_init_kwargs = {**(args.model_init_kwargs or {}), "quantization_config": quantization_config}
-        self.model, self.processing_class = build_policy(model, processing_class, peft_config, args)
-        check_context_length(self.model, args)
+        self.model, self.processing_class = build_policy(model, processing_class, peft_config, args,
+                                                         quantization_config)  # fmt: skip
+        max_prompt_length = prompt_length_limit(self.model, args)
         self.reference = build_reference(model, self.model, args)
         enable_gradient_checkpointing(self.model, args)
         check_backend(acc, is_peft_model(self.model), args)
@@ -149,7 +148,7 @@ class GRPOTrainer:
             if isinstance(function.fn, RewardModel):
                 function.fn.to(acc.device)
 
-        self.codec = PromptCodec(self.processing_class, self.unwrapped_model, args.max_prompt_length,
+        self.codec = PromptCodec(self.processing_class, self.unwrapped_model, max_prompt_length,
                                  args.chat_template_kwargs)  # fmt: skip
         # With sharded parameters every forward is a collective: the processes sample in step (see generate()).
         all_done = all_processes_done if is_sharded(self.unwrapped_model) else None

@@ -327,3 +327,16 @@ def test_unknown_flag_is_an_argparse_error(capsys):
 def test_missing_config_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
         parse_train_args([str(tmp_path / "nope.yaml")])
+
+
+def test_the_config_is_saved_as_written(tmp_path):
+    import json
+
+    config = GRPOConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
+                        report_to="none", top_k=0)  # fmt: skip
+    assert config.steps_per_generation == 2 and config.generation_batch_size == 8  # derived
+    config.save(tmp_path / "grpo_config.json")
+    saved = json.loads((tmp_path / "grpo_config.json").read_text())
+    assert saved["steps_per_generation"] is None and saved["generation_batch_size"] is None  # as written
+    assert saved["report_to"] == "none" and saved["top_k"] == 0
+    assert GRPOConfig.from_dict(saved).to_dict() == config.to_dict()  # derived again, the same
