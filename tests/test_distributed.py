@@ -46,9 +46,13 @@ SCRIPT = textwrap.dedent(
 
 
     def recording_reward(log, tiebreak):
-        def repeat_letter(prompts, completions, letter, **kwargs):
+        def repeat_letter(prompts, completions, letter, log_metric=None, **kwargs):
             scores = [(1.0 if c[:1] == t else 0.0) + tiebreak * (sum(map(ord, c)) % 7)
                       for c, t in zip(completions, letter)]
+            if log_metric is not None:  # TRL's reward kwarg: averaged over the processes that logged
+                log_metric("rank_logged", float(RANK))
+                if RANK == 1:  # a name only one process logs still reaches the shared record
+                    log_metric("only_rank_1", 3.0)
             with open(log, "a") as handle:
                 handle.write(json.dumps({"prompts": prompts, "scores": scores}) + "\\n")
             return scores
@@ -268,6 +272,8 @@ def test_ranks_end_identical_and_only_the_main_process_writes(two_process_run):
     lines = [json.loads(line) for line in (two_process_run / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
     assert lines == rank0["log_history"]
+    logged = [line for line in lines if "rank_logged" in line]  # the steps that sampled a generation batch
+    assert len(logged) == 3 and all(line["rank_logged"] == 0.5 and line["only_rank_1"] == 3.0 for line in logged)
     assert sorted(p.name for p in two_process_run.iterdir() if p.name.startswith(("checkpoint-", ".tmp"))) == [
         f"checkpoint-{step}" for step in range(1, 7)
     ]
