@@ -214,8 +214,8 @@ class GRPOConfig:
                                                        "the sampling policy exceeds this (None: off).")
     use_bias_correction_kl: bool = _f(True, "Weight the k3 KL term by the importance ratio (DeepSeek-V3.2), so its "
                                             "gradient is the unbiased reverse-KL gradient (TRL's default).")
-    router_aux_loss_coef: float | None = _not_implemented(None, "TRL adds an MoE load-balancing loss; grpokit's "
-                                                                "loss has none.")
+    router_aux_loss_coef: float | None = _f(None, "MoE load-balancing loss weight (Switch Transformer); None: the "
+                                                  "model config's own (e.g. 0.001 for Qwen3-MoE), 0: off.")
     cast_lm_head_to_fp32: bool = _not_implemented(False, "TRL casts the LM head to float32; grpokit keeps the "
                                                          "head's dtype and computes log-probs in float32.")
     trust_remote_code: bool = _f(False, "Allow custom model code from the Hub for the policy, its tokenizer and "

@@ -286,6 +286,7 @@ def token_logprobs(
     entropy_grad: bool = False,
     chunked: bool | None = None,
     share_prompts: bool = True,
+    router_logits: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [N, T] (and entropies [N, T]) of the last T tokens of input_ids [N, P + T] under the model.
 
@@ -305,8 +306,13 @@ def token_logprobs(
     (`shared_prompt_hidden`): (G - 1) / G of the prompt tokens' forward and backward work is saved, the gradient
     reaches the prompt's activations through the shared cache, and a completion is padded only to the longest in
     its length group. The values are those of the full forward up to float rounding.
+
+    router_logits: a list to receive an MoE model's router logits (one [N·(P+T), E] tensor per MoE layer, with
+    their graph), for a load-balancing loss; the plain path is taken then (one forward of the whole sequence).
     """
     use_chunked = supports_chunked_head(model) if chunked is None else chunked
+    if router_logits is not None:  # an MoE aux loss needs the router logits of the model's own forward
+        use_chunked = False
     if use_chunked and with_entropy and entropy_grad and torch.is_grad_enabled():
         if chunked:
             raise ValueError("token_logprobs: the chunked head gives entropies without a gradient; "
@@ -343,7 +349,12 @@ def token_logprobs(
         kwargs.update(attention_mask=attention_mask, position_ids=position_ids)
     if forward_accepts(model, "logits_to_keep"):
         kwargs["logits_to_keep"] = completion_length + 1
-    logits = logits_of(model(input_ids, **kwargs))
+    if router_logits is not None:
+        kwargs["output_router_logits"] = True
+    output = model(input_ids, **kwargs)
+    if router_logits is not None:
+        router_logits.extend(output.router_logits or ())
+    logits = logits_of(output)
     logits = logits[:, -completion_length - 1 : -1]  # position t predicts token t + 1
     if temperature != 1.0:
         logits = logits / temperature

@@ -58,7 +58,7 @@ from .evaluation import evaluation_metrics, group_records
 from .hub import check_hub, push_folder
 from .logprobs import token_logprobs
 from .logs import MetricSink, MetricWindow, generation_metrics
-from .loss import AdaptiveEntropyController, high_entropy_mask, policy_loss
+from .loss import AdaptiveEntropyController, high_entropy_mask, load_balancing_loss, policy_loss
 from .model_card import describe_dataset, model_card_writable, render_model_card, write_model_card
 from .models import (
     build_policy,
@@ -164,6 +164,7 @@ class GRPOTrainer:
                         PromptSampler(len(train_dataset), args.data_seed or args.seed, args.shuffle_dataset))  # fmt: skip
         self.window = MetricWindow()
         self.cursor = GenerationCursor()
+        self.router_aux_loss_coef = router_aux_loss_coef(args, self.unwrapped_model)
         self.entropy_controller = None if not args.use_adaptive_entropy else AdaptiveEntropyController(
             args.entropy_coef, args.entropy_target, args.entropy_coef_delta, args.entropy_coef_min,
             args.entropy_coef_max)  # fmt: skip
@@ -336,10 +337,12 @@ class GRPOTrainer:
         args, controller = self.args, self.entropy_controller
         batch = batch.trimmed()
         entropy_coef = controller.coef_to_apply() if controller is not None else args.entropy_coef
+        router_logits = [] if self.router_aux_loss_coef else None
         with self.accelerator.autocast():
             logprobs, entropies = token_logprobs(self.model, batch.input_ids, batch.input_mask,
                                                  batch.completion_ids.shape[1], args.temperature, with_entropy=True,
-                                                 entropy_grad=args.entropy_coef != 0 or controller is not None)
+                                                 entropy_grad=args.entropy_coef != 0 or controller is not None,
+                                                 router_logits=router_logits)  # fmt: skip
         loss_weights = None
         if args.top_entropy_quantile < 1.0:
             loss_weights = high_entropy_mask(entropies.detach(), batch.loss_mask, args.top_entropy_quantile)
@@ -352,6 +355,11 @@ class GRPOTrainer:
         if controller is not None:
             mask = batch.loss_mask if loss_weights is None else batch.loss_mask * loss_weights
             controller.observe(entropies.detach(), mask)
+        if router_logits is not None:  # MoE load balancing (TRL's router_aux_loss_coef), per optimizer step
+            aux = load_balancing_loss(router_logits, *moe_shape(self.unwrapped_model.config),
+                                      batch.input_mask).to(loss.device)  # fmt: skip
+            loss = loss + self.router_aux_loss_coef * aux / num_micro_batches
+            stats.objective["aux_loss"] = aux.detach()
         self.stepper.backward(loss)
         return loss.item(), stats.as_dict()
 
@@ -757,6 +765,27 @@ def check_run(args: GRPOConfig, train_dataset, eval_dataset, rollout_engine, too
     if rollout_engine is not None and not isinstance(rollout_engine, RolloutEngine):
         raise TypeError(f"rollout_engine={rollout_engine!r} is not a RolloutEngine: it needs generate(prompts, "
                         f"params, seed) -> Rollout and sync_weights(model) (see grpokit.rollout.engine).")
+
+
+def moe_shape(config) -> tuple[int, int] | None:
+    """(experts, experts per token) of a mixture-of-experts config, whatever the family calls them; None if not MoE."""
+    experts = next((getattr(config, n) for n in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if getattr(config, n, None)), None)  # fmt: skip
+    top_k = next((getattr(config, n) for n in ("num_experts_per_tok", "experts_per_token") if getattr(config, n, None)),
+                 None)  # fmt: skip
+    return (experts, top_k) if experts and top_k else None
+
+
+def router_aux_loss_coef(args: GRPOConfig, model) -> float:
+    """TRL's rule: router_aux_loss_coef, or (None) the MoE model config's own (Qwen3-MoE: 0.001); 0 turns it off."""
+    config = getattr(model, "config", None)
+    is_moe = moe_shape(config) is not None
+    if args.router_aux_loss_coef is None:
+        return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if is_moe else 0.0
+    if args.router_aux_loss_coef and not is_moe:
+        raise ValueError(f"router_aux_loss_coef={args.router_aux_loss_coef} needs a mixture-of-experts model (its "
+                         f"config has num_experts and num_experts_per_tok); this model has none. Set it to None.")
+    return float(args.router_aux_loss_coef)
 
 
 def objective_options(args: GRPOConfig) -> dict:
