@@ -21,3 +21,13 @@ def letter_config(tmp_path, **overrides) -> GRPOConfig:
                   max_completion_length=2, learning_rate=1e-2, lr_scheduler_type="constant", max_steps=10,
                   logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0)  # fmt: skip
     return GRPOConfig(**{**values, **overrides})
+
+
+def tiny_letter_model(hidden_size: int = 32, seed: int = 0):
+    """A tiny random-weight Qwen2 and its character tokenizer over the letters and ':'."""
+    from grpokit.testing import build_char_tokenizer, build_tiny_model
+
+    tokenizer = build_char_tokenizer(LETTERS + ":")
+    model = build_tiny_model(len(tokenizer), hidden_size=hidden_size, seed=seed, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
+    return model, tokenizer

@@ -7,16 +7,13 @@ from datasets import Dataset
 
 from grpokit import GRPOConfig, GRPOTrainer, PromptBatch, ScriptedEngine, TrainBatch, group_advantages
 from grpokit.rollout import PromptCodec, ScriptedCompletion, eos_token_ids, group_counts
-from grpokit.testing import build_char_tokenizer, build_tiny_model
+from letters import tiny_letter_model
 
 LETTERS = "abcdefgh"
 
 
 def tiny():
-    tokenizer = build_char_tokenizer(LETTERS + ":")
-    model = build_tiny_model(len(tokenizer), hidden_size=32, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
-    return model, tokenizer
+    return tiny_letter_model()
 
 
 def config(tmp_path, **overrides):

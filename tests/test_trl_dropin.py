@@ -10,16 +10,13 @@ from datasets import Dataset, IterableDataset
 from transformers import TrainerCallback, TrainerState
 
 from grpokit import GRPOConfig, GRPOTrainer, TrainBatch
-from grpokit.testing import build_char_tokenizer, build_tiny_model
+from letters import tiny_letter_model
 
 LETTERS = "abcdefgh"
 
 
 def tiny():
-    tokenizer = build_char_tokenizer(LETTERS + ":")
-    model = build_tiny_model(len(tokenizer), hidden_size=32, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
-    return model, tokenizer
+    return tiny_letter_model()
 
 
 def letters(copies=2):

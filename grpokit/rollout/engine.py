@@ -53,14 +53,9 @@ class PromptBatch:
 
     def padded(self, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded ids and mask [N, P], one row per completion to sample."""
-        sequences = [self.ids[i] for i in self.rows()]
-        width = max(len(s) for s in sequences)
-        ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(sequences), width), dtype=torch.long)
-        for i, s in enumerate(sequences):
-            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s) :] = 1
-        return ids, mask
+        from ..data import pad_left
+
+        return pad_left([self.ids[i] for i in self.rows()], pad_token_id)
 
 
 @dataclass
