@@ -37,26 +37,29 @@ def model_cache(config):
     return DynamicCache(config=config) if isinstance(config, PretrainedConfig) else DynamicCache()
 
 
-def sees_whole_rollout(layer, capacity: int) -> bool:
-    """Whether a cache layer keeps every key a rollout of `capacity` positions writes: a full-attention layer, or a
-    sliding-window one whose window is at least `capacity` (the window never drops a position)."""
+def keeps_whole_rollout(layers, capacity: int) -> list[bool]:
+    """Which cache layers keep every key a rollout of `capacity` positions writes: the full-attention layers, and
+    the sliding-window ones when every window is at least `capacity` (so none ever drops a position). All sliding
+    layers or none: transformers builds one sliding-window mask for them all, sized by the first of them."""
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-    return type(layer) is DynamicLayer or (type(layer) is DynamicSlidingWindowLayer and capacity <= layer.sliding_window)
+    sliding = [type(layer) is DynamicSlidingWindowLayer for layer in layers]
+    windows_hold_it = all(capacity <= layer.sliding_window for layer, is_sliding in zip(layers, sliding) if is_sliding)
+    return [type(layer) is DynamicLayer or (is_sliding and windows_hold_it) for layer, is_sliding in zip(layers, sliding)]
 
 
 def sampling_cache(model: torch.nn.Module, capacity: int):
     """The decode loop's KV cache: the model's own layout (`model_cache`), each layer that keeps every key of the
-    rollout (`sees_whole_rollout`) writing into buffers of `capacity` positions (`PreallocatedLayer`) instead of
+    rollout (`keeps_whole_rollout`) writing into buffers of `capacity` positions (`PreallocatedLayer`) instead of
     concatenating: a decode loop of T steps copies those layers once, not T times (the concatenation was a third
-    of the rollout's time on a small model). The other layers (a window shorter than the rollout, Mamba states,
+    of the rollout's time on a small model). The other layers (windows shorter than the rollout, Mamba states,
     attention-free blocks) keep transformers' class, so the cache holds what the model's own cache would."""
     layer_class = preallocated_layer_class()
     cache = model_cache(model_config(model))
     if not cache.layers:  # no config: layers are made as the model writes them
         replicate_layers_with(cache, lambda: layer_class(capacity))
-    for index, layer in enumerate(cache.layers):
-        if sees_whole_rollout(layer, capacity):
+    for index, whole in enumerate(keeps_whole_rollout(cache.layers, capacity)):
+        if whole:
             replace_cache_layer(cache, index, layer_class(capacity))
     return cache
 
