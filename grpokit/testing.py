@@ -90,7 +90,7 @@ def build_tiny_model(
 
 # Per-architecture settings for `build_tiny_model_of_type` on top of its defaults: head sizes derived from other
 # fields (DeepSeek-V3's MLA), few small experts for the MoE models, layer patterns that keep each architecture's mix
-# of layer kinds in two layers.
+# of layer kinds in two or three layers, sliding windows (4) shorter than a test's rollout.
 TINY_ARCHITECTURE_OVERRIDES = {
     "cohere2": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4),
     "deepseek_v3": dict(num_key_value_heads=4, head_dim=None, moe_intermediate_size=16, n_routed_experts=4,
@@ -120,7 +120,7 @@ def build_tiny_model_of_type(model_type: str, num_layers: int = 1, vocab_size: i
                              **overrides):  # fmt: skip
     """A random-weight transformers causal LM of `model_type` (hidden size 32, 4 query and 2 key/value heads of
     size 8), float32, in eval mode (no dropout draws), with the attention transformers picks by default (SDPA where
-    the architecture supports it; Gemma 2 and GPT-OSS get eager). pad/bos/eos are ids 0/1/2, as in
+    the architecture supports it; Gemma 2 and GPT-OSS get eager). pad/eos/bos are ids 0/1/2, as in
     `build_char_tokenizer`. `overrides` are config fields; a `layer_types` (or NemotronH's `layers_block_type`)
     override sets the number of layers."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -44,8 +44,8 @@ def keeps_whole_rollout(layers, capacity: int) -> list[bool]:
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
     sliding = [type(layer) is DynamicSlidingWindowLayer for layer in layers]
-    windows_hold_it = all(capacity <= layer.sliding_window for layer, is_sliding in zip(layers, sliding) if is_sliding)
-    return [type(layer) is DynamicLayer or (is_sliding and windows_hold_it) for layer, is_sliding in zip(layers, sliding)]
+    windows_hold_it = all(capacity <= layer.sliding_window for layer, slides in zip(layers, sliding) if slides)
+    return [type(layer) is DynamicLayer or (slides and windows_hold_it) for layer, slides in zip(layers, sliding)]
 
 
 def sampling_cache(model: torch.nn.Module, capacity: int):
@@ -110,7 +110,8 @@ def preallocated_layer_class():
 
         def batch_repeat_interleave(self, repeats: int) -> None:
             if self.length:
-                self.reorder_cache(torch.arange(self._keys.shape[0], device=self._keys.device).repeat_interleave(repeats))
+                rows = torch.arange(self._keys.shape[0], device=self._keys.device)
+                self.reorder_cache(rows.repeat_interleave(repeats))
 
         def batch_select_indices(self, indices: torch.Tensor) -> None:
             self.reorder_cache(indices)
