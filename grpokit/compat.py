@@ -58,6 +58,25 @@ def replicate_layers_with(cache, make_layer) -> None:
     cache.layer_class_to_replicate = make_layer
 
 
+def replace_cache_layer(cache, index: int, layer) -> None:
+    """Put `layer` (a DynamicLayer subclass) in place of a cache's layer `index` before the model writes it. The
+    Cache reads its per-layer properties (`is_sliding`, `is_linear`, ...) from `cache.layers` at each call, so a
+    swapped entry is seen everywhere; there is no constructor that takes a config's layout with some layers of
+    one's own."""
+    cache.layers[index] = layer
+
+
+def select_cache_rows(cache, rows: torch.Tensor) -> None:
+    """Make row i of every layer of a transformers cache its row rows[i], in place: rows kept, dropped or repeated.
+
+    Every cache layer class implements `reorder_cache(index)` (beam search's reordering), over all of its state.
+    `Cache.batch_select_indices` and `batch_repeat_interleave` do not: in transformers 5 a LinearAttentionLayer
+    (Mamba, NemotronH) has neither, and the hybrid Mamba-and-attention layers inherit DynamicLayer's, which move the
+    keys and values but leave the convolution and SSM states behind."""
+    for layer in cache.layers:
+        layer.reorder_cache(rows)
+
+
 def attention_implementation(config) -> str | None:
     return getattr(config, "_attn_implementation", None)
 

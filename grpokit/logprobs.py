@@ -15,6 +15,7 @@ import torch
 from .compat import cache_from_layers, is_activation_checkpointing
 from .distributed import is_sharded
 from .models import is_peft_model
+from .rollout.fast import model_cache, model_config
 from .rollout.hf import forward_accepts, logits_of, position_ids_from_mask
 
 # --------------------------------------------------------------------------------------------- log-probabilities
@@ -221,12 +222,14 @@ def chunked_token_logprobs(
 
 # The chunked LM head (`loss.chunked_token_logprobs`) replaces `logits = lm_head(hidden_states)` only where that
 # line is the whole head. These architectures' transformers implementations apply a plain Linear to the decoder's
-# last hidden state and nothing after it (read in transformers 5.23; tests/test_chunked.py compares the two paths
-# on a tiny model of each). Others soft-cap (Gemma 2/3), scale (Cohere, Granite) or slice the logits.
+# last hidden state and nothing after it but, for NemotronH, a cast to float32, which the chunked head's float32
+# softmax matches (read in transformers 5.23; tests/test_chunked.py compares the two paths on a tiny model of each).
+# Gemma 3 soft-caps only where its config sets `final_logit_softcapping` (refused below, as for every Gemma 2);
+# others scale (Cohere, Cohere 2, Granite) or slice the logits.
 CHUNKED_HEAD_MODEL_TYPES = frozenset({
-    "deepseek_v3", "ernie4_5", "gemma", "glm", "glm4", "gpt2", "gpt_neox", "llama", "mistral", "mixtral", "olmo",
-    "olmo2", "olmo3", "phi", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "seed_oss", "smollm3", "stablelm",
-    "starcoder2",
+    "deepseek_v3", "ernie4_5", "gemma", "gemma3_text", "glm", "glm4", "glm4_moe", "gpt2", "gpt_neox", "gpt_oss",
+    "llama", "mistral", "mixtral", "nemotron_h", "olmo", "olmo2", "olmo3", "phi", "phi3", "qwen2", "qwen2_moe",
+    "qwen3", "qwen3_moe", "seed_oss", "smollm3", "stablelm", "starcoder2",
 })  # fmt: skip
 # Config fields that, where an architecture has them, change the logits after the LM head: refuse the chunked head
 # when any is set, whatever the model type claims.
@@ -378,15 +381,16 @@ def _last_hidden(out) -> torch.Tensor:
 
 def can_share_prompts(lm: torch.nn.Module) -> bool:
     """Whether the decoder can run prompts and completions in two calls through a KV cache with the same result:
-    full attention in every layer (no sliding window, whose mask the cache would change) and no gradient
-    checkpointing (under which transformers turns the cache off)."""
-    config = getattr(lm, "config", None)
+    full attention in every layer, i.e. transformers lays out a plain key/value layer for each (no sliding window,
+    whose mask the cache would change; no Mamba state, as in NemotronH, which a per-row index of the prompts' keys
+    and values does not carry; no attention-free block), and no gradient checkpointing (under which transformers
+    turns the cache off)."""
+    from transformers.cache_utils import DynamicLayer
+
     if is_activation_checkpointing(lm):
         return False
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
-        return False
-    return getattr(config, "sliding_window", None) is None or getattr(config, "use_sliding_window", True) is False
+    layers = model_cache(model_config(lm)).layers
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
 
 # Share a prompt when at most this fraction of the rows have distinct prompts (a second decoder call costs more

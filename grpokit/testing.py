@@ -1,12 +1,14 @@
 """Tiny models and tokenizers built offline, for tests, benchmarks and the built-in demo.
 
-Nothing here downloads anything: the tokenizer is a character-level `tokenizers` model and the model is a
-random-weight Qwen2 configuration, so a test can build a real Hugging Face causal LM in milliseconds.
+Nothing here downloads anything: the tokenizer is a character-level `tokenizers` model and the models are
+random-weight transformers configurations (Qwen2 by default, any architecture with `build_tiny_model_of_type`), so
+a test can build a real Hugging Face causal LM in milliseconds.
 """
 
 from __future__ import annotations
 
 import string
+import warnings
 from pathlib import Path
 
 import torch
@@ -83,6 +85,64 @@ def build_tiny_model(
         model = Qwen2ForCausalLM(config)
     model.generation_config.eos_token_id = eos_token_id
     model.generation_config.pad_token_id = pad_token_id
+    return model
+
+
+# Per-architecture settings for `build_tiny_model_of_type` on top of its defaults: head sizes derived from other
+# fields (DeepSeek-V3's MLA), few small experts for the MoE models, layer patterns that keep each architecture's mix
+# of layer kinds in two or three layers, sliding windows (4) shorter than a test's rollout.
+TINY_ARCHITECTURE_OVERRIDES = {
+    "cohere2": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4),
+    "deepseek_v3": dict(num_key_value_heads=4, head_dim=None, moe_intermediate_size=16, n_routed_experts=4,
+                        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=0, q_lora_rank=None,
+                        kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8),
+    "gemma2": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4, query_pre_attn_scalar=8),
+    "gemma3_text": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4,
+                        query_pre_attn_scalar=8),
+    "glm4_moe": dict(moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                     first_k_dense_replace=1),
+    "gpt2": dict(n_embd=32, n_layer=1, n_head=4, n_positions=64),
+    # YaRN with its default factor expects the full context length (the RoPE tables are not preallocated).
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"],
+                    sliding_window=4, max_position_embeddings=131072),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    # Mamba-2, attention and MoE blocks; the torch path of the Mamba mixer (no mamba-ssm / causal-conv1d kernels).
+    "nemotron_h": dict(layers_block_type=["mamba", "attention", "moe"], ssm_state_size=8, mamba_num_heads=4,
+                       mamba_head_dim=8, n_groups=1, chunk_size=8, moe_intermediate_size=16,
+                       moe_shared_expert_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=16),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+}  # fmt: skip
+
+
+def build_tiny_model_of_type(model_type: str, num_layers: int = 1, vocab_size: int = 1024, *, seed: int = 0,
+                             **overrides):  # fmt: skip
+    """A random-weight transformers causal LM of `model_type` (hidden size 32, 4 query and 2 key/value heads of
+    size 8), float32, in eval mode (no dropout draws), with the attention transformers picks by default (SDPA where
+    the architecture supports it; Gemma 2 and GPT-OSS get eager). pad/eos/bos are ids 0/1/2, as in
+    `build_char_tokenizer`. `overrides` are config fields; a `layer_types` (or NemotronH's `layers_block_type`)
+    override sets the number of layers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                  pad_token_id=0, eos_token_id=1, bos_token_id=2)  # fmt: skip
+    kwargs.update(TINY_ARCHITECTURE_OVERRIDES.get(model_type, {}))
+    kwargs.update(overrides)
+    if kwargs["head_dim"] is None:  # DeepSeek-V3 derives its head sizes from the MLA ranks
+        del kwargs["head_dim"]
+    for pattern in ("layer_types", "layers_block_type"):
+        if pattern in kwargs:
+            kwargs["num_hidden_layers"] = len(kwargs[pattern])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. "sliding window attention is not supported for SDPA"
+        config = AutoConfig.for_model(model_type, **kwargs)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config).float().eval()
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
     return model
 
 

@@ -7,7 +7,6 @@ whole batch, `log_softmax(...).gather(...)` and the entropy of that softmax, dif
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import torch
 import grpokit.logprobs as policy
 from grpokit.logprobs import chunked_token_logprobs
 from grpokit.logprobs import supports_chunked_head, token_logprobs
-from grpokit.testing import build_tiny_model
+from grpokit.testing import build_tiny_model, build_tiny_model_of_type
 
 ATOL32 = 1e-5
 
@@ -292,39 +291,9 @@ def test_heads_the_chunked_path_must_not_take():
 
 
 # One tiny model per architecture in the allow-list: the chunked path equals the model's own logits.
-ARCH_OVERRIDES = {
-    "deepseek_v3": dict(num_key_value_heads=4, head_dim=None, moe_intermediate_size=16, n_routed_experts=4,
-                        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=0, q_lora_rank=None,
-                        kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8),
-    "gpt2": dict(n_embd=32, n_layer=1, n_head=4, n_positions=64),
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                      shared_expert_intermediate_size=16),
-    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
-}  # fmt: skip
-
-
-def tiny_model_of_type(model_type: str, num_layers: int = 1, vocab_size: int = VOCAB, **overrides):
-    """A random-weight transformers causal LM of `model_type` (float32, eval mode: no dropout draws)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    kwargs = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-                  pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
-    kwargs.update(ARCH_OVERRIDES.get(model_type, {}))
-    kwargs.update(overrides)
-    if kwargs["head_dim"] is None:  # DeepSeek-V3 derives its head sizes from the MLA ranks
-        del kwargs["head_dim"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        config = AutoConfig.for_model(model_type, **kwargs)
-        torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
-
-
 @pytest.mark.parametrize("model_type", sorted(policy.CHUNKED_HEAD_MODEL_TYPES))
 def test_every_allowed_architecture_matches_its_plain_head(model_type):
-    model = tiny_model_of_type(model_type)
+    model = build_tiny_model_of_type(model_type)
     assert supports_chunked_head(model)
     ids, mask = batch(n=4, length=10)
     assert_paths_agree(both_paths(model, ids, mask, width=6), ids, 6)
@@ -414,17 +383,17 @@ def assert_same_where_real(results, mask, width):
         torch.testing.assert_close(shared_grads[name], grads_[name], atol=ATOL32 * scale, rtol=0, msg=name)
 
 
-# Sliding-window attention in some layers by default: the prompt is never shared for them.
-SLIDING_WINDOW_TYPES = {"mistral", "olmo3"}
+# Sliding-window attention in some layers by default (or Mamba layers, NemotronH): the prompt is never shared.
+UNSHARED_TYPES = {"gemma3_text", "gpt_oss", "mistral", "nemotron_h", "olmo3"}
 
 
 @pytest.mark.parametrize("model_type", sorted(policy.CHUNKED_HEAD_MODEL_TYPES))
 def test_shared_prompts_give_the_full_forward_on_every_allowed_architecture(model_type, monkeypatch):
     # Each distinct prompt through the decoder once, its cache indexed out to its rows, the completions run
     # against it: the same log-probs, entropies and parameter gradients as one forward over the whole rows.
-    model = tiny_model_of_type(model_type, num_layers=2)
-    assert policy.can_share_prompts(model) == (model_type not in SLIDING_WINDOW_TYPES)
-    if model_type in SLIDING_WINDOW_TYPES:
+    model = build_tiny_model_of_type(model_type, num_layers=2)
+    assert policy.can_share_prompts(model) == (model_type not in UNSHARED_TYPES)
+    if model_type in UNSHARED_TYPES:
         return
     ids, mask = grouped_batch()
     assert_same_where_real(shared_and_full(model, ids, mask, 6, monkeypatch), mask, 6)
@@ -453,6 +422,7 @@ def test_prompts_are_shared_only_where_it_pays_and_the_cache_is_exact():
     assert not policy.can_share_prompts(model)
     windowed = build_tiny_model(VOCAB)
     windowed.config.layer_types = ["sliding_attention"] * len(windowed.config.layer_types)
+    windowed.config.sliding_window = 4  # a sliding layer's cache needs its window
     assert not policy.can_share_prompts(windowed)
 
 

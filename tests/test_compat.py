@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from grpokit import compat
-from grpokit.testing import build_tiny_model
+from grpokit.testing import build_tiny_model, build_tiny_model_of_type
 
 
 def test_accumulation_boundary_flips_accelerates_sync_flag():
@@ -86,3 +86,41 @@ def test_attention_implementation_is_switched_and_restored():
 
 def test_tied_weight_keys():
     assert "lm_head.weight" in compat.tied_weight_keys(build_tiny_model(16, tie_word_embeddings=True))
+
+
+def test_a_replaced_cache_layer_is_the_one_the_model_writes():
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    class Marked(DynamicLayer):
+        pass
+
+    model = build_tiny_model_of_type("gemma3_text", vocab_size=16)  # a sliding-window layer, then a full one
+    cache = DynamicCache(config=model.config)
+    assert cache.is_sliding == [True, False]
+    compat.replace_cache_layer(cache, 0, Marked())
+    assert cache.is_sliding == [False, False]  # the cache's per-layer properties read the new layer
+    model(torch.tensor([[3, 4, 5]]), past_key_values=cache, use_cache=True)
+    assert type(cache.layers[0]) is Marked and cache.layers[0].get_seq_length() == 3
+
+
+def test_select_cache_rows_moves_every_state_of_every_layer_kind():
+    # NemotronH's cache holds a Mamba layer's convolution and SSM states, an attention layer's keys and values and
+    # nothing for a MoE block: every state follows the rows, kept, dropped and repeated.
+    from transformers import DynamicCache
+
+    model = build_tiny_model_of_type("nemotron_h", vocab_size=16)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.randint(3, 16, (3, 5), generator=torch.Generator().manual_seed(0)), past_key_values=cache,
+              use_cache=True)  # fmt: skip
+
+    def states():
+        mamba, attention, _ = cache.layers
+        return [mamba.conv_states[0], mamba.recurrent_states[0], attention.keys, attention.values]
+
+    before = states()
+    rows = torch.tensor([2, 2, 0])
+    compat.select_cache_rows(cache, rows)
+    for old, new in zip(before, states(), strict=True):
+        assert torch.equal(new, old[rows])

@@ -488,10 +488,10 @@ def test_one_token_attention_samples_what_sdpa_samples(model_type):
     # same tokens and log-probs (float32), on architectures with GQA, MLA (value size != query size), sliding
     # windows and MoE; and the model's attention setting is back to SDPA afterwards.
     from grpokit.rollout import fast as rollout
-    from test_chunked import tiny_model_of_type
+    from grpokit.testing import build_tiny_model_of_type
 
     window = {"sliding_window": 4} if model_type == "mistral" else {}
-    model = tiny_model_of_type(model_type, num_layers=2, vocab_size=64, **window)
+    model = build_tiny_model_of_type(model_type, num_layers=2, vocab_size=64, **window)
     ids = torch.randint(3, 64, (3, 5), generator=seeded(1)).repeat_interleave(2, 0)
     mask = torch.ones_like(ids)
     mask[:2, :2] = 0  # left padding: the mask reaches the one-token path

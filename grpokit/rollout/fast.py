@@ -1,5 +1,13 @@
-"""CPU fast paths of the in-process engine, each equal to the plain computation it replaces (tests/test_rollout.py):
-a KV cache that writes into preallocated buffers, and one-token decode attention as two matmuls."""
+"""Fast paths of the in-process engine, each equal to the plain computation it replaces (tests/test_rollout.py,
+tests/test_architectures.py): a KV cache that writes into preallocated buffers, and one-token decode attention as two
+matmuls on CPU. Each applies only where it is exact; elsewhere the model's own computation runs:
+
+- preallocated buffers: layers that attend to every position a rollout holds (full attention, or a sliding window
+  at least as long as prompt + completion). A shorter window, Mamba/linear-attention states (NemotronH) and
+  attention-free blocks keep transformers' own cache layer.
+- one-token attention: models that run SDPA (not eager ones such as Gemma 2's soft-capped or GPT-OSS's attention
+  with sinks), and never for attention sinks.
+"""
 
 from __future__ import annotations
 
@@ -8,18 +16,51 @@ import functools
 
 import torch
 
-from ..compat import attention_implementation, attention_implementation_set_to, replicate_layers_with
+from ..compat import (attention_implementation, attention_implementation_set_to, replace_cache_layer,
+                      replicate_layers_with)  # fmt: skip
 
 
-def preallocated_cache(capacity: int):
-    """A transformers DynamicCache whose layers write each step's keys and values into buffers of `capacity`
-    positions (`PreallocatedLayer`) instead of concatenating: a decode loop of T steps copies the cache once, not T
-    times (the concatenation was a third of the rollout's time on a small model)."""
-    from transformers import DynamicCache
+def model_config(model: torch.nn.Module):
+    """The config a transformers model's layers read (through a PeftModel, its base model's), or None."""
+    config = getattr(model, "config", None)
+    base = getattr(model, "get_base_model", lambda: None)()
+    return getattr(base, "config", config)
 
+
+def model_cache(config):
+    """An empty DynamicCache laid out for `config` as the model would lay out its own: one cache layer per decoder
+    layer, of transformers' class for its kind (full attention, sliding window, linear attention / Mamba, none for
+    attention-free MoE or MLP blocks). Without a transformers config, full-attention layers made as they are
+    written."""
+    from transformers import DynamicCache, PretrainedConfig
+
+    return DynamicCache(config=config) if isinstance(config, PretrainedConfig) else DynamicCache()
+
+
+def keeps_whole_rollout(layers, capacity: int) -> list[bool]:
+    """Which cache layers keep every key a rollout of `capacity` positions writes: the full-attention layers, and
+    the sliding-window ones when every window is at least `capacity` (so none ever drops a position). All sliding
+    layers or none: transformers builds one sliding-window mask for them all, sized by the first of them."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    sliding = [type(layer) is DynamicSlidingWindowLayer for layer in layers]
+    windows_hold_it = all(capacity <= layer.sliding_window for layer, slides in zip(layers, sliding) if slides)
+    return [type(layer) is DynamicLayer or (slides and windows_hold_it) for layer, slides in zip(layers, sliding)]
+
+
+def sampling_cache(model: torch.nn.Module, capacity: int):
+    """The decode loop's KV cache: the model's own layout (`model_cache`), each layer that keeps every key of the
+    rollout (`keeps_whole_rollout`) writing into buffers of `capacity` positions (`PreallocatedLayer`) instead of
+    concatenating: a decode loop of T steps copies those layers once, not T times (the concatenation was a third
+    of the rollout's time on a small model). The other layers (windows shorter than the rollout, Mamba states,
+    attention-free blocks) keep transformers' class, so the cache holds what the model's own cache would."""
     layer_class = preallocated_layer_class()
-    cache = DynamicCache()
-    replicate_layers_with(cache, lambda: layer_class(capacity))
+    cache = model_cache(model_config(model))
+    if not cache.layers:  # no config: layers are made as the model writes them
+        replicate_layers_with(cache, lambda: layer_class(capacity))
+    for index, whole in enumerate(keeps_whole_rollout(cache.layers, capacity)):
+        if whole:
+            replace_cache_layer(cache, index, layer_class(capacity))
     return cache
 
 
@@ -61,16 +102,19 @@ def preallocated_layer_class():
         def get_seq_length(self) -> int:
             return self.length
 
-        def batch_repeat_interleave(self, repeats: int) -> None:
+        def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+            """Row i becomes row beam_idx[i] (rows kept, dropped or repeated; `compat.select_cache_rows`)."""
             if self.length:
-                self._keys = self._keys.repeat_interleave(repeats, dim=0)
-                self._values = self._values.repeat_interleave(repeats, dim=0)
+                self._keys, self._values = self._keys[beam_idx], self._values[beam_idx]
                 self._refresh()
 
-        def batch_select_indices(self, indices: torch.Tensor) -> None:
+        def batch_repeat_interleave(self, repeats: int) -> None:
             if self.length:
-                self._keys, self._values = self._keys[indices], self._values[indices]
-                self._refresh()
+                rows = torch.arange(self._keys.shape[0], device=self._keys.device)
+                self.reorder_cache(rows.repeat_interleave(repeats))
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            self.reorder_cache(indices)
 
         def reset(self) -> None:
             self.length, self._keys, self._values = 0, None, None
@@ -120,9 +164,7 @@ def _register_one_token_attention() -> None:
 def one_token_attention(model: torch.nn.Module, device: torch.device):
     """While sampling on CPU, a transformers model that uses SDPA attention takes `one_token_attention_forward`
     (its config's attention implementation is switched for the duration, and back)."""
-    config = getattr(model, "config", None)
-    base = getattr(model, "get_base_model", lambda: None)()  # a PeftModel: the config the layers read
-    config = getattr(base, "config", config)
+    config = model_config(model)
     multimodal = bool(getattr(config, "sub_configs", None))  # the layers may read a sub-config's setting
     if device.type != "cpu" or attention_implementation(config) != "sdpa" or multimodal:
         yield

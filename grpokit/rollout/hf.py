@@ -3,7 +3,7 @@
 Why our own loop rather than `model.generate`: we record the policy's log-prob of every sampled token (so that with
 μ > 1 in float32 the first pass's old log-probs need no extra forward), we compute each prompt's prefix once per
 group and share its KV cache across its rows, and we drop finished rows from the batch. Token draws are in
-`sampling.py`, the CPU fast paths (preallocated cache, one-token attention) in `fast.py`.
+`sampling.py`, the fast paths (preallocated cache, one-token attention on CPU) in `fast.py`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from typing import Callable
 
 import torch
 
+from ..compat import select_cache_rows
 from .engine import PromptBatch, Rollout, SamplingParams
-from .fast import one_token_attention, preallocated_cache
+from .fast import model_config, one_token_attention, sampling_cache
 from .sampling import sample_tokens
 
 
@@ -74,27 +75,36 @@ def forward_accepts(model: torch.nn.Module, name: str) -> bool:
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
+def sampling_forward_kwargs(model: torch.nn.Module) -> dict:
+    """Extra arguments of the sampling forwards. A MoE model configured to return its router logits (for a
+    load-balancing loss in training) would record them at every decode step, and Qwen3-MoE's or GPT-OSS's forward
+    would then compute that loss from one step's logits against the whole attention mask, and fail on the shapes;
+    sampling needs neither, so it asks for no router logits."""
+    return {"output_router_logits": False} if getattr(model_config(model), "output_router_logits", False) else {}
+
+
 class CachedDecoder:
-    """Incremental decoding with a transformers KV cache; finished rows can be dropped from it."""
+    """Incremental decoding with a transformers KV cache (`fast.sampling_cache`); finished rows can be dropped."""
 
     def __init__(self, model, capacity: int = 0):
         self.model = model
         self.capacity = capacity  # prompt + completion positions, for a preallocated cache
+        self.forward_kwargs = sampling_forward_kwargs(model)
         self.cache = None
         self.mask = None  # [n, P + t]
         self.next_position = None  # [n]
 
     def prefill(self, ids, mask, repeats: int = 1) -> torch.Tensor:
-        self.cache = preallocated_cache(max(self.capacity, ids.shape[1]))
+        self.cache = sampling_cache(self.model, max(self.capacity, ids.shape[1]))
         positions = position_ids_from_mask(mask)
         out = self.model(
             input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
-            use_cache=True, logits_to_keep=1,
+            use_cache=True, logits_to_keep=1, **self.forward_kwargs,
         )  # fmt: skip
         self.cache = out.past_key_values
         logits = logits_of(out)[:, -1]
         if repeats > 1:  # one prefill per group, shared by its G rows
-            self.cache.batch_repeat_interleave(repeats)
+            select_cache_rows(self.cache, torch.arange(len(ids), device=ids.device).repeat_interleave(repeats))
             logits, mask, positions = (x.repeat_interleave(repeats, 0) for x in (logits, mask, positions))
         self.mask, self.next_position = mask, positions[:, -1] + 1
         return logits
@@ -103,14 +113,14 @@ class CachedDecoder:
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(tokens), 1)], dim=1)
         out = self.model(
             input_ids=tokens[:, None], attention_mask=self.mask, position_ids=self.next_position[:, None],
-            past_key_values=self.cache, use_cache=True,
+            past_key_values=self.cache, use_cache=True, **self.forward_kwargs,
         )  # fmt: skip
         self.cache = out.past_key_values
         self.next_position = self.next_position + 1
         return logits_of(out)[:, -1]
 
     def keep(self, rows: torch.Tensor) -> None:
-        self.cache.batch_select_indices(rows)
+        select_cache_rows(self.cache, rows)
         self.mask, self.next_position = self.mask[rows], self.next_position[rows]
 
 
@@ -120,11 +130,13 @@ class FullForwardDecoder:
     def __init__(self, model):
         self.model = model
         self.use_mask = forward_accepts(model, "attention_mask")
+        self.forward_kwargs = sampling_forward_kwargs(model)
         self.ids = self.mask = None
 
     def _forward(self) -> torch.Tensor:
         if self.use_mask:
-            out = self.model(self.ids, attention_mask=self.mask, position_ids=position_ids_from_mask(self.mask))
+            out = self.model(self.ids, attention_mask=self.mask, position_ids=position_ids_from_mask(self.mask),
+                             **self.forward_kwargs)  # fmt: skip
         else:
             if not bool(self.mask.all()):
                 raise ValueError(
