@@ -216,8 +216,8 @@ class GRPOConfig:
                                             "gradient is the unbiased reverse-KL gradient (TRL's default).")
     router_aux_loss_coef: float | None = _f(None, "MoE load-balancing loss weight (Switch Transformer); None: the "
                                                   "model config's own (e.g. 0.001 for Qwen3-MoE), 0: off.")
-    cast_lm_head_to_fp32: bool = _not_implemented(False, "TRL casts the LM head to float32; grpokit keeps the "
-                                                         "head's dtype and computes log-probs in float32.")
+    cast_lm_head_to_fp32: bool = _f(False, "ScaleRL: the LM head's matmul and log-softmax in float32 for the policy "
+                                           "and reference forwards, also under bf16 autocast (both head paths).")
     trust_remote_code: bool = _f(False, "Allow custom model code from the Hub for the policy, its tokenizer and "
                                         "reward models (as TRL).")
     use_liger_kernel: bool = _not_implemented(False, "TRL patches the model with Liger kernels; grpokit's chunked LM "

@@ -10,6 +10,8 @@ forward up to float rounding (tests/test_chunked.py).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .compat import cache_from_layers, is_activation_checkpointing
@@ -180,6 +182,7 @@ def chunked_token_logprobs(
     bias: torch.Tensor | None = None,
     chunk_rows: int | None = None,
     with_entropy: bool = False,
+    fp32_head: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of `targets` under softmax((hidden @ weight.T + bias) / temperature), never holding all logits.
 
@@ -197,11 +200,14 @@ def chunked_token_logprobs(
 
     Precision: the matmul runs in the dtype the plain `nn.Linear` head would use — the autocast dtype under
     autocast, else the inputs' dtype — and everything after it (log-sum-exp, softmax, entropy, the logits'
-    gradient) in float32. In float32 this is the plain computation, chunk by chunk.
+    gradient) in float32. In float32 this is the plain computation, chunk by chunk. `fp32_head` runs the matmul in
+    float32 too (ScaleRL's / TRL's cast_lm_head_to_fp32).
     """
     vocab_size = weight.shape[0]
     device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
+    if fp32_head:
+        compute_dtype = torch.float32
+    elif torch.is_autocast_enabled(device_type):
         compute_dtype = torch.get_autocast_dtype(device_type)
     else:
         compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
@@ -290,6 +296,7 @@ def token_logprobs(
     chunked: bool | None = None,
     share_prompts: bool = True,
     router_logits: list | None = None,
+    fp32_head: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [N, T] (and entropies [N, T]) of the last T tokens of input_ids [N, P + T] under the model.
 
@@ -310,6 +317,7 @@ def token_logprobs(
     reaches the prompt's activations through the shared cache, and a completion is padded only to the longest in
     its length group. The values are those of the full forward up to float rounding.
 
+    fp32_head: the LM head (matmul included) in float32 under autocast, on both paths (cast_lm_head_to_fp32).
     router_logits: a list to receive an MoE model's router logits (one [N·(P+T), E] tensor per MoE layer, with
     their graph), for a load-balancing loss; the plain path is taken then (one forward of the whole sequence).
     """
@@ -338,11 +346,12 @@ def token_logprobs(
             real = attention_mask[:, -completion_length:].bool()
             if bool(real.all()):
                 return chunked_token_logprobs(hidden, head.weight, targets, temperature, bias=head.bias,
-                                              with_entropy=with_entropy)  # fmt: skip
+                                              with_entropy=with_entropy, fp32_head=fp32_head)  # fmt: skip
             rows, columns = real.nonzero(as_tuple=True)
             hidden = hidden[rows, columns]
         logprobs, entropies = chunked_token_logprobs(hidden[None], head.weight, targets[rows, columns][None],
-                                                     temperature, bias=head.bias, with_entropy=with_entropy)
+                                                     temperature, bias=head.bias, with_entropy=with_entropy,
+                                                     fp32_head=fp32_head)
         shape = tuple(targets.shape)
         return (_scatter(logprobs[0], rows, columns, shape),
                 None if entropies is None else _scatter(entropies[0], rows, columns, shape))  # fmt: skip
@@ -354,7 +363,8 @@ def token_logprobs(
         kwargs["logits_to_keep"] = completion_length + 1
     if router_logits is not None:
         kwargs["output_router_logits"] = True
-    output = model(input_ids, **kwargs)
+    with float32_head(model) if fp32_head else contextlib.nullcontext():
+        output = model(input_ids, **kwargs)
     if router_logits is not None:
         router_logits.extend(output.router_logits or ())
     logits = logits_of(output)
@@ -368,6 +378,26 @@ def token_logprobs(
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropies = entropy_from_logits(logits)
     return logprobs, entropies
+
+
+@contextlib.contextmanager
+def float32_head(model: torch.nn.Module):
+    """The model's LM head computes in float32 (input, weight and matmul) for the duration, also under autocast."""
+    lm = causal_lm_of(model)
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError("cast_lm_head_to_fp32 needs a model whose output embedding is an nn.Linear.")
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            bias = None if head.bias is None else head.bias.float()
+            return torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
+
+    head.forward = forward  # an instance attribute: nn.Module.__call__ reads it before the class's forward
+    try:
+        yield
+    finally:
+        del head.forward
 
 
 def _scatter(values: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, shape) -> torch.Tensor:

@@ -342,7 +342,7 @@ class GRPOTrainer:
             logprobs, entropies = token_logprobs(self.model, batch.input_ids, batch.input_mask,
                                                  batch.completion_ids.shape[1], args.temperature, with_entropy=True,
                                                  entropy_grad=args.entropy_coef != 0 or controller is not None,
-                                                 router_logits=router_logits)  # fmt: skip
+                                                 router_logits=router_logits, fp32_head=args.cast_lm_head_to_fp32)
         loss_weights = None
         if args.top_entropy_quantile < 1.0:
             loss_weights = high_entropy_mask(entropies.detach(), batch.loss_mask, args.top_entropy_quantile)
@@ -466,7 +466,7 @@ class GRPOTrainer:
         for part in batch.split(self.args.per_device_train_batch_size):
             with self.accelerator.autocast():
                 logprobs, _ = token_logprobs(model, part.input_ids, part.input_mask, part.completion_ids.shape[1],
-                                             self.args.temperature)  # fmt: skip
+                                             self.args.temperature, fp32_head=self.args.cast_lm_head_to_fp32)
             out.append(logprobs.float())
         return torch.cat(out)
 

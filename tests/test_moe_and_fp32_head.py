@@ -1,4 +1,4 @@
-"""router_aux_loss_coef: the MoE load-balancing loss from the training forward's router logits (TRL 1.16)."""
+"""router_aux_loss_coef (the MoE load-balancing loss from the training forward's router logits) and cast_lm_head_to_fp32 (TRL 1.16)."""
 
 import pytest
 import torch
@@ -63,3 +63,31 @@ def test_the_coefficient_defaults_to_the_model_configs_and_refuses_dense_models(
     assert router_aux_loss_coef(GRPOConfig(report_to="none"), build_tiny_model(16)) == 0.0
     with pytest.raises(ValueError, match="mixture-of-experts"):
         router_aux_loss_coef(GRPOConfig(report_to="none", router_aux_loss_coef=0.01), build_tiny_model(16))
+
+
+# ---------------------------------------------------------------------------------------- cast_lm_head_to_fp32
+
+
+def test_fp32_head_computes_the_head_in_float32_under_bf16_autocast_on_both_paths():
+    """The expected values: the decoder under bf16 autocast (as training runs it), then the head in float32 by
+    hand. With cast_lm_head_to_fp32 both head paths give them; without it the head rounds in bf16."""
+    from grpokit import token_logprobs
+    from grpokit.testing import build_tiny_model
+
+    model = build_tiny_model(4000, hidden_size=64, seed=1)  # a vocabulary large enough for bf16 logits to round
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 4000, (4, 12), generator=generator)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden = model.model(input_ids=ids).last_hidden_state[:, -7:-1]
+        logits = hidden.float() @ model.lm_head.weight.float().T
+        expected = logits.log_softmax(-1).gather(-1, ids[:, -6:, None]).squeeze(-1)
+        errors = {}
+        for chunked in (False, True):
+            for fp32_head in (False, True):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    values, _ = token_logprobs(model, ids, mask, 6, chunked=chunked, fp32_head=fp32_head)
+                errors[chunked, fp32_head] = (values.float() - expected).abs().max().item()
+    for chunked in (False, True):
+        assert errors[chunked, True] < 1e-4 < errors[chunked, False], errors
