@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from test_loss import GA_ADV, GA_LOG_RATIO, GA_MASK, GA_OLD, GA_REF_D
 from grpokit.loss import (
     AGGREGATIONS,
     LOSS_TYPES,
@@ -573,20 +574,9 @@ def test_load_balancing_loss_matches_transformers():
 
 # ---------------------------------------------------------------------------------- gradient accumulation
 
-# 6 sequences, T = 5, ragged lengths 5, 1, 3, 4, 2, 5 (20 tokens); several ratios outside [0.8, 1.28].
-GA_MASK = [[1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
-GA_LOG_RATIO = [
-    [0.05, 0.3, -0.4, 0.1, -0.02],
-    [0.25, 1.0, 1.0, 1.0, 1.0],
-    [-0.3, 0.02, 0.15, 2.0, 2.0],
-    [0.4, -0.1, 0.0, -0.25, 2.0],
-    [-0.05, 0.22, 2.0, 2.0, 2.0],
-    [0.1, -0.35, 0.3, 0.01, -0.15],
-]
-GA_OLD = [[-0.1 * (i + j + 1) for j in range(5)] for i in range(6)]
-GA_REF_D = [[0.1 * ((i * 5 + j) % 7) - 0.3 for j in range(5)] for i in range(6)]
+# The accumulation batch of tests/test_loss.py (6 sequences, T = 5, ragged lengths 5, 1, 3, 4, 2, 5: 20 tokens;
+# several ratios outside [0.8, 1.28]), with what the new options need besides.
 GA_SAMPLING_GAP = [[0.9] * 5, [0.9] * 5, [0.1] * 5, [0.9] * 5, [0.1] * 5, [0.1] * 5]
-GA_ADV = [1.2, -0.7, 0.4, -1.5, 2.0, -0.3]
 GA_ENTROPY = [[0.1 * ((i + 2 * j) % 5) + 0.2 for j in range(5)] for i in range(6)]
 GA_COUNTS = {"num_sequences": 6, "num_tokens": 20, "max_completion_length": 7}
 SPLITS = [[[0, 1], [2, 3, 4, 5]], [[0, 1, 2], [3, 4, 5]], [[4, 0], [5, 2, 1, 3]]]
