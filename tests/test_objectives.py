@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from test_loss import GA_ADV, GA_LOG_RATIO, GA_MASK, GA_OLD, GA_REF_D
+from test_loss import ATOL, F64, GA_ADV, GA_LOG_RATIO, GA_MASK, GA_OLD, GA_REF_D, close, t  # shared helpers
 from grpokit.loss import (
     AGGREGATIONS,
     LOSS_TYPES,
@@ -25,19 +25,6 @@ from grpokit.loss import (
     vespo_weights,
 )
 
-F64 = torch.float64
-ATOL = 1e-6
-
-
-def t(values, dtype=F64):
-    return torch.tensor(values, dtype=dtype)
-
-
-def close(actual, expected, atol=ATOL):
-    actual = torch.as_tensor(actual, dtype=F64)
-    expected = torch.as_tensor(expected, dtype=F64)
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    assert torch.allclose(actual, expected, atol=atol, rtol=0), f"\nactual   {actual}\nexpected {expected}"
 
 
 def sigmoid(x):
