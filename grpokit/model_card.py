@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-from .data import dataset_columns
+from .data import dataset_columns, is_iterable_dataset
 
 MARKER = "<!-- grpokit model card: remove this line to keep grpokit from overwriting the file -->"
 
@@ -29,7 +29,8 @@ def describe_dataset(dataset) -> str:
     """'name (R rows; columns: a, b)' — the name only when the dataset carries a meaningful one."""
     if dataset is None:
         return "unknown"
-    shape = f"{len(dataset)} rows; columns: {', '.join(dataset_columns(dataset))}"
+    rows = "a stream of rows" if is_iterable_dataset(dataset) else f"{len(dataset)} rows"
+    shape = f"{rows}; columns: {', '.join(dataset_columns(dataset))}"
     name = getattr(getattr(dataset, "info", None), "dataset_name", None)
     return f"{name} ({shape})" if name and name not in GENERIC_BUILDERS else shape
 

@@ -331,3 +331,33 @@ def test_trust_remote_code_reaches_the_tokenizer_and_reward_models(tmp_path, mon
                 args=config(tmp_path, trust_remote_code=True))  # fmt: skip
     assert ("AutoTokenizer", True) in seen and ("AutoModelForSequenceClassification", True) in seen
     assert all(flag is True for _, flag in seen)
+
+
+# ------------------------------------------------------------------------------------------- exact resume
+
+
+@pytest.mark.parametrize("setting", ["stream", "adaptive_entropy"])
+def test_resume_is_exact_with_a_stream_and_with_adaptive_entropy(tmp_path, setting):
+    """A run interrupted at its step-2 checkpoint and resumed ends with the weights of the run that was not: the
+    stream's position and the entropy controller are saved with the checkpoint."""
+    rows = [{"prompt": f"{c}:", "letter": c} for c in LETTERS[:6]]  # 6 rows: the stream wraps into a 2nd epoch
+    values = dict(max_steps=4, save_strategy="steps", save_steps=2, lr_scheduler_type="constant")
+    if setting == "adaptive_entropy":
+        values.update(use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=5.0, entropy_coef_delta=0.02)
+
+    def run(directory, max_steps, resume=None):
+        dataset = stream(rows) if setting == "stream" else letters()
+        trainer = trainer_for(directory, train_dataset=dataset, args=config(directory, **{**values, "max_steps": max_steps}))
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run(tmp_path / "full", 4)
+    run(tmp_path / "split", 2)
+    resumed = run(tmp_path / "split", 4, resume=str(tmp_path / "split" / "out" / "checkpoint-2"))
+    a, b = full.unwrapped_model.state_dict(), resumed.unwrapped_model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    if setting == "stream":
+        assert resumed.sampler.state_dict() == full.sampler.state_dict() == {"epoch": 1, "position": 2}
+    else:
+        coefs = [h["entropy_coef"] for h in resumed.state.log_history if "entropy_coef" in h]
+        assert coefs == [h["entropy_coef"] for h in full.state.log_history if "entropy_coef" in h] and coefs[-1] > 0.01
