@@ -70,15 +70,15 @@ class PhaseTimer:
 
 
 def instrument_grpokit(trainer, timer: PhaseTimer):
-    import grpokit.rollout as rollout
+    import grpokit.rollout.hf as hf
     import grpokit.trainer as gtrainer
 
-    gtrainer.generate = timer.wrap(gtrainer.generate, "rollout")
-    rollout.CachedDecoder.prefill = timer.wrap(rollout.CachedDecoder.prefill, "rollout: model forwards")
-    rollout.CachedDecoder.step = timer.wrap(rollout.CachedDecoder.step, "rollout: model forwards")
-    rollout.CachedDecoder.keep = timer.wrap(rollout.CachedDecoder.keep, "rollout: drop finished rows")
-    rollout.sample_tokens = timer.wrap(rollout.sample_tokens, "rollout: sampling arithmetic")
-    trainer._completions_as_given = timer.wrap(trainer._completions_as_given, "decode completions")
+    trainer.engine.generate = timer.wrap(trainer.engine.generate, "rollout")
+    hf.CachedDecoder.prefill = timer.wrap(hf.CachedDecoder.prefill, "rollout: model forwards")
+    hf.CachedDecoder.step = timer.wrap(hf.CachedDecoder.step, "rollout: model forwards")
+    hf.CachedDecoder.keep = timer.wrap(hf.CachedDecoder.keep, "rollout: drop finished rows")
+    hf.sample_tokens = timer.wrap(hf.sample_tokens, "rollout: sampling arithmetic")
+    trainer.codec.decode = timer.wrap(trainer.codec.decode, "decode completions")
     gtrainer.compute_rewards = timer.wrap(gtrainer.compute_rewards, "reward functions")
     trainer._logprobs_in_chunks = timer.wrap(trainer._logprobs_in_chunks, "reference log-probs (forward)")
     def forward_label(stack):
@@ -206,14 +206,14 @@ def main(argv=None) -> int:
                         help="import grpokit from this source tree instead (e.g. `git archive HEAD grpokit | tar -x "
                              "-C DIR`), to profile an earlier version")  # fmt: skip
     parser.add_argument("--plain-head", action="store_true",
-                        help="grpokit: force the plain logits path (grpokit.policy.USE_CHUNKED_HEAD = False)")
+                        help="grpokit: force the plain logits path (grpokit.logprobs.USE_CHUNKED_HEAD = False)")
     args = parser.parse_args(argv)
     if args.src:  # before anything imports grpokit
         sys.path.insert(0, str(Path(args.src).resolve()))
     if args.plain_head:
-        import grpokit.policy
+        import grpokit.logprobs
 
-        grpokit.policy.USE_CHUNKED_HEAD = False
+        grpokit.logprobs.USE_CHUNKED_HEAD = False
     for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
         os.environ.setdefault(key, "1")
 
