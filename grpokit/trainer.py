@@ -436,21 +436,24 @@ class GRPOTrainer:
         rows = global_rows[offset : offset + per_process]
         seed = rollout_seed(args.seed, self.state.generations, acc.process_index)
         self.state.generations += 1
-        rollout, completions, completion_ids = self._rollout(rows, group_counts(len(rows), args.num_generations, offset),
-                                                             seed)  # fmt: skip
+        rollout, rows, completions, completion_ids = self._rollout(
+            rows, group_counts(len(rows), args.num_generations, offset), seed)
         prompts, scores, failures, step_rewards, step_ends = self._score(rows, completions, completion_ids)
         return ScoredRollout(rows, prompts, completions, completion_ids, rollout, scores, failures, step_rewards,
                              step_ends, offset)  # fmt: skip
 
     def _rollout(self, rows: list[dict], counts: list[int], seed: int):
         """The engine's rollout of rows (consecutive runs of counts[i] rows share a prompt), on this process's
-        device, with its completions decoded: (rollout, completions, completion token ids)."""
+        device, with its completions decoded: (rollout, rows, completions, completion token ids). The fields an
+        engine reports per row (`Rollout.extra`) join the rows, so reward functions receive them as columns."""
         starts = [sum(counts[:i]) for i in range(len(counts))]
         prompts = self.codec.encode([rows[s] for s in starts], counts)
         self.engine.sync_weights(self.unwrapped_model)
         rollout = self.engine.generate(prompts, self._sampling_params(), seed).to(self.accelerator.device)
         completions, completion_ids = self.codec.decode(rollout, prompts.raw)
-        return rollout, completions, completion_ids
+        if rollout.extra:
+            rows = [{**row, **{name: values[i] for name, values in rollout.extra.items()}} for i, row in enumerate(rows)]
+        return rollout, rows, completions, completion_ids
 
     def _sampling_params(self):
         args = self.args
@@ -596,7 +599,7 @@ class GRPOTrainer:
             # A process with no prompts left samples a discarded one, in step with the others.
             rows = [dataset[i] for i in (chunk or [0]) for _ in range(n)]
             seed = rollout_seed(args.seed + EVAL_SEED_OFFSET, batch_index, acc.process_index)
-            rollout, completions, completion_ids = self._rollout(rows, [n] * (len(rows) // n), seed)
+            rollout, rows, completions, completion_ids = self._rollout(rows, [n] * (len(rows) // n), seed)
             prompts, scores, *_ = self._score(rows, completions, completion_ids)
             rewards = self._outcome_rewards(scores)
             loss = self._evaluation_loss(rollout, group_advantages(rewards, n, args.scale_rewards))

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from test_loss import ADV, LENGTHS, MASK, OLD, RATIOS, REF_MINUS_LOGP  # the hand batch
 from test_loss import ATOL, F64, GA_ADV, GA_LOG_RATIO, GA_MASK, GA_OLD, GA_REF_D, close, t  # shared helpers
 from grpokit.loss import (
     AGGREGATIONS,
@@ -35,13 +36,7 @@ def k3(d):
     return math.exp(d) - d - 1.0
 
 
-# N = 3, T = 4, lengths 3, 2, 4 (9 tokens); padded positions carry absurd ratios so that a leak shows.
-MASK = [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
-LENGTHS = [3, 2, 4]
-RATIOS = [[1.1, 1.3, 0.7, 5.0], [0.9, 0.75, 9.0, 9.0], [1.25, 1.0, 0.85, 1.15]]
-OLD = [[-1.0, -1.5, -0.5, -2.0], [-0.7, -1.2, -3.0, -3.0], [-0.2, -0.9, -1.1, -0.4]]
-ADV = [1.0, -0.5, 2.0]
-REF_MINUS_LOGP = [[0.1, -0.2, 0.3, 2.0], [0.0, 0.5, 1.0, 1.0], [-0.1, 0.2, -0.3, 0.4]]
+# The hand batch of tests/test_loss.py: N = 3, T = 4, lengths 3, 2, 4 (9 tokens), absurd ratios on padding.
 LOGP = [[o + math.log(r) for o, r in zip(orow, rrow)] for orow, rrow in zip(OLD, RATIOS)]
 TOKENS = [(i, j) for i in range(3) for j in range(LENGTHS[i])]
 

@@ -207,3 +207,25 @@ def test_eos_ids_are_the_union_of_tokenizer_and_generation_config():
 
     assert eos_token_ids(Tok(), Model()) == (1, 7)
     assert eos_token_ids(None, Model()) == (7, 1)
+
+
+def test_fields_an_engine_reports_reach_the_reward_functions(tmp_path):
+    model, tokenizer = tiny()
+
+    class TaggingEngine(ScriptedEngine):
+        def generate(self, prompts, params, seed):
+            rollout = super().generate(prompts, params, seed)
+            rollout.extra["sample_index"] = [i for count in prompts.counts for i in range(count)]
+            return rollout
+
+    engine = TaggingEngine(lambda prompt_ids, index: tokenizer(LETTERS[index])["input_ids"])
+    seen = []
+
+    def by_index(completions, **kwargs):  # an engine's fields are not dataset columns: read them from kwargs
+        seen.extend(zip(completions, kwargs["sample_index"]))
+        return [float(i == 0) for i in kwargs["sample_index"]]
+
+    trainer = GRPOTrainer(model=model, reward_funcs=by_index, args=config(tmp_path, max_steps=1),
+                          train_dataset=letters(4), processing_class=tokenizer, rollout_engine=engine)  # fmt: skip
+    trainer.train()
+    assert len(seen) == 8 and all(completion == LETTERS[index] for completion, index in seen)
