@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .multimodal import MultimodalInputs
 from .rollout import Rollout
 
 
@@ -68,24 +69,28 @@ class TrainBatch:
     old_logprobs: torch.Tensor | None = None  # [N, T] π_old
     ref_logprobs: torch.Tensor | None = None  # [N, T] π_ref
     sampling_logprobs: torch.Tensor | None = None  # [N, T] the behaviour policy's, as the engine reported them
+    multimodal: MultimodalInputs | None = None  # the prompts' images as the model takes them (index: [N])
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
 
-    def _map(self, fn) -> "TrainBatch":
-        return TrainBatch(**{f.name: None if (value := getattr(self, f.name)) is None else fn(value)
+    def _map(self, fn, multimodal_fn=lambda m: m) -> "TrainBatch":
+        """fn applied to every tensor field, multimodal_fn to the images (selected by row, not sliced by column)."""
+        return TrainBatch(**{f.name: None if (value := getattr(self, f.name)) is None else
+                             multimodal_fn(value) if f.name == "multimodal" else fn(value)
                              for f in dataclasses.fields(self)})  # fmt: skip
 
     def select(self, index: torch.Tensor | slice) -> "TrainBatch":
         """Rows `index` (a permutation, a slice)."""
-        return self._map(lambda t: t[index.to(t.device) if torch.is_tensor(index) else index])
+        return self._map(lambda t: t[index.to(t.device) if torch.is_tensor(index) else index],
+                         lambda m: m.select(index))  # fmt: skip
 
     def split(self, size: int) -> list["TrainBatch"]:
         """Consecutive micro-batches of `size` rows (the last may be smaller)."""
         return [self.select(slice(start, start + size)) for start in range(0, len(self), size)]
 
     def to(self, device) -> "TrainBatch":
-        return self._map(lambda t: t.to(device))
+        return self._map(lambda t: t.to(device), lambda m: m.to(device))
 
     def trimmed(self) -> "TrainBatch":
         """Without the completion columns past the longest real completion (padding shared by every row)."""
@@ -101,9 +106,15 @@ class TrainBatch:
     def input_mask(self) -> torch.Tensor:  # [N, P + T]
         return torch.cat([self.prompt_mask, self.attention_mask], 1)
 
-    def state_dict(self) -> dict[str, torch.Tensor | None]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    def state_dict(self) -> dict:
+        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.multimodal is not None:
+            state["multimodal"] = self.multimodal.state_dict()
+        return state
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "TrainBatch":
+        state = dict(state)
+        if state.get("multimodal") is not None:
+            state["multimodal"] = MultimodalInputs.from_state_dict(state["multimodal"])
         return cls(**state)

@@ -185,6 +185,9 @@ class GRPOConfig:
     guard_metric: str | None = _f(None, "Warn when the reward rises while this metric falls (e.g. "
                                         "'rewards/format/mean', 'completions/mean_length'); None: off.")
     guard_window: int = _f(5, "Logging steps over which guard_metric's trend is compared with the reward's.")
+    freeze_vision_tower: bool = _f(True, "Vision-language models: the vision encoder and its projector do not train "
+                                         "(LoRA adapts the language model only, through peft's exclude_modules; full "
+                                         "training freezes them). False trains them too, as TRL does.")
 
     # ---- accepted, not implemented: a value other than the default warns (what TRL does; what to use instead)
     use_vllm: bool = _not_implemented(False, "TRL samples with vLLM; grpokit samples with its own KV-cached loop "

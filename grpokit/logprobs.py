@@ -17,6 +17,7 @@ import torch
 from .compat import cache_from_layers, is_activation_checkpointing
 from .distributed import is_sharded
 from .models import is_peft_model
+from .multimodal import MultimodalInputs, batch_model_inputs, is_vision_language_model
 from .rollout.fast import model_cache, model_config
 from .rollout.hf import forward_accepts, logits_of, position_ids_from_mask
 
@@ -236,6 +237,8 @@ CHUNKED_HEAD_MODEL_TYPES = frozenset({
     "deepseek_v3", "ernie4_5", "gemma", "gemma3_text", "glm", "glm4", "glm4_moe", "gpt2", "gpt_neox", "gpt_oss",
     "llama", "mistral", "mixtral", "nemotron_h", "olmo", "olmo2", "olmo3", "phi", "phi3", "qwen2", "qwen2_moe",
     "qwen3", "qwen3_moe", "seed_oss", "smollm3", "stablelm", "starcoder2",
+    # vision-language models: the LM head on the multimodal base model's last hidden state (`decoder_of`)
+    "gemma3", "llava",
 })  # fmt: skip
 # Config fields that, where an architecture has them, change the logits after the LM head: refuse the chunked head
 # when any is set, whatever the model type claims.
@@ -297,6 +300,7 @@ def token_logprobs(
     share_prompts: bool = True,
     router_logits: list | None = None,
     fp32_head: bool = False,
+    multimodal: MultimodalInputs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [N, T] (and entropies [N, T]) of the last T tokens of input_ids [N, P + T] under the model.
 
@@ -318,6 +322,9 @@ def token_logprobs(
     its length group. The values are those of the full forward up to float rounding.
 
     fp32_head: the LM head (matmul included) in float32 under autocast, on both paths (cast_lm_head_to_fp32).
+    multimodal: the rows' images (a vision-language model): the forward takes the processor's tensors; with shared
+    prompts each distinct prompt's images go through the vision encoder once (rows share a prompt only when they
+    share its images too).
     router_logits: a list to receive an MoE model's router logits (one [N·(P+T), E] tensor per MoE layer, with
     their graph), for a load-balancing loss; the plain path is taken then (one forward of the whole sequence).
     """
@@ -331,17 +338,20 @@ def token_logprobs(
         use_chunked = False
     position_ids = position_ids_from_mask(attention_mask)
     targets = input_ids[:, -completion_length:]
+    prompt_length = input_ids.shape[1] - completion_length
     if use_chunked:
         lm = causal_lm_of(model)
-        head, decoder = lm.get_output_embeddings(), lm.get_decoder()
+        head, decoder = lm.get_output_embeddings(), decoder_of(lm)
         shared = None
         if share_prompts and can_share_prompts(lm):
-            shared = shared_prompt_hidden(decoder, input_ids, attention_mask, position_ids, completion_length)
+            shared = shared_prompt_hidden(decoder, input_ids, attention_mask, position_ids, completion_length,
+                                          multimodal)  # fmt: skip
         if shared is not None:
             hidden, rows, columns = shared  # [M, H] for the real completion tokens at (rows, columns)
         else:
+            images = batch_model_inputs(multimodal, None, prompt_length, input_ids.shape[1], decoder)
             out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False)  # fmt: skip
+                          use_cache=False, **images)  # fmt: skip
             hidden = _last_hidden(out)[:, -completion_length - 1 : -1]  # position t predicts token t + 1
             real = attention_mask[:, -completion_length:].bool()
             if bool(real.all()):
@@ -363,6 +373,7 @@ def token_logprobs(
         kwargs["logits_to_keep"] = completion_length + 1
     if router_logits is not None:
         kwargs["output_router_logits"] = True
+    kwargs.update(batch_model_inputs(multimodal, None, prompt_length, input_ids.shape[1], model))
     with float32_head(model) if fp32_head else contextlib.nullcontext():
         output = model(input_ids, **kwargs)
     if router_logits is not None:
@@ -409,6 +420,12 @@ def _last_hidden(out) -> torch.Tensor:
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
+def decoder_of(lm: torch.nn.Module) -> torch.nn.Module:
+    """The module whose last hidden state the LM head reads: the decoder, or for a vision-language model its base
+    model (vision encoder, projector and decoder), which takes the images."""
+    return lm.base_model if is_vision_language_model(lm) else lm.get_decoder()
+
+
 def can_share_prompts(lm: torch.nn.Module) -> bool:
     """Whether the decoder can run prompts and completions in two calls through a KV cache with the same result:
     full attention in every layer, i.e. transformers lays out a plain key/value layer for each (no sliding window,
@@ -445,10 +462,12 @@ def length_groups(lengths: torch.Tensor) -> list[torch.Tensor]:
     return groups
 
 
-def shared_prompt_hidden(decoder, input_ids, attention_mask, position_ids, completion_length: int):
+def shared_prompt_hidden(decoder, input_ids, attention_mask, position_ids, completion_length: int,
+                         multimodal: MultimodalInputs | None = None):  # fmt: skip
     """Hidden states of the real completion tokens of input_ids [N, P + T], each distinct prompt (first P tokens
-    and mask) run once: (hidden [M, H], rows [M], columns [M]), where hidden[m] predicts token columns[m] of the
-    completion of row rows[m]; None when too few rows share a prompt to gain from it.
+    and mask, and its images) run once: (hidden [M, H], rows [M], columns [M]), where hidden[m] predicts token
+    columns[m] of the completion of row rows[m]; None when too few rows share a prompt to gain from it. A prompt's
+    images go through the vision encoder in that one run; the completions read them from the KV cache.
 
     Each distinct prompt's KV cache is indexed out to its rows (an index: the gradient flows back through it), and
     the completions run against it in groups of similar length (`length_groups`), each padded to its longest; the
@@ -459,14 +478,18 @@ def shared_prompt_hidden(decoder, input_ids, attention_mask, position_ids, compl
     if prompt_length < 1 or completion_length < 1:
         return None
     prompts = torch.cat([input_ids[:, :prompt_length], attention_mask[:, :prompt_length].long()], 1)
+    if multimodal is not None:  # the same text with other images is another prompt
+        prompts = torch.cat([prompts, multimodal.index.to(prompts.device)[:, None]], 1)
     distinct, row_of = torch.unique(prompts, dim=0, return_inverse=True)
     if len(distinct) > SHARE_PROMPTS_MAX_DISTINCT * n:
         return None
     device = input_ids.device
     first = torch.full((len(distinct),), n, dtype=torch.long, device=device)
     first = first.scatter_reduce(0, row_of, torch.arange(n, device=device), reduce="amin")
+    images = batch_model_inputs(multimodal, first, prompt_length, model=decoder)
     out = decoder(input_ids=input_ids[first, :prompt_length], attention_mask=attention_mask[first, :prompt_length],
-                  position_ids=position_ids[first, :prompt_length], past_key_values=DynamicCache(), use_cache=True)
+                  position_ids=position_ids[first, :prompt_length], past_key_values=DynamicCache(), use_cache=True,
+                  **images)  # fmt: skip
     prompt_cache = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
     prompt_end = _last_hidden(out)[:, -1]  # [U, H]: a prompt's last position predicts its first completion token
 

@@ -12,6 +12,7 @@ import torch
 
 from .compat import tied_weight_keys
 from .distributed import load_full_state_dict
+from .multimodal import freeze_vision, is_vision_language_model, language_only_lora, tokenizer_of
 
 
 def looks_like_local_path(name: str) -> bool:
@@ -33,20 +34,29 @@ def check_model_source(name: str) -> None:
 
 
 def load_causal_lm(name: str, model_init_kwargs: dict | None = None, trust_remote_code: bool = False):
-    from transformers import AutoModelForCausalLM
+    """A causal LM, or for a vision-language checkpoint (its config has a `vision_config`) the class its config
+    names (e.g. `Qwen2_5_VLForConditionalGeneration`), else `AutoModelForImageTextToText`, as TRL loads them."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     check_model_source(name)
     kwargs = {"trust_remote_code": trust_remote_code, **(model_init_kwargs or {})}
     if "torch_dtype" in kwargs:  # the transformers 4 spelling
         kwargs["dtype"] = kwargs.pop("torch_dtype")
+    config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+    if is_vision_language_model(config):
+        architecture = getattr(transformers, (config.architectures or [""])[0], None)
+        return (architecture or AutoModelForImageTextToText).from_pretrained(name, **kwargs)
     return AutoModelForCausalLM.from_pretrained(name, **kwargs)
 
 
-def load_tokenizer(name: str, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
+def load_tokenizer(name: str, trust_remote_code: bool = False, vision: bool = False):
+    """The tokenizer of a checkpoint, or (vision) its processor (AutoProcessor), padding on the left."""
+    from transformers import AutoProcessor, AutoTokenizer
 
     check_model_source(name)
-    return AutoTokenizer.from_pretrained(name, padding_side="left", trust_remote_code=trust_remote_code)
+    auto = AutoProcessor if vision else AutoTokenizer
+    return auto.from_pretrained(name, padding_side="left", trust_remote_code=trust_remote_code)
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -159,17 +169,26 @@ def build_policy(model, processing_class, peft_config, args, quantization_config
         init_kwargs = {**(args.model_init_kwargs or {}),
                        **({"quantization_config": quantization_config} if quantization_config is not None else {})}
         model = load_causal_lm(name, init_kwargs, args.trust_remote_code)
-        processing_class = processing_class or load_tokenizer(name, args.trust_remote_code)
+        vision = is_vision_language_model(model)
+        processing_class = processing_class or load_tokenizer(name, args.trust_remote_code, vision)
     if processing_class is None and hasattr(model, "config"):
         name = getattr(model.config, "_name_or_path", "")
-        processing_class = load_tokenizer(name, args.trust_remote_code) if name else None
+        vision = is_vision_language_model(model)
+        processing_class = load_tokenizer(name, args.trust_remote_code, vision) if name else None
     if processing_class is not None:
-        processing_class.padding_side = "left"
-        if processing_class.pad_token is None:
-            processing_class.pad_token = processing_class.eos_token
+        tokenizer = tokenizer_of(processing_class)
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
             warnings.warn("The tokenizer has no pad token: using its EOS token for padding.", stacklevel=3)
     if args.disable_dropout:
         disable_dropout(model)
+    vision = is_vision_language_model(model)
+    if vision and args.freeze_vision_tower:  # LoRA adapts the language model only; full training freezes the rest
+        if peft_config is not None:
+            peft_config = language_only_lora(peft_config, model)
+        else:
+            freeze_vision(model)
     if peft_config is not None:
         model = apply_peft(model, peft_config)
     return model, processing_class

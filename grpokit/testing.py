@@ -161,3 +161,92 @@ def save_tiny_model(path: str | Path, chars: str = DEFAULT_CHARS, seed: int = 0,
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+# ------------------------------------------------------------------------------------- vision-language models
+
+# The chat template of the tiny VLMs: an image part becomes the processor's image placeholder (`{image}`), which
+# the processor expands into the model's image tokens.
+VLM_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+    "{image}{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|end|>"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+VLM_TYPES = ("gemma3", "llava")
+
+
+def build_tiny_vlm(model_type: str = "gemma3", chars: str = DEFAULT_CHARS, *, seed: int = 0, image_size: int = 16,
+                   hidden_size: int = 32, num_layers: int = 2):  # fmt: skip
+    """A random-weight vision-language model of a real architecture and its real processor, built offline:
+    (model, processor). The tokenizer is `build_char_tokenizer`'s with the architecture's image tokens; the image
+    processor is the architecture's own (PIL backend), resizing images to `image_size` pixels a side.
+
+    gemma3: Gemma3ForConditionalGeneration (SigLIP encoder, pooled to 4 image tokens, token_type_ids), full
+    attention in both layers (so the training forward shares prompts); llava: LlavaForConditionalGeneration (CLIP
+    encoder, 16 image tokens, a Llama decoder)."""
+    import transformers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    image_tokens = {"gemma3": ["<image>", "<boi>", "<eoi>"], "llava": ["<image>"]}[model_type]
+    special = SPECIAL_TOKENS + image_tokens
+    vocab: dict[str, int] = {}
+    for token in special + sorted(set(chars)) + ["\n\n"]:
+        vocab.setdefault(token, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("\n\n|\n|."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(special)
+    names = {"image_token": "<image>"} if model_type == "llava" else \
+        {"image_token": "<image>", "boi_token": "<boi>", "eoi_token": "<eoi>"}  # fmt: skip
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                                        unk_token="<pad>", extra_special_tokens=names, padding_side="left")
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    text = dict(vocab_size=len(vocab), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=2)  # fmt: skip
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=image_size, patch_size=4)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if model_type == "gemma3":
+            image_processor = transformers.Gemma3ImageProcessor(size={"height": image_size, "width": image_size})
+            processor = transformers.Gemma3Processor(
+                image_processor=image_processor, tokenizer=tokenizer, image_seq_length=4,
+                chat_template=VLM_CHAT_TEMPLATE.replace("{image}", "<boi>"))  # fmt: skip
+            config = transformers.Gemma3Config(
+                text_config=transformers.Gemma3TextConfig(**text, layer_types=["full_attention"] * num_layers,
+                                                          query_pre_attn_scalar=8),
+                vision_config=transformers.SiglipVisionConfig(**vision), mm_tokens_per_image=4,
+                image_token_index=image_id, boi_token_index=tokenizer.convert_tokens_to_ids("<boi>"),
+                eoi_token_index=tokenizer.convert_tokens_to_ids("<eoi>"))  # fmt: skip
+            model_class = transformers.Gemma3ForConditionalGeneration
+        elif model_type == "llava":
+            image_processor = transformers.CLIPImageProcessor(size={"shortest_edge": image_size},
+                                                              crop_size={"height": image_size, "width": image_size})
+            processor = transformers.LlavaProcessor(
+                image_processor=image_processor, tokenizer=tokenizer, patch_size=4, num_additional_image_tokens=1,
+                vision_feature_select_strategy="default", chat_template=VLM_CHAT_TEMPLATE.replace("{image}", "<image>"))
+            config = transformers.LlavaConfig(
+                text_config=transformers.LlamaConfig(**text), vision_config=transformers.CLIPVisionConfig(**vision),
+                image_token_index=image_id, vision_feature_layer=-1, vision_feature_select_strategy="default")
+            model_class = transformers.LlavaForConditionalGeneration
+        else:
+            raise ValueError(f"build_tiny_vlm: model_type must be one of {VLM_TYPES}, not {model_type!r}.")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = model_class(config).float().eval()
+            for name, parameter in model.named_parameters():
+                if name.endswith("mm_input_projection_weight"):  # Gemma 3 starts it at zero: images unseen
+                    torch.nn.init.normal_(parameter, std=0.5)
+    model.generation_config.eos_token_id = 1
+    model.generation_config.pad_token_id = 0
+    return model, processor
+
+
+def solid_image(colour: tuple[int, int, int], size: int = 16):
+    """A PIL image of one colour."""
+    from PIL import Image
+
+    return Image.new("RGB", (size, size), colour)

@@ -70,6 +70,7 @@ from .models import (
     reference_policy,
     save_merged,
 )
+from .multimodal import check_images_supported
 from .optim import build_optimizer
 from .rewards import build_reward_functions
 from .rewards.base import check_required_columns, combine_rewards, compute_rewards, routes_from_column
@@ -133,6 +134,8 @@ class GRPOTrainer:
         set_seed(args.seed)
         self.model, self.processing_class = build_policy(model, processing_class, peft_config, args,
                                                          quantization_config)  # fmt: skip
+        for dataset in (train_dataset, *named_eval_datasets(eval_dataset).values()):
+            check_images_supported(self.processing_class, dataset_columns(dataset))
         max_prompt_length = prompt_length_limit(self.model, args)
         self.reference = build_reference(model, self.model, args)
         enable_gradient_checkpointing(self.model, args)
@@ -342,7 +345,8 @@ class GRPOTrainer:
             logprobs, entropies = token_logprobs(self.model, batch.input_ids, batch.input_mask,
                                                  batch.completion_ids.shape[1], args.temperature, with_entropy=True,
                                                  entropy_grad=args.entropy_coef != 0 or controller is not None,
-                                                 router_logits=router_logits, fp32_head=args.cast_lm_head_to_fp32)
+                                                 router_logits=router_logits, fp32_head=args.cast_lm_head_to_fp32,
+                                                 multimodal=batch.multimodal)  # fmt: skip
         loss_weights = None
         if args.top_entropy_quantile < 1.0:
             loss_weights = high_entropy_mask(entropies.detach(), batch.loss_mask, args.top_entropy_quantile)
@@ -399,7 +403,7 @@ class GRPOTrainer:
             loss_mask = loss_mask * (~rollout.is_truncated)[:, None].to(loss_mask.dtype)
         batch = TrainBatch(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.attention_mask,
                            loss_mask, rollout.lengths, token_advantages.to(device).contiguous(),
-                           sampling_logprobs=rollout.sampling_logprobs)  # fmt: skip
+                           sampling_logprobs=rollout.sampling_logprobs, multimodal=rollout.multimodal)  # fmt: skip
         if not trains_on_policy(args):
             # The engine's log-probs serve as π_old only where they are the training forward's (the in-process
             # engine in float32, tested to 1e-5); otherwise π_old comes from a training-style forward.
@@ -451,6 +455,8 @@ class GRPOTrainer:
         self.engine.sync_weights(self.unwrapped_model)
         rollout = self.engine.generate(prompts, self._sampling_params(), seed).to(self.accelerator.device)
         completions, completion_ids = self.codec.decode(rollout, prompts.raw)
+        if prompts.images is not None:  # reward functions receive the messages with their images, as in TRL
+            rows = [{**row, "prompt": prompts.raw[b]} for row, b in zip(rows, prompts.rows())]
         if rollout.extra:
             rows = [{**row, **{name: values[i] for name, values in rollout.extra.items()}} for i, row in enumerate(rows)]
         return rollout, rows, completions, completion_ids
@@ -469,7 +475,8 @@ class GRPOTrainer:
         for part in batch.split(self.args.per_device_train_batch_size):
             with self.accelerator.autocast():
                 logprobs, _ = token_logprobs(model, part.input_ids, part.input_mask, part.completion_ids.shape[1],
-                                             self.args.temperature, fp32_head=self.args.cast_lm_head_to_fp32)
+                                             self.args.temperature, fp32_head=self.args.cast_lm_head_to_fp32,
+                                             multimodal=part.multimodal)  # fmt: skip
             out.append(logprobs.float())
         return torch.cat(out)
 
@@ -491,7 +498,7 @@ class GRPOTrainer:
         names = [f.name for f in self.reward_functions]
         routes = (routes_from_column(columns[args.reward_routing_column], names, args.reward_routing_column)
                   if args.reward_routing_column in columns else None)  # fmt: skip
-        step_ends = ([step_token_ends(ids, self.processing_class, args.step_separator) for ids in completion_ids]
+        step_ends = ([step_token_ends(ids, self.codec.tokenizer, args.step_separator) for ids in completion_ids]
                      if self._process_indices else [[] for _ in rows])  # fmt: skip
         context = {"trainer_state": self.state, "log_metric": self.reward_logs.log_metric,
                    "log_extra": self.reward_logs.log_extra}  # fmt: skip
@@ -624,7 +631,8 @@ class GRPOTrainer:
         width = rollout.completion_ids.shape[1]
         batch = TrainBatch(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.attention_mask,
                            rollout.loss_mask, rollout.lengths,
-                           advantages.to(rollout.prompt_ids.device)[:, None].expand(-1, width))  # fmt: skip
+                           advantages.to(rollout.prompt_ids.device)[:, None].expand(-1, width),
+                           multimodal=rollout.multimodal)  # fmt: skip
         logprobs = self._logprobs_in_chunks(self.unwrapped_model, batch)
         ref = None
         if args.beta > 0:

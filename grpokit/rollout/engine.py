@@ -16,6 +16,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from ..multimodal import MultimodalInputs
+
 
 @dataclass
 class SamplingParams:
@@ -27,6 +29,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
+    # Tokens never sampled (a VLM's image token: a sampled one would have no image features, as TRL's
+    # suppress_tokens); like top-k, a filter on what is drawn, not on the recorded policy log-prob.
+    suppress_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -36,10 +41,18 @@ class PromptBatch:
     ids: list[list[int]]  # [B] each prompt's token ids (truncated to max_prompt_length, unpadded)
     counts: list[int]  # [B] completions to sample per prompt: G, or fewer where a group spans processes
     raw: list[Any]  # [B] the prompts as the dataset gave them (text, chat messages or token ids)
+    # Prompts with images (a vision-language model's processor): each prompt's images (PIL, in the order of its
+    # image tokens; [] for a prompt without), what an engine such as vLLM takes as `multi_modal_data`...
+    images: list[list] | None = None  # [B]
+    # ...and the processor's tensors of each prompt besides its ids (pixel_values, image_grid_thw, token_type_ids,
+    # ...: `multimodal.process_prompt`), what the in-process engine's forward takes.
+    processed: list[dict[str, torch.Tensor]] | None = None  # [B]
 
     def __post_init__(self):
         if not (len(self.ids) == len(self.counts) == len(self.raw)):
             raise ValueError("PromptBatch: ids, counts and raw need one entry per prompt.")
+        if any(x is not None and len(x) != len(self.ids) for x in (self.images, self.processed)):
+            raise ValueError("PromptBatch: images and processed need one entry per prompt.")
         if any(len(ids) == 0 for ids in self.ids):
             raise ValueError("A prompt is empty after tokenization; every prompt needs at least one token.")
 
@@ -56,6 +69,12 @@ class PromptBatch:
         from ..data import pad_left
 
         return pad_left([self.ids[i] for i in self.rows()], pad_token_id)
+
+    def multimodal(self) -> MultimodalInputs | None:
+        """The processor's tensors for the rows (one entry per prompt, indexed by row), None for text prompts."""
+        if self.processed is None:
+            return None
+        return MultimodalInputs(list(self.processed), torch.tensor(self.rows(), dtype=torch.long))
 
 
 @dataclass
@@ -78,6 +97,9 @@ class Rollout:
     # None when the engine does not report them. Distinct from π_old, which the trainer may recompute.
     sampling_logprobs: torch.Tensor | None = None
     extra: dict[str, list] = field(default_factory=dict)  # per-row fields an engine passes on to reward functions
+    # The prompts' images as the model's forward takes them (`PromptBatch.multimodal()`), for the training forward;
+    # None for text prompts.
+    multimodal: MultimodalInputs | None = None
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -90,14 +112,16 @@ class Rollout:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return Rollout(move(self.prompt_ids), move(self.prompt_mask), move(self.completion_ids),
                        move(self.attention_mask), move(self.loss_mask), move(self.lengths), move(self.is_truncated),
-                       move(self.sampling_logprobs), self.extra)  # fmt: skip
+                       move(self.sampling_logprobs), self.extra,
+                       None if self.multimodal is None else self.multimodal.to(device))  # fmt: skip
 
     def select(self, index: list[int] | torch.Tensor) -> "Rollout":
         index = torch.as_tensor(index, dtype=torch.long)
         pick = lambda t: None if t is None else t[index.to(t.device)]  # noqa: E731
         return Rollout(pick(self.prompt_ids), pick(self.prompt_mask), pick(self.completion_ids),
                        pick(self.attention_mask), pick(self.loss_mask), pick(self.lengths), pick(self.is_truncated),
-                       pick(self.sampling_logprobs), {k: [v[i] for i in index.tolist()] for k, v in self.extra.items()})
+                       pick(self.sampling_logprobs), {k: [v[i] for i in index.tolist()] for k, v in self.extra.items()},
+                       None if self.multimodal is None else self.multimodal.select(index))  # fmt: skip
 
     @staticmethod
     def concat(parts: list["Rollout"]) -> "Rollout":
@@ -110,6 +134,9 @@ class Rollout:
             return torch.cat([torch.nn.functional.pad(t, sides(t)) for t in tensors])
 
         logprobs = [p.sampling_logprobs for p in parts]
+        multimodal = [p.multimodal for p in parts]
+        if any(m is not None for m in multimodal) and any(m is None for m in multimodal):
+            raise ValueError("Rollout.concat: some parts have images and others none.")
         return Rollout(
             pad([p.prompt_ids for p in parts], True), pad([p.prompt_mask for p in parts], True),
             pad([p.completion_ids for p in parts], False), pad([p.attention_mask for p in parts], False),
@@ -117,6 +144,7 @@ class Rollout:
             torch.cat([p.is_truncated for p in parts]),
             None if any(x is None for x in logprobs) else pad(logprobs, False),
             {k: [x for p in parts for x in p.extra[k]] for k in parts[0].extra},
+            None if multimodal[0] is None else MultimodalInputs.concat(multimodal),
         )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from ..compat import select_cache_rows
+from ..multimodal import MultimodalInputs, batch_model_inputs
 from .engine import PromptBatch, Rollout, SamplingParams
 from .fast import model_config, one_token_attention, sampling_cache
 from .sampling import sample_tokens
@@ -43,7 +44,8 @@ class HFEngine:
         counts = set(prompts.counts)
         with self.autocast():
             return generate(self.model, ids, mask, params, generator=generator,
-                            num_generations=counts.pop() if len(counts) == 1 else 1, all_done=self.all_done)
+                            num_generations=counts.pop() if len(counts) == 1 else 1, all_done=self.all_done,
+                            multimodal=prompts.multimodal())  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ decoders
@@ -94,12 +96,13 @@ class CachedDecoder:
         self.mask = None  # [n, P + t]
         self.next_position = None  # [n]
 
-    def prefill(self, ids, mask, repeats: int = 1) -> torch.Tensor:
+    def prefill(self, ids, mask, repeats: int = 1, prompt_inputs: dict | None = None) -> torch.Tensor:
+        """prompt_inputs: the processor's tensors of these rows' images (`MultimodalInputs.model_inputs`)."""
         self.cache = sampling_cache(self.model, max(self.capacity, ids.shape[1]))
         positions = position_ids_from_mask(mask)
         out = self.model(
             input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
-            use_cache=True, logits_to_keep=1, **self.forward_kwargs,
+            use_cache=True, logits_to_keep=1, **self.forward_kwargs, **(prompt_inputs or {}),
         )  # fmt: skip
         self.cache = out.past_key_values
         logits = logits_of(out)[:, -1]
@@ -146,7 +149,9 @@ class FullForwardDecoder:
             out = self.model(self.ids)
         return logits_of(out)[:, -1]
 
-    def prefill(self, ids, mask, repeats: int = 1) -> torch.Tensor:
+    def prefill(self, ids, mask, repeats: int = 1, prompt_inputs: dict | None = None) -> torch.Tensor:
+        if prompt_inputs:
+            raise ValueError("Images need a model with a KV cache (a transformers vision-language model).")
         self.ids, self.mask = ids.repeat_interleave(repeats, 0), mask.repeat_interleave(repeats, 0)
         return self._forward()
 
@@ -162,13 +167,19 @@ class FullForwardDecoder:
 # ------------------------------------------------------------------------------------------------ the loop
 
 
-def groups_share_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_generations: int) -> bool:
+def groups_share_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_generations: int,
+                         multimodal: MultimodalInputs | None = None) -> bool:  # fmt: skip
+    """Whether rows come in groups of num_generations with one prompt each (the same ids, mask and images)."""
     n = prompt_ids.shape[0]
     if num_generations <= 1 or n % num_generations:
         return False
     ids = prompt_ids.view(n // num_generations, num_generations, -1)
     mask = prompt_mask.view(n // num_generations, num_generations, -1)
-    return bool((ids == ids[:, :1]).all() and (mask == mask[:, :1]).all())
+    same = bool((ids == ids[:, :1]).all() and (mask == mask[:, :1]).all())
+    if multimodal is not None:
+        index = multimodal.index.view(n // num_generations, num_generations)
+        same = same and bool((index == index[:, :1]).all())
+    return same
 
 
 # no_grad rather than inference_mode: the rollout's tensors feed autograd graphs later (as targets).
@@ -185,8 +196,12 @@ def generate(
     share_prefix: bool = True,
     drop_finished: bool = True,
     all_done: Callable[[bool], bool] | None = None,
+    multimodal: MultimodalInputs | None = None,
 ) -> Rollout:
     """Sample one completion per row of the left-padded prompts [N, P].
+
+    multimodal: the prompts' images (one entry per row); the prefill takes them (once per group when the group's
+    rows share their prompt and images), the decode steps read them from the KV cache.
 
     num_generations: rows come in groups of this size that repeat one prompt; with `share_prefix` the prompt is
     run once per group. `drop_finished` removes rows that reached EOS from the decode batch (compacting the cache
@@ -203,19 +218,25 @@ def generate(
     try:
         with one_token_attention(model, prompt_ids.device):
             return _generate(model, prompt_ids, prompt_mask, params, generator, num_generations, use_cache,
-                             share_prefix, drop_finished, all_done)  # fmt: skip
+                             share_prefix, drop_finished, all_done, multimodal)  # fmt: skip
     finally:
         model.train(was_training)
 
 
 def _generate(model, prompt_ids, prompt_mask, params, generator, num_generations, use_cache, share_prefix,
-              drop_finished, all_done) -> Rollout:  # fmt: skip
+              drop_finished, all_done, multimodal=None) -> Rollout:  # fmt: skip
     n, device = prompt_ids.shape[0], prompt_ids.device
-    use_cache = supports_kv_cache(model) if use_cache is None else use_cache
+    if use_cache is None:
+        use_cache = supports_kv_cache(model)
+        if multimodal is not None and hasattr(model, "get_base_model"):  # a PeftModel without a task type
+            use_cache = supports_kv_cache(model.get_base_model())
     capacity = prompt_ids.shape[1] + params.max_new_tokens
     decoder = CachedDecoder(model, capacity) if use_cache else FullForwardDecoder(model)
-    repeats = num_generations if share_prefix and groups_share_prompts(prompt_ids, prompt_mask, num_generations) else 1
-    logits = decoder.prefill(prompt_ids[::repeats], prompt_mask[::repeats], repeats)
+    repeats = num_generations if share_prefix and groups_share_prompts(prompt_ids, prompt_mask, num_generations,
+                                                                       multimodal) else 1  # fmt: skip
+    multimodal = None if multimodal is None else multimodal.to(device)
+    prompt_inputs = batch_model_inputs(multimodal, torch.arange(0, n, repeats), prompt_ids.shape[1], model=model)
+    logits = decoder.prefill(prompt_ids[::repeats], prompt_mask[::repeats], repeats, prompt_inputs)
 
     vocab_size = logits.shape[-1]
     seen = None
@@ -268,4 +289,5 @@ def _generate(model, prompt_ids, prompt_mask, params, generator, num_generations
         lengths=lengths,
         is_truncated=~finished,
         sampling_logprobs=logprobs[:, :width],
+        multimodal=multimodal,
     )

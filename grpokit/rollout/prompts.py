@@ -9,6 +9,15 @@ from typing import Any
 import torch
 
 from ..data import is_conversational, render_prompt
+from ..multimodal import (
+    is_processor,
+    load_image,
+    message_images,
+    prepare_multimodal_messages,
+    process_prompt,
+    row_images,
+    tokenizer_of,
+)
 from .engine import PromptBatch, Rollout, SamplingParams
 
 
@@ -24,23 +33,39 @@ def eos_token_ids(tokenizer, model) -> tuple[int, ...]:
     return tuple(found)
 
 
+def image_token_ids(model) -> tuple[int, ...]:
+    """A VLM's image placeholder token (config `image_token_id`, or `image_token_index`), which sampling must not
+    draw: the forward would look for image features to put there (TRL suppresses it too)."""
+    config = getattr(model, "config", None)
+    if hasattr(model, "get_base_model"):
+        config = getattr(model.get_base_model(), "config", config)
+    token = getattr(config, "image_token_id", None)
+    token = getattr(config, "image_token_index", None) if token is None else token
+    return () if token is None else (int(token),)
+
+
 class PromptCodec:
     """Encodes prompts (text, chat messages or `prompt_ids`) and decodes completions for reward functions.
 
-    tokenizer: None for token models, whose rows carry `prompt_ids` and whose completions stay token ids.
+    tokenizer: None for token models, whose rows carry `prompt_ids` and whose completions stay token ids; or a
+    vision-language model's processor, which renders and encodes prompts with their images (`multimodal`).
     """
 
     def __init__(self, tokenizer, model: torch.nn.Module, max_prompt_length: int | None = None,
                  chat_template_kwargs: dict | None = None):  # fmt: skip
+        self.processor = tokenizer if is_processor(tokenizer) else None
+        tokenizer = tokenizer_of(tokenizer)
         self.tokenizer, self.max_prompt_length = tokenizer, max_prompt_length
         self.chat_template_kwargs = chat_template_kwargs
         self.eos_token_ids = eos_token_ids(tokenizer, model)
+        self.suppress_token_ids = image_token_ids(model) if self.processor is not None else ()
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
 
     def sampling_params(self, max_new_tokens: int, **sampling) -> SamplingParams:
         return SamplingParams(max_new_tokens=max_new_tokens, eos_token_ids=self.eos_token_ids,
-                              pad_token_id=self.pad_token_id, **sampling)  # fmt: skip
+                              pad_token_id=self.pad_token_id, suppress_token_ids=self.suppress_token_ids,
+                              **sampling)  # fmt: skip
 
     def encode(self, rows: list[dict], counts: list[int]) -> PromptBatch:
         """A PromptBatch of rows (one per distinct prompt), sampled counts[i] times each. Prompts longer than
@@ -48,6 +73,8 @@ class PromptCodec:
         if "prompt_ids" in rows[0]:
             raw = [list(r["prompt_ids"]) for r in rows]
             ids = raw
+        elif self.processor is not None:
+            return self._encode_multimodal(rows, counts)
         else:
             raw = [r["prompt"] for r in rows]
             texts = [render_prompt(p, self.tokenizer, self.chat_template_kwargs) for p in raw]
@@ -56,6 +83,41 @@ class PromptCodec:
         if self.max_prompt_length is not None:
             ids = [s[-self.max_prompt_length :] for s in ids]
         return PromptBatch(ids=ids, counts=list(counts), raw=raw)
+
+    def _encode_multimodal(self, rows: list[dict], counts: list[int]) -> PromptBatch:
+        """A processor's encoding, TRL's way: a row's images (`image` / `images` column, PIL or paths) join its
+        conversational prompt as image parts (`prepare_multimodal_messages`); the processor renders the chat
+        template and encodes the text with the images. `raw` holds the prepared messages (reward functions receive
+        those, as in TRL)."""
+        raw, ids, images, processed = [], [], [], []
+        for row in rows:
+            prompt, row_imgs = row["prompt"], [load_image(i) for i in row_images(row) or []]
+            if not is_conversational(prompt):
+                if row_imgs:
+                    raise ValueError("Multimodal training needs conversational prompts (a list of messages): this "
+                                     "row has images and a text prompt. Give the raw messages and let the trainer "
+                                     "apply the chat template, as in TRL.")  # fmt: skip
+                text = prompt
+            else:
+                prompt = prepare_multimodal_messages(prompt, row_imgs)
+                row_imgs = [load_image(i) for i in message_images(prompt)]
+                text = render_prompt(prompt, self.processor, self.chat_template_kwargs)
+            if row_imgs:
+                prompt_ids, tensors = process_prompt(self.processor, text, row_imgs)
+            else:
+                add_special = not is_conversational(prompt)
+                prompt_ids, tensors = self.tokenizer(text, add_special_tokens=add_special)["input_ids"], {}
+            if self.max_prompt_length is not None and len(prompt_ids) > self.max_prompt_length:
+                if row_imgs:
+                    raise ValueError(f"A prompt with images has {len(prompt_ids)} tokens, more than "
+                                     f"max_prompt_length={self.max_prompt_length}: cutting it would cut image "
+                                     f"tokens. Raise max_prompt_length (or set it to None), or use smaller images.")
+                prompt_ids = prompt_ids[-self.max_prompt_length :]
+            raw.append(prompt)
+            ids.append(prompt_ids)
+            images.append(row_imgs)
+            processed.append(tensors)
+        return PromptBatch(ids=ids, counts=list(counts), raw=raw, images=images, processed=processed)
 
     def decode(self, rollout: Rollout, raw_prompts: list[Any]) -> tuple[list[Any], list[list[int]]]:
         """(completions as reward functions receive them, completion token ids) for each row: text (a list with

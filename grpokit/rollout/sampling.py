@@ -1,4 +1,4 @@
-"""Drawing tokens: temperature, top-k, top-p, min-p and the repetition penalty, by inverse CDF.
+"""Drawing tokens: temperature, top-k, top-p, min-p, suppressed tokens and the repetition penalty, by inverse CDF.
 
 Sampling uses one uniform number per row and step and picks the token by inverse CDF: the tokens are a function of
 the probabilities and the seed only, not of which rows share the batch, so the in-process engine's fast paths give
@@ -17,6 +17,8 @@ from .engine import SamplingParams
 def filter_logits(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p on scores [n, V] (float32), in transformers' order."""
     scores = scores / params.temperature
+    if params.suppress_token_ids:
+        scores = scores.index_fill(-1, torch.tensor(params.suppress_token_ids, device=scores.device), float("-inf"))
     if params.top_k is not None and 0 < params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -47,6 +49,7 @@ def is_filtered(params: SamplingParams, seen: torch.Tensor | None = None) -> boo
         or (params.top_k is not None and params.top_k > 0)
         or params.top_p < 1.0
         or (params.min_p is not None and params.min_p > 0)
+        or bool(params.suppress_token_ids)
     )
 
 

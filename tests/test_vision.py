@@ -1,0 +1,231 @@
+"""Vision-language models: images in prompts through the codec, the sampler, the training forward, the rewards and
+the trainer, on tiny random-weight models of real VLM architectures with their real processors
+(`grpokit.testing.build_tiny_vlm`: Gemma 3 and LLaVA).
+
+Shapes: N rows, P prompt tokens (left-padded), T completion tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+
+from grpokit import GRPOConfig, GRPOTrainer
+from grpokit.batch import TrainBatch
+from grpokit.logprobs import can_share_prompts, supports_chunked_head, token_logprobs
+from grpokit.multimodal import (
+    MultimodalInputs,
+    prepare_multimodal_messages,
+    vision_module_prefixes,
+    vision_parameter_names,
+)
+from grpokit.rollout import HFEngine, PromptCodec
+from grpokit.testing import VLM_TYPES, build_tiny_vlm, solid_image
+
+LOGPROB_ATOL = 1e-5  # float32: sampling forwards (KV cache) vs training forward (one pass)
+COLOURS = {"red": (220, 20, 20), "blue": (20, 20, 220)}
+QUESTION = [{"role": "user", "content": "colour?"}]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def colour_rows(copies: int = 1, colours=COLOURS) -> list[dict]:
+    return [{"prompt": QUESTION, "image": solid_image(rgb), "answer": name} for name, rgb in colours.items()] * copies
+
+
+def sample(model, processor, rows, generations: int = 3, max_new_tokens: int = 5, seed: int = 0):
+    codec = PromptCodec(processor, model)
+    prompts = codec.encode(rows, [generations] * len(rows))
+    return HFEngine(model).generate(prompts, codec.sampling_params(max_new_tokens), seed), prompts
+
+
+def training_forward(model, rollout, **options):
+    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
+    mask = torch.cat([rollout.prompt_mask, rollout.attention_mask], 1)
+    return token_logprobs(model, ids, mask, rollout.completion_ids.shape[1], multimodal=rollout.multimodal,
+                          **options)[0]  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", VLM_TYPES)
+def test_sampling_logprobs_equal_training_forward(model_type):
+    """The sampler's log-probs (prefill once per group with the images, decode from the KV cache) equal the training
+    forward's on each path: chunked head or plain logits, prompts shared or not."""
+    model, processor = build_tiny_vlm(model_type)
+    assert supports_chunked_head(model) and can_share_prompts(model)
+    rollout, prompts = sample(model, processor, colour_rows())
+    assert rollout.multimodal is not None and len(rollout.multimodal.prompts) == 2  # stored once per prompt
+    assert prompts.images is not None and all(len(images) == 1 for images in prompts.images)
+    for chunked in (True, False):
+        for share in (True, False):
+            logprobs = training_forward(model, rollout, chunked=chunked, share_prompts=share)
+            difference = ((logprobs - rollout.sampling_logprobs) * rollout.attention_mask).abs().max().item()
+            assert difference < LOGPROB_ATOL, (chunked, share, difference)
+
+
+@pytest.mark.parametrize("model_type", VLM_TYPES)
+def test_training_forward_equals_model_forward_and_sees_the_image(model_type):
+    """Each row's log-probs equal those of the model's own forward on that row alone (unpadded, the processor's
+    tensors as it returns them); the shared-prompt forward gives the plain one's gradients; another image changes
+    them."""
+    model, processor = build_tiny_vlm(model_type)
+    rollout, prompts = sample(model, processor, colour_rows(), generations=2)
+    logprobs = training_forward(model, rollout)
+    for row in range(len(rollout)):
+        prompt = prompts.rows()[row]
+        completion = rollout.completion_ids[row, : rollout.lengths[row]]
+        ids = torch.cat([torch.tensor(prompts.ids[prompt]), completion])[None]
+        extra = dict(prompts.processed[prompt])
+        if "token_type_ids" in extra:
+            extra["token_type_ids"] = torch.cat([extra["token_type_ids"], torch.zeros_like(completion)[None]], 1)
+        with torch.no_grad():
+            logits = model(input_ids=ids, **extra).logits[0, -len(completion) - 1 : -1]
+        expected = logits.log_softmax(-1).gather(-1, completion[:, None]).squeeze(-1)
+        torch.testing.assert_close(logprobs[row, : len(completion)], expected, atol=LOGPROB_ATOL, rtol=0)
+
+    gradients = []
+    for share in (True, False):
+        model.zero_grad()
+        (training_forward(model, rollout, share_prompts=share) * rollout.attention_mask).sum().backward()
+        gradients.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert gradients[0].keys() == gradients[1].keys() and any("vision" in n for n in gradients[0])
+    for name in gradients[0]:
+        torch.testing.assert_close(gradients[0][name], gradients[1][name], atol=1e-5, rtol=1e-4, msg=name)
+
+    swapped = MultimodalInputs(rollout.multimodal.prompts[::-1], rollout.multimodal.index)
+    with torch.no_grad():
+        other = training_forward(model, rollout.select(range(len(rollout))))  # the same images: the same values
+        torch.testing.assert_close(other, logprobs.detach(), atol=LOGPROB_ATOL, rtol=0)
+        rollout.multimodal = swapped
+        other = training_forward(model, rollout)
+    assert ((other - logprobs.detach()) * rollout.attention_mask).abs().max() > 1e-3
+
+
+def test_multimodal_inputs_collate_by_hand():
+    """Per-token fields are left-padded to the prompt and zero over the completion; per-image tensors are
+    concatenated in row order, zero-padded where their sizes differ (as processors pad a batch)."""
+    first = {"pixel_values": torch.ones(1, 2, 3), "token_type_ids": torch.tensor([[0, 1, 1]])}
+    second = {"pixel_values": torch.full((2, 1, 3), 2.0), "token_type_ids": torch.tensor([[1, 0]])}
+    inputs = MultimodalInputs([first, second], torch.tensor([1, 0, 1]))
+    out = inputs.model_inputs(None, prompt_width=4, total_width=6)
+    assert out["token_type_ids"].tolist() == [[0, 0, 1, 0, 0, 0], [0, 0, 1, 1, 0, 0], [0, 0, 1, 0, 0, 0]]
+    pixels = out["pixel_values"]
+    assert pixels.shape == (5, 2, 3)
+    assert pixels[:2, 0].eq(2).all() and pixels[:2, 1].eq(0).all() and pixels[2].eq(1).all()
+    assert inputs.select(torch.tensor([2, 0])).index.tolist() == [1, 1]
+    joined = MultimodalInputs.concat([inputs, MultimodalInputs([first], torch.tensor([0]))])
+    assert joined.index.tolist() == [1, 0, 1, 2] and len(joined.prompts) == 3
+
+
+def test_train_batch_keeps_images_through_select_split_and_checkpoint(tmp_path):
+    inputs = MultimodalInputs([{"pixel_values": torch.randn(1, 3, 4, 4)}, {"pixel_values": torch.randn(1, 3, 4, 4)}],
+                              torch.tensor([0, 0, 1, 1]))
+    batch = TrainBatch(torch.ones(4, 3, dtype=torch.long), torch.ones(4, 3, dtype=torch.long),
+                       torch.ones(4, 2, dtype=torch.long), torch.ones(4, 2, dtype=torch.long),
+                       torch.ones(4, 2, dtype=torch.long), torch.full((4,), 2), torch.zeros(4, 2), multimodal=inputs)
+    shuffled = batch.select(torch.tensor([3, 0, 2, 1]))
+    assert [part.multimodal.index.tolist() for part in shuffled.split(2)] == [[1, 0], [1, 0]]
+    torch.save(shuffled.state_dict(), tmp_path / "batch.pt")
+    restored = TrainBatch.from_state_dict(torch.load(tmp_path / "batch.pt", weights_only=False))
+    assert restored.multimodal.index.tolist() == [1, 0, 1, 0]
+    assert torch.equal(restored.multimodal.prompts[1]["pixel_values"], inputs.prompts[1]["pixel_values"])
+
+
+def test_prepare_multimodal_messages_follows_trl():
+    image = solid_image((1, 2, 3))
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what?"}]
+    prepared = prepare_multimodal_messages(messages, [image])
+    assert prepared[0]["content"] == [{"type": "text", "text": "be brief"}]
+    assert prepared[1]["content"] == [{"type": "image", "image": image}, {"type": "text", "text": "what?"}]
+    assert messages[1]["content"] == "what?"  # the dataset's rows are untouched
+    with pytest.raises(ValueError, match="placeholder"):
+        prepare_multimodal_messages([{"role": "user", "content": [{"type": "image"}, {"type": "image"}]}], [image])
+
+
+def vlm_config(tmp_path, **overrides) -> GRPOConfig:
+    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2,
+                  max_completion_length=3, learning_rate=1e-2, max_steps=2, logging_steps=1, save_strategy="no",
+                  disable_tqdm=True, report_to=[], seed=0)  # fmt: skip
+    return GRPOConfig(**{**values, **overrides})
+
+
+@pytest.mark.parametrize("model_type", VLM_TYPES)
+def test_trl_style_training_from_a_checkpoint(tmp_path, model_type):
+    """TRL's script shape: the checkpoint path loads the VLM class and its processor (AutoProcessor); rewards
+    receive the images as a column and the prompts with their image parts; the vision tower stays as it was
+    (freeze_vision_tower), the language model trains; the reference forward (beta > 0) takes the images too."""
+    model, processor = build_tiny_vlm(model_type)
+    model.save_pretrained(tmp_path / "vlm")
+    processor.save_pretrained(tmp_path / "vlm")
+    seen = []
+
+    def colour_reward(completions, completion_ids, answer, image, prompts, **kwargs):
+        seen.append((image, prompts))  # right answer, and a varying part so that the weights move in two steps
+        return [float(c[0]["content"][:1] == a[:1]) + ids[0] / 100 for c, ids, a in zip(completions, completion_ids,
+                                                                                         answer)]  # fmt: skip
+
+    dataset = Dataset.from_list(colour_rows(copies=2))
+    trainer = GRPOTrainer(model=str(tmp_path / "vlm"), reward_funcs=colour_reward, train_dataset=dataset,
+                          args=vlm_config(tmp_path, beta=0.1))  # fmt: skip
+    assert type(trainer.model) is type(model) and type(trainer.processing_class) is type(processor)
+    vision = set(vision_parameter_names(trainer.model))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert [r["step"] for r in trainer.state.log_history if "loss" in r] == [1, 2]
+    assert all(torch.isfinite(torch.tensor(r["kl"])) for r in trainer.state.log_history if "kl" in r)
+    images, prompts = seen[0]
+    assert len(images) == 4 and images[0].getpixel((0, 0)) in COLOURS.values()
+    assert prompts[0][0]["content"][0]["type"] == "image" and prompts[0][0]["content"][0]["image"] is images[0]
+    after = dict(trainer.model.named_parameters())
+    assert vision and all(torch.equal(before[n], after[n]) for n in vision)
+    assert any(not torch.equal(before[n], p) for n, p in after.items() if n not in vision)
+
+
+def test_lora_adapts_the_language_model_only(tmp_path):
+    """peft's target_modules='all-linear' would adapt the vision tower too; by default grpokit excludes it (the
+    vision weights stay bit-identical); freeze_vision_tower=False adapts it as peft would."""
+    from peft import LoraConfig
+
+    model, processor = build_tiny_vlm("gemma3")
+    vision_before = {n: p.detach().clone() for n, p in model.named_parameters() if n in vision_parameter_names(model)}
+    dataset = Dataset.from_list(colour_rows(copies=2))
+    reward = lambda completions, **kwargs: [float(len(c[0]["content"])) for c in completions]  # noqa: E731
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, train_dataset=dataset, processing_class=processor,
+                          args=vlm_config(tmp_path, beta=0.1), peft_config=LoraConfig(target_modules="all-linear"))
+    adapted = [n for n, _ in trainer.model.named_modules() if n.endswith("lora_A")]
+    assert adapted and not any(".vision_tower." in n or ".multi_modal_projector." in n for n in adapted)
+    trainer.train()
+    base = trainer.model.get_base_model()
+    for name, value in vision_before.items():
+        assert torch.equal(base.get_parameter(name), value), name
+
+    model, processor = build_tiny_vlm("gemma3")
+    assert vision_module_prefixes(model) == ["model.vision_tower", "model.multi_modal_projector"]
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, train_dataset=dataset, processing_class=processor,
+                          args=vlm_config(tmp_path, freeze_vision_tower=False),
+                          peft_config=LoraConfig(target_modules="all-linear"))  # fmt: skip
+    assert any(".vision_tower." in n for n, _ in trainer.model.named_modules() if n.endswith("lora_A"))
+
+
+def test_image_errors(tmp_path):
+    from tests.letters import tiny_letter_model
+
+    dataset = Dataset.from_list(colour_rows())
+    reward = lambda completions, **kwargs: [0.0] * len(completions)  # noqa: E731
+    model, tokenizer = tiny_letter_model()
+    with pytest.raises(ValueError, match="image column .*text tokenizer"):
+        GRPOTrainer(model=model, reward_funcs=reward, train_dataset=dataset, processing_class=tokenizer,
+                    args=vlm_config(tmp_path))  # fmt: skip
+    model, processor = build_tiny_vlm("llava")
+    codec = PromptCodec(processor, model, max_prompt_length=8)
+    with pytest.raises(ValueError, match="cut image tokens"):
+        codec.encode(colour_rows()[:1], [1])
+    codec = PromptCodec(processor, model)
+    with pytest.raises(ValueError, match="conversational prompts"):
+        codec.encode([{"prompt": "colour?", "image": solid_image((0, 0, 0))}], [1])
