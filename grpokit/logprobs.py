@@ -17,7 +17,7 @@ import torch
 from .compat import cache_from_layers, is_activation_checkpointing
 from .distributed import is_sharded
 from .models import is_peft_model
-from .multimodal import MultimodalInputs, batch_model_inputs, is_vision_language_model
+from .multimodal import MultimodalInputs, batch_model_inputs, is_vision_language_model, rope_position_ids
 from .rollout.fast import model_cache, model_config
 from .rollout.hf import forward_accepts, logits_of, position_ids_from_mask
 
@@ -238,7 +238,7 @@ CHUNKED_HEAD_MODEL_TYPES = frozenset({
     "llama", "mistral", "mixtral", "nemotron_h", "olmo", "olmo2", "olmo3", "phi", "phi3", "qwen2", "qwen2_moe",
     "qwen3", "qwen3_moe", "seed_oss", "smollm3", "stablelm", "starcoder2",
     # vision-language models: the LM head on the multimodal base model's last hidden state (`decoder_of`)
-    "gemma3", "llava",
+    "gemma3", "llava", "qwen2_vl", "qwen2_5_vl",
 })  # fmt: skip
 # Config fields that, where an architecture has them, change the logits after the LM head: refuse the chunked head
 # when any is set, whatever the model type claims.
@@ -336,9 +336,11 @@ def token_logprobs(
             raise ValueError("token_logprobs: the chunked head gives entropies without a gradient; "
                              "an entropy bonus needs chunked=False.")  # fmt: skip
         use_chunked = False
-    position_ids = position_ids_from_mask(attention_mask)
-    targets = input_ids[:, -completion_length:]
     prompt_length = input_ids.shape[1] - completion_length
+    position_ids = rope_position_ids(model, input_ids, attention_mask, multimodal, prompt_width=prompt_length)
+    if position_ids is None:  # [N, P + T], or a Qwen-VL model's [3, N, P + T]
+        position_ids = position_ids_from_mask(attention_mask)
+    targets = input_ids[:, -completion_length:]
     if use_chunked:
         lm = causal_lm_of(model)
         head, decoder = lm.get_output_embeddings(), decoder_of(lm)
@@ -488,8 +490,8 @@ def shared_prompt_hidden(decoder, input_ids, attention_mask, position_ids, compl
     first = first.scatter_reduce(0, row_of, torch.arange(n, device=device), reduce="amin")
     images = batch_model_inputs(multimodal, first, prompt_length, model=decoder)
     out = decoder(input_ids=input_ids[first, :prompt_length], attention_mask=attention_mask[first, :prompt_length],
-                  position_ids=position_ids[first, :prompt_length], past_key_values=DynamicCache(), use_cache=True,
-                  **images)  # fmt: skip
+                  position_ids=position_ids[..., first, :prompt_length], past_key_values=DynamicCache(),
+                  use_cache=True, **images)  # fmt: skip
     prompt_cache = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
     prompt_end = _last_hidden(out)[:, -1]  # [U, H]: a prompt's last position predicts its first completion token
 
@@ -508,7 +510,8 @@ def shared_prompt_hidden(decoder, input_ids, attention_mask, position_ids, compl
                                                  prompt_cache])  # fmt: skip
             end = prompt_length + longest - 1
             rest = decoder(input_ids=input_ids[group, prompt_length:end], attention_mask=attention_mask[group, :end],
-                           position_ids=position_ids[group, prompt_length:end], past_key_values=cache, use_cache=True)
+                           position_ids=position_ids[..., group, prompt_length:end], past_key_values=cache,
+                           use_cache=True)  # fmt: skip
             states = torch.cat([states, _last_hidden(rest)], 1)  # [rows, longest, H]
         group_rows, group_columns = real[group, :longest].nonzero(as_tuple=True)
         hidden.append(states[group_rows, group_columns])

@@ -193,14 +193,14 @@ class MultimodalInputs:
         return cls(state["prompts"], state["index"])
 
     def model_inputs(self, rows: torch.Tensor | None, prompt_width: int, total_width: int | None = None,
-                     dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+                     dtype: torch.dtype | None = None, keys: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
         """The forward's keyword arguments for `rows` (default: every row), whose prompts are left-padded to
         `prompt_width` tokens: per-image tensors concatenated in row order, per-token ones (TOKEN_FIELDS)
         left-padded to the prompt and zero over the completion up to `total_width`. Floating tensors (pixels) are
-        cast to `dtype` when given."""
+        cast to `dtype` when given; `keys` keeps only those fields."""
         index = self.index if rows is None else self.index[torch.as_tensor(rows).to(self.index.device)]
         chosen = [self.prompts[i] for i in index.tolist()]
-        keys = sorted({k for p in chosen for k in p})
+        keys = sorted({k for p in chosen for k in p if keys is None or k in keys})
         out: dict[str, torch.Tensor] = {}
         total_width = prompt_width if total_width is None else total_width
         for key in keys:
@@ -231,6 +231,39 @@ def batch_model_inputs(multimodal: MultimodalInputs | None, rows, prompt_width: 
     if model is not None:
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     return multimodal.model_inputs(rows, prompt_width, total_width, dtype)
+
+
+# Fields the M-RoPE position computation reads (not the pixels).
+ROPE_FIELDS = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+
+
+def rope_index_owner(model: torch.nn.Module):
+    """The module whose `get_rope_index` computes a VLM's multimodal (3D) rotary positions from its image grids
+    (the Qwen2-VL family: Qwen2-VL, Qwen2.5-VL, Qwen3-VL), or None for a model with ordinary positions."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for candidate in (base, getattr(base, "model", None)):
+        if candidate is not None and callable(getattr(candidate, "get_rope_index", None)):
+            return candidate
+    return None
+
+
+def rope_position_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      multimodal: MultimodalInputs | None, rows=None, prompt_width: int | None = None):  # fmt: skip
+    """M-RoPE positions [3, N, L] of input_ids [N, L] (prompts left-padded to prompt_width, then completions), from
+    the model's own `get_rope_index`; None for a model without one or rows without image grids (whose positions
+    are the usual ones, from the mask)."""
+    owner = rope_index_owner(model) if multimodal is not None else None
+    if owner is None:
+        return None
+    prompt_width = input_ids.shape[1] if prompt_width is None else prompt_width
+    fields = multimodal.model_inputs(rows, prompt_width, input_ids.shape[1], keys=ROPE_FIELDS)
+    if "image_grid_thw" not in fields and "video_grid_thw" not in fields:
+        return None
+    if "mm_token_type_ids" not in fields:
+        raise ValueError("This model computes its positions from mm_token_type_ids, which the processor did not "
+                         "return; upgrade transformers (5.x processors return it).")  # fmt: skip
+    positions, _ = owner.get_rope_index(input_ids, attention_mask=attention_mask, **fields)
+    return positions
 
 
 # ------------------------------------------------------------------------------------------------------- models

@@ -250,3 +250,49 @@ def solid_image(colour: tuple[int, int, int], size: int = 16):
     from PIL import Image
 
     return Image.new("RGB", (size, size), colour)
+
+
+QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+
+def build_tiny_qwen_vl(model_type: str = "qwen2_vl", *, seed: int = 0, image_size: int = 16):
+    """A random-weight Qwen2-VL / Qwen2.5-VL (M-RoPE positions from the image grids) and a function that encodes a
+    prompt with images as their processor would: (model, encode), encode(text_ids, images) -> (ids, tensors) with
+    `pixel_values`, `image_grid_thw` and `mm_token_type_ids`. Their processors cannot be built here (transformers
+    5.23's Qwen-VL processors need a video processor, which needs torchvision); the image processor can."""
+    import transformers
+
+    image_token, start, end = 60, 61, 62
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        image_processor = transformers.Qwen2VLImageProcessor(min_pixels=image_size**2, max_pixels=image_size**2,
+                                                             patch_size=4, merge_size=2, temporal_patch_size=2)
+        prefix = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL"}[model_type]
+        text = getattr(transformers, f"{prefix}TextConfig")(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
+        vision = dict(depth=1, num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+        vision.update(dict(hidden_size=16, out_hidden_size=32, intermediate_size=32) if model_type == "qwen2_5_vl"
+                      else dict(embed_dim=16, hidden_size=32, mlp_ratio=2))  # fmt: skip
+        config = getattr(transformers, f"{prefix}Config")(
+            text_config=text.to_dict(), vision_config=getattr(transformers, f"{prefix}VisionConfig")(**vision).to_dict(),
+            image_token_id=image_token, video_token_id=63, vision_start_token_id=start, vision_end_token_id=end)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config).float().eval()
+    model.generation_config.eos_token_id = 1
+    model.generation_config.pad_token_id = 0
+
+    def encode(text_ids: list[int], images: list) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """[image block per image] + text_ids, as Qwen2-VL's processor lays them out."""
+        out = image_processor(images=images, return_tensors="pt")
+        ids = []
+        for grid in out["image_grid_thw"]:
+            ids += [start] + [image_token] * (int(grid.prod()) // 4) + [end]
+        ids += list(text_ids)
+        mm_token_type_ids = torch.tensor([[int(i == image_token) for i in ids]])
+        return ids, {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"],
+                     "mm_token_type_ids": mm_token_type_ids}
+
+    return model, encode

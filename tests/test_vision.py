@@ -21,7 +21,7 @@ from grpokit.multimodal import (
     vision_parameter_names,
 )
 from grpokit.rollout import HFEngine, PromptCodec
-from grpokit.testing import VLM_TYPES, build_tiny_vlm, solid_image
+from grpokit.testing import QWEN_VL_TYPES, VLM_TYPES, build_tiny_qwen_vl, build_tiny_vlm, solid_image
 
 LOGPROB_ATOL = 1e-5  # float32: sampling forwards (KV cache) vs training forward (one pass)
 COLOURS = {"red": (220, 20, 20), "blue": (20, 20, 220)}
@@ -285,3 +285,36 @@ def test_learns_the_colour_of_the_image(tmp_path, model_type):
     before, after, rewards = learn_colours(tmp_path, model_type)
     assert before <= 0.6 and after >= 0.65, (before, after)
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.2, rewards
+
+
+@pytest.mark.parametrize("model_type", QWEN_VL_TYPES)
+def test_qwen_vl_positions_sampling_and_training_forward(model_type):
+    """Qwen2-VL / Qwen2.5-VL place tokens with 3D M-RoPE positions computed from the image grids: the sampler
+    (prefill once per group, then text positions continuing from the largest 3D one) and the training forward
+    (every path) give the model's own forward's log-probs. Their processors cannot be built here (torchvision), so
+    the prompts are encoded as the processor would (`build_tiny_qwen_vl`)."""
+    from grpokit.rollout import PromptBatch, SamplingParams
+
+    model, encode = build_tiny_qwen_vl(model_type)
+    assert supports_chunked_head(model) and can_share_prompts(model)
+    encoded = [encode([3, 10, 11], [solid_image(rgb)]) for rgb in COLOURS.values()]
+    encoded.append(encode([3, 12], [solid_image((0, 200, 0)), solid_image((90, 90, 90))]))  # two images, shorter
+    prompts = PromptBatch(ids=[ids for ids, _ in encoded], counts=[2, 2, 2], raw=[None] * 3,
+                          images=[[], [], []], processed=[tensors for _, tensors in encoded])  # fmt: skip
+    params = SamplingParams(max_new_tokens=4, eos_token_ids=(1,), pad_token_id=0, suppress_token_ids=(60,))
+    rollout = HFEngine(model).generate(prompts, params, seed=0)
+    for chunked in (True, False):
+        for share in (True, False):
+            logprobs = training_forward(model, rollout, chunked=chunked, share_prompts=share)
+            difference = ((logprobs - rollout.sampling_logprobs) * rollout.attention_mask).abs().max().item()
+            assert difference < LOGPROB_ATOL, (chunked, share, difference)
+    for row in range(len(rollout)):  # the model's own forward: it computes its 3D positions itself
+        prompt = prompts.rows()[row]
+        completion = rollout.completion_ids[row, : rollout.lengths[row]]
+        ids = torch.cat([torch.tensor(prompts.ids[prompt]), completion])[None]
+        extra = dict(prompts.processed[prompt])
+        extra["mm_token_type_ids"] = torch.cat([extra["mm_token_type_ids"], torch.zeros_like(completion)[None]], 1)
+        with torch.no_grad():
+            logits = model(input_ids=ids, **extra).logits[0, -len(completion) - 1 : -1]
+        expected = logits.log_softmax(-1).gather(-1, completion[:, None]).squeeze(-1)
+        torch.testing.assert_close(logprobs[row, : len(completion)], expected, atol=LOGPROB_ATOL, rtol=0)

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from ..compat import select_cache_rows
-from ..multimodal import MultimodalInputs, batch_model_inputs
+from ..multimodal import MultimodalInputs, batch_model_inputs, rope_position_ids
 from .engine import PromptBatch, Rollout, SamplingParams
 from .fast import model_config, one_token_attention, sampling_cache
 from .sampling import sample_tokens
@@ -95,27 +95,39 @@ class CachedDecoder:
         self.cache = None
         self.mask = None  # [n, P + t]
         self.next_position = None  # [n]
+        self.rope_offset = None  # [n] M-RoPE models: 3D position of a text token minus its 1D one
 
-    def prefill(self, ids, mask, repeats: int = 1, prompt_inputs: dict | None = None) -> torch.Tensor:
-        """prompt_inputs: the processor's tensors of these rows' images (`MultimodalInputs.model_inputs`)."""
+    def prefill(self, ids, mask, repeats: int = 1, prompt_inputs: dict | None = None,
+                rope_positions: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """prompt_inputs: the processor's tensors of these rows' images (`MultimodalInputs.model_inputs`);
+        rope_positions: a Qwen-VL model's 3D positions of the prompts [3, n, P] (`rope_position_ids`)."""
         self.cache = sampling_cache(self.model, max(self.capacity, ids.shape[1]))
         positions = position_ids_from_mask(mask)
         out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
-            use_cache=True, logits_to_keep=1, **self.forward_kwargs, **(prompt_inputs or {}),
+            input_ids=ids, attention_mask=mask, past_key_values=self.cache, use_cache=True, logits_to_keep=1,
+            position_ids=positions if rope_positions is None else rope_positions,
+            **self.forward_kwargs, **(prompt_inputs or {}),
         )  # fmt: skip
         self.cache = out.past_key_values
         logits = logits_of(out)[:, -1]
+        # Text after the images continues from the largest 3D position: a per-row offset to the 1D position.
+        offset = torch.zeros_like(positions[:, -1]) if rope_positions is None else \
+            rope_positions[..., -1].amax(0) - positions[:, -1]  # fmt: skip
         if repeats > 1:  # one prefill per group, shared by its G rows
             select_cache_rows(self.cache, torch.arange(len(ids), device=ids.device).repeat_interleave(repeats))
-            logits, mask, positions = (x.repeat_interleave(repeats, 0) for x in (logits, mask, positions))
+            logits, mask, positions, offset = (x.repeat_interleave(repeats, 0) for x in (logits, mask, positions,
+                                                                                          offset))  # fmt: skip
         self.mask, self.next_position = mask, positions[:, -1] + 1
+        self.rope_offset = None if rope_positions is None else offset
         return logits
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(tokens), 1)], dim=1)
+        positions = self.next_position[:, None]
+        if self.rope_offset is not None:  # a text token: its three M-RoPE positions are equal
+            positions = (positions + self.rope_offset[:, None])[None].expand(3, -1, -1)
         out = self.model(
-            input_ids=tokens[:, None], attention_mask=self.mask, position_ids=self.next_position[:, None],
+            input_ids=tokens[:, None], attention_mask=self.mask, position_ids=positions,
             past_key_values=self.cache, use_cache=True, **self.forward_kwargs,
         )  # fmt: skip
         self.cache = out.past_key_values
@@ -125,6 +137,8 @@ class CachedDecoder:
     def keep(self, rows: torch.Tensor) -> None:
         select_cache_rows(self.cache, rows)
         self.mask, self.next_position = self.mask[rows], self.next_position[rows]
+        if self.rope_offset is not None:
+            self.rope_offset = self.rope_offset[rows]
 
 
 class FullForwardDecoder:
@@ -235,8 +249,13 @@ def _generate(model, prompt_ids, prompt_mask, params, generator, num_generations
     repeats = num_generations if share_prefix and groups_share_prompts(prompt_ids, prompt_mask, num_generations,
                                                                        multimodal) else 1  # fmt: skip
     multimodal = None if multimodal is None else multimodal.to(device)
-    prompt_inputs = batch_model_inputs(multimodal, torch.arange(0, n, repeats), prompt_ids.shape[1], model=model)
-    logits = decoder.prefill(prompt_ids[::repeats], prompt_mask[::repeats], repeats, prompt_inputs)
+    prefill_rows = torch.arange(0, n, repeats, device=device)
+    prompt_inputs = batch_model_inputs(multimodal, prefill_rows, prompt_ids.shape[1], model=model)
+    if prompt_inputs:
+        rope = rope_position_ids(model, prompt_ids[::repeats], prompt_mask[::repeats], multimodal, prefill_rows)
+        logits = decoder.prefill(prompt_ids[::repeats], prompt_mask[::repeats], repeats, prompt_inputs, rope)
+    else:
+        logits = decoder.prefill(prompt_ids[::repeats], prompt_mask[::repeats], repeats)
 
     vocab_size = logits.shape[-1]
     seen = None
