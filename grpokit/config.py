@@ -324,7 +324,9 @@ class GRPOConfig:
     logging_nan_inf_filter: bool = _no_effect(True, "logged means leave NaN out; non-finite steps are skipped "
                                                     "(max_nonfinite_steps).")
     skip_memory_metrics: bool = _no_effect(True, "grpokit adds no memory-profiler metrics.")
-    log_multimodal: bool = _no_effect(True, "grpokit logs completions as text.")
+    log_multimodal: bool = _f(True, "With log_completions: the prompts' images are logged too (PNG files in "
+                                    "<output_dir>/completion_images/, named in completions.jsonl and shown by "
+                                    "`grpokit report`). Disable to keep logs small with large images.")
     restore_callback_states_from_checkpoint: bool = _no_effect(False, "grpokit has no trainer callbacks.")
     use_cache: bool = _no_effect(False, "training forwards never use a KV cache; sampling always does.")
     torch_empty_cache_steps: int | None = _no_effect(None, "it only returns cached allocator memory to the device.")

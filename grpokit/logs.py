@@ -240,6 +240,7 @@ class MetricSink:
         tracker."""
         if not self.enabled or not samples:
             return
+        samples = [self._with_image_files(step, index, sample) for index, sample in enumerate(samples)]
         with open(self.path.parent / "completions.jsonl", "a") as handle:
             for sample in samples:
                 handle.write(json.dumps({"step": step, **sample}, default=str) + "\n")
@@ -250,6 +251,20 @@ class MetricSink:
         rows = [[_short(s["prompt"], 200), _short(s["completion"], 200), s["reward"], s["advantage"]] for s in samples]
         for tracker in self.trackers:
             tracker.log_table("completions", columns, rows, step)
+
+    def _with_image_files(self, step: int, index: int, sample: dict) -> dict:
+        """A sample's prompt images (log_multimodal) written as PNG files under completion_images/, the sample
+        holding their paths relative to the output directory (what `grpokit report` shows)."""
+        if not sample.get("images"):
+            return sample
+        folder = self.path.parent / "completion_images"
+        folder.mkdir(exist_ok=True)
+        paths = []
+        for number, image in enumerate(sample["images"]):
+            name = f"step{step:06d}_{index:03d}_{number}.png"
+            image.save(folder / name)
+            paths.append(f"completion_images/{name}")
+        return {**sample, "images": paths}
 
     def close(self) -> None:
         for tracker in self.trackers:

@@ -104,6 +104,14 @@ def without_images(value: Any) -> Any:
     return value
 
 
+def loggable_prompt(prompt: Any, with_images: bool) -> dict:
+    """A prompt for the completions log: {"prompt": without its images} and, with_images (log_multimodal), its
+    images under "images" (PIL; the log writes them as PNG files)."""
+    images = message_images(prompt) if with_images and isinstance(prompt, list) and prompt and \
+        isinstance(prompt[0], dict) else []  # fmt: skip
+    return {"prompt": without_images(prompt), **({"images": images} if images else {})}
+
+
 def is_processor(processing_class) -> bool:
     """A multimodal processor (`transformers.ProcessorMixin`), as opposed to a tokenizer."""
     try:

@@ -231,6 +231,7 @@ th{background:#f0f0f0} tr.diff td{background:#fff6d6} td.num{text-align:right;fo
 figure{margin:0;background:#fff;border:1px solid #ddd;padding:.5em;max-width:100%}
 figure img{max-width:100%;height:auto;display:block}
 .cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(420px,1fr));gap:.8em}
+.prompt-image{width:64px;height:64px;image-rendering:pixelated;border:1px solid #ccc;margin-right:.3em}
 .card{background:#fff;border:1px solid #ddd;border-radius:6px;padding:.6em .9em;min-width:0}
 pre{white-space:pre-wrap;word-break:break-word;background:#f5f5f5;padding:.5em;margin:.3em 0;
  max-height:22em;overflow:auto;font-size:.85em}
@@ -304,12 +305,26 @@ def _config_html(runs: list[Run], names: list[str]) -> str:
     return f"<table><tr><th>key</th>{head}</tr>{''.join(rows)}</table>"
 
 
-def _completion_card(c: dict) -> str:
+def _images_html(c: dict, run_path: Path | None) -> str:
+    """The prompt's images a completions record names (log_multimodal), embedded; missing files are named."""
+    parts = []
+    for name in c.get("images") or []:
+        path = None if run_path is None else Path(run_path) / str(name)
+        if path is not None and path.is_file():
+            data = base64.b64encode(path.read_bytes()).decode()
+            parts.append(f'<img class="prompt-image" alt="{_esc(name)}" src="data:image/png;base64,{data}">')
+        else:
+            parts.append(f'<span class="muted">(image {_esc(name)} not found)</span>')
+    return f'<div class="label">images</div><div>{"".join(parts)}</div>' if parts else ""
+
+
+def _completion_card(c: dict, run_path: Path | None = None) -> str:
     rewards = c.get("rewards") if isinstance(c.get("rewards"), dict) else {}
     cells = "".join(f"<th>{_esc(k)}</th>" for k in rewards) + "<th>reward</th><th>advantage</th>"
     vals = "".join(f'<td class="num">{_esc(_fmt(v))}</td>' for v in rewards.values())
     vals += f'<td class="num">{_esc(_fmt(c.get("reward")))}</td><td class="num">{_esc(_fmt(c.get("advantage")))}</td>'
-    return (f'<div class="card"><div class="label">prompt</div><pre>{_esc(_text(c.get("prompt", "")))}</pre>'
+    return (f'<div class="card">{_images_html(c, run_path)}'
+            f'<div class="label">prompt</div><pre>{_esc(_text(c.get("prompt", "")))}</pre>'
             f'<div class="label">completion</div><pre>{_esc(_text(c.get("completion", "")))}</pre>'
             f"<table><tr>{cells}</tr><tr>{vals}</tr></table></div>")
 
@@ -327,7 +342,7 @@ def _samples_html(run: Run, per_step: int) -> str:
         items = by_step[step]
         shown = f"showing {min(per_step, len(items))} of {len(items)}"
         parts.append(f"<h3>{when}: step {_esc(_fmt(step))} <span class=\"muted\">({shown})</span></h3>")
-        parts.append('<div class="cards">' + "".join(_completion_card(c) for c in items[:per_step]) + "</div>")
+        parts.append('<div class="cards">' + "".join(_completion_card(c, run.path) for c in items[:per_step]) + "</div>")
     return "".join(parts)
 
 

@@ -70,7 +70,7 @@ from .models import (
     reference_policy,
     save_merged,
 )
-from .multimodal import check_images_supported
+from .multimodal import check_images_supported, loggable_prompt
 from .optim import build_optimizer
 from .rewards import build_reward_functions
 from .rewards.base import check_required_columns, combine_rewards, compute_rewards, routes_from_column
@@ -419,7 +419,7 @@ class GRPOTrainer:
         if args.log_completions:
             shown = args.num_completions_to_print or args.num_generations
             self._samples = [
-                {"prompt": scored.prompts[i], "completion": scored.completions[i],
+                {**loggable_prompt(scored.prompts[i], args.log_multimodal), "completion": scored.completions[i],
                  "rewards": {f.name: _none_if_nan(all_scores[offset + i, j].item())
                              for j, f in enumerate(self.reward_functions)},
                  "reward": _none_if_nan(rewards[offset + i].item()),

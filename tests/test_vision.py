@@ -318,3 +318,30 @@ def test_qwen_vl_positions_sampling_and_training_forward(model_type):
             logits = model(input_ids=ids, **extra).logits[0, -len(completion) - 1 : -1]
         expected = logits.log_softmax(-1).gather(-1, completion[:, None]).squeeze(-1)
         torch.testing.assert_close(logprobs[row, : len(completion)], expected, atol=LOGPROB_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("log_multimodal", [True, False])
+def test_log_multimodal_writes_images_to_the_completions_log_and_report(tmp_path, log_multimodal):
+    import json
+
+    from grpokit.report import write_report
+
+    model, processor = build_tiny_vlm("llava")
+    reward = lambda completions, **kwargs: [float(len(c[0]["content"])) for c in completions]  # noqa: E731
+    args = vlm_config(tmp_path, max_steps=1, log_completions=True, log_multimodal=log_multimodal)
+    GRPOTrainer(model=model, reward_funcs=reward, train_dataset=Dataset.from_list(colour_rows(copies=2)),
+                processing_class=processor, args=args).train()  # fmt: skip
+    output = tmp_path / "out"
+    records = [json.loads(line) for line in (output / "completions.jsonl").read_text().splitlines()]
+    assert records and all(r["prompt"][0]["content"][0] == {"type": "image"} for r in records)  # no pixels inlined
+    html = write_report(output).read_text()
+    if not log_multimodal:
+        assert not any("images" in r for r in records) and 'class="prompt-image"' not in html
+        return
+    from PIL import Image
+
+    for record in records:
+        (name,) = record["images"]
+        with Image.open(output / name) as image:
+            assert image.getpixel((0, 0)) in COLOURS.values()
+    assert html.count('class="prompt-image"') == min(len(records), 4)
