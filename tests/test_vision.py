@@ -345,3 +345,25 @@ def test_log_multimodal_writes_images_to_the_completions_log_and_report(tmp_path
         with Image.open(output / name) as image:
             assert image.getpixel((0, 0)) in COLOURS.values()
     assert html.count('class="prompt-image"') == min(len(records), 4)
+
+
+def test_example_script_trains_two_steps_and_saves(tmp_path):
+    """examples/grpo_vlm.py (TRL's script shape) with --tiny: two steps, then the model and its processor are saved
+    and load back as the VLM class and AutoProcessor."""
+    import importlib.util
+    from pathlib import Path
+
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "grpo_vlm.py"
+    spec = importlib.util.spec_from_file_location("grpo_vlm", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    output = tmp_path / "run"
+    trainer = example.main(["--tiny", "--max_steps", "2", "--output_dir", str(output)])
+    assert trainer.state.global_step == 2
+    reloaded = AutoModelForImageTextToText.from_pretrained(output)
+    assert type(reloaded) is type(trainer.model) and type(AutoProcessor.from_pretrained(output)).__name__ == \
+        "Gemma3Processor"  # fmt: skip
+    for name, value in trainer.model.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], value), name
