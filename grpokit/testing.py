@@ -177,7 +177,7 @@ VLM_TYPES = ("gemma3", "llava")
 
 
 def build_tiny_vlm(model_type: str = "gemma3", chars: str = DEFAULT_CHARS, *, seed: int = 0, image_size: int = 16,
-                   hidden_size: int = 32, num_layers: int = 2):  # fmt: skip
+                   hidden_size: int = 32, num_layers: int = 2, vision_hidden_size: int = 16, vision_layers: int = 1):
     """A random-weight vision-language model of a real architecture and its real processor, built offline:
     (model, processor). The tokenizer is `build_char_tokenizer`'s with the architecture's image tokens; the image
     processor is the architecture's own (PIL backend), resizing images to `image_size` pixels a side.
@@ -206,8 +206,10 @@ def build_tiny_vlm(model_type: str = "gemma3", chars: str = DEFAULT_CHARS, *, se
     text = dict(vocab_size=len(vocab), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                 num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                 max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=2)  # fmt: skip
-    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                  image_size=image_size, patch_size=4)  # fmt: skip
+    # 4-pixel patches for tiny images, 16 x 16 patches for larger ones (benchmarks)
+    vision = dict(hidden_size=vision_hidden_size, intermediate_size=2 * vision_hidden_size,
+                  num_hidden_layers=vision_layers, num_attention_heads=2, image_size=image_size,
+                  patch_size=max(4, image_size // 16))  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if model_type == "gemma3":
@@ -226,7 +228,8 @@ def build_tiny_vlm(model_type: str = "gemma3", chars: str = DEFAULT_CHARS, *, se
             image_processor = transformers.CLIPImageProcessor(size={"shortest_edge": image_size},
                                                               crop_size={"height": image_size, "width": image_size})
             processor = transformers.LlavaProcessor(
-                image_processor=image_processor, tokenizer=tokenizer, patch_size=4, num_additional_image_tokens=1,
+                image_processor=image_processor, tokenizer=tokenizer, patch_size=vision["patch_size"],
+                num_additional_image_tokens=1,
                 vision_feature_select_strategy="default", chat_template=VLM_CHAT_TEMPLATE.replace("{image}", "<image>"))
             config = transformers.LlavaConfig(
                 text_config=transformers.LlamaConfig(**text), vision_config=transformers.CLIPVisionConfig(**vision),

@@ -367,3 +367,21 @@ def test_example_script_trains_two_steps_and_saves(tmp_path):
         "Gemma3Processor"  # fmt: skip
     for name, value in trainer.model.state_dict().items():
         assert torch.equal(reloaded.state_dict()[name], value), name
+
+
+def test_images_are_encoded_once_per_group():
+    """The vision tower sees each prompt's image once in the sampling prefill and once in the shared-prompt
+    training forward (G times without sharing)."""
+    model, processor = build_tiny_vlm("gemma3")
+    encoded = []
+
+    def count(module, args, kwargs, output):
+        encoded.append((args[0] if args else kwargs["pixel_values"]).shape[0])
+
+    model.model.vision_tower.register_forward_hook(count, with_kwargs=True)
+    rollout, _ = sample(model, processor, colour_rows(), generations=4)
+    assert encoded == [2]  # one prefill for the two groups of 4 rows
+    for share, expected in ((True, 2), (False, 8)):
+        encoded.clear()
+        training_forward(model, rollout, share_prompts=share)
+        assert encoded == [expected], share
