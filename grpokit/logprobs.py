@@ -238,7 +238,7 @@ CHUNKED_HEAD_MODEL_TYPES = frozenset({
     "llama", "mistral", "mixtral", "nemotron_h", "olmo", "olmo2", "olmo3", "phi", "phi3", "qwen2", "qwen2_moe",
     "qwen3", "qwen3_moe", "seed_oss", "smollm3", "stablelm", "starcoder2",
     # vision-language models: the LM head on the multimodal base model's last hidden state (`decoder_of`)
-    "gemma3", "llava", "qwen2_vl", "qwen2_5_vl",
+    "gemma3", "idefics3", "llava", "qwen2_vl", "qwen2_5_vl",
 })  # fmt: skip
 # Config fields that, where an architecture has them, change the logits after the LM head: refuse the chunked head
 # when any is set, whatever the model type claims.

@@ -173,7 +173,7 @@ VLM_CHAT_TEMPLATE = (
     "{image}{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|end|>"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-VLM_TYPES = ("gemma3", "llava")
+VLM_TYPES = ("gemma3", "llava", "idefics3")
 
 
 def build_tiny_vlm(model_type: str = "gemma3", chars: str = DEFAULT_CHARS, *, seed: int = 0, image_size: int = 16,
@@ -184,12 +184,17 @@ def build_tiny_vlm(model_type: str = "gemma3", chars: str = DEFAULT_CHARS, *, se
 
     gemma3: Gemma3ForConditionalGeneration (SigLIP encoder, pooled to 4 image tokens, token_type_ids), full
     attention in both layers (so the training forward shares prompts); llava: LlavaForConditionalGeneration (CLIP
-    encoder, 16 image tokens, a Llama decoder)."""
+    encoder, 16 image tokens, a Llama decoder); idefics3: Idefics3ForConditionalGeneration (SmolVLM's architecture:
+    SigLIP encoder, pixel-shuffle connector, 4 image tokens, pixel_attention_mask, a Llama decoder)."""
     import transformers
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    image_tokens = {"gemma3": ["<image>", "<boi>", "<eoi>"], "llava": ["<image>"]}[model_type]
+    image_tokens = {"gemma3": ["<image>", "<boi>", "<eoi>"], "llava": ["<image>"],
+                    "idefics3": ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"]}
+    if model_type not in image_tokens:
+        raise ValueError(f"build_tiny_vlm: model_type must be one of {VLM_TYPES}, not {model_type!r}.")
+    image_tokens = image_tokens[model_type]
     special = SPECIAL_TOKENS + image_tokens
     vocab: dict[str, int] = {}
     for token in special + sorted(set(chars)) + ["\n\n"]:
@@ -198,8 +203,11 @@ def build_tiny_vlm(model_type: str = "gemma3", chars: str = DEFAULT_CHARS, *, se
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("\n\n|\n|."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(special)
-    names = {"image_token": "<image>"} if model_type == "llava" else \
-        {"image_token": "<image>", "boi_token": "<boi>", "eoi_token": "<eoi>"}  # fmt: skip
+    names = {"llava": {"image_token": "<image>"},
+             "gemma3": {"image_token": "<image>", "boi_token": "<boi>", "eoi_token": "<eoi>"},
+             "idefics3": {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
+                          "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"}}
+    names = names[model_type]
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
                                         unk_token="<pad>", extra_special_tokens=names, padding_side="left")
     image_id = tokenizer.convert_tokens_to_ids("<image>")
@@ -235,8 +243,19 @@ def build_tiny_vlm(model_type: str = "gemma3", chars: str = DEFAULT_CHARS, *, se
                 text_config=transformers.LlamaConfig(**text), vision_config=transformers.CLIPVisionConfig(**vision),
                 image_token_index=image_id, vision_feature_layer=-1, vision_feature_select_strategy="default")
             model_class = transformers.LlavaForConditionalGeneration
-        else:
-            raise ValueError(f"build_tiny_vlm: model_type must be one of {VLM_TYPES}, not {model_type!r}.")
+        else:  # idefics3: one tile per image (no splitting), 4 tokens after the pixel shuffle (scale factor 2)
+            image_processor = transformers.Idefics3ImageProcessor(do_image_splitting=False,
+                                                                  size={"longest_edge": image_size},
+                                                                  max_image_size={"longest_edge": image_size})
+            patches = image_size // vision["patch_size"]
+            processor = transformers.Idefics3Processor(
+                image_processor=image_processor, tokenizer=tokenizer, image_seq_len=patches**2 // 4,
+                chat_template=VLM_CHAT_TEMPLATE.replace("{image}", "<image>"))  # fmt: skip
+            config = transformers.Idefics3Config(
+                text_config=transformers.LlamaConfig(**text).to_dict(),
+                vision_config=transformers.Idefics3VisionConfig(**vision).to_dict(), image_token_id=image_id,
+                scale_factor=2)  # fmt: skip
+            model_class = transformers.Idefics3ForConditionalGeneration
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = model_class(config).float().eval()
