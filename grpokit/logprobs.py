@@ -237,9 +237,11 @@ CHUNKED_HEAD_MODEL_TYPES = frozenset({
     "deepseek_v3", "ernie4_5", "gemma", "gemma3_text", "glm", "glm4", "glm4_moe", "gpt2", "gpt_neox", "gpt_oss",
     "llama", "mistral", "mixtral", "nemotron_h", "olmo", "olmo2", "olmo3", "phi", "phi3", "qwen2", "qwen2_moe",
     "qwen3", "qwen3_moe", "seed_oss", "smollm3", "stablelm", "starcoder2",
-    # vision-language models: the LM head on the multimodal base model's last hidden state (`decoder_of`)
-    "gemma3", "idefics3", "llava", "qwen2_vl", "qwen2_5_vl",
 })  # fmt: skip
+# Vision-language models whose conditional-generation forward is `lm_head(base model's last hidden state)` with
+# nothing after it (read in transformers 5.23; Gemma 3's multimodal forward applies no soft-capping): the chunked
+# head runs on the base model (`decoder_of`), which takes the images. tests/test_vision.py compares the paths.
+CHUNKED_HEAD_VLM_TYPES = frozenset({"gemma3", "idefics3", "llava", "qwen2_vl", "qwen2_5_vl"})
 # Config fields that, where an architecture has them, change the logits after the LM head: refuse the chunked head
 # when any is set, whatever the model type claims.
 LOGIT_TRANSFORM_FIELDS = ("final_logit_softcapping", "logit_softcapping", "logits_soft_cap", "logit_scale",
@@ -275,7 +277,7 @@ def supports_chunked_head(model: torch.nn.Module) -> bool:
         return False  # virtual tokens are added by the PeftModel's forward
     lm = causal_lm_of(model)
     config = getattr(lm, "config", None)
-    if config is None or getattr(config, "model_type", None) not in CHUNKED_HEAD_MODEL_TYPES:
+    if config is None or getattr(config, "model_type", None) not in CHUNKED_HEAD_MODEL_TYPES | CHUNKED_HEAD_VLM_TYPES:
         return False
     if not type(lm).__module__.startswith("transformers.models."):
         return False  # remote code with a familiar model_type may still change the head

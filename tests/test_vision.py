@@ -385,3 +385,9 @@ def test_images_are_encoded_once_per_group():
         encoded.clear()
         training_forward(model, rollout, share_prompts=share)
         assert encoded == [expected], share
+
+
+def test_every_vlm_with_a_chunked_head_is_compared_with_its_plain_head_here():
+    from grpokit.logprobs import CHUNKED_HEAD_VLM_TYPES
+
+    assert set(VLM_TYPES) | set(QWEN_VL_TYPES) == CHUNKED_HEAD_VLM_TYPES
