@@ -391,3 +391,21 @@ def test_every_vlm_with_a_chunked_head_is_compared_with_its_plain_head_here():
     from grpokit.logprobs import CHUNKED_HEAD_VLM_TYPES
 
     assert set(VLM_TYPES) | set(QWEN_VL_TYPES) == CHUNKED_HEAD_VLM_TYPES
+
+
+@pytest.mark.parametrize("model_type", ["gemma3", "llava"])
+def test_rows_without_images_mix_with_rows_with_images(model_type):
+    """A row whose image is None is a text prompt; in one batch with image rows, each row's log-probs are still
+    the model's own forward's (the images go to the image rows' tokens, in order)."""
+    model, processor = build_tiny_vlm(model_type)
+    rows = [{"prompt": QUESTION, "image": None}, *colour_rows()]
+    rollout, prompts = sample(model, processor, rows, generations=2)
+    assert prompts.processed[0] == {} and prompts.images[0] == [] and len(prompts.images[1]) == 1
+    logprobs = training_forward(model, rollout, share_prompts=False)
+    difference = ((logprobs - rollout.sampling_logprobs) * rollout.attention_mask).abs().max().item()
+    assert difference < LOGPROB_ATOL
+    completion = rollout.completion_ids[0, : rollout.lengths[0]]
+    with torch.no_grad():
+        logits = model(input_ids=torch.cat([torch.tensor(prompts.ids[0]), completion])[None]).logits[0]
+    expected = logits[-len(completion) - 1 : -1].log_softmax(-1).gather(-1, completion[:, None]).squeeze(-1)
+    torch.testing.assert_close(logprobs[0, : len(completion)], expected, atol=LOGPROB_ATOL, rtol=0)
