@@ -40,21 +40,22 @@ def row_images(row: dict) -> list | None:
 
 
 def load_image(image):
-    """A PIL image from a PIL image or a path (opened and converted to RGB)."""
+    """A PIL image from a PIL image, a path, encoded bytes, or an undecoded `datasets` Image value ({"bytes",
+    "path"}); files are opened and converted to RGB."""
+    import io
+
     from PIL import Image
 
     if isinstance(image, Image.Image):
         return image
-    if isinstance(image, (str, bytes)) or hasattr(image, "__fspath__"):
-        with Image.open(image) as opened:
-            return opened.convert("RGB")
-    if isinstance(image, dict) and (image.get("bytes") or image.get("path")):  # an undecoded datasets Image value
-        import io
-
-        source = io.BytesIO(image["bytes"]) if image.get("bytes") else image["path"]
-        with Image.open(source) as opened:
-            return opened.convert("RGB")
-    raise TypeError(f"An image must be a PIL image or a path; got {type(image).__name__}.")
+    if isinstance(image, dict) and (image.get("bytes") or image.get("path")):
+        image = image["bytes"] or image["path"]
+    if isinstance(image, bytes):
+        image = io.BytesIO(image)
+    elif not (isinstance(image, str) or hasattr(image, "__fspath__")):
+        raise TypeError(f"An image must be a PIL image or a path; got {type(image).__name__}.")
+    with Image.open(image) as opened:
+        return opened.convert("RGB")
 
 
 def prepare_multimodal_messages(messages: list[dict], images: list | None = None) -> list[dict]:

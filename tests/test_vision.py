@@ -409,3 +409,21 @@ def test_rows_without_images_mix_with_rows_with_images(model_type):
         logits = model(input_ids=torch.cat([torch.tensor(prompts.ids[0]), completion])[None]).logits[0]
     expected = logits[-len(completion) - 1 : -1].log_softmax(-1).gather(-1, completion[:, None]).squeeze(-1)
     torch.testing.assert_close(logprobs[0, : len(completion)], expected, atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_images_given_as_paths_or_bytes_encode_as_the_images_themselves(tmp_path):
+    import io
+
+    model, processor = build_tiny_vlm("llava")
+    image = solid_image((10, 200, 30))
+    image.save(tmp_path / "green.png")
+    encoded = io.BytesIO()
+    image.save(encoded, format="PNG")
+    codec = PromptCodec(processor, model)
+    batches = [codec.encode([{"prompt": QUESTION, "images": [source]}], [1])
+               for source in (image, str(tmp_path / "green.png"), {"bytes": encoded.getvalue(), "path": None})]
+    for batch in batches[1:]:
+        assert batch.ids == batches[0].ids
+        torch.testing.assert_close(batch.processed[0]["pixel_values"], batches[0].processed[0]["pixel_values"])
+    with pytest.raises(TypeError, match="PIL image or a path"):
+        codec.encode([{"prompt": QUESTION, "image": 3}], [1])
