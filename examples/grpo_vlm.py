@@ -72,7 +72,7 @@ def main(argv=None):
         peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
         training_args = GRPOConfig(output_dir=options.output_dir, learning_rate=1e-5, bf16=True,
                                    gradient_checkpointing=True, per_device_train_batch_size=8, num_generations=8,
-                                   max_completion_length=1024, max_prompt_length=None, logging_steps=1,
+                                   max_completion_length=1024, logging_steps=1,
                                    log_completions=True, max_steps=options.max_steps,
                                    model_init_kwargs={"dtype": "bfloat16"})  # fmt: skip
 

@@ -297,9 +297,10 @@ def build_tiny_qwen_vl(model_type: str = "qwen2_vl", *, seed: int = 0, image_siz
         vision = dict(depth=1, num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
         vision.update(dict(hidden_size=16, out_hidden_size=32, intermediate_size=32) if model_type == "qwen2_5_vl"
                       else dict(embed_dim=16, hidden_size=32, mlp_ratio=2))  # fmt: skip
+        vision_config = getattr(transformers, f"{prefix}VisionConfig")(**vision)
         config = getattr(transformers, f"{prefix}Config")(
-            text_config=text.to_dict(), vision_config=getattr(transformers, f"{prefix}VisionConfig")(**vision).to_dict(),
-            image_token_id=image_token, video_token_id=63, vision_start_token_id=start, vision_end_token_id=end)
+            text_config=text.to_dict(), vision_config=vision_config.to_dict(), image_token_id=image_token,
+            video_token_id=63, vision_start_token_id=start, vision_end_token_id=end)  # fmt: skip
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config).float().eval()

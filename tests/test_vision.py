@@ -167,8 +167,8 @@ def test_trl_style_training_from_a_checkpoint(tmp_path, model_type):
 
     def colour_reward(completions, completion_ids, answer, image, prompts, **kwargs):
         seen.append((image, prompts))  # right answer, and a varying part so that the weights move in two steps
-        return [float(c[0]["content"][:1] == a[:1]) + ids[0] / 100 for c, ids, a in zip(completions, completion_ids,
-                                                                                         answer)]  # fmt: skip
+        rows = zip(completions, completion_ids, answer)
+        return [float(c[0]["content"][:1] == a[:1]) + ids[0] / 100 for c, ids, a in rows]
 
     dataset = Dataset.from_list(colour_rows(copies=2))
     trainer = GRPOTrainer(model=str(tmp_path / "vlm"), reward_funcs=colour_reward, train_dataset=dataset,
@@ -223,9 +223,11 @@ def test_image_errors(tmp_path):
         GRPOTrainer(model=model, reward_funcs=reward, train_dataset=dataset, processing_class=tokenizer,
                     args=vlm_config(tmp_path))  # fmt: skip
     model, processor = build_tiny_vlm("llava")
-    codec = PromptCodec(processor, model, max_prompt_length=8)
-    with pytest.raises(ValueError, match="cut image tokens"):
-        codec.encode(colour_rows()[:1], [1])
+    codec = PromptCodec(processor, model, max_prompt_length=8)  # cut text prompts; keep those with images whole
+    with pytest.warns(UserWarning, match="not cut"):
+        kept = codec.encode(colour_rows()[:1] + [{"prompt": [{"role": "user", "content": "a" * 20}]}], [1, 1])
+    assert len(kept.ids[0]) == len(PromptCodec(processor, model).encode(colour_rows()[:1], [1]).ids[0]) > 8
+    assert len(kept.ids[1]) == 8
     codec = PromptCodec(processor, model)
     with pytest.raises(ValueError, match="conversational prompts"):
         codec.encode([{"prompt": "colour?", "image": solid_image((0, 0, 0))}], [1])

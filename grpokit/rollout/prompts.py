@@ -4,6 +4,7 @@ engine."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -54,6 +55,7 @@ class PromptCodec:
     def __init__(self, tokenizer, model: torch.nn.Module, max_prompt_length: int | None = None,
                  chat_template_kwargs: dict | None = None):  # fmt: skip
         self.processor = tokenizer if is_processor(tokenizer) else None
+        self._warned_long_image_prompt = False
         tokenizer = tokenizer_of(tokenizer)
         self.tokenizer, self.max_prompt_length = tokenizer, max_prompt_length
         self.chat_template_kwargs = chat_template_kwargs
@@ -108,11 +110,15 @@ class PromptCodec:
                 add_special = not is_conversational(prompt)
                 prompt_ids, tensors = self.tokenizer(text, add_special_tokens=add_special)["input_ids"], {}
             if self.max_prompt_length is not None and len(prompt_ids) > self.max_prompt_length:
-                if row_imgs:
-                    raise ValueError(f"A prompt with images has {len(prompt_ids)} tokens, more than "
-                                     f"max_prompt_length={self.max_prompt_length}: cutting it would cut image "
-                                     f"tokens. Raise max_prompt_length (or set it to None), or use smaller images.")
-                prompt_ids = prompt_ids[-self.max_prompt_length :]
+                if row_imgs:  # kept whole, as TRL 1.16 keeps every prompt: a cut would split the image tokens
+                    if not self._warned_long_image_prompt:
+                        warnings.warn(f"A prompt with images has {len(prompt_ids)} tokens, more than "
+                                      f"max_prompt_length={self.max_prompt_length}: prompts with images are not cut "
+                                      f"(that would cut image tokens); they are kept whole.", UserWarning,
+                                      stacklevel=3)  # fmt: skip
+                        self._warned_long_image_prompt = True
+                else:
+                    prompt_ids = prompt_ids[-self.max_prompt_length :]
             raw.append(prompt)
             ids.append(prompt_ids)
             images.append(row_imgs)
