@@ -241,7 +241,7 @@ CHUNKED_HEAD_MODEL_TYPES = frozenset({
 # Vision-language models whose conditional-generation forward is `lm_head(base model's last hidden state)` with
 # nothing after it (read in transformers 5.23; Gemma 3's multimodal forward applies no soft-capping): the chunked
 # head runs on the base model (`decoder_of`), which takes the images. tests/test_vision.py compares the paths.
-CHUNKED_HEAD_VLM_TYPES = frozenset({"gemma3", "idefics3", "llava", "qwen2_vl", "qwen2_5_vl"})
+CHUNKED_HEAD_VLM_TYPES = frozenset({"gemma3", "idefics3", "llava", "llava_next", "qwen2_vl", "qwen2_5_vl"})
 # Config fields that, where an architecture has them, change the logits after the LM head: refuse the chunked head
 # when any is set, whatever the model type claims.
 LOGIT_TRANSFORM_FIELDS = ("final_logit_softcapping", "logit_softcapping", "logits_soft_cap", "logit_scale",

@@ -173,7 +173,7 @@ VLM_CHAT_TEMPLATE = (
     "{image}{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|end|>"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-VLM_TYPES = ("gemma3", "llava", "idefics3")
+VLM_TYPES = ("gemma3", "llava", "llava_next", "idefics3")
 
 
 def build_tiny_vlm(model_type: str = "gemma3", chars: str = DEFAULT_CHARS, *, seed: int = 0, image_size: int = 16,
@@ -184,13 +184,14 @@ def build_tiny_vlm(model_type: str = "gemma3", chars: str = DEFAULT_CHARS, *, se
 
     gemma3: Gemma3ForConditionalGeneration (SigLIP encoder, pooled to 4 image tokens, token_type_ids), full
     attention in both layers (so the training forward shares prompts); llava: LlavaForConditionalGeneration (CLIP
-    encoder, 16 image tokens, a Llama decoder); idefics3: Idefics3ForConditionalGeneration (SmolVLM's architecture:
+    encoder, 16 image tokens, a Llama decoder); llava_next: LlavaNextForConditionalGeneration (any-resolution
+    tiles, `image_sizes`, `image_newline`); idefics3: Idefics3ForConditionalGeneration (SmolVLM's architecture:
     SigLIP encoder, pixel-shuffle connector, 4 image tokens, pixel_attention_mask, a Llama decoder)."""
     import transformers
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    image_tokens = {"gemma3": ["<image>", "<boi>", "<eoi>"], "llava": ["<image>"],
+    image_tokens = {"gemma3": ["<image>", "<boi>", "<eoi>"], "llava": ["<image>"], "llava_next": ["<image>"],
                     "idefics3": ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"]}
     if model_type not in image_tokens:
         raise ValueError(f"build_tiny_vlm: model_type must be one of {VLM_TYPES}, not {model_type!r}.")
@@ -203,7 +204,7 @@ def build_tiny_vlm(model_type: str = "gemma3", chars: str = DEFAULT_CHARS, *, se
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("\n\n|\n|."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(special)
-    names = {"llava": {"image_token": "<image>"},
+    names = {"llava": {"image_token": "<image>"}, "llava_next": {"image_token": "<image>"},
              "gemma3": {"image_token": "<image>", "boi_token": "<boi>", "eoi_token": "<eoi>"},
              "idefics3": {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
                           "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"}}
@@ -243,6 +244,20 @@ def build_tiny_vlm(model_type: str = "gemma3", chars: str = DEFAULT_CHARS, *, se
                 text_config=transformers.LlamaConfig(**text), vision_config=transformers.CLIPVisionConfig(**vision),
                 image_token_index=image_id, vision_feature_layer=-1, vision_feature_select_strategy="default")
             model_class = transformers.LlavaForConditionalGeneration
+        elif model_type == "llava_next":  # any-resolution: a base view and up to two tiles per image
+            pinpoints = [[image_size, 2 * image_size], [2 * image_size, image_size], [2 * image_size, 2 * image_size]]
+            image_processor = transformers.LlavaNextImageProcessor(
+                size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size},
+                image_grid_pinpoints=pinpoints)  # fmt: skip
+            processor = transformers.LlavaNextProcessor(
+                image_processor=image_processor, tokenizer=tokenizer, patch_size=vision["patch_size"],
+                num_additional_image_tokens=1, vision_feature_select_strategy="default",
+                chat_template=VLM_CHAT_TEMPLATE.replace("{image}", "<image>"))  # fmt: skip
+            config = transformers.LlavaNextConfig(
+                text_config=transformers.LlamaConfig(**text), vision_config=transformers.CLIPVisionConfig(**vision),
+                image_token_index=image_id, vision_feature_layer=-1, vision_feature_select_strategy="default",
+                image_grid_pinpoints=pinpoints)  # fmt: skip
+            model_class = transformers.LlavaNextForConditionalGeneration
         else:  # idefics3: one tile per image (no splitting), 4 tokens after the pixel shuffle (scale factor 2)
             image_processor = transformers.Idefics3ImageProcessor(do_image_splitting=False,
                                                                   size={"longest_edge": image_size},

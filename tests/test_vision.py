@@ -37,7 +37,12 @@ def one_thread():
 
 
 def colour_rows(copies: int = 1, colours=COLOURS) -> list[dict]:
-    return [{"prompt": QUESTION, "image": solid_image(rgb), "answer": name} for name, rgb in colours.items()] * copies
+    """One row per colour; the second image is twice as wide (LLaVA-NeXT tiles it: more image tokens, a longer
+    prompt, left padding, pixel tensors of other sizes)."""
+    from PIL import Image
+
+    images = [solid_image(rgb) if i == 0 else Image.new("RGB", (32, 16), rgb) for i, rgb in enumerate(colours.values())]
+    return [{"prompt": QUESTION, "image": image, "answer": name} for name, image in zip(colours, images)] * copies
 
 
 def sample(model, processor, rows, generations: int = 3, max_new_tokens: int = 5, seed: int = 0):
