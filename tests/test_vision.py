@@ -239,7 +239,8 @@ def test_image_errors(tmp_path):
 
 
 # Learning: the answer depends on the image only (the prompt's text is the same for every row).
-TRAIN_SHADES = {"red": [(220, 20, 20), (250, 60, 40), (200, 0, 30)], "blue": [(20, 20, 220), (40, 60, 250), (0, 30, 200)]}
+TRAIN_SHADES = {"red": [(220, 20, 20), (250, 60, 40), (200, 0, 30)],
+                "blue": [(20, 20, 220), (40, 60, 250), (0, 30, 200)]}
 HELD_OUT_SHADES = {"red": [(180, 40, 40), (240, 30, 70)], "blue": [(40, 40, 180), (70, 30, 240)]}
 
 
