@@ -202,9 +202,11 @@ class GRPOConfig:
     generation_kwargs: dict | None = _not_implemented(None, "TRL passes these to generate() / vLLM; use the named "
                                                             "sampling fields (temperature, top_p, top_k, min_p, "
                                                             "repetition_penalty).")
-    max_tool_calling_iterations: int | None = _not_implemented(None, "TRL caps tool-calling turns of an agent "
-                                                                     "(GRPOTrainer(tools=...)); grpokit has no tool "
-                                                                     "calling.")
+    max_tool_calling_iterations: int | None = _f(None, "Most tool-calling turns per rollout of an agent "
+                                                       "(GRPOTrainer(tools=... / environment_factory=...)); None: "
+                                                       "until a turn calls no tool or max_completion_length is used.")
+    tool_timeout: float = _f(30.0, "grpokit-only: seconds a tool call may run; a call that takes longer returns an "
+                                   "error to the model and counts as a failure (tools/failure_frequency).")
     multi_objective_aggregation: str = _f("sum_then_normalize", "'sum_then_normalize': weight and sum the rewards, "
                                                                 "then normalise in the group; 'normalize_then_sum' "
                                                                 "(GDPO): normalise each reward in its group first.")
@@ -512,6 +514,10 @@ class GRPOConfig:
                 f"importance_sampling_level={self.importance_sampling_level!r} is not valid; use 'token' (GRPO) "
                 f"or 'sequence' (GSPO)."
             )
+        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
+            fail(f"max_tool_calling_iterations={self.max_tool_calling_iterations} must be >= 0 (or None: no limit).")
+        if not self.tool_timeout > 0:
+            fail(f"tool_timeout={self.tool_timeout} must be a positive number of seconds.")
         if self.scale_rewards not in (*SCALE_REWARDS, True, False):  # True / False: TRL's legacy spelling
             fail(f"scale_rewards={self.scale_rewards!r} is not valid; use 'group', 'batch' or 'none'.")
         if self.lr_scheduler_type not in LR_SCHEDULERS:

@@ -32,6 +32,7 @@ from typing import Iterator
 
 import torch
 
+from .agents import EnvironmentPool, build_agents, check_agents, placeholder_dataset
 from .advantages import combine_and_normalize, group_advantages, group_stats, process_advantages
 from .batch import ScoredRollout, TrainBatch
 from .checkpoint import Checkpointer, TrainingParts
@@ -118,13 +119,18 @@ class GRPOTrainer:
 
         self.args = args = args or GRPOConfig()
         # Everything a user can get wrong in the data or rewards is checked before the model is loaded.
+        environments = EnvironmentPool(environment_factory) if environment_factory is not None else None
+        if train_dataset is None and environments is not None:  # the environments supply the prompts (reset)
+            train_dataset = placeholder_dataset(args, environment_factory)
         check_run(args, train_dataset, eval_dataset, rollout_engine, tools, rollout_func, environment_factory)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        self.reward_functions = build_reward_functions(reward_funcs, reward_processing_classes,
-                                                       args.per_device_train_batch_size, args.trust_remote_code)
+        self.reward_functions = build_reward_functions(
+            reward_funcs, reward_processing_classes, args.per_device_train_batch_size, args.trust_remote_code,
+            environment_rewards=environments.reward_functions() if environments is not None else ())  # fmt: skip
         for dataset in (train_dataset, *named_eval_datasets(eval_dataset).values()):
             check_required_columns(self.reward_functions, dataset_columns(dataset))
-        self.reward_weights = reward_weights(args, len(self.reward_functions))
+        self.reward_weights = reward_weights(args, len(self.reward_functions), len(environments.reward_types)
+                                             if environments is not None else 0)  # fmt: skip
         warn_like_trl(args, model, quantization_config)
         if args.push_to_hub:
             check_hub(args)
@@ -157,6 +163,8 @@ class GRPOTrainer:
         all_done = all_processes_done if is_sharded(self.unwrapped_model) else None
         self.engine = rollout_engine or HFEngine(self.unwrapped_model, acc.device, autocast=acc.autocast,
                                                  all_done=all_done, exact_logprobs=not (args.bf16 or args.fp16))
+        self.agents = build_agents(self.processing_class, self.unwrapped_model, args, max_prompt_length, tools,
+                                   environments, rollout_func)  # fmt: skip
         self.state = self._new_state()
         self.scheduler = scheduler or build_scheduler(self.optimizer, args, self.state.max_steps)
         self.stepper = OptimizerStepper(acc, self.model, self.optimizer, self.scheduler, deepspeed=deepspeed,
@@ -407,7 +415,8 @@ class GRPOTrainer:
         if not trains_on_policy(args):
             # The engine's log-probs serve as π_old only where they are the training forward's (the in-process
             # engine in float32, tested to 1e-5); otherwise π_old comes from a training-style forward.
-            exact = getattr(self.engine, "exact_logprobs", False) and rollout.sampling_logprobs is not None
+            exact = getattr(self.engine, "exact_logprobs", False) and rollout.sampling_logprobs is not None and \
+                (self.agents is None or self.agents.exact_logprobs)  # fmt: skip
             batch.old_logprobs = rollout.sampling_logprobs if exact else self._logprobs_in_chunks(
                 self.unwrapped_model, batch)  # fmt: skip
         if args.beta > 0:
@@ -415,6 +424,8 @@ class GRPOTrainer:
                 batch.ref_logprobs = self._logprobs_in_chunks(reference, batch)
         self._log_generation(all_scores, rewards, rollout, scored.failures)
         self.window.add(self.reward_logs.flush_metrics(acc))
+        if self.agents is not None:
+            self.window.add(self.agents.metrics(acc))
         extra = self.reward_logs.flush_extra()
         if args.log_completions:
             shown = args.num_completions_to_print or args.num_generations
@@ -453,11 +464,17 @@ class GRPOTrainer:
         starts = [sum(counts[:i]) for i in range(len(counts))]
         prompts = self.codec.encode([rows[s] for s in starts], counts)
         self.engine.sync_weights(self.unwrapped_model)
-        rollout = self.engine.generate(prompts, self._sampling_params(), seed).to(self.accelerator.device)
-        completions, completion_ids = self.codec.decode(rollout, prompts.raw)
-        if prompts.images is not None:  # reward functions receive the messages with their images, as in TRL
-            rows = [{**row, "prompt": prompts.raw[b]} if prompts.images[b] else row
-                    for row, b in zip(rows, prompts.rows())]  # fmt: skip
+        if self.agents is not None:  # multi-turn (grpokit.agents): tools, environments or the user's rollout_func
+            rollout, completions = self.agents.rollout(self.engine, rows, self._sampling_params(), seed, self)
+            rollout = rollout.to(self.accelerator.device)
+            decoded, completion_ids = self.codec.decode(rollout, prompts.raw)
+            completions = decoded if completions is None else completions
+        else:
+            rollout = self.engine.generate(prompts, self._sampling_params(), seed).to(self.accelerator.device)
+            completions, completion_ids = self.codec.decode(rollout, prompts.raw)
+            if prompts.images is not None:  # reward functions receive the messages with their images, as in TRL
+                rows = [{**row, "prompt": prompts.raw[b]} if prompts.images[b] else row
+                        for row, b in zip(rows, prompts.rows())]  # fmt: skip
         if rollout.extra:
             rows = [{**row, **{name: values[i] for name, values in rollout.extra.items()}} for i, row in enumerate(rows)]
         return rollout, rows, completions, completion_ids
@@ -622,6 +639,8 @@ class GRPOTrainer:
         self.eval_samples = gather_object(records) if acc.num_processes > 1 else records
         metrics = evaluation_metrics(self.eval_samples, names, args.pass_threshold, prefix=f"{prefix}/")
         metrics.update({f"{prefix}/{k}": v for k, v in logged.items()})
+        if self.agents is not None:
+            metrics.update({f"{prefix}/{k}": v for k, v in self.agents.metrics(acc).items()})
         metrics[f"{prefix}_loss"] = (totals[0] / totals[1].clamp(min=1)).item()
         return metrics
 
@@ -755,10 +774,7 @@ class GRPOTrainer:
 def check_run(args: GRPOConfig, train_dataset, eval_dataset, rollout_engine, tools, rollout_func,
               environment_factory) -> None:  # fmt: skip
     """The run-time checks (what GRPOConfig.validate cannot know: the data, the launch, the arguments)."""
-    for name, value in (("tools", tools), ("rollout_func", rollout_func), ("environment_factory", environment_factory)):
-        if value:
-            raise NotImplementedError(f"GRPOTrainer({name}=...) (multi-turn agents) is not supported by grpokit yet; "
-                                      f"train single-turn, or use trl.GRPOTrainer for agents.")  # fmt: skip
+    check_agents(tools, rollout_func, environment_factory, rollout_engine)
     check_dataset(train_dataset)
     if is_iterable_dataset(train_dataset) and args.max_steps <= 0:
         raise ValueError("train_dataset is an IterableDataset (no len()): set max_steps > 0 to say how long to "
@@ -808,12 +824,14 @@ def objective_options(args: GRPOConfig) -> dict:
     return {name: getattr(args, name) for name in names}
 
 
-def reward_weights(args: GRPOConfig, count: int) -> torch.Tensor:
+def reward_weights(args: GRPOConfig, count: int, environment_rewards: int = 0) -> torch.Tensor:
+    """One weight per reward function; the environments' get_reward functions (last) weigh 1, as in TRL."""
+    count -= environment_rewards
     weights = args.reward_weights or [1.0] * count
     if len(weights) != count:
         raise ValueError(f"reward_weights has {len(weights)} entries for {count} reward functions; give one weight "
                          f"per function.")  # fmt: skip
-    return torch.tensor(weights, dtype=torch.float32)
+    return torch.tensor(list(weights) + [1.0] * environment_rewards, dtype=torch.float32)
 
 
 def trains_on_policy(args: GRPOConfig) -> bool:

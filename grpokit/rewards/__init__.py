@@ -27,9 +27,10 @@ def __getattr__(name):
 
 
 def build_reward_functions(reward_funcs, processing_classes=None, batch_size: int = 8,
-                           trust_remote_code: bool = False) -> list[RewardFunction]:  # fmt: skip
+                           trust_remote_code: bool = False, environment_rewards=()) -> list[RewardFunction]:  # fmt: skip
     """The trainer's reward functions: callables keep TRL's contract; a path / hub id or a PreTrainedModel is a
-    reward model (with its processing class from `processing_classes`, one per function, None for callables)."""
+    reward model (with its processing class from `processing_classes`, one per function, None for callables).
+    `environment_rewards` (the get_reward of environments, grpokit.agents) come after them."""
     from transformers import PreTrainedModel
 
     from .base import reward_name
@@ -37,10 +38,9 @@ def build_reward_functions(reward_funcs, processing_classes=None, batch_size: in
 
     funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else \
         [reward_funcs]  # fmt: skip
-    if not funcs:
-        raise ValueError("No reward functions: pass reward_funcs (a function, a reward model or a list of them). "
-                         "(TRL also takes none when an environment_factory supplies get_reward; grpokit does not "
-                         "support environments yet.)")  # fmt: skip
+    if not funcs and not environment_rewards:
+        raise ValueError("No reward source: pass reward_funcs (a function, a reward model or a list of them), or an "
+                         "environment_factory whose environments define get_reward().")  # fmt: skip
     if processing_classes is None:
         classes = [None] * len(funcs)
     else:
@@ -55,6 +55,7 @@ def build_reward_functions(reward_funcs, processing_classes=None, batch_size: in
         elif not callable(f):
             raise TypeError(f"Reward {f!r} is neither a function, a reward model nor a path to one.")
         out.append(RewardFunction(reward_name(f), f))
+    out += [RewardFunction(reward_name(f), f) for f in environment_rewards]
     names = [f.name for f in out]
     if len(set(names)) != len(names):
         raise ValueError(f"Reward functions need distinct names (their metrics are keyed by name): {names}.")

@@ -1,0 +1,113 @@
+"""Environments (TRL 1.16's `environment_factory`): objects whose public methods are the model's tools.
+
+`environment_factory` is a callable returning an environment, or a dict name → factory (each dataset row names its
+environment in an `environment` column). An environment has `reset(**row)`, which returns the first observation
+(appended to the prompt's last user message) or None, and, optionally, `get_reward()`, which makes it a reward
+source (one reward function per environment class, named after it, weight 1). Instances are pooled per process:
+built once, reset for every rollout; a batch that needs more concurrent instances of one environment than exist
+builds more.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+from .tools import check_tools
+
+ENVIRONMENT_COLUMN = "environment"
+
+
+def public_methods(environment) -> list[Callable]:
+    """The environment's tools: its public methods other than reset and get_reward (listed on the class, so that
+    properties are not evaluated)."""
+    return [getattr(environment, name) for name, _ in inspect.getmembers(type(environment), inspect.isfunction)
+            if not name.startswith("_") and name not in ("reset", "get_reward")]  # fmt: skip
+
+
+class EnvironmentPool:
+    def __init__(self, environment_factory):
+        self.routed = isinstance(environment_factory, dict)
+        self.factories: dict = environment_factory if self.routed else {None: environment_factory}
+        if not self.factories:
+            raise ValueError("environment_factory is an empty dict: map at least one environment name to a factory.")
+        self.pool: dict = {}
+        self.tool_names: dict = {}  # environment name -> names of its tools
+        self.reward_types: list[type] = []  # classes that own a reward (get_reward), one reward function each
+        for name, factory in self.factories.items():
+            if not callable(factory):
+                raise TypeError(f"environment_factory[{name!r}] is {factory!r}, not a callable returning an environment.")
+            instance = factory()
+            if not callable(getattr(instance, "reset", None)):
+                raise ValueError(f"The environment {type(instance).__name__} (from environment_factory"
+                                 f"{'' if name is None else f'[{name!r}]'}) has no callable reset(**row); every "
+                                 f"environment needs one (it returns the first observation, or None).")
+            methods = public_methods(instance)
+            check_tools(methods, f"environment {type(instance).__name__}")
+            self.tool_names[name] = [m.__name__ for m in methods]
+            self.pool[name] = [instance]
+            if callable(getattr(instance, "get_reward", None)) and type(instance) not in self.reward_types:
+                self.reward_types.append(type(instance))
+
+    def names_of(self, rows: list[dict]) -> list:
+        if not self.routed:
+            return [None] * len(rows)
+        names = []
+        for row in rows:
+            if ENVIRONMENT_COLUMN not in row:
+                raise ValueError(f"environment_factory is a dict of environments, so every row needs an "
+                                 f"'{ENVIRONMENT_COLUMN}' column naming one of {list(self.factories)}; this row has "
+                                 f"columns {sorted(row)}.")  # fmt: skip
+            if row[ENVIRONMENT_COLUMN] not in self.factories:
+                raise ValueError(f"A row has {ENVIRONMENT_COLUMN}={row[ENVIRONMENT_COLUMN]!r}, which is not among the "
+                                 f"environments passed to environment_factory: {list(self.factories)}.")
+            names.append(row[ENVIRONMENT_COLUMN])
+        return names
+
+    def take(self, names: list) -> list:
+        """One instance per row, reusing the pooled ones in order and building more only when needed."""
+        handed: dict = {}
+        out = []
+        for name in names:
+            index = handed.get(name, 0)
+            pool = self.pool[name]
+            if index == len(pool):
+                pool.append(self.factories[name]())
+            handed[name] = index + 1
+            out.append(pool[index])
+        return out
+
+    def reset(self, environments: list, rows: list[dict]) -> list:
+        """reset(**row) of each row's environment (without the routing column); returns the observations."""
+        return [env.reset(**{k: v for k, v in row.items() if not (self.routed and k == ENVIRONMENT_COLUMN)})
+                for env, row in zip(environments, rows)]  # fmt: skip
+
+    def reward_functions(self) -> list[Callable]:
+        """One reward function per environment class with get_reward: it scores the rollouts of that exact class
+        (None for the others), from the instance the rollout used."""
+        functions = []
+        for env_type in self.reward_types:
+            if inspect.iscoroutinefunction(env_type.get_reward):
+                async def reward(environments, _type=env_type, **kwargs):
+                    return [await e.get_reward() if type(e) is _type else None for e in environments]
+            else:
+                def reward(environments, _type=env_type, **kwargs):
+                    return [e.get_reward() if type(e) is _type else None for e in environments]
+            reward.__name__ = env_type.__name__
+            functions.append(reward)
+        return functions
+
+
+def placeholder_dataset(args, environment_factory):
+    """TRL's train_dataset=None with an environment: the environment supplies the prompts through reset(); the
+    loop runs on one generation's worth of empty-prompt rows, cycled, for max_steps."""
+    from datasets import Dataset
+
+    if isinstance(environment_factory, dict):
+        raise ValueError("A dict environment_factory (several environments) needs a train_dataset with an "
+                         "'environment' column to route each row; pass one, or a single environment factory.")
+    if args.max_steps <= 0:
+        raise ValueError("Without a train_dataset (the environment supplies the prompts through reset()), set "
+                         "max_steps > 0 to say how long to train: GRPOConfig(max_steps=...).")
+    rows = max(args.generation_batch_size // args.num_generations, 1)
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * rows})

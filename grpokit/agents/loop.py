@@ -1,0 +1,243 @@
+"""Multi-turn rollouts on any `RolloutEngine`: the model calls tools (or acts in environments), sees their results
+and goes on, up to `max_tool_calling_iterations` tool turns and `max_completion_length` tokens in all; or a user's
+`rollout_func` does the whole rollout. TRL 1.16's `_tool_call_loop`, on grpokit's engine seam.
+
+A row's completion is the whole transcript after the prompt: sampled turns (loss mask 1, with the engine's sampling
+log-probs) and the chat template's rendering of the tool results between them (attention mask 1, loss mask 0,
+log-prob 0). Each continuation is sampled by `engine.generate` on the prompt plus the transcript so far, as token
+ids (never re-tokenized text), so the training forward over prompt + completion sees exactly the context every
+sampled token was drawn in, and its log-probs equal the sampling ones (the in-process engine in float32).
+
+As in TRL: tool results that would take the transcript past max_completion_length are dropped and the row ends
+there; the turn after a tool result is cut at the remaining budget (and then counts as truncated); a turn whose
+tool call does not parse is plain text and ends the row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from ..data import is_conversational
+from ..rollout.engine import PromptBatch, Rollout, RolloutEngine, SamplingParams
+from .chat import check_tool_calling, parse_completion, render_prompt, tool_result_ids
+from .environments import EnvironmentPool, public_methods
+from .tools import ToolRunner, ToolStats, check_tools, tool_name
+
+ROLLOUT_FUNC_KEYS = ("prompt_ids", "completion_ids", "logprobs")
+
+
+@dataclasses.dataclass
+class Transcript:
+    """One row's rollout so far."""
+
+    prompt_ids: list[int]
+    tools: dict[str, Callable]
+    ids: list[int] = dataclasses.field(default_factory=list)
+    trained: list[int] = dataclasses.field(default_factory=list)  # 1: sampled by the policy, 0: inserted
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    messages: list[dict] = dataclasses.field(default_factory=list)
+    truncated: bool = False
+
+    def add(self, ids: list[int], trained: int, logprobs: list[float] | None = None) -> None:
+        self.ids += ids
+        self.trained += [trained] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+
+def grouped(prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """Runs of equal consecutive prompts → (distinct prompts, counts), so that an engine can share their prefix."""
+    ids, counts = [], []
+    for prompt in prompt_ids:
+        if ids and ids[-1] == prompt:
+            counts[-1] += 1
+        else:
+            ids.append(prompt)
+            counts.append(1)
+    return ids, counts
+
+
+class Agents:
+    """Everything multi-turn, built once per trainer: the tools, the environment pool, the tool runner and its
+    counters, or the user's rollout_func. `rollout()` runs one generation's rows."""
+
+    def __init__(self, tokenizer, *, tools=None, environments: EnvironmentPool | None = None, rollout_func=None,
+                 max_tool_calling_iterations: int | None = None, max_completion_length: int = 256,
+                 max_prompt_length: int | None = None, chat_template_kwargs: dict | None = None,
+                 tool_timeout: float = 30.0, max_model_length: int | None = None):  # fmt: skip
+        self.tokenizer, self.rollout_func = tokenizer, rollout_func
+        self.standalone_tools = list(tools or [])
+        check_tools(self.standalone_tools)
+        self.environments = environments
+        self.uses_tools = bool(self.standalone_tools) or self.environments is not None
+        self.template = check_tool_calling(tokenizer) if self.uses_tools else None
+        self.max_iterations = max_tool_calling_iterations if max_tool_calling_iterations is not None else 2**62
+        self.max_completion_length, self.max_prompt_length = max_completion_length, max_prompt_length
+        self.max_model_length = max_model_length
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.runner = ToolRunner(tool_timeout) if self.uses_tools else None
+        self.stats = ToolStats()
+        names = [tool_name(t) for t in self.standalone_tools]
+        for env_names in (self.environments.tool_names.values() if self.environments else []):
+            names += [n for n in env_names if n not in names]
+        self.tool_names = names
+        # The engine's log-probs are the training forward's only for rollouts this module sampled with it.
+        self.exact_logprobs = rollout_func is None
+
+    def reward_functions(self) -> list[Callable]:
+        return self.environments.reward_functions() if self.environments is not None else []
+
+    def metrics(self, accelerator) -> dict[str, float]:
+        return self.stats.metrics(accelerator, self.tool_names) if self.uses_tools else {}
+
+    # ------------------------------------------------------------------------------------------- one rollout
+
+    def rollout(self, engine: RolloutEngine, rows: list[dict], params: SamplingParams, seed: int,
+                trainer=None) -> tuple[Rollout, list]:  # fmt: skip
+        """rows: one per completion (a prompt's G rows consecutive). Returns the rollout and each row's
+        completion as reward functions receive it (a list of messages for conversational prompts: the assistant
+        turns and tool results, TRL's form). `Rollout.extra['environments']` holds each row's environment."""
+        if self.rollout_func is not None:
+            return self._custom_rollout(rows, trainer)
+        prompts = [row.get("prompt", [{"role": "user", "content": ""}]) for row in rows]
+        if not all(is_conversational(p) for p in prompts):
+            raise ValueError("Tools and environments need conversational prompts (lists of {'role', 'content'} "
+                             "messages), so that the chat template can render the tools and their results; a row's "
+                             f"prompt is {str(prompts[0])[:80]!r}.")
+        extra = {}
+        tools_of = [list(self.standalone_tools) for _ in rows]
+        if self.environments is not None:
+            environments = self.environments.take(self.environments.names_of(rows))
+            observations = self.environments.reset(environments, rows)
+            prompts = [with_observation(p, o) for p, o in zip(prompts, observations)]
+            tools_of = [tools + public_methods(env) for tools, env in zip(tools_of, environments)]
+            extra["environments"] = environments
+        transcripts = []
+        for prompt, tools in zip(prompts, tools_of):
+            ids = render_prompt(self.tokenizer, prompt, tools, self.chat_template_kwargs)
+            if self.max_prompt_length is not None:
+                ids = ids[-self.max_prompt_length :]
+            transcripts.append(Transcript(ids, {tool_name(t): t for t in tools}))
+        self.stats.rows += len(rows)
+        self._sample(engine, transcripts, list(range(len(rows))), params, seed)
+        waiting = [i for i, t in enumerate(transcripts) if t.messages[-1].get("tool_calls")]
+        iteration = 0
+        while waiting and iteration < self.max_iterations:
+            waiting = [i for i in waiting if self._add_tool_results(transcripts[i])]
+            if waiting:
+                self._sample(engine, transcripts, waiting, params, seed + 7919 * (iteration + 1))
+            waiting = [i for i in waiting if transcripts[i].messages[-1].get("tool_calls")]
+            iteration += 1
+        return self._as_rollout(transcripts, params, extra), [t.messages for t in transcripts]
+
+    def _sample(self, engine, transcripts: list[Transcript], indices: list[int], params: SamplingParams,
+                seed: int) -> None:  # fmt: skip
+        """Sample the next assistant turn of transcripts[indices], each within its remaining token budget."""
+        contexts = [transcripts[i].prompt_ids + transcripts[i].ids for i in indices]
+        budgets = [self.max_completion_length - len(transcripts[i].ids) for i in indices]
+        ids, counts = grouped(contexts)
+        batch = PromptBatch(ids=ids, counts=counts, raw=[None] * len(ids))
+        out = engine.generate(batch, dataclasses.replace(params, max_new_tokens=max(budgets)), seed)
+        sampled = out.completion_id_lists()
+        for row, (i, budget) in enumerate(zip(indices, budgets)):
+            transcript, turn = transcripts[i], sampled[row][:budget]
+            logprobs = None if out.sampling_logprobs is None else out.sampling_logprobs[row, : len(turn)].tolist()
+            transcript.truncated = bool(out.is_truncated[row]) or len(sampled[row]) > budget
+            context = transcript.prompt_ids + transcript.ids
+            transcript.add(turn, 1, logprobs)
+            tools = list(transcript.tools.values())
+            transcript.messages.append(parse_completion(self.tokenizer, self.template, turn, context, tools))
+
+    def _add_tool_results(self, transcript: Transcript) -> bool:
+        """Run the last turn's tool calls and append their results; False (and nothing appended) when the results
+        would not fit in the completion budget or the model's context."""
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in transcript.messages[-1]["tool_calls"]]
+        results = self.runner.run(calls, transcript.tools, self.stats)
+        ids = tool_result_ids(self.tokenizer, results, self.chat_template_kwargs)
+        total = len(transcript.prompt_ids) + len(transcript.ids) + len(ids)
+        if len(transcript.ids) + len(ids) >= self.max_completion_length or \
+                (self.max_model_length is not None and total >= self.max_model_length):  # fmt: skip
+            return False
+        transcript.add(ids, 0)
+        transcript.messages += results
+        return True
+
+    def _as_rollout(self, transcripts: list[Transcript], params: SamplingParams, extra: dict) -> Rollout:
+        from ..data import pad_left
+
+        prompt_ids, prompt_mask = pad_left([t.prompt_ids for t in transcripts], params.pad_token_id)
+        n, width = len(transcripts), max([len(t.ids) for t in transcripts] + [1])
+        completion_ids = torch.full((n, width), params.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((n, width), dtype=torch.long)
+        loss_mask = torch.zeros((n, width), dtype=torch.long)
+        logprobs = torch.zeros((n, width), dtype=torch.float32)
+        for row, t in enumerate(transcripts):
+            length = len(t.ids)
+            completion_ids[row, :length] = torch.tensor(t.ids, dtype=torch.long)
+            attention_mask[row, :length] = 1
+            loss_mask[row, :length] = torch.tensor(t.trained, dtype=torch.long)
+            logprobs[row, :length] = torch.tensor(t.logprobs, dtype=torch.float32)
+        return Rollout(prompt_ids, prompt_mask, completion_ids, attention_mask, loss_mask, attention_mask.sum(-1),
+                       torch.tensor([t.truncated for t in transcripts]), logprobs, extra)  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------- rollout_func
+
+    def _custom_rollout(self, rows: list[dict], trainer) -> tuple[Rollout, list]:
+        """TRL's `rollout_func(prompts, trainer)` contract: one prompt per row in, and a dict with `prompt_ids`,
+        `completion_ids` and `logprobs` (lists, one entry per row) out; an optional `env_mask` (1 for the model's
+        tokens, 0 for inserted ones) becomes the loss mask; every other key is a per-row field reward functions
+        receive as a column."""
+        prompts = [row.get("prompt", row.get("prompt_ids")) for row in rows]
+        output = self.rollout_func(prompts, trainer)
+        if not isinstance(output, dict):
+            raise TypeError(f"rollout_func must return a dict with keys {list(ROLLOUT_FUNC_KEYS)}; it returned "
+                            f"{type(output).__name__}.")
+        missing = [key for key in ROLLOUT_FUNC_KEYS if key not in output]
+        if missing:
+            raise ValueError(f"rollout_func must return keys {missing} in its output dict (it returned "
+                             f"{sorted(output)}); each is a list with one entry per prompt it was given.")
+        n = len(rows)
+        for key, values in output.items():
+            if not isinstance(values, (list, tuple)) or len(values) != n:
+                raise ValueError(f"rollout_func's {key!r} must be a list with one entry per prompt ({n} prompts, one "
+                                 f"per completion: each prompt comes num_generations times); got "
+                                 f"{type(values).__name__} of length {len(values) if hasattr(values, '__len__') else '?'}.")
+        prompt_ids, completion_ids = [list(x) for x in output["prompt_ids"]], [list(x) for x in output["completion_ids"]]
+        logprobs, env_mask = output["logprobs"], output.get("env_mask")
+        for row in range(n):
+            if not prompt_ids[row]:
+                raise ValueError(f"rollout_func returned empty prompt_ids for row {row}; every prompt needs a token.")
+            for key, values in (("logprobs", logprobs), ("env_mask", env_mask)):
+                if values is not None and values[row] is not None and len(values[row]) != len(completion_ids[row]):
+                    raise ValueError(f"rollout_func's {key}[{row}] has {len(values[row])} entries for "
+                                     f"{len(completion_ids[row])} completion tokens; give one per completion token.")
+        pad = self.tokenizer.pad_token_id if self.tokenizer is not None else 0
+        eos = {self.tokenizer.eos_token_id, pad} if self.tokenizer is not None else {pad}
+        transcripts = []
+        for row in range(n):
+            t = Transcript(prompt_ids[row], {})
+            t.ids, t.logprobs = completion_ids[row], [float(x) for x in (logprobs[row] or [0.0] * len(t.ids))]
+            t.trained = [int(bool(x)) for x in env_mask[row]] if env_mask is not None else [1] * len(t.ids)
+            t.truncated = not t.ids or t.ids[-1] not in eos  # TRL's rule: a completion that did not end in EOS
+            transcripts.append(t)
+        extra = {k: list(v) for k, v in output.items() if k not in ROLLOUT_FUNC_KEYS and k != "env_mask"}
+        params = SamplingParams(max_new_tokens=0, pad_token_id=pad or 0)
+        rollout = self._as_rollout(transcripts, params, extra)
+        if all(x is None for x in logprobs):
+            rollout.sampling_logprobs = None
+        return rollout, None
+
+
+def with_observation(prompt: list[dict], observation) -> list[dict]:
+    """TRL: an environment's first observation is appended to the prompt's last message (a new list; the row's
+    prompt is left untouched)."""
+    if observation is None:
+        return prompt
+    content = prompt[-1]["content"]
+    if isinstance(observation, str) and isinstance(content, list):
+        observation = [{"type": "text", "text": observation}]
+    if isinstance(observation, list) and isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    return prompt[:-1] + [{**prompt[-1], "content": content + observation}]

@@ -1,0 +1,301 @@
+"""Multi-turn agents (grpokit.agents): tool calls parsed from Qwen2.5's real format, tool results inserted as
+context without loss, errors returned to the model, TRL's limits and metrics; and through the trainer, the gradient
+of a multi-turn transcript against a plain forward of it."""
+
+import time
+
+import pytest
+import torch
+from datasets import Dataset
+
+from agents_helpers import TABLE, call_text, key_of, lookup, tiny_agent_model, tool_call_script
+from grpokit import GRPOConfig, GRPOTrainer, group_advantages, token_logprobs
+from grpokit.agents import Agents
+from grpokit.rollout import HFEngine, PromptBatch, Rollout, SamplingParams
+
+SUFFIX = "\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
+class FakeAccelerator:  # ToolStats.metrics needs only these in one process
+    num_processes, device = 1, "cpu"
+
+
+def rows(*keys):
+    return [{"prompt": [{"role": "user", "content": f"key {k}"}]} for k in keys]
+
+
+def params(tokenizer, max_new_tokens=64):
+    return SamplingParams(max_new_tokens=max_new_tokens, eos_token_ids=(tokenizer.eos_token_id,),
+                          pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+
+
+def agents(tokenizer, tools=(lookup,), **kwargs):
+    return Agents(tokenizer, tools=list(tools), **{"max_completion_length": 256, **kwargs})
+
+
+def look_then_answer(user, results, index):
+    return call_text("lookup", {"key": key_of(user)}) if not results else f"answer {results[-1]}<|im_end|>"
+
+
+def test_a_tool_call_is_run_and_its_result_inserted_as_context_without_loss():
+    _, tokenizer = tiny_agent_model()
+    runner = agents(tokenizer)
+    engine = tool_call_script(tokenizer, look_then_answer)
+    rollout, completions = runner.rollout(engine, rows("k3", "k12"), params(tokenizer), seed=0)
+    for row, key in enumerate(["k3", "k12"]):
+        call, suffix, answer = call_text("lookup", {"key": key}), SUFFIX.format(TABLE[key]), f"answer {TABLE[key]}<|im_end|>"
+        ids = rollout.completion_id_lists()[row]
+        assert tokenizer.decode(ids) == call + suffix + answer
+        n_call, n_suffix = (len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in (call, suffix))
+        expected_mask = [1] * n_call + [0] * n_suffix + [1] * (len(ids) - n_call - n_suffix)
+        assert rollout.loss_mask[row, : len(ids)].tolist() == expected_mask
+        assert rollout.attention_mask[row].sum() == len(ids) == rollout.lengths[row]
+        assert completions[row] == [
+            {"role": "assistant", "content": "",
+             "tool_calls": [{"type": "function", "function": {"name": "lookup", "arguments": {"key": key}}}]},
+            {"role": "tool", "name": "lookup", "content": TABLE[key]},
+            {"role": "assistant", "content": f"answer {TABLE[key]}"},
+        ]  # fmt: skip
+    assert not rollout.is_truncated.any()
+    # The continuation was asked for with the whole transcript as its prompt: prompt + call + tool result.
+    second = engine.calls[1]
+    assert second.counts == [1, 1]
+    assert tokenizer.decode(second.ids[0]).endswith(call_text("lookup", {"key": "k3"}) + SUFFIX.format(TABLE["k3"]))
+    assert runner.metrics(FakeAccelerator()) == {"tools/call_frequency": 1.0, "tools/failure_frequency": 0.0,
+                                                 "tools/lookup/call_frequency": 1.0,
+                                                 "tools/lookup/failure_frequency": 0.0}  # fmt: skip
+
+
+def broken(key: str) -> str:
+    """A tool that always fails.
+
+    Args:
+        key: anything
+    """
+    raise RuntimeError("the database is down")
+
+
+def slow(key: str) -> str:
+    """A tool that takes too long.
+
+    Args:
+        key: anything
+    """
+    time.sleep(1.5)
+    return "late"
+
+
+async def async_lookup(key: str) -> str:
+    """Look up a value, asynchronously.
+
+    Args:
+        key: the key to look up
+    """
+    return TABLE[key]
+
+
+def test_tool_errors_timeouts_bad_arguments_and_unknown_tools_go_back_to_the_model_and_are_counted():
+    _, tokenizer = tiny_agent_model()
+    runner = agents(tokenizer, tools=(lookup, broken, slow, async_lookup), tool_timeout=0.3)
+    first_turns = {
+        "k1": call_text("broken", {"key": "k1"}),
+        "k2": call_text("slow", {"key": "k2"}),
+        "k3": call_text("lookup", {"kee": "k3"}),  # an argument the tool does not take
+        "k4": call_text("search", {"key": "k4"}),  # no such tool
+        "k5": call_text("async_lookup", {"key": "k5"}),
+        "k6": call_text("lookup", '{"name": "lookup", "arguments": {"key": '),  # malformed: plain text, ends the row
+    }
+    engine = tool_call_script(tokenizer, lambda user, results, index: first_turns[key_of(user)] if not results
+                              else "answer<|im_end|>")  # fmt: skip
+    started = time.perf_counter()
+    rollout, completions = runner.rollout(engine, rows(*first_turns), params(tokenizer), seed=0)
+    assert time.perf_counter() - started < 1.4  # the slow tool was not waited for
+    results = {key: c[1]["content"] if len(c) > 1 else None for key, c in zip(first_turns, completions)}
+    assert results == {
+        "k1": "{'error': 'the database is down'}",
+        "k2": "{'error': \"Tool 'slow' timed out after 0.3 s.\"}",
+        "k3": "{'error': \"Bad arguments for 'lookup': missing a required argument: 'key'.\"}",
+        "k4": "{'error': \"Tool 'search' not found; available tools: ['async_lookup', 'broken', 'lookup', 'slow'].\"}",
+        "k5": TABLE["k5"],
+        "k6": None,
+    }
+    assert len(completions[5]) == 1 and completions[5][0]["content"].startswith("<tool_call>")
+    assert [len(c) for c in completions] == [3, 3, 3, 3, 3, 1]  # each erring row went on to answer
+    metrics = runner.metrics(FakeAccelerator())
+    assert metrics["tools/call_frequency"] == pytest.approx(5 / 6)
+    assert metrics["tools/failure_frequency"] == pytest.approx(4 / 5)
+    assert metrics["tools/broken/failure_frequency"] == 1.0 and metrics["tools/async_lookup/failure_frequency"] == 0.0
+
+
+def test_max_tool_calling_iterations_and_the_completion_budget_end_a_row():
+    _, tokenizer = tiny_agent_model()
+    always_call = lambda user, results, index: call_text("lookup", {"key": key_of(user)})  # noqa: E731
+    runner = agents(tokenizer, max_tool_calling_iterations=2)
+    rollout, completions = runner.rollout(tool_call_script(tokenizer, always_call), rows("k3"), params(tokenizer), 0)
+    assert [m["role"] for m in completions[0]] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert "tool_calls" in completions[0][-1] and not rollout.is_truncated[0]  # ended by EOS, call not run
+    # A budget that holds a call but not its result: the result is dropped and the row ends after the call.
+    call_length = len(tokenizer(call_text("lookup", {"key": "k3"}), add_special_tokens=False)["input_ids"])
+    runner = agents(tokenizer, max_completion_length=call_length + 5)
+    rollout, completions = runner.rollout(tool_call_script(tokenizer, always_call), rows("k3"),
+                                          params(tokenizer, call_length + 5), 0)  # fmt: skip
+    assert len(completions[0]) == 1 and rollout.lengths[0] == call_length and rollout.loss_mask.all()
+    assert runner.metrics(FakeAccelerator())["tools/call_frequency"] == 1.0  # run, then dropped (as TRL does)
+    # The turn after a tool result is cut at what is left of the budget, and is then truncated.
+    suffix_length = len(tokenizer(SUFFIX.format(TABLE["k3"]), add_special_tokens=False)["input_ids"])
+    budget = call_length + suffix_length + 3
+    runner = agents(tokenizer, max_completion_length=budget)
+    rollout, completions = runner.rollout(tool_call_script(tokenizer, look_then_answer), rows("k3"),
+                                          params(tokenizer, budget), 0)  # fmt: skip
+    assert rollout.lengths[0] == budget and rollout.is_truncated[0] and rollout.loss_mask[0, -3:].tolist() == [1] * 3
+
+
+def test_a_tokenizer_that_cannot_do_tools_and_a_tool_without_a_schema_are_refused(tmp_path):
+    from grpokit.testing import build_char_tokenizer, build_tiny_model
+
+    char_tokenizer = build_char_tokenizer()
+    model = build_tiny_model(len(char_tokenizer), hidden_size=16)
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=1)
+    data = Dataset.from_list(rows("k1", "k2"))
+    with pytest.raises(ValueError, match="cannot render a tool-calling conversation"):
+        GRPOTrainer(model=model, reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
+                    train_dataset=data, processing_class=char_tokenizer, tools=[lookup])  # fmt: skip
+
+    def no_docs(key: str) -> str:
+        return key
+
+    with pytest.raises(ValueError, match="tool 'no_docs' has no usable JSON schema"):
+        GRPOTrainer(model=model, reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
+                    train_dataset=data, processing_class=char_tokenizer, tools=[no_docs])  # fmt: skip
+
+
+# ------------------------------------------------------------------------ log-probs and gradients across turns
+
+
+class ForcedCallsEngine:
+    """The real in-process engine, except that while a transcript holds fewer than `calls` tool results its turn
+    is a forced tool call (with log-probs from a plain forward): so that a random tiny model makes calls, and the
+    turns the engine samples come after tool results of different lengths."""
+
+    exact_logprobs = True
+
+    def __init__(self, model, tokenizer, calls=2):
+        self.inner, self.model, self.tokenizer, self.calls = HFEngine(model), model, tokenizer, calls
+
+    def sync_weights(self, model):
+        self.inner.sync_weights(model)
+
+    def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
+        text = self.tokenizer.decode(prompts.ids[0])
+        if text.count("<tool_response>") >= self.calls:
+            return self.inner.generate(prompts, params, seed)
+        from grpokit.rollout import ScriptedEngine
+
+        forced = ScriptedEngine(lambda ids, index: self.tokenizer(call_text(
+            "lookup", {"key": key_of(self.tokenizer.decode(ids))}), add_special_tokens=False)["input_ids"])
+        rollout = forced.generate(prompts, params, seed)
+        with torch.no_grad():
+            logprobs, _ = token_logprobs(self.model, torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
+                                         torch.cat([rollout.prompt_mask, rollout.attention_mask], 1),
+                                         rollout.completion_ids.shape[1])  # fmt: skip
+        rollout.sampling_logprobs = logprobs * rollout.attention_mask
+        return rollout
+
+
+def test_sampling_logprobs_of_every_policy_turn_equal_the_training_forward_of_the_whole_transcript():
+    model, tokenizer = tiny_agent_model(seed=1)
+    model.eval()
+    runner = agents(tokenizer, max_completion_length=120)
+    engine = ForcedCallsEngine(model, tokenizer, calls=2)
+    rollout, completions = runner.rollout(engine, rows("k3", "k3", "k17", "k5"), params(tokenizer, 120), seed=3)
+    assert all([m["role"] for m in c[:4]] == ["assistant", "tool"] * 2 for c in completions)
+    with torch.no_grad():
+        training, _ = token_logprobs(model, torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
+                                     torch.cat([rollout.prompt_mask, rollout.attention_mask], 1),
+                                     rollout.completion_ids.shape[1])  # fmt: skip
+    trained = rollout.loss_mask.bool()
+    sampled_after_tools = trained.clone()
+    for row in range(len(rollout)):  # the engine-sampled turn: after the last tool result
+        last_tool = (rollout.loss_mask[row] == 0).nonzero().max()
+        sampled_after_tools[row, : last_tool + 1] = False
+    assert sampled_after_tools.sum() >= 8
+    torch.testing.assert_close(rollout.sampling_logprobs[trained], training[trained], rtol=0, atol=1e-5)
+    assert (rollout.sampling_logprobs[~trained] == 0).all()
+    # The test can fail: the same tokens scored without the tool results in context differ.
+    row = 0
+    keep = rollout.attention_mask[row].bool() & rollout.loss_mask[row].bool()
+    ids = torch.cat([rollout.prompt_ids[row][rollout.prompt_mask[row].bool()], rollout.completion_ids[row][keep]])
+    with torch.no_grad():
+        without, _ = token_logprobs(model, ids[None], torch.ones_like(ids)[None], int(keep.sum()))
+    assert (without[0] - training[row][keep]).abs().max() > 1e-3
+
+
+def test_tool_result_tokens_get_no_loss_and_no_gradient_but_stay_in_context(tmp_path):
+    """One trainer step on scripted two-turn transcripts (call, result, answer). With AdamW at a huge epsilon the
+    update is -lr·g/(|g| + eps), so the trainer's gradient is read off the weights and compared with autograd of
+    a plain forward of the whole transcript with the DAPO loss over the policy's tokens only."""
+    model, tokenizer = tiny_agent_model()
+    answers = {0: "answer {}<|im_end|>", 1: "value<|im_end|>"}
+    engine = tool_call_script(tokenizer, lambda user, results, index: call_text("lookup", {"key": key_of(user)})
+                              if not results else answers[index % 2].format(results[-1]))  # fmt: skip
+    seen = []
+
+    def answered(completions, **kwargs):
+        seen.extend(completions)
+        return [float(c[-1]["content"].startswith("answer")) for c in completions]
+
+    lr, eps = 1e6, 1e6
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=1,
+                      learning_rate=lr, adam_epsilon=eps, max_grad_norm=0.0, lr_scheduler_type="constant",
+                      loss_type="dapo", max_completion_length=64, logging_steps=1, save_strategy="no",
+                      disable_tqdm=True, report_to="none", seed=0)  # fmt: skip
+    data = Dataset.from_list(rows("k3", "k12"))
+    reference_model, _ = tiny_agent_model()
+    trainer = GRPOTrainer(model=model, reward_funcs=answered, args=args, train_dataset=data, processing_class=tokenizer,
+                          tools=[lookup], rollout_engine=engine)  # fmt: skip
+    initial = {k: v.detach().clone() for k, v in trainer.unwrapped_model.named_parameters()}
+    # The plain computation: the rendered prompt, then call + tool result + answer, as one sequence per row.
+    transcripts, masks = [], []
+    for key in ("k3", "k12"):
+        prompt = tokenizer.apply_chat_template(rows(key)[0]["prompt"], tools=[lookup], add_generation_prompt=True,
+                                               tokenize=True, return_dict=True)["input_ids"]  # fmt: skip
+        for j in range(2):
+            parts = [(call_text("lookup", {"key": key}), 1), (SUFFIX.format(TABLE[key]), 0),
+                     (answers[j].format(TABLE[key]), 1)]  # fmt: skip
+            ids, mask = list(prompt), [0] * len(prompt)
+            for text, trained in parts:
+                part = tokenizer(text, add_special_tokens=False)["input_ids"]
+                ids, mask = ids + part, mask + [trained] * len(part)
+            transcripts.append(ids)
+            masks.append(mask)
+    width = max(map(len, transcripts))
+    input_ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids in transcripts])
+    attention = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in transcripts])
+    loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)[:, 1:]
+    advantages = group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), 2)
+
+    def expected_update(mask):
+        reference_model.zero_grad()
+        logits = reference_model(input_ids, attention_mask=attention).logits[:, :-1]
+        logprobs = logits.log_softmax(-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        ratio = torch.exp(logprobs - logprobs.detach())
+        (-(ratio * advantages[:, None]) * mask).sum().div(mask.sum()).backward()
+        return {k: -lr * p.grad / (p.grad.abs() + eps) for k, p in reference_model.named_parameters()}
+
+    expected = expected_update(loss_mask)
+    trainer.train()
+    update = {k: v.detach() - initial[k] for k, v in trainer.unwrapped_model.named_parameters()}
+
+    def relative_error(a, b):
+        return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)).item() for k in b)
+
+    assert relative_error(update, expected) < 1e-3
+    # The test can fail: training on the tool results too would be another update.
+    tool_tokens_too = (attention[:, 1:] * (loss_mask.sum(1, keepdim=True) > 0)).float()
+    prompt_length = len(transcripts[0]) - sum(masks[0]) - len(tokenizer(SUFFIX.format(TABLE["k3"]),
+                                                                       add_special_tokens=False)["input_ids"])
+    tool_tokens_too[:, : prompt_length - 1] = 0
+    assert relative_error(expected_update(tool_tokens_too), expected) > 0.1
+    assert [c[-1]["content"] for c in seen[:2]] == [f"answer {TABLE['k3']}", "value"]
+    log = trainer.state.log_history[0]
+    assert log["tools/call_frequency"] == 1.0 and log["tools/failure_frequency"] == 0.0
