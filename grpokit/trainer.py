@@ -128,7 +128,8 @@ class GRPOTrainer:
             reward_funcs, reward_processing_classes, args.per_device_train_batch_size, args.trust_remote_code,
             environment_rewards=environments.reward_functions() if environments is not None else ())  # fmt: skip
         for dataset in (train_dataset, *named_eval_datasets(eval_dataset).values()):
-            check_required_columns(self.reward_functions, dataset_columns(dataset))
+            if rollout_func is None:  # a rollout_func's extra fields are columns too, known only once it has run
+                check_required_columns(self.reward_functions, dataset_columns(dataset))
         self.reward_weights = reward_weights(args, len(self.reward_functions), len(environments.reward_types)
                                              if environments is not None else 0)  # fmt: skip
         warn_like_trl(args, model, quantization_config)

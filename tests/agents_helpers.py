@@ -2,13 +2,15 @@
 policies that call tools (ScriptedEngine scripts that read the transcript so far)."""
 
 import json
+import random
 import re
 
 from grpokit.rollout import ScriptedEngine
 from grpokit.testing import build_qwen_chat_tokenizer, build_tiny_model
 
 WORDS = ("lookup", "key", "value", "slow", "broken", "answer")
-TABLE = {f"k{i}": f"v{(7 * i + 3) % 10}{(3 * i + 1) % 10}" for i in range(40)}
+_draw = random.Random(0)
+TABLE = {f"k{i}": f"v{_draw.randrange(10)}{_draw.randrange(10)}" for i in range(60)}  # only readable through lookup
 
 
 def lookup(key: str) -> str:
@@ -47,3 +49,40 @@ def tool_call_script(tokenizer, turns):
 
 def key_of(user_text: str) -> str:
     return re.search(r"k\d+", user_text).group(0)
+
+
+def transcript_ids(tokenizer, key: str, tools) -> tuple[list[int], list[int], int]:
+    """The ideal rollout for a key: (prompt + call + tool result + answer ids, loss mask, prompt length)."""
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": f"key {key}"}], tools=tools,
+                                           add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    ids, mask = list(prompt), [0] * len(prompt)
+    suffix = "\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    for text, trained in ((call_text("lookup", {"key": key}), 1), (suffix.format(TABLE[key]), 0),
+                          (f"{TABLE[key]}<|im_end|>", 1)):
+        part = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids, mask = ids + part, mask + [trained] * len(part)
+    return ids, mask, len(prompt)
+
+
+def warm_up(model, tokenizer, keys, steps: int, lr: float = 3e-3, batch_size: int = 16, seed: int = 0):
+    """A short supervised warm-up on ideal transcripts (loss on the policy's tokens only), as the demo does: a
+    random-weight model has no tool use for GRPO to sharpen."""
+    import torch
+
+    examples = [transcript_ids(tokenizer, key, [lookup]) for key in keys]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    draw = random.Random(seed)
+    model.train()
+    for _ in range(steps):
+        batch = [examples[draw.randrange(len(examples))] for _ in range(batch_size)]
+        width = max(len(ids) for ids, _, _ in batch)
+        ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x, _, _ in batch])
+        mask = torch.tensor([m + [0] * (width - len(m)) for _, m, _ in batch], dtype=torch.float32)
+        logits = model(ids).logits[:, :-1]
+        losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        loss = (losses * mask[:, 1:]).sum() / mask[:, 1:].sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    return loss.item()
