@@ -322,20 +322,31 @@ def build_tiny_qwen_vl(model_type: str = "qwen2_vl", *, seed: int = 0, image_siz
 # Qwen2.5-Instruct's chat template (public, as its tokenizer_config.json ships it): it renders tools into the system
 # message and tool calls as <tool_call>{json}</tool_call>, so that agent tests run the real format.
 QWEN2_5_CHAT_TEMPLATE = '{%- if tools %}\n    {{- \'<|im_start|>system\\n\' }}\n    {%- if messages[0][\'role\'] == \'system\' %}\n        {{- messages[0][\'content\'] }}\n    {%- else %}\n        {{- \'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.\' }}\n    {%- endif %}\n    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}\n    {%- for tool in tools %}\n        {{- "\\n" }}\n        {{- tool | tojson }}\n    {%- endfor %}\n    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}\n{%- else %}\n    {%- if messages[0][\'role\'] == \'system\' %}\n        {{- \'<|im_start|>system\\n\' + messages[0][\'content\'] + \'<|im_end|>\\n\' }}\n    {%- else %}\n        {{- \'<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n\' }}\n    {%- endif %}\n{%- endif %}\n{%- for message in messages %}\n    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}\n        {{- \'<|im_start|>\' + message.role + \'\\n\' + message.content + \'<|im_end|>\' + \'\\n\' }}\n    {%- elif message.role == "assistant" %}\n        {{- \'<|im_start|>\' + message.role }}\n        {%- if message.content %}\n            {{- \'\\n\' + message.content }}\n        {%- endif %}\n        {%- for tool_call in message.tool_calls %}\n            {%- if tool_call.function is defined %}\n                {%- set tool_call = tool_call.function %}\n            {%- endif %}\n            {{- \'\\n<tool_call>\\n{"name": "\' }}\n            {{- tool_call.name }}\n            {{- \'", "arguments": \' }}\n            {{- tool_call.arguments | tojson }}\n            {{- \'}\\n</tool_call>\' }}\n        {%- endfor %}\n        {{- \'<|im_end|>\\n\' }}\n    {%- elif message.role == "tool" %}\n        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}\n            {{- \'<|im_start|>user\' }}\n        {%- endif %}\n        {{- \'\\n<tool_response>\\n\' }}\n        {{- message.content }}\n        {{- \'\\n</tool_response>\' }}\n        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}\n            {{- \'<|im_end|>\\n\' }}\n        {%- endif %}\n    {%- endif %}\n{%- endfor %}\n{%- if add_generation_prompt %}\n    {{- \'<|im_start|>assistant\\n\' }}\n{%- endif %}\n'
+# The fixed sentences of its tool prompt, each one token in the test tokenizer (between the added tokens).
+QWEN_TOOL_PROMPT_PHRASES = (
+    "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+    "function signatures within <tools></tools> XML tags:\n<tools>",
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within ",
+    " XML tags:\n",
+    '\n{"name": <function-name>, "arguments": <args-json-object>}\n',
+)
 QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 QWEN_ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 
 
 def build_qwen_chat_tokenizer(words: tuple[str, ...] = ()):
     """A `PreTrainedTokenizerFast` with Qwen2.5's special tokens (EOS <|im_end|>, pad <|endoftext|>) and chat
-    template. Tokens: the words of the template and `words` whole, any other character alone, so that the long
-    tool-calling system prompt stays short in tokens and every text still round-trips."""
+    template. Tokens: the fixed sentences of the tool prompt, the words of the template and `words` (any strings,
+    e.g. a tool's JSON schema line) whole, any other character alone, so that the long tool-calling system prompt
+    stays short in tokens and every text still round-trips."""
     import re
 
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    known = sorted(set(re.findall(r"[A-Za-z_]{2,}", QWEN2_5_CHAT_TEMPLATE)) | set(words), key=lambda w: (-len(w), w))
+    known = set(re.findall(r"[A-Za-z_]{2,}", QWEN2_5_CHAT_TEMPLATE)) | set(words) | set(QWEN_TOOL_PROMPT_PHRASES)
+    known = sorted(known, key=lambda w: (-len(w), w))
     vocab: dict[str, int] = {}
     for token in QWEN_SPECIAL_TOKENS + QWEN_ADDED_TOKENS + known + list(string.printable):
         vocab.setdefault(token, len(vocab))

@@ -8,9 +8,14 @@ import re
 from grpokit.rollout import ScriptedEngine
 from grpokit.testing import build_qwen_chat_tokenizer, build_tiny_model
 
-WORDS = ("lookup", "key", "value", "slow", "broken", "answer")
+# Whole tokens of the test tokenizer besides the template's own: tool names, the lookup tool's schema line and the
+# fixed parts of a call, so that prompts and calls are a few tokens (a fast CPU test; the format is unchanged).
+WORDS = ("lookup", "key", "value", "slow", "broken", "answer", '\n{"name": "', '", "arguments": {"key": "', '"}}\n',
+         '{"type": "function", "function": {"name": "lookup", "description": "Look up the value stored under a key.", '
+         '"parameters": {"type": "object", "properties": {"key": {"type": "string", "description": "the key to look '
+         'up"}}, "required": ["key"]}, "return": {"type": "string"}}}')
 _draw = random.Random(0)
-TABLE = {f"k{i}": f"v{_draw.randrange(10)}{_draw.randrange(10)}" for i in range(60)}  # only readable through lookup
+TABLE = {f"k{i}": f"v{_draw.randrange(10)}{_draw.randrange(10)}" for i in range(100)}  # only readable through lookup
 
 
 def lookup(key: str) -> str:

@@ -299,3 +299,18 @@ def test_tool_result_tokens_get_no_loss_and_no_gradient_but_stay_in_context(tmp_
     assert [c[-1]["content"] for c in seen[:2]] == [f"answer {TABLE['k3']}", "value"]
     log = trainer.state.log_history[0]
     assert log["tools/call_frequency"] == 1.0 and log["tools/failure_frequency"] == 0.0
+
+
+def test_the_python_tool_runs_model_code_in_the_sandbox():
+    from transformers.utils import get_json_schema
+
+    from grpokit.agents import python_tool
+    from grpokit.rewards.code import SandboxLimits
+
+    tool = python_tool(SandboxLimits(cpu_seconds=1, wall_seconds=3.0))
+    assert get_json_schema(tool)["function"]["name"] == "python"
+    assert tool("print(6 * 7)") == "42\n"
+    failed = tool("import sys\nprint('partial')\nraise ValueError('boom')")
+    assert "partial" in failed and "ValueError: boom" in failed and "the program failed" in failed
+    assert "the program failed, or was stopped" in tool("while True:\n    pass")
+    assert "Permission denied" in tool("open('/root/x', 'w')") or "Read-only" in tool("open('/usr/x', 'w')")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from .chat import check_tool_calling, parse_completion, response_template, tool_result_ids
 from .environments import EnvironmentPool, placeholder_dataset, public_methods
 from .loop import Agents, with_observation
+from .python_tool import python_tool
 from .tools import ToolRunner, ToolStats, check_tools
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "parse_completion",
     "placeholder_dataset",
     "public_methods",
+    "python_tool",
     "response_template",
     "tool_result_ids",
     "with_observation",

@@ -123,7 +123,9 @@ async def _await(awaitable):
 
 
 def _row_kwargs(kwargs: dict, row: int) -> dict:
-    return {key: value if key in CONTEXT_ARGUMENTS else value[row : row + 1] for key, value in kwargs.items()}
+    """One row's arguments; `environments` (one per row) is cut like a column, the other context is shared."""
+    shared = [name for name in CONTEXT_ARGUMENTS if name != "environments"]
+    return {key: value if key in shared else value[row : row + 1] for key, value in kwargs.items()}
 
 
 def _locate_failure(function: RewardFunction, kwargs: dict, error: Exception, n: int) -> RewardFunctionError:
