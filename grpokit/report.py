@@ -255,10 +255,20 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def _message_text(message: dict) -> str:
+    """'role: content', with an agent's tool calls (→ name(arguments)) and the tool a result came from."""
+    name = f" ({message['name']})" if message.get("role") == "tool" and message.get("name") else ""
+    text = f"{message.get('role', '?')}{name}: {message['content']}"
+    for call in message.get("tool_calls") or []:
+        function = call.get("function", call) if isinstance(call, dict) else {}
+        text += f"\n  → {function.get('name')}({json.dumps(function.get('arguments'), ensure_ascii=False, default=str)})"
+    return text
+
+
 def _text(v) -> str:
     """Prompt/completion as plain text; chat-format message lists become 'role: content'."""
     if isinstance(v, list) and all(isinstance(m, dict) and "content" in m for m in v):
-        s = "\n".join(f"{m.get('role', '?')}: {m['content']}" for m in v)
+        s = "\n".join(_message_text(m) for m in v)
     else:
         s = v if isinstance(v, str) else json.dumps(v, indent=1, ensure_ascii=False)
     if len(s) > _MAX_CHARS:

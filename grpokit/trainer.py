@@ -129,7 +129,8 @@ class GRPOTrainer:
             environment_rewards=environments.reward_functions() if environments is not None else ())  # fmt: skip
         for dataset in (train_dataset, *named_eval_datasets(eval_dataset).values()):
             if rollout_func is None:  # a rollout_func's extra fields are columns too, known only once it has run
-                check_required_columns(self.reward_functions, dataset_columns(dataset))
+                agent_columns = ["turn_ends"] if tools or environments is not None else []
+                check_required_columns(self.reward_functions, dataset_columns(dataset) + agent_columns)
         self.reward_weights = reward_weights(args, len(self.reward_functions), len(environments.reward_types)
                                              if environments is not None else 0)  # fmt: skip
         warn_like_trl(args, model, quantization_config)
@@ -519,6 +520,8 @@ class GRPOTrainer:
                   if args.reward_routing_column in columns else None)  # fmt: skip
         step_ends = ([step_token_ends(ids, self.codec.tokenizer, args.step_separator) for ids in completion_ids]
                      if self._process_indices else [[] for _ in rows])  # fmt: skip
+        if self._process_indices and "turn_ends" in columns:  # an agent's steps are its turns (grpokit.agents)
+            step_ends = [list(ends) for ends in columns["turn_ends"]]
         context = {"trainer_state": self.state, "log_metric": self.reward_logs.log_metric,
                    "log_extra": self.reward_logs.log_extra}  # fmt: skip
         scores, failures, step_rewards = compute_rewards(

@@ -314,3 +314,60 @@ def test_the_python_tool_runs_model_code_in_the_sandbox():
     assert "partial" in failed and "ValueError: boom" in failed and "the program failed" in failed
     assert "the program failed, or was stopped" in tool("while True:\n    pass")
     assert "Permission denied" in tool("open('/root/x', 'w')") or "Read-only" in tool("open('/usr/x', 'w')")
+
+
+def test_completions_log_and_report_show_whole_transcripts(tmp_path):
+    from grpokit.report import load_run, write_report
+
+    model, tokenizer = tiny_agent_model()
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=1,
+                      max_completion_length=64, logging_steps=1, save_strategy="no", disable_tqdm=True,
+                      report_to="none", log_completions=True)  # fmt: skip
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
+                          train_dataset=Dataset.from_list(rows("k3", "k12")), processing_class=tokenizer,
+                          tools=[lookup], rollout_engine=tool_call_script(tokenizer, look_then_answer))  # fmt: skip
+    trainer.train()
+    sample = load_run(tmp_path).completions[0]
+    key = key_of(sample["prompt"][0]["content"])
+    assert sample["completion"][1] == {"role": "tool", "name": "lookup", "content": TABLE[key]}
+    page = write_report([tmp_path], tmp_path / "report").read_text()
+    assert f"→ lookup({{&quot;key&quot;: &quot;{key}&quot;}})" in page and f"tool (lookup): {TABLE[key]}" in page
+
+
+def test_per_turn_rewards_become_token_advantages_turn_by_turn(tmp_path):
+    """A process reward function scores each policy turn (its `turn_ends` column gives the turns); the advantages
+    are grpokit's process advantages with the turn ends as step ends: a token is credited with the normalised
+    rewards of its turn and of the turns after it, tool results included in the span of the turn they follow."""
+    from grpokit import process_advantages
+    from grpokit.rewards.process import process_reward
+
+    model, tokenizer = tiny_agent_model()
+    answers = ["answer {}<|im_end|>", "value<|im_end|>"]
+    engine = tool_call_script(tokenizer, lambda user, results, index: call_text("lookup", {"key": key_of(user)})
+                              if not results else answers[index % 2].format(results[-1]))  # fmt: skip
+    seen = {}
+
+    @process_reward
+    def per_turn(completions, turn_ends, **kwargs):
+        seen["turn_ends"] = [list(e) for e in turn_ends]
+        return [[1.0, float(c[-1]["content"].startswith("answer"))] for c in completions]
+
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=1,
+                      max_completion_length=64, logging_steps=1, save_strategy="no", disable_tqdm=True,
+                      report_to="none")  # fmt: skip
+    trainer = GRPOTrainer(model=model, reward_funcs=per_turn, args=args, train_dataset=Dataset.from_list(rows("k3")),
+                          processing_class=tokenizer, tools=[lookup], rollout_engine=engine)  # fmt: skip
+    batch = trainer.generate_batch()
+    call_length = len(tokenizer(call_text("lookup", {"key": "k3"}), add_special_tokens=False)["input_ids"])
+    suffix_length = len(tokenizer(SUFFIX.format(TABLE["k3"]), add_special_tokens=False)["input_ids"])
+    lengths = [call_length + suffix_length + len(tokenizer(a.format(TABLE["k3"]), add_special_tokens=False)[
+        "input_ids"]) for a in answers] * 2  # fmt: skip
+    assert seen["turn_ends"] == [[call_length, n] for n in lengths]
+    width = batch.completion_ids.shape[1]
+    expected = process_advantages([[1.0, 1.0], [1.0, 0.0]] * 2, seen["turn_ends"], 2, width)
+    for row in range(len(batch)):  # rows come shuffled: match each by its length
+        length = int(batch.lengths[row])
+        reference = expected[lengths.index(length)]
+        torch.testing.assert_close(batch.advantages[row, :length], reference[:length], rtol=0, atol=1e-6)
+    # Not a constant: the first turn and the answer are credited differently.
+    assert batch.advantages[:, 0].abs().max() > 0 and (batch.advantages[:, 0] != batch.advantages[:, call_length]).any()

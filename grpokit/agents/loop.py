@@ -27,6 +27,7 @@ from .environments import EnvironmentPool, public_methods
 from .tools import ToolRunner, ToolStats, check_tools, tool_name
 
 ROLLOUT_FUNC_KEYS = ("prompt_ids", "completion_ids", "logprobs")
+TURN_ENDS = "turn_ends"  # the column that gives process reward functions (and their advantages) the turns
 
 
 @dataclasses.dataclass
@@ -179,6 +180,9 @@ class Agents:
             attention_mask[row, :length] = 1
             loss_mask[row, :length] = torch.tensor(t.trained, dtype=torch.long)
             logprobs[row, :length] = torch.tensor(t.logprobs, dtype=torch.float32)
+        # Each policy turn is a step for process rewards (grpokit.rewards.process): a per-turn reward credits
+        # the tokens of its turn and of the turns before it.
+        extra = {**extra, TURN_ENDS: [turn_ends(t.trained) for t in transcripts]}
         return Rollout(prompt_ids, prompt_mask, completion_ids, attention_mask, loss_mask, attention_mask.sum(-1),
                        torch.tensor([t.truncated for t in transcripts]), logprobs, extra)  # fmt: skip
 
@@ -228,6 +232,11 @@ class Agents:
         if all(x is None for x in logprobs):
             rollout.sampling_logprobs = None
         return rollout, None
+
+
+def turn_ends(trained: list[int]) -> list[int]:
+    """Where each policy turn ends (exclusive token positions): the ends of the runs of 1s of the loss mask."""
+    return [i + 1 for i, flag in enumerate(trained) if flag and (i + 1 == len(trained) or not trained[i + 1])]
 
 
 def with_observation(prompt: list[dict], observation) -> list[dict]:
