@@ -340,22 +340,31 @@ def build_qwen_chat_tokenizer(words: tuple[str, ...] = ()):
     template. Tokens: the fixed sentences of the tool prompt, the words of the template and `words` (any strings,
     e.g. a tool's JSON schema line) whole, any other character alone, so that the long tool-calling system prompt
     stays short in tokens and every text still round-trips."""
+    return build_chat_tokenizer(QWEN2_5_CHAT_TEMPLATE, QWEN_SPECIAL_TOKENS, eos_token="<|im_end|>",
+                                pad_token="<|endoftext|>", added_tokens=QWEN_ADDED_TOKENS,
+                                words=tuple(words) + QWEN_TOOL_PROMPT_PHRASES)  # fmt: skip
+
+
+def build_chat_tokenizer(chat_template: str, special_tokens: list[str], eos_token: str, pad_token: str,
+                         added_tokens: list[str] = (), words: tuple[str, ...] = ()):  # fmt: skip
+    """A `PreTrainedTokenizerFast` for a given chat template: its special and added tokens, the words of the
+    template and `words` whole, any other character alone (every text round-trips)."""
     import re
 
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    known = set(re.findall(r"[A-Za-z_]{2,}", QWEN2_5_CHAT_TEMPLATE)) | set(words) | set(QWEN_TOOL_PROMPT_PHRASES)
+    known = set(re.findall(r"[A-Za-z_]{2,}", chat_template)) | set(words)
     known = sorted(known, key=lambda w: (-len(w), w))
     vocab: dict[str, int] = {}
-    for token in QWEN_SPECIAL_TOKENS + QWEN_ADDED_TOKENS + known + list(string.printable):
+    for token in list(special_tokens) + list(added_tokens) + known + list(string.printable):
         vocab.setdefault(token, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=pad_token))
     pattern = "|".join(re.escape(w) for w in known) + "|."
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(f"(?m:{pattern})"), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(f"(?m:{pattern})"), behavior="isolated")  # (?m): . matches \n
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(QWEN_SPECIAL_TOKENS)
-    tok.add_tokens(QWEN_ADDED_TOKENS)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>")
-    tokenizer.chat_template = QWEN2_5_CHAT_TEMPLATE
+    tok.add_special_tokens(list(special_tokens))
+    tok.add_tokens(list(added_tokens))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad_token, eos_token=eos_token)
+    tokenizer.chat_template = chat_template
     return tokenizer

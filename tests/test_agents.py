@@ -371,3 +371,47 @@ def test_per_turn_rewards_become_token_advantages_turn_by_turn(tmp_path):
         torch.testing.assert_close(batch.advantages[row, :length], reference[:length], rtol=0, atol=1e-6)
     # Not a constant: the first turn and the answer are credited differently.
     assert batch.advantages[:, 0].abs().max() > 0 and (batch.advantages[:, 0] != batch.advantages[:, call_length]).any()
+
+
+LLAMA3_SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                         "<|eot_id|>", "<|eom_id|>", "<|python_tag|>", "<|finetune_right_pad_id|>"]  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["qwen2_5", "llama3_1"])
+def test_tool_calls_parse_as_trl_parses_them(family):
+    """grpokit's parsing and tool-result rendering against TRL 1.16's own helpers (its shipped copies of the public
+    Qwen2.5 and Llama 3.1 chat templates, and its response templates), on the same token ids."""
+    trl_utils = pytest.importorskip("trl.chat_template_utils")
+    from grpokit.agents import check_tool_calling, parse_completion, tool_result_ids
+    from grpokit.testing import build_chat_tokenizer, build_qwen_chat_tokenizer
+
+    if family == "qwen2_5":
+        tokenizer = build_qwen_chat_tokenizer(("lookup", "key"))
+        calls = [call_text("lookup", {"key": "k3"}), call_text("lookup", {"key": "k3"})[:-10] + "<|im_end|>",
+                 "<tool_call>\n{\"name\": \"lookup\", \"arguments\": {\"key\": \"k3\"}}\n</tool_call>\n<tool_call>\n"
+                 "{\"name\": \"lookup\", \"arguments\": {\"key\": \"k4\"}}\n</tool_call><|im_end|>",
+                 "the answer is v3<|im_end|>", "<think>\nhm\n</think>\n\nv3<|im_end|>"]  # fmt: skip
+    else:
+        tokenizer = build_chat_tokenizer(trl_utils.llama3_1_chat_template, LLAMA3_SPECIAL_TOKENS, eos_token="<|eot_id|>",
+                                         pad_token="<|finetune_right_pad_id|>", words=("lookup", "key"))  # fmt: skip
+        calls = ['{"name": "lookup", "parameters": {"key": "k3"}}<|eot_id|>', "the answer is v3<|eot_id|>",
+                 '{"name": "lookup", "parameters": {"key": <|eot_id|>']  # fmt: skip
+    assert trl_utils.supports_tool_calling(tokenizer)
+    template = check_tool_calling(tokenizer)
+    reference = trl_utils.add_response_schema(build_qwen_chat_tokenizer(("lookup", "key")) if family == "qwen2_5"
+                                              else tokenizer)  # fmt: skip
+    prompt = tokenizer.apply_chat_template(rows("k3")[0]["prompt"], tools=[lookup], add_generation_prompt=True,
+                                           tokenize=True, return_dict=True)["input_ids"]  # fmt: skip
+    for text in calls:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ours = parse_completion(tokenizer, template, ids, prompt, [lookup])
+        theirs = trl_utils.parse_response(reference, ids, prefix=prompt, tools=[lookup])
+        assert ours == theirs, text
+    assert "tool_calls" in parse_completion(tokenizer, template, tokenizer(calls[0], add_special_tokens=False)[
+        "input_ids"], prompt, [lookup])  # fmt: skip
+    # The tool result's tokens: what TRL's _get_tool_suffix_ids computes (the chat template's rendering).
+    result = [{"role": "tool", "name": "lookup", "content": "v64"}]
+    expected = SUFFIX.format("v64") if family == "qwen2_5" else \
+        '<|start_header_id|>ipython<|end_header_id|>\n\n"v64"<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'
+    # (Llama 3.1's template writes a string result as JSON: "v64".)
+    assert tokenizer.decode(tool_result_ids(tokenizer, result, {})) == expected
