@@ -474,9 +474,9 @@ class GRPOTrainer:
         else:
             rollout = self.engine.generate(prompts, self._sampling_params(), seed).to(self.accelerator.device)
             completions, completion_ids = self.codec.decode(rollout, prompts.raw)
-        if prompts.images is not None:  # reward functions receive the messages with their images, as in TRL
-            rows = [{**row, "prompt": prompts.raw[b]} if prompts.images[b] else row
-                    for row, b in zip(rows, prompts.rows())]  # fmt: skip
+            if prompts.images is not None:  # reward functions receive the messages with their images, as in TRL
+                rows = [{**row, "prompt": prompts.raw[b]} if prompts.images[b] else row
+                        for row, b in zip(rows, prompts.rows())]  # fmt: skip
         if rollout.extra:
             rows = [{**row, **{name: values[i] for name, values in rollout.extra.items()}} for i, row in enumerate(rows)]
         return rollout, rows, completions, completion_ids
