@@ -136,7 +136,10 @@ def load_model_weights(model, directory: Path) -> None:
 def prompt_length_limit(model, args) -> int | None:
     """The prompt tokens kept (the last ones): max_prompt_length, lowered so that prompt + completion fits the
     model's positions (with a warning); fails before anything runs if a completion alone does not fit."""
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):  # a VLM's positions are its language model's
+        config = config.get_text_config()
+    limit = getattr(config, "max_position_embeddings", None)
     if limit is None:
         return args.max_prompt_length
     if args.max_completion_length >= limit:

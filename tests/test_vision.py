@@ -435,3 +435,17 @@ def test_images_given_as_paths_or_bytes_encode_as_the_images_themselves(tmp_path
         torch.testing.assert_close(batch.processed[0]["pixel_values"], batches[0].processed[0]["pixel_values"])
     with pytest.raises(TypeError, match="PIL image or a path"):
         codec.encode([{"prompt": QUESTION, "image": 3}], [1])
+
+
+@pytest.mark.parametrize("model_type", VLM_TYPES)
+def test_context_length_is_the_language_models(model_type):
+    """A VLM's config keeps max_position_embeddings in its text config: a completion longer than that is refused
+    before anything runs, and prompts are cut so that prompt + completion fits."""
+    from grpokit.models import prompt_length_limit
+
+    model, _ = build_tiny_vlm(model_type)
+    positions = model.config.get_text_config().max_position_embeddings
+    with pytest.raises(ValueError, match=f"{positions} positions"):
+        prompt_length_limit(model, GRPOConfig(max_completion_length=positions, max_prompt_length=None))
+    with pytest.warns(UserWarning, match="cut to their last"):
+        assert prompt_length_limit(model, GRPOConfig(max_completion_length=12, max_prompt_length=None)) == positions - 12
