@@ -205,9 +205,9 @@ class ForcedCallsEngine:
 def test_sampling_logprobs_of_every_policy_turn_equal_the_training_forward_of_the_whole_transcript():
     model, tokenizer = tiny_agent_model(seed=1)
     model.eval()
-    runner = agents(tokenizer, max_completion_length=120)
+    runner = agents(tokenizer, max_completion_length=64)
     engine = ForcedCallsEngine(model, tokenizer, calls=2)
-    rollout, completions = runner.rollout(engine, rows("k3", "k3", "k17", "k5"), params(tokenizer, 120), seed=3)
+    rollout, completions = runner.rollout(engine, rows("k3", "k3", "k17", "k5"), params(tokenizer, 64), seed=3)
     assert all([m["role"] for m in c[:4]] == ["assistant", "tool"] * 2 for c in completions)
     with torch.no_grad():
         training, _ = token_logprobs(model, torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
