@@ -350,8 +350,9 @@ class GRPOConfig:
     use_vllm: bool = _f(False, "Sample with vLLM (grpokit.rollout.vllm; `pip install grpokit[vllm]`, CPU recipe in "
                                "the README) instead of the in-process engine. π_old is then always the training "
                                "forward's, and vLLM's log-probs feed only the importance-sampling correction.")
-    vllm_mode: str = _f("colocate", "'colocate': vLLM runs inside the training process (one process). 'server' "
-                                    "(TRL's separate vLLM server) is not built yet and raises.")
+    vllm_mode: str = _f("colocate", "'colocate': vLLM runs inside the training process (one process); 'server': "
+                                    "it runs in `grpokit vllm-serve` (vllm_server_*) and the trainer talks to it "
+                                    "over HTTP.")
     vllm_model_impl: str = _f("vllm", "vLLM's model implementation: 'vllm' (its own) or 'transformers'.")
     vllm_enable_sleep_mode: bool = _f(False, "Colocate: vLLM frees its weights and KV cache while the trainer trains "
                                              "(GPU only: on CPU vLLM has no sleep mode; it warns and stays awake).")
@@ -359,13 +360,14 @@ class GRPOConfig:
                                                                        "regex; grpokit's vLLM engine samples "
                                                                        "unconstrained (score the format in a "
                                                                        "reward instead).")
-    vllm_server_base_url: str | None = _not_implemented(None, "TRL's vLLM server URL; grpokit has no server mode "
-                                                              "yet: use vllm_mode='colocate'.")
-    vllm_server_host: str = _not_implemented("0.0.0.0", "TRL's vLLM server host (see vllm_server_base_url).")
-    vllm_server_port: int = _not_implemented(8000, "TRL's vLLM server port (see vllm_server_base_url).")
-    vllm_server_timeout: float = _not_implemented(240.0, "TRL's vLLM server timeout (see vllm_server_base_url).")
-    vllm_group_port: int = _not_implemented(51216, "TRL's NCCL weight-broadcast port for server mode (see "
-                                                   "vllm_server_base_url).")
+    vllm_server_base_url: str | None = _f(None, "Server mode: the server's URL, e.g. 'http://localhost:8000' (wins "
+                                                "over vllm_server_host / vllm_server_port).")
+    vllm_server_host: str = _f("0.0.0.0", "Server mode: the server's host (when no vllm_server_base_url).")
+    vllm_server_port: int = _f(8000, "Server mode: the server's port (when no vllm_server_base_url).")
+    vllm_server_timeout: float = _f(240.0, "Server mode: seconds to wait for the server to come up, and for each "
+                                           "request, before failing with a clear error.")
+    vllm_group_port: int = _not_implemented(51216, "TRL's NCCL weight-broadcast port; grpokit's server mode sends "
+                                                   "the weights as safetensors over HTTP.")
     vllm_gpu_memory_utilization: float = _f(0.3, "Colocate on GPU: the share of GPU memory vLLM takes. On CPU the KV "
                                                  "cache size is VLLM_CPU_KVCACHE_SPACE (GiB; grpokit's default 1).")
     vllm_max_model_length: int | None = _f(None, "vLLM's max_model_len, prompt plus completion tokens "

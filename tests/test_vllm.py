@@ -147,6 +147,21 @@ def test_same_seed_same_completions():
         assert eos not in real[:-1]
 
 
+def test_groups_of_one_prompt_draw_independent_samples():
+    """vLLM seeds a request's n samples with consecutive seeds: with consecutive request seeds, group b + 1 of the
+    same prompt repeated the draws of group b shifted by one (seen: [5 0 14 1 ...], [0 14 1 ...]), which correlates
+    the completions of different prompts and stopped a run from learning."""
+    model, tokenizer = tiny()
+    engine = engine_for(model)
+    params = SamplingParams(max_new_tokens=1, temperature=1.0, eos_token_ids=(tokenizer.eos_token_id,),
+                            pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    prompts = PromptBatch(ids=[[14, 7]] * 4, counts=[8] * 4, raw=[None] * 4)
+    for seed in range(3):
+        groups = engine.generate(prompts, params, seed).completion_ids[:, 0].view(4, 8).tolist()
+        for previous, current in zip(groups, groups[1:]):
+            assert current[:-1] != previous[1:] and current != previous, groups
+
+
 def letter_run(tmp_path, use_vllm: bool):
     model, tokenizer = tiny(seed=0)
     args = letter_config(tmp_path, max_steps=60, logging_steps=5, use_vllm=use_vllm,

@@ -1,5 +1,6 @@
 """vLLM as a rollout engine, colocated: vLLM runs inside the training process and samples from the policy's
-current weights (`GRPOConfig(use_vllm=True, vllm_mode="colocate")`; server mode: `grpokit.vllm_server`).
+current weights (`GRPOConfig(use_vllm=True, vllm_mode="colocate")`; server mode: `grpokit.vllm_server` and
+`vllm_client.py`).
 
 What it does, and why (TRL 1.16's semantics, with what this machine taught us; issue #14):
 
@@ -175,41 +176,21 @@ class VLLMEngine:
                  max_model_len: int | None = None, max_num_seqs: int = 256, gpu_memory_utilization: float = 0.3,
                  tensor_parallel_size: int = 1, model_impl: str = "vllm", enable_sleep_mode: bool = False,
                  kv_cache_gib: int = 1, seed: int = 0, **llm_kwargs):  # fmt: skip
-        vllm = import_vllm()
-        self.on_gpu = torch.cuda.is_available()
-        if enable_sleep_mode and not self.on_gpu:
-            warnings.warn("vllm_enable_sleep_mode=True: vLLM has no sleep mode on CPU, so its weights and KV cache "
-                          "stay in memory while training (set vllm_enable_sleep_mode=False to silence this).",
-                          UserWarning, stacklevel=2)  # fmt: skip
-            enable_sleep_mode = False
-        self.sleep_mode = enable_sleep_mode
-        # In-process engine core: weights are pushed as tensors, with no copy through the disk.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if not self.on_gpu:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        if dtype is None:
-            dtype = next(model.parameters()).dtype
-        if isinstance(dtype, torch.dtype):
-            dtype = str(dtype).removeprefix("torch.")
-        self.directory = Path(tempfile.mkdtemp(prefix="grpokit-vllm-", dir="/dev/shm" if os.path.isdir("/dev/shm")
-                                               else None))  # fmt: skip
+        self.directory = Path(tempfile.mkdtemp(prefix="grpokit-vllm-", dir=shared_memory_dir()))
         write_model_dir(model, self.directory)
         config = base_model_of(model).config
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        self.vocab_size = config.vocab_size
-        options = dict(model=str(self.directory), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                       skip_tokenizer_init=True, logprobs_mode="processed_logprobs", enforce_eager=not self.on_gpu,
-                       tensor_parallel_size=tensor_parallel_size, model_impl=model_impl, seed=seed)  # fmt: skip
-        if self.on_gpu:
-            options.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
-        options.update(llm_kwargs)
-        with guarded_process_state():
-            self.llm = vllm.LLM(**options)
+        if dtype is None:
+            dtype = next(model.parameters()).dtype
+        self.llm, self.sleep_mode = start_llm(self.directory, dtype=dtype, max_model_len=max_model_len,
+                                              max_num_seqs=max_num_seqs,
+                                              gpu_memory_utilization=gpu_memory_utilization,
+                                              tensor_parallel_size=tensor_parallel_size, model_impl=model_impl,
+                                              enable_sleep_mode=enable_sleep_mode, kv_cache_gib=kv_cache_gib,
+                                              seed=seed, **llm_kwargs)  # fmt: skip
+        self.asleep = self.sleep_mode
         self.pushed_versions = parameter_versions(model)
         self.pushes = 0  # weight pushes so far (tests read it)
-        if self.sleep_mode:
-            self.llm.sleep(level=1)
 
     @classmethod
     def from_config(cls, model: torch.nn.Module, args, **overrides) -> "VLLMEngine":
@@ -236,50 +217,26 @@ class VLLMEngine:
         self.pushes += 1
 
     def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
-        from vllm import SamplingParams as VLLMSamplingParams
-        from vllm.inputs import TokensPrompt
-
-        requests, options = [], []
-        for index, (ids, count) in enumerate(zip(prompts.ids, prompts.counts)):
-            requests.append(TokensPrompt(prompt_token_ids=list(ids)))
-            options.append(VLLMSamplingParams(
-                n=count, max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
-                top_k=params.top_k or 0, min_p=params.min_p or 0.0, repetition_penalty=params.repetition_penalty,
-                stop_token_ids=list(params.eos_token_ids), logprobs=0, detokenize=False,
-                seed=(seed * 7919 + index) % 2**31,
-            ))  # fmt: skip
         with guarded_process_state():
             self._wake()
-            outputs = self.llm.generate(requests, options, use_tqdm=False)
+            completions = sample(self.llm, prompts.ids, prompts.counts, params, seed)
             self._sleep()
-        completions = [(list(c.token_ids), c.logprobs, c.finish_reason) for out in outputs for c in out.outputs]
         return rollout_from_completions(prompts, completions, params)
 
     # ------------------------------------------------------------------------------------------ vLLM's side
 
     def push(self, weights) -> None:
-        """Load checkpoint-named weights into vLLM's model in place (its worker's `reload_weights`), then repack a
-        tied LM head. Runs in the worker through `collective_rpc` with a function (in-process engine only)."""
-        tied = self.tied
-
-        def reload(worker):
-            worker.model_runner.reload_weights(weights_iterator=weights)
-            if tied:
-                model = worker.model_runner.get_model()
-                head = getattr(model, "lm_head", None)
-                method = getattr(head, "quant_method", None)
-                if method is not None and hasattr(method, "process_weights_after_loading"):
-                    method.process_weights_after_loading(head)
-
-        self.llm.collective_rpc(reload)
+        push_weights(self.llm, weights, self.tied)
 
     def _wake(self) -> None:
-        if self.sleep_mode:
+        if self.asleep:
             self.llm.wake_up()
+            self.asleep = False
 
     def _sleep(self) -> None:
-        if self.sleep_mode:
+        if self.sleep_mode and not self.asleep:
             self.llm.sleep(level=1)
+            self.asleep = True
 
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
@@ -289,9 +246,87 @@ class VLLMEngine:
             self.close()
 
 
+# ------------------------------------------------------------------------------------------ vLLM's internals
+# (shared by the colocated engine and the server, `grpokit.vllm_server`)
+
+
+def shared_memory_dir() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
+def start_llm(directory, *, dtype, max_model_len=None, max_num_seqs=256, gpu_memory_utilization=0.3,
+              tensor_parallel_size=1, model_impl="vllm", enable_sleep_mode=False, kv_cache_gib=1, seed=0,
+              **llm_kwargs):  # fmt: skip
+    """`vllm.LLM` over the checkpoint in `directory`, in this process, set up for RL sampling: token ids in and out
+    (no tokenizer), processed log-probs, eager on CPU. Returns (llm, whether sleep mode is on)."""
+    vllm = import_vllm()
+    on_gpu = torch.cuda.is_available()
+    if enable_sleep_mode and not on_gpu:
+        warnings.warn("vllm_enable_sleep_mode=True: vLLM has no sleep mode on CPU, so its weights and KV cache stay "
+                      "in memory while training (set vllm_enable_sleep_mode=False to silence this).", UserWarning,
+                      stacklevel=3)  # fmt: skip
+        enable_sleep_mode = False
+    # In-process engine core: weights are pushed as tensors, with no copy through the disk.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if not on_gpu:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    options = dict(model=str(directory), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                   skip_tokenizer_init=True, logprobs_mode="processed_logprobs", enforce_eager=not on_gpu,
+                   tensor_parallel_size=tensor_parallel_size, model_impl=model_impl, seed=seed)  # fmt: skip
+    if on_gpu:
+        options.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
+    options.update(llm_kwargs)
+    with guarded_process_state():
+        llm = vllm.LLM(**options)
+    if enable_sleep_mode:
+        llm.sleep(level=1)
+    return llm, enable_sleep_mode
+
+
+def sample(llm, prompt_ids: list[list[int]], counts: list[int], params: SamplingParams, seed: int) -> list:
+    """counts[b] completions of each prompt b: (token ids, per-token {id: Logprob}, finish reason) per row."""
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    # One seed per request, drawn from `seed`: vLLM seeds the n samples of a request with consecutive seeds, so
+    # consecutive request seeds would give the next prompt's samples the same random draws, shifted by one.
+    request_seeds = torch.randint(0, 2**31 - 1, (len(prompt_ids),), generator=torch.Generator().manual_seed(seed))
+    requests, options = [], []
+    for index, (ids, count) in enumerate(zip(prompt_ids, counts)):
+        requests.append(TokensPrompt(prompt_token_ids=list(ids)))
+        options.append(VLLMSamplingParams(
+            n=count, max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
+            top_k=params.top_k or 0, min_p=params.min_p or 0.0, repetition_penalty=params.repetition_penalty,
+            stop_token_ids=list(params.eos_token_ids), logprobs=0, detokenize=False,
+            seed=int(request_seeds[index]),
+        ))  # fmt: skip
+    outputs = llm.generate(requests, options, use_tqdm=False)
+    return [(list(c.token_ids), [step[token].logprob for step, token in zip(c.logprobs, c.token_ids)],
+             c.finish_reason) for out in outputs for c in out.outputs]  # fmt: skip
+
+
+def push_weights(llm, weights, tied: bool) -> None:
+    """Load checkpoint-named weights into vLLM's model in place (its worker's `reload_weights`), then repack a
+    tied LM head. Runs in the worker through `collective_rpc` with a function (in-process engine core only)."""
+
+    def reload(worker):
+        worker.model_runner.reload_weights(weights_iterator=weights)
+        if tied:
+            model = worker.model_runner.get_model()
+            head = getattr(model, "lm_head", None)
+            method = getattr(head, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(head)
+
+    llm.collective_rpc(reload)
+
+
 def rollout_from_completions(prompts: PromptBatch, completions: list, params: SamplingParams) -> Rollout:
-    """The typed Rollout of vLLM's completions (token ids, per-token {id: Logprob} dicts, finish reason), one per
-    row in prompt order: right-padded ids, masks over the sampled tokens (up to and including EOS), float32
+    """The typed Rollout of vLLM's completions (token ids, their log-probs, finish reason), one per row in prompt
+    order: right-padded ids, masks over the sampled tokens (up to and including EOS), float32
     sampling log-probs (0 on padding)."""
     prompt_ids, prompt_mask = prompts.padded(params.pad_token_id)
     n = len(completions)
@@ -302,8 +337,7 @@ def rollout_from_completions(prompts: PromptBatch, completions: list, params: Sa
     truncated = torch.zeros(n, dtype=torch.bool)
     for row, (ids, token_logprobs, finish_reason) in enumerate(completions):
         completion_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        logprobs[row, : len(ids)] = torch.tensor([step[token].logprob for step, token in zip(token_logprobs, ids)],
-                                                 dtype=torch.float32)  # fmt: skip
+        logprobs[row, : len(ids)] = torch.tensor(token_logprobs, dtype=torch.float32)
         lengths[row] = len(ids)
         truncated[row] = finish_reason == "length" and not (ids and ids[-1] in params.eos_token_ids)
     mask = (torch.arange(width)[None] < lengths[:, None]).long()
@@ -313,9 +347,10 @@ def rollout_from_completions(prompts: PromptBatch, completions: list, params: Sa
 
 def engine_from_config(model: torch.nn.Module, args, num_processes: int = 1):
     """The engine `GRPOConfig(use_vllm=True)` asks for: colocated `VLLMEngine`, or the server client."""
-    if args.vllm_mode == "server":
-        raise NotImplementedError("vllm_mode='server' is not built in grpokit yet; use vllm_mode='colocate' (vLLM in "
-                                  "the training process).")  # fmt: skip
+    if args.vllm_mode == "server":  # no vLLM needed in this process
+        from .vllm_client import VLLMServerEngine
+
+        return VLLMServerEngine.from_config(model, args)
     if num_processes > 1:
         raise NotImplementedError("use_vllm with vllm_mode='colocate' runs in one process for now (each process "
                                   "would start its own vLLM); train in one process, or use vllm_mode='server'.")
