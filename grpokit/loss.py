@@ -215,7 +215,7 @@ def vespo_weights(
 
     sampling_ratio: the vLLM correction π_old / π_sampler ([N, T], a token mode of `sampling_correction`), or
     None. As in TRL it joins the sequence ratio in log space, each token's log clamped to [log 1e-8, 20]:
-    log w += sum_t clamp(log sampling_ratio_t, log 1e-8, 20) (a token that a mask mode dropped, ratio 0, counts log 1e-8).
+    log w += sum_t clamp(log sampling_ratio_t, log 1e-8, 20)  (a token a mask mode dropped, ratio 0: log 1e-8).
     """
     log_ratio_clamped = torch.clamp(log_ratio, -20.0, 20.0)
     sequence_log_ratio = torch.sum(log_ratio_clamped * mask, dim=-1, keepdim=True)

@@ -59,7 +59,13 @@ from .evaluation import evaluation_metrics, group_records
 from .hub import check_hub, push_folder
 from .logprobs import token_logprobs
 from .logs import MetricSink, MetricWindow, generation_metrics, reduce_extremes
-from .loss import AdaptiveEntropyController, high_entropy_mask, load_balancing_loss, policy_loss, sampling_correction
+from .loss import (
+    AdaptiveEntropyController,
+    high_entropy_mask,
+    load_balancing_loss,
+    policy_loss,
+    sampling_correction,
+)
 from .model_card import describe_dataset, model_card_writable, render_model_card, write_model_card
 from .models import (
     build_policy,

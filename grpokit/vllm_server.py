@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="the policy's checkpoint directory (config + weights)")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--dtype", default="auto", help="vLLM's compute dtype (auto: the checkpoint's)")
+    parser.add_argument("--dtype", default="auto",
+                        help="vLLM's compute dtype (auto: vLLM's choice, 16 bits for a float32 checkpoint)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)

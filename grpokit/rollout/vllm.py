@@ -347,16 +347,17 @@ def rollout_from_completions(prompts: PromptBatch, completions: list, params: Sa
 
 def engine_from_config(model: torch.nn.Module, args, num_processes: int = 1):
     """The engine `GRPOConfig(use_vllm=True)` asks for: colocated `VLLMEngine`, or the server client."""
-    if args.vllm_mode == "server":  # no vLLM needed in this process
-        from .vllm_client import VLLMServerEngine
-
-        return VLLMServerEngine.from_config(model, args)
     if num_processes > 1:
-        raise NotImplementedError("use_vllm with vllm_mode='colocate' runs in one process for now (each process "
-                                  "would start its own vLLM); train in one process, or use vllm_mode='server'.")
+        raise NotImplementedError(f"use_vllm runs in one training process for now (vllm_mode={args.vllm_mode!r}: "
+                                  f"each process would start its own vLLM, or push weights to the one server); train "
+                                  f"in one process, or use the in-process engine (use_vllm=False).")  # fmt: skip
     from ..distributed import is_sharded
 
     if is_sharded(model):
         raise NotImplementedError("use_vllm with a sharded model (FSDP2 / ZeRO-3) is not supported yet: the weights "
                                   "would need gathering parameter by parameter for each push.")  # fmt: skip
+    if args.vllm_mode == "server":  # no vLLM needed in this process
+        from .vllm_client import VLLMServerEngine
+
+        return VLLMServerEngine.from_config(model, args)
     return VLLMEngine.from_config(model, args)
