@@ -53,7 +53,8 @@ class VLLMService:
 
         params = SamplingParams(**{**request["params"], "eos_token_ids": tuple(request["params"]["eos_token_ids"])})
         with guarded_process_state():
-            completions = sample(self.llm, request["prompt_ids"], request["counts"], params, int(request["seed"]))
+            completions = sample(self.llm, request["prompt_ids"], request["counts"], params, int(request["seed"]),
+                                 self.info["vocab_size"])
         return {"completions": completions, "version": self.version}
 
     def update_weights(self, body: bytes) -> dict:

@@ -153,7 +153,9 @@ def test_groups_of_one_prompt_draw_independent_samples():
     the completions of different prompts and stopped a run from learning."""
     model, tokenizer = tiny()
     engine = engine_for(model)
-    params = SamplingParams(max_new_tokens=1, temperature=1.0, eos_token_ids=(tokenizer.eos_token_id,),
+    # An EOS id outside the model's vocabulary (a tokenizer's added special token) cannot be sampled; vLLM would
+    # refuse it as a stop id, the engine leaves it out.
+    params = SamplingParams(max_new_tokens=1, temperature=1.0, eos_token_ids=(tokenizer.eos_token_id, 10_000),
                             pad_token_id=tokenizer.pad_token_id)  # fmt: skip
     prompts = PromptBatch(ids=[[14, 7]] * 4, counts=[8] * 4, raw=[None] * 4)
     for seed in range(3):

@@ -180,6 +180,7 @@ class VLLMEngine:
         write_model_dir(model, self.directory)
         config = base_model_of(model).config
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.vocab_size = config.vocab_size
         if dtype is None:
             dtype = next(model.parameters()).dtype
         self.llm, self.sleep_mode = start_llm(self.directory, dtype=dtype, max_model_len=max_model_len,
@@ -219,7 +220,7 @@ class VLLMEngine:
     def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
         with guarded_process_state():
             self._wake()
-            completions = sample(self.llm, prompts.ids, prompts.counts, params, seed)
+            completions = sample(self.llm, prompts.ids, prompts.counts, params, seed, self.vocab_size)
             self._sleep()
         return rollout_from_completions(prompts, completions, params)
 
@@ -286,8 +287,11 @@ def start_llm(directory, *, dtype, max_model_len=None, max_num_seqs=256, gpu_mem
     return llm, enable_sleep_mode
 
 
-def sample(llm, prompt_ids: list[list[int]], counts: list[int], params: SamplingParams, seed: int) -> list:
-    """counts[b] completions of each prompt b: (token ids, per-token {id: Logprob}, finish reason) per row."""
+def sample(llm, prompt_ids: list[list[int]], counts: list[int], params: SamplingParams, seed: int,
+           vocab_size: int | None = None) -> list:
+    """counts[b] completions of each prompt b: (token ids, their log-probs, finish reason) per row. EOS ids outside
+    the model's vocabulary (a tokenizer's extra special token) cannot be sampled: vLLM refuses them as stop ids."""
+    stop_ids = [t for t in params.eos_token_ids if vocab_size is None or t < vocab_size]
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -300,7 +304,7 @@ def sample(llm, prompt_ids: list[list[int]], counts: list[int], params: Sampling
         options.append(VLLMSamplingParams(
             n=count, max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
             top_k=params.top_k or 0, min_p=params.min_p or 0.0, repetition_penalty=params.repetition_penalty,
-            stop_token_ids=list(params.eos_token_ids), logprobs=0, detokenize=False,
+            stop_token_ids=stop_ids, logprobs=0, detokenize=False,
             seed=int(request_seeds[index]),
         ))  # fmt: skip
     outputs = llm.generate(requests, options, use_tqdm=False)
