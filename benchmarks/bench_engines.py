@@ -127,7 +127,7 @@ def machine() -> dict:
     import torch
 
     info = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
-            "platform": platform.platform()}  # fmt: skip
+            "platform": platform.platform(), "load_average": os.getloadavg()}  # fmt: skip
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     try:
