@@ -56,7 +56,7 @@ class TrainBatch:
 
     π_old (`old_logprobs`) is present when some optimizer step trains on these rows after the policy has moved
     (μ > 1, or a generation batch spread over several optimizer steps); otherwise the ratio is exp(logp -
-    logp.detach()). π_ref (`ref_logprobs`) is present when beta > 0.
+    logp.detach()), and always with vLLM's correction. π_ref (`ref_logprobs`) is present when beta > 0.
     """
 
     prompt_ids: torch.Tensor  # [N, P] left-padded
@@ -70,6 +70,9 @@ class TrainBatch:
     ref_logprobs: torch.Tensor | None = None  # [N, T] π_ref
     sampling_logprobs: torch.Tensor | None = None  # [N, T] the behaviour policy's, as the engine reported them
     multimodal: MultimodalInputs | None = None  # the prompts' images as the model takes them (index: [N])
+    # [N, T] or [N, 1] the correction π_old / π_sampler for an engine that samples from other kernels (vLLM:
+    # `loss.sampling_correction`), None when not asked for
+    sampling_ratio: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]

@@ -1,5 +1,5 @@
 """The command line: `grpokit train [config.yaml] [--field value ...]`, `grpokit eval --model DIR ...`,
-`grpokit report OUTPUT_DIR ...`.
+`grpokit report OUTPUT_DIR ...`, `grpokit vllm-serve --model DIR ...` (server mode's vLLM server).
 
 `grpokit train` with no model and no dataset runs the built-in demo (flags still apply, e.g. --max_steps).
 Every GRPOConfig field is a flag; values are parsed as YAML scalars (`--bf16`, `--bf16 false`,
@@ -237,16 +237,23 @@ def eval_command(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": train_command, "report": report_command, "eval": eval_command}
+def vllm_serve_command(argv: list[str]) -> int:
+    from .vllm_server import main as serve
+
+    return serve(argv)
+
+
+COMMANDS = {"train": train_command, "report": report_command, "eval": eval_command, "vllm-serve": vllm_serve_command}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: grpokit {train,eval,report} ...\n\n"
+        print("usage: grpokit {train,eval,report,vllm-serve} ...\n\n"
               "  train [config.yaml] [--field value ...]   GRPO training (no arguments: the built-in demo)\n"
               "  eval --model DIR --dataset D --reward R   mean rewards and pass@k of a saved model or checkpoint\n"
-              "  report OUTPUT_DIR [OUTPUT_DIR ...]        plots and an HTML report of runs\n")  # fmt: skip
+              "  report OUTPUT_DIR [OUTPUT_DIR ...]        plots and an HTML report of runs\n"
+              "  vllm-serve --model DIR [--port 8000]      a vLLM server for vllm_mode='server'\n")  # fmt: skip
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     return COMMANDS[argv[0]](argv[1:])
 

@@ -98,3 +98,13 @@ def tied_weight_keys(model: torch.nn.Module) -> set[str]:
     list in transformers 4 and a dict {tied name: source name} in transformers 5."""
     keys = getattr(model, "_tied_weights_keys", None) or []
     return set(keys.keys() if isinstance(keys, dict) else keys)
+
+
+# --------------------------------------------------------------------------------------------------------- torch
+
+
+def parameter_versions(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
+    """A fingerprint of the model's weights that changes whenever one is written: each parameter's storage address
+    and in-place version counter (`Tensor._version`, private; every in-place write, an optimizer step's included,
+    bumps it). Reading the weights themselves to compare them would cost a pass over the whole model."""
+    return tuple((p.data_ptr(), p._version) for p in model.parameters())

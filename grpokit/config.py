@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from .advantages import SCALE_REWARDS
 from .logs import TRACKERS
-from .loss import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS
+from .loss import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, SAMPLING_CORRECTION_MODES
 
 if TYPE_CHECKING:
     from accelerate.parallelism_config import ParallelismConfig
@@ -190,8 +190,6 @@ class GRPOConfig:
                                          "training freezes them). False trains them too, as TRL does.")
 
     # ---- accepted, not implemented: a value other than the default warns (what TRL does; what to use instead)
-    use_vllm: bool = _not_implemented(False, "TRL samples with vLLM; grpokit samples with its own KV-cached loop "
-                                             "(no vLLM needed).")
     use_transformers_continuous_batching: bool = _not_implemented(False, "TRL samples with transformers' continuous "
                                                                          "batching; grpokit uses its own sampler.")
     use_transformers_paged: bool = _not_implemented(False, "TRL's deprecated spelling of "
@@ -349,29 +347,45 @@ class GRPOConfig:
     transformers_continuous_batching_config: dict | None = _no_effect(None, "only read with "
                                                                             "use_transformers_continuous_batching "
                                                                             "(not implemented; warned there).")
-    vllm_mode: str = _no_effect("colocate", "only read with use_vllm (not implemented; warned there).")
-    vllm_model_impl: str = _no_effect("vllm", "only read with use_vllm (not implemented; warned there).")
-    vllm_enable_sleep_mode: bool = _no_effect(False, "only read with use_vllm (not implemented; warned there).")
-    vllm_structured_outputs_regex: str | None = _no_effect(None, "only read with use_vllm (not implemented; warned "
-                                                                 "there).")
-    vllm_server_base_url: str | None = _no_effect(None, "only read with use_vllm (not implemented; warned there).")
-    vllm_server_host: str = _no_effect("0.0.0.0", "only read with use_vllm (not implemented; warned there).")
-    vllm_server_port: int = _no_effect(8000, "only read with use_vllm (not implemented; warned there).")
-    vllm_server_timeout: float = _no_effect(240.0, "only read with use_vllm (not implemented; warned there).")
-    vllm_group_port: int = _no_effect(51216, "only read with use_vllm (not implemented; warned there).")
-    vllm_gpu_memory_utilization: float = _no_effect(0.3, "only read with use_vllm (not implemented; warned there).")
-    vllm_max_model_length: int | None = _no_effect(None, "only read with use_vllm (not implemented; warned there).")
-    vllm_tensor_parallel_size: int = _no_effect(1, "only read with use_vllm (not implemented; warned there).")
-    vllm_importance_sampling_correction: bool = _no_effect(True, "only read with use_vllm (grpokit's sampler and "
-                                                                 "training forward agree).")
-    vllm_importance_sampling_mode: str = _no_effect("sequence_mask", "only read with use_vllm (not implemented; "
-                                                                     "warned there).")
-    vllm_importance_sampling_clip_max: float | None = _no_effect(3.0, "only read with use_vllm (not implemented; "
-                                                                      "warned there).")
-    vllm_importance_sampling_clip_min: float | None = _no_effect(None, "only read with use_vllm (not implemented; "
-                                                                       "warned there).")
-    vllm_importance_sampling_cap: float | None = _no_effect(None, "TRL's deprecated vllm_importance_sampling_clip_max; "
-                                                                  "only read with use_vllm.")
+    use_vllm: bool = _f(False, "Sample with vLLM (grpokit.rollout.vllm; `pip install grpokit[vllm]`, CPU recipe in "
+                               "the README) instead of the in-process engine. π_old is then always the training "
+                               "forward's, and vLLM's log-probs feed only the importance-sampling correction.")
+    vllm_mode: str = _f("colocate", "'colocate': vLLM runs inside the training process (one process); 'server': "
+                                    "it runs in `grpokit vllm-serve` (vllm_server_*) and the trainer talks to it "
+                                    "over HTTP.")
+    vllm_model_impl: str = _f("vllm", "vLLM's model implementation: 'vllm' (its own) or 'transformers'.")
+    vllm_enable_sleep_mode: bool = _f(False, "Colocate: vLLM frees its weights and KV cache while the trainer trains "
+                                             "(GPU only: on CPU vLLM has no sleep mode; it warns and stays awake).")
+    vllm_structured_outputs_regex: str | None = _not_implemented(None, "TRL constrains vLLM's completions to a "
+                                                                       "regex; grpokit's vLLM engine samples "
+                                                                       "unconstrained (score the format in a "
+                                                                       "reward instead).")
+    vllm_server_base_url: str | None = _f(None, "Server mode: the server's URL, e.g. 'http://localhost:8000' (wins "
+                                                "over vllm_server_host / vllm_server_port).")
+    vllm_server_host: str = _f("0.0.0.0", "Server mode: the server's host (when no vllm_server_base_url).")
+    vllm_server_port: int = _f(8000, "Server mode: the server's port (when no vllm_server_base_url).")
+    vllm_server_timeout: float = _f(240.0, "Server mode: seconds to wait for the server to come up, and for each "
+                                           "request, before failing with a clear error.")
+    vllm_group_port: int = _not_implemented(51216, "TRL's NCCL weight-broadcast port; grpokit's server mode sends "
+                                                   "the weights as safetensors over HTTP.")
+    vllm_gpu_memory_utilization: float = _f(0.3, "Colocate on GPU: the share of GPU memory vLLM takes. On CPU the KV "
+                                                 "cache size is VLLM_CPU_KVCACHE_SPACE (GiB; grpokit's default 1).")
+    vllm_max_model_length: int | None = _f(None, "vLLM's max_model_len, prompt plus completion tokens "
+                                                 "(None: the model's context length).")
+    vllm_tensor_parallel_size: int = _f(1, "Colocate: vLLM's tensor-parallel size.")
+    vllm_importance_sampling_correction: bool = _f(True, "With use_vllm: weight each token's loss by π_old / "
+                                                         "π_sampler (the training forward's over vLLM's log-probs), "
+                                                         "truncated or masked per vllm_importance_sampling_mode "
+                                                         "(TIS / MIS; grpokit.loss.sampling_correction).")
+    vllm_importance_sampling_mode: str = _f("sequence_mask", "'token_truncate', 'token_mask', 'sequence_truncate' or "
+                                                             "'sequence_mask': per-token or per-sequence (sum of the "
+                                                             "log differences) ratio, clamped to the clip bounds or "
+                                                             "set to 0 outside them.")
+    vllm_importance_sampling_clip_max: float | None = _f(3.0, "Upper bound of the correction's ratio (None: none).")
+    vllm_importance_sampling_clip_min: float | None = _f(None, "Lower bound of the correction's ratio (None: none).")
+    vllm_importance_sampling_cap: float | None = _f(None, "TRL's deprecated name of "
+                                                          "vllm_importance_sampling_clip_max: moved there, with a "
+                                                          "FutureWarning.")
     sapo_temperature_neg: float = _f(1.05, "SAPO gate temperature for negative advantages.")
     sapo_temperature_pos: float = _f(1.0, "SAPO gate temperature for positive advantages.")
     vespo_k_pos: float = _f(2.0, "VESPO k for positive advantages.")
@@ -441,6 +455,11 @@ class GRPOConfig:
             if moved_to is not None:
                 setattr(self, moved_to, value)
                 setattr(self, name, default)
+        if self.vllm_importance_sampling_cap is not None:  # TRL 1.16 deprecates it the same way
+            warnings.warn("GRPOConfig.vllm_importance_sampling_cap is deprecated (TRL 1.16): use "
+                          "vllm_importance_sampling_clip_max.", FutureWarning, stacklevel=4)
+            self.vllm_importance_sampling_clip_max, self.vllm_importance_sampling_cap = \
+                self.vllm_importance_sampling_cap, None  # fmt: skip
         # A warm-up fraction lives in warmup_ratio, whichever name gave it (the trainer reads it there).
         if 0 < self.warmup_steps < 1:
             self.warmup_ratio, self.warmup_steps = float(self.warmup_steps), 0
@@ -518,6 +537,21 @@ class GRPOConfig:
             fail(f"max_tool_calling_iterations={self.max_tool_calling_iterations} must be >= 0 (or None: no limit).")
         if not self.tool_timeout > 0:
             fail(f"tool_timeout={self.tool_timeout} must be a positive number of seconds.")
+        if self.vllm_mode not in ("colocate", "server"):
+            fail(f"vllm_mode={self.vllm_mode!r} is not valid; use 'colocate' or 'server'.")
+        if self.vllm_model_impl not in ("vllm", "transformers"):
+            fail(f"vllm_model_impl={self.vllm_model_impl!r} is not valid; use 'vllm' or 'transformers'.")
+        if self.vllm_importance_sampling_mode not in SAMPLING_CORRECTION_MODES:
+            fail(f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is not valid; use one of "
+                 f"{list(SAMPLING_CORRECTION_MODES)}.")
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if low is not None and high is not None and low > high:
+            fail(f"vllm_importance_sampling_clip_min={low} is above vllm_importance_sampling_clip_max={high}; give "
+                 f"clip_min <= clip_max (or None for no bound).")
+        if self.loss_type == "vespo" and self.use_vllm and self.vllm_importance_sampling_correction and \
+                not self.vllm_importance_sampling_mode.startswith("token"):  # fmt: skip
+            fail(f"loss_type='vespo' takes the vLLM correction per token: set vllm_importance_sampling_mode to "
+                 f"'token_truncate' or 'token_mask' (got {self.vllm_importance_sampling_mode!r}).")
         if self.scale_rewards not in (*SCALE_REWARDS, True, False):  # True / False: TRL's legacy spelling
             fail(f"scale_rewards={self.scale_rewards!r} is not valid; use 'group', 'batch' or 'none'.")
         if self.lr_scheduler_type not in LR_SCHEDULERS:

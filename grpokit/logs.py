@@ -41,6 +41,18 @@ def generation_metrics(rewards, scores, names, lengths, truncated, num_generatio
 CONSOLE_KEYS = ("loss", "reward", "reward_std", "kl", "entropy", "completions/mean_length", "learning_rate")
 
 
+def reduce_extremes(accelerator, stats: dict) -> dict[str, float]:
+    """Per-process metrics (scalar tensors) over all processes: a `.../min` by its minimum, a `.../max` by its
+    maximum, anything else by its mean (TRL's reduction of the `sampling/*` metrics)."""
+    import torch
+
+    names = sorted(stats)
+    values = torch.stack([stats[k].detach().double().reshape(()) for k in names]).to(accelerator.device)
+    gathered = accelerator.gather(values[None]).reshape(-1, len(names)).cpu()
+    reduce = lambda k, col: col.min() if k.endswith("/min") else col.max() if k.endswith("/max") else col.mean()  # noqa: E731
+    return {k: reduce(k, gathered[:, i]).item() for i, k in enumerate(names)}
+
+
 def _short(value, limit: int = 60) -> str:
     text = value if isinstance(value, str) else json.dumps(value, default=str)
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -118,6 +118,8 @@ class PolicyTerms:
     ratio: torch.Tensor  # [N, T] token level, [N, 1] sequence level: exp of the importance-sampling log-ratio
     advantages: torch.Tensor  # [N, 1] per completion or [N, T] per token
     mask: torch.Tensor  # [N, T] 1 for the tokens that count, in the dtype of logprobs
+    # [N, T] or [N, 1] the sampler-mismatch correction π_old / π_sampler (`sampling_correction`), or None
+    sampling_ratio: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -200,6 +202,7 @@ def vespo_weights(
     lambda_pos: float = 3.0,
     k_neg: float = 3.0,
     lambda_neg: float = 2.0,
+    sampling_ratio: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """VESPO's Gamma weight of each sequence (arXiv 2602.10693; TRL 1.16 `get_gamma_weights`), detached:
 
@@ -208,10 +211,17 @@ def vespo_weights(
 
     with (k, λ) = (k_pos, λ_pos) where A >= 0 and (k_neg, λ_neg) where A < 0, λ clamped to >= 1e-4, and a
     non-finite φ set to 0. φ rises as w^k below w = k/λ and decays as e^(-λ w) above. Returns [N, 1] for [N, 1]
-    advantages ([N, T] for per-token advantages). TRL's optional vLLM importance-sampling factor is not taken.
+    advantages ([N, T] for per-token advantages).
+
+    sampling_ratio: the vLLM correction π_old / π_sampler ([N, T], a token mode of `sampling_correction`), or
+    None. As in TRL it joins the sequence ratio in log space, each token's log clamped to [log 1e-8, 20]:
+    log w += sum_t clamp(log sampling_ratio_t, log 1e-8, 20)  (a token a mask mode dropped, ratio 0: log 1e-8).
     """
     log_ratio_clamped = torch.clamp(log_ratio, -20.0, 20.0)
     sequence_log_ratio = torch.sum(log_ratio_clamped * mask, dim=-1, keepdim=True)
+    if sampling_ratio is not None:
+        log_sampling_ratio = torch.clamp(torch.log(sampling_ratio), VESPO_LOG_MIN, 20.0)
+        sequence_log_ratio = sequence_log_ratio + torch.sum(log_sampling_ratio, dim=-1, keepdim=True)
     log_w = torch.clamp(sequence_log_ratio, VESPO_LOG_MIN, 20.0)
     w = torch.exp(log_w)
     nonnegative = advantages >= 0
@@ -234,7 +244,7 @@ def vespo_objective(terms: PolicyTerms, params: ObjectiveParams) -> torch.Tensor
     phi = vespo_weights(
         terms.advantages, terms.log_ratio.detach(), terms.mask,
         k_pos=params.vespo_k_pos, lambda_pos=params.vespo_lambda_pos,
-        k_neg=params.vespo_k_neg, lambda_neg=params.vespo_lambda_neg,
+        k_neg=params.vespo_k_neg, lambda_neg=params.vespo_lambda_neg, sampling_ratio=terms.sampling_ratio,
     )  # fmt: skip
     return -phi * terms.advantages * terms.logprobs
 
@@ -276,7 +286,7 @@ def vespo_statistics(terms: PolicyTerms, params: ObjectiveParams) -> dict[str, t
     phi = vespo_weights(
         terms.advantages, terms.log_ratio.detach(), terms.mask,
         k_pos=params.vespo_k_pos, lambda_pos=params.vespo_lambda_pos,
-        k_neg=params.vespo_k_neg, lambda_neg=params.vespo_lambda_neg,
+        k_neg=params.vespo_k_neg, lambda_neg=params.vespo_lambda_neg, sampling_ratio=terms.sampling_ratio,
     )  # fmt: skip
     return {"vespo/phi_seq_mean": phi.mean() if phi.shape[-1] == 1 else masked_mean(phi, terms.mask)}
 
@@ -301,6 +311,9 @@ class LossType:
     importance_sampling_level: str | None = None
     # Whether summing micro-batch losses computed with whole-batch counts equals the whole batch's loss.
     accumulation_invariant: bool = True
+    # Whether the objective takes the sampler-mismatch correction itself (VESPO: inside its sequence weight)
+    # instead of having its per-token loss multiplied by it (every other type, as in TRL).
+    corrects_sampling_itself: bool = False
 
 
 LOSS_TYPES: dict[str, LossType] = {
@@ -311,7 +324,8 @@ LOSS_TYPES: dict[str, LossType] = {
     "cispo": LossType(cispo_objective, aggregate_token_mean, cispo_statistics),
     "sapo": LossType(sapo_objective, aggregate_sequence_mean, no_statistics),
     "luspo": LossType(clipped_surrogate, aggregate_sequence_sum, clip_statistics, importance_sampling_level="sequence"),
-    "vespo": LossType(vespo_objective, aggregate_token_mean, vespo_statistics, importance_sampling_level="token"),
+    "vespo": LossType(vespo_objective, aggregate_token_mean, vespo_statistics, importance_sampling_level="token",
+                      corrects_sampling_itself=True),
 }
 # The name config validation imports: a key of this table is a valid `loss_type`.
 AGGREGATIONS = LOSS_TYPES
@@ -393,6 +407,69 @@ def off_policy_mask(
     kl = torch.nan_to_num(sampling_logprobs - logprobs.detach(), nan=0.0)
     sequence_kl = (kl * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
     return ((advantages >= 0) | (sequence_kl <= threshold)).to(mask.dtype)
+
+
+SAMPLING_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def sampling_correction(
+    old_logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    mode: str = "sequence_mask",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The correction for sampling with an engine whose probabilities differ from the trained model's (vLLM's
+    kernels, precision, a weight push in flight): truncated or masked importance sampling (TIS / MIS, Yao et al.
+    2025, "Your efficient RL framework secretly brings you off-policy RL training"; TRL 1.16
+    `vllm_importance_sampling_*`). The tokens were drawn from π_sampler while the objective assumes π_old, so each
+    token's loss is weighted by
+
+        d_t   = nan_to_num((old_logprobs_t - sampling_logprobs_t) · m_t)          (a NaN sampling log-prob: 0)
+        token_*:    r_t = exp(d_t)                                                 [N, T]
+        sequence_*: r   = exp(sum_t d_t)                                           [N, 1]  (a sum, not a mean)
+        *_truncate: r <- clamp(r, clip_min, clip_max)       (a None bound is no bound)
+        *_mask:     r <- 0 where r < clip_min or r > clip_max
+
+    old_logprobs, sampling_logprobs, mask: [N, T]. Returns (ratio, stats): the ratio, detached, [N, T] or [N, 1],
+    and TRL's metrics of it, unreduced over processes:
+        sampling/sampling_logp_difference/mean|max   |old - sampling| over the masked tokens (NaNs left out)
+        sampling/importance_sampling_ratio/min|mean|max   over the masked tokens (token modes) or the sequences
+    (0 where there is nothing to measure, as in TRL).
+    """
+    if mode not in SAMPLING_CORRECTION_MODES:
+        raise ValueError(f"Unknown vllm_importance_sampling_mode {mode!r}; choose one of "
+                         f"{list(SAMPLING_CORRECTION_MODES)}.")  # fmt: skip
+    with torch.no_grad():
+        dtype = torch.promote_types(old_logprobs.dtype, torch.float32)  # float32, or float64 when given
+        old_logprobs, sampling_logprobs = old_logprobs.to(dtype), sampling_logprobs.to(dtype)
+        mask = mask.to(dtype)
+        difference = torch.nan_to_num((old_logprobs - sampling_logprobs) * mask, nan=0.0)
+        sequence_level = mode.startswith("sequence")
+        ratio = torch.exp(difference.sum(-1, keepdim=True) if sequence_level else difference)
+        if mode.endswith("truncate"):
+            if clip_min is not None or clip_max is not None:
+                ratio = torch.clamp(ratio, min=clip_min, max=clip_max)
+        else:
+            low = -math.inf if clip_min is None else clip_min
+            high = math.inf if clip_max is None else clip_max
+            ratio = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+        on = mask.bool()
+        gap = (old_logprobs - sampling_logprobs).abs()
+        gap = gap[on & ~torch.isnan(gap)]
+        measured = ratio.flatten() if sequence_level else ratio[on]
+        zero = ratio.new_zeros(())
+        stats = {
+            "sampling/sampling_logp_difference/mean": gap.mean() if gap.numel() else zero,
+            "sampling/sampling_logp_difference/max": gap.max() if gap.numel() else zero,
+            "sampling/importance_sampling_ratio/min": measured.min() if measured.numel() else zero,
+            "sampling/importance_sampling_ratio/mean": measured.mean() if measured.numel() else zero,
+            "sampling/importance_sampling_ratio/max": measured.max() if measured.numel() else zero,
+        }
+    return ratio, stats
 
 
 def entropy_token_mean(entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -573,6 +650,7 @@ def policy_loss(
     vespo_lambda_neg: float = 2.0,
     off_policy_mask_threshold: float | None = None,
     sampling_logprobs: torch.Tensor | None = None,
+    sampling_ratio: torch.Tensor | None = None,
     use_bias_correction_kl: bool = False,
     entropy_normalization: str = "loss_type",
     num_micro_batches: int = 1,
@@ -594,6 +672,9 @@ def policy_loss(
                    (DeepSeek-V3.2; `off_policy_mask`), None = off
     sampling_logprobs: [N, T] log-probs of the policy that sampled (the engine's), for that mask; default
                    old_logprobs
+    sampling_ratio: [N, T] or [N, 1] the sampler-mismatch correction (`sampling_correction`), or None: it
+                   multiplies each token's policy term (after the masks, before beta·KL), as TRL 1.16 does; VESPO
+                   takes it into its sequence weight instead
     use_bias_correction_kl: weight the k3 KL by the importance ratio (`bias_corrected_kl`); TRL 1.16's default
                    is True, this function's False keeps its earlier numbers
     entropy_normalization: "loss_type" = the bonus -entropy_coef·H is part of each token's loss and aggregated
@@ -633,7 +714,10 @@ def policy_loss(
         # GSPO (Zheng et al. 2025): one length-normalised ratio per sequence.
         log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
     ratio = torch.exp(log_ratio)
-    terms = PolicyTerms(logprobs=logprobs, log_ratio=token_log_ratio, ratio=ratio, advantages=advantages, mask=mask)
+    if sampling_ratio is not None:
+        sampling_ratio = sampling_ratio.to(device=logprobs.device, dtype=logprobs.dtype)
+    terms = PolicyTerms(logprobs=logprobs, log_ratio=token_log_ratio, ratio=ratio, advantages=advantages, mask=mask,
+                        sampling_ratio=sampling_ratio)  # fmt: skip
 
     per_token = spec.objective(terms, params)
     if off_policy_mask_threshold is not None:
@@ -641,6 +725,8 @@ def policy_loss(
         per_token = per_token * off_policy_mask(advantages, logprobs, behaviour, mask, off_policy_mask_threshold)
     if loss_weights is not None:
         per_token = per_token * loss_weights
+    if sampling_ratio is not None and not spec.corrects_sampling_itself:
+        per_token = per_token * sampling_ratio
 
     kl = None
     if ref_logprobs is not None:

@@ -58,8 +58,14 @@ from .distributed import (
 from .evaluation import evaluation_metrics, group_records
 from .hub import check_hub, push_folder
 from .logprobs import token_logprobs
-from .logs import MetricSink, MetricWindow, generation_metrics
-from .loss import AdaptiveEntropyController, high_entropy_mask, load_balancing_loss, policy_loss
+from .logs import MetricSink, MetricWindow, generation_metrics, reduce_extremes
+from .loss import (
+    AdaptiveEntropyController,
+    high_entropy_mask,
+    load_balancing_loss,
+    policy_loss,
+    sampling_correction,
+)
 from .model_card import describe_dataset, model_card_writable, render_model_card, write_model_card
 from .models import (
     build_policy,
@@ -163,6 +169,10 @@ class GRPOTrainer:
                                  args.chat_template_kwargs)  # fmt: skip
         # With sharded parameters every forward is a collective: the processes sample in step (see generate()).
         all_done = all_processes_done if is_sharded(self.unwrapped_model) else None
+        if rollout_engine is None and args.use_vllm:  # vLLM is imported only here (grpokit.rollout.vllm)
+            from .rollout.vllm import engine_from_config
+
+            rollout_engine = engine_from_config(self.unwrapped_model, args, acc.num_processes)
         self.engine = rollout_engine or HFEngine(self.unwrapped_model, acc.device, autocast=acc.autocast,
                                                  all_done=all_done, exact_logprobs=not (args.bf16 or args.fp16))
         self.agents = build_agents(self.processing_class, self.unwrapped_model, args, max_prompt_length, tools,
@@ -363,7 +373,8 @@ class GRPOTrainer:
         loss, stats = policy_loss(
             logprobs, batch.old_logprobs, batch.ref_logprobs, batch.advantages, batch.loss_mask,
             num_sequences=num_sequences, num_tokens=num_tokens, entropies=entropies, entropy_coef=entropy_coef,
-            loss_weights=loss_weights, sampling_logprobs=batch.sampling_logprobs, num_micro_batches=num_micro_batches,
+            loss_weights=loss_weights, sampling_logprobs=batch.sampling_logprobs, sampling_ratio=batch.sampling_ratio,
+            num_micro_batches=num_micro_batches,
             entropy_normalization="token_mean", **objective_options(args),
         )  # fmt: skip
         if controller is not None:
@@ -414,13 +425,25 @@ class GRPOTrainer:
         batch = TrainBatch(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.attention_mask,
                            loss_mask, rollout.lengths, token_advantages.to(device).contiguous(),
                            sampling_logprobs=rollout.sampling_logprobs, multimodal=rollout.multimodal)  # fmt: skip
-        if not trains_on_policy(args):
+        # With vLLM (TRL: use_vllm and its correction) π_old is always the training forward's; the sampler's
+        # log-probs only feed the correction.
+        corrected = args.use_vllm and args.vllm_importance_sampling_correction
+        if not trains_on_policy(args) or corrected:
             # The engine's log-probs serve as π_old only where they are the training forward's (the in-process
             # engine in float32, tested to 1e-5); otherwise π_old comes from a training-style forward.
             exact = getattr(self.engine, "exact_logprobs", False) and rollout.sampling_logprobs is not None and \
-                (self.agents is None or self.agents.exact_logprobs)  # fmt: skip
+                (self.agents is None or self.agents.exact_logprobs) and not corrected  # fmt: skip
             batch.old_logprobs = rollout.sampling_logprobs if exact else self._logprobs_in_chunks(
                 self.unwrapped_model, batch)  # fmt: skip
+        if corrected:
+            if rollout.sampling_logprobs is None:
+                raise ValueError(f"vllm_importance_sampling_correction needs the engine's sampling log-probs, and "
+                                 f"{type(self.engine).__name__} reports none: set "
+                                 f"vllm_importance_sampling_correction=False.")  # fmt: skip
+            batch.sampling_ratio, stats = sampling_correction(
+                batch.old_logprobs, rollout.sampling_logprobs, loss_mask, mode=args.vllm_importance_sampling_mode,
+                clip_min=args.vllm_importance_sampling_clip_min, clip_max=args.vllm_importance_sampling_clip_max)
+            self.window.add(reduce_extremes(acc, stats))
         if args.beta > 0:
             with reference_policy(self.unwrapped_model, self.reference) as reference:
                 batch.ref_logprobs = self._logprobs_in_chunks(reference, batch)

@@ -1,4 +1,9 @@
-"""Slow and GPU tests are skipped by default: `pytest --runslow` runs the slow ones, `-m gpu` needs CUDA."""
+"""Slow and GPU tests are skipped by default: `pytest --runslow` runs the slow ones, `-m gpu` needs CUDA. vLLM tests
+(`-m vllm`) need vllm installed (the README's CPU recipe; `.ci/run` builds that environment) and skip without it,
+unless GRPOKIT_REQUIRE_VLLM=1, which turns a missing vllm into a failure (CI sets it, so a broken install shows)."""
+
+import importlib.util
+import os
 
 import pytest
 import torch
@@ -15,3 +20,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="slow: run with --runslow"))
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+        if "vllm" in item.keywords and importlib.util.find_spec("vllm") is None:
+            if os.environ.get("GRPOKIT_REQUIRE_VLLM") == "1":
+                raise pytest.UsageError("GRPOKIT_REQUIRE_VLLM=1 but vllm is not importable: the vLLM environment "
+                                        "was not built (see the README's CPU recipe).")  # fmt: skip
+            item.add_marker(pytest.mark.skip(reason="needs vllm (README: 'vLLM on CPU'; `.ci/run` builds it)"))

@@ -124,3 +124,22 @@ def test_select_cache_rows_moves_every_state_of_every_layer_kind():
     compat.select_cache_rows(cache, rows)
     for old, new in zip(before, states(), strict=True):
         assert torch.equal(new, old[rows])
+
+
+def test_parameter_versions_change_with_an_optimizer_step_and_only_then():
+    from grpokit.compat import parameter_versions
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    before = parameter_versions(model)
+    with torch.no_grad():
+        model(torch.ones(1, 3))  # reading the weights writes nothing
+    assert parameter_versions(model) == before
+    model(torch.ones(1, 3)).sum().backward()
+    assert parameter_versions(model) == before  # gradients are not weights
+    optimizer.step()
+    after = parameter_versions(model)
+    assert after != before
+    with torch.no_grad():
+        model.weight.mul_(1.0)  # any in-place write
+    assert parameter_versions(model) != after

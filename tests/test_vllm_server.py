@@ -1,0 +1,139 @@
+"""Server mode: a `grpokit vllm-serve` started by the test on localhost, and the trainer's client engine
+(`grpokit.rollout.vllm_client`). Run in the vLLM environment: `python -m pytest -m vllm`."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from transformers import TrainerCallback
+
+from grpokit import GRPOTrainer
+from letters import letter_config, letter_dataset, repeat_letter
+from test_vllm import check_pushes, logprob_gap, tiny
+
+pytestmark = pytest.mark.vllm
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: Path, port: int) -> subprocess.Popen:
+    """`grpokit vllm-serve` in its own process, waited for until it answers (or its log is shown)."""
+    import urllib.request
+
+    log = open(model_dir.parent / f"server-{port}.log", "w")
+    command = [sys.executable, "-m", "grpokit.vllm_server", "--model", str(model_dir), "--host", "127.0.0.1",
+               "--port", str(port), "--max-model-len", "64", "--max-num-seqs", "64", "--dtype", "float32"]
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited: {(model_dir.parent / f'server-{port}.log').read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return process
+        except OSError:
+            time.sleep(1)
+    process.kill()
+    raise RuntimeError("the server did not come up in 300 s")
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.kill()
+    process.wait(timeout=30)
+
+
+def save(model, tokenizer, path: Path) -> Path:
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model, tokenizer = tiny(tied=True, seed=1)
+    model_dir = save(model, tokenizer, tmp_path_factory.mktemp("served") / "model")
+    port = free_port()
+    process = start_server(model_dir, port)
+    yield f"http://127.0.0.1:{port}", model_dir
+    stop(process)
+
+
+def test_server_logprobs_equal_the_training_forward_after_each_push(server):
+    from grpokit.rollout.vllm_client import VLLMServerEngine
+
+    url, _ = server
+    # The served checkpoint is another seed's weights: the first sync must push the policy's.
+    model, tokenizer = tiny(tied=True, seed=0)
+    engine = VLLMServerEngine(model, url, timeout=30)
+    assert logprob_gap(engine, model, tokenizer) > 1e-2
+    engine.sync_weights(model)
+    assert engine.pushes == 1
+    engine.pushes = 0
+    check_pushes(engine, model, tokenizer)
+
+
+def test_server_of_another_vocabulary_or_model_is_refused(server):
+    from grpokit.rollout.vllm_client import VLLMServerEngine
+    from grpokit.testing import build_char_tokenizer, build_tiny_model
+
+    url, _ = server
+    other_vocab = build_tiny_model(len(build_char_tokenizer("abc:")), hidden_size=64, num_heads=2, num_kv_heads=1)
+    with pytest.raises(ValueError, match=r"vocabulary of \d+ tokens; the policy's has \d+"):
+        VLLMServerEngine(other_vocab, url, timeout=30)
+    model, _ = tiny()
+    wider = build_tiny_model(model.config.vocab_size, hidden_size=128, num_heads=4, num_kv_heads=1)
+    with pytest.raises(ValueError, match="serves another model .hidden_size: server 64, policy 128"):
+        VLLMServerEngine(wider, url, timeout=30)
+
+
+class KillAt(TrainerCallback):
+    def __init__(self, step: int, process: subprocess.Popen):
+        self.step, self.process = step, process
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            stop(self.process)
+
+
+def test_the_server_going_away_mid_run_fails_clearly_and_the_run_resumes(tmp_path):
+    model, tokenizer = tiny(seed=0)
+    model_dir = save(model, tokenizer, tmp_path / "model")
+    port = free_port()
+    args = letter_config(tmp_path, max_steps=6, save_steps=2, save_strategy="steps", use_vllm=True,
+                         vllm_mode="server", vllm_server_host="127.0.0.1", vllm_server_port=port,
+                         vllm_server_timeout=20, vllm_importance_sampling_mode="token_truncate")  # fmt: skip
+    process = start_server(model_dir, port)
+    try:
+        trainer = GRPOTrainer(model=str(model_dir), reward_funcs=repeat_letter, args=args,
+                              train_dataset=letter_dataset(), callbacks=[KillAt(3, process)])  # fmt: skip
+        with pytest.raises(ConnectionError, match="stopped answering.*resume the run from its last checkpoint"):
+            trainer.train()
+    finally:
+        stop(process)
+    assert trainer.state.global_step == 3
+    out = Path(args.output_dir)
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]  # intact; nothing half-written
+    # A new server (the original checkpoint: the resumed run pushes its own weights first) and a resumed run.
+    process = start_server(model_dir, port)
+    try:
+        resumed = GRPOTrainer(model=str(model_dir), reward_funcs=repeat_letter, args=args,
+                              train_dataset=letter_dataset())  # fmt: skip
+        resumed.train(resume_from_checkpoint=True)
+    finally:
+        stop(process)
+    assert resumed.state.global_step == 6
+    assert [r["step"] for r in resumed.state.log_history if "reward" in r] == [1, 2, 3, 4, 5, 6]
+    assert (out / "checkpoint-6").is_dir()
+    # The resumed run trained from checkpoint-2's weights, pushed to the new server: its first generation's
+    # log-probs from vLLM match the training forward's (the correction's metric), not the served checkpoint's.
+    first = next(r for r in resumed.state.log_history if r.get("step") == 3)
+    assert first["sampling/sampling_logp_difference/max"] < 1e-3
