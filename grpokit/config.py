@@ -181,6 +181,9 @@ class GRPOConfig:
                                   "(in <dir>/merged).")
     max_nonfinite_steps: int = _f(3, "Stop after this many optimizer steps in a row whose loss or gradient is "
                                      "NaN/inf (each such step is skipped and counted in `nonfinite_steps`).")
+    ref_model_dtype: str | None = _f(None, "The frozen reference's weights in 'bfloat16' / 'float16' (inference only: "
+                                           "half a float32 copy's memory, no per-op cast under bf16 autocast; "
+                                           "log-prob difference in the README); None: the policy's dtype, as TRL.")
     pass_threshold: float = _f(1.0, "A completion passes a reward function (for pass@k) when its reward >= this.")
     guard_metric: str | None = _f(None, "Warn when the reward rises while this metric falls (e.g. "
                                         "'rewards/format/mean', 'completions/mean_length'); None: off.")
@@ -527,6 +530,9 @@ class GRPOConfig:
         if needed and not any(key in (self.lr_scheduler_kwargs or {}) for key in needed):
             fail(f"lr_scheduler_type={self.lr_scheduler_type!r} needs {' or '.join(needed)} in lr_scheduler_kwargs, "
                  f"e.g. lr_scheduler_kwargs={{{needed[0]!r}: {0.1 if 'rate' in needed[-1] else 100}}}.")
+        if self.ref_model_dtype not in (None, "bfloat16", "float16", "float32"):
+            fail(f"ref_model_dtype={self.ref_model_dtype!r} is not valid; use 'bfloat16', 'float16', 'float32' or None "
+                 f"(the policy's dtype).")
         if self.save_strategy not in ("steps", "epoch", "no"):
             fail(f"save_strategy={self.save_strategy!r} is not valid; use 'steps', 'epoch' or 'no'.")
         if self.reward_fn_errors not in ("raise", "none"):
