@@ -91,3 +91,64 @@ def test_ref_model_dtype_with_lora_says_how_to_load_the_base(tmp_path):
         GRPOTrainer(model=model, reward_funcs=repeat_letter, processing_class=tokenizer,
                     args=config(tmp_path, beta=0.04, ref_model_dtype="bfloat16"), train_dataset=letter_dataset(),
                     peft_config=LoraConfig(r=4, target_modules=["q_proj"]))  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------- optimizer states
+
+# transformers' registry names with low-precision states that run on the CPU: bitsandbytes' blockwise 8-bit AdamW
+# and torchao's 8-bit / 4-bit AdamW (pip install 'grpokit[lowmem]').
+LOW_PRECISION_OPTIMIZERS = {"adamw_8bit": "bitsandbytes", "adamw_torch_8bit": "torchao",
+                            "adamw_torch_4bit": "torchao"}  # fmt: skip
+
+
+def needs(package: str):
+    import importlib.util
+
+    return pytest.mark.skipif(importlib.util.find_spec(package) is None, reason=f"{package} is not installed")
+
+
+def state_bytes(optimizer) -> int:
+    """Bytes held by the optimizer's per-parameter states (tensor subclasses counted by their inner tensors)."""
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if not isinstance(value, torch.Tensor):
+                continue
+            inner = getattr(value, "__tensor_flatten__", None)
+            parts = [getattr(value, name) for name in inner()[0]] if inner else [value]
+            total += sum(part.numel() * part.element_size() for part in parts)
+    return total
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[needs(p)] + ([pytest.mark.slow] if p == "torchao" else []))
+                                  for n, p in LOW_PRECISION_OPTIMIZERS.items()])  # torchao compiles its step: ~20 s
+def test_low_precision_optimizer_learns_the_letter_task_with_smaller_states(model_dir, tmp_path, name):
+    args = config(tmp_path, optim=name, max_steps=30, logging_steps=5)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset())
+    trainer.train()
+    rewards = [entry["reward"] for entry in trainer.state.log_history[:-1]]
+    assert rewards[0] < 0.1, rewards
+    assert sum(rewards[-3:]) / 3 >= 0.35, rewards
+    # Smaller states than AdamW's two float32 tensors per parameter (small tensors keep float32 states in both
+    # libraries, so the saving shows on the large ones only).
+    parameters = sum(p.numel() for p in trainer.unwrapped_model.parameters())
+    assert state_bytes(trainer.optimizer) < 0.75 * 2 * 4 * parameters
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[needs(p)] + ([pytest.mark.slow] if p == "torchao" else []))
+                                  for n, p in LOW_PRECISION_OPTIMIZERS.items()])
+def test_low_precision_optimizer_resumes_bitwise(model_dir, tmp_path, name):
+    args = dict(optim=name, max_steps=4, save_strategy="steps", save_steps=2, per_device_train_batch_size=16,
+                num_generations=4, lr_scheduler_type="constant")  # fmt: skip
+    full = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letter_dataset(),
+                       args=config(tmp_path / "full", **args))  # fmt: skip
+    full.train()
+    first = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letter_dataset(),
+                        args=config(tmp_path / "split", **{**args, "max_steps": 2}))  # fmt: skip
+    first.train()
+    resumed = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letter_dataset(),
+                          args=config(tmp_path / "split", **args))  # fmt: skip
+    resumed.train(resume_from_checkpoint=str(tmp_path / "split" / "out" / "checkpoint-2"))
+    a, b = full.unwrapped_model.state_dict(), resumed.unwrapped_model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [h["loss"] for h in full.state.log_history[:-1]] == [h["loss"] for h in resumed.state.log_history[:-1]]
