@@ -81,6 +81,12 @@ def frozen_copy(model: torch.nn.Module, dtype: torch.dtype | None = None) -> tor
     return reference.eval()
 
 
+def full_precision(model: torch.nn.Module) -> bool:
+    """Whether every floating-point parameter is float32 (or float64): only then do the sampler's log-probs equal
+    the training forward's to float rounding (half-precision weights round differently in each kernel)."""
+    return all(p.dtype in (torch.float32, torch.float64) for p in model.parameters() if p.is_floating_point())
+
+
 # ------------------------------------------------------------------------------------------------- LoRA
 
 

@@ -152,3 +152,47 @@ def test_low_precision_optimizer_resumes_bitwise(model_dir, tmp_path, name):
     a, b = full.unwrapped_model.state_dict(), resumed.unwrapped_model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [h["loss"] for h in full.state.log_history[:-1]] == [h["loss"] for h in resumed.state.log_history[:-1]]
+
+
+# ------------------------------------------------------------------------------------------ bf16 weights
+
+
+def test_bf16_weights_do_not_claim_exact_sampling_logprobs(model_dir, tmp_path):
+    # With half-precision weights the sampler and the training forward round differently, so with μ > 1 π_old
+    # must come from a training-style forward, not from the sampler's log-probs.
+    full = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=config(tmp_path / "a"),
+                       train_dataset=letter_dataset())  # fmt: skip
+    half = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letter_dataset(),
+                       args=config(tmp_path / "b", model_init_kwargs={"dtype": "bfloat16"}))  # fmt: skip
+    assert full.engine.exact_logprobs and not half.engine.exact_logprobs
+    assert all(p.dtype == torch.bfloat16 for p in half.unwrapped_model.parameters())
+
+
+@pytest.mark.slow  # torchao compiles its optimizer step
+@needs("torchao")
+def test_bf16_weights_with_stochastic_rounding_learn_the_letter_task(model_dir, tmp_path):
+    # Weights, gradients and reference in bfloat16, 8-bit AdamW states, updates stochastically rounded into the
+    # bf16 weights (no float32 master copy): transformers' names, so the same settings run in TRL.
+    args = config(tmp_path, bf16=True, beta=0.04, max_steps=30, logging_steps=5, optim="adamw_torch_8bit",
+                  optim_args="bf16_stochastic_round=True", model_init_kwargs={"dtype": "bfloat16"})  # fmt: skip
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset())
+    assert all(p.dtype == torch.bfloat16 for p in trainer.reference.parameters())
+    trainer.train()
+    rewards = [entry["reward"] for entry in trainer.state.log_history[:-1]]
+    assert rewards[0] < 0.1, rewards
+    assert sum(rewards[-3:]) / 3 >= 0.25, rewards
+
+
+def test_torch_empty_cache_steps_clears_the_device_cache_on_every_nth_step(model_dir, tmp_path, monkeypatch):
+    # transformers' Trainer rule: before the backward of each micro-batch while global_step % N == 0. The call is
+    # a no-op on the CPU, so the test counts the calls (the trainer and model are real).
+    import grpokit.trainer
+
+    calls = []
+    monkeypatch.setattr(grpokit.trainer, "clear_device_cache", lambda: calls.append(None))
+    args = config(tmp_path, max_steps=4, torch_empty_cache_steps=2, gradient_accumulation_steps=2,
+                  per_device_train_batch_size=16, num_generations=4)  # fmt: skip
+    GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset()).train()
+    assert len(calls) == 4  # steps 0 and 2 (global_step before the update), two micro-batches each
+    with pytest.raises(ValueError, match="torch_empty_cache_steps=0 must be a positive"):
+        config(tmp_path, torch_empty_cache_steps=0)
