@@ -27,11 +27,54 @@ SETTINGS = {
 }
 
 
+def update_check(learning_rate: float, steps: int = 5) -> dict:
+    """How much of AdamW's update bf16 weights keep: `steps` steps on the same batches from the same float32 start,
+    float32 AdamW vs bf16 weights with round-to-nearest AdamW vs bf16 weights with torchao's stochastic rounding;
+    the relative error of each one's total weight change against float32's, and the share of weights left
+    unchanged."""
+    import torch
+
+    from grpokit.testing import build_tiny_model
+
+    def run(dtype, optimizer_factory):
+        model = build_tiny_model(64, hidden_size=256, num_layers=2, seed=0).to(dtype)
+        start = {k: v.detach().float().clone() for k, v in model.named_parameters()}
+        optimizer = optimizer_factory(model.parameters())
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(steps):
+            ids = torch.randint(3, 64, (8, 16), generator=generator)
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return {k: v.detach().float() - start[k] for k, v in model.named_parameters()}
+
+    from torchao.optim import AdamW8bit
+
+    reference = run(torch.float32, lambda p: torch.optim.AdamW(p, lr=learning_rate, weight_decay=0.0))
+    results = {}
+    for name, dtype, factory in [
+        ("bf16 weights, AdamW round to nearest", torch.bfloat16,
+         lambda p: torch.optim.AdamW(p, lr=learning_rate, weight_decay=0.0)),
+        ("bf16 weights, torchao AdamW8bit stochastic rounding", torch.bfloat16,
+         lambda p: AdamW8bit(p, lr=learning_rate, weight_decay=0.0, bf16_stochastic_round=True)),
+        ("float32 weights, torchao AdamW8bit", torch.float32,
+         lambda p: AdamW8bit(p, lr=learning_rate, weight_decay=0.0)),
+    ]:  # fmt: skip
+        delta = run(dtype, factory)
+        error = sum((delta[k] - reference[k]).pow(2).sum() for k in reference).sqrt()
+        norm = sum(reference[k].pow(2).sum() for k in reference).sqrt()
+        unchanged = sum((delta[k] == 0).sum() for k in reference) / sum(v.numel() for v in reference.values())
+        results[name] = {"relative_error_of_update": round((error / norm).item(), 4),
+                         "weights_unchanged": round(unchanged.item(), 4)}  # fmt: skip
+    return results
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--learning-rate", type=float, default=1e-2)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--update-check", action="store_true", help="only compare the weight updates (update_check)")
     args = parser.parse_args(argv)
     root = Path(__file__).resolve().parent.parent
     sys.path[:0] = [str(root), str(root / "tests")]
@@ -40,6 +83,9 @@ def main(argv=None) -> int:
     from grpokit.testing import save_tiny_model
     from letters import LETTERS, letter_config, letter_dataset, repeat_letter
 
+    if args.update_check:
+        print(json.dumps({"learning_rate": args.learning_rate, **update_check(args.learning_rate)}, indent=1))
+        return 0
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(save_tiny_model(Path(tmp) / "model", chars=LETTERS + ":", hidden_size=64))
