@@ -62,7 +62,17 @@ CONFIGS = {
         max_position_embeddings=32_768, rope_theta=1_000_000.0, batch=32, num_generations=8, grad_accum=8,
         max_completion_length=512, bf16=True, cuda=True,
     ),
+    # The same Qwen2.5-0.5B shape on the CPU, small enough per step to run there (issue 16): 16 completions (2 prompts
+    # x 8) x 32 tokens, bf16 autocast. A step takes minutes on a few cores: use --warmup 1 --steps 1 --repeats 1.
+    "qwen05": dict(
+        vocab_size=151_936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
+        max_position_embeddings=32_768, rope_theta=1_000_000.0, batch=16, num_generations=8, grad_accum=1,
+        max_completion_length=32, bf16=True, cuda=False,
+    ),
 }
+
+# LoRA variant (--lora): the same adapter for both trainers; with LoRA neither loads a reference copy.
+LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
 
 IMPLS = ("trl", "grpokit", "grpokit-baseline")
 BASELINE = "grpokit-baseline"  # grpokit from another source tree (--baseline), e.g. before a change
@@ -173,6 +183,55 @@ def current_rss_mib() -> float:
         return float("nan")
 
 
+def tensor_mib(tensors) -> float:
+    """MiB held by tensors, each storage counted once (tied weights; tensor subclasses by their inner tensors)."""
+    import torch
+
+    seen, total = set(), 0
+    stack = [t for t in tensors if isinstance(t, torch.Tensor)]
+    while stack:
+        tensor = stack.pop()
+        flatten = getattr(tensor, "__tensor_flatten__", None)
+        if flatten is not None and type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+            stack += [getattr(tensor, name) for name in flatten()[0]]
+            continue
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total / 2**20
+
+
+def memory_breakdown(trainer, impl: str) -> dict:
+    """What lives across steps, measured from the tensors themselves after training: policy weights, their
+    gradients, optimizer states, the reference copy. What is left of the peak (activations, logits, the rollout's
+    KV cache, autocast's bf16 weight copies, allocator slack, the Python process itself) is peak RSS minus these."""
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    reference = trainer.ref_model if impl == "trl" else trainer.reference
+    params = list(policy.parameters())
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's wrapper
+    states = [v for state in optimizer.state.values() for v in state.values()]
+    # Gradients are freed by zero_grad(set_to_none) after each step: count one per trainable parameter (their size).
+    trainable = [p for p in params if p.requires_grad]
+    grads_mib = sum(p.numel() * p.element_size() for p in trainable) / 2**20
+    by_dtype = {}
+    for p in params:
+        by_dtype[str(p.dtype)] = by_dtype.get(str(p.dtype), 0) + p.numel()
+    out = {
+        "weights": tensor_mib(params),
+        "gradients (trainable, peak)": grads_mib,
+        "optimizer_states": tensor_mib(states),
+        "reference": tensor_mib(reference.parameters()) if reference is not None else 0.0,
+        "trainable_parameters": sum(p.numel() for p in trainable),
+        "parameters_by_dtype": by_dtype,
+        "reference_dtype": str(next(reference.parameters()).dtype) if reference is not None else None,
+    }
+    persistent = out["weights"] + grads_mib + out["optimizer_states"] + out["reference"]
+    out["rest_of_peak (activations, logits, KV cache, autocast copies, process)"] = peak_rss_mib() - persistent
+    return out
+
+
 def run_child(spec: dict) -> dict:
     import warnings
 
@@ -194,8 +253,9 @@ def run_child(spec: dict) -> dict:
 
         version = trl.__version__
     else:
-        if spec.get("src"):  # an earlier grpokit source tree (--baseline) shadows the installed one
-            sys.path.insert(0, spec["src"])
+        # The source tree this script belongs to (the one machine_info describes), or an earlier one (--baseline),
+        # shadows any installed grpokit.
+        sys.path.insert(0, spec.get("src") or str(Path(__file__).resolve().parent.parent))
         import grpokit
         from grpokit import GRPOConfig, GRPOTrainer
 
@@ -206,7 +266,13 @@ def run_child(spec: dict) -> dict:
     dataset = make_dataset(spec["num_prompts"], spec["seed"])
     kwargs = common_args(config, spec["output_dir"], spec["warmup"] + spec["steps"], spec["learning_rate"],
                          spec["beta"], spec["seed"])  # fmt: skip
+    kwargs.update(spec.get("extra_args", {}).get("trl" if impl == "trl" else "grpokit", {}))
     args = GRPOConfig(**kwargs)
+    peft_config = None
+    if spec.get("lora"):
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(task_type="CAUSAL_LM", **LORA)
     rss_before_trainer = current_rss_mib()
     if impl == "trl":
 
@@ -216,9 +282,10 @@ def run_child(spec: dict) -> dict:
                     stamps.append(time.perf_counter())
 
         trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=reward_len, args=args, train_dataset=dataset,
-                              callbacks=[Stamp()])  # fmt: skip
+                              callbacks=[Stamp()], peft_config=peft_config)  # fmt: skip
     else:
-        trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=reward_len, args=args, train_dataset=dataset)
+        trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=reward_len, args=args, train_dataset=dataset,
+                              peft_config=peft_config)  # fmt: skip
 
         class StampedList(list):
             def append(self, item):
@@ -238,6 +305,7 @@ def run_child(spec: dict) -> dict:
     if cuda:
         torch.cuda.synchronize()
 
+    breakdown = memory_breakdown(trainer, impl)
     records = [r for r in trainer.state.log_history if "num_tokens" in r]
     assert len(records) == len(stamps) == spec["warmup"] + spec["steps"], (len(records), len(stamps))
     w = spec["warmup"]
@@ -271,6 +339,9 @@ def run_child(spec: dict) -> dict:
         "reward": [r.get("reward") for r in records],
         "gradient_checkpointing": grad_ckpt,
         "peak_rss_mib": peak_rss_mib(),
+        "memory_breakdown_mib": breakdown,
+        "extra_args": spec.get("extra_args", {}).get("trl" if impl == "trl" else "grpokit", {}),
+        "lora": bool(spec.get("lora")),
         "rss_before_trainer_mib": rss_before_trainer,
         "rss_before_train_mib": rss_before_train,
         "cuda_max_allocated_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
@@ -423,6 +494,25 @@ def markdown(name: str, config: dict, model_info: dict, summary: dict, info: dic
     return "\n".join(lines)
 
 
+def breakdown_table(results: list[dict], args) -> str:
+    """The options each side ran with, and the memory breakdown of each library's first run (MiB)."""
+    runs = {}
+    for r in results:
+        if "error" not in r and r.get("memory_breakdown_mib"):
+            runs.setdefault(r["impl"], r)
+    if not runs:
+        return ""
+    lines = ["", f"LoRA: {LORA}" if args.lora else "Full fine-tuning.",
+             f"Extra arguments: grpokit {args.grpokit_args}, TRL {args.trl_args}.", "",
+             "| memory (MiB) | " + " | ".join(runs) + " |", "|---" * (len(runs) + 1) + "|"]  # fmt: skip
+    keys = [k for k in next(iter(runs.values()))["memory_breakdown_mib"] if k not in ("parameters_by_dtype",)]
+    for key in keys + ["peak_rss_mib"]:
+        cells = [r["memory_breakdown_mib"].get(key) if key != "peak_rss_mib" else r["peak_rss_mib"] for r in runs.values()]
+        lines.append(f"| {key} | " + " | ".join(fmt(c, 4) if not isinstance(c, (str, type(None))) else str(c)
+                                                for c in cells) + " |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
@@ -444,6 +534,11 @@ def main(argv=None) -> int:
     parser.add_argument("--baseline", default=None, metavar="DIR",
                         help="also run grpokit from this source tree (a directory holding a `grpokit` package, "
                              "e.g. `git archive HEAD grpokit | tar -x -C DIR`), as a third implementation")  # fmt: skip
+    parser.add_argument("--grpokit-args", default="{}",
+                        help="extra GRPOConfig arguments (JSON) for grpokit only, e.g. its memory options: "
+                             "'{\"ref_model_dtype\": \"bfloat16\", \"optim\": \"adamw_8bit\"}'")  # fmt: skip
+    parser.add_argument("--trl-args", default="{}", help="extra GRPOConfig arguments (JSON) for TRL only")
+    parser.add_argument("--lora", action="store_true", help=f"train a LoRA adapter in both ({LORA})")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -483,6 +578,8 @@ def main(argv=None) -> int:
                     "threads": args.threads, "output_dir": str(workdir / f"out_{impl}_{repeat}"),
                     "num_prompts": max(64, prompts_per_step * (args.steps + args.warmup)),
                     "src": str(Path(args.baseline).resolve()) if impl == BASELINE else None,
+                    "extra_args": {"grpokit": json.loads(args.grpokit_args), "trl": json.loads(args.trl_args)},
+                    "lora": args.lora,
                 }  # fmt: skip
                 python = args.trl_python if impl == "trl" else args.grpokit_python
                 result = launch(spec, python, workdir, repeat, args.timeout)
@@ -508,7 +605,7 @@ def main(argv=None) -> int:
     if len(set(per_step.values())) > 1:
         print(f"[bench] WARNING: tokens per step differ between libraries: {per_step}")
     summary = summarise(results)
-    table = markdown(args.config, config, model_info, summary, info, args)
+    table = markdown(args.config, config, model_info, summary, info, args) + breakdown_table(results, args)
     print()
     print(table)
     if args.out:

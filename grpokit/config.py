@@ -113,6 +113,9 @@ class GRPOConfig:
     bf16: bool | None = _f(False, "bfloat16 autocast for forward passes (weights and optimizer stay float32). "
                                   "None: on unless fp16 (TRL's meaning).")
     fp16: bool = _f(False, "float16 autocast with loss scaling (GPU).")
+    torch_empty_cache_steps: int | None = _f(None, "Return the accelerator's cached memory (torch.cuda.empty_cache "
+                                                  "and the like) before the backward of every micro-batch of every "
+                                                  "N-th optimizer step, as transformers' Trainer (None: never).")
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass to save memory.")
     gradient_checkpointing_kwargs: dict | None = _f(None, "Passed to model.gradient_checkpointing_enable.")
     activation_checkpointing: bool | None = _f(None, "transformers 5's name for gradient_checkpointing (wins when "
@@ -181,6 +184,9 @@ class GRPOConfig:
                                   "(in <dir>/merged).")
     max_nonfinite_steps: int = _f(3, "Stop after this many optimizer steps in a row whose loss or gradient is "
                                      "NaN/inf (each such step is skipped and counted in `nonfinite_steps`).")
+    ref_model_dtype: str | None = _f(None, "The frozen reference's weights in 'bfloat16' / 'float16' (inference only: "
+                                           "half a float32 copy's memory, no per-op cast under bf16 autocast; "
+                                           "log-prob difference in the README); None: the policy's dtype, as TRL.")
     pass_threshold: float = _f(1.0, "A completion passes a reward function (for pass@k) when its reward >= this.")
     guard_metric: str | None = _f(None, "Warn when the reward rises while this metric falls (e.g. "
                                         "'rewards/format/mean', 'completions/mean_length'); None: off.")
@@ -329,7 +335,6 @@ class GRPOConfig:
                                     "`grpokit report`). Disable to keep logs small with large images.")
     restore_callback_states_from_checkpoint: bool = _no_effect(False, "grpokit has no trainer callbacks.")
     use_cache: bool = _no_effect(False, "training forwards never use a KV cache; sampling always does.")
-    torch_empty_cache_steps: int | None = _no_effect(None, "it only returns cached allocator memory to the device.")
     tf32: bool | None = _no_effect(None, "grpokit leaves torch's matmul precision as it is (set "
                                          "torch.backends.cuda.matmul.allow_tf32 yourself).")
     ddp_timeout: int = _no_effect(1800, "grpokit keeps torch's default process-group timeout.")
@@ -561,6 +566,11 @@ class GRPOConfig:
         if needed and not any(key in (self.lr_scheduler_kwargs or {}) for key in needed):
             fail(f"lr_scheduler_type={self.lr_scheduler_type!r} needs {' or '.join(needed)} in lr_scheduler_kwargs, "
                  f"e.g. lr_scheduler_kwargs={{{needed[0]!r}: {0.1 if 'rate' in needed[-1] else 100}}}.")
+        if self.torch_empty_cache_steps is not None and self.torch_empty_cache_steps <= 0:
+            fail(f"torch_empty_cache_steps={self.torch_empty_cache_steps} must be a positive number of steps, or None.")
+        if self.ref_model_dtype not in (None, "bfloat16", "float16", "float32"):
+            fail(f"ref_model_dtype={self.ref_model_dtype!r} is not valid; use 'bfloat16', 'float16', 'float32' or None "
+                 f"(the policy's dtype).")
         if self.save_strategy not in ("steps", "epoch", "no"):
             fail(f"save_strategy={self.save_strategy!r} is not valid; use 'steps', 'epoch' or 'no'.")
         if self.reward_fn_errors not in ("raise", "none"):

@@ -224,6 +224,10 @@ def check_backend(accelerator, lora: bool, args: GRPOConfig) -> None:
     if accelerator.is_fsdp2 and lora:
         raise NotImplementedError("LoRA under FSDP2 is not supported yet: train LoRA with DDP (plain torchrun or "
                                   "examples/accelerate/ddp.yaml), or train all weights with FSDP2.")  # fmt: skip
+    if accelerator.is_fsdp2 and args.ref_model_dtype:
+        raise NotImplementedError(f"ref_model_dtype={args.ref_model_dtype!r} under FSDP2 is not supported yet (the "
+                                  f"reference is sharded with the policy's settings); unset it, or set the dtype of "
+                                  f"both with model_init_kwargs={{'dtype': ...}}.")  # fmt: skip
     stage = deepspeed_stage(accelerator)
     if stage is not None and lora:
         raise NotImplementedError("LoRA under DeepSpeed is not supported yet: train LoRA with DDP (plain torchrun "

@@ -65,11 +65,26 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.p = 0.0
 
 
-def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A reference policy: a copy of the weights that never trains."""
-    reference = copy.deepcopy(model)
+def frozen_copy(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """A reference policy: a copy of the weights that never trains, its floating-point parameters in `dtype`
+    (None: as they are). Each parameter is converted as it is copied, so no second full-precision copy ever exists;
+    buffers (e.g. rotary frequencies) keep their dtype, as `from_pretrained(dtype=...)` leaves them."""
+    memo = {}
+    if dtype is not None:
+        for parameter in model.parameters():  # deepcopy takes these instead of copying (tied weights stay tied)
+            if parameter.is_floating_point() and id(parameter) not in memo:
+                memo[id(parameter)] = torch.nn.Parameter(parameter.detach().to(dtype, copy=True), requires_grad=False)
+    reference = copy.deepcopy(model, memo)
     reference.requires_grad_(False)
+    if dtype is not None and hasattr(getattr(reference, "config", None), "dtype"):
+        reference.config.dtype = dtype
     return reference.eval()
+
+
+def full_precision(model: torch.nn.Module) -> bool:
+    """Whether every floating-point parameter is float32 (or float64): only then do the sampler's log-probs equal
+    the training forward's to float rounding (half-precision weights round differently in each kernel)."""
+    return all(p.dtype in (torch.float32, torch.float64) for p in model.parameters() if p.is_floating_point())
 
 
 # ------------------------------------------------------------------------------------------------- LoRA
@@ -210,20 +225,30 @@ def enable_gradient_checkpointing(model, args) -> None:
 
 def build_reference(model_argument, policy, args):
     """The frozen reference policy, or None: none when beta = 0, and none with LoRA, whose reference is the same
-    model with its adapter disabled (no second copy of the weights; see `reference_policy`). Under ZeRO-3 with the
-    model loaded partitioned (accelerate's zero.Init), a second load of it, partitioned the same way (a
-    partitioned model cannot be copied)."""
+    model with its adapter disabled (no second copy of the weights; see `reference_policy`). Its weights are in
+    `ref_model_dtype` when set (e.g. bfloat16: inference only, half a float32 copy), else in the policy's dtype.
+    Under ZeRO-3 with the model loaded partitioned (accelerate's zero.Init), a second load of it, partitioned the
+    same way (a partitioned model cannot be copied)."""
     from .distributed import is_zero3
 
+    if args.ref_model_dtype and is_peft_model(policy):
+        raise ValueError(f"ref_model_dtype={args.ref_model_dtype!r} with LoRA: the reference is the base model with "
+                         f"the adapter off, not a copy, so it has no dtype of its own. Load the base in that dtype "
+                         f"(model_init_kwargs={{'dtype': {args.ref_model_dtype!r}}}), or unset ref_model_dtype.")
+    if args.ref_model_dtype and args.beta == 0:
+        warnings.warn(f"ref_model_dtype={args.ref_model_dtype!r} has no effect with beta=0: there is no reference "
+                      f"model.", UserWarning, stacklevel=3)  # fmt: skip
     if args.beta == 0 or is_peft_model(policy):
         return None
+    dtype = getattr(torch, args.ref_model_dtype) if args.ref_model_dtype else None
     if not is_zero3(policy):
-        return frozen_copy(policy)
+        return frozen_copy(policy, dtype)
     if not isinstance(model_argument, str):
         raise NotImplementedError("Under ZeRO-3 the model was loaded already partitioned, so its reference cannot be "
                                   "copied from it: pass the model as a path or hub id (GRPOTrainer(model=...)), or "
                                   "set beta=0.")  # fmt: skip
-    reference = load_causal_lm(model_argument, args.model_init_kwargs, args.trust_remote_code)
+    init_kwargs = {**(args.model_init_kwargs or {}), **({"dtype": dtype} if dtype is not None else {})}
+    reference = load_causal_lm(model_argument, init_kwargs, args.trust_remote_code)
     if args.disable_dropout:
         disable_dropout(reference)
     return reference.requires_grad_(False).eval()

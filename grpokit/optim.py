@@ -2,7 +2,9 @@
 `adam_beta2`, `adam_epsilon` and `weight_decay`, built through transformers' own optimizer registry
 (`transformers.Trainer.get_optimizer_cls_and_kwargs`), so each name means what it means in TRL: `adamw_torch`,
 `adamw_torch_fused` (torch's fused kernel, which also runs on CPU), `adafactor`, `sgd`, `adagrad`, `rmsprop`, the
-bitsandbytes 8-bit and paged ones (`adamw_8bit`, `paged_adamw_32bit`, ...), GaLore, schedule-free, ...
+bitsandbytes 8-bit and paged ones (`adamw_8bit`, `paged_adamw_32bit`, ...), torchao's 8-bit and 4-bit AdamW
+(`adamw_torch_8bit`, `adamw_torch_4bit`), GaLore, schedule-free, ... The low-precision ones (`pip install
+'grpokit[lowmem]'`) run on the CPU too; tests/test_memory.py checks that they learn and resume bitwise.
 
 Weight decay skips biases and norm weights, as transformers' Trainer does (`Trainer.get_decay_parameter_names`).
 With `weight_decay=0` (the default) that split changes nothing, so there is one parameter group, and

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from accelerate.utils.memory import clear_device_cache
 
 from .agents import EnvironmentPool, build_agents, check_agents, placeholder_dataset
 from .advantages import combine_and_normalize, group_advantages, group_stats, process_advantages
@@ -71,6 +72,7 @@ from .models import (
     build_policy,
     build_reference,
     enable_gradient_checkpointing,
+    full_precision,
     is_peft_model,
     mix_into_reference,
     prompt_length_limit,
@@ -173,8 +175,9 @@ class GRPOTrainer:
             from .rollout.vllm import engine_from_config
 
             rollout_engine = engine_from_config(self.unwrapped_model, args, acc.num_processes)
+        exact = not (args.bf16 or args.fp16) and full_precision(self.unwrapped_model)  # bf16 weights: not exact
         self.engine = rollout_engine or HFEngine(self.unwrapped_model, acc.device, autocast=acc.autocast,
-                                                 all_done=all_done, exact_logprobs=not (args.bf16 or args.fp16))
+                                                 all_done=all_done, exact_logprobs=exact)  # fmt: skip
         self.agents = build_agents(self.processing_class, self.unwrapped_model, args, max_prompt_length, tools,
                                    environments, rollout_func)  # fmt: skip
         self.state = self._new_state()
@@ -385,6 +388,8 @@ class GRPOTrainer:
                                       batch.input_mask).to(loss.device)  # fmt: skip
             loss = loss + self.router_aux_loss_coef * aux / num_micro_batches
             stats.objective["aux_loss"] = aux.detach()
+        if args.torch_empty_cache_steps and self.state.global_step % args.torch_empty_cache_steps == 0:
+            clear_device_cache()  # as transformers' Trainer: cached allocator blocks back to the device, pre-backward
         self.stepper.backward(loss)
         return loss.item(), stats.as_dict()
 
