@@ -189,6 +189,7 @@ class VLLMEngine:
                                               tensor_parallel_size=tensor_parallel_size, model_impl=model_impl,
                                               enable_sleep_mode=enable_sleep_mode, kv_cache_gib=kv_cache_gib,
                                               seed=seed, **llm_kwargs)  # fmt: skip
+        self.close()  # vLLM read the checkpoint at start-up; pushes go as tensors, so the copy is not needed again
         self.asleep = self.sleep_mode
         self.pushed_versions = parameter_versions(model)
         self.pushes = 0  # weight pushes so far (tests read it)
