@@ -1,0 +1,52 @@
+"""Forward + backward time of the chunked LM head against its chunk size, at a real vocabulary.
+
+    python benchmarks/chunk_rows.py                       # Qwen2.5-0.5B's head: V = 151,936, H = 896
+    python benchmarks/chunk_rows.py --vocab 32000 --hidden 256
+
+Each chunk of the backward adds a [V, H] product into the weight's gradient, so with a large vocabulary chunks of
+few rows make that pass dominate: this is what `grpokit.logprobs.MIN_CHUNK_ROWS` is chosen from. `0` in --rows is
+the plain head (all logits at once), for comparison. Prints seconds per forward + backward (best of --repeats).
+"""
+
+import argparse
+import time
+
+import torch
+
+from grpokit.logprobs import chunked_token_logprobs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vocab", type=int, default=151_936)
+    parser.add_argument("--hidden", type=int, default=896)
+    parser.add_argument("--tokens", type=int, default=512, help="rows through the head (completion tokens)")
+    parser.add_argument("--rows", default="27,128,256,512,0", help="chunk sizes to time; 0 = the plain head")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    weight = (torch.randn(args.vocab, args.hidden) * 0.02).requires_grad_(True)
+    hidden = torch.randn(args.tokens, args.hidden, requires_grad=True)
+    targets = torch.randint(0, args.vocab, (args.tokens,))
+
+    def step(rows: int) -> float:
+        weight.grad = hidden.grad = None
+        start = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if rows == 0:
+                logprobs = torch.log_softmax((hidden @ weight.t()).float(), -1).gather(-1, targets[:, None])
+            else:
+                logprobs, _ = chunked_token_logprobs(hidden, weight, targets, chunk_rows=rows)
+        logprobs.sum().backward()
+        return time.perf_counter() - start
+
+    for rows in (int(r) for r in args.rows.split(",")):
+        step(rows)  # warm-up
+        best = min(step(rows) for _ in range(args.repeats))
+        print(f"{'plain head' if rows == 0 else f'{rows}-row chunks':>16}: {best:.2f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
