@@ -27,11 +27,12 @@ def lookup(key: str) -> str:
     return TABLE[key]
 
 
-def tiny_agent_model(hidden_size: int = 32, seed: int = 0, num_layers: int = 2):
+def tiny_agent_model(hidden_size: int = 32, seed: int = 0, num_layers: int = 2, **shape):
+    """shape: more of build_tiny_model's arguments (vLLM's CPU attention needs num_heads=2 at hidden size 64)."""
     tokenizer = build_qwen_chat_tokenizer(WORDS)
     model = build_tiny_model(len(tokenizer), hidden_size=hidden_size, num_layers=num_layers, seed=seed,
                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                             bos_token_id=None)  # fmt: skip
+                             bos_token_id=None, **shape)  # fmt: skip
     return model, tokenizer
 
 
