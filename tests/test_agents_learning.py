@@ -1,9 +1,13 @@
 """Learning with tools and with an environment: a tiny model learns to call a lookup tool it needs.
 
 The task: "key k37" → the value stored under k37, which only the `lookup` tool can read (values are random; the
-held-out keys are never trained on). A short supervised warm-up on ideal transcripts (as the demo does: a
-random-weight model has no tool use for GRPO to sharpen) stops as soon as the held-out reward leaves zero; GRPO
-then raises it.
+held-out keys are never trained on). A short supervised warm-up on ideal transcripts (call, tool result, copied
+answer; loss on the model's turns only, as the demo does: a random-weight model has no tool use for GRPO to sharpen)
+runs in small chunks and stops as soon as the held-out reward first reaches 0.1, well below the target (the
+copying circuit appears abruptly, so coarse chunks would overshoot); GRPO then raises the held-out reward to >= 0.6.
+Measured on CPU: held-out 0.167 -> 0.80 after 210 warm-up and 200 GRPO steps, both tests, about 2.5 min each on
+a shared 2-core machine. Other model seeds (standalone runs of the same recipe): seed 1 0.117 -> 0.59, seed 2
+0.125 -> 0.875; the tests use seed 0.
 """
 
 import random
@@ -49,20 +53,20 @@ def learn(tmp_path, **agent):
     model, tokenizer = tiny_agent_model(hidden_size=64)
     environment = "environment_factory" in agent
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=32, num_generations=8,
-                      max_completion_length=48, max_steps=40, learning_rate=3e-4, lr_scheduler_type="constant",
+                      max_completion_length=48, max_steps=200, learning_rate=1e-3, lr_scheduler_type="constant",
                       logging_steps=1, save_strategy="no", disable_tqdm=True, report_to="none", seed=0,
                       num_generations_eval=4, per_device_eval_batch_size=120, max_tool_calling_iterations=2)
     trainer = GRPOTrainer(model=model, reward_funcs=answered, args=args, processing_class=tokenizer,
                           train_dataset=dataset(TRAIN_KEYS, with_prompt=not environment),
                           eval_dataset=dataset(HELD_OUT_KEYS, with_prompt=not environment), **agent)  # fmt: skip
-    for chunk in range(40):  # warm up until the held-out reward leaves zero
-        warm_up(trainer.unwrapped_model, tokenizer, TRAIN_KEYS, steps=25, seed=chunk)
+    for chunk in range(200):  # warm up, 5 steps at a time, until the held-out reward first reaches 0.1
+        warm_up(trainer.unwrapped_model, tokenizer, TRAIN_KEYS, steps=5, seed=chunk)
         before = trainer.evaluate()["eval/reward"]
-        if before >= 0.05:
+        if before >= 0.1:
             break
     trainer.train()
     after = trainer.evaluate()
-    print(f"warm-up steps {25 * (chunk + 1)}, held-out reward {before:.3f} -> {after['eval/reward']:.3f}, "
+    print(f"warm-up steps {5 * (chunk + 1)}, held-out reward {before:.3f} -> {after['eval/reward']:.3f}, "
           f"tool calls per completion {after['eval/tools/call_frequency']:.2f}")
     return before, after
 
@@ -70,11 +74,11 @@ def learn(tmp_path, **agent):
 @pytest.mark.slow
 def test_a_tiny_model_learns_to_call_the_lookup_tool_it_needs(tmp_path):
     before, after = learn(tmp_path, tools=[lookup])
-    assert before <= 0.2 and after["eval/reward"] >= 0.6
+    assert before < 0.3 and after["eval/reward"] >= 0.6
     assert after["eval/tools/call_frequency"] >= 0.9 and after["eval/tools/failure_frequency"] <= 0.1
 
 
 @pytest.mark.slow
 def test_a_tiny_model_learns_to_use_an_environment(tmp_path):
     before, after = learn(tmp_path, environment_factory=KeyVault)
-    assert before <= 0.2 and after["eval/reward"] >= 0.6
+    assert before < 0.3 and after["eval/reward"] >= 0.6
