@@ -603,7 +603,9 @@ class GRPOTrainer:
 
     def _log_generation(self, scores, rewards, rollout, failures) -> None:
         args, acc = self.args, self.accelerator
-        lengths = acc.gather(rollout.lengths.float()).cpu()
+        # With tools a completion's length counts the model's own tokens, not the tool results (as TRL).
+        lengths = rollout.loss_mask.sum(1) if self.agents is not None else rollout.lengths
+        lengths = acc.gather(lengths.float()).cpu()
         truncated = acc.gather(rollout.is_truncated.float()).cpu()
         tokens = acc.gather((rollout.prompt_mask.sum() + rollout.attention_mask.sum()).reshape(1)).sum().item()
         self.state.num_tokens += int(tokens)

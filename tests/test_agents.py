@@ -299,6 +299,8 @@ def test_tool_result_tokens_get_no_loss_and_no_gradient_but_stay_in_context(tmp_
     assert [c[-1]["content"] for c in seen[:2]] == [f"answer {TABLE['k3']}", "value"]
     log = trainer.state.log_history[0]
     assert log["tools/call_frequency"] == 1.0 and log["tools/failure_frequency"] == 0.0
+    # Lengths count the model's tokens only (call + answer), as TRL's: the tool results are not the model's.
+    assert log["completions/mean_length"] == pytest.approx(sum(map(sum, masks)) / len(masks))
 
 
 def test_the_python_tool_runs_model_code_in_the_sandbox():
