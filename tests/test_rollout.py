@@ -149,6 +149,37 @@ def test_fast_paths_match_the_naive_loop(model, tokenizer, sampling):
         assert (fast.sampling_logprobs - naive.sampling_logprobs).abs().max() <= LOGPROB_ATOL, label
 
 
+@pytest.mark.parametrize("task_type", ["CAUSAL_LM", None])
+def test_lora_model_samples_with_the_kv_cache(tokenizer, task_type, monkeypatch):
+    """A LoRA PeftModel's forward names no past_key_values; sampling must still take the KV-cached decoder (not
+    re-run the whole sequence every step), with the tokens and log-probs of the no-cache loop (float rounding)."""
+    peft = pytest.importorskip("peft")
+    from grpokit.rollout import hf
+
+    base = build_tiny_model(len(tokenizer), hidden_size=32, num_layers=2, seed=0)
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], task_type=task_type)
+    model = peft.get_peft_model(base, config).eval()
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # B starts at zero: make the adapter do something
+            torch.nn.init.normal_(param, std=0.5)
+    ids, mask = grouped(PLAIN_PROMPTS, tokenizer, 4)
+    params = params_for(tokenizer, max_new_tokens=8)
+    naive = generate(model, ids, mask, params, generator=seeded(0), num_generations=4, use_cache=False)
+    with model.disable_adapter():
+        no_adapter = generate(model, ids, mask, params, generator=seeded(0), num_generations=4, use_cache=False)
+    assert not torch.equal(no_adapter.completion_ids, naive.completion_ids)  # the adapter is in the samples
+
+    steps = []
+    monkeypatch.setattr(hf.CachedDecoder, "step", lambda self, tokens, _s=hf.CachedDecoder.step: steps.append(1)
+                        or _s(self, tokens))  # fmt: skip
+    fast = generate(model, ids, mask, params, generator=seeded(0), num_generations=4)
+    assert steps, "a LoRA model sampled without its KV cache"
+    assert torch.equal(fast.completion_ids, naive.completion_ids)
+    assert torch.equal(fast.attention_mask, naive.attention_mask)
+    assert (fast.sampling_logprobs - naive.sampling_logprobs).abs().max() <= LOGPROB_ATOL
+
+
 # ------------------------------------------------------------------------------------------------- EOS
 
 

@@ -69,6 +69,19 @@ def supports_kv_cache(model: torch.nn.Module) -> bool:
     return "past_key_values" in params and "attention_mask" in params
 
 
+def adapter_wraps_kv_cache_model(model: torch.nn.Module) -> bool:
+    """A LoRA-style PeftModel (any task type) around a model that takes a KV cache. Its forward names no
+    `past_key_values` (PeftModelForCausalLM passes it on through **kwargs, PeftModel takes only *args/**kwargs), so
+    `supports_kv_cache` alone would send it to the no-cache decoder, which re-runs the whole sequence at every step.
+    Prompt-learning adapters (prefix tuning...) manage the cache themselves: not these."""
+    if not hasattr(model, "get_base_model"):
+        return False
+    config = getattr(model, "active_peft_config", None)
+    if config is None or getattr(config, "is_prompt_learning", False):
+        return False
+    return supports_kv_cache(model.get_base_model())
+
+
 def forward_accepts(model: torch.nn.Module, name: str) -> bool:
     try:
         params = inspect.signature(model.forward).parameters
@@ -241,7 +254,7 @@ def _generate(model, prompt_ids, prompt_mask, params, generator, num_generations
               drop_finished, all_done, multimodal=None) -> Rollout:  # fmt: skip
     n, device = prompt_ids.shape[0], prompt_ids.device
     if use_cache is None:
-        use_cache = supports_kv_cache(model)
+        use_cache = supports_kv_cache(model) or adapter_wraps_kv_cache_model(model)
         if multimodal is not None and hasattr(model, "get_base_model"):  # a PeftModel without a task type
             use_cache = supports_kv_cache(model.get_base_model())
     capacity = prompt_ids.shape[1] + params.max_new_tokens
