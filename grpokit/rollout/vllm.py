@@ -280,6 +280,11 @@ def start_llm(directory, *, dtype, max_model_len=None, max_num_seqs=256, gpu_mem
                    tensor_parallel_size=tensor_parallel_size, model_impl=model_impl, seed=seed)  # fmt: skip
     if on_gpu:
         options.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
+    else:
+        # A prefill split over engine steps (chunked prefill: prompts beyond the step's token budget, e.g. 120
+        # held-out rollouts of ~55 tokens) makes vLLM rewind the request's seeded generator, which a CPU generator
+        # refuses ("CPU Generator does not use offset"): prompts are prefilled whole, those over the budget wait.
+        options.update(enable_chunked_prefill=False)
     options.update(llm_kwargs)
     with guarded_process_state():
         llm = vllm.LLM(**options)
