@@ -217,7 +217,7 @@ def test_reward_functions_receive_trainer_state_log_metric_and_log_extra(tmp_pat
 def test_reward_processing_classes_must_match_the_reward_functions(tmp_path):
     with pytest.raises(ValueError, match="reward_processing_classes has 2 entries for 1"):
         trainer_for(tmp_path, reward_processing_classes=[None, None])
-    with pytest.raises(ValueError, match="No reward functions"):
+    with pytest.raises(ValueError, match="No reward source"):
         trainer_for(tmp_path, reward_funcs=None)
 
 
