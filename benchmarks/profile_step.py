@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import os
 import sys
 import tempfile
@@ -129,8 +130,8 @@ CHILDREN = {
 }
 
 
-def make_trainer(impl, config, model_dir, workdir, steps, hook):
-    args_kwargs = common_args(config, str(workdir / f"out_{impl}"), steps, 1e-5, 0.04, 42)
+def make_trainer(impl, config, model_dir, workdir, steps, hook, extra_args=None):
+    args_kwargs = common_args(config, str(workdir / f"out_{impl}"), steps, 1e-5, 0.04, 42) | (extra_args or {})
     dataset = make_dataset(max(64, 8 * steps), 42)
     if impl == "trl":
         from transformers import TrainerCallback
@@ -207,6 +208,8 @@ def main(argv=None) -> int:
                              "-C DIR`), to profile an earlier version")  # fmt: skip
     parser.add_argument("--plain-head", action="store_true",
                         help="grpokit: force the plain logits path (grpokit.logprobs.USE_CHUNKED_HEAD = False)")
+    parser.add_argument("--args", default="{}", metavar="JSON",
+                        help="extra GRPOConfig arguments, e.g. '{\"model_init_kwargs\": {\"dtype\": \"bfloat16\"}}'")
     args = parser.parse_args(argv)
     if args.src:  # before anything imports grpokit
         sys.path.insert(0, str(Path(args.src).resolve()))
@@ -252,7 +255,7 @@ def main(argv=None) -> int:
                 if profiler:
                     profiler.disable()
 
-        trainer = make_trainer(args.impl, config, workdir / "model", workdir, total_steps, hook)
+        trainer = make_trainer(args.impl, config, workdir / "model", workdir, total_steps, hook, json.loads(args.args))
         (instrument_trl if args.impl == "trl" else instrument_grpokit)(trainer, timer)
         load = os.getloadavg()[0]
         trainer.train()
@@ -286,7 +289,7 @@ def main(argv=None) -> int:
                     tp.stop()
 
             timer.active = False
-            trainer = make_trainer(args.impl, config, workdir / "model", workdir, total_steps, hook2)
+            trainer = make_trainer(args.impl, config, workdir / "model", workdir, total_steps, hook2, json.loads(args.args))
             with contextlib.redirect_stdout(sys.stderr):
                 trainer.train()
             sort = "self_cuda_time_total" if config["cuda"] else "self_cpu_time_total"
