@@ -191,6 +191,11 @@ class GRPOConfig:
     guard_metric: str | None = _f(None, "Warn when the reward rises while this metric falls (e.g. "
                                         "'rewards/format/mean', 'completions/mean_length'); None: off.")
     guard_window: int = _f(5, "Logging steps over which guard_metric's trend is compared with the reward's.")
+    padding_free: bool = _f(False, "Packed training forwards: the real tokens of a micro-batch only, each distinct "
+                                   "prompt once followed by its completions, with an attention mask that keeps them "
+                                   "apart (no padding, no KV cache: also under gradient checkpointing). Same values "
+                                   "and gradients as the padded forward; needs full-attention layers, SDPA or eager "
+                                   "attention and no entropy bonus.")
     freeze_vision_tower: bool = _f(True, "Vision-language models: the vision encoder and its projector do not train "
                                          "(LoRA adapts the language model only, through peft's exclude_modules; full "
                                          "training freezes them). False trains them too, as TRL does.")
@@ -648,6 +653,9 @@ class GRPOConfig:
             fail(f"per_device_eval_batch_size={self.per_device_eval_batch_size} must be >= 1.")
         if self.guard_window < 2:
             fail(f"guard_window={self.guard_window} must be >= 2: a trend needs at least two logging steps.")
+        if self.padding_free and (self.entropy_coef != 0 or self.use_adaptive_entropy):
+            fail("padding_free=True gives entropies without a gradient, and an entropy bonus (entropy_coef != 0 or "
+                 "use_adaptive_entropy) needs one: set padding_free=False or drop the bonus.")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             fail(f"save_total_limit={self.save_total_limit} must be >= 1, or None to keep every checkpoint.")
 

@@ -18,6 +18,7 @@ from .compat import cache_from_layers, is_activation_checkpointing
 from .distributed import is_sharded
 from .models import is_peft_model
 from .multimodal import MultimodalInputs, batch_model_inputs, is_vision_language_model, rope_position_ids
+from .packing import pack_rows
 from .rollout.fast import model_cache, model_config
 from .rollout.hf import forward_accepts, logits_of, position_ids_from_mask
 
@@ -308,6 +309,7 @@ def token_logprobs(
     router_logits: list | None = None,
     fp32_head: bool = False,
     multimodal: MultimodalInputs | None = None,
+    padding_free: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [N, T] (and entropies [N, T]) of the last T tokens of input_ids [N, P + T] under the model.
 
@@ -334,7 +336,21 @@ def token_logprobs(
     share its images too).
     router_logits: a list to receive an MoE model's router logits (one [N·(P+T), E] tensor per MoE layer, with
     their graph), for a load-balancing loss; the plain path is taken then (one forward of the whole sequence).
+    padding_free: run the real tokens only, packed (`packed_hidden`): each distinct prompt once per packed segment,
+    its completions after it, no padding and no KV cache (so also under gradient checkpointing). The same values
+    and gradients as the padded forward up to float rounding (tests/test_packing.py); a model it cannot run
+    exactly, or an entropy with a gradient or router logits, raises ValueError (`packing_refusal` says why).
     """
+    if padding_free:
+        reason = packing_refusal(model)
+        if reason is None and with_entropy and entropy_grad and torch.is_grad_enabled():
+            reason = "its entropies carry no gradient (an entropy bonus, entropy_coef != 0, needs the padded forward)"
+        if reason is None and router_logits is not None:
+            reason = "it does not return the router logits of an MoE load-balancing loss (router_aux_loss_coef)"
+        if reason is not None:
+            raise ValueError(f"padding_free=True cannot run here: {reason}. Set padding_free=False.")
+        return packed_token_logprobs(model, input_ids, attention_mask, completion_length, temperature, with_entropy,
+                                     fp32_head)  # fmt: skip
     use_chunked = supports_chunked_head(model) if chunked is None else chunked
     if router_logits is not None:  # an MoE aux loss needs the router logits of the model's own forward
         use_chunked = False
@@ -400,6 +416,81 @@ def token_logprobs(
     return logprobs, entropies
 
 
+# ------------------------------------------------------------------------------------------ padding-free forward
+
+# Every architecture of CHUNKED_HEAD_MODEL_TYPES whose layers are all full attention takes a 4D attention mask as
+# given (transformers 5's `create_causal_mask` returns a 4D mask as-is: masking_utils._preprocess_mask_arguments,
+# read in 5.24) and packs exactly: tests/test_packing.py compares the packed and padded forwards, values and
+# gradients, on a tiny model of each.
+# Attention implementations that read a 4D mask (flash attention reads none: its varlen form is not done here).
+PACKED_ATTENTION = ("sdpa", "eager")
+
+
+def packing_refusal(model: torch.nn.Module) -> str | None:
+    """Why `token_logprobs(..., padding_free=True)` cannot run `model` exactly, or None when it can."""
+    if not supports_chunked_head(model):
+        return ("the packed forward runs the decoder and grpokit's chunked LM head, which this model does not take "
+                "(a wrapped model (DistributedDataParallel, FSDP2, ZeRO-3), prompt-learning PEFT, a quantised or "
+                "adapted LM head, a head with soft-capping or scaling, or an architecture outside "
+                "CHUNKED_HEAD_MODEL_TYPES)")  # fmt: skip
+    lm = causal_lm_of(model)
+    if is_vision_language_model(lm):
+        return "vision-language models are not packed (their image tokens and multimodal position ids)"
+    implementation = getattr(lm.config, "_attn_implementation", None)
+    if implementation not in PACKED_ATTENTION:
+        return (f"attn_implementation={implementation!r} takes no 4D attention mask; load the model with "
+                f"attn_implementation='sdpa' or 'eager'")  # fmt: skip
+    if not has_only_full_attention(lm):
+        return "some layers are not full attention (a sliding window or a recurrent state), which a 4D mask bypasses"
+    return None
+
+
+def check_padding_free(policy: torch.nn.Module, reference: torch.nn.Module | None, router_aux_loss_coef: float):
+    """Raise ValueError, at setup, where padding_free=True cannot run: a model it cannot pack exactly, or an MoE
+    load-balancing loss (which needs the router logits of the padded forward)."""
+    for name, model in (("the policy", policy), ("the reference model", reference)):
+        reason = None if model is None else packing_refusal(model)
+        if reason is not None:
+            raise ValueError(f"padding_free=True cannot run {name}: {reason}. Set padding_free=False.")
+    if router_aux_loss_coef:
+        raise ValueError(f"padding_free=True does not return the router logits that the MoE load-balancing loss "
+                         f"needs (router_aux_loss_coef={router_aux_loss_coef}, the config's own when None): set "
+                         f"router_aux_loss_coef=0 or padding_free=False.")
+
+
+def packed_token_logprobs(model, input_ids, attention_mask, completion_length: int, temperature: float = 1.0,
+                          with_entropy: bool = False, fp32_head: bool = False,
+                          row_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """`token_logprobs` through a packed forward (`packing.pack_rows`): the decoder runs only the real tokens, each
+    distinct prompt once per segment, with a 4D mask that lets a token see what it sees in the padded forward;
+    the chunked head runs on the hidden states that predict real completion tokens. Log-probs and entropies are
+    0 on padding, as on the chunked path. row_tokens: `pack_rows`' bound on a packed row (default: PACKED_ROW_WIDTH
+    times the padded row)."""
+    lm = causal_lm_of(model)
+    head, decoder = lm.get_output_embeddings(), decoder_of(lm)
+    shape = (input_ids.shape[0], completion_length)
+    position_ids = position_ids_from_mask(attention_mask)
+    if row_tokens is None:
+        row_tokens = PACKED_ROW_WIDTH * input_ids.shape[1]
+    packed = pack_rows(input_ids, attention_mask, position_ids, completion_length, row_tokens)
+    if packed is None:  # no real completion token: every log-prob is 0 (the chunked path's value on padding)
+        zeros = torch.zeros(shape, device=input_ids.device)
+        return zeros, zeros.clone() if with_entropy else None
+    mask = packed.attention_mask(lm.config._attn_implementation, decoder.get_input_embeddings().weight.dtype)
+    out = decoder(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids, use_cache=False)
+    hidden = _last_hidden(out).flatten(0, 1)[packed.hidden_index]  # [K, H]
+    targets = input_ids[:, -completion_length:][packed.rows, packed.columns]
+    logprobs, entropies = chunked_token_logprobs(hidden, head.weight, targets, temperature, bias=head.bias,
+                                                 with_entropy=with_entropy, fp32_head=fp32_head)  # fmt: skip
+    return (_scatter(logprobs, packed.rows, packed.columns, shape),
+            None if entropies is None else _scatter(entropies, packed.rows, packed.columns, shape))  # fmt: skip
+
+
+# A packed row holds at most this many times the padded row's positions: a wider row shares a prompt among more
+# completions, but SDPA's work per token grows with the row (it computes masked pairs too); benchmarks/packing.py.
+PACKED_ROW_WIDTH = 2
+
+
 @contextlib.contextmanager
 def float32_head(model: torch.nn.Module):
     """The model's LM head computes in float32 (input, weight and matmul) for the duration, also under autocast."""
@@ -441,10 +532,14 @@ def can_share_prompts(lm: torch.nn.Module) -> bool:
     whose mask the cache would change; no Mamba state, as in NemotronH, which a per-row index of the prompts' keys
     and values does not carry; no attention-free block), and no gradient checkpointing (under which transformers
     turns the cache off)."""
+    return not is_activation_checkpointing(lm) and has_only_full_attention(lm)
+
+
+def has_only_full_attention(lm: torch.nn.Module) -> bool:
+    """Whether every layer is full attention: transformers lays out a plain key/value cache layer for each (no
+    sliding window, no Mamba state as in NemotronH, no attention-free block)."""
     from transformers.cache_utils import DynamicLayer
 
-    if is_activation_checkpointing(lm):
-        return False
     layers = model_cache(model_config(lm)).layers
     return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 

@@ -58,7 +58,7 @@ from .distributed import (
 )
 from .evaluation import evaluation_metrics, group_records
 from .hub import check_hub, push_folder
-from .logprobs import token_logprobs
+from .logprobs import check_padding_free, token_logprobs
 from .logs import MetricSink, MetricWindow, generation_metrics, reduce_extremes
 from .loss import (
     AdaptiveEntropyController,
@@ -191,6 +191,8 @@ class GRPOTrainer:
         self.window = MetricWindow()
         self.cursor = GenerationCursor()
         self.router_aux_loss_coef = router_aux_loss_coef(args, self.unwrapped_model)
+        if args.padding_free:
+            check_padding_free(self.model, self.reference, self.router_aux_loss_coef)
         self.entropy_controller = None if not args.use_adaptive_entropy else AdaptiveEntropyController(
             args.entropy_coef, args.entropy_target, args.entropy_coef_delta, args.entropy_coef_min,
             args.entropy_coef_max)  # fmt: skip
@@ -369,7 +371,8 @@ class GRPOTrainer:
                                                  batch.completion_ids.shape[1], args.temperature, with_entropy=True,
                                                  entropy_grad=args.entropy_coef != 0 or controller is not None,
                                                  router_logits=router_logits, fp32_head=args.cast_lm_head_to_fp32,
-                                                 multimodal=batch.multimodal)  # fmt: skip
+                                                 multimodal=batch.multimodal,
+                                                 padding_free=args.padding_free)  # fmt: skip
         loss_weights = None
         if args.top_entropy_quantile < 1.0:
             loss_weights = high_entropy_mask(entropies.detach(), batch.loss_mask, args.top_entropy_quantile)
@@ -524,7 +527,8 @@ class GRPOTrainer:
             with self.accelerator.autocast():
                 logprobs, _ = token_logprobs(model, part.input_ids, part.input_mask, part.completion_ids.shape[1],
                                              self.args.temperature, fp32_head=self.args.cast_lm_head_to_fp32,
-                                             multimodal=part.multimodal)  # fmt: skip
+                                             multimodal=part.multimodal,
+                                             padding_free=self.args.padding_free)  # fmt: skip
             out.append(logprobs.float())
         return torch.cat(out)
 
