@@ -44,6 +44,32 @@ def is_activation_checkpointing(model: torch.nn.Module) -> bool:
     return bool(getattr(model, name, False))
 
 
+def cache_argument(model: torch.nn.Module) -> str | None:
+    """The name under which a model's forward takes its KV cache: `cache` (transformers >= 5.24 renamed it),
+    `past_key_values` (earlier versions, and most hand-written modules), or None when it names neither. A forward
+    that takes only **kwargs (a PeftModel) is judged by the model it wraps (`get_base_model`)."""
+    import inspect
+
+    for candidate in (model, getattr(model, "get_base_model", lambda: None)()):
+        if candidate is None:
+            continue
+        try:
+            params = inspect.signature(candidate.forward).parameters
+        except (TypeError, ValueError):
+            continue
+        for name in ("cache", "past_key_values"):
+            if name in params:
+                return name
+    return None
+
+
+def output_cache(output):
+    """The KV cache a transformers forward returned: `output.cache` from 5.24 on (`past_key_values` before; the old
+    name still reads, with a deprecation warning, until 5.40)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
+
+
 def cache_from_layers(layers: list[tuple[torch.Tensor, torch.Tensor]]):
     """A DynamicCache holding given (keys, values) per layer. The `ddp_cache_data` constructor argument is the
     only way to build one from tensors that keeps them in the autograd graph (`update` would too, but appends)."""

@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 
-from .compat import cache_from_layers, is_activation_checkpointing
+from .compat import cache_argument, cache_from_layers, is_activation_checkpointing, output_cache
 from .distributed import is_sharded
 from .models import is_peft_model
 from .multimodal import MultimodalInputs, batch_model_inputs, is_vision_language_model, rope_position_ids
@@ -493,13 +493,14 @@ def shared_prompt_hidden(decoder, input_ids, attention_mask, position_ids, compl
     if len(distinct) > SHARE_PROMPTS_MAX_DISTINCT * n:
         return None
     device = input_ids.device
+    cache_name = cache_argument(decoder) or "past_key_values"
     first = torch.full((len(distinct),), n, dtype=torch.long, device=device)
     first = first.scatter_reduce(0, row_of, torch.arange(n, device=device), reduce="amin")
     images = batch_model_inputs(multimodal, first, prompt_length, model=decoder)
     out = decoder(input_ids=input_ids[first, :prompt_length], attention_mask=attention_mask[first, :prompt_length],
-                  position_ids=position_ids[..., first, :prompt_length], past_key_values=DynamicCache(),
-                  use_cache=True, **images)  # fmt: skip
-    prompt_cache = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+                  position_ids=position_ids[..., first, :prompt_length], use_cache=True,
+                  **{cache_name: DynamicCache()}, **images)  # fmt: skip
+    prompt_cache = [(layer.keys, layer.values) for layer in output_cache(out).layers]
     prompt_end = _last_hidden(out)[:, -1]  # [U, H]: a prompt's last position predicts its first completion token
 
     real = attention_mask[:, prompt_length:].bool()
@@ -517,8 +518,8 @@ def shared_prompt_hidden(decoder, input_ids, attention_mask, position_ids, compl
                                                  prompt_cache])  # fmt: skip
             end = prompt_length + longest - 1
             rest = decoder(input_ids=input_ids[group, prompt_length:end], attention_mask=attention_mask[group, :end],
-                           position_ids=position_ids[..., group, prompt_length:end], past_key_values=cache,
-                           use_cache=True)  # fmt: skip
+                           position_ids=position_ids[..., group, prompt_length:end], use_cache=True,
+                           **{cache_name: cache})  # fmt: skip
             states = torch.cat([states, _last_hidden(rest)], 1)  # [rows, longest, H]
         group_rows, group_columns = real[group, :longest].nonzero(as_tuple=True)
         hidden.append(states[group_rows, group_columns])

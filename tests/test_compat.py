@@ -143,3 +143,27 @@ def test_parameter_versions_change_with_an_optimizer_step_and_only_then():
     with torch.no_grad():
         model.weight.mul_(1.0)  # any in-place write
     assert parameter_versions(model) != after
+
+
+def test_cache_argument_and_output_cache_follow_the_installed_transformers():
+    """transformers 5.24 renamed the forward's `past_key_values` to `cache` (and the output field with it). Both
+    names must be read right, or every sampler call silently falls back to re-running the whole sequence."""
+    import inspect
+
+    from grpokit.rollout.hf import supports_kv_cache
+
+    peft = pytest.importorskip("peft")
+    model = build_tiny_model(vocab_size=16, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1).eval()
+    name = compat.cache_argument(model)
+    assert name in inspect.signature(model.forward).parameters
+    assert supports_kv_cache(model)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    assert compat.cache_argument(lora) == name  # a PeftModel forwards **kwargs to the model it wraps
+    assert compat.cache_argument(torch.nn.Linear(2, 2)) is None
+
+    from transformers import DynamicCache
+
+    ids = torch.tensor([[1, 2, 3]])
+    out = model(input_ids=ids, use_cache=True, **{name: DynamicCache()})
+    cache = compat.output_cache(out)
+    assert isinstance(cache, DynamicCache) and cache.get_seq_length() == 3

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from ..compat import select_cache_rows
+from ..compat import cache_argument, output_cache, select_cache_rows
 from ..multimodal import MultimodalInputs, batch_model_inputs, rope_position_ids
 from .engine import PromptBatch, Rollout, SamplingParams
 from .fast import model_config, one_token_attention, sampling_cache
@@ -61,12 +61,12 @@ def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 def supports_kv_cache(model: torch.nn.Module) -> bool:
-    """Hugging Face causal LMs take `past_key_values`; a plain nn.Module usually does not."""
+    """Hugging Face causal LMs take a KV cache (`compat.cache_argument`); a plain nn.Module usually does not."""
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
-    return "past_key_values" in params and "attention_mask" in params
+    return cache_argument(model) in params and "attention_mask" in params
 
 
 def adapter_wraps_kv_cache_model(model: torch.nn.Module) -> bool:
@@ -105,6 +105,7 @@ class CachedDecoder:
         self.model = model
         self.capacity = capacity  # prompt + completion positions, for a preallocated cache
         self.forward_kwargs = sampling_forward_kwargs(model)
+        self.cache_argument = cache_argument(model) or "past_key_values"  # a PeftModel passes it on by name
         self.cache = None
         self.mask = None  # [n, P + t]
         self.next_position = None  # [n]
@@ -117,11 +118,11 @@ class CachedDecoder:
         self.cache = sampling_cache(self.model, max(self.capacity, ids.shape[1]))
         positions = position_ids_from_mask(mask)
         out = self.model(
-            input_ids=ids, attention_mask=mask, past_key_values=self.cache, use_cache=True, logits_to_keep=1,
+            input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1,
             position_ids=positions if rope_positions is None else rope_positions,
-            **self.forward_kwargs, **(prompt_inputs or {}),
+            **{self.cache_argument: self.cache}, **self.forward_kwargs, **(prompt_inputs or {}),
         )  # fmt: skip
-        self.cache = out.past_key_values
+        self.cache = output_cache(out)
         logits = logits_of(out)[:, -1]
         # Text after the images continues from the largest 3D position: a per-row offset to the 1D position.
         offset = torch.zeros_like(positions[:, -1]) if rope_positions is None else \
@@ -140,10 +141,10 @@ class CachedDecoder:
         if self.rope_offset is not None:  # a text token: its three M-RoPE positions are equal
             positions = (positions + self.rope_offset[:, None])[None].expand(3, -1, -1)
         out = self.model(
-            input_ids=tokens[:, None], attention_mask=self.mask, position_ids=positions,
-            past_key_values=self.cache, use_cache=True, **self.forward_kwargs,
+            input_ids=tokens[:, None], attention_mask=self.mask, position_ids=positions, use_cache=True,
+            **{self.cache_argument: self.cache}, **self.forward_kwargs,
         )  # fmt: skip
-        self.cache = out.past_key_values
+        self.cache = output_cache(out)
         self.next_position = self.next_position + 1
         return logits_of(out)[:, -1]
 
