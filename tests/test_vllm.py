@@ -248,3 +248,49 @@ def test_tool_calling_rollouts_on_vllm_score_as_the_training_forward_across_turn
     with torch.no_grad():
         without, _ = token_logprobs(model, ids[None], torch.ones_like(ids)[None], int(keep.sum()), TEMPERATURE)
     assert (without[0] - rollout.sampling_logprobs[row][keep]).abs().max() > 1e-3
+
+
+def test_structured_outputs_regex_every_completion_matches_and_logprobs_are_of_the_masked_distribution(tmp_path):
+    """vllm_structured_outputs_regex (TRL: vLLM's structured outputs with that regex): every completion is a full
+    match followed by EOS, and vLLM's log-probs are those of the training forward's distribution restricted to the
+    tokens that can continue a match (the naive twin below, from the regex itself), not of the whole vocabulary."""
+    import regex
+
+    from grpokit.rollout.vllm import VLLMEngine
+
+    pattern = "[ab]{1,3}(c|de):"
+    model, tokenizer = tiny()
+    args = letter_config(tmp_path, use_vllm=True, vllm_structured_outputs_regex=pattern, vllm_max_model_length=64)
+    engine = VLLMEngine.from_config(model, args, tokenizer=tokenizer, max_num_seqs=32)
+    rollout = engine.generate(PROMPTS, params_for(tokenizer), seed=5)
+    eos = tokenizer.eos_token_id
+    texts = []
+    for ids in rollout.completion_id_lists():
+        assert ids[-1] == eos, ids
+        texts.append(tokenizer.decode(ids[:-1]))
+        assert regex.fullmatch(pattern, texts[-1]), texts[-1]
+    assert len(set(texts)) >= 4, texts  # sampled, not one forced string
+    # The naive twin: at each step, the log-softmax of the training forward's logits / T over the allowed tokens.
+    characters = {tokenizer.convert_tokens_to_ids(c): c for c in LETTERS + ":"}
+    with torch.no_grad():
+        ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
+        mask = torch.cat([rollout.prompt_mask, rollout.attention_mask], 1)
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, rollout.prompt_ids.shape[1] - 1 : -1].float()
+    logits = logits / TEMPERATURE
+    masked_gap, unmasked_gaps = 0.0, []
+    for row, completion in enumerate(rollout.completion_id_lists()):
+        for step, token in enumerate(completion):
+            prefix = tokenizer.decode(completion[:step])
+            allowed = [t for t, c in characters.items() if regex.fullmatch(pattern, prefix + c, partial=True)]
+            if regex.fullmatch(pattern, prefix):
+                allowed.append(eos)
+            assert token in allowed
+            masked = torch.full_like(logits[row, step], float("-inf"))
+            masked[allowed] = logits[row, step, allowed]
+            expected = torch.log_softmax(masked, -1)[token].item()
+            masked_gap = max(masked_gap, abs(expected - rollout.sampling_logprobs[row, step].item()))
+            unmasked = torch.log_softmax(logits[row, step], -1)[token].item()
+            unmasked_gaps.append(abs(unmasked - rollout.sampling_logprobs[row, step].item()))
+    print(f"structured outputs: max gap to the masked twin {masked_gap:.2e}, to the unmasked {max(unmasked_gaps):.2e}")
+    assert masked_gap <= TOLERANCE, masked_gap
+    assert max(unmasked_gaps) > 1e-1  # the mask shows: the check tells the two apart

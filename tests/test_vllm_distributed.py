@@ -126,22 +126,27 @@ TWO_PROCESSES = dict(per_device_train_batch_size=12, **UPDATE)
 ONE_PROCESS = dict(per_device_train_batch_size=24, **UPDATE)
 
 
+def save_policy(path) -> str:
+    # vLLM's CPU attention needs head sizes of 32 or more: 2 heads of 32 (test_vllm.tiny's shape).
+    return str(save_tiny_model(path, chars=LETTERS + ":", hidden_size=64, num_heads=2, num_kv_heads=1))
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    # vLLM's CPU attention needs head sizes of 32 or more: 2 heads of 32.
-    return str(save_tiny_model(tmp_path_factory.mktemp("model") / "tiny", chars=LETTERS + ":", hidden_size=64,
-                               num_heads=2, num_kv_heads=1))  # fmt: skip
+    return save_policy(tmp_path_factory.mktemp("model") / "tiny")
 
 
 def launch_script(directory, spec: dict, env: dict | None = None) -> None:
     launch(directory, spec, env={"VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}, script=SCRIPT)
 
 
-def check_two_processes_train_as_one(directory, model_dir, distributed_type: str) -> None:
-    """The recorded 2-process run in `directory / "two"` against one process replaying its rollouts."""
+def check_two_processes_train_as_one(directory, model_dir, distributed_type: str, engine: str = "VLLMEngine",
+                                     pushes=([0, 1, 2], [0, 1, 2])) -> None:  # fmt: skip
+    """The recorded 2-process run in `directory / "two"` against one process replaying its rollouts. `pushes`: each
+    process's engine's pushes so far at each of the 3 generations."""
     two = directory / "two"
     rank0, rank1 = load(two / "final_0.pt"), load(two / "final_1.pt")
-    assert rank0["engine"] == rank1["engine"] == "VLLMEngine"
+    assert rank0["engine"] == rank1["engine"] == engine
     assert rank0["distributed_type"] == distributed_type and rank0["num_processes"] == 2
     history = rank0["log_history"]
     assert len(history) == 3
@@ -150,8 +155,7 @@ def check_two_processes_train_as_one(directory, model_dir, distributed_type: str
     assert all(gap <= TOLERANCE for gap in gaps), gaps
     for rank in (0, 1):
         rollouts = load(two / f"rollouts_{rank}.pt")
-        # Each process's engine pushed before every generation but the first (the weights changed each step).
-        assert [r["pushes"] for r in rollouts] == [0, 1, 2]
+        assert [r["pushes"] for r in rollouts] == pushes[rank]
         assert all(int(r["rollout"].loss_mask.sum()) > 12 for r in rollouts)
     first0, first1 = (load(two / f"rollouts_{rank}.pt")[0] for rank in (0, 1))
     assert first0["counts"] == [8, 4] and first1["counts"] == [4, 8]  # the middle group spans the processes
@@ -181,6 +185,7 @@ def initial_weights(model_dir, two) -> None:
 def test_two_processes_each_sample_with_their_own_engine_and_train_as_one_ddp(model_dir, tmp_path):
     initial_weights(model_dir, tmp_path / "two")
     launch_script(tmp_path, dict(out=str(tmp_path / "two"), model=model_dir, config=TWO_PROCESSES))
+    # Each process's engine pushed before every generation but the first (the weights changed at each step).
     check_two_processes_train_as_one(tmp_path, model_dir, "MULTI_CPU")
 
 

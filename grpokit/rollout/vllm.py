@@ -439,9 +439,6 @@ def engine_from_config(model: torch.nn.Module, args, tokenizer=None, process_ind
     from ..distributed import is_sharded
 
     if args.vllm_mode == "server":  # no vLLM needed in this process
-        if num_processes > 1:
-            raise NotImplementedError("vllm_mode='server' runs with one training process for now; with several, "
-                                      "use vllm_mode='colocate' (one engine per process).")  # fmt: skip
         if is_sharded(model):
             raise NotImplementedError("vllm_mode='server' with a sharded model (FSDP2 / ZeRO-3) is not supported: "
                                       "use vllm_mode='colocate'.")  # fmt: skip
@@ -450,6 +447,6 @@ def engine_from_config(model: torch.nn.Module, args, tokenizer=None, process_ind
                                       "vllm_mode='colocate'.")  # fmt: skip
         from .vllm_client import VLLMServerEngine
 
-        return VLLMServerEngine.from_config(model, args)
+        return VLLMServerEngine.from_config(model, args, process_index, num_processes)
     return VLLMEngine.from_config(model, args, tokenizer=tokenizer, process_index=process_index,
                                   num_processes=num_processes, local_process_index=local_process_index)
