@@ -131,6 +131,21 @@ def test_vllm_leaves_the_process_state_as_it_found_it():
     assert torch.equal(torch.rand(3), expected_torch) and random.random() == expected_python
 
 
+def test_a_new_engine_shuts_the_previous_one_down_and_samples_exactly():
+    """vLLM's parallel groups are process-wide and an engine's shutdown (also at garbage collection) tears them
+    down: a second engine shuts the first down when it starts, and the first then refuses to sample."""
+    model, tokenizer = tiny()
+    first = engine_for(model)
+    second = engine_for(model)
+    with pytest.raises(RuntimeError, match="was shut down: another VLLMEngine started"):
+        first.generate(PROMPTS, params_for(tokenizer), seed=1)
+    del first
+    import gc
+
+    gc.collect()  # the first engine's finalizer has nothing left to tear down
+    assert logprob_gap(second, model, tokenizer) <= TOLERANCE
+
+
 def test_same_seed_same_completions():
     model, tokenizer = tiny()
     engine = engine_for(model)

@@ -199,6 +199,11 @@ class VLLMEngine:
 
     vLLM starts from dummy weights and the policy's are pushed in before the constructor returns: under FSDP2 that
     first push, like every later one, is a collective, so every process builds its engine at the same point.
+
+    One engine per process at a time: vLLM keeps its parallel groups process-wide, and an engine's shutdown (also
+    when it is garbage-collected) tears them down, with the torch.distributed process group. A new engine therefore
+    shuts the previous one down first (which then refuses to sample), rather than have its groups torn down under
+    it whenever the old one happens to be collected.
     """
 
     exact_logprobs = False  # vLLM's kernels: π_old comes from the training forward
@@ -212,6 +217,9 @@ class VLLMEngine:
             raise ValueError("structured_outputs_regex needs the tokenizer (vLLM masks the tokens that cannot "
                              "continue a match): pass tokenizer=.")  # fmt: skip
         self.structured_outputs_regex = structured_outputs_regex
+        previous = _live_engine()
+        if previous is not None:
+            previous.shutdown()
         self.directory = Path(tempfile.mkdtemp(prefix="grpokit-vllm-", dir=shared_memory_dir()))
         write_model_dir(model, self.directory, tokenizer if structured_outputs_regex is not None else None)
         config = base_model_of(model).config
@@ -230,7 +238,8 @@ class VLLMEngine:
                                                   **llm_kwargs)  # fmt: skip
         finally:
             self.close()  # vLLM has read the config (and tokenizer): weights come as tensors from here on
-        self.asleep = self.sleep_mode
+        self.asleep, self.is_shut_down = self.sleep_mode, False
+        _set_live_engine(self)
         self.pushed_versions, self.pushes = None, 0
         self.sync_weights(model)  # the policy's weights replace the dummy ones
         self.pushes = 0  # weight pushes since (tests read it)
@@ -257,6 +266,7 @@ class VLLMEngine:
         """Push `model`'s weights into vLLM if they changed since the last push (LoRA: merged; FSDP2: gathered one
         parameter at a time). Every process decides alone, and alike: they all run the same optimizer steps on
         their own parameters (or shards), so under FSDP2 they all enter the push's gathers together."""
+        self._check_running()
         versions = parameter_versions(model)
         if versions == self.pushed_versions:
             return
@@ -268,6 +278,7 @@ class VLLMEngine:
         self.pushes += 1
 
     def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
+        self._check_running()
         with guarded_process_state():
             self._wake()
             completions = sample(self.llm, prompts.ids, prompts.counts, params, seed, self.vocab_size,
@@ -293,9 +304,36 @@ class VLLMEngine:
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
 
+    def shutdown(self) -> None:
+        """Stop vLLM and free its memory (its parallel groups and the torch.distributed process group go with it)."""
+        if not self.is_shut_down:
+            self.is_shut_down = True
+            with guarded_process_state():
+                self.llm.llm_engine.engine_core.shutdown()
+
+    def _check_running(self) -> None:
+        if self.is_shut_down:
+            raise RuntimeError("This VLLMEngine was shut down: another VLLMEngine started in this process (vLLM runs "
+                               "one engine per process). Create the trainer again, or keep one at a time.")
+
     def __del__(self):
         with contextlib.suppress(Exception):
             self.close()
+
+
+_live = None  # a weak reference to this process's running VLLMEngine
+
+
+def _live_engine() -> VLLMEngine | None:
+    engine = _live() if _live is not None else None
+    return None if engine is None or engine.is_shut_down else engine
+
+
+def _set_live_engine(engine: VLLMEngine) -> None:
+    import weakref
+
+    global _live
+    _live = weakref.ref(engine)
 
 
 # ------------------------------------------------------------------------------------------ vLLM's internals
