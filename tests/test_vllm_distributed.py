@@ -194,9 +194,3 @@ def test_fsdp2_pushes_gathered_parameters_one_at_a_time_and_trains_as_one_proces
     launch_script(tmp_path, dict(out=str(tmp_path / "two"), model=model_dir, config=TWO_PROCESSES), env=FSDP2)
     check_two_processes_train_as_one(tmp_path, model_dir, "FSDP")
 
-
-def test_two_processes_refuse_what_is_not_built(model_dir, tmp_path):
-    from grpokit.rollout.vllm import external_launcher_options
-
-    with pytest.raises(NotImplementedError, match="vllm_tensor_parallel_size=2"):
-        external_launcher_options(0, 0, 2, tensor_parallel_size=2)

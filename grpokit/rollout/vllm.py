@@ -279,6 +279,7 @@ class VLLMEngine:
 
     def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
         self._check_running()
+        refuse_images(prompts)
         with guarded_process_state():
             self._wake()
             completions = sample(self.llm, prompts.ids, prompts.counts, params, seed, self.vocab_size,
@@ -398,6 +399,14 @@ def start_llm(directory, *, dtype, max_model_len=None, max_num_seqs=256, gpu_mem
     if enable_sleep_mode:
         llm.sleep(level=1)
     return llm, enable_sleep_mode
+
+
+def refuse_images(prompts: PromptBatch) -> None:
+    """Prompts with images are not passed to vLLM yet (`multi_modal_data`): refused rather than sampled blind."""
+    if prompts.images is not None and any(prompts.images):
+        raise NotImplementedError("use_vllm with image prompts is not supported yet (grpokit does not pass vLLM "
+                                  "multi_modal_data): train vision-language models with the in-process engine "
+                                  "(use_vllm=False).")  # fmt: skip
 
 
 def sample(llm, prompt_ids: list[list[int]], counts: list[int], params: SamplingParams, seed: int,

@@ -24,7 +24,7 @@ import torch
 
 from ..compat import parameter_versions
 from .engine import PromptBatch, Rollout, SamplingParams
-from .vllm import base_model_of, merged_weights, rollout_from_completions
+from .vllm import base_model_of, merged_weights, refuse_images, rollout_from_completions
 
 CONNECTION_ERRORS = (urllib.error.URLError, ConnectionError, socket.timeout, http.client.HTTPException, OSError)
 
@@ -75,6 +75,7 @@ class VLLMServerEngine:
         self.pushed_versions = parameter_versions(model)  # after the merge / unmerge of a LoRA adapter
 
     def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
+        refuse_images(prompts)
         body = {"prompt_ids": prompts.ids, "counts": prompts.counts, "seed": seed,
                 "params": {**params.__dict__, "eos_token_ids": list(params.eos_token_ids)}}  # fmt: skip
         try:
