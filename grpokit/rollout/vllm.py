@@ -1,18 +1,23 @@
-"""vLLM as a rollout engine, colocated: vLLM runs inside the training process and samples from the policy's
+"""vLLM as a rollout engine, colocated: vLLM runs inside each training process and samples from the policy's
 current weights (`GRPOConfig(use_vllm=True, vllm_mode="colocate")`; server mode: `grpokit.vllm_server` and
 `vllm_client.py`).
 
 What it does, and why (TRL 1.16's semantics, with what this machine taught us; issue #14):
 
-- Weights: the engine starts from a copy of the policy written to a temporary directory, then before each
-  generation `sync_weights` pushes the policy's weights into vLLM, only when they changed since the last push
+- Weights: vLLM starts from the policy's config with dummy weights, the policy's are pushed in at once, and
+  before each generation `sync_weights` pushes them again, only when they changed since the last push
   (a fingerprint of the parameters' in-place version counters, `compat.parameter_versions`). The push goes
   through vLLM's `reload_weights` (in-place, layer by layer, with vLLM's own checkpoint-name mapping), which works
   on CPU, where vLLM repacks each linear layer into its CPU GEMM format and TRL's `load_weights` push no longer
   reaches them. With tied embeddings vLLM's LM head is the embedding module repacked once more: it is repacked
   after every push, or it would keep the old weights.
 - LoRA: the adapter is merged into the base weights, the merged weights are pushed, and the adapter is unmerged,
-  with no copy of the model (peft's merge / unmerge in place).
+  with no copy of the model (peft's merge / unmerge in place). FSDP2: each parameter is gathered as the push
+  reaches it (`DTensor.full_tensor()`), never the whole model at once.
+- Several training processes: one engine per process, each sampling that process's prompts, joined to the
+  training processes' torch.distributed world by vLLM's `external_launcher` executor (TRL 1.16's way).
+- Structured outputs (`vllm_structured_outputs_regex`): vLLM masks the tokens that cannot continue a match of the
+  regex; it then needs the tokenizer, which is otherwise not given to it (token ids in, token ids out).
 - Log-probs: vLLM reports each sampled token's log-prob after temperature and the logits processors
   (`logprobs_mode="processed_logprobs"`). They are the behaviour policy's (`Rollout.sampling_logprobs`); π_old is
   always recomputed by the training forward, and the difference feeds the importance-sampling correction
@@ -139,12 +144,9 @@ def policy_weights(model: torch.nn.Module) -> Iterator[Iterator[tuple[str, torch
     each process holds whole; for an FSDP2-sharded model each parameter is gathered (`DTensor.full_tensor()`, a
     collective: every process must iterate, in the same order) as the iterator reaches it, so no process ever holds
     more than one gathered parameter beyond what the consumer keeps (vLLM copies each into its own weights)."""
-    from ..distributed import is_sharded, is_zero3
+    from ..distributed import is_sharded
 
-    if is_zero3(model):
-        raise NotImplementedError("use_vllm under DeepSpeed ZeRO-3 is not supported yet (DeepSpeed is not installed "
-                                  "where grpokit's vLLM tests run, so the per-parameter gather is untested); use "
-                                  "FSDP2, DDP or ZeRO-1/2.")  # fmt: skip
+    check_pushable(model)
     if not is_sharded(model):
         with merged_weights(model) as weights:
             yield weights
@@ -152,6 +154,16 @@ def policy_weights(model: torch.nn.Module) -> Iterator[Iterator[tuple[str, torch
     if is_peft(model):  # check_backend refuses LoRA under FSDP2 before an engine exists; said again here
         raise NotImplementedError("use_vllm with LoRA under FSDP2 is not supported.")
     yield gathered_weights(model)
+
+
+def check_pushable(model: torch.nn.Module) -> None:
+    """Refuse what `policy_weights` cannot gather: ZeRO-3-partitioned parameters."""
+    from ..distributed import is_zero3
+
+    if is_zero3(model):
+        raise NotImplementedError("use_vllm under DeepSpeed ZeRO-3 is not supported yet (DeepSpeed is not installed "
+                                  "where grpokit's vLLM tests run, so the per-parameter gather is untested); use "
+                                  "FSDP2, DDP or ZeRO-1/2.")  # fmt: skip
 
 
 def gathered_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -485,6 +497,7 @@ def engine_from_config(model: torch.nn.Module, args, tokenizer=None, process_ind
     server client."""
     from ..distributed import is_sharded
 
+    check_pushable(model)  # before vLLM starts
     if args.vllm_mode == "server":  # no vLLM needed in this process
         if is_sharded(model):
             raise NotImplementedError("vllm_mode='server' with a sharded model (FSDP2 / ZeRO-3) is not supported: "
