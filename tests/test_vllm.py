@@ -22,7 +22,9 @@ pytestmark = pytest.mark.vllm
 
 TOLERANCE = 1e-4  # fp32: vLLM's kernels vs the training forward (seen: ~1e-5)
 TEMPERATURE = 0.9
-AGENT_WARM_UP_STEPS = 60
+# 60 steps sufficed on an AVX512 CPU; on this AVX2 one (other rounding) the 60-step model made no well-formed
+# call in 8 rows, with 100 it made 7.
+AGENT_WARM_UP_STEPS = 100
 
 
 def tiny(tied: bool = True, seed: int = 0):
