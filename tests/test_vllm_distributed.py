@@ -157,6 +157,9 @@ def check_two_processes_train_as_one(directory, model_dir, distributed_type: str
         rollouts = load(two / f"rollouts_{rank}.pt")
         assert [r["pushes"] for r in rollouts] == pushes[rank]
         assert all(int(r["rollout"].loss_mask.sum()) > 12 for r in rollouts)
+        # The check can fail: the last generation's tokens scored by the initial weights (what a process whose engine
+        # missed the pushes would have sampled from) are far from vLLM's log-probs.
+        assert stale_gap(model_dir, rollouts[-1]["rollout"]) > 1e-1
     first0, first1 = (load(two / f"rollouts_{rank}.pt")[0] for rank in (0, 1))
     assert first0["counts"] == [8, 4] and first1["counts"] == [4, 8]  # the middle group spans the processes
     assert first0["ids"][-1] == first1["ids"][0]
@@ -173,6 +176,20 @@ def check_two_processes_train_as_one(directory, model_dir, distributed_type: str
         assert max_difference(rank0["weights"], rank1["weights"]) == 0.0
     else:
         assert rank1["weights"] == {}  # FSDP2: the main process holds the gathered weights
+
+
+def stale_gap(model_dir, rollout) -> float:
+    """Max |log-prob under the initial weights - vLLM's| over a rollout's sampled tokens (temperature 1)."""
+    from transformers import AutoModelForCausalLM
+
+    from grpokit.logprobs import token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        logprobs, _ = token_logprobs(model, torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
+                                     torch.cat([rollout.prompt_mask, rollout.attention_mask], 1),
+                                     rollout.completion_ids.shape[1], 1.0)  # fmt: skip
+    return ((logprobs - rollout.sampling_logprobs) * rollout.loss_mask).abs().max().item()
 
 
 def initial_weights(model_dir, two) -> None:
