@@ -360,16 +360,15 @@ class GRPOConfig:
     use_vllm: bool = _f(False, "Sample with vLLM (grpokit.rollout.vllm; `pip install grpokit[vllm]`, CPU recipe in "
                                "the README) instead of the in-process engine. π_old is then always the training "
                                "forward's, and vLLM's log-probs feed only the importance-sampling correction.")
-    vllm_mode: str = _f("colocate", "'colocate': vLLM runs inside the training process (one process); 'server': "
+    vllm_mode: str = _f("colocate", "'colocate': vLLM runs inside each training process; 'server': "
                                     "it runs in `grpokit vllm-serve` (vllm_server_*) and the trainer talks to it "
                                     "over HTTP.")
     vllm_model_impl: str = _f("vllm", "vLLM's model implementation: 'vllm' (its own) or 'transformers'.")
     vllm_enable_sleep_mode: bool = _f(False, "Colocate: vLLM frees its weights and KV cache while the trainer trains "
                                              "(GPU only: on CPU vLLM has no sleep mode; it warns and stays awake).")
-    vllm_structured_outputs_regex: str | None = _not_implemented(None, "TRL constrains vLLM's completions to a "
-                                                                       "regex; grpokit's vLLM engine samples "
-                                                                       "unconstrained (score the format in a "
-                                                                       "reward instead).")
+    vllm_structured_outputs_regex: str | None = _f(None, "Colocate: every completion matches this regex (vLLM's "
+                                                         "structured outputs; vLLM then gets the tokenizer). The "
+                                                         "sampling log-probs are the masked distribution's.")
     vllm_server_base_url: str | None = _f(None, "Server mode: the server's URL, e.g. 'http://localhost:8000' (wins "
                                                 "over vllm_server_host / vllm_server_port).")
     vllm_server_host: str = _f("0.0.0.0", "Server mode: the server's host (when no vllm_server_base_url).")
@@ -382,7 +381,8 @@ class GRPOConfig:
                                                  "cache size is VLLM_CPU_KVCACHE_SPACE (GiB; grpokit's default 1).")
     vllm_max_model_length: int | None = _f(None, "vLLM's max_model_len, prompt plus completion tokens "
                                                  "(None: the model's context length).")
-    vllm_tensor_parallel_size: int = _f(1, "Colocate: vLLM's tensor-parallel size.")
+    vllm_tensor_parallel_size: int = _f(1, "Colocate: vLLM's tensor-parallel size (1 with several training "
+                                           "processes: each runs a whole engine).")
     vllm_importance_sampling_correction: bool = _f(True, "With use_vllm: weight each token's loss by π_old / "
                                                          "π_sampler (the training forward's over vLLM's log-probs), "
                                                          "truncated or masked per vllm_importance_sampling_mode "

@@ -174,7 +174,8 @@ class GRPOTrainer:
         if rollout_engine is None and args.use_vllm:  # vLLM is imported only here (grpokit.rollout.vllm)
             from .rollout.vllm import engine_from_config
 
-            rollout_engine = engine_from_config(self.unwrapped_model, args, acc.num_processes)
+            rollout_engine = engine_from_config(self.unwrapped_model, args, self.processing_class, acc.process_index,
+                                                acc.num_processes, acc.local_process_index)  # fmt: skip
         exact = not (args.bf16 or args.fp16) and full_precision(self.unwrapped_model)  # bf16 weights: not exact
         self.engine = rollout_engine or HFEngine(self.unwrapped_model, acc.device, autocast=acc.autocast,
                                                  all_done=all_done, exact_logprobs=exact)  # fmt: skip

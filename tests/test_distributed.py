@@ -166,18 +166,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def write_script(directory) -> str:
+def write_script(directory, script: str = SCRIPT) -> str:
     path = directory / "run.py"
-    path.write_text(SCRIPT)
+    path.write_text(script)
     return str(path)
 
 
-def launch(directory, *specs: dict, nproc: int = 2, timeout: float = 600, env: dict | None = None) -> None:
-    """Run SCRIPT's jobs `specs` in `nproc` processes under torchrun (gloo on CPU); fail with their output."""
+def launch(directory, *specs: dict, nproc: int = 2, timeout: float = 600, env: dict | None = None,
+           script: str = SCRIPT) -> None:  # fmt: skip
+    """Run `script`'s jobs `specs` in `nproc` processes under torchrun (gloo on CPU); fail with their output."""
     spec_path = directory / f"spec-{len(list(directory.glob('spec-*')))}.json"
     spec_path.write_text(json.dumps(specs))
     run_launcher([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                  "--master_addr", "127.0.0.1", "--master_port", str(free_port()), write_script(directory),
+                  "--master_addr", "127.0.0.1", "--master_port", str(free_port()), write_script(directory, script),
                   str(spec_path)], timeout, env)  # fmt: skip
 
 
@@ -189,11 +190,11 @@ def run_launcher(command: list[str], timeout: float = 600, env: dict | None = No
     assert result.returncode == 0, f"launch failed:\n{result.stdout[-2000:]}\n{errors[-8000:] or result.stderr[-8000:]}"
 
 
-def run_in_this_process(directory, spec: dict) -> None:
+def run_in_this_process(directory, spec: dict, script: str = SCRIPT) -> None:
     """The same script in one plain process (no torchrun): the single-process reference."""
     spec_path = directory / "spec-single.json"
     spec_path.write_text(json.dumps([spec]))
-    runpy.run_path(write_script(directory))["main"](str(spec_path))
+    runpy.run_path(write_script(directory, script))["main"](str(spec_path))
 
 
 def load(path):

@@ -37,3 +37,22 @@ def test_no_server_is_a_clear_error_after_the_timeout():
                                               r"\(vllm_server_timeout\): start one with `grpokit vllm-serve"):
         VLLMServerEngine(build_tiny_model(40, hidden_size=32), f"http://127.0.0.1:{port}", timeout=2)
     assert time.monotonic() - started < 15
+
+
+def test_what_vllm_does_not_do_yet_is_refused_with_the_way_out(tmp_path):
+    """No vLLM needed: these are refused before vLLM would be started or a server asked."""
+    from grpokit import GRPOConfig
+    from grpokit.rollout import PromptBatch
+    from grpokit.rollout.vllm import engine_from_config, external_launcher_options, refuse_images
+
+    # Image prompts: vLLM gets no multi_modal_data from grpokit, so they are refused rather than sampled blind.
+    refuse_images(PromptBatch(ids=[[3, 4]], counts=[2], raw=["text"], images=[[]]))  # no image: fine
+    with pytest.raises(NotImplementedError, match="image prompts is not supported yet.*use_vllm=False"):
+        refuse_images(PromptBatch(ids=[[3, 4]], counts=[2], raw=["x"], images=[[object()]]))
+    # Several training processes run one whole engine each: no tensor-parallel groups across them.
+    with pytest.raises(NotImplementedError, match="vllm_tensor_parallel_size=2 with several training processes"):
+        external_launcher_options(0, 0, 2, tensor_parallel_size=2)
+    # Structured outputs in server mode.
+    args = GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="server", vllm_structured_outputs_regex="a+")
+    with pytest.raises(NotImplementedError, match="vllm_structured_outputs_regex in server mode"):
+        engine_from_config(build_tiny_model(40, hidden_size=32), args)

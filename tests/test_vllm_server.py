@@ -137,3 +137,21 @@ def test_the_server_going_away_mid_run_fails_clearly_and_the_run_resumes(tmp_pat
     # log-probs from vLLM match the training forward's (the correction's metric), not the served checkpoint's.
     first = next(r for r in resumed.state.log_history if r.get("step") == 3)
     assert first["sampling/sampling_logp_difference/max"] < 1e-3
+
+
+def test_two_training_processes_share_one_server_and_only_the_main_one_pushes(server, tmp_path):
+    """Server mode under torchrun (2 CPU processes, DDP): each process asks the one server for its own prompts; the
+    main process pushes the weights and the other waits for the push before sampling, so both sample from the
+    current weights (vLLM's log-probs equal the training forward's on both), and the run trains as one process
+    given the same samples (tests/test_vllm_distributed.py's check)."""
+    from test_vllm_distributed import TWO_PROCESSES, check_two_processes_train_as_one, initial_weights, launch_script
+    from test_vllm_distributed import save_policy
+
+    url, _ = server
+    model_dir = save_policy(tmp_path / "policy")  # another seed than the served checkpoint: the first sync pushes
+    initial_weights(model_dir, tmp_path / "two")
+    config = {**TWO_PROCESSES, "vllm_mode": "server", "vllm_server_base_url": url, "vllm_server_timeout": 60}
+    launch_script(tmp_path, dict(out=str(tmp_path / "two"), model=model_dir, config=config))
+    # Only the main process pushes: before each generation (the first replaces the served checkpoint's weights).
+    check_two_processes_train_as_one(tmp_path, model_dir, "MULTI_CPU", engine="VLLMServerEngine",
+                                     pushes=([1, 2, 3], [0, 0, 0]))  # fmt: skip

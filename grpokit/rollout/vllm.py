@@ -1,18 +1,23 @@
-"""vLLM as a rollout engine, colocated: vLLM runs inside the training process and samples from the policy's
+"""vLLM as a rollout engine, colocated: vLLM runs inside each training process and samples from the policy's
 current weights (`GRPOConfig(use_vllm=True, vllm_mode="colocate")`; server mode: `grpokit.vllm_server` and
 `vllm_client.py`).
 
 What it does, and why (TRL 1.16's semantics, with what this machine taught us; issue #14):
 
-- Weights: the engine starts from a copy of the policy written to a temporary directory, then before each
-  generation `sync_weights` pushes the policy's weights into vLLM, only when they changed since the last push
+- Weights: vLLM starts from the policy's config with dummy weights, the policy's are pushed in at once, and
+  before each generation `sync_weights` pushes them again, only when they changed since the last push
   (a fingerprint of the parameters' in-place version counters, `compat.parameter_versions`). The push goes
   through vLLM's `reload_weights` (in-place, layer by layer, with vLLM's own checkpoint-name mapping), which works
   on CPU, where vLLM repacks each linear layer into its CPU GEMM format and TRL's `load_weights` push no longer
   reaches them. With tied embeddings vLLM's LM head is the embedding module repacked once more: it is repacked
   after every push, or it would keep the old weights.
 - LoRA: the adapter is merged into the base weights, the merged weights are pushed, and the adapter is unmerged,
-  with no copy of the model (peft's merge / unmerge in place).
+  with no copy of the model (peft's merge / unmerge in place). FSDP2: each parameter is gathered as the push
+  reaches it (`DTensor.full_tensor()`), never the whole model at once.
+- Several training processes: one engine per process, each sampling that process's prompts, joined to the
+  training processes' torch.distributed world by vLLM's `external_launcher` executor (TRL 1.16's way).
+- Structured outputs (`vllm_structured_outputs_regex`): vLLM masks the tokens that cannot continue a match of the
+  regex; it then needs the tokenizer, which is otherwise not given to it (token ids in, token ids out).
 - Log-probs: vLLM reports each sampled token's log-prob after temperature and the logits processors
   (`logprobs_mode="processed_logprobs"`). They are the behaviour policy's (`Rollout.sampling_logprobs`); π_old is
   always recomputed by the training forward, and the difference feeds the importance-sampling correction
@@ -133,11 +138,52 @@ def merged_weights(model: torch.nn.Module) -> Iterator[Iterator[tuple[str, torch
             model.unmerge_adapter()
 
 
-def write_model_dir(model: torch.nn.Module, directory: Path) -> None:
-    """The policy as a checkpoint vLLM can load (config, generation config, merged safetensors weights); vLLM
-    needs no tokenizer (it is given token ids)."""
-    from safetensors.torch import save_file
+@contextlib.contextmanager
+def policy_weights(model: torch.nn.Module) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
+    """The policy's full weights under their checkpoint names, one tensor at a time: `merged_weights` for a model
+    each process holds whole; for an FSDP2-sharded model each parameter is gathered (`DTensor.full_tensor()`, a
+    collective: every process must iterate, in the same order) as the iterator reaches it, so no process ever holds
+    more than one gathered parameter beyond what the consumer keeps (vLLM copies each into its own weights)."""
+    from ..distributed import is_sharded
 
+    check_pushable(model)
+    if not is_sharded(model):
+        with merged_weights(model) as weights:
+            yield weights
+        return
+    if is_peft(model):  # check_backend refuses LoRA under FSDP2 before an engine exists; said again here
+        raise NotImplementedError("use_vllm with LoRA under FSDP2 is not supported.")
+    yield gathered_weights(model)
+
+
+def check_pushable(model: torch.nn.Module) -> None:
+    """Refuse what `policy_weights` cannot gather: ZeRO-3-partitioned parameters."""
+    from ..distributed import is_zero3
+
+    if is_zero3(model):
+        raise NotImplementedError("use_vllm under DeepSpeed ZeRO-3 is not supported yet (DeepSpeed is not installed "
+                                  "where grpokit's vLLM tests run, so the per-parameter gather is untested); use "
+                                  "FSDP2, DDP or ZeRO-1/2.")  # fmt: skip
+
+
+def gathered_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """An FSDP2 model's parameters (each once: a tied weight under its first name; vLLM ties it back) and its
+    persistent buffers, gathered one at a time, under the checkpoint's names (FSDP2 keeps module names; activation
+    checkpointing adds a wrapper prefix, dropped)."""
+    persistent = set(model.state_dict().keys())
+    named = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in persistent)]
+    for name, tensor in named:
+        name = name.replace("_checkpoint_wrapped_module.", "")
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        yield name, tensor.detach()
+
+
+def write_model_dir(model: torch.nn.Module, directory: Path, tokenizer=None) -> None:
+    """What vLLM starts from: the policy's config and generation config, and its tokenizer when one is given
+    (structured outputs need it; token ids in and out need none). No weights: vLLM starts from dummy weights and the
+    policy's are pushed into it before it samples (`VLLMEngine.__init__`), so a sharded policy is never gathered
+    whole, and nothing is copied through the disk."""
     base = base_model_of(model)
     config = getattr(base, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
@@ -146,16 +192,8 @@ def write_model_dir(model: torch.nn.Module, directory: Path) -> None:
     config.save_pretrained(directory)
     if getattr(base, "generation_config", None) is not None:
         base.generation_config.save_pretrained(directory)
-    with merged_weights(model) as weights:
-        tensors, seen = {}, {}
-        for name, tensor in weights:
-            # safetensors refuses shared storage: a tied weight is written once (vLLM ties it back itself).
-            key = (tensor.data_ptr(), tensor.shape)
-            if key in seen:
-                continue
-            seen[key] = name
-            tensors[name] = tensor.contiguous().cpu()
-        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
 
 
 # ------------------------------------------------------------------------------------------------ the engine
@@ -167,7 +205,17 @@ class VLLMEngine:
     dtype: vLLM's compute dtype ("float32", "bfloat16", ...; default: the model's). max_model_len: prompt plus
     completion tokens (default: the model's context length). gpu_memory_utilization, tensor_parallel_size,
     model_impl, enable_sleep_mode: vLLM's (TRL's vllm_* fields). kv_cache_gib: the CPU KV cache in GiB
-    (`VLLM_CPU_KVCACHE_SPACE`, unless the environment sets it). Extra keyword arguments go to `vllm.LLM`.
+    (`VLLM_CPU_KVCACHE_SPACE`, unless the environment sets it). structured_outputs_regex: every completion matches
+    this regex (vLLM's structured outputs; TRL's vllm_structured_outputs_regex), which needs the `tokenizer`.
+    Extra keyword arguments go to `vllm.LLM`.
+
+    vLLM starts from dummy weights and the policy's are pushed in before the constructor returns: under FSDP2 that
+    first push, like every later one, is a collective, so every process builds its engine at the same point.
+
+    One engine per process at a time: vLLM keeps its parallel groups process-wide, and an engine's shutdown (also
+    when it is garbage-collected) tears them down, with the torch.distributed process group. A new engine therefore
+    shuts the previous one down first (which then refuses to sample), rather than have its groups torn down under
+    it whenever the old one happens to be collected.
     """
 
     exact_logprobs = False  # vLLM's kernels: π_old comes from the training forward
@@ -175,43 +223,66 @@ class VLLMEngine:
     def __init__(self, model: torch.nn.Module, *, dtype: str | torch.dtype | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 256, gpu_memory_utilization: float = 0.3,
                  tensor_parallel_size: int = 1, model_impl: str = "vllm", enable_sleep_mode: bool = False,
-                 kv_cache_gib: int = 1, seed: int = 0, **llm_kwargs):  # fmt: skip
+                 kv_cache_gib: int = 1, seed: int = 0, tokenizer=None, structured_outputs_regex: str | None = None,
+                 **llm_kwargs):  # fmt: skip
+        if structured_outputs_regex is not None and tokenizer is None:
+            raise ValueError("structured_outputs_regex needs the tokenizer (vLLM masks the tokens that cannot "
+                             "continue a match): pass tokenizer=.")  # fmt: skip
+        self.structured_outputs_regex = structured_outputs_regex
+        previous = _live_engine()
+        if previous is not None:
+            previous.shutdown()
         self.directory = Path(tempfile.mkdtemp(prefix="grpokit-vllm-", dir=shared_memory_dir()))
-        write_model_dir(model, self.directory)
+        write_model_dir(model, self.directory, tokenizer if structured_outputs_regex is not None else None)
         config = base_model_of(model).config
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.vocab_size = config.vocab_size
         if dtype is None:
             dtype = next(model.parameters()).dtype
-        self.llm, self.sleep_mode = start_llm(self.directory, dtype=dtype, max_model_len=max_model_len,
-                                              max_num_seqs=max_num_seqs,
-                                              gpu_memory_utilization=gpu_memory_utilization,
-                                              tensor_parallel_size=tensor_parallel_size, model_impl=model_impl,
-                                              enable_sleep_mode=enable_sleep_mode, kv_cache_gib=kv_cache_gib,
-                                              seed=seed, **llm_kwargs)  # fmt: skip
-        self.close()  # vLLM read the checkpoint at start-up; pushes go as tensors, so the copy is not needed again
-        self.asleep = self.sleep_mode
-        self.pushed_versions = parameter_versions(model)
-        self.pushes = 0  # weight pushes so far (tests read it)
+        try:
+            self.llm, self.sleep_mode = start_llm(self.directory, dtype=dtype, max_model_len=max_model_len,
+                                                  max_num_seqs=max_num_seqs,
+                                                  gpu_memory_utilization=gpu_memory_utilization,
+                                                  tensor_parallel_size=tensor_parallel_size, model_impl=model_impl,
+                                                  enable_sleep_mode=enable_sleep_mode, kv_cache_gib=kv_cache_gib,
+                                                  seed=seed, load_format="dummy",
+                                                  tokenizer_files=structured_outputs_regex is not None,
+                                                  **llm_kwargs)  # fmt: skip
+        finally:
+            self.close()  # vLLM has read the config (and tokenizer): weights come as tensors from here on
+        self.asleep, self.is_shut_down = self.sleep_mode, False
+        _set_live_engine(self)
+        self.pushed_versions, self.pushes = None, 0
+        self.sync_weights(model)  # the policy's weights replace the dummy ones
+        self.pushes = 0  # weight pushes since (tests read it)
 
     @classmethod
-    def from_config(cls, model: torch.nn.Module, args, **overrides) -> "VLLMEngine":
-        """The engine TRL's vllm_* fields describe (colocate mode)."""
+    def from_config(cls, model: torch.nn.Module, args, tokenizer=None, process_index: int = 0,
+                    num_processes: int = 1, local_process_index: int = 0, **overrides) -> "VLLMEngine":  # fmt: skip
+        """The engine TRL's vllm_* fields describe (colocate mode), one per training process: with several, each
+        process's engine samples its own prompts (vLLM's `external_launcher` executor, as TRL 1.16 runs it)."""
         dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else None
         options = dict(dtype=dtype, max_model_len=args.vllm_max_model_length,
                        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                        tensor_parallel_size=args.vllm_tensor_parallel_size, model_impl=args.vllm_model_impl,
-                       enable_sleep_mode=args.vllm_enable_sleep_mode, seed=args.seed)  # fmt: skip
+                       enable_sleep_mode=args.vllm_enable_sleep_mode, seed=args.seed, tokenizer=tokenizer,
+                       structured_outputs_regex=args.vllm_structured_outputs_regex)  # fmt: skip
+        if num_processes > 1:
+            options.update(external_launcher_options(process_index, local_process_index, num_processes,
+                                                     args.vllm_tensor_parallel_size))  # fmt: skip
         return cls(model, **{**options, **overrides})
 
     # ------------------------------------------------------------------------------------------ the protocol
 
     def sync_weights(self, model: torch.nn.Module) -> None:
-        """Push `model`'s weights into vLLM if they changed since the last push (LoRA: merged)."""
+        """Push `model`'s weights into vLLM if they changed since the last push (LoRA: merged; FSDP2: gathered one
+        parameter at a time). Every process decides alone, and alike: they all run the same optimizer steps on
+        their own parameters (or shards), so under FSDP2 they all enter the push's gathers together."""
+        self._check_running()
         versions = parameter_versions(model)
         if versions == self.pushed_versions:
             return
-        with guarded_process_state(), merged_weights(model) as weights:
+        with guarded_process_state(), policy_weights(model) as weights:
             self._wake()
             self.push(weights)
         # Merging and unmerging bump the counters too: the fingerprint is taken after them.
@@ -219,9 +290,12 @@ class VLLMEngine:
         self.pushes += 1
 
     def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
+        self._check_running()
+        refuse_images(prompts)
         with guarded_process_state():
             self._wake()
-            completions = sample(self.llm, prompts.ids, prompts.counts, params, seed, self.vocab_size)
+            completions = sample(self.llm, prompts.ids, prompts.counts, params, seed, self.vocab_size,
+                                 self.structured_outputs_regex)  # fmt: skip
             self._sleep()
         return rollout_from_completions(prompts, completions, params)
 
@@ -243,9 +317,36 @@ class VLLMEngine:
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
 
+    def shutdown(self) -> None:
+        """Stop vLLM and free its memory (its parallel groups and the torch.distributed process group go with it)."""
+        if not self.is_shut_down:
+            self.is_shut_down = True
+            with guarded_process_state():
+                self.llm.llm_engine.engine_core.shutdown()
+
+    def _check_running(self) -> None:
+        if self.is_shut_down:
+            raise RuntimeError("This VLLMEngine was shut down: another VLLMEngine started in this process (vLLM runs "
+                               "one engine per process). Create the trainer again, or keep one at a time.")
+
     def __del__(self):
         with contextlib.suppress(Exception):
             self.close()
+
+
+_live = None  # a weak reference to this process's running VLLMEngine
+
+
+def _live_engine() -> VLLMEngine | None:
+    engine = _live() if _live is not None else None
+    return None if engine is None or engine.is_shut_down else engine
+
+
+def _set_live_engine(engine: VLLMEngine) -> None:
+    import weakref
+
+    global _live
+    _live = weakref.ref(engine)
 
 
 # ------------------------------------------------------------------------------------------ vLLM's internals
@@ -256,11 +357,29 @@ def shared_memory_dir() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
+def external_launcher_options(process_index: int, local_process_index: int, num_processes: int,
+                               tensor_parallel_size: int = 1) -> dict:
+    """`vllm.LLM` options for one engine per training process, as TRL 1.16 starts them: vLLM's `external_launcher`
+    executor joins the training processes' torch.distributed world (gloo on CPU) instead of forming its own, each
+    process being a data-parallel rank of size-1 tensor-parallel groups. Sets the launcher variables vLLM reads."""
+    if tensor_parallel_size != 1:
+        raise NotImplementedError(f"vllm_tensor_parallel_size={tensor_parallel_size} with several training processes "
+                                  f"is not supported (TRL shards each vLLM over groups of training processes; grpokit "
+                                  f"runs one whole engine per process): set vllm_tensor_parallel_size=1, or use "
+                                  f"server mode.")  # fmt: skip
+    os.environ.update(RANK=str(process_index), LOCAL_RANK=str(local_process_index), WORLD_SIZE=str(num_processes))
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise RuntimeError("vLLM in several training processes needs MASTER_ADDR and MASTER_PORT (torchrun and "
+                           "accelerate launch set them): launch the training with one of them.")  # fmt: skip
+    return {"distributed_executor_backend": "external_launcher"}
+
+
 def start_llm(directory, *, dtype, max_model_len=None, max_num_seqs=256, gpu_memory_utilization=0.3,
               tensor_parallel_size=1, model_impl="vllm", enable_sleep_mode=False, kv_cache_gib=1, seed=0,
-              **llm_kwargs):  # fmt: skip
+              tokenizer_files=False, **llm_kwargs):  # fmt: skip
     """`vllm.LLM` over the checkpoint in `directory`, in this process, set up for RL sampling: token ids in and out
-    (no tokenizer), processed log-probs, eager on CPU. Returns (llm, whether sleep mode is on)."""
+    (no tokenizer unless `tokenizer_files`: the directory holds one, for structured outputs), processed log-probs,
+    eager on CPU. Returns (llm, whether sleep mode is on)."""
     vllm = import_vllm()
     on_gpu = torch.cuda.is_available()
     if enable_sleep_mode and not on_gpu:
@@ -276,7 +395,8 @@ def start_llm(directory, *, dtype, max_model_len=None, max_num_seqs=256, gpu_mem
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
     options = dict(model=str(directory), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                   skip_tokenizer_init=True, logprobs_mode="processed_logprobs", enforce_eager=not on_gpu,
+                   skip_tokenizer_init=not tokenizer_files, logprobs_mode="processed_logprobs",
+                   enforce_eager=not on_gpu,
                    tensor_parallel_size=tensor_parallel_size, model_impl=model_impl, seed=seed)  # fmt: skip
     if on_gpu:
         options.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
@@ -293,13 +413,29 @@ def start_llm(directory, *, dtype, max_model_len=None, max_num_seqs=256, gpu_mem
     return llm, enable_sleep_mode
 
 
+def refuse_images(prompts: PromptBatch) -> None:
+    """Prompts with images are not passed to vLLM yet (`multi_modal_data`): refused rather than sampled blind."""
+    if prompts.images is not None and any(prompts.images):
+        raise NotImplementedError("use_vllm with image prompts is not supported yet (grpokit does not pass vLLM "
+                                  "multi_modal_data): train vision-language models with the in-process engine "
+                                  "(use_vllm=False).")  # fmt: skip
+
+
 def sample(llm, prompt_ids: list[list[int]], counts: list[int], params: SamplingParams, seed: int,
-           vocab_size: int | None = None) -> list:
+           vocab_size: int | None = None, structured_outputs_regex: str | None = None) -> list:
     """counts[b] completions of each prompt b: (token ids, their log-probs, finish reason) per row. EOS ids outside
-    the model's vocabulary (a tokenizer's extra special token) cannot be sampled: vLLM refuses them as stop ids."""
+    the model's vocabulary (a tokenizer's extra special token) cannot be sampled: vLLM refuses them as stop ids.
+    structured_outputs_regex: vLLM masks every token that cannot continue a match of the regex (the log-probs are
+    then those of the masked distribution, as TRL gets them)."""
     stop_ids = [t for t in params.eos_token_ids if vocab_size is None or t < vocab_size]
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.inputs import TokensPrompt
+
+    structured = None
+    if structured_outputs_regex is not None:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        structured = StructuredOutputsParams(regex=structured_outputs_regex)
 
     # One seed per request, drawn from `seed`: vLLM seeds the n samples of a request with consecutive seeds, so
     # consecutive request seeds would give the next prompt's samples the same random draws, shifted by one.
@@ -311,7 +447,7 @@ def sample(llm, prompt_ids: list[list[int]], counts: list[int], params: Sampling
             n=count, max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
             top_k=params.top_k or 0, min_p=params.min_p or 0.0, repetition_penalty=params.repetition_penalty,
             stop_token_ids=stop_ids, logprobs=0, detokenize=False,
-            seed=int(request_seeds[index]),
+            seed=int(request_seeds[index]), structured_outputs=structured,
         ))  # fmt: skip
     outputs = llm.generate(requests, options, use_tqdm=False)
     return [(list(c.token_ids), [step[token].logprob for step, token in zip(c.logprobs, c.token_ids)],
@@ -355,19 +491,22 @@ def rollout_from_completions(prompts: PromptBatch, completions: list, params: Sa
                    sampling_logprobs=logprobs)  # fmt: skip
 
 
-def engine_from_config(model: torch.nn.Module, args, num_processes: int = 1):
-    """The engine `GRPOConfig(use_vllm=True)` asks for: colocated `VLLMEngine`, or the server client."""
-    if num_processes > 1:
-        raise NotImplementedError(f"use_vllm runs in one training process for now (vllm_mode={args.vllm_mode!r}: "
-                                  f"each process would start its own vLLM, or push weights to the one server); train "
-                                  f"in one process, or use the in-process engine (use_vllm=False).")  # fmt: skip
+def engine_from_config(model: torch.nn.Module, args, tokenizer=None, process_index: int = 0, num_processes: int = 1,
+                       local_process_index: int = 0):  # fmt: skip
+    """The engine `GRPOConfig(use_vllm=True)` asks for: colocated `VLLMEngine` (one per training process), or the
+    server client."""
     from ..distributed import is_sharded
 
-    if is_sharded(model):
-        raise NotImplementedError("use_vllm with a sharded model (FSDP2 / ZeRO-3) is not supported yet: the weights "
-                                  "would need gathering parameter by parameter for each push.")  # fmt: skip
+    check_pushable(model)  # before vLLM starts
     if args.vllm_mode == "server":  # no vLLM needed in this process
+        if is_sharded(model):
+            raise NotImplementedError("vllm_mode='server' with a sharded model (FSDP2 / ZeRO-3) is not supported: "
+                                      "use vllm_mode='colocate'.")  # fmt: skip
+        if args.vllm_structured_outputs_regex is not None:
+            raise NotImplementedError("vllm_structured_outputs_regex in server mode is not supported yet: use "
+                                      "vllm_mode='colocate'.")  # fmt: skip
         from .vllm_client import VLLMServerEngine
 
-        return VLLMServerEngine.from_config(model, args)
-    return VLLMEngine.from_config(model, args)
+        return VLLMServerEngine.from_config(model, args, process_index, num_processes)
+    return VLLMEngine.from_config(model, args, tokenizer=tokenizer, process_index=process_index,
+                                  num_processes=num_processes, local_process_index=local_process_index)

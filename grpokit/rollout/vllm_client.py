@@ -1,6 +1,9 @@
 """The trainer's side of server mode: a `RolloutEngine` that samples with a `grpokit vllm-serve` server
 (`grpokit.vllm_server`) and pushes the policy's weights to it over HTTP. No vLLM is needed on the trainer's side.
 
+With several training processes every process asks the one server for its own prompts; only the main process
+pushes the weights, and the others wait for its push (a barrier) before they sample.
+
 Failure is loud and early: no server answering within `timeout` seconds, a server serving another model
 (architecture, width, depth) or another vocabulary, a server that fails a request, are errors that say what to do.
 A request that fails on the connection is retried (`retries` times, with a growing pause) before giving up; a
@@ -21,7 +24,7 @@ import torch
 
 from ..compat import parameter_versions
 from .engine import PromptBatch, Rollout, SamplingParams
-from .vllm import base_model_of, merged_weights, rollout_from_completions
+from .vllm import base_model_of, merged_weights, refuse_images, rollout_from_completions
 
 CONNECTION_ERRORS = (urllib.error.URLError, ConnectionError, socket.timeout, http.client.HTTPException, OSError)
 
@@ -35,8 +38,10 @@ class VLLMServerEngine:
 
     exact_logprobs = False
 
-    def __init__(self, model: torch.nn.Module, base_url: str, timeout: float = 240.0, retries: int = 3):
+    def __init__(self, model: torch.nn.Module, base_url: str, timeout: float = 240.0, retries: int = 3,
+                 process_index: int = 0, num_processes: int = 1):  # fmt: skip
         self.base_url, self.timeout, self.retries = base_url.rstrip("/"), timeout, retries
+        self.process_index, self.num_processes = process_index, num_processes
         self.wait_until_up()
         self.info = self.request("GET", "/info")
         check_same_model(base_model_of(model).config, self.info, self.base_url)
@@ -45,25 +50,38 @@ class VLLMServerEngine:
         self.pushes = 0
 
     @classmethod
-    def from_config(cls, model: torch.nn.Module, args) -> "VLLMServerEngine":
+    def from_config(cls, model: torch.nn.Module, args, process_index: int = 0,
+                    num_processes: int = 1) -> "VLLMServerEngine":  # fmt: skip
         base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-        return cls(model, base_url, timeout=args.vllm_server_timeout)
+        return cls(model, base_url, timeout=args.vllm_server_timeout, process_index=process_index,
+                   num_processes=num_processes)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ the protocol
 
     def sync_weights(self, model: torch.nn.Module) -> None:
+        """Push the weights if they changed since the last push; with several processes the main process pushes
+        and every process waits for it. They all decide alike: each runs the same optimizer steps on its own
+        replica, so they reach the barrier together."""
         versions = parameter_versions(model)
         if versions == self.pushed_versions:
             return
-        self.push(model)
+        self._model = model
+        if self.process_index == 0:
+            self.push(model)
+        if self.num_processes > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
         self.pushed_versions = parameter_versions(model)  # after the merge / unmerge of a LoRA adapter
 
     def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
+        refuse_images(prompts)
         body = {"prompt_ids": prompts.ids, "counts": prompts.counts, "seed": seed,
                 "params": {**params.__dict__, "eos_token_ids": list(params.eos_token_ids)}}  # fmt: skip
         try:
             answer = self.request("POST", "/generate", {**body, "instance": self.info["instance"]})
-        except ServerRestarted as restarted:  # a new server: same model, but it lost the pushed weights
+        except ServerRestarted as restarted:  # a new server: same model, but it lost the pushed weights (any process
+            # may be the first to see it; the replicas hold the same weights)
             self.info["instance"] = restarted.instance
             if self._model is None:
                 raise

@@ -1,0 +1,213 @@
+"""vLLM in several training processes (torchrun on CPU, gloo): one colocated engine per process, each sampling its
+own prompts, under DDP and FSDP2. Run in the vLLM environment: `python -m pytest -m vllm`.
+
+What is shown, and how. SCRIPT trains under `torch.distributed.run --nproc_per_node 2` with `use_vllm=True` and
+records, per process and generation, the rollout vLLM returned. Then:
+- each process's vLLM sampled from that process's current weights: after every push, the largest gap between
+  vLLM's log-probs and the training forward's (the logged `sampling/sampling_logp_difference/max`, a maximum over
+  the processes) is below 1e-4, and each engine pushed before every generation but the first;
+- 2 processes train as 1 with the same global batch: the two processes' rollouts of each generation, joined, are
+  replayed to one process (an engine that returns them), which ends with the same weights and losses. The processes'
+  samples themselves cannot equal one process's: each process draws from its own seed, as the in-process engine
+  does (`rollout_seed(seed, generation, process_index)`), so only the update given the samples is compared;
+- under DDP both processes end with identical weights; under FSDP2 every push gathers the weights one parameter at
+  a time (`DTensor.full_tensor()`), and vLLM still samples from them exactly.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from grpokit.testing import save_tiny_model
+from test_distributed import FSDP2, launch, load, max_difference, run_in_this_process
+
+pytestmark = pytest.mark.vllm
+
+LETTERS = "abcdefgh"
+TOLERANCE = 1e-4  # fp32: vLLM's kernels against the training forward (seen: ~1e-6)
+
+SCRIPT = textwrap.dedent(
+    '''
+    import json, os, sys
+    from pathlib import Path
+
+    import torch
+    from datasets import Dataset
+
+    from grpokit import GRPOConfig, GRPOTrainer
+    from grpokit.distributed import full_state_dict
+    from grpokit.rollout import Rollout
+
+    RANK = int(os.environ.get("RANK", 0))
+    LETTERS = "abcdefgh"
+
+
+    def dataset():
+        return Dataset.from_list([{"prompt": f"{a}{b}:", "letter": a} for a in LETTERS for b in LETTERS])
+
+
+    def repeat_letter(completions, letter, **kwargs):  # a tie-break so that no group has equal rewards
+        return [(1.0 if c[:1] == t else 0.0) + 0.01 * (sum(map(ord, c)) % 7) for c, t in zip(completions, letter)]
+
+
+    def config(out, **values):
+        return GRPOConfig(output_dir=str(out), max_completion_length=8, lr_scheduler_type="constant", logging_steps=1,
+                          save_strategy="no", disable_tqdm=True, seed=0, num_generations=8,
+                          use_vllm=True, vllm_max_model_length=64, vllm_importance_sampling_mode="token_truncate",
+                          **values)
+
+
+    class Replay:
+        """Returns, for the k-th generation, the rollouts the processes of a recorded run sampled, joined."""
+
+        exact_logprobs = False
+
+        def __init__(self, recorded):
+            self.recorded, self.calls = recorded, 0
+
+        def sync_weights(self, model):
+            pass
+
+        def generate(self, prompts, params, seed):
+            parts = [per_process[self.calls] for per_process in self.recorded]
+            rows = lambda ids, counts: [p for p, c in zip(ids, counts) for _ in range(c)]  # noqa: E731
+            assert rows(prompts.ids, prompts.counts) == [r for p in parts for r in rows(p["ids"], p["counts"])]
+            self.calls += 1
+            return Rollout.concat([p["rollout"] for p in parts])
+
+
+    def train(spec):
+        out = Path(spec["out"])
+        recorded = None
+        if spec.get("replay"):
+            recorded = [torch.load(Path(spec["replay"]) / f"rollouts_{rank}.pt", weights_only=False)
+                        for rank in range(spec["replay_processes"])]
+        trainer = GRPOTrainer(model=spec["model"], reward_funcs=repeat_letter, args=config(out, **spec["config"]),
+                              train_dataset=dataset(), rollout_engine=Replay(recorded) if recorded else None)
+        engine, rollouts = trainer.engine, []
+        if not recorded:  # observe the real generation: its rollouts are the evidence
+            generate = engine.generate
+
+            def observed(prompts, params, seed):
+                rollout = generate(prompts, params, seed)
+                rollouts.append({"ids": prompts.ids, "counts": prompts.counts, "rollout": rollout,
+                                 "pushes": engine.pushes})
+                return rollout
+
+            engine.generate = observed
+        trainer.train()
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(rollouts, out / f"rollouts_{RANK}.pt")
+        torch.save({"weights": full_state_dict(trainer.unwrapped_model), "log_history": trainer.state.log_history[:-1],
+                    "engine": type(engine).__name__, "distributed_type": trainer.accelerator.distributed_type.value,
+                    "num_processes": trainer.accelerator.num_processes}, out / f"final_{RANK}.pt")
+
+
+    def main(spec_path):
+        for spec in json.loads(Path(spec_path).read_text()):
+            train(spec)
+
+
+    if __name__ == "__main__":
+        main(sys.argv[1])
+    '''
+)
+
+# 12 completions per process, 24 in all: 3 prompts of G = 8, the second spanning the processes (8 + 4 | 4 + 8). One
+# optimizer step per generation, so that one process with 24 rows takes the same steps. With adam_epsilon =
+# learning_rate >> |g| AdamW's update is its first moment (a running mean of the gradients, unnormalised) and
+# max_grad_norm = 0 leaves it unclipped, so float rounding is not amplified as AdamW's per-weight normalisation does
+# with gradients near 0 (as tests/test_distributed.py compares one update).
+UPDATE = dict(learning_rate=1e6, adam_epsilon=1e6, max_grad_norm=0.0, max_steps=3)
+TWO_PROCESSES = dict(per_device_train_batch_size=12, **UPDATE)
+ONE_PROCESS = dict(per_device_train_batch_size=24, **UPDATE)
+
+
+def save_policy(path) -> str:
+    # vLLM's CPU attention needs head sizes of 32 or more: 2 heads of 32 (test_vllm.tiny's shape).
+    return str(save_tiny_model(path, chars=LETTERS + ":", hidden_size=64, num_heads=2, num_kv_heads=1))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_policy(tmp_path_factory.mktemp("model") / "tiny")
+
+
+def launch_script(directory, spec: dict, env: dict | None = None) -> None:
+    launch(directory, spec, env={"VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}, script=SCRIPT)
+
+
+def check_two_processes_train_as_one(directory, model_dir, distributed_type: str, engine: str = "VLLMEngine",
+                                     pushes=([0, 1, 2], [0, 1, 2])) -> None:  # fmt: skip
+    """The recorded 2-process run in `directory / "two"` against one process replaying its rollouts. `pushes`: each
+    process's engine's pushes so far at each of the 3 generations."""
+    two = directory / "two"
+    rank0, rank1 = load(two / "final_0.pt"), load(two / "final_1.pt")
+    assert rank0["engine"] == rank1["engine"] == engine
+    assert rank0["distributed_type"] == distributed_type and rank0["num_processes"] == 2
+    history = rank0["log_history"]
+    assert len(history) == 3
+    gaps = [entry["sampling/sampling_logp_difference/max"] for entry in history]
+    print(f"{distributed_type}: max |vLLM - training forward| log-prob per generation (both processes): {gaps}")
+    assert all(gap <= TOLERANCE for gap in gaps), gaps
+    for rank in (0, 1):
+        rollouts = load(two / f"rollouts_{rank}.pt")
+        assert [r["pushes"] for r in rollouts] == pushes[rank]
+        assert all(int(r["rollout"].loss_mask.sum()) > 12 for r in rollouts)
+        # The check can fail: the last generation's tokens scored by the initial weights (what a process whose engine
+        # missed the pushes would have sampled from) are far from vLLM's log-probs.
+        assert stale_gap(model_dir, rollouts[-1]["rollout"]) > 1e-1
+    first0, first1 = (load(two / f"rollouts_{rank}.pt")[0] for rank in (0, 1))
+    assert first0["counts"] == [8, 4] and first1["counts"] == [4, 8]  # the middle group spans the processes
+    assert first0["ids"][-1] == first1["ids"][0]
+    # The replay in one process: the same global batches, the same update.
+    run_in_this_process(directory, dict(out=str(directory / "one"), model=model_dir, config=ONE_PROCESS,
+                                        replay=str(two), replay_processes=2), script=SCRIPT)  # fmt: skip
+    one = load(directory / "one" / "final_0.pt")
+    moved = max_difference(one["weights"], {k: v for k, v in load(two / "initial.pt").items() if k in one["weights"]})
+    assert moved > 1e-2
+    assert max_difference(rank0["weights"], one["weights"]) < 1e-5 * moved
+    for key in ("loss", "reward", "sampling/importance_sampling_ratio/mean"):
+        assert [e[key] for e in history] == pytest.approx([e[key] for e in one["log_history"]], abs=1e-5), key
+    if distributed_type == "MULTI_CPU":
+        assert max_difference(rank0["weights"], rank1["weights"]) == 0.0
+    else:
+        assert rank1["weights"] == {}  # FSDP2: the main process holds the gathered weights
+
+
+def stale_gap(model_dir, rollout) -> float:
+    """Max |log-prob under the initial weights - vLLM's| over a rollout's sampled tokens (temperature 1)."""
+    from transformers import AutoModelForCausalLM
+
+    from grpokit.logprobs import token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        logprobs, _ = token_logprobs(model, torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
+                                     torch.cat([rollout.prompt_mask, rollout.attention_mask], 1),
+                                     rollout.completion_ids.shape[1], 1.0)  # fmt: skip
+    return ((logprobs - rollout.sampling_logprobs) * rollout.loss_mask).abs().max().item()
+
+
+def initial_weights(model_dir, two) -> None:
+    from transformers import AutoModelForCausalLM
+
+    two.mkdir(parents=True, exist_ok=True)
+    torch.save(AutoModelForCausalLM.from_pretrained(model_dir).state_dict(), two / "initial.pt")
+
+
+def test_two_processes_each_sample_with_their_own_engine_and_train_as_one_ddp(model_dir, tmp_path):
+    initial_weights(model_dir, tmp_path / "two")
+    launch_script(tmp_path, dict(out=str(tmp_path / "two"), model=model_dir, config=TWO_PROCESSES))
+    # Each process's engine pushed before every generation but the first (the weights changed at each step).
+    check_two_processes_train_as_one(tmp_path, model_dir, "MULTI_CPU")
+
+
+def test_fsdp2_pushes_gathered_parameters_one_at_a_time_and_trains_as_one_process(model_dir, tmp_path):
+    initial_weights(model_dir, tmp_path / "two")
+    launch_script(tmp_path, dict(out=str(tmp_path / "two"), model=model_dir, config=TWO_PROCESSES), env=FSDP2)
+    check_two_processes_train_as_one(tmp_path, model_dir, "FSDP")
+
