@@ -149,3 +149,20 @@ def test_gradient_checkpointing_recomputes_through_the_same_route(monkeypatch):
         grads.append({n: p.grad for n, p in model.named_parameters()})
     for name, grad in grads[0].items():
         assert torch.equal(grads[1][name], grad), name
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_the_trainer_routes_its_policy_and_reference_under_bf16_only(monkeypatch, tmp_path, bf16):
+    from grpokit import GRPOConfig, GRPOTrainer
+    from grpokit.testing import save_tiny_model
+
+    monkeypatch.setattr(cpu_matmul, "cpu_has_bf16_matmul", lambda: False)
+    model_dir = str(save_tiny_model(tmp_path / "tiny", hidden_size=32))
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=4, max_steps=1, beta=0.1, bf16=bf16, use_cpu=True, report_to="none")
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                          args=args, train_dataset=[{"prompt": "ab"}] * 8)  # fmt: skip
+    for model in (trainer.unwrapped_model, trainer.reference):
+        routed = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" in vars(m)]
+        assert len(routed) == (14 if bf16 else 0)
+        assert all(m.forward.args[0] is m for m in routed)  # the reference's layers route to themselves
