@@ -452,7 +452,7 @@ def summarise(results: list[dict]) -> dict:
 def markdown(name: str, config: dict, model_info: dict, summary: dict, info: dict, args) -> str:
     cuda = config["cuda"]
     lines = [
-        f"### `{name}`: {model_info['parameters'] / 1e6:.2f}M parameters, vocab {model_info['model_vocab']}, "
+        f"### `{name}`: {model_info['parameters'] / 1e6:.2f}M parameters, {config['num_layers']} layers, vocab {model_info['model_vocab']}, "
         f"{config['batch'] * config['grad_accum']} completions/step ({config['batch'] * config['grad_accum'] // config['num_generations']} prompts x "
         f"{config['num_generations']}) x {config['max_completion_length']} tokens, beta={args.beta}, "
         f"{'bf16' if config['bf16'] else 'fp32'}, {args.warmup} warm-up + {args.steps} measured steps, "
@@ -516,6 +516,8 @@ def breakdown_table(results: list[dict], args) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="override the config's number of decoder layers (a cheaper proxy of the same widths)")
     parser.add_argument("--steps", type=int, default=5, help="measured optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="optimizer steps excluded from timing")
     parser.add_argument("--repeats", type=int, default=2, help="runs per library (alternating trl, grpokit)")
@@ -552,6 +554,8 @@ def main(argv=None) -> int:
     config = dict(CONFIGS[args.config])
     if args.precision is not None:  # the same precision for both trainers (TRL's own default is bf16=True)
         config["bf16"] = args.precision == "bf16"
+    if args.layers is not None:
+        config["num_layers"] = args.layers
     if config["cuda"]:
         import torch
 

@@ -197,6 +197,8 @@ def main(argv=None) -> int:
     parser.add_argument("--config", choices=sorted(CONFIGS), default="vocab32k")
     parser.add_argument("--impl", choices=["grpokit", "trl"], default="grpokit")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default=None, help="override the config's precision")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="override the config's number of decoder layers (a cheaper proxy of the same widths)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--cprofile", action="store_true", help="also print cProfile's top functions")
@@ -227,6 +229,8 @@ def main(argv=None) -> int:
     config = dict(CONFIGS[args.config])
     if args.precision is not None:
         config["bf16"] = args.precision == "bf16"
+    if args.layers is not None:
+        config["num_layers"] = args.layers
     if config["cuda"] and not torch.cuda.is_available():
         print("this configuration needs CUDA")
         return 0

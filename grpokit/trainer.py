@@ -38,6 +38,7 @@ from .advantages import combine_and_normalize, group_advantages, group_stats, pr
 from .batch import ScoredRollout, TrainBatch
 from .checkpoint import Checkpointer, TrainingParts
 from .config import GRPOConfig
+from .cpu_matmul import float32_matmuls
 from .data import (
     PromptSampler,
     StreamSampler,
@@ -150,6 +151,8 @@ class GRPOTrainer:
         set_seed(args.seed)
         self.model, self.processing_class = build_policy(model, processing_class, peft_config, args,
                                                          quantization_config)  # fmt: skip
+        if args.bf16 or not full_precision(self.model):  # before the reference is copied: it takes the same route
+            float32_matmuls(self.model, acc.device)
         for dataset in (train_dataset, *named_eval_datasets(eval_dataset).values()):
             check_images_supported(self.processing_class, dataset_columns(dataset))
         max_prompt_length = prompt_length_limit(self.model, args)

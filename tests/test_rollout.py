@@ -6,6 +6,7 @@ Shapes as in rollout.py: N = B·G rows, P prompt tokens (left-padded), T complet
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 
@@ -178,6 +179,56 @@ def test_lora_model_samples_with_the_kv_cache(tokenizer, task_type, monkeypatch)
     assert torch.equal(fast.completion_ids, naive.completion_ids)
     assert torch.equal(fast.attention_mask, naive.attention_mask)
     assert (fast.sampling_logprobs - naive.sampling_logprobs).abs().max() <= LOGPROB_ATOL
+
+
+def weight_casts(fn) -> int:
+    """How many tensor copies with a dtype change (aten::_to_copy) fn runs."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        fn()
+    return sum(event.count for event in prof.key_averages() if event.key == "aten::_to_copy")
+
+
+def test_frozen_weights_are_cast_once_per_rollout_under_autocast(tokenizer):
+    """A LoRA base loaded in float32 is frozen: autocast would cast its weights to bf16 again at every decode step.
+    The engine keeps one cast per rollout: the same tokens and log-probs bit for bit, fewer casts, and the
+    parameters' requires_grad flags as they were."""
+    peft = pytest.importorskip("peft")
+    from grpokit.rollout import HFEngine, PromptBatch
+    from grpokit.rollout.hf import autocast_keeps_frozen_casts
+
+    base = build_tiny_model(len(tokenizer), hidden_size=32, num_layers=2, seed=0)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
+    flags = {name: p.requires_grad for name, p in model.named_parameters()}
+    assert not all(flags.values()) and any(flags.values())
+    ids, mask = grouped(PLAIN_PROMPTS, tokenizer, 4)
+    params = params_for(tokenizer, max_new_tokens=8)
+
+    def sample(keep_casts: bool):
+        with torch.autocast("cpu", dtype=torch.bfloat16), \
+                (autocast_keeps_frozen_casts(model) if keep_casts else contextlib.nullcontext()):  # fmt: skip
+            return generate(model, ids, mask, params, generator=seeded(0), num_generations=4)
+
+    naive, fast = sample(False), sample(True)
+    assert torch.equal(fast.completion_ids, naive.completion_ids)
+    assert torch.equal(fast.sampling_logprobs, naive.sampling_logprobs)
+    assert {name: p.requires_grad for name, p in model.named_parameters()} == flags
+    naive_casts, fast_casts = weight_casts(lambda: sample(False)), weight_casts(lambda: sample(True))
+    frozen_linears = 2 * 7  # per decode step, each frozen projection weight was cast anew
+    assert naive_casts - fast_casts >= frozen_linears * (params.max_new_tokens - 2), (naive_casts, fast_casts)
+
+    engine = HFEngine(model, autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    prompt_ids, prompt_mask = tokenize_prompts(PLAIN_PROMPTS, tokenizer, None)
+    prompts = PromptBatch(ids=[row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)], counts=[4] * 3,
+                          raw=PLAIN_PROMPTS)  # fmt: skip
+    engine_casts = weight_casts(lambda: engine.generate(prompts, params, seed=0))
+    assert {name: p.requires_grad for name, p in model.named_parameters()} == flags
+    with pytest.raises(RuntimeError):  # restored on errors too
+        with autocast_keeps_frozen_casts(model):
+            raise RuntimeError
+    assert {name: p.requires_grad for name, p in model.named_parameters()} == flags
+    assert engine_casts < naive_casts
 
 
 # ------------------------------------------------------------------------------------------------- EOS

@@ -42,10 +42,28 @@ class HFEngine:
         ids, mask = (t.to(self.device) for t in prompts.padded(params.pad_token_id))
         generator = torch.Generator(device=self.device).manual_seed(seed)
         counts = set(prompts.counts)
-        with self.autocast():
+        casts_kept = autocast_keeps_frozen_casts(self.model) if self.all_done is None else contextlib.nullcontext()
+        with self.autocast(), casts_kept:
             return generate(self.model, ids, mask, params, generator=generator,
                             num_generations=counts.pop() if len(counts) == 1 else 1, all_done=self.all_done,
                             multimodal=prompts.multimodal())  # fmt: skip
+
+
+@contextlib.contextmanager
+def autocast_keeps_frozen_casts(model: torch.nn.Module):
+    """For the duration of a rollout, the model's frozen float32 parameters count as requiring grad, so that
+    autocast casts each of them once and reuses the copy at every decode step. torch caches its casts only of leaf
+    tensors that require grad: a frozen weight (a LoRA base loaded in float32, a frozen vision tower) would be cast
+    again at every step. The rollout runs under no_grad, so no graph is built; the flags are restored after. Not
+    for sharded models (FSDP2, ZeRO-3), whose parameters the sharding library manages."""
+    frozen = [p for p in model.parameters() if not p.requires_grad and p.dtype == torch.float32]
+    for parameter in frozen:
+        parameter.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for parameter in frozen:
+            parameter.requires_grad_(False)
 
 
 # ------------------------------------------------------------------------------------------------ decoders

@@ -1,0 +1,168 @@
+"""The float32 route for bfloat16 linear layers on CPUs without bfloat16 hardware (grpokit/cpu_matmul.py), against
+its naive twin: torch's own bfloat16 kernels (bfloat16 tensors, or float32 ones under bfloat16 autocast)."""
+
+import copy
+
+import pytest
+import torch
+
+from grpokit import cpu_matmul
+from grpokit.cpu_matmul import MIN_ROWS, Float32Linear, float32_matmuls, linear_forward
+from grpokit.logprobs import token_logprobs
+from grpokit.testing import build_tiny_model
+
+ULP = 2.0**-7  # a bfloat16 ulp relative to the value (8 significant bits)
+
+
+def close_to_one_bf16_ulp(actual: torch.Tensor, expected: torch.Tensor):
+    """Equal up to float32 summation order: at most one bfloat16 rounding step apart, and mostly identical."""
+    actual, expected = actual.double(), expected.double()
+    assert torch.all((actual - expected).abs() <= ULP * expected.abs() + 1e-30), (actual - expected).abs().max()
+    assert (actual == expected).double().mean() > 0.9
+
+
+def linear_inputs(dtype, bias=True, rows=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, rows // 2, 48, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(40, 48, generator=g) / 7).to(dtype).requires_grad_()
+    b = (torch.randn(40, generator=g) / 3).to(dtype).requires_grad_() if bias else None
+    grad_out = torch.randn(2, rows // 2, 40, generator=g).to(torch.bfloat16)
+    return x, weight, b, grad_out
+
+
+def forward_backward(fn, x, weight, bias, grad_out, autocast):
+    inputs = [t.detach().clone().requires_grad_() for t in (x, weight) + ((bias,) if bias is not None else ())]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = fn(*inputs, *([None] if bias is None else []))
+    out.backward(grad_out)
+    return out, [t.grad for t in inputs]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype,autocast", [(torch.bfloat16, False), (torch.float32, True), (torch.bfloat16, True)])
+def test_float32_linear_equals_the_bfloat16_kernels(dtype, autocast, bias):
+    x, weight, b, grad_out = linear_inputs(dtype, bias)
+    fast, fast_grads = forward_backward(Float32Linear.apply, x, weight, b, grad_out, autocast)
+    naive, naive_grads = forward_backward(torch.nn.functional.linear, x, weight, b, grad_out, autocast)
+    assert fast.dtype == naive.dtype == torch.bfloat16
+    close_to_one_bf16_ulp(fast, naive)
+    for fast_grad, naive_grad in zip(fast_grads, naive_grads):
+        assert fast_grad.dtype == naive_grad.dtype == dtype
+        close_to_one_bf16_ulp(fast_grad, naive_grad)
+
+
+def test_float32_linear_is_exact_float64_arithmetic_rounded_once():
+    """The products of bfloat16 values are exact in float32 and their float32 sum is within float32 rounding of the
+    float64 one: the result is the float64 product of the bfloat16-rounded operands, rounded to bfloat16."""
+    x, weight, b, _ = linear_inputs(torch.float32)
+    with torch.no_grad():
+        out = Float32Linear.apply(x, weight, b)
+        x16, w16, b16 = (t.to(torch.bfloat16).double() for t in (x, weight, b))
+        expected = (x16 @ w16.T + b16).to(torch.bfloat16)
+    close_to_one_bf16_ulp(out, expected)
+
+
+def test_routing_by_rows_dtype_and_device():
+    layer = torch.nn.Linear(48, 40).to(torch.bfloat16)
+    many, few = torch.randn(MIN_ROWS, 48, dtype=torch.bfloat16), torch.randn(MIN_ROWS - 1, 48, dtype=torch.bfloat16)
+    assert type(linear_forward(layer, many).grad_fn).__name__ == "Float32LinearBackward"
+    assert type(linear_forward(layer, few).grad_fn).__name__ != "Float32LinearBackward"  # decode steps
+    fp32 = torch.nn.Linear(48, 40)
+    assert type(linear_forward(fp32, many.float()).grad_fn).__name__ != "Float32LinearBackward"  # no bf16 anywhere
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert type(linear_forward(fp32, many.float()).grad_fn).__name__ == "Float32LinearBackward"
+
+
+def test_float32_matmuls_routes_every_linear_but_the_head(monkeypatch):
+    model = build_tiny_model(vocab_size=40, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+    monkeypatch.setattr(cpu_matmul, "cpu_has_bf16_matmul", lambda: True)  # a CPU with bf16 hardware: untouched
+    assert float32_matmuls(model, "cpu") == 0
+    monkeypatch.setattr(cpu_matmul, "cpu_has_bf16_matmul", lambda: False)
+    assert float32_matmuls(model, "cuda") == 0
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert float32_matmuls(model, "cpu") == len(linears) - 1 == 2 * 7
+    assert "forward" not in vars(model.get_output_embeddings())
+    reference = copy.deepcopy(model)  # the reference copy routes its own layers, not the policy's
+    routed = reference.model.layers[0].mlp.up_proj
+    assert routed.forward.args[0] is routed
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp32_autocast"])
+def test_a_routed_model_gives_the_bfloat16_models_logprobs_and_gradients(monkeypatch, weights):
+    """A whole model's training forward and backward (several rows per sequence, so the route is taken), against
+    the same model on torch's bfloat16 kernels: log-probs and gradients agree to bfloat16 rounding of the layers."""
+    monkeypatch.setattr(cpu_matmul, "cpu_has_bf16_matmul", lambda: False)
+    torch.manual_seed(0)
+    naive = build_tiny_model(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                             intermediate_size=128)  # fmt: skip
+    if weights == "bf16":
+        naive = naive.to(torch.bfloat16)
+    fast = copy.deepcopy(naive)
+    assert float32_matmuls(fast, "cpu") == 14
+    ids = torch.randint(0, 64, (6, 24), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+
+    def run(model):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=weights != "bf16"):
+            logprobs, _ = token_logprobs(model, ids, mask, 12, 1.0)
+        logprobs.float().sum().backward()
+        return logprobs.float(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+    fast_logprobs, fast_grads = run(fast)
+    naive_logprobs, naive_grads = run(naive)
+    assert any(type(n).__name__ == "Float32LinearBackward" for n in walk(fast_logprobs.grad_fn))
+    assert not any(type(n).__name__ == "Float32LinearBackward" for n in walk(naive_logprobs.grad_fn))
+    # Rounding differences of one bf16 ulp in a layer propagate: a few bf16 ulps of the log-probs' scale.
+    torch.testing.assert_close(fast_logprobs, naive_logprobs, rtol=0, atol=0.05)
+    assert (fast_logprobs - naive_logprobs).abs().mean() < 5e-3
+    for name, grad in naive_grads.items():
+        scale = grad.abs().max().item()
+        assert (fast_grads[name] - grad).abs().max() <= 0.05 * scale + 1e-6, name
+
+
+def walk(node, seen=None):
+    seen = set() if seen is None else seen
+    if node is None or node in seen:
+        return
+    seen.add(node)
+    yield node
+    for child, _ in node.next_functions:
+        yield from walk(child, seen)
+
+
+def test_gradient_checkpointing_recomputes_through_the_same_route(monkeypatch):
+    """A checkpointed layer re-runs its forward in the backward pass: it must take the float32 route again (the
+    saved tensors would not match otherwise), and give the same gradients as without checkpointing."""
+    monkeypatch.setattr(cpu_matmul, "cpu_has_bf16_matmul", lambda: False)
+    torch.manual_seed(0)
+    plain = build_tiny_model(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                             intermediate_size=128).to(torch.bfloat16)  # fmt: skip
+    float32_matmuls(plain, "cpu")
+    checkpointed = copy.deepcopy(plain)
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, 64, (6, 24), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for model in (plain, checkpointed):
+        model.train()
+        logprobs, _ = token_logprobs(model, ids, torch.ones_like(ids), 12, 1.0)
+        logprobs.float().sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        assert torch.equal(grads[1][name], grad), name
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_the_trainer_routes_its_policy_and_reference_under_bf16_only(monkeypatch, tmp_path, bf16):
+    from grpokit import GRPOConfig, GRPOTrainer
+    from grpokit.testing import save_tiny_model
+
+    monkeypatch.setattr(cpu_matmul, "cpu_has_bf16_matmul", lambda: False)
+    model_dir = str(save_tiny_model(tmp_path / "tiny", hidden_size=32))
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=4, max_steps=1, beta=0.1, bf16=bf16, use_cpu=True, report_to="none")
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                          args=args, train_dataset=[{"prompt": "ab"}] * 8)  # fmt: skip
+    for model in (trainer.unwrapped_model, trainer.reference):
+        routed = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" in vars(m)]
+        assert len(routed) == (14 if bf16 else 0)
+        assert all(m.forward.args[0] is m for m in routed)  # the reference's layers route to themselves
