@@ -91,20 +91,14 @@ def write(directory, spec):
 def test_two_processes_make_the_update_of_one_from_multi_turn_rollouts(tmp_path):
     from grpokit.testing import build_tiny_model  # noqa: F401  (the script builds the same seeded model)
 
-    import test_distributed
-
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir(), two.mkdir()
     script, spec = write(two, {"out": str(two), "batch": 4})
     run_launcher([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                   "127.0.0.1", "--master_port", str(free_port()), script, spec],
                  env={"PYTHONPATH": os.pathsep.join([str(Path(TESTS).parent), os.environ.get("PYTHONPATH", "")])})
-    original = test_distributed.SCRIPT
-    try:  # the single-process reference runs the same script in this process
-        test_distributed.SCRIPT = SCRIPT
-        run_in_this_process(one, {"out": str(one), "batch": 8})
-    finally:
-        test_distributed.SCRIPT = original
+    # the single-process reference runs the same script in this process
+    run_in_this_process(one, {"out": str(one), "batch": 8}, script=SCRIPT)
     reference, rank0, rank1 = (load(path) for path in (one / "weights_0.pt", two / "weights_0.pt",
                                                        two / "weights_1.pt"))  # fmt: skip
     from agents_helpers import tiny_agent_model
