@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from ..compat import cache_argument, output_cache, select_cache_rows
+from ..distributed import is_sharded
 from ..multimodal import MultimodalInputs, batch_model_inputs, rope_position_ids
 from .engine import PromptBatch, Rollout, SamplingParams
 from .fast import model_config, one_token_attention, sampling_cache
@@ -42,7 +43,8 @@ class HFEngine:
         ids, mask = (t.to(self.device) for t in prompts.padded(params.pad_token_id))
         generator = torch.Generator(device=self.device).manual_seed(seed)
         counts = set(prompts.counts)
-        casts_kept = autocast_keeps_frozen_casts(self.model) if self.all_done is None else contextlib.nullcontext()
+        # A sharded model's parameters belong to FSDP2 / ZeRO-3, which gather them per forward: their flags stay.
+        casts_kept = contextlib.nullcontext() if is_sharded(self.model) else autocast_keeps_frozen_casts(self.model)
         with self.autocast(), casts_kept:
             return generate(self.model, ids, mask, params, generator=generator,
                             num_generations=counts.pop() if len(counts) == 1 else 1, all_done=self.all_done,
