@@ -9,11 +9,14 @@ result equals the bfloat16 kernel's up to float32 summation order (at most one b
 sums straddle a rounding boundary). Gradients are computed the same way, and rounded to bfloat16 where the
 bfloat16 kernels would round them.
 
-Where it applies (`float32_matmuls`): the model's `nn.Linear` layers other than its LM head (the head's
-[V, H] weight would need a float32 copy; the log-prob code handles the head), on the CPU, for inputs of at least
-`MIN_ROWS` rows: bfloat16 weights, or float32 weights under bfloat16 autocast (which would cast both operands to
-bfloat16 first: we round them the same way). Below `MIN_ROWS` (decode steps: one row per sequence) the weight's
+Where it applies (`float32_matmuls`): the model's `nn.Linear` layers other than its LM head, on the CPU, for
+inputs of at least `MIN_ROWS` rows: bfloat16 weights, or float32 weights under bfloat16 autocast (which would
+cast both operands to bfloat16 first: we round them the same way). Below `MIN_ROWS` (decode steps: one row per sequence) the weight's
 upcast costs about what the float32 gemm saves, so the bfloat16 kernel runs.
+
+The LM head is marked instead: the training forward's chunked head (`logprobs.chunked_token_logprobs`) then runs
+`Float32Head`, which upcasts the [V, H] weight block by block (a float32 copy of a 151,936 x 896 head is 545 MB,
+at the step's memory peak). The sampler's head (decode steps: one row per sequence) keeps the bfloat16 kernel.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+FLOAT32_HEAD = "_grpokit_float32_gemm"  # set on the LM head module: `logprobs.chunked_token_logprobs` routes it
 
 MIN_ROWS = 64  # rows (tokens) of the input from which the float32 gemm is used
 
@@ -93,4 +98,133 @@ def float32_matmuls(model: torch.nn.Module, device: torch.device | str) -> int:
         if type(module) is torch.nn.Linear and module is not head:
             module.forward = functools.partial(linear_forward, module)
             routed += 1
+    if head is not None:  # the training forward's chunked head takes `Float32Head`; the sampler's decode steps
+        setattr(head, FLOAT32_HEAD, True)  # (one row per sequence) keep the bfloat16 kernel, as small inputs do
     return routed
+
+
+# ------------------------------------------------------------------------------------------------- the LM head
+
+# The head in blocks: ROWS hidden states at a time against VOCAB_BLOCK rows of the weight, each weight block upcast
+# once per ROWS rows (an upcast of the whole [V, H] weight per chunk would cost as much as the chunk's gemm at the
+# Qwen2.5-0.5B head; a float32 copy of the whole weight would cost 4·V·H bytes at the step's memory peak). One
+# [ROWS, VOCAB_BLOCK] float32 block of logits: 32 MiB.
+ROWS = 1024
+VOCAB_BLOCK = 8192
+
+
+def _blocks(vocab_size: int):
+    return [slice(start, min(start + VOCAB_BLOCK, vocab_size)) for start in range(0, vocab_size, VOCAB_BLOCK)]
+
+
+def _block_logits(hidden32, weight, bias, block, temperature):
+    """(hidden @ weight[block].T + bias[block]) / temperature, [R, B] float32, as the bfloat16 kernel computes it:
+    bfloat16 operands, float32 sums, the result rounded to bfloat16; then the division in float32."""
+    weight32 = weight[block].to(BF16).float()
+    if bias is None:
+        logits = hidden32 @ weight32.t()
+    else:
+        logits = torch.addmm(bias[block].to(BF16).float(), hidden32, weight32.t())
+    logits = logits.to(BF16).float()
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return logits, weight32
+
+
+class Float32Head(torch.autograd.Function):
+    """`logprobs._ChunkedTokenLogprobs` with bfloat16 matmuls, for CPUs without bfloat16 hardware: the same values
+    up to float32 summation order (products of bfloat16 operands summed in float32, logits and gradients rounded to
+    bfloat16 where the bfloat16 kernels round them), with float32 gemms over blocks of the vocabulary.
+
+    hidden [M, H], weight [V, H], bias [V] or None, targets [M] -> (logprobs [M], entropies [M] or [0]) float32.
+    The forward runs an online log-sum-exp over the vocabulary blocks (running max, rescaled sums), so the weight is
+    upcast once per ROWS rows; it saves the log-sum-exp per row, and with a frozen head (LoRA) softmax @ weight, so
+    that the backward is a gather, as in the chunked head (here with the softmax in float32, not rounded to
+    bfloat16 first). The weight's gradient is rounded to bfloat16 per ROWS rows (the chunked head: per chunk)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, with_entropy):
+        rows, vocab_size = hidden.shape[0], weight.shape[0]
+        frozen_head = ctx.needs_input_grad[0] and not any(ctx.needs_input_grad[1:3])
+        logprobs = torch.empty(rows)
+        entropies = torch.empty(rows if with_entropy else 0)
+        lse = torch.empty(rows)
+        expected_rows = torch.empty(hidden.shape) if frozen_head else None
+        for start in range(0, rows, ROWS):
+            chunk = slice(start, start + ROWS)
+            hidden32, chunk_targets = hidden[chunk].to(BF16).float(), targets[chunk]
+            target_logits = torch.empty(hidden32.shape[0])
+            row_max = total = shifted_dot = expected = None  # running over blocks, relative to row_max
+            for block in _blocks(vocab_size):
+                logits, weight32 = _block_logits(hidden32, weight, bias, block, temperature)
+                inside = (chunk_targets >= block.start) & (chunk_targets < block.stop)
+                index = (chunk_targets - block.start).clamp(0, logits.shape[1] - 1)
+                target_logits = torch.where(inside, logits.gather(1, index[:, None]).squeeze(1), target_logits)
+                block_max = logits.amax(1)
+                new_max = block_max if row_max is None else torch.maximum(row_max, block_max)
+                shifted = logits - new_max[:, None]
+                exp = shifted.exp()
+                block_total = exp.sum(1)
+                if row_max is None:
+                    total = block_total
+                    shifted_dot = torch.linalg.vecdot(exp, shifted) if with_entropy else None
+                    expected = exp @ weight32 if frozen_head else None
+                else:
+                    delta, scale = row_max - new_max, (row_max - new_max).exp()
+                    if with_entropy:  # sum exp(l - m') (l - m') over the earlier blocks, from their m
+                        shifted_dot = scale * (shifted_dot + delta * total) + torch.linalg.vecdot(exp, shifted)
+                    if frozen_head:
+                        expected = expected * scale[:, None] + exp @ weight32
+                    total = total * scale + block_total
+                row_max = new_max
+            lse[chunk] = row_max + total.log()
+            logprobs[chunk] = target_logits - lse[chunk]
+            if with_entropy:
+                entropies[chunk] = total.log() - shifted_dot / total
+            if frozen_head:
+                expected_rows[chunk] = expected / total[:, None]
+        if frozen_head:
+            ctx.save_for_backward(None, weight, None, targets, None, expected_rows)
+        else:
+            ctx.save_for_backward(hidden, weight, bias, targets, lse, None)
+        ctx.temperature, ctx.frozen_head, ctx.hidden_dtype = temperature, frozen_head, hidden.dtype
+        ctx.mark_non_differentiable(entropies)
+        return logprobs, entropies
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logprobs, grad_entropies):
+        hidden, weight, bias, targets, lse, expected_rows = ctx.saved_tensors
+        grad_logprobs = grad_logprobs.float() / ctx.temperature
+        if ctx.frozen_head:  # d/d hidden = g / temperature · (W[target] - softmax @ W)
+            grad_hidden = grad_logprobs[:, None] * (weight[targets].float() - expected_rows)
+            return grad_hidden.to(ctx.hidden_dtype), None, None, None, None, None
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape) if need_weight else None
+        grad_bias = torch.zeros(weight.shape[0]) if need_bias else None
+        for start in range(0, hidden.shape[0], ROWS):
+            chunk = slice(start, start + ROWS)
+            hidden32, chunk_targets, upstream = hidden[chunk].to(BF16).float(), targets[chunk], grad_logprobs[chunk]
+            chunk_grad_hidden = torch.zeros(hidden32.shape) if need_hidden else None
+            for block in _blocks(weight.shape[0]):
+                logits, weight32 = _block_logits(hidden32, weight, bias, block, ctx.temperature)
+                # d logprob / d logits = onehot(target) - softmax, times the upstream gradient and 1/temperature
+                grad_logits = logits.sub_(lse[chunk, None]).exp_().mul_(-upstream[:, None])
+                inside = ((chunk_targets >= block.start) & (chunk_targets < block.stop)).nonzero().squeeze(1)
+                grad_logits[inside, chunk_targets[inside] - block.start] += upstream[inside]
+                if need_bias:
+                    grad_bias[block] += grad_logits.sum(0)
+                grad_logits = grad_logits.to(BF16).float()  # the bfloat16 kernel's operand
+                if need_hidden:
+                    chunk_grad_hidden.addmm_(grad_logits, weight32)
+                if need_weight:
+                    grad_weight[block] += (grad_logits.t() @ hidden32).to(BF16).float()
+            if need_hidden:
+                grad_hidden[chunk] = chunk_grad_hidden.to(BF16).to(hidden.dtype)
+        return (
+            grad_hidden,
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
+            None, None, None,
+        )  # fmt: skip

@@ -14,6 +14,7 @@ import contextlib
 
 import torch
 
+from .cpu_matmul import FLOAT32_HEAD, Float32Head
 from .compat import cache_argument, cache_from_layers, is_activation_checkpointing, output_cache
 from .distributed import is_sharded
 from .models import is_peft_model
@@ -190,6 +191,7 @@ def chunked_token_logprobs(
     chunk_rows: int | None = None,
     with_entropy: bool = False,
     fp32_head: bool = False,
+    float32_gemm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of `targets` under softmax((hidden @ weight.T + bias) / temperature), never holding all logits.
 
@@ -208,7 +210,9 @@ def chunked_token_logprobs(
     Precision: the matmul runs in the dtype the plain `nn.Linear` head would use — the autocast dtype under
     autocast, else the inputs' dtype — and everything after it (log-sum-exp, softmax, entropy, the logits'
     gradient) in float32. In float32 this is the plain computation, chunk by chunk. `fp32_head` runs the matmul in
-    float32 too (ScaleRL's / TRL's cast_lm_head_to_fp32).
+    float32 too (ScaleRL's / TRL's cast_lm_head_to_fp32). `float32_gemm` (set by `cpu_matmul.float32_matmuls` on
+    CPUs without bfloat16 hardware) runs bfloat16 matmuls through float32 gemms (`cpu_matmul.Float32Head`), in
+    blocks of the vocabulary; `chunk_rows` does not apply then.
     """
     vocab_size = weight.shape[0]
     device_type = hidden.device.type
@@ -223,6 +227,11 @@ def chunked_token_logprobs(
     leading = targets.shape
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_targets = targets.reshape(-1)
+    if float32_gemm and compute_dtype == torch.bfloat16 and device_type == "cpu":
+        with torch.autocast(device_type, enabled=False):
+            logprobs, entropies = Float32Head.apply(flat_hidden, weight, bias, flat_targets, float(temperature),
+                                                    with_entropy)  # fmt: skip
+        return logprobs.view(leading), entropies.view(leading) if with_entropy else None
     with torch.autocast(device_type, enabled=False):
         logprobs, entropies = _ChunkedTokenLogprobs.apply(
             flat_hidden, weight, bias, flat_targets, float(temperature), int(chunk_rows), compute_dtype, with_entropy
@@ -381,12 +390,14 @@ def token_logprobs(
             real = attention_mask[:, -completion_length:].bool()
             if bool(real.all()):
                 return chunked_token_logprobs(hidden, head.weight, targets, temperature, bias=head.bias,
-                                              with_entropy=with_entropy, fp32_head=fp32_head)  # fmt: skip
+                                              with_entropy=with_entropy, fp32_head=fp32_head,
+                                              float32_gemm=getattr(head, FLOAT32_HEAD, False))  # fmt: skip
             rows, columns = real.nonzero(as_tuple=True)
             hidden = hidden[rows, columns]
         logprobs, entropies = chunked_token_logprobs(hidden[None], head.weight, targets[rows, columns][None],
                                                      temperature, bias=head.bias, with_entropy=with_entropy,
-                                                     fp32_head=fp32_head)
+                                                     fp32_head=fp32_head,
+                                                     float32_gemm=getattr(head, FLOAT32_HEAD, False))
         shape = tuple(targets.shape)
         return (_scatter(logprobs[0], rows, columns, shape),
                 None if entropies is None else _scatter(entropies[0], rows, columns, shape))  # fmt: skip
@@ -481,7 +492,8 @@ def packed_token_logprobs(model, input_ids, attention_mask, completion_length: i
     hidden = _last_hidden(out).flatten(0, 1)[packed.hidden_index]  # [K, H]
     targets = input_ids[:, -completion_length:][packed.rows, packed.columns]
     logprobs, entropies = chunked_token_logprobs(hidden, head.weight, targets, temperature, bias=head.bias,
-                                                 with_entropy=with_entropy, fp32_head=fp32_head)  # fmt: skip
+                                                 with_entropy=with_entropy, fp32_head=fp32_head,
+                                                 float32_gemm=getattr(head, FLOAT32_HEAD, False))  # fmt: skip
     return (_scatter(logprobs, packed.rows, packed.columns, shape),
             None if entropies is None else _scatter(entropies, packed.rows, packed.columns, shape))  # fmt: skip
 

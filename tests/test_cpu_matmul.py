@@ -8,7 +8,7 @@ import torch
 
 from grpokit import cpu_matmul
 from grpokit.cpu_matmul import MIN_ROWS, Float32Linear, float32_matmuls, linear_forward
-from grpokit.logprobs import token_logprobs
+from grpokit.logprobs import chunked_token_logprobs, token_logprobs
 from grpokit.testing import build_tiny_model
 
 ULP = 2.0**-7  # a bfloat16 ulp relative to the value (8 significant bits)
@@ -82,6 +82,7 @@ def test_float32_matmuls_routes_every_linear_but_the_head(monkeypatch):
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     assert float32_matmuls(model, "cpu") == len(linears) - 1 == 2 * 7
     assert "forward" not in vars(model.get_output_embeddings())
+    assert getattr(model.get_output_embeddings(), cpu_matmul.FLOAT32_HEAD) is True  # the chunked head's route
     reference = copy.deepcopy(model)  # the reference copy routes its own layers, not the policy's
     routed = reference.model.layers[0].mlp.up_proj
     assert routed.forward.args[0] is routed
@@ -166,3 +167,94 @@ def test_the_trainer_routes_its_policy_and_reference_under_bf16_only(monkeypatch
         routed = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" in vars(m)]
         assert len(routed) == (14 if bf16 else 0)
         assert all(m.forward.args[0] is m for m in routed)  # the reference's layers route to themselves
+        assert getattr(model.get_output_embeddings(), cpu_matmul.FLOAT32_HEAD, False) is bf16
+
+
+# ------------------------------------------------------------------------------------------------- the LM head
+
+
+def head_inputs(rows, hidden_size, vocab_size, bias, frozen, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, hidden_size, generator=g).to(dtype)
+    weight = (torch.randn(vocab_size, hidden_size, generator=g) / hidden_size**0.5).to(dtype)
+    b = (torch.randn(vocab_size, generator=g) / 3).to(dtype) if bias else None
+    targets = torch.randint(vocab_size, (rows,), generator=g)
+    # the first and last token, the first of the second vocabulary block
+    targets[:3] = torch.tensor([0, vocab_size - 1, min(cpu_matmul.VOCAB_BLOCK, vocab_size - 1)])
+    upstream = torch.randn(rows, generator=g)
+    return hidden, weight, b, targets, upstream, [not frozen, not frozen and bias]
+
+
+def head_run(hidden, weight, bias, targets, upstream, trains, temperature, autocast, float32_gemm, float64=False):
+    """Log-probs, entropies and the gradients of upstream · log-probs: by `chunked_token_logprobs`, or by the
+    naive float64 formula on the bfloat16-rounded operands (the exact value the bfloat16 kernels approximate)."""
+    leaves = [hidden.detach().clone().requires_grad_()]
+    leaves += [None if t is None else t.detach().clone().requires_grad_(train)
+               for t, train in zip((weight, bias), trains)]  # fmt: skip
+    if float64:
+        h, w, b = (None if t is None else t.to(torch.bfloat16).double() for t in leaves)
+        logits = (h @ w.T + (0 if b is None else b)) / temperature
+        log_softmax = logits.log_softmax(-1)
+        logprobs = log_softmax.gather(-1, targets[:, None]).squeeze(-1)
+        entropies = -(log_softmax.exp() * log_softmax).sum(-1)
+    else:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logprobs, entropies = chunked_token_logprobs(leaves[0], leaves[1], targets, temperature, bias=leaves[2],
+                                                         with_entropy=True, float32_gemm=float32_gemm)  # fmt: skip
+    (logprobs * upstream.to(logprobs.dtype)).sum().backward()
+    grads = [None if t is None or t.grad is None else t.grad.double() for t in leaves]
+    return logprobs.double(), entropies.double(), grads
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+@pytest.mark.parametrize("bias,temperature", [(False, 1.0), (True, 0.7)])
+@pytest.mark.parametrize("dtype,autocast", [(torch.bfloat16, False), (torch.float32, True)])
+def test_float32_head_equals_the_bfloat16_chunked_head(monkeypatch, frozen, bias, temperature, dtype, autocast):
+    """`Float32Head` (several row chunks, several vocabulary blocks, the last one partial) against the chunked head
+    on torch's bfloat16 kernels, both measured from the float64 value of the same bfloat16 operands: log-probs and
+    entropies within float32 rounding of the chunked head's, gradients no further from the float64 value than the
+    bfloat16 kernels' (they round the same products to bfloat16, in other chunks)."""
+    monkeypatch.setattr(cpu_matmul, "ROWS", 64)
+    monkeypatch.setattr(cpu_matmul, "VOCAB_BLOCK", 96)
+    inputs = head_inputs(150, 48, 1000, bias, frozen, dtype)
+    fast = head_run(*inputs, temperature, autocast, float32_gemm=True)
+    naive = head_run(*inputs, temperature, autocast, float32_gemm=False)
+    exact = head_run(*inputs, temperature, autocast, float32_gemm=False, float64=True)
+    for f, n, e in zip(fast[:2], naive[:2], exact[:2]):
+        torch.testing.assert_close(f, n, rtol=0, atol=2e-5)
+        assert (f - e).abs().max() <= (n - e).abs().max() + 2e-5
+    for f, n, e in zip(fast[2], naive[2], exact[2]):
+        assert (f is None) == (n is None) == (e is None)
+        if f is None:
+            continue
+        scale = e.abs().max()
+        assert (f - e).abs().max() <= 2 * ULP * scale and (n - e).abs().max() <= 2 * ULP * scale
+        assert (f - n).abs().max() <= 2 * ULP * scale
+    trained = [x is not None for x in fast[2]]
+    assert trained == [True, not frozen, not frozen and bias]
+
+
+def test_float32_head_runs_only_for_bfloat16_matmuls_on_the_cpu():
+    hidden, weight, _, targets, upstream, _ = head_inputs(80, 16, 300, False, False, torch.float32)
+    hidden.requires_grad_()
+    for autocast, expected in ((True, "Float32HeadBackward"), (False, "_ChunkedTokenLogprobsBackward")):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logprobs, _ = chunked_token_logprobs(hidden, weight, targets, float32_gemm=True)
+        assert type(logprobs.grad_fn).__name__ in (expected, "ViewBackward0")
+        assert any(type(n).__name__ == expected for n in walk(logprobs.grad_fn))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logprobs, _ = chunked_token_logprobs(hidden, weight, targets, float32_gemm=True, fp32_head=True)
+    assert not any(type(n).__name__ == "Float32HeadBackward" for n in walk(logprobs.grad_fn))  # a float32 head
+
+
+def test_a_routed_models_head_takes_the_float32_route(monkeypatch):
+    monkeypatch.setattr(cpu_matmul, "cpu_has_bf16_matmul", lambda: False)
+    model = build_tiny_model(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    model = model.to(torch.bfloat16)
+    ids = torch.randint(0, 64, (4, 20), generator=torch.Generator().manual_seed(1))
+    naive, _ = token_logprobs(model, ids, torch.ones_like(ids), 10)
+    float32_matmuls(model, "cpu")
+    fast, _ = token_logprobs(model, ids, torch.ones_like(ids), 10)
+    assert any(type(n).__name__ == "Float32HeadBackward" for n in walk(fast.grad_fn))
+    assert not any(type(n).__name__ == "Float32HeadBackward" for n in walk(naive.grad_fn))
+    torch.testing.assert_close(fast, naive, rtol=0, atol=0.05)
