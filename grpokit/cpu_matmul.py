@@ -11,8 +11,8 @@ bfloat16 kernels would round them.
 
 Where it applies (`float32_matmuls`): the model's `nn.Linear` layers other than its LM head, on the CPU, for
 inputs of at least `MIN_ROWS` rows: bfloat16 weights, or float32 weights under bfloat16 autocast (which would
-cast both operands to bfloat16 first: we round them the same way). Below `MIN_ROWS` (decode steps: one row per sequence) the weight's
-upcast costs about what the float32 gemm saves, so the bfloat16 kernel runs.
+cast both operands to bfloat16 first: we round them the same way). Below `MIN_ROWS` (decode steps: one row per
+sequence) the weight's upcast costs about what the float32 gemm saves, so the bfloat16 kernel runs.
 
 The LM head is marked instead: the training forward's chunked head (`logprobs.chunked_token_logprobs`) then runs
 `Float32Head`, which upcasts the [V, H] weight block by block (a float32 copy of a 151,936 x 896 head is 545 MB,
