@@ -399,7 +399,8 @@ def machine_info() -> dict:
     return info
 
 
-def launch(spec: dict, python: str, workdir: Path, index: int, timeout: float) -> dict:
+def start(spec: dict, python: str, workdir: Path, index: int, cpu: int | None = None):
+    """Start one child run (pinned to `cpu` when given); `finish` waits for it."""
     spec_path = workdir / f"spec_{index}_{spec['impl']}.json"
     out_path = workdir / f"result_{index}_{spec['impl']}.json"
     spec_path.write_text(json.dumps(spec))
@@ -407,13 +408,29 @@ def launch(spec: dict, python: str, workdir: Path, index: int, timeout: float) -
                TOKENIZERS_PARALLELISM="false", WANDB_DISABLED="true", TRL_EXPERIMENTAL_SILENCE="1")  # fmt: skip
     env.setdefault("PYTHONWARNINGS", "ignore")
     command = [python, os.path.abspath(__file__), "--child", str(spec_path), "--child-out", str(out_path)]
-    started = time.perf_counter()
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0 or not out_path.exists():
-        return {"impl": spec["impl"], "error": f"exit code {proc.returncode}", "stderr_tail": proc.stderr[-6000:],
-                "stdout_tail": proc.stdout[-2000:]}  # fmt: skip
+    pin = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
+    logs = [open(workdir / f"{stream}_{index}_{spec['impl']}.txt", "w+") for stream in ("stdout", "stderr")]
+    proc = subprocess.Popen(command, env=env, stdout=logs[0], stderr=logs[1], text=True, preexec_fn=pin)
+    return spec, proc, out_path, logs, time.perf_counter()
+
+
+def finish(run, timeout: float) -> dict:
+    spec, proc, out_path, logs, started = run
+    try:
+        proc.wait(timeout=max(1.0, timeout - (time.perf_counter() - started)))
+        error = None if proc.returncode == 0 and out_path.exists() else f"exit code {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        error = f"timed out after {timeout:.0f} s"
+    stdout, stderr = [log.seek(0) or log.read() for log in logs]
+    for log in logs:
+        log.close()
+    if error:
+        return {"impl": spec["impl"], "error": error, "stderr_tail": stderr[-6000:], "stdout_tail": stdout[-2000:]}
     result = json.loads(out_path.read_text())
     result["process_wall_s"] = time.perf_counter() - started
+    result["cpu_affinity"] = spec.get("cpu")
     return result
 
 
@@ -513,6 +530,20 @@ def breakdown_table(results: list[dict], args) -> str:
     return "\n".join(lines)
 
 
+def report(result: dict, config: dict, repeat: int):
+    impl = result["impl"]
+    if "error" in result:
+        print(f"[bench] {impl} run {repeat} FAILED ({result['error']}):\n{result['stderr_tail']}", flush=True)
+        return
+    full = all(m == config["max_completion_length"] for m in result["completion_min_length"])
+    print(f"[bench] {impl:8s} run {repeat}: {result['tokens_per_s']:10.1f} tokens/s, step "
+          f"{result['step_time_median_s']:.3f} s, peak RSS {result['peak_rss_mib']:.0f} MiB"
+          + (f", CUDA peak {result['cuda_max_allocated_mib']:.0f} MiB" if config["cuda"] else "")
+          + f", tokens/step {result['tokens_per_step']:.0f}"
+          + ("" if full else " (WARNING: some completions shorter than max_completion_length)"),
+          flush=True)  # fmt: skip
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
@@ -540,6 +571,9 @@ def main(argv=None) -> int:
                         help="extra GRPOConfig arguments (JSON) for grpokit only, e.g. its memory options: "
                              "'{\"ref_model_dtype\": \"bfloat16\", \"optim\": \"adamw_8bit\"}'")  # fmt: skip
     parser.add_argument("--trl-args", default="{}", help="extra GRPOConfig arguments (JSON) for TRL only")
+    parser.add_argument("--concurrent", action="store_true",
+                        help="run the libraries of one repeat at the same time, each pinned to its own CPU (use with "
+                             "--threads 1): both see the same machine load, and the run takes half the time")  # fmt: skip
     parser.add_argument("--lora", action="store_true", help=f"train a LoRA adapter in both ({LORA})")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
@@ -574,8 +608,13 @@ def main(argv=None) -> int:
               flush=True)  # fmt: skip
         prompts_per_step = config["batch"] * config["grad_accum"] // config["num_generations"]
         results = []
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if args.concurrent and len(cpus) < len(impls):
+            raise SystemExit(f"--concurrent runs {len(impls)} children on their own CPUs; only {len(cpus)} usable")
+        results = []
         for repeat in range(args.repeats):
-            for impl in impls:
+            runs = []
+            for slot, impl in enumerate(impls):
                 spec = {
                     "impl": impl, "config": config, "model_dir": str(model_dir), "steps": args.steps,
                     "warmup": args.warmup, "beta": args.beta, "learning_rate": args.learning_rate, "seed": args.seed,
@@ -583,23 +622,16 @@ def main(argv=None) -> int:
                     "num_prompts": max(64, prompts_per_step * (args.steps + args.warmup)),
                     "src": str(Path(args.baseline).resolve()) if impl == BASELINE else None,
                     "extra_args": {"grpokit": json.loads(args.grpokit_args), "trl": json.loads(args.trl_args)},
-                    "lora": args.lora,
+                    "lora": args.lora, "cpu": cpus[slot] if args.concurrent else None,
                 }  # fmt: skip
                 python = args.trl_python if impl == "trl" else args.grpokit_python
-                result = launch(spec, python, workdir, repeat, args.timeout)
+                runs.append(start(spec, python, workdir, repeat, spec["cpu"]))
+                if not args.concurrent:
+                    runs[-1] = finish(runs[-1], args.timeout)
+            for result in runs if not args.concurrent else [finish(run, args.timeout) for run in runs]:
                 result["repeat"] = repeat
                 results.append(result)
-                if "error" in result:
-                    print(f"[bench] {impl} run {repeat} FAILED ({result['error']}):\n{result['stderr_tail']}",
-                          flush=True)  # fmt: skip
-                    continue
-                full = all(m == config["max_completion_length"] for m in result["completion_min_length"])
-                print(f"[bench] {impl:8s} run {repeat}: {result['tokens_per_s']:10.1f} tokens/s, step "
-                      f"{result['step_time_median_s']:.3f} s, peak RSS {result['peak_rss_mib']:.0f} MiB"
-                      + (f", CUDA peak {result['cuda_max_allocated_mib']:.0f} MiB" if config["cuda"] else "")
-                      + f", tokens/step {result['tokens_per_step']:.0f}"
-                      + ("" if full else " (WARNING: some completions shorter than max_completion_length)"),
-                      flush=True)  # fmt: skip
+                report(result, config, repeat)
     info["loadavg_end"] = os.getloadavg()
     trl_runs = [r for r in results if r["impl"] == "trl" and "error" not in r]
     info["trl_child"] = trl_runs[0]["version"] if trl_runs else None

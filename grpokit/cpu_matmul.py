@@ -105,10 +105,9 @@ def float32_matmuls(model: torch.nn.Module, device: torch.device | str) -> int:
 
 # ------------------------------------------------------------------------------------------------- the LM head
 
-# The head in blocks: ROWS hidden states at a time against VOCAB_BLOCK rows of the weight, each weight block upcast
-# once per ROWS rows (an upcast of the whole [V, H] weight per chunk would cost as much as the chunk's gemm at the
-# Qwen2.5-0.5B head; a float32 copy of the whole weight would cost 4·V·H bytes at the step's memory peak). One
-# [ROWS, VOCAB_BLOCK] float32 block of logits: 32 MiB.
+# The head in blocks: VOCAB_BLOCK rows of the weight at a time, upcast once per pass (a float32 copy of the whole
+# [V, H] weight would cost 4·V·H bytes at the step's memory peak), against ROWS hidden states at a time. A
+# [ROWS, VOCAB_BLOCK] float32 block of logits is 32 MiB; the forward's [M, VOCAB_BLOCK] block, 32 KiB per row.
 ROWS = 1024
 VOCAB_BLOCK = 8192
 
@@ -117,10 +116,13 @@ def _blocks(vocab_size: int):
     return [slice(start, min(start + VOCAB_BLOCK, vocab_size)) for start in range(0, vocab_size, VOCAB_BLOCK)]
 
 
-def _block_logits(hidden32, weight, bias, block, temperature):
+def _row_chunks(rows: int):
+    return [slice(start, start + ROWS) for start in range(0, rows, ROWS)]
+
+
+def _block_logits(hidden32, weight32, bias, block, temperature):
     """(hidden @ weight[block].T + bias[block]) / temperature, [R, B] float32, as the bfloat16 kernel computes it:
     bfloat16 operands, float32 sums, the result rounded to bfloat16; then the division in float32."""
-    weight32 = weight[block].to(BF16).float()
     if bias is None:
         logits = hidden32 @ weight32.t()
     else:
@@ -128,7 +130,7 @@ def _block_logits(hidden32, weight, bias, block, temperature):
     logits = logits.to(BF16).float()
     if temperature != 1.0:
         logits.div_(temperature)
-    return logits, weight32
+    return logits
 
 
 class Float32Head(torch.autograd.Function):
@@ -137,54 +139,48 @@ class Float32Head(torch.autograd.Function):
     bfloat16 where the bfloat16 kernels round them), with float32 gemms over blocks of the vocabulary.
 
     hidden [M, H], weight [V, H], bias [V] or None, targets [M] -> (logprobs [M], entropies [M] or [0]) float32.
-    The forward runs an online log-sum-exp over the vocabulary blocks (running max, rescaled sums), so the weight is
-    upcast once per ROWS rows; it saves the log-sum-exp per row, and with a frozen head (LoRA) softmax @ weight, so
-    that the backward is a gather, as in the chunked head (here with the softmax in float32, not rounded to
-    bfloat16 first). The weight's gradient is rounded to bfloat16 per ROWS rows (the chunked head: per chunk)."""
+    Both passes loop over vocabulary blocks outside and chunks of ROWS rows inside, so each weight block is upcast
+    once per pass. The forward keeps an online log-sum-exp per row (running max, rescaled sums) and saves it; with a
+    frozen head (LoRA) it saves softmax @ weight per row instead, so that the backward is a gather, as in the
+    chunked head (here the softmax is not rounded to bfloat16 before that product). The backward writes each block
+    of the weight's gradient once, in the weight's dtype: no float32 [V, H] accumulator."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, with_entropy):
-        rows, vocab_size = hidden.shape[0], weight.shape[0]
         frozen_head = ctx.needs_input_grad[0] and not any(ctx.needs_input_grad[1:3])
-        logprobs = torch.empty(rows)
-        entropies = torch.empty(rows if with_entropy else 0)
-        lse = torch.empty(rows)
-        expected_rows = torch.empty(hidden.shape) if frozen_head else None
-        for start in range(0, rows, ROWS):
-            chunk = slice(start, start + ROWS)
-            hidden32, chunk_targets = hidden[chunk].to(BF16).float(), targets[chunk]
-            target_logits = torch.empty(hidden32.shape[0])
-            row_max = total = shifted_dot = expected = None  # running over blocks, relative to row_max
-            for block in _blocks(vocab_size):
-                logits, weight32 = _block_logits(hidden32, weight, bias, block, temperature)
-                inside = (chunk_targets >= block.start) & (chunk_targets < block.stop)
-                index = (chunk_targets - block.start).clamp(0, logits.shape[1] - 1)
-                target_logits = torch.where(inside, logits.gather(1, index[:, None]).squeeze(1), target_logits)
-                block_max = logits.amax(1)
-                new_max = block_max if row_max is None else torch.maximum(row_max, block_max)
-                shifted = logits - new_max[:, None]
-                exp = shifted.exp()
-                block_total = exp.sum(1)
-                if row_max is None:
-                    total = block_total
-                    shifted_dot = torch.linalg.vecdot(exp, shifted) if with_entropy else None
-                    expected = exp @ weight32 if frozen_head else None
-                else:
-                    delta, scale = row_max - new_max, (row_max - new_max).exp()
-                    if with_entropy:  # sum exp(l - m') (l - m') over the earlier blocks, from their m
-                        shifted_dot = scale * (shifted_dot + delta * total) + torch.linalg.vecdot(exp, shifted)
-                    if frozen_head:
-                        expected = expected * scale[:, None] + exp @ weight32
-                    total = total * scale + block_total
-                row_max = new_max
-            lse[chunk] = row_max + total.log()
-            logprobs[chunk] = target_logits - lse[chunk]
-            if with_entropy:
-                entropies[chunk] = total.log() - shifted_dot / total
-            if frozen_head:
-                expected_rows[chunk] = expected / total[:, None]
+        hidden32 = hidden.to(BF16).float()  # what autocast would give the bfloat16 kernel
+        target_logits = torch.empty(hidden.shape[0])
+        row_max = total = shifted_dot = expected = None  # running over the blocks, relative to row_max
+        for block in _blocks(weight.shape[0]):
+            weight32 = weight[block].to(BF16).float()
+            logits = torch.cat([_block_logits(hidden32[rows], weight32, bias, block, temperature)
+                                for rows in _row_chunks(hidden.shape[0])])  # fmt: skip
+            inside = (targets >= block.start) & (targets < block.stop)
+            index = (targets - block.start).clamp(0, logits.shape[1] - 1)
+            target_logits = torch.where(inside, logits.gather(1, index[:, None]).squeeze(1), target_logits)
+            block_max = logits.amax(1)
+            new_max = block_max if row_max is None else torch.maximum(row_max, block_max)
+            shifted = logits.sub_(new_max[:, None])
+            exp = shifted.exp()
+            block_total = exp.sum(1)
+            if row_max is None:
+                total = block_total
+                shifted_dot = torch.linalg.vecdot(exp, shifted) if with_entropy else None
+                expected = exp @ weight32 if frozen_head else None
+            else:
+                delta = row_max - new_max
+                scale = delta.exp()
+                if with_entropy:  # sum exp(l - m') (l - m') over the earlier blocks, from their m: rescaled
+                    shifted_dot = scale * (shifted_dot + delta * total) + torch.linalg.vecdot(exp, shifted)
+                if frozen_head:
+                    expected = expected.mul_(scale[:, None]).addmm_(exp, weight32)
+                total = total * scale + block_total
+            row_max = new_max
+        lse = row_max + total.log()
+        logprobs = target_logits - lse
+        entropies = total.log() - shifted_dot / total if with_entropy else torch.empty(0)
         if frozen_head:
-            ctx.save_for_backward(None, weight, None, targets, None, expected_rows)
+            ctx.save_for_backward(None, weight, None, targets, None, expected / total[:, None])
         else:
             ctx.save_for_backward(hidden, weight, bias, targets, lse, None)
         ctx.temperature, ctx.frozen_head, ctx.hidden_dtype = temperature, frozen_head, hidden.dtype
@@ -200,31 +196,32 @@ class Float32Head(torch.autograd.Function):
             grad_hidden = grad_logprobs[:, None] * (weight[targets].float() - expected_rows)
             return grad_hidden.to(ctx.hidden_dtype), None, None, None, None, None
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape) if need_weight else None
-        grad_bias = torch.zeros(weight.shape[0]) if need_bias else None
-        for start in range(0, hidden.shape[0], ROWS):
-            chunk = slice(start, start + ROWS)
-            hidden32, chunk_targets, upstream = hidden[chunk].to(BF16).float(), targets[chunk], grad_logprobs[chunk]
-            chunk_grad_hidden = torch.zeros(hidden32.shape) if need_hidden else None
-            for block in _blocks(weight.shape[0]):
-                logits, weight32 = _block_logits(hidden32, weight, bias, block, ctx.temperature)
+        hidden32 = hidden.to(BF16).float()
+        grad_hidden = torch.zeros(hidden32.shape) if need_hidden else None
+        grad_weight = torch.empty_like(weight) if need_weight else None
+        grad_bias = torch.empty_like(bias) if need_bias else None
+        for block in _blocks(weight.shape[0]):
+            weight32 = weight[block].to(BF16).float()
+            block_grad = torch.zeros(weight32.shape) if need_weight else None
+            block_bias = torch.zeros(weight32.shape[0]) if need_bias else None
+            for rows in _row_chunks(hidden.shape[0]):
+                logits = _block_logits(hidden32[rows], weight32, bias, block, ctx.temperature)
+                upstream, chunk_targets = grad_logprobs[rows], targets[rows]
                 # d logprob / d logits = onehot(target) - softmax, times the upstream gradient and 1/temperature
-                grad_logits = logits.sub_(lse[chunk, None]).exp_().mul_(-upstream[:, None])
+                grad_logits = logits.sub_(lse[rows, None]).exp_().mul_(-upstream[:, None])
                 inside = ((chunk_targets >= block.start) & (chunk_targets < block.stop)).nonzero().squeeze(1)
                 grad_logits[inside, chunk_targets[inside] - block.start] += upstream[inside]
                 if need_bias:
-                    grad_bias[block] += grad_logits.sum(0)
+                    block_bias += grad_logits.sum(0)
                 grad_logits = grad_logits.to(BF16).float()  # the bfloat16 kernel's operand
                 if need_hidden:
-                    chunk_grad_hidden.addmm_(grad_logits, weight32)
-                if need_weight:
-                    grad_weight[block] += (grad_logits.t() @ hidden32).to(BF16).float()
-            if need_hidden:
-                grad_hidden[chunk] = chunk_grad_hidden.to(BF16).to(hidden.dtype)
-        return (
-            grad_hidden,
-            None if grad_weight is None else grad_weight.to(weight.dtype),
-            None if grad_bias is None else grad_bias.to(bias.dtype),
-            None, None, None,
-        )  # fmt: skip
+                    grad_hidden[rows].addmm_(grad_logits, weight32)
+                if need_weight:  # each chunk's product rounded as the bfloat16 kernel rounds it, summed in float32
+                    block_grad += (grad_logits.t() @ hidden32[rows]).to(BF16).float()
+            if need_weight:
+                grad_weight[block] = block_grad
+            if need_bias:
+                grad_bias[block] = block_bias
+        if need_hidden:
+            grad_hidden = grad_hidden.to(BF16).to(hidden.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None
