@@ -22,6 +22,7 @@ at the step's memory peak). The sampler's head (decode steps: one row per sequen
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 
@@ -86,10 +87,63 @@ def linear_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, module.weight, module.bias)
 
 
+def is_linear4bit(module: torch.nn.Module) -> bool:
+    """A bitsandbytes 4-bit linear layer (QLoRA's frozen base)."""
+    bnb = sys.modules.get("bitsandbytes")
+    return bnb is not None and isinstance(module, bnb.nn.Linear4bit)
+
+
+def _dequantized(module) -> torch.Tensor:
+    """A 4-bit layer's weight [out, in] in bfloat16, as bitsandbytes dequantizes it for its bfloat16 matmul."""
+    import bitsandbytes
+
+    return bitsandbytes.functional.dequantize_4bit(module.weight.data, module.weight.quant_state).to(BF16)
+
+
+class Float32Linear4bit(torch.autograd.Function):
+    """A bitsandbytes `Linear4bit` with bfloat16 compute, by float32 gemms: the weight dequantized to bfloat16 (as
+    bitsandbytes does), then `Float32Linear`'s arithmetic. The weight is frozen and 4-bit: the backward dequantizes
+    it again (nothing of weight size is saved) and returns the input's and the bias's gradients."""
+
+    @staticmethod
+    def forward(ctx, x, bias, module):
+        ctx.module, ctx.dtypes = module, (x.dtype, None if bias is None else bias.dtype)
+        with torch.autocast("cpu", enabled=False):
+            weight = _dequantized(module).float()
+            bias32 = None if bias is None else bias.to(BF16).float()
+            out = torch.nn.functional.linear(x.to(BF16).float(), weight, bias32)
+        return out.to(BF16).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_dtype, bias_dtype = ctx.dtypes
+        grad = grad_out.to(BF16).float()
+        grad_x = grad_bias = None
+        with torch.autocast("cpu", enabled=False):
+            if ctx.needs_input_grad[0]:
+                grad_x = (grad @ _dequantized(ctx.module).float()).to(BF16).to(x_dtype)
+            if ctx.needs_input_grad[1]:
+                grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(BF16).to(bias_dtype)
+        return grad_x, grad_bias, None
+
+
+def linear4bit_forward(module, x: torch.Tensor) -> torch.Tensor:
+    """A `Linear4bit`'s forward: `Float32Linear4bit` where bitsandbytes would run a bfloat16 matmul of at least
+    MIN_ROWS rows on the CPU (compute dtype bfloat16, or unset with bfloat16 inputs), else its own."""
+    compute_dtype = module.compute_dtype or x.dtype
+    if x.device.type == "cpu" and compute_dtype == BF16 and x.numel() >= MIN_ROWS * module.in_features:
+        from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
+
+        fix_4bit_weight_quant_state_from_module(module)
+        return Float32Linear4bit.apply(x, module.bias, module)
+    return type(module).forward(module, x)
+
+
 def float32_matmuls(model: torch.nn.Module, device: torch.device | str) -> int:
-    """Route `model`'s linear layers (all but its LM head) through `linear_forward` when `device` is a CPU without
-    bfloat16 hardware; returns how many layers were routed (0 elsewhere). Their forward is set per instance, so a
-    copy of the model (the reference) takes it too, and a gradient-checkpointed layer recomputes the same way."""
+    """Route `model`'s linear layers (all but its LM head) through `linear_forward` (bitsandbytes 4-bit ones through
+    `linear4bit_forward`) when `device` is a CPU without bfloat16 hardware; returns how many layers were routed (0
+    elsewhere). Their forward is set per instance, so a copy of the model (the reference) takes it too, and a
+    gradient-checkpointed layer recomputes the same way."""
     if torch.device(device).type != "cpu" or cpu_has_bf16_matmul():
         return 0
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -97,6 +151,9 @@ def float32_matmuls(model: torch.nn.Module, device: torch.device | str) -> int:
     for module in model.modules():
         if type(module) is torch.nn.Linear and module is not head:
             module.forward = functools.partial(linear_forward, module)
+            routed += 1
+        elif is_linear4bit(module):
+            module.forward = functools.partial(linear4bit_forward, module)
             routed += 1
     if head is not None:  # the training forward's chunked head takes `Float32Head`; the sampler's decode steps
         setattr(head, FLOAT32_HEAD, True)  # (one row per sequence) keep the bfloat16 kernel, as small inputs do
