@@ -42,6 +42,25 @@ class PhaseTimer:
         self.totals: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
         self.stack: list[str] = []
+        self.max_rss: dict[str, float] = defaultdict(float)  # MiB, per innermost phase (`sample_rss`)
+
+    def sample_rss(self, interval: float = 0.02):
+        """Start a thread that samples the process's resident memory every `interval` s and keeps the largest value
+        seen during each innermost phase ("outside phases" between them): where the step's peak happens."""
+        import threading
+
+        import psutil
+
+        process = psutil.Process()
+
+        def run():
+            while True:
+                label = self.stack[-1] if self.stack else "outside phases"
+                rss = process.memory_info().rss / 2**20
+                self.max_rss[label] = max(self.max_rss[label], rss)
+                time.sleep(interval)
+
+        threading.Thread(target=run, daemon=True).start()
 
     def _sync(self):
         if self.cuda:
@@ -186,6 +205,9 @@ def phase_table(impl, timer: PhaseTimer, wall: float, steps: int) -> str:
     other = wall - accounted
     lines.append(f"| other (batching, masks, advantages, logging) | {other / steps:.3f} | {100 * other / wall:.1f} | |")
     lines.append(f"| **step (wall)** | **{wall / steps:.3f}** | 100 | |")
+    if timer.max_rss:
+        lines += ["", "| innermost phase | largest RSS seen during it (MiB) |", "|---|---|"]
+        lines += [f"| {label} | {rss:,.0f} |" for label, rss in sorted(timer.max_rss.items(), key=lambda kv: -kv[1])]
     return "\n".join(lines)
 
 
@@ -204,6 +226,9 @@ def main(argv=None) -> int:
     parser.add_argument("--cprofile", action="store_true", help="also print cProfile's top functions")
     parser.add_argument("--torch-profiler", action="store_true", help="also print torch.profiler's top operators")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--memory", action="store_true",
+                        help="sample RSS every 20 ms and report the largest value seen in each phase (the whole run, "
+                             "warm-up included)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     parser.add_argument("--src", default=None, metavar="DIR",
                         help="import grpokit from this source tree instead (e.g. `git archive HEAD grpokit | tar -x "
@@ -239,6 +264,8 @@ def main(argv=None) -> int:
         workdir = Path(tmp)
         info = build_model_dir(config, workdir / "model")
         timer = PhaseTimer(config["cuda"])
+        if args.memory:
+            timer.sample_rss()
         marks: list[float] = []
         profiler = None
         if args.cprofile:

@@ -39,6 +39,7 @@ from .batch import ScoredRollout, TrainBatch
 from .checkpoint import Checkpointer, TrainingParts
 from .config import GRPOConfig
 from .cpu_matmul import float32_matmuls
+from .cpu_memory import keep_large_allocations_mapped
 from .data import (
     PromptSampler,
     StreamSampler,
@@ -148,6 +149,8 @@ class GRPOTrainer:
 
         self.accelerator = acc = build_accelerator(args)
         args.check_batch(acc.num_processes)
+        if acc.device.type == "cpu":  # freed tensors leave the process (cpu_memory: glibc kept them, +30% peak RSS)
+            keep_large_allocations_mapped()
         set_seed(args.seed)
         self.model, self.processing_class = build_policy(model, processing_class, peft_config, args,
                                                          quantization_config)  # fmt: skip
