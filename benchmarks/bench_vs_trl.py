@@ -168,10 +168,37 @@ def make_dataset(n: int, seed: int):
 # ----------------------------------------------------------------------------------------------- child
 
 
+LOADING_PEAK_MIB = 0.0  # the process's peak before `reset_peak_rss` (which also resets what getrusage reports)
+
+
 def peak_rss_mib() -> float:
+    """The process's peak RSS over its whole life (loading included)."""
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, LOADING_PEAK_MIB)  # KiB on Linux
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's resident-set high-water mark (VmHWM) of this process (Linux 4.0+: clear_refs 5); the
+    peak so far is kept for `peak_rss_mib`."""
+    global LOADING_PEAK_MIB
+    LOADING_PEAK_MIB = peak_rss_mib()
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_since_reset_mib() -> float | None:
+    """VmHWM, the largest resident set since the process started or since `reset_peak_rss`."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return None
 
 
 def current_rss_mib() -> float:
@@ -299,6 +326,7 @@ def run_child(spec: dict) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     rss_before_train = current_rss_mib()
+    train_peak_measured = reset_peak_rss()
     started = time.perf_counter()
     trainer.train()
     total = time.perf_counter() - started
@@ -339,6 +367,9 @@ def run_child(spec: dict) -> dict:
         "reward": [r.get("reward") for r in records],
         "gradient_checkpointing": grad_ckpt,
         "peak_rss_mib": peak_rss_mib(),
+        # Loading excluded (a checkpoint's pages touched while loading count in RSS): the high-water mark since
+        # train() began.
+        "train_peak_rss_mib": peak_rss_since_reset_mib() if train_peak_measured else None,
         "memory_breakdown_mib": breakdown,
         "extra_args": spec.get("extra_args", {}).get("trl" if impl == "trl" else "grpokit", {}),
         "lora": bool(spec.get("lora")),
@@ -444,7 +475,8 @@ def fmt(x, digits=3):
 
 def summarise(results: list[dict]) -> dict:
     out = {}
-    keys = ("tokens_per_s", "step_time_median_s", "peak_rss_mib", "rss_before_train_mib", "cuda_max_allocated_mib")
+    keys = ("tokens_per_s", "step_time_median_s", "peak_rss_mib", "train_peak_rss_mib", "rss_before_train_mib",
+            "cuda_max_allocated_mib")
     for impl in IMPLS:
         runs = [r for r in results if r["impl"] == impl and "error" not in r]
         out[impl] = {"runs": len(runs)}
@@ -484,6 +516,8 @@ def markdown(name: str, config: dict, model_info: dict, summary: dict, info: dic
     rows = [("tokens/s", "tokens_per_s", 4), ("step time (s, median)", "step_time_median_s", 3)]
     rows.append(("peak GPU memory allocated (MiB)", "cuda_max_allocated_mib", 4) if cuda
                 else ("peak RSS (MiB)", "peak_rss_mib", 4))  # fmt: skip
+    if not cuda:
+        rows.append(("peak RSS during train() (MiB)", "train_peak_rss_mib", 4))
     rows.append(("RSS before train() (MiB)", "rss_before_train_mib", 4))
     for label, key, digits in rows:
         cells = []

@@ -30,7 +30,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vs_trl import CONFIGS, build_model_dir, common_args, make_dataset, reward_len  # noqa: E402
+from bench_vs_trl import CONFIGS, LORA, build_model_dir, common_args, make_dataset, reward_len  # noqa: E402
 
 
 class PhaseTimer:
@@ -149,8 +149,13 @@ CHILDREN = {
 }
 
 
-def make_trainer(impl, config, model_dir, workdir, steps, hook, extra_args=None):
+def make_trainer(impl, config, model_dir, workdir, steps, hook, extra_args=None, lora=False):
     args_kwargs = common_args(config, str(workdir / f"out_{impl}"), steps, 1e-5, 0.04, 42) | (extra_args or {})
+    peft = {}
+    if lora:
+        from peft import LoraConfig
+
+        peft = {"peft_config": LoraConfig(task_type="CAUSAL_LM", **LORA)}
     dataset = make_dataset(max(64, 8 * steps), 42)
     if impl == "trl":
         from transformers import TrainerCallback
@@ -162,11 +167,11 @@ def make_trainer(impl, config, model_dir, workdir, steps, hook, extra_args=None)
                     hook()
 
         return GRPOTrainer(model=str(model_dir), reward_funcs=reward_len, args=GRPOConfig(**args_kwargs),
-                           train_dataset=dataset, callbacks=[Hook()])  # fmt: skip
+                           train_dataset=dataset, callbacks=[Hook()], **peft)  # fmt: skip
     from grpokit import GRPOConfig, GRPOTrainer
 
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward_len, args=GRPOConfig(**args_kwargs),
-                          train_dataset=dataset)  # fmt: skip
+                          train_dataset=dataset, **peft)  # fmt: skip
 
     class Hooked(list):
         def append(self, item):
@@ -226,6 +231,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cprofile", action="store_true", help="also print cProfile's top functions")
     parser.add_argument("--torch-profiler", action="store_true", help="also print torch.profiler's top operators")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--lora", action="store_true", help="train bench_vs_trl's LoRA adapter")
     parser.add_argument("--memory", action="store_true",
                         help="sample RSS every 20 ms and report the largest value seen in each phase (the whole run, "
                              "warm-up included)")  # fmt: skip
@@ -286,7 +292,8 @@ def main(argv=None) -> int:
                 if profiler:
                     profiler.disable()
 
-        trainer = make_trainer(args.impl, config, workdir / "model", workdir, total_steps, hook, json.loads(args.args))
+        trainer = make_trainer(args.impl, config, workdir / "model", workdir, total_steps, hook, json.loads(args.args),
+                               args.lora)  # fmt: skip
         (instrument_trl if args.impl == "trl" else instrument_grpokit)(trainer, timer)
         load = os.getloadavg()[0]
         trainer.train()
@@ -320,7 +327,8 @@ def main(argv=None) -> int:
                     tp.stop()
 
             timer.active = False
-            trainer = make_trainer(args.impl, config, workdir / "model", workdir, total_steps, hook2, json.loads(args.args))
+            trainer = make_trainer(args.impl, config, workdir / "model", workdir, total_steps, hook2,
+                                   json.loads(args.args), args.lora)  # fmt: skip
             with contextlib.redirect_stdout(sys.stderr):
                 trainer.train()
             sort = "self_cuda_time_total" if config["cuda"] else "self_cpu_time_total"

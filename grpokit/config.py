@@ -185,8 +185,9 @@ class GRPOConfig:
     max_nonfinite_steps: int = _f(3, "Stop after this many optimizer steps in a row whose loss or gradient is "
                                      "NaN/inf (each such step is skipped and counted in `nonfinite_steps`).")
     ref_model_dtype: str | None = _f(None, "The frozen reference's weights in 'bfloat16' / 'float16' (inference only: "
-                                           "half a float32 copy's memory, no per-op cast under bf16 autocast; "
-                                           "log-prob difference in the README); None: the policy's dtype, as TRL.")
+                                           "half a float32 copy's memory, no per-op cast under bf16 autocast) or "
+                                           "'int8' (linear layers in int8 with a scale per row, the rest bfloat16); "
+                                           "log-prob differences in the README; None: the policy's dtype, as TRL.")
     pass_threshold: float = _f(1.0, "A completion passes a reward function (for pass@k) when its reward >= this.")
     guard_metric: str | None = _f(None, "Warn when the reward rises while this metric falls (e.g. "
                                         "'rewards/format/mean', 'completions/mean_length'); None: off.")
@@ -573,9 +574,12 @@ class GRPOConfig:
                  f"e.g. lr_scheduler_kwargs={{{needed[0]!r}: {0.1 if 'rate' in needed[-1] else 100}}}.")
         if self.torch_empty_cache_steps is not None and self.torch_empty_cache_steps <= 0:
             fail(f"torch_empty_cache_steps={self.torch_empty_cache_steps} must be a positive number of steps, or None.")
-        if self.ref_model_dtype not in (None, "bfloat16", "float16", "float32"):
-            fail(f"ref_model_dtype={self.ref_model_dtype!r} is not valid; use 'bfloat16', 'float16', 'float32' or None "
-                 f"(the policy's dtype).")
+        if self.ref_model_dtype not in (None, "bfloat16", "float16", "float32", "int8"):
+            fail(f"ref_model_dtype={self.ref_model_dtype!r} is not valid; use 'bfloat16', 'float16', 'float32', "
+                 f"'int8' or None (the policy's dtype).")
+        if self.ref_model_dtype == "int8" and self.sync_ref_model:
+            fail("ref_model_dtype='int8' cannot be combined with sync_ref_model=True (the policy's weights cannot be "
+                 "mixed into int8 ones); use ref_model_dtype='bfloat16'.")
         if self.save_strategy not in ("steps", "epoch", "no"):
             fail(f"save_strategy={self.save_strategy!r} is not valid; use 'steps', 'epoch' or 'no'.")
         if self.reward_fn_errors not in ("raise", "none"):

@@ -226,7 +226,8 @@ def enable_gradient_checkpointing(model, args) -> None:
 def build_reference(model_argument, policy, args):
     """The frozen reference policy, or None: none when beta = 0, and none with LoRA, whose reference is the same
     model with its adapter disabled (no second copy of the weights; see `reference_policy`). Its weights are in
-    `ref_model_dtype` when set (e.g. bfloat16: inference only, half a float32 copy), else in the policy's dtype.
+    `ref_model_dtype` when set (e.g. bfloat16: inference only, half a float32 copy; int8: its linear layers in int8,
+    the rest in bfloat16), else in the policy's dtype.
     Under ZeRO-3 with the model loaded partitioned (accelerate's zero.Init), a second load of it, partitioned the
     same way (a partitioned model cannot be copied)."""
     from .distributed import is_zero3
@@ -240,9 +241,18 @@ def build_reference(model_argument, policy, args):
                       f"model.", UserWarning, stacklevel=3)  # fmt: skip
     if args.beta == 0 or is_peft_model(policy):
         return None
-    dtype = getattr(torch, args.ref_model_dtype) if args.ref_model_dtype else None
+    int8 = args.ref_model_dtype == "int8"  # bfloat16, then int8 linear layers (grpokit/quantized.py)
+    dtype = torch.bfloat16 if int8 else getattr(torch, args.ref_model_dtype) if args.ref_model_dtype else None
+    if int8 and is_zero3(policy):
+        raise NotImplementedError("ref_model_dtype='int8' under ZeRO-3 is not supported (the reference is loaded "
+                                  "partitioned there); use ref_model_dtype='bfloat16'.")  # fmt: skip
     if not is_zero3(policy):
-        return frozen_copy(policy, dtype)
+        reference = frozen_copy(policy, dtype)
+        if int8:
+            from .quantized import quantize_linears
+
+            quantize_linears(reference)
+        return reference
     if not isinstance(model_argument, str):
         raise NotImplementedError("Under ZeRO-3 the model was loaded already partitioned, so its reference cannot be "
                                   "copied from it: pass the model as a path or hub id (GRPOTrainer(model=...)), or "

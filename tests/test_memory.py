@@ -78,6 +78,63 @@ def test_bf16_reference_trains_and_learns_the_letter_task(model_dir, tmp_path):
     assert history[-1]["kl"] > 1e-3
 
 
+# ----------------------------------------------------------------------------------------- int8 reference
+
+
+def test_int8_linear_is_the_bf16_linear_of_its_dequantized_weight():
+    from grpokit.quantized import Int8Linear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 40)
+    with torch.no_grad():
+        linear.weight[3] = 0.0  # an all-zero row: scale clamped, weights stay 0
+    layer = Int8Linear(linear)
+    weight = linear.weight.detach()
+    scale = weight.abs().amax(1) / 127
+    # Hand-computed: round(w / scale) in [-127, 127], the row's largest weight exactly +-127.
+    expected_int8 = torch.round(weight / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None])
+    assert layer.weight_int8.dtype == torch.int8 and torch.equal(layer.weight_int8.float(), expected_int8)
+    assert layer.weight_int8.abs().amax(1)[torch.arange(40) != 3].eq(127).all() and layer.weight_int8[3].eq(0).all()
+    dequantized = layer.weight_int8.float() * layer.scale[:, None]
+    assert ((dequantized - weight).abs() <= scale[:, None] / 2 + 1e-7).all()  # at most half a step per weight
+    x = torch.randn(5, 48)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+        expected = torch.nn.functional.linear(x, dequantized.bfloat16(), linear.bias.detach().bfloat16())
+    assert torch.equal(out, expected)
+    assert sum(b.numel() * b.element_size() for b in layer.buffers()) < 0.3 * 4 * weight.numel()
+
+
+def test_int8_reference_quantizes_its_linear_layers_and_learns_the_letter_task(model_dir, tmp_path):
+    from grpokit.quantized import Int8Linear
+
+    args = config(tmp_path, bf16=True, beta=0.04, ref_model_dtype="int8", max_steps=40, logging_steps=5)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset())
+    reference, policy = trainer.reference, trainer.unwrapped_model
+    assert sum(isinstance(m, Int8Linear) for m in reference.modules()) == 14  # 2 layers x 7 projections
+    assert type(reference.lm_head) is torch.nn.Linear and reference.lm_head.weight.dtype == torch.bfloat16
+    assert all(type(m) is not Int8Linear for m in policy.modules())  # the policy is untouched
+    # The reference's log-probs: close to the policy's own at the start (the same weights, int8-rounded).
+    ids = torch.randint(3, 12, (16, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        exact, _ = token_logprobs(policy, ids, torch.ones_like(ids), 6, 1.0)
+        int8, _ = token_logprobs(reference, ids, torch.ones_like(ids), 6, 1.0)
+    difference = (exact - int8).abs()
+    assert 0 < difference.max() < 0.1 and difference.mean() < 0.02, (difference.max(), difference.mean())
+    trainer.train()
+    history = trainer.state.log_history[:-1]
+    rewards = [entry["reward"] for entry in history]
+    assert rewards[0] < 0.1, rewards
+    assert sum(rewards[-4:]) / 4 >= 0.25, rewards
+    assert history[0]["kl"] == pytest.approx(0.0, abs=5e-3)  # the reference is the policy, int8-rounded
+    assert history[-1]["kl"] > 1e-3
+
+
+def test_int8_reference_refuses_reference_sync():
+    with pytest.raises(ValueError, match="ref_model_dtype='int8' cannot be combined with sync_ref_model=True"):
+        GRPOConfig(ref_model_dtype="int8", sync_ref_model=True)
+
+
 def test_ref_model_dtype_is_checked():
     with pytest.raises(ValueError, match="ref_model_dtype='bf16' is not valid; use 'bfloat16'"):
         GRPOConfig(ref_model_dtype="bf16")
