@@ -308,9 +308,11 @@ def test_float32_linear4bit_equals_bitsandbytes(bias, dtype):
         exact = grad_out.to(torch.bfloat16).double().sum((0, 1)).to(torch.bfloat16)
         close_to_one_bf16_ulp(fast_b, exact)
         assert (naive_b.double() - exact.double()).abs().max() <= 2 * ULP * exact.double().abs().max()
-    few = torch.randn(3, 96).to(dtype)  # a decode step: bitsandbytes' own forward
-    few_out = cpu_matmul.linear4bit_forward(layer, few.requires_grad_())
-    assert type(few_out.grad_fn).__name__ != "Float32Linear4bitBackward"
+    few = torch.randn(3, 96).to(dtype)  # a decode step: routed too (both dequantize; the float32 gemm is faster)
+    close_to_one_bf16_ulp(cpu_matmul.linear4bit_forward(layer, few).detach(), layer(few).detach())
+    layer.compute_dtype = torch.float32  # bitsandbytes' float32 compute: left to it
+    unrouted = cpu_matmul.linear4bit_forward(layer, few.requires_grad_())
+    assert type(unrouted.grad_fn).__name__ != "Float32Linear4bitBackward"
 
 
 @needs_bitsandbytes
