@@ -40,6 +40,7 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from grpokit.cpu_matmul import float32_matmuls
     from grpokit.logprobs import token_logprobs
     from grpokit.models import frozen_copy
     from grpokit.quantized import quantize_linears
@@ -55,6 +56,7 @@ def main(argv=None) -> int:
             model_dir = Path(tmp) / "model"
             build_model_dir(CONFIGS[args.config], model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        float32_matmuls(model, "cpu")  # as the trainer runs bf16 matmuls on a CPU without bf16 hardware (else no-op)
         vocab = model.config.vocab_size
         generator = torch.Generator().manual_seed(0)
         length = args.prompt_length + args.completion_length
