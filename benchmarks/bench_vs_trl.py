@@ -249,7 +249,8 @@ def memory_breakdown(trainer, impl: str) -> dict:
         "weights": tensor_mib(params),
         "gradients (trainable, peak)": grads_mib,
         "optimizer_states": tensor_mib(states),
-        "reference": tensor_mib(reference.parameters()) if reference is not None else 0.0,
+        # parameters and buffers: an int8 reference (ref_model_dtype="int8") keeps its linear weights in buffers
+        "reference": tensor_mib([*reference.parameters(), *reference.buffers()]) if reference is not None else 0.0,
         "trainable_parameters": sum(p.numel() for p in trainable),
         "parameters_by_dtype": by_dtype,
         "reference_dtype": str(next(reference.parameters()).dtype) if reference is not None else None,
