@@ -7,7 +7,7 @@ at a time into the reference's compute dtype (bfloat16) and runs the bfloat16 li
 hardware the float32 route of `cpu_matmul`, as the policy's layers). The embeddings and the LM head stay in
 bfloat16: a tied head is the embedding matrix, and the chunked head reads it directly.
 
-What it costs in exactness is measured by `benchmarks/reference_dtype.py` (README, "Memory at real sizes").
+What it costs in exactness is measured by `benchmarks/reference_dtype.py` (README, "Real sizes").
 """
 
 from __future__ import annotations
