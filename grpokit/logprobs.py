@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 
-from .cpu_matmul import FLOAT32_HEAD, Float32Head
+from .cpu_matmul import FLOAT32_HEAD, Float32Head, frozen_head_grad, save_for_head_backward
 from .compat import cache_argument, cache_from_layers, is_activation_checkpointing, output_cache
 from .distributed import is_sharded
 from .models import is_peft_model
@@ -101,12 +101,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             else:
                 lse[chunk] = torch.logsumexp(logits, dim=-1)
             logprobs[chunk] = target_logits - lse[chunk]
-        if frozen_head:
-            ctx.save_for_backward(None, weight, None, targets, None, expected_rows)
-        else:
-            ctx.save_for_backward(hidden, weight, bias, targets, lse, None)
+        save_for_head_backward(ctx, frozen_head, hidden, weight, bias, targets, lse, expected_rows)
         ctx.temperature, ctx.chunk_rows, ctx.compute_dtype = temperature, chunk_rows, compute_dtype
-        ctx.hidden_dtype, ctx.frozen_head = hidden.dtype, frozen_head
         ctx.mark_non_differentiable(entropies)
         return logprobs, entropies
 
@@ -118,8 +114,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         accumulate_dtype = _softmax_dtype(compute_dtype)
         grad_logprobs = grad_logprobs.to(accumulate_dtype) / temperature
         if ctx.frozen_head:
-            target_rows = weight[targets].to(accumulate_dtype)  # W[target], [M, H]
-            grad_hidden = grad_logprobs[:, None] * (target_rows - expected_rows)
+            grad_hidden = frozen_head_grad(grad_logprobs, weight, targets, expected_rows)
             return (grad_hidden.to(ctx.hidden_dtype), None, None, None, None, None, None, None)
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
