@@ -80,11 +80,16 @@ class Float32Linear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
+def float32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias): the float32 gemm for bfloat16 operands of at least MIN_ROWS rows, else F.linear."""
+    if x.numel() >= MIN_ROWS * weight.shape[1] and bf16_operands(x, weight):
+        return Float32Linear.apply(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def linear_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`module`'s forward: the float32 gemm for bfloat16 operands of at least MIN_ROWS rows, else F.linear."""
-    if x.numel() >= MIN_ROWS * module.in_features and bf16_operands(x, module.weight):
-        return Float32Linear.apply(x, module.weight, module.bias)
-    return torch.nn.functional.linear(x, module.weight, module.bias)
+    """A routed `nn.Linear`'s forward (`float32_linear` of its weight and bias)."""
+    return float32_linear(x, module.weight, module.bias)
 
 
 def is_linear4bit(module: torch.nn.Module) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .cpu_matmul import MIN_ROWS, Float32Linear, bf16_operands
+from .cpu_matmul import float32_linear
 
 
 class Int8Linear(torch.nn.Module):
@@ -36,10 +36,8 @@ class Int8Linear(torch.nn.Module):
         return (self.weight_int8.float() * self.scale[:, None]).to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.dequantized_weight()
-        if self.float32_gemm and x.numel() >= MIN_ROWS * self.in_features and bf16_operands(x, weight):
-            return Float32Linear.apply(x, weight, self.bias)
-        return torch.nn.functional.linear(x, weight, self.bias)
+        linear = float32_linear if self.float32_gemm else torch.nn.functional.linear
+        return linear(x, self.dequantized_weight(), self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}"

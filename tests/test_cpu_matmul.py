@@ -258,7 +258,8 @@ def test_a_routed_models_head_takes_the_float32_route(monkeypatch):
     fast, _ = token_logprobs(model, ids, torch.ones_like(ids), 10)
     assert any(type(n).__name__ == "Float32HeadBackward" for n in walk(fast.grad_fn))
     assert not any(type(n).__name__ == "Float32HeadBackward" for n in walk(naive.grad_fn))
-    torch.testing.assert_close(fast, naive, rtol=0, atol=0.05)
+    # 40 rows: the decoder's layers stay on torch's kernels in both, so only the head's summation order differs.
+    torch.testing.assert_close(fast, naive, rtol=0, atol=1e-4)
 
 
 # --------------------------------------------------------------------------------- bitsandbytes 4-bit layers
