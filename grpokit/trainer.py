@@ -57,6 +57,7 @@ from .distributed import (
     deepspeed_stage,
     is_sharded,
     prepare_reference,
+    unwrap_model,
 )
 from .evaluation import evaluation_metrics, group_records
 from .hub import check_hub, push_folder
@@ -228,7 +229,7 @@ class GRPOTrainer:
 
     @property
     def unwrapped_model(self):
-        return self.accelerator.unwrap_model(self.model)
+        return unwrap_model(self.accelerator, self.model)
 
     # ------------------------------------------------------------------------------------------------ the loop
 

@@ -43,3 +43,28 @@ def test_the_trainer_fixes_the_threshold_on_the_cpu(monkeypatch, tmp_path):
     GRPOTrainer(model=str(save_tiny_model(tmp_path / "tiny")), args=args, train_dataset=[{"prompt": "ab"}] * 4,
                 reward_funcs=lambda completions, **kw: [0.0] * len(completions))  # fmt: skip
     assert calls == [1]
+
+
+IMPORTS_SCRIPT = """
+import sys
+from grpokit import GRPOConfig, GRPOTrainer
+args = GRPOConfig(output_dir=sys.argv[2], per_device_train_batch_size=4, num_generations=4, max_completion_length=2,
+                  max_steps=2, save_strategy="no", use_cpu=True, report_to="none", disable_tqdm=True)
+trainer = GRPOTrainer(model=sys.argv[1], args=args, train_dataset=[{"prompt": "ab"}] * 8,
+                      reward_funcs=lambda completions, **kw: [0.0] * len(completions))
+trainer.train()
+print(sorted(name for name in ("deepspeed", "mlflow") if name in sys.modules))
+"""
+
+
+def test_a_run_without_deepspeed_does_not_import_it(tmp_path):
+    # accelerate's unwrap_model imports DeepSpeed wherever it is installed, and DeepSpeed imports MLflow: ~55 MiB
+    # resident in a run that uses neither (grpokit.distributed.unwrap_model). transformers' save_pretrained still
+    # does, so a run that saves pays it at its first checkpoint.
+    pytest.importorskip("deepspeed")
+    from grpokit.testing import save_tiny_model
+
+    model = str(save_tiny_model(tmp_path / "tiny"))
+    out = subprocess.run([sys.executable, "-c", IMPORTS_SCRIPT, model, str(tmp_path / "out")], capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -28,6 +28,7 @@ from ..distributed import (
     load_full_state_dict,
     load_optimizer_state,
     local_shard,
+    unwrap_model,
 )
 from ..models import load_model_weights
 from ..state import TrainerState
@@ -87,7 +88,7 @@ class Checkpointer:
         process. Refuses (FloatingPointError) to checkpoint non-finite weights: the last good checkpoint stays."""
         from accelerate.utils import broadcast_object_list, gather_object
 
-        acc, model = self.accelerator, self.accelerator.unwrap_model(parts.model)
+        acc, model = self.accelerator, unwrap_model(self.accelerator, parts.model)
         self._check_finite(model, state.global_step)
         fmt, step = self.format, state.global_step
         reference = None if self.save_only_model else parts.reference
@@ -166,7 +167,7 @@ class Checkpointer:
         """Load the checkpoint at `path` into parts (in place, every process) and return the rest."""
         from safetensors.torch import load_file
 
-        acc, model = self.accelerator, self.accelerator.unwrap_model(parts.model)
+        acc, model = self.accelerator, unwrap_model(self.accelerator, parts.model)
         if (path / DEEPSPEED_DIR).is_dir():
             if not self.deepspeed:
                 raise ValueError(f"{path} was written under DeepSpeed (its optimizer state is in DeepSpeed's "
