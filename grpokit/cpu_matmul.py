@@ -21,8 +21,9 @@ at the step's memory peak). The sampler's head (decode steps: one row per sequen
 
 from __future__ import annotations
 
-import functools
+import copy
 import sys
+import weakref
 
 import torch
 
@@ -146,6 +147,22 @@ def linear4bit_forward(module, x: torch.Tensor) -> torch.Tensor:
     return type(module).forward(module, x)
 
 
+class RoutedForward:
+    """A routed layer's forward, `function(layer, *args)`. It holds the layer weakly: a layer whose own attribute
+    refers back to it is a reference cycle, so a layer dropped later (the bf16 layers an int8 reference replaces, a
+    discarded model) would keep its weights until the garbage collector's next full pass (672 MiB after building
+    the int8 reference at the Qwen2.5-0.5B shape). A deep copy (the reference policy) calls the copied layer."""
+
+    def __init__(self, function, layer: torch.nn.Module):
+        self.function, self.layer = function, weakref.ref(layer)
+
+    def __call__(self, *args, **kwargs):
+        return self.function(self.layer(), *args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        return RoutedForward(self.function, copy.deepcopy(self.layer(), memo))
+
+
 def float32_matmuls(model: torch.nn.Module, device: torch.device | str) -> int:
     """Route `model`'s linear layers (all but its LM head) through `linear_forward` (bitsandbytes 4-bit ones through
     `linear4bit_forward`) when `device` is a CPU without bfloat16 hardware; returns how many layers were routed (0
@@ -157,10 +174,10 @@ def float32_matmuls(model: torch.nn.Module, device: torch.device | str) -> int:
     routed = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear and module is not head:
-            module.forward = functools.partial(linear_forward, module)
+            module.forward = RoutedForward(linear_forward, module)
             routed += 1
         elif is_linear4bit(module):
-            module.forward = functools.partial(linear4bit_forward, module)
+            module.forward = RoutedForward(linear4bit_forward, module)
             routed += 1
     if head is not None:  # the training forward's chunked head takes `Float32Head`; the sampler's decode steps
         setattr(head, FLOAT32_HEAD, True)  # (one row per sequence) keep the bfloat16 kernel, as small inputs do

@@ -86,7 +86,7 @@ def test_float32_matmuls_routes_every_linear_but_the_head(monkeypatch):
     assert getattr(model.get_output_embeddings(), cpu_matmul.FLOAT32_HEAD) is True  # the chunked head's route
     reference = copy.deepcopy(model)  # the reference copy routes its own layers, not the policy's
     routed = reference.model.layers[0].mlp.up_proj
-    assert routed.forward.args[0] is routed
+    assert routed.forward.layer() is routed
 
 
 @pytest.mark.parametrize("weights", ["bf16", "fp32_autocast"])
@@ -167,8 +167,33 @@ def test_the_trainer_routes_its_policy_and_reference_under_bf16_only(monkeypatch
     for model in (trainer.unwrapped_model, trainer.reference):
         routed = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" in vars(m)]
         assert len(routed) == (14 if bf16 else 0)
-        assert all(m.forward.args[0] is m for m in routed)  # the reference's layers route to themselves
+        assert all(m.forward.layer() is m for m in routed)  # the reference's layers route to themselves
         assert getattr(model.get_output_embeddings(), cpu_matmul.FLOAT32_HEAD, False) is bf16
+
+
+def test_a_routed_layer_is_freed_when_dropped_without_the_garbage_collector(monkeypatch):
+    # Its forward refers to it weakly: no reference cycle keeps a replaced layer's weights (quantize_linears drops
+    # each routed bf16 layer of the int8 reference), and a deep copy's layers route to themselves.
+    import copy
+    import gc
+    import weakref
+
+    from grpokit.quantized import quantize_linears
+
+    monkeypatch.setattr(cpu_matmul, "cpu_has_bf16_matmul", lambda: False)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)).to(torch.bfloat16)
+    assert cpu_matmul.float32_matmuls(model, "cpu") == 2
+    twin = copy.deepcopy(model)
+    assert [m.forward.layer() for m in twin] == list(twin)
+    x = torch.randn(64, 8, dtype=torch.bfloat16)
+    assert torch.equal(twin(x), model(x))
+    weights = [weakref.ref(m.weight) for m in model]
+    gc.disable()
+    try:
+        quantize_linears(model)
+        assert [w() for w in weights] == [None, None]
+    finally:
+        gc.enable()
 
 
 # ------------------------------------------------------------------------------------------------- the LM head
@@ -342,7 +367,7 @@ def test_qlora_base_layers_are_routed_and_learn_the_letter_task(tmp_path, monkey
                           quantization_config=quantization,
                           peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))  # fmt: skip
     base = [m for m in trainer.unwrapped_model.modules() if cpu_matmul.is_linear4bit(m)]
-    assert len(base) == 14 and all(m.forward.func is cpu_matmul.linear4bit_forward for m in base)
+    assert len(base) == 14 and all(m.forward.function is cpu_matmul.linear4bit_forward for m in base)
     assert trainer.reference is None
     trainer.train()
     rewards = [entry["reward"] for entry in trainer.state.log_history[:-1]]
