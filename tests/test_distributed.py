@@ -449,12 +449,13 @@ def adapter_of(weights: dict) -> dict:
 
 def assert_lora_run_follows_ddp(run: dict, ddp: dict, model_dir: str) -> None:
     """A LoRA run (final_0.pt of a LORA_RUN job) against the same run under DDP: the same completions, losses,
-    rewards and KL within 1e-5, the adapter within 1e-4, and the frozen base exactly as loaded."""
+    rewards, KL and gradient norms (of the adapter alone) within 1e-5, the adapter within 1e-4, and the frozen base
+    exactly as loaded."""
     assert run["global_step"] == ddp["global_step"] == 4
     lengths = [e["completions/mean_length"] for e in run["log_history"][::2]]  # a generation batch lasts two steps
     assert lengths == pytest.approx([e["completions/mean_length"] for e in ddp["log_history"][::2]], abs=1e-9)
     assert run["log_history"][-1]["kl"] > 0  # the adapter moved away from the adapter-off reference
-    for key in ("loss", "reward", "kl"):
+    for key in ("loss", "reward", "kl", "grad_norm"):
         assert [e.get(key) for e in run["log_history"]] == pytest.approx(
             [e.get(key) for e in ddp["log_history"]], abs=1e-5), key  # fmt: skip
     assert max_difference(adapter_of(run["weights"]), adapter_of(ddp["weights"])) < 1e-4
