@@ -160,10 +160,13 @@ def _collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def full_state_dict(model: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """The model's state dict with full (unsharded) tensors on the CPU. Under FSDP2 it is a collective (every
     process must call it) and only the main process gets the tensors; the others get an empty dict. Under ZeRO-3
-    (a collective too) every process gets them."""
+    (a collective too) every process gets them. `trainable_only`: only the parameters that train (a LoRA adapter;
+    its frozen base is never gathered), on every process (`trainable_parameters`)."""
+    if trainable_only:
+        return trainable_parameters(model)
     if is_zero3(model):
         import deepspeed
 
@@ -174,6 +177,19 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters as full tensors on the CPU, on every process: under FSDP2 / ZeRO-3 a collective,
+    gathered one parameter at a time. (torch's `ignore_frozen_params` would still gather a frozen LM head tied to
+    the embeddings: it drops a frozen tensor under one of its names only.)"""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if is_zero3(model):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+            return {name: p.detach().cpu().clone() for name, p in named}
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for name, p in named}
 
 
 def load_full_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], strict: bool = True):
@@ -215,23 +231,28 @@ def _has_accelerator_device() -> bool:
     return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
 
 
-def check_backend(accelerator, lora: bool, args: GRPOConfig) -> None:
-    """What this backend (or LoRA) cannot run, refused before anything is prepared, with the way out."""
+def check_backend(accelerator, lora: bool, args: GRPOConfig, prompt_learning: bool = False) -> None:
+    """What this backend (or LoRA) cannot run, refused before anything is prepared, with the way out. `lora`: the
+    policy is a PeftModel (a frozen base with an adapter); `prompt_learning`: its adapter is prompt / prefix tuning."""
     if args.sync_ref_model and lora:
         raise ValueError("sync_ref_model with LoRA is not supported: the reference is the base model with the adapter "
                          "off, and the base weights never change. Train without LoRA to refresh the reference, or "
                          "turn sync_ref_model off.")  # fmt: skip
-    if accelerator.is_fsdp2 and lora:
-        raise NotImplementedError("LoRA under FSDP2 is not supported yet: train LoRA with DDP (plain torchrun or "
-                                  "examples/accelerate/ddp.yaml), or train all weights with FSDP2.")  # fmt: skip
+    stage = deepspeed_stage(accelerator)
+    if prompt_learning and (accelerator.is_fsdp2 or stage == 3):
+        # peft saves such an adapter from its prompt encoder's live parameter, which these backends shard.
+        raise NotImplementedError("Prompt-learning adapters (prompt / prefix tuning) under FSDP2 or ZeRO-3 are not "
+                                  "supported: use a LoRA-style adapter (e.g. peft.LoraConfig), or DDP or "
+                                  "ZeRO-1/2.")  # fmt: skip
+    if accelerator.is_fsdp2 and lora and args.use_vllm:
+        # Each push would merge the adapter into sharded weights (and unmerge it after), one gathered layer at a time.
+        raise NotImplementedError("use_vllm with LoRA under FSDP2 is not supported yet: sample with the in-process "
+                                  "engine (use_vllm=False) under FSDP2, or train LoRA with vLLM under DDP or "
+                                  "DeepSpeed ZeRO-1/2.")  # fmt: skip
     if accelerator.is_fsdp2 and args.ref_model_dtype:
         raise NotImplementedError(f"ref_model_dtype={args.ref_model_dtype!r} under FSDP2 is not supported yet (the "
                                   f"reference is sharded with the policy's settings); unset it, or set the dtype of "
                                   f"both with model_init_kwargs={{'dtype': ...}}.")  # fmt: skip
-    stage = deepspeed_stage(accelerator)
-    if stage is not None and lora:
-        raise NotImplementedError("LoRA under DeepSpeed is not supported yet: train LoRA with DDP (plain torchrun "
-                                  "or examples/accelerate/ddp.yaml).")  # fmt: skip
     if stage == 3 and args.sync_ref_model:
         raise NotImplementedError("sync_ref_model under ZeRO-3 is not supported yet (the policy's weights are "
                                   "partitioned); use ZeRO-2 or FSDP2.")  # fmt: skip

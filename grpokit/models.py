@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .compat import tied_weight_keys
-from .distributed import load_full_state_dict
+from .distributed import is_sharded, load_full_state_dict
 from .multimodal import freeze_vision, is_vision_language_model, language_only_lora, tokenizer_of
 
 
@@ -120,22 +120,70 @@ def reference_policy(policy, frozen_reference=None):
         raise ValueError("beta > 0 needs a reference policy: a frozen copy or a LoRA model.")
 
 
-def save_merged(model, directory: Path, tokenizer=None) -> None:
-    """The adapter merged into a copy of the base weights, saved as a plain model (the live model is untouched)."""
-    merged = copy.deepcopy(model).merge_and_unload()
+def save_merged(model, directory: Path, tokenizer=None, weights: dict[str, torch.Tensor] | None = None) -> None:
+    """The adapter merged into a copy of the base weights, saved as a plain model (the live model is untouched).
+    A sharded model (FSDP2, ZeRO-3) cannot be copied: pass its gathered full state dict as `weights` (on the
+    process that writes), and the copy is rebuilt from those (`unsharded_copy`)."""
+    plain = copy.deepcopy(model) if weights is None else unsharded_copy(model, weights)
+    merged = plain.merge_and_unload()
     merged.save_pretrained(directory, safe_serialization=True)
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(directory)
+
+
+def unsharded_copy(model, weights: dict[str, torch.Tensor]):
+    """A plain PeftModel like the sharded `model` (same architecture, config and adapter), holding `weights` (its
+    gathered full state dict). Built on the meta device and given the tensors in place, so it costs no memory beyond
+    `weights`. Its non-persistent buffers (e.g. rotary frequencies) stay on the meta device: it is for merging and
+    saving, not for forwards."""
+    from peft import get_peft_model
+    from torch.distributed.fsdp import FSDPModule
+
+    base = model.get_base_model()
+    # fully_shard turns a module's class into a subclass of FSDPModule and that class: take the model's own.
+    architecture = next(c for c in type(base).__mro__ if not issubclass(c, FSDPModule))
+    adapter = model.active_adapter
+    with torch.device("meta"):
+        plain = get_peft_model(architecture(copy.deepcopy(base.config)), copy.deepcopy(model.peft_config[adapter]),
+                               adapter_name=adapter)  # fmt: skip
+    missing, _ = plain.load_state_dict(weights, strict=False, assign=True)
+    tied = tied_weight_keys(plain.get_base_model())
+    missing = [k for k in missing if not any(k.endswith(t) for t in tied)]
+    if missing:
+        raise RuntimeError(f"The gathered weights do not cover the model: missing {missing[:5]}.")
+    plain.get_base_model().tie_weights()  # a tied head given no tensor of its own takes the embeddings'
+    return plain
+
+
+def adapter_parameter_names(model) -> dict[str, str]:
+    """{name in peft's saved adapter file: name of the model's parameter} for every trainable parameter. peft's own
+    `get_peft_model_state_dict` renames them (it drops the adapter name) and passes the tensors through, so it is
+    asked with the parameters themselves and each saved name is matched to its parameter by identity."""
+    from peft import get_peft_model_state_dict
+
+    trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    saved = get_peft_model_state_dict(model, state_dict=trainable, adapter_name=model.active_adapter,
+                                      save_embedding_layers=False)  # fmt: skip
+    name_of = {id(p): name for name, p in trainable.items()}
+    return {key: name_of[id(value)] for key, value in saved.items() if id(value) in name_of}
 
 
 def load_model_weights(model, directory: Path) -> None:
     """Load what save_model wrote into `directory` back into `model` (adapter only for LoRA models)."""
     from safetensors.torch import load_file
 
-    if is_peft_model(model):
+    if is_peft_model(model) and not is_sharded(model):
         from peft import set_peft_model_state_dict
 
         set_peft_model_state_dict(model, load_file(str(directory / "adapter_model.safetensors")))
+        return
+    if is_peft_model(model):  # full tensors into sharded parameters: under the parameters' own names
+        saved, names = load_file(str(directory / "adapter_model.safetensors")), adapter_parameter_names(model)
+        unknown, absent = sorted(set(saved) - set(names)), sorted(set(names) - set(saved))
+        if unknown or absent:
+            raise RuntimeError(f"The adapter in {directory} does not match the model's: unexpected {unknown[:5]}, "
+                               f"missing {absent[:5]}.")  # fmt: skip
+        load_full_state_dict(model, {names[key]: value for key, value in saved.items()}, strict=False)
         return
     weights = {}
     for file in sorted(directory.glob("model*.safetensors")):

@@ -55,6 +55,7 @@ from .distributed import (
     check_backend,
     configure_deepspeed,
     deepspeed_stage,
+    full_state_dict,
     is_sharded,
     prepare_reference,
     unwrap_model,
@@ -162,7 +163,8 @@ class GRPOTrainer:
         max_prompt_length = prompt_length_limit(self.model, args)
         self.reference = build_reference(model, self.model, args)
         enable_gradient_checkpointing(self.model, args)
-        check_backend(acc, is_peft_model(self.model), args)
+        check_backend(acc, is_peft_model(self.model), args,
+                      prompt_learning=is_peft_model(self.model) and self.model.active_peft_config.is_prompt_learning)
         optimizer, scheduler = optimizers
         self.optimizer = optimizer or build_optimizer(self.model, args)
         deepspeed = deepspeed_stage(acc) is not None
@@ -193,7 +195,8 @@ class GRPOTrainer:
         self.stepper = OptimizerStepper(acc, self.model, self.optimizer, self.scheduler, deepspeed=deepspeed,
                                         max_grad_norm=args.max_grad_norm, max_nonfinite_steps=args.max_nonfinite_steps)
         self.checkpointer = Checkpointer(acc, args.output_dir, self._write_model, save_total_limit=args.save_total_limit,
-                                         save_only_model=args.save_only_model, deepspeed=deepspeed)  # fmt: skip
+                                         save_only_model=args.save_only_model, deepspeed=deepspeed,
+                                         gather_weights=self._gathered_weights)  # fmt: skip
         self.sampler = (StreamSampler(train_dataset) if is_iterable_dataset(train_dataset) else
                         PromptSampler(len(train_dataset), args.data_seed or args.seed, args.shuffle_dataset))  # fmt: skip
         self.window = MetricWindow()
@@ -761,10 +764,8 @@ class GRPOTrainer:
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Every process calls it; the main process writes (under FSDP2 / ZeRO-3 all of them gather first)."""
-        from .distributed import full_state_dict
-
         self.accelerator.wait_for_everyone()
-        weights = full_state_dict(self.unwrapped_model) if is_sharded(self.unwrapped_model) else None
+        weights = self._gathered_weights(self.unwrapped_model) if is_sharded(self.unwrapped_model) else None
         if self.accelerator.is_main_process:
             self._write_model(Path(output_dir or self.args.output_dir), weights)
             if self.args.push_to_hub and not _internal_call:
@@ -776,6 +777,11 @@ class GRPOTrainer:
         if self.accelerator.is_main_process:
             return push_folder(self.args, Path(self.args.output_dir), commit_message or "End of training")
         return None
+
+    def _gathered_weights(self, model) -> dict[str, torch.Tensor]:
+        """What `_write_model` needs of a sharded model, gathered (a collective): with LoRA the adapter only (the
+        base is never gathered), unless the merged model is written too."""
+        return full_state_dict(model, trainable_only=is_peft_model(model) and not self.args.save_merged)
 
     def _write_model(self, output_dir: Path, weights: dict[str, torch.Tensor] | None = None,
                      with_weights: bool = True) -> None:  # fmt: skip
@@ -793,7 +799,7 @@ class GRPOTrainer:
             model.save_pretrained(output_dir, safe_serialization=True,
                                   **({"state_dict": weights} if weights is not None else {}))  # fmt: skip
             if self.args.save_merged and is_peft_model(model):
-                save_merged(model, output_dir / "merged", self.processing_class)
+                save_merged(model, output_dir / "merged", self.processing_class, weights)
         else:
             from safetensors.torch import save_file
 

@@ -45,6 +45,17 @@ SCRIPT = textwrap.dedent(
         return Dataset.from_list([{"prompt": f"{a}{b}:", "letter": a} for a in LETTERS for b in LETTERS])
 
 
+    def adapter_config(spec):
+        """The job's `adapter`: "lora" (on the attention's q and v projections), "prompt_tuning", or none."""
+        if spec.get("adapter") is None:
+            return None
+        import peft
+
+        if spec["adapter"] == "prompt_tuning":
+            return peft.PromptTuningConfig(num_virtual_tokens=2, task_type="CAUSAL_LM")
+        return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+
     def recording_reward(log, tiebreak):
         def repeat_letter(prompts, completions, letter, log_metric=None, **kwargs):
             scores = [(1.0 if c[:1] == t else 0.0) + tiebreak * (sum(map(ord, c)) % 7)
@@ -99,7 +110,19 @@ SCRIPT = textwrap.dedent(
 
 
     def train(spec):
-        """A real run; records what the rewards saw and each generation batch's advantages, per process."""
+        """A real run; records what the rewards saw and each generation batch's advantages, per process. `env`:
+        variables set for this job only (accelerate reads its FSDP settings as each trainer starts); `save_model`:
+        save the final model into out/final_model."""
+        saved_env = dict(os.environ)
+        os.environ.update(spec.get("env", {}))
+        try:
+            run_training(spec)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved_env)
+
+
+    def run_training(spec):
         out = Path(spec["out"])
         out.mkdir(parents=True, exist_ok=True)
         if spec.get("partial_state_first"):  # as TRL scripts do; on a CPU-only machine it forms no process group
@@ -109,7 +132,7 @@ SCRIPT = textwrap.dedent(
         evaluation = dataset().select(range(spec["eval_rows"])) if spec.get("eval_rows") else None
         trainer = GRPOTrainer(model=spec["model"], args=config(out, **spec["config"]), train_dataset=dataset(),
                               reward_funcs=recording_reward(out / f"rewards_{RANK}.jsonl", spec["tiebreak"]),
-                              eval_dataset=evaluation)
+                              eval_dataset=evaluation, peft_config=adapter_config(spec))
         batches, generate = [], trainer.generate_batch
 
         def observed_generate():  # the real generation, observed: its advantages are the evidence
@@ -121,6 +144,8 @@ SCRIPT = textwrap.dedent(
 
         trainer.generate_batch = observed_generate
         trainer.train(resume_from_checkpoint=spec.get("resume"))
+        if spec.get("save_model"):
+            trainer.save_model(str(out / "final_model"))
         torch.save({"weights": full_state_dict(trainer.unwrapped_model),
                     "distributed_type": trainer.accelerator.distributed_type.value, "log_history": trainer.state.log_history[:-1],
                     "global_step": trainer.state.global_step, "num_processes": trainer.accelerator.num_processes,
@@ -129,14 +154,9 @@ SCRIPT = textwrap.dedent(
 
     def refused(spec):
         """Build a trainer that must be refused; record the error."""
-        peft_config = None
-        if spec.get("lora"):
-            from peft import LoraConfig
-
-            peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
         try:
-            GRPOTrainer(model=spec["model"], args=config(spec["out"]), train_dataset=dataset(),
-                        reward_funcs=recording_reward(os.devnull, 0.0), peft_config=peft_config)
+            GRPOTrainer(model=spec["model"], args=config(spec["out"], **spec.get("config", {})), train_dataset=dataset(),
+                        reward_funcs=recording_reward(os.devnull, 0.0), peft_config=adapter_config(spec))
             message = None
         except NotImplementedError as error:
             message = str(error)
@@ -411,6 +431,49 @@ FSDP2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POL
 # mixed with the policy every 2 steps: the reference is sharded too, moves, and is checkpointed.
 FSDP2_RUN = {**TWO_PROCESS_RUN, "max_completion_length": 16, "beta": 0.04, "sync_ref_model": True,
              "ref_model_sync_steps": 2, "ref_model_mixup_alpha": 0.5}  # fmt: skip
+# LoRA (the SCRIPT's adapter="lora": q and v projections) on the same ragged run, four steps: its reference is the
+# frozen base with the adapter off, so each generation batch takes a second, adapter-off forward (under FSDP2 and
+# ZeRO-3 a collective too).
+LORA_RUN = {**FSDP2_RUN, "sync_ref_model": False, "max_steps": 4}
+
+
+def lora_job(model: str, out, **values) -> dict:
+    """A `train` job of LORA_RUN with the LoRA adapter; `config` in values updates LORA_RUN."""
+    return dict(job="train", model=model, out=str(out), tiebreak=0.01, adapter="lora",
+                **{**values, "config": {**LORA_RUN, **values.get("config", {})}})  # fmt: skip
+
+
+def adapter_of(weights: dict) -> dict:
+    return {k: v for k, v in weights.items() if "lora_" in k}
+
+
+def assert_lora_run_follows_ddp(run: dict, ddp: dict, model_dir: str) -> None:
+    """A LoRA run (final_0.pt of a LORA_RUN job) against the same run under DDP: the same completions, losses,
+    rewards, KL and gradient norms (of the adapter alone) within 1e-5, the adapter within 1e-4, and the frozen base
+    exactly as loaded."""
+    assert run["global_step"] == ddp["global_step"] == 4
+    lengths = [e["completions/mean_length"] for e in run["log_history"][::2]]  # a generation batch lasts two steps
+    assert lengths == pytest.approx([e["completions/mean_length"] for e in ddp["log_history"][::2]], abs=1e-9)
+    assert run["log_history"][-1]["kl"] > 0  # the adapter moved away from the adapter-off reference
+    for key in ("loss", "reward", "kl", "grad_norm"):
+        assert [e.get(key) for e in run["log_history"]] == pytest.approx(
+            [e.get(key) for e in ddp["log_history"]], abs=1e-5), key  # fmt: skip
+    assert max_difference(adapter_of(run["weights"]), adapter_of(ddp["weights"])) < 1e-4
+    initial = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    base = {k.removeprefix("base_model.model.").replace(".base_layer.", "."): v for k, v in run["weights"].items()
+            if "lora_" not in k}  # fmt: skip
+    assert base.keys() == initial.keys() and max_difference(base, initial) == 0.0
+
+
+def assert_merged_is_peft_merge(directory, model_dir: str) -> None:
+    """directory/merged (save_merged) holds what peft's merge_and_unload makes of the base and directory's adapter."""
+    from peft import PeftModel
+
+    merged = AutoModelForCausalLM.from_pretrained(directory / "merged").state_dict()
+    expected = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), directory)
+    expected = expected.merge_and_unload().state_dict()
+    assert merged.keys() == expected.keys() and max_difference(merged, expected) == 0.0
+    assert max_difference(merged, AutoModelForCausalLM.from_pretrained(model_dir).state_dict()) > 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -431,14 +494,16 @@ def eos_prone_model_dir(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fsdp2_runs(eos_prone_model_dir, model_dir, tmp_path_factory):
-    """Six steps under FSDP2 (checkpoint after each) and the same under DDP; one FSDP2 update per UPDATE_VARIANT."""
+    """Six steps under FSDP2 (checkpoint after each) and the same under DDP; one FSDP2 update per UPDATE_VARIANT;
+    the LoRA run (LORA_RUN) under FSDP2 and under DDP (`fsdp2_lora`, `ddp_lora`)."""
     directory = tmp_path_factory.mktemp("fsdp2")
     launch(directory, dict(job="train", model=eos_prone_model_dir, out=str(directory / "fsdp2"), config=FSDP2_RUN,
                            tiebreak=0.01),
            dict(job="one_update", model=model_dir, out=str(directory / "update"), variants=UPDATE_VARIANTS),
-           env=FSDP2)  # fmt: skip
+           lora_job(eos_prone_model_dir, directory / "fsdp2_lora"), env=FSDP2)  # fmt: skip
     launch(directory, dict(job="train", model=eos_prone_model_dir, out=str(directory / "ddp"), config=FSDP2_RUN,
-                           tiebreak=0.01))  # fmt: skip
+                           tiebreak=0.01),
+           lora_job(eos_prone_model_dir, directory / "ddp_lora"))  # fmt: skip
     return directory
 
 
@@ -506,23 +571,95 @@ def test_fsdp2_checkpoint_is_a_plain_model_and_resumes_in_two_processes_or_one(f
                                   atol=1e-6), (name, moment)  # fmt: skip
 
 
-def test_fsdp1_and_lora_under_fsdp2_are_refused_with_the_way_out(model_dir, tmp_path):
+def test_lora_under_fsdp2_follows_ddp_and_checkpoints_the_adapter(fsdp2_runs, eos_prone_model_dir):
+    # The frozen base and the adapter share each decoder layer's FSDP2 unit; the reference forward (adapter off) is
+    # one more sharded forward, taken in step by both processes. The run is DDP's up to rounding, the base untouched.
+    from peft import PeftModel
+
+    out = fsdp2_runs / "fsdp2_lora"
+    fsdp2, ddp = load(out / "final_0.pt"), load(fsdp2_runs / "ddp_lora" / "final_0.pt")
+    assert fsdp2["distributed_type"] == "FSDP" and ddp["distributed_type"] == "MULTI_CPU"
+    assert_lora_run_follows_ddp(fsdp2, ddp, eos_prone_model_dir)
+    # The checkpoint holds the adapter alone (gathered, in peft's format), not the base.
+    checkpoint = out / "checkpoint-4"
+    assert {"adapter_model.safetensors", "adapter_config.json", "optimizer.pt"} <= {p.name for p in checkpoint.iterdir()}
+    assert not (checkpoint / "model.safetensors").exists() and not (checkpoint / "merged").exists()
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(eos_prone_model_dir), checkpoint)
+    assert max_difference(adapter_of(reloaded.state_dict()), adapter_of(fsdp2["weights"])) == 0.0
+    # Adam's moments of the adapter, keyed by name (DDP's by position), equal DDP's up to rounding.
+    fsdp2_state = torch.load(checkpoint / "optimizer.pt", weights_only=False)["state"]
+    ddp_state = torch.load(fsdp2_runs / "ddp_lora" / "checkpoint-4" / "optimizer.pt", weights_only=False)["state"]
+    assert len(fsdp2_state) == len(ddp_state) == 8 and all("lora_" in name for name in fsdp2_state)
+    for index, name in enumerate(fsdp2_state):
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert torch.allclose(fsdp2_state[name][moment], ddp_state[index][moment], atol=1e-6), (name, moment)
+
+
+@pytest.fixture(scope="module")
+def lora_resumed_in_one_process(fsdp2_runs, eos_prone_model_dir, tmp_path_factory):
+    """The FSDP2 LoRA run's checkpoint-2 (a generation boundary) resumed in one process (1 x 12 rows)."""
+    directory = tmp_path_factory.mktemp("lora_one")
+    run_in_this_process(directory, lora_job(eos_prone_model_dir, directory / "out",
+                                            resume=str(fsdp2_runs / "fsdp2_lora" / "checkpoint-2"),
+                                            config={"per_device_train_batch_size": 12}))  # fmt: skip
+    return load(directory / "out" / "final_0.pt")
+
+
+def test_lora_under_fsdp2_resumes_in_two_processes_or_one(fsdp2_runs, lora_resumed_in_one_process,
+                                                          eos_prone_model_dir, tmp_path):  # fmt: skip
+    out, ddp_out = fsdp2_runs / "fsdp2_lora", fsdp2_runs / "ddp_lora"
+    final, ddp = load(out / "final_0.pt"), load(ddp_out / "final_0.pt")
+    # FSDP2 -> FSDP2 from the middle of a generation batch, writing the merged model too (built from the gathered
+    # weights: a sharded model cannot be copied); DDP -> FSDP2 (the positional optimizer state mapped to names).
+    launch(tmp_path, lora_job(eos_prone_model_dir, tmp_path / "two", resume=str(out / "checkpoint-3"),
+                              config={"save_merged": True}, save_model=True),
+           lora_job(eos_prone_model_dir, tmp_path / "from_ddp", resume=str(ddp_out / "checkpoint-2")),
+           env=FSDP2)  # fmt: skip
+    resumed = load(tmp_path / "two" / "final_0.pt")
+    assert resumed["global_step"] == 4 and max_difference(resumed["weights"], final["weights"]) == 0.0
+    assert [e["loss"] for e in resumed["log_history"]] == [e["loss"] for e in final["log_history"]]
+    for directory in (tmp_path / "two" / "checkpoint-4", tmp_path / "two" / "final_model"):
+        assert_merged_is_peft_merge(directory, eos_prone_model_dir)
+    from_ddp = load(tmp_path / "from_ddp" / "final_0.pt")
+    assert from_ddp["distributed_type"] == "FSDP"
+    assert_lora_run_follows_ddp(from_ddp, ddp, eos_prone_model_dir)
+    # FSDP2 -> one process at a generation boundary: the adapter and its name-keyed optimizer state load into the
+    # plain model, and the run ends where resuming DDP's checkpoint of the same step ends, up to rounding.
+    run_in_this_process(tmp_path, lora_job(eos_prone_model_dir, tmp_path / "one_from_ddp",
+                                           resume=str(ddp_out / "checkpoint-2"),
+                                           config={"per_device_train_batch_size": 12}))  # fmt: skip
+    one, one_from_ddp = lora_resumed_in_one_process, load(tmp_path / "one_from_ddp" / "final_0.pt")
+    assert one["num_processes"] == 1 and one["global_step"] == 4
+    assert [e["loss"] for e in one["log_history"]] == pytest.approx([e["loss"] for e in one_from_ddp["log_history"]],
+                                                                   abs=1e-5)  # fmt: skip
+    assert max_difference(adapter_of(one["weights"]), adapter_of(one_from_ddp["weights"])) < 1e-5
+
+
+def test_fsdp1_and_what_lora_cannot_do_under_fsdp2_are_refused_with_the_way_out(model_dir, tmp_path):
     launch(tmp_path, dict(job="refused", model=model_dir, out=str(tmp_path / "fsdp1")),
            env={**FSDP2, "FSDP_VERSION": "1"})  # fmt: skip
-    launch(tmp_path, dict(job="refused", model=model_dir, out=str(tmp_path / "lora"), lora=True), env=FSDP2)
+    launch(tmp_path, dict(job="refused", model=model_dir, out=str(tmp_path / "vllm"), adapter="lora",
+                          config={"use_vllm": True}),
+           dict(job="refused", model=model_dir, out=str(tmp_path / "prompt_tuning"), adapter="prompt_tuning"),
+           env=FSDP2)  # fmt: skip
     for rank in (0, 1):
         fsdp1 = json.loads((tmp_path / "fsdp1" / f"error_{rank}.json").read_text())
         assert "FSDP1" in fsdp1 and "fsdp_version: 2" in fsdp1
-        lora = json.loads((tmp_path / "lora" / f"error_{rank}.json").read_text())
-        assert "LoRA under FSDP2" in lora and "DDP" in lora
+        vllm = json.loads((tmp_path / "vllm" / f"error_{rank}.json").read_text())
+        assert "use_vllm with LoRA under FSDP2" in vllm and "use_vllm=False" in vllm and "ZeRO-1/2" in vllm
+        prompt_tuning = json.loads((tmp_path / "prompt_tuning" / f"error_{rank}.json").read_text())
+        assert "Prompt-learning adapters" in prompt_tuning and "LoraConfig" in prompt_tuning
 
 
-def test_fsdp2_sharded_checkpoints_resume_in_two_processes_or_one(fsdp2_runs, eos_prone_model_dir, tmp_path):
+def test_fsdp2_sharded_checkpoints_resume_in_two_processes_or_one(fsdp2_runs, lora_resumed_in_one_process,
+                                                                 eos_prone_model_dir, tmp_path):  # fmt: skip
     # accelerate's SHARDED_STATE_DICT: each process writes its own shards (torch.distributed.checkpoint) into the
-    # atomic checkpoint directory; nothing is gathered. The run is the FULL_STATE_DICT run, bit for bit.
+    # atomic checkpoint directory; nothing is gathered. The run is the FULL_STATE_DICT run, bit for bit; so is the
+    # LoRA run (LORA_RUN), launched alongside.
     sharded_env = {**FSDP2, "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}
     launch(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "sharded"), config=FSDP2_RUN,
-                          tiebreak=0.01), env=sharded_env)  # fmt: skip
+                          tiebreak=0.01),
+           lora_job(eos_prone_model_dir, tmp_path / "sharded_lora"), env=sharded_env)  # fmt: skip
     out, full = tmp_path / "sharded", load(fsdp2_runs / "fsdp2" / "final_0.pt")
     assert max_difference(load(out / "final_0.pt")["weights"], full["weights"]) == 0.0
     checkpoint = out / "checkpoint-3"
@@ -531,7 +668,9 @@ def test_fsdp2_sharded_checkpoints_resume_in_two_processes_or_one(fsdp2_runs, eo
     assert not (checkpoint / "model.safetensors").exists() and not (checkpoint / "optimizer.pt").exists()
     # FSDP2 -> FSDP2 from the middle of a generation batch: the unbroken run, exactly (the moving reference too).
     launch(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "two"), config=FSDP2_RUN,
-                          tiebreak=0.01, resume=str(checkpoint)), env=sharded_env)  # fmt: skip
+                          tiebreak=0.01, resume=str(checkpoint)),
+           lora_job(eos_prone_model_dir, tmp_path / "two_lora", resume=str(tmp_path / "sharded_lora" / "checkpoint-3")),
+           env=sharded_env)  # fmt: skip
     resumed = load(tmp_path / "two" / "final_0.pt")
     assert max_difference(resumed["weights"], full["weights"]) == 0.0
     assert [e["loss"] for e in resumed["log_history"]] == [e["loss"] for e in full["log_history"]]
@@ -543,6 +682,21 @@ def test_fsdp2_sharded_checkpoints_resume_in_two_processes_or_one(fsdp2_runs, eo
     from_sharded, from_full = load(tmp_path / "from_sharded" / "final_0.pt"), load(tmp_path / "from_full" / "final_0.pt")
     assert from_sharded["global_step"] == 6
     assert max_difference(from_sharded["weights"], from_full["weights"]) == 0.0
+    # LoRA: the shards hold the adapter and its optimizer state, not the frozen base (torch keeps the LM head, tied
+    # to the frozen embeddings); the run, resumed in two processes or one, is the FULL_STATE_DICT LoRA run's.
+    import torch.distributed.checkpoint as dcp
+
+    lora_full = load(fsdp2_runs / "fsdp2_lora" / "final_0.pt")
+    saved = dcp.FileSystemReader(str(tmp_path / "sharded_lora" / "checkpoint-3" / "sharded")).read_metadata()
+    weights = [key for key in saved.state_dict_metadata if key.startswith("model.")]
+    assert len([key for key in weights if "lora_" in key]) == 8 and not any("base_layer" in key for key in weights)
+    for name in ("sharded_lora", "two_lora"):
+        assert max_difference(load(tmp_path / name / "final_0.pt")["weights"], lora_full["weights"]) == 0.0, name
+    run_in_this_process(tmp_path, lora_job(eos_prone_model_dir, tmp_path / "one_lora",
+                                           resume=str(tmp_path / "sharded_lora" / "checkpoint-2"),
+                                           config={"per_device_train_batch_size": 12}))  # fmt: skip
+    one = load(tmp_path / "one_lora" / "final_0.pt")
+    assert max_difference(one["weights"], lora_resumed_in_one_process["weights"]) == 0.0
 
 
 # -------------------------------------------------------------------------------------------------- DeepSpeed
@@ -556,12 +710,18 @@ DEEPSPEED_ZERO2 = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZER
 
 @pytest.fixture(scope="module")
 def zero2_runs(fsdp2_runs, eos_prone_model_dir, model_dir, tmp_path_factory):
+    """Under ZeRO-2: the six-step run, one update per UPDATE_VARIANT and the LoRA run (`zero2_lora`); then both
+    runs resumed from their checkpoint-3 (`resumed`, `resumed_lora`), in a second launch."""
     pytest.importorskip("deepspeed")
     directory = tmp_path_factory.mktemp("zero2")
     launch(directory, dict(job="train", model=eos_prone_model_dir, out=str(directory / "zero2"), config=FSDP2_RUN,
                            tiebreak=0.01),
            dict(job="one_update", model=model_dir, out=str(directory / "update"), variants=UPDATE_VARIANTS),
-           env=DEEPSPEED_ZERO2)  # fmt: skip
+           lora_job(eos_prone_model_dir, directory / "zero2_lora"), env=DEEPSPEED_ZERO2)  # fmt: skip
+    launch(directory, dict(job="train", model=eos_prone_model_dir, out=str(directory / "resumed"), config=FSDP2_RUN,
+                           tiebreak=0.01, resume=str(directory / "zero2" / "checkpoint-3")),
+           lora_job(eos_prone_model_dir, directory / "resumed_lora",
+                    resume=str(directory / "zero2_lora" / "checkpoint-3")), env=DEEPSPEED_ZERO2)  # fmt: skip
     return directory
 
 
@@ -570,7 +730,7 @@ def test_zero2_makes_the_update_of_one_process(zero2_runs, one_process_update, m
     assert_same_update_as_one_process(zero2_runs / "update", one_process_update, model_dir)
 
 
-def test_zero2_training_follows_ddp_and_its_checkpoint_resumes(zero2_runs, fsdp2_runs, eos_prone_model_dir, tmp_path):
+def test_zero2_training_follows_ddp_and_its_checkpoint_resumes(zero2_runs, fsdp2_runs):
     zero2, ddp = load(zero2_runs / "zero2" / "final_0.pt"), load(fsdp2_runs / "ddp" / "final_0.pt")
     assert zero2["distributed_type"] == "DEEPSPEED" and zero2["global_step"] == 6
     for key in ("loss", "reward", "kl", "grad_norm"):
@@ -582,9 +742,31 @@ def test_zero2_training_follows_ddp_and_its_checkpoint_resumes(zero2_runs, fsdp2
     files = json.loads((checkpoint / "manifest.json").read_text())["files"]
     assert {"deepspeed/state/zero_pp_rank_0_mp_rank_00_optim_states.pt",
             "deepspeed/state/zero_pp_rank_1_mp_rank_00_optim_states.pt", "reference.safetensors"} <= set(files)
-    launch(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "resumed"), config=FSDP2_RUN,
-                          tiebreak=0.01, resume=str(checkpoint)), env=DEEPSPEED_ZERO2)  # fmt: skip
-    resumed = load(tmp_path / "resumed" / "final_0.pt")
+    resumed = load(zero2_runs / "resumed" / "final_0.pt")  # from checkpoint-3
+    assert max_difference(resumed["weights"], zero2["weights"]) == 0.0
+    assert [e["loss"] for e in resumed["log_history"]] == [e["loss"] for e in zero2["log_history"]]
+
+
+def deepspeed_module_keys(checkpoint) -> list[str]:
+    """The weights' names in a checkpoint's DeepSpeed model-state file(s)."""
+    return sorted({key for path in (checkpoint / "deepspeed" / "state").glob("*model_states.pt")
+                   for key in torch.load(path, weights_only=False)["module"]})  # fmt: skip
+
+
+def assert_lora_checkpoint_holds_the_adapter_alone(checkpoint) -> None:
+    # DeepSpeed's own state leaves the frozen base out (as transformers' Trainer saves PEFT models): the adapter,
+    # and the LM head, which DeepSpeed keeps because it is tied to the frozen embeddings.
+    keys = deepspeed_module_keys(checkpoint)
+    assert len([k for k in keys if "lora_" in k]) == 8 and not any("base_layer" in k for k in keys), keys
+
+
+def test_lora_under_zero2_follows_ddp_and_resumes(zero2_runs, fsdp2_runs, eos_prone_model_dir):
+    zero2 = load(zero2_runs / "zero2_lora" / "final_0.pt")
+    assert zero2["distributed_type"] == "DEEPSPEED"
+    assert_lora_run_follows_ddp(zero2, load(fsdp2_runs / "ddp_lora" / "final_0.pt"), eos_prone_model_dir)
+    assert max_difference(zero2["weights"], load(zero2_runs / "zero2_lora" / "final_1.pt")["weights"]) == 0.0
+    assert_lora_checkpoint_holds_the_adapter_alone(zero2_runs / "zero2_lora" / "checkpoint-3")
+    resumed = load(zero2_runs / "resumed_lora" / "final_0.pt")  # from checkpoint-3, mid-generation
     assert max_difference(resumed["weights"], zero2["weights"]) == 0.0
     assert [e["loss"] for e in resumed["log_history"]] == [e["loss"] for e in zero2["log_history"]]
 
@@ -603,23 +785,52 @@ def zero3_config(tmp_path_factory):
     return {**DEEPSPEED_ZERO2, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(path)}
 
 
-def test_zero3_samples_in_step_follows_ddp_and_resumes(zero3_config, fsdp2_runs, eos_prone_model_dir, tmp_path):
+ZERO3_RUN = {**FSDP2_RUN, "sync_ref_model": False}  # the reference stays the initial weights under ZeRO-3
+
+
+@pytest.fixture(scope="module")
+def zero3_runs(zero3_config, eos_prone_model_dir, tmp_path_factory):
+    """ZERO3_RUN under ZeRO-3 and under DDP; the LoRA run under ZeRO-3 (`zero3_lora`), its final model saved with
+    the merged weights; both ZeRO-3 runs resumed from their checkpoint-3 (`resumed`, `resumed_lora`)."""
     pytest.importorskip("deepspeed")
-    config = {**FSDP2_RUN, "sync_ref_model": False}  # the reference stays the initial weights under ZeRO-3
-    for name, env in (("zero3", zero3_config), ("ddp", {})):
-        launch(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / name), config=config,
-                              tiebreak=0.01), env=env)  # fmt: skip
-    zero3, ddp = load(tmp_path / "zero3" / "final_0.pt"), load(tmp_path / "ddp" / "final_0.pt")
+    directory = tmp_path_factory.mktemp("zero3_runs")
+    launch(directory, dict(job="train", model=eos_prone_model_dir, out=str(directory / "zero3"), config=ZERO3_RUN,
+                           tiebreak=0.01),
+           lora_job(eos_prone_model_dir, directory / "zero3_lora", config={"save_merged": True}, save_model=True),
+           env=zero3_config)  # fmt: skip
+    launch(directory, dict(job="train", model=eos_prone_model_dir, out=str(directory / "ddp"), config=ZERO3_RUN,
+                           tiebreak=0.01))  # fmt: skip
+    launch(directory, dict(job="train", model=eos_prone_model_dir, out=str(directory / "resumed"), config=ZERO3_RUN,
+                           tiebreak=0.01, resume=str(directory / "zero3" / "checkpoint-3")),
+           lora_job(eos_prone_model_dir, directory / "resumed_lora",
+                    resume=str(directory / "zero3_lora" / "checkpoint-3")), env=zero3_config)  # fmt: skip
+    return directory
+
+
+def test_zero3_samples_in_step_follows_ddp_and_resumes(zero3_runs):
+    zero3, ddp = load(zero3_runs / "zero3" / "final_0.pt"), load(zero3_runs / "ddp" / "final_0.pt")
     assert zero3["distributed_type"] == "DEEPSPEED"
     assert all(e["completions/min_length"] < e["completions/max_length"] for e in zero3["log_history"][::2])
     for key in ("loss", "reward", "kl", "completions/mean_length"):
         assert [e.get(key) for e in zero3["log_history"]] == pytest.approx(
             [e.get(key) for e in ddp["log_history"]], abs=1e-5), key  # fmt: skip
     assert max_difference(zero3["weights"], ddp["weights"]) < 1e-4
-    launch(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "resumed"), config=config,
-                          tiebreak=0.01, resume=str(tmp_path / "zero3" / "checkpoint-3")), env=zero3_config)
-    resumed = load(tmp_path / "resumed" / "final_0.pt")
+    resumed = load(zero3_runs / "resumed" / "final_0.pt")  # from checkpoint-3
     assert max_difference(resumed["weights"], zero3["weights"]) == 0.0
+
+
+def test_lora_under_zero3_follows_ddp_saves_merged_and_resumes(zero3_runs, fsdp2_runs, eos_prone_model_dir):
+    # The base is loaded partitioned, the adapter partitioned with it; the adapter-off reference is one more
+    # partitioned forward, in step on both processes.
+    zero3 = load(zero3_runs / "zero3_lora" / "final_0.pt")
+    assert zero3["distributed_type"] == "DEEPSPEED"
+    assert_lora_run_follows_ddp(zero3, load(fsdp2_runs / "ddp_lora" / "final_0.pt"), eos_prone_model_dir)
+    assert_lora_checkpoint_holds_the_adapter_alone(zero3_runs / "zero3_lora" / "checkpoint-3")
+    # save_model gathers the adapter; the merged model is built from the gathered full weights.
+    assert_merged_is_peft_merge(zero3_runs / "zero3_lora" / "final_model", eos_prone_model_dir)
+    resumed = load(zero3_runs / "resumed_lora" / "final_0.pt")  # from checkpoint-3, mid-generation
+    assert max_difference(resumed["weights"], zero3["weights"]) == 0.0
+    assert [e["loss"] for e in resumed["log_history"]] == [e["loss"] for e in zero3["log_history"]]
 
 
 @pytest.mark.slow

@@ -10,6 +10,9 @@ in one of three formats, chosen by the backend:
   gathered);
 - sharded (FSDP2 with SHARDED_STATE_DICT): every process writes its shards with torch.distributed.checkpoint;
 - deepspeed: the engine's own format (resumable under DeepSpeed with the same number of processes).
+
+With LoRA (a PeftModel) the frozen base never changes: the plain format holds the adapter (peft's files), and the
+sharded and DeepSpeed formats leave the frozen parameters out.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from ..distributed import (
     local_shard,
     unwrap_model,
 )
-from ..models import load_model_weights
+from ..models import is_peft_model, load_model_weights
 from ..state import TrainerState
 from .atomic import (
     begin_checkpoint,
@@ -66,12 +69,15 @@ class Resumed:
 
 class Checkpointer:
     """write_model(directory, weights, with_weights) writes the model's files: its gathered `weights` (None: its
-    own state dict), or only its config and tokenizer when with_weights is False."""
+    own state dict), or only its config and tokenizer when with_weights is False. gather_weights(model) gathers
+    what write_model needs of a sharded model (a collective; default: the full state dict)."""
 
     def __init__(self, accelerator, output_dir: str | Path, write_model: Callable[..., None], *,
-                 save_total_limit: int | None = None, save_only_model: bool = False, deepspeed: bool = False):  # fmt: skip
+                 save_total_limit: int | None = None, save_only_model: bool = False, deepspeed: bool = False,
+                 gather_weights: Callable[[torch.nn.Module], dict] = full_state_dict):  # fmt: skip
         self.accelerator, self.output_dir, self.write_model = accelerator, Path(output_dir), write_model
         self.save_total_limit, self.save_only_model, self.deepspeed = save_total_limit, save_only_model, deepspeed
+        self.gather_weights = gather_weights
 
     @property
     def format(self) -> str:
@@ -96,12 +102,14 @@ class Checkpointer:
         if fmt != "plain":  # every process writes its shards into the checkpoint's temporary directory
             tmp = broadcast_object_list([begin_checkpoint(self.output_dir, step) if acc.is_main_process else None])[0]
         if fmt == "deepspeed":
-            parts.model.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag="state")
+            # A LoRA model's frozen base never changes: left out, as transformers' Trainer saves PEFT models.
+            parts.model.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag="state",
+                                        **({"exclude_frozen_parameters": True} if is_peft_model(model) else {}))
             reference_weights = full_state_dict(reference) if reference is not None else None
         elif fmt == "sharded":
-            save_sharded(tmp / SHARDED_DIR, model, parts.optimizer, reference)
+            save_sharded(tmp / SHARDED_DIR, model, parts.optimizer, reference, trainable_only=is_peft_model(model))
         else:  # collectives under FSDP2 / ZeRO-3: every process takes part, the main process gets full tensors
-            weights = full_state_dict(model) if is_sharded(model) else None
+            weights = self.gather_weights(model) if is_sharded(model) else None
             optimizer_state = (full_optimizer_state(model, parts.optimizer)
                                if is_sharded(model) and not self.save_only_model else None)  # fmt: skip
             reference_weights = full_state_dict(reference) if reference is not None else None
@@ -173,8 +181,10 @@ class Checkpointer:
                 raise ValueError(f"{path} was written under DeepSpeed (its optimizer state is in DeepSpeed's "
                                  f"partitioned format): resume it under DeepSpeed with the same number of "
                                  f"processes.")  # fmt: skip
+            # A LoRA model's checkpoint holds no frozen parameters (see save): they are not asked for.
             loaded, _ = parts.model.load_checkpoint(str(path / DEEPSPEED_DIR), tag="state", load_optimizer_states=True,
-                                                    load_lr_scheduler_states=False)  # fmt: skip
+                                                    load_lr_scheduler_states=False,
+                                                    load_module_strict=not is_peft_model(model))  # fmt: skip
             if loaded is None:
                 raise RuntimeError(f"DeepSpeed could not load {path / DEEPSPEED_DIR} (written by as many processes?).")
         elif self.deepspeed:
@@ -182,7 +192,8 @@ class Checkpointer:
                              f"own checkpoints: resume it without DeepSpeed (DDP, FSDP2 or one process), or start "
                              f"this DeepSpeed run from its weights as the model.")  # fmt: skip
         elif (path / SHARDED_DIR).is_dir():  # written by FSDP2 processes, each its shards: resharded to this layout
-            load_sharded(path / SHARDED_DIR, model, parts.optimizer, parts.reference)
+            load_sharded(path / SHARDED_DIR, model, parts.optimizer, parts.reference,
+                         trainable_only=is_peft_model(model))  # fmt: skip
         else:
             load_model_weights(model, path)
             # Loaded on the CPU: the state was saved from the main process's device, and loading moves it to each

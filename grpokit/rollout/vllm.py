@@ -151,8 +151,9 @@ def policy_weights(model: torch.nn.Module) -> Iterator[Iterator[tuple[str, torch
         with merged_weights(model) as weights:
             yield weights
         return
-    if is_peft(model):  # check_backend refuses LoRA under FSDP2 before an engine exists; said again here
-        raise NotImplementedError("use_vllm with LoRA under FSDP2 is not supported.")
+    if is_peft(model):  # check_backend refuses it before the trainer builds an engine; said again for direct use
+        raise NotImplementedError("use_vllm with LoRA under FSDP2 is not supported yet: sample with the in-process "
+                                  "engine under FSDP2, or train LoRA with vLLM under DDP or DeepSpeed ZeRO-1/2.")
     yield gathered_weights(model)
 
 
