@@ -4,9 +4,15 @@ unless GRPOKIT_REQUIRE_VLLM=1, which turns a missing vllm into a failure (CI set
 
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
+
+# Processes the tests start (torchrun ranks, the CLI, a vLLM server) import grpokit from this checkout, as the tests
+# themselves do, not an installed copy that may be older: they inherit PYTHONPATH.
+REPO_ROOT = str(Path(__file__).resolve().parents[1])
+os.environ["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def pytest_addoption(parser):

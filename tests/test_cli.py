@@ -77,3 +77,14 @@ def test_full_demo_turns_failure_into_success(tmp_path):
     assert result["accuracy_before"] <= 0.30
     assert result["accuracy_after"] >= 0.80
     assert result["seconds"] < 300
+
+
+def test_processes_the_tests_start_import_this_checkout(tmp_path):
+    # conftest puts the checkout first on PYTHONPATH: a torchrun rank or a CLI run started elsewhere would otherwise
+    # import whatever grpokit is installed, which may be older than the code under test.
+    from pathlib import Path
+
+    out = subprocess.run([sys.executable, "-c", "import grpokit; print(grpokit.__file__)"], cwd=tmp_path,
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    checkout = Path(__file__).resolve().parents[1]
+    assert Path(out.stdout.strip().splitlines()[-1]).resolve().is_relative_to(checkout)
