@@ -160,13 +160,10 @@ def _collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def full_state_dict(model: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict with full (unsharded) tensors on the CPU. Under FSDP2 it is a collective (every
     process must call it) and only the main process gets the tensors; the others get an empty dict. Under ZeRO-3
-    (a collective too) every process gets them. `trainable_only`: only the parameters that train (a LoRA adapter;
-    its frozen base is never gathered), on every process (`trainable_parameters`)."""
-    if trainable_only:
-        return trainable_parameters(model)
+    (a collective too) every process gets them. For the trainable parameters alone: `trainable_parameters`."""
     if is_zero3(model):
         import deepspeed
 

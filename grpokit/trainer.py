@@ -58,6 +58,7 @@ from .distributed import (
     full_state_dict,
     is_sharded,
     prepare_reference,
+    trainable_parameters,
     unwrap_model,
 )
 from .evaluation import evaluation_metrics, group_records
@@ -781,7 +782,8 @@ class GRPOTrainer:
     def _gathered_weights(self, model) -> dict[str, torch.Tensor]:
         """What `_write_model` needs of a sharded model, gathered (a collective): with LoRA the adapter only (the
         base is never gathered), unless the merged model is written too."""
-        return full_state_dict(model, trainable_only=is_peft_model(model) and not self.args.save_merged)
+        adapter_only = is_peft_model(model) and not self.args.save_merged
+        return trainable_parameters(model) if adapter_only else full_state_dict(model)
 
     def _write_model(self, output_dir: Path, weights: dict[str, torch.Tensor] | None = None,
                      with_weights: bool = True) -> None:  # fmt: skip

@@ -110,19 +110,8 @@ SCRIPT = textwrap.dedent(
 
 
     def train(spec):
-        """A real run; records what the rewards saw and each generation batch's advantages, per process. `env`:
-        variables set for this job only (accelerate reads its FSDP settings as each trainer starts); `save_model`:
-        save the final model into out/final_model."""
-        saved_env = dict(os.environ)
-        os.environ.update(spec.get("env", {}))
-        try:
-            run_training(spec)
-        finally:
-            os.environ.clear()
-            os.environ.update(saved_env)
-
-
-    def run_training(spec):
+        """A real run; records what the rewards saw and each generation batch's advantages, per process.
+        `save_model`: save the final model into out/final_model."""
         out = Path(spec["out"])
         out.mkdir(parents=True, exist_ok=True)
         if spec.get("partial_state_first"):  # as TRL scripts do; on a CPU-only machine it forms no process group
