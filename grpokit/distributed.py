@@ -228,9 +228,12 @@ def _has_accelerator_device() -> bool:
     return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
 
 
-def check_backend(accelerator, lora: bool, args: GRPOConfig, prompt_learning: bool = False) -> None:
-    """What this backend (or LoRA) cannot run, refused before anything is prepared, with the way out. `lora`: the
-    policy is a PeftModel (a frozen base with an adapter); `prompt_learning`: its adapter is prompt / prefix tuning."""
+def check_backend(accelerator, model: torch.nn.Module, args: GRPOConfig) -> None:
+    """What this backend (or LoRA on it) cannot run, refused before anything is prepared, with the way out."""
+    from .models import is_peft_model  # models imports this module
+
+    lora = is_peft_model(model)  # a frozen base with an adapter
+    prompt_learning = lora and model.active_peft_config.is_prompt_learning  # prompt / prefix tuning
     if args.sync_ref_model and lora:
         raise ValueError("sync_ref_model with LoRA is not supported: the reference is the base model with the adapter "
                          "off, and the base weights never change. Train without LoRA to refresh the reference, or "

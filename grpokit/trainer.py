@@ -164,8 +164,7 @@ class GRPOTrainer:
         max_prompt_length = prompt_length_limit(self.model, args)
         self.reference = build_reference(model, self.model, args)
         enable_gradient_checkpointing(self.model, args)
-        check_backend(acc, is_peft_model(self.model), args,
-                      prompt_learning=is_peft_model(self.model) and self.model.active_peft_config.is_prompt_learning)
+        check_backend(acc, self.model, args)
         optimizer, scheduler = optimizers
         self.optimizer = optimizer or build_optimizer(self.model, args)
         deepspeed = deepspeed_stage(acc) is not None
