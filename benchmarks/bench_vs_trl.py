@@ -74,8 +74,12 @@ CONFIGS = {
 # LoRA variant (--lora): the same adapter for both trainers; with LoRA neither loads a reference copy.
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
 
-IMPLS = ("trl", "grpokit", "grpokit-baseline")
+IMPLS = ("trl", "grpokit", "grpokit-baseline", "unsloth")
 BASELINE = "grpokit-baseline"  # grpokit from another source tree (--baseline), e.g. before a change
+# Unsloth (`--impls unsloth,grpokit --unsloth-python VENV/bin/python`): its FastLanguageModel loads the model and adds
+# the adapter (or unfreezes everything: full_finetuning), then TRL's GRPOTrainer trains it, as in Unsloth's GRPO
+# notebooks. It pins its own TRL and transformers, so it runs from its own environment (benchmarks/README.md).
+TRL_LIKE = ("trl", "unsloth")  # the runs that train with trl.GRPOTrainer
 
 PROMPT_TEMPLATE = "q{index:04d}: what is {a:02d}+{b:02d}? answer:"  # every prompt has the same token length
 
@@ -235,7 +239,7 @@ def memory_breakdown(trainer, impl: str) -> dict:
     gradients, optimizer states, the reference copy. What is left of the peak (activations, logits, the rollout's
     KV cache, autocast's bf16 weight copies, allocator slack, the Python process itself) is peak RSS minus these."""
     policy = trainer.accelerator.unwrap_model(trainer.model)
-    reference = trainer.ref_model if impl == "trl" else trainer.reference
+    reference = trainer.ref_model if impl in TRL_LIKE else trainer.reference
     params = list(policy.parameters())
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's wrapper
     states = [v for state in optimizer.state.values() for v in state.values()]
@@ -260,6 +264,26 @@ def memory_breakdown(trainer, impl: str) -> dict:
     return out
 
 
+def extra_args_key(impl: str) -> str:
+    """Which --*-args a run takes: TRL's, Unsloth's, or grpokit's (also for --baseline)."""
+    return impl if impl in TRL_LIKE else "grpokit"
+
+
+def unsloth_model(model_dir: str, config: dict, lora: bool):
+    """The model as an Unsloth user builds it: FastLanguageModel.from_pretrained with Unsloth's defaults (a 4-bit
+    base for LoRA; on a CPU it also picks the dtype), then get_peft_model with the same adapter as the others
+    (Unsloth's gradient checkpointing); without LoRA, Unsloth's full fine-tuning."""
+    from unsloth import FastLanguageModel
+
+    model, tokenizer = FastLanguageModel.from_pretrained(
+        model_name=model_dir, max_seq_length=config["max_completion_length"] + 64, load_in_4bit=lora,
+        full_finetuning=not lora,
+    )  # fmt: skip  (offline: the parent sets HF_HUB_OFFLINE for every run)
+    if lora:
+        model = FastLanguageModel.get_peft_model(model, use_gradient_checkpointing="unsloth", **LORA)
+    return model, tokenizer
+
+
 def run_child(spec: dict) -> dict:
     import warnings
 
@@ -272,14 +296,17 @@ def run_child(spec: dict) -> dict:
     cuda = config["cuda"]
     if cuda and not torch.cuda.is_available():
         raise SystemExit("this configuration needs CUDA")
+    if impl == "unsloth":
+        import unsloth  # before transformers and TRL, which it patches on import
+
     import transformers
 
-    if impl == "trl":
+    if impl in TRL_LIKE:
         import trl
         from transformers import TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
 
-        version = trl.__version__
+        version = trl.__version__ if impl == "trl" else f"unsloth {unsloth.__version__}, trl {trl.__version__}"
     else:
         # The source tree this script belongs to (the one machine_info describes), or an earlier one (--baseline),
         # shadows any installed grpokit.
@@ -294,7 +321,7 @@ def run_child(spec: dict) -> dict:
     dataset = make_dataset(spec["num_prompts"], spec["seed"])
     kwargs = common_args(config, spec["output_dir"], spec["warmup"] + spec["steps"], spec["learning_rate"],
                          spec["beta"], spec["seed"])  # fmt: skip
-    kwargs.update(spec.get("extra_args", {}).get("trl" if impl == "trl" else "grpokit", {}))
+    kwargs.update(spec.get("extra_args", {}).get(extra_args_key(impl), {}))
     args = GRPOConfig(**kwargs)
     peft_config = None
     if spec.get("lora"):
@@ -302,15 +329,20 @@ def run_child(spec: dict) -> dict:
 
         peft_config = LoraConfig(task_type="CAUSAL_LM", **LORA)
     rss_before_trainer = current_rss_mib()
-    if impl == "trl":
+    if impl in TRL_LIKE:
 
         class Stamp(TrainerCallback):
             def on_log(self, args, state, control, logs=None, **kw):
                 if logs and "num_tokens" in logs:
                     stamps.append(time.perf_counter())
 
-        trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=reward_len, args=args, train_dataset=dataset,
-                              callbacks=[Stamp()], peft_config=peft_config)  # fmt: skip
+        if impl == "trl":
+            trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=reward_len, args=args, train_dataset=dataset,
+                                  callbacks=[Stamp()], peft_config=peft_config)  # fmt: skip
+        else:
+            model, tokenizer = unsloth_model(spec["model_dir"], config, lora=bool(spec.get("lora")))
+            trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=reward_len, args=args,
+                                  train_dataset=dataset, callbacks=[Stamp()])  # fmt: skip
     else:
         trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=reward_len, args=args, train_dataset=dataset,
                               peft_config=peft_config)  # fmt: skip
@@ -372,7 +404,12 @@ def run_child(spec: dict) -> dict:
         # train() began.
         "train_peak_rss_mib": peak_rss_since_reset_mib() if train_peak_measured else None,
         "memory_breakdown_mib": breakdown,
-        "extra_args": spec.get("extra_args", {}).get("trl" if impl == "trl" else "grpokit", {}),
+        "extra_args": spec.get("extra_args", {}).get(extra_args_key(impl), {}),
+        # What the trainer ran with after its own adjustments (Unsloth's CPU backend turns bf16 off where the CPU
+        # has no bf16 instructions and picks its optimizer).
+        "effective_args": {key: str(getattr(trainer.args, key, None)) for key in ("bf16", "optim",
+                                                                                  "gradient_checkpointing")},
+        "policy_dtype": str(getattr(trainer.accelerator.unwrap_model(trainer.model), "dtype", None)),
         "lora": bool(spec.get("lora")),
         "rss_before_trainer_mib": rss_before_trainer,
         "rss_before_train_mib": rss_before_train,
@@ -486,17 +523,17 @@ def summarise(results: list[dict]) -> dict:
             out[impl][key] = statistics.median(values) if values else None
             out[impl][key + "_min"] = min(values) if values else None
             out[impl][key + "_max"] = max(values) if values else None
-    ratios = {}
-    for key in keys:
-        a, b = out["grpokit"].get(key), out["trl"].get(key)
-        ratios[key] = a / b if a is not None and b else None
-    out["ratio_grpokit_over_trl"] = ratios
-    if out[BASELINE]["runs"]:
-        out["ratio_baseline_over_trl"] = {
-            key: out[BASELINE][key] / out["trl"][key] if out[BASELINE][key] is not None and out["trl"][key] else None
-            for key in keys
-        }
+    for name, (a, b) in RATIOS.items():
+        if out[a]["runs"] and out[b]["runs"]:
+            out[name] = {key: out[a][key] / out[b][key] if out[a][key] is not None and out[b][key] else None
+                         for key in keys}  # fmt: skip
     return out
+
+
+# The ratios the summary and the table give, where both sides ran: name -> (numerator, denominator).
+RATIOS = {"ratio_grpokit_over_trl": ("grpokit", "trl"), "ratio_grpokit_over_unsloth": ("grpokit", "unsloth"),
+          "ratio_baseline_over_trl": (BASELINE, "trl")}  # fmt: skip
+LABELS = {"trl": "TRL", "unsloth": "Unsloth", BASELINE: "grpokit before (--baseline)", "grpokit": "grpokit"}
 
 
 def markdown(name: str, config: dict, model_info: dict, summary: dict, info: dict, args) -> str:
@@ -509,11 +546,11 @@ def markdown(name: str, config: dict, model_info: dict, summary: dict, info: dic
         f"{args.repeats} repeat(s) each (median [min-max])",
         "",
     ]
-    baseline = bool(summary[BASELINE]["runs"])
-    impls = ("trl", BASELINE, "grpokit") if baseline else ("trl", "grpokit")
-    lines += (["| metric | TRL | grpokit before (--baseline) | grpokit | before / TRL | grpokit / TRL |",
-               "|---|---|---|---|---|---|"] if baseline else
-              ["| metric | TRL | grpokit | grpokit / TRL |", "|---|---|---|---|"])  # fmt: skip
+    impls = [impl for impl in ("trl", "unsloth", BASELINE, "grpokit") if summary[impl]["runs"]]
+    ratios = [name for name in RATIOS if name in summary]
+    headers = [LABELS[impl] for impl in impls] + [f"{LABELS[RATIOS[n][0]].split(' (')[0]} / {LABELS[RATIOS[n][1]]}"
+                                                  for n in ratios]  # fmt: skip
+    lines += ["| metric | " + " | ".join(headers) + " |", "|---" * (len(headers) + 1) + "|"]
     rows = [("tokens/s", "tokens_per_s", 4), ("step time (s, median)", "step_time_median_s", 3)]
     rows.append(("peak GPU memory allocated (MiB)", "cuda_max_allocated_mib", 4) if cuda
                 else ("peak RSS (MiB)", "peak_rss_mib", 4))  # fmt: skip
@@ -526,10 +563,7 @@ def markdown(name: str, config: dict, model_info: dict, summary: dict, info: dic
             s = summary[impl]
             cells.append(f"{fmt(s[key], digits)} [{fmt(s[key + '_min'], digits)}-{fmt(s[key + '_max'], digits)}]"
                          if s[key] is not None else "-")  # fmt: skip
-        ratios = [summary["ratio_grpokit_over_trl"][key]]
-        if baseline:
-            ratios.insert(0, summary["ratio_baseline_over_trl"][key])
-        lines.append(f"| {label} | {' | '.join(cells)} | {' | '.join(fmt(r, 3) for r in ratios)} |")
+        lines.append(f"| {label} | {' | '.join(cells + [fmt(summary[name][key], 3) for name in ratios])} |")
     lines += [
         "",
         f"Machine: {info['cpu']}, {info['usable_cpus']} usable / {info['logical_cpus']} logical CPUs"
@@ -542,6 +576,7 @@ def markdown(name: str, config: dict, model_info: dict, summary: dict, info: dic
         f"Versions: python {info['python']}, torch {info['torch']}, transformers {info['transformers']}, "
         f"accelerate {info['accelerate']}, datasets {info['datasets']}, trl {info.get('trl_child') or info['trl']}, "
         f"grpokit {info['grpokit']}" + (f" (git {info['grpokit_git']})" if info.get("grpokit_git") else ""),
+        "Each run's own: " + "; ".join(f"{impl}: {v}" for impl, v in info.get("children", {}).items()),
     ]
     return "\n".join(lines)
 
@@ -555,7 +590,8 @@ def breakdown_table(results: list[dict], args) -> str:
     if not runs:
         return ""
     lines = ["", f"LoRA: {LORA}" if args.lora else "Full fine-tuning.",
-             f"Extra arguments: grpokit {args.grpokit_args}, TRL {args.trl_args}.", "",
+             f"Extra arguments: grpokit {args.grpokit_args}, TRL {args.trl_args}"
+             + (f", Unsloth {args.unsloth_args}" if "unsloth" in runs else "") + ".", "",
              "| memory (MiB) | " + " | ".join(runs) + " |", "|---" * (len(runs) + 1) + "|"]  # fmt: skip
     keys = [k for k in next(iter(runs.values()))["memory_breakdown_mib"] if k not in ("parameters_by_dtype",)]
     for key in keys + ["peak_rss_mib"]:
@@ -597,6 +633,8 @@ def main(argv=None) -> int:
     parser.add_argument("--impls", default="trl,grpokit", help="order within one repeat, e.g. 'grpokit,trl'")
     parser.add_argument("--trl-python", default=sys.executable, help="interpreter for the TRL runs (e.g. a venv)")
     parser.add_argument("--grpokit-python", default=sys.executable, help="interpreter for the grpokit runs")
+    parser.add_argument("--unsloth-python", default=sys.executable,
+                        help="interpreter for the Unsloth runs (--impls unsloth,...; Unsloth pins its own TRL)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per child run")
     parser.add_argument("--keep", default=None, help="save the model here instead of a temporary directory")
     parser.add_argument("--baseline", default=None, metavar="DIR",
@@ -606,6 +644,7 @@ def main(argv=None) -> int:
                         help="extra GRPOConfig arguments (JSON) for grpokit only, e.g. its memory options: "
                              "'{\"ref_model_dtype\": \"bfloat16\", \"optim\": \"adamw_8bit\"}'")  # fmt: skip
     parser.add_argument("--trl-args", default="{}", help="extra GRPOConfig arguments (JSON) for TRL only")
+    parser.add_argument("--unsloth-args", default="{}", help="extra GRPOConfig arguments (JSON) for Unsloth's run")
     parser.add_argument("--concurrent", action="store_true",
                         help="run the libraries of one repeat at the same time, each pinned to its own CPU (use with "
                              "--threads 1): both see the same machine load, and the run takes half the time")  # fmt: skip
@@ -633,6 +672,10 @@ def main(argv=None) -> int:
             return 0
     info = machine_info()
     impls = [s.strip() for s in args.impls.split(",") if s.strip()]
+    unknown = sorted(set(impls) - set(IMPLS) | ({BASELINE} & set(impls)))
+    if unknown:
+        raise SystemExit(f"--impls: unknown {unknown}; choose from trl, grpokit, unsloth (--baseline adds "
+                         f"{BASELINE})")
     if args.baseline:
         impls.append(BASELINE)
     with tempfile.TemporaryDirectory(prefix="grpokit-bench-") as tmp:
@@ -656,10 +699,11 @@ def main(argv=None) -> int:
                     "threads": args.threads, "output_dir": str(workdir / f"out_{impl}_{repeat}"),
                     "num_prompts": max(64, prompts_per_step * (args.steps + args.warmup)),
                     "src": str(Path(args.baseline).resolve()) if impl == BASELINE else None,
-                    "extra_args": {"grpokit": json.loads(args.grpokit_args), "trl": json.loads(args.trl_args)},
+                    "extra_args": {"grpokit": json.loads(args.grpokit_args), "trl": json.loads(args.trl_args),
+                                   "unsloth": json.loads(args.unsloth_args)},
                     "lora": args.lora, "cpu": cpus[slot] if args.concurrent else None,
                 }  # fmt: skip
-                python = args.trl_python if impl == "trl" else args.grpokit_python
+                python = {"trl": args.trl_python, "unsloth": args.unsloth_python}.get(impl, args.grpokit_python)
                 runs.append(start(spec, python, workdir, repeat, spec["cpu"]))
                 if not args.concurrent:
                     runs[-1] = finish(runs[-1], args.timeout)
@@ -671,6 +715,9 @@ def main(argv=None) -> int:
     trl_runs = [r for r in results if r["impl"] == "trl" and "error" not in r]
     info["trl_child"] = trl_runs[0]["version"] if trl_runs else None
     info["threads_used"] = sorted({r["threads"] for r in results if "error" not in r})
+    # Each child's own versions: --trl-python / --unsloth-python may be other environments than this one.
+    info["children"] = {r["impl"]: f"{r['version']}, transformers {r['transformers']}, torch {r['torch']}"
+                        for r in results if "error" not in r}  # fmt: skip
     ok = [r for r in results if "error" not in r]
     per_step = {r["impl"]: r["tokens_per_step"] for r in ok}
     if len(set(per_step.values())) > 1:

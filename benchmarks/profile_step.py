@@ -282,12 +282,12 @@ def main(argv=None) -> int:
         def hook():
             if config["cuda"]:
                 torch.cuda.synchronize()
-            marks.append(time.perf_counter())
-            if len(marks) == args.warmup:
+            marks.append(time.perf_counter())  # marks[0] is train()'s start, marks[k] step k's end
+            if len(marks) == args.warmup + 1:
                 timer.active = True
                 if profiler:
                     profiler.enable()
-            elif len(marks) == total_steps:
+            if len(marks) == total_steps + 1:
                 timer.active = False
                 if profiler:
                     profiler.disable()
@@ -296,8 +296,9 @@ def main(argv=None) -> int:
                                args.lora)  # fmt: skip
         (instrument_trl if args.impl == "trl" else instrument_grpokit)(trainer, timer)
         load = os.getloadavg()[0]
+        hook()
         trainer.train()
-        wall = marks[-1] - marks[args.warmup - 1]
+        wall = marks[-1] - marks[args.warmup]
         variant = (f" (source {args.src})" if args.src else "") + (" (plain head)" if args.plain_head else "")
         print(f"\n## {args.impl}{variant} on `{args.config}` ({info['parameters'] / 1e6:.2f}M parameters, vocab "
               f"{info['model_vocab']}): {args.steps} timed step(s) after {args.warmup} warm-up, "
@@ -321,15 +322,16 @@ def main(argv=None) -> int:
 
             def hook2():
                 marks.append(time.perf_counter())
-                if len(marks) == args.warmup:
+                if len(marks) == args.warmup + 1:
                     tp.start()
-                elif len(marks) == total_steps:
+                if len(marks) == total_steps + 1:
                     tp.stop()
 
             timer.active = False
             trainer = make_trainer(args.impl, config, workdir / "model", workdir, total_steps, hook2,
                                    json.loads(args.args), args.lora)  # fmt: skip
             with contextlib.redirect_stdout(sys.stderr):
+                hook2()
                 trainer.train()
             sort = "self_cuda_time_total" if config["cuda"] else "self_cpu_time_total"
             print(f"\ntorch.profiler, top operators by {sort}:")
