@@ -9,11 +9,14 @@ the plain head (all logits at once), for comparison. Prints seconds per forward 
 """
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from grpokit.logprobs import chunked_token_logprobs
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's grpokit, not an installed one
+from grpokit.logprobs import chunked_token_logprobs  # noqa: E402
 
 
 def main() -> None:

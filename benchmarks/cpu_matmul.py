@@ -4,7 +4,8 @@
     python benchmarks/cpu_matmul.py --threads 1 --out benchmarks/results/cpu_matmul.json
 
 Qwen2.5-0.5B's projection shapes (hidden 896, MLP 4864), forward and forward + backward, at decode rows (16: one
-token per sequence) and training rows (960: 16 sequences of 60 tokens). Both run in the same process, interleaved,
+token per sequence) and training rows (960: 16 sequences of 60 tokens), under the trainer's allocator setting
+(`cpu_memory.keep_large_allocations_mapped`). Both run in the same process, interleaved,
 and each figure is the fastest of `--repeats` runs (the least disturbed by other load). On a CPU with bfloat16
 hardware (AVX512-BF16 / AMX) grpokit leaves the bfloat16 kernel in place: the table says which this CPU is.
 """
@@ -22,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from grpokit.cpu_matmul import Float32Linear, cpu_has_bf16_matmul  # noqa: E402
+from grpokit.cpu_memory import keep_large_allocations_mapped  # noqa: E402
 
 SHAPES = [(896, 896), (896, 4864), (4864, 896)]  # (in, out): attention q/o, MLP gate/up, MLP down
 
@@ -39,6 +41,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 960])
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    keep_large_allocations_mapped()  # the allocator setting a training run has (each large allocation mapped)
     torch.set_num_threads(args.threads)
     load = os.getloadavg()
     rows_out = []

@@ -16,6 +16,8 @@ import time
 import warnings
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's grpokit, not an installed one
+
 SETTINGS = {
     "float32 weights, AdamW (TRL's default)": {},
     "bf16 reference": {"ref_model_dtype": "bfloat16"},

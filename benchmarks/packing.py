@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's grpokit, not an installed one
 
 CONFIGS = {
     # bench_vs_trl's `small` shape: 4 layers, hidden 256, SwiGLU 1024, 4 / 2 heads; 64 completions of at most 64.

@@ -244,8 +244,8 @@ def main(argv=None) -> int:
     parser.add_argument("--args", default="{}", metavar="JSON",
                         help="extra GRPOConfig arguments, e.g. '{\"model_init_kwargs\": {\"dtype\": \"bfloat16\"}}'")
     args = parser.parse_args(argv)
-    if args.src:  # before anything imports grpokit
-        sys.path.insert(0, str(Path(args.src).resolve()))
+    # Before anything imports grpokit: this source tree (or --src's), not an installed copy.
+    sys.path.insert(0, str(Path(args.src).resolve()) if args.src else str(Path(__file__).resolve().parent.parent))
     if args.plain_head:
         import grpokit.logprobs
 

@@ -10,26 +10,33 @@ sums straddle a rounding boundary). Gradients are computed the same way, and rou
 bfloat16 kernels would round them.
 
 Where it applies (`float32_matmuls`): the model's `nn.Linear` layers other than its LM head, on the CPU, for
-inputs of at least `MIN_ROWS` rows: bfloat16 weights, or float32 weights under bfloat16 autocast (which would
-cast both operands to bfloat16 first: we round them the same way). Below `MIN_ROWS` (decode steps: one row per
-sequence) the weight's upcast costs about what the float32 gemm saves, so the bfloat16 kernel runs.
+inputs of at least `MIN_ROWS` rows (a decode step has one row per sequence): bfloat16 weights, or float32 weights
+under bfloat16 autocast (which would cast both operands to bfloat16 first: we round them the same way). Below
+`MIN_ROWS` the weight's upcast costs about what the float32 gemm saves, so the bfloat16 kernel runs (one thread,
+4864 x 896: 8 rows 7.3 ms bfloat16 against 8.4 routed; 16 rows 15.5 against 9.7; 64 rows 55.7 against 16.4).
+bitsandbytes' 4-bit layers take `Float32Linear4bit` at any number of rows (both dequantize the weight).
 
-The LM head is marked instead: the training forward's chunked head (`logprobs.chunked_token_logprobs`) then runs
+The LM head is routed apart. The training forward's chunked head (`logprobs.chunked_token_logprobs`) runs
 `Float32Head`, which upcasts the [V, H] weight block by block (a float32 copy of a 151,936 x 896 head is 545 MB,
-at the step's memory peak). The sampler's head (decode steps: one row per sequence) keeps the bfloat16 kernel.
+at the step's memory peak); the sampler's logits take `head_forward`, the same in smaller blocks, from
+`HEAD_MIN_ROWS` rows.
+
+The float32 copies are written into reused buffers (`float32_scratch`), not allocated per call: see there.
 """
 
 from __future__ import annotations
 
 import copy
 import sys
+import threading
 import weakref
 
 import torch
 
 FLOAT32_HEAD = "_grpokit_float32_gemm"  # set on the LM head module: `logprobs.chunked_token_logprobs` routes it
 
-MIN_ROWS = 64  # rows (tokens) of the input from which the float32 gemm is used
+MIN_ROWS = 16  # rows (tokens) of the input from which the float32 gemm is used (`benchmarks/cpu_matmul.py --rows`)
+HEAD_MIN_ROWS = 4  # the same for the LM head's sampling logits (`head_forward`)
 
 BF16 = torch.bfloat16
 
@@ -37,6 +44,41 @@ BF16 = torch.bfloat16
 def cpu_has_bf16_matmul() -> bool:
     """Whether torch's CPU bfloat16 gemm runs on bfloat16 hardware (oneDNN with AVX512-BF16 / AMX)."""
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+# ------------------------------------------------------------------------------------------ reused float32 copies
+
+# The float32 copies these routes make of weights (and of inputs) are written into buffers kept per thread and
+# reused, rather than allocated at every call: grpokit maps every allocation of 1 MiB and up afresh
+# (`cpu_memory.keep_large_allocations_mapped`, so that freed tensors return to the OS), and a fresh mapping costs a
+# page fault per 4 KiB on first write. Upcasting a 4864 x 896 bfloat16 weight took 14.9 ms into a fresh tensor and
+# 2.0 ms into a reused one, with one thread (the float32 gemm of 16 rows through it: 6.8 ms).
+_SCRATCH = threading.local()
+
+
+def float32_scratch(slot: str, shape) -> torch.Tensor:
+    """An uninitialised float32 tensor of `shape` from this thread's buffer `slot`, grown when too small (never
+    shrunk; `release_scratch` frees them). Valid until the next request of the same slot: a caller uses it within
+    one computation and never returns it."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    buffers = _SCRATCH.__dict__
+    buffer = buffers.get(slot)
+    if buffer is None or buffer.numel() < numel:
+        buffers[slot] = None  # the old buffer goes before the larger one is mapped
+        buffer = buffers[slot] = torch.empty(numel)
+    return buffer[:numel].view(shape)
+
+
+def float32_copy(tensor: torch.Tensor, slot: str) -> torch.Tensor:
+    """`tensor.float()` (exact from bfloat16), written into this thread's buffer `slot` (`float32_scratch`)."""
+    return float32_scratch(slot, tensor.shape).copy_(tensor)
+
+
+def release_scratch() -> None:
+    """Free this thread's buffers (they are allocated again on the next request)."""
+    _SCRATCH.__dict__.clear()
 
 
 def bf16_operands(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -62,7 +104,8 @@ class Float32Linear(torch.autograd.Function):
         ctx.save_for_backward(x16, weight16)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         with torch.autocast("cpu", enabled=False):
-            out = torch.nn.functional.linear(x16.float(), weight16.float(), None if bias16 is None else bias16.float())
+            out = torch.nn.functional.linear(float32_copy(x16, "input"), float32_copy(weight16, "weight"),
+                                             None if bias16 is None else bias16.float())  # fmt: skip
         return out.to(BF16)
 
     @staticmethod
@@ -73,9 +116,10 @@ class Float32Linear(torch.autograd.Function):
         grad_x = grad_weight = grad_bias = None
         with torch.autocast("cpu", enabled=False):
             if ctx.needs_input_grad[0]:
-                grad_x = (grad @ weight16.float()).to(BF16).to(x_dtype).reshape(x16.shape)
+                grad_x = (grad @ float32_copy(weight16, "weight")).to(BF16).to(x_dtype).reshape(x16.shape)
             if ctx.needs_input_grad[1]:
-                grad_weight = (grad.T @ x16.reshape(-1, x16.shape[-1]).float()).to(BF16).to(weight_dtype)
+                inputs = float32_copy(x16.reshape(-1, x16.shape[-1]), "input")
+                grad_weight = (grad.T @ inputs).to(BF16).to(weight_dtype)
             if ctx.needs_input_grad[2]:
                 grad_bias = grad.sum(0).to(BF16).to(bias_dtype)
         return grad_x, grad_weight, grad_bias
@@ -106,6 +150,37 @@ def _dequantized(module) -> torch.Tensor:
     return bitsandbytes.functional.dequantize_4bit(module.weight.data, module.weight.quant_state).to(BF16)
 
 
+DEQUANT_PIECE = 1 << 18  # elements of a 4-bit weight dequantized at a time (512 KiB in bfloat16: never mapped)
+
+
+def dequantized_float32(module) -> torch.Tensor:
+    """`_dequantized(module).float()`, in the "weight" scratch buffer: bitsandbytes dequantizes a few rows at a time
+    (the same kernel on a slice of the packed weight and of its block scales, so the same values), and each piece
+    is upcast into the buffer. Whole, the bfloat16 weight would be a fresh mapping at every call. Falls back to the
+    whole weight where rows do not start on a quantization block or bitsandbytes repacked the weight."""
+    import bitsandbytes.functional as bnb
+
+    weight, state = module.weight, module.weight.quant_state
+    out_features, in_features = state.shape
+    block = state.blocksize
+    rows = max(1, DEQUANT_PIECE // in_features)
+    if in_features % 2 or (rows * in_features) % block or getattr(state, "packing_format_for_cpu", False):
+        return float32_copy(_dequantized(module), "weight")
+    absmax = state.absmax
+    if state.nested:  # double quantization: the block scales are themselves quantized; dequantize them once
+        absmax = bnb.dequantize_blockwise(state.absmax, state.state2) + state.offset
+    packed = weight.data.view(torch.uint8).reshape(-1)
+    out = float32_scratch("weight", (out_features, in_features))
+    for start in range(0, out_features, rows):
+        stop = min(start + rows, out_features)
+        first, last = start * in_features, stop * in_features  # elements
+        piece = bnb.QuantState(absmax=absmax[first // block : -(-last // block)].float(),
+                               shape=torch.Size([stop - start, in_features]), code=state.code, blocksize=block,
+                               quant_type=state.quant_type, dtype=state.dtype)  # fmt: skip
+        out[start:stop].copy_(bnb.dequantize_4bit(packed[first // 2 : last // 2], piece).to(BF16))
+    return out
+
+
 class Float32Linear4bit(torch.autograd.Function):
     """A bitsandbytes `Linear4bit` with bfloat16 compute, by float32 gemms: the weight dequantized to bfloat16 (as
     bitsandbytes does), then `Float32Linear`'s arithmetic. The weight is frozen and 4-bit: the backward dequantizes
@@ -115,9 +190,9 @@ class Float32Linear4bit(torch.autograd.Function):
     def forward(ctx, x, bias, module):
         ctx.module, ctx.dtypes = module, (x.dtype, None if bias is None else bias.dtype)
         with torch.autocast("cpu", enabled=False):
-            weight = _dequantized(module).float()
+            weight = dequantized_float32(module)
             bias32 = None if bias is None else bias.to(BF16).float()
-            out = torch.nn.functional.linear(x.to(BF16).float(), weight, bias32)
+            out = torch.nn.functional.linear(float32_copy(x.to(BF16), "input"), weight, bias32)
         return out.to(BF16).to(x.dtype)
 
     @staticmethod
@@ -127,7 +202,7 @@ class Float32Linear4bit(torch.autograd.Function):
         grad_x = grad_bias = None
         with torch.autocast("cpu", enabled=False):
             if ctx.needs_input_grad[0]:
-                grad_x = (grad @ _dequantized(ctx.module).float()).to(BF16).to(x_dtype)
+                grad_x = (grad @ dequantized_float32(ctx.module)).to(BF16).to(x_dtype)
             if ctx.needs_input_grad[1]:
                 grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(BF16).to(bias_dtype)
         return grad_x, grad_bias, None
@@ -179,9 +254,36 @@ def float32_matmuls(model: torch.nn.Module, device: torch.device | str) -> int:
         elif is_linear4bit(module):
             module.forward = RoutedForward(linear4bit_forward, module)
             routed += 1
-    if head is not None:  # the training forward's chunked head takes `Float32Head`; the sampler's decode steps
-        setattr(head, FLOAT32_HEAD, True)  # (one row per sequence) keep the bfloat16 kernel, as small inputs do
+    if head is not None:  # the training forward's chunked head takes `Float32Head`
+        setattr(head, FLOAT32_HEAD, True)
+        if type(head) is torch.nn.Linear:  # the sampler's logits: `head_forward`
+            head.forward = RoutedForward(head_forward, head)
     return routed
+
+
+HEAD_BLOCK = 1024  # vocabulary rows of the head upcast at a time by `head_forward` (3.5 MiB at hidden size 896)
+
+
+def head_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A routed LM head's forward: where no gradient is needed (the sampler's decode steps, a few rows each) and the
+    operands are bfloat16, the float32 gemm over blocks of the vocabulary, each upcast into a reused buffer; the
+    same values as the bfloat16 kernel up to float32 summation order (`Float32Linear`). Else the module's own
+    forward. A Qwen2.5-0.5B head (151,936 x 896) at 16 rows, one thread: 0.13 s against the bfloat16 kernel's 0.55
+    (upcasting the whole weight afresh instead: 0.65)."""
+    weight, bias = module.weight, module.bias
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if needs_grad or x.numel() < HEAD_MIN_ROWS * x.shape[-1] or not bf16_operands(x, weight):
+        return torch.nn.functional.linear(x, weight, bias)
+    x32 = x.to(BF16).float().reshape(-1, x.shape[-1])
+    out = torch.empty(x32.shape[0], weight.shape[0], dtype=BF16)
+    with torch.autocast("cpu", enabled=False):
+        for start in range(0, weight.shape[0], HEAD_BLOCK):
+            block = slice(start, start + HEAD_BLOCK)
+            weight32 = float32_copy(weight[block].to(BF16), "weight")
+            logits = x32 @ weight32.t() if bias is None else torch.addmm(bias[block].to(BF16).float(), x32,
+                                                                           weight32.t())  # fmt: skip
+            out[:, block] = logits
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 # ------------------------------------------------------------------------------------------------- the LM head
@@ -250,7 +352,7 @@ class Float32Head(torch.autograd.Function):
         target_logits = torch.empty(hidden.shape[0])
         row_max = total = shifted_dot = expected = None  # running over the blocks, relative to row_max
         for block in _blocks(weight.shape[0]):
-            weight32 = weight[block].to(BF16).float()
+            weight32 = float32_copy(weight[block].to(BF16), "weight")
             logits = torch.cat([_block_logits(hidden32[rows], weight32, bias, block, temperature)
                                 for rows in _row_chunks(hidden.shape[0])])  # fmt: skip
             inside = (targets >= block.start) & (targets < block.stop)
@@ -297,7 +399,7 @@ class Float32Head(torch.autograd.Function):
         grad_weight = torch.empty_like(weight) if need_weight else None
         grad_bias = torch.empty_like(bias) if need_bias else None
         for block in _blocks(weight.shape[0]):
-            weight32 = weight[block].to(BF16).float()
+            weight32 = float32_copy(weight[block].to(BF16), "weight")
             block_grad = torch.zeros(weight32.shape) if need_weight else None
             block_bias = torch.zeros(weight32.shape[0]) if need_bias else None
             for rows in _row_chunks(hidden.shape[0]):

@@ -255,9 +255,23 @@ def build_policy(model, processing_class, peft_config, args, quantization_config
             peft_config = language_only_lora(peft_config, model)
         else:
             freeze_vision(model)
+    keep_4bit_layers_trainable(model)
     if peft_config is not None:
         model = apply_peft(model, peft_config)
     return model, processing_class
+
+
+def keep_4bit_layers_trainable(model) -> int:
+    """Stop bitsandbytes (0.50) from repacking a 4-bit layer's weight for its AVX512-BF16 CPU kernel: it does so in
+    place on the first forward in eval mode without gradients (the sampler's), never unpacks it, and the training
+    forward and backward do not expect that layout (Unsloth's CPU backend turns it off for the same reason). On
+    that CPU the sampler then runs bitsandbytes' unpacked kernel. Returns how many layers were set."""
+    from .cpu_matmul import is_linear4bit
+
+    layers = [m for m in model.modules() if is_linear4bit(m) and getattr(m, "support_avx512bf16_for_cpu", False)]
+    for layer in layers:
+        layer.support_avx512bf16_for_cpu = False
+    return len(layers)
 
 
 def enable_gradient_checkpointing(model, args) -> None:

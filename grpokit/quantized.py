@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .cpu_matmul import float32_linear
+from .cpu_matmul import float32_linear, float32_scratch
 
 
 class Int8Linear(torch.nn.Module):
@@ -33,7 +33,10 @@ class Int8Linear(torch.nn.Module):
         self.float32_gemm = float32_gemm
 
     def dequantized_weight(self) -> torch.Tensor:
-        return (self.weight_int8.float() * self.scale[:, None]).to(self.dtype)
+        """weight_int8 · scale (in float32) in `dtype`; the float32 product in a reused buffer (`float32_scratch`)."""
+        product = torch.mul(self.weight_int8, self.scale[:, None],
+                            out=float32_scratch("dequantized", self.weight_int8.shape))  # fmt: skip
+        return product.to(self.dtype, copy=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         linear = float32_linear if self.float32_gemm else torch.nn.functional.linear

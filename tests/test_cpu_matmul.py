@@ -74,7 +74,7 @@ def test_routing_by_rows_dtype_and_device():
         assert type(linear_forward(fp32, many.float()).grad_fn).__name__ == "Float32LinearBackward"
 
 
-def test_float32_matmuls_routes_every_linear_but_the_head(monkeypatch):
+def test_float32_matmuls_routes_every_linear_and_the_head_apart(monkeypatch):
     model = build_tiny_model(vocab_size=40, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
     monkeypatch.setattr(cpu_matmul, "cpu_has_bf16_matmul", lambda: True)  # a CPU with bf16 hardware: untouched
     assert float32_matmuls(model, "cpu") == 0
@@ -82,8 +82,9 @@ def test_float32_matmuls_routes_every_linear_but_the_head(monkeypatch):
     assert float32_matmuls(model, "cuda") == 0
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     assert float32_matmuls(model, "cpu") == len(linears) - 1 == 2 * 7
-    assert "forward" not in vars(model.get_output_embeddings())
-    assert getattr(model.get_output_embeddings(), cpu_matmul.FLOAT32_HEAD) is True  # the chunked head's route
+    head = model.get_output_embeddings()
+    assert getattr(head, cpu_matmul.FLOAT32_HEAD) is True  # the chunked head's route
+    assert head.forward.function is cpu_matmul.head_forward  # the sampler's logits
     reference = copy.deepcopy(model)  # the reference copy routes its own layers, not the policy's
     routed = reference.model.layers[0].mlp.up_proj
     assert routed.forward.layer() is routed
@@ -166,7 +167,7 @@ def test_the_trainer_routes_its_policy_and_reference_under_bf16_only(monkeypatch
                           args=args, train_dataset=[{"prompt": "ab"}] * 8)  # fmt: skip
     for model in (trainer.unwrapped_model, trainer.reference):
         routed = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" in vars(m)]
-        assert len(routed) == (14 if bf16 else 0)
+        assert len(routed) == (14 + 1 if bf16 else 0)  # the layers, and the head for the sampler
         assert all(m.forward.layer() is m for m in routed)  # the reference's layers route to themselves
         assert getattr(model.get_output_embeddings(), cpu_matmul.FLOAT32_HEAD, False) is bf16
 
@@ -287,6 +288,47 @@ def test_a_routed_models_head_takes_the_float32_route(monkeypatch):
     torch.testing.assert_close(fast, naive, rtol=0, atol=1e-4)
 
 
+def test_head_forward_equals_the_bfloat16_kernel_where_no_gradient_is_needed(monkeypatch):
+    """The sampler's logits through the blocked float32 route (several vocabulary blocks, the last one partial),
+    within a bfloat16 ulp of F.linear's bfloat16 kernel, with a bias and with float32 weights under autocast; torch's
+    own forward where a gradient is needed or below HEAD_MIN_ROWS rows."""
+    monkeypatch.setattr(cpu_matmul, "HEAD_BLOCK", 64)
+    g = torch.Generator().manual_seed(3)
+    for dtype, autocast, bias in ((torch.bfloat16, False, False), (torch.bfloat16, False, True),
+                                  (torch.float32, True, True)):  # fmt: skip
+        head = torch.nn.Linear(48, 300, bias=bias).to(dtype)
+        x = torch.randn(2, 8, 48, generator=g).to(dtype)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            fast, naive = cpu_matmul.head_forward(head, x), torch.nn.functional.linear(x, head.weight, head.bias)
+        assert fast.shape == naive.shape == (2, 8, 300) and fast.dtype == naive.dtype == torch.bfloat16
+        close_to_one_bf16_ulp(fast, naive)
+    head = torch.nn.Linear(48, 300, bias=False).to(torch.bfloat16)
+    x = torch.randn(8, 48, generator=g).to(torch.bfloat16)
+    calls = []
+    monkeypatch.setattr(cpu_matmul, "float32_copy", lambda *a: calls.append(1) or torch.Tensor.float(a[0]))
+    assert cpu_matmul.head_forward(head, x).grad_fn is not None and not calls  # the weight wants a gradient
+    with torch.no_grad():
+        cpu_matmul.head_forward(head, x[: cpu_matmul.HEAD_MIN_ROWS - 1])
+        assert not calls  # a few rows: the bfloat16 kernel
+        cpu_matmul.head_forward(head, x)
+    assert len(calls) == 5  # 300 rows of the head in blocks of 64
+
+
+def test_float32_scratch_is_reused_grown_and_released():
+    cpu_matmul.release_scratch()
+    first = cpu_matmul.float32_scratch("weight", (30, 40))
+    again = cpu_matmul.float32_scratch("weight", (20, 10))
+    assert again.data_ptr() == first.data_ptr() and again.shape == (20, 10)  # a smaller request: the same memory
+    other = cpu_matmul.float32_scratch("input", (20, 10))
+    assert other.data_ptr() != first.data_ptr()  # slots are separate
+    grown = cpu_matmul.float32_scratch("weight", (50, 40))
+    assert grown.shape == (50, 40) and grown.dtype == torch.float32
+    x = torch.randn(7, 5).to(torch.bfloat16)
+    assert torch.equal(cpu_matmul.float32_copy(x, "weight"), x.float())
+    cpu_matmul.release_scratch()
+    assert not cpu_matmul._SCRATCH.__dict__
+
+
 # --------------------------------------------------------------------------------- bitsandbytes 4-bit layers
 
 needs_bitsandbytes = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
@@ -303,6 +345,36 @@ def linear4bit(in_features=96, out_features=80, bias=True, quant_type="nf4"):
     if bias:
         layer.bias = torch.nn.Parameter(plain.bias.data.to(torch.bfloat16).clone())
     return layer.to("cpu")  # quantizes the weight
+
+
+@needs_bitsandbytes
+@pytest.mark.parametrize("quant_type,nested,blocksize,storage", [("nf4", False, 64, torch.uint8),
+                                                                 ("fp4", True, 128, torch.uint8),
+                                                                 ("nf4", True, 64, torch.bfloat16)])  # fmt: skip
+@pytest.mark.parametrize("out_features,in_features", [(83, 96), (40, 100)])
+def test_a_4bit_weight_dequantized_in_pieces_is_bitwise_the_whole(monkeypatch, quant_type, nested, blocksize, storage,
+                                                                  out_features, in_features):  # fmt: skip
+    """`dequantized_float32` dequantizes a few rows at a time (here 4 or 5 pieces, the last one partial), double
+    quantization's block scales included: bitwise bitsandbytes' whole dequantization, upcast. 100 inputs per row
+    do not start every piece on a 64-element block: the whole weight then."""
+    import bitsandbytes as bnb
+
+    monkeypatch.setattr(cpu_matmul, "DEQUANT_PIECE", 20 * in_features)
+    torch.manual_seed(0)
+    layer = bnb.nn.Linear4bit(in_features, out_features, bias=False, compute_dtype=torch.bfloat16,
+                              quant_type=quant_type, compress_statistics=nested, quant_storage=storage)  # fmt: skip
+    layer.weight = bnb.nn.Params4bit(torch.randn(out_features, in_features, dtype=torch.bfloat16), requires_grad=False,
+                                     quant_type=quant_type, compress_statistics=nested, blocksize=blocksize,
+                                     quant_storage=storage)  # fmt: skip
+    layer = layer.to("cpu")
+    assert layer.weight.quant_state.nested == nested and layer.weight.dtype == storage
+    pieces = []
+    real = bnb.functional.dequantize_4bit
+    monkeypatch.setattr(bnb.functional, "dequantize_4bit", lambda *a, **k: pieces.append(1) or real(*a, **k))
+    got = cpu_matmul.dequantized_float32(layer)
+    aligned = (20 * in_features) % blocksize == 0
+    assert len(pieces) == (-(-out_features // 20) if aligned else 1)
+    assert torch.equal(got, real(layer.weight.data, layer.weight.quant_state).to(torch.bfloat16).float())
 
 
 @needs_bitsandbytes
@@ -373,3 +445,40 @@ def test_qlora_base_layers_are_routed_and_learn_the_letter_task(tmp_path, monkey
     rewards = [entry["reward"] for entry in trainer.state.log_history[:-1]]
     assert rewards[0] < 0.1, rewards
     assert sum(rewards[-3:]) / 3 >= 0.2, rewards  # 0.078 -> 0.237 seen (AVX2 CPU)
+
+
+@needs_bitsandbytes
+def test_the_sampler_leaves_4bit_weights_in_their_trainable_layout(tmp_path, monkeypatch):
+    """On a CPU with AVX512-BF16, bitsandbytes repacks a 4-bit weight in place for its inference kernel on the first
+    forward in eval mode without gradients (the sampler's) and never unpacks it. Emulated here: the flag forced on,
+    and the float32 route off (as on such a CPU), so bitsandbytes' own forward runs. The trainer turns the flag off:
+    after a training step every base weight still has its packed 4-bit shape [n/2, 1]."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from grpokit import GRPOTrainer
+    from grpokit.testing import save_tiny_model
+    from letters import LETTERS, letter_dataset
+    from letters import letter_config as config
+
+    monkeypatch.setattr(cpu_matmul, "cpu_has_bf16_matmul", lambda: True)
+    model_dir = save_tiny_model(tmp_path / "tiny", chars=LETTERS + ":", hidden_size=64)
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                      bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quantization)
+    base = [m for m in model.modules() if cpu_matmul.is_linear4bit(m)]
+    shapes = [tuple(m.weight.shape) for m in base]
+    assert len(base) == 14 and all(shape[1] == 1 for shape in shapes)
+    for layer in base:
+        layer.support_avx512bf16_for_cpu = True
+    layer = copy.deepcopy(base[0]).eval()
+    with torch.no_grad():  # what the flag does, on this CPU too
+        layer(torch.randn(3, layer.in_features, dtype=torch.bfloat16))
+    assert layer.weight.quant_state.packing_format_for_cpu and layer.weight.shape[1] != 1
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                          args=config(tmp_path, bf16=True, max_steps=1), train_dataset=letter_dataset(),
+                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))  # fmt: skip
+    assert not any(m.support_avx512bf16_for_cpu for m in base)
+    trainer.train()
+    assert [tuple(m.weight.shape) for m in base] == shapes
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in base)

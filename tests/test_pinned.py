@@ -93,12 +93,16 @@ PINNED_AVX512 = {
 # The same runs on a 2-core AMD EPYC whose torch CPU capability is AVX2 (another kernel set, other rounding), taken
 # at 3ab8536 (the AVX512 pins' code, unchanged since) with transformers 5.23 and confirmed equal with 5.24, except
 # bf16_mu2: transformers 5.24 rounds the bf16 run differently (ba51337189556524 with 5.23 at the same commit).
+# bf16_mu2 moved on purpose again (22f49b2644f48f08 before, transformers 5.24): on this CPU, which has no bfloat16
+# instructions, the sampler's bf16 matmuls of 16 rows and more now take the float32 gemms too (cpu_matmul.MIN_ROWS
+# 64 -> 16): equal to the bf16 kernel's up to float32 summation order, which moves a rounding here and there. Not
+# re-taken with transformers 5.23 (None: skipped there).
 PINNED_AVX2 = {
     "accumulated_untruncated": "0fefcbf7124721b5",
     "on_policy": "91c9d78e7475e692",
     "mu2": "620a3acafb8d2b9e",
     "accumulated": "6adce1a83448986d",
-    "bf16_mu2": "ba51337189556524" if _TRANSFORMERS < (5, 24) else "22f49b2644f48f08",
+    "bf16_mu2": None if _TRANSFORMERS < (5, 24) else "0281b3b68d0824e9",
     "lora": "bf378c54f88592f8",
     "process": "3cb6f1de35a09ad5",
 }
@@ -144,6 +148,8 @@ def test_final_weights_are_pinned(tmp_path, case):
     trainer, found = run(tmp_path, **overrides)
     assert len(trainer.state.log_history) >= 3
     pinned = PINNED_BY_CPU[CPU][case]
+    if pinned is None:
+        pytest.skip(f"{case}: no digest recorded for these versions ({CPU}, transformers {_TRANSFORMERS}); found {found}")
     assert found == pinned, f"{case}: final weights {found} != pinned {pinned} (CPU capability {CPU})"
 
 
