@@ -38,7 +38,7 @@ from .advantages import combine_and_normalize, group_advantages, group_stats, pr
 from .batch import ScoredRollout, TrainBatch
 from .checkpoint import Checkpointer, TrainingParts
 from .config import GRPOConfig
-from .cpu_matmul import float32_matmuls
+from .cpu_matmul import float32_matmuls, release_scratch
 from .cpu_memory import keep_large_allocations_mapped
 from .data import (
     PromptSampler,
@@ -300,6 +300,7 @@ class GRPOTrainer:
             if epoch_ended and state.global_step < state.max_steps:
                 control = callbacks("on_epoch_begin", args, state)
         bar.close()
+        release_scratch()  # the float32 route's reused buffers (CPU), allocated again if anything runs after
         runtime = time.perf_counter() - started
         steps = state.global_step - first_step
         samples = steps * args.per_device_train_batch_size * args.gradient_accumulation_steps * acc.num_processes

@@ -441,7 +441,12 @@ def test_qlora_base_layers_are_routed_and_learn_the_letter_task(tmp_path, monkey
     base = [m for m in trainer.unwrapped_model.modules() if cpu_matmul.is_linear4bit(m)]
     assert len(base) == 14 and all(m.forward.function is cpu_matmul.linear4bit_forward for m in base)
     assert trainer.reference is None
+    slots = []
+    release = cpu_matmul.release_scratch
+    monkeypatch.setattr("grpokit.trainer.release_scratch", lambda: slots.append(set(cpu_matmul._SCRATCH.__dict__))
+                        or release())  # fmt: skip
     trainer.train()
+    assert slots == [{"weight", "input"}] and not cpu_matmul._SCRATCH.__dict__  # used, then freed at the end
     rewards = [entry["reward"] for entry in trainer.state.log_history[:-1]]
     assert rewards[0] < 0.1, rewards
     assert sum(rewards[-3:]) / 3 >= 0.2, rewards  # 0.078 -> 0.237 seen (AVX2 CPU)
