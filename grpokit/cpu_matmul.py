@@ -27,6 +27,7 @@ The float32 copies are written into reused buffers (`float32_scratch`), not allo
 from __future__ import annotations
 
 import copy
+import math
 import sys
 import threading
 import weakref
@@ -60,9 +61,7 @@ def float32_scratch(slot: str, shape) -> torch.Tensor:
     """An uninitialised float32 tensor of `shape` from this thread's buffer `slot`, grown when too small (never
     shrunk; `release_scratch` frees them). Valid until the next request of the same slot: a caller uses it within
     one computation and never returns it."""
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     buffers = _SCRATCH.__dict__
     buffer = buffers.get(slot)
     if buffer is None or buffer.numel() < numel:
@@ -279,10 +278,7 @@ def head_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     with torch.autocast("cpu", enabled=False):
         for start in range(0, weight.shape[0], HEAD_BLOCK):
             block = slice(start, start + HEAD_BLOCK)
-            weight32 = float32_copy(weight[block].to(BF16), "weight")
-            logits = x32 @ weight32.t() if bias is None else torch.addmm(bias[block].to(BF16).float(), x32,
-                                                                           weight32.t())  # fmt: skip
-            out[:, block] = logits
+            out[:, block] = _block_logits(x32, float32_copy(weight[block].to(BF16), "weight"), bias, block, 1.0)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
