@@ -197,6 +197,10 @@ class GRPOConfig:
                                    "apart (no padding, no KV cache: also under gradient checkpointing). Same values "
                                    "and gradients as the padded forward; needs full-attention layers, SDPA or eager "
                                    "attention and no entropy bonus.")
+    activation_offloading: bool = _f(False, "The training forward's saved activations wait in pinned host memory "
+                                            "until the backward needs them (TRL SFTConfig's field; with gradient "
+                                            "checkpointing: each layer's input). Exact; accelerators only (on a CPU "
+                                            "it warns and does nothing).")
     freeze_vision_tower: bool = _f(True, "Vision-language models: the vision encoder and its projector do not train "
                                          "(LoRA adapts the language model only, through peft's exclude_modules; full "
                                          "training freezes them). False trains them too, as TRL does.")

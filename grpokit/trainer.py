@@ -21,6 +21,7 @@ definition).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -85,6 +86,7 @@ from .models import (
     save_merged,
 )
 from .multimodal import check_images_supported, loggable_prompt
+from .offload import ActivationOffload
 from .optim import build_optimizer
 from .rewards import build_reward_functions
 from .rewards.base import check_required_columns, combine_rewards, compute_rewards, routes_from_column
@@ -202,6 +204,7 @@ class GRPOTrainer:
         self.window = MetricWindow()
         self.cursor = GenerationCursor()
         self.router_aux_loss_coef = router_aux_loss_coef(args, self.unwrapped_model)
+        self.activation_offload = activation_offload(args, acc.device)
         if args.padding_free:
             check_padding_free(self.model, self.reference, self.router_aux_loss_coef)
         self.entropy_controller = None if not args.use_adaptive_entropy else AdaptiveEntropyController(
@@ -378,7 +381,8 @@ class GRPOTrainer:
         batch = batch.trimmed()
         entropy_coef = controller.coef_to_apply() if controller is not None else args.entropy_coef
         router_logits = [] if self.router_aux_loss_coef else None
-        with self.accelerator.autocast():
+        offload = self.activation_offload or contextlib.nullcontext()
+        with self.accelerator.autocast(), offload:  # offload: what the forward saves waits in host memory
             logprobs, entropies = token_logprobs(self.model, batch.input_ids, batch.input_mask,
                                                  batch.completion_ids.shape[1], args.temperature, with_entropy=True,
                                                  entropy_grad=args.entropy_coef != 0 or controller is not None,
@@ -911,6 +915,18 @@ def build_scheduler(optimizer, args: GRPOConfig, max_steps: int):
     warmup = args.warmup_steps or math.ceil(args.warmup_ratio * max_steps)
     return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=max_steps,
                          scheduler_specific_kwargs=args.lr_scheduler_kwargs or None)  # fmt: skip
+
+
+def activation_offload(args: GRPOConfig, device: torch.device) -> ActivationOffload | None:
+    """The hooks that keep the training forward's saved tensors in host memory (activation_offloading), where there
+    is an accelerator to take them off."""
+    if not args.activation_offloading:
+        return None
+    if device.type == "cpu":
+        warnings.warn("activation_offloading=True has no effect on a CPU: the activations are in host memory "
+                      "already. It is left off; set it on GPU runs.", UserWarning, stacklevel=3)  # fmt: skip
+        return None
+    return ActivationOffload(device.type)
 
 
 def warn_like_trl(args: GRPOConfig, model, quantization_config) -> None:

@@ -1,12 +1,15 @@
 """Memory options at real sizes (issue 16): a light reference (ref_model_dtype), optimizers with 8-bit / 4-bit
 states, and what each changes in the numbers."""
 
+import contextlib
+
 import pytest
 import torch
 
 from grpokit import GRPOConfig, GRPOTrainer
 from grpokit.logprobs import token_logprobs
 from grpokit.models import frozen_copy
+from grpokit.offload import ActivationOffload
 from grpokit.testing import save_tiny_model
 
 from letters import LETTERS, letter_dataset, repeat_letter, tiny_letter_model
@@ -253,3 +256,101 @@ def test_torch_empty_cache_steps_clears_the_device_cache_on_every_nth_step(model
     assert len(calls) == 4  # steps 0 and 2 (global_step before the update), two micro-batches each
     with pytest.raises(ValueError, match="torch_empty_cache_steps=0 must be a positive"):
         config(tmp_path, torch_empty_cache_steps=0)
+
+
+# ------------------------------------------------------------------------------------ activation offloading
+
+
+class RecordingOffload(ActivationOffload):
+    """ActivationOffload that also keeps what it was offered and what it moved (for the assertions)."""
+
+    def __init__(self, device_type):
+        super().__init__(device_type)
+        self.offered, self.moved = [], []
+
+    def _pack(self, tensor):
+        packed = super()._pack(tensor)
+        self.offered.append(tensor)
+        if packed is not tensor:
+            assert packed.host.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()  # a real copy
+            self.moved.append(tensor)
+        return packed
+
+
+def forward_backward(model, input_ids, offload=None):
+    model.zero_grad(set_to_none=True)
+    with offload or contextlib.nullcontext():
+        logprobs, _ = token_logprobs(model, input_ids, torch.ones_like(input_ids), 6, 1.0)
+    (logprobs * torch.linspace(-1, 1, logprobs.numel()).view_as(logprobs)).sum().backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activation_offloading_moves_the_saved_activations_and_keeps_the_gradients(checkpointing):
+    # On a CPU the "device" is the host: the hooks copy each tensor into a fresh host tensor and back, which is
+    # everything the GPU path does but the transfer. The gradients must be bitwise those without the hooks.
+    from grpokit.offload import MIN_BYTES
+    from grpokit.testing import build_tiny_model
+
+    model = build_tiny_model(40, hidden_size=64, num_layers=3)
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    input_ids = torch.randint(3, 40, (4, 14), generator=torch.Generator().manual_seed(0))
+    plain = forward_backward(model, input_ids)
+    offload = RecordingOffload("cpu")
+    offloaded = forward_backward(model, input_ids, offload)
+    for name, grad in plain.items():
+        assert torch.equal(offloaded[name], grad), name
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert offload.moved and all(t.untyped_storage().data_ptr() not in weights for t in offload.moved)
+    assert all(t.numel() * t.element_size() >= MIN_BYTES for t in offload.moved)
+    assert offload.offloaded == len(offload.moved)
+    assert offload.offloaded_bytes == sum(t.numel() * t.element_size() for t in offload.moved)
+    assert any(t.untyped_storage().data_ptr() in weights for t in offload.offered) or checkpointing  # kept: weights
+    hidden_states = [t for t in offload.moved if t.shape == (4, 14, 64)]
+    if checkpointing:
+        # What survives the forward is each checkpointed layer's input (its insides are recomputed in the backward).
+        assert len(hidden_states) >= 3 and not any(t.shape[-1] == 4 * 64 for t in offload.moved)
+    else:
+        assert any(t.shape[-1] == 4 * 64 for t in offload.moved)  # the MLP's activations move too
+
+
+def test_activation_offloading_on_a_cpu_warns_and_trains_as_without(model_dir, tmp_path):
+    with pytest.warns(UserWarning, match="activation_offloading=True has no effect on a CPU"):
+        idle = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letter_dataset(),
+                           args=config(tmp_path / "a", max_steps=2, activation_offloading=True))  # fmt: skip
+    assert idle.activation_offload is None
+    # The trainer's own path with the hooks on (the CPU stands in for the device): the same run, bitwise.
+    plain = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letter_dataset(),
+                        args=config(tmp_path / "b", max_steps=2, gradient_checkpointing=True))  # fmt: skip
+    hooked = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letter_dataset(),
+                         args=config(tmp_path / "c", max_steps=2, gradient_checkpointing=True))  # fmt: skip
+    hooked.activation_offload = ActivationOffload("cpu")
+    plain.train()
+    hooked.train()
+    assert hooked.activation_offload.offloaded > 0
+    for (name, a), b in zip(plain.model.named_parameters(), hooked.model.parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+def test_activation_offloading_lowers_the_peak_between_forward_and_backward_on_cuda():
+    from grpokit.testing import build_tiny_model
+
+    model = build_tiny_model(4096, hidden_size=512, num_layers=8).cuda().train()
+    input_ids = torch.randint(3, 4096, (8, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    peaks, grads = [], []
+    for offload in (None, ActivationOffload("cuda")):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        model.zero_grad(set_to_none=True)
+        with offload or contextlib.nullcontext():
+            logprobs, _ = token_logprobs(model, input_ids, torch.ones_like(input_ids), 64, 1.0)
+        after_forward = torch.cuda.memory_allocated()
+        logprobs.sum().backward()
+        torch.cuda.synchronize()
+        peaks.append(after_forward)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert peaks[1] < 0.5 * peaks[0], peaks
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
