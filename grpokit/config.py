@@ -43,6 +43,9 @@ LR_SCHEDULERS = {
     "cosine_warmup_with_min_lr": ("min_lr", "min_lr_rate"), "warmup_stable_decay": ("num_decay_steps",),
 }  # fmt: skip
 
+# transformers' log levels by name (TrainingArguments' log_level / log_level_replica); 'passive' keeps the current.
+LOG_LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50, "passive": None}
+
 NOT_IMPLEMENTED_KIND, NO_EFFECT_KIND, DEPRECATED_KIND = "not implemented", "no effect", "deprecated"
 
 
@@ -78,6 +81,12 @@ class GRPOConfig:
     run_name: str | None = _f(None, "Name of the run for trackers (default: the output directory's name).")
     logging_steps: float = _f(10, "Log metrics every N optimizer steps (a float < 1 is a fraction of all steps).")
     logging_first_step: bool = _f(True, "Also log the first step.")
+    logging_strategy: str = _f("steps", "'steps': log every logging_steps (and the last step); 'epoch': at the end of "
+                                        "each epoch; 'no': only what callbacks ask for (control.should_log), and "
+                                        "train()'s summary.")
+    log_level: str = _f("passive", "transformers' logging level on the main process ('debug', 'info', 'warning', "
+                                   "'error', 'critical'; 'passive' leaves it as it is).")
+    log_level_replica: str = _f("warning", "transformers' logging level on the other processes (same values).")
     report_to: str | list | None = _f("none", f"Trackers besides metrics.jsonl: {', '.join(TRACKERS)}, a list of "
                                               f"them, 'all' (those installed) or 'none'.")
     project: str = _f("huggingface", "Trackio project the run is logged to (report_to='trackio').")
@@ -87,6 +96,9 @@ class GRPOConfig:
     save_total_limit: int | None = _f(None, "Keep at most this many checkpoints (the newest); None keeps all.")
     save_only_model: bool = _f(False, "Checkpoints hold only the model (no optimizer/scheduler/RNG: no resume).")
     resume_from_checkpoint: str | None = _f(None, "Checkpoint path, or 'true' for the newest in output_dir.")
+    enable_jit_checkpoint: bool = _f(False, "On SIGTERM (preemption), finish the current optimizer step, save a "
+                                            "checkpoint and return from train() (the processes agree on the step). "
+                                            "The scheduler's grace period must cover a step and a save.")
     log_completions: bool = _f(False, "Write sampled completions with their rewards to completions.jsonl.")
     num_completions_to_print: int | None = _f(None, "How many completions to log each logging step.")
 
@@ -110,6 +122,9 @@ class GRPOConfig:
     warmup_steps: float = _f(0, "Linear warm-up over this many steps; a float in (0, 1) is a fraction of all steps.")
     seed: int = _f(42, "Seed of every random generator (data order, sampling, initialisation).")
     data_seed: int | None = _f(None, "Seed of the data order only (default: seed).")
+    full_determinism: bool = _f(False, "transformers.enable_full_determinism(seed) instead of seeding alone: "
+                                       "deterministic kernels only (torch.use_deterministic_algorithms; CUDA's "
+                                       "workspace settings), slower on GPUs.")
     bf16: bool | None = _f(False, "bfloat16 autocast for forward passes (weights and optimizer stay float32). "
                                   "None: on unless fp16 (TRL's meaning).")
     fp16: bool = _f(False, "float16 autocast with loss scaling (GPU).")
@@ -165,6 +180,9 @@ class GRPOConfig:
     eval_strategy: str = _f("no", "'steps': evaluate on eval_dataset every eval_steps optimizer steps; 'no': never.")
     eval_steps: float | None = _f(None, "Evaluate every N optimizer steps (a float < 1 is a fraction; default: "
                                         "logging_steps).")
+    eval_on_start: bool = _f(False, "Evaluate before the first optimizer step (a record at step 0; needs an "
+                                    "eval_dataset).")
+    eval_delay: float = _f(0, "With eval_strategy='steps': no evaluation before this optimizer step.")
     per_device_eval_batch_size: int = _f(8, "Completions per process per evaluation generation (whole groups of "
                                             "num_generations_eval, at least one).")
     num_generations_eval: int | None = _f(None, "Completions sampled per eval prompt, n of pass@k (default: "
@@ -251,12 +269,6 @@ class GRPOConfig:
                                                    "training precision (set bf16).")
     fp16_full_eval: bool = _not_implemented(False, "TRL evaluates in pure float16; grpokit evaluates with the "
                                                    "training precision (set fp16).")
-    logging_strategy: str = _not_implemented("steps", "TRL can log each epoch ('epoch') or never ('no'); grpokit "
-                                                      "logs every logging_steps ('steps').")
-    log_level: str = _not_implemented("passive", "TRL sets transformers' logging level; call "
-                                                 "transformers.logging.set_verbosity_info() (etc.) yourself.")
-    log_level_replica: str = _not_implemented("warning", "TRL sets the logging level of non-main processes; call "
-                                                         "transformers.logging.set_verbosity_* yourself.")
     log_unique_prompts: bool = _not_implemented(False, "TRL logs each prompt once in the completions table; grpokit "
                                                        "logs every sampled completion.")
     log_completions_hub_repo: str | None = _not_implemented(None, "TRL uploads completions to a Hub dataset; "
@@ -267,10 +279,6 @@ class GRPOConfig:
                                                            "locally.")
     trackio_static_space_id: str | bool | None = _not_implemented(None, "TRL publishes a static Trackio Space; "
                                                                         "grpokit logs to Trackio locally.")
-    eval_delay: float = _not_implemented(0, "TRL skips evaluations before this step/epoch; grpokit evaluates every "
-                                            "eval_steps from the start.")
-    eval_on_start: bool = _not_implemented(False, "TRL evaluates before the first step; call trainer.evaluate() "
-                                                  "before trainer.train().")
     load_best_model_at_end: bool = _not_implemented(False, "TRL reloads the best checkpoint at the end; pick a "
                                                            "checkpoint-<step> from eval results yourself.")
     metric_for_best_model: str | None = _not_implemented(None, "TRL's metric for the best checkpoint (see "
@@ -279,12 +287,8 @@ class GRPOConfig:
                                                             "load_best_model_at_end).")
     save_on_each_node: bool = _not_implemented(False, "TRL saves on every node; grpokit saves from the main process: "
                                                       "put output_dir on storage all nodes share.")
-    enable_jit_checkpoint: bool = _not_implemented(False, "TRL checkpoints on SIGTERM; grpokit's checkpoints are "
-                                                          "atomic: resume from the last one (save_steps).")
     ignore_data_skip: bool = _not_implemented(False, "With True, TRL restarts the data order on resume; grpokit "
                                                      "always resumes the prompt order where it stopped.")
-    full_determinism: bool = _not_implemented(False, "TRL turns on deterministic kernels; call "
-                                                     "transformers.enable_full_determinism(seed) before training.")
     push_to_hub: bool = _f(False, "Upload the model to the Hub (hub_model_id, default: output_dir's name) when "
                                   "save_model / push_to_hub() is called; the Hub is checked at start-up.")
     accelerator_config: dict | str | None = _not_implemented(None, "TRL's accelerate options; configure accelerate "
@@ -653,6 +657,13 @@ class GRPOConfig:
             fail(f"max_nonfinite_steps={self.max_nonfinite_steps} must be >= 1.")
         if self.eval_strategy not in ("no", "steps"):
             fail(f"eval_strategy={self.eval_strategy!r} is not valid; use 'steps' (with eval_steps) or 'no'.")
+        if self.logging_strategy not in ("steps", "epoch", "no"):
+            fail(f"logging_strategy={self.logging_strategy!r} is not valid; use 'steps', 'epoch' or 'no'.")
+        for name in ("log_level", "log_level_replica"):
+            if getattr(self, name) not in LOG_LEVELS:
+                fail(f"{name}={getattr(self, name)!r} is not valid; use one of {sorted(LOG_LEVELS)}.")
+        if self.eval_delay < 0:
+            fail(f"eval_delay={self.eval_delay} must be >= 0 (optimizer steps before the first evaluation).")
         if self.eval_steps is not None and self.eval_steps <= 0:
             fail(f"eval_steps={self.eval_steps} must be > 0, or None to evaluate every logging_steps.")
         if self.num_generations_eval is not None and self.num_generations_eval < 1:

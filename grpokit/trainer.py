@@ -38,7 +38,8 @@ from .agents import EnvironmentPool, build_agents, check_agents, placeholder_dat
 from .advantages import combine_and_normalize, group_advantages, group_stats, process_advantages
 from .batch import ScoredRollout, TrainBatch
 from .checkpoint import Checkpointer, TrainingParts
-from .config import GRPOConfig
+from .checkpoint.preemption import SigtermCheckpoint
+from .config import LOG_LEVELS, GRPOConfig
 from .cpu_matmul import float32_matmuls, release_scratch
 from .cpu_memory import keep_large_allocations_mapped
 from .data import (
@@ -154,9 +155,15 @@ class GRPOTrainer:
 
         self.accelerator = acc = build_accelerator(args)
         args.check_batch(acc.num_processes)
+        set_log_level(args.log_level if acc.is_main_process else args.log_level_replica)
         if acc.device.type == "cpu":  # freed tensors leave the process (cpu_memory: glibc kept them, +30% peak RSS)
             keep_large_allocations_mapped()
-        set_seed(args.seed)
+        if args.full_determinism:  # as transformers' Trainer: deterministic kernels, then the same seeding
+            from transformers import enable_full_determinism
+
+            enable_full_determinism(args.seed)
+        else:
+            set_seed(args.seed)
         self.model, self.processing_class = build_policy(model, processing_class, peft_config, args,
                                                          quantization_config)  # fmt: skip
         if args.bf16 or not full_precision(self.model):  # before the reference is copied: it takes the same route
@@ -266,42 +273,53 @@ class GRPOTrainer:
         micro_batches = self._micro_batch_stream()
         first_step, started, losses = state.global_step, time.perf_counter(), []
         control = callbacks("on_train_begin", args, state)
+        if args.eval_on_start:
+            self._log_evaluation(state.global_step, sink)
         if state.global_step == 0 or int(state.epoch) == state.epoch:
             control = callbacks("on_epoch_begin", args, state)
-        while state.global_step < state.max_steps and not control.should_training_stop:
-            step_started, epoch_before = time.perf_counter(), int(state.epoch)
-            control = callbacks("on_step_begin", args, state)
-            window = [next(micro_batches) for _ in range(args.gradient_accumulation_steps)]
-            losses.append(self.optimizer_step(window))
-            self.window.add({"step_time": time.perf_counter() - step_started})
-            step = state.global_step
-            bar.update(1)
-            control = callbacks("on_step_end", args, state)
-            if step % logging_steps == 0 or step == state.max_steps or (step == 1 and args.logging_first_step) or \
-                    control.should_log or control.should_training_stop:  # fmt: skip
-                control.should_log = False
-                record = {"step": step, "epoch": round(state.epoch, 4), **self.window.flush(),
-                          "num_tokens": state.num_tokens}  # fmt: skip
-                state.log_history.append(record)
-                bar.set_postfix(reward=f"{record.get('reward', float('nan')):.3f}")
-                sink.write(record)
-                control = callbacks("on_log", args, state, logs=record)
-                self.check_guard()
-                if args.log_completions and acc.is_main_process and getattr(self, "_samples", None):
-                    sink.write_completions(step, self._samples)
-            if (args.eval_strategy == "steps" and step % eval_steps == 0) or control.should_evaluate:
-                control.should_evaluate = False  # before saving: the checkpoint holds the evaluation
-                self._log_evaluation(step, sink)
-            epoch_ended = int(state.epoch) > epoch_before
-            if epoch_ended:
-                control = callbacks("on_epoch_end", args, state)
-            if (args.save_strategy == "steps" and step % save_steps == 0) or control.should_save or \
-                    (args.save_strategy == "epoch" and epoch_ended):  # fmt: skip
-                control.should_save = False
-                self._save_checkpoint()
-                control = callbacks("on_save", args, state)
-            if epoch_ended and state.global_step < state.max_steps:
-                control = callbacks("on_epoch_begin", args, state)
+        preemption = SigtermCheckpoint() if args.enable_jit_checkpoint else None
+        with preemption or contextlib.nullcontext():
+            while state.global_step < state.max_steps and not control.should_training_stop:
+                step_started, epoch_before = time.perf_counter(), int(state.epoch)
+                control = callbacks("on_step_begin", args, state)
+                window = [next(micro_batches) for _ in range(args.gradient_accumulation_steps)]
+                losses.append(self.optimizer_step(window))
+                self.window.add({"step_time": time.perf_counter() - step_started})
+                step = state.global_step
+                bar.update(1)
+                control = callbacks("on_step_end", args, state)
+                epoch_ended = int(state.epoch) > epoch_before
+                # SIGTERM on any process: every process saves this step and stops (a collective, every step).
+                preempted = preemption is not None and not all_processes_done(not preemption.requested)
+                if preempted:
+                    control.should_training_stop = True
+                if self._log_due(step, epoch_ended, logging_steps, control):
+                    control.should_log = False
+                    record = {"step": step, "epoch": round(state.epoch, 4), **self.window.flush(),
+                              "num_tokens": state.num_tokens}  # fmt: skip
+                    state.log_history.append(record)
+                    bar.set_postfix(reward=f"{record.get('reward', float('nan')):.3f}")
+                    sink.write(record)
+                    control = callbacks("on_log", args, state, logs=record)
+                    self.check_guard()
+                    if args.log_completions and acc.is_main_process and getattr(self, "_samples", None):
+                        sink.write_completions(step, self._samples)
+                if not preempted and ((args.eval_strategy == "steps" and step % eval_steps == 0
+                                       and step >= args.eval_delay) or control.should_evaluate):  # fmt: skip
+                    control.should_evaluate = False  # before saving: the checkpoint holds the evaluation
+                    self._log_evaluation(step, sink)
+                if epoch_ended:
+                    control = callbacks("on_epoch_end", args, state)
+                if (args.save_strategy == "steps" and step % save_steps == 0) or control.should_save or \
+                        (args.save_strategy == "epoch" and epoch_ended) or preempted:  # fmt: skip
+                    control.should_save = False
+                    self._save_checkpoint()
+                    control = callbacks("on_save", args, state)
+                if preempted and acc.is_main_process:
+                    print(f"SIGTERM: saved checkpoint-{step} in {args.output_dir} and stopped; resume with "
+                          f"resume_from_checkpoint.", file=sys.stderr, flush=True)  # fmt: skip
+                if epoch_ended and state.global_step < state.max_steps:
+                    control = callbacks("on_epoch_begin", args, state)
         bar.close()
         release_scratch()  # the float32 route's reused buffers (CPU), allocated again if anything runs after
         runtime = time.perf_counter() - started
@@ -320,6 +338,17 @@ class GRPOTrainer:
         sink.close()
         callbacks("on_train_end", args, state)
         return TrainOutput(state.global_step, train_loss, summary)
+
+    def _log_due(self, step: int, epoch_ended: bool, logging_steps: int, control) -> bool:
+        """Whether this step writes a metrics record: logging_strategy's schedule, the first step, a callback's
+        should_log, and a step that ends training early, so that its metrics are not lost; with 'no', only a
+        callback's should_log."""
+        args, strategy = self.args, self.args.logging_strategy
+        due = (strategy == "steps" and (step % logging_steps == 0 or step == self.state.max_steps)) or \
+            (strategy == "epoch" and epoch_ended)  # fmt: skip
+        if strategy == "no":  # not even logging_first_step (grpokit's default True would override the choice)
+            return control.should_log
+        return due or (step == 1 and args.logging_first_step) or control.should_log or control.should_training_stop
 
     def _micro_batch_stream(self) -> Iterator[TrainBatch]:
         """For each generation batch, for each of the μ passes over it, its micro-batches in order, from the
@@ -842,6 +871,9 @@ def check_run(args: GRPOConfig, train_dataset, eval_dataset, rollout_engine, too
     if eval_dataset is None and args.eval_strategy != "no":
         raise ValueError(f"eval_strategy={args.eval_strategy!r} needs an eval_dataset: pass "
                          f"GRPOTrainer(eval_dataset=...), or set eval_strategy='no'.")  # fmt: skip
+    if eval_dataset is None and args.eval_on_start:
+        raise ValueError("eval_on_start=True needs an eval_dataset: pass GRPOTrainer(eval_dataset=...), or set "
+                         "eval_on_start=False.")  # fmt: skip
     if args.dynamic_sampling and (args.generation_batch_size % args.num_generations):
         raise ValueError("dynamic_sampling keeps or drops whole groups: make the per-process generation batch a "
                          "multiple of num_generations.")  # fmt: skip
@@ -915,6 +947,14 @@ def build_scheduler(optimizer, args: GRPOConfig, max_steps: int):
     warmup = args.warmup_steps or math.ceil(args.warmup_ratio * max_steps)
     return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=max_steps,
                          scheduler_specific_kwargs=args.lr_scheduler_kwargs or None)  # fmt: skip
+
+
+def set_log_level(name: str) -> None:
+    """transformers' logging verbosity by TrainingArguments' level name ('passive': leave it)."""
+    if LOG_LEVELS[name] is not None:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.set_verbosity(LOG_LEVELS[name])
 
 
 def activation_offload(args: GRPOConfig, device: torch.device) -> ActivationOffload | None:

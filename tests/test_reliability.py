@@ -153,7 +153,8 @@ CHILD = textwrap.dedent("""
     data = Dataset.from_list([{"prompt": f"{c}:", "letter": c} for c in "abcdefgh"] * 4)
     args = GRPOConfig(output_dir=output_dir, per_device_train_batch_size=16, num_generations=4, max_completion_length=3,
                       learning_rate=1e-2, max_steps=max_steps, logging_steps=1, save_steps=2, disable_tqdm=True,
-                      beta=0.04, num_iterations=2, steps_per_generation=2, use_bias_correction_kl=False)
+                      beta=0.04, num_iterations=2, steps_per_generation=2, use_bias_correction_kl=False,
+                      enable_jit_checkpoint=pause_at == "sigterm")
     trainer = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=args, train_dataset=data)
     trainer.train(resume_from_checkpoint=pause_at == "resume")
     trainer.save_model(os.path.join(output_dir, "final"))
@@ -213,6 +214,31 @@ def test_sigkill_then_resume_gives_the_same_weights(model_dir, child_script, unb
     pinned = {"AVX512": "d0fb0deb62db5067", "AVX2": "5233aa4645e8484b"}  # AVX2: at 3ab8536, as test_pinned's
     if CPU in pinned:
         assert digest(b) == pinned[CPU], f"CPU capability {CPU}"
+
+
+def test_sigterm_with_enable_jit_checkpoint_saves_the_step_under_way_and_resumes_to_the_same_weights(
+        model_dir, child_script, unbroken_weights, tmp_path):  # fmt: skip
+    # A scheduler's SIGTERM arrives at any moment of a step (here: while step 3 runs, between the checkpoints of
+    # steps 2 and 4): the run finishes that step, saves it, and returns; resuming ends where the unbroken run ends.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    child = subprocess.Popen([sys.executable, str(child_script), model_dir, str(broken), "6", "sigterm"], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.time() + 240
+    while not (broken / "checkpoint-2").exists() and time.time() < deadline:
+        time.sleep(0.02)
+    assert child.poll() is None, "the child finished before it could be preempted"
+    child.send_signal(signal.SIGTERM)
+    _, err = child.communicate(timeout=240)
+    assert child.returncode == 0, err[-2000:]  # train() returned; the script went on (it saved final/)
+    saved = latest_checkpoint(broken)
+    assert saved is not None and saved.name in ("checkpoint-3", "checkpoint-4"), saved
+    assert f"SIGTERM: saved {saved.name}" in err
+    subprocess.run([sys.executable, str(child_script), model_dir, str(broken), "6", "resume"], check=True, env=env,
+                   capture_output=True, timeout=300)  # fmt: skip
+    a, b = unbroken_weights, _final_weights(broken)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 # ---------------------------------------------------------------------------------------------- bad input

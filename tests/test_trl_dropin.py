@@ -3,6 +3,9 @@ TrainerControl, optimizers=, IterableDataset, named eval sets and eval_loss, the
 log_metric / log_extra, and optimizer steps that straddle two generation batches."""
 
 import json
+import os
+import signal
+import threading
 
 import pytest
 import torch
@@ -361,3 +364,112 @@ def test_resume_is_exact_with_a_stream_and_with_adaptive_entropy(tmp_path, setti
     else:
         coefs = [h["entropy_coef"] for h in resumed.state.log_history if "entropy_coef" in h]
         assert coefs == [h["entropy_coef"] for h in full.state.log_history if "entropy_coef" in h] and coefs[-1] > 0.01
+
+
+# ----------------------------------------------- logging_strategy, eval_on_start / eval_delay, log levels, etc.
+
+
+def test_logging_strategy_no_and_epoch(tmp_path):
+    # 16 prompts of 2 per step: an epoch is 8 optimizer steps.
+    none = trainer_for(tmp_path / "no", args=config(tmp_path / "no", max_steps=10, logging_strategy="no"))
+    none.train()
+    assert [h for h in none.state.log_history if "loss" in h] == []  # nothing per step, not even the first
+    assert "train_loss" in none.state.log_history[-1]
+    epoch = trainer_for(tmp_path / "epoch", args=config(tmp_path / "epoch", max_steps=10, logging_strategy="epoch",
+                                                        logging_first_step=False))  # fmt: skip
+    epoch.train()
+    records = [h for h in epoch.state.log_history if "loss" in h]
+    assert [(h["step"], h["epoch"]) for h in records] == [(8, 1.0)]
+    # The record of an epoch averages all its steps (the window is not flushed between logs).
+    assert records[0]["step_time"] > 0
+    with pytest.raises(ValueError, match="logging_strategy='sometimes' is not valid"):
+        config(tmp_path, logging_strategy="sometimes")
+
+
+def test_eval_on_start_and_eval_delay(tmp_path):
+    evaluation = letters(1).select(range(2))
+    trainer = trainer_for(tmp_path, eval_dataset=evaluation,
+                          args=config(tmp_path, max_steps=4, eval_on_start=True, eval_strategy="steps",
+                                      eval_steps=1, eval_delay=3, per_device_eval_batch_size=8))  # fmt: skip
+    trainer.train()
+    assert [h["step"] for h in trainer.state.log_history if "eval_loss" in h] == [0, 3, 4]
+    with pytest.raises(ValueError, match="eval_on_start=True needs an eval_dataset"):
+        trainer_for(tmp_path / "b", args=config(tmp_path / "b", eval_on_start=True))
+    with pytest.raises(ValueError, match="eval_delay=-1 must be >= 0"):
+        config(tmp_path, eval_delay=-1)
+
+
+def test_log_level_sets_transformers_verbosity(tmp_path):
+    from transformers.utils import logging as transformers_logging
+
+    before = transformers_logging.get_verbosity()
+    try:
+        trainer_for(tmp_path, args=config(tmp_path, log_level="info"))
+        assert transformers_logging.get_verbosity() == transformers_logging.INFO
+        trainer_for(tmp_path, args=config(tmp_path, log_level="passive"))  # leaves it as it is
+        assert transformers_logging.get_verbosity() == transformers_logging.INFO
+        trainer_for(tmp_path, args=config(tmp_path, log_level="error"))
+        assert transformers_logging.get_verbosity() == transformers_logging.ERROR
+    finally:
+        transformers_logging.set_verbosity(before)
+    with pytest.raises(ValueError, match="log_level_replica='loud' is not valid"):
+        config(tmp_path, log_level_replica="loud")
+
+
+def test_full_determinism_turns_on_deterministic_kernels_and_keeps_the_run(tmp_path, monkeypatch):
+    for name in ("CUDA_LAUNCH_BLOCKING", "CUBLAS_WORKSPACE_CONFIG", "ASCEND_LAUNCH_BLOCKING", "HCCL_DETERMINISTIC",
+                 "FLASH_ATTENTION_DETERMINISTIC"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)  # set by transformers; put back as they were after the test
+    plain = trainer_for(tmp_path / "a", args=config(tmp_path / "a", max_steps=2))
+    plain.train()
+    try:
+        strict = trainer_for(tmp_path / "b", args=config(tmp_path / "b", max_steps=2, full_determinism=True))
+        assert torch.are_deterministic_algorithms_enabled()
+        assert "CUBLAS_WORKSPACE_CONFIG" in os.environ  # cuBLAS' deterministic workspace, as transformers sets it
+        strict.train()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for (name, a), b in zip(plain.model.named_parameters(), strict.model.parameters()):
+        assert torch.equal(a, b), name
+
+
+class SigtermAt(TrainerCallback):
+    """Sends this process SIGTERM at the end of one step, as a scheduler preempting the job would."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_with_enable_jit_checkpoint_saves_stops_and_resumes_exactly(tmp_path, capfd):
+    before = signal.getsignal(signal.SIGTERM)
+    preempted = trainer_for(tmp_path / "a", callbacks=[SigtermAt(2)],
+                            args=config(tmp_path / "a", enable_jit_checkpoint=True, logging_steps=10))  # fmt: skip
+    output = preempted.train()
+    assert output.global_step == 2 and signal.getsignal(signal.SIGTERM) is before  # the handler is given back
+    assert (tmp_path / "a" / "out" / "checkpoint-2").is_dir()
+    assert "SIGTERM: saved checkpoint-2" in capfd.readouterr().err
+    assert [h["step"] for h in preempted.state.log_history if "loss" in h] == [1, 2]  # step 2's metrics not lost
+    resumed = trainer_for(tmp_path / "a", args=config(tmp_path / "a"))
+    resumed.train(resume_from_checkpoint=True)
+    unbroken = trainer_for(tmp_path / "b", args=config(tmp_path / "b"))
+    unbroken.train()
+    for (name, a), b in zip(unbroken.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), name
+    # train() outside the main thread cannot take signals: said at once.
+    errors = []
+    thread = threading.Thread(target=lambda: errors.append(_train_error(tmp_path / "c")))
+    thread.start()
+    thread.join()
+    assert errors and "needs train() to run in the main thread" in errors[0]
+
+
+def _train_error(tmp_path) -> str:
+    try:
+        trainer_for(tmp_path, args=config(tmp_path, max_steps=1, enable_jit_checkpoint=True)).train()
+    except RuntimeError as error:
+        return str(error)
+    return ""
