@@ -46,6 +46,20 @@ LR_SCHEDULERS = {
 # transformers' log levels by name (TrainingArguments' log_level / log_level_replica); 'passive' keeps the current.
 LOG_LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50, "passive": None}
 
+# generation_kwargs keys grpokit's engines honour (TRL passes any key on to generate() / vLLM's SamplingParams).
+GENERATION_KWARGS = ("top_p", "top_k", "min_p", "repetition_penalty", "temperature", "do_sample", "eos_token_id",
+                     "stop_token_ids", "suppress_tokens")  # fmt: skip
+
+
+def _token_ids(value) -> list[int] | None:
+    """A token id or a list of them as a list of ints; None when the value is neither."""
+    values = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(values, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                        for v in values):  # fmt: skip
+        return None
+    return list(values)
+
+
 NOT_IMPLEMENTED_KIND, NO_EFFECT_KIND, DEPRECATED_KIND = "not implemented", "no effect", "deprecated"
 
 
@@ -231,9 +245,11 @@ class GRPOConfig:
                                                            "own sampler.")
     cache_implementation: str | None = _not_implemented(None, "TRL picks generate()'s KV-cache class; grpokit's "
                                                               "sampler has its own preallocated cache.")
-    generation_kwargs: dict | None = _not_implemented(None, "TRL passes these to generate() / vLLM; use the named "
-                                                            "sampling fields (temperature, top_p, top_k, min_p, "
-                                                            "repetition_penalty).")
+    generation_kwargs: dict | None = _f(None, "Sampling options as TRL passes them to generate() / vLLM: top_p, top_k, "
+                                              "min_p, repetition_penalty (they override the named fields, as in "
+                                              "TRL), eos_token_id / stop_token_ids (more tokens that end a "
+                                              "completion), suppress_tokens (never sampled; in-process engine), "
+                                              "do_sample=True. Others are refused by name.")
     max_tool_calling_iterations: int | None = _f(None, "Most tool-calling turns per rollout of an agent "
                                                        "(GRPOTrainer(tools=... / environment_factory=...)); None: "
                                                        "until a turn calls no tool or max_completion_length is used.")
@@ -435,6 +451,7 @@ class GRPOConfig:
         object.__setattr__(self, "_as_written", {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
         self._normalise()
         self._apply_deprecated()
+        self._apply_generation_kwargs()
         self._resolve_aliases_and_nones()
         self._derive_generation_batch()
         self.validate()
@@ -482,6 +499,41 @@ class GRPOConfig:
         # A warm-up fraction lives in warmup_ratio, whichever name gave it (the trainer reads it there).
         if 0 < self.warmup_steps < 1:
             self.warmup_ratio, self.warmup_steps = float(self.warmup_steps), 0
+
+    def _apply_generation_kwargs(self) -> None:
+        """TRL's generation_kwargs: the keys grpokit's engines honour exactly; anything else fails by name."""
+        options = self.generation_kwargs
+        if options is None:
+            return
+        if not isinstance(options, dict):
+            raise ValueError(f"generation_kwargs={options!r} must be a dict, e.g. {{'top_k': 50, 'eos_token_id': [2, 7]}}.")
+        if "temperature" in options and options["temperature"] != self.temperature:
+            raise ValueError(f"generation_kwargs temperature={options['temperature']!r} differs from temperature="
+                 f"{self.temperature}: grpokit samples and computes the training log-probs at one temperature (a "
+                 f"sampling-only temperature would make the importance ratio wrong). Set temperature instead.")
+        if options.get("do_sample", True) is not True:
+            raise ValueError("generation_kwargs do_sample=False: GRPO needs sampled completions (greedy ones are the same in "
+                 "every group). Use top_k=1 to sample the most likely token, knowingly.")
+        for name in ("max_new_tokens", "max_tokens", "max_length"):
+            if name in options:
+                raise ValueError(f"generation_kwargs {name}: set max_completion_length instead.")
+        unknown = sorted(set(options) - set(GENERATION_KWARGS))
+        if unknown:
+            raise ValueError(f"generation_kwargs {unknown}: not supported by grpokit's engines. Supported: "
+                 f"{', '.join(GENERATION_KWARGS)}.")
+        for name in ("eos_token_id", "stop_token_ids", "suppress_tokens"):
+            if name in options and _token_ids(options[name]) is None:
+                raise ValueError(f"generation_kwargs {name}={options[name]!r} must be a token id or a list of token ids (ints "
+                     f">= 0).")
+        for name in ("top_p", "top_k", "min_p", "repetition_penalty"):  # TRL: these override the named fields
+            if name in options:
+                setattr(self, name, options[name])
+
+    def generation_token_ids(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(extra tokens that end a completion, tokens never sampled) from generation_kwargs."""
+        options = self.generation_kwargs or {}
+        stop = [*_token_ids(options.get("eos_token_id", [])), *_token_ids(options.get("stop_token_ids", []))]
+        return tuple(dict.fromkeys(stop)), tuple(_token_ids(options.get("suppress_tokens", [])))
 
     def _resolve_aliases_and_nones(self) -> None:
         # transformers 5's activation_checkpointing* win over gradient_checkpointing* when set. They are not mirrored
@@ -657,6 +709,9 @@ class GRPOConfig:
             fail(f"max_nonfinite_steps={self.max_nonfinite_steps} must be >= 1.")
         if self.eval_strategy not in ("no", "steps"):
             fail(f"eval_strategy={self.eval_strategy!r} is not valid; use 'steps' (with eval_steps) or 'no'.")
+        if self.use_vllm and (self.generation_kwargs or {}).get("suppress_tokens"):
+            fail("generation_kwargs suppress_tokens is not supported with use_vllm=True; sample with the in-process "
+                 "engine (use_vllm=False) or drop it.")
         if self.logging_strategy not in ("steps", "epoch", "no"):
             fail(f"logging_strategy={self.logging_strategy!r} is not valid; use 'steps', 'epoch' or 'no'.")
         for name in ("log_level", "log_level_replica"):

@@ -185,8 +185,9 @@ class GRPOTrainer:
             if isinstance(function.fn, RewardModel):
                 function.fn.to(acc.device)
 
+        stop_token_ids, suppress_token_ids = args.generation_token_ids()
         self.codec = PromptCodec(self.processing_class, self.unwrapped_model, max_prompt_length,
-                                 args.chat_template_kwargs)  # fmt: skip
+                                 args.chat_template_kwargs, stop_token_ids, suppress_token_ids)  # fmt: skip
         # With sharded parameters every forward is a collective: the processes sample in step (see generate()).
         all_done = all_processes_done if is_sharded(self.unwrapped_model) else None
         if rollout_engine is None and args.use_vllm:  # vLLM is imported only here (grpokit.rollout.vllm)

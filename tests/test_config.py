@@ -161,7 +161,7 @@ def test_check_batch_counts_steps_per_generation():
 
 @pytest.mark.parametrize(
     "name, value",
-    [("use_liger_kernel", True), ("torch_compile", True), ("generation_kwargs", {"do_sample": False})],
+    [("use_liger_kernel", True), ("torch_compile", True), ("cache_implementation", "static")],
 )
 def test_not_implemented_fields_warn_by_name(name, value):
     with pytest.warns(UserWarning) as record:

@@ -473,3 +473,48 @@ def _train_error(tmp_path) -> str:
     except RuntimeError as error:
         return str(error)
     return ""
+
+
+# ------------------------------------------------------------------------------------------ generation_kwargs
+
+
+def test_generation_kwargs_stop_and_suppress_tokens_and_override_the_sampling_fields(tmp_path):
+    model, tokenizer = tiny()
+    stop, never = tokenizer.convert_tokens_to_ids("c"), tokenizer.convert_tokens_to_ids("d")
+    args = config(tmp_path, max_completion_length=12, per_device_train_batch_size=64, num_generations=8,
+                  generation_kwargs={"eos_token_id": stop, "suppress_tokens": [never], "top_k": 6,
+                                     "do_sample": True})  # fmt: skip
+    assert args.top_k == 6  # TRL: generation_kwargs override the named fields
+    trainer = GRPOTrainer(model=model, reward_funcs=repeat_letter, args=args, train_dataset=letters(4),
+                          processing_class=tokenizer)  # fmt: skip
+    assert stop in trainer.codec.eos_token_ids and tokenizer.eos_token_id in trainer.codec.eos_token_ids
+    batch = trainer.generate_batch()
+    rows = [ids[:length].tolist() for ids, length in zip(batch.completion_ids, batch.lengths.tolist())]
+    assert all(never not in row for row in rows)  # 64 rows of up to 12 tokens: never drawn
+    ended_on_stop = [row for row in rows if row and row[-1] == stop]
+    assert ended_on_stop and all(stop not in row[:-1] for row in rows)  # "c" ends a completion where it appears
+    # Without the options both tokens are sampled (the model is random): the options are what made the difference.
+    plain = GRPOTrainer(model=model, reward_funcs=repeat_letter, processing_class=tokenizer, train_dataset=letters(4),
+                        args=config(tmp_path / "plain", max_completion_length=12, per_device_train_batch_size=64,
+                                    num_generations=8))  # fmt: skip
+    batch = plain.generate_batch()
+    rows = [ids[:length].tolist() for ids, length in zip(batch.completion_ids, batch.lengths.tolist())]
+    assert any(never in row for row in rows) and any(stop in row[:-1] for row in rows)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"num_beams": 2}, r"generation_kwargs \['num_beams'\]: not supported by grpokit's engines"),
+    ({"temperature": 0.5}, "Set temperature instead"),
+    ({"do_sample": False}, "GRPO needs sampled completions"),
+    ({"max_new_tokens": 8}, "set max_completion_length instead"),
+    ({"eos_token_id": "</s>"}, "must be a token id or a list of token ids"),
+    ("top_k=5", "must be a dict"),
+])  # fmt: skip
+def test_generation_kwargs_that_grpokit_cannot_honour_are_refused_by_name(tmp_path, options, message):
+    with pytest.raises(ValueError, match=message):
+        config(tmp_path, generation_kwargs=options)
+
+
+def test_generation_kwargs_suppressed_token_outside_the_vocabulary_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"suppress_tokens \[5000\] are not in the model's vocabulary"):
+        trainer_for(tmp_path, args=config(tmp_path, generation_kwargs={"suppress_tokens": [5000]}))

@@ -34,6 +34,13 @@ def eos_token_ids(tokenizer, model) -> tuple[int, ...]:
     return tuple(found)
 
 
+def model_vocab_size(model) -> int | None:
+    """Rows of the model's output embedding (the tokens it can sample), where it has one."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if weight is not None and weight.dim() == 2 else None
+
+
 def image_token_ids(model) -> tuple[int, ...]:
     """A VLM's image placeholder token (config `image_token_id`, or `image_token_index`), which sampling must not
     draw: the forward would look for image features to put there (TRL suppresses it too)."""
@@ -53,14 +60,22 @@ class PromptCodec:
     """
 
     def __init__(self, tokenizer, model: torch.nn.Module, max_prompt_length: int | None = None,
-                 chat_template_kwargs: dict | None = None):  # fmt: skip
+                 chat_template_kwargs: dict | None = None, stop_token_ids: tuple[int, ...] = (),
+                 suppress_token_ids: tuple[int, ...] = ()):  # fmt: skip
         self.processor = tokenizer if is_processor(tokenizer) else None
         self._warned_long_image_prompt = False
         tokenizer = tokenizer_of(tokenizer)
         self.tokenizer, self.max_prompt_length = tokenizer, max_prompt_length
         self.chat_template_kwargs = chat_template_kwargs
-        self.eos_token_ids = eos_token_ids(tokenizer, model)
-        self.suppress_token_ids = image_token_ids(model) if self.processor is not None else ()
+        # stop_token_ids / suppress_token_ids: the user's own (TRL's generation_kwargs), on top of the model's.
+        self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids(tokenizer, model) + tuple(stop_token_ids)))
+        vocab_size = model_vocab_size(model)
+        outside = [t for t in suppress_token_ids if vocab_size is not None and t >= vocab_size]
+        if outside:
+            raise ValueError(f"generation_kwargs suppress_tokens {outside} are not in the model's vocabulary "
+                             f"({vocab_size} tokens).")  # fmt: skip
+        model_suppressed = image_token_ids(model) if self.processor is not None else ()
+        self.suppress_token_ids = tuple(dict.fromkeys(model_suppressed + tuple(suppress_token_ids)))
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
 

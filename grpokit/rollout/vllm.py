@@ -428,6 +428,9 @@ def sample(llm, prompt_ids: list[list[int]], counts: list[int], params: Sampling
     the model's vocabulary (a tokenizer's extra special token) cannot be sampled: vLLM refuses them as stop ids.
     structured_outputs_regex: vLLM masks every token that cannot continue a match of the regex (the log-probs are
     then those of the masked distribution, as TRL gets them)."""
+    if params.suppress_token_ids:
+        raise NotImplementedError("Suppressed tokens (generation_kwargs suppress_tokens, a VLM's image token) are not "
+                                  "supported with use_vllm; sample with the in-process engine (use_vllm=False).")
     stop_ids = [t for t in params.eos_token_ids if vocab_size is None or t < vocab_size]
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.inputs import TokensPrompt
