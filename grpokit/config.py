@@ -196,6 +196,18 @@ class GRPOConfig:
                                         "logging_steps).")
     eval_on_start: bool = _f(False, "Evaluate before the first optimizer step (a record at step 0; needs an "
                                     "eval_dataset).")
+    metric_for_best_model: str | None = _f(None, "The evaluation metric that picks the best checkpoint: 'loss' "
+                                                 "(eval_loss), 'eval/reward', 'eval/rewards/<fn>/pass@1', ... (an "
+                                                 "'eval_' or 'eval/' prefix is added when missing). Tracked at each "
+                                                 "checkpoint in state.best_metric / best_model_checkpoint. Default "
+                                                 "'loss' with load_best_model_at_end.")
+    greater_is_better: bool | None = _f(None, "Whether a larger metric_for_best_model is better (default: False for "
+                                              "a metric ending in 'loss', True otherwise).")
+    load_best_model_at_end: bool = _f(False, "At the end of train(), load the weights of the best checkpoint "
+                                             "(metric_for_best_model; save_total_limit keeps it). Needs "
+                                             "save_strategy and eval_strategy 'steps' with save_steps a multiple of "
+                                             "eval_steps, and plain checkpoints (not FSDP2 SHARDED_STATE_DICT or "
+                                             "DeepSpeed).")
     eval_delay: float = _f(0, "With eval_strategy='steps': no evaluation before this optimizer step.")
     per_device_eval_batch_size: int = _f(8, "Completions per process per evaluation generation (whole groups of "
                                             "num_generations_eval, at least one).")
@@ -295,12 +307,6 @@ class GRPOConfig:
                                                            "locally.")
     trackio_static_space_id: str | bool | None = _not_implemented(None, "TRL publishes a static Trackio Space; "
                                                                         "grpokit logs to Trackio locally.")
-    load_best_model_at_end: bool = _not_implemented(False, "TRL reloads the best checkpoint at the end; pick a "
-                                                           "checkpoint-<step> from eval results yourself.")
-    metric_for_best_model: str | None = _not_implemented(None, "TRL's metric for the best checkpoint (see "
-                                                               "load_best_model_at_end).")
-    greater_is_better: bool | None = _not_implemented(None, "Direction of metric_for_best_model (see "
-                                                            "load_best_model_at_end).")
     save_on_each_node: bool = _not_implemented(False, "TRL saves on every node; grpokit saves from the main process: "
                                                       "put output_dir on storage all nodes share.")
     ignore_data_skip: bool = _not_implemented(False, "With True, TRL restarts the data order on resume; grpokit "
@@ -536,6 +542,10 @@ class GRPOConfig:
         return tuple(dict.fromkeys(stop)), tuple(_token_ids(options.get("suppress_tokens", [])))
 
     def _resolve_aliases_and_nones(self) -> None:
+        if self.load_best_model_at_end and self.metric_for_best_model is None:  # transformers' defaults
+            self.metric_for_best_model = "loss"
+        if self.metric_for_best_model is not None and self.greater_is_better is None:
+            self.greater_is_better = not self.metric_for_best_model.endswith("loss")
         # transformers 5's activation_checkpointing* win over gradient_checkpointing* when set. They are not mirrored
         # back: a copy that changes gradient_checkpointing (dataclasses.replace) must not be overruled by a stale copy.
         for old, new in (("gradient_checkpointing", "activation_checkpointing"),
@@ -717,6 +727,14 @@ class GRPOConfig:
         for name in ("log_level", "log_level_replica"):
             if getattr(self, name) not in LOG_LEVELS:
                 fail(f"{name}={getattr(self, name)!r} is not valid; use one of {sorted(LOG_LEVELS)}.")
+        if self.load_best_model_at_end:
+            if self.save_strategy != "steps" or self.eval_strategy != "steps":
+                fail(f"load_best_model_at_end=True needs a checkpoint where there is an evaluation: set save_strategy="
+                     f"'steps' and eval_strategy='steps' (now {self.save_strategy!r} and {self.eval_strategy!r}).")
+            eval_steps = self.eval_steps or self.logging_steps
+            if self.save_steps >= 1 and eval_steps >= 1 and self.save_steps % eval_steps:
+                fail(f"load_best_model_at_end=True needs save_steps ({self.save_steps}) to be a multiple of "
+                     f"eval_steps ({eval_steps}), so that every checkpoint has an evaluation.")
         if self.eval_delay < 0:
             fail(f"eval_delay={self.eval_delay} must be >= 0 (optimizer steps before the first evaluation).")
         if self.eval_steps is not None and self.eval_steps <= 0:

@@ -81,6 +81,7 @@ from .models import (
     enable_gradient_checkpointing,
     full_precision,
     is_peft_model,
+    load_model_weights,
     mix_into_reference,
     prompt_length_limit,
     reference_policy,
@@ -207,6 +208,11 @@ class GRPOTrainer:
         self.checkpointer = Checkpointer(acc, args.output_dir, self._write_model, save_total_limit=args.save_total_limit,
                                          save_only_model=args.save_only_model, deepspeed=deepspeed,
                                          gather_weights=self._gathered_weights)  # fmt: skip
+        if args.load_best_model_at_end and self.checkpointer.format != "plain":
+            raise ValueError(f"load_best_model_at_end=True loads plain checkpoints only; this run writes "
+                             f"{self.checkpointer.format} ones (FSDP2 SHARDED_STATE_DICT / DeepSpeed). Set it False "
+                             f"and load trainer.state.best_model_checkpoint (metric_for_best_model tracks it) "
+                             f"yourself, or use FULL_STATE_DICT checkpoints.")  # fmt: skip
         self.sampler = (StreamSampler(train_dataset) if is_iterable_dataset(train_dataset) else
                         PromptSampler(len(train_dataset), args.data_seed or args.seed, args.shuffle_dataset))  # fmt: skip
         self.window = MetricWindow()
@@ -322,6 +328,8 @@ class GRPOTrainer:
                 if epoch_ended and state.global_step < state.max_steps:
                     control = callbacks("on_epoch_begin", args, state)
         bar.close()
+        if args.load_best_model_at_end and state.best_model_checkpoint is not None:
+            self._load_best_checkpoint()
         release_scratch()  # the float32 route's reused buffers (CPU), allocated again if anything runs after
         runtime = time.perf_counter() - started
         steps = state.global_step - first_step
@@ -747,6 +755,7 @@ class GRPOTrainer:
 
     def _log_evaluation(self, step: int, sink: MetricSink) -> None:
         record = {"step": step, "epoch": round(self.state.epoch, 4), **self.evaluate()}
+        self._last_evaluation = record  # for metric_for_best_model, at this step's checkpoint
         self.state.log_history.append(record)
         sink.write(record, console=False)
         if self.accelerator.is_main_process:
@@ -780,7 +789,34 @@ class GRPOTrainer:
                 "pass_index": cursor.pass_index, "micro_index": cursor.micro_index,
                 "entropy_controller": None if self.entropy_controller is None else self.entropy_controller.state_dict()}
         process = {"batch": None if cursor.batch is None else cursor.batch.to("cpu").state_dict()}
+        self._track_best_checkpoint()
         return self.checkpointer.save(self._training_parts(), self.state, loop, process)
+
+    def _track_best_checkpoint(self) -> None:
+        """metric_for_best_model: when this step's evaluation beats state.best_metric (strictly, as transformers),
+        the checkpoint about to be written becomes state.best_model_checkpoint."""
+        args, state = self.args, self.state
+        evaluation = getattr(self, "_last_evaluation", None)
+        if args.metric_for_best_model is None or evaluation is None or evaluation["step"] != state.global_step:
+            return
+        value = float(evaluation[best_metric_key(args.metric_for_best_model, evaluation)])
+        if state.best_metric is None or (value > state.best_metric if args.greater_is_better else
+                                         value < state.best_metric):  # fmt: skip
+            state.best_metric, state.best_global_step = value, state.global_step
+            state.best_model_checkpoint = str(Path(args.output_dir) / f"checkpoint-{state.global_step}")
+
+    def _load_best_checkpoint(self) -> None:
+        """load_best_model_at_end: the best checkpoint's weights (the adapter with LoRA) into the model."""
+        state = self.state
+        path = Path(state.best_model_checkpoint)
+        if not path.is_dir():
+            warnings.warn(f"load_best_model_at_end: the best checkpoint {path} is gone; the model keeps its last "
+                          f"weights.", UserWarning, stacklevel=3)  # fmt: skip
+            return
+        load_model_weights(self.unwrapped_model, path)
+        if self.accelerator.is_main_process:
+            print(f"Loaded the best checkpoint, {path.name} ({self.args.metric_for_best_model} = "
+                  f"{state.best_metric:.6g}).", file=sys.stderr, flush=True)  # fmt: skip
 
     def _resume(self, resume: bool | str) -> None:
         resumed = self.checkpointer.load(self.checkpointer.find(resume), self._training_parts())
@@ -948,6 +984,16 @@ def build_scheduler(optimizer, args: GRPOConfig, max_steps: int):
     warmup = args.warmup_steps or math.ceil(args.warmup_ratio * max_steps)
     return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=max_steps,
                          scheduler_specific_kwargs=args.lr_scheduler_kwargs or None)  # fmt: skip
+
+
+def best_metric_key(name: str, metrics: dict) -> str:
+    """The evaluation metric metric_for_best_model names, as transformers reads it ('loss' is eval_loss) or by
+    grpokit's own names ('reward' is eval/reward)."""
+    for key in (name, f"eval_{name}", f"eval/{name}"):
+        if key in metrics:
+            return key
+    raise ValueError(f"metric_for_best_model={name!r} is not among the evaluation's metrics: "
+                     f"{sorted(k for k in metrics if k not in ('step', 'epoch'))}.")  # fmt: skip
 
 
 def set_log_level(name: str) -> None:

@@ -518,3 +518,62 @@ def test_generation_kwargs_that_grpokit_cannot_honour_are_refused_by_name(tmp_pa
 def test_generation_kwargs_suppressed_token_outside_the_vocabulary_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"suppress_tokens \[5000\] are not in the model's vocabulary"):
         trainer_for(tmp_path, args=config(tmp_path, generation_kwargs={"suppress_tokens": [5000]}))
+
+
+# ----------------------------------------------------------------------------- the best checkpoint at the end
+
+
+def test_load_best_model_at_end_loads_the_checkpoint_with_the_best_metric_and_keeps_it(tmp_path):
+    from safetensors.torch import load_file
+
+    args = config(tmp_path, max_steps=6, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+                  save_total_limit=1, load_best_model_at_end=True, metric_for_best_model="reward",
+                  greater_is_better=False, per_device_eval_batch_size=8)  # fmt: skip
+    trainer = trainer_for(tmp_path, args=args, eval_dataset=letters(1).select(range(4)))
+    trainer.train()
+    evaluations = {h["step"]: h["eval/reward"] for h in trainer.state.log_history if "eval/reward" in h}
+    assert sorted(evaluations) == [2, 4, 6]
+    best_step = min(evaluations, key=lambda step: (evaluations[step], step))  # strictly better wins: the first
+    state = trainer.state
+    assert state.best_metric == evaluations[best_step] and state.best_global_step == best_step
+    assert state.best_model_checkpoint == str(tmp_path / "out" / f"checkpoint-{best_step}")
+    # save_total_limit=1 keeps the best and the newest.
+    kept = sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*"))
+    assert kept == sorted({f"checkpoint-{best_step}", "checkpoint-6"})
+    best = load_file(str(tmp_path / "out" / f"checkpoint-{best_step}" / "model.safetensors"))
+    last = load_file(str(tmp_path / "out" / "checkpoint-6" / "model.safetensors"))
+    for name, value in trainer.model.state_dict().items():
+        if name in best:
+            assert torch.equal(value, best[name]), name
+    if best_step != 6:
+        assert any(not torch.equal(best[k], last[k]) for k in best)
+
+
+def test_metric_for_best_model_names_are_checked_and_defaults_follow_transformers(tmp_path):
+    args = config(tmp_path, eval_strategy="steps", save_strategy="steps", save_steps=2, eval_steps=2,
+                  load_best_model_at_end=True)  # fmt: skip
+    assert args.metric_for_best_model == "loss" and args.greater_is_better is False
+    assert config(tmp_path, metric_for_best_model="eval/reward").greater_is_better is True
+    with pytest.raises(ValueError, match="needs a checkpoint where there is an evaluation"):
+        config(tmp_path, load_best_model_at_end=True, eval_strategy="no")
+    with pytest.raises(ValueError, match=r"save_steps \(3\) to be a multiple of eval_steps \(2\)"):
+        config(tmp_path, load_best_model_at_end=True, eval_strategy="steps", eval_steps=2, save_steps=3,
+               save_strategy="steps")
+    trainer = trainer_for(tmp_path, eval_dataset=letters(1).select(range(2)),
+                          args=config(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=2, save_steps=2,
+                                      save_strategy="steps", metric_for_best_model="accuracy",
+                                      per_device_eval_batch_size=8))  # fmt: skip
+    with pytest.raises(ValueError, match=r"metric_for_best_model='accuracy' is not among the evaluation's metrics"):
+        trainer.train()
+
+
+@pytest.mark.parametrize("keep, best, kept", [
+    (1, 2, [2, 5]), (1, 5, [5]), (2, 2, [2, 5]), (2, 5, [4, 5]), (3, 1, [1, 4, 5]), (3, None, [3, 4, 5]),
+])  # fmt: skip
+def test_rotation_keeps_the_best_checkpoint_among_save_total_limit(tmp_path, keep, best, kept):
+    from grpokit.checkpoint import list_checkpoints, rotate_checkpoints, write_checkpoint
+
+    for step in range(1, 6):
+        write_checkpoint(tmp_path, step, lambda directory: (directory / "weights").write_text("w"))
+    rotate_checkpoints(tmp_path, keep, protect=None if best is None else tmp_path / f"checkpoint-{best}")
+    assert [int(p.name.split("-")[1]) for p in list_checkpoints(tmp_path)] == kept

@@ -113,12 +113,18 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return None
 
 
-def rotate_checkpoints(output_dir: str | Path, keep: int | None) -> None:
-    """Delete the oldest complete checkpoints beyond `keep`; the newest complete one always stays."""
+def rotate_checkpoints(output_dir: str | Path, keep: int | None, protect: str | Path | None = None) -> None:
+    """Delete the oldest complete checkpoints beyond `keep`; the newest complete one always stays, and so does
+    `protect` (the best checkpoint: then the newest keep - 1 others stay with it, as in transformers)."""
     if keep is None:
         return
     complete = list_checkpoints(output_dir)
-    for old in complete[: max(len(complete) - max(keep, 1), 0)]:
+    protected = [c for c in complete if protect is not None and c.resolve() == Path(protect).resolve()]
+    others = [c for c in complete if c not in protected]
+    kept_others = max(keep, 1) - len(protected)  # the protected one counts among the kept...
+    if protected and protected[0] != complete[-1]:
+        kept_others = max(kept_others, 1)  # ...but never at the newest one's expense
+    for old in others[: max(len(others) - kept_others, 0)]:
         shutil.rmtree(old, ignore_errors=True)
 
 

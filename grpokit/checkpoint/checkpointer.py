@@ -91,7 +91,8 @@ class Checkpointer:
 
     def save(self, parts: TrainingParts, state: TrainerState, loop: dict, process: dict) -> Path | None:
         """Every process calls it, each with its own `process` part; returns the checkpoint's path on the main
-        process. Refuses (FloatingPointError) to checkpoint non-finite weights: the last good checkpoint stays."""
+        process. Refuses (FloatingPointError) to checkpoint non-finite weights: the last good checkpoint stays.
+        save_total_limit never removes state.best_model_checkpoint."""
         from accelerate.utils import broadcast_object_list, gather_object
 
         acc, model = self.accelerator, unwrap_model(self.accelerator, parts.model)
@@ -142,7 +143,7 @@ class Checkpointer:
         else:
             write(tmp)
             path = finish_checkpoint(self.output_dir, step, tmp)
-        rotate_checkpoints(self.output_dir, self.save_total_limit)
+        rotate_checkpoints(self.output_dir, self.save_total_limit, protect=state.best_model_checkpoint)
         acc.wait_for_everyone()  # once any process goes on, the checkpoint is complete
         return path
 
