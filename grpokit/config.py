@@ -156,6 +156,16 @@ class GRPOConfig:
     auto_find_batch_size: bool = _f(False, "Refused, as in TRL: halving the batch on out-of-memory would break the "
                                            "groups of num_generations.")
 
+    # ---- processes (torchrun / accelerate launch)
+    ddp_backend: str | None = _f(None, "Process-group backend: 'nccl', 'gloo', 'mpi', 'xccl', 'hccl', 'cncl', 'mccl' "
+                                       "(None: accelerate's choice, nccl on GPUs and gloo on CPUs).")
+    ddp_timeout: int = _f(1800, "Seconds a collective may wait before the process group fails (torch's "
+                                "init_process_group timeout).")
+    ddp_find_unused_parameters: bool | None = _f(None, "DDP's find_unused_parameters (None: DDP's default, False).")
+    ddp_bucket_cap_mb: int | None = _f(None, "DDP's bucket_cap_mb, the gradient all-reduce bucket size (None: 25).")
+    ddp_broadcast_buffers: bool | None = _f(None, "DDP's broadcast_buffers (None: DDP's default, True).")
+    ddp_static_graph: bool | None = _f(None, "DDP's static_graph (None: DDP's default, False).")
+
     # ---- model
     model_init_kwargs: dict | None = _f(None, "Keyword arguments of from_pretrained when model is a path / id.")
     disable_dropout: bool = _f(True, "Turn dropout off so that sampling and training see the same policy.")
@@ -324,14 +334,6 @@ class GRPOConfig:
                                               "examples/accelerate/fsdp2.yaml.")
     fsdp_config: dict | str | None = _not_implemented(None, "FSDP options; put them in the accelerate config "
                                                             "(examples/accelerate/fsdp2.yaml).")
-    ddp_backend: str | None = _not_implemented(None, "TRL picks the process-group backend; accelerate picks nccl "
-                                                     "(GPU) or gloo (CPU).")
-    ddp_find_unused_parameters: bool | None = _not_implemented(None, "DDP option; grpokit uses accelerate's DDP "
-                                                                     "defaults.")
-    ddp_bucket_cap_mb: int | None = _not_implemented(None, "DDP option; grpokit uses accelerate's DDP defaults.")
-    ddp_broadcast_buffers: bool | None = _not_implemented(None, "DDP option; grpokit uses accelerate's DDP "
-                                                                "defaults.")
-    ddp_static_graph: bool | None = _not_implemented(None, "DDP option; grpokit uses accelerate's DDP defaults.")
     debug: str | list = _not_implemented("", "TRL's underflow/overflow and TPU debugging; not available in grpokit.")
 
     # ---- accepted, no effect needed (why)
@@ -373,7 +375,6 @@ class GRPOConfig:
     use_cache: bool = _no_effect(False, "training forwards never use a KV cache; sampling always does.")
     tf32: bool | None = _no_effect(None, "grpokit leaves torch's matmul precision as it is (set "
                                          "torch.backends.cuda.matmul.allow_tf32 yourself).")
-    ddp_timeout: int = _no_effect(1800, "grpokit keeps torch's default process-group timeout.")
     pad_to_multiple_of: int | str | None = _no_effect("auto", "padding for shape-compiled backends (Neuron); values "
                                                               "are the same without it.")
     ds3_gather_for_generation: bool = _no_effect(True, "under ZeRO-3 grpokit samples over the partitioned weights; "
@@ -722,6 +723,11 @@ class GRPOConfig:
         if self.use_vllm and (self.generation_kwargs or {}).get("suppress_tokens"):
             fail("generation_kwargs suppress_tokens is not supported with use_vllm=True; sample with the in-process "
                  "engine (use_vllm=False) or drop it.")
+        if self.ddp_backend not in (None, "nccl", "gloo", "mpi", "xccl", "hccl", "cncl", "mccl"):
+            fail(f"ddp_backend={self.ddp_backend!r} is not a torch.distributed backend; use 'nccl', 'gloo', 'mpi', "
+                 f"'xccl', 'hccl', 'cncl', 'mccl' or None.")
+        if self.ddp_timeout <= 0:
+            fail(f"ddp_timeout={self.ddp_timeout} must be a positive number of seconds.")
         if self.logging_strategy not in ("steps", "epoch", "no"):
             fail(f"logging_strategy={self.logging_strategy!r} is not valid; use 'steps', 'epoch' or 'no'.")
         for name in ("log_level", "log_level_replica"):

@@ -10,6 +10,7 @@ hold each process's shards (`save_sharded`; DeepSpeed's own format under DeepSpe
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
 
@@ -23,18 +24,26 @@ def build_accelerator(args: GRPOConfig):
     from accelerate import Accelerator
     from accelerate.state import PartialState
 
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+
     mixed_precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
     # Under torchrun on a machine without an accelerator device, accelerate only forms a (gloo) process group when
     # told `cpu=True`; otherwise every process silently trains alone on the whole run.
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cpu = args.use_cpu or (world_size > 1 and not _has_accelerator_device())
+    backend = args.ddp_backend
     kwargs = {"cpu": cpu, "mixed_precision": mixed_precision}
     if cpu and world_size > 1 and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         # DeepSpeed on CPU processes: accelerate forms no process group for it unless told gloo, and would count one
         # process while DeepSpeed's world has all of them.
-        from accelerate.utils import InitProcessGroupKwargs
-
-        kwargs = {"mixed_precision": mixed_precision, "kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]}
+        kwargs, backend = {"mixed_precision": mixed_precision}, backend or "gloo"
+    # The process group and DDP as TrainingArguments' ddp_* fields set them in transformers' Trainer.
+    ddp = {"find_unused_parameters": args.ddp_find_unused_parameters, "bucket_cap_mb": args.ddp_bucket_cap_mb,
+           "broadcast_buffers": args.ddp_broadcast_buffers, "static_graph": args.ddp_static_graph}  # fmt: skip
+    kwargs["kwargs_handlers"] = [
+        InitProcessGroupKwargs(backend=backend, timeout=timedelta(seconds=args.ddp_timeout)),
+        DistributedDataParallelKwargs(**{name: value for name, value in ddp.items() if value is not None}),
+    ]
     try:
         accelerator = Accelerator(**kwargs)
     except ValueError:

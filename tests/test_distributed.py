@@ -153,9 +153,26 @@ SCRIPT = textwrap.dedent(
         (Path(spec["out"]) / f"error_{RANK}.json").write_text(json.dumps(message))
 
 
+    def process_options(spec):
+        """One step with the ddp_* fields set; record what the process group and the DDP wrapper got."""
+        import torch.distributed as dist
+
+        trainer = GRPOTrainer(model=spec["model"], args=config(spec["out"], **spec["config"]), train_dataset=dataset(),
+                              reward_funcs=recording_reward(os.devnull, 0.0))
+        trainer.train()
+        ddp, group = trainer.model, dist.group.WORLD
+        seen = {"wrapper": type(ddp).__name__, "backend": dist.get_backend(),
+                "timeout_s": group._get_backend(torch.device("cpu")).options._timeout.total_seconds(),
+                "find_unused_parameters": ddp.find_unused_parameters, "static_graph": ddp.static_graph,
+                "broadcast_buffers": ddp.broadcast_buffers, "bucket_bytes_cap": ddp.bucket_bytes_cap}
+        Path(spec["out"]).mkdir(parents=True, exist_ok=True)
+        (Path(spec["out"]) / f"options_{RANK}.json").write_text(json.dumps(seen))
+
+
     def main(spec_path):
         for spec in json.loads(Path(spec_path).read_text()):  # jobs, one after the other, in the same processes
-            {"one_update": one_update, "train": train, "refused": refused}[spec["job"]](spec)
+            {"one_update": one_update, "train": train, "refused": refused,
+             "process_options": process_options}[spec["job"]](spec)
 
 
     if __name__ == "__main__":
@@ -370,6 +387,20 @@ def test_two_processes_learn(model_dir, tmp_path):
     assert rewards[0] < 0.25 and sum(rewards[-3:]) / 3 >= 0.5, rewards
     assert max_difference(rank0["weights"], rank1["weights"]) == 0.0
     assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-40", "checkpoint-80"]
+
+
+def test_ddp_fields_reach_the_process_group_and_the_ddp_wrapper(model_dir, tmp_path):
+    # transformers' TrainingArguments names: ddp_backend / ddp_timeout for the process group, ddp_find_unused_
+    # parameters / ddp_bucket_cap_mb / ddp_broadcast_buffers / ddp_static_graph for DistributedDataParallel.
+    options = dict(ddp_backend="gloo", ddp_timeout=321, ddp_find_unused_parameters=True, ddp_bucket_cap_mb=7,
+                   ddp_broadcast_buffers=False, ddp_static_graph=True)  # fmt: skip
+    config = dict(per_device_train_batch_size=4, num_generations=4, max_steps=1, **options)
+    launch(tmp_path, {"job": "process_options", "model": model_dir, "out": str(tmp_path / "out"), "config": config})
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / "out" / f"options_{rank}.json").read_text())
+        assert seen == {"wrapper": "DistributedDataParallel", "backend": "gloo", "timeout_s": 321.0,
+                        "find_unused_parameters": True, "static_graph": True, "broadcast_buffers": False,
+                        "bucket_bytes_cap": 7 * 1024 * 1024}, seen  # fmt: skip
 
 
 @pytest.mark.slow
