@@ -233,8 +233,8 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--lora", action="store_true", help="train bench_vs_trl's LoRA adapter")
     parser.add_argument("--memory", action="store_true",
-                        help="sample RSS every 20 ms and report the largest value seen in each phase (the whole run, "
-                             "warm-up included)")  # fmt: skip
+                        help="sample RSS every 20 ms and report the largest value seen in each phase during train() "
+                             "(warm-up included), and the RSS when train() starts")  # fmt: skip
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     parser.add_argument("--src", default=None, metavar="DIR",
                         help="import grpokit from this source tree instead (e.g. `git archive HEAD grpokit | tar -x "
@@ -296,6 +296,11 @@ def main(argv=None) -> int:
                                args.lora)  # fmt: skip
         (instrument_trl if args.impl == "trl" else instrument_grpokit)(trainer, timer)
         load = os.getloadavg()[0]
+        if args.memory:  # what the phases add to: weights, imports, the process (model loading's peak left out)
+            import psutil
+
+            timer.max_rss.clear()
+            rss_at_train = psutil.Process().memory_info().rss / 2**20
         hook()
         trainer.train()
         wall = marks[-1] - marks[args.warmup]
@@ -304,6 +309,8 @@ def main(argv=None) -> int:
               f"{info['model_vocab']}): {args.steps} timed step(s) after {args.warmup} warm-up, "
               f"{torch.get_num_threads()} threads, load average {load:.2f} -> {os.getloadavg()[0]:.2f}\n")  # fmt: skip
         print(phase_table(args.impl, timer, wall, args.steps))
+        if args.memory:
+            print(f"\nRSS when train() starts: {rss_at_train:,.0f} MiB (the phases' peaks above are during train())")
         if profiler:
             import pstats
 
