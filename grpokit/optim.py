@@ -15,6 +15,7 @@ and the same state-dict layout as grpokit's optimizer before this module (which 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from types import SimpleNamespace
 
@@ -71,7 +72,7 @@ def build_optimizer(params_or_model, args) -> torch.optim.Optimizer:
     for key in ("params", "model", "optimizer_dict"):  # handlers that choose the parameters (GaLore, LOMO, layer-wise)
         if key in kwargs:
             groups = kwargs.pop(key)
-    optimizer = optimizer_cls(groups, **kwargs)
+    optimizer = row_chunked(optimizer_cls)(groups, **kwargs)
     if "bitsandbytes" in optimizer_cls.__module__ and kwargs.get("optim_bits") == 8 and model is not None:
         # As transformers' Trainer: embeddings keep 32-bit optimizer states (8-bit ones destabilise them).
         import bitsandbytes
@@ -81,3 +82,94 @@ def build_optimizer(params_or_model, args) -> torch.optim.Optimizer:
             if isinstance(module, torch.nn.Embedding):
                 manager.register_module_override(module, "weight", {"optim_bits": 32})
     return optimizer
+
+
+# ------------------------------------------------------------------------------ torchao's AdamW in row chunks
+
+# torchao's low-precision AdamW updates each parameter in one compiled call that holds float32 copies of the
+# parameter, its gradient and both states: for the Qwen2.5-0.5B tied embedding (136M elements) that is ~830 MiB at
+# once, the peak of a full fine-tuning step. Above this many elements a parameter is updated a block of rows at a
+# time instead.
+CHUNK_ELEMENTS = 1 << 23
+
+
+def row_chunked(optimizer_cls: type) -> type:
+    """torchao's AdamW classes (8-bit, 4-bit, float8 states) with `RowChunkedAdam`'s step; other classes as given."""
+    try:
+        from torchao.optim.adam import _AdamBase
+    except ImportError:
+        return optimizer_cls
+    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, _AdamBase)):
+        return optimizer_cls
+    return type(optimizer_cls.__name__, (RowChunkedAdam, optimizer_cls), {"__module__": optimizer_cls.__module__})
+
+
+class RowChunkedAdam:
+    """Mixin for a torchao `_AdamBase` optimizer: its step, with each large parameter updated in blocks of rows.
+
+    The update is elementwise and the states are quantized in blocks of consecutive elements, so blocks of rows that
+    start on a quantization block give bitwise the states of the whole-tensor update, and the same float32 weights
+    before rounding; only bf16 stochastic rounding draws its random bits per block. State dicts are torchao's."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        from torchao.optim.adam import single_param_adam
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        update = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
+        with torch._dynamo.utils.disable_cache_limit():  # as torchao: a fixed set of shapes per model
+            for group in self.param_groups:
+                if not isinstance(group["lr"], torch.Tensor):
+                    raise RuntimeError("lr was changed to a non-Tensor object; torchao's optimizers need "
+                                       "optim.param_groups[i]['lr'].fill_(new_lr).")  # fmt: skip
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    if p.grad.is_sparse:
+                        raise RuntimeError("Sparse gradient is not supported")
+                    state = self.state[p]
+                    if len(state) == 0:
+                        state["step"] = torch.tensor(0.0)
+                        state["exp_avg"] = self._new_buffer(p, True)
+                        state["exp_avg_sq"] = self._new_buffer(p, False)
+                        if group["amsgrad"]:
+                            state["max_exp_avg_sq"] = self._new_buffer(p, False)
+                    state["step"] += 1
+                    states = [state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq")]
+                    for rows in _row_blocks(p, states):
+                        update(p.detach()[rows], p.grad[rows], state["step"],
+                               *[_rows_of(x, rows) for x in states], group["lr"], group["betas"][0],
+                               group["betas"][1], group["weight_decay"], group["eps"], self.is_adamw,
+                               self.bf16_stochastic_round and p.dtype is torch.bfloat16)  # fmt: skip
+        return loss
+
+
+def _row_blocks(p: torch.Tensor, states: list) -> list[slice]:
+    """Blocks of rows of p, each under CHUNK_ELEMENTS and starting on a quantization block of every state; the whole
+    tensor when it is small, not a plain tensor (DTensor), or has no rows that split so."""
+    if p.dim() < 2 or type(p) not in (torch.Tensor, torch.nn.Parameter) or p.numel() <= CHUNK_ELEMENTS:
+        return [slice(None)]
+    row = p[0].numel()
+    block = max([getattr(x, "block_size", 1) for x in states if x is not None], default=1)
+    step = block // math.gcd(row, block)  # rows per step so that each block of rows starts on a state block
+    rows = (CHUNK_ELEMENTS // row) // step * step
+    if rows == 0 or rows >= p.shape[0]:
+        return [slice(None)]
+    return [slice(start, min(start + rows, p.shape[0])) for start in range(0, p.shape[0], rows)]
+
+
+def _rows_of(state: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    """Rows of an optimizer state that writes go through to: a plain tensor's view, or a torchao quantized state's
+    own block-aligned slice rebuilt as a fresh wrapper in the state's appearance dtype (the slice itself is an
+    autograd view with another dtype, which torch.compile cannot trace)."""
+    if state is None or rows == slice(None):
+        return state
+    sliced = state[rows]
+    if type(sliced) is torch.Tensor:
+        return sliced
+    names, context = sliced.__tensor_flatten__()  # torchao's states: the appearance dtype comes last
+    return type(sliced).__tensor_unflatten__({name: getattr(sliced, name) for name in names},
+                                             [*context[:-1], state.dtype], None, None)  # fmt: skip

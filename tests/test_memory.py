@@ -354,3 +354,73 @@ def test_activation_offloading_lowers_the_peak_between_forward_and_backward_on_c
         grads.append([p.grad.clone() for p in model.parameters()])
     assert peaks[1] < 0.5 * peaks[0], peaks
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+# ----------------------------------------------------------------------------- torchao's AdamW in row chunks
+
+
+@needs("torchao")
+@pytest.mark.parametrize("name, dtype", [("AdamW8bit", torch.float32), ("AdamW8bit", torch.bfloat16),
+                                         ("AdamW4bit", torch.float32), ("AdamWFp8", torch.float32)])  # fmt: skip
+def test_row_chunked_torchao_adam_is_the_whole_tensor_update(monkeypatch, name, dtype):
+    # The update is elementwise and the states are quantized in blocks that the row blocks start on: the states and
+    # (without stochastic rounding) the weights are bitwise those of torchao's own step.
+    import torchao.optim
+
+    import grpokit.optim
+
+    monkeypatch.setattr(grpokit.optim, "CHUNK_ELEMENTS", 1 << 16)
+    cls = getattr(torchao.optim, name)
+    weights = torch.randn(1000, 384, generator=torch.Generator().manual_seed(0)).to(dtype)
+    assert len(grpokit.optim._row_blocks(weights, [None])) == 6  # blocks of 170 rows (65,280 elements)
+    whole, chunked = torch.nn.Parameter(weights.clone()), torch.nn.Parameter(weights.clone())
+    plain, ours = cls([whole], lr=1e-2), grpokit.optim.row_chunked(cls)([chunked], lr=1e-2)
+    assert isinstance(ours, cls) and isinstance(ours, grpokit.optim.RowChunkedAdam)
+    for step in range(3):
+        gradient = torch.randn(1000, 384, generator=torch.Generator().manual_seed(step + 1)).to(dtype)
+        whole.grad, chunked.grad = gradient.clone(), gradient.clone()
+        plain.step()
+        ours.step()
+    for key in ("exp_avg", "exp_avg_sq"):
+        a, b = plain.state[whole][key], ours.state[chunked][key]
+        assert type(a) is type(b) and torch.equal(a.dequantize(), b.dequantize()), key
+    assert torch.equal(whole, chunked)
+    assert ours.state_dict()["state"][0].keys() == plain.state_dict()["state"][0].keys()
+
+
+@needs("torchao")
+def test_row_chunked_bf16_stochastic_rounding_differs_only_in_the_rounding_direction():
+    import torchao.optim
+
+    import grpokit.optim
+
+    weights = torch.randn(2000, 8192, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)  # 16M > 2^23
+    assert len(grpokit.optim._row_blocks(weights, [None])) == 2
+    whole, chunked = torch.nn.Parameter(weights.clone()), torch.nn.Parameter(weights.clone())
+    options = dict(lr=1e-3, bf16_stochastic_round=True)
+    plain = torchao.optim.AdamW8bit([whole], **options)
+    ours = grpokit.optim.row_chunked(torchao.optim.AdamW8bit)([chunked], **options)
+    gradient = torch.randn(2000, 8192, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    whole.grad, chunked.grad = gradient.clone(), gradient.clone()
+    plain.step()
+    ours.step()
+    assert torch.equal(plain.state[whole]["exp_avg"].dequantize(), ours.state[chunked]["exp_avg"].dequantize())
+    # The same float32 update, rounded up or down by other random bits: at most one bf16 step apart.
+    step = 2.0 ** (torch.floor(torch.log2(whole.detach().float().abs().clamp(min=1e-30))) - 7)
+    assert ((whole.float() - chunked.float()).abs() <= step).all()
+    assert not torch.equal(whole, chunked)
+
+
+def test_row_blocks_start_on_every_states_quantization_block(monkeypatch):
+    import grpokit.optim
+
+    class State:  # a quantized state's block size is all _row_blocks reads of it
+        block_size = 256
+
+    monkeypatch.setattr(grpokit.optim, "CHUNK_ELEMENTS", 10_000)
+    p = torch.empty(151, 896)  # 896 = 3.5 blocks: a block of rows must hold an even number of rows
+    blocks = grpokit.optim._row_blocks(p, [State(), None])
+    assert [b.start for b in blocks] == list(range(0, 151, 10)) and blocks[-1].stop == 151
+    assert all(b.start * 896 % 256 == 0 for b in blocks)
+    assert grpokit.optim._row_blocks(torch.empty(10, 896), [State()]) == [slice(None)]  # small: whole
+    assert grpokit.optim._row_blocks(torch.empty(100_000), [State()]) == [slice(None)]  # no rows
