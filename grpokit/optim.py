@@ -140,7 +140,7 @@ class RowChunkedAdam:
                     state["step"] += 1
                     states = [state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq")]
                     for rows in _row_blocks(p, states):
-                        update(p.detach()[rows], p.grad[rows], state["step"],
+                        update(_rows_of(p.detach(), rows), _rows_of(p.grad, rows), state["step"],
                                *[_rows_of(x, rows) for x in states], group["lr"], group["betas"][0],
                                group["betas"][1], group["weight_decay"], group["eps"], self.is_adamw,
                                self.bf16_stochastic_round and p.dtype is torch.bfloat16)  # fmt: skip
@@ -162,7 +162,8 @@ def _row_blocks(p: torch.Tensor, states: list) -> list[slice]:
 
 
 def _rows_of(state: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
-    """Rows of an optimizer state that writes go through to: a plain tensor's view, or a torchao quantized state's
+    """Rows of a parameter, gradient or optimizer state that writes go through to (all of it for slice(None)): a
+    plain tensor's view, or a torchao quantized state's
     own block-aligned slice rebuilt as a fresh wrapper in the state's appearance dtype (the slice itself is an
     autograd view with another dtype, which torch.compile cannot trace)."""
     if state is None or rows == slice(None):
