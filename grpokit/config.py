@@ -512,26 +512,30 @@ class GRPOConfig:
         options = self.generation_kwargs
         if options is None:
             return
+
+        def fail(message: str):
+            raise ValueError(message)
+
         if not isinstance(options, dict):
-            raise ValueError(f"generation_kwargs={options!r} must be a dict, e.g. {{'top_k': 50, 'eos_token_id': [2, 7]}}.")
+            fail(f"generation_kwargs={options!r} must be a dict, e.g. {{'top_k': 50, 'eos_token_id': [2, 7]}}.")
         if "temperature" in options and options["temperature"] != self.temperature:
-            raise ValueError(f"generation_kwargs temperature={options['temperature']!r} differs from temperature="
+            fail(f"generation_kwargs temperature={options['temperature']!r} differs from temperature="
                  f"{self.temperature}: grpokit samples and computes the training log-probs at one temperature (a "
                  f"sampling-only temperature would make the importance ratio wrong). Set temperature instead.")
         if options.get("do_sample", True) is not True:
-            raise ValueError("generation_kwargs do_sample=False: GRPO needs sampled completions (greedy ones are the same in "
+            fail("generation_kwargs do_sample=False: GRPO needs sampled completions (greedy ones are the same in "
                  "every group). Use top_k=1 to sample the most likely token, knowingly.")
         for name in ("max_new_tokens", "max_tokens", "max_length"):
             if name in options:
-                raise ValueError(f"generation_kwargs {name}: set max_completion_length instead.")
+                fail(f"generation_kwargs {name}: set max_completion_length instead.")
         unknown = sorted(set(options) - set(GENERATION_KWARGS))
         if unknown:
-            raise ValueError(f"generation_kwargs {unknown}: not supported by grpokit's engines. Supported: "
+            fail(f"generation_kwargs {unknown}: not supported by grpokit's engines. Supported: "
                  f"{', '.join(GENERATION_KWARGS)}.")
         for name in ("eos_token_id", "stop_token_ids", "suppress_tokens"):
             if name in options and _token_ids(options[name]) is None:
-                raise ValueError(f"generation_kwargs {name}={options[name]!r} must be a token id or a list of token ids (ints "
-                     f">= 0).")
+                fail(f"generation_kwargs {name}={options[name]!r} must be a token id or a list of token ids "
+                     f"(ints >= 0).")
         for name in ("top_p", "top_k", "min_p", "repetition_penalty"):  # TRL: these override the named fields
             if name in options:
                 setattr(self, name, options[name])
