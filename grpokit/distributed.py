@@ -23,7 +23,6 @@ def build_accelerator(args: GRPOConfig):
     process-wide state may hold an earlier trainer's precision; it is reset rather than refusing the new run."""
     from accelerate import Accelerator
     from accelerate.state import PartialState
-
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
     mixed_precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"

@@ -15,6 +15,7 @@ and the same state-dict layout as grpokit's optimizer before this module (which 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from types import SimpleNamespace
@@ -93,6 +94,7 @@ def build_optimizer(params_or_model, args) -> torch.optim.Optimizer:
 CHUNK_ELEMENTS = 1 << 23
 
 
+@functools.cache  # one class per torchao class
 def row_chunked(optimizer_cls: type) -> type:
     """torchao's AdamW classes (8-bit, 4-bit, float8 states) with `RowChunkedAdam`'s step; other classes as given."""
     try:

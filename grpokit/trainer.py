@@ -217,6 +217,7 @@ class GRPOTrainer:
                         PromptSampler(len(train_dataset), args.data_seed or args.seed, args.shuffle_dataset))  # fmt: skip
         self.window = MetricWindow()
         self.cursor = GenerationCursor()
+        self._last_evaluation: dict | None = None  # the latest evaluation's record (metric_for_best_model)
         self.router_aux_loss_coef = router_aux_loss_coef(args, self.unwrapped_model)
         self.activation_offload = activation_offload(args, acc.device)
         if args.padding_free:
@@ -755,7 +756,7 @@ class GRPOTrainer:
 
     def _log_evaluation(self, step: int, sink: MetricSink) -> None:
         record = {"step": step, "epoch": round(self.state.epoch, 4), **self.evaluate()}
-        self._last_evaluation = record  # for metric_for_best_model, at this step's checkpoint
+        self._last_evaluation = record
         self.state.log_history.append(record)
         sink.write(record, console=False)
         if self.accelerator.is_main_process:
@@ -796,7 +797,7 @@ class GRPOTrainer:
         """metric_for_best_model: when this step's evaluation beats state.best_metric (strictly, as transformers),
         the checkpoint about to be written becomes state.best_model_checkpoint."""
         args, state = self.args, self.state
-        evaluation = getattr(self, "_last_evaluation", None)
+        evaluation = self._last_evaluation
         if args.metric_for_best_model is None or evaluation is None or evaluation["step"] != state.global_step:
             return
         value = float(evaluation[best_metric_key(args.metric_for_best_model, evaluation)])

@@ -380,8 +380,14 @@ def test_logging_strategy_no_and_epoch(tmp_path):
     epoch.train()
     records = [h for h in epoch.state.log_history if "loss" in h]
     assert [(h["step"], h["epoch"]) for h in records] == [(8, 1.0)]
-    # The record of an epoch averages all its steps (the window is not flushed between logs).
-    assert records[0]["step_time"] > 0
+    # The record of an epoch averages all its steps (the window is not flushed between logs): the mean of the
+    # per-step records of the same run logged every step.
+    steps = trainer_for(tmp_path / "steps", args=config(tmp_path / "steps", max_steps=10))
+    steps.train()
+    per_step = [h for h in steps.state.log_history if "loss" in h][:8]
+    assert [h["step"] for h in per_step] == list(range(1, 9))
+    for key in ("loss", "reward", "completions/mean_length"):
+        assert records[0][key] == pytest.approx(sum(h[key] for h in per_step) / 8, rel=1e-6, abs=1e-9), key
     with pytest.raises(ValueError, match="logging_strategy='sometimes' is not valid"):
         config(tmp_path, logging_strategy="sometimes")
 
@@ -527,13 +533,14 @@ def test_load_best_model_at_end_loads_the_checkpoint_with_the_best_metric_and_ke
     from safetensors.torch import load_file
 
     args = config(tmp_path, max_steps=6, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
-                  save_total_limit=1, load_best_model_at_end=True, metric_for_best_model="reward",
-                  greater_is_better=False, per_device_eval_batch_size=8)  # fmt: skip
+                  save_total_limit=1, load_best_model_at_end=True, metric_for_best_model="completions/mean_length",
+                  greater_is_better=True, per_device_eval_batch_size=8)  # fmt: skip
     trainer = trainer_for(tmp_path, args=args, eval_dataset=letters(1).select(range(4)))
     trainer.train()
-    evaluations = {h["step"]: h["eval/reward"] for h in trainer.state.log_history if "eval/reward" in h}
-    assert sorted(evaluations) == [2, 4, 6]
-    best_step = min(evaluations, key=lambda step: (evaluations[step], step))  # strictly better wins: the first
+    metric = "eval/completions/mean_length"  # the name given, found under grpokit's eval/ prefix
+    evaluations = {h["step"]: h[metric] for h in trainer.state.log_history if metric in h}
+    assert sorted(evaluations) == [2, 4, 6] and len(set(evaluations.values())) > 1  # the metric moves
+    best_step = min(evaluations, key=lambda step: (-evaluations[step], step))  # the largest; strictly better wins
     state = trainer.state
     assert state.best_metric == evaluations[best_step] and state.best_global_step == best_step
     assert state.best_model_checkpoint == str(tmp_path / "out" / f"checkpoint-{best_step}")
