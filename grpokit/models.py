@@ -220,6 +220,13 @@ def prompt_length_limit(model, args) -> int | None:
 @torch.no_grad()
 def mix_into_reference(reference: torch.nn.Module, policy: torch.nn.Module, alpha: float) -> None:
     """TRL's reference sync: ref <- alpha * policy + (1 - alpha) * ref (alpha = 1 copies the policy)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    # Under FSDP2 a root module stays unsharded after a forward that no backward follows (the reference's): its
+    # parameters are then whole tensors where the policy's are shards. Reshard both, so that shard meets shard.
+    for module in (*reference.modules(), *policy.modules()):
+        if isinstance(module, FSDPModule):
+            module.reshard()
     # named_parameters, not state_dict: tied weights (embeddings = LM head) must be mixed once, not twice.
     policy_parameters = dict(policy.named_parameters())
     for name, value in reference.named_parameters():
