@@ -307,8 +307,8 @@ class GRPOConfig:
                                                    "training precision (set bf16).")
     fp16_full_eval: bool = _not_implemented(False, "TRL evaluates in pure float16; grpokit evaluates with the "
                                                    "training precision (set fp16).")
-    log_unique_prompts: bool = _not_implemented(False, "TRL logs each prompt once in the completions table; grpokit "
-                                                       "logs every sampled completion.")
+    log_unique_prompts: bool = _f(False, "With log_completions, the trackers' completions table keeps one row per "
+                                         "prompt (the first), as TRL's; completions.jsonl and the console keep all.")
     log_completions_hub_repo: str | None = _not_implemented(None, "TRL uploads completions to a Hub dataset; "
                                                                   "grpokit writes completions.jsonl in output_dir.")
     trackio_space_id: str | None = _not_implemented(None, "TRL logs to a Trackio Space on the Hub; grpokit logs to "
@@ -319,8 +319,10 @@ class GRPOConfig:
                                                                         "grpokit logs to Trackio locally.")
     save_on_each_node: bool = _not_implemented(False, "TRL saves on every node; grpokit saves from the main process: "
                                                       "put output_dir on storage all nodes share.")
-    ignore_data_skip: bool = _not_implemented(False, "With True, TRL restarts the data order on resume; grpokit "
-                                                     "always resumes the prompt order where it stopped.")
+    ignore_data_skip: bool = _f(False, "On resume, draw the current epoch's prompts from its start again (its "
+                                       "order is the same), as transformers does; False continues where the "
+                                       "checkpoint stopped. A generation batch the checkpoint holds half used is "
+                                       "finished first.")
     push_to_hub: bool = _f(False, "Upload the model to the Hub (hub_model_id, default: output_dir's name) when "
                                   "save_model / push_to_hub() is called; the Hub is checked at start-up.")
     accelerator_config: dict | str | None = _not_implemented(None, "TRL's accelerate options; configure accelerate "
@@ -328,13 +330,25 @@ class GRPOConfig:
     parallelism_config: ParallelismConfig | None = _not_implemented(None, "TRL's tensor/context parallelism; grpokit "
                                                                           "runs DDP, FSDP2 or ZeRO through "
                                                                           "accelerate launch.")
-    deepspeed: dict | str | None = _not_implemented(None, "TRL reads a DeepSpeed config; pass it to `accelerate "
-                                                          "launch` (examples/accelerate).")
-    fsdp: str | None = _not_implemented(None, "TRL sets up FSDP from this; use `accelerate launch` with "
-                                              "examples/accelerate/fsdp2.yaml.")
-    fsdp_config: dict | str | None = _not_implemented(None, "FSDP options; put them in the accelerate config "
-                                                            "(examples/accelerate/fsdp2.yaml).")
-    debug: str | list = _not_implemented("", "TRL's underflow/overflow and TPU debugging; not available in grpokit.")
+    deepspeed: dict | str | None = _f(None, "A DeepSpeed config, as TRL takes it: a dict, a JSON string or the path "
+                                            "of a JSON file. Under torchrun / accelerate launch the run uses it as "
+                                            "accelerate's deepspeed_config_file (ZeRO-1/2/3); 'auto' values take the "
+                                            "run's own (batch sizes, accumulation, clipping, precision, bucket "
+                                            "sizes). grpokit builds the optimizer and the scheduler, so an "
+                                            "'optimizer' / 'scheduler' section is refused.")
+    fsdp: str | None = _f(None, "FSDP as TRL's field turns it on: True, or transformers' options "
+                                              "'full_shard' / 'shard_grad_op' / 'offload' / 'auto_wrap' (a string "
+                                              "or a list). grpokit runs FSDP2 (through accelerate, under torchrun / "
+                                              "accelerate launch); FSDP1-only options are refused.")
+    fsdp_config: dict | str | None = _f(None, "FSDP options (a dict, a JSON string or a JSON file's path; keys with "
+                                              "or without the 'fsdp_' prefix), as transformers reads them for FSDP2: "
+                                              "version (2), auto_wrap_policy, transformer_layer_cls_to_wrap, "
+                                              "min_num_params, reshard_after_forward, cpu_offload, state_dict_type, "
+                                              "activation_checkpointing, cpu_ram_efficient_loading.")
+    debug: str | list = _f("", "'underflow_overflow': transformers' DebugUnderflowOverflow watches every module's "
+                               "inputs, outputs and weights and stops at the first inf/nan with the last frames "
+                               "(grpokit's chunked LM head is read outside the head module's forward, so the head's "
+                               "logits are not among them). 'tpu_metrics_debug' is refused (no TPU support).")
 
     # ---- accepted, no effect needed (why)
     do_train: bool = _no_effect(False, "read by training scripts, not by the trainer; train() always trains.")
@@ -480,6 +494,9 @@ class GRPOConfig:
                 setattr(self, name, int(value))  # as transformers does: 10.0 steps is 10
         if isinstance(self.include_num_input_tokens_seen, bool):  # transformers' spelling
             self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
+        if isinstance(self.debug, str):  # transformers' spelling: options separated by spaces
+            self.debug = self.debug.split()
+        self.debug = [getattr(option, "value", option) for option in self.debug]  # DebugOption members too
         if isinstance(self.report_to, str):
             self.report_to = [] if self.report_to in ("none", "") else [self.report_to]
         self.report_to = list(self.report_to or [])
@@ -539,6 +556,82 @@ class GRPOConfig:
         for name in ("top_p", "top_k", "min_p", "repetition_penalty"):  # TRL: these override the named fields
             if name in options:
                 setattr(self, name, options[name])
+
+    def deepspeed_config(self) -> dict | None:
+        """The `deepspeed` field as a dict of its own (None when unset): given as a dict, a JSON string (turned into a
+        dict by `_normalise`) or the path of a JSON file, as transformers' TrainingArguments reads it."""
+        if self.deepspeed is None:
+            return None
+        if isinstance(self.deepspeed, dict):
+            return json.loads(json.dumps(self.deepspeed))
+        path = Path(self.deepspeed)
+        if not path.is_file():
+            raise ValueError(f"deepspeed={self.deepspeed!r} is neither a dict, a JSON object nor the path of a JSON "
+                             f"file; pass the DeepSpeed config (e.g. deepspeed='ds_zero2.json').")
+        try:
+            config = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"deepspeed={self.deepspeed!r}: the file is not valid JSON ({error}).") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"deepspeed={self.deepspeed!r}: the file holds {type(config).__name__}, not a JSON "
+                             f"object.")
+        return config
+
+    def fsdp_plugin_kwargs(self) -> dict | None:
+        """accelerate's FullyShardedDataParallelPlugin arguments from `fsdp` / `fsdp_config` (None: FSDP off), as
+        transformers' TrainingArguments derives them for FSDP2; anything grpokit would not run is refused by name."""
+        if self.fsdp in (None, False, "", []):
+            return None
+        options = self.fsdp_config if self.fsdp_config is not None else {}
+        if isinstance(options, str):
+            if not Path(options).is_file():
+                raise ValueError(f"fsdp_config={options!r} is neither a dict, a JSON object nor the path of a JSON file.")
+            options = json.loads(Path(options).read_text())
+        options = {name.removeprefix("fsdp_"): value for name, value in options.items()}
+        items = [] if self.fsdp is True else self.fsdp.split() if isinstance(self.fsdp, str) else list(self.fsdp)
+        for item in items:  # transformers' legacy options, into fsdp_config's terms
+            if item in ("full_shard", "shard_grad_op"):
+                options.setdefault("reshard_after_forward", item == "full_shard")
+            elif item == "offload":
+                options.setdefault("cpu_offload", True)
+            elif item in ("hybrid_shard", "hybrid_shard_zero2", "no_shard"):
+                raise ValueError(f"fsdp={self.fsdp!r}: '{item}' is an FSDP1 strategy, and grpokit runs FSDP2; use "
+                                 f"'full_shard' or 'shard_grad_op' (or DDP for 'no_shard').")
+            elif item != "auto_wrap":
+                raise ValueError(f"fsdp={self.fsdp!r}: unknown option '{item}'; use 'full_shard', 'shard_grad_op', "
+                                 f"'offload' and/or 'auto_wrap', or fsdp=True with fsdp_config.")
+        if int(options.pop("version", 2)) != 2:
+            raise ValueError("fsdp_config version 1 (FSDP1) is not supported: grpokit runs FSDP2; set version 2.")
+        known = {"auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params", "reshard_after_forward",
+                 "cpu_offload", "state_dict_type", "activation_checkpointing", "cpu_ram_efficient_loading"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"fsdp_config {unknown}: not FSDP2 options grpokit passes on (FSDP1's and XLA's are not "
+                             f"run); use {sorted(known)}.")
+        policy = options.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP")
+        if policy not in ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"):
+            raise ValueError(f"fsdp_config auto_wrap_policy={policy!r}: use 'TRANSFORMER_BASED_WRAP', "
+                             f"'SIZE_BASED_WRAP' or 'NO_WRAP'.")
+        state_dict_type = options.get("state_dict_type", "FULL_STATE_DICT")
+        if state_dict_type not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+            raise ValueError(f"fsdp_config state_dict_type={state_dict_type!r}: use 'FULL_STATE_DICT' or "
+                             f"'SHARDED_STATE_DICT'.")
+
+        def flag(value) -> bool:
+            return value if isinstance(value, bool) else str(value).lower() in ("true", "1", "yes", "y", "on")
+
+        kwargs = {"fsdp_version": 2, "auto_wrap_policy": policy, "state_dict_type": state_dict_type,
+                  "reshard_after_forward": flag(options.get("reshard_after_forward", True)),
+                  "cpu_ram_efficient_loading": flag(options.get("cpu_ram_efficient_loading", False))}  # fmt: skip
+        for name in ("cpu_offload", "activation_checkpointing"):
+            if name in options:
+                kwargs[name] = flag(options[name])
+        if policy == "SIZE_BASED_WRAP" and int(options.get("min_num_params", 0)) > 0:
+            kwargs["min_num_params"] = int(options["min_num_params"])
+        layers = options.get("transformer_layer_cls_to_wrap")
+        if policy == "TRANSFORMER_BASED_WRAP" and layers is not None:
+            kwargs["transformer_cls_names_to_wrap"] = ",".join([layers] if isinstance(layers, str) else layers)
+        return kwargs
 
     def generation_token_ids(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(extra tokens that end a completion, tokens never sampled) from generation_kwargs."""
@@ -760,6 +853,25 @@ class GRPOConfig:
                  "use_adaptive_entropy) needs one: set padding_free=False or drop the bonus.")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             fail(f"save_total_limit={self.save_total_limit} must be >= 1, or None to keep every checkpoint.")
+        for option in self.debug:
+            if option != "underflow_overflow":
+                fail(f"debug={self.debug!r}: {option!r} is not supported; grpokit has 'underflow_overflow' (TPUs, "
+                     f"which 'tpu_metrics_debug' is for, are not supported).")
+        if self.fsdp_plugin_kwargs() is not None and self.deepspeed is not None:
+            fail("fsdp and deepspeed are both set; choose one way to shard the model.")
+        if self.fsdp_config is not None and self.fsdp in (None, False, "", []):
+            warnings.warn("GRPOConfig.fsdp_config is set but fsdp is not: FSDP stays off (set fsdp=True to use it, "
+                          "as in TRL).", UserWarning, stacklevel=4)  # fmt: skip
+        deepspeed = self.deepspeed_config()
+        if deepspeed is not None:
+            sections = [name for name in ("optimizer", "scheduler") if name in deepspeed]
+            if sections:
+                fail(f"deepspeed: the config's {' and '.join(repr(s) for s in sections)} section(s) would replace the "
+                     f"optimizer / scheduler grpokit builds from optim, learning_rate, adam_*, weight_decay and "
+                     f"lr_scheduler_type; remove them from the DeepSpeed config and set those fields instead.")
+            if not isinstance(deepspeed.get("zero_optimization"), dict):
+                fail("deepspeed: the config has no 'zero_optimization' section; add one, e.g. "
+                     "{'zero_optimization': {'stage': 2}}.")
 
     def check_batch(self, num_processes: int) -> None:
         """The global generation batch must hold whole groups of num_generations (TRL's rule)."""

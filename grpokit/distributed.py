@@ -9,7 +9,9 @@ hold each process's shards (`save_sharded`; DeepSpeed's own format under DeepSpe
 
 from __future__ import annotations
 
+import json
 import os
+import warnings
 from datetime import timedelta
 
 import torch
@@ -32,10 +34,17 @@ def build_accelerator(args: GRPOConfig):
     cpu = args.use_cpu or (world_size > 1 and not _has_accelerator_device())
     backend = args.ddp_backend
     kwargs = {"cpu": cpu, "mixed_precision": mixed_precision}
-    if cpu and world_size > 1 and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+    plugin = deepspeed_plugin(args, world_size)
+    if plugin is not None:
+        kwargs["deepspeed_plugin"] = plugin
+    fsdp = fsdp_plugin(args)
+    if fsdp is not None:
+        kwargs["fsdp_plugin"] = fsdp
+    use_deepspeed = args.deepspeed is not None or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if cpu and world_size > 1 and use_deepspeed:
         # DeepSpeed on CPU processes: accelerate forms no process group for it unless told gloo, and would count one
         # process while DeepSpeed's world has all of them.
-        kwargs, backend = {"mixed_precision": mixed_precision}, backend or "gloo"
+        kwargs, backend = {"mixed_precision": mixed_precision, "deepspeed_plugin": plugin}, backend or "gloo"
     # The process group and DDP as TrainingArguments' ddp_* fields set them in transformers' Trainer.
     ddp = {"find_unused_parameters": args.ddp_find_unused_parameters, "bucket_cap_mb": args.ddp_bucket_cap_mb,
            "broadcast_buffers": args.ddp_broadcast_buffers, "static_graph": args.ddp_static_graph}  # fmt: skip
@@ -55,7 +64,7 @@ def build_accelerator(args: GRPOConfig):
         # machine, where it needs cpu=True): none was formed, so nothing is torn down by creating it again.
         reset_accelerate_state()
         accelerator = Accelerator(**kwargs)
-    _fsdp_on_cpu(accelerator)
+    _fsdp_on_cpu(accelerator, fsdp)
     # Fail at once rather than hang or train wrongly later (README.md, "Scaling out").
     unsupported = {
         "FSDP": None if accelerator.is_fsdp2 else
@@ -69,6 +78,57 @@ def build_accelerator(args: GRPOConfig):
                                   f"Use DDP (plain torchrun, or examples/accelerate/ddp.yaml) or FSDP2 "
                                   f"(examples/accelerate/fsdp2.yaml).")  # fmt: skip
     return accelerator
+
+
+def deepspeed_plugin(args: GRPOConfig, world_size: int):
+    """accelerate's DeepSpeedPlugin for the `deepspeed` field (None when unset), as transformers' Trainer makes it:
+    the config as accelerate's deepspeed_config_file, its explicit values checked against the run's."""
+    config = args.deepspeed_config()
+    if config is None:
+        return None
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        raise ValueError("GRPOConfig.deepspeed is set, but the launch asks for FSDP (ACCELERATE_USE_FSDP, from an "
+                         "accelerate config with FSDP): use one of them.")  # fmt: skip
+    missing = [name for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if name not in os.environ]  # fmt: skip
+    if missing:  # DeepSpeed would look for MPI instead and fail on an import
+        raise ValueError(f"GRPOConfig.deepspeed needs a distributed launcher ({', '.join(missing)} not set): run the "
+                         f"script with `torchrun --nproc_per_node N` (N may be 1) or `accelerate launch`, or drop "
+                         f"`deepspeed` to train in this process.")  # fmt: skip
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        warnings.warn("GRPOConfig.deepspeed is set and `accelerate launch` configured DeepSpeed too: the run uses "
+                      "GRPOConfig.deepspeed (as transformers' Trainer does).", UserWarning, stacklevel=3)  # fmt: skip
+    expected = {
+        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size,
+        "gradient_clipping": args.max_grad_norm if args.max_grad_norm > 0 else 0.0,
+        "bf16.enabled": bool(args.bf16), "fp16.enabled": bool(args.fp16),
+    }  # fmt: skip
+    mismatches = []
+    for key, value in expected.items():
+        section, _, name = key.rpartition(".")
+        given = (config.get(section, {}) if section else config).get(name, "auto")
+        if given != "auto" and given != value:
+            mismatches.append(f"{key}: {given!r} in the DeepSpeed config, {value!r} from GRPOConfig")
+    if mismatches:
+        raise ValueError("GRPOConfig.deepspeed disagrees with the run's settings:\n  " + "\n  ".join(mismatches)
+                         + "\nSet these to 'auto' in the DeepSpeed config (grpokit fills them), or change GRPOConfig "
+                           "(per_device_train_batch_size, gradient_accumulation_steps, max_grad_norm, bf16, fp16).")
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DeepSpeedPlugin
+
+    if AcceleratorState._shared_state and AcceleratorState().distributed_type.value == "DEEPSPEED":
+        # An earlier trainer in this process set DeepSpeed up, and accelerate takes one DeepSpeed plugin per process
+        # (the process group stays): the same config runs on it; another one cannot.
+        if getattr(AcceleratorState().deepspeed_plugin, "grpokit_config", None) != config:
+            raise ValueError("GRPOConfig.deepspeed differs from the DeepSpeed config an earlier trainer in this "
+                             "process used, and accelerate sets DeepSpeed up once per process: run this config in "
+                             "a process of its own.")  # fmt: skip
+        return None
+    plugin = DeepSpeedPlugin(hf_ds_config=json.loads(json.dumps(config)))
+    plugin.grpokit_config = config  # as given (accelerate and configure_deepspeed fill the plugin's copy)
+    return plugin
 
 
 def deepspeed_stage(accelerator) -> int | None:
@@ -108,23 +168,53 @@ def zero3_inference_engine(model: torch.nn.Module, engine) -> torch.nn.Module:
     return reference
 
 
-def _fsdp_on_cpu(accelerator) -> None:
+def fsdp_plugin(args: GRPOConfig):
+    """accelerate's FSDP2 plugin for the `fsdp` / `fsdp_config` fields (None when FSDP is off there), as
+    transformers' Trainer makes it."""
+    kwargs = args.fsdp_plugin_kwargs()
+    if kwargs is None:
+        return None
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        raise ValueError("GRPOConfig.fsdp is set, but the launch asks for DeepSpeed (ACCELERATE_USE_DEEPSPEED, from "
+                         "an accelerate config with DeepSpeed): use one of them.")  # fmt: skip
+    from accelerate import FullyShardedDataParallelPlugin
+    from accelerate.state import AcceleratorState
+
+    if AcceleratorState._shared_state and getattr(AcceleratorState(), "fsdp_plugin", None) is not None:
+        # An earlier trainer in this process set FSDP up; accelerate keeps the first plugin.
+        if getattr(AcceleratorState().fsdp_plugin, "grpokit_kwargs", None) != kwargs:
+            raise ValueError("GRPOConfig.fsdp / fsdp_config differ from the FSDP setup an earlier trainer in this "
+                             "process used, and accelerate sets FSDP up once per process: run this config in a "
+                             "process of its own.")  # fmt: skip
+        return None
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        warnings.warn("GRPOConfig.fsdp is set and `accelerate launch` configured FSDP too: the run uses "
+                      "GRPOConfig.fsdp / fsdp_config (as transformers' Trainer does).", UserWarning, stacklevel=3)
+    plugin = FullyShardedDataParallelPlugin(**kwargs)
+    plugin.grpokit_kwargs = kwargs
+    return plugin
+
+
+def _fsdp_on_cpu(accelerator, plugin=None) -> None:
     """accelerate turns an FSDP config into FSDP only on accelerator devices; on CPU processes (gloo) it silently
     trains with DDP instead. torch's FSDP2 runs on CPU, so an FSDP2 request (`accelerate launch` with an FSDP config
-    on a machine without a GPU, or ACCELERATE_USE_FSDP=true FSDP_VERSION=2 under torchrun) is honoured there too."""
+    on a machine without a GPU, ACCELERATE_USE_FSDP=true FSDP_VERSION=2 under torchrun, or GRPOConfig.fsdp: `plugin`)
+    is honoured there too."""
     from accelerate import FullyShardedDataParallelPlugin
     from accelerate.utils import DistributedType
 
     if accelerator.distributed_type != DistributedType.MULTI_CPU:
         return
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
-        return
-    if os.environ.get("FSDP_VERSION", "1") != "2":
-        raise NotImplementedError("FSDP1 (FullyShardedDataParallel) is not supported; set `fsdp_version: 2` in the "
-                                  "accelerate config (or FSDP_VERSION=2) to use FSDP2.")  # fmt: skip
+    if plugin is None:
+        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+            return
+        if os.environ.get("FSDP_VERSION", "1") != "2":
+            raise NotImplementedError("FSDP1 (FullyShardedDataParallel) is not supported; set `fsdp_version: 2` in "
+                                      "the accelerate config (or FSDP_VERSION=2) to use FSDP2.")  # fmt: skip
+        plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* variables
     from accelerate.state import PartialState
 
-    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* variables
+    accelerator.state.fsdp_plugin = plugin
     # Both shared states: every AcceleratorState() copies PartialState's distributed type over its own.
     PartialState().distributed_type = accelerator.state.distributed_type = DistributedType.FSDP
 

@@ -247,9 +247,10 @@ class MetricSink:
             shown = " ".join(f"{k}={record[k]:.4g}" for k in CONSOLE_KEYS if k in record)
             print(f"[step {step}] {shown}", file=sys.stderr, flush=True)
 
-    def write_completions(self, step: int, samples: list[dict]) -> None:
+    def write_completions(self, step: int, samples: list[dict], unique_prompts: bool = False) -> None:
         """Sample completions with their rewards: completions.jsonl, a compact console table, and a table in each
-        tracker."""
+        tracker; `unique_prompts` (TRL's log_unique_prompts): the trackers' table keeps the first row of each
+        prompt."""
         if not self.enabled or not samples:
             return
         samples = [self._with_image_files(step, index, sample) for index, sample in enumerate(samples)]
@@ -260,6 +261,11 @@ class MetricSink:
                  f"advantage={s['advantage']:+.3f}" for s in samples]  # fmt: skip
         print(f"[step {step}] completions:\n" + "\n".join(lines), file=sys.stderr, flush=True)
         columns = ["prompt", "completion", "reward", "advantage"]
+        if unique_prompts:  # the first row of each prompt; conversations compared by their text, as in TRL
+            first = {}
+            for sample in samples:
+                first.setdefault(str(sample["prompt"]), sample)
+            samples = list(first.values())
         rows = [[_short(s["prompt"], 200), _short(s["completion"], 200), s["reward"], s["advantage"]] for s in samples]
         for tracker in self.trackers:
             tracker.log_table("completions", columns, rows, step)

@@ -186,6 +186,10 @@ class GRPOTrainer:
             if isinstance(function.fn, RewardModel):
                 function.fn.to(acc.device)
 
+        if "underflow_overflow" in args.debug:  # as transformers' Trainer: hooks on every module, stop at inf/nan
+            from transformers.debug_utils import DebugUnderflowOverflow
+
+            DebugUnderflowOverflow(self.unwrapped_model)
         stop_token_ids, suppress_token_ids = args.generation_token_ids()
         self.codec = PromptCodec(self.processing_class, self.unwrapped_model, max_prompt_length,
                                  args.chat_template_kwargs, stop_token_ids, suppress_token_ids)  # fmt: skip
@@ -311,7 +315,7 @@ class GRPOTrainer:
                     control = callbacks("on_log", args, state, logs=record)
                     self.check_guard()
                     if args.log_completions and acc.is_main_process and getattr(self, "_samples", None):
-                        sink.write_completions(step, self._samples)
+                        sink.write_completions(step, self._samples, args.log_unique_prompts)
                 if not preempted and ((args.eval_strategy == "steps" and step % eval_steps == 0
                                        and step >= args.eval_delay) or control.should_evaluate):  # fmt: skip
                     control.should_evaluate = False  # before saving: the checkpoint holds the evaluation
@@ -822,6 +826,8 @@ class GRPOTrainer:
     def _resume(self, resume: bool | str) -> None:
         resumed = self.checkpointer.load(self.checkpointer.find(resume), self._training_parts())
         self.sampler.load_state_dict(resumed.loop["sampler"])
+        if self.args.ignore_data_skip:  # transformers' meaning: the current epoch's data starts over
+            self.sampler.position = 0
         self.window.load_state_dict(resumed.loop["window"])
         if self.entropy_controller is not None and resumed.loop.get("entropy_controller"):
             self.entropy_controller.load_state_dict(resumed.loop["entropy_controller"])

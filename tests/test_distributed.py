@@ -147,7 +147,7 @@ SCRIPT = textwrap.dedent(
             GRPOTrainer(model=spec["model"], args=config(spec["out"], **spec.get("config", {})), train_dataset=dataset(),
                         reward_funcs=recording_reward(os.devnull, 0.0), peft_config=adapter_config(spec))
             message = None
-        except NotImplementedError as error:
+        except (NotImplementedError, ValueError) as error:
             message = str(error)
         Path(spec["out"]).mkdir(parents=True, exist_ok=True)
         (Path(spec["out"]) / f"error_{RANK}.json").write_text(json.dumps(message))
@@ -719,6 +719,31 @@ def test_fsdp2_sharded_checkpoints_resume_in_two_processes_or_one(fsdp2_runs, lo
     assert max_difference(one["weights"], lora_resumed_in_one_process["weights"]) == 0.0
 
 
+def test_fsdp_fields_run_as_the_accelerate_config_does(fsdp2_runs, eos_prone_model_dir, tmp_path):
+    # TRL's fsdp / fsdp_config under plain torchrun, no accelerate variables: transformers' legacy option string
+    # and an FSDP2 config with the 'fsdp_' prefixes, sharded checkpoints. The run is the accelerate-configured
+    # FSDP2 run, bit for bit; a second trainer in the same processes takes the same setup, another one is refused.
+    # With checkpoints every 3 steps the reference is mixed at step 2 without a save in between (that crashed: the
+    # reference's root module stayed unsharded after its forward, `mix_into_reference`).
+    fields = {"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_version": 2, "fsdp_state_dict_type":
+              "SHARDED_STATE_DICT", "fsdp_transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}}  # fmt: skip
+    launch(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "fsdp"), tiebreak=0.01,
+                          config={**FSDP2_RUN, "save_steps": 3, **fields}),
+           dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "again"), tiebreak=0.01,
+                config={**FSDP2_RUN, "save_strategy": "no", "max_steps": 2, **fields}),
+           dict(job="refused", model=eos_prone_model_dir, out=str(tmp_path / "other"),
+                config={"fsdp": "shard_grad_op auto_wrap"}))  # fmt: skip
+    run, expected = load(tmp_path / "fsdp" / "final_0.pt"), load(fsdp2_runs / "fsdp2" / "final_0.pt")
+    assert run["distributed_type"] == "FSDP" and run["global_step"] == 6
+    for key in ("loss", "reward", "kl", "grad_norm", "entropy", "completions/mean_length"):
+        assert [e.get(key) for e in run["log_history"]] == [e.get(key) for e in expected["log_history"]], key
+    assert max_difference(run["weights"], expected["weights"]) == 0.0
+    assert (tmp_path / "fsdp" / "checkpoint-3" / "sharded").is_dir()  # state_dict_type reached the checkpoints
+    again = load(tmp_path / "again" / "final_0.pt")
+    assert [e["loss"] for e in again["log_history"]] == [e["loss"] for e in run["log_history"][:2]]
+    assert "differ from the FSDP setup an earlier trainer" in json.loads((tmp_path / "other" / "error_0.json").read_text())
+
+
 # -------------------------------------------------------------------------------------------------- DeepSpeed
 # ZeRO-2 through accelerate on CPU processes (gloo). DeepSpeed is not among the test extras (it JIT-compiles a
 # communication op on first use): these run where it is installed, e.g. `pip install deepspeed` in a venv.
@@ -851,6 +876,39 @@ def test_lora_under_zero3_follows_ddp_saves_merged_and_resumes(zero3_runs, fsdp2
     resumed = load(zero3_runs / "resumed_lora" / "final_0.pt")  # from checkpoint-3, mid-generation
     assert max_difference(resumed["weights"], zero3["weights"]) == 0.0
     assert [e["loss"] for e in resumed["log_history"]] == [e["loss"] for e in zero3["log_history"]]
+
+
+def test_deepspeed_field_runs_as_the_accelerate_config_does(zero2_runs, zero3_runs, zero3_config, eos_prone_model_dir,
+                                                          tmp_path):  # fmt: skip
+    # TRL scripts pass DeepSpeed as GRPOConfig(deepspeed=...) under plain torchrun: a dict of ZeRO-2 with 'auto'
+    # values, and the ZeRO-3 config file's path. No accelerate variables are set: the field alone turns DeepSpeed on.
+    zero2 = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
+             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}  # fmt: skip
+    # A second trainer in the same processes runs on the same config (accelerate sets DeepSpeed up once per
+    # process); a different config is refused by name.
+    launch(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "zero2"), tiebreak=0.01,
+                          config={**FSDP2_RUN, "save_strategy": "no", "deepspeed": zero2}),
+           dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "again"), tiebreak=0.01,
+                config={**FSDP2_RUN, "save_strategy": "no", "deepspeed": zero2, "max_steps": 2}),
+           dict(job="refused", model=eos_prone_model_dir, out=str(tmp_path / "other"),
+                config={"deepspeed": {**zero2, "zero_optimization": {"stage": 1}}}))  # fmt: skip
+    launch(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "zero3"), tiebreak=0.01,
+                          config={**ZERO3_RUN, "save_strategy": "no",
+                                  "deepspeed": zero3_config["ACCELERATE_DEEPSPEED_CONFIG_FILE"]}))  # fmt: skip
+    again = load(tmp_path / "again" / "final_0.pt")
+    assert [e["loss"] for e in again["log_history"]] == [e["loss"] for e in load(tmp_path / "zero2" / "final_0.pt")
+                                                         ["log_history"][:2]]  # fmt: skip
+    assert "differs from the DeepSpeed config an earlier trainer" in json.loads(
+        (tmp_path / "other" / "error_0.json").read_text())  # fmt: skip
+    for name, expected, exact in (("zero2", zero2_runs / "zero2", True), ("zero3", zero3_runs / "zero3", False)):
+        run, expected = load(tmp_path / name / "final_0.pt"), load(expected / "final_0.pt")
+        assert run["distributed_type"] == "DEEPSPEED" and run["global_step"] == expected["global_step"] == 6
+        for key in ("loss", "reward", "kl", "grad_norm", "completions/mean_length"):
+            assert [e.get(key) for e in run["log_history"]] == pytest.approx(
+                [e.get(key) for e in expected["log_history"]], abs=0 if exact else 1e-5), key  # fmt: skip
+        # ZeRO-3 from the field loads the model partitioned (zero.Init, as transformers' Trainer does); the
+        # accelerate-variables run above loads it whole: the same run up to float summation order.
+        assert max_difference(run["weights"], expected["weights"]) <= (0.0 if exact else 1e-4)
 
 
 @pytest.mark.slow

@@ -97,3 +97,44 @@ def test_missing_tracker_package_says_what_to_install(tmp_path, monkeypatch, nam
     monkeypatch.setitem(sys.modules, name, None)  # makes `import name` fail
     with pytest.raises(ImportError, match=rf"report_to='{name}' needs: pip install 'grpokit\[trackers\]'"):
         MetricSink(str(tmp_path), [name], None, None, {})
+
+
+class RecordingTracker:
+    """Stands in for a tracker service: keeps the tables it is sent."""
+
+    def __init__(self):
+        self.tables = []
+
+    def log(self, metrics, step):
+        pass
+
+    def log_table(self, name, columns, rows, step):
+        self.tables.append((name, columns, rows, step))
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("unique", [False, True])
+def test_log_unique_prompts_keeps_the_first_row_of_each_prompt_in_the_trackers_table(tmp_path, unique):
+    samples = [{"prompt": p, "completion": c, "reward": r, "advantage": 0.0}
+               for p, c, r in [("a:", "a", 1.0), ("b:", "x", 0.0), ("a:", "b", 0.0), ("b:", "b", 1.0),
+                               ([{"role": "user", "content": "c"}], "c", 1.0), ([{"role": "user", "content": "c"}], "d", 0.0)]]  # fmt: skip
+    sink = MetricSink(str(tmp_path / "out"), [], "run", None, {})
+    sink.trackers.append(tracker := RecordingTracker())
+    sink.write_completions(3, samples, unique_prompts=unique)
+    ((name, columns, rows, step),) = tracker.tables
+    completions = [row[1] for row in rows]
+    assert completions == (["a", "x", "c"] if unique else ["a", "x", "b", "b", "c", "d"])
+    assert len((tmp_path / "out" / "completions.jsonl").read_text().splitlines()) == 6  # the file keeps all
+
+
+def test_trainer_passes_log_unique_prompts_to_the_trackers_table(tmp_path, monkeypatch):
+    model_dir = str(save_tiny_model(tmp_path / "tiny", chars=LETTERS + ":", hidden_size=32))
+    args = letter_config(tmp_path, max_steps=1, log_completions=True, log_unique_prompts=True)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset())
+    sent, write = [], MetricSink.write_completions
+    monkeypatch.setattr(MetricSink, "write_completions",
+                        lambda self, step, samples, unique=False: sent.append(unique) or write(self, step, samples, unique))
+    trainer.train()
+    assert sent == [True]

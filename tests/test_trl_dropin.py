@@ -595,3 +595,127 @@ def test_suppressed_tokens_are_refused_with_vllm_rather_than_ignored(tmp_path):
         vllm_engine.sample(None, [[5, 6]], [2], SamplingParams(max_new_tokens=2, suppress_token_ids=(3,)), seed=0)
     with pytest.raises(ValueError, match="suppress_tokens is not supported with use_vllm=True"):
         config(tmp_path, use_vllm=True, generation_kwargs={"suppress_tokens": [3]})
+
+
+# ---------------------------------------------------------------------------------- deepspeed (TRL's field)
+ZERO2 = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
+         "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"}}  # fmt: skip
+LAUNCHED = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+def test_deepspeed_config_is_read_from_a_dict_a_json_string_or_a_file(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ZERO2))
+    for given in (ZERO2, json.dumps(ZERO2), str(path)):
+        args = config(tmp_path, deepspeed=given)
+        assert args.deepspeed_config() == ZERO2
+    args = config(tmp_path, deepspeed=ZERO2)
+    args.deepspeed_config()["zero_optimization"]["stage"] = 3  # a copy: the field keeps what the user gave
+    assert args.deepspeed["zero_optimization"]["stage"] == 2 and config(tmp_path).deepspeed_config() is None
+
+
+@pytest.mark.parametrize("given, message", [
+    ({**ZERO2, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, "'optimizer' section"),
+    ({**ZERO2, "optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR"}}, "'optimizer' and 'scheduler'"),
+    ({"train_micro_batch_size_per_gpu": "auto"}, "no 'zero_optimization' section"),
+    ("no/such/ds_config.json", "neither a dict, a JSON object nor the path of a JSON file"),
+])  # fmt: skip
+def test_deepspeed_config_grpokit_cannot_follow_is_refused_at_once(tmp_path, given, message):
+    with pytest.raises(ValueError, match=message):
+        config(tmp_path, deepspeed=given)
+
+
+def test_deepspeed_values_that_disagree_with_the_run_are_named(tmp_path, monkeypatch):
+    pytest.importorskip("deepspeed")
+    from grpokit.distributed import deepspeed_plugin
+
+    args = config(tmp_path, deepspeed={**ZERO2, "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
+                                       "train_batch_size": 16, "bf16": {"enabled": True}})  # fmt: skip
+    with pytest.raises(ValueError, match="needs a distributed launcher .RANK, LOCAL_RANK, WORLD_SIZE"):
+        deepspeed_plugin(args, 1)
+    for name, value in LAUNCHED.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError) as error:
+        deepspeed_plugin(args, 2)
+    # per device 8 (not 4), accumulation 1, 2 processes: 16 in all (as given); clipping 1.0 (as given); bf16 off.
+    assert str(error.value).splitlines()[1:3] == [
+        "  train_micro_batch_size_per_gpu: 4 in the DeepSpeed config, 8 from GRPOConfig",
+        "  bf16.enabled: True in the DeepSpeed config, False from GRPOConfig"]
+    plugin = deepspeed_plugin(config(tmp_path, deepspeed={**ZERO2, "train_batch_size": 16}), 2)
+    assert plugin.zero_stage == 2 and plugin.deepspeed_config["train_batch_size"] == 16
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ValueError, match="the launch asks for FSDP"):
+        deepspeed_plugin(config(tmp_path, deepspeed=ZERO2), 2)
+
+
+# ------------------------------------------------------------------------------- fsdp / fsdp_config (TRL's fields)
+def test_fsdp_fields_become_accelerates_fsdp2_plugin_arguments_as_transformers_makes_them(tmp_path):
+    path = tmp_path / "fsdp.json"
+    path.write_text(json.dumps({"fsdp_transformer_layer_cls_to_wrap": "Qwen2DecoderLayer",
+                                "fsdp_state_dict_type": "SHARDED_STATE_DICT", "activation_checkpointing": "true"}))
+    base = {"fsdp_version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "state_dict_type": "FULL_STATE_DICT",
+            "reshard_after_forward": True, "cpu_ram_efficient_loading": False}  # fmt: skip
+    assert config(tmp_path).fsdp_plugin_kwargs() is None
+    assert config(tmp_path, fsdp="full_shard auto_wrap").fsdp_plugin_kwargs() == base
+    assert config(tmp_path, fsdp=True).fsdp_plugin_kwargs() == base
+    assert config(tmp_path, fsdp=["shard_grad_op", "offload"]).fsdp_plugin_kwargs() == {
+        **base, "reshard_after_forward": False, "cpu_offload": True}
+    # fsdp_config (a file here, keys with and without the prefix) wins over the legacy option string.
+    assert config(tmp_path, fsdp="shard_grad_op", fsdp_config=str(path)).fsdp_plugin_kwargs() == {
+        **base, "reshard_after_forward": False, "state_dict_type": "SHARDED_STATE_DICT",
+        "activation_checkpointing": True, "transformer_cls_names_to_wrap": "Qwen2DecoderLayer"}
+    assert config(tmp_path, fsdp=True, fsdp_config={"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 1000,
+                                                    "reshard_after_forward": False}).fsdp_plugin_kwargs() == {
+        **base, "auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 1000, "reshard_after_forward": False}
+    with pytest.warns(UserWarning, match="fsdp_config is set but fsdp is not: FSDP stays off"):
+        assert config(tmp_path, fsdp_config={"version": 2}).fsdp_plugin_kwargs() is None
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"fsdp": "hybrid_shard"}, "'hybrid_shard' is an FSDP1 strategy"),
+    ({"fsdp": "full_shard sideways"}, "unknown option 'sideways'"),
+    ({"fsdp": True, "fsdp_config": {"fsdp_version": 1}}, "version 1 .FSDP1. is not supported"),
+    ({"fsdp": True, "fsdp_config": {"backward_prefetch": "BACKWARD_PRE", "xla": True}},
+     r"\['backward_prefetch', 'xla'\]: not FSDP2 options"),
+    ({"fsdp": True, "fsdp_config": {"auto_wrap_policy": "EVERYTHING"}}, "auto_wrap_policy='EVERYTHING'"),
+    ({"fsdp": True, "fsdp_config": {"state_dict_type": "LOCAL_STATE_DICT"}}, "state_dict_type='LOCAL_STATE_DICT'"),
+    ({"fsdp": True, "deepspeed": ZERO2}, "fsdp and deepspeed are both set"),
+])  # fmt: skip
+def test_fsdp_fields_grpokit_would_not_run_are_refused_at_once(tmp_path, fields, message):
+    with pytest.raises(ValueError, match=message):
+        config(tmp_path, **fields)
+
+
+# ----------------------------------------------------------------------------------------- debug (TRL's field)
+def test_debug_underflow_overflow_stops_at_the_first_inf_and_names_the_module(tmp_path, capsys):
+    model, tokenizer = tiny()
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] = float("inf")  # the second layer's MLP makes infs
+    trainer = GRPOTrainer(model=model, reward_funcs=repeat_letter, processing_class=tokenizer, train_dataset=letters(),
+                          args=config(tmp_path, debug="underflow_overflow"))  # fmt: skip
+    with pytest.raises(ValueError, match="DebugUnderflowOverflow: inf/nan detected"):
+        trainer.train()
+    report = capsys.readouterr().out
+    assert "Detected inf/nan during batch_number=0" in report and "model.layers.1.mlp.down_proj" in report
+    assert config(tmp_path, debug=["underflow_overflow"]).debug == ["underflow_overflow"]
+    with pytest.raises(ValueError, match="'tpu_metrics_debug' is not supported"):
+        config(tmp_path, debug="underflow_overflow tpu_metrics_debug")
+
+
+def test_ignore_data_skip_starts_the_current_epoch_over_on_resume(tmp_path):
+    def recording(seen):
+        def reward(prompts, completions, letter, **kwargs):
+            seen.append(sorted(set(prompts)))
+            return repeat_letter(completions, letter)
+        return reward
+
+    first = []  # 16 prompts, 2 a step: the epoch lasts 8 steps
+    trainer_for(tmp_path, reward_funcs=recording(first), args=config(tmp_path, save_strategy="steps", save_steps=2)).train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    for ignore, expected in ((False, first[2:4]), (True, first[0:2])):
+        seen = []
+        trainer = trainer_for(tmp_path / str(ignore), reward_funcs=recording(seen),
+                              args=config(tmp_path / str(ignore), ignore_data_skip=ignore))  # fmt: skip
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+        assert seen == expected and trainer.state.global_step == 4
+    assert first[0:2] != first[2:4]
