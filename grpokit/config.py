@@ -421,8 +421,10 @@ class GRPOConfig:
     vllm_server_port: int = _f(8000, "Server mode: the server's port (when no vllm_server_base_url).")
     vllm_server_timeout: float = _f(240.0, "Server mode: seconds to wait for the server to come up, and for each "
                                            "request, before failing with a clear error.")
-    vllm_group_port: int = _not_implemented(51216, "TRL's NCCL weight-broadcast port; grpokit's server mode sends "
-                                                   "the weights as safetensors over HTTP.")
+    vllm_group_port: int | None = _f(None, "Server mode: push the weights through a process group with the server, "
+                                           "whose store it hosts at this port (NCCL between GPUs, gloo between "
+                                           "CPUs), as TRL does at its default 51216. None (grpokit's default): "
+                                           "safetensors over HTTP, which needs no port.")
     vllm_gpu_memory_utilization: float = _f(0.3, "Colocate on GPU: the share of GPU memory vLLM takes. On CPU the KV "
                                                  "cache size is VLLM_CPU_KVCACHE_SPACE (GiB; grpokit's default 1).")
     vllm_max_model_length: int | None = _f(None, "vLLM's max_model_len, prompt plus completion tokens "

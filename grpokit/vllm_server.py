@@ -17,8 +17,16 @@ The protocol is plain HTTP with JSON (stdlib on both sides; one request at a tim
                           `instance` is not this server's (it restarted and lost the pushed weights)
     POST /update_weights  body: the weights as safetensors bytes, checkpoint names -> {"version": int}
 
-Weights travel as safetensors over HTTP (on one machine over the loopback); TRL's NCCL broadcast
-(`vllm_group_port`) is not implemented.
+and, for weights broadcast through a process group (the trainer's `vllm_group_port`, as TRL's; NCCL between GPUs,
+gloo between CPUs: `grpokit.rollout.weight_broadcast`):
+
+    POST /init_communicator          {"port": int, "backend": "nccl" | "gloo", "timeout": s} -> the server hosts the
+                                     group's store at that port and waits, in the background, for the trainer
+    POST /update_weights_collective  {"params": [[name, dtype, shape], ...]} -> the server receives them, in the
+                                     background, as the trainer broadcasts them
+    POST /weights_received           -> {"version": int} once they are received and loaded into vLLM
+
+Without a group port, weights travel as safetensors over HTTP (on one machine over the loopback).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import uuid
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -34,7 +43,7 @@ from pathlib import Path
 class VLLMService:
     """The state behind the HTTP handler: one vLLM engine, its weight version and instance id."""
 
-    def __init__(self, model_dir: str, **llm_options):
+    def __init__(self, model_dir: str, host: str = "0.0.0.0", **llm_options):
         from .rollout.vllm import start_llm
 
         config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -43,6 +52,8 @@ class VLLMService:
         self.info.update(logprobs_mode="processed_logprobs", instance=uuid.uuid4().hex, model=str(model_dir))
         self.llm, _ = start_llm(model_dir, **llm_options)
         self.version = 0
+        self.host, self.group, self.backend = host, None, None
+        self._background, self._outcome = None, {}  # the group's joining or a receiving thread; its outcome
 
     def describe(self) -> dict:
         return {**self.info, "version": self.version}
@@ -63,6 +74,67 @@ class VLLMService:
         from .rollout.vllm import guarded_process_state, push_weights
 
         weights = load(body)
+        with guarded_process_state():
+            push_weights(self.llm, iter(weights.items()), bool(self.info["tie_word_embeddings"]))
+        self.version += 1
+        return {"version": self.version}
+
+
+    # ---------------------------------------------------------------------- weights through a process group
+
+    def _run_in_background(self, work) -> None:
+        """Start `work` in a thread (the trainer's side of it starts once this request is answered); its result
+        or error is kept for `_finish_background`."""
+        self._finish_background()
+        outcome = {}
+
+        def run():
+            try:
+                outcome["result"] = work()
+            except BaseException as error:  # reported to the trainer by the next request that waits for it
+                outcome["error"] = error
+
+        self._background, self._outcome = threading.Thread(target=run, daemon=True), outcome
+        self._background.start()
+
+    def _finish_background(self):
+        if self._background is None:
+            return None
+        self._background.join()
+        self._background, outcome = None, self._outcome
+        if "error" in outcome:
+            raise RuntimeError(f"weight broadcast failed on the server: {outcome['error']!r}") from outcome["error"]
+        return outcome.get("result")
+
+    def init_communicator(self, request: dict) -> dict:
+        from .rollout.weight_broadcast import open_group
+
+        self.group, self.backend = None, request["backend"]
+
+        def join():
+            self.group = open_group(self.backend, self.host, int(request["port"]), 0, float(request["timeout"]))
+
+        self._run_in_background(join)
+        return {"status": "joining", "port": request["port"]}
+
+    def update_weights_collective(self, request: dict) -> dict:
+        import torch
+
+        from .rollout.weight_broadcast import receive
+
+        self._finish_background()  # the group has been joined
+        if self.group is None:
+            raise RuntimeError("no process group: POST /init_communicator first")
+        device = torch.device("cuda" if self.backend == "nccl" else "cpu")
+        self._run_in_background(lambda: receive(self.group, request["params"], device))
+        return {"status": "receiving", "tensors": len(request["params"])}
+
+    def weights_received(self) -> dict:
+        from .rollout.vllm import guarded_process_state, push_weights
+
+        weights = self._finish_background()
+        if weights is None:
+            raise RuntimeError("no weights were announced: POST /update_weights_collective first")
         with guarded_process_state():
             push_weights(self.llm, iter(weights.items()), bool(self.info["tie_word_embeddings"]))
         self.version += 1
@@ -101,6 +173,12 @@ def handler_for(service: VLLMService):
                     self._reply(200, service.generate(request))
                 elif self.path == "/update_weights":
                     self._reply(200, service.update_weights(self._body()))
+                elif self.path == "/init_communicator":
+                    self._reply(200, service.init_communicator(json.loads(self._body())))
+                elif self.path == "/update_weights_collective":
+                    self._reply(200, service.update_weights_collective(json.loads(self._body())))
+                elif self.path == "/weights_received":
+                    self._reply(200, service.weights_received())
                 else:
                     self._reply(404, {"error": f"no such endpoint {self.path}"})
             except Exception as error:  # the trainer gets the server's error, not a dropped connection
@@ -128,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="CPU only: VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--seed", type=int, default=0)
     options = parser.parse_args(argv)
-    service = VLLMService(options.model, dtype=options.dtype, max_model_len=options.max_model_len,
+    service = VLLMService(options.model, host=options.host, dtype=options.dtype, max_model_len=options.max_model_len,
                           max_num_seqs=options.max_num_seqs, gpu_memory_utilization=options.gpu_memory_utilization,
                           tensor_parallel_size=options.tensor_parallel_size, model_impl=options.model_impl,
                           kv_cache_gib=options.kv_cache_gib, seed=options.seed)  # fmt: skip

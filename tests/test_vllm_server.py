@@ -14,7 +14,7 @@ from transformers import TrainerCallback
 
 from grpokit import GRPOTrainer
 from letters import letter_config, letter_dataset, repeat_letter
-from test_vllm import check_pushes, logprob_gap, tiny
+from test_vllm import TOLERANCE, check_pushes, logprob_gap, tiny, train_a_step
 
 pytestmark = pytest.mark.vllm
 
@@ -81,6 +81,27 @@ def test_server_logprobs_equal_the_training_forward_after_each_push(server):
     check_pushes(engine, model, tokenizer)
 
 
+def test_broadcast_pushes_through_a_process_group_give_the_training_forwards_logprobs(server):
+    # TRL's vllm_group_port: the weights go through a gloo group of two on CPU (NCCL on GPUs), not over HTTP.
+    from grpokit.rollout.vllm_client import VLLMServerEngine
+
+    url, _ = server
+    model, tokenizer = tiny(tied=True, seed=2)  # neither the served checkpoint nor the other tests' weights
+    engine = VLLMServerEngine(model, url, timeout=30, group_port=free_port())
+    assert logprob_gap(engine, model, tokenizer) > 1e-2
+    version = engine.request("GET", "/info")["version"]
+    engine.sync_weights(model)
+    assert engine.pushes == 1 and engine.group is not None
+    assert engine.request("GET", "/info")["version"] == version + 1
+    engine.pushes = 0
+    check_pushes(engine, model, tokenizer)
+    # A second client (a new run against the same server) joins a group of its own at another port.
+    again = VLLMServerEngine(model, url, timeout=30, group_port=free_port())
+    train_a_step(model, seed=7)
+    again.sync_weights(model)
+    assert logprob_gap(again, model, tokenizer) <= TOLERANCE
+
+
 def test_server_of_another_vocabulary_or_model_is_refused(server):
     from grpokit.rollout.vllm_client import VLLMServerEngine
     from grpokit.testing import build_char_tokenizer, build_tiny_model
@@ -104,13 +125,15 @@ class KillAt(TrainerCallback):
             stop(self.process)
 
 
-def test_the_server_going_away_mid_run_fails_clearly_and_the_run_resumes(tmp_path):
+@pytest.mark.parametrize("transport", ["http", "broadcast"])
+def test_the_server_going_away_mid_run_fails_clearly_and_the_run_resumes(tmp_path, transport):
     model, tokenizer = tiny(seed=0)
     model_dir = save(model, tokenizer, tmp_path / "model")
     port = free_port()
     args = letter_config(tmp_path, max_steps=6, save_steps=2, save_strategy="steps", use_vllm=True,
                          vllm_mode="server", vllm_server_host="127.0.0.1", vllm_server_port=port,
-                         vllm_server_timeout=20, vllm_importance_sampling_mode="token_truncate")  # fmt: skip
+                         vllm_server_timeout=20, vllm_importance_sampling_mode="token_truncate",
+                         vllm_group_port=free_port() if transport == "broadcast" else None)  # fmt: skip
     process = start_server(model_dir, port)
     try:
         trainer = GRPOTrainer(model=str(model_dir), reward_funcs=repeat_letter, args=args,

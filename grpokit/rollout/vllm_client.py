@@ -18,6 +18,7 @@ import json
 import socket
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import torch
@@ -39,8 +40,11 @@ class VLLMServerEngine:
     exact_logprobs = False
 
     def __init__(self, model: torch.nn.Module, base_url: str, timeout: float = 240.0, retries: int = 3,
-                 process_index: int = 0, num_processes: int = 1):  # fmt: skip
+                 process_index: int = 0, num_processes: int = 1, group_port: int | None = None):  # fmt: skip
+        """group_port: push the weights through a process group with the server at that port (NCCL between GPUs,
+        gloo between CPUs; TRL's vllm_group_port) instead of as safetensors over HTTP."""
         self.base_url, self.timeout, self.retries = base_url.rstrip("/"), timeout, retries
+        self.group_port, self.group, self.group_instance = group_port, None, None
         self.process_index, self.num_processes = process_index, num_processes
         self.wait_until_up()
         self.info = self.request("GET", "/info")
@@ -54,7 +58,7 @@ class VLLMServerEngine:
                     num_processes: int = 1) -> "VLLMServerEngine":  # fmt: skip
         base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         return cls(model, base_url, timeout=args.vllm_server_timeout, process_index=process_index,
-                   num_processes=num_processes)  # fmt: skip
+                   num_processes=num_processes, group_port=args.vllm_group_port)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ the protocol
 
@@ -103,11 +107,30 @@ class VLLMServerEngine:
                 key = (tensor.data_ptr(), tuple(tensor.shape))
                 if key not in seen:  # a tied weight once (the server ties it back)
                     seen.add(key)
-                    tensors[name] = tensor.detach().contiguous().cpu()
-            payload = save(tensors)
-        self.request("POST", "/update_weights", payload)
+                    tensors[name] = tensor.detach().contiguous()
+            if self.group_port is None:
+                self.request("POST", "/update_weights", save({k: v.cpu() for k, v in tensors.items()}))
+            else:
+                self._broadcast(list(tensors.items()))
         self._model = model
         self.pushes += 1
+
+    def _broadcast(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """The weights through the process group (joined at the first push, and again with a restarted server)."""
+        from .weight_broadcast import TRAINER_RANK, describe, open_group, send
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if self.group is None or self.group_instance != self.info["instance"]:
+            self.request("POST", "/init_communicator", {"port": self.group_port, "backend": backend,
+                                                         "timeout": self.timeout})  # fmt: skip
+            host = urllib.parse.urlparse(self.base_url).hostname
+            self.group = open_group(backend, host, self.group_port, TRAINER_RANK, self.timeout)
+            self.group_instance = self.info["instance"]
+        device = torch.device("cuda" if backend == "nccl" else "cpu")
+        weights = [(name, tensor.to(device)) for name, tensor in weights]
+        self.request("POST", "/update_weights_collective", {"params": describe(weights)})
+        send(self.group, weights)
+        self.request("POST", "/weights_received")
 
     def wait_until_up(self) -> None:
         deadline = time.monotonic() + self.timeout
