@@ -303,10 +303,10 @@ class GRPOConfig:
     torch_compile_mode: str | None = _not_implemented(None, "torch.compile mode (see torch_compile).")
     neftune_noise_alpha: float | None = _not_implemented(None, "TRL adds NEFTune noise to the embeddings (an SFT "
                                                                "technique); grpokit does not.")
-    bf16_full_eval: bool = _not_implemented(False, "TRL evaluates in pure bfloat16; grpokit evaluates with the "
-                                                   "training precision (set bf16).")
-    fp16_full_eval: bool = _not_implemented(False, "TRL evaluates in pure float16; grpokit evaluates with the "
-                                                   "training precision (set fp16).")
+    bf16_full_eval: bool = _f(False, "evaluate() called outside train() first casts the policy to bfloat16, in "
+                                     "place and for good, as transformers' Trainer does; evaluations during "
+                                     "train() keep the training precision.")
+    fp16_full_eval: bool = _f(False, "As bf16_full_eval, in float16.")
     log_unique_prompts: bool = _f(False, "With log_completions, the trackers' completions table keeps one row per "
                                          "prompt (the first), as TRL's; completions.jsonl and the console keep all.")
     log_completions_hub_repo: str | None = _not_implemented(None, "TRL uploads completions to a Hub dataset; "

@@ -222,6 +222,7 @@ class GRPOTrainer:
         self.window = MetricWindow()
         self.cursor = GenerationCursor()
         self._last_evaluation: dict | None = None  # the latest evaluation's record (metric_for_best_model)
+        self._in_train = False
         self.router_aux_loss_coef = router_aux_loss_coef(args, self.unwrapped_model)
         self.activation_offload = activation_offload(args, acc.device)
         if args.padding_free:
@@ -262,11 +263,18 @@ class GRPOTrainer:
         """Train to max_steps (or num_train_epochs); returns transformers' `TrainOutput(global_step,
         training_loss, metrics)` and appends the summary record (`train_loss`, `train_runtime`, ...) to
         `state.log_history`, as the HF Trainer does."""
+        if unused:
+            raise TypeError(f"train() got unexpected arguments {sorted(unused)}; it takes resume_from_checkpoint.")
+        self._in_train = True  # evaluations inside keep the training precision (bf16_full_eval / fp16_full_eval)
+        try:
+            return self._train(resume_from_checkpoint)
+        finally:
+            self._in_train = False
+
+    def _train(self, resume_from_checkpoint: bool | str | None):
         from tqdm.auto import tqdm
         from transformers.trainer_utils import TrainOutput
 
-        if unused:
-            raise TypeError(f"train() got unexpected arguments {sorted(unused)}; it takes resume_from_checkpoint.")
         args, acc = self.args, self.accelerator
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
         if resume:
@@ -694,6 +702,10 @@ class GRPOTrainer:
         dataset = self.eval_dataset if eval_dataset is None else eval_dataset
         if dataset is None:
             raise ValueError("No eval_dataset: pass one to GRPOTrainer(eval_dataset=...) or to evaluate().")
+        full_eval = torch.float16 if self.args.fp16_full_eval else torch.bfloat16 if self.args.bf16_full_eval else None
+        if full_eval is not None and not self._in_train:
+            # transformers' Trainer: outside train(), the model itself is cast (in place, for good) for evaluation.
+            self.unwrapped_model.to(dtype=full_eval)
         metrics: dict[str, float] = {}
         for name, one in named_eval_datasets(dataset).items():
             prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"

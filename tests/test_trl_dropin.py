@@ -3,6 +3,7 @@ TrainerControl, optimizers=, IterableDataset, named eval sets and eval_loss, the
 log_metric / log_extra, and optimizer steps that straddle two generation batches."""
 
 import json
+import math
 import os
 import signal
 import threading
@@ -719,3 +720,15 @@ def test_ignore_data_skip_starts_the_current_epoch_over_on_resume(tmp_path):
         trainer.train(resume_from_checkpoint=str(checkpoint))
         assert seen == expected and trainer.state.global_step == 4
     assert first[0:2] != first[2:4]
+
+
+@pytest.mark.parametrize("name, dtype", [("bf16_full_eval", torch.bfloat16), ("fp16_full_eval", torch.float16)])
+def test_full_eval_casts_the_model_for_evaluate_outside_train_only(tmp_path, name, dtype):
+    trainer = trainer_for(tmp_path, eval_dataset=letters(1),
+                          args=config(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=2, **{name: True}))
+    trainer.train()  # evaluates at step 2 in float32, as transformers' Trainer does inside train()
+    assert "eval/reward" in trainer.state.log_history[-2]
+    assert {p.dtype for p in trainer.unwrapped_model.parameters()} == {torch.float32}
+    metrics = trainer.evaluate()
+    assert {p.dtype for p in trainer.unwrapped_model.parameters()} == {dtype}
+    assert 0.0 <= metrics["eval/reward"] <= 1.0 and math.isfinite(metrics["eval_loss"])
