@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from .config import GRPOConfig
+from .config import GRPOConfig, annotation_of
 
 RUN_KEYS = ("model", "dataset", "dataset_split", "reward", "eval_dataset", "eval_dataset_split")
 
@@ -27,8 +27,10 @@ def _parse_value(raw: str):
 
 
 def _field_types(name: str) -> set[str]:
-    """The types a field's annotation allows, by name: `float | None` -> {'float', 'None'}."""
-    return {part.strip() for part in str(GRPOConfig.__dataclass_fields__[name].type).split("|")}
+    """The types a field's annotation allows, by name: `float | None` -> {'float', 'None'}, `list[str]` -> 'list',
+    `Literal[False]` -> 'bool'."""
+    parts = (part.strip() for part in annotation_of(name).split("|"))
+    return {"bool" if part.startswith("Literal[") else part.split("[")[0] for part in parts}
 
 
 def _coerce(name: str, value):

@@ -23,17 +23,19 @@ import enum
 import importlib.util
 import json
 import math
+import types
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from .advantages import SCALE_REWARDS
 from .logs import TRACKERS
 from .loss import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, SAMPLING_CORRECTION_MODES
 
-if TYPE_CHECKING:
-    from accelerate.parallelism_config import ParallelismConfig
+# A runtime import, not under TYPE_CHECKING: transformers' HfArgumentParser (TRL's TrlParser) resolves every field's
+# annotation when it builds a command line from GRPOConfig.
+from accelerate.parallelism_config import ParallelismConfig  # noqa: E402
 
 # transformers' schedules that need no metric; extra arguments go in lr_scheduler_kwargs (name -> required keys,
 # any one of which will do).
@@ -101,7 +103,7 @@ class GRPOConfig:
     log_level: str = _f("passive", "transformers' logging level on the main process ('debug', 'info', 'warning', "
                                    "'error', 'critical'; 'passive' leaves it as it is).")
     log_level_replica: str = _f("warning", "transformers' logging level on the other processes (same values).")
-    report_to: str | list | None = _f("none", f"Trackers besides metrics.jsonl: {', '.join(TRACKERS)}, a list of "
+    report_to: None | str | list[str] = _f("none", f"Trackers besides metrics.jsonl: {', '.join(TRACKERS)}, a list of "
                                               f"them, 'all' (those installed) or 'none'.")
     project: str = _f("huggingface", "Trackio project the run is logged to (report_to='trackio').")
     disable_tqdm: bool | None = _f(None, "Hide the progress bar (None: show it).")
@@ -125,14 +127,14 @@ class GRPOConfig:
     optim: str = _f("adamw_torch", "Optimizer, by transformers' name (adamw_torch, adamw_torch_fused, adafactor, sgd, "
                                    "adamw_8bit, ...): grpokit.optim.build_optimizer.")
     optim_args: str | None = _f(None, "Extra optimizer arguments as 'key=value,key=value' (transformers' format).")
-    optim_target_modules: str | list | None = _f(None, "Modules that GaLore / APOLLO optimizers project.")
+    optim_target_modules: None | str | list[str] = _f(None, "Modules that GaLore / APOLLO optimizers project.")
     weight_decay: float = _f(0.0, "Weight decay (not applied to biases and norm weights, as in transformers).")
     adam_beta1: float = _f(0.9, "Adam beta1.")
     adam_beta2: float = _f(0.999, "Adam beta2.")
     adam_epsilon: float = _f(1e-8, "Adam epsilon.")
     max_grad_norm: float = _f(1.0, "Clip the gradient to this global norm (0 or less: no clipping).")
     lr_scheduler_type: str = _f("linear", f"Learning-rate schedule: one of {', '.join(LR_SCHEDULERS)}.")
-    lr_scheduler_kwargs: dict | None = _f(None, "Extra arguments of the schedule (e.g. min_lr_rate).")
+    lr_scheduler_kwargs: dict | str | None = _f(None, "Extra arguments of the schedule (e.g. min_lr_rate).")
     warmup_steps: float = _f(0, "Linear warm-up over this many steps; a float in (0, 1) is a fraction of all steps.")
     seed: int = _f(42, "Seed of every random generator (data order, sampling, initialisation).")
     data_seed: int | None = _f(None, "Seed of the data order only (default: seed).")
@@ -146,10 +148,10 @@ class GRPOConfig:
                                                   "and the like) before the backward of every micro-batch of every "
                                                   "N-th optimizer step, as transformers' Trainer (None: never).")
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass to save memory.")
-    gradient_checkpointing_kwargs: dict | None = _f(None, "Passed to model.gradient_checkpointing_enable.")
+    gradient_checkpointing_kwargs: dict | str | None = _f(None, "Passed to model.gradient_checkpointing_enable.")
     activation_checkpointing: bool | None = _f(None, "transformers 5's name for gradient_checkpointing (wins when "
                                                      "set).")
-    activation_checkpointing_kwargs: dict | None = _f(None, "transformers 5's name for gradient_checkpointing_kwargs "
+    activation_checkpointing_kwargs: dict | str | None = _f(None, "transformers 5's name for gradient_checkpointing_kwargs "
                                                             "(wins when set).")
     use_cpu: bool = _f(False, "Train on the CPU even when a GPU is present.")
     shuffle_dataset: bool | None = _f(True, "Shuffle the prompts each epoch.")
@@ -167,7 +169,7 @@ class GRPOConfig:
     ddp_static_graph: bool | None = _f(None, "DDP's static_graph (None: DDP's default, False).")
 
     # ---- model
-    model_init_kwargs: dict | None = _f(None, "Keyword arguments of from_pretrained when model is a path / id.")
+    model_init_kwargs: dict | str | None = _f(None, "Keyword arguments of from_pretrained when model is a path / id.")
     disable_dropout: bool = _f(True, "Turn dropout off so that sampling and training see the same policy.")
 
     # ---- data and generation
@@ -181,7 +183,7 @@ class GRPOConfig:
     top_k: int | None = _f(0, "Keep only the k most likely tokens (None or 0: all).")
     min_p: float | None = _f(None, "Drop tokens less likely than min_p times the most likely one.")
     repetition_penalty: float = _f(1.0, "CTRL repetition penalty on tokens already in the prompt/completion.")
-    chat_template_kwargs: dict | None = _f(None, "Extra arguments of tokenizer.apply_chat_template.")
+    chat_template_kwargs: dict | str | None = _f(None, "Extra arguments of tokenizer.apply_chat_template.")
 
     # ---- the objective
     beta: float = _f(0.0, "KL coefficient (k3 estimator); 0 loads no reference model.")
@@ -190,8 +192,8 @@ class GRPOConfig:
     epsilon_high: float | None = _f(None, "Upper clipping bound 1 + epsilon_high (DAPO clip-higher; default: epsilon).")
     delta: float | None = _f(None, "Two-sided clipping: cap the unclipped ratio at delta (> 1 + epsilon).")
     importance_sampling_level: str = _f("token", "'token' ratios (GRPO) or one 'sequence' ratio (GSPO).")
-    reward_weights: list | None = _f(None, "Weight of each reward function (default: all 1).")
-    scale_rewards: str | bool = _f("group", "Divide advantages by the std of the 'group', the 'batch', or 'none'.")
+    reward_weights: list[float] | None = _f(None, "Weight of each reward function (default: all 1).")
+    scale_rewards: str = _f("group", "Divide advantages by the std of the 'group', the 'batch', or 'none'.")
     loss_type: str = _f("dapo", f"Token aggregation: one of {', '.join(AGGREGATIONS)}.")
     mask_truncated_completions: bool = _f(False, "Exclude completions that hit max_completion_length from the loss.")
     sync_ref_model: bool = _f(False, "Move the reference towards the policy every ref_model_sync_steps.")
@@ -232,7 +234,7 @@ class GRPOConfig:
                                      "groups fill what is missing, counted in dynamic_sampling/filled_groups).")
     reward_routing_column: str = _f("reward_funcs", "Dataset column listing, per row, the names of the reward "
                                                     "functions that apply to it (the others count as None).")
-    step_separator: str | int = _f("\n", "Where process rewards cut a completion into steps (a token id for models "
+    step_separator: str = _f("\n", "Where process rewards cut a completion into steps (a token id for models "
                                          "without a tokenizer).")
     save_merged: bool = _f(False, "With LoRA, save_model also writes the adapter merged into full weights "
                                   "(in <dir>/merged).")
@@ -267,7 +269,7 @@ class GRPOConfig:
                                                            "own sampler.")
     cache_implementation: str | None = _not_implemented(None, "TRL picks generate()'s KV-cache class; grpokit's "
                                                               "sampler has its own preallocated cache.")
-    generation_kwargs: dict | None = _f(None, "Sampling options as TRL passes them to generate() / vLLM: top_p, top_k, "
+    generation_kwargs: dict | str | None = _f(None, "Sampling options as TRL passes them to generate() / vLLM: top_p, top_k, "
                                               "min_p, repetition_penalty (they override the named fields, as in "
                                               "TRL), eos_token_id / stop_token_ids (more tokens that end a "
                                               "completion), suppress_tokens (never sampled; in-process engine), "
@@ -315,7 +317,7 @@ class GRPOConfig:
                                                           "Trackio locally (trackio sync to upload).")
     trackio_bucket_id: str | None = _not_implemented(None, "Hub bucket of a Trackio Space; grpokit logs to Trackio "
                                                            "locally.")
-    trackio_static_space_id: str | bool | None = _not_implemented(None, "TRL publishes a static Trackio Space; "
+    trackio_static_space_id: str | None | Literal[False] = _not_implemented(None, "TRL publishes a static Trackio Space; "
                                                                         "grpokit logs to Trackio locally.")
     save_on_each_node: bool = _not_implemented(False, "TRL saves on every node; grpokit saves from the main process: "
                                                       "put output_dir on storage all nodes share.")
@@ -345,7 +347,7 @@ class GRPOConfig:
                                               "version (2), auto_wrap_policy, transformer_layer_cls_to_wrap, "
                                               "min_num_params, reshard_after_forward, cpu_offload, state_dict_type, "
                                               "activation_checkpointing, cpu_ram_efficient_loading.")
-    debug: str | list = _f("", "'underflow_overflow': transformers' DebugUnderflowOverflow watches every module's "
+    debug: str | list[str] = _f("", "'underflow_overflow': transformers' DebugUnderflowOverflow watches every module's "
                                "inputs, outputs and weights and stops at the first inf/nan with the last frames "
                                "(grpokit's chunked LM head is read outside the head module's forward, so the head's "
                                "logits are not among them). 'tpu_metrics_debug' is refused (no TPU support).")
@@ -367,13 +369,13 @@ class GRPOConfig:
     train_sampling_strategy: str = _no_effect("random", "TRL's GRPO ignores it too (its own prompt sampler); use "
                                                         "shuffle_dataset.")
     length_column_name: str = _no_effect("length", "only read by group_by_length sampling, which GRPO does not use.")
-    label_names: list | None = _no_effect(None, "GRPO has no labels.")
+    label_names: list[str] | None = _no_effect(None, "GRPO has no labels.")
     label_smoothing_factor: float = _no_effect(0.0, "a term of supervised losses; GRPO has none.")
     prediction_loss_only: bool = _no_effect(False, "for Trainer.predict; GRPO evaluation returns rewards.")
     eval_do_concat_batches: bool = _no_effect(True, "for compute_metrics, which GRPO evaluation does not use.")
     eval_use_gather_object: bool = _no_effect(False, "for compute_metrics, which GRPO evaluation does not use.")
     eval_accumulation_steps: int | None = _no_effect(None, "for compute_metrics, which GRPO evaluation does not use.")
-    include_for_metrics: list = _no_effect([], "for compute_metrics, which GRPO evaluation does not use.")
+    include_for_metrics: list[str] = _no_effect([], "for compute_metrics, which GRPO evaluation does not use.")
     batch_eval_metrics: bool = _no_effect(False, "for compute_metrics, which GRPO evaluation does not use.")
     average_tokens_across_devices: bool = _no_effect(True, "for label losses; GRPO's loss_type does its own token "
                                                            "normalisation across processes.")
@@ -400,7 +402,7 @@ class GRPOConfig:
                                                  "scripts call them at the end); checkpoints are not pushed.")
     hub_always_push: bool = _no_effect(False, "checkpoints are not pushed (see hub_strategy).")
     hub_revision: str | None = _f(None, "Branch of the Hub repository to push to.")
-    transformers_continuous_batching_config: dict | None = _no_effect(None, "only read with "
+    transformers_continuous_batching_config: dict | str | None = _no_effect(None, "only read with "
                                                                             "use_transformers_continuous_batching "
                                                                             "(not implemented; warned there).")
     use_vllm: bool = _f(False, "Sample with vLLM (grpokit.rollout.vllm; `pip install grpokit[vllm]`, CPU recipe in "
@@ -488,7 +490,7 @@ class GRPOConfig:
             value = getattr(self, spec.name)
             if isinstance(value, enum.Enum):  # transformers' SchedulerType.COSINE, IntervalStrategy.STEPS, ...
                 setattr(self, spec.name, value.value)
-            elif isinstance(value, str) and value.startswith("{") and "dict" in spec.type:
+            elif isinstance(value, str) and value.startswith("{") and "dict" in annotation_of(spec.name):
                 setattr(self, spec.name, json.loads(value))
         for name in ("logging_steps", "save_steps", "eval_steps", "warmup_steps"):
             value = getattr(self, name)
@@ -496,8 +498,8 @@ class GRPOConfig:
                 setattr(self, name, int(value))  # as transformers does: 10.0 steps is 10
         if isinstance(self.include_num_input_tokens_seen, bool):  # transformers' spelling
             self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
-        if isinstance(self.debug, str):  # transformers' spelling: options separated by spaces
-            self.debug = self.debug.split()
+        if isinstance(self.debug, str) or self.debug is None:  # transformers' spelling: options separated by spaces
+            self.debug = (self.debug or "").split()
         self.debug = [getattr(option, "value", option) for option in self.debug]  # DebugOption members too
         if isinstance(self.report_to, str):
             self.report_to = [] if self.report_to in ("none", "") else [self.report_to]
@@ -513,7 +515,7 @@ class GRPOConfig:
             if _is_default(value, default):
                 continue
             warnings.warn(f"GRPOConfig.{name} is deprecated: {message}", FutureWarning, stacklevel=4)
-            moved_to = GRPOConfig.__dataclass_fields__[name].metadata["moved_to"]
+            moved_to = MOVED_TO.get(name)
             if moved_to is not None:
                 setattr(self, moved_to, value)
                 setattr(self, name, default)
@@ -926,6 +928,12 @@ def _is_empty(value) -> bool:
     return value is None or (isinstance(value, (str, list, tuple, dict)) and len(value) == 0)
 
 
+def annotation_of(name: str) -> str:
+    """A field's annotation as written (`dict | str | None`). transformers' HfArgumentParser replaces the fields'
+    `type` with resolved, narrowed types (a `dict | str | None` becomes `str`), so `type` cannot be trusted."""
+    return GRPOConfig.__annotations__[name]
+
+
 def _is_default(value, default) -> bool:
     """Equal to the default, or empty where the default is empty too (transformers' older fsdp='', debug=[])."""
     return value == default or (_is_empty(value) and _is_empty(default))
@@ -943,3 +951,11 @@ NO_EFFECT: dict[str, str] = _fields_of_kind(NO_EFFECT_KIND)
 # name -> what replaces it (warned with a FutureWarning when set; still takes effect)
 DEPRECATED: dict[str, str] = _fields_of_kind(DEPRECATED_KIND)
 IMPLEMENTED: tuple[str, ...] = tuple(spec.name for spec in dataclasses.fields(GRPOConfig) if "kind" not in spec.metadata)
+# name -> the field a deprecated name moved to (a plain rename)
+MOVED_TO: dict[str, str] = {spec.name: spec.metadata["moved_to"] for spec in dataclasses.fields(GRPOConfig)
+                            if spec.metadata.get("moved_to")}  # fmt: skip
+# Each field's metadata keeps only its "help" from here on: transformers' HfArgumentParser (TRL's TrlParser) hands a
+# field's metadata to argparse's add_argument, which refuses any other key. The kinds are in the tables above.
+for _spec in dataclasses.fields(GRPOConfig):
+    _spec.metadata = types.MappingProxyType({"help": _spec.metadata["help"]})
+del _spec

@@ -237,3 +237,42 @@ def test_drift_names_added_removed_and_changed_fields():
     new = {"fields": {"beta": 0.04, "loss_type": "dapo", "added": True}}
     assert script.drift(old, new) == ["added: added (default True)", "removed: gone",
                                       "default changed: beta: 0.0 -> 0.04"]  # fmt: skip
+
+
+# ------------------------------------------------------------------------- TRL scripts' argument parsers
+def test_transformers_argument_parser_builds_grpokit_config_as_trl_scripts_do(tmp_path):
+    # TRL's example scripts build GRPOConfig from the command line with TrlParser, an HfArgumentParser: every
+    # field must be a flag of its annotation's type, and the flags' defaults must be GRPOConfig's own.
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser((GRPOConfig,))
+    (plain,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path)])
+    expected = GRPOConfig(output_dir=str(tmp_path))
+    assert {f.name: getattr(plain, f.name) for f in dataclasses.fields(GRPOConfig)} == {
+        f.name: getattr(expected, f.name) for f in dataclasses.fields(GRPOConfig)}
+    (args,) = parser.parse_args_into_dataclasses([
+        "--output_dir", str(tmp_path), "--learning_rate", "3e-6", "--num_generations", "4", "--bf16", "false",
+        "--gradient_checkpointing", "--model_init_kwargs", '{"dtype": "bfloat16"}', "--reward_weights", "1.0", "0.5",
+        "--report_to", "none", "--scale_rewards", "batch", "--fsdp", "full_shard auto_wrap",
+        "--debug", "underflow_overflow", "--vllm_group_port", "51216", "--max_steps", "3"])  # fmt: skip
+    assert (args.learning_rate, args.num_generations, args.bf16, args.gradient_checkpointing) == (3e-6, 4, False, True)
+    assert args.model_init_kwargs == {"dtype": "bfloat16"} and args.reward_weights == [1.0, 0.5]
+    assert (args.report_to, args.scale_rewards, args.debug, args.vllm_group_port) == ([], "batch",
+                                                                                      ["underflow_overflow"], 51216)
+    assert args.fsdp_plugin_kwargs()["reshard_after_forward"] is True
+    # The parser rewrites the dataclass fields' `type` in place; grpokit reads the annotations as written.
+    assert GRPOConfig(output_dir=str(tmp_path), chat_template_kwargs='{"a": 1}').chat_template_kwargs == {"a": 1}
+    assert parse_train_args(["--model", "m", "--learning_rate", "1e-3", "--reward_weights", "[1, 2]"])[1] == {
+        "learning_rate": 1e-3, "reward_weights": [1, 2]}  # grpokit's own CLI still coerces by the annotations
+
+
+def test_trl_parser_with_a_yaml_config_builds_grpokit_config(tmp_path):
+    trl = pytest.importorskip("trl")
+    (tmp_path / "recipe.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nlearning_rate: 2.0e-6\n"
+                                          "num_generations: 4\nbeta: 0.0\nlr_scheduler_kwargs: {min_lr_rate: 0.1}\n")
+    parser = trl.TrlParser((trl.ScriptArguments, GRPOConfig, trl.ModelConfig))
+    script, args, model = parser.parse_args_and_config(["--config", str(tmp_path / "recipe.yaml"),
+                                                        "--output_dir", str(tmp_path / "out")])  # fmt: skip
+    assert isinstance(args, GRPOConfig) and model.model_name_or_path == "Qwen/Qwen2.5-0.5B"
+    assert (args.learning_rate, args.num_generations, args.beta) == (2e-6, 4, 0.0)
+    assert args.lr_scheduler_kwargs == {"min_lr_rate": 0.1}
