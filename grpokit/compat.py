@@ -37,6 +37,11 @@ def deepspeed_config_of(engine) -> dict:
 # --------------------------------------------------------------------------------------------------- transformers
 
 
+def output_embeddings(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model's LM head (`get_output_embeddings()`), or None for a module that has no such method."""
+    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+
 def is_activation_checkpointing(model: torch.nn.Module) -> bool:
     """Whether gradient (activation) checkpointing is on: transformers 5 renamed `is_gradient_checkpointing`."""
     name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else \

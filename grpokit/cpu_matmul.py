@@ -34,6 +34,8 @@ import weakref
 
 import torch
 
+from .compat import output_embeddings
+
 FLOAT32_HEAD = "_grpokit_float32_gemm"  # set on the LM head module: `logprobs.chunked_token_logprobs` routes it
 
 MIN_ROWS = 16  # rows (tokens) of the input from which the float32 gemm is used (`benchmarks/cpu_matmul.py --rows`)
@@ -244,7 +246,7 @@ def float32_matmuls(model: torch.nn.Module, device: torch.device | str) -> int:
     gradient-checkpointed layer recomputes the same way."""
     if torch.device(device).type != "cpu" or cpu_has_bf16_matmul():
         return 0
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = output_embeddings(model)
     routed = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear and module is not head:

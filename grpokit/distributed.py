@@ -40,7 +40,7 @@ def build_accelerator(args: GRPOConfig):
     fsdp = fsdp_plugin(args)
     if fsdp is not None:
         kwargs["fsdp_plugin"] = fsdp
-    use_deepspeed = args.deepspeed is not None or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    use_deepspeed = args.deepspeed is not None or _launch_uses("DEEPSPEED")
     if cpu and world_size > 1 and use_deepspeed:
         # DeepSpeed on CPU processes: accelerate forms no process group for it unless told gloo, and would count one
         # process while DeepSpeed's world has all of them.
@@ -80,13 +80,18 @@ def build_accelerator(args: GRPOConfig):
     return accelerator
 
 
+def _launch_uses(kind: str) -> bool:
+    """Whether the launch asks for DeepSpeed / FSDP: `accelerate launch` sets ACCELERATE_USE_<kind> from its config."""
+    return os.environ.get(f"ACCELERATE_USE_{kind}", "false").lower() == "true"
+
+
 def deepspeed_plugin(args: GRPOConfig, world_size: int):
     """accelerate's DeepSpeedPlugin for the `deepspeed` field (None when unset), as transformers' Trainer makes it:
     the config as accelerate's deepspeed_config_file, its explicit values checked against the run's."""
     config = args.deepspeed_config()
     if config is None:
         return None
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+    if _launch_uses("FSDP"):
         raise ValueError("GRPOConfig.deepspeed is set, but the launch asks for FSDP (ACCELERATE_USE_FSDP, from an "
                          "accelerate config with FSDP): use one of them.")  # fmt: skip
     missing = [name for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -95,7 +100,7 @@ def deepspeed_plugin(args: GRPOConfig, world_size: int):
         raise ValueError(f"GRPOConfig.deepspeed needs a distributed launcher ({', '.join(missing)} not set): run the "
                          f"script with `torchrun --nproc_per_node N` (N may be 1) or `accelerate launch`, or drop "
                          f"`deepspeed` to train in this process.")  # fmt: skip
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+    if _launch_uses("DEEPSPEED"):
         warnings.warn("GRPOConfig.deepspeed is set and `accelerate launch` configured DeepSpeed too: the run uses "
                       "GRPOConfig.deepspeed (as transformers' Trainer does).", UserWarning, stacklevel=3)  # fmt: skip
     expected = {
@@ -174,7 +179,7 @@ def fsdp_plugin(args: GRPOConfig):
     kwargs = args.fsdp_plugin_kwargs()
     if kwargs is None:
         return None
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+    if _launch_uses("DEEPSPEED"):
         raise ValueError("GRPOConfig.fsdp is set, but the launch asks for DeepSpeed (ACCELERATE_USE_DEEPSPEED, from "
                          "an accelerate config with DeepSpeed): use one of them.")  # fmt: skip
     from accelerate import FullyShardedDataParallelPlugin
@@ -187,7 +192,7 @@ def fsdp_plugin(args: GRPOConfig):
                              "process used, and accelerate sets FSDP up once per process: run this config in a "
                              "process of its own.")  # fmt: skip
         return None
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+    if _launch_uses("FSDP"):
         warnings.warn("GRPOConfig.fsdp is set and `accelerate launch` configured FSDP too: the run uses "
                       "GRPOConfig.fsdp / fsdp_config (as transformers' Trainer does).", UserWarning, stacklevel=3)
     plugin = FullyShardedDataParallelPlugin(**kwargs)
@@ -206,7 +211,7 @@ def _fsdp_on_cpu(accelerator, plugin=None) -> None:
     if accelerator.distributed_type != DistributedType.MULTI_CPU:
         return
     if plugin is None:
-        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        if not _launch_uses("FSDP"):
             return
         if os.environ.get("FSDP_VERSION", "1") != "2":
             raise NotImplementedError("FSDP1 (FullyShardedDataParallel) is not supported; set `fsdp_version: 2` in "

@@ -15,7 +15,7 @@ import contextlib
 import torch
 
 from .cpu_matmul import FLOAT32_HEAD, Float32Head, frozen_head_grad, save_for_head_backward
-from .compat import cache_argument, cache_from_layers, is_activation_checkpointing, output_cache
+from .compat import cache_argument, cache_from_layers, is_activation_checkpointing, output_cache, output_embeddings
 from .distributed import is_sharded
 from .models import is_peft_model
 from .multimodal import MultimodalInputs, batch_model_inputs, is_vision_language_model, rope_position_ids
@@ -293,7 +293,7 @@ def supports_chunked_head(model: torch.nn.Module) -> bool:
         return False  # remote code with a familiar model_type may still change the head
     if any(_is_set(getattr(source, field, None)) for source in (config, lm) for field in LOGIT_TRANSFORM_FIELDS):
         return False  # on the config (Gemma 2, Granite) or on the model itself (Cohere's `logit_scale`)
-    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    head = output_embeddings(lm)
     if type(head) is not torch.nn.Linear or not head.weight.is_floating_point():
         return False
     decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
@@ -502,7 +502,7 @@ PACKED_ROW_WIDTH = 2
 def float32_head(model: torch.nn.Module):
     """The model's LM head computes in float32 (input, weight and matmul) for the duration, also under autocast."""
     lm = causal_lm_of(model)
-    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    head = output_embeddings(lm)
     if not isinstance(head, torch.nn.Linear):
         raise ValueError("cast_lm_head_to_fp32 needs a model whose output embedding is an nn.Linear.")
 

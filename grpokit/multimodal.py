@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .compat import output_embeddings
+
 IMAGE_COLUMNS = ("image", "images")
 # Processor outputs with one value per prompt token (left-padded with the prompt, zero over the completion);
 # every other tensor is per image (or per patch / per row), concatenated along its first dimension.
@@ -306,7 +308,7 @@ def vision_parameter_names(model: torch.nn.Module) -> list[str]:
     projector into the language model (and e.g. LLaVA-NeXT's `image_newline`). Tied weights count once."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     language = {id(p) for p in language_model_of(base).parameters()}
-    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    head = output_embeddings(base)
     language |= {id(p) for p in (head.parameters() if head is not None else ())}
     return [name for name, p in base.named_parameters() if id(p) not in language]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from .compat import output_embeddings
 from .cpu_matmul import float32_linear, float32_scratch
 
 
@@ -49,7 +50,7 @@ class Int8Linear(torch.nn.Module):
 def quantize_linears(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
     """Replace `model`'s `nn.Linear` layers, all but its output embedding, by `Int8Linear` in place; returns how
     many. A layer routed through `cpu_matmul` keeps the route."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = output_embeddings(model)
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

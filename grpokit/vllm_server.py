@@ -11,7 +11,8 @@ The protocol is plain HTTP with JSON (stdlib on both sides; one request at a tim
 
     GET  /health          {"status": "ok"}
     GET  /info            the served model's shape (model_type, vocab_size, hidden_size, num_hidden_layers,
-                          tie_word_embeddings), logprobs_mode, this server's `instance` id and weight `version`
+                          tie_word_embeddings), logprobs_mode, this server's `instance` id, weight `version` and
+                          `device` ("cuda" / "cpu")
     POST /generate        {"prompt_ids": [[...]], "counts": [...], "params": {SamplingParams}, "seed": int,
                            "instance": id} -> {"completions": [[ids, logprobs, finish_reason], ...]}; 409 when
                           `instance` is not this server's (it restarted and lost the pushed weights)
@@ -49,7 +50,11 @@ class VLLMService:
         config = json.loads((Path(model_dir) / "config.json").read_text())
         self.info = {key: config.get(key) for key in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
                                                       "tie_word_embeddings")}  # fmt: skip
-        self.info.update(logprobs_mode="processed_logprobs", instance=uuid.uuid4().hex, model=str(model_dir))
+        import torch
+
+        # "device": where a weight broadcast can land; NCCL only when both ends have a GPU, gloo otherwise.
+        self.info.update(logprobs_mode="processed_logprobs", instance=uuid.uuid4().hex, model=str(model_dir),
+                         device="cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
         self.llm, _ = start_llm(model_dir, **llm_options)
         self.version = 0
         self.host, self.group, self.backend = host, None, None

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..compat import output_embeddings
 from ..data import is_conversational, render_prompt
 from ..multimodal import (
     is_processor,
@@ -36,7 +37,7 @@ def eos_token_ids(tokenizer, model) -> tuple[int, ...]:
 
 def model_vocab_size(model) -> int | None:
     """Rows of the model's output embedding (the tokens it can sample), where it has one."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = output_embeddings(model)
     weight = getattr(head, "weight", None)
     return int(weight.shape[0]) if weight is not None and weight.dim() == 2 else None
 

@@ -119,7 +119,8 @@ class VLLMServerEngine:
         """The weights through the process group (joined at the first push, and again with a restarted server)."""
         from .weight_broadcast import TRAINER_RANK, describe, open_group, send
 
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        # NCCL between two GPUs; gloo (CPU tensors) when either end has none, e.g. a GPU trainer and a CPU server.
+        backend = "nccl" if torch.cuda.is_available() and self.info.get("device") == "cuda" else "gloo"
         if self.group is None or self.group_instance != self.info["instance"]:
             self.request("POST", "/init_communicator", {"port": self.group_port, "backend": backend,
                                                          "timeout": self.timeout})  # fmt: skip
