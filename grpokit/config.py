@@ -300,9 +300,14 @@ class GRPOConfig:
     use_liger_kernel: bool = _not_implemented(False, "TRL patches the model with Liger kernels; grpokit's chunked LM "
                                                      "head already avoids full-vocabulary logits.")
     liger_kernel_config: dict | None = _not_implemented(None, "Liger kernel options (see use_liger_kernel).")
-    torch_compile: bool = _not_implemented(False, "TRL compiles the model with torch.compile; grpokit runs eagerly.")
-    torch_compile_backend: str | None = _not_implemented(None, "torch.compile backend (see torch_compile).")
-    torch_compile_mode: str | None = _not_implemented(None, "torch.compile mode (see torch_compile).")
+    torch_compile: bool = _f(False, "Compile the policy's repeated blocks (its decoder layers) with torch.compile, "
+                                    "in place, one block at a time (regional compilation, as accelerate's "
+                                    "compile_regions): the rest (embeddings, the chunked LM head, the sampler's "
+                                    "loop) runs eagerly. Refused under FSDP2 / DeepSpeed (not verified there).")
+    torch_compile_backend: str | None = _f(None, "torch.compile backend (None: 'inductor'); setting it turns "
+                                                 "torch_compile on, as in transformers.")
+    torch_compile_mode: str | None = _f(None, "torch.compile mode (e.g. 'max-autotune'); setting it turns "
+                                              "torch_compile on, as in transformers.")
     neftune_noise_alpha: float | None = _not_implemented(None, "TRL adds NEFTune noise to the embeddings (an SFT "
                                                                "technique); grpokit does not.")
     bf16_full_eval: bool = _f(False, "evaluate() called outside train() first casts the policy to bfloat16, in "
@@ -654,6 +659,10 @@ class GRPOConfig:
                          ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):  # fmt: skip
             if getattr(self, new) is not None:
                 setattr(self, old, getattr(self, new))
+        if self.torch_compile_backend is not None or self.torch_compile_mode is not None:  # transformers' rule
+            self.torch_compile = True
+        if self.torch_compile and self.torch_compile_backend is None:
+            self.torch_compile_backend = "inductor"
         if self.output_dir is None:
             self.output_dir = "trainer_output"
         if self.bf16 is None:

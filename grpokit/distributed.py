@@ -356,6 +356,9 @@ def check_backend(accelerator, model: torch.nn.Module, args: GRPOConfig) -> None
         raise NotImplementedError(f"ref_model_dtype={args.ref_model_dtype!r} under FSDP2 is not supported yet (the "
                                   f"reference is sharded with the policy's settings); unset it, or set the dtype of "
                                   f"both with model_init_kwargs={{'dtype': ...}}.")  # fmt: skip
+    if args.torch_compile and (accelerator.is_fsdp2 or stage is not None):
+        raise NotImplementedError("torch_compile under FSDP2 / DeepSpeed is not verified in grpokit: turn it off "
+                                  "there, or use it under DDP or in one process.")  # fmt: skip
     if stage == 3 and args.sync_ref_model:
         raise NotImplementedError("sync_ref_model under ZeRO-3 is not supported yet (the policy's weights are "
                                   "partitioned); use ZeRO-2 or FSDP2.")  # fmt: skip

@@ -78,6 +78,7 @@ from .model_card import describe_dataset, model_card_writable, render_model_card
 from .models import (
     build_policy,
     build_reference,
+    compile_blocks,
     enable_gradient_checkpointing,
     full_precision,
     is_peft_model,
@@ -175,6 +176,8 @@ class GRPOTrainer:
         self.reference = build_reference(model, self.model, args)
         enable_gradient_checkpointing(self.model, args)
         check_backend(acc, self.model, args)
+        if args.torch_compile:  # the policy only, after the reference was copied from it
+            compile_blocks(self.model, backend=args.torch_compile_backend, mode=args.torch_compile_mode)
         optimizer, scheduler = optimizers
         self.optimizer = optimizer or build_optimizer(self.model, args)
         deepspeed = deepspeed_stage(acc) is not None

@@ -661,6 +661,7 @@ def test_fsdp1_and_what_lora_cannot_do_under_fsdp2_are_refused_with_the_way_out(
     launch(tmp_path, dict(job="refused", model=model_dir, out=str(tmp_path / "vllm"), adapter="lora",
                           config={"use_vllm": True}),
            dict(job="refused", model=model_dir, out=str(tmp_path / "prompt_tuning"), adapter="prompt_tuning"),
+           dict(job="refused", model=model_dir, out=str(tmp_path / "compile"), config={"torch_compile": True}),
            env=FSDP2)  # fmt: skip
     for rank in (0, 1):
         fsdp1 = json.loads((tmp_path / "fsdp1" / f"error_{rank}.json").read_text())
@@ -669,6 +670,7 @@ def test_fsdp1_and_what_lora_cannot_do_under_fsdp2_are_refused_with_the_way_out(
         assert "use_vllm with LoRA under FSDP2" in vllm and "use_vllm=False" in vllm and "ZeRO-1/2" in vllm
         prompt_tuning = json.loads((tmp_path / "prompt_tuning" / f"error_{rank}.json").read_text())
         assert "Prompt-learning adapters" in prompt_tuning and "LoraConfig" in prompt_tuning
+        assert "torch_compile under FSDP2" in json.loads((tmp_path / "compile" / f"error_{rank}.json").read_text())
 
 
 def test_fsdp2_sharded_checkpoints_resume_in_two_processes_or_one(fsdp2_runs, lora_resumed_in_one_process,

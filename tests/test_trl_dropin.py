@@ -732,3 +732,35 @@ def test_full_eval_casts_the_model_for_evaluate_outside_train_only(tmp_path, nam
     metrics = trainer.evaluate()
     assert {p.dtype for p in trainer.unwrapped_model.parameters()} == {dtype}
     assert 0.0 <= metrics["eval/reward"] <= 1.0 and math.isfinite(metrics["eval_loss"])
+
+
+# ----------------------------------------------------------------------------------- torch_compile (TRL's field)
+def test_torch_compile_compiles_the_decoder_layers_and_keeps_the_run(tmp_path):
+    # aot_eager: torch.compile's tracing and autograd without inductor's code generation (minutes on this CPU; the
+    # slow test below runs inductor). The run must be the eager one: same losses, same weights.
+    eager = trainer_for(tmp_path / "eager", args=config(tmp_path / "eager", max_steps=2))
+    eager.train()
+    compiled = trainer_for(tmp_path / "compiled", args=config(tmp_path / "compiled", max_steps=2,
+                                                               torch_compile_backend="aot_eager"))  # fmt: skip
+    assert compiled.args.torch_compile and compiled.args.torch_compile_backend == "aot_eager"
+    layers = compiled.unwrapped_model.model.layers
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    assert compiled.unwrapped_model.model.embed_tokens._compiled_call_impl is None  # the rest stays eager
+    compiled.train()
+    assert [e["loss"] for e in compiled.state.log_history[:-1]] == pytest.approx(
+        [e["loss"] for e in eager.state.log_history[:-1]], abs=1e-6)  # fmt: skip
+    for (name, a), b in zip(eager.unwrapped_model.state_dict().items(), compiled.unwrapped_model.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6), name
+    assert config(tmp_path, torch_compile=True).torch_compile_backend == "inductor"
+
+
+@pytest.mark.slow
+def test_torch_compile_with_inductor_keeps_the_run(tmp_path):
+    eager = trainer_for(tmp_path / "eager", args=config(tmp_path / "eager", max_steps=3))
+    eager.train()
+    compiled = trainer_for(tmp_path / "compiled", args=config(tmp_path / "compiled", max_steps=3, torch_compile=True))
+    compiled.train()
+    assert [e["loss"] for e in compiled.state.log_history[:-1]] == pytest.approx(
+        [e["loss"] for e in eager.state.log_history[:-1]], abs=1e-5)  # fmt: skip
+    for (name, a), b in zip(eager.unwrapped_model.state_dict().items(), compiled.unwrapped_model.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-4), name
