@@ -27,15 +27,19 @@ import types
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from .advantages import SCALE_REWARDS
 from .logs import TRACKERS
 from .loss import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, SAMPLING_CORRECTION_MODES
 
 # A runtime import, not under TYPE_CHECKING: transformers' HfArgumentParser (TRL's TrlParser) resolves every field's
-# annotation when it builds a command line from GRPOConfig.
-from accelerate.parallelism_config import ParallelismConfig  # noqa: E402
+# annotation when it builds a command line from GRPOConfig. accelerate has it from 1.10 on (as transformers, Any
+# before).
+try:
+    from accelerate.parallelism_config import ParallelismConfig
+except ImportError:  # accelerate < 1.10
+    ParallelismConfig = Any
 
 # transformers' schedules that need no metric; extra arguments go in lr_scheduler_kwargs (name -> required keys,
 # any one of which will do).
