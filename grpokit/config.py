@@ -874,9 +874,10 @@ class GRPOConfig:
             if option != "underflow_overflow":
                 fail(f"debug={self.debug!r}: {option!r} is not supported; grpokit has 'underflow_overflow' (TPUs, "
                      f"which 'tpu_metrics_debug' is for, are not supported).")
-        if self.fsdp_plugin_kwargs() is not None and self.deepspeed is not None:
+        fsdp = self.fsdp_plugin_kwargs()  # refuses what grpokit would not run
+        if fsdp is not None and self.deepspeed is not None:
             fail("fsdp and deepspeed are both set; choose one way to shard the model.")
-        if self.fsdp_config is not None and self.fsdp in (None, False, "", []):
+        if fsdp is None and self.fsdp_config is not None:
             warnings.warn("GRPOConfig.fsdp_config is set but fsdp is not: FSDP stays off (set fsdp=True to use it, "
                           "as in TRL).", UserWarning, stacklevel=4)  # fmt: skip
         deepspeed = self.deepspeed_config()

@@ -281,20 +281,16 @@ def keep_4bit_layers_trainable(model) -> int:
     return len(layers)
 
 
-def compile_blocks(module: torch.nn.Module, **compile_kwargs) -> int:
+def compile_blocks(module: torch.nn.Module, **compile_kwargs) -> None:
     """torch_compile as regional compilation (accelerate's `compile_regions`, in place): every block of a ModuleList
     of same-class blocks (the decoder layers; a vision tower's too) is compiled with `Module.compile`, so one
-    compilation serves all the blocks of a class; blocks are not searched inside. The rest stays eager. Returns the
-    number of blocks compiled."""
-    count = 0
+    compilation serves all the blocks of a class; blocks are not searched inside. The rest stays eager."""
     for child in module.children():
         if isinstance(child, torch.nn.ModuleList) and len(child) > 1 and len({type(block) for block in child}) == 1:
             for block in child:
                 block.compile(**compile_kwargs)
-            count += len(child)
         else:
-            count += compile_blocks(child, **compile_kwargs)
-    return count
+            compile_blocks(child, **compile_kwargs)
 
 
 def enable_gradient_checkpointing(model, args) -> None:
