@@ -423,8 +423,9 @@ class GRPOConfig:
     vllm_model_impl: str = _f("vllm", "vLLM's model implementation: 'vllm' (its own) or 'transformers'.")
     vllm_enable_sleep_mode: bool = _f(False, "Colocate: vLLM frees its weights and KV cache while the trainer trains "
                                              "(GPU only: on CPU vLLM has no sleep mode; it warns and stays awake).")
-    vllm_structured_outputs_regex: str | None = _f(None, "Colocate: every completion matches this regex (vLLM's "
-                                                         "structured outputs; vLLM then gets the tokenizer). The "
+    vllm_structured_outputs_regex: str | None = _f(None, "Every completion matches this regex (vLLM's "
+                                                         "structured outputs; vLLM then needs the tokenizer: in "
+                                                         "server mode, in the server's --model directory). The "
                                                          "sampling log-probs are the masked distribution's.")
     vllm_server_base_url: str | None = _f(None, "Server mode: the server's URL, e.g. 'http://localhost:8000' (wins "
                                                 "over vllm_server_host / vllm_server_port).")

@@ -5,17 +5,19 @@ and takes the trainer's weight updates.
     python -m grpokit.vllm_server --model DIR ...                  # the same
 
 and in the trainer: `GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server_base_url="http://HOST:PORT")` (or
-vllm_server_host / vllm_server_port). DIR is the policy's checkpoint (config and weights; no tokenizer needed).
+vllm_server_host / vllm_server_port). DIR is the policy's checkpoint (config and weights). Its tokenizer, when DIR
+holds one, is loaded for structured outputs (`vllm_structured_outputs_regex`); token ids in and out need none.
 
 The protocol is plain HTTP with JSON (stdlib on both sides; one request at a time):
 
     GET  /health          {"status": "ok"}
     GET  /info            the served model's shape (model_type, vocab_size, hidden_size, num_hidden_layers,
-                          tie_word_embeddings), logprobs_mode, this server's `instance` id, weight `version` and
-                          `device` ("cuda" / "cpu")
+                          tie_word_embeddings), logprobs_mode, this server's `instance` id, weight `version`,
+                          `device` ("cuda" / "cpu") and `structured_outputs` (whether it has the tokenizer)
     POST /generate        {"prompt_ids": [[...]], "counts": [...], "params": {SamplingParams}, "seed": int,
-                           "instance": id} -> {"completions": [[ids, logprobs, finish_reason], ...]}; 409 when
-                          `instance` is not this server's (it restarted and lost the pushed weights)
+                           "instance": id, "structured_outputs_regex": str | null}
+                          -> {"completions": [[ids, logprobs, finish_reason], ...]}; 409 when `instance` is not
+                          this server's (it restarted and lost the pushed weights)
     POST /update_weights  body: the weights as safetensors bytes, checkpoint names -> {"version": int}
 
 and, for weights broadcast through a process group (the trainer's `vllm_group_port`, as TRL's; NCCL between GPUs,
@@ -55,7 +57,10 @@ class VLLMService:
         # "device": where a weight broadcast can land; NCCL only when both ends have a GPU, gloo otherwise.
         self.info.update(logprobs_mode="processed_logprobs", instance=uuid.uuid4().hex, model=str(model_dir),
                          device="cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
-        self.llm, _ = start_llm(model_dir, **llm_options)
+        # With the tokenizer in DIR, vLLM loads it: structured outputs need it (token ids in and out need none).
+        tokenizer = has_tokenizer(model_dir)
+        self.info["structured_outputs"] = tokenizer
+        self.llm, _ = start_llm(model_dir, tokenizer_files=tokenizer, **llm_options)
         self.version = 0
         self.host, self.group, self.backend = host, None, None
         self._background, self._outcome = None, {}  # the group's joining or a receiving thread; its outcome
@@ -68,9 +73,13 @@ class VLLMService:
         from .rollout.vllm import guarded_process_state, sample
 
         params = SamplingParams(**{**request["params"], "eos_token_ids": tuple(request["params"]["eos_token_ids"])})
+        regex = request.get("structured_outputs_regex")
+        if regex is not None and not self.info["structured_outputs"]:
+            raise ValueError("structured outputs need the tokenizer: this server's --model directory has none "
+                             "(save it there and restart the server)")  # fmt: skip
         with guarded_process_state():
             completions = sample(self.llm, request["prompt_ids"], request["counts"], params, int(request["seed"]),
-                                 self.info["vocab_size"])
+                                 self.info["vocab_size"], regex)  # fmt: skip
         return {"completions": completions, "version": self.version}
 
     def update_weights(self, body: bytes) -> dict:
@@ -144,6 +153,11 @@ class VLLMService:
             push_weights(self.llm, iter(weights.items()), bool(self.info["tie_word_embeddings"]))
         self.version += 1
         return {"version": self.version}
+
+
+def has_tokenizer(model_dir) -> bool:
+    """Whether a checkpoint directory holds a tokenizer (what transformers' `save_pretrained` writes)."""
+    return any((Path(model_dir) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
 
 
 def handler_for(service: VLLMService):

@@ -277,9 +277,7 @@ def test_tool_calling_rollouts_on_vllm_score_as_the_training_forward_across_turn
 def test_structured_outputs_regex_every_completion_matches_and_logprobs_are_of_the_masked_distribution(tmp_path):
     """vllm_structured_outputs_regex (TRL: vLLM's structured outputs with that regex): every completion is a full
     match followed by EOS, and vLLM's log-probs are those of the training forward's distribution restricted to the
-    tokens that can continue a match (the naive twin below, from the regex itself), not of the whole vocabulary."""
-    import regex
-
+    tokens that can continue a match (the naive twin, from the regex itself), not of the whole vocabulary."""
     from grpokit.rollout.vllm import VLLMEngine
 
     pattern = "[ab]{1,3}(c|de):"
@@ -287,6 +285,14 @@ def test_structured_outputs_regex_every_completion_matches_and_logprobs_are_of_t
     args = letter_config(tmp_path, use_vllm=True, vllm_structured_outputs_regex=pattern, vllm_max_model_length=64)
     engine = VLLMEngine.from_config(model, args, tokenizer=tokenizer, max_num_seqs=32)
     rollout = engine.generate(PROMPTS, params_for(tokenizer), seed=5)
+    check_structured_outputs(rollout, model, tokenizer, pattern)
+
+
+def check_structured_outputs(rollout, model, tokenizer, pattern: str) -> None:
+    """Every completion of `rollout` is a full match of `pattern` followed by EOS, and its sampling log-probs are
+    `model`'s distribution restricted to the tokens that can continue a match (a naive twin from the regex)."""
+    import regex
+
     eos = tokenizer.eos_token_id
     texts = []
     for ids in rollout.completion_id_lists():

@@ -39,11 +39,10 @@ def test_no_server_is_a_clear_error_after_the_timeout():
     assert time.monotonic() - started < 15
 
 
-def test_what_vllm_does_not_do_yet_is_refused_with_the_way_out(tmp_path):
+def test_what_vllm_does_not_do_yet_is_refused_with_the_way_out():
     """No vLLM needed: these are refused before vLLM would be started or a server asked."""
-    from grpokit import GRPOConfig
     from grpokit.rollout import PromptBatch
-    from grpokit.rollout.vllm import engine_from_config, external_launcher_options, refuse_images
+    from grpokit.rollout.vllm import external_launcher_options, refuse_images
 
     # Image prompts: vLLM gets no multi_modal_data from grpokit, so they are refused rather than sampled blind.
     refuse_images(PromptBatch(ids=[[3, 4]], counts=[2], raw=["text"], images=[[]]))  # no image: fine
@@ -52,7 +51,44 @@ def test_what_vllm_does_not_do_yet_is_refused_with_the_way_out(tmp_path):
     # Several training processes run one whole engine each: no tensor-parallel groups across them.
     with pytest.raises(NotImplementedError, match="vllm_tensor_parallel_size=2 with several training processes"):
         external_launcher_options(0, 0, 2, tensor_parallel_size=2)
-    # Structured outputs in server mode.
-    args = GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="server", vllm_structured_outputs_regex="a+")
-    with pytest.raises(NotImplementedError, match="vllm_structured_outputs_regex in server mode"):
-        engine_from_config(build_tiny_model(40, hidden_size=32), args)
+
+
+def test_structured_outputs_need_a_server_with_the_tokenizer(tmp_path):
+    """A server whose checkpoint directory has no tokenizer cannot mask by a regex: refused when the client starts,
+    with the fix. The server here is a stand-in that answers /health and /info as `grpokit vllm-serve` does (the
+    real server's side: tests/test_vllm_server.py)."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from grpokit import GRPOConfig
+    from grpokit.rollout.vllm import engine_from_config
+
+    model = build_tiny_model(40, hidden_size=32)
+    info = {**served(model.config), "instance": "i", "structured_outputs": False}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = json.dumps({"status": "ok"} if self.path == "/health" else info).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        args = GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="server", vllm_server_timeout=10,
+                          vllm_server_base_url=f"http://127.0.0.1:{server.server_port}")  # fmt: skip
+        assert engine_from_config(model, args).structured_outputs_regex is None  # without a regex: fine
+        args.vllm_structured_outputs_regex = "a+"
+        with pytest.raises(ValueError, match=r"needs a vLLM server with the tokenizer .* has none: save the "
+                                             r"tokenizer into its --model directory"):
+            engine_from_config(model, args)
+        info["structured_outputs"] = True
+        assert engine_from_config(model, args).structured_outputs_regex == "a+"
+    finally:
+        server.shutdown()

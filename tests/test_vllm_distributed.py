@@ -31,11 +31,12 @@ TOLERANCE = 1e-4  # fp32: vLLM's kernels against the training forward (seen: ~1e
 
 SCRIPT = textwrap.dedent(
     '''
-    import json, os, sys
+    import json, os, signal, subprocess, sys, time, urllib.request
     from pathlib import Path
 
     import torch
     from datasets import Dataset
+    from transformers import TrainerCallback
 
     from grpokit import GRPOConfig, GRPOTrainer
     from grpokit.distributed import full_state_dict
@@ -79,14 +80,47 @@ SCRIPT = textwrap.dedent(
             return Rollout.concat([p["rollout"] for p in parts])
 
 
+    class RestartServer(TrainerCallback):
+        """The main process replaces the vLLM server after a step: the old one killed, a new one (a new instance,
+        without the pushed weights) started with the same command, on the same port."""
+
+        def __init__(self, spec):
+            self.spec = spec
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if RANK != 0 or state.global_step != self.spec["after_step"]:
+                return
+            os.kill(self.spec["pid"], signal.SIGKILL)
+            for _ in range(60):  # until the old one no longer answers
+                try:
+                    urllib.request.urlopen(self.spec["url"] + "/health", timeout=1)
+                    time.sleep(0.5)
+                except OSError:
+                    break
+            log = open(self.spec["log"], "w")
+            process = subprocess.Popen(self.spec["command"], stdout=log, stderr=subprocess.STDOUT)
+            Path(self.spec["pid_file"]).write_text(str(process.pid))
+            deadline = time.monotonic() + 300
+            while True:
+                try:
+                    urllib.request.urlopen(self.spec["url"] + "/health", timeout=2)
+                    return
+                except OSError:
+                    if process.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError("the new vLLM server did not come up: " + Path(self.spec["log"]).read_text())
+                    time.sleep(1)
+
+
     def train(spec):
         out = Path(spec["out"])
         recorded = None
         if spec.get("replay"):
             recorded = [torch.load(Path(spec["replay"]) / f"rollouts_{rank}.pt", weights_only=False)
                         for rank in range(spec["replay_processes"])]
+        callbacks = [RestartServer(spec["restart_server"])] if spec.get("restart_server") else None
         trainer = GRPOTrainer(model=spec["model"], reward_funcs=repeat_letter, args=config(out, **spec["config"]),
-                              train_dataset=dataset(), rollout_engine=Replay(recorded) if recorded else None)
+                              train_dataset=dataset(), rollout_engine=Replay(recorded) if recorded else None,
+                              callbacks=callbacks)
         engine, rollouts = trainer.engine, []
         if not recorded:  # observe the real generation: its rollouts are the evidence
             generate = engine.generate

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -25,14 +26,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def server_command(model_dir: Path, port: int) -> list[str]:
+    return [sys.executable, "-m", "grpokit.vllm_server", "--model", str(model_dir), "--host", "127.0.0.1",
+            "--port", str(port), "--max-model-len", "64", "--max-num-seqs", "64", "--dtype", "float32"]
+
+
 def start_server(model_dir: Path, port: int) -> subprocess.Popen:
     """`grpokit vllm-serve` in its own process, waited for until it answers (or its log is shown)."""
     import urllib.request
 
     log = open(model_dir.parent / f"server-{port}.log", "w")
-    command = [sys.executable, "-m", "grpokit.vllm_server", "--model", str(model_dir), "--host", "127.0.0.1",
-               "--port", str(port), "--max-model-len", "64", "--max-num-seqs", "64", "--dtype", "float32"]
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(server_command(model_dir, port), stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -100,6 +104,22 @@ def test_broadcast_pushes_through_a_process_group_give_the_training_forwards_log
     train_a_step(model, seed=7)
     again.sync_weights(model)
     assert logprob_gap(again, model, tokenizer) <= TOLERANCE
+
+
+def test_structured_outputs_in_server_mode_every_completion_matches_the_regex(server):
+    """vllm_structured_outputs_regex in server mode: the request carries the regex, and the server (which loaded
+    the tokenizer its checkpoint directory holds) masks the tokens that cannot continue a match; the log-probs are
+    the masked distribution's (test_vllm.py's check, against the training forward of the pushed weights)."""
+    from grpokit.rollout.vllm_client import VLLMServerEngine
+    from test_vllm import PROMPTS, check_structured_outputs, params_for
+
+    url, _ = server
+    pattern = "[ab]{1,3}(c|de):"
+    model, tokenizer = tiny(tied=True, seed=3)
+    engine = VLLMServerEngine(model, url, timeout=30, structured_outputs_regex=pattern)
+    assert engine.info["structured_outputs"] is True
+    engine.sync_weights(model)
+    check_structured_outputs(engine.generate(PROMPTS, params_for(tokenizer), seed=5), model, tokenizer, pattern)
 
 
 def test_server_of_another_vocabulary_or_model_is_refused(server):
@@ -178,3 +198,65 @@ def test_two_training_processes_share_one_server_and_only_the_main_one_pushes(se
     # Only the main process pushes: before each generation (the first replaces the served checkpoint's weights).
     check_two_processes_train_as_one(tmp_path, model_dir, "MULTI_CPU", engine="VLLMServerEngine",
                                      pushes=([1, 2, 3], [0, 0, 0]))  # fmt: skip
+
+
+def test_a_restarted_server_gets_the_weights_pushed_again(tmp_path):
+    """A server that restarted since the last push (same port, a new instance without the pushed weights) answers
+    the next generation with 409; the client pushes the weights again and samples from them."""
+    from grpokit.rollout.vllm_client import VLLMServerEngine
+
+    model, tokenizer = tiny(seed=0)
+    model_dir = save(model, tokenizer, tmp_path / "model")
+    train_a_step(model, seed=3)  # the policy is no longer the checkpoint the server starts from
+    port = free_port()
+    process = start_server(model_dir, port)
+    try:
+        engine = VLLMServerEngine(model, f"http://127.0.0.1:{port}", timeout=30)
+        engine.sync_weights(model)
+        first = engine.info["instance"]
+        stop(process)
+        process = start_server(model_dir, port)
+        engine.sync_weights(model)  # the weights did not change: nothing is pushed here
+        assert engine.pushes == 1
+        # Without the second push vLLM would sample from the checkpoint's weights (a gap > 1e-2, as check_pushes
+        # shows after a training step).
+        assert logprob_gap(engine, model, tokenizer) <= TOLERANCE
+        assert engine.pushes == 2 and engine.info["instance"] != first
+    finally:
+        stop(process)
+
+
+def test_fsdp2_training_processes_gather_and_the_main_one_pushes_to_the_server(tmp_path):
+    """Server mode under FSDP2 (2 CPU processes): each push gathers the sharded weights one parameter at a time on
+    both processes (a collective) and the main process sends them; both sample from the current weights, and the
+    run trains as one process given the same samples. The server is restarted after step 1 (by the main process):
+    at the next generation both processes meet the new instance (409), agree on it (an all-reduce) and push again
+    together, so the weights vLLM samples from are the policy's, not the checkpoint's."""
+    import signal
+
+    from test_distributed import FSDP2
+    from test_vllm_distributed import TWO_PROCESSES, check_two_processes_train_as_one, initial_weights, launch_script
+    from test_vllm_distributed import save_policy
+
+    model, tokenizer = tiny(tied=True, seed=1)
+    served = save(model, tokenizer, tmp_path / "served")
+    model_dir = save_policy(tmp_path / "policy")  # another seed than the served checkpoint: the first sync pushes
+    initial_weights(model_dir, tmp_path / "two")
+    port = free_port()
+    process = start_server(served, port)
+    url, pid_file = f"http://127.0.0.1:{port}", tmp_path / "restarted.pid"
+    restart = dict(after_step=1, pid=process.pid, command=server_command(served, port), url=url,
+                   pid_file=str(pid_file), log=str(tmp_path / "restarted.log"))  # fmt: skip
+    config = {**TWO_PROCESSES, "vllm_mode": "server", "vllm_server_base_url": url, "vllm_server_timeout": 60}
+    try:
+        launch_script(tmp_path, dict(out=str(tmp_path / "two"), model=model_dir, config=config,
+                                     restart_server=restart), env=FSDP2)  # fmt: skip
+    finally:
+        stop(process)
+        if pid_file.exists():
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    assert pid_file.exists()  # the server was restarted
+    # The main process's pushes: the first sync; at generation 2 the sync (to the new server) and the push after
+    # its 409; the sync of generation 3. The other process sends none, though it gathers at each.
+    check_two_processes_train_as_one(tmp_path, model_dir, "FSDP", engine="VLLMServerEngine",
+                                     pushes=([1, 3, 4], [0, 0, 0]))  # fmt: skip

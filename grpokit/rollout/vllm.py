@@ -499,16 +499,8 @@ def engine_from_config(model: torch.nn.Module, args, tokenizer=None, process_ind
                        local_process_index: int = 0):  # fmt: skip
     """The engine `GRPOConfig(use_vllm=True)` asks for: colocated `VLLMEngine` (one per training process), or the
     server client."""
-    from ..distributed import is_sharded
-
     check_pushable(model)  # before vLLM starts
     if args.vllm_mode == "server":  # no vLLM needed in this process
-        if is_sharded(model):
-            raise NotImplementedError("vllm_mode='server' with a sharded model (FSDP2 / ZeRO-3) is not supported: "
-                                      "use vllm_mode='colocate'.")  # fmt: skip
-        if args.vllm_structured_outputs_regex is not None:
-            raise NotImplementedError("vllm_structured_outputs_regex in server mode is not supported yet: use "
-                                      "vllm_mode='colocate'.")  # fmt: skip
         from .vllm_client import VLLMServerEngine
 
         return VLLMServerEngine.from_config(model, args, process_index, num_processes)

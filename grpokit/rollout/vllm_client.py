@@ -25,7 +25,7 @@ import torch
 
 from ..compat import parameter_versions
 from .engine import PromptBatch, Rollout, SamplingParams
-from .vllm import base_model_of, merged_weights, refuse_images, rollout_from_completions
+from .vllm import base_model_of, policy_weights, refuse_images, rollout_from_completions
 
 CONNECTION_ERRORS = (urllib.error.URLError, ConnectionError, socket.timeout, http.client.HTTPException, OSError)
 
@@ -40,15 +40,27 @@ class VLLMServerEngine:
     exact_logprobs = False
 
     def __init__(self, model: torch.nn.Module, base_url: str, timeout: float = 240.0, retries: int = 3,
-                 process_index: int = 0, num_processes: int = 1, group_port: int | None = None):  # fmt: skip
+                 process_index: int = 0, num_processes: int = 1, group_port: int | None = None,
+                 structured_outputs_regex: str | None = None):  # fmt: skip
         """group_port: push the weights through a process group with the server at that port (NCCL between GPUs,
-        gloo between CPUs; TRL's vllm_group_port) instead of as safetensors over HTTP."""
+        gloo between CPUs; TRL's vllm_group_port) instead of as safetensors over HTTP. structured_outputs_regex:
+        every completion matches this regex (the server needs the tokenizer in its checkpoint directory)."""
+        from ..distributed import is_sharded
+
         self.base_url, self.timeout, self.retries = base_url.rstrip("/"), timeout, retries
         self.group_port, self.group, self.group_instance = group_port, None, None
         self.process_index, self.num_processes = process_index, num_processes
+        self.structured_outputs_regex = structured_outputs_regex
+        # FSDP2 / ZeRO-3: each push gathers the weights, a collective every process takes part in.
+        self.sharded = is_sharded(model)
         self.wait_until_up()
         self.info = self.request("GET", "/info")
         check_same_model(base_model_of(model).config, self.info, self.base_url)
+        if structured_outputs_regex is not None and not self.info.get("structured_outputs"):
+            raise ValueError(f"vllm_structured_outputs_regex needs a vLLM server with the tokenizer (vLLM masks the "
+                             f"tokens that cannot continue a match), and the one at {self.base_url} has none: save "
+                             f"the tokenizer into its --model directory (tokenizer.save_pretrained(DIR)) and restart "
+                             f"it.")  # fmt: skip
         self.tied = bool(self.info.get("tie_word_embeddings"))
         self.pushed_versions = None  # the server's weights are not known to be the policy's: push at the first sync
         self.pushes = 0
@@ -58,19 +70,21 @@ class VLLMServerEngine:
                     num_processes: int = 1) -> "VLLMServerEngine":  # fmt: skip
         base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         return cls(model, base_url, timeout=args.vllm_server_timeout, process_index=process_index,
-                   num_processes=num_processes, group_port=args.vllm_group_port)  # fmt: skip
+                   num_processes=num_processes, group_port=args.vllm_group_port,
+                   structured_outputs_regex=args.vllm_structured_outputs_regex)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ the protocol
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Push the weights if they changed since the last push; with several processes the main process pushes
-        and every process waits for it. They all decide alike: each runs the same optimizer steps on its own
-        replica, so they reach the barrier together."""
+        and every process waits for it (a sharded model's processes all gather, the main one sends). They all
+        decide alike: each runs the same optimizer steps on its own replica or shard, so they reach the gathers and
+        the barrier together."""
         versions = parameter_versions(model)
         if versions == self.pushed_versions:
             return
         self._model = model
-        if self.process_index == 0:
+        if self.process_index == 0 or self.sharded:
             self.push(model)
         if self.num_processes > 1:
             import torch.distributed as dist
@@ -81,33 +95,54 @@ class VLLMServerEngine:
     def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
         refuse_images(prompts)
         body = {"prompt_ids": prompts.ids, "counts": prompts.counts, "seed": seed,
-                "params": {**params.__dict__, "eos_token_ids": list(params.eos_token_ids)}}  # fmt: skip
+                "params": {**params.__dict__, "eos_token_ids": list(params.eos_token_ids)},
+                "structured_outputs_regex": self.structured_outputs_regex}  # fmt: skip
+        answer = None
         try:
             answer = self.request("POST", "/generate", {**body, "instance": self.info["instance"]})
-        except ServerRestarted as restarted:  # a new server: same model, but it lost the pushed weights (any process
-            # may be the first to see it; the replicas hold the same weights)
-            self.info["instance"] = restarted.instance
+        except ServerRestarted as restarted:  # a new server: same model, but it lost the pushed weights
             if self._model is None:
                 raise
-            self.push(self._model)
+            self.info["instance"] = restarted.instance
+            if not self.sharded:  # any process may be the first to see it; the replicas hold the same weights
+                self.push(self._model)
+        if self.sharded and self._model is not None:
+            self._repush_after_restart(answer is None)
+        if answer is None:
             answer = self.request("POST", "/generate", {**body, "instance": self.info["instance"]})
         completions = [(ids, logprobs, reason) for ids, logprobs, reason in answer["completions"]]
         return rollout_from_completions(prompts, completions, params)
+
+    def _repush_after_restart(self, restarted_here: bool) -> None:
+        """A sharded model's push is a collective: when any process met a restarted server, they all learn of it
+        (an all-reduce every generation; the processes generate together) and push together, the main process
+        sending."""
+        from ..distributed import all_processes_done
+
+        if all_processes_done(not restarted_here):
+            return
+        self.info["instance"] = self.request("GET", "/info")["instance"]
+        self.push(self._model)
 
     # ------------------------------------------------------------------------------------------ transport
 
     _model = None
 
     def push(self, model: torch.nn.Module) -> None:
+        """Send the policy's weights (LoRA: merged). A sharded model's are gathered one parameter at a time on every
+        process (each must take part); only the main process keeps them, and sends."""
         from safetensors.torch import save
 
-        with merged_weights(model) as weights:
+        sends = self.process_index == 0 or not self.sharded
+        with policy_weights(model) as weights:
             tensors, seen = {}, set()
             for name, tensor in weights:
                 key = (tensor.data_ptr(), tuple(tensor.shape))
-                if key not in seen:  # a tied weight once (the server ties it back)
+                if sends and key not in seen:  # a tied weight once (the server ties it back)
                     seen.add(key)
                     tensors[name] = tensor.detach().contiguous()
+            if not sends:
+                return
             if self.group_port is None:
                 self.request("POST", "/update_weights", save({k: v.cpu() for k, v in tensors.items()}))
             else:
