@@ -134,8 +134,12 @@ def tied_weight_keys(model: torch.nn.Module) -> set[str]:
 # --------------------------------------------------------------------------------------------------------- torch
 
 
-def parameter_versions(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
+def parameter_versions(model: torch.nn.Module) -> tuple[tuple[int, int], ...] | None:
     """A fingerprint of the model's weights that changes whenever one is written: each parameter's storage address
     and in-place version counter (`Tensor._version`, private; every in-place write, an optimizer step's included,
-    bumps it). Reading the weights themselves to compare them would cost a pass over the whole model."""
+    bumps it). Reading the weights themselves to compare them would cost a pass over the whole model. None where
+    no fingerprint is kept: DeepSpeed ZeRO-3 writes its partitions through `.data`, which bumps no counter, so
+    the weights must be taken as changed every time."""
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        return None
     return tuple((p.data_ptr(), p._version) for p in model.parameters())

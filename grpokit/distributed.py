@@ -347,11 +347,6 @@ def check_backend(accelerator, model: torch.nn.Module, args: GRPOConfig) -> None
         raise NotImplementedError("Prompt-learning adapters (prompt / prefix tuning) under FSDP2 or ZeRO-3 are not "
                                   "supported: use a LoRA-style adapter (e.g. peft.LoraConfig), or DDP or "
                                   "ZeRO-1/2.")  # fmt: skip
-    if accelerator.is_fsdp2 and lora and args.use_vllm:
-        # Each push would merge the adapter into sharded weights (and unmerge it after), one gathered layer at a time.
-        raise NotImplementedError("use_vllm with LoRA under FSDP2 is not supported yet: sample with the in-process "
-                                  "engine (use_vllm=False) under FSDP2, or train LoRA with vLLM under DDP or "
-                                  "DeepSpeed ZeRO-1/2.")  # fmt: skip
     if accelerator.is_fsdp2 and args.ref_model_dtype:
         raise NotImplementedError(f"ref_model_dtype={args.ref_model_dtype!r} under FSDP2 is not supported yet (the "
                                   f"reference is sharded with the policy's settings); unset it, or set the dtype of "

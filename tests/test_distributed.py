@@ -655,19 +655,15 @@ def test_lora_under_fsdp2_resumes_in_two_processes_or_one(fsdp2_runs, lora_resum
     assert max_difference(adapter_of(one["weights"]), adapter_of(one_from_ddp["weights"])) < 1e-5
 
 
-def test_fsdp1_and_what_lora_cannot_do_under_fsdp2_are_refused_with_the_way_out(model_dir, tmp_path):
+def test_fsdp1_and_what_fsdp2_cannot_do_are_refused_with_the_way_out(model_dir, tmp_path):
     launch(tmp_path, dict(job="refused", model=model_dir, out=str(tmp_path / "fsdp1")),
            env={**FSDP2, "FSDP_VERSION": "1"})  # fmt: skip
-    launch(tmp_path, dict(job="refused", model=model_dir, out=str(tmp_path / "vllm"), adapter="lora",
-                          config={"use_vllm": True}),
-           dict(job="refused", model=model_dir, out=str(tmp_path / "prompt_tuning"), adapter="prompt_tuning"),
+    launch(tmp_path, dict(job="refused", model=model_dir, out=str(tmp_path / "prompt_tuning"), adapter="prompt_tuning"),
            dict(job="refused", model=model_dir, out=str(tmp_path / "compile"), config={"torch_compile": True}),
            env=FSDP2)  # fmt: skip
     for rank in (0, 1):
         fsdp1 = json.loads((tmp_path / "fsdp1" / f"error_{rank}.json").read_text())
         assert "FSDP1" in fsdp1 and "fsdp_version: 2" in fsdp1
-        vllm = json.loads((tmp_path / "vllm" / f"error_{rank}.json").read_text())
-        assert "use_vllm with LoRA under FSDP2" in vllm and "use_vllm=False" in vllm and "ZeRO-1/2" in vllm
         prompt_tuning = json.loads((tmp_path / "prompt_tuning" / f"error_{rank}.json").read_text())
         assert "Prompt-learning adapters" in prompt_tuning and "LoraConfig" in prompt_tuning
         assert "torch_compile under FSDP2" in json.loads((tmp_path / "compile" / f"error_{rank}.json").read_text())

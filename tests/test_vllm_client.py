@@ -1,5 +1,6 @@
-"""Server mode's client (`grpokit.rollout.vllm_client`) where no vLLM is needed: its checks of the served model and
-its error when no server answers. Against a real server: tests/test_vllm_server.py (`-m vllm`)."""
+"""What of the vLLM engines runs without vLLM: server mode's client (`grpokit.rollout.vllm_client`), its checks of
+the served model and its errors; what a sharded policy pushes (a LoRA layer merged from its gathered pieces).
+Against a real server and vLLM: tests/test_vllm_server.py and tests/test_vllm_distributed.py (`-m vllm`)."""
 
 import socket
 import time
@@ -92,3 +93,54 @@ def test_structured_outputs_need_a_server_with_the_tokenizer(tmp_path):
         assert engine_from_config(model, args).structured_outputs_regex == "a+"
     finally:
         server.shutdown()
+
+
+def lora_model(dtype=None, **lora):
+    """A tiny Qwen2 with a LoRA adapter whose B is non-zero (peft starts it at zero: the merge would change nothing)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    model = build_tiny_model(40, hidden_size=32)
+    if dtype is not None:
+        model = model.to(dtype)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, **lora))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator).to(parameter.dtype))
+    return model
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_lora_layers_weight_merged_from_its_pieces_is_peft_merge_bit_for_bit(dtype):
+    """What a sharded policy pushes to vLLM (`gathered_weights`: each LoRA layer's W + scaling · B A computed from
+    the gathered pieces, the model untouched) is what peft's merge_adapter writes into the weights of a whole model
+    (`merged_weights`), bit for bit, with float32 and with bfloat16 weights (peft merges 16-bit adapters on CPU in
+    float32). Gathering is the identity on a model that is not sharded, so this is the merge itself."""
+    import torch
+
+    from grpokit.rollout.vllm import gathered_weights, merged_weights
+
+    model = lora_model(getattr(torch, dtype), target_modules=["q_proj", "v_proj", "down_proj"])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ours = dict(gathered_weights(model))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # the model is not changed
+    with merged_weights(model) as weights:
+        peft = {k: v.clone() for k, v in weights}
+    assert set(peft) - set(ours) == {"lm_head.weight"}  # tied to the embedding: pushed once, vLLM ties it back
+    merged = [k for k in ours if k.endswith(("q_proj.weight", "v_proj.weight", "down_proj.weight"))]
+    assert len(merged) == 6 and all(k.startswith("model.layers.") for k in ours if "layers" in k)
+    for key in ours:
+        assert torch.equal(ours[key], peft[key]), key
+    # The merge shows: the merged weights differ from the base's.
+    base = dict(model.get_base_model().named_parameters())
+    assert all(not torch.equal(ours[k], base[k.replace(".weight", ".base_layer.weight")]) for k in merged)
+
+
+def test_adapters_a_sharded_push_cannot_merge_are_refused():
+    from grpokit.rollout.vllm import gathered_weights
+
+    with pytest.raises(NotImplementedError, match="merges plain LoRA linear layers only; this adapter has a Linear "
+                                                  "layer with DoRA or a LoRA bias"):
+        dict(gathered_weights(lora_model(target_modules=["q_proj"], use_dora=True)))

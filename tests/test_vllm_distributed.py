@@ -16,6 +16,7 @@ records, per process and generation, the rollout vLLM returned. Then:
 
 from __future__ import annotations
 
+import json
 import textwrap
 
 import pytest
@@ -118,9 +119,14 @@ SCRIPT = textwrap.dedent(
             recorded = [torch.load(Path(spec["replay"]) / f"rollouts_{rank}.pt", weights_only=False)
                         for rank in range(spec["replay_processes"])]
         callbacks = [RestartServer(spec["restart_server"])] if spec.get("restart_server") else None
+        peft_config = None
+        if spec.get("lora"):
+            from peft import LoraConfig
+
+            peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
         trainer = GRPOTrainer(model=spec["model"], reward_funcs=repeat_letter, args=config(out, **spec["config"]),
                               train_dataset=dataset(), rollout_engine=Replay(recorded) if recorded else None,
-                              callbacks=callbacks)
+                              callbacks=callbacks, peft_config=peft_config)
         engine, rollouts = trainer.engine, []
         if not recorded:  # observe the real generation: its rollouts are the evidence
             generate = engine.generate
@@ -175,9 +181,9 @@ def launch_script(directory, spec: dict, env: dict | None = None) -> None:
 
 
 def check_two_processes_train_as_one(directory, model_dir, distributed_type: str, engine: str = "VLLMEngine",
-                                     pushes=([0, 1, 2], [0, 1, 2])) -> None:  # fmt: skip
+                                     pushes=([0, 1, 2], [0, 1, 2]), lora: bool = False) -> None:  # fmt: skip
     """The recorded 2-process run in `directory / "two"` against one process replaying its rollouts. `pushes`: each
-    process's engine's pushes so far at each of the 3 generations."""
+    process's engine's pushes so far at each of the 3 generations. `lora`: the run trained a LoRA adapter."""
     two = directory / "two"
     rank0, rank1 = load(two / "final_0.pt"), load(two / "final_1.pt")
     assert rank0["engine"] == rank1["engine"] == engine
@@ -199,17 +205,22 @@ def check_two_processes_train_as_one(directory, model_dir, distributed_type: str
     assert first0["ids"][-1] == first1["ids"][0]
     # The replay in one process: the same global batches, the same update.
     run_in_this_process(directory, dict(out=str(directory / "one"), model=model_dir, config=ONE_PROCESS,
-                                        replay=str(two), replay_processes=2), script=SCRIPT)  # fmt: skip
+                                        replay=str(two), replay_processes=2, lora=lora), script=SCRIPT)  # fmt: skip
     one = load(directory / "one" / "final_0.pt")
-    moved = max_difference(one["weights"], {k: v for k, v in load(two / "initial.pt").items() if k in one["weights"]})
+    if lora:  # the adapter's B starts at zero
+        moved = max(v.abs().max().item() for k, v in one["weights"].items() if "lora_B" in k)
+        assert all(torch.equal(v, rank0["weights"][k]) for k, v in one["weights"].items() if "base_layer" in k)
+    else:
+        initial = load(two / "initial.pt")
+        moved = max_difference(one["weights"], {k: v for k, v in initial.items() if k in one["weights"]})
     assert moved > 1e-2
     assert max_difference(rank0["weights"], one["weights"]) < 1e-5 * moved
     for key in ("loss", "reward", "sampling/importance_sampling_ratio/mean"):
         assert [e[key] for e in history] == pytest.approx([e[key] for e in one["log_history"]], abs=1e-5), key
-    if distributed_type == "MULTI_CPU":
-        assert max_difference(rank0["weights"], rank1["weights"]) == 0.0
-    else:
+    if distributed_type == "FSDP":
         assert rank1["weights"] == {}  # FSDP2: the main process holds the gathered weights
+    else:  # DDP replicas; ZeRO-3 gathers on every process
+        assert max_difference(rank0["weights"], rank1["weights"]) == 0.0
 
 
 def stale_gap(model_dir, rollout) -> float:
@@ -245,3 +256,59 @@ def test_fsdp2_pushes_gathered_parameters_one_at_a_time_and_trains_as_one_proces
     launch_script(tmp_path, dict(out=str(tmp_path / "two"), model=model_dir, config=TWO_PROCESSES), env=FSDP2)
     check_two_processes_train_as_one(tmp_path, model_dir, "FSDP")
 
+
+
+def test_lora_under_fsdp2_pushes_each_layer_merged_from_its_gathered_pieces(model_dir, tmp_path):
+    """LoRA under FSDP2 with vLLM: each push gathers a LoRA layer's base weight and adapter and sends their merge
+    (W + scaling · B A, as peft merges; tests/test_vllm_client.py shows it bit for bit), the model untouched. vLLM
+    samples from the merged weights (log-probs equal the training forward's, with the adapter, after every push),
+    and the run trains as one process given the same samples; the frozen base never moves."""
+    initial_weights(model_dir, tmp_path / "two")
+    launch_script(tmp_path, dict(out=str(tmp_path / "two"), model=model_dir, config=TWO_PROCESSES, lora=True),
+                  env=FSDP2)  # fmt: skip
+    check_two_processes_train_as_one(tmp_path, model_dir, "FSDP", lora=True)
+
+
+def zero3_env(directory) -> dict:
+    """ZeRO-3 through accelerate on CPU processes, with nothing kept resident (every forward and every push
+    gathers every partition; with DeepSpeed's defaults a model this small would stay whole)."""
+    path = directory / "ds_config.json"
+    path.write_text(json.dumps({
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 0,
+                              "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0},
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+    }))  # fmt: skip
+    return {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+            "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(path), "ACCELERATE_MIXED_PRECISION": "no"}  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["colocate", "colocate_lora", "server"])
+def test_zero3_pushes_gathered_partitions_one_parameter_at_a_time(model_dir, tmp_path, mode):
+    """DeepSpeed ZeRO-3 with vLLM: every push gathers the partitions one parameter at a time
+    (`deepspeed.zero.GatheredParameters`, a collective; a LoRA layer's base weight and adapter together, merged as
+    peft merges), and vLLM samples from the current weights. DeepSpeed writes its partitions without bumping the
+    tensors' version counters, so under ZeRO-3 every sync pushes (one push more than DDP's, at the first
+    generation). Colocated: each process pushes into its own vLLM; server mode: both gather and the main process
+    sends."""
+    pytest.importorskip("deepspeed")
+    initial_weights(model_dir, tmp_path / "two")
+    config, pushes, server = TWO_PROCESSES, ([1, 2, 3], [1, 2, 3]), None
+    if mode == "server":
+        from test_vllm import tiny
+        from test_vllm_server import free_port, save, start_server
+
+        model, tokenizer = tiny(tied=True, seed=1)
+        port = free_port()
+        server = start_server(save(model, tokenizer, tmp_path / "served"), port)
+        config = {**TWO_PROCESSES, "vllm_mode": "server", "vllm_server_base_url": f"http://127.0.0.1:{port}"}
+        pushes = ([1, 2, 3], [0, 0, 0])
+    try:
+        launch_script(tmp_path, dict(out=str(tmp_path / "two"), model=model_dir, config=config,
+                                     lora=mode == "colocate_lora"), env=zero3_env(tmp_path))  # fmt: skip
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait(timeout=30)
+    check_two_processes_train_as_one(tmp_path, model_dir, "DEEPSPEED", engine="VLLMServerEngine" if server else
+                                     "VLLMEngine", pushes=pushes, lora=mode == "colocate_lora")  # fmt: skip

@@ -12,8 +12,9 @@ What it does, and why (TRL 1.16's semantics, with what this machine taught us; i
   reaches them. With tied embeddings vLLM's LM head is the embedding module repacked once more: it is repacked
   after every push, or it would keep the old weights.
 - LoRA: the adapter is merged into the base weights, the merged weights are pushed, and the adapter is unmerged,
-  with no copy of the model (peft's merge / unmerge in place). FSDP2: each parameter is gathered as the push
-  reaches it (`DTensor.full_tensor()`), never the whole model at once.
+  with no copy of the model (peft's merge / unmerge in place). FSDP2 and ZeRO-3: each parameter is gathered as
+  the push reaches it (`DTensor.full_tensor()`, `deepspeed.zero.GatheredParameters`), never the whole model at
+  once; a LoRA layer's merged weight is computed from its gathered base weight and adapter, as peft merges.
 - Several training processes: one engine per process, each sampling that process's prompts, joined to the
   training processes' torch.distributed world by vLLM's `external_launcher` executor (TRL 1.16's way).
 - Structured outputs (`vllm_structured_outputs_regex`): vLLM masks the tokens that cannot continue a match of the
@@ -141,43 +142,82 @@ def merged_weights(model: torch.nn.Module) -> Iterator[Iterator[tuple[str, torch
 @contextlib.contextmanager
 def policy_weights(model: torch.nn.Module) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
     """The policy's full weights under their checkpoint names, one tensor at a time: `merged_weights` for a model
-    each process holds whole; for an FSDP2-sharded model each parameter is gathered (`DTensor.full_tensor()`, a
-    collective: every process must iterate, in the same order) as the iterator reaches it, so no process ever holds
-    more than one gathered parameter beyond what the consumer keeps (vLLM copies each into its own weights)."""
+    each process holds whole; for a sharded one (FSDP2, ZeRO-3) `gathered_weights`, a collective every process
+    must iterate, in the same order."""
     from ..distributed import is_sharded
 
-    check_pushable(model)
     if not is_sharded(model):
         with merged_weights(model) as weights:
             yield weights
         return
-    if is_peft(model):  # check_backend refuses it before the trainer builds an engine; said again for direct use
-        raise NotImplementedError("use_vllm with LoRA under FSDP2 is not supported yet: sample with the in-process "
-                                  "engine under FSDP2, or train LoRA with vLLM under DDP or DeepSpeed ZeRO-1/2.")
     yield gathered_weights(model)
 
 
-def check_pushable(model: torch.nn.Module) -> None:
-    """Refuse what `policy_weights` cannot gather: ZeRO-3-partitioned parameters."""
-    from ..distributed import is_zero3
-
-    if is_zero3(model):
-        raise NotImplementedError("use_vllm under DeepSpeed ZeRO-3 is not supported yet (DeepSpeed is not installed "
-                                  "where grpokit's vLLM tests run, so the per-parameter gather is untested); use "
-                                  "FSDP2, DDP or ZeRO-1/2.")  # fmt: skip
-
-
 def gathered_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """An FSDP2 model's parameters (each once: a tied weight under its first name; vLLM ties it back) and its
-    persistent buffers, gathered one at a time, under the checkpoint's names (FSDP2 keeps module names; activation
-    checkpointing adds a wrapper prefix, dropped)."""
-    persistent = set(model.state_dict().keys())
-    named = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in persistent)]
+    """A sharded model's weights (FSDP2 DTensors, ZeRO-3 partitions) under the checkpoint's names, each gathered
+    as the iterator reaches it, so no process holds more than one gathered parameter beyond what the consumer
+    keeps (vLLM copies each into its own weights). Each parameter once (a tied weight under its first name; vLLM
+    ties it back), then the persistent buffers. A LoRA layer gives its merged weight, computed from the gathered
+    base weight and adapter as peft merges (`merged_lora_weight`); the model itself is not changed. Names: FSDP2
+    keeps module names; activation checkpointing adds a wrapper prefix, dropped."""
+    peft = is_peft(model)
+    base = base_model_of(model)
+    lora = lora_layers(base) if peft else {}
+    persistent = set(base.state_dict().keys())
+    named = [*base.named_parameters(), *((n, b) for n, b in base.named_buffers() if n in persistent)]
     for name, tensor in named:
-        name = name.replace("_checkpoint_wrapped_module.", "")
-        if hasattr(tensor, "full_tensor"):
-            tensor = tensor.full_tensor()
-        yield name, tensor.detach()
+        key = name.replace("_checkpoint_wrapped_module.", "")
+        if peft:
+            key = checkpoint_name(key)
+            if key is None:  # an adapter's weight: merged into its base layer's
+                continue
+        layer = lora.get(name.removesuffix(".base_layer.weight")) if name.endswith(".base_layer.weight") else None
+        if layer is not None:
+            yield key, merged_lora_weight(layer, tensor)
+        else:
+            (full,) = gathered([tensor])
+            yield key, full
+
+
+def gathered(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Full copies of `tensors`: FSDP2 DTensors and ZeRO-3 partitions gathered (a collective), others as they are."""
+    if any(hasattr(t, "ds_id") for t in tensors):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(tensors, modifier_rank=None):
+            return [t.detach().clone() for t in tensors]  # the gathered storage is freed on leaving
+    return [(t.full_tensor() if hasattr(t, "full_tensor") else t).detach() for t in tensors]
+
+
+def lora_layers(base: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """peft's LoRA layers of a model, by module name."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
+
+
+def merged_lora_weight(layer: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """W + Σ_adapters transpose(B A, fan_in_fan_out) · scaling, as peft's `merge` computes it (float32 for 16-bit
+    adapters on CPU, then the adapter's dtype; the sum in W's dtype), from gathered pieces: plain LoRA linear
+    layers only."""
+    from peft.tuners.lora import Linear
+    from peft.utils.other import transpose
+
+    adapters = [a for a in layer.active_adapters if a in layer.lora_A]
+    special = [a for a in adapters if layer.use_dora.get(a) or getattr(layer, "lora_bias", {}).get(a)]
+    if type(layer) is not Linear or special:
+        raise NotImplementedError(f"use_vllm on a sharded model (FSDP2 / ZeRO-3) merges plain LoRA linear layers "
+                                  f"only; this adapter has a {type(layer).__name__} layer"
+                                  f"{' with DoRA or a LoRA bias' if special else ''}. Use DDP or ZeRO-1/2, or the "
+                                  f"in-process engine (use_vllm=False).")  # fmt: skip
+    pieces = gathered([weight, *(t for a in adapters for t in (layer.lora_A[a].weight, layer.lora_B[a].weight))])
+    merged = pieces[0]
+    for index, adapter in enumerate(adapters):
+        a, b = pieces[1 + 2 * index], pieces[2 + 2 * index]
+        upcast = b.device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16)
+        delta = transpose((b.float() @ a.float()) if upcast else b @ a, layer.fan_in_fan_out) * layer.scaling[adapter]
+        merged = (merged + (delta.to(b.dtype) if upcast else delta)).to(weight.dtype)
+    return merged
 
 
 def write_model_dir(model: torch.nn.Module, directory: Path, tokenizer=None) -> None:
@@ -281,7 +321,7 @@ class VLLMEngine:
         their own parameters (or shards), so under FSDP2 they all enter the push's gathers together."""
         self._check_running()
         versions = parameter_versions(model)
-        if versions == self.pushed_versions:
+        if versions is not None and versions == self.pushed_versions:
             return
         with guarded_process_state(), policy_weights(model) as weights:
             self._wake()
@@ -499,7 +539,6 @@ def engine_from_config(model: torch.nn.Module, args, tokenizer=None, process_ind
                        local_process_index: int = 0):  # fmt: skip
     """The engine `GRPOConfig(use_vllm=True)` asks for: colocated `VLLMEngine` (one per training process), or the
     server client."""
-    check_pushable(model)  # before vLLM starts
     if args.vllm_mode == "server":  # no vLLM needed in this process
         from .vllm_client import VLLMServerEngine
 

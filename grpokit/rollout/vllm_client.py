@@ -81,7 +81,7 @@ class VLLMServerEngine:
         decide alike: each runs the same optimizer steps on its own replica or shard, so they reach the gathers and
         the barrier together."""
         versions = parameter_versions(model)
-        if versions == self.pushed_versions:
+        if versions is not None and versions == self.pushed_versions:
             return
         self._model = model
         if self.process_index == 0 or self.sharded:
