@@ -143,3 +143,22 @@ def parameter_versions(model: torch.nn.Module) -> tuple[tuple[int, int], ...] | 
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         return None
     return tuple((p.data_ptr(), p._version) for p in model.parameters())
+
+
+@contextlib.contextmanager
+def models_written_by_this_process(writes: bool = True):
+    """transformers 5's `save_pretrained` writes a model's files from global rank 0 only when torch.distributed is
+    initialized, whatever its `is_main_process` says (`PreTrainedModel.should_save_on_this_rank`). A process that
+    must write them although it is not rank 0 (each node's main process under save_on_each_node) lifts that rule
+    for the duration; `writes=False` leaves it alone."""
+    from transformers import PreTrainedModel
+
+    if not writes or not hasattr(PreTrainedModel, "should_save_on_this_rank"):
+        yield
+        return
+    PreTrainedModel.should_save_on_this_rank = lambda self, is_main_process: is_main_process  # shadows the mixin's
+    try:
+        yield
+    finally:
+        del PreTrainedModel.should_save_on_this_rank
+

@@ -328,8 +328,10 @@ class GRPOConfig:
                                                            "locally.")
     trackio_static_space_id: str | None | Literal[False] = _not_implemented(None, "TRL publishes a static Trackio Space; "
                                                                         "grpokit logs to Trackio locally.")
-    save_on_each_node: bool = _not_implemented(False, "TRL saves on every node; grpokit saves from the main process: "
-                                                      "put output_dir on storage all nodes share.")
+    save_on_each_node: bool = _f(False, "Multi-node runs whose nodes share no storage: each node's main process "
+                                        "writes the checkpoints and the final model into its own output_dir (so each "
+                                        "node can resume from its own copy). With shared storage leave it False. "
+                                        "DDP or one process per node; refused under FSDP2 / DeepSpeed.")
     ignore_data_skip: bool = _f(False, "On resume, draw the current epoch's prompts from its start again (its "
                                        "order is the same), as transformers does; False continues where the "
                                        "checkpoint stopped. A generation batch the checkpoint holds half used is "

@@ -40,6 +40,7 @@ from .batch import ScoredRollout, TrainBatch
 from .checkpoint import Checkpointer, TrainingParts
 from .checkpoint.preemption import SigtermCheckpoint
 from .config import LOG_LEVELS, GRPOConfig
+from .compat import models_written_by_this_process
 from .cpu_matmul import float32_matmuls, release_scratch
 from .cpu_memory import keep_large_allocations_mapped
 from .data import (
@@ -214,7 +215,13 @@ class GRPOTrainer:
                                         max_grad_norm=args.max_grad_norm, max_nonfinite_steps=args.max_nonfinite_steps)
         self.checkpointer = Checkpointer(acc, args.output_dir, self._write_model, save_total_limit=args.save_total_limit,
                                          save_only_model=args.save_only_model, deepspeed=deepspeed,
-                                         gather_weights=self._gathered_weights)  # fmt: skip
+                                         gather_weights=self._gathered_weights,
+                                         save_on_each_node=args.save_on_each_node)  # fmt: skip
+        if args.save_on_each_node and (is_sharded(self.unwrapped_model) or self.checkpointer.format != "plain"):
+            raise NotImplementedError("save_on_each_node=True is supported with whole weights in every process "
+                                      "(DDP, or one process per node): under FSDP2 and DeepSpeed every process writes "
+                                      "its part of a checkpoint into one directory, so put output_dir on storage all "
+                                      "nodes share and leave save_on_each_node False.")  # fmt: skip
         if args.load_best_model_at_end and self.checkpointer.format != "plain":
             raise ValueError(f"load_best_model_at_end=True loads plain checkpoints only; this run writes "
                              f"{self.checkpointer.format} ones (FSDP2 SHARDED_STATE_DICT / DeepSpeed). Set it False "
@@ -856,12 +863,13 @@ class GRPOTrainer:
         self.state.max_steps = total_steps(self.args, self.train_dataset, self.accelerator.num_processes)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Every process calls it; the main process writes (under FSDP2 / ZeRO-3 all of them gather first)."""
+        """Every process calls it; the main process writes (under FSDP2 / ZeRO-3 all of them gather first), or with
+        save_on_each_node the main process of each node."""
         self.accelerator.wait_for_everyone()
         weights = self._gathered_weights(self.unwrapped_model) if is_sharded(self.unwrapped_model) else None
-        if self.accelerator.is_main_process:
+        if self.checkpointer.writes:
             self._write_model(Path(output_dir or self.args.output_dir), weights)
-            if self.args.push_to_hub and not _internal_call:
+            if self.args.push_to_hub and not _internal_call and self.accelerator.is_main_process:
                 push_folder(self.args, Path(output_dir or self.args.output_dir), "Model saved by grpokit")
 
     def push_to_hub(self, commit_message: str | None = "End of training", **unused) -> str | None:
@@ -879,6 +887,12 @@ class GRPOTrainer:
 
     def _write_model(self, output_dir: Path, weights: dict[str, torch.Tensor] | None = None,
                      with_weights: bool = True) -> None:  # fmt: skip
+        # Each node's main process writes under save_on_each_node; transformers would leave it to rank 0 alone.
+        with models_written_by_this_process(not self.accelerator.is_main_process):
+            self._write_model_files(output_dir, weights, with_weights)
+
+    def _write_model_files(self, output_dir: Path, weights: dict[str, torch.Tensor] | None,
+                           with_weights: bool) -> None:  # fmt: skip
         output_dir.mkdir(parents=True, exist_ok=True)
         model = self.unwrapped_model
         if not with_weights:  # a sharded checkpoint: its config and tokenizer make the directory legible

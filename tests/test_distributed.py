@@ -7,6 +7,7 @@ of sampling), so that one and two processes see the same completions.
 """
 
 import json
+import shutil
 import os
 import runpy
 import socket
@@ -112,7 +113,10 @@ SCRIPT = textwrap.dedent(
     def train(spec):
         """A real run; records what the rewards saw and each generation batch's advantages, per process.
         `save_model`: save the final model into out/final_model."""
-        out = Path(spec["out"])
+        out, resume = Path(spec["out"]), spec.get("resume")
+        if spec.get("per_node"):  # nodes that share no storage: each its own output_dir (the same path on each)
+            out = out / f"node{os.environ['GROUP_RANK']}"
+            resume = str(out / resume) if isinstance(resume, str) else resume
         out.mkdir(parents=True, exist_ok=True)
         if spec.get("partial_state_first"):  # as TRL scripts do; on a CPU-only machine it forms no process group
             from accelerate import PartialState
@@ -132,7 +136,7 @@ SCRIPT = textwrap.dedent(
             return batch
 
         trainer.generate_batch = observed_generate
-        trainer.train(resume_from_checkpoint=spec.get("resume"))
+        trainer.train(resume_from_checkpoint=resume)
         if spec.get("save_model"):
             trainer.save_model(str(out / "final_model"))
         torch.save({"weights": full_state_dict(trainer.unwrapped_model),
@@ -206,6 +210,22 @@ def launch(directory, *specs: dict, nproc: int = 2, timeout: float = 600, env: d
     run_launcher([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                   "--master_addr", "127.0.0.1", "--master_port", str(free_port()), write_script(directory, script),
                   str(spec_path)], timeout, env)  # fmt: skip
+
+
+def launch_nodes(directory, *specs: dict, nodes: int = 2, timeout: float = 600) -> None:
+    """Run `script`'s jobs on `nodes` nodes of one process each: one torchrun per node (--node_rank), all on this
+    machine, meeting at one master address; fail with their output."""
+    spec_path = directory / f"spec-{len(list(directory.glob('spec-*')))}.json"
+    spec_path.write_text(json.dumps(specs))
+    script, port = write_script(directory, SCRIPT), free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    runs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node_rank",
+                              str(rank), "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port",
+                              str(port), script, str(spec_path)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for rank in range(nodes)]  # fmt: skip
+    outputs = [run.communicate(timeout=timeout) for run in runs]
+    for run, (stdout, stderr) in zip(runs, outputs):
+        assert run.returncode == 0, f"a node failed:\n{stdout[-2000:]}\n{stderr[-6000:]}"
 
 
 def run_launcher(command: list[str], timeout: float = 600, env: dict | None = None) -> None:
@@ -401,6 +421,43 @@ def test_ddp_fields_reach_the_process_group_and_the_ddp_wrapper(model_dir, tmp_p
         assert seen == {"wrapper": "DistributedDataParallel", "backend": "gloo", "timeout_s": 321.0,
                         "find_unused_parameters": True, "static_graph": True, "broadcast_buffers": False,
                         "bucket_bytes_cap": 7 * 1024 * 1024}, seen  # fmt: skip
+
+
+def test_save_on_each_node_writes_every_checkpoint_on_each_node_and_each_resumes_from_its_own(model_dir, tmp_path):
+    """Two nodes of one process each (two torchruns, --node_rank 0 and 1, on this machine) whose output_dirs are
+    different directories, as on nodes that share no storage. With save_on_each_node each node's main process
+    writes every checkpoint (all processes' RNG states and generation batches included) and the final model into
+    its own output_dir, the same files on both; each node then resumes from its own copy, and the resumed run ends
+    bitwise where the unbroken one did. Without it only node 0 has them (transformers' semantics)."""
+    run = {**TWO_PROCESS_RUN, "max_steps": 4, "save_steps": 2}
+    job = dict(job="train", model=model_dir, tiebreak=0.01, per_node=True, save_model=True)
+    launch_nodes(tmp_path, {**job, "out": str(tmp_path / "each"), "config": {**run, "save_on_each_node": True}},
+                 {**job, "out": str(tmp_path / "main"), "config": run})  # fmt: skip
+    each = [tmp_path / "each" / f"node{n}" for n in (0, 1)]
+    for node in each:
+        assert sorted(p.name for p in node.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+        assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors", "optimizer.pt",
+                "generation_state.pt"} <= {p.name for p in (node / "checkpoint-2").iterdir()}  # fmt: skip
+        assert (node / "final_model" / "model.safetensors").is_file()
+    for name in ("model.safetensors", "optimizer.pt", "rng_state_1.pth", "generation_state.pt"):  # (trainer_state.json:
+        # the writer's own, e.g. its step times and is_world_process_zero)
+        for step in (2, 4):
+            assert (each[0] / f"checkpoint-{step}" / name).read_bytes() == \
+                (each[1] / f"checkpoint-{step}" / name).read_bytes(), (name, step)  # fmt: skip
+    main = [tmp_path / "main" / f"node{n}" for n in (0, 1)]
+    assert sorted(p.name for p in main[0].glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert not list(main[1].glob("checkpoint-*")) and not (main[1] / "final_model").exists()
+    # Each node resumes from its own copy of checkpoint-2 (node 1's from node 1's directory), in a fresh output_dir.
+    for n in (0, 1):
+        shutil.copytree(each[n] / "checkpoint-2", tmp_path / "resumed" / f"node{n}" / "checkpoint-2")
+    launch_nodes(tmp_path, {**job, "out": str(tmp_path / "resumed"), "resume": "checkpoint-2", "save_model": False,
+                            "config": {**run, "save_on_each_node": True}})  # fmt: skip
+    for n in (0, 1):
+        unbroken, resumed = load(each[n] / f"final_{n}.pt"), load(tmp_path / "resumed" / f"node{n}" / f"final_{n}.pt")
+        assert resumed["global_step"] == 4 and resumed["num_processes"] == 2
+        assert max_difference(resumed["weights"], unbroken["weights"]) == 0.0
+        assert [e["loss"] for e in resumed["log_history"]] == [e["loss"] for e in unbroken["log_history"]]
+        assert (tmp_path / "resumed" / f"node{n}" / "checkpoint-4").is_dir()
 
 
 @pytest.mark.slow
@@ -660,6 +717,7 @@ def test_fsdp1_and_what_fsdp2_cannot_do_are_refused_with_the_way_out(model_dir, 
            env={**FSDP2, "FSDP_VERSION": "1"})  # fmt: skip
     launch(tmp_path, dict(job="refused", model=model_dir, out=str(tmp_path / "prompt_tuning"), adapter="prompt_tuning"),
            dict(job="refused", model=model_dir, out=str(tmp_path / "compile"), config={"torch_compile": True}),
+           dict(job="refused", model=model_dir, out=str(tmp_path / "each_node"), config={"save_on_each_node": True}),
            env=FSDP2)  # fmt: skip
     for rank in (0, 1):
         fsdp1 = json.loads((tmp_path / "fsdp1" / f"error_{rank}.json").read_text())
@@ -667,6 +725,8 @@ def test_fsdp1_and_what_fsdp2_cannot_do_are_refused_with_the_way_out(model_dir, 
         prompt_tuning = json.loads((tmp_path / "prompt_tuning" / f"error_{rank}.json").read_text())
         assert "Prompt-learning adapters" in prompt_tuning and "LoraConfig" in prompt_tuning
         assert "torch_compile under FSDP2" in json.loads((tmp_path / "compile" / f"error_{rank}.json").read_text())
+        each_node = json.loads((tmp_path / "each_node" / f"error_{rank}.json").read_text())
+        assert "save_on_each_node=True is supported with whole weights" in each_node and "all nodes share" in each_node
 
 
 def test_fsdp2_sharded_checkpoints_resume_in_two_processes_or_one(fsdp2_runs, lora_resumed_in_one_process,

@@ -74,10 +74,21 @@ class Checkpointer:
 
     def __init__(self, accelerator, output_dir: str | Path, write_model: Callable[..., None], *,
                  save_total_limit: int | None = None, save_only_model: bool = False, deepspeed: bool = False,
-                 gather_weights: Callable[[torch.nn.Module], dict] = full_state_dict):  # fmt: skip
+                 gather_weights: Callable[[torch.nn.Module], dict] = full_state_dict,
+                 save_on_each_node: bool = False):  # fmt: skip
+        """save_on_each_node: each node's local main process writes the whole checkpoint into its own output_dir
+        (nodes that share no storage; transformers' option), rather than the main process alone. Plain
+        checkpoints only: in the sharded and DeepSpeed formats every process writes its part into one directory."""
         self.accelerator, self.output_dir, self.write_model = accelerator, Path(output_dir), write_model
         self.save_total_limit, self.save_only_model, self.deepspeed = save_total_limit, save_only_model, deepspeed
-        self.gather_weights = gather_weights
+        self.gather_weights, self.save_on_each_node = gather_weights, save_on_each_node
+
+    @property
+    def writes(self) -> bool:
+        """Whether this process writes checkpoints (and the final model): the main process, or with
+        save_on_each_node the main process of each node."""
+        acc = self.accelerator
+        return acc.is_local_main_process if self.save_on_each_node else acc.is_main_process
 
     @property
     def format(self) -> str:
@@ -90,8 +101,8 @@ class Checkpointer:
     # --------------------------------------------------------------------------------------------------- saving
 
     def save(self, parts: TrainingParts, state: TrainerState, loop: dict, process: dict) -> Path | None:
-        """Every process calls it, each with its own `process` part; returns the checkpoint's path on the main
-        process. Refuses (FloatingPointError) to checkpoint non-finite weights: the last good checkpoint stays.
+        """Every process calls it, each with its own `process` part; returns the checkpoint's path on the process
+        that wrote it (`writes`). Refuses (FloatingPointError) to checkpoint non-finite weights: the last good checkpoint stays.
         save_total_limit never removes state.best_model_checkpoint."""
         from accelerate.utils import broadcast_object_list, gather_object
 
@@ -115,7 +126,7 @@ class Checkpointer:
                                if is_sharded(model) and not self.save_only_model else None)  # fmt: skip
             reference_weights = full_state_dict(reference) if reference is not None else None
         processes = [] if self.save_only_model else gather_object([{"rng": rng_state(), **process}])
-        if not acc.is_main_process:
+        if not self.writes:
             acc.wait_for_everyone()
             return None
 
