@@ -93,6 +93,11 @@ def _deprecated(default, message: str, moved_to: str | None = None):
                                                       "moved_to": moved_to})  # fmt: skip
 
 
+# transformers' AcceleratorConfig options and their defaults (transformers.trainer_pt_utils.AcceleratorConfig).
+ACCELERATOR_CONFIG_DEFAULTS = {"split_batches": False, "dispatch_batches": None, "even_batches": True,
+                               "use_seedable_sampler": True, "non_blocking": False,
+                               "gradient_accumulation_kwargs": None, "use_configured_state": False}  # fmt: skip
+
 @dataclass
 class GRPOConfig:
     # ---- output, logging, checkpoints
@@ -338,8 +343,15 @@ class GRPOConfig:
                                        "finished first.")
     push_to_hub: bool = _f(False, "Upload the model to the Hub (hub_model_id, default: output_dir's name) when "
                                   "save_model / push_to_hub() is called; the Hub is checked at start-up.")
-    accelerator_config: dict | str | None = _not_implemented(None, "TRL's accelerate options; configure accelerate "
-                                                                   "with `accelerate config` / `accelerate launch`.")
+    accelerator_config: dict | str | None = _f(None, "transformers' AcceleratorConfig: a dict, a JSON string or a "
+                                                     "JSON file's path. use_configured_state (the script's "
+                                                     "accelerate state is used, and must exist) and "
+                                                     "gradient_accumulation_kwargs.sync_each_batch (gradients "
+                                                     "synchronised at every micro-batch: less memory under FSDP) act; "
+                                                     "dispatch_batches, even_batches, use_seedable_sampler, "
+                                                     "non_blocking need no effect (grpokit's prompt sampler is "
+                                                     "seeded and gives every process whole batches); split_batches "
+                                                     "is refused.")
     parallelism_config: ParallelismConfig | None = _not_implemented(None, "TRL's tensor/context parallelism; grpokit "
                                                                           "runs DDP, FSDP2 or ZeRO through "
                                                                           "accelerate launch.")
@@ -592,6 +604,46 @@ class GRPOConfig:
             raise ValueError(f"deepspeed={self.deepspeed!r}: the file holds {type(config).__name__}, not a JSON "
                              f"object.")
         return config
+
+    def accelerator_options(self) -> dict:
+        """The `accelerator_config` field as a dict of transformers' AcceleratorConfig options ({} when unset):
+        given as a dict, an AcceleratorConfig, a JSON string or the path of a JSON file. Unknown options, an
+        accumulation count other than gradient_accumulation_steps, and split_batches are refused."""
+        value = self.accelerator_config
+        if value is None:
+            return {}
+        if dataclasses.is_dataclass(value):  # transformers' AcceleratorConfig
+            value = dataclasses.asdict(value)
+        elif isinstance(value, str):
+            path = Path(value)
+            if not path.is_file():
+                raise ValueError(f"accelerator_config={value!r} is neither a dict, a JSON object nor the path of a "
+                                 f"JSON file.")  # fmt: skip
+            value = json.loads(path.read_text())
+        if not isinstance(value, dict):
+            raise ValueError(f"accelerator_config must be a dict of AcceleratorConfig options, not "
+                             f"{type(value).__name__}.")  # fmt: skip
+        unknown = sorted(set(value) - set(ACCELERATOR_CONFIG_DEFAULTS))
+        if unknown:
+            raise ValueError(f"accelerator_config {unknown}: not options of transformers' AcceleratorConfig; known: "
+                             f"{sorted(ACCELERATOR_CONFIG_DEFAULTS)}.")  # fmt: skip
+        options = {**ACCELERATOR_CONFIG_DEFAULTS, **value}
+        if options["split_batches"]:
+            raise ValueError("accelerator_config split_batches=True is not supported: per_device_train_batch_size is "
+                             "each process's share (as in TRL's GRPO, whose batch arithmetic assumes it); divide it "
+                             "by the number of processes instead.")  # fmt: skip
+        accumulation = dict(options["gradient_accumulation_kwargs"] or {})
+        unknown = sorted(set(accumulation) - {"num_steps", "adjust_scheduler", "sync_with_dataloader", "sync_each_batch"})
+        if unknown:
+            raise ValueError(f"accelerator_config gradient_accumulation_kwargs {unknown}: not options of accelerate's "
+                             f"GradientAccumulationPlugin.")  # fmt: skip
+        steps = accumulation.get("num_steps")
+        if steps is not None and steps != self.gradient_accumulation_steps:
+            raise ValueError(f"accelerator_config gradient_accumulation_kwargs num_steps={steps} disagrees with "
+                             f"gradient_accumulation_steps={self.gradient_accumulation_steps}: set the count once, "
+                             f"with gradient_accumulation_steps.")  # fmt: skip
+        options["gradient_accumulation_kwargs"] = accumulation
+        return options
 
     def fsdp_plugin_kwargs(self) -> dict | None:
         """accelerate's FullyShardedDataParallelPlugin arguments from `fsdp` / `fsdp_config` (None: FSDP off), as
@@ -877,6 +929,7 @@ class GRPOConfig:
             if option != "underflow_overflow":
                 fail(f"debug={self.debug!r}: {option!r} is not supported; grpokit has 'underflow_overflow' (TPUs, "
                      f"which 'tpu_metrics_debug' is for, are not supported).")
+        self.accelerator_options()  # refuses what grpokit would not run
         fsdp = self.fsdp_plugin_kwargs()  # refuses what grpokit would not run
         if fsdp is not None and self.deepspeed is not None:
             fail("fsdp and deepspeed are both set; choose one way to shard the model.")

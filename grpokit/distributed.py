@@ -52,6 +52,13 @@ def build_accelerator(args: GRPOConfig):
         InitProcessGroupKwargs(backend=backend, timeout=timedelta(seconds=args.ddp_timeout)),
         DistributedDataParallelKwargs(**{name: value for name, value in ddp.items() if value is not None}),
     ]
+    if args.accelerator_options().get("use_configured_state"):
+        # transformers' meaning: the script set accelerate's state up, and the trainer takes it as it is.
+        if not PartialState._shared_state:
+            raise ValueError("accelerator_config use_configured_state=True needs accelerate's state set up before "
+                             "the trainer (e.g. `PartialState()` or `Accelerator()` in the script), and there is "
+                             "none: create it first, or drop use_configured_state.")  # fmt: skip
+        return Accelerator(**kwargs)
     try:
         accelerator = Accelerator(**kwargs)
     except ValueError:

@@ -1,6 +1,7 @@
 """One optimizer step over a window of micro-batches, with every backend's quirks in this one object.
 
-- DDP: gradients are synchronised only on the window's last micro-batch (`no_sync` before it).
+- DDP / FSDP2: gradients are synchronised only on the window's last micro-batch (`no_sync` before it), or at every
+  one with sync_each_batch.
 - DeepSpeed: the engine takes the optimizer step inside the last micro-batch's backward, so the accumulation
   boundary is marked by hand, the loss (already normalised over the whole step) is not divided again, and a
   non-finite step cannot be skipped: training stops instead.
@@ -32,15 +33,21 @@ class StepResult:
 
 class OptimizerStepper:
     def __init__(self, accelerator, model, optimizer, scheduler, *, max_grad_norm: float, max_nonfinite_steps: int,
-                 deepspeed: bool):  # fmt: skip
+                 deepspeed: bool, sync_each_batch: bool = False):  # fmt: skip
+        """sync_each_batch: synchronise gradients at every micro-batch, not only the window's last (accelerate's
+        GradientAccumulationPlugin option: under FSDP2 each micro-batch's gradients are reduce-scattered into the
+        shards at once rather than held whole until the last)."""
         self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
         self.max_grad_norm, self.max_nonfinite_steps, self.deepspeed = max_grad_norm, max_nonfinite_steps, deepspeed
+        self.sync_each_batch = sync_each_batch
 
     def micro_batch(self, is_last: bool):
         """The context one micro-batch's forward and backward run in."""
         if self.deepspeed:
             set_accumulation_boundary(self.accelerator, is_last)
-        return contextlib.nullcontext() if is_last else self.accelerator.no_sync(self.model)
+        if is_last or self.sync_each_batch:
+            return contextlib.nullcontext()
+        return self.accelerator.no_sync(self.model)
 
     def backward(self, loss: torch.Tensor) -> None:
         # The loss is already normalised over the whole optimizer step: DeepSpeed must not divide it again.

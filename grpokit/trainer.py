@@ -211,8 +211,10 @@ class GRPOTrainer:
                                    environments, rollout_func)  # fmt: skip
         self.state = self._new_state()
         self.scheduler = scheduler or build_scheduler(self.optimizer, args, self.state.max_steps)
+        sync_each_batch = bool(args.accelerator_options().get("gradient_accumulation_kwargs", {}).get("sync_each_batch"))
         self.stepper = OptimizerStepper(acc, self.model, self.optimizer, self.scheduler, deepspeed=deepspeed,
-                                        max_grad_norm=args.max_grad_norm, max_nonfinite_steps=args.max_nonfinite_steps)
+                                        max_grad_norm=args.max_grad_norm, max_nonfinite_steps=args.max_nonfinite_steps,
+                                        sync_each_batch=sync_each_batch)  # fmt: skip
         self.checkpointer = Checkpointer(acc, args.output_dir, self._write_model, save_total_limit=args.save_total_limit,
                                          save_only_model=args.save_only_model, deepspeed=deepspeed,
                                          gather_weights=self._gathered_weights,

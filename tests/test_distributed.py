@@ -136,13 +136,22 @@ SCRIPT = textwrap.dedent(
             return batch
 
         trainer.generate_batch = observed_generate
+        reductions = []
+        if spec.get("count_reductions"):  # DDP's gradient all-reduces, counted by a communication hook
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            def counted(state, bucket):
+                reductions.append(bucket.index())
+                return allreduce_hook(state, bucket)
+
+            trainer.model.register_comm_hook(None, counted)
         trainer.train(resume_from_checkpoint=resume)
         if spec.get("save_model"):
             trainer.save_model(str(out / "final_model"))
         torch.save({"weights": full_state_dict(trainer.unwrapped_model),
                     "distributed_type": trainer.accelerator.distributed_type.value, "log_history": trainer.state.log_history[:-1],
                     "global_step": trainer.state.global_step, "num_processes": trainer.accelerator.num_processes,
-                    "batches": batches}, out / f"final_{RANK}.pt")
+                    "batches": batches, "reductions": len(reductions)}, out / f"final_{RANK}.pt")
 
 
     def refused(spec):
@@ -421,6 +430,27 @@ def test_ddp_fields_reach_the_process_group_and_the_ddp_wrapper(model_dir, tmp_p
         assert seen == {"wrapper": "DistributedDataParallel", "backend": "gloo", "timeout_s": 321.0,
                         "find_unused_parameters": True, "static_graph": True, "broadcast_buffers": False,
                         "bucket_bytes_cap": 7 * 1024 * 1024}, seen  # fmt: skip
+
+
+def test_sync_each_batch_reduces_every_micro_batch_and_updates_alike(model_dir, tmp_path):
+    """accelerator_config gradient_accumulation_kwargs.sync_each_batch under DDP, 2 micro-batches per step: DDP
+    all-reduces the gradients after each micro-batch's backward (twice as many reductions as with no_sync on the
+    first), and the updates are the same up to rounding (the mean of sums against the sum of means)."""
+    # learning_rate = adam_epsilon >> |g|: AdamW's update is its first moment (unnormalised), so float rounding in
+    # the gradients is not amplified as AdamW's per-weight normalisation does near 0 (as the vLLM tests compare).
+    run = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=8, learning_rate=1e6,
+               adam_epsilon=1e6, max_grad_norm=0.0, max_steps=2)  # fmt: skip
+    job = dict(job="train", model=model_dir, tiebreak=0.01, count_reductions=True)
+    each = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
+    launch(tmp_path, {**job, "out": str(tmp_path / "last"), "config": run},
+           {**job, "out": str(tmp_path / "each"), "config": {**run, "accelerator_config": each}})  # fmt: skip
+    last, every = load(tmp_path / "last" / "final_0.pt"), load(tmp_path / "each" / "final_0.pt")
+    assert last["reductions"] > 0 and every["reductions"] == 2 * last["reductions"]
+    initial = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    moved = max_difference(last["weights"], {k: v for k, v in initial.items() if k in last["weights"]})
+    assert moved > 1e-3 and max_difference(every["weights"], last["weights"]) < 1e-5 * moved
+    assert [e["loss"] for e in every["log_history"]] == pytest.approx([e["loss"] for e in last["log_history"]],
+                                                                      abs=1e-6)  # fmt: skip
 
 
 def test_save_on_each_node_writes_every_checkpoint_on_each_node_and_each_resumes_from_its_own(model_dir, tmp_path):

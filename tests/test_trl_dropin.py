@@ -687,6 +687,67 @@ def test_fsdp_fields_grpokit_would_not_run_are_refused_at_once(tmp_path, fields,
         config(tmp_path, **fields)
 
 
+# ------------------------------------------------------------------------------- accelerator_config (TRL's field)
+def test_accelerator_config_is_read_from_a_dict_a_json_string_a_file_or_an_accelerator_config(tmp_path):
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    given = {"even_batches": False, "gradient_accumulation_kwargs": {"sync_each_batch": True}}
+    expected = {"split_batches": False, "dispatch_batches": None, "even_batches": False, "use_seedable_sampler": True,
+                "non_blocking": False, "gradient_accumulation_kwargs": {"sync_each_batch": True},
+                "use_configured_state": False}  # fmt: skip
+    path = tmp_path / "accelerator.json"
+    path.write_text(json.dumps(given))
+    for form in (given, json.dumps(given), str(path), AcceleratorConfig(**given)):
+        assert config(tmp_path, accelerator_config=form).accelerator_options() == expected
+    assert config(tmp_path).accelerator_options() == {}
+    both = {"gradient_accumulation_kwargs": {"num_steps": 2}}  # the same count twice: fine
+    assert config(tmp_path, gradient_accumulation_steps=2, accelerator_config=both).accelerator_options()
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"split_batches": True}, "split_batches=True is not supported: per_device_train_batch_size is each process's"),
+    ({"dispatch_batch": True}, r"\['dispatch_batch'\]: not options of transformers' AcceleratorConfig"),
+    ({"gradient_accumulation_kwargs": {"num_steps": 4}}, "num_steps=4 disagrees with gradient_accumulation_steps=1"),
+    ({"gradient_accumulation_kwargs": {"sync_every": True}}, r"\['sync_every'\]: not options of accelerate's"),
+    ("no/such/accelerator.json", "neither a dict, a JSON object nor the path of a JSON file"),
+])  # fmt: skip
+def test_accelerator_config_grpokit_cannot_follow_is_refused_at_once(tmp_path, given, message):
+    with pytest.raises(ValueError, match=message):
+        config(tmp_path, accelerator_config=given)
+
+
+def test_sync_each_batch_synchronises_every_micro_batch(tmp_path):
+    """gradient_accumulation_kwargs.sync_each_batch: no micro-batch runs under the backend's `no_sync` (without it,
+    all but the window's last do). Two processes: tests/test_distributed.py counts the all-reduces."""
+    import contextlib
+
+    model, tokenizer = tiny()
+    for sync_each_batch, expected in ((False, [False, False, True]), (True, [True, True, True])):
+        options = {"gradient_accumulation_kwargs": {"sync_each_batch": sync_each_batch}}
+        trainer = GRPOTrainer(model=model, reward_funcs=repeat_letter, processing_class=tokenizer,
+                              train_dataset=letters(), args=config(tmp_path, accelerator_config=options))  # fmt: skip
+        synced = [isinstance(trainer.stepper.micro_batch(is_last), contextlib.nullcontext)
+                  for is_last in (False, False, True)]  # fmt: skip
+        assert synced == expected
+
+
+def test_use_configured_state_takes_the_scripts_accelerate_state_and_needs_one(tmp_path):
+    from accelerate import PartialState
+
+    from grpokit.compat import reset_accelerate_state
+
+    model, tokenizer = tiny()
+    build = lambda: GRPOTrainer(model=model, reward_funcs=repeat_letter, processing_class=tokenizer,  # noqa: E731
+                                train_dataset=letters(),
+                                args=config(tmp_path, accelerator_config={"use_configured_state": True}))
+    reset_accelerate_state()
+    with pytest.raises(ValueError, match="use_configured_state=True needs accelerate's state set up before the "
+                                         "trainer .* create it first"):
+        build()
+    state = PartialState(cpu=True)
+    assert build().accelerator.state.num_processes == state.num_processes == 1
+
+
 # ----------------------------------------------------------------------------------------- debug (TRL's field)
 def test_debug_underflow_overflow_stops_at_the_first_inf_and_names_the_module(tmp_path, capsys):
     model, tokenizer = tiny()
