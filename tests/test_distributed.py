@@ -906,9 +906,14 @@ def test_lora_under_zero2_follows_ddp_and_resumes(zero2_runs, fsdp2_runs, eos_pr
 
 @pytest.fixture(scope="module")
 def zero3_config(tmp_path_factory):
-    """ZeRO-3 with nothing kept resident: every forward gathers every layer's partitions (with DeepSpeed's
-    defaults a model this small would stay whole and uneven forward counts would go unnoticed)."""
-    path = tmp_path_factory.mktemp("zero3") / "ds_config.json"
+    return zero3_env(tmp_path_factory.mktemp("zero3"))
+
+
+def zero3_env(directory) -> dict:
+    """ZeRO-3 through accelerate's variables, its config file written into `directory`, with nothing kept resident:
+    every forward gathers every layer's partitions (with DeepSpeed's defaults a model this small would stay whole
+    and uneven forward counts would go unnoticed)."""
+    path = directory / "ds_config.json"
     path.write_text(json.dumps({
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 0,
                               "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0},

@@ -16,14 +16,13 @@ records, per process and generation, the rollout vLLM returned. Then:
 
 from __future__ import annotations
 
-import json
 import textwrap
 
 import pytest
 import torch
 
 from grpokit.testing import save_tiny_model
-from test_distributed import FSDP2, launch, load, max_difference, run_in_this_process
+from test_distributed import FSDP2, launch, load, max_difference, run_in_this_process, zero3_env
 
 pytestmark = pytest.mark.vllm
 
@@ -267,20 +266,6 @@ def test_lora_under_fsdp2_pushes_each_layer_merged_from_its_gathered_pieces(mode
     launch_script(tmp_path, dict(out=str(tmp_path / "two"), model=model_dir, config=TWO_PROCESSES, lora=True),
                   env=FSDP2)  # fmt: skip
     check_two_processes_train_as_one(tmp_path, model_dir, "FSDP", lora=True)
-
-
-def zero3_env(directory) -> dict:
-    """ZeRO-3 through accelerate on CPU processes, with nothing kept resident (every forward and every push
-    gathers every partition; with DeepSpeed's defaults a model this small would stay whole)."""
-    path = directory / "ds_config.json"
-    path.write_text(json.dumps({
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 0,
-                              "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0},
-        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
-        "gradient_clipping": "auto",
-    }))  # fmt: skip
-    return {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
-            "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(path), "ACCELERATE_MIXED_PRECISION": "no"}  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", ["colocate", "colocate_lora", "server"])
