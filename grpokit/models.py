@@ -110,9 +110,15 @@ def apply_peft(model, peft_config):
 
 @contextlib.contextmanager
 def reference_policy(policy, frozen_reference=None):
-    """The reference policy: a frozen copy when there is one, else (LoRA) the policy with its adapter disabled."""
+    """The reference policy: a frozen copy when there is one, else (LoRA) the policy with its adapter disabled.
+    A frozen FSDP2 reference is resharded after use: FSDP2 leaves a root module's parameters whole after a forward
+    that no backward follows, and the reference's next forward is a generation away (the adapter-off policy's next
+    forward comes at once, so it stays as it is)."""
     if frozen_reference is not None:
-        yield frozen_reference
+        try:
+            yield frozen_reference
+        finally:
+            reshard(frozen_reference)
     elif is_peft_model(policy):
         with policy.disable_adapter():
             yield policy
@@ -217,16 +223,23 @@ def prompt_length_limit(model, args) -> int | None:
     return kept
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Free the whole parameters FSDP2 holds for a model's modules after a forward (nothing to do elsewhere)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 @torch.no_grad()
 def mix_into_reference(reference: torch.nn.Module, policy: torch.nn.Module, alpha: float) -> None:
     """TRL's reference sync: ref <- alpha * policy + (1 - alpha) * ref (alpha = 1 copies the policy)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    # Under FSDP2 a root module stays unsharded after a forward that no backward follows (the reference's): its
-    # parameters are then whole tensors where the policy's are shards. Reshard both, so that shard meets shard.
-    for module in (*reference.modules(), *policy.modules()):
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    # Under FSDP2 a root module stays unsharded after a forward that no backward follows (an in-step generation's,
+    # the reference's): its parameters are then whole tensors where the other's are shards. Reshard both, so that
+    # shard meets shard.
+    reshard(reference)
+    reshard(policy)
     # named_parameters, not state_dict: tied weights (embeddings = LM head) must be mixed once, not twice.
     policy_parameters = dict(policy.named_parameters())
     for name, value in reference.named_parameters():

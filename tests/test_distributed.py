@@ -130,9 +130,13 @@ SCRIPT = textwrap.dedent(
 
         def observed_generate():  # the real generation, observed: its advantages are the evidence
             batch = generate()
+            reference = trainer.reference
             batches.append({"prompts": trainer.processing_class.batch_decode(batch.prompt_ids,
                                                                              skip_special_tokens=True),
-                            "advantages": batch.advantages[:, 0].tolist()})
+                            "advantages": batch.advantages[:, 0].tolist(),
+                            # FSDP2: whether the reference's parameters are shards (DTensors) once it has been used
+                            "reference_sharded": None if reference is None else
+                                                 all(hasattr(p, "to_local") for p in reference.parameters())})
             return batch
 
         trainer.generate_batch = observed_generate
@@ -629,6 +633,8 @@ def test_fsdp2_training_follows_ddp_with_sharded_sampling(fsdp2_runs):
     assert lengths == pytest.approx([e["completions/mean_length"] for e in ddp["log_history"][::2]], abs=1e-9)
     assert all(e["completions/min_length"] < e["completions/max_length"] for e in generations)  # ragged
     assert fsdp2["log_history"][-1]["kl"] > 0
+    # The sharded reference is resharded after each use: its root (embeddings, final norm) is not kept whole.
+    assert [batch["reference_sharded"] for batch in fsdp2["batches"]] == [True, True, True]
     for key in ("loss", "reward", "entropy", "kl"):
         assert [e.get(key) for e in fsdp2["log_history"]] == pytest.approx(
             [e.get(key) for e in ddp["log_history"]], abs=1e-5), key  # fmt: skip
