@@ -177,7 +177,8 @@ VLM_TYPES = ("gemma3", "llava", "llava_next", "idefics3")
 
 
 def build_tiny_vlm(model_type: str = "gemma3", chars: str = DEFAULT_CHARS, *, seed: int = 0, image_size: int = 16,
-                   hidden_size: int = 32, num_layers: int = 2, vision_hidden_size: int = 16, vision_layers: int = 1):
+                   hidden_size: int = 32, num_layers: int = 2, vision_hidden_size: int = 16, vision_layers: int = 1,
+                   for_vllm: bool = False):  # fmt: skip
     """A random-weight vision-language model of a real architecture and its real processor, built offline:
     (model, processor). The tokenizer is `build_char_tokenizer`'s with the architecture's image tokens; the image
     processor is the architecture's own (PIL backend), resizing images to `image_size` pixels a side.
@@ -186,7 +187,11 @@ def build_tiny_vlm(model_type: str = "gemma3", chars: str = DEFAULT_CHARS, *, se
     attention in both layers (so the training forward shares prompts); llava: LlavaForConditionalGeneration (CLIP
     encoder, 16 image tokens, a Llama decoder); llava_next: LlavaNextForConditionalGeneration (any-resolution
     tiles, `image_sizes`, `image_newline`); idefics3: Idefics3ForConditionalGeneration (SmolVLM's architecture:
-    SigLIP encoder, pixel-shuffle connector, 4 image tokens, pixel_attention_mask, a Llama decoder)."""
+    SigLIP encoder, pixel-shuffle connector, 4 image tokens, pixel_attention_mask, a Llama decoder).
+
+    for_vllm: what vLLM's CPU build needs of such a model: decoder heads of 32 (2 query heads, 1 key/value head;
+    `hidden_size` 64 unless given), and for gemma3 the tokenizer's merged newline tokens "\n\n\n" and "\n\n\n\n"
+    (vLLM's Gemma 3 processor looks them up)."""
     import transformers
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -198,7 +203,8 @@ def build_tiny_vlm(model_type: str = "gemma3", chars: str = DEFAULT_CHARS, *, se
     image_tokens = image_tokens[model_type]
     special = SPECIAL_TOKENS + image_tokens
     vocab: dict[str, int] = {}
-    for token in special + sorted(set(chars)) + ["\n\n"]:
+    newlines = ["\n\n", "\n\n\n", "\n\n\n\n"] if for_vllm and model_type == "gemma3" else ["\n\n"]
+    for token in special + sorted(set(chars)) + newlines:
         vocab.setdefault(token, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("\n\n|\n|."), behavior="isolated")
@@ -212,9 +218,13 @@ def build_tiny_vlm(model_type: str = "gemma3", chars: str = DEFAULT_CHARS, *, se
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
                                         unk_token="<pad>", extra_special_tokens=names, padding_side="left")
     image_id = tokenizer.convert_tokens_to_ids("<image>")
+    heads = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32) if for_vllm else \
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8)  # fmt: skip
+    if for_vllm and hidden_size == 32:
+        hidden_size = 64
     text = dict(vocab_size=len(vocab), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=2)  # fmt: skip
+                num_hidden_layers=num_layers, max_position_embeddings=512, pad_token_id=0, eos_token_id=1,
+                bos_token_id=2, **heads)  # fmt: skip
     # 4-pixel patches for tiny images, 16 x 16 patches for larger ones (benchmarks)
     vision = dict(hidden_size=vision_hidden_size, intermediate_size=2 * vision_hidden_size,
                   num_hidden_layers=vision_layers, num_attention_heads=2, image_size=image_size,
@@ -228,7 +238,7 @@ def build_tiny_vlm(model_type: str = "gemma3", chars: str = DEFAULT_CHARS, *, se
                 chat_template=VLM_CHAT_TEMPLATE.replace("{image}", "<boi>"))  # fmt: skip
             config = transformers.Gemma3Config(
                 text_config=transformers.Gemma3TextConfig(**text, layer_types=["full_attention"] * num_layers,
-                                                          query_pre_attn_scalar=8),
+                                                          query_pre_attn_scalar=heads["head_dim"]),
                 vision_config=transformers.SiglipVisionConfig(**vision), mm_tokens_per_image=4,
                 image_token_index=image_id, boi_token_index=tokenizer.convert_tokens_to_ids("<boi>"),
                 eoi_token_index=tokenizer.convert_tokens_to_ids("<eoi>"))  # fmt: skip

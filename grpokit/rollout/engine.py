@@ -45,14 +45,17 @@ class PromptBatch:
     # image tokens; [] for a prompt without), what an engine such as vLLM takes as `multi_modal_data`...
     images: list[list] | None = None  # [B]
     # ...and the processor's tensors of each prompt besides its ids (pixel_values, image_grid_thw, token_type_ids,
-    # ...: `multimodal.process_prompt`), what the in-process engine's forward takes.
+    # ...: `multimodal.process_prompt`), what the in-process engine's forward takes...
     processed: list[dict[str, torch.Tensor]] | None = None  # [B]
+    # ...and each prompt's ids before the processor expanded its image placeholders (what vLLM takes with
+    # multi_modal_data: it expands them itself, and must arrive at `ids`).
+    unexpanded_ids: list[list[int]] | None = None  # [B]
 
     def __post_init__(self):
         if not (len(self.ids) == len(self.counts) == len(self.raw)):
             raise ValueError("PromptBatch: ids, counts and raw need one entry per prompt.")
-        if any(x is not None and len(x) != len(self.ids) for x in (self.images, self.processed)):
-            raise ValueError("PromptBatch: images and processed need one entry per prompt.")
+        if any(x is not None and len(x) != len(self.ids) for x in (self.images, self.processed, self.unexpanded_ids)):
+            raise ValueError("PromptBatch: images, processed and unexpanded_ids need one entry per prompt.")
         if any(len(ids) == 0 for ids in self.ids):
             raise ValueError("A prompt is empty after tokenization; every prompt needs at least one token.")
 

@@ -107,7 +107,7 @@ class PromptCodec:
         conversational prompt as image parts (`prepare_multimodal_messages`); the processor renders the chat
         template and encodes the text with the images. `raw` holds the prepared messages (reward functions receive
         those, as in TRL)."""
-        raw, ids, images, processed = [], [], [], []
+        raw, ids, images, processed, unexpanded = [], [], [], [], []
         for row in rows:
             prompt, row_imgs = row["prompt"], [load_image(i) for i in row_images(row) or []]
             if not is_conversational(prompt):
@@ -122,6 +122,8 @@ class PromptCodec:
                 text = render_prompt(prompt, self.processor, self.chat_template_kwargs)
             if row_imgs:
                 prompt_ids, tensors = process_prompt(self.processor, text, row_imgs)
+                # As the processor tokenizes the text before it expands the image placeholders.
+                unexpanded.append(self.tokenizer(text)["input_ids"])
             else:
                 add_special = not is_conversational(prompt)
                 prompt_ids, tensors = self.tokenizer(text, add_special_tokens=add_special)["input_ids"], {}
@@ -135,11 +137,14 @@ class PromptCodec:
                         self._warned_long_image_prompt = True
                 else:
                     prompt_ids = prompt_ids[-self.max_prompt_length :]
+            if not row_imgs:
+                unexpanded.append(prompt_ids)
             raw.append(prompt)
             ids.append(prompt_ids)
             images.append(row_imgs)
             processed.append(tensors)
-        return PromptBatch(ids=ids, counts=list(counts), raw=raw, images=images, processed=processed)
+        return PromptBatch(ids=ids, counts=list(counts), raw=raw, images=images, processed=processed,
+                           unexpanded_ids=unexpanded)  # fmt: skip
 
     def decode(self, rollout: Rollout, raw_prompts: list[Any]) -> tuple[list[Any], list[list[int]]]:
         """(completions as reward functions receive them, completion token ids) for each row: text (a list with
