@@ -281,7 +281,7 @@ class GRPOConfig:
     generation_kwargs: dict | str | None = _f(None, "Sampling options as TRL passes them to generate() / vLLM: top_p, top_k, "
                                               "min_p, repetition_penalty (they override the named fields, as in "
                                               "TRL), eos_token_id / stop_token_ids (more tokens that end a "
-                                              "completion), suppress_tokens (never sampled; in-process engine), "
+                                              "completion), suppress_tokens (never sampled; vLLM: a logit bias of -100), "
                                               "do_sample=True. Others are refused by name.")
     max_tool_calling_iterations: int | None = _f(None, "Most tool-calling turns per rollout of an agent "
                                                        "(GRPOTrainer(tools=... / environment_factory=...)); None: "
@@ -889,9 +889,6 @@ class GRPOConfig:
             fail(f"max_nonfinite_steps={self.max_nonfinite_steps} must be >= 1.")
         if self.eval_strategy not in ("no", "steps"):
             fail(f"eval_strategy={self.eval_strategy!r} is not valid; use 'steps' (with eval_steps) or 'no'.")
-        if self.use_vllm and (self.generation_kwargs or {}).get("suppress_tokens"):
-            fail("generation_kwargs suppress_tokens is not supported with use_vllm=True; sample with the in-process "
-                 "engine (use_vllm=False) or drop it.")
         if self.ddp_backend not in (None, "nccl", "gloo", "mpi", "xccl", "hccl", "cncl", "mccl"):
             fail(f"ddp_backend={self.ddp_backend!r} is not a torch.distributed backend; use 'nccl', 'gloo', 'mpi', "
                  f"'xccl', 'hccl', 'cncl', 'mccl' or None.")

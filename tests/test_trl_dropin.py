@@ -587,15 +587,10 @@ def test_rotation_keeps_the_best_checkpoint_among_save_total_limit(tmp_path, kee
     assert [int(p.name.split("-")[1]) for p in list_checkpoints(tmp_path)] == kept
 
 
-def test_suppressed_tokens_are_refused_with_vllm_rather_than_ignored(tmp_path):
-    # vLLM's sampling has no exact "never sample this token": the engine refuses rather than sample it anyway.
-    import grpokit.rollout.vllm as vllm_engine
-    from grpokit.rollout.engine import SamplingParams
-
-    with pytest.raises(NotImplementedError, match="Suppressed tokens"):
-        vllm_engine.sample(None, [[5, 6]], [2], SamplingParams(max_new_tokens=2, suppress_token_ids=(3,)), seed=0)
-    with pytest.raises(ValueError, match="suppress_tokens is not supported with use_vllm=True"):
-        config(tmp_path, use_vllm=True, generation_kwargs={"suppress_tokens": [3]})
+def test_suppressed_tokens_reach_the_vllm_engine(tmp_path):
+    # vLLM suppresses them with a logit bias of -100 (tests/test_vllm.py samples with it); the config passes them on.
+    args = config(tmp_path, use_vllm=True, generation_kwargs={"suppress_tokens": [3, 4]})
+    assert args.generation_token_ids()[1] == (3, 4)
 
 
 # ---------------------------------------------------------------------------------- deepspeed (TRL's field)

@@ -296,6 +296,33 @@ def test_a_prompt_seen_before_a_push_is_not_continued_from_the_old_weights_kv_ca
     assert logprob_gap(engine, model, tokenizer, prompts=prompts) <= TOLERANCE
 
 
+def test_suppressed_tokens_are_never_sampled_and_logprobs_are_of_the_masked_distribution():
+    """generation_kwargs suppress_tokens (and a VLM's image token) with vLLM: a logit bias of -100 (vLLM's floor),
+    so the tokens are not drawn, and vLLM's log-probs are those of the training forward's distribution without
+    them (a naive twin); they differ from the unmasked ones, so the check tells the two apart."""
+    from dataclasses import replace
+
+    from grpokit.rollout.vllm import VLLMEngine
+
+    model, tokenizer = tiny()
+    engine = VLLMEngine(model, dtype="float32", max_model_len=64, max_num_seqs=16)
+    suppressed = tuple(tokenizer.convert_tokens_to_ids(c) for c in "abcd")
+    params = replace(params_for(tokenizer), suppress_token_ids=suppressed)
+    rollout = engine.generate(PROMPTS, params, seed=4)
+    sampled = {t for ids in rollout.completion_id_lists() for t in ids}
+    assert not sampled & set(suppressed) and len(sampled) >= 3
+    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
+    mask = torch.cat([rollout.prompt_mask, rollout.attention_mask], 1)
+    width = rollout.completion_ids.shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, -width - 1 : -1].float() / TEMPERATURE
+    unmasked = torch.log_softmax(logits, -1).gather(-1, rollout.completion_ids[..., None])[..., 0]
+    logits[..., list(suppressed)] = float("-inf")
+    masked = torch.log_softmax(logits, -1).gather(-1, rollout.completion_ids[..., None])[..., 0]
+    gap = lambda twin: ((twin - rollout.sampling_logprobs) * rollout.loss_mask).abs().max().item()  # noqa: E731
+    assert gap(masked) <= TOLERANCE and gap(unmasked) > 1e-2, (gap(masked), gap(unmasked))
+
+
 def test_structured_outputs_regex_every_completion_matches_and_logprobs_are_of_the_masked_distribution(tmp_path):
     """vllm_structured_outputs_regex (TRL: vLLM's structured outputs with that regex): every completion is a full
     match followed by EOS, and vLLM's log-probs are those of the training forward's distribution restricted to the
