@@ -194,6 +194,11 @@ SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":
         main(sys.argv[1])
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():  # a clean exit: the group's threads stopped, not killed
+            dist.barrier()
+            dist.destroy_process_group()
     '''
 )
 
