@@ -514,8 +514,8 @@ def sample(llm, prompt_ids: list[list[int]], counts: list[int], params: Sampling
             seed=int(request_seeds[index]), structured_outputs=structured, logit_bias=bias,
         ))  # fmt: skip
     outputs = llm.generate(requests, options, use_tqdm=False)
-    for ids, out in zip(prompt_ids, outputs):
-        if list(out.prompt_token_ids) != list(ids):
+    for index, (ids, out) in enumerate(zip(prompt_ids, outputs)):  # the prompts vLLM expanded itself
+        if images is not None and images[index] and list(out.prompt_token_ids) != list(ids):
             raise ValueError(f"vLLM expanded a prompt's images into other tokens than the model's processor did, so "
                              f"it would sample after another prompt than the one trained on:\n  processor: {list(ids)}"
                              f"\n  vLLM:      {list(out.prompt_token_ids)}\nSample this model with the in-process "
