@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# What a lent GPU runs, in one call (a session's device time is ~15 minutes, start-up included): the GPU tests, then
+# grpokit vs TRL at the Qwen2.5-0.5B shape (`bench_vs_trl.py --config gpu`: 256 completions x 512 tokens per step),
+# full fine-tuning with the benchmark's common settings, grpokit alone with its memory options, and LoRA.
+#
+#     bash benchmarks/gpu_session.sh OUTDIR [PART...]     # parts: tests full lora lowmem (default: all, in order)
+#
+# Every part has its own time limit and writes its log (and JSON) to OUTDIR; a part that fails does not stop the
+# next. Split the parts over two calls to look at the first results before the rest. Needs trl and datasets next to torch, transformers, accelerate and peft (`pip install -e '.[bench,peft]'`).
+set -u
+out="${1:?usage: gpu_session.sh OUTDIR [PART...]}"
+shift
+parts=("${@:-tests full lora lowmem}")
+parts=(${parts[*]})
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import sys, torch, transformers, trl, peft, accelerate, datasets; print(sys.version.split()[0], 'torch',
+torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__, 'peft', peft.__version__,
+'accelerate', accelerate.__version__, 'datasets', datasets.__version__)"
+  nproc
+} > "$out/machine.txt" 2>&1
+
+part() {  # part NAME SECONDS COMMAND...: one part, its own limit and log
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  echo "$name: rc=$? $((SECONDS - t0)) s" | tee -a "$out/parts.txt"
+}
+
+bench=(python3 benchmarks/bench_vs_trl.py --config gpu --warmup 1 --steps 2 --repeats 1)
+for p in "${parts[@]}"; do
+  case $p in
+    tests) part gpu_tests 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_memory.py ;;
+    # Full fine-tuning, the same settings for both (float32 weights, bf16 autocast, AdamW, no checkpointing).
+    full) part full 250 "${bench[@]}" --timeout 120 --out "$out/gpu_full.json" ;;
+    # LoRA (r=16, all linear layers), gradient checkpointing for both (TRL's default).
+    lora) part lora 230 "${bench[@]}" --lora --timeout 110 --out "$out/gpu_lora.json" \
+            --trl-args '{"gradient_checkpointing": true}' --grpokit-args '{"gradient_checkpointing": true}' ;;
+    # grpokit alone with its memory options (compare with the TRL run of `full`, same machine).
+    lowmem) part full_lowmem 120 "${bench[@]}" --impls grpokit --timeout 100 --out "$out/gpu_full_lowmem.json" \
+              --grpokit-args '{"ref_model_dtype": "bfloat16", "gradient_checkpointing": true, "activation_offloading": true}' ;;
+    *) echo "unknown part $p (tests full lora lowmem)"; exit 2 ;;
+  esac
+done
