@@ -237,7 +237,10 @@ def tensor_mib(tensors) -> float:
 def memory_breakdown(trainer, impl: str) -> dict:
     """What lives across steps, measured from the tensors themselves after training: policy weights, their
     gradients, optimizer states, the reference copy. What is left of the peak (activations, logits, the rollout's
-    KV cache, autocast's bf16 weight copies, allocator slack, the Python process itself) is peak RSS minus these."""
+    KV cache, autocast's bf16 weight copies, allocator slack, the Python process itself) is the peak minus these:
+    torch.cuda.max_memory_allocated on a GPU (where the tensors live), the peak RSS on a CPU."""
+    import torch
+
     policy = trainer.accelerator.unwrap_model(trainer.model)
     reference = trainer.ref_model if impl in TRL_LIKE else trainer.reference
     params = list(policy.parameters())
@@ -260,7 +263,10 @@ def memory_breakdown(trainer, impl: str) -> dict:
         "reference_dtype": str(next(reference.parameters()).dtype) if reference is not None else None,
     }
     persistent = out["weights"] + grads_mib + out["optimizer_states"] + out["reference"]
-    out["rest_of_peak (activations, logits, KV cache, autocast copies, process)"] = peak_rss_mib() - persistent
+    on_gpu = next(trainer.model.parameters()).device.type == "cuda"
+    peak = torch.cuda.max_memory_allocated() / 2**20 if on_gpu else peak_rss_mib()
+    out["rest_of_peak (activations, logits, KV cache, autocast copies" + ("" if on_gpu else ", process") + ")"] = \
+        peak - persistent  # fmt: skip
     return out
 
 
@@ -594,8 +600,9 @@ def breakdown_table(results: list[dict], args) -> str:
              + (f", Unsloth {args.unsloth_args}" if "unsloth" in runs else "") + ".", "",
              "| memory (MiB) | " + " | ".join(runs) + " |", "|---" * (len(runs) + 1) + "|"]  # fmt: skip
     keys = [k for k in next(iter(runs.values()))["memory_breakdown_mib"] if k not in ("parameters_by_dtype",)]
-    for key in keys + ["peak_rss_mib"]:
-        cells = [r["memory_breakdown_mib"].get(key) if key != "peak_rss_mib" else r["peak_rss_mib"] for r in runs.values()]
+    peak_key = "cuda_max_allocated_mib" if any(r.get("cuda_max_allocated_mib") for r in runs.values()) else "peak_rss_mib"
+    for key in keys + [peak_key]:
+        cells = [r["memory_breakdown_mib"].get(key) if key != peak_key else r[peak_key] for r in runs.values()]
         lines.append(f"| {key} | " + " | ".join(fmt(c, 4) if not isinstance(c, (str, type(None))) else str(c)
                                                 for c in cells) + " |")  # fmt: skip
     return "\n".join(lines)

@@ -3,14 +3,15 @@
 # grpokit vs TRL at the Qwen2.5-0.5B shape (`bench_vs_trl.py --config gpu`: 256 completions x 512 tokens per step),
 # full fine-tuning with the benchmark's common settings, grpokit alone with its memory options, and LoRA.
 #
-#     bash benchmarks/gpu_session.sh OUTDIR [PART...]     # parts: tests full lora lowmem (default: all, in order)
+#     bash benchmarks/gpu_session.sh OUTDIR [PART...]     # parts: tests full lora lora_grpokit lowmem fair
+#     STEPS=1 bash benchmarks/gpu_session.sh OUTDIR fair     # fewer measured steps (default 2, after 1 warm-up)
 #
 # Every part has its own time limit and writes its log (and JSON) to OUTDIR; a part that fails does not stop the
 # next. Split the parts over two calls to look at the first results before the rest. Needs trl and datasets next to torch, transformers, accelerate and peft (`pip install -e '.[bench,peft]'`).
 set -u
 out="${1:?usage: gpu_session.sh OUTDIR [PART...]}"
 shift
-parts=("${@:-tests full lora lowmem}")
+parts=("${@:-tests full lora lowmem fair}")
 parts=(${parts[*]})
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -29,7 +30,7 @@ part() {  # part NAME SECONDS COMMAND...: one part, its own limit and log
   echo "$name: rc=$? $((SECONDS - t0)) s" | tee -a "$out/parts.txt"
 }
 
-bench=(python3 benchmarks/bench_vs_trl.py --config gpu --warmup 1 --steps 2 --repeats 1)
+bench=(python3 benchmarks/bench_vs_trl.py --config gpu --warmup 1 --steps "${STEPS:-2}" --repeats 1)
 for p in "${parts[@]}"; do
   case $p in
     tests) part gpu_tests 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_memory.py ;;
@@ -38,9 +39,16 @@ for p in "${parts[@]}"; do
     # LoRA (r=16, all linear layers), gradient checkpointing for both (TRL's default).
     lora) part lora 230 "${bench[@]}" --lora --timeout 110 --out "$out/gpu_lora.json" \
             --trl-args '{"gradient_checkpointing": true}' --grpokit-args '{"gradient_checkpointing": true}' ;;
+    lora_grpokit) part lora_grpokit 130 "${bench[@]}" --lora --impls grpokit --timeout 110 --out "$out/gpu_lora_grpokit.json" \
+                    --grpokit-args '{"gradient_checkpointing": true}' ;;
     # grpokit alone with its memory options (compare with the TRL run of `full`, same machine).
     lowmem) part full_lowmem 120 "${bench[@]}" --impls grpokit --timeout 100 --out "$out/gpu_full_lowmem.json" \
               --grpokit-args '{"ref_model_dtype": "bfloat16", "gradient_checkpointing": true, "activation_offloading": true}' ;;
-    *) echo "unknown part $p (tests full lora lowmem)"; exit 2 ;;
+    # TRL with its default gradient checkpointing against grpokit with its memory options and 8-bit AdamW states
+    # (bitsandbytes): the memory comparison a TRL user would make.
+    fair) part fair 250 "${bench[@]}" --timeout 120 --out "$out/gpu_fair.json" \
+            --trl-args '{"gradient_checkpointing": true}' \
+            --grpokit-args '{"ref_model_dtype": "bfloat16", "gradient_checkpointing": true, "activation_offloading": true, "optim": "adamw_8bit"}' ;;
+    *) echo "unknown part $p (tests full lora lora_grpokit lowmem fair)"; exit 2 ;;
   esac
 done

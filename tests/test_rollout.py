@@ -592,3 +592,60 @@ def test_one_token_attention_samples_what_sdpa_samples(model_type):
     plain = generate(model, ids, mask, params, generator=seeded(2), num_generations=2, use_cache=False)
     assert torch.equal(fast.completion_ids, plain.completion_ids)
     assert (fast.sampling_logprobs - plain.sampling_logprobs).abs().max() <= LOGPROB_ATOL
+
+
+@pytest.mark.parametrize("one_token", [True, False], ids=["one-token", "sdpa"])
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "gemma", "llama", "qwen2"])
+def test_sampling_cache_under_autocast_keeps_the_autocast_dtype_and_samples_the_same(model_type, one_token,
+                                                                                     monkeypatch):
+    # float32 weights under bf16 autocast make float32 keys (RoPE's float32 cos/sin promote the projection's bf16),
+    # which SDPA (and the one-token path's matmuls) round to bf16 at each decode step. The cache holds them in bf16:
+    # bitwise the same tokens and log-probs as float32 buffers, with a third less memory.
+    from grpokit.rollout import fast, hf
+    from grpokit.testing import build_tiny_model_of_type
+
+    model = build_tiny_model_of_type(model_type, num_layers=2, vocab_size=64)
+    assert next(model.parameters()).dtype == torch.float32
+    ids = torch.randint(3, 64, (3, 5), generator=seeded(1)).repeat_interleave(2, 0)
+    mask = torch.ones_like(ids)
+    mask[:2, :2] = 0
+    params = SamplingParams(max_new_tokens=12, eos_token_ids=(2,), pad_token_id=0)
+    if not one_token:
+        monkeypatch.setattr(hf, "one_token_attention", lambda model, device: contextlib.nullcontext())
+    caches = []
+    original = hf.sampling_cache
+    monkeypatch.setattr(hf, "sampling_cache", lambda *a: caches.append(original(*a)) or caches[-1])
+
+    def sample():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return generate(model, ids, mask, params, generator=seeded(2), num_generations=2)
+
+    def buffers(cache):
+        layers = [layer for layer in cache.layers if getattr(layer, "_keys", None) is not None]
+        assert layers
+        return {(layer._keys.dtype, layer._values.dtype) for layer in layers}, \
+            sum(layer._keys.nbytes + layer._values.nbytes for layer in layers)  # fmt: skip
+
+    compact = sample()
+    monkeypatch.setattr(fast, "CASTING_ATTENTION", frozenset())
+    wide = sample()
+    (compact_dtypes, compact_bytes), (wide_dtypes, wide_bytes) = buffers(caches[0]), buffers(caches[1])
+    assert compact_dtypes == {(torch.bfloat16, torch.bfloat16)}
+    assert all(keys == torch.float32 for keys, _ in wide_dtypes)  # float32 keys (values too with MLA's padding)
+    assert compact_bytes < wide_bytes
+    assert torch.equal(compact.completion_ids, wide.completion_ids)
+    assert torch.equal(compact.sampling_logprobs, wide.sampling_logprobs)
+    assert torch.equal(compact.lengths, wide.lengths)
+
+
+def test_sampling_cache_keeps_float32_without_autocast():
+    from grpokit.rollout.fast import preallocated_layer_class
+
+    layer = preallocated_layer_class()(capacity=4, store_in_autocast_dtype=True)
+    keys, values = torch.randn(2, 1, 2, 3, 4, generator=seeded(0))
+    got_keys, got_values = layer.update(keys, values)
+    assert layer._keys.dtype == torch.float32 and torch.equal(got_keys, keys) and torch.equal(got_values, values)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        other = preallocated_layer_class()(capacity=4, store_in_autocast_dtype=True)
+        other.update(keys.double(), values.double())  # float64: autocast leaves it alone, so does the cache
+    assert other._keys.dtype == torch.float64

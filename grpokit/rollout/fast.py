@@ -53,14 +53,22 @@ def sampling_cache(model: torch.nn.Module, capacity: int):
     rollout (`keeps_whole_rollout`) writing into buffers of `capacity` positions (`PreallocatedLayer`) instead of
     concatenating: a decode loop of T steps copies those layers once, not T times (the concatenation was a third
     of the rollout's time on a small model). The other layers (windows shorter than the rollout, Mamba states,
-    attention-free blocks) keep transformers' class, so the cache holds what the model's own cache would."""
+    attention-free blocks) keep transformers' class, so the cache holds what the model's own cache would.
+
+    Under autocast, with attention that casts its inputs to the autocast dtype (`CASTING_ATTENTION`), the buffers
+    hold keys and values in that dtype: float32 weights under bf16 autocast make float32 keys (RoPE's float32
+    cos/sin promote them), which SDPA would round to bf16 at every decode step anyway. Same attention inputs, so
+    the same tokens and log-probs, in two thirds of the memory."""
+    config = model_config(model)
     layer_class = preallocated_layer_class()
-    cache = model_cache(model_config(model))
+    store_in_autocast_dtype = attention_implementation(config) in CASTING_ATTENTION
+    make_layer = functools.partial(layer_class, capacity, store_in_autocast_dtype=store_in_autocast_dtype)
+    cache = model_cache(config)
     if not cache.layers:  # no config: layers are made as the model writes them
-        replicate_layers_with(cache, lambda: layer_class(capacity))
+        replicate_layers_with(cache, make_layer)
     for index, whole in enumerate(keeps_whole_rollout(cache.layers, capacity)):
         if whole:
-            replace_cache_layer(cache, index, layer_class(capacity))
+            replace_cache_layer(cache, index, make_layer())
     return cache
 
 
@@ -72,9 +80,10 @@ def preallocated_layer_class():
         """A full-attention cache layer over buffers [B, H, capacity, D]; `keys`/`values` are views of the filled
         part. Grows (one copy) if a sequence outruns the capacity. For sampling only: the writes are in place."""
 
-        def __init__(self, capacity: int):
+        def __init__(self, capacity: int, store_in_autocast_dtype: bool = False):
             super().__init__()
             self.capacity, self.length = capacity, 0
+            self.store_in_autocast_dtype = store_in_autocast_dtype  # see `sampling_cache`
             self._keys = self._values = None
 
         def update(self, key_states, value_states, *args, **kwargs):
@@ -91,7 +100,10 @@ def preallocated_layer_class():
             return self.keys, self.values
 
         def _grown(self, buffer, states, size):
-            new = states.new_empty(*states.shape[:2], size, states.shape[-1])
+            dtype, device_type = states.dtype, states.device.type
+            if self.store_in_autocast_dtype and dtype in AUTOCAST_CASTS and torch.is_autocast_enabled(device_type):
+                dtype = torch.get_autocast_dtype(device_type)
+            new = states.new_empty(*states.shape[:2], size, states.shape[-1], dtype=dtype)
             if buffer is not None:
                 new[:, :, : self.length].copy_(buffer[:, :, : self.length])
             return new
@@ -127,6 +139,11 @@ def preallocated_layer_class():
 
 
 ONE_TOKEN_ATTENTION = "grpokit_one_token"
+# Attention implementations that run their matmuls on autocast-cast inputs (SDPA is on autocast's lower-precision
+# list; the flash kernels take the autocast dtype; ONE_TOKEN_ATTENTION is two autocast matmuls). Eager attention is
+# left out: some models' eager functions upcast the keys to float32 with autocast turned off.
+CASTING_ATTENTION = frozenset({"sdpa", ONE_TOKEN_ATTENTION, "flash_attention_2", "flash_attention_3"})
+AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)  # what autocast casts (float64 it leaves alone)
 
 
 def one_token_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
