@@ -6,18 +6,24 @@ and takes the trainer's weight updates.
 
 and in the trainer: `GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server_base_url="http://HOST:PORT")` (or
 vllm_server_host / vllm_server_port). DIR is the policy's checkpoint (config and weights). Its tokenizer, when DIR
-holds one, is loaded for structured outputs (`vllm_structured_outputs_regex`); token ids in and out need none.
+holds one, is loaded for structured outputs (`vllm_structured_outputs_regex`); token ids in and out need none. A
+vision-language model's DIR must hold its processor too (`processor.save_pretrained(DIR)`): vLLM preprocesses the
+prompts' images itself.
 
 The protocol is plain HTTP with JSON (stdlib on both sides; one request at a time):
 
     GET  /health          {"status": "ok"}
     GET  /info            the served model's shape (model_type, vocab_size, hidden_size, num_hidden_layers,
                           tie_word_embeddings), logprobs_mode, this server's `instance` id, weight `version`,
-                          `device` ("cuda" / "cpu") and `structured_outputs` (whether it has the tokenizer)
+                          `device` ("cuda" / "cpu"), `structured_outputs` (whether it has the tokenizer) and
+                          `images` (a vision-language model with its processor)
     POST /generate        {"prompt_ids": [[...]], "counts": [...], "params": {SamplingParams}, "seed": int,
-                           "instance": id, "structured_outputs_regex": str | null}
+                           "instance": id, "structured_outputs_regex": str | null,
+                           "images": [[PNG, base64], ...] | null, "unexpanded_ids": [[...]] | null}
                           -> {"completions": [[ids, logprobs, finish_reason], ...]}; 409 when `instance` is not
                           this server's (it restarted and lost the pushed weights)
+                          images: each prompt's, with its ids before the processor expanded the image placeholders
+                          (vLLM expands them itself and must arrive at prompt_ids, or the request fails)
     POST /update_weights  body: the weights as safetensors bytes, checkpoint names -> {"version": int}
 
 and, for weights broadcast through a process group (the trainer's `vllm_group_port`, as TRL's; NCCL between GPUs,
@@ -47,21 +53,29 @@ class VLLMService:
     """The state behind the HTTP handler: one vLLM engine, its weight version and instance id."""
 
     def __init__(self, model_dir: str, host: str = "0.0.0.0", **llm_options):
-        from .rollout.vllm import start_llm
+        from .rollout.vllm import multimodal_options, start_llm
 
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-        self.info = {key: config.get(key) for key in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
-                                                      "tie_word_embeddings")}  # fmt: skip
+        self.multimodal, self.info = served_model_info(model_dir)
         import torch
 
         # "device": where a weight broadcast can land; NCCL only when both ends have a GPU, gloo otherwise.
         self.info.update(logprobs_mode="processed_logprobs", instance=uuid.uuid4().hex, model=str(model_dir),
                          device="cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
-        # With the tokenizer in DIR, vLLM loads it: structured outputs need it (token ids in and out need none).
+        # With the tokenizer in DIR, vLLM loads it: structured outputs need it (token ids in and out need none), and
+        # so does a vision-language model's processor.
         tokenizer = has_tokenizer(model_dir)
         self.info["structured_outputs"] = tokenizer
+        self.info["images"] = self.multimodal
+        # A vision-language checkpoint saved by transformers 5 names its vision tower as transformers 5 does, which
+        # vLLM's loader does not take: such a model starts from dummy weights and the checkpoint's are pushed in, as
+        # the trainer's are, under vLLM's names (`vllm_names`).
+        if self.multimodal:
+            llm_options = {**multimodal_options(True, llm_options), **llm_options, "load_format": "dummy"}
         self.llm, _ = start_llm(model_dir, tokenizer_files=tokenizer, **llm_options)
         self.version = 0
+        if self.multimodal:
+            self._push(checkpoint_weights(model_dir))
+            self.version = 0  # the checkpoint's own weights
         self.host, self.group, self.backend = host, None, None
         self._background, self._outcome = None, {}  # the group's joining or a receiving thread; its outcome
 
@@ -77,20 +91,32 @@ class VLLMService:
         if regex is not None and not self.info["structured_outputs"]:
             raise ValueError("structured outputs need the tokenizer: this server's --model directory has none "
                              "(save it there and restart the server)")  # fmt: skip
+        images = request.get("images")
+        if images is not None:
+            if not self.multimodal:
+                raise ValueError(f"this server's model ({self.info['model_type']}) takes no images")
+            from .rollout.vllm_client import image_from_wire
+
+            images = [[image_from_wire(data) for data in row] for row in images]
         with guarded_process_state():
             completions = sample(self.llm, request["prompt_ids"], request["counts"], params, int(request["seed"]),
-                                 self.info["vocab_size"], regex)  # fmt: skip
+                                 self.info["vocab_size"], regex, images, request.get("unexpanded_ids"))  # fmt: skip
         return {"completions": completions, "version": self.version}
+
+    def _push(self, weights: dict) -> None:
+        """Checkpoint-named weights into vLLM (a vision-language model's vision tower renamed to vLLM's)."""
+        from .rollout.vllm import guarded_process_state, push_weights, vllm_names
+
+        named = iter(weights.items())
+        with guarded_process_state():
+            push_weights(self.llm, vllm_names(named) if self.multimodal else named,
+                         bool(self.info["tie_word_embeddings"]))  # fmt: skip
+        self.version += 1
 
     def update_weights(self, body: bytes) -> dict:
         from safetensors.torch import load
 
-        from .rollout.vllm import guarded_process_state, push_weights
-
-        weights = load(body)
-        with guarded_process_state():
-            push_weights(self.llm, iter(weights.items()), bool(self.info["tie_word_embeddings"]))
-        self.version += 1
+        self._push(load(body))
         return {"version": self.version}
 
 
@@ -144,15 +170,49 @@ class VLLMService:
         return {"status": "receiving", "tensors": len(request["params"])}
 
     def weights_received(self) -> dict:
-        from .rollout.vllm import guarded_process_state, push_weights
-
         weights = self._finish_background()
         if weights is None:
             raise RuntimeError("no weights were announced: POST /update_weights_collective first")
-        with guarded_process_state():
-            push_weights(self.llm, iter(weights.items()), bool(self.info["tie_word_embeddings"]))
-        self.version += 1
+        self._push(weights)
         return {"version": self.version}
+
+
+def served_model_info(model_dir) -> tuple[bool, dict]:
+    """(whether DIR holds a vision-language model, what /info says of its shape: the text model's sizes, which the
+    trainer checks against the policy's). A vision-language model without its processor is refused here, before
+    vLLM starts."""
+    from transformers import AutoConfig
+
+    from .multimodal import is_vision_language_model
+
+    config = AutoConfig.from_pretrained(model_dir)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    info = {"model_type": config.model_type, "vocab_size": getattr(text, "vocab_size", None),
+            "hidden_size": getattr(text, "hidden_size", None),
+            "num_hidden_layers": getattr(text, "num_hidden_layers", None),
+            "tie_word_embeddings": bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings",
+                                                                                     False)))}  # fmt: skip
+    multimodal = is_vision_language_model(config)
+    if multimodal and not has_processor(model_dir):
+        raise ValueError(f"{model_dir} holds a vision-language model ({config.model_type}) without its processor, "
+                         f"which vLLM needs to preprocess the prompts' images: save it there "
+                         f"(AutoProcessor.from_pretrained(...).save_pretrained(DIR)) and start the server again.")
+    return multimodal, info
+
+
+def checkpoint_weights(model_dir) -> dict:
+    """The tensors of a checkpoint directory's safetensors files, by name."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} holds no .safetensors weights (save the model with save_pretrained)")
+    return {name: tensor for file in files for name, tensor in load_file(file).items()}
+
+
+def has_processor(model_dir) -> bool:
+    """Whether a checkpoint directory holds a multimodal processor (what a processor's `save_pretrained` writes)."""
+    return any((Path(model_dir) / name).exists() for name in ("processor_config.json", "preprocessor_config.json"))
 
 
 def has_tokenizer(model_dir) -> bool:

@@ -387,12 +387,21 @@ def test_image_prompts_are_sampled_by_vllm_from_the_pushed_weights(model_type):
     image's tokens (token_type_ids), vLLM on CPU causally, so vLLM's log-probs equal the causal forward's to 1e-4
     and differ from the training forward's (by ~1e-2 here); the importance-sampling correction, with π_old from the
     training forward, accounts for it. Either way the images matter: other images give other log-probs."""
-    from grpokit.logprobs import token_logprobs
-    from grpokit.rollout import PromptCodec
     from grpokit.rollout.vllm import VLLMEngine
-    from grpokit.testing import build_tiny_vlm, solid_image
+    from grpokit.testing import build_tiny_vlm
 
     model, processor = build_tiny_vlm(model_type, for_vllm=True)
+    engine = VLLMEngine(model, dtype="float32", max_model_len=128, max_num_seqs=16, tokenizer=processor)
+    check_image_prompts(engine, model, processor, model_type)
+
+
+def check_image_prompts(engine, model, processor, model_type: str) -> None:
+    """Two prompts with other images, sampled by `engine` (holding `model`'s weights): its log-probs against the
+    training forward's (Gemma 3: the causal forward's), and the images shown to matter."""
+    from grpokit.logprobs import token_logprobs
+    from grpokit.rollout import PromptCodec
+    from grpokit.testing import solid_image
+
     question = [{"role": "user", "content": "colour?"}]
     rows = [{"prompt": question, "image": solid_image(rgb)} for rgb in ((220, 20, 20), (20, 20, 220))]
     codec = PromptCodec(processor, model)
@@ -400,7 +409,6 @@ def test_image_prompts_are_sampled_by_vllm_from_the_pushed_weights(model_type):
     assert prompts.unexpanded_ids != prompts.ids  # the processor expanded the image placeholders
     params = codec.sampling_params(6)
     assert params.suppress_token_ids  # the image token
-    engine = VLLMEngine(model, dtype="float32", max_model_len=128, max_num_seqs=16, tokenizer=processor)
     rollout = engine.generate(prompts, params, seed=3)
     assert rollout.multimodal is not None and int(rollout.loss_mask.sum()) > 8
     ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)

@@ -2,6 +2,7 @@
 the served model and its errors; what a sharded policy pushes (a LoRA layer merged from its gathered pieces).
 Against a real server and vLLM: tests/test_vllm_server.py and tests/test_vllm_distributed.py (`-m vllm`)."""
 
+import contextlib
 import socket
 import time
 
@@ -45,28 +46,22 @@ def test_what_vllm_does_not_do_yet_is_refused_with_the_way_out():
     from grpokit.rollout import PromptBatch
     from grpokit.rollout.vllm import external_launcher_options, refuse_images
 
-    # Image prompts: vLLM gets no multi_modal_data from grpokit, so they are refused rather than sampled blind.
+    # Image prompts for a model that takes none: refused rather than sampled blind.
     refuse_images(PromptBatch(ids=[[3, 4]], counts=[2], raw=["text"], images=[[]]))  # no image: fine
-    with pytest.raises(NotImplementedError, match="image prompts is not supported yet.*use_vllm=False"):
+    with pytest.raises(ValueError, match="These prompts have images, and the model vLLM serves takes none"):
         refuse_images(PromptBatch(ids=[[3, 4]], counts=[2], raw=["x"], images=[[object()]]))
     # Several training processes run one whole engine each: no tensor-parallel groups across them.
     with pytest.raises(NotImplementedError, match="vllm_tensor_parallel_size=2 with several training processes"):
         external_launcher_options(0, 0, 2, tensor_parallel_size=2)
 
 
-def test_structured_outputs_need_a_server_with_the_tokenizer(tmp_path):
-    """A server whose checkpoint directory has no tokenizer cannot mask by a regex: refused when the client starts,
-    with the fix. The server here is a stand-in that answers /health and /info as `grpokit vllm-serve` does (the
-    real server's side: tests/test_vllm_server.py)."""
+@contextlib.contextmanager
+def stand_in_server(info: dict):
+    """A stand-in that answers /health and /info as `grpokit vllm-serve` does (the real server's side:
+    tests/test_vllm_server.py); yields its URL."""
     import json
     import threading
     from http.server import BaseHTTPRequestHandler, HTTPServer
-
-    from grpokit import GRPOConfig
-    from grpokit.rollout.vllm import engine_from_config
-
-    model = build_tiny_model(40, hidden_size=32)
-    info = {**served(model.config), "instance": "i", "structured_outputs": False}
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
@@ -82,8 +77,22 @@ def test_structured_outputs_need_a_server_with_the_tokenizer(tmp_path):
     server = HTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+
+
+def test_structured_outputs_need_a_server_with_the_tokenizer(tmp_path):
+    """A server whose checkpoint directory has no tokenizer cannot mask by a regex: refused when the client starts,
+    with the fix."""
+    from grpokit import GRPOConfig
+    from grpokit.rollout.vllm import engine_from_config
+
+    model = build_tiny_model(40, hidden_size=32)
+    info = {**served(model.config), "instance": "i", "structured_outputs": False}
+    with stand_in_server(info) as url:
         args = GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="server", vllm_server_timeout=10,
-                          vllm_server_base_url=f"http://127.0.0.1:{server.server_port}")  # fmt: skip
+                          vllm_server_base_url=url)  # fmt: skip
         assert engine_from_config(model, args).structured_outputs_regex is None  # without a regex: fine
         args.vllm_structured_outputs_regex = "a+"
         with pytest.raises(ValueError, match=r"needs a vLLM server with the tokenizer .* has none: save the "
@@ -91,8 +100,64 @@ def test_structured_outputs_need_a_server_with_the_tokenizer(tmp_path):
             engine_from_config(model, args)
         info["structured_outputs"] = True
         assert engine_from_config(model, args).structured_outputs_regex == "a+"
-    finally:
-        server.shutdown()
+
+
+def test_a_vision_language_policy_needs_a_server_that_takes_images(tmp_path):
+    """The served model is checked by its text model's sizes (a vision-language config keeps them in text_config),
+    and a server that does not take images is refused for a vision-language policy when the client starts."""
+    from grpokit.testing import build_tiny_vlm
+
+    model, _ = build_tiny_vlm("llava", for_vllm=True)
+    text = model.config.get_text_config()
+    info = {"model_type": "llava", "vocab_size": text.vocab_size, "hidden_size": text.hidden_size,
+            "num_hidden_layers": text.num_hidden_layers, "instance": "i", "model": "/srv/vlm", "images": False}
+    check_same_model(model.config, info, "http://h:1")
+    with pytest.raises(ValueError, match="model_type: server 'gemma3', policy 'llava'"):
+        check_same_model(model.config, {**info, "model_type": "gemma3"}, "http://h:1")
+    with stand_in_server(info) as url:
+        with pytest.raises(ValueError, match=r"does not take images \(/srv/vlm\): start it with the "
+                                             r"vision-language policy's checkpoint and processor"):
+            VLLMServerEngine(model, url, timeout=10)
+        info["images"] = True
+        assert VLLMServerEngine(model, url, timeout=10).info["images"]
+
+
+def test_the_server_refuses_a_vision_language_checkpoint_without_its_processor(tmp_path):
+    """`grpokit vllm-serve` reads the checkpoint's config before vLLM starts: a vision-language model without its
+    processor (vLLM preprocesses the images) is refused with the fix; /info reports the text model's sizes."""
+    from grpokit.testing import build_tiny_vlm
+    from grpokit.vllm_server import served_model_info
+
+    model, processor = build_tiny_vlm("gemma3", for_vllm=True)
+    model.save_pretrained(tmp_path / "vlm")
+    with pytest.raises(ValueError, match=r"holds a vision-language model \(gemma3\) without its processor.*"
+                                         r"save_pretrained\(DIR\)"):
+        served_model_info(tmp_path / "vlm")
+    processor.save_pretrained(tmp_path / "vlm")
+    multimodal, info = served_model_info(tmp_path / "vlm")
+    text = model.config.get_text_config()
+    assert multimodal and info == {"model_type": "gemma3", "vocab_size": text.vocab_size,
+                                   "hidden_size": text.hidden_size, "num_hidden_layers": text.num_hidden_layers,
+                                   "tie_word_embeddings": True}  # fmt: skip
+    text_model = build_tiny_model(40, hidden_size=32)
+    text_model.save_pretrained(tmp_path / "text")
+    assert served_model_info(tmp_path / "text") == (False, {
+        "model_type": "qwen2", "vocab_size": 40, "hidden_size": 32, "num_hidden_layers": 2,
+        "tie_word_embeddings": text_model.config.tie_word_embeddings})  # fmt: skip
+
+
+def test_images_travel_to_the_server_losslessly():
+    from grpokit.rollout.vllm_client import image_from_wire, image_to_wire
+    from grpokit.testing import solid_image
+
+    import numpy as np
+    from PIL import Image
+
+    noisy = Image.fromarray(np.random.default_rng(0).integers(0, 256, (9, 7, 3), dtype=np.uint8))
+    for image in (solid_image((220, 20, 20)), noisy, noisy.convert("L"), noisy.convert("RGBA")):
+        back = image_from_wire(image_to_wire(image))
+        assert back.mode == image.mode and back.size == image.size
+        assert np.array_equal(np.asarray(back), np.asarray(image))
 
 
 def lora_model(dtype=None, **lora):

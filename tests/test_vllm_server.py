@@ -26,17 +26,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(model_dir: Path, port: int) -> list[str]:
+def server_command(model_dir: Path, port: int, max_model_len: int = 64) -> list[str]:
     return [sys.executable, "-m", "grpokit.vllm_server", "--model", str(model_dir), "--host", "127.0.0.1",
-            "--port", str(port), "--max-model-len", "64", "--max-num-seqs", "64", "--dtype", "float32"]
+            "--port", str(port), "--max-model-len", str(max_model_len), "--max-num-seqs", "64", "--dtype", "float32"]
 
 
-def start_server(model_dir: Path, port: int) -> subprocess.Popen:
+def start_server(model_dir: Path, port: int, max_model_len: int = 64) -> subprocess.Popen:
     """`grpokit vllm-serve` in its own process, waited for until it answers (or its log is shown)."""
     import urllib.request
 
     log = open(model_dir.parent / f"server-{port}.log", "w")
-    process = subprocess.Popen(server_command(model_dir, port), stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(server_command(model_dir, port, max_model_len), stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -260,3 +260,30 @@ def test_fsdp2_training_processes_gather_and_the_main_one_pushes_to_the_server(t
     # its 409; the sync of generation 3. The other process sends none, though it gathers at each.
     check_two_processes_train_as_one(tmp_path, model_dir, "FSDP", engine="VLLMServerEngine",
                                      pushes=([1, 3, 4], [0, 0, 0]))  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", ["llava", "gemma3"])
+def test_image_prompts_in_server_mode_are_sampled_from_the_pushed_weights(tmp_path, model_type):
+    """A vision-language model's checkpoint and processor served by `grpokit vllm-serve`: the prompts' images travel
+    as PNG with their unexpanded ids, the server's vLLM expands them as the processor did (checked there at each
+    call), and after the push (the vision tower renamed to vLLM's names on the server) its log-probs are the
+    training forward's (LLaVA) or the causal forward's (Gemma 3), as in colocate mode (test_vllm.py)."""
+    import torch
+
+    from grpokit.rollout.vllm_client import VLLMServerEngine
+    from grpokit.testing import build_tiny_vlm
+    from test_vllm import check_image_prompts
+
+    served, processor = build_tiny_vlm(model_type, seed=1, for_vllm=True)
+    model_dir = save(served, processor, tmp_path / "model")
+    port = free_port()
+    process = start_server(model_dir, port, max_model_len=128)
+    try:
+        model, _ = build_tiny_vlm(model_type, seed=0, for_vllm=True)
+        assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), served.parameters()))
+        engine = VLLMServerEngine(model, f"http://127.0.0.1:{port}", timeout=60)
+        assert engine.info["images"]
+        engine.sync_weights(model)  # the served checkpoint is another seed's
+        check_image_prompts(engine, model, processor, model_type)
+    finally:
+        stop(process)

@@ -468,11 +468,12 @@ def start_llm(directory, *, dtype, max_model_len=None, max_num_seqs=256, gpu_mem
 
 
 def refuse_images(prompts: PromptBatch) -> None:
-    """Prompts with images are not passed to vLLM yet (`multi_modal_data`): refused rather than sampled blind."""
+    """Prompts with images for a vLLM model that takes none: refused rather than sampled blind."""
     if prompts.images is not None and any(prompts.images):
-        raise NotImplementedError("use_vllm with image prompts is not supported yet (grpokit does not pass vLLM "
-                                  "multi_modal_data): train vision-language models with the in-process engine "
-                                  "(use_vllm=False).")  # fmt: skip
+        raise ValueError("These prompts have images, and the model vLLM serves takes none: images need a "
+                         "vision-language policy (a transformers model whose config has a vision_config), and in "
+                         "server mode a server started with its checkpoint and processor (`grpokit vllm-serve --model "
+                         "DIR`). Or drop the images from the dataset.")  # fmt: skip
 
 
 def sample(llm, prompt_ids: list[list[int]], counts: list[int], params: SamplingParams, seed: int,
@@ -546,19 +547,19 @@ def vllm_names(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[st
 
 def push_weights(llm, weights, tied: bool) -> None:
     """Load checkpoint-named weights into vLLM's model in place (its worker's `reload_weights`), then repack a
-    tied LM head. Runs in the worker through `collective_rpc` with a function (in-process engine core only).
+    tied LM head (on CPU vLLM packs it apart from the embedding it is tied to: a push that names the embedding alone,
+    as the server's client does, would otherwise leave it stale). Runs in the worker through `collective_rpc` with a function (in-process engine core only).
     Then what vLLM computed with the old weights is dropped: the prefix cache's KV blocks (a prompt seen before
     would otherwise be continued from the old weights' keys and values: a log-prob gap of 1.5 nats measured on a
     300-token prompt) and the encoder cache's image embeddings."""
 
     def reload(worker):
         worker.model_runner.reload_weights(weights_iterator=weights)
-        if tied:
-            model = worker.model_runner.get_model()
-            head = getattr(model, "lm_head", None)
-            method = getattr(head, "quant_method", None)
-            if method is not None and hasattr(method, "process_weights_after_loading"):
-                method.process_weights_after_loading(head)
+        if tied:  # the LM head: the model's own, or its language model's (a vision-language model)
+            for name, head in worker.model_runner.get_model().named_modules():
+                method = getattr(head, "quant_method", None)
+                if name.rpartition(".")[2] == "lm_head" and hasattr(method, "process_weights_after_loading"):
+                    method.process_weights_after_loading(head)
 
     llm.collective_rpc(reload)
     llm.reset_prefix_cache()

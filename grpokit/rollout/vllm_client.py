@@ -13,7 +13,9 @@ by the trainer, so a run that stops here can resume from its last one.
 
 from __future__ import annotations
 
+import base64
 import http.client
+import io
 import json
 import socket
 import time
@@ -24,6 +26,7 @@ import urllib.request
 import torch
 
 from ..compat import parameter_versions
+from ..multimodal import is_vision_language_model
 from .engine import PromptBatch, Rollout, SamplingParams
 from .vllm import base_model_of, policy_weights, refuse_images, rollout_from_completions
 
@@ -55,7 +58,12 @@ class VLLMServerEngine:
         self.sharded = is_sharded(model)
         self.wait_until_up()
         self.info = self.request("GET", "/info")
-        check_same_model(base_model_of(model).config, self.info, self.base_url)
+        config = base_model_of(model).config
+        check_same_model(config, self.info, self.base_url)
+        if is_vision_language_model(config) and not self.info.get("images"):
+            raise ValueError(f"The vLLM server at {self.base_url} does not take images ({self.info.get('model')}): "
+                             f"start it with the vision-language policy's checkpoint and processor (`grpokit "
+                             f"vllm-serve --model DIR`, DIR holding both).")  # fmt: skip
         if structured_outputs_regex is not None and not self.info.get("structured_outputs"):
             raise ValueError(f"vllm_structured_outputs_regex needs a vLLM server with the tokenizer (vLLM masks the "
                              f"tokens that cannot continue a match), and the one at {self.base_url} has none: save "
@@ -93,10 +101,15 @@ class VLLMServerEngine:
         self.pushed_versions = parameter_versions(model)  # after the merge / unmerge of a LoRA adapter
 
     def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
-        refuse_images(prompts)
+        images = None
+        if prompts.images is not None and any(prompts.images):
+            if not self.info.get("images"):
+                refuse_images(prompts)
+            images = [[image_to_wire(image) for image in row] for row in prompts.images]
         body = {"prompt_ids": prompts.ids, "counts": prompts.counts, "seed": seed,
                 "params": {**params.__dict__, "eos_token_ids": list(params.eos_token_ids)},
-                "structured_outputs_regex": self.structured_outputs_regex}  # fmt: skip
+                "structured_outputs_regex": self.structured_outputs_regex, "images": images,
+                "unexpanded_ids": prompts.unexpanded_ids if images is not None else None}  # fmt: skip
         answer = None
         try:
             answer = self.request("POST", "/generate", {**body, "instance": self.info["instance"]})
@@ -221,13 +234,32 @@ class ServerRestarted(Exception):
         self.instance = instance
 
 
+def image_to_wire(image) -> str:
+    """A prompt's image (PIL) as the server takes it: PNG (lossless), base64."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def image_from_wire(data: str):
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(base64.b64decode(data)))
+    image.load()
+    return image
+
+
 def check_same_model(config, info: dict, base_url: str) -> None:
-    """The served model must be the policy's architecture with its vocabulary; say which differs."""
+    """The served model must be the policy's architecture with its vocabulary (a vision-language model's: its
+    text model's); say which differs."""
+    model_type = config.model_type
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
     if info.get("vocab_size") != config.vocab_size:
         raise ValueError(f"The vLLM server at {base_url} serves a model with a vocabulary of {info.get('vocab_size')} "
                          f"tokens; the policy's has {config.vocab_size}: start the server with the policy's "
                          f"checkpoint (`grpokit vllm-serve --model ...`).")  # fmt: skip
-    ours = {"model_type": config.model_type, "hidden_size": getattr(config, "hidden_size", None),
+    ours = {"model_type": model_type, "hidden_size": getattr(config, "hidden_size", None),
             "num_hidden_layers": getattr(config, "num_hidden_layers", None)}  # fmt: skip
     different = {k: (info.get(k), v) for k, v in ours.items() if info.get(k) != v}
     if different:
