@@ -346,6 +346,80 @@ def build_tiny_qwen_vl(model_type: str = "qwen2_vl", *, seed: int = 0, image_siz
     return model, encode
 
 
+# Qwen2-VL / Qwen2.5-VL-Instruct's chat template (public, as their processors ship it).
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in "
+    "content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
+    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] "
+    "== 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
+    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content "
+    "%}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny_qwen_vl_with_processor(model_type: str = "qwen2_vl", *, seed: int = 0, image_size: int = 16):
+    """A random-weight Qwen2-VL / Qwen2.5-VL with its real processor and chat template: (model, processor). Decoder
+    heads of 32 (2 query heads, 1 key/value head, M-RoPE sections [4, 6, 6]), which vLLM's CPU build takes; 4-pixel
+    patches merged 2 x 2, so a 16-pixel image is 4 tokens. The tokenizer is character-level with Qwen's special
+    tokens, and the template's system sentence one token. Needs torchvision: transformers' Qwen-VL processors build
+    a video processor."""
+    import transformers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if model_type not in QWEN_VL_TYPES:
+        raise ValueError(f"build_tiny_qwen_vl_with_processor: model_type must be one of {QWEN_VL_TYPES}.")
+    try:
+        import torchvision  # noqa: F401
+    except Exception as error:
+        raise ImportError(f"Qwen-VL processors need torchvision (their video processor): {error}") from error
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+               "<|video_pad|>"]  # fmt: skip
+    vocab: dict[str, int] = {}
+    for token in special + ["You are a helpful assistant."] + sorted(set(DEFAULT_CHARS)):
+        vocab.setdefault(token, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("\n|."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(special)
+    tok.add_tokens(["You are a helpful assistant."])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+                                        unk_token="<|endoftext|>", padding_side="left")  # fmt: skip
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in special}
+    prefix = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL"}[model_type]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        image_processor = transformers.Qwen2VLImageProcessor(min_pixels=image_size**2, max_pixels=image_size**2,
+                                                             patch_size=4, merge_size=2, temporal_patch_size=2)
+        video_processor = transformers.Qwen2VLVideoProcessor(min_pixels=image_size**2, max_pixels=image_size**2,
+                                                             patch_size=4, merge_size=2, temporal_patch_size=2)
+        processor = getattr(transformers, f"{prefix}Processor")(
+            image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
+            chat_template=QWEN2_VL_CHAT_TEMPLATE)  # fmt: skip
+        text = getattr(transformers, f"{prefix}TextConfig")(
+            vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=32, max_position_embeddings=512, pad_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"], bos_token_id=ids["<|endoftext|>"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]})
+        vision = dict(depth=1, num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+        vision.update(dict(hidden_size=64, out_hidden_size=64, intermediate_size=128) if model_type == "qwen2_5_vl"
+                      else dict(embed_dim=64, hidden_size=64, mlp_ratio=2))  # fmt: skip
+        config = getattr(transformers, f"{prefix}Config")(
+            text_config=text.to_dict(), vision_config=getattr(transformers, f"{prefix}VisionConfig")(**vision).to_dict(),
+            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])  # fmt: skip
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config).float().eval()
+    model.generation_config.eos_token_id = ids["<|im_end|>"]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    return model, processor
+
+
 # Qwen2.5-Instruct's chat template (public, as its tokenizer_config.json ships it): it renders tools into the system
 # message and tool calls as <tool_call>{json}</tool_call>, so that agent tests run the real format.
 QWEN2_5_CHAT_TEMPLATE = '{%- if tools %}\n    {{- \'<|im_start|>system\\n\' }}\n    {%- if messages[0][\'role\'] == \'system\' %}\n        {{- messages[0][\'content\'] }}\n    {%- else %}\n        {{- \'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.\' }}\n    {%- endif %}\n    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}\n    {%- for tool in tools %}\n        {{- "\\n" }}\n        {{- tool | tojson }}\n    {%- endfor %}\n    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}\n{%- else %}\n    {%- if messages[0][\'role\'] == \'system\' %}\n        {{- \'<|im_start|>system\\n\' + messages[0][\'content\'] + \'<|im_end|>\\n\' }}\n    {%- else %}\n        {{- \'<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n\' }}\n    {%- endif %}\n{%- endif %}\n{%- for message in messages %}\n    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}\n        {{- \'<|im_start|>\' + message.role + \'\\n\' + message.content + \'<|im_end|>\' + \'\\n\' }}\n    {%- elif message.role == "assistant" %}\n        {{- \'<|im_start|>\' + message.role }}\n        {%- if message.content %}\n            {{- \'\\n\' + message.content }}\n        {%- endif %}\n        {%- for tool_call in message.tool_calls %}\n            {%- if tool_call.function is defined %}\n                {%- set tool_call = tool_call.function %}\n            {%- endif %}\n            {{- \'\\n<tool_call>\\n{"name": "\' }}\n            {{- tool_call.name }}\n            {{- \'", "arguments": \' }}\n            {{- tool_call.arguments | tojson }}\n            {{- \'}\\n</tool_call>\' }}\n        {%- endfor %}\n        {{- \'<|im_end|>\\n\' }}\n    {%- elif message.role == "tool" %}\n        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}\n            {{- \'<|im_start|>user\' }}\n        {%- endif %}\n        {{- \'\\n<tool_response>\\n\' }}\n        {{- message.content }}\n        {{- \'\\n</tool_response>\' }}\n        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}\n            {{- \'<|im_end|>\\n\' }}\n        {%- endif %}\n    {%- endif %}\n{%- endfor %}\n{%- if add_generation_prompt %}\n    {{- \'<|im_start|>assistant\\n\' }}\n{%- endif %}\n'

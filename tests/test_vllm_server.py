@@ -262,7 +262,7 @@ def test_fsdp2_training_processes_gather_and_the_main_one_pushes_to_the_server(t
                                      pushes=([1, 3, 4], [0, 0, 0]))  # fmt: skip
 
 
-@pytest.mark.parametrize("model_type", ["llava", "gemma3"])
+@pytest.mark.parametrize("model_type", ["llava", "gemma3", "qwen2_vl"])
 def test_image_prompts_in_server_mode_are_sampled_from_the_pushed_weights(tmp_path, model_type):
     """A vision-language model's checkpoint and processor served by `grpokit vllm-serve`: the prompts' images travel
     as PNG with their unexpanded ids, the server's vLLM expands them as the processor did (checked there at each
@@ -271,15 +271,14 @@ def test_image_prompts_in_server_mode_are_sampled_from_the_pushed_weights(tmp_pa
     import torch
 
     from grpokit.rollout.vllm_client import VLLMServerEngine
-    from grpokit.testing import build_tiny_vlm
-    from test_vllm import check_image_prompts
+    from test_vllm import check_image_prompts, tiny_vlm
 
-    served, processor = build_tiny_vlm(model_type, seed=1, for_vllm=True)
+    served, processor = tiny_vlm(model_type, seed=1)
     model_dir = save(served, processor, tmp_path / "model")
     port = free_port()
     process = start_server(model_dir, port, max_model_len=128)
     try:
-        model, _ = build_tiny_vlm(model_type, seed=0, for_vllm=True)
+        model, _ = tiny_vlm(model_type, seed=0)
         assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), served.parameters()))
         engine = VLLMServerEngine(model, f"http://127.0.0.1:{port}", timeout=60)
         assert engine.info["images"]

@@ -526,12 +526,18 @@ def sample(llm, prompt_ids: list[list[int]], counts: list[int], params: Sampling
 
 
 def multimodal_options(multimodal: bool, given: dict) -> dict:
-    """vLLM options for a vision-language model: no cache of preprocessed images. With it, vLLM 0.32 (CPU) sends a
-    recurring image (the images of a GRPO dataset recur from step to step) as its hash alone, expecting the
-    worker to hold its embeddings, and after enough steps the worker does not ("Encoder cache miss")."""
-    if not multimodal or "mm_processor_cache_gb" in given:
+    """vLLM options for a vision-language model (each unless given):
+    - no cache of preprocessed images. With it, vLLM 0.32 (CPU) sends a recurring image (the images of a GRPO
+      dataset recur from step to step) as its hash alone, expecting the worker to hold its embeddings, and after
+      enough steps the worker does not ("Encoder cache miss");
+    - images normalized by the model's processor, as the training forward gets them, not on the device
+      (`mm_device_do_normalize`, on by default for Qwen-VL in vLLM 0.32: its Qwen2-VL vision tower then saw other
+      pixel values than transformers', a log-prob gap of 0.1 on a tiny model whose vision tower matches to 1e-7
+      given the same pixels)."""
+    if not multimodal:
         return {}
-    return {"mm_processor_cache_gb": 0}
+    defaults = {"mm_processor_cache_gb": 0, "mm_device_do_normalize": False}
+    return {key: value for key, value in defaults.items() if key not in given}
 
 
 def vllm_names(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
