@@ -271,26 +271,29 @@ def colour_letter(completions, answer, **kwargs):
     return [float(c[0]["content"][:1] == a[:1]) for c, a in zip(completions, answer)]
 
 
-def learn_colours(tmp_path, model_type: str) -> tuple[float, float, list[float]]:
-    model, processor = build_tiny_vlm(model_type)
+def learn_colours(tmp_path, model_type: str, model=None, processor=None, steps: int = 30, **config):
+    """The colour task from a warmed-up model (`build_tiny_vlm(model_type)` unless given): (held-out reward before,
+    after, the training rewards, the trainer). `config`: more GRPOConfig fields (use_vllm=True, ...)."""
+    if model is None:
+        model, processor = build_tiny_vlm(model_type)
     warm_up(model, processor)
     args = vlm_config(tmp_path, per_device_train_batch_size=24, num_generations=8, max_completion_length=1,
-                      max_steps=30, learning_rate=3e-3, lr_scheduler_type="constant", num_generations_eval=16,
-                      per_device_eval_batch_size=64)  # fmt: skip
+                      max_steps=steps, learning_rate=3e-3, lr_scheduler_type="constant", num_generations_eval=16,
+                      per_device_eval_batch_size=64, **config)  # fmt: skip
     trainer = GRPOTrainer(model=model, processing_class=processor, reward_funcs=colour_letter, args=args,
                           train_dataset=Dataset.from_list(shade_rows(TRAIN_SHADES)),
                           eval_dataset=Dataset.from_list(shade_rows(HELD_OUT_SHADES)))  # fmt: skip
     before = trainer.evaluate()["eval/reward"]
     trainer.train()
     after = trainer.evaluate()["eval/reward"]
-    return before, after, [r["reward"] for r in trainer.state.log_history if "reward" in r]
+    return before, after, [r["reward"] for r in trainer.state.log_history if "reward" in r], trainer
 
 
 @pytest.mark.parametrize("model_type", ["gemma3", pytest.param("llava", marks=pytest.mark.slow)])
 def test_learns_the_colour_of_the_image(tmp_path, model_type):
     """Name the colour of a solid image (first letter: r / b): held-out shades go from chance to >= 0.65 in 30
     steps (measured: Gemma 3 0.52 -> 0.88, LLaVA 0.55 -> 0.75)."""
-    before, after, rewards = learn_colours(tmp_path, model_type)
+    before, after, rewards, _ = learn_colours(tmp_path, model_type)
     assert before <= 0.6 and after >= 0.65, (before, after)
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.2, rewards
 
@@ -460,15 +463,6 @@ def test_qwen_vl_learns_the_colour_through_its_real_processor(tmp_path, model_ty
     from grpokit.testing import build_tiny_qwen_vl_with_processor
 
     model, processor = build_tiny_qwen_vl_with_processor(model_type)
-    warm_up(model, processor)
-    args = vlm_config(tmp_path, per_device_train_batch_size=24, num_generations=8, max_completion_length=1,
-                      max_steps=40, learning_rate=3e-3, lr_scheduler_type="constant", num_generations_eval=16,
-                      per_device_eval_batch_size=64)  # fmt: skip
-    trainer = GRPOTrainer(model=model, processing_class=processor, reward_funcs=colour_letter, args=args,
-                          train_dataset=Dataset.from_list(shade_rows(TRAIN_SHADES)),
-                          eval_dataset=Dataset.from_list(shade_rows(HELD_OUT_SHADES)))  # fmt: skip
-    before = trainer.evaluate()["eval/reward"]
-    trainer.train()
-    after = trainer.evaluate()["eval/reward"]
+    before, after, _, _ = learn_colours(tmp_path, model_type, model, processor, steps=40)
     print(f"{model_type} (real processor, in-process engine): held-out reward {before:.2f} -> {after:.2f}")
     assert after >= 0.9 and after >= before + 0.2, (before, after)

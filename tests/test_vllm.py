@@ -469,23 +469,14 @@ def test_a_vision_language_model_learns_the_colour_of_the_image_with_vllm(tmp_pa
     by 0.2 or more to >= 0.9 in 30 steps (Qwen2-VL: 40; in 30 it reached 0.89 here, and 0.92 with the in-process
     engine, which it matches at 40: 1.00 both). For Gemma 3 (vLLM attends causally over its image tokens on CPU) the
     importance-sampling correction carries the difference."""
-    from datasets import Dataset
-
-    from test_vision import HELD_OUT_SHADES, TRAIN_SHADES, colour_letter, shade_rows, vlm_config, warm_up
+    from test_vision import learn_colours
 
     model, processor = tiny_vlm(model_type)
-    warm_up(model, processor)
-    args = vlm_config(tmp_path, per_device_train_batch_size=24, num_generations=8, max_completion_length=1,
-                      max_steps=40 if model_type == "qwen2_vl" else 30, learning_rate=3e-3, lr_scheduler_type="constant", num_generations_eval=16,
-                      per_device_eval_batch_size=64, use_vllm=True, vllm_max_model_length=128,
-                      vllm_importance_sampling_mode="token_truncate")  # fmt: skip
-    trainer = GRPOTrainer(model=model, processing_class=processor, reward_funcs=colour_letter, args=args,
-                          train_dataset=Dataset.from_list(shade_rows(TRAIN_SHADES)),
-                          eval_dataset=Dataset.from_list(shade_rows(HELD_OUT_SHADES)))  # fmt: skip
+    before, after, _, trainer = learn_colours(tmp_path, model_type, model, processor,
+                                              steps=40 if model_type == "qwen2_vl" else 30, use_vllm=True,
+                                              vllm_max_model_length=128,
+                                              vllm_importance_sampling_mode="token_truncate")  # fmt: skip
     assert type(trainer.engine).__name__ == "VLLMEngine"
-    before = trainer.evaluate()["eval/reward"]
-    trainer.train()
-    after = trainer.evaluate()["eval/reward"]
     history = [r for r in trainer.state.log_history if "reward" in r]
     gaps = [r["sampling/sampling_logp_difference/max"] for r in history]
     print(f"{model_type} with vLLM: held-out reward {before:.2f} -> {after:.2f}; max log-prob gap {max(gaps):.2e}")
