@@ -3,7 +3,7 @@
 # grpokit vs TRL at the Qwen2.5-0.5B shape (`bench_vs_trl.py --config gpu`: 256 completions x 512 tokens per step),
 # full fine-tuning with the benchmark's common settings, grpokit alone with its memory options, and LoRA.
 #
-#     bash benchmarks/gpu_session.sh OUTDIR [PART...]     # parts: tests full lora lora_grpokit lowmem fair profile
+#     bash benchmarks/gpu_session.sh OUTDIR [PART...]     # parts: tests full lora lora_grpokit lowmem fair bf16 profile
 #     STEPS=1 bash benchmarks/gpu_session.sh OUTDIR fair     # fewer measured steps (default 2, after 1 warm-up)
 #
 # Every part has its own time limit and writes its log (and JSON) to OUTDIR; a part that fails does not stop the
@@ -11,7 +11,7 @@
 set -u
 out="${1:?usage: gpu_session.sh OUTDIR [PART...]}"
 shift
-parts=("${@:-tests full lora lowmem fair profile}")
+parts=("${@:-tests full lora lowmem fair bf16 profile}")
 parts=(${parts[*]})
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -49,10 +49,15 @@ for p in "${parts[@]}"; do
     fair) part fair 250 "${bench[@]}" --timeout 120 --out "$out/gpu_fair.json" \
             --trl-args '{"gradient_checkpointing": true}' \
             --grpokit-args '{"ref_model_dtype": "bfloat16", "gradient_checkpointing": true, "activation_offloading": true, "optim": "adamw_8bit"}' ;;
+    # grpokit's lightest full fine-tuning (bf16 weights, torchao's 8-bit AdamW with stochastic rounding, an int8
+    # reference, checkpointing, offloading) against TRL's default: needs the torchao wheel too; not run yet.
+    bf16) part bf16 250 "${bench[@]}" --timeout 120 --out "$out/gpu_bf16.json" \
+            --trl-args '{"gradient_checkpointing": true}' \
+            --grpokit-args '{"model_init_kwargs": {"dtype": "bfloat16"}, "optim": "adamw_torch_8bit", "optim_args": "bf16_stochastic_round=True", "ref_model_dtype": "int8", "gradient_checkpointing": true, "activation_offloading": true}' ;;
     # Where each library's step goes on the GPU (rollout, its forwards, reference, policy, backward, optimizer):
     # the first GPU session estimated, without timing it, that the decode loop is most of the step.
     profile) part profile_grpokit 150 python3 benchmarks/profile_step.py --config gpu --impl grpokit --warmup 1 --steps 1
              part profile_trl 150 python3 benchmarks/profile_step.py --config gpu --impl trl --warmup 1 --steps 1 ;;
-    *) echo "unknown part $p (tests full lora lora_grpokit lowmem fair profile)"; exit 2 ;;
+    *) echo "unknown part $p (tests full lora lora_grpokit lowmem fair bf16 profile)"; exit 2 ;;
   esac
 done
