@@ -366,6 +366,19 @@ def check_backend(accelerator, model: torch.nn.Module, args: GRPOConfig) -> None
                                   "partitioned); use ZeRO-2 or FSDP2.")  # fmt: skip
 
 
+def place_before_reference_copy(accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """On an accelerator, with the whole policy in this process (one process, or DDP), the policy moves to the device
+    before the frozen reference is copied from it: the copy is then made on the device, and the host never holds two
+    full copies of the weights (a 7B float32 policy and its reference: 56 GB of host memory). Measured on an H200 at
+    the Qwen2.5-0.5B shape before this: peak host RSS 4.8 GB against TRL's 3.3. FSDP2 and DeepSpeed place the model
+    themselves (sharded), and a model loaded quantized or across devices (`hf_device_map`) stays where it is."""
+    if accelerator.device.type == "cpu" or accelerator.is_fsdp2 or deepspeed_stage(accelerator) is not None:
+        return model
+    if getattr(model, "hf_device_map", None) or getattr(model, "is_quantized", False):
+        return model
+    return model.to(accelerator.device)
+
+
 def prepare_reference(accelerator, reference: torch.nn.Module | None, engine) -> torch.nn.Module | None:
     """Place the frozen reference like the policy: partitioned and wrapped for forwards under ZeRO-3 (as loaded),
     sharded under FSDP2, else moved to the device."""

@@ -60,6 +60,7 @@ from .distributed import (
     deepspeed_stage,
     full_state_dict,
     is_sharded,
+    place_before_reference_copy,
     prepare_reference,
     trainable_parameters,
     unwrap_model,
@@ -174,6 +175,7 @@ class GRPOTrainer:
         for dataset in (train_dataset, *named_eval_datasets(eval_dataset).values()):
             check_images_supported(self.processing_class, dataset_columns(dataset))
         max_prompt_length = prompt_length_limit(self.model, args)
+        self.model = place_before_reference_copy(acc, self.model)  # the reference is then copied on the device
         self.reference = build_reference(model, self.model, args)
         enable_gradient_checkpointing(self.model, args)
         check_backend(acc, self.model, args)

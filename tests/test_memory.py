@@ -424,3 +424,28 @@ def test_row_blocks_start_on_every_states_quantization_block(monkeypatch):
     assert all(b.start * 896 % 256 == 0 for b in blocks)
     assert grpokit.optim._row_blocks(torch.empty(10, 896), [State()]) == [slice(None)]  # small: whole
     assert grpokit.optim._row_blocks(torch.empty(100_000), [State()]) == [slice(None)]  # no rows
+
+
+@pytest.mark.gpu
+def test_the_reference_is_copied_on_the_gpu_not_in_host_memory(tmp_path, monkeypatch):
+    """On a GPU the policy moves to the device before the frozen reference is copied from it, so the host never
+    holds both copies (`distributed.place_before_reference_copy`; an H200 run at the 0.5B shape peaked at 4.8 GB of
+    host RSS before it, against TRL's 3.3)."""
+    from datasets import Dataset
+
+    from grpokit import GRPOConfig, GRPOTrainer, models
+    from grpokit.testing import build_char_tokenizer, build_tiny_model
+
+    devices = []
+    original = models.frozen_copy
+    monkeypatch.setattr(models, "frozen_copy",
+                        lambda model, dtype=None: devices.append(next(model.parameters()).device.type)
+                        or original(model, dtype))  # fmt: skip
+    tokenizer = build_char_tokenizer()
+    args = GRPOConfig(output_dir=str(tmp_path), beta=0.04, per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=4, max_steps=1, report_to=[], save_strategy="no")  # fmt: skip
+    trainer = GRPOTrainer(model=build_tiny_model(len(tokenizer)), processing_class=tokenizer, args=args,
+                          reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                          train_dataset=Dataset.from_list([{"prompt": "ab"}] * 8))  # fmt: skip
+    assert devices == ["cuda"]
+    assert next(trainer.reference.parameters()).device.type == "cuda"
