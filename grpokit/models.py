@@ -12,7 +12,7 @@ import torch
 
 from .compat import tied_weight_keys
 from .distributed import is_sharded, load_full_state_dict
-from .multimodal import freeze_vision, is_vision_language_model, language_only_lora, tokenizer_of
+from .multimodal import freeze_vision, is_vision_language_model, language_only_lora, text_config_of, tokenizer_of
 
 
 def looks_like_local_path(name: str) -> bool:
@@ -206,8 +206,8 @@ def prompt_length_limit(model, args) -> int | None:
     """The prompt tokens kept (the last ones): max_prompt_length, lowered so that prompt + completion fits the
     model's positions (with a warning); fails before anything runs if a completion alone does not fit."""
     config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "get_text_config"):  # a VLM's positions are its language model's
-        config = config.get_text_config()
+    if config is not None:  # a VLM's positions are its language model's
+        config = text_config_of(config)
     limit = getattr(config, "max_position_embeddings", None)
     if limit is None:
         return args.max_prompt_length

@@ -288,6 +288,16 @@ def is_vision_language_model(model_or_config) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
+def text_config_of(config):
+    """A vision-language model's text config (`get_text_config`); a text model's config is its own."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def ties_word_embeddings(config) -> bool:
+    """Whether the LM head is tied to the input embeddings: the text config's setting, else the top level's."""
+    return bool(getattr(text_config_of(config), "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
+
+
 def language_model_of(model: torch.nn.Module) -> torch.nn.Module:
     """The text decoder inside a VLM: `language_model` (LLaVA, Gemma 3, Qwen-VL) or `text_model` (Idefics3,
     SmolVLM) of its base model, else its decoder."""

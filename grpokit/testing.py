@@ -302,35 +302,58 @@ def solid_image(colour: tuple[int, int, int], size: int = 16):
 QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 
-def build_tiny_qwen_vl(model_type: str = "qwen2_vl", *, seed: int = 0, image_size: int = 16):
-    """A random-weight Qwen2-VL / Qwen2.5-VL (M-RoPE positions from the image grids) and a function that encodes a
-    prompt with images as their processor would: (model, encode), encode(text_ids, images) -> (ids, tensors) with
-    `pixel_values`, `image_grid_thw` and `mm_token_type_ids`. Their processors cannot be built here (transformers
-    5.23's Qwen-VL processors need a video processor, which needs torchvision); the image processor can."""
+def _qwen_vl_image_options(image_size: int) -> dict:
+    """Qwen-VL image (and video) processor options: one `image_size`-pixel square, 4-pixel patches merged 2 x 2."""
+    return dict(min_pixels=image_size**2, max_pixels=image_size**2, patch_size=4, merge_size=2, temporal_patch_size=2)
+
+
+def _tiny_qwen_vl_model(model_type: str, seed: int, vocab_size: int, width: int, heads: dict, mrope_section: list,
+                        vision_width: int, tokens: dict):  # fmt: skip
+    """A random-weight 2-layer Qwen2-VL / Qwen2.5-VL of decoder width `width` (MLP 2x) and vision width
+    `vision_width`; `tokens`: the ids of pad, eos, bos, image, video, vision_start and vision_end."""
     import transformers
 
-    image_token, start, end = 60, 61, 62
+    if model_type not in QWEN_VL_TYPES:
+        raise ValueError(f"model_type must be one of {QWEN_VL_TYPES}, not {model_type!r}.")
+    prefix = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL"}[model_type]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        image_processor = transformers.Qwen2VLImageProcessor(min_pixels=image_size**2, max_pixels=image_size**2,
-                                                             patch_size=4, merge_size=2, temporal_patch_size=2)
-        prefix = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL"}[model_type]
         text = getattr(transformers, f"{prefix}TextConfig")(
-            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=2,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
+            vocab_size=vocab_size, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2, **heads,
+            max_position_embeddings=512, pad_token_id=tokens["pad"], eos_token_id=tokens["eos"],
+            bos_token_id=tokens["bos"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section})
         vision = dict(depth=1, num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
-        vision.update(dict(hidden_size=16, out_hidden_size=32, intermediate_size=32) if model_type == "qwen2_5_vl"
-                      else dict(embed_dim=16, hidden_size=32, mlp_ratio=2))  # fmt: skip
-        vision_config = getattr(transformers, f"{prefix}VisionConfig")(**vision)
+        vision.update(dict(hidden_size=vision_width, out_hidden_size=width, intermediate_size=2 * vision_width)
+                      if model_type == "qwen2_5_vl" else dict(embed_dim=vision_width, hidden_size=width, mlp_ratio=2))
         config = getattr(transformers, f"{prefix}Config")(
-            text_config=text.to_dict(), vision_config=vision_config.to_dict(), image_token_id=image_token,
-            video_token_id=63, vision_start_token_id=start, vision_end_token_id=end)  # fmt: skip
+            text_config=text.to_dict(), vision_config=getattr(transformers, f"{prefix}VisionConfig")(**vision).to_dict(),
+            image_token_id=tokens["image"], video_token_id=tokens["video"], vision_start_token_id=tokens["start"],
+            vision_end_token_id=tokens["end"])  # fmt: skip
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config).float().eval()
-    model.generation_config.eos_token_id = 1
-    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = tokens["eos"]
+    model.generation_config.pad_token_id = tokens["pad"]
+    return model
+
+
+def build_tiny_qwen_vl(model_type: str = "qwen2_vl", *, seed: int = 0, image_size: int = 16):
+    """A random-weight Qwen2-VL / Qwen2.5-VL (M-RoPE positions from the image grids) and a function that encodes a
+    prompt with images as their processor would: (model, encode), encode(text_ids, images) -> (ids, tensors) with
+    `pixel_values`, `image_grid_thw` and `mm_token_type_ids`. Their processors need torchvision (a video
+    processor), which the default test environment lacks (`build_tiny_qwen_vl_with_processor` where it is); the
+    image processor does not."""
+    import transformers
+
+    image_token, start, end = 60, 61, 62
+    model = _tiny_qwen_vl_model(model_type, seed, vocab_size=64, width=32,
+                                heads=dict(num_attention_heads=4, num_key_value_heads=2), mrope_section=[2, 1, 1],
+                                vision_width=16, tokens=dict(pad=0, eos=1, bos=2, image=image_token, video=63,
+                                                             start=start, end=end))  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        image_processor = transformers.Qwen2VLImageProcessor(**_qwen_vl_image_options(image_size))
 
     def encode(text_ids: list[int], images: list) -> tuple[list[int], dict[str, torch.Tensor]]:
         """[image block per image] + text_ids, as Qwen2-VL's processor lays them out."""
@@ -393,30 +416,16 @@ def build_tiny_qwen_vl_with_processor(model_type: str = "qwen2_vl", *, seed: int
     prefix = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL"}[model_type]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        image_processor = transformers.Qwen2VLImageProcessor(min_pixels=image_size**2, max_pixels=image_size**2,
-                                                             patch_size=4, merge_size=2, temporal_patch_size=2)
-        video_processor = transformers.Qwen2VLVideoProcessor(min_pixels=image_size**2, max_pixels=image_size**2,
-                                                             patch_size=4, merge_size=2, temporal_patch_size=2)
         processor = getattr(transformers, f"{prefix}Processor")(
-            image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
-            chat_template=QWEN2_VL_CHAT_TEMPLATE)  # fmt: skip
-        text = getattr(transformers, f"{prefix}TextConfig")(
-            vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=32, max_position_embeddings=512, pad_token_id=ids["<|endoftext|>"],
-            eos_token_id=ids["<|im_end|>"], bos_token_id=ids["<|endoftext|>"],
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]})
-        vision = dict(depth=1, num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
-        vision.update(dict(hidden_size=64, out_hidden_size=64, intermediate_size=128) if model_type == "qwen2_5_vl"
-                      else dict(embed_dim=64, hidden_size=64, mlp_ratio=2))  # fmt: skip
-        config = getattr(transformers, f"{prefix}Config")(
-            text_config=text.to_dict(), vision_config=getattr(transformers, f"{prefix}VisionConfig")(**vision).to_dict(),
-            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-            vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])  # fmt: skip
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config).float().eval()
-    model.generation_config.eos_token_id = ids["<|im_end|>"]
-    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+            image_processor=transformers.Qwen2VLImageProcessor(**_qwen_vl_image_options(image_size)),
+            video_processor=transformers.Qwen2VLVideoProcessor(**_qwen_vl_image_options(image_size)),
+            tokenizer=tokenizer, chat_template=QWEN2_VL_CHAT_TEMPLATE)  # fmt: skip
+    model = _tiny_qwen_vl_model(model_type, seed, vocab_size=len(vocab), width=64,
+                                heads=dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32),
+                                mrope_section=[4, 6, 6], vision_width=64,
+                                tokens=dict(pad=ids["<|endoftext|>"], eos=ids["<|im_end|>"], bos=ids["<|endoftext|>"],
+                                            image=ids["<|image_pad|>"], video=ids["<|video_pad|>"],
+                                            start=ids["<|vision_start|>"], end=ids["<|vision_end|>"]))  # fmt: skip
     return model, processor
 
 

@@ -72,10 +72,9 @@ class VLLMService:
         if self.multimodal:
             llm_options = {**multimodal_options(True, llm_options), **llm_options, "load_format": "dummy"}
         self.llm, _ = start_llm(model_dir, tokenizer_files=tokenizer, **llm_options)
-        self.version = 0
         if self.multimodal:
-            self._push(checkpoint_weights(model_dir))
-            self.version = 0  # the checkpoint's own weights
+            self._load(checkpoint_weights(model_dir))
+        self.version = 0  # the checkpoint's own weights
         self.host, self.group, self.backend = host, None, None
         self._background, self._outcome = None, {}  # the group's joining or a receiving thread; its outcome
 
@@ -103,7 +102,7 @@ class VLLMService:
                                  self.info["vocab_size"], regex, images, request.get("unexpanded_ids"))  # fmt: skip
         return {"completions": completions, "version": self.version}
 
-    def _push(self, weights: dict) -> None:
+    def _load(self, weights: dict) -> None:
         """Checkpoint-named weights into vLLM (a vision-language model's vision tower renamed to vLLM's)."""
         from .rollout.vllm import guarded_process_state, push_weights, vllm_names
 
@@ -111,12 +110,12 @@ class VLLMService:
         with guarded_process_state():
             push_weights(self.llm, vllm_names(named) if self.multimodal else named,
                          bool(self.info["tie_word_embeddings"]))  # fmt: skip
-        self.version += 1
 
     def update_weights(self, body: bytes) -> dict:
         from safetensors.torch import load
 
-        self._push(load(body))
+        self._load(load(body))
+        self.version += 1
         return {"version": self.version}
 
 
@@ -173,7 +172,8 @@ class VLLMService:
         weights = self._finish_background()
         if weights is None:
             raise RuntimeError("no weights were announced: POST /update_weights_collective first")
-        self._push(weights)
+        self._load(weights)
+        self.version += 1
         return {"version": self.version}
 
 
@@ -183,15 +183,14 @@ def served_model_info(model_dir) -> tuple[bool, dict]:
     vLLM starts."""
     from transformers import AutoConfig
 
-    from .multimodal import is_vision_language_model
+    from .multimodal import is_vision_language_model, text_config_of, ties_word_embeddings
 
     config = AutoConfig.from_pretrained(model_dir)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config_of(config)
     info = {"model_type": config.model_type, "vocab_size": getattr(text, "vocab_size", None),
             "hidden_size": getattr(text, "hidden_size", None),
             "num_hidden_layers": getattr(text, "num_hidden_layers", None),
-            "tie_word_embeddings": bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings",
-                                                                                     False)))}  # fmt: skip
+            "tie_word_embeddings": ties_word_embeddings(config)}  # fmt: skip
     multimodal = is_vision_language_model(config)
     if multimodal and not has_processor(model_dir):
         raise ValueError(f"{model_dir} holds a vision-language model ({config.model_type}) without its processor, "

@@ -47,7 +47,7 @@ from typing import Iterator
 import torch
 
 from ..compat import parameter_versions
-from ..multimodal import is_processor, is_vision_language_model
+from ..multimodal import is_processor, is_vision_language_model, text_config_of, ties_word_embeddings
 from .engine import PromptBatch, Rollout, SamplingParams
 
 INSTALL_HINT = ("vLLM is not installed: `pip install grpokit[vllm]` on a GPU machine; on CPU see the README's "
@@ -285,9 +285,8 @@ class VLLMEngine:
                              "images itself): pass processing_class=AutoProcessor.from_pretrained(...).")  # fmt: skip
         needs_tokenizer = structured_outputs_regex is not None or self.multimodal
         write_model_dir(model, self.directory, tokenizer if needs_tokenizer else None)
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        self.tied = bool(getattr(text_config, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
-        self.vocab_size = text_config.vocab_size
+        self.tied = ties_word_embeddings(config)
+        self.vocab_size = text_config_of(config).vocab_size
         if dtype is None:
             dtype = next(model.parameters()).dtype
         try:

@@ -26,7 +26,7 @@ import urllib.request
 import torch
 
 from ..compat import parameter_versions
-from ..multimodal import is_vision_language_model
+from ..multimodal import is_vision_language_model, text_config_of
 from .engine import PromptBatch, Rollout, SamplingParams
 from .vllm import base_model_of, policy_weights, refuse_images, rollout_from_completions
 
@@ -252,9 +252,7 @@ def image_from_wire(data: str):
 def check_same_model(config, info: dict, base_url: str) -> None:
     """The served model must be the policy's architecture with its vocabulary (a vision-language model's: its
     text model's); say which differs."""
-    model_type = config.model_type
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config()
+    model_type, config = config.model_type, text_config_of(config)
     if info.get("vocab_size") != config.vocab_size:
         raise ValueError(f"The vLLM server at {base_url} serves a model with a vocabulary of {info.get('vocab_size')} "
                          f"tokens; the policy's has {config.vocab_size}: start the server with the policy's "
