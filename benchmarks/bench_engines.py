@@ -8,6 +8,8 @@ model, same workload, one run each.
     python benchmarks/bench_engines.py --config qwen0.5b
     python benchmarks/bench_engines.py --config gpu-0.5b --engines hf vllm trl-vllm   # CUDA, trl installed
     python benchmarks/bench_engines.py --config gpu-1.5b --engines hf vllm trl-vllm
+    python benchmarks/bench_engines.py --config small --engines hf hf-static hf-static-compile   # static decoding
+    python benchmarks/bench_engines.py --config gpu-0.5b --engines hf hf-static trl trl-static   # CUDA graphs
 
 Each engine runs in a fresh subprocess (vLLM changes the process it runs in). The model is random-weight with a
 real architecture's shape (grpokit.testing, via bench_vs_trl.build_model_dir); its EOS is a token it cannot emit, so
@@ -58,7 +60,11 @@ CONFIGS = {
     "gpu-1.5b": dict(**QWEN15, batch=32, num_generations=8, grad_accum=8, max_completion_length=512, bf16=True,
                      cuda=True, steps=5),
 }
-ENGINES = ("hf", "vllm", "trl-vllm")
+# hf: grpokit's in-process engine; hf-static: with cache_implementation="static" (fixed shapes; its decode step
+# compiled with CUDA graphs on a GPU, eager elsewhere); hf-static-compile: the same, compiled on any device (on a
+# CPU: inductor, no graphs); vllm: grpokit with use_vllm (colocated); trl, trl-static: TRL's generate() (TRL compiles
+# its forward on CUDA with a static cache); trl-vllm: TRL with vLLM (colocated).
+ENGINES = ("hf", "hf-static", "hf-static-compile", "vllm", "trl", "trl-static", "trl-vllm")
 
 
 # ---------------------------------------------------------------------------------------------------- child
@@ -71,28 +77,32 @@ def run_child(spec: dict) -> dict:
     generation_batch = config["batch"] * config["grad_accum"]
     dataset = make_dataset(max(64, 4 * generation_batch // config["num_generations"]), seed=0)
     stamps: list[tuple[float, int]] = []
-    if engine == "trl-vllm":
+    static = {"cache_implementation": "static"} if "static" in engine else {}
+    if engine.startswith("trl"):
         from transformers import TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
 
         args = {k: v for k, v in args.items() if k != "use_cpu"}
+        vllm = {"use_vllm": True, "vllm_mode": "colocate"} if engine == "trl-vllm" else {}
         trainer = GRPOTrainer(model=model_dir, reward_funcs=reward_len, train_dataset=dataset,
-                              args=GRPOConfig(**args, use_vllm=True, vllm_mode="colocate"))  # fmt: skip
+                              args=GRPOConfig(**args, **vllm, **static))  # fmt: skip
     else:
         from transformers import TrainerCallback
 
         from grpokit import GRPOConfig, GRPOTrainer
 
         trainer = GRPOTrainer(model=model_dir, reward_funcs=reward_len, train_dataset=dataset,
-                              args=GRPOConfig(**args, use_vllm=engine == "vllm"))  # fmt: skip
+                              args=GRPOConfig(**args, use_vllm=engine == "vllm", **static))  # fmt: skip
+        if engine == "hf-static-compile":
+            trainer.engine.static.compile = True
 
     class Stamp(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            stamps.append((time.perf_counter(), state.num_input_tokens_seen if engine == "trl-vllm"
+            stamps.append((time.perf_counter(), state.num_input_tokens_seen if engine.startswith("trl")
                            else state.num_tokens))  # fmt: skip
 
     result = {"engine": engine}
-    if engine != "trl-vllm":  # the rollout alone, through the engine seam
+    if not engine.startswith("trl"):  # the rollout alone, through the engine seam
         from grpokit.rollout import group_counts
 
         rows = [dataset[i] for i in range(generation_batch // config["num_generations"])]

@@ -3,7 +3,7 @@
 # grpokit vs TRL at the Qwen2.5-0.5B shape (`bench_vs_trl.py --config gpu`: 256 completions x 512 tokens per step),
 # full fine-tuning with the benchmark's common settings, grpokit alone with its memory options, and LoRA.
 #
-#     bash benchmarks/gpu_session.sh OUTDIR [PART...]     # parts: tests full lora lora_grpokit lowmem fair bf16 profile
+#     bash benchmarks/gpu_session.sh OUTDIR [PART...]     # parts: tests static full lora lora_grpokit lowmem fair bf16 profile
 #     STEPS=1 bash benchmarks/gpu_session.sh OUTDIR fair     # fewer measured steps (default 2, after 1 warm-up)
 #
 # Every part has its own time limit and writes its log (and JSON) to OUTDIR; a part that fails does not stop the
@@ -11,7 +11,7 @@
 set -u
 out="${1:?usage: gpu_session.sh OUTDIR [PART...]}"
 shift
-parts=("${@:-tests full lora lowmem fair bf16 profile}")
+parts=("${@:-tests static full lora lowmem fair bf16 profile}")
 parts=(${parts[*]})
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -33,7 +33,12 @@ part() {  # part NAME SECONDS COMMAND...: one part, its own limit and log
 bench=(python3 benchmarks/bench_vs_trl.py --config gpu --warmup 1 --steps "${STEPS:-2}" --repeats 1)
 for p in "${parts[@]}"; do
   case $p in
-    tests) part gpu_tests 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_memory.py ;;
+    tests) part gpu_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_memory.py tests/test_static_decoding.py ;;
+    # Static decoding, cache_implementation="static" for both: TRL's generate() then compiles its forward on CUDA,
+    # grpokit its decode step (CUDA graphs, rollout/static.py). The warm-up step takes the compilation. Compare with
+    # `full` (the same settings with each library's default cache).
+    static) part static 300 "${bench[@]}" --timeout 150 --out "$out/gpu_static.json" \
+              --trl-args '{"cache_implementation": "static"}' --grpokit-args '{"cache_implementation": "static"}' ;;
     # Full fine-tuning, the same settings for both (float32 weights, bf16 autocast, AdamW, no checkpointing).
     full) part full 250 "${bench[@]}" --timeout 120 --out "$out/gpu_full.json" ;;
     # LoRA (r=16, all linear layers), gradient checkpointing for both (TRL's default).
@@ -57,7 +62,9 @@ for p in "${parts[@]}"; do
     # Where each library's step goes on the GPU (rollout, its forwards, reference, policy, backward, optimizer):
     # the first GPU session estimated, without timing it, that the decode loop is most of the step.
     profile) part profile_grpokit 150 python3 benchmarks/profile_step.py --config gpu --impl grpokit --warmup 1 --steps 1
-             part profile_trl 150 python3 benchmarks/profile_step.py --config gpu --impl trl --warmup 1 --steps 1 ;;
-    *) echo "unknown part $p (tests full lora lora_grpokit lowmem fair bf16 profile)"; exit 2 ;;
+             part profile_trl 150 python3 benchmarks/profile_step.py --config gpu --impl trl --warmup 1 --steps 1
+             part profile_grpokit_static 200 python3 benchmarks/profile_step.py --config gpu --impl grpokit --warmup 1 \
+               --steps 1 --args '{"cache_implementation": "static"}' ;;
+    *) echo "unknown part $p (tests static full lora lora_grpokit lowmem fair bf16 profile)"; exit 2 ;;
   esac
 done

@@ -54,7 +54,7 @@ LOG_LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 5
 
 # generation_kwargs keys grpokit's engines honour (TRL passes any key on to generate() / vLLM's SamplingParams).
 GENERATION_KWARGS = ("top_p", "top_k", "min_p", "repetition_penalty", "temperature", "do_sample", "eos_token_id",
-                     "stop_token_ids", "suppress_tokens")  # fmt: skip
+                     "stop_token_ids", "suppress_tokens", "disable_compile")  # fmt: skip
 
 
 def _token_ids(value) -> list[int] | None:
@@ -276,8 +276,13 @@ class GRPOConfig:
     use_transformers_paged: bool = _not_implemented(False, "TRL's deprecated spelling of "
                                                            "use_transformers_continuous_batching; grpokit uses its "
                                                            "own sampler.")
-    cache_implementation: str | None = _not_implemented(None, "TRL picks generate()'s KV-cache class; grpokit's "
-                                                              "sampler has its own preallocated cache.")
+    cache_implementation: str | None = _f(None, "The in-process sampler's KV cache, as TRL asks generate() for one: "
+                                                "None or 'dynamic': grpokit's preallocated cache, finished rows "
+                                                "leave the batch; 'static': fixed shapes (a transformers "
+                                                "StaticCache kept between rollouts, no rows dropped) and, on CUDA, "
+                                                "the decode step compiled with CUDA graphs (torch.compile "
+                                                "'reduce-overhead'; generation_kwargs disable_compile=True turns "
+                                                "that off). Full-attention models only. No effect with use_vllm.")
     generation_kwargs: dict | str | None = _f(None, "Sampling options as TRL passes them to generate() / vLLM: top_p, top_k, "
                                               "min_p, repetition_penalty (they override the named fields, as in "
                                               "TRL), eos_token_id / stop_token_ids (more tokens that end a "
@@ -581,6 +586,8 @@ class GRPOConfig:
             if name in options and _token_ids(options[name]) is None:
                 fail(f"generation_kwargs {name}={options[name]!r} must be a token id or a list of token ids "
                      f"(ints >= 0).")
+        if not isinstance(options.get("disable_compile", False), bool):
+            fail(f"generation_kwargs disable_compile={options['disable_compile']!r} must be True or False.")
         for name in ("top_p", "top_k", "min_p", "repetition_penalty"):  # TRL: these override the named fields
             if name in options:
                 setattr(self, name, options[name])
@@ -788,6 +795,12 @@ class GRPOConfig:
             fail(f"max_tool_calling_iterations={self.max_tool_calling_iterations} must be >= 0 (or None: no limit).")
         if not self.tool_timeout > 0:
             fail(f"tool_timeout={self.tool_timeout} must be a positive number of seconds.")
+        if self.cache_implementation not in (None, "dynamic", "static"):
+            fail(f"cache_implementation={self.cache_implementation!r} is not supported by grpokit's sampler; use "
+                 f"None / 'dynamic' (its preallocated cache) or 'static' (fixed shapes, CUDA graphs on a GPU).")
+        if self.cache_implementation == "static" and self.use_vllm:
+            warnings.warn("cache_implementation='static' has no effect with use_vllm=True: vLLM manages its own "
+                          "KV cache and CUDA graphs. Leave it unset.", UserWarning, stacklevel=3)
         if self.vllm_mode not in ("colocate", "server"):
             fail(f"vllm_mode={self.vllm_mode!r} is not valid; use 'colocate' or 'server'.")
         if self.vllm_model_impl not in ("vllm", "transformers"):

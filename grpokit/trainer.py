@@ -207,8 +207,12 @@ class GRPOTrainer:
             rollout_engine = engine_from_config(self.unwrapped_model, args, self.processing_class, acc.process_index,
                                                 acc.num_processes, acc.local_process_index)  # fmt: skip
         exact = not (args.bf16 or args.fp16) and full_precision(self.unwrapped_model)  # bf16 weights: not exact
-        self.engine = rollout_engine or HFEngine(self.unwrapped_model, acc.device, autocast=acc.autocast,
-                                                 all_done=all_done, exact_logprobs=exact)  # fmt: skip
+        if rollout_engine is None:
+            compile = False if (args.generation_kwargs or {}).get("disable_compile") else None
+            rollout_engine = HFEngine(self.unwrapped_model, acc.device, autocast=acc.autocast, all_done=all_done,
+                                      exact_logprobs=exact, cache_implementation=args.cache_implementation,
+                                      compile=compile)  # fmt: skip
+        self.engine = rollout_engine
         self.agents = build_agents(self.processing_class, self.unwrapped_model, args, max_prompt_length, tools,
                                    environments, rollout_func)  # fmt: skip
         self.state = self._new_state()

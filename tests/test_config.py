@@ -161,7 +161,7 @@ def test_check_batch_counts_steps_per_generation():
 
 @pytest.mark.parametrize(
     "name, value",
-    [("use_liger_kernel", True), ("neftune_noise_alpha", 5.0), ("cache_implementation", "static")],
+    [("use_liger_kernel", True), ("neftune_noise_alpha", 5.0), ("use_transformers_continuous_batching", True)],
 )
 def test_not_implemented_fields_warn_by_name(name, value):
     with pytest.warns(UserWarning) as record:

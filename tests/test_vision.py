@@ -466,3 +466,29 @@ def test_qwen_vl_learns_the_colour_through_its_real_processor(tmp_path, model_ty
     before, after, _, _ = learn_colours(tmp_path, model_type, model, processor, steps=40)
     print(f"{model_type} (real processor, in-process engine): held-out reward {before:.2f} -> {after:.2f}")
     assert after >= 0.9 and after >= before + 0.2, (before, after)
+
+
+@pytest.mark.parametrize("model_type", [*VLM_TYPES, "qwen2_vl"])
+def test_static_decoding_with_images_samples_what_the_default_decoder_samples(model_type):
+    """cache_implementation='static' (`rollout/static.py`) with image prompts: the prefill (eager, with the images,
+    M-RoPE positions for Qwen2-VL) is copied into the static cache and the decode steps continue from it; the same
+    tokens as the default decoder and log-probs within float32 rounding."""
+    from grpokit.rollout import PromptBatch, SamplingParams
+
+    if model_type != "qwen2_vl":
+        model, processor = build_tiny_vlm(model_type)
+        codec = PromptCodec(processor, model)
+        prompts = codec.encode(colour_rows(), [3, 3])
+        params = codec.sampling_params(6)
+    else:
+        model, encode = build_tiny_qwen_vl(model_type)
+        encoded = [encode([3, 10, 11], [solid_image(rgb)]) for rgb in COLOURS.values()]
+        prompts = PromptBatch(ids=[ids for ids, _ in encoded], counts=[3, 3], raw=[None] * 2, images=[[], []],
+                              processed=[tensors for _, tensors in encoded])  # fmt: skip
+        params = SamplingParams(max_new_tokens=6, eos_token_ids=(1,), pad_token_id=0, suppress_token_ids=(60,))
+    default = HFEngine(model).generate(prompts, params, seed=0)
+    engine = HFEngine(model, cache_implementation="static")
+    static = engine.generate(prompts, params, seed=0)
+    assert engine.static.cache is not None
+    assert torch.equal(static.completion_ids, default.completion_ids)
+    assert (static.sampling_logprobs - default.sampling_logprobs).abs().max() <= LOGPROB_ATOL

@@ -20,6 +20,7 @@ from ..multimodal import MultimodalInputs, batch_model_inputs, rope_position_ids
 from .engine import PromptBatch, Rollout, SamplingParams
 from .fast import model_config, one_token_attention, sampling_cache
 from .sampling import sample_tokens
+from .static import STATIC_CACHE_VALUES, StaticDecoder, StaticDecoding
 
 
 class HFEngine:
@@ -31,13 +32,26 @@ class HFEngine:
 
     def __init__(self, model: torch.nn.Module, device: torch.device | str = "cpu",
                  autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
-                 all_done: Callable[[bool], bool] | None = None, exact_logprobs: bool | None = None):  # fmt: skip
+                 all_done: Callable[[bool], bool] | None = None, exact_logprobs: bool | None = None,
+                 cache_implementation: str | None = None, compile: bool | None = None):  # fmt: skip
         self.model, self.device = model, torch.device(device)
         self.autocast, self.all_done = autocast or contextlib.nullcontext, all_done
         self.exact_logprobs = autocast is None if exact_logprobs is None else exact_logprobs
+        if cache_implementation not in STATIC_CACHE_VALUES:
+            raise ValueError(f"cache_implementation={cache_implementation!r} is not supported by the in-process "
+                             f"sampler; use None or 'dynamic' (its preallocated cache) or 'static' (fixed shapes, "
+                             f"compiled with CUDA graphs on a GPU).")  # fmt: skip
+        self.static = None
+        if cache_implementation == "static":
+            if all_done is not None or is_sharded(model):
+                raise ValueError("cache_implementation='static' is not supported with sharded models (FSDP2, "
+                                 "ZeRO-3), whose every forward is a collective; leave it unset.")  # fmt: skip
+            self.static = StaticDecoding(model, compile=compile)
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.model = model  # the very weights being trained: nothing to copy
+        if self.static is not None:
+            self.static.model = model
 
     def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
         ids, mask = (t.to(self.device) for t in prompts.padded(params.pad_token_id))
@@ -48,7 +62,7 @@ class HFEngine:
         with self.autocast(), casts_kept:
             return generate(self.model, ids, mask, params, generator=generator,
                             num_generations=counts.pop() if len(counts) == 1 else 1, all_done=self.all_done,
-                            multimodal=prompts.multimodal())  # fmt: skip
+                            multimodal=prompts.multimodal(), static=self.static)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -245,6 +259,7 @@ def generate(
     drop_finished: bool = True,
     all_done: Callable[[bool], bool] | None = None,
     multimodal: MultimodalInputs | None = None,
+    static: StaticDecoding | None = None,
 ) -> Rollout:
     """Sample one completion per row of the left-padded prompts [N, P].
 
@@ -259,6 +274,8 @@ def generate(
     all_done: for sharded models (FSDP2, ZeRO-3), where every forward is a collective: called once per step with whether
     this process's rows have all finished, it returns whether every process's have, and the loop runs until then
     (finished rows keep decoding, masked out), so that all processes make the same forward calls.
+
+    static: decode with fixed shapes into its cache, with its (compiled) step (`static.py`); no row is dropped.
     """
     # Eval mode: transformers turns the KV cache off for a training-mode model with gradient checkpointing.
     was_training = model.training
@@ -266,20 +283,25 @@ def generate(
     try:
         with one_token_attention(model, prompt_ids.device):
             return _generate(model, prompt_ids, prompt_mask, params, generator, num_generations, use_cache,
-                             share_prefix, drop_finished, all_done, multimodal)  # fmt: skip
+                             share_prefix, drop_finished, all_done, multimodal, static)  # fmt: skip
     finally:
         model.train(was_training)
 
 
 def _generate(model, prompt_ids, prompt_mask, params, generator, num_generations, use_cache, share_prefix,
-              drop_finished, all_done, multimodal=None) -> Rollout:  # fmt: skip
+              drop_finished, all_done, multimodal=None, static=None) -> Rollout:  # fmt: skip
     n, device = prompt_ids.shape[0], prompt_ids.device
     if use_cache is None:
         use_cache = supports_kv_cache(model) or adapter_wraps_kv_cache_model(model)
         if multimodal is not None and hasattr(model, "get_base_model"):  # a PeftModel without a task type
             use_cache = supports_kv_cache(model.get_base_model())
     capacity = prompt_ids.shape[1] + params.max_new_tokens
-    decoder = CachedDecoder(model, capacity) if use_cache else FullForwardDecoder(model)
+    if static is not None:
+        if not use_cache:
+            raise ValueError("cache_implementation='static' needs a model that takes a KV cache.")
+        decoder, drop_finished = StaticDecoder(model, static, capacity), False
+    else:
+        decoder = CachedDecoder(model, capacity) if use_cache else FullForwardDecoder(model)
     repeats = num_generations if share_prefix and groups_share_prompts(prompt_ids, prompt_mask, num_generations,
                                                                        multimodal) else 1  # fmt: skip
     multimodal = None if multimodal is None else multimodal.to(device)

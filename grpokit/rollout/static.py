@@ -1,0 +1,211 @@
+"""Static-shape decoding, `cache_implementation="static"` (TRL's field: the KV-cache class it asks generate() for).
+
+On a GPU the decode loop of a small or medium model is bound by Python, not by the GPU: each token runs the model's
+forward in eager mode, about ten kernel launches per layer from Python, for a few hundred microseconds of GPU work.
+CUDA graphs replay a recorded forward with one launch, but they need every decode step to have the same shapes and
+the same memory addresses. This module gives the decode steps exactly that:
+
+- a transformers `StaticCache` of [rows, capacity] positions, kept by the engine from one rollout to the next (as
+  transformers' generate keeps its own), so that its buffers keep their addresses;
+- one attention mask of [rows, capacity] for the whole rollout: the prompts' padding, then ones. Positions not yet
+  written are hidden by the causal mask, which reads the query's position from the cache;
+- no rows dropped: finished rows keep decoding, masked out afterwards (the loop's rule under `all_done`).
+
+The step is compiled with `torch.compile(mode="reduce-overhead")` on CUDA (CUDA graphs); elsewhere it runs eagerly
+unless compilation is asked for (transformers' rule for generate(): static caches compile on CUDA only). The
+prefill runs eagerly, each group's prompt once, into a dynamic cache whose keys and values are then copied into
+the static buffers. Attention over the whole capacity with the unwritten positions masked gives the dynamic
+decoder's values up to float rounding (tested: the same tokens, log-probs within float32 rounding).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..compat import attention_implementation, output_cache, replace_cache_layer, select_cache_rows
+from .fast import AUTOCAST_CASTS, CASTING_ATTENTION, model_cache, model_config
+
+# A rollout's positions (prompt + completion) are rounded up to a multiple of this, so that prompt batches of
+# slightly different widths reuse one cache and one compiled step.
+CAPACITY_MULTIPLE = 64
+STATIC_CACHE_VALUES = (None, "dynamic", "static")
+
+
+def check_static_decoding(model: torch.nn.Module) -> None:
+    """Refuse, with the reason and the fix, a model whose decode steps cannot take a static cache here: no
+    transformers config, or layers that do not attend to every position (sliding windows, Mamba / linear
+    attention, attention-free blocks), whose static layers keep other layouts than the one the prefill is copied
+    into."""
+    from transformers import PretrainedConfig
+    from transformers.cache_utils import DynamicLayer
+
+    config = model_config(model)
+    if not isinstance(config, PretrainedConfig):
+        raise ValueError(f"cache_implementation='static' needs a transformers model with a KV cache; "
+                         f"{type(model).__name__} has no transformers config. Leave cache_implementation unset.")  # fmt: skip
+    kinds = {type(layer).__name__ for layer in model_cache(config).layers}
+    if not kinds or kinds != {DynamicLayer.__name__}:
+        raise ValueError(f"cache_implementation='static' supports models whose layers all use full attention; "
+                         f"{getattr(config, 'model_type', type(model).__name__)} has cache layers {sorted(kinds)} "
+                         f"(sliding windows, Mamba or linear attention). Leave cache_implementation unset: the "
+                         f"default sampler keeps each layer's own cache.")  # fmt: skip
+
+
+class StaticDecoding:
+    """What the engine keeps between rollouts for static decoding: the cache and the (compiled) step.
+
+    compile: None compiles on CUDA only (CUDA graphs: mode 'reduce-overhead'); True compiles on any device (on CPU
+    with inductor's default mode: tests use it to check the compiled step), False never."""
+
+    def __init__(self, model: torch.nn.Module, compile: bool | None = None):
+        check_static_decoding(model)
+        self.model, self.compile = model, compile
+        self.cache = None
+        self._step = None  # (model, device type, callable)
+
+    def step_function(self, device: torch.device):
+        if self._step is None or self._step[0] is not self.model or self._step[1] != device.type:
+            compile = device.type == "cuda" if self.compile is None else self.compile
+            function = self.model
+            if compile:
+                mode = "reduce-overhead" if device.type == "cuda" else None
+                function = torch.compile(self.model, mode=mode, dynamic=False)
+            self._step = (self.model, device.type, function)
+        return self._step[2]
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return self._step is not None and self._step[2] is not self.model and self._step[1] == "cuda"
+
+    def cache_for(self, prefilled, rows: int, capacity: int):
+        """A StaticCache of `rows` × at least `capacity` positions with the prefill's head counts and the dtypes the
+        decode steps store (`stored_dtype`): the one kept from the last rollout when it fits, else a new one (its
+        positions rounded up to CAPACITY_MULTIPLE)."""
+        from transformers import StaticCache
+
+        dtypes = [(stored_dtype(self.model, layer.keys), stored_dtype(self.model, layer.values))
+                  for layer in prefilled.layers]  # fmt: skip
+
+        def fits(cache) -> bool:
+            return all(
+                static.batch_size == rows and static.max_cache_len >= capacity
+                and (static.keys.dtype, static.values.dtype) == dtype and static.keys.device == dynamic.keys.device
+                and static.keys.shape[1] == dynamic.keys.shape[1] and static.values.shape[1] == dynamic.values.shape[1]
+                for static, dynamic, dtype in zip(cache.layers, prefilled.layers, dtypes, strict=True)
+            )  # fmt: skip
+
+        if self.cache is None or not fits(self.cache):
+            self.cache = None  # the old buffers go before the new ones are made
+            size = -(-capacity // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
+            cache = StaticCache(model_config(self.model), max_cache_len=size)
+            layer_class = casting_static_layer_class()
+            for index, (dynamic, (key_dtype, value_dtype)) in enumerate(zip(prefilled.layers, dtypes, strict=True)):
+                layer = layer_class(max_cache_len=size)
+                layer.lazy_initialization(dynamic.keys.new_empty(rows, *dynamic.keys.shape[1:], dtype=key_dtype),
+                                          dynamic.values.new_empty(rows, *dynamic.values.shape[1:],
+                                                                   dtype=value_dtype))  # fmt: skip
+                replace_cache_layer(cache, index, layer)
+            self.cache = cache
+        return self.cache
+
+
+def stored_dtype(model: torch.nn.Module, states: torch.Tensor) -> torch.dtype:
+    """The dtype the static buffers hold `states` in: the autocast dtype under autocast with attention that casts
+    its inputs to it anyway (`fast.CASTING_ATTENTION`; float32 keys come from RoPE's float32 cos/sin), as the
+    default decoder's cache does; else their own."""
+    device_type = states.device.type
+    if attention_implementation(model_config(model)) in CASTING_ATTENTION and states.dtype in AUTOCAST_CASTS \
+            and torch.is_autocast_enabled(device_type):  # fmt: skip
+        return torch.get_autocast_dtype(device_type)
+    return states.dtype
+
+
+@functools.cache  # the class subclasses a transformers class: defined on first use
+def casting_static_layer_class():
+    from transformers.cache_utils import StaticLayer
+
+    class CastingStaticLayer(StaticLayer):
+        """transformers' StaticLayer, writing new keys and values in its buffers' dtype (`stored_dtype`)."""
+
+        def lazy_initialization(self, key_states, value_states):
+            super().lazy_initialization(key_states, value_states)
+            if self.values.dtype != value_states.dtype:  # transformers < 5.20 holds the values in the keys' dtype
+                self.values = torch.zeros_like(self.values, dtype=value_states.dtype)
+                torch._dynamo.mark_static_address(self.values)
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            return super().update(key_states.to(self.keys.dtype), value_states.to(self.values.dtype), *args,
+                                  **kwargs)  # fmt: skip
+
+    return CastingStaticLayer
+
+
+class StaticDecoder:
+    """The decode loop's decoder (`hf.CachedDecoder`'s interface) over `StaticDecoding`'s cache and step."""
+
+    drops_rows = False
+
+    def __init__(self, model: torch.nn.Module, decoding: StaticDecoding, capacity: int):
+        from .hf import sampling_forward_kwargs
+        from ..compat import cache_argument
+
+        self.model, self.decoding, self.capacity = model, decoding, capacity
+        self.forward_kwargs = sampling_forward_kwargs(model)
+        self.cache_argument = cache_argument(model) or "past_key_values"
+        self.cache = self.mask = self.next_position = self.rope_offset = None
+        self.step_function = None
+
+    def prefill(self, ids, mask, repeats: int = 1, prompt_inputs: dict | None = None,
+                rope_positions: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        from .hf import logits_of, position_ids_from_mask
+
+        prefilled = model_cache(model_config(self.model))
+        positions = position_ids_from_mask(mask)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1,
+            position_ids=positions if rope_positions is None else rope_positions,
+            **{self.cache_argument: prefilled}, **self.forward_kwargs, **(prompt_inputs or {}),
+        )  # fmt: skip
+        prefilled = output_cache(out)
+        logits = logits_of(out)[:, -1]
+        offset = torch.zeros_like(positions[:, -1]) if rope_positions is None else \
+            rope_positions[..., -1].amax(0) - positions[:, -1]  # fmt: skip
+        if repeats > 1:  # one prefill per group, its cache repeated for the G rows
+            select_cache_rows(prefilled, torch.arange(len(ids), device=ids.device).repeat_interleave(repeats))
+            logits, mask, positions, offset = (x.repeat_interleave(repeats, 0) for x in (logits, mask, positions,
+                                                                                          offset))  # fmt: skip
+        rows, width = mask.shape
+        self.cache = self.decoding.cache_for(prefilled, rows, max(self.capacity, width))
+        for static, dynamic in zip(self.cache.layers, prefilled.layers, strict=True):
+            static.keys[:, :, :width].copy_(dynamic.keys)
+            static.values[:, :, :width].copy_(dynamic.values)
+            static.cumulative_length.fill_(width)
+        del prefilled
+        self.mask = torch.cat([mask, mask.new_ones(rows, self.cache.layers[0].max_cache_len - width)], dim=1)
+        self.next_position = positions[:, -1] + 1
+        self.rope_offset = None if rope_positions is None else offset
+        self.step_function = self.decoding.step_function(ids.device)
+        return logits
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        from .hf import logits_of
+
+        positions = self.next_position[:, None]
+        if self.rope_offset is not None:  # a text token: its three M-RoPE positions are equal
+            positions = (positions + self.rope_offset[:, None])[None].expand(3, -1, -1)
+        if self.decoding.uses_cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are consumed: replay over them
+        out = self.step_function(
+            input_ids=tokens[:, None], attention_mask=self.mask, position_ids=positions, use_cache=True,
+            **{self.cache_argument: self.cache}, **self.forward_kwargs,
+        )  # fmt: skip
+        self.next_position = self.next_position + 1
+        logits = logits_of(out)[:, -1]
+        # A CUDA graph's outputs live in its pool and are overwritten by the next replay.
+        return logits.clone() if self.decoding.uses_cuda_graphs else logits
+
+    def keep(self, rows: torch.Tensor) -> None:
+        raise RuntimeError("static decoding keeps every row in the batch (fixed shapes); call generate with "
+                           "drop_finished=False")  # fmt: skip
