@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -20,7 +20,9 @@ from ..multimodal import MultimodalInputs, batch_model_inputs, rope_position_ids
 from .engine import PromptBatch, Rollout, SamplingParams
 from .fast import model_config, one_token_attention, sampling_cache
 from .sampling import sample_tokens
-from .static import STATIC_CACHE_VALUES, StaticDecoder, StaticDecoding
+
+if TYPE_CHECKING:
+    from .static import StaticDecoding
 
 
 class HFEngine:
@@ -37,6 +39,8 @@ class HFEngine:
         self.model, self.device = model, torch.device(device)
         self.autocast, self.all_done = autocast or contextlib.nullcontext, all_done
         self.exact_logprobs = autocast is None if exact_logprobs is None else exact_logprobs
+        from .static import STATIC_CACHE_VALUES, StaticDecoding  # imports this module
+
         if cache_implementation not in STATIC_CACHE_VALUES:
             raise ValueError(f"cache_implementation={cache_implementation!r} is not supported by the in-process "
                              f"sampler; use None or 'dynamic' (its preallocated cache) or 'static' (fixed shapes, "
@@ -297,6 +301,8 @@ def _generate(model, prompt_ids, prompt_mask, params, generator, num_generations
             use_cache = supports_kv_cache(model.get_base_model())
     capacity = prompt_ids.shape[1] + params.max_new_tokens
     if static is not None:
+        from .static import StaticDecoder  # imports this module
+
         if not use_cache:
             raise ValueError("cache_implementation='static' needs a model that takes a KV cache.")
         decoder, drop_finished = StaticDecoder(model, static, capacity), False

@@ -24,8 +24,9 @@ import functools
 
 import torch
 
-from ..compat import attention_implementation, output_cache, replace_cache_layer, select_cache_rows
+from ..compat import attention_implementation, cache_argument, output_cache, replace_cache_layer, select_cache_rows
 from .fast import AUTOCAST_CASTS, CASTING_ATTENTION, model_cache, model_config
+from .hf import logits_of, position_ids_from_mask, sampling_forward_kwargs
 
 # A rollout's positions (prompt + completion) are rounded up to a multiple of this, so that prompt batches of
 # slightly different widths reuse one cache and one compiled step.
@@ -148,9 +149,6 @@ class StaticDecoder:
     drops_rows = False
 
     def __init__(self, model: torch.nn.Module, decoding: StaticDecoding, capacity: int):
-        from .hf import sampling_forward_kwargs
-        from ..compat import cache_argument
-
         self.model, self.decoding, self.capacity = model, decoding, capacity
         self.forward_kwargs = sampling_forward_kwargs(model)
         self.cache_argument = cache_argument(model) or "past_key_values"
@@ -159,8 +157,6 @@ class StaticDecoder:
 
     def prefill(self, ids, mask, repeats: int = 1, prompt_inputs: dict | None = None,
                 rope_positions: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        from .hf import logits_of, position_ids_from_mask
-
         prefilled = model_cache(model_config(self.model))
         positions = position_ids_from_mask(mask)
         out = self.model(
@@ -190,8 +186,6 @@ class StaticDecoder:
         return logits
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        from .hf import logits_of
-
         positions = self.next_position[:, None]
         if self.rope_offset is not None:  # a text token: its three M-RoPE positions are equal
             positions = (positions + self.rope_offset[:, None])[None].expand(3, -1, -1)
