@@ -158,14 +158,16 @@ def dequantized_float32(module) -> torch.Tensor:
     """`_dequantized(module).float()`, in the "weight" scratch buffer: bitsandbytes dequantizes a few rows at a time
     (the same kernel on a slice of the packed weight and of its block scales, so the same values), and each piece
     is upcast into the buffer. Whole, the bfloat16 weight would be a fresh mapping at every call. Falls back to the
-    whole weight where rows do not start on a quantization block or bitsandbytes repacked the weight."""
+    whole weight where rows do not all start on a quantization block (bitsandbytes' AVX-512 kernel then gives a
+    piece other values than the whole weight's rows: 96 inputs per row, blocks of 64) or bitsandbytes repacked the
+    weight."""
     import bitsandbytes.functional as bnb
 
     weight, state = module.weight, module.weight.quant_state
     out_features, in_features = state.shape
     block = state.blocksize
     rows = max(1, DEQUANT_PIECE // in_features)
-    if in_features % 2 or (rows * in_features) % block or getattr(state, "packing_format_for_cpu", False):
+    if in_features % block or getattr(state, "packing_format_for_cpu", False):
         return float32_copy(_dequantized(module), "weight")
     absmax = state.absmax
     if state.nested:  # double quantization: the block scales are themselves quantized; dequantize them once

@@ -4,9 +4,11 @@ leave every one of them bitwise equal; a change that is meant to change the numb
 why in its commit.
 
 The digests are of float32 runs on the CPU (bf16 too, which is deterministic on one machine), one table per torch CPU
-capability (AVX512, AVX2: another kernel set rounds differently, and every digest moves together).
+capability and CPU vendor (AVX512, AVX2; AMD, Intel: another kernel set rounds differently, and every digest moves
+together).
 """
 
+import contextlib
 import hashlib
 import json
 
@@ -66,8 +68,8 @@ def run(tmp_path, *, rewards=(repeat_letter,), peft=False, eval_dataset=None, **
     return trainer, digest(weights)
 
 
-# Taken at commit 93b45f7 (before the redesign), on the project's 2-core x86-64 CPU with torch 2.13.0+cpu, whose
-# torch CPU capability was AVX512.
+# Taken at commit 93b45f7 (before the redesign), on the project's 2-core x86-64 CPU (an AMD EPYC) with torch
+# 2.13.0+cpu, whose torch CPU capability was AVX512.
 # Two moved on purpose with the redesign, each with the reason:
 # - accumulated (543f4c9cb91045da before): mask_truncated_completions used to zero a truncated completion's
 #   *attention* mask too, so its tokens were run as padding (they carry no loss either way) and the micro-batch was
@@ -106,8 +108,33 @@ PINNED_AVX2 = {
     "lora": "bf378c54f88592f8",
     "process": "3cb6f1de35a09ad5",
 }
-PINNED_BY_CPU = {"AVX512": PINNED_AVX512, "AVX2": PINNED_AVX2}
-CPU = torch.backends.cpu.get_cpu_capability()
+# The same runs on a 2-core Intel Xeon (Sapphire Rapids class: AVX-512 BF16 and AMX), torch CPU capability AVX512 as
+# the AMD machine above, but every float32 digest differs: MKL's and oneDNN's kernels take vendor- and
+# microarchitecture-specific paths. Taken at f89e3b0 (the last commit CI passed) with transformers 5.24, and
+# unchanged by static decoding (which the default sampler does not use).
+PINNED_AVX512_INTEL = {
+    "accumulated_untruncated": "3f8ca4da10589528",
+    "on_policy": "771aecbb1744f3eb",
+    "mu2": "191f80683691e5a2",
+    "accumulated": "a80d975197afb3f8",
+    "bf16_mu2": "b825441048de35b5",
+    "lora": "e928983330e3cb79",
+    "process": "512e9d5280c4d241",
+}
+
+
+def cpu_kernels() -> str:
+    """Which kernels round the numbers: torch's CPU capability (AVX512, AVX2) and the CPU's vendor."""
+    vendor = "unknown"
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as info:
+            vendor = next((line.split(":", 1)[1].strip() for line in info if line.startswith("vendor_id")), vendor)
+    return f"{torch.backends.cpu.get_cpu_capability()} {vendor}"
+
+
+PINNED_BY_CPU = {"AVX512 AuthenticAMD": PINNED_AVX512, "AVX2 AuthenticAMD": PINNED_AVX2,
+                 "AVX512 GenuineIntel": PINNED_AVX512_INTEL}  # fmt: skip
+CPU = cpu_kernels()
 
 
 CASES = {
