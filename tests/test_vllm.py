@@ -196,21 +196,23 @@ def letter_run(tmp_path, use_vllm: bool, seed: int = 0):
 def test_a_use_vllm_run_learns_the_letter_task_as_well_as_the_in_process_engine(tmp_path):
     from grpokit.rollout.vllm import VLLMEngine
 
-    # Two seeds per engine: the engines draw different samples, and one run's final reward varies by ~0.1 with the
-    # seed. Seen on an AVX2 CPU (final rewards, vLLM / in-process): seed 0 0.569 / 0.736, seed 1 0.492 / 0.507,
-    # means 0.530 / 0.621. One seed alone against 0.15 passed on an AVX512 CPU (~0.71 in-process) and failed here.
+    # Four seeds per engine: the engines draw different samples, and one run's final reward varies by ~0.2 with the
+    # seed. Seen with two seeds (final rewards, vLLM / in-process): AVX2 AMD CPU, seed 0 0.569 / 0.736, seed 1 0.492 /
+    # 0.507; AVX-512 Intel CPU, seed 0 0.509 / 0.722, seed 1 0.359 / 0.255 (a per-run bar of 0.45 failed there).
     final = lambda rewards: sum(rewards[-4:]) / 4  # noqa: E731  (the last 20 steps)
     vllm_finals, hf_finals = [], []
-    for seed in (0, 1):
+    for seed in range(4):
         trainer, vllm_rewards = letter_run(tmp_path / f"vllm{seed}", use_vllm=True, seed=seed)
         assert isinstance(trainer.engine, VLLMEngine)
         assert trainer.engine.pushes == 59  # before each generation but the first (every step changes the weights)
         _, hf_rewards = letter_run(tmp_path / f"hf{seed}", use_vllm=False, seed=seed)
         assert vllm_rewards[0] < 0.25, vllm_rewards  # a random policy names the letter ~1 time in 10
-        assert final(vllm_rewards) >= 0.45, vllm_rewards
+        assert final(vllm_rewards) >= vllm_rewards[0] + 0.15, vllm_rewards  # every run learns
         vllm_finals.append(final(vllm_rewards))
         hf_finals.append(final(hf_rewards))
-    assert sum(vllm_finals) / 2 >= sum(hf_finals) / 2 - 0.15, (vllm_finals, hf_finals)
+    print("finals", vllm_finals, hf_finals)
+    assert sum(vllm_finals) / 4 >= 0.4, (vllm_finals, hf_finals)
+    assert sum(vllm_finals) / 4 >= sum(hf_finals) / 4 - 0.15, (vllm_finals, hf_finals)
     history = trainer.state.log_history[:-1]
     # The correction's metrics: vLLM's fp32 log-probs are the training forward's to ~1e-5.
     assert all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in history)
