@@ -200,3 +200,27 @@ def test_cuda_graph_decoding_samples_what_the_default_decoder_samples(autocast):
         with torch.no_grad():
             for parameter in model.parameters():
                 parameter.mul_(1.05)
+
+
+@pytest.mark.parametrize("decoder", ["dropping", "static", "all_done"])
+def test_checking_for_finished_rows_every_few_steps_samples_the_same(monkeypatch, decoder):
+    # On an accelerator the loop asks whether rows finished every FINISHED_CHECK_EVERY steps only (each ask waits
+    # for the device): finished rows decode a few steps longer, masked out, and rows leave the batch later. Forced
+    # here on the CPU: bitwise the same rollout as checking at every step.
+    from grpokit.rollout import hf
+
+    model = build_tiny_model_of_type("qwen2", num_layers=2, vocab_size=VOCAB)
+    ids, mask = prompts()
+    options = {"static": StaticDecoding(model, compile=False)} if decoder == "static" else {}
+    if decoder == "all_done":
+        options["all_done"] = lambda done: done
+
+    def run():
+        return generate(model, ids, mask, PARAMS, generator=seeded(2), num_generations=2, **options)
+
+    every_step = run()
+    assert (every_step.lengths < PARAMS.max_new_tokens).any()
+    monkeypatch.setattr(hf, "finished_check_interval", lambda device: 5)
+    sparse = run()
+    for name in ("completion_ids", "lengths", "sampling_logprobs", "attention_mask", "is_truncated"):
+        assert torch.equal(getattr(sparse, name), getattr(every_step, name)), name

@@ -248,6 +248,18 @@ def groups_share_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, nu
     return same
 
 
+# On an accelerator, every read of a device value by the host (`bool(...)`, `int(...)`, boolean indexing) waits for
+# all the work queued before it, so the host cannot queue the next step meanwhile. The loop keeps its bookkeeping in
+# index writes, and asks whether rows have finished (to stop, or to drop them) every FINISHED_CHECK_EVERY steps
+# only: until then finished rows keep decoding and are masked out afterwards, so the tokens are the same. On a CPU
+# nothing is queued: every step.
+FINISHED_CHECK_EVERY = 8
+
+
+def finished_check_interval(device: torch.device) -> int:
+    return 1 if device.type == "cpu" else FINISHED_CHECK_EVERY
+
+
 # no_grad rather than inference_mode: the rollout's tensors feed autograd graphs later (as targets).
 @torch.no_grad()
 def generate(
@@ -330,6 +342,7 @@ def _generate(model, prompt_ids, prompt_mask, params, generator, num_generations
     lengths = torch.full((n,), params.max_new_tokens, dtype=torch.long, device=device)
     finished = torch.zeros(n, dtype=torch.bool, device=device)
     rows = torch.arange(n, device=device)  # original row of each decode-batch row
+    check_every = finished_check_interval(device)
 
     for t in range(params.max_new_tokens):
         uniforms = torch.rand(n, generator=generator, device=device)[rows]
@@ -340,20 +353,21 @@ def _generate(model, prompt_ids, prompt_mask, params, generator, num_generations
             seen[rows, tokens] = True
         done_now = torch.isin(tokens, eos) if eos.numel() else torch.zeros_like(tokens, dtype=torch.bool)
         done_now &= ~finished[rows]  # a finished row still in the batch may sample EOS again
-        lengths[rows[done_now]] = t + 1
-        finished[rows[done_now]] = True
+        lengths[rows] = torch.where(done_now, t + 1, lengths[rows])  # index writes: no wait for the device
+        finished[rows] = finished[rows] | done_now
         if t + 1 == params.max_new_tokens:
             break
-        done = bool(finished.all())
-        if all_done(done) if all_done is not None else done:
-            break
-        running = ~finished[rows]
-        if drop_finished and int(running.sum()) <= 0.75 * len(rows):
-            # Under all_done a process whose rows are all finished still steps: it keeps one row to do so.
-            keep = running.nonzero().squeeze(-1) if not done else running.new_zeros(1, dtype=torch.long)
-            decoder.keep(keep)
-            rows, tokens = rows[keep], tokens[keep]
-            # Finished rows that stay in the batch keep decoding; their tokens are masked out below.
+        if (t + 1) % check_every == 0:
+            done = bool(finished.all())
+            if all_done(done) if all_done is not None else done:
+                break
+            running = ~finished[rows]
+            if drop_finished and int(running.sum()) <= 0.75 * len(rows):
+                # Under all_done a process whose rows are all finished still steps: it keeps one row to do so.
+                keep = running.nonzero().squeeze(-1) if not done else running.new_zeros(1, dtype=torch.long)
+                decoder.keep(keep)
+                rows, tokens = rows[keep], tokens[keep]
+        # Finished rows that stay in the batch keep decoding; their tokens are masked out below.
         logits = decoder.step(tokens)
 
     completion_mask = (torch.arange(params.max_new_tokens, device=device)[None] < lengths[:, None]).long()
