@@ -56,6 +56,9 @@ LOG_LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 5
 GENERATION_KWARGS = ("top_p", "top_k", "min_p", "repetition_penalty", "temperature", "do_sample", "eos_token_id",
                      "stop_token_ids", "suppress_tokens", "disable_compile")  # fmt: skip
 
+# cache_implementation values the in-process sampler takes (`rollout/static.py`); TRL passes any to generate().
+CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
+
 
 def _token_ids(value) -> list[int] | None:
     """A token id or a list of them as a list of ints; None when the value is neither."""
@@ -795,7 +798,7 @@ class GRPOConfig:
             fail(f"max_tool_calling_iterations={self.max_tool_calling_iterations} must be >= 0 (or None: no limit).")
         if not self.tool_timeout > 0:
             fail(f"tool_timeout={self.tool_timeout} must be a positive number of seconds.")
-        if self.cache_implementation not in (None, "dynamic", "static"):
+        if self.cache_implementation not in CACHE_IMPLEMENTATIONS:
             fail(f"cache_implementation={self.cache_implementation!r} is not supported by grpokit's sampler; use "
                  f"None / 'dynamic' (its preallocated cache) or 'static' (fixed shapes, CUDA graphs on a GPU).")
         if self.cache_implementation == "static" and self.use_vllm:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..compat import cache_argument, output_cache, select_cache_rows
+from ..config import CACHE_IMPLEMENTATIONS
 from ..distributed import is_sharded
 from ..multimodal import MultimodalInputs, batch_model_inputs, rope_position_ids
 from .engine import PromptBatch, Rollout, SamplingParams
@@ -39,9 +40,9 @@ class HFEngine:
         self.model, self.device = model, torch.device(device)
         self.autocast, self.all_done = autocast or contextlib.nullcontext, all_done
         self.exact_logprobs = autocast is None if exact_logprobs is None else exact_logprobs
-        from .static import STATIC_CACHE_VALUES, StaticDecoding  # imports this module
+        from .static import StaticDecoding  # imports this module
 
-        if cache_implementation not in STATIC_CACHE_VALUES:
+        if cache_implementation not in CACHE_IMPLEMENTATIONS:
             raise ValueError(f"cache_implementation={cache_implementation!r} is not supported by the in-process "
                              f"sampler; use None or 'dynamic' (its preallocated cache) or 'static' (fixed shapes, "
                              f"compiled with CUDA graphs on a GPU).")  # fmt: skip

@@ -24,14 +24,13 @@ import functools
 
 import torch
 
-from ..compat import attention_implementation, cache_argument, output_cache, replace_cache_layer, select_cache_rows
-from .fast import AUTOCAST_CASTS, CASTING_ATTENTION, model_cache, model_config
-from .hf import logits_of, position_ids_from_mask, sampling_forward_kwargs
+from ..compat import replace_cache_layer
+from .fast import model_cache, model_config
+from .hf import CachedDecoder, logits_of
 
 # A rollout's positions (prompt + completion) are rounded up to a multiple of this, so that prompt batches of
 # slightly different widths reuse one cache and one compiled step.
 CAPACITY_MULTIPLE = 64
-STATIC_CACHE_VALUES = (None, "dynamic", "static")
 
 
 def check_static_decoding(model: torch.nn.Module) -> None:
@@ -81,20 +80,19 @@ class StaticDecoding:
         return self._step is not None and self._step[2] is not self.model and self._step[1] == "cuda"
 
     def cache_for(self, prefilled, rows: int, capacity: int):
-        """A StaticCache of `rows` × at least `capacity` positions with the prefill's head counts and the dtypes the
-        decode steps store (`stored_dtype`): the one kept from the last rollout when it fits, else a new one (its
-        positions rounded up to CAPACITY_MULTIPLE)."""
+        """A StaticCache of `rows` × at least `capacity` positions with the prefill's head counts and dtypes (its
+        `PreallocatedLayer`s already hold keys and values in the dtype the decode steps store, `fast.sampling_cache`):
+        the one kept from the last rollout when it fits, else a new one (its positions rounded up to
+        CAPACITY_MULTIPLE)."""
         from transformers import StaticCache
-
-        dtypes = [(stored_dtype(self.model, layer.keys), stored_dtype(self.model, layer.values))
-                  for layer in prefilled.layers]  # fmt: skip
 
         def fits(cache) -> bool:
             return all(
                 static.batch_size == rows and static.max_cache_len >= capacity
-                and (static.keys.dtype, static.values.dtype) == dtype and static.keys.device == dynamic.keys.device
+                and static.keys.dtype == dynamic.keys.dtype and static.values.dtype == dynamic.values.dtype
+                and static.keys.device == dynamic.keys.device
                 and static.keys.shape[1] == dynamic.keys.shape[1] and static.values.shape[1] == dynamic.values.shape[1]
-                for static, dynamic, dtype in zip(cache.layers, prefilled.layers, dtypes, strict=True)
+                for static, dynamic in zip(cache.layers, prefilled.layers, strict=True)
             )  # fmt: skip
 
         if self.cache is None or not fits(self.cache):
@@ -102,25 +100,13 @@ class StaticDecoding:
             size = -(-capacity // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
             cache = StaticCache(model_config(self.model), max_cache_len=size)
             layer_class = casting_static_layer_class()
-            for index, (dynamic, (key_dtype, value_dtype)) in enumerate(zip(prefilled.layers, dtypes, strict=True)):
+            for index, dynamic in enumerate(prefilled.layers):
                 layer = layer_class(max_cache_len=size)
-                layer.lazy_initialization(dynamic.keys.new_empty(rows, *dynamic.keys.shape[1:], dtype=key_dtype),
-                                          dynamic.values.new_empty(rows, *dynamic.values.shape[1:],
-                                                                   dtype=value_dtype))  # fmt: skip
+                layer.lazy_initialization(dynamic.keys.new_empty(rows, *dynamic.keys.shape[1:]),
+                                          dynamic.values.new_empty(rows, *dynamic.values.shape[1:]))  # fmt: skip
                 replace_cache_layer(cache, index, layer)
             self.cache = cache
         return self.cache
-
-
-def stored_dtype(model: torch.nn.Module, states: torch.Tensor) -> torch.dtype:
-    """The dtype the static buffers hold `states` in: the autocast dtype under autocast with attention that casts
-    its inputs to it anyway (`fast.CASTING_ATTENTION`; float32 keys come from RoPE's float32 cos/sin), as the
-    default decoder's cache does; else their own."""
-    device_type = states.device.type
-    if attention_implementation(model_config(model)) in CASTING_ATTENTION and states.dtype in AUTOCAST_CASTS \
-            and torch.is_autocast_enabled(device_type):  # fmt: skip
-        return torch.get_autocast_dtype(device_type)
-    return states.dtype
 
 
 @functools.cache  # the class subclasses a transformers class: defined on first use
@@ -128,7 +114,9 @@ def casting_static_layer_class():
     from transformers.cache_utils import StaticLayer
 
     class CastingStaticLayer(StaticLayer):
-        """transformers' StaticLayer, writing new keys and values in its buffers' dtype (`stored_dtype`)."""
+        """transformers' StaticLayer, writing new keys and values in its buffers' dtype: under autocast with SDPA the
+        decode steps make float32 keys (RoPE's float32 cos/sin) that the buffers hold in bf16, as the default
+        decoder's cache does (`fast.sampling_cache`)."""
 
         def lazy_initialization(self, key_states, value_states):
             super().lazy_initialization(key_states, value_states)
@@ -143,45 +131,26 @@ def casting_static_layer_class():
     return CastingStaticLayer
 
 
-class StaticDecoder:
-    """The decode loop's decoder (`hf.CachedDecoder`'s interface) over `StaticDecoding`'s cache and step."""
-
-    drops_rows = False
+class StaticDecoder(CachedDecoder):
+    """The decode loop's decoder over `StaticDecoding`'s cache and step. The prefill is `CachedDecoder`'s (each
+    group's prompt once, its cache repeated for the G rows, M-RoPE offsets), into a cache of the prompts' width,
+    whose keys and values are then copied into the static buffers."""
 
     def __init__(self, model: torch.nn.Module, decoding: StaticDecoding, capacity: int):
-        self.model, self.decoding, self.capacity = model, decoding, capacity
-        self.forward_kwargs = sampling_forward_kwargs(model)
-        self.cache_argument = cache_argument(model) or "past_key_values"
-        self.cache = self.mask = self.next_position = self.rope_offset = None
+        super().__init__(model)  # capacity 0: the prefill's own cache holds the prompts only
+        self.decoding, self.static_capacity = decoding, capacity
         self.step_function = None
 
     def prefill(self, ids, mask, repeats: int = 1, prompt_inputs: dict | None = None,
                 rope_positions: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        prefilled = model_cache(model_config(self.model))
-        positions = position_ids_from_mask(mask)
-        out = self.model(
-            input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1,
-            position_ids=positions if rope_positions is None else rope_positions,
-            **{self.cache_argument: prefilled}, **self.forward_kwargs, **(prompt_inputs or {}),
-        )  # fmt: skip
-        prefilled = output_cache(out)
-        logits = logits_of(out)[:, -1]
-        offset = torch.zeros_like(positions[:, -1]) if rope_positions is None else \
-            rope_positions[..., -1].amax(0) - positions[:, -1]  # fmt: skip
-        if repeats > 1:  # one prefill per group, its cache repeated for the G rows
-            select_cache_rows(prefilled, torch.arange(len(ids), device=ids.device).repeat_interleave(repeats))
-            logits, mask, positions, offset = (x.repeat_interleave(repeats, 0) for x in (logits, mask, positions,
-                                                                                          offset))  # fmt: skip
-        rows, width = mask.shape
-        self.cache = self.decoding.cache_for(prefilled, rows, max(self.capacity, width))
+        logits = super().prefill(ids, mask, repeats, prompt_inputs, rope_positions)
+        prefilled, (rows, width) = self.cache, self.mask.shape
+        self.cache = self.decoding.cache_for(prefilled, rows, max(self.static_capacity, width))
         for static, dynamic in zip(self.cache.layers, prefilled.layers, strict=True):
             static.keys[:, :, :width].copy_(dynamic.keys)
             static.values[:, :, :width].copy_(dynamic.values)
             static.cumulative_length.fill_(width)
-        del prefilled
-        self.mask = torch.cat([mask, mask.new_ones(rows, self.cache.layers[0].max_cache_len - width)], dim=1)
-        self.next_position = positions[:, -1] + 1
-        self.rope_offset = None if rope_positions is None else offset
+        self.mask = torch.cat([self.mask, self.mask.new_ones(rows, self.cache.layers[0].max_cache_len - width)], dim=1)
         self.step_function = self.decoding.step_function(ids.device)
         return logits
 
