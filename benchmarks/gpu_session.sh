@@ -3,15 +3,20 @@
 # grpokit vs TRL at the Qwen2.5-0.5B shape (`bench_vs_trl.py --config gpu`: 256 completions x 512 tokens per step),
 # full fine-tuning with the benchmark's common settings, grpokit alone with its memory options, and LoRA.
 #
-#     bash benchmarks/gpu_session.sh OUTDIR [PART...]     # parts: tests static full lora lora_grpokit lowmem fair bf16 profile
+#     bash benchmarks/gpu_session.sh OUTDIR [PART...]     # parts: tests static fair_static full lora lora_grpokit lowmem fair bf16 bf16_static profile profile_static
 #     STEPS=1 bash benchmarks/gpu_session.sh OUTDIR fair     # fewer measured steps (default 2, after 1 warm-up)
+#     DEADLINE=540 TAR=$OUT/gpu.tgz bash benchmarks/gpu_session.sh /tmp/o tests fair_static   # the device tool's way
+#
+# DEADLINE (seconds from the start) shortens each part's limit so that the whole ends in time; TAR packs OUTDIR into
+# one file after every part (the device tool brings back 8 files at most, and nothing that a killed command did not
+# write before it was killed).
 #
 # Every part has its own time limit and writes its log (and JSON) to OUTDIR; a part that fails does not stop the
 # next. Split the parts over two calls to look at the first results before the rest. Needs trl and datasets next to torch, transformers, accelerate and peft (`pip install -e '.[bench,peft]'`).
 set -u
 out="${1:?usage: gpu_session.sh OUTDIR [PART...]}"
 shift
-parts=("${@:-tests static full lora lowmem fair bf16 profile}")
+parts=("${@:-tests static fair_static full lora lowmem fair bf16 bf16_static profile}")
 parts=(${parts[*]})
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -25,9 +30,12 @@ torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__versio
 
 part() {  # part NAME SECONDS COMMAND...: one part, its own limit and log
   local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
+  local t0=$SECONDS left=$(( ${DEADLINE:-100000} - SECONDS - 10 ))
+  (( left < limit )) && limit=$left
+  if (( limit < 30 )); then echo "$name: skipped (deadline)" | tee -a "$out/parts.txt"; return; fi
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
-  echo "$name: rc=$? $((SECONDS - t0)) s" | tee -a "$out/parts.txt"
+  echo "$name: rc=$? $((SECONDS - t0)) s (limit $limit)" | tee -a "$out/parts.txt"
+  [[ -n ${TAR:-} ]] && tar czf "$TAR" -C "$out" .
 }
 
 bench=(python3 benchmarks/bench_vs_trl.py --config gpu --warmup 1 --steps "${STEPS:-2}" --repeats 1)
@@ -39,6 +47,11 @@ for p in "${parts[@]}"; do
     # `full` (the same settings with each library's default cache).
     static) part static 300 "${bench[@]}" --timeout 150 --out "$out/gpu_static.json" \
               --trl-args '{"cache_implementation": "static"}' --grpokit-args '{"cache_implementation": "static"}' ;;
+    # The speed lever with the memory options: TRL as a user runs it (its default gradient checkpointing and cache)
+    # against grpokit with `fair`'s memory options and the CUDA-graph decode step. Compare with `fair`.
+    fair_static) part fair_static 260 "${bench[@]}" --timeout 140 --out "$out/gpu_fair_static.json" \
+                   --trl-args '{"gradient_checkpointing": true}' \
+                   --grpokit-args '{"ref_model_dtype": "bfloat16", "gradient_checkpointing": true, "activation_offloading": true, "optim": "adamw_8bit", "cache_implementation": "static"}' ;;
     # Full fine-tuning, the same settings for both (float32 weights, bf16 autocast, AdamW, no checkpointing).
     full) part full 250 "${bench[@]}" --timeout 120 --out "$out/gpu_full.json" ;;
     # LoRA (r=16, all linear layers), gradient checkpointing for both (TRL's default).
@@ -59,12 +72,17 @@ for p in "${parts[@]}"; do
     bf16) part bf16 250 "${bench[@]}" --timeout 120 --out "$out/gpu_bf16.json" \
             --trl-args '{"gradient_checkpointing": true}' \
             --grpokit-args '{"model_init_kwargs": {"dtype": "bfloat16"}, "optim": "adamw_torch_8bit", "optim_args": "bf16_stochastic_round=True", "ref_model_dtype": "int8", "gradient_checkpointing": true, "activation_offloading": true}' ;;
+    # `bf16` with the CUDA-graph decode step, grpokit alone (against `fair_static`'s TRL run, same machine).
+    bf16_static) part bf16_static 160 "${bench[@]}" --impls grpokit --timeout 150 --out "$out/gpu_bf16_static.json" \
+                   --grpokit-args '{"model_init_kwargs": {"dtype": "bfloat16"}, "optim": "adamw_torch_8bit", "optim_args": "bf16_stochastic_round=True", "ref_model_dtype": "int8", "gradient_checkpointing": true, "activation_offloading": true, "cache_implementation": "static"}' ;;
+    profile_static) part profile_grpokit_static 200 python3 benchmarks/profile_step.py --config gpu --impl grpokit --warmup 1 \
+                      --steps 1 --args '{"cache_implementation": "static"}' ;;
     # Where each library's step goes on the GPU (rollout, its forwards, reference, policy, backward, optimizer):
     # the first GPU session estimated, without timing it, that the decode loop is most of the step.
     profile) part profile_grpokit 150 python3 benchmarks/profile_step.py --config gpu --impl grpokit --warmup 1 --steps 1
              part profile_trl 150 python3 benchmarks/profile_step.py --config gpu --impl trl --warmup 1 --steps 1
              part profile_grpokit_static 200 python3 benchmarks/profile_step.py --config gpu --impl grpokit --warmup 1 \
                --steps 1 --args '{"cache_implementation": "static"}' ;;
-    *) echo "unknown part $p (tests static full lora lora_grpokit lowmem fair bf16 profile)"; exit 2 ;;
+    *) echo "unknown part $p (tests static fair_static full lora lora_grpokit lowmem fair bf16 bf16_static profile profile_static)"; exit 2 ;;
   esac
 done
