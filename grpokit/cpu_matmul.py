@@ -59,16 +59,18 @@ def cpu_has_bf16_matmul() -> bool:
 _SCRATCH = threading.local()
 
 
-def float32_scratch(slot: str, shape) -> torch.Tensor:
-    """An uninitialised float32 tensor of `shape` from this thread's buffer `slot`, grown when too small (never
-    shrunk; `release_scratch` frees them). Valid until the next request of the same slot: a caller uses it within
-    one computation and never returns it."""
+def float32_scratch(slot: str, shape, device: torch.device | str = "cpu") -> torch.Tensor:
+    """An uninitialised float32 tensor of `shape` on `device` from this thread's buffer `slot` (one per device),
+    grown when too small (never shrunk; `release_scratch` frees them). Valid until the next request of the same slot:
+    a caller uses it within one computation and never returns it."""
     numel = math.prod(shape)
+    device = torch.device(device)
+    key = slot if device.type == "cpu" else f"{slot}@{device}"
     buffers = _SCRATCH.__dict__
-    buffer = buffers.get(slot)
+    buffer = buffers.get(key)
     if buffer is None or buffer.numel() < numel:
-        buffers[slot] = None  # the old buffer goes before the larger one is mapped
-        buffer = buffers[slot] = torch.empty(numel)
+        buffers[key] = None  # the old buffer goes before the larger one is mapped
+        buffer = buffers[key] = torch.empty(numel, device=device)
     return buffer[:numel].view(shape)
 
 

@@ -108,6 +108,33 @@ def test_int8_linear_is_the_bf16_linear_of_its_dequantized_weight():
     assert sum(b.numel() * b.element_size() for b in layer.buffers()) < 0.3 * 4 * weight.numel()
 
 
+def test_int8_linear_dequantizes_on_its_own_device():
+    # The float32 product goes to a scratch buffer on the weight's device: an int8 reference on a GPU once failed
+    # ("cuda:0 and cpu"), its scratch being a host buffer. The meta device stands in for an accelerator here.
+    from grpokit.quantized import Int8Linear
+
+    layer = Int8Linear(torch.nn.Linear(48, 40)).to("meta")
+    out = layer(torch.empty(5, 48, device="meta", dtype=torch.bfloat16))
+    assert out.device.type == "meta" and out.shape == (5, 40) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.gpu
+def test_int8_linear_on_the_gpu_is_the_cpu_one():
+    from grpokit.quantized import Int8Linear
+
+    torch.manual_seed(0)
+    layer = Int8Linear(torch.nn.Linear(96, 80))
+    x = torch.randn(7, 96)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = layer(x)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = layer.cuda()(x.cuda())
+    assert got.device.type == "cuda"
+    torch.testing.assert_close(got.cpu(), expected, atol=2e-2, rtol=2e-2)  # bf16 GEMMs of two devices
+    torch.testing.assert_close(layer.dequantized_weight().cpu(), (layer.weight_int8.float() * layer.scale[:, None]
+                               ).cpu().bfloat16(), atol=0, rtol=0)  # fmt: skip
+
+
 def test_int8_reference_quantizes_its_linear_layers_and_learns_the_letter_task(model_dir, tmp_path):
     from grpokit.quantized import Int8Linear
 

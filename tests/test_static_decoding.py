@@ -94,6 +94,19 @@ def test_compiled_static_step_samples_the_same_and_compiles_once_per_shape():
         "qwen2", num_layers=2, vocab_size=VOCAB), seed=11).sampling_logprobs)  # fmt: skip
 
 
+@pytest.mark.parametrize("static", [True, False], ids=["static", "default"])
+def test_static_decoding_takes_the_packed_one_token_attention_on_accelerators_too(static):
+    # On a GPU the compiled static step would otherwise run transformers' SDPA path, which copies the cache once per
+    # query head of a group (repeat_kv) over the whole capacity; the default eager decoder keeps SDPA there. (The
+    # switch only renames the config's attention implementation: no GPU is needed to check it.)
+    from grpokit.rollout.fast import ONE_TOKEN_ATTENTION, one_token_attention
+
+    model = build_tiny_model_of_type("qwen2", num_layers=2, vocab_size=VOCAB)
+    with one_token_attention(model, torch.device("cuda"), static=static):
+        assert model.config._attn_implementation == (ONE_TOKEN_ATTENTION if static else "sdpa")
+    assert model.config._attn_implementation == "sdpa"
+
+
 def test_static_cache_is_reused_while_it_fits_and_replaced_when_not():
     model = build_tiny_model_of_type("qwen2", num_layers=2, vocab_size=VOCAB)
     decoding = StaticDecoding(model, compile=False)

@@ -178,12 +178,16 @@ def _register_one_token_attention() -> None:
 
 
 @contextlib.contextmanager
-def one_token_attention(model: torch.nn.Module, device: torch.device):
-    """While sampling on CPU, a transformers model that uses SDPA attention takes `one_token_attention_forward`
-    (its config's attention implementation is switched for the duration, and back)."""
+def one_token_attention(model: torch.nn.Module, device: torch.device, static: bool = False):
+    """While sampling on CPU, or with static decoding (`static.py`) on any device, a transformers model that uses
+    SDPA attention takes `one_token_attention_forward` (its config's attention implementation is switched for the
+    duration, and back). On an accelerator the static step is compiled: there transformers' SDPA path would copy
+    the keys and values over the whole static capacity once per query head of a group (`repeat_kv`; transformers
+    packs the heads in eager mode only, from 5.2x), 7 copies of 1.7 GB of cache per token at the Qwen2.5-0.5B
+    shape, where the packed matmuls read the cache once and the compiler fuses the masked softmax."""
     config = model_config(model)
     multimodal = bool(getattr(config, "sub_configs", None))  # the layers may read a sub-config's setting
-    if device.type != "cpu" or attention_implementation(config) != "sdpa" or multimodal:
+    if (device.type != "cpu" and not static) or attention_implementation(config) != "sdpa" or multimodal:
         yield
         return
     _register_one_token_attention()

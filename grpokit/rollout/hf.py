@@ -298,7 +298,7 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        with one_token_attention(model, prompt_ids.device):
+        with one_token_attention(model, prompt_ids.device, static=static is not None):
             return _generate(model, prompt_ids, prompt_mask, params, generator, num_generations, use_cache,
                              share_prefix, drop_finished, all_done, multimodal, static)  # fmt: skip
     finally:
