@@ -611,7 +611,7 @@ def test_sampling_cache_under_autocast_keeps_the_autocast_dtype_and_samples_the_
     mask[:2, :2] = 0
     params = SamplingParams(max_new_tokens=12, eos_token_ids=(2,), pad_token_id=0)
     if not one_token:
-        monkeypatch.setattr(hf, "one_token_attention", lambda model, device: contextlib.nullcontext())
+        monkeypatch.setattr(hf, "one_token_attention", lambda model, device, static=False: contextlib.nullcontext())
     caches = []
     original = hf.sampling_cache
     monkeypatch.setattr(hf, "sampling_cache", lambda *a: caches.append(original(*a)) or caches[-1])
