@@ -469,11 +469,19 @@ def test_qwen_vl_learns_the_colour_through_its_real_processor(tmp_path, model_ty
 
 
 @pytest.mark.parametrize("model_type", [*VLM_TYPES, "qwen2_vl"])
-def test_static_decoding_with_images_samples_what_the_default_decoder_samples(model_type):
+def test_static_decoding_with_images_samples_what_the_default_decoder_samples(model_type, monkeypatch):
     """cache_implementation='static' (`rollout/static.py`) with image prompts: the prefill (eager, with the images,
     M-RoPE positions for Qwen2-VL) is copied into the static cache and the decode steps continue from it; the same
-    tokens as the default decoder and log-probs within float32 rounding."""
+    tokens as the default decoder and log-probs within float32 rounding. The decode steps take the packed one-token
+    attention through the text config (what the compiled step runs on a GPU); the vision tower keeps SDPA."""
     from grpokit.rollout import PromptBatch, SamplingParams
+    from grpokit.rollout import fast
+
+    query_lengths = []
+    original = fast.one_token_attention_forward
+    monkeypatch.setattr(fast, "one_token_attention_forward",
+                        lambda *a, **k: query_lengths.append(a[1].shape[2]) or original(*a, **k))  # fmt: skip
+    fast._register_one_token_attention.cache_clear()  # registers the spy
 
     if model_type != "qwen2_vl":
         model, processor = build_tiny_vlm(model_type)
@@ -487,8 +495,15 @@ def test_static_decoding_with_images_samples_what_the_default_decoder_samples(mo
                               processed=[tensors for _, tensors in encoded])  # fmt: skip
         params = SamplingParams(max_new_tokens=6, eos_token_ids=(1,), pad_token_id=0, suppress_token_ids=(60,))
     default = HFEngine(model).generate(prompts, params, seed=0)
+    assert not query_lengths  # the default decoder leaves multimodal models on SDPA
     engine = HFEngine(model, cache_implementation="static")
-    static = engine.generate(prompts, params, seed=0)
+    try:
+        static = engine.generate(prompts, params, seed=0)
+    finally:
+        monkeypatch.setattr(fast, "one_token_attention_forward", original)
+        fast._register_one_token_attention.cache_clear()
+        fast._register_one_token_attention()  # the real function again
     assert engine.static.cache is not None
+    assert 1 in query_lengths and model.config.get_text_config()._attn_implementation == "sdpa"
     assert torch.equal(static.completion_ids, default.completion_ids)
     assert (static.sampling_logprobs - default.sampling_logprobs).abs().max() <= LOGPROB_ATOL

@@ -186,8 +186,12 @@ def one_token_attention(model: torch.nn.Module, device: torch.device, static: bo
     packs the heads in eager mode only, from 5.2x), 7 copies of 1.7 GB of cache per token at the Qwen2.5-0.5B
     shape, where the packed matmuls read the cache once and the compiler fuses the masked softmax."""
     config = model_config(model)
-    multimodal = bool(getattr(config, "sub_configs", None))  # the layers may read a sub-config's setting
-    if (device.type != "cpu" and not static) or attention_implementation(config) != "sdpa" or multimodal:
+    if getattr(config, "sub_configs", None):  # multimodal: the language layers read the text config
+        # Static decoding switches the text config alone (the vision tower keeps its own); the default decoder
+        # leaves multimodal models on SDPA.
+        text = config.get_text_config() if static and hasattr(config, "get_text_config") else None
+        config = text if text is not None and text is not config and not getattr(text, "sub_configs", None) else None
+    if config is None or (device.type != "cpu" and not static) or attention_implementation(config) != "sdpa":
         yield
         return
     _register_one_token_attention()
