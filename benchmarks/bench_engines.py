@@ -82,7 +82,6 @@ def run_child(spec: dict) -> dict:
         from transformers import TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
 
-        args = {k: v for k, v in args.items() if k != "use_cpu"}
         vllm = {"use_vllm": True, "vllm_mode": "colocate"} if engine == "trl-vllm" else {}
         trainer = GRPOTrainer(model=model_dir, reward_funcs=reward_len, train_dataset=dataset,
                               args=GRPOConfig(**args, **vllm, **static))  # fmt: skip

@@ -3,7 +3,7 @@
 # grpokit vs TRL at the Qwen2.5-0.5B shape (`bench_vs_trl.py --config gpu`: 256 completions x 512 tokens per step),
 # full fine-tuning with the benchmark's common settings, grpokit alone with its memory options, and LoRA.
 #
-#     bash benchmarks/gpu_session.sh OUTDIR [PART...]     # parts: tests static fair_static full lora lora_grpokit lowmem fair bf16 bf16_static profile profile_static
+#     bash benchmarks/gpu_session.sh OUTDIR [PART...]     # parts: tests static fair_static full lora lora_grpokit lowmem fair bf16 bf16_static engines_static profile profile_static
 #     STEPS=1 bash benchmarks/gpu_session.sh OUTDIR fair     # fewer measured steps (default 2, after 1 warm-up)
 #     DEADLINE=540 TAR=$OUT/gpu.tgz bash benchmarks/gpu_session.sh /tmp/o tests fair_static   # the device tool's way
 #
@@ -77,12 +77,16 @@ for p in "${parts[@]}"; do
                    --grpokit-args '{"model_init_kwargs": {"dtype": "bfloat16"}, "optim": "adamw_torch_8bit", "optim_args": "bf16_stochastic_round=True", "ref_model_dtype": "int8", "gradient_checkpointing": true, "activation_offloading": true, "cache_implementation": "static"}' ;;
     profile_static) part profile_grpokit_static 200 python3 benchmarks/profile_step.py --config gpu --impl grpokit --warmup 1 \
                       --steps 1 --args '{"cache_implementation": "static"}' ;;
+    # Rollouts alone (bench_engines.py): each library's default decoder and its static cache (TRL's generate compiles
+    # its forward; grpokit records CUDA graphs), the same 256 x 512 tokens: the open question after `fair_static`.
+    engines_static) part engines_static 300 python3 benchmarks/bench_engines.py --config gpu-0.5b \
+                      --engines hf hf-static trl trl-static --out "$out/gpu_engines_static.json" ;;
     # Where each library's step goes on the GPU (rollout, its forwards, reference, policy, backward, optimizer):
     # the first GPU session estimated, without timing it, that the decode loop is most of the step.
     profile) part profile_grpokit 150 python3 benchmarks/profile_step.py --config gpu --impl grpokit --warmup 1 --steps 1
              part profile_trl 150 python3 benchmarks/profile_step.py --config gpu --impl trl --warmup 1 --steps 1
              part profile_grpokit_static 200 python3 benchmarks/profile_step.py --config gpu --impl grpokit --warmup 1 \
                --steps 1 --args '{"cache_implementation": "static"}' ;;
-    *) echo "unknown part $p (tests static fair_static full lora lora_grpokit lowmem fair bf16 bf16_static profile profile_static)"; exit 2 ;;
+    *) echo "unknown part $p (tests static fair_static full lora lora_grpokit lowmem fair bf16 bf16_static engines_static profile profile_static)"; exit 2 ;;
   esac
 done
