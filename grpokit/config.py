@@ -137,7 +137,8 @@ class GRPOConfig:
     max_steps: int = _f(-1, "Total optimizer steps; overrides num_train_epochs when > 0.")
     learning_rate: float = _f(1e-6, "Peak learning rate.")
     optim: str = _f("adamw_torch", "Optimizer, by transformers' name (adamw_torch, adamw_torch_fused, adafactor, sgd, "
-                                   "adamw_8bit, ...): grpokit.optim.build_optimizer.")
+                                   "adamw_8bit, ...), or grpokit's adamw_torch_bf16 (torchao's AdamW, states in the "
+                                   "weights' dtype, bf16 stochastic rounding): grpokit.optim.build_optimizer.")
     optim_args: str | None = _f(None, "Extra optimizer arguments as 'key=value,key=value' (transformers' format).")
     optim_target_modules: None | str | list[str] = _f(None, "Modules that GaLore / APOLLO optimizers project.")
     weight_decay: float = _f(0.0, "Weight decay (not applied to biases and norm weights, as in transformers).")
@@ -900,9 +901,12 @@ class GRPOConfig:
         if self.optim != _default_of("optim"):
             from transformers.training_args import OptimizerNames
 
-            if self.optim not in {name.value for name in OptimizerNames}:
+            from .optim import GRPOKIT_OPTIMIZERS
+
+            if self.optim not in {name.value for name in OptimizerNames} | set(GRPOKIT_OPTIMIZERS):
                 fail(f"optim={self.optim!r} is not an optimizer transformers knows; use e.g. 'adamw_torch', "
-                     f"'adamw_torch_fused', 'adafactor', 'sgd' or 'adamw_8bit'.")
+                     f"'adamw_torch_fused', 'adafactor', 'sgd' or 'adamw_8bit' (or grpokit's "
+                     f"{', '.join(map(repr, GRPOKIT_OPTIMIZERS))}).")
         if self.max_nonfinite_steps < 1:
             fail(f"max_nonfinite_steps={self.max_nonfinite_steps} must be >= 1.")
         if self.eval_strategy not in ("no", "steps"):

@@ -3,7 +3,8 @@
 (`transformers.Trainer.get_optimizer_cls_and_kwargs`), so each name means what it means in TRL: `adamw_torch`,
 `adamw_torch_fused` (torch's fused kernel, which also runs on CPU), `adafactor`, `sgd`, `adagrad`, `rmsprop`, the
 bitsandbytes 8-bit and paged ones (`adamw_8bit`, `paged_adamw_32bit`, ...), torchao's 8-bit and 4-bit AdamW
-(`adamw_torch_8bit`, `adamw_torch_4bit`), GaLore, schedule-free, ... The low-precision ones (`pip install
+(`adamw_torch_8bit`, `adamw_torch_4bit`), GaLore, schedule-free, ... and one of grpokit's own, `adamw_torch_bf16`
+(torchao's AdamW with states in the weights' dtype, GRPOKIT_OPTIMIZERS). The low-precision ones (`pip install
 'grpokit[lowmem]'`) run on the CPU too; tests/test_memory.py checks that they learn and resume bitwise.
 
 Weight decay skips biases and norm weights, as transformers' Trainer does (`Trainer.get_decay_parameter_names`).
@@ -42,6 +43,30 @@ def _transformers_args(args) -> SimpleNamespace:
     return SimpleNamespace(**values)
 
 
+# grpokit's own optimizer names, beside transformers' registry (TRL has no AdamW with bf16 states):
+# `adamw_torch_bf16` is torchao's AdamW (`torchao.optim._AdamW`), whose states take the parameters' dtype: with
+# bf16 weights, bf16 weights, gradients and states (6 bytes per parameter against AdamW's 16 with float32
+# weights), each update computed in float32 and stochastically rounded into the bf16 weights and states
+# (optim_args 'bf16_stochastic_round=False' rounds to nearest). Needs torchao (pip install 'grpokit[lowmem]').
+GRPOKIT_OPTIMIZERS = ("adamw_torch_bf16",)
+
+
+def _grpokit_optimizer(args) -> tuple[type, dict]:
+    """The class and keyword arguments of one of GRPOKIT_OPTIMIZERS, as transformers' registry gives its own."""
+    try:
+        from torchao.optim import _AdamW
+    except ImportError as error:
+        raise ImportError(f"optim={args.optim!r} needs torchao: pip install 'grpokit[lowmem]' ({error})") from error
+    options = dict(pair.split("=", 1) for pair in (args.optim_args or "").replace(" ", "").split(",") if pair)
+    unknown = sorted(set(options) - {"bf16_stochastic_round"})
+    if unknown or options.get("bf16_stochastic_round", "True") not in ("True", "False", "true", "false"):
+        raise ValueError(f"optim={args.optim!r} takes optim_args 'bf16_stochastic_round=True|False' only; got "
+                         f"{args.optim_args!r}.")  # fmt: skip
+    return _AdamW, dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                        weight_decay=args.weight_decay,
+                        bf16_stochastic_round=options.get("bf16_stochastic_round", "True").lower() == "true")  # fmt: skip
+
+
 def build_optimizer(params_or_model, args) -> torch.optim.Optimizer:
     """The optimizer of `args.optim` over the trainable parameters of a model, or over the parameters given.
 
@@ -63,10 +88,13 @@ def build_optimizer(params_or_model, args) -> torch.optim.Optimizer:
         groups = [{"params": [p for name, p in named if name in decayed], "weight_decay": args.weight_decay},
                   {"params": [p for name, p in named if name not in decayed], "weight_decay": 0.0}]  # fmt: skip
         groups = [group for group in groups if group["params"]]
-    try:
-        optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(_transformers_args(args), model)
-    except ImportError as error:
-        raise ImportError(f"optim={args.optim!r} needs a package that is not installed: {error}") from error
+    if args.optim in GRPOKIT_OPTIMIZERS:
+        optimizer_cls, kwargs = _grpokit_optimizer(args)
+    else:
+        try:
+            optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(_transformers_args(args), model)
+        except ImportError as error:
+            raise ImportError(f"optim={args.optim!r} needs a package that is not installed: {error}") from error
     kwargs = dict(kwargs)
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         return optimizer_cls()(model, **kwargs)  # a factory that splits the model's parameters itself (Muon, Dion)

@@ -223,7 +223,7 @@ def test_low_precision_optimizer_learns_the_letter_task_with_smaller_states(mode
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[needs(p)] + ([pytest.mark.slow] if p == "torchao" else []))
-                                  for n, p in LOW_PRECISION_OPTIMIZERS.items()])
+                                  for n, p in {**LOW_PRECISION_OPTIMIZERS, "adamw_torch_bf16": "torchao"}.items()])
 def test_low_precision_optimizer_resumes_bitwise(model_dir, tmp_path, name):
     args = dict(optim=name, max_steps=4, save_strategy="steps", save_steps=2, per_device_train_batch_size=16,
                 num_generations=4, lr_scheduler_type="constant")  # fmt: skip
@@ -381,6 +381,54 @@ def test_activation_offloading_lowers_what_the_forward_keeps_on_cuda():
         grads.append([p.grad.clone() for p in model.parameters()])
     assert held_bytes[1] < 0.5 * held_bytes[0], held_bytes
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@needs("torchao")
+def test_bf16_adamw_one_step_is_float32_adamw_rounded_and_keeps_bf16_states():
+    # grpokit's `adamw_torch_bf16` (torchao's AdamW): with bf16 weights its states are bf16; without stochastic
+    # rounding one step from zero states is float32 AdamW's step, rounded to the nearest bf16, computed here by hand.
+    from types import SimpleNamespace
+
+    from grpokit.optim import build_optimizer
+
+    g = torch.Generator().manual_seed(0)
+    weights = torch.randn(64, 48, generator=g).bfloat16()
+    gradient = torch.randn(64, 48, generator=g).bfloat16()
+    args = SimpleNamespace(optim="adamw_torch_bf16", optim_args="bf16_stochastic_round=False", learning_rate=1e-2,
+                           adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0)  # fmt: skip
+    parameter = torch.nn.Parameter(weights.clone())
+    optimizer = build_optimizer([parameter], args)
+    parameter.grad = gradient.clone()
+    optimizer.step()
+    m, v = 0.1 * gradient.float(), 0.001 * gradient.float() ** 2  # (1 - β) · g, bias-corrected below
+    expected = weights.float() - 1e-2 * (m / 0.1) / ((v / 0.001).sqrt() + 1e-8)
+    torch.testing.assert_close(parameter.detach(), expected.bfloat16(), atol=0, rtol=0)
+    state = optimizer.state[parameter]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="bf16_stochastic_round=True|False"):
+        build_optimizer([parameter], SimpleNamespace(**{**vars(args), "optim_args": "block_size=128"}))
+
+
+def test_grpokit_optimizer_names_pass_the_config_check():
+    assert GRPOConfig(optim="adamw_torch_bf16").optim == "adamw_torch_bf16"
+    with pytest.raises(ValueError, match="adamw_torch_bf16"):
+        GRPOConfig(optim="adamw_torch_bf17")
+
+
+@pytest.mark.slow  # torchao compiles its optimizer step
+@needs("torchao")
+def test_bf16_weights_with_bf16_adamw_states_learn_the_letter_task(model_dir, tmp_path):
+    # bf16 weights, gradients and AdamW states (6 bytes per parameter), updates stochastically rounded.
+    args = config(tmp_path, bf16=True, beta=0.04, max_steps=30, logging_steps=5, optim="adamw_torch_bf16",
+                  model_init_kwargs={"dtype": "bfloat16"})  # fmt: skip
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset())
+    trainer.train()
+    rewards = [entry["reward"] for entry in trainer.state.log_history[:-1]]
+    assert rewards[0] < 0.1, rewards
+    assert sum(rewards[-3:]) / 3 >= 0.25, rewards
+    parameters = sum(p.numel() for p in trainer.unwrapped_model.parameters())
+    # Two bf16 states per parameter, and a float32 step count per tensor.
+    assert state_bytes(trainer.optimizer) == 2 * 2 * parameters + 4 * len(trainer.optimizer.state)
 
 
 # ----------------------------------------------------------------------------- torchao's AdamW in row chunks
