@@ -38,6 +38,11 @@ part() {  # part NAME SECONDS COMMAND...: one part, its own limit and log
   [[ -n ${TAR:-} ]] && tar czf "$TAR" -C "$out" .
 }
 
+profile_static() {  # grpokit's step phases with the static cache (parts profile and profile_static)
+  part profile_grpokit_static 200 python3 benchmarks/profile_step.py --config gpu --impl grpokit --warmup 1 --steps 1 \
+    --args '{"cache_implementation": "static"}'
+}
+
 bench=(python3 benchmarks/bench_vs_trl.py --config gpu --warmup 1 --steps "${STEPS:-2}" --repeats 1)
 for p in "${parts[@]}"; do
   case $p in
@@ -75,8 +80,7 @@ for p in "${parts[@]}"; do
     # `bf16` with the CUDA-graph decode step, grpokit alone (against `fair_static`'s TRL run, same machine).
     bf16_static) part bf16_static 160 "${bench[@]}" --impls grpokit --timeout 150 --out "$out/gpu_bf16_static.json" \
                    --grpokit-args '{"model_init_kwargs": {"dtype": "bfloat16"}, "optim": "adamw_torch_8bit", "optim_args": "bf16_stochastic_round=True", "ref_model_dtype": "int8", "gradient_checkpointing": true, "activation_offloading": true, "cache_implementation": "static"}' ;;
-    profile_static) part profile_grpokit_static 200 python3 benchmarks/profile_step.py --config gpu --impl grpokit --warmup 1 \
-                      --steps 1 --args '{"cache_implementation": "static"}' ;;
+    profile_static) profile_static ;;
     # Rollouts alone (bench_engines.py): each library's default decoder and its static cache (TRL's generate compiles
     # its forward; grpokit records CUDA graphs), the same 256 x 512 tokens: the open question after `fair_static`.
     engines_static) part engines_static 300 python3 benchmarks/bench_engines.py --config gpu-0.5b \
@@ -85,8 +89,7 @@ for p in "${parts[@]}"; do
     # the first GPU session estimated, without timing it, that the decode loop is most of the step.
     profile) part profile_grpokit 150 python3 benchmarks/profile_step.py --config gpu --impl grpokit --warmup 1 --steps 1
              part profile_trl 150 python3 benchmarks/profile_step.py --config gpu --impl trl --warmup 1 --steps 1
-             part profile_grpokit_static 200 python3 benchmarks/profile_step.py --config gpu --impl grpokit --warmup 1 \
-               --steps 1 --args '{"cache_implementation": "static"}' ;;
+             profile_static ;;
     *) echo "unknown part $p (tests static fair_static full lora lora_grpokit lowmem fair bf16 bf16_static engines_static profile profile_static)"; exit 2 ;;
   esac
 done

@@ -287,8 +287,8 @@ class GRPOConfig:
                                                 "the decode step compiled with CUDA graphs (torch.compile "
                                                 "'reduce-overhead'; generation_kwargs disable_compile=True turns "
                                                 "that off). Full-attention models only. No effect with use_vllm. "
-                                                "On a GPU the faster choice (H200, 0.5B shape: 2.03× TRL's step); "
-                                                "it holds its cache (1.7 GB there) through training.")
+                                                "On a GPU the faster choice (README, 'Static decoding and CUDA "
+                                                "graphs'); it holds its cache through training.")
     generation_kwargs: dict | str | None = _f(None, "Sampling options as TRL passes them to generate() / vLLM: top_p, top_k, "
                                               "min_p, repetition_penalty (they override the named fields, as in "
                                               "TRL), eos_token_id / stop_token_ids (more tokens that end a "

@@ -57,14 +57,13 @@ def _grpokit_optimizer(args) -> tuple[type, dict]:
         from torchao.optim import _AdamW
     except ImportError as error:
         raise ImportError(f"optim={args.optim!r} needs torchao: pip install 'grpokit[lowmem]' ({error})") from error
-    options = dict(pair.split("=", 1) for pair in (args.optim_args or "").replace(" ", "").split(",") if pair)
-    unknown = sorted(set(options) - {"bf16_stochastic_round"})
-    if unknown or options.get("bf16_stochastic_round", "True") not in ("True", "False", "true", "false"):
+    options = dict(pair.partition("=")[::2] for pair in (args.optim_args or "").replace(" ", "").split(",") if pair)
+    rounding = options.pop("bf16_stochastic_round", "True").lower()
+    if options or rounding not in ("true", "false"):
         raise ValueError(f"optim={args.optim!r} takes optim_args 'bf16_stochastic_round=True|False' only; got "
                          f"{args.optim_args!r}.")  # fmt: skip
     return _AdamW, dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-                        weight_decay=args.weight_decay,
-                        bf16_stochastic_round=options.get("bf16_stochastic_round", "True").lower() == "true")  # fmt: skip
+                        weight_decay=args.weight_decay, bf16_stochastic_round=rounding == "true")  # fmt: skip
 
 
 def build_optimizer(params_or_model, args) -> torch.optim.Optimizer:

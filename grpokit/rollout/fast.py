@@ -188,9 +188,9 @@ def one_token_attention(model: torch.nn.Module, device: torch.device, static: bo
     config = model_config(model)
     if getattr(config, "sub_configs", None):  # multimodal: the language layers read the text config
         # Static decoding switches the text config alone (the vision tower keeps its own); the default decoder
-        # leaves multimodal models on SDPA.
-        text = config.get_text_config() if static and hasattr(config, "get_text_config") else None
-        config = text if text is not None and text is not config and not getattr(text, "sub_configs", None) else None
+        # leaves multimodal models on SDPA, and so does a text config that still holds sub-configs.
+        text = config.get_text_config() if static else config
+        config = None if getattr(text, "sub_configs", None) else text
     if config is None or (device.type != "cpu" and not static) or attention_implementation(config) != "sdpa":
         yield
         return
