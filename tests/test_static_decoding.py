@@ -219,7 +219,9 @@ def test_cuda_graph_decoding_samples_what_the_default_decoder_samples(autocast):
 def test_checking_for_finished_rows_every_few_steps_samples_the_same(monkeypatch, decoder):
     # On an accelerator the loop asks whether rows finished every FINISHED_CHECK_EVERY steps only (each ask waits
     # for the device): finished rows decode a few steps longer, masked out, and rows leave the batch later. Forced
-    # here on the CPU: bitwise the same rollout as checking at every step.
+    # here on the CPU: the same rollout as checking at every step, bitwise for the static decoder (its batch never
+    # changes). The other decoders run some steps with more rows, and on some CPUs (an AMD EPYC, AVX-512) a gemm of
+    # another row count rounds a last bit otherwise: their log-probs agree to 1e-6 (seen: 2.4e-7).
     from grpokit.rollout import hf
 
     model = build_tiny_model_of_type("qwen2", num_layers=2, vocab_size=VOCAB)
@@ -235,5 +237,9 @@ def test_checking_for_finished_rows_every_few_steps_samples_the_same(monkeypatch
     assert (every_step.lengths < PARAMS.max_new_tokens).any()
     monkeypatch.setattr(hf, "finished_check_interval", lambda device: 5)
     sparse = run()
-    for name in ("completion_ids", "lengths", "sampling_logprobs", "attention_mask", "is_truncated"):
+    for name in ("completion_ids", "lengths", "attention_mask", "is_truncated"):
         assert torch.equal(getattr(sparse, name), getattr(every_step, name)), name
+    if decoder == "static":
+        assert torch.equal(sparse.sampling_logprobs, every_step.sampling_logprobs)
+    else:
+        assert (sparse.sampling_logprobs - every_step.sampling_logprobs).abs().max() <= 1e-6
