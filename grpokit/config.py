@@ -161,7 +161,10 @@ class GRPOConfig:
                                                   "and the like) before the backward of every micro-batch of every "
                                                   "N-th optimizer step, as transformers' Trainer (None: never).")
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass to save memory.")
-    gradient_checkpointing_kwargs: dict | str | None = _f(None, "Passed to model.gradient_checkpointing_enable.")
+    gradient_checkpointing_kwargs: dict | str | None = _f(None, "As transformers' Trainer reads them: every_n_layers "
+                                                             "(checkpoint every n-th decoder layer only: memory "
+                                                             "given back for speed), offload (accelerators), the "
+                                                             "rest passed to torch.utils.checkpoint.")
     activation_checkpointing: bool | None = _f(None, "transformers 5's name for gradient_checkpointing (wins when "
                                                      "set).")
     activation_checkpointing_kwargs: dict | str | None = _f(None, "transformers 5's name for gradient_checkpointing_kwargs "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import copy
 import os
 import warnings
@@ -306,13 +307,36 @@ def compile_blocks(module: torch.nn.Module, **compile_kwargs) -> None:
             compile_blocks(child, **compile_kwargs)
 
 
-def enable_gradient_checkpointing(model, args) -> None:
-    """After the reference is copied (a copy would inherit it, and a checkpointed model cannot share prompts)."""
+LAYER_CHECKPOINTING_OPTIONS = ("every_n_layers", "offload")  # transformers' own keys, not torch.utils.checkpoint's
+
+
+def enable_gradient_checkpointing(model, args, device: torch.device) -> None:
+    """After the reference is copied (a copy would inherit it, and a checkpointed model cannot share prompts).
+    `gradient_checkpointing_kwargs` are read as transformers' Trainer reads them (transformers >= 5.19):
+    `every_n_layers` checkpoints only every n-th decoder layer (the others keep their activations: memory given back
+    for speed), `offload` keeps the checkpointed layers' inputs in pinned host memory; every other key goes to
+    `torch.utils.checkpoint.checkpoint`."""
     if not args.gradient_checkpointing:
         return
-    model.gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False}
-    )
+    checkpoint_kwargs = dict(args.gradient_checkpointing_kwargs or {})
+    layer_options = {key: checkpoint_kwargs.pop(key) for key in LAYER_CHECKPOINTING_OPTIONS if key in checkpoint_kwargs}
+    if layer_options.get("offload") and torch.device(device).type == "cpu":  # transformers' pinning would fail
+        warnings.warn("gradient_checkpointing_kwargs offload=True has no effect on a CPU: the activations are in host "
+                      "memory already. It is left off; set it on GPU runs.", UserWarning, stacklevel=3)  # fmt: skip
+        del layer_options["offload"]
+    checkpoint_kwargs = checkpoint_kwargs or {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24 (gradient_* is a deprecated alias)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs, **layer_options)
+    else:
+        import transformers
+
+        known = inspect.signature(model.gradient_checkpointing_enable).parameters
+        unknown = [key for key in layer_options if key not in known]
+        if unknown:
+            raise ValueError(f"gradient_checkpointing_kwargs {unknown}: transformers {transformers.__version__} "
+                             "checkpoints every layer and has no such option (it came with transformers 5.19). "
+                             "Upgrade transformers, or remove the key.")  # fmt: skip
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs, **layer_options)
     if is_peft_model(model):  # frozen embeddings would cut the graph through checkpointed blocks
         model.enable_input_require_grads()
 

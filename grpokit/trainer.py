@@ -177,7 +177,7 @@ class GRPOTrainer:
         max_prompt_length = prompt_length_limit(self.model, args)
         self.model = place_before_reference_copy(acc, self.model)  # the reference is then copied on the device
         self.reference = build_reference(model, self.model, args)
-        enable_gradient_checkpointing(self.model, args)
+        enable_gradient_checkpointing(self.model, args, acc.device)
         check_backend(acc, self.model, args)
         if args.torch_compile:  # the policy only, after the reference was copied from it
             compile_blocks(self.model, backend=args.torch_compile_backend, mode=args.torch_compile_mode)

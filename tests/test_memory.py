@@ -366,6 +366,87 @@ def test_activation_offloading_on_a_cpu_warns_and_trains_as_without(model_dir, t
         assert torch.equal(a, b), name
 
 
+def checkpointed_layers(model) -> list[bool]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m.gradient_checkpointing for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def saved_bytes(model, input_ids) -> int:
+    """Bytes autograd keeps from the training forward until the backward (the weights included)."""
+    kept = []
+
+    def pack(tensor):
+        kept.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        logprobs, _ = token_logprobs(model, input_ids, torch.ones_like(input_ids), 6, 1.0)
+    logprobs.sum().backward()
+    return sum(kept)
+
+
+def test_checkpointing_every_n_layers_keeps_the_other_layers_activations():
+    # transformers' `every_n_layers` (gradient_checkpointing_kwargs, as its Trainer and so TRL read it): layers 0, 2
+    # of four are checkpointed, the others keep what their backward needs, so the forward keeps more than with every
+    # layer checkpointed and less than without checkpointing; the gradients are the same bitwise.
+    from grpokit.models import enable_gradient_checkpointing
+    from grpokit.testing import build_tiny_model
+
+    input_ids = torch.randint(3, 40, (4, 14), generator=torch.Generator().manual_seed(0))
+    kept, grads = {}, {}
+    for every in (None, 1, 2):
+        model = build_tiny_model(40, hidden_size=64, num_layers=4).train()
+        kwargs = None if every is None else {"every_n_layers": every}
+        enable_gradient_checkpointing(model, GRPOConfig(gradient_checkpointing=every is not None,
+                                                        gradient_checkpointing_kwargs=kwargs), "cpu")  # fmt: skip
+        assert checkpointed_layers(model) == {None: [False] * 4, 1: [True] * 4, 2: [True, False, True, False]}[every]
+        kept[every] = saved_bytes(model, input_ids)
+        grads[every] = {name: p.grad for name, p in model.named_parameters()}
+    assert kept[1] < kept[2] < kept[None]
+    for name, grad in grads[None].items():
+        assert torch.equal(grads[1][name], grad) and torch.equal(grads[2][name], grad), name
+
+
+def test_checkpointing_every_n_layers_trains_as_every_layer(model_dir, tmp_path):
+    runs = []
+    for every in (1, 2):
+        args = config(tmp_path / str(every), max_steps=2, gradient_checkpointing=True,
+                      gradient_checkpointing_kwargs={"every_n_layers": every, "use_reentrant": False})  # fmt: skip
+        trainer = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letter_dataset(), args=args)
+        layers = checkpointed_layers(trainer.unwrapped_model)
+        assert layers == [index % every == 0 for index in range(len(layers))] and all(layers) == (every == 1)
+        trainer.train()
+        runs.append(trainer)
+    for (name, a), b in zip(runs[0].model.named_parameters(), runs[1].model.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_checkpointing_offload_on_a_cpu_warns_and_checkpoints_without_it():
+    from grpokit.models import enable_gradient_checkpointing
+    from grpokit.testing import build_tiny_model
+
+    model = build_tiny_model(40, hidden_size=64, num_layers=2).train()
+    args = GRPOConfig(gradient_checkpointing=True, gradient_checkpointing_kwargs={"offload": True})
+    with pytest.warns(UserWarning, match="offload=True has no effect on a CPU"):
+        enable_gradient_checkpointing(model, args, "cpu")
+    assert checkpointed_layers(model) == [True, True]
+    saved_bytes(model, torch.randint(3, 40, (2, 10)))  # transformers' offload would fail here: pinned memory
+
+
+def test_checkpointing_every_n_layers_on_a_transformers_without_it_is_refused():
+    # transformers < 5.19 checkpoints every layer: its gradient_checkpointing_enable has no every_n_layers.
+    from grpokit.models import enable_gradient_checkpointing
+
+    class OldModel(torch.nn.Module):
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            raise AssertionError("not to be reached")
+
+    args = GRPOConfig(gradient_checkpointing=True, gradient_checkpointing_kwargs={"every_n_layers": 2})
+    with pytest.raises(ValueError, match=r"\['every_n_layers'\]: transformers .* has no such option"):
+        enable_gradient_checkpointing(OldModel(), args, "cpu")
+
+
 @pytest.mark.gpu
 def test_activation_offloading_lowers_what_the_forward_keeps_on_cuda():
     from grpokit.testing import build_tiny_model
