@@ -45,6 +45,59 @@ def test_the_trainer_fixes_the_threshold_on_the_cpu(monkeypatch, tmp_path):
     assert calls == [1]
 
 
+REUSE_SCRIPT = """
+import resource, sys, psutil, torch
+from grpokit.cpu_memory import keep_large_allocations_mapped, reuse_activation_memory
+rss = lambda: psutil.Process().memory_info().rss / 2**20
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+assert keep_large_allocations_mapped()  # the set-up's setting
+pieces = [torch.ones(2**17) for _ in range(400)]  # 200 MiB of 512 KiB tensors: from the heap
+kept = pieces[1::2]  # every other one stays: the freed ones lie between live ones, which brk cannot return
+del pieces
+before = rss()
+assert reuse_activation_memory()
+released = before - rss()
+
+def new_faults():  # page faults of writing a new 8 MiB tensor, the size of a layer's activations
+    start = faults()
+    torch.ones(2**21)
+    return faults() - start
+
+if sys.argv[1] == "setup":
+    keep_large_allocations_mapped()  # back to 1 MiB: each new 8 MiB tensor is a fresh mapping
+new_faults()
+print(released, min(new_faults() for _ in range(5)))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_training_returns_the_setups_free_heap_and_reuses_activation_memory():
+    pytest.importorskip("psutil")
+    runs = {}
+    for mode in ("training", "setup"):
+        out = subprocess.run([sys.executable, "-c", REUSE_SCRIPT, mode], capture_output=True, text=True, check=True)
+        runs[mode] = [float(value) for value in out.stdout.strip().splitlines()[-1].split()]
+    released, training_faults = runs["training"]
+    assert released > 80, runs  # most of the 100 MiB freed between live tensors went back to the OS
+    assert training_faults < 64, runs  # heap memory reused: no fault per 4 KiB page
+    assert runs["setup"][1] >= 2048, runs  # a fresh mapping: one fault per 4 KiB page of 8 MiB
+
+
+def test_the_trainer_reuses_activation_memory_when_training_starts_on_the_cpu(monkeypatch, tmp_path):
+    from grpokit import GRPOConfig, GRPOTrainer, trainer
+    from grpokit.testing import save_tiny_model
+
+    calls = []
+    monkeypatch.setattr(trainer, "reuse_activation_memory", lambda: calls.append(1) or True)
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=4, max_steps=1, use_cpu=True, report_to="none", save_strategy="no",
+                      disable_tqdm=True)  # fmt: skip
+    run = GRPOTrainer(model=str(save_tiny_model(tmp_path / "tiny")), args=args, train_dataset=[{"prompt": "ab"}] * 4,
+                      reward_funcs=lambda completions, **kw: [0.0] * len(completions))  # fmt: skip
+    assert calls == []  # not while the weights load
+    run.train()
+    assert calls == [1]
+
 IMPORTS_SCRIPT = """
 import sys
 from grpokit import GRPOConfig, GRPOTrainer
