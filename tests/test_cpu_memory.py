@@ -21,13 +21,17 @@ print(before - rss())
 """
 
 
+def script_numbers(script: str, mode: str) -> list[float]:
+    """The numbers on the last line a script prints, run in a fresh interpreter (the allocator's settings are the
+    whole process's)."""
+    out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, check=True)
+    return [float(value) for value in out.stdout.strip().splitlines()[-1].split()]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_freed_tensors_leave_the_process_only_with_large_allocations_mapped():
     pytest.importorskip("psutil")
-    released = {}
-    for mode in ("default", "fixed"):
-        out = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, check=True)
-        released[mode] = float(out.stdout.strip().splitlines()[-1])
+    released = {mode: script_numbers(SCRIPT, mode)[0] for mode in ("default", "fixed")}
     assert released["fixed"] > 7, released  # the 8 MiB tensor went back to the OS
     assert released["default"] < 1, released  # glibc kept it: what the fix is for
 
@@ -73,10 +77,7 @@ print(released, min(new_faults() for _ in range(5)))
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_training_returns_the_setups_free_heap_and_reuses_activation_memory():
     pytest.importorskip("psutil")
-    runs = {}
-    for mode in ("training", "setup"):
-        out = subprocess.run([sys.executable, "-c", REUSE_SCRIPT, mode], capture_output=True, text=True, check=True)
-        runs[mode] = [float(value) for value in out.stdout.strip().splitlines()[-1].split()]
+    runs = {mode: script_numbers(REUSE_SCRIPT, mode) for mode in ("training", "setup")}
     released, training_faults = runs["training"]
     assert released > 80, runs  # most of the 100 MiB freed between live tensors went back to the OS
     assert training_faults < 64, runs  # heap memory reused: no fault per 4 KiB page
