@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import copy
+import inspect
 import os
 import warnings
 from pathlib import Path

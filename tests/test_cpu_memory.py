@@ -99,6 +99,7 @@ def test_the_trainer_reuses_activation_memory_when_training_starts_on_the_cpu(mo
     run.train()
     assert calls == [1]
 
+
 IMPORTS_SCRIPT = """
 import sys
 from grpokit import GRPOConfig, GRPOTrainer
