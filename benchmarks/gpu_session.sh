@@ -3,7 +3,7 @@
 # grpokit vs TRL at the Qwen2.5-0.5B shape (`bench_vs_trl.py --config gpu`: 256 completions x 512 tokens per step),
 # full fine-tuning with the benchmark's common settings, grpokit alone with its memory options, and LoRA.
 #
-#     bash benchmarks/gpu_session.sh OUTDIR [PART...]     # parts: tests static fair_static full lora lora_grpokit lowmem fair bf16 bf16_static engines_static profile profile_static
+#     bash benchmarks/gpu_session.sh OUTDIR [PART...]     # parts: tests static fair_static full lora qlora lora_grpokit lowmem fair bf16 bf16_static engines_static profile profile_static
 #     STEPS=1 bash benchmarks/gpu_session.sh OUTDIR fair     # fewer measured steps (default 2, after 1 warm-up)
 #     DEADLINE=540 TAR=$OUT/gpu.tgz bash benchmarks/gpu_session.sh /tmp/o tests fair_static   # the device tool's way
 #
@@ -43,6 +43,7 @@ profile_static() {  # grpokit's step phases with the static cache (parts profile
     --args '{"cache_implementation": "static"}'
 }
 
+qlora_args='{"gradient_checkpointing": true, "model_init_kwargs": {"dtype": "bfloat16", "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": true, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": "bfloat16"}}}'
 bench=(python3 benchmarks/bench_vs_trl.py --config gpu --warmup 1 --steps "${STEPS:-2}" --repeats 1)
 for p in "${parts[@]}"; do
   case $p in
@@ -62,6 +63,13 @@ for p in "${parts[@]}"; do
     # LoRA (r=16, all linear layers), gradient checkpointing for both (TRL's default).
     lora) part lora 230 "${bench[@]}" --lora --timeout 110 --out "$out/gpu_lora.json" \
             --trl-args '{"gradient_checkpointing": true}' --grpokit-args '{"gradient_checkpointing": true}' ;;
+    # QLoRA (NF4 base, bf16 compute; bitsandbytes' CUDA wheel) against TRL's LoRA on its float32 base, then against
+    # TRL's QLoRA (the same quantization_config): issue 16's LoRA memory target (0.25x TRL's LoRA) on a GPU, where
+    # the imports' host memory does not count. Not run yet.
+    qlora) part qlora 230 "${bench[@]}" --lora --timeout 110 --out "$out/gpu_qlora.json" \
+             --trl-args '{"gradient_checkpointing": true}' --grpokit-args "$qlora_args"
+           part qlora_vs_trl_qlora 230 "${bench[@]}" --lora --timeout 110 --out "$out/gpu_qlora_vs_trl_qlora.json" \
+             --trl-args "$qlora_args" --grpokit-args "$qlora_args" ;;
     lora_grpokit) part lora_grpokit 130 "${bench[@]}" --lora --impls grpokit --timeout 110 --out "$out/gpu_lora_grpokit.json" \
                     --grpokit-args '{"gradient_checkpointing": true}' ;;
     # grpokit alone with its memory options (compare with the TRL run of `full`, same machine).
@@ -90,6 +98,6 @@ for p in "${parts[@]}"; do
     profile) part profile_grpokit 150 python3 benchmarks/profile_step.py --config gpu --impl grpokit --warmup 1 --steps 1
              part profile_trl 150 python3 benchmarks/profile_step.py --config gpu --impl trl --warmup 1 --steps 1
              profile_static ;;
-    *) echo "unknown part $p (tests static fair_static full lora lora_grpokit lowmem fair bf16 bf16_static engines_static profile profile_static)"; exit 2 ;;
+    *) echo "unknown part $p (tests static fair_static full lora qlora lora_grpokit lowmem fair bf16 bf16_static engines_static profile profile_static)"; exit 2 ;;
   esac
 done

@@ -22,6 +22,12 @@ process. At the Qwen2.5-0.5B shape on a 2-core AMD EPYC (bf16 weights, bf16 Adam
 both versions at once on the two cores: 52.9 to 47.0 s, 5,729 to 6,376 MiB); `benchmarks/README.md`. Fixed, the
 threshold does not climb to 32 MiB as glibc's own does. Nothing changes in the numbers. It applies to the whole
 process, from the call on; elsewhere than Linux with glibc it does nothing.
+
+What the heap keeps adds up across the phases of a step: the rollout's KV cache grows by a position per decode
+step, so each of its freed tensors leaves a hole that no later tensor fits, and the no-grad forwards (π_old, the
+reference) leave theirs. `return_free_memory` (malloc_trim) hands those pages back; the trainer calls it after the
+rollout and after the no-grad forwards, so that the training forward and backward start from the live tensors.
+On a 4-layer proxy of the Qwen2.5-0.5B shape with QLoRA this took the step's peak RSS from 2,012 to 1,513 MiB.
 """
 
 from __future__ import annotations
@@ -53,6 +59,16 @@ def keep_large_allocations_mapped(threshold: int = MMAP_THRESHOLD) -> bool:
     return libc is not None and libc.mallopt(M_MMAP_THRESHOLD, threshold) == 1
 
 
+def return_free_memory() -> bool:
+    """Give the heap's free pages back to the OS now (`malloc_trim(0)`: the free chunks inside the heap too, not
+    only its top). Their next use faults them in again, once. True when done (Linux with glibc)."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True
+
+
 def reuse_activation_memory(threshold: int | None = None) -> bool:
     """When training starts: give the heap's free pages back to the OS (`malloc_trim`: what the set-up freed), then
     fix the mmap threshold at `threshold`, so that the loop's activation-sized tensors reuse heap memory instead of
@@ -61,8 +77,7 @@ def reuse_activation_memory(threshold: int | None = None) -> bool:
     pages in again). `threshold` defaults to TRAINING_MMAP_THRESHOLD, read at the call: set it to MMAP_THRESHOLD
     before `train()` for the lower peak and the slower step. True when all was done (Linux with glibc)."""
     threshold = TRAINING_MMAP_THRESHOLD if threshold is None else threshold
-    libc = _glibc()
-    if libc is None:
+    if not return_free_memory():
         return False
-    libc.malloc_trim(0)
+    libc = _glibc()
     return libc.mallopt(M_TRIM_THRESHOLD, 2 * threshold) == 1 and keep_large_allocations_mapped(threshold)

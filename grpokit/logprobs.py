@@ -83,23 +83,27 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         bias_c = None if bias is None else bias.to(compute_dtype)
         frozen_head = ctx.needs_input_grad[0] and not any(ctx.needs_input_grad[1:3])
         expected_rows = torch.empty(hidden.shape, dtype=out_dtype, device=hidden.device) if frozen_head else None
+        scratch = _ChunkScratch(min(chunk_rows, rows), weight.shape[0], compute_dtype, hidden.device,
+                                exp=with_entropy or frozen_head)  # fmt: skip
         for start in range(0, rows, chunk_rows):
             chunk = slice(start, start + chunk_rows)
-            logits = _chunk_logits(hidden[chunk], weight_c, bias_c, temperature, compute_dtype)  # [c, V]
+            logits = scratch.logits_of(hidden[chunk], weight_c, bias_c, temperature)  # [c, V]
             target_logits = logits.gather(-1, targets[chunk, None]).squeeze(-1)
+            # In place from here on: the logits become logits - max (torch.logsumexp's order of operations).
+            row_max = logits.amax(-1, keepdim=True)
+            row_max.masked_fill_(row_max.abs() == float("inf"), 0)
+            shifted = logits.sub_(row_max)
             if with_entropy or frozen_head:
                 # entropy = lse - sum(softmax · logits), from the same exp pass that gives the log-sum-exp.
-                row_max = logits.amax(-1, keepdim=True)
-                shifted = logits - row_max
-                exp = shifted.exp()
+                exp = torch.exp(shifted, out=scratch.exp[: len(shifted)])
                 total = exp.sum(-1)
-                lse[chunk] = row_max.squeeze(-1) + total.log()
-                if with_entropy:
-                    entropies[chunk] = total.log() - torch.linalg.vecdot(exp, shifted) / total
+                lse[chunk] = total.log() + row_max.squeeze(-1)
                 if frozen_head:  # softmax @ W, the expected output embedding of each row
-                    expected_rows[chunk] = (exp.to(compute_dtype) @ weight_c).to(out_dtype) / total[:, None]
+                    expected_rows[chunk] = (scratch.cast(exp) @ weight_c).to(out_dtype) / total[:, None]
+                if with_entropy:
+                    entropies[chunk] = total.log() - shifted.mul_(exp).sum(-1) / total
             else:
-                lse[chunk] = torch.logsumexp(logits, dim=-1)
+                lse[chunk] = shifted.exp_().sum(-1).log_() + row_max.squeeze(-1)
             logprobs[chunk] = target_logits - lse[chunk]
         save_for_head_backward(ctx, frozen_head, hidden, weight, bias, targets, lse, expected_rows)
         ctx.temperature, ctx.chunk_rows, ctx.compute_dtype = temperature, chunk_rows, compute_dtype
@@ -122,18 +126,20 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         grad_bias = torch.zeros(weight.shape[0], dtype=accumulate_dtype, device=weight.device) if need_bias else None
         weight_c = weight.to(compute_dtype)
         bias_c = None if bias is None else bias.to(compute_dtype)
+        scratch = _ChunkScratch(min(chunk_rows, hidden.shape[0]), weight.shape[0], compute_dtype, hidden.device,
+                                exp=False)  # fmt: skip
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], chunk_rows):
                 chunk = slice(start, start + chunk_rows)
                 hidden_chunk = hidden[chunk]
-                logits = _chunk_logits(hidden_chunk, weight_c, bias_c, temperature, compute_dtype)
+                logits = scratch.logits_of(hidden_chunk, weight_c, bias_c, temperature)
                 # d logprob / d logits = onehot(target) - softmax, times the upstream gradient and 1/temperature
                 # (the logits were divided by it); computed in place in the chunk's logits buffer.
                 grad_logits = logits.sub_(lse[chunk, None]).exp_().mul_(-grad_logprobs[chunk, None])
                 grad_logits.scatter_add_(-1, targets[chunk, None], grad_logprobs[chunk, None])
                 if need_bias:
                     grad_bias += grad_logits.sum(0)
-                grad_logits = grad_logits.to(compute_dtype)
+                grad_logits = scratch.cast(grad_logits)
                 if need_hidden:
                     grad_hidden[chunk] = (grad_logits @ weight_c).to(hidden.dtype)
                 if need_weight:
@@ -154,15 +160,42 @@ def _softmax_dtype(compute_dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(compute_dtype, torch.float32)
 
 
-def _chunk_logits(hidden_chunk, weight, bias, temperature, compute_dtype) -> torch.Tensor:
-    """(hidden_chunk @ weight.T + bias) / temperature, [c, V] in float32 (float64 for float64), the matmul in
-    `compute_dtype`."""
-    hidden_chunk = hidden_chunk.to(compute_dtype)
-    logits = hidden_chunk @ weight.t() if bias is None else torch.addmm(bias, hidden_chunk, weight.t())
-    logits = logits.to(_softmax_dtype(compute_dtype))
-    if temperature != 1.0:
-        logits.div_(temperature)
-    return logits
+class _ChunkScratch:
+    """The [c, V] tensors of one chunk, allocated once per pass and reused by every chunk (views of the first
+    rows for a shorter last chunk): `product` (hidden @ weight.T in the matmul's dtype, and the cast of a float32
+    chunk back to it), `logits` (its float32 copy, in place from there on) and `exp` (exp of the shifted logits,
+    for the entropy and softmax @ W). Fresh tensors per chunk would hold the previous chunk's until their names are
+    rebound (one [c, V] float32 more at the peak) and, on a CPU, fault in every page again (each is far above
+    glibc's mmap threshold)."""
+
+    def __init__(self, rows: int, vocab_size: int, compute_dtype, device, exp: bool = True):
+        softmax_dtype = _softmax_dtype(compute_dtype)
+        self.logits = torch.empty(rows, vocab_size, dtype=softmax_dtype, device=device)
+        self.product = self.logits if compute_dtype == softmax_dtype else \
+            torch.empty(rows, vocab_size, dtype=compute_dtype, device=device)  # fmt: skip
+        self.exp = torch.empty(rows, vocab_size, dtype=softmax_dtype, device=device) if exp else None
+
+    def logits_of(self, hidden_chunk, weight, bias, temperature) -> torch.Tensor:
+        """(hidden_chunk @ weight.T + bias) / temperature, [c, V] in float32 (float64 for float64), the matmul in
+        `product`'s dtype."""
+        rows = hidden_chunk.shape[0]
+        product, logits = self.product[:rows], self.logits[:rows]
+        hidden_chunk = hidden_chunk.to(product.dtype)
+        if bias is None:
+            torch.mm(hidden_chunk, weight.t(), out=product)
+        else:
+            torch.addmm(bias, hidden_chunk, weight.t(), out=product)
+        if logits is not product:
+            logits.copy_(product)
+        if temperature != 1.0:
+            logits.div_(temperature)
+        return logits
+
+    def cast(self, chunk: torch.Tensor) -> torch.Tensor:
+        """A float32 chunk in the matmul's dtype, in `product` (free once the logits are copied out of it)."""
+        if chunk.dtype == self.product.dtype:
+            return chunk
+        return self.product[: len(chunk)].copy_(chunk)
 
 
 # Logits per chunk (chunk_rows × V float32 values). On CPU a chunk that fits in the last-level cache is fastest
@@ -175,6 +208,11 @@ CHUNK_ELEMENTS = {"cpu": 2**22, "default": 2**26}
 # Qwen2.5-0.5B head (V = 151,936, H = 896, bf16 autocast, 1 thread; benchmarks/chunk_rows.py): 27-row chunks (the
 # element budget alone) 11.1 s, 128 rows 4.5 s, 256 rows 3.5 s, 512 rows 3.1 s, the plain head 2.3 s.
 MIN_CHUNK_ROWS = 256
+# A head without a weight gradient (LoRA, the reference, π_old) has no such pass: its backward is a gather. Its
+# chunks trade the forward's speed for memory alone: 512 rows forward + backward through a frozen Qwen2.5-0.5B head
+# with entropies (bf16, 1 thread, the scratch reused; AVX-512 BF16 EPYC): 128-row chunks 2.18 s and +208 MiB at
+# the peak, 256 rows 1.93 s and +393 MiB, 64 rows 2.62 s and +112 MiB.
+MIN_FROZEN_CHUNK_ROWS = 128
 
 
 def chunked_token_logprobs(
@@ -218,7 +256,9 @@ def chunked_token_logprobs(
     else:
         compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
     if chunk_rows is None:
-        chunk_rows = max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS.get(device_type, CHUNK_ELEMENTS["default"]) // vocab_size)
+        weight_grad = torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad))
+        chunk_rows = max(MIN_CHUNK_ROWS if weight_grad else MIN_FROZEN_CHUNK_ROWS,
+                         CHUNK_ELEMENTS.get(device_type, CHUNK_ELEMENTS["default"]) // vocab_size)  # fmt: skip
     leading = targets.shape
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_targets = targets.reshape(-1)

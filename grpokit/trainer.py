@@ -42,7 +42,7 @@ from .checkpoint.preemption import SigtermCheckpoint
 from .config import LOG_LEVELS, GRPOConfig
 from .compat import models_written_by_this_process
 from .cpu_matmul import float32_matmuls, release_scratch
-from .cpu_memory import keep_large_allocations_mapped, reuse_activation_memory
+from .cpu_memory import keep_large_allocations_mapped, return_free_memory, reuse_activation_memory
 from .data import (
     PromptSampler,
     StreamSampler,
@@ -491,6 +491,8 @@ class GRPOTrainer:
         each optimizer step sees a mix of groups (as TRL does)."""
         args, acc, device = self.args, self.accelerator, self.accelerator.device
         scored = self._sample_and_score()
+        if device.type == "cpu":  # the rollout's freed heap (cpu_memory: its holes fit no later tensor)
+            return_free_memory()
         if args.dynamic_sampling:
             scored = self._fill_with_varied_groups(scored)
         rollout, offset, n = scored.rollout, scored.offset, len(scored.rows)
@@ -542,6 +544,8 @@ class GRPOTrainer:
         if args.beta > 0:
             with reference_policy(self.unwrapped_model, self.reference) as reference:
                 batch.ref_logprobs = self._logprobs_in_chunks(reference, batch)
+        if device.type == "cpu":  # and the no-grad forwards' (π_old, π_ref), before the training forward
+            return_free_memory()
         self._log_generation(all_scores, rewards, rollout, scored.failures)
         self.window.add(self.reward_logs.flush_metrics(acc))
         if self.agents is not None:

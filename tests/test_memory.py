@@ -180,6 +180,49 @@ def test_ref_model_dtype_with_lora_says_how_to_load_the_base(tmp_path):
                     peft_config=LoraConfig(r=4, target_modules=["q_proj"]))  # fmt: skip
 
 
+# ------------------------------------------------------------------------------------- a frozen LM head
+
+
+def largest_allocation_in_last_position_logits(model, ids):
+    """The largest CPU allocation of a `logits_to_keep=1` forward (the sampler's prefill), and its logits."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=1).logits
+    return max(event.cpu_memory_usage for event in prof.events()), logits
+
+
+def test_a_frozen_bf16_head_is_not_copied_once_per_prompt_in_the_prefill():
+    from grpokit.models import contiguous_head_input
+    from grpokit.testing import build_tiny_model
+
+    model = build_tiny_model(8192, hidden_size=64, num_layers=1).to(torch.bfloat16).requires_grad_(False)
+    ids = torch.randint(3, 8192, (8, 12), generator=torch.Generator().manual_seed(0))
+    head_bytes = model.lm_head.weight.numel() * model.lm_head.weight.element_size()  # 1 MiB
+    before, expected = largest_allocation_in_last_position_logits(model, ids)
+    assert before >= 8 * head_bytes  # torch's bmm over the sliced hidden states: one copy of the head per row
+    assert contiguous_head_input(model) and not contiguous_head_input(model)  # once per model
+    after, logits = largest_allocation_in_last_position_logits(model, ids)
+    assert after < head_bytes / 4
+    assert torch.equal(logits, expected)
+
+
+def test_the_trainer_gives_the_policy_and_reference_heads_contiguous_inputs(model_dir, tmp_path):
+    from peft import LoraConfig
+
+    model, tokenizer = tiny_letter_model()
+    trainer = GRPOTrainer(model=model, reward_funcs=repeat_letter, processing_class=tokenizer,
+                          args=config(tmp_path, beta=0.04), train_dataset=letter_dataset(),
+                          peft_config=LoraConfig(r=4, target_modules=["q_proj"]))  # fmt: skip
+    assert trainer.model.get_output_embeddings()._grpokit_contiguous_input
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter,
+                          args=config(tmp_path, beta=0.04, ref_model_dtype="bfloat16"),
+                          train_dataset=letter_dataset())  # fmt: skip
+    for model in (trainer.model, trainer.reference):
+        head = model.get_output_embeddings()
+        assert head._grpokit_contiguous_input and len(head._forward_pre_hooks) == 1
+
+
 # ------------------------------------------------------------------------------------- optimizer states
 
 # transformers' registry names with low-precision states that run on the CPU: bitsandbytes' blockwise 8-bit AdamW
