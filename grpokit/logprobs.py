@@ -209,9 +209,9 @@ CHUNK_ELEMENTS = {"cpu": 2**22, "default": 2**26}
 # element budget alone) 11.1 s, 128 rows 4.5 s, 256 rows 3.5 s, 512 rows 3.1 s, the plain head 2.3 s.
 MIN_CHUNK_ROWS = 256
 # A head without a weight gradient (LoRA, the reference, π_old) has no such pass: its backward is a gather. Its
-# chunks trade the forward's speed for memory alone: 512 rows forward + backward through a frozen Qwen2.5-0.5B head
-# with entropies (bf16, 1 thread, the scratch reused; AVX-512 BF16 EPYC): 128-row chunks 2.18 s and +208 MiB at
-# the peak, 256 rows 1.93 s and +393 MiB, 64 rows 2.62 s and +112 MiB.
+# chunks trade the forward's speed for memory alone: 512 rows forward + backward through a frozen bf16 Qwen2.5-0.5B
+# head with entropies (`benchmarks/chunk_rows.py --frozen`, 1 thread, AVX-512 BF16 EPYC): 64-row chunks 2.13 s and
+# +88 MiB at the peak, 128 rows 1.84 s and +185 MiB, 256 rows 1.74 s and +371 MiB, 512 rows 1.95 s and +742 MiB.
 MIN_FROZEN_CHUNK_ROWS = 128
 
 

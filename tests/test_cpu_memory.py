@@ -100,6 +100,49 @@ def test_the_trainer_reuses_activation_memory_when_training_starts_on_the_cpu(mo
     assert calls == [1]
 
 
+HOLES_SCRIPT = """
+import sys, psutil, torch
+from grpokit.cpu_memory import keep_large_allocations_mapped, return_free_memory, reuse_activation_memory
+rss = lambda: psutil.Process().memory_info().rss / 2**20
+assert keep_large_allocations_mapped() and reuse_activation_memory()  # the training loop's setting
+pieces = [torch.ones(2**17) for _ in range(400)]  # 200 MiB of 512 KiB tensors (a rollout's): from the heap
+kept = pieces[1::2]  # every other one lives on: the freed ones are holes between live tensors
+del pieces
+before = rss()
+if sys.argv[1] == "return":
+    assert return_free_memory()
+print(before - rss())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_return_free_memory_gives_back_the_holes_between_live_tensors_in_the_training_loop():
+    pytest.importorskip("psutil")
+    released = {mode: script_numbers(HOLES_SCRIPT, mode)[0] for mode in ("return", "keep")}
+    assert released["return"] > 80, released  # most of the 100 MiB of holes went back to the OS
+    assert released["keep"] < 5, released  # the loop's setting keeps them otherwise: what the trainer's calls are for
+
+
+def test_the_trainer_returns_free_memory_after_the_rollout_and_the_no_grad_forwards(monkeypatch, tmp_path):
+    from grpokit import GRPOConfig, GRPOTrainer, trainer
+    from grpokit.testing import save_tiny_model
+
+    events = []
+    monkeypatch.setattr(trainer, "return_free_memory", lambda: events.append("free") or True)
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=4, max_steps=2, use_cpu=True, report_to="none", save_strategy="no",
+                      disable_tqdm=True, beta=0.04)  # fmt: skip
+    run = GRPOTrainer(model=str(save_tiny_model(tmp_path / "tiny")), args=args, train_dataset=[{"prompt": "ab"}] * 8,
+                      reward_funcs=lambda completions, **kw: [0.0] * len(completions))  # fmt: skip
+    for name in ("_sample_and_score", "_logprobs_in_chunks"):
+        method = getattr(run, name)
+        monkeypatch.setattr(run, name, lambda *a, _name=name, _method=method, **k: events.append(_name) or
+                            _method(*a, **k))  # fmt: skip
+    run.train()
+    # Per step: the rollout, its free pages returned, the reference's forward, its free pages returned.
+    assert events == ["_sample_and_score", "free", "_logprobs_in_chunks", "free"] * 2
+
+
 IMPORTS_SCRIPT = """
 import sys
 from grpokit import GRPOConfig, GRPOTrainer
