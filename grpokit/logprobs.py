@@ -16,6 +16,7 @@ import torch
 
 from .cpu_matmul import FLOAT32_HEAD, Float32Head, frozen_head_grad, save_for_head_backward
 from .compat import cache_argument, cache_from_layers, is_activation_checkpointing, output_cache, output_embeddings
+from .cpu_memory import return_free_memory
 from .distributed import is_sharded
 from .models import is_peft_model
 from .multimodal import MultimodalInputs, batch_model_inputs, is_vision_language_model, rope_position_ids
@@ -236,7 +237,9 @@ def chunked_token_logprobs(
     Equal to `log_softmax((hidden @ weight.T + bias) / temperature).gather(-1, targets)` and to the entropy of that
     softmax, computed `chunk_rows` rows at a time in forward and backward: the forward saves hidden, weight and one
     log-sum-exp per row; the backward recomputes each chunk's logits and accumulates the gradients of hidden,
-    weight and bias (each only when it requires grad). With a frozen weight and bias (LoRA) the forward saves
+    weight and bias (each only when it requires grad). On a CPU the heap's free pages are first given back to the OS
+    (`cpu_memory.return_free_memory`): the decoder's forward leaves ~250 MiB of them at the Qwen2.5-0.5B shape
+    (glibc keeps what the layers freed), and the head's peak would stack on them. With a frozen weight and bias (LoRA) the forward saves
     softmax @ weight per row instead and the backward needs no logits. The entropies carry no gradient (a metric;
     an entropy bonus needs the plain path).
 
@@ -262,6 +265,8 @@ def chunked_token_logprobs(
     leading = targets.shape
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_targets = targets.reshape(-1)
+    if device_type == "cpu":  # the decoder's freed activations, which the [c, V] tensors would stack on
+        return_free_memory()
     if float32_gemm and compute_dtype == torch.bfloat16 and device_type == "cpu":
         with torch.autocast(device_type, enabled=False):
             logprobs, entropies = Float32Head.apply(flat_hidden, weight, bias, flat_targets, float(temperature),
