@@ -166,3 +166,16 @@ def test_a_run_without_deepspeed_does_not_import_it(tmp_path):
     out = subprocess.run([sys.executable, "-c", IMPORTS_SCRIPT, model, str(tmp_path / "out")], capture_output=True,
                          text=True, check=True)  # fmt: skip
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_chunked_head_returns_free_memory_first_on_the_cpu(monkeypatch):
+    import torch
+
+    from grpokit import logprobs
+
+    calls = []
+    monkeypatch.setattr(logprobs, "return_free_memory", lambda: calls.append(1) or True)
+    hidden, weight = torch.randn(6, 8, requires_grad=True), torch.randn(32, 8)
+    values, _ = logprobs.chunked_token_logprobs(hidden, weight, torch.arange(6))
+    assert calls == [1]  # before the head's [c, V] tensors, once per call
+    torch.testing.assert_close(values, torch.log_softmax(hidden @ weight.t(), -1)[torch.arange(6), torch.arange(6)])
