@@ -237,11 +237,11 @@ def chunked_token_logprobs(
     Equal to `log_softmax((hidden @ weight.T + bias) / temperature).gather(-1, targets)` and to the entropy of that
     softmax, computed `chunk_rows` rows at a time in forward and backward: the forward saves hidden, weight and one
     log-sum-exp per row; the backward recomputes each chunk's logits and accumulates the gradients of hidden,
-    weight and bias (each only when it requires grad). On a CPU the heap's free pages are first given back to the OS
-    (`cpu_memory.return_free_memory`): the decoder's forward leaves ~250 MiB of them at the Qwen2.5-0.5B shape
-    (glibc keeps what the layers freed), and the head's peak would stack on them. With a frozen weight and bias (LoRA) the forward saves
+    weight and bias (each only when it requires grad). With a frozen weight and bias (LoRA) the forward saves
     softmax @ weight per row instead and the backward needs no logits. The entropies carry no gradient (a metric;
-    an entropy bonus needs the plain path).
+    an entropy bonus needs the plain path). On a CPU the heap's free pages are first given back to the OS
+    (`cpu_memory.return_free_memory`): the decoder's forward leaves ~250 MiB of them at the Qwen2.5-0.5B shape
+    (glibc keeps what the layers freed), and the head's peak would stack on them.
 
     Precision: the matmul runs in the dtype the plain `nn.Linear` head would use — the autocast dtype under
     autocast, else the inputs' dtype — and everything after it (log-sum-exp, softmax, entropy, the logits'

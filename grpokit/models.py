@@ -284,6 +284,7 @@ def build_policy(model, processing_class, peft_config, args, quantization_config
 
 
 def _contiguous_input(module, args):
+    """`contiguous_head_input`'s pre-hook: the first positional input made contiguous, the rest as they are."""
     if args and isinstance(args[0], torch.Tensor) and not args[0].is_contiguous():
         return (args[0].contiguous(), *args[1:])
     return None
