@@ -35,6 +35,7 @@ The decoder's own forward leaves ~250 MiB of freed activations at that shape, so
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
@@ -42,8 +43,9 @@ MMAP_THRESHOLD = 1 << 20  # bytes: tensors from 1 MiB up are mapped and unmapped
 TRAINING_MMAP_THRESHOLD = 16 << 20  # bytes: the same in the training loop (activations below it reuse the heap)
 
 
+@functools.cache
 def _glibc():
-    """glibc, or None (not Linux; musl has no mallopt)."""
+    """glibc, or None (not Linux; musl has no mallopt). Loaded once: `return_free_memory` runs in every step."""
     if not sys.platform.startswith("linux"):
         return None
     try:
