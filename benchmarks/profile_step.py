@@ -30,7 +30,9 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vs_trl import CONFIGS, LORA, build_model_dir, common_args, make_dataset, reward_len  # noqa: E402
+from bench_vs_trl import (  # noqa: E402
+    CONFIGS, LORA, build_model_dir, common_args, make_dataset, peak_rss_since_reset_mib, reset_peak_rss, reward_len,
+)  # fmt: skip
 
 
 class PhaseTimer:
@@ -42,7 +44,20 @@ class PhaseTimer:
         self.totals: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
         self.stack: list[str] = []
-        self.max_rss: dict[str, float] = defaultdict(float)  # MiB, per innermost phase (`sample_rss`)
+        self.max_rss: dict[str, float] = defaultdict(float)  # MiB, per innermost phase (`sample_rss`, `exact`)
+        self.exact = False  # `track_peak_exactly`
+
+    def track_peak_exactly(self):
+        """Read the kernel's resident-set high-water mark at every phase boundary, charge it to the innermost phase
+        that just ran (or "outside phases"), and reset it: each phase's exact peak, not a 20 ms sample's."""
+        self.exact = True
+        reset_peak_rss()
+
+    def _charge_peak(self):
+        if self.exact:
+            label = self.stack[-1] if self.stack else "outside phases"
+            self.max_rss[label] = max(self.max_rss[label], peak_rss_since_reset_mib() or 0.0)
+            reset_peak_rss()
 
     def sample_rss(self, interval: float = 0.02):
         """Start a thread that samples the process's resident memory every `interval` s and keeps the largest value
@@ -75,12 +90,14 @@ class PhaseTimer:
         def timed(*args, **kwargs):
             label = name(self.stack) if callable(name) else name
             self._sync()
+            self._charge_peak()
             self.stack.append(label)
             started = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self._sync()
+                self._charge_peak()
                 self.stack.pop()
                 if self.active:
                     self.totals[label] += time.perf_counter() - started
@@ -106,6 +123,12 @@ def instrument_grpokit(trainer, timer: PhaseTimer):
             "policy forward (log-probs + entropy)"
 
     gtrainer.token_logprobs = timer.wrap(gtrainer.token_logprobs, forward_label)
+    import grpokit.logprobs as glogprobs
+
+    def head_label(stack):
+        return ("ref" if stack and stack[-1].startswith("ref") else "policy") + ": chunked LM head"
+
+    glogprobs.chunked_token_logprobs = timer.wrap(glogprobs.chunked_token_logprobs, head_label)
     gtrainer.policy_loss = timer.wrap(gtrainer.policy_loss, "loss")
     acc = trainer.accelerator
     acc.backward = timer.wrap(acc.backward, "backward")
@@ -235,6 +258,9 @@ def main(argv=None) -> int:
     parser.add_argument("--memory", action="store_true",
                         help="sample RSS every 20 ms and report the largest value seen in each phase during train() "
                              "(warm-up included), and the RSS when train() starts")  # fmt: skip
+    parser.add_argument("--exact-memory", action="store_true",
+                        help="like --memory, but each phase's exact peak (the kernel's VmHWM, reset at every phase "
+                             "boundary; Linux) instead of 20 ms samples")  # fmt: skip
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     parser.add_argument("--src", default=None, metavar="DIR",
                         help="import grpokit from this source tree instead (e.g. `git archive HEAD grpokit | tar -x "
@@ -270,7 +296,10 @@ def main(argv=None) -> int:
         workdir = Path(tmp)
         info = build_model_dir(config, workdir / "model")
         timer = PhaseTimer(config["cuda"])
-        if args.memory:
+        args.memory = args.memory or args.exact_memory
+        if args.exact_memory:
+            timer.track_peak_exactly()
+        elif args.memory:
             timer.sample_rss()
         marks: list[float] = []
         profiler = None
@@ -300,6 +329,7 @@ def main(argv=None) -> int:
             import psutil
 
             timer.max_rss.clear()
+            reset_peak_rss()
             rss_at_train = psutil.Process().memory_info().rss / 2**20
         hook()
         trainer.train()

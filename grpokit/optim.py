@@ -138,7 +138,14 @@ class RowChunkedAdam:
 
     The update is elementwise and the states are quantized in blocks of consecutive elements, so blocks of rows that
     start on a quantization block give bitwise the states of the whole-tensor update, and the same float32 weights
-    before rounding; only bf16 stochastic rounding draws its random bits per block. State dicts are torchao's."""
+    before rounding. State dicts are torchao's.
+
+    bf16 weights with `bf16_stochastic_round` take torchao's update in float32 (a float32 copy of the block: the
+    float32 weights torchao computes before it rounds) and are then rounded by `stochastic_round_to_bf16`, whose
+    random bits are a hash of the element's index and a seed drawn per block, in place of torchao's
+    `torch.randint` per element, which its compiled CPU kernel draws one at a time: 16.5 ns per element against
+    4.1 for the two passes here (1 thread, AVX-512 EPYC), 8.1 s against 2.0 s of a step at the Qwen2.5-0.5B shape.
+    A DTensor (FSDP2) keeps torchao's own rounding."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -149,6 +156,8 @@ class RowChunkedAdam:
             with torch.enable_grad():
                 loss = closure()
         update = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
+        rounding = torch.compile(stochastic_round_to_bf16, fullgraph=True, dynamic=False)
+        masters: dict[torch.device, torch.Tensor] = {}  # float32 scratch for the blocks of bf16 weights
         with torch._dynamo.utils.disable_cache_limit():  # as torchao: a fixed set of shapes per model
             for group in self.param_groups:
                 if not isinstance(group["lr"], torch.Tensor):
@@ -168,12 +177,39 @@ class RowChunkedAdam:
                             state["max_exp_avg_sq"] = self._new_buffer(p, False)
                     state["step"] += 1
                     states = [state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq")]
+                    round_bf16 = self.bf16_stochastic_round and p.dtype is torch.bfloat16
+                    own_rounding = round_bf16 and type(p) in (torch.Tensor, torch.nn.Parameter)
                     for rows in _row_blocks(p, states):
-                        update(_rows_of(p.detach(), rows), _rows_of(p.grad, rows), state["step"],
-                               *[_rows_of(x, rows) for x in states], group["lr"], group["betas"][0],
-                               group["betas"][1], group["weight_decay"], group["eps"], self.is_adamw,
-                               self.bf16_stochastic_round and p.dtype is torch.bfloat16)  # fmt: skip
+                        weights = _rows_of(p.detach(), rows)
+                        if own_rounding:
+                            master = masters.get(p.device)
+                            if master is None or master.numel() < weights.numel():
+                                master = masters[p.device] = torch.empty(weights.numel(), device=p.device)
+                            target, weights = weights, master[: weights.numel()].view(weights.shape).copy_(weights)
+                        update(weights, _rows_of(p.grad, rows), state["step"], *[_rows_of(x, rows) for x in states],
+                               group["lr"], group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"],
+                               self.is_adamw, round_bf16 and not own_rounding)  # fmt: skip
+                        if own_rounding:
+                            seed = torch.randint(1 << 31, (), dtype=torch.int64, device=p.device)
+                            rounding(weights, target, seed)
         return loss
+
+
+def stochastic_round_to_bf16(source: torch.Tensor, out: torch.Tensor, seed: torch.Tensor) -> None:
+    """out (bfloat16) = source (float32, same shape, contiguous) rounded stochastically: away from zero with the
+    probability of the 16 bits that bfloat16 drops, read as a fraction of 2^16, else towards zero; so the expected
+    value is the float32 value (torchao's `_fp32_to_bf16_sr` rule). The 16 random bits of each element are the low
+    bits of a 32-bit integer hash (two xor-shift-multiply rounds, each a bijection) of its flat index plus `seed`
+    (a 0-d int64 tensor below 2^31): integer arithmetic that compiles to vector code. A new seed for each call."""
+    index = torch.arange(source.numel(), dtype=torch.int64, device=source.device).view(source.shape)
+    h = (index + seed) & 0xFFFFFFFF
+    h = ((h ^ (h >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
+    h = ((h ^ (h >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
+    random_bits = ((h ^ (h >> 16)) & 0xFFFF).to(torch.int32)
+    bits = source.view(torch.int32)
+    towards_zero = bits & -0x10000  # the upper 16 bits: the float32 value truncated to bfloat16
+    rounded = torch.where(random_bits < (bits & 0xFFFF), towards_zero + 0x10000, towards_zero)
+    out.copy_(rounded.view(torch.float32))
 
 
 def _row_blocks(p: torch.Tensor, states: list) -> list[slice]:

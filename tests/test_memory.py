@@ -611,6 +611,71 @@ def test_row_chunked_bf16_stochastic_rounding_differs_only_in_the_rounding_direc
     assert not torch.equal(whole, chunked)
 
 
+def test_stochastic_rounding_to_bf16_rounds_each_value_to_a_neighbour_with_the_right_probability():
+    from grpokit.optim import stochastic_round_to_bf16
+
+    # 1 + k/16 of a bf16 step (2^-7 at 1.0): rounds up with probability k/16; exact bf16 values stay put; negative
+    # values round away from zero (down) with the same probability.
+    k = torch.arange(16, dtype=torch.float32).repeat_interleave(20_000)
+    source = torch.cat([1 + k * 2.0**-11, -(1 + k * 2.0**-11)])
+    out = torch.empty(source.shape, dtype=torch.bfloat16)
+    stochastic_round_to_bf16(source, out, torch.tensor(12345))
+    up = (out.float().abs() > 1).view(2, 16, 20_000).float().mean(-1)  # [sign, k]
+    assert set(out.float().abs().unique().tolist()) == {1.0, 1 + 2.0**-7}
+    assert torch.equal(out[torch.cat([k, k]) == 0].float().abs(), torch.ones(40_000))
+    # Binomial: 20,000 draws, standard deviation at most 0.0036; 5 of them.
+    torch.testing.assert_close(up, (torch.arange(16) / 16).expand(2, 16), atol=0.018, rtol=0)
+    # Another seed, other bits; the same seed, the same bits.
+    again, other = torch.empty_like(out), torch.empty_like(out)
+    stochastic_round_to_bf16(source, again, torch.tensor(12345))
+    stochastic_round_to_bf16(source, other, torch.tensor(54321))
+    assert torch.equal(out, again) and not torch.equal(out, other)
+    # Unbiased over many seeds: the mean of one value rounded 4,000 times is the value (3/8 of a step above 1.0).
+    value = torch.full((4000,), 1 + 3 * 2.0**-10)
+    rounded = torch.empty(4000, dtype=torch.bfloat16)
+    means = []
+    for seed in range(50):
+        stochastic_round_to_bf16(value, rounded, torch.tensor(seed * 7919))
+        means.append(rounded.float().mean())
+    assert abs(float(torch.stack(means).mean()) - (1 + 3 * 2.0**-10)) < 2e-5  # std of the mean: 2.7e-6
+
+
+@needs("torchao")
+def test_bf16_weights_round_torchaos_float32_update_to_one_of_its_two_bf16_neighbours(monkeypatch):
+    # With stochastic rounding the row-chunked step takes torchao's update in float32 and rounds it with
+    # `stochastic_round_to_bf16`: every weight is the float32 update truncated to bf16, or one bf16 step further
+    # from zero; the bf16 states are torchao's (round to nearest).
+    import torchao.optim
+    from torchao.optim.adam import single_param_adam
+
+    import grpokit.optim
+
+    monkeypatch.setattr(grpokit.optim, "CHUNK_ELEMENTS", 1 << 16)
+    g = torch.Generator().manual_seed(0)
+    weights = torch.randn(600, 384, generator=g).bfloat16()
+    gradient = torch.randn(600, 384, generator=g).bfloat16()
+    parameter = torch.nn.Parameter(weights.clone())
+    optimizer = grpokit.optim.row_chunked(torchao.optim._AdamW)([parameter], lr=1e-2, bf16_stochastic_round=True)
+    assert len(grpokit.optim._row_blocks(parameter, [None])) == 4  # 170-row blocks
+    parameter.grad = gradient.clone()
+    optimizer.step()
+    expected, m, v = weights.float(), torch.zeros_like(weights), torch.zeros_like(weights)
+    with torch._dynamo.utils.disable_cache_limit():  # as the optimizer: other tests compiled it for other shapes
+        torch.compile(single_param_adam, fullgraph=True, dynamic=False)(
+            expected, gradient, torch.tensor(1.0), m, v, None, torch.tensor(1e-2), 0.9, 0.999, 1e-2, 1e-8, True, False)
+    towards_zero = (expected.view(torch.int32) & -0x10000).view(torch.float32)
+    away = towards_zero + torch.sign(towards_zero) * 2.0 ** (torch.floor(torch.log2(towards_zero.abs())) - 7)
+    result = parameter.detach().float()
+    assert ((result == towards_zero) | (result == away)).all()
+    # Away from zero with the probability of the dropped bits (round-to-nearest would give 0 below a half, 1 above).
+    dropped = (expected.view(torch.int32) & 0xFFFF).float() / 2**16
+    for low, high in ((0.0, 0.5), (0.5, 1.0)):
+        rows = (dropped > low) & (dropped < high)
+        away_rate = (result == away)[rows].float().mean()
+        torch.testing.assert_close(away_rate, dropped[rows].mean(), atol=0.01, rtol=0)
+    assert torch.equal(optimizer.state[parameter]["exp_avg"], m) and torch.equal(optimizer.state[parameter]["exp_avg_sq"], v)
+
+
 def test_row_blocks_start_on_every_states_quantization_block(monkeypatch):
     import grpokit.optim
 
