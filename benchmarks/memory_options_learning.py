@@ -23,18 +23,30 @@ SETTINGS = {
     "bf16 reference": {"ref_model_dtype": "bfloat16"},
     "bf16 reference, 8-bit AdamW (bitsandbytes)": {"ref_model_dtype": "bfloat16", "optim": "adamw_8bit"},
     "bf16 weights, AdamW (no master, round to nearest)": {"model_init_kwargs": {"dtype": "bfloat16"}},
-    "bf16 weights, 8-bit AdamW, stochastic rounding (torchao)": {
+    "bf16 weights, 8-bit AdamW (torchao), stochastic rounding": {
         "model_init_kwargs": {"dtype": "bfloat16"}, "optim": "adamw_torch_8bit",
         "optim_args": "bf16_stochastic_round=True"},
+    "bf16 weights, bf16 AdamW states, stochastic rounding (adamw_torch_bf16)": {
+        "model_init_kwargs": {"dtype": "bfloat16"}, "optim": "adamw_torch_bf16"},
 }
 
 
 def update_check(learning_rate: float, steps: int = 5) -> dict:
     """How much of AdamW's update bf16 weights keep: `steps` steps on the same batches from the same float32 start,
-    float32 AdamW vs bf16 weights with round-to-nearest AdamW vs bf16 weights with torchao's stochastic rounding;
-    the relative error of each one's total weight change against float32's, and the share of weights left
-    unchanged."""
+    float32 AdamW vs bf16 weights with round-to-nearest AdamW, with torchao's 8-bit AdamW and its own stochastic
+    rounding, and with grpokit's optimizers (its stochastic rounding); the relative error of each one's total
+    weight change against float32's, and the share of weights left unchanged."""
+    from types import SimpleNamespace
+
     import torch
+
+    from grpokit.optim import build_optimizer
+
+    def grpokit_optimizer(optim, **extra):
+        args = SimpleNamespace(optim=optim, optim_args="", learning_rate=learning_rate, adam_beta1=0.9,
+                               adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0, optim_target_modules=None,
+                               **extra)  # fmt: skip
+        return lambda p: build_optimizer(list(p), args)
 
     from grpokit.testing import build_tiny_model
 
@@ -52,6 +64,8 @@ def update_check(learning_rate: float, steps: int = 5) -> dict:
 
     from torchao.optim import AdamW8bit
 
+    from grpokit.optim import row_chunked
+
     reference = run(torch.float32, lambda p: torch.optim.AdamW(p, lr=learning_rate, weight_decay=0.0))
     results = {}
     for name, dtype, factory in [
@@ -59,6 +73,10 @@ def update_check(learning_rate: float, steps: int = 5) -> dict:
          lambda p: torch.optim.AdamW(p, lr=learning_rate, weight_decay=0.0)),
         ("bf16 weights, torchao AdamW8bit stochastic rounding", torch.bfloat16,
          lambda p: AdamW8bit(p, lr=learning_rate, weight_decay=0.0, bf16_stochastic_round=True)),
+        ("bf16 weights, grpokit row-chunked AdamW8bit, its stochastic rounding", torch.bfloat16,
+         lambda p: row_chunked(AdamW8bit)(p, lr=learning_rate, weight_decay=0.0, bf16_stochastic_round=True)),
+        ("bf16 weights, grpokit adamw_torch_bf16 (bf16 states, its stochastic rounding)", torch.bfloat16,
+         grpokit_optimizer("adamw_torch_bf16")),
         ("float32 weights, torchao AdamW8bit", torch.float32,
          lambda p: AdamW8bit(p, lr=learning_rate, weight_decay=0.0)),
     ]:  # fmt: skip

@@ -46,8 +46,9 @@ def _transformers_args(args) -> SimpleNamespace:
 # grpokit's own optimizer names, beside transformers' registry (TRL has no AdamW with bf16 states):
 # `adamw_torch_bf16` is torchao's AdamW (`torchao.optim._AdamW`), whose states take the parameters' dtype: with
 # bf16 weights, bf16 weights, gradients and states (6 bytes per parameter against AdamW's 16 with float32
-# weights), each update computed in float32 and stochastically rounded into the bf16 weights and states
-# (optim_args 'bf16_stochastic_round=False' rounds to nearest). Needs torchao (pip install 'grpokit[lowmem]').
+# weights), each update computed in float32, the states rounded to the nearest bf16 and the weights stochastically
+# (`RowChunkedAdam`; optim_args 'bf16_stochastic_round=False': to the nearest). Needs torchao (pip install
+# 'grpokit[lowmem]').
 GRPOKIT_OPTIMIZERS = ("adamw_torch_bf16",)
 
 
