@@ -3,6 +3,7 @@ torchao's own `_AdamW` against grpokit's row-chunked one (`grpokit.optim.row_chu
 
     python benchmarks/optimizer_step.py                     # the Qwen2.5-0.5B shapes (494M parameters)
     python benchmarks/optimizer_step.py --layers 4 --repeats 3
+    python benchmarks/optimizer_step.py --device cuda          # on a GPU (torchao's rounding runs in Triton there)
 
 The parameters are random tensors of the model's shapes (tied embedding, 24 decoder layers of attention, MLP and
 norms), their gradients random too. Both optimizers update copies of the same weights with the same gradients;
@@ -38,12 +39,18 @@ def parameter_shapes(vocab, hidden, intermediate, layers, heads, kv_heads) -> li
     return [(vocab, hidden)] + layer * layers + [(hidden,)]
 
 
-def timed_steps(optimizer, repeats: int) -> float:
+def timed_steps(optimizer, repeats: int, device: torch.device) -> float:
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
     optimizer.step()  # compiles
     best = float("inf")
     for _ in range(repeats):
+        synchronize()
         started = time.perf_counter()
         optimizer.step()
+        synchronize()
         best = min(best, time.perf_counter() - started)
     return best
 
@@ -53,27 +60,31 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=QWEN05["layers"])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default=None, help="write the results here (JSON)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
     from torchao.optim import _AdamW
 
     shapes = parameter_shapes(**{**QWEN05, "layers": args.layers})
     generator = torch.Generator().manual_seed(0)
-    weights = [torch.randn(shape, generator=generator).bfloat16() for shape in shapes]
-    gradients = [torch.randn(shape, generator=generator).bfloat16() * 1e-3 for shape in shapes]
+    weights = [torch.randn(shape, generator=generator).bfloat16().to(device) for shape in shapes]
+    gradients = [(torch.randn(shape, generator=generator) * 1e-3).bfloat16().to(device) for shape in shapes]
     count = sum(w.numel() for w in weights)
-    results = {"parameters": count, "threads": args.threads, "torch": torch.__version__,
-               "processor": platform.processor() or platform.machine()}  # fmt: skip
+    results = {"parameters": count, "threads": args.threads, "torch": torch.__version__, "device": str(device),
+               "processor": torch.cuda.get_device_name(device) if device.type == "cuda" else
+               platform.processor() or platform.machine()}  # fmt: skip
     for name, cls in (("torchao _AdamW", _AdamW), ("grpokit row-chunked _AdamW", row_chunked(_AdamW))):
         params = [torch.nn.Parameter(w.clone()) for w in weights]
         for p, g in zip(params, gradients):
             p.grad = g
-        seconds = timed_steps(cls(params, lr=1e-5, weight_decay=0.0, bf16_stochastic_round=True), args.repeats)
+        optimizer = cls(params, lr=1e-5, weight_decay=0.0, bf16_stochastic_round=True)
+        seconds = timed_steps(optimizer, args.repeats, device)
         results[name] = seconds
         print(f"{name}: {seconds:.2f} s per step, {seconds / count * 1e9:.2f} ns per parameter "
               f"({count / 1e6:.0f}M parameters, {args.threads} thread(s))")  # fmt: skip
-        del params
+        del params, optimizer
     ratio = results["torchao _AdamW"] / results["grpokit row-chunked _AdamW"]
     results["speedup"] = ratio
     print(f"grpokit / torchao: {ratio:.2f}x faster")
