@@ -3,7 +3,7 @@
 # grpokit vs TRL at the Qwen2.5-0.5B shape (`bench_vs_trl.py --config gpu`: 256 completions x 512 tokens per step),
 # full fine-tuning with the benchmark's common settings, grpokit alone with its memory options, and LoRA.
 #
-#     bash benchmarks/gpu_session.sh OUTDIR [PART...]     # parts: tests static fair_static full lora qlora lora_grpokit lowmem fair bf16 bf16_static engines_static profile profile_static optim
+#     bash benchmarks/gpu_session.sh OUTDIR [PART...]     # parts: tests static fair_static full lora qlora lora_grpokit lowmem fair bf16 bf16_static engines_static profile profile_static
 #     STEPS=1 bash benchmarks/gpu_session.sh OUTDIR fair     # fewer measured steps (default 2, after 1 warm-up)
 #     DEADLINE=540 TAR=$OUT/gpu.tgz bash benchmarks/gpu_session.sh /tmp/o tests fair_static   # the device tool's way
 #
@@ -98,8 +98,6 @@ for p in "${parts[@]}"; do
     profile) part profile_grpokit 150 python3 benchmarks/profile_step.py --config gpu --impl grpokit --warmup 1 --steps 1
              part profile_trl 150 python3 benchmarks/profile_step.py --config gpu --impl trl --warmup 1 --steps 1
              profile_static ;;
-    # The bf16 AdamW step alone (optimizer_step.py): torchao's rounding against grpokit's, at the 0.5B shapes.
-    optim) part optim 90 python3 benchmarks/optimizer_step.py --device cuda --out "$out/gpu_optimizer_step.json" ;;
-    *) echo "unknown part $p (tests static fair_static full lora qlora lora_grpokit lowmem fair bf16 bf16_static engines_static profile profile_static optim)"; exit 2 ;;
+    *) echo "unknown part $p (tests static fair_static full lora qlora lora_grpokit lowmem fair bf16 bf16_static engines_static profile profile_static)"; exit 2 ;;
   esac
 done

@@ -3,7 +3,7 @@ torchao's own `_AdamW` against grpokit's row-chunked one (`grpokit.optim.row_chu
 
     python benchmarks/optimizer_step.py                     # the Qwen2.5-0.5B shapes (494M parameters)
     python benchmarks/optimizer_step.py --layers 4 --repeats 3
-    python benchmarks/optimizer_step.py --device cuda          # on a GPU (torchao's rounding runs in Triton there)
+    python benchmarks/optimizer_step.py --device cuda   # on a GPU both round as torchao does: the row blocks' cost
 
 The parameters are random tensors of the model's shapes (tied embedding, 24 decoder layers of attention, MLP and
 norms), their gradients random too. Both optimizers update copies of the same weights with the same gradients;
