@@ -40,12 +40,11 @@ def update_check(learning_rate: float, steps: int = 5) -> dict:
 
     import torch
 
-    from grpokit.optim import build_optimizer
+    from grpokit.optim import build_optimizer, row_chunked
 
-    def grpokit_optimizer(optim, **extra):
+    def grpokit_optimizer(optim):
         args = SimpleNamespace(optim=optim, optim_args="", learning_rate=learning_rate, adam_beta1=0.9,
-                               adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0, optim_target_modules=None,
-                               **extra)  # fmt: skip
+                               adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0)  # fmt: skip
         return lambda p: build_optimizer(list(p), args)
 
     from grpokit.testing import build_tiny_model
@@ -63,8 +62,6 @@ def update_check(learning_rate: float, steps: int = 5) -> dict:
         return {k: v.detach().float() - start[k] for k, v in model.named_parameters()}
 
     from torchao.optim import AdamW8bit
-
-    from grpokit.optim import row_chunked
 
     reference = run(torch.float32, lambda p: torch.optim.AdamW(p, lr=learning_rate, weight_decay=0.0))
     results = {}

@@ -160,7 +160,7 @@ class RowChunkedAdam:
                 loss = closure()
         update = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
         rounding = torch.compile(stochastic_round_to_bf16, fullgraph=True, dynamic=False)
-        masters: dict[torch.device, torch.Tensor] = {}  # float32 scratch for the blocks of bf16 weights
+        master = torch.empty(0)  # float32 scratch for the blocks of bf16 weights on the CPU, grown as needed
         with torch._dynamo.utils.disable_cache_limit():  # as torchao: a fixed set of shapes per model
             for group in self.param_groups:
                 if not isinstance(group["lr"], torch.Tensor):
@@ -181,14 +181,13 @@ class RowChunkedAdam:
                     state["step"] += 1
                     states = [state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq")]
                     round_bf16 = self.bf16_stochastic_round and p.dtype is torch.bfloat16
-                    plain_cpu = p.device.type == "cpu" and type(p) in (torch.Tensor, torch.nn.Parameter)
-                    own_rounding = round_bf16 and plain_cpu
+                    own_rounding = round_bf16 and p.device.type == "cpu" and type(p) in (torch.Tensor,
+                                                                                          torch.nn.Parameter)
                     for rows in _row_blocks(p, states):
                         weights = _rows_of(p.detach(), rows)
                         if own_rounding:
-                            master = masters.get(p.device)
-                            if master is None or master.numel() < weights.numel():
-                                master = masters[p.device] = torch.empty(weights.numel(), device=p.device)
+                            if master.numel() < weights.numel():
+                                master = torch.empty(weights.numel())
                             target, weights = weights, master[: weights.numel()].view(weights.shape).copy_(weights)
                         update(weights, _rows_of(p.grad, rows), state["step"], *[_rows_of(x, rows) for x in states],
                                group["lr"], group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"],

@@ -673,7 +673,8 @@ def test_bf16_weights_round_torchaos_float32_update_to_one_of_its_two_bf16_neigh
         rows = (dropped > low) & (dropped < high)
         away_rate = (result == away)[rows].float().mean()
         torch.testing.assert_close(away_rate, dropped[rows].mean(), atol=0.01, rtol=0)
-    assert torch.equal(optimizer.state[parameter]["exp_avg"], m) and torch.equal(optimizer.state[parameter]["exp_avg_sq"], v)
+    state = optimizer.state[parameter]
+    assert torch.equal(state["exp_avg"], m) and torch.equal(state["exp_avg_sq"], v)
 
 
 def test_row_blocks_start_on_every_states_quantization_block(monkeypatch):
