@@ -3,8 +3,6 @@
     from grpokit import GRPOConfig, GRPOTrainer     # drop-in for trl's classes of the same names
 """
 
-__version__ = "0.1.0"
-
 from .advantages import group_advantages, process_advantages
 from .batch import TrainBatch
 from .config import GRPOConfig
@@ -14,6 +12,7 @@ from .loss import policy_loss
 from .optim import build_optimizer
 from .rollout import HFEngine, PromptBatch, Rollout, RolloutEngine, SamplingParams, ScriptedEngine
 from .trainer import GRPOTrainer
+from .version import __version__  # noqa: F401  (grpokit.__version__)
 
 __all__ = [
     "GRPOConfig",

@@ -30,12 +30,15 @@ class ScoredRollout:
     step_rewards: dict[int, list[list[float]]]  # process reward function index -> per row, one reward per step
     step_ends: list[list[int]]  # [N] token position where each step ends
     offset: int  # first row's index in the global generation batch
+    model_lengths: torch.Tensor  # [N] the tokens the model wrote (`rollout.runner.Generation.model_lengths`)
 
     def select(self, indices: list[int]) -> "ScoredRollout":
         pick = lambda values: [values[i] for i in indices]  # noqa: E731
+        index = torch.as_tensor(indices, dtype=torch.long)
         return ScoredRollout(pick(self.rows), pick(self.prompts), pick(self.completions), pick(self.completion_ids),
                              self.rollout.select(indices), self.scores[indices], dict(self.failures),
-                             {k: pick(v) for k, v in self.step_rewards.items()}, pick(self.step_ends), self.offset)
+                             {k: pick(v) for k, v in self.step_rewards.items()}, pick(self.step_ends), self.offset,
+                             self.model_lengths[index.to(self.model_lengths.device)])  # fmt: skip
 
     @staticmethod
     def concat(parts: list["ScoredRollout"]) -> "ScoredRollout":
@@ -47,7 +50,8 @@ class ScoredRollout:
         return ScoredRollout(join("rows"), join("prompts"), join("completions"), join("completion_ids"),
                              Rollout.concat([p.rollout for p in parts]), torch.cat([p.scores for p in parts]),
                              failures, {k: [x for p in parts for x in p.step_rewards[k]] for k in parts[0].step_rewards},
-                             join("step_ends"), parts[0].offset)  # fmt: skip
+                             join("step_ends"), parts[0].offset,
+                             torch.cat([p.model_lengths for p in parts]))  # fmt: skip
 
 
 @dataclass
@@ -73,6 +77,18 @@ class TrainBatch:
     # [N, T] or [N, 1] the correction π_old / π_sampler for an engine that samples from other kernels (vLLM:
     # `loss.sampling_correction`), None when not asked for
     sampling_ratio: torch.Tensor | None = None
+
+    @classmethod
+    def from_rollout(cls, rollout: Rollout, advantages: torch.Tensor,
+                     loss_mask: torch.Tensor | None = None) -> "TrainBatch":  # fmt: skip
+        """The batch of a rollout's rows: `advantages` [N] (a completion's, repeated over its tokens) or [N, ≥T] (per
+        token); `loss_mask` replaces the rollout's (mask_truncated_completions)."""
+        width = rollout.completion_ids.shape[1]
+        token_advantages = advantages[:, :width] if advantages.dim() == 2 else advantages[:, None].expand(-1, width)
+        return cls(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.attention_mask,
+                   rollout.loss_mask if loss_mask is None else loss_mask, rollout.lengths,
+                   token_advantages.to(rollout.completion_ids.device).contiguous(),
+                   sampling_logprobs=rollout.sampling_logprobs, multimodal=rollout.multimodal)  # fmt: skip
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]

@@ -717,6 +717,13 @@ class GRPOConfig:
             kwargs["transformer_cls_names_to_wrap"] = ",".join([layers] if isinstance(layers, str) else layers)
         return kwargs
 
+    def objective_options(self) -> dict:
+        """The objective's settings as `loss.policy_loss`'s keyword arguments."""
+        names = ("loss_type", "beta", "epsilon", "epsilon_high", "importance_sampling_level", "max_completion_length",
+                 "delta", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
+                 "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask_threshold", "use_bias_correction_kl")  # fmt: skip
+        return {name: getattr(self, name) for name in names}
+
     def generation_token_ids(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(extra tokens that end a completion, tokens never sampled) from generation_kwargs."""
         options = self.generation_kwargs or {}

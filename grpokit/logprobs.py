@@ -18,11 +18,10 @@ from .cpu_matmul import FLOAT32_HEAD, Float32Head, frozen_head_grad, save_for_he
 from .compat import cache_argument, cache_from_layers, is_activation_checkpointing, output_cache, output_embeddings
 from .cpu_memory import return_free_memory
 from .distributed import is_sharded
+from .forward import forward_accepts, logits_of, model_cache, model_config, position_ids_from_mask
 from .models import is_peft_model
 from .multimodal import MultimodalInputs, batch_model_inputs, is_vision_language_model, rope_position_ids
 from .packing import pack_rows
-from .rollout.fast import model_cache, model_config
-from .rollout.hf import forward_accepts, logits_of, position_ids_from_mask
 
 # --------------------------------------------------------------------------------------------- log-probabilities
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .data import dataset_columns, is_iterable_dataset
+from .version import __version__
 
 MARKER = "<!-- grpokit model card: remove this line to keep grpokit from overwriting the file -->"
 
@@ -57,8 +58,6 @@ def render_model_card(
 ) -> str:
     """Markdown text of the card. `rewards` is (function name, weight) pairs; `config` a GRPOConfig as a dict (only
     KEY_FIELDS are shown); `final_metrics` / `final_eval` the last training / evaluation record of log_history."""
-    from . import __version__
-
     lines = [
         "---", "library_name: transformers", "tags: [grpokit, grpo]", "---", MARKER, "", f"# {title}", "",
         f"Trained with GRPO (grpokit {__version__}) from the base model **{base_model}**.", "",

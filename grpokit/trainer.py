@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import sys
 import time
 import warnings
@@ -34,24 +33,31 @@ from typing import Iterator
 import torch
 from accelerate.utils.memory import clear_device_cache
 
-from .agents import EnvironmentPool, build_agents, check_agents, placeholder_dataset
-from .advantages import combine_and_normalize, group_advantages, group_stats, process_advantages
-from .batch import ScoredRollout, TrainBatch
-from .checkpoint import Checkpointer, TrainingParts
-from .checkpoint.preemption import SigtermCheckpoint
-from .config import LOG_LEVELS, GRPOConfig
-from .compat import models_written_by_this_process
-from .cpu_matmul import float32_matmuls, release_scratch
-from .cpu_memory import keep_large_allocations_mapped, return_free_memory, reuse_activation_memory
-from .data import (
-    PromptSampler,
-    StreamSampler,
-    check_dataset,
-    dataset_columns,
-    dataset_rows,
-    is_iterable_dataset,
-    named_eval_datasets,
+from .agents import EnvironmentPool, build_agents, placeholder_dataset
+from .batch import TrainBatch
+from .build import (
+    activation_offload,
+    as_steps,
+    best_metric_key,
+    build_engine,
+    build_scheduler,
+    check_checkpoint_format,
+    check_run,
+    moe_shape,
+    reward_weights,
+    router_aux_loss_coef,
+    set_log_level,
+    total_steps,
+    warn_like_trl,
 )
+from .checkpoint import Checkpointer, TrainingParts
+from .checkpoint.model_files import write_model_files
+from .checkpoint.preemption import SigtermCheckpoint
+from .compat import models_written_by_this_process
+from .config import GRPOConfig
+from .cpu_matmul import float32_matmuls, release_scratch
+from .cpu_memory import keep_large_allocations_mapped, reuse_activation_memory
+from .data import PromptSampler, StreamSampler, dataset_columns, is_iterable_dataset, named_eval_datasets
 from .distributed import (
     all_processes_done,
     build_accelerator,
@@ -65,18 +71,12 @@ from .distributed import (
     trainable_parameters,
     unwrap_model,
 )
-from .evaluation import evaluation_metrics, group_records
+from .experience import Evaluator, ExperienceMaker
 from .hub import check_hub, push_folder
 from .logprobs import check_padding_free, token_logprobs
-from .logs import MetricSink, MetricWindow, generation_metrics, reduce_extremes
-from .loss import (
-    AdaptiveEntropyController,
-    high_entropy_mask,
-    load_balancing_loss,
-    policy_loss,
-    sampling_correction,
-)
-from .model_card import describe_dataset, model_card_writable, render_model_card, write_model_card
+from .logs import MetricSink, MetricWindow
+from .loss import AdaptiveEntropyController, high_entropy_mask, load_balancing_loss, policy_loss
+from .model_card import describe_dataset, render_model_card
 from .models import (
     build_policy,
     build_reference,
@@ -87,22 +87,17 @@ from .models import (
     load_model_weights,
     mix_into_reference,
     prompt_length_limit,
-    reference_policy,
-    save_merged,
 )
-from .multimodal import check_images_supported, loggable_prompt
-from .offload import ActivationOffload
+from .multimodal import check_images_supported
 from .optim import build_optimizer
 from .rewards import build_reward_functions
-from .rewards.base import check_required_columns, combine_rewards, compute_rewards, routes_from_column
-from .rewards.context import RewardLogs
+from .rewards.base import check_required_columns
 from .rewards.model import RewardModel
-from .rewards.process import step_token_ends
-from .rollout import EVAL_SEED_OFFSET, HFEngine, PromptCodec, RolloutEngine, group_counts, rollout_seed
-from .signals import duplicate_ratio, guard_message, sequence_keys
+from .rewards.scorer import RewardScorer
+from .rollout import PromptCodec, RolloutEngine, RolloutRunner
+from .signals import guard_message
 from .state import Callbacks, TrainerState
 from .stepping import OptimizerStepper
-
 
 @dataclass
 class GenerationCursor:
@@ -199,22 +194,18 @@ class GRPOTrainer:
         stop_token_ids, suppress_token_ids = args.generation_token_ids()
         self.codec = PromptCodec(self.processing_class, self.unwrapped_model, max_prompt_length,
                                  args.chat_template_kwargs, stop_token_ids, suppress_token_ids)  # fmt: skip
-        # With sharded parameters every forward is a collective: the processes sample in step (see generate()).
-        all_done = all_processes_done if is_sharded(self.unwrapped_model) else None
-        if rollout_engine is None and args.use_vllm:  # vLLM is imported only here (grpokit.rollout.vllm)
-            from .rollout.vllm import engine_from_config
-
-            rollout_engine = engine_from_config(self.unwrapped_model, args, self.processing_class, acc.process_index,
-                                                acc.num_processes, acc.local_process_index)  # fmt: skip
-        exact = not (args.bf16 or args.fp16) and full_precision(self.unwrapped_model)  # bf16 weights: not exact
-        if rollout_engine is None:
-            compile = False if (args.generation_kwargs or {}).get("disable_compile") else None
-            rollout_engine = HFEngine(self.unwrapped_model, acc.device, autocast=acc.autocast, all_done=all_done,
-                                      exact_logprobs=exact, cache_implementation=args.cache_implementation,
-                                      compile=compile)  # fmt: skip
-        self.engine = rollout_engine
+        self.engine = rollout_engine if rollout_engine is not None else build_engine(self.unwrapped_model, args,
+                                                                                      self.processing_class, acc)
         self.agents = build_agents(self.processing_class, self.unwrapped_model, args, max_prompt_length, tools,
                                    environments, rollout_func)  # fmt: skip
+        params = self.codec.sampling_params(args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
+                                            top_k=args.top_k, min_p=args.min_p,
+                                            repetition_penalty=args.repetition_penalty)  # fmt: skip
+        # A user's rollout_func receives the trainer (TRL's contract): the runner passes it on as the host.
+        self.runner = RolloutRunner(self.engine, self.codec, params, acc.device, driver=self.agents, host=self)
+        self.scorer = RewardScorer(self.reward_functions, self.reward_weights, self.codec.tokenizer,
+                                   on_error=args.reward_fn_errors, routing_column=args.reward_routing_column,
+                                   step_separator=args.step_separator)  # fmt: skip
         self.state = self._new_state()
         self.scheduler = scheduler or build_scheduler(self.optimizer, args, self.state.max_steps)
         sync_each_batch = bool(args.accelerator_options().get("gradient_accumulation_kwargs", {}).get("sync_each_batch"))
@@ -225,19 +216,14 @@ class GRPOTrainer:
                                          save_only_model=args.save_only_model, deepspeed=deepspeed,
                                          gather_weights=self._gathered_weights,
                                          save_on_each_node=args.save_on_each_node)  # fmt: skip
-        if args.save_on_each_node and (is_sharded(self.unwrapped_model) or self.checkpointer.format != "plain"):
-            raise NotImplementedError("save_on_each_node=True is supported with whole weights in every process "
-                                      "(DDP, or one process per node): under FSDP2 and DeepSpeed every process writes "
-                                      "its part of a checkpoint into one directory, so put output_dir on storage all "
-                                      "nodes share and leave save_on_each_node False.")  # fmt: skip
-        if args.load_best_model_at_end and self.checkpointer.format != "plain":
-            raise ValueError(f"load_best_model_at_end=True loads plain checkpoints only; this run writes "
-                             f"{self.checkpointer.format} ones (FSDP2 SHARDED_STATE_DICT / DeepSpeed). Set it False "
-                             f"and load trainer.state.best_model_checkpoint (metric_for_best_model tracks it) "
-                             f"yourself, or use FULL_STATE_DICT checkpoints.")  # fmt: skip
+        check_checkpoint_format(args, self.checkpointer.format, is_sharded(self.unwrapped_model))
         self.sampler = (StreamSampler(train_dataset) if is_iterable_dataset(train_dataset) else
                         PromptSampler(len(train_dataset), args.data_seed or args.seed, args.shuffle_dataset))  # fmt: skip
+        self.experience = ExperienceMaker(args, acc, self.runner, self.scorer, lambda: self.unwrapped_model,
+                                          self.reference, lambda n: self.sampler.rows(self.train_dataset, n))
+        self.evaluator = Evaluator(args, acc, self.experience)
         self.window = MetricWindow()
+        self._samples: list[dict] | None = None  # the latest generation's completions-log rows
         self.cursor = GenerationCursor()
         self._last_evaluation: dict | None = None  # the latest evaluation's record (metric_for_best_model)
         self._in_train = False
@@ -248,7 +234,6 @@ class GRPOTrainer:
         self.entropy_controller = None if not args.use_adaptive_entropy else AdaptiveEntropyController(
             args.entropy_coef, args.entropy_target, args.entropy_coef_delta, args.entropy_coef_min,
             args.entropy_coef_max)  # fmt: skip
-        self.reward_logs = RewardLogs()  # what reward functions report through log_metric / log_extra
         self.callback_handler = Callbacks(callbacks, self.unwrapped_model, self.processing_class, self.optimizer,
                                           self.scheduler)  # fmt: skip
         self.callback_handler("on_init_end", args, self.state)
@@ -342,7 +327,7 @@ class GRPOTrainer:
                     sink.write(record)
                     control = callbacks("on_log", args, state, logs=record)
                     self.check_guard()
-                    if args.log_completions and acc.is_main_process and getattr(self, "_samples", None):
+                    if args.log_completions and acc.is_main_process and self._samples:
                         sink.write_completions(step, self._samples, args.log_unique_prompts)
                 if not preempted and ((args.eval_strategy == "steps" and step % eval_steps == 0
                                        and step >= args.eval_delay) or control.should_evaluate):  # fmt: skip
@@ -468,7 +453,7 @@ class GRPOTrainer:
             num_sequences=num_sequences, num_tokens=num_tokens, entropies=entropies, entropy_coef=entropy_coef,
             loss_weights=loss_weights, sampling_logprobs=batch.sampling_logprobs, sampling_ratio=batch.sampling_ratio,
             num_micro_batches=num_micro_batches,
-            entropy_normalization="token_mean", **objective_options(args),
+            entropy_normalization="token_mean", **args.objective_options(),
         )  # fmt: skip
         if controller is not None:
             mask = batch.loss_mask if loss_weights is None else batch.loss_mask * loss_weights
@@ -486,233 +471,16 @@ class GRPOTrainer:
     # ------------------------------------------------------------------------------------------- generation
 
     def generate_batch(self) -> TrainBatch:
-        """Sample and score this process's next rows, turn rewards into advantages (over the whole global batch:
-        a group may span processes), and add π_old and π_ref where the loss needs them. Rows come shuffled so that
-        each optimizer step sees a mix of groups (as TRL does)."""
-        args, acc, device = self.args, self.accelerator, self.accelerator.device
-        scored = self._sample_and_score()
-        if device.type == "cpu":  # the rollout's freed heap (cpu_memory: its holes fit no later tensor)
-            return_free_memory()
-        if args.dynamic_sampling:
-            scored = self._fill_with_varied_groups(scored)
-        rollout, offset, n = scored.rollout, scored.offset, len(scored.rows)
-        all_scores = acc.gather(scored.scores.to(device)).cpu()
-        rewards = self._outcome_rewards(all_scores)
-        process = self._process_indices
-        outcome = [i for i in range(len(self.reward_functions)) if i not in process]
-        if outcome:  # advantages.py: the estimator and the multi-objective aggregation (docs/objectives.md)
-            token_counts = None
-            if args.advantage_estimator == "reinforce_pp_baseline":
-                token_counts = acc.gather(rollout.loss_mask.sum(-1).to(device)).cpu().float()
-            advantages = combine_and_normalize(all_scores[:, outcome], self.reward_weights[outcome],
-                                               args.num_generations, estimator=args.advantage_estimator,
-                                               scale_rewards=args.scale_rewards, token_counts=token_counts,
-                                               multi_objective_aggregation=args.multi_objective_aggregation)
-        else:  # only process rewards: the per-token advantages below are the whole signal
-            advantages = torch.zeros(len(rewards))
-        if process:
-            advantages = self._add_process_advantages(advantages, process, scored.step_rewards, scored.step_ends,
-                                                      rollout.completion_ids.shape[1])  # fmt: skip
-        width = rollout.completion_ids.shape[1]
-        local = advantages[offset : offset + n]
-        token_advantages = local[:, :width] if local.dim() == 2 else local[:, None].expand(-1, width)
-        loss_mask = rollout.loss_mask
-        if args.mask_truncated_completions:
-            loss_mask = loss_mask * (~rollout.is_truncated)[:, None].to(loss_mask.dtype)
-        batch = TrainBatch(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.attention_mask,
-                           loss_mask, rollout.lengths, token_advantages.to(device).contiguous(),
-                           sampling_logprobs=rollout.sampling_logprobs, multimodal=rollout.multimodal)  # fmt: skip
-        # With vLLM (TRL: use_vllm and its correction) π_old is always the training forward's; the sampler's
-        # log-probs only feed the correction.
-        corrected = args.use_vllm and args.vllm_importance_sampling_correction
-        if not trains_on_policy(args) or corrected:
-            # The engine's log-probs serve as π_old only where they are the training forward's (the in-process
-            # engine in float32, tested to 1e-5); otherwise π_old comes from a training-style forward.
-            exact = getattr(self.engine, "exact_logprobs", False) and rollout.sampling_logprobs is not None and \
-                (self.agents is None or self.agents.exact_logprobs) and not corrected  # fmt: skip
-            batch.old_logprobs = rollout.sampling_logprobs if exact else self._logprobs_in_chunks(
-                self.unwrapped_model, batch)  # fmt: skip
-        if corrected:
-            if rollout.sampling_logprobs is None:
-                raise ValueError(f"vllm_importance_sampling_correction needs the engine's sampling log-probs, and "
-                                 f"{type(self.engine).__name__} reports none: set "
-                                 f"vllm_importance_sampling_correction=False.")  # fmt: skip
-            batch.sampling_ratio, stats = sampling_correction(
-                batch.old_logprobs, rollout.sampling_logprobs, loss_mask, mode=args.vllm_importance_sampling_mode,
-                clip_min=args.vllm_importance_sampling_clip_min, clip_max=args.vllm_importance_sampling_clip_max)
-            self.window.add(reduce_extremes(acc, stats))
-        if args.beta > 0:
-            with reference_policy(self.unwrapped_model, self.reference) as reference:
-                batch.ref_logprobs = self._logprobs_in_chunks(reference, batch)
-        if device.type == "cpu":  # and the no-grad forwards' (π_old, π_ref), before the training forward
-            return_free_memory()
-        self._log_generation(all_scores, rewards, rollout, scored.failures)
-        self.window.add(self.reward_logs.flush_metrics(acc))
-        if self.agents is not None:
-            self.window.add(self.agents.metrics(acc))
-        extra = self.reward_logs.flush_extra()
-        if args.log_completions:
-            shown = args.num_completions_to_print or args.num_generations
-            self._samples = [
-                {**loggable_prompt(scored.prompts[i], args.log_multimodal), "completion": scored.completions[i],
-                 "rewards": {f.name: _none_if_nan(all_scores[offset + i, j].item())
-                             for j, f in enumerate(self.reward_functions)},
-                 "reward": _none_if_nan(rewards[offset + i].item()),
-                 "advantage": advantages[offset + i].float().mean().item(),
-                 **({"extra": {k: v[i] for k, v in extra.items() if i < len(v)}} if extra else {})}
-                for i in range(min(shown, n))
-            ]  # fmt: skip
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed + self.state.generations))
-        return batch.select(order)
-
-    def _sample_and_score(self) -> ScoredRollout:
-        """Draw this process's next rows, sample their completions with the engine and score them."""
-        args, acc = self.args, self.accelerator
-        per_process = args.generation_batch_size
-        prompts = self.sampler.rows(self.train_dataset, per_process * acc.num_processes // args.num_generations)
-        offset = acc.process_index * per_process
-        global_rows = [row for row in prompts for _ in range(args.num_generations)]  # each prompt G times
-        rows = global_rows[offset : offset + per_process]
-        seed = rollout_seed(args.seed, self.state.generations, acc.process_index)
-        self.state.generations += 1
-        rollout, rows, completions, completion_ids = self._rollout(
-            rows, group_counts(len(rows), args.num_generations, offset), seed)
-        prompts, scores, failures, step_rewards, step_ends = self._score(rows, completions, completion_ids)
-        return ScoredRollout(rows, prompts, completions, completion_ids, rollout, scores, failures, step_rewards,
-                             step_ends, offset)  # fmt: skip
-
-    def _rollout(self, rows: list[dict], counts: list[int], seed: int):
-        """The engine's rollout of rows (consecutive runs of counts[i] rows share a prompt), on this process's
-        device, with its completions decoded: (rollout, rows, completions, completion token ids). The fields an
-        engine reports per row (`Rollout.extra`) join the rows, so reward functions receive them as columns."""
-        starts = [sum(counts[:i]) for i in range(len(counts))]
-        prompts = self.codec.encode([rows[s] for s in starts], counts)
-        self.engine.sync_weights(self.unwrapped_model)
-        if self.agents is not None:  # multi-turn (grpokit.agents): tools, environments or the user's rollout_func
-            rollout, completions = self.agents.rollout(self.engine, rows, self._sampling_params(), seed, self)
-            rollout = rollout.to(self.accelerator.device)
-            decoded, completion_ids = self.codec.decode(rollout, prompts.raw)
-            completions = decoded if completions is None else completions
-        else:
-            rollout = self.engine.generate(prompts, self._sampling_params(), seed).to(self.accelerator.device)
-            completions, completion_ids = self.codec.decode(rollout, prompts.raw)
-            if prompts.images is not None:  # reward functions receive the messages with their images, as in TRL
-                rows = [{**row, "prompt": prompts.raw[b]} if prompts.images[b] else row
-                        for row, b in zip(rows, prompts.rows())]  # fmt: skip
-        if rollout.extra:
-            rows = [{**row, **{name: values[i] for name, values in rollout.extra.items()}} for i, row in enumerate(rows)]
-        return rollout, rows, completions, completion_ids
-
-    def _sampling_params(self):
-        args = self.args
-        return self.codec.sampling_params(args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
-                                          top_k=args.top_k, min_p=args.min_p,
-                                          repetition_penalty=args.repetition_penalty)  # fmt: skip
-
-    @torch.no_grad()
-    def _logprobs_in_chunks(self, model, batch: TrainBatch) -> torch.Tensor:
-        """Log-probs [N, T] of batch's completions under model (π_old or π_ref), per_device_train_batch_size rows at
-        a time."""
-        out = []
-        for part in batch.split(self.args.per_device_train_batch_size):
-            with self.accelerator.autocast():
-                logprobs, _ = token_logprobs(model, part.input_ids, part.input_mask, part.completion_ids.shape[1],
-                                             self.args.temperature, fp32_head=self.args.cast_lm_head_to_fp32,
-                                             multimodal=part.multimodal,
-                                             padding_free=self.args.padding_free)  # fmt: skip
-            out.append(logprobs.float())
-        return torch.cat(out)
-
-    @property
-    def _process_indices(self) -> list[int]:
-        return [i for i, f in enumerate(self.reward_functions) if f.is_process]
-
-    def _outcome_rewards(self, scores: torch.Tensor) -> torch.Tensor:
-        weights = self.reward_weights.clone()
-        weights[self._process_indices] = 0.0  # process rewards enter as token advantages, not here
-        return combine_rewards(scores, weights)
-
-    def _score(self, rows, completions, completion_ids):
-        """(prompts, scores [N, F], failures, step rewards, step ends) of the completions of rows, with the
-        reward routing and process-reward handling of training (evaluation scores through this too)."""
-        args = self.args
-        columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt",)}
-        prompts = [r.get("prompt", r.get("prompt_ids")) for r in rows]
-        names = [f.name for f in self.reward_functions]
-        routes = (routes_from_column(columns[args.reward_routing_column], names, args.reward_routing_column)
-                  if args.reward_routing_column in columns else None)  # fmt: skip
-        step_ends = ([step_token_ends(ids, self.codec.tokenizer, args.step_separator) for ids in completion_ids]
-                     if self._process_indices else [[] for _ in rows])  # fmt: skip
-        if self._process_indices and "turn_ends" in columns:  # an agent's steps are its turns (grpokit.agents)
-            step_ends = [list(ends) for ends in columns["turn_ends"]]
-        context = {"trainer_state": self.state, "log_metric": self.reward_logs.log_metric,
-                   "log_extra": self.reward_logs.log_extra}  # fmt: skip
-        scores, failures, step_rewards = compute_rewards(
-            self.reward_functions, prompts, completions, completion_ids, columns, on_error=args.reward_fn_errors,
-            routes=routes, step_counts=[len(e) for e in step_ends], context=context,
-        )  # fmt: skip
-        unscored = torch.isnan(scores).all(dim=1).nonzero().flatten().tolist() if scores.shape[1] else []
-        if unscored:  # TRL's warning: such a completion has no reward at all
-            row = unscored[0]
-            warnings.warn(f"All reward functions returned None for {len(unscored)} completion(s), e.g. prompt "
-                          f"{_short(prompts[row])}, completion {_short(completions[row])}: they get no advantage. "
-                          f"Make sure at least one reward function scores every completion.", stacklevel=3)
-        return prompts, scores, failures, step_rewards, step_ends
-
-    def _fill_with_varied_groups(self, first: ScoredRollout) -> ScoredRollout:
-        """DAPO's dynamic sampling: keep only groups whose rewards vary, and sample more prompts until the batch
-        is full (at most max_resample_rounds more rounds; then zero-spread groups fill the rest, counted)."""
-        args, size, G = self.args, len(first.rows), self.args.num_generations
-
-        def groups(scored: ScoredRollout, varied: bool) -> list[int]:
-            _, std = group_stats(self._outcome_rewards(scored.scores), G)
-            return [i for g, s in enumerate(std.tolist()) if (s > 0) == varied for i in range(g * G, (g + 1) * G)]
-
-        kept, rounds, current = [], 0, first
-        while True:
-            kept.append(current.select(groups(current, varied=True)))
-            if sum(len(k.rows) for k in kept) >= size or rounds >= args.max_resample_rounds:
-                break
-            current, rounds = self._sample_and_score(), rounds + 1
-        filled = ScoredRollout.concat(kept)
-        missing = size - len(filled.rows)
-        self.window.add({"dynamic_sampling/rounds": rounds,
-                         "dynamic_sampling/filled_groups": max(missing, 0) / G})  # fmt: skip
-        if missing > 0:  # out of rounds: complete the batch with the first round's zero-spread groups
-            filled = ScoredRollout.concat([filled, first.select(groups(first, varied=False)[:missing])])
-        return filled.select(list(range(size)))
-
-    def _add_process_advantages(self, advantages, process, step_rewards, step_ends, width) -> torch.Tensor:
-        """Outcome advantages [N_global] broadcast over tokens, plus each process function's weighted token
-        advantages; every process gathers the step rewards of the whole batch (groups may span processes)."""
-        from accelerate.utils import gather_object
-
-        gather = gather_object if self.accelerator.num_processes > 1 else (lambda values: values)
-        ends, width = gather(step_ends), max(gather([width]))
-        token_advantages = advantages[:, None].expand(-1, width).clone()
-        for index in process:
-            token_advantages += self.reward_weights[index] * process_advantages(
-                gather(step_rewards[index]), ends, self.args.num_generations, width
-            )
-        return token_advantages
-
-    def _log_generation(self, scores, rewards, rollout, failures) -> None:
-        args, acc = self.args, self.accelerator
-        # With tools a completion's length counts the model's own tokens, not the tool results (as TRL).
-        lengths = rollout.loss_mask.sum(1) if self.agents is not None else rollout.lengths
-        lengths = acc.gather(lengths.float()).cpu()
-        truncated = acc.gather(rollout.is_truncated.float()).cpu()
-        tokens = acc.gather((rollout.prompt_mask.sum() + rollout.attention_mask.sum()).reshape(1)).sum().item()
-        self.state.num_tokens += int(tokens)
-        keys = torch.tensor(sequence_keys(rollout.completion_ids, rollout.attention_mask), device=acc.device)
-        # Reward errors are counted where they happen: the metric is the total over the processes.
-        errors = acc.reduce(torch.tensor([float(failures.get(f.name, 0)) for f in self.reward_functions],
-                                         device=acc.device), "sum").tolist()  # fmt: skip
-        names = [f.name for f in self.reward_functions]
-        self.window.add(generation_metrics(rewards, scores, names, lengths, truncated, args.num_generations,
-                                           errors={n: e for n, e in zip(names, errors) if n in failures or e}))
-        self.window.add({"completions/duplicate_ratio": duplicate_ratio(acc.gather(keys).tolist(),
-                                                                        args.num_generations)})  # fmt: skip
+        """This process's next generation batch (`ExperienceMaker.make`: sample, score, advantages, π_old and π_ref
+        where the loss needs them), with what it produced recorded: its metrics into the logging window, its tokens
+        into state.num_tokens, its rollouts into state.generations (the next seeds), its completions-log rows."""
+        experience = self.experience.make(self.state.generations, self.state)
+        self.state.generations += experience.rollouts
+        self.state.num_tokens += experience.num_tokens
+        self.window.add(experience.metrics)
+        if experience.samples is not None:
+            self._samples = experience.samples
+        return experience.batch
 
     # ------------------------------------------------------------------------------------------ evaluation
 
@@ -733,66 +501,10 @@ class GRPOTrainer:
         metrics: dict[str, float] = {}
         for name, one in named_eval_datasets(dataset).items():
             prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
-            metrics.update(self._evaluate_one(one, prefix))
+            found, self.eval_samples = self.evaluator.evaluate(one, prefix, self.state)
+            metrics.update(found)
         self.callback_handler("on_evaluate", self.args, self.state, metrics=metrics)
         return metrics
-
-    @torch.no_grad()
-    def _evaluate_one(self, dataset, prefix: str) -> dict[str, float]:
-        from accelerate.utils import gather_object
-
-        args, acc = self.args, self.accelerator
-        if is_iterable_dataset(dataset):
-            dataset = dataset_rows(dataset)
-        n = args.num_generations_eval
-        names = [f.name for f in self.reward_functions]
-        indices = list(range(acc.process_index, len(dataset), acc.num_processes))
-        prompts_per_batch = max(1, args.per_device_eval_batch_size // n)
-        batches = math.ceil(len(indices) / prompts_per_batch)
-        if is_sharded(self.unwrapped_model):  # every process samples as many batches as the busiest one
-            batches = math.ceil(math.ceil(len(dataset) / acc.num_processes) / prompts_per_batch)
-        records, loss_sum, loss_count = [], 0.0, 0
-        for batch_index in range(batches):
-            chunk = indices[batch_index * prompts_per_batch : (batch_index + 1) * prompts_per_batch]
-            # A process with no prompts left samples a discarded one, in step with the others.
-            rows = [dataset[i] for i in (chunk or [0]) for _ in range(n)]
-            seed = rollout_seed(args.seed + EVAL_SEED_OFFSET, batch_index, acc.process_index)
-            rollout, rows, completions, completion_ids = self._rollout(rows, [n] * (len(rows) // n), seed)
-            prompts, scores, *_ = self._score(rows, completions, completion_ids)
-            rewards = self._outcome_rewards(scores)
-            loss = self._evaluation_loss(rollout, group_advantages(rewards, n, args.scale_rewards))
-            if not chunk:
-                continue
-            loss_sum, loss_count = loss_sum + loss, loss_count + 1
-            records += group_records(prompts, completions, scores, rewards, rollout.lengths, rollout.is_truncated,
-                                     names, n)  # fmt: skip
-        self.reward_logs.flush_extra()
-        logged = self.reward_logs.flush_metrics(acc)
-        totals = acc.reduce(torch.tensor([loss_sum, float(loss_count)], dtype=torch.float64, device=acc.device), "sum")
-        self.eval_samples = gather_object(records) if acc.num_processes > 1 else records
-        metrics = evaluation_metrics(self.eval_samples, names, args.pass_threshold, prefix=f"{prefix}/")
-        metrics.update({f"{prefix}/{k}": v for k, v in logged.items()})
-        if self.agents is not None:
-            metrics.update({f"{prefix}/{k}": v for k, v in self.agents.metrics(acc).items()})
-        metrics[f"{prefix}_loss"] = (totals[0] / totals[1].clamp(min=1)).item()
-        return metrics
-
-    def _evaluation_loss(self, rollout, advantages: torch.Tensor) -> float:
-        """The GRPO loss value of an evaluation batch (no gradient): on-policy, so the ratio is 1 and the value
-        is the aggregate of -A (+ beta·KL)."""
-        args = self.args
-        width = rollout.completion_ids.shape[1]
-        batch = TrainBatch(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.attention_mask,
-                           rollout.loss_mask, rollout.lengths,
-                           advantages.to(rollout.prompt_ids.device)[:, None].expand(-1, width),
-                           multimodal=rollout.multimodal)  # fmt: skip
-        logprobs = self._logprobs_in_chunks(self.unwrapped_model, batch)
-        ref = None
-        if args.beta > 0:
-            with reference_policy(self.unwrapped_model, self.reference) as reference:
-                ref = self._logprobs_in_chunks(reference, batch)
-        loss, _ = policy_loss(logprobs, None, ref, batch.advantages, batch.loss_mask, **objective_options(args))
-        return loss.item()
 
     def _log_evaluation(self, step: int, sink: MetricSink) -> None:
         record = {"step": step, "epoch": round(self.state.epoch, 4), **self.evaluate()}
@@ -903,192 +615,17 @@ class GRPOTrainer:
                      with_weights: bool = True) -> None:  # fmt: skip
         # Each node's main process writes under save_on_each_node; transformers would leave it to rank 0 alone.
         with models_written_by_this_process(not self.accelerator.is_main_process):
-            self._write_model_files(output_dir, weights, with_weights)
+            write_model_files(output_dir, self.unwrapped_model, self.processing_class, weights,
+                              with_weights=with_weights, save_merged_model=self.args.save_merged,
+                              model_card=self._model_card)  # fmt: skip
 
-    def _write_model_files(self, output_dir: Path, weights: dict[str, torch.Tensor] | None,
-                           with_weights: bool) -> None:  # fmt: skip
-        output_dir.mkdir(parents=True, exist_ok=True)
-        model = self.unwrapped_model
-        if not with_weights:  # a sharded checkpoint: its config and tokenizer make the directory legible
-            if hasattr(getattr(model, "config", None), "save_pretrained"):
-                model.config.save_pretrained(output_dir)
-            if hasattr(self.processing_class, "save_pretrained"):
-                self.processing_class.save_pretrained(output_dir)
-            return
-        card = model_card_writable(output_dir)  # asked first: peft's save_pretrained writes a README.md of its own
-        if hasattr(model, "save_pretrained"):
-            # With LoRA: the adapter only. A sharded model saves the gathered weights.
-            model.save_pretrained(output_dir, safe_serialization=True,
-                                  **({"state_dict": weights} if weights is not None else {}))  # fmt: skip
-            if self.args.save_merged and is_peft_model(model):
-                save_merged(model, output_dir / "merged", self.processing_class, weights)
-        else:
-            from safetensors.torch import save_file
-
-            weights = model.state_dict() if weights is None else weights
-            save_file({k: v.contiguous() for k, v in weights.items()}, str(output_dir / "model.safetensors"))
-        if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
-            self.processing_class.save_pretrained(output_dir)
-        if card:
-            history = self.state.log_history
-            base_model = getattr(getattr(model, "config", None), "name_or_path", "") or "(a model object)"
-            write_model_card(output_dir, render_model_card(
-                self.args.run_name or Path(self.args.output_dir).name, base_model,
-                describe_dataset(self.train_dataset),
-                [(f.name, w) for f, w in zip(self.reward_functions, self.reward_weights.tolist())],
-                {**self.args.to_dict(), "max_steps": self.state.max_steps},
-                final_metrics=next((r for r in reversed(history) if "reward" in r), None),
-                final_eval=next((r for r in reversed(history) if "eval/reward" in r), None),
-            ))  # fmt: skip
-
-
-# ------------------------------------------------------------------------------------------------------ setup
-
-
-def check_run(args: GRPOConfig, train_dataset, eval_dataset, rollout_engine, tools, rollout_func,
-              environment_factory) -> None:  # fmt: skip
-    """The run-time checks (what GRPOConfig.validate cannot know: the data, the launch, the arguments)."""
-    check_agents(tools, rollout_func, environment_factory, rollout_engine)
-    check_dataset(train_dataset)
-    if is_iterable_dataset(train_dataset) and args.max_steps <= 0:
-        raise ValueError("train_dataset is an IterableDataset (no len()): set max_steps > 0 to say how long to "
-                         "train, as with transformers' Trainer.")  # fmt: skip
-    for name, dataset in named_eval_datasets(eval_dataset).items():
-        check_dataset(dataset, "eval_dataset" if name is None else f"eval_dataset[{name!r}]")
-    if eval_dataset is None and args.eval_strategy != "no":
-        raise ValueError(f"eval_strategy={args.eval_strategy!r} needs an eval_dataset: pass "
-                         f"GRPOTrainer(eval_dataset=...), or set eval_strategy='no'.")  # fmt: skip
-    if eval_dataset is None and args.eval_on_start:
-        raise ValueError("eval_on_start=True needs an eval_dataset: pass GRPOTrainer(eval_dataset=...), or set "
-                         "eval_on_start=False.")  # fmt: skip
-    if args.dynamic_sampling and (args.generation_batch_size % args.num_generations):
-        raise ValueError("dynamic_sampling keeps or drops whole groups: make the per-process generation batch a "
-                         "multiple of num_generations.")  # fmt: skip
-    if args.dynamic_sampling and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise NotImplementedError("dynamic_sampling runs in one process only for now: processes would draw "
-                                  "different numbers of prompt batches and fall out of step.")  # fmt: skip
-    if rollout_engine is not None and not isinstance(rollout_engine, RolloutEngine):
-        raise TypeError(f"rollout_engine={rollout_engine!r} is not a RolloutEngine: it needs generate(prompts, "
-                        f"params, seed) -> Rollout and sync_weights(model) (see grpokit.rollout.engine).")
-
-
-def moe_shape(config) -> tuple[int, int] | None:
-    """(experts, experts per token) of a mixture-of-experts config, whatever the family calls them; None if not MoE."""
-    experts = next((getattr(config, n) for n in ("num_experts", "num_local_experts", "n_routed_experts")
-                    if getattr(config, n, None)), None)  # fmt: skip
-    top_k = next((getattr(config, n) for n in ("num_experts_per_tok", "experts_per_token") if getattr(config, n, None)),
-                 None)  # fmt: skip
-    return (experts, top_k) if experts and top_k else None
-
-
-def router_aux_loss_coef(args: GRPOConfig, model) -> float:
-    """TRL's rule: router_aux_loss_coef, or (None) the MoE model config's own (Qwen3-MoE: 0.001); 0 turns it off."""
-    config = getattr(model, "config", None)
-    is_moe = moe_shape(config) is not None
-    if args.router_aux_loss_coef is None:
-        return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if is_moe else 0.0
-    if args.router_aux_loss_coef and not is_moe:
-        raise ValueError(f"router_aux_loss_coef={args.router_aux_loss_coef} needs a mixture-of-experts model (its "
-                         f"config has num_experts and num_experts_per_tok); this model has none. Set it to None.")
-    return float(args.router_aux_loss_coef)
-
-
-def objective_options(args: GRPOConfig) -> dict:
-    """The config's objective settings as policy_loss's keyword arguments."""
-    names = ("loss_type", "beta", "epsilon", "epsilon_high", "importance_sampling_level", "max_completion_length",
-             "delta", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-             "vespo_lambda_neg", "off_policy_mask_threshold", "use_bias_correction_kl")  # fmt: skip
-    return {name: getattr(args, name) for name in names}
-
-
-def reward_weights(args: GRPOConfig, count: int, environment_rewards: int = 0) -> torch.Tensor:
-    """One weight per reward function; the environments' get_reward functions (last) weigh 1, as in TRL."""
-    count -= environment_rewards
-    weights = args.reward_weights or [1.0] * count
-    if len(weights) != count:
-        raise ValueError(f"reward_weights has {len(weights)} entries for {count} reward functions; give one weight "
-                         f"per function.")  # fmt: skip
-    return torch.tensor(list(weights) + [1.0] * environment_rewards, dtype=torch.float32)
-
-
-def trains_on_policy(args: GRPOConfig) -> bool:
-    """Whether every micro-batch is trained on before the optimizer step that follows its sampling: one pass
-    (μ = 1) and each optimizer step's window holds whole generation batches. Otherwise π_old is needed."""
-    return args.num_iterations == 1 and args.gradient_accumulation_steps % args.steps_per_generation == 0
-
-
-def total_steps(args: GRPOConfig, train_dataset, num_processes: int) -> int:
-    """max_steps, or the optimizer steps that num_train_epochs passes over the prompts take."""
-    if args.max_steps > 0:
-        return args.max_steps
-    num_prompts = len(train_dataset)
-    prompts_per_generation = args.generation_batch_size * num_processes // args.num_generations
-    generations = math.ceil(args.num_train_epochs * num_prompts / prompts_per_generation)
-    micro_batches = generations * args.steps_per_generation * args.num_iterations
-    return max(math.ceil(micro_batches / args.gradient_accumulation_steps), 1)
-
-
-def build_scheduler(optimizer, args: GRPOConfig, max_steps: int):
-    from transformers import get_scheduler
-
-    warmup = args.warmup_steps or math.ceil(args.warmup_ratio * max_steps)
-    return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=max_steps,
-                         scheduler_specific_kwargs=args.lr_scheduler_kwargs or None)  # fmt: skip
-
-
-def best_metric_key(name: str, metrics: dict) -> str:
-    """The evaluation metric metric_for_best_model names, as transformers reads it ('loss' is eval_loss) or by
-    grpokit's own names ('reward' is eval/reward)."""
-    for key in (name, f"eval_{name}", f"eval/{name}"):
-        if key in metrics:
-            return key
-    raise ValueError(f"metric_for_best_model={name!r} is not among the evaluation's metrics: "
-                     f"{sorted(k for k in metrics if k not in ('step', 'epoch'))}.")  # fmt: skip
-
-
-def set_log_level(name: str) -> None:
-    """transformers' logging verbosity by TrainingArguments' level name ('passive': leave it)."""
-    if LOG_LEVELS[name] is not None:
-        from transformers.utils import logging as transformers_logging
-
-        transformers_logging.set_verbosity(LOG_LEVELS[name])
-
-
-def activation_offload(args: GRPOConfig, device: torch.device) -> ActivationOffload | None:
-    """The hooks that keep the training forward's saved tensors in host memory (activation_offloading), where there
-    is an accelerator to take them off."""
-    if not args.activation_offloading:
-        return None
-    if device.type == "cpu":
-        warnings.warn("activation_offloading=True has no effect on a CPU: the activations are in host memory "
-                      "already. It is left off; set it on GPU runs.", UserWarning, stacklevel=3)  # fmt: skip
-        return None
-    return ActivationOffload(device.type)
-
-
-def warn_like_trl(args: GRPOConfig, model, quantization_config) -> None:
-    """TRL's advisory warnings, with its wording's substance."""
-    if args.importance_sampling_level == "sequence" and args.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
-        warnings.warn(f"importance_sampling_level='sequence' with loss_type={args.loss_type!r}: the loss sums "
-                      f"per-token contributions, which weights each sequence by its length instead of optimising the "
-                      f"per-sequence objective; GSPO's setup is loss_type='grpo'.", UserWarning, stacklevel=3)
-    if not isinstance(model, str) and quantization_config is not None:
-        warnings.warn("quantization_config is ignored: the model is already instantiated (quantize it when loading, "
-                      "or pass the model as a path).", UserWarning, stacklevel=3)  # fmt: skip
-    if not isinstance(model, str) and args.model_init_kwargs:
-        warnings.warn("model_init_kwargs is ignored: the model is already instantiated.", UserWarning, stacklevel=3)
-
-
-def _short(value, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _none_if_nan(value: float) -> float | None:
-    return None if math.isnan(value) else value
-
-
-def as_steps(value: float, max_steps: int) -> int:
-    """TrainingArguments allow a fraction of the run for logging/saving intervals."""
-    return max(1, math.ceil(value * max_steps)) if 0 < value < 1 else max(1, int(value))
-
+    def _model_card(self) -> str:
+        model, history = self.unwrapped_model, self.state.log_history
+        base_model = getattr(getattr(model, "config", None), "name_or_path", "") or "(a model object)"
+        return render_model_card(
+            self.args.run_name or Path(self.args.output_dir).name, base_model, describe_dataset(self.train_dataset),
+            [(f.name, w) for f, w in zip(self.reward_functions, self.reward_weights.tolist())],
+            {**self.args.to_dict(), "max_steps": self.state.max_steps},
+            final_metrics=next((r for r in reversed(history) if "reward" in r), None),
+            final_eval=next((r for r in reversed(history) if "eval/reward" in r), None),
+        )  # fmt: skip

@@ -124,23 +124,25 @@ def test_return_free_memory_gives_back_the_holes_between_live_tensors_in_the_tra
 
 
 def test_the_trainer_returns_free_memory_after_the_rollout_and_the_no_grad_forwards(monkeypatch, tmp_path):
-    from grpokit import GRPOConfig, GRPOTrainer, trainer
+    from grpokit import GRPOConfig, GRPOTrainer, experience
     from grpokit.testing import save_tiny_model
 
     events = []
-    monkeypatch.setattr(trainer, "return_free_memory", lambda: events.append("free") or True)
+    monkeypatch.setattr(experience, "return_free_memory", lambda: events.append("free") or True)
+    logprobs_in_chunks = experience.logprobs_in_chunks
+    monkeypatch.setattr(experience, "logprobs_in_chunks", lambda *a, **k: events.append("logprobs_in_chunks") or
+                        logprobs_in_chunks(*a, **k))  # fmt: skip
     args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=4, max_steps=2, use_cpu=True, report_to="none", save_strategy="no",
                       disable_tqdm=True, beta=0.04)  # fmt: skip
     run = GRPOTrainer(model=str(save_tiny_model(tmp_path / "tiny")), args=args, train_dataset=[{"prompt": "ab"}] * 8,
                       reward_funcs=lambda completions, **kw: [0.0] * len(completions))  # fmt: skip
-    for name in ("_sample_and_score", "_logprobs_in_chunks"):
-        method = getattr(run, name)
-        monkeypatch.setattr(run, name, lambda *a, _name=name, _method=method, **k: events.append(_name) or
-                            _method(*a, **k))  # fmt: skip
+    sample_and_score = run.experience.sample_and_score
+    monkeypatch.setattr(run.experience, "sample_and_score", lambda *a, **k: events.append("sample_and_score") or
+                        sample_and_score(*a, **k))  # fmt: skip
     run.train()
     # Per step: the rollout, its free pages returned, the reference's forward, its free pages returned.
-    assert events == ["_sample_and_score", "free", "_logprobs_in_chunks", "free"] * 2
+    assert events == ["sample_and_score", "free", "logprobs_in_chunks", "free"] * 2
 
 
 IMPORTS_SCRIPT = """

@@ -57,7 +57,7 @@ def test_no_load_balancing_loss_with_a_zero_coefficient(tmp_path):
 
 def test_the_coefficient_defaults_to_the_model_configs_and_refuses_dense_models(tmp_path):
     from grpokit.testing import build_tiny_model
-    from grpokit.trainer import router_aux_loss_coef
+    from grpokit.build import router_aux_loss_coef
 
     assert router_aux_loss_coef(GRPOConfig(report_to="none"), tiny_qwen3_moe(16)) == 0.001
     assert router_aux_loss_coef(GRPOConfig(report_to="none"), build_tiny_model(16)) == 0.0

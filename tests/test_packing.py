@@ -17,7 +17,7 @@ import grpokit.logprobs as policy
 from grpokit.compat import is_activation_checkpointing
 from grpokit.logprobs import packing_refusal, token_logprobs
 from grpokit.packing import pack_rows
-from grpokit.rollout.hf import position_ids_from_mask
+from grpokit.forward import position_ids_from_mask
 from grpokit.testing import build_tiny_model, build_tiny_model_of_type
 
 ATOL32 = 1e-5

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..data import pad_left
+from ..rewards.builtin import exact_match
 from ..rollout import SamplingParams, generate
 from ..testing import build_char_tokenizer, build_tiny_model
 
@@ -28,10 +29,6 @@ LENGTH = 4
 def answer_format(completions, **kwargs) -> list[float]:
     """1 for a single letter (the format asked for), else 0."""
     return [float(len(c.strip()) == 1 and c.strip() in LETTERS) for c in completions]
-
-
-def exact_match(completions, target, **kwargs) -> list[float]:
-    return [float(c.strip() == t) for c, t in zip(completions, target)]
 
 
 @dataclass

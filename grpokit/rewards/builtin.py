@@ -59,20 +59,23 @@ def _code_execution(completions, tests, **kwargs):
 _code_execution.__name__ = "code_execution_reward"
 
 
-def _demo_exact_match(completions, target, **kwargs):
-    from ..demo.task import exact_match
+def exact_match(completions, target, **kwargs) -> list[float]:
+    """1.0 where a completion, stripped of surrounding white space, is its row's `target` exactly."""
+    return [float(c.strip() == t) for c, t in zip(completions, target)]
 
+
+def _exact_match(completions, target, **kwargs):
     return exact_match([completion_text(c) for c in completions], target)
 
 
-_demo_exact_match.__name__ = "exact_match"
+_exact_match.__name__ = "exact_match"
 
 BUILTIN_REWARDS = {
     "accuracy": accuracy_reward,
     "think_format": think_format_reward,
     "length": length_reward,
     "code_execution": _code_execution,
-    "exact_match": _demo_exact_match,
+    "exact_match": _exact_match,
 }
 
 

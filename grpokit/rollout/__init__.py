@@ -1,22 +1,29 @@
 """Sampling completions: the engine seam (`engine.py`), the in-process engine (`hf.py`, its token draws in
 `sampling.py` and CPU fast paths in `fast.py`), a scripted engine for tests (`scripted.py`), and the prompt codec
-every engine's inputs and outputs pass through (`prompts.py`)."""
+every engine's inputs and outputs pass through (`prompts.py`), and the runner that turns rows into a decoded
+rollout, single-turn or multi-turn (`runner.py`)."""
 
-from .engine import EVAL_SEED_OFFSET, PromptBatch, Rollout, RolloutEngine, SamplingParams, rollout_seed
+from .engine import (EVAL_SEED_OFFSET, PromptBatch, Rollout, RolloutEngine, SamplingParams, engine_logprobs_exact,
+                     rollout_seed)  # fmt: skip
 from .hf import HFEngine, generate
 from .prompts import PromptCodec, eos_token_ids, group_counts
+from .runner import Generation, MultiTurnDriver, RolloutRunner
 from .scripted import ScriptedCompletion, ScriptedEngine
 
 __all__ = [
     "EVAL_SEED_OFFSET",
+    "Generation",
     "HFEngine",
+    "MultiTurnDriver",
     "PromptBatch",
     "PromptCodec",
     "Rollout",
     "RolloutEngine",
+    "RolloutRunner",
     "SamplingParams",
     "ScriptedCompletion",
     "ScriptedEngine",
+    "engine_logprobs_exact",
     "eos_token_ids",
     "generate",
     "group_counts",

@@ -153,7 +153,14 @@ class Rollout:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """Anything that samples completions for the trainer (`GRPOTrainer(rollout_engine=...)`)."""
+    """Anything that samples completions for the trainer (`GRPOTrainer(rollout_engine=...)`).
+
+    What an engine guarantees about its log-probs is declared by a class attribute, `exact_logprobs: bool`
+    (optional; absent means False): True only where `Rollout.sampling_logprobs` equal the training forward's
+    log-probs of the same weights (grpokit's in-process engine in float32, tested to 1e-5). Then they serve as π_old
+    without another forward; otherwise they only feed the sampling corrections. Read it with
+    `engine_logprobs_exact(engine)`. It is not a protocol member, so that an engine without it still is one.
+    """
 
     def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
         """Sample prompts.counts[b] completions of each prompt b (rows in prompt order), reproducibly from seed."""
@@ -162,6 +169,15 @@ class RolloutEngine(Protocol):
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Make the engine sample from `model`'s current weights (called before each generation)."""
         ...
+
+
+def engine_logprobs_exact(engine: RolloutEngine) -> bool:
+    """The engine's declared `exact_logprobs` (see `RolloutEngine`); False where it declares nothing."""
+    declared = getattr(engine, "exact_logprobs", False)
+    if not isinstance(declared, bool):
+        raise TypeError(f"{type(engine).__name__}.exact_logprobs must be a bool (whether its sampling log-probs equal "
+                        f"the training forward's), got {declared!r}.")
+    return declared
 
 
 def rollout_seed(seed: int, generation: int, process_index: int) -> int:

@@ -18,23 +18,7 @@ import torch
 
 from ..compat import (attention_implementation, attention_implementation_set_to, replace_cache_layer,
                       replicate_layers_with)  # fmt: skip
-
-
-def model_config(model: torch.nn.Module):
-    """The config a transformers model's layers read (through a PeftModel, its base model's), or None."""
-    config = getattr(model, "config", None)
-    base = getattr(model, "get_base_model", lambda: None)()
-    return getattr(base, "config", config)
-
-
-def model_cache(config):
-    """An empty DynamicCache laid out for `config` as the model would lay out its own: one cache layer per decoder
-    layer, of transformers' class for its kind (full attention, sliding window, linear attention / Mamba, none for
-    attention-free MoE or MLP blocks). Without a transformers config, full-attention layers made as they are
-    written."""
-    from transformers import DynamicCache, PretrainedConfig
-
-    return DynamicCache(config=config) if isinstance(config, PretrainedConfig) else DynamicCache()
+from ..forward import model_cache, model_config
 
 
 def keeps_whole_rollout(layers, capacity: int) -> list[bool]:

@@ -17,9 +17,10 @@ import torch
 from ..compat import cache_argument, output_cache, select_cache_rows
 from ..config import CACHE_IMPLEMENTATIONS
 from ..distributed import is_sharded
+from ..forward import forward_accepts, logits_of, model_config, position_ids_from_mask
 from ..multimodal import MultimodalInputs, batch_model_inputs, rope_position_ids
 from .engine import PromptBatch, Rollout, SamplingParams
-from .fast import model_config, one_token_attention, sampling_cache
+from .fast import one_token_attention, sampling_cache
 from .sampling import sample_tokens
 
 if TYPE_CHECKING:
@@ -90,15 +91,6 @@ def autocast_keeps_frozen_casts(model: torch.nn.Module):
 # ------------------------------------------------------------------------------------------------ decoders
 
 
-def logits_of(output) -> torch.Tensor:
-    return output.logits if hasattr(output, "logits") else output
-
-
-def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
-    """Positions that skip left padding: [0 0 0 1 2] for mask [0 0 1 1 1]."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
 def supports_kv_cache(model: torch.nn.Module) -> bool:
     """Hugging Face causal LMs take a KV cache (`compat.cache_argument`); a plain nn.Module usually does not."""
     try:
@@ -119,14 +111,6 @@ def adapter_wraps_kv_cache_model(model: torch.nn.Module) -> bool:
     if config is None or getattr(config, "is_prompt_learning", False):
         return False
     return supports_kv_cache(model.get_base_model())
-
-
-def forward_accepts(model: torch.nn.Module, name: str) -> bool:
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def sampling_forward_kwargs(model: torch.nn.Module) -> dict:

@@ -25,8 +25,8 @@ import functools
 import torch
 
 from ..compat import replace_cache_layer
-from .fast import model_cache, model_config
-from .hf import CachedDecoder, logits_of
+from ..forward import logits_of, model_cache, model_config
+from .hf import CachedDecoder
 
 # A rollout's positions (prompt + completion) are rounded up to a multiple of this, so that prompt batches of
 # slightly different widths reuse one cache and one compiled step.

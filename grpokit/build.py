@@ -1,0 +1,178 @@
+"""The trainer's set-up, outside the loop: the run-time checks (what `GRPOConfig.validate` cannot know: the data,
+the launch, the arguments), TRL's advisory warnings, and the small parts built from the config (the schedule, the
+reward weights, the MoE auxiliary loss coefficient, activation offloading)."""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+import torch
+
+from .agents import check_agents
+from .config import LOG_LEVELS, GRPOConfig
+from .data import check_dataset, is_iterable_dataset, named_eval_datasets
+from .offload import ActivationOffload
+from .distributed import all_processes_done, is_sharded
+from .models import full_precision
+from .rollout import HFEngine, RolloutEngine
+
+
+def check_run(args: GRPOConfig, train_dataset, eval_dataset, rollout_engine, tools, rollout_func,
+              environment_factory) -> None:  # fmt: skip
+    """The run-time checks (what GRPOConfig.validate cannot know: the data, the launch, the arguments)."""
+    check_agents(tools, rollout_func, environment_factory, rollout_engine)
+    check_dataset(train_dataset)
+    if is_iterable_dataset(train_dataset) and args.max_steps <= 0:
+        raise ValueError("train_dataset is an IterableDataset (no len()): set max_steps > 0 to say how long to "
+                         "train, as with transformers' Trainer.")  # fmt: skip
+    for name, dataset in named_eval_datasets(eval_dataset).items():
+        check_dataset(dataset, "eval_dataset" if name is None else f"eval_dataset[{name!r}]")
+    if eval_dataset is None and args.eval_strategy != "no":
+        raise ValueError(f"eval_strategy={args.eval_strategy!r} needs an eval_dataset: pass "
+                         f"GRPOTrainer(eval_dataset=...), or set eval_strategy='no'.")  # fmt: skip
+    if eval_dataset is None and args.eval_on_start:
+        raise ValueError("eval_on_start=True needs an eval_dataset: pass GRPOTrainer(eval_dataset=...), or set "
+                         "eval_on_start=False.")  # fmt: skip
+    if args.dynamic_sampling and (args.generation_batch_size % args.num_generations):
+        raise ValueError("dynamic_sampling keeps or drops whole groups: make the per-process generation batch a "
+                         "multiple of num_generations.")  # fmt: skip
+    if args.dynamic_sampling and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise NotImplementedError("dynamic_sampling runs in one process only for now: processes would draw "
+                                  "different numbers of prompt batches and fall out of step.")  # fmt: skip
+    if rollout_engine is not None and not isinstance(rollout_engine, RolloutEngine):
+        raise TypeError(f"rollout_engine={rollout_engine!r} is not a RolloutEngine: it needs generate(prompts, "
+                        f"params, seed) -> Rollout and sync_weights(model) (see grpokit.rollout.engine).")
+
+
+def moe_shape(config) -> tuple[int, int] | None:
+    """(experts, experts per token) of a mixture-of-experts config, whatever the family calls them; None if not MoE."""
+    experts = next((getattr(config, n) for n in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if getattr(config, n, None)), None)  # fmt: skip
+    top_k = next((getattr(config, n) for n in ("num_experts_per_tok", "experts_per_token") if getattr(config, n, None)),
+                 None)  # fmt: skip
+    return (experts, top_k) if experts and top_k else None
+
+
+def router_aux_loss_coef(args: GRPOConfig, model) -> float:
+    """TRL's rule: router_aux_loss_coef, or (None) the MoE model config's own (Qwen3-MoE: 0.001); 0 turns it off."""
+    config = getattr(model, "config", None)
+    is_moe = moe_shape(config) is not None
+    if args.router_aux_loss_coef is None:
+        return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if is_moe else 0.0
+    if args.router_aux_loss_coef and not is_moe:
+        raise ValueError(f"router_aux_loss_coef={args.router_aux_loss_coef} needs a mixture-of-experts model (its "
+                         f"config has num_experts and num_experts_per_tok); this model has none. Set it to None.")
+    return float(args.router_aux_loss_coef)
+
+
+
+def reward_weights(args: GRPOConfig, count: int, environment_rewards: int = 0) -> torch.Tensor:
+    """One weight per reward function; the environments' get_reward functions (last) weigh 1, as in TRL."""
+    count -= environment_rewards
+    weights = args.reward_weights or [1.0] * count
+    if len(weights) != count:
+        raise ValueError(f"reward_weights has {len(weights)} entries for {count} reward functions; give one weight "
+                         f"per function.")  # fmt: skip
+    return torch.tensor(list(weights) + [1.0] * environment_rewards, dtype=torch.float32)
+
+
+
+def total_steps(args: GRPOConfig, train_dataset, num_processes: int) -> int:
+    """max_steps, or the optimizer steps that num_train_epochs passes over the prompts take."""
+    if args.max_steps > 0:
+        return args.max_steps
+    num_prompts = len(train_dataset)
+    prompts_per_generation = args.generation_batch_size * num_processes // args.num_generations
+    generations = math.ceil(args.num_train_epochs * num_prompts / prompts_per_generation)
+    micro_batches = generations * args.steps_per_generation * args.num_iterations
+    return max(math.ceil(micro_batches / args.gradient_accumulation_steps), 1)
+
+
+def build_scheduler(optimizer, args: GRPOConfig, max_steps: int):
+    from transformers import get_scheduler
+
+    warmup = args.warmup_steps or math.ceil(args.warmup_ratio * max_steps)
+    return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=max_steps,
+                         scheduler_specific_kwargs=args.lr_scheduler_kwargs or None)  # fmt: skip
+
+
+def best_metric_key(name: str, metrics: dict) -> str:
+    """The evaluation metric metric_for_best_model names, as transformers reads it ('loss' is eval_loss) or by
+    grpokit's own names ('reward' is eval/reward)."""
+    for key in (name, f"eval_{name}", f"eval/{name}"):
+        if key in metrics:
+            return key
+    raise ValueError(f"metric_for_best_model={name!r} is not among the evaluation's metrics: "
+                     f"{sorted(k for k in metrics if k not in ('step', 'epoch'))}.")  # fmt: skip
+
+
+def set_log_level(name: str) -> None:
+    """transformers' logging verbosity by TrainingArguments' level name ('passive': leave it)."""
+    if LOG_LEVELS[name] is not None:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.set_verbosity(LOG_LEVELS[name])
+
+
+def activation_offload(args: GRPOConfig, device: torch.device) -> ActivationOffload | None:
+    """The hooks that keep the training forward's saved tensors in host memory (activation_offloading), where there
+    is an accelerator to take them off."""
+    if not args.activation_offloading:
+        return None
+    if device.type == "cpu":
+        warnings.warn("activation_offloading=True has no effect on a CPU: the activations are in host memory "
+                      "already. It is left off; set it on GPU runs.", UserWarning, stacklevel=3)  # fmt: skip
+        return None
+    return ActivationOffload(device.type)
+
+
+def warn_like_trl(args: GRPOConfig, model, quantization_config) -> None:
+    """TRL's advisory warnings, with its wording's substance."""
+    if args.importance_sampling_level == "sequence" and args.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        warnings.warn(f"importance_sampling_level='sequence' with loss_type={args.loss_type!r}: the loss sums "
+                      f"per-token contributions, which weights each sequence by its length instead of optimising the "
+                      f"per-sequence objective; GSPO's setup is loss_type='grpo'.", UserWarning, stacklevel=3)
+    if not isinstance(model, str) and quantization_config is not None:
+        warnings.warn("quantization_config is ignored: the model is already instantiated (quantize it when loading, "
+                      "or pass the model as a path).", UserWarning, stacklevel=3)  # fmt: skip
+    if not isinstance(model, str) and args.model_init_kwargs:
+        warnings.warn("model_init_kwargs is ignored: the model is already instantiated.", UserWarning, stacklevel=3)
+
+
+
+
+def as_steps(value: float, max_steps: int) -> int:
+    """TrainingArguments allow a fraction of the run for logging/saving intervals."""
+    return max(1, math.ceil(value * max_steps)) if 0 < value < 1 else max(1, int(value))
+
+
+
+def build_engine(model, args: GRPOConfig, processing_class, accelerator) -> RolloutEngine:
+    """The default engine: vLLM (use_vllm; imported only then), else sampling in this process from the policy."""
+    if args.use_vllm:
+        from .rollout.vllm import engine_from_config
+
+        return engine_from_config(model, args, processing_class, accelerator.process_index, accelerator.num_processes,
+                                  accelerator.local_process_index)  # fmt: skip
+    # With sharded parameters every forward is a collective: the processes sample in step (see generate()).
+    all_done = all_processes_done if is_sharded(model) else None
+    exact = not (args.bf16 or args.fp16) and full_precision(model)  # bf16 weights: not exact
+    compile = False if (args.generation_kwargs or {}).get("disable_compile") else None
+    return HFEngine(model, accelerator.device, autocast=accelerator.autocast, all_done=all_done, exact_logprobs=exact,
+                    cache_implementation=args.cache_implementation, compile=compile)  # fmt: skip
+
+
+def check_checkpoint_format(args: GRPOConfig, checkpoint_format: str, sharded: bool) -> None:
+    """The checkpoint options that the run's checkpoint format (plain, FSDP2 sharded, DeepSpeed) cannot honour."""
+    if args.save_on_each_node and (sharded or checkpoint_format != "plain"):
+        raise NotImplementedError("save_on_each_node=True is supported with whole weights in every process "
+                                  "(DDP, or one process per node): under FSDP2 and DeepSpeed every process writes "
+                                  "its part of a checkpoint into one directory, so put output_dir on storage all "
+                                  "nodes share and leave save_on_each_node False.")  # fmt: skip
+    if args.load_best_model_at_end and checkpoint_format != "plain":
+        raise ValueError(f"load_best_model_at_end=True loads plain checkpoints only; this run writes "
+                         f"{checkpoint_format} ones (FSDP2 SHARDED_STATE_DICT / DeepSpeed). Set it False "
+                         f"and load trainer.state.best_model_checkpoint (metric_for_best_model tracks it) "
+                         f"yourself, or use FULL_STATE_DICT checkpoints.")  # fmt: skip

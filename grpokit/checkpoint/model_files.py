@@ -1,0 +1,43 @@
+"""A model directory as transformers and peft read it: the weights (a LoRA adapter alone, and the merged model when
+asked), the config, the tokenizer or processor, and the model card."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..model_card import model_card_writable, write_model_card
+from ..models import is_peft_model, save_merged
+
+
+def write_model_files(output_dir: Path, model, processing_class, weights: dict[str, torch.Tensor] | None = None, *,
+                      with_weights: bool = True, save_merged_model: bool = False,
+                      model_card: Callable[[], str] | None = None) -> None:  # fmt: skip
+    """Write `model` (its `weights` instead, when a sharded model's were gathered) into output_dir. Without weights
+    (a sharded checkpoint keeps them in its own format), the config and processing class only, which make the
+    directory legible. `model_card` renders the README.md, written unless the user keeps one of their own there."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if not with_weights:
+        if hasattr(getattr(model, "config", None), "save_pretrained"):
+            model.config.save_pretrained(output_dir)
+        if hasattr(processing_class, "save_pretrained"):
+            processing_class.save_pretrained(output_dir)
+        return
+    card = model_card is not None and model_card_writable(output_dir)  # first: peft writes a README.md of its own
+    if hasattr(model, "save_pretrained"):
+        # With LoRA: the adapter only. A sharded model saves the gathered weights.
+        model.save_pretrained(output_dir, safe_serialization=True,
+                              **({"state_dict": weights} if weights is not None else {}))  # fmt: skip
+        if save_merged_model and is_peft_model(model):
+            save_merged(model, output_dir / "merged", processing_class, weights)
+    else:
+        from safetensors.torch import save_file
+
+        weights = model.state_dict() if weights is None else weights
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(output_dir / "model.safetensors"))
+    if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+        processing_class.save_pretrained(output_dir)
+    if card:
+        write_model_card(output_dir, model_card())

@@ -1,0 +1,316 @@
+"""Experience: prompt rows → rollout (`RolloutRunner`) → scores (`RewardScorer`) → advantages → `TrainBatch` with
+π_old and π_ref where the loss needs them; and evaluation, from the same parts.
+
+`ExperienceMaker.make` returns everything one generation produced — the batch, its metrics (already reduced over
+processes), the completions-log rows, the tokens it consumed and how many rollouts it drew — and writes nothing into
+the trainer: the trainer decides what to record. That is what lets the maker run ahead of training (a producer) as
+well as in step with it.
+
+Batch semantics are TRL's: a process generates `generation_batch_size` completions at a time (G per prompt; a
+prompt's group may span processes, so advantages are computed over the whole global batch), and its rows come
+shuffled so that each optimizer step sees a mix of groups.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .advantages import combine_and_normalize, group_advantages, group_stats, process_advantages
+from .batch import ScoredRollout, TrainBatch
+from .config import GRPOConfig
+from .cpu_memory import return_free_memory
+from .data import dataset_rows, is_iterable_dataset
+from .distributed import is_sharded
+from .evaluation import evaluation_metrics, group_records
+from .logprobs import token_logprobs
+from .logs import generation_metrics, reduce_extremes
+from .loss import policy_loss, sampling_correction
+from .models import reference_policy
+from .multimodal import loggable_prompt
+from .rewards.scorer import RewardScorer
+from .rollout import EVAL_SEED_OFFSET, Generation, RolloutRunner, group_counts, rollout_seed
+from .signals import duplicate_ratio, sequence_keys
+
+
+@dataclass
+class Experience:
+    """What one generation produced on this process."""
+
+    batch: TrainBatch  # this process's rows, shuffled, with advantages (and π_old, π_ref where needed)
+    metrics: dict[str, float]  # TRL's generation metrics and grpokit's, reduced over processes
+    samples: list[dict] | None  # the completions-log rows (log_completions), else None
+    num_tokens: int  # prompt + completion tokens of the whole global batch
+    rollouts: int  # rollouts drawn (dynamic sampling may draw more than one); each took one generation seed
+
+
+def trains_on_policy(args: GRPOConfig) -> bool:
+    """Whether every micro-batch is trained on before the optimizer step that follows its sampling: one pass
+    (μ = 1) and each optimizer step's window holds whole generation batches. Otherwise π_old is needed."""
+    return args.num_iterations == 1 and args.gradient_accumulation_steps % args.steps_per_generation == 0
+
+
+@torch.no_grad()
+def logprobs_in_chunks(model, batch: TrainBatch, args: GRPOConfig, autocast) -> torch.Tensor:
+    """Log-probs [N, T] of batch's completions under model (π_old, π_ref, or the policy in evaluation),
+    per_device_train_batch_size rows at a time, under `autocast` (the accelerator's)."""
+    out = []
+    for part in batch.split(args.per_device_train_batch_size):
+        with autocast():
+            logprobs, _ = token_logprobs(model, part.input_ids, part.input_mask, part.completion_ids.shape[1],
+                                         args.temperature, fp32_head=args.cast_lm_head_to_fp32,
+                                         multimodal=part.multimodal, padding_free=args.padding_free)  # fmt: skip
+        out.append(logprobs.float())
+    return torch.cat(out)
+
+
+class ExperienceMaker:
+    """Turns the next prompt rows into an `Experience`.
+
+    policy: returns the policy being trained (unwrapped); reference: the frozen reference model, or None (LoRA: the
+    policy with its adapter off; beta = 0: none needed); draw_prompts(n): the next n distinct prompt rows."""
+
+    def __init__(self, args: GRPOConfig, accelerator, runner: RolloutRunner, scorer: RewardScorer,
+                 policy: Callable[[], torch.nn.Module], reference,
+                 draw_prompts: Callable[[int], list[dict]]):  # fmt: skip
+        self.args, self.accelerator, self.runner, self.scorer = args, accelerator, runner, scorer
+        self.policy, self.reference, self.draw_prompts = policy, reference, draw_prompts
+
+    def make(self, generation: int, trainer_state=None) -> Experience:
+        """The experience of generation `generation` (its rollout seeds: generation, generation + 1, ... for each
+        rollout drawn). `trainer_state` is what reward functions receive as their `trainer_state` argument."""
+        args, acc, device = self.args, self.accelerator, self.accelerator.device
+        metrics: dict[str, float] = {}
+        scored = self._sample_and_score(generation, trainer_state)
+        rollouts = 1
+        if device.type == "cpu":  # the rollout's freed heap (cpu_memory: its holes fit no later tensor)
+            return_free_memory()
+        if args.dynamic_sampling:
+            scored, extra_rollouts, sampling_metrics = self._fill_with_varied_groups(scored, generation + 1,
+                                                                                     trainer_state)  # fmt: skip
+            rollouts += extra_rollouts
+            metrics.update(sampling_metrics)
+        rollout, offset, n = scored.rollout, scored.offset, len(scored.rows)
+        all_scores = acc.gather(scored.scores.to(device)).cpu()
+        rewards = self.scorer.outcome_rewards(all_scores)
+        advantages = self._advantages(scored, all_scores)
+        loss_mask = rollout.loss_mask
+        if args.mask_truncated_completions:
+            loss_mask = loss_mask * (~rollout.is_truncated)[:, None].to(loss_mask.dtype)
+        batch = TrainBatch.from_rollout(rollout, advantages[offset : offset + n], loss_mask)
+        metrics.update(self._add_old_and_ref_logprobs(batch, rollout.sampling_logprobs))
+        if device.type == "cpu":  # and the no-grad forwards' (π_old, π_ref), before the training forward
+            return_free_memory()
+        generated, num_tokens = self._generation_metrics(all_scores, rewards, scored)
+        metrics.update(generated)
+        metrics.update(self.scorer.logs.flush_metrics(acc))
+        metrics.update(self.runner.metrics(acc))
+        extra = self.scorer.logs.flush_extra()
+        samples = None
+        if args.log_completions:
+            shown = min(args.num_completions_to_print or args.num_generations, n)
+            samples = [
+                {**loggable_prompt(scored.prompts[i], args.log_multimodal), "completion": scored.completions[i],
+                 "rewards": {name: _none_if_nan(all_scores[offset + i, j].item())
+                             for j, name in enumerate(self.scorer.names)},
+                 "reward": _none_if_nan(rewards[offset + i].item()),
+                 "advantage": advantages[offset + i].float().mean().item(),
+                 **({"extra": {k: v[i] for k, v in extra.items() if i < len(v)}} if extra else {})}
+                for i in range(shown)
+            ]  # fmt: skip
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed + generation + rollouts))
+        return Experience(batch.select(order), metrics, samples, num_tokens, rollouts)
+
+    # ------------------------------------------------------------------------------------------ the parts
+
+    def sample_and_score(self, rows: list[dict], counts: list[int], seed: int,
+                         trainer_state=None) -> tuple[Generation, Any]:  # fmt: skip
+        """Sample rows with the current policy's weights and score them: (generation, scores). Evaluation and
+        training both go through here."""
+        self.runner.sync_weights(self.policy())
+        generation = self.runner.run(rows, counts, seed)
+        return generation, self.scorer.score(generation.rows, generation.completions, generation.completion_ids,
+                                             trainer_state)  # fmt: skip
+
+    def _sample_and_score(self, generation: int, trainer_state) -> ScoredRollout:
+        """Draw this process's next rows, sample their completions and score them."""
+        args, acc = self.args, self.accelerator
+        per_process = args.generation_batch_size
+        prompts = self.draw_prompts(per_process * acc.num_processes // args.num_generations)
+        offset = acc.process_index * per_process
+        global_rows = [row for row in prompts for _ in range(args.num_generations)]  # each prompt G times
+        rows = global_rows[offset : offset + per_process]
+        seed = rollout_seed(args.seed, generation, acc.process_index)
+        sampled, scores = self.sample_and_score(rows, group_counts(len(rows), args.num_generations, offset), seed,
+                                                trainer_state)  # fmt: skip
+        return ScoredRollout(sampled.rows, scores.prompts, sampled.completions, sampled.completion_ids,
+                             sampled.rollout, scores.scores, scores.failures, scores.step_rewards, scores.step_ends,
+                             offset, sampled.model_lengths)  # fmt: skip
+
+    def _fill_with_varied_groups(self, first: ScoredRollout, generation: int,
+                                 trainer_state) -> tuple[ScoredRollout, int, dict]:  # fmt: skip
+        """DAPO's dynamic sampling: keep only groups whose rewards vary, and sample more prompts until the batch
+        is full (at most max_resample_rounds more rounds; then zero-spread groups fill the rest, counted).
+        Returns (the batch, the rollouts drawn beyond the first, metrics)."""
+        args, size, G = self.args, len(first.rows), self.args.num_generations
+
+        def groups(scored: ScoredRollout, varied: bool) -> list[int]:
+            _, std = group_stats(self.scorer.outcome_rewards(scored.scores), G)
+            return [i for g, s in enumerate(std.tolist()) if (s > 0) == varied for i in range(g * G, (g + 1) * G)]
+
+        kept, rounds, current = [], 0, first
+        while True:
+            kept.append(current.select(groups(current, varied=True)))
+            if sum(len(k.rows) for k in kept) >= size or rounds >= args.max_resample_rounds:
+                break
+            current, rounds = self._sample_and_score(generation + rounds, trainer_state), rounds + 1
+        filled = ScoredRollout.concat(kept)
+        missing = size - len(filled.rows)
+        metrics = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/filled_groups": max(missing, 0) / G}
+        if missing > 0:  # out of rounds: complete the batch with the first round's zero-spread groups
+            filled = ScoredRollout.concat([filled, first.select(groups(first, varied=False)[:missing])])
+        return filled.select(list(range(size))), rounds, metrics
+
+    def _advantages(self, scored: ScoredRollout, all_scores: torch.Tensor) -> torch.Tensor:
+        """[N_global] or [N_global, T] (with process rewards): advantages over the whole global batch."""
+        args, acc, scorer = self.args, self.accelerator, self.scorer
+        process = scorer.process_indices
+        outcome = [i for i in range(len(scorer.functions)) if i not in process]
+        if outcome:  # advantages.py: the estimator and the multi-objective aggregation (docs/objectives.md)
+            token_counts = None
+            if args.advantage_estimator == "reinforce_pp_baseline":
+                token_counts = acc.gather(scored.rollout.loss_mask.sum(-1).to(acc.device)).cpu().float()
+            advantages = combine_and_normalize(all_scores[:, outcome], scorer.weights[outcome], args.num_generations,
+                                               estimator=args.advantage_estimator, scale_rewards=args.scale_rewards,
+                                               token_counts=token_counts,
+                                               multi_objective_aggregation=args.multi_objective_aggregation)
+        else:  # only process rewards: the per-token advantages below are the whole signal
+            advantages = torch.zeros(len(all_scores))
+        if process:
+            advantages = self._add_process_advantages(advantages, process, scored.step_rewards, scored.step_ends,
+                                                      scored.rollout.completion_ids.shape[1])  # fmt: skip
+        return advantages
+
+    def _add_process_advantages(self, advantages, process, step_rewards, step_ends, width) -> torch.Tensor:
+        """Outcome advantages [N_global] broadcast over tokens, plus each process function's weighted token
+        advantages; every process gathers the step rewards of the whole batch (groups may span processes)."""
+        from accelerate.utils import gather_object
+
+        gather = gather_object if self.accelerator.num_processes > 1 else (lambda values: values)
+        ends, width = gather(step_ends), max(gather([width]))
+        token_advantages = advantages[:, None].expand(-1, width).clone()
+        for index in process:
+            token_advantages += self.scorer.weights[index] * process_advantages(
+                gather(step_rewards[index]), ends, self.args.num_generations, width
+            )
+        return token_advantages
+
+    def _add_old_and_ref_logprobs(self, batch: TrainBatch, sampling_logprobs) -> dict[str, float]:
+        """π_old where some optimizer step trains on the batch after the policy moved (or vLLM's correction
+        needs it), the correction itself, and π_ref when beta > 0. Returns the correction's metrics."""
+        args, acc = self.args, self.accelerator
+        # With vLLM (TRL: use_vllm and its correction) π_old is always the training forward's; the sampler's
+        # log-probs only feed the correction.
+        corrected = args.use_vllm and args.vllm_importance_sampling_correction
+        metrics = {}
+        if not trains_on_policy(args) or corrected:
+            # The engine's log-probs serve as π_old only where they are the training forward's (the in-process
+            # engine in float32, tested to 1e-5); otherwise π_old comes from a training-style forward.
+            exact = self.runner.exact_logprobs and sampling_logprobs is not None and not corrected
+            batch.old_logprobs = sampling_logprobs if exact else logprobs_in_chunks(self.policy(), batch, args,
+                                                                                    acc.autocast)  # fmt: skip
+        if corrected:
+            if sampling_logprobs is None:
+                raise ValueError(f"vllm_importance_sampling_correction needs the engine's sampling log-probs, and "
+                                 f"{type(self.runner.engine).__name__} reports none: set "
+                                 f"vllm_importance_sampling_correction=False.")  # fmt: skip
+            batch.sampling_ratio, stats = sampling_correction(
+                batch.old_logprobs, sampling_logprobs, batch.loss_mask, mode=args.vllm_importance_sampling_mode,
+                clip_min=args.vllm_importance_sampling_clip_min, clip_max=args.vllm_importance_sampling_clip_max)
+            metrics = reduce_extremes(acc, stats)
+        if args.beta > 0:
+            with reference_policy(self.policy(), self.reference) as reference:
+                batch.ref_logprobs = logprobs_in_chunks(reference, batch, args, acc.autocast)
+        return metrics
+
+    def _generation_metrics(self, scores, rewards, scored: ScoredRollout) -> tuple[dict[str, float], int]:
+        """TRL's generation metrics over the global batch, and its prompt + completion token count."""
+        args, acc, rollout = self.args, self.accelerator, scored.rollout
+        lengths = acc.gather(scored.model_lengths.float()).cpu()
+        truncated = acc.gather(rollout.is_truncated.float()).cpu()
+        tokens = acc.gather((rollout.prompt_mask.sum() + rollout.attention_mask.sum()).reshape(1)).sum().item()
+        keys = torch.tensor(sequence_keys(rollout.completion_ids, rollout.attention_mask), device=acc.device)
+        # Reward errors are counted where they happen: the metric is the total over the processes.
+        names, failures = self.scorer.names, scored.failures
+        errors = acc.reduce(torch.tensor([float(failures.get(name, 0)) for name in names], device=acc.device),
+                            "sum").tolist()  # fmt: skip
+        metrics = generation_metrics(rewards, scores, names, lengths, truncated, args.num_generations,
+                                     errors={n: e for n, e in zip(names, errors) if n in failures or e})
+        metrics["completions/duplicate_ratio"] = duplicate_ratio(acc.gather(keys).tolist(), args.num_generations)
+        return metrics, int(tokens)
+
+
+class Evaluator:
+    """`GRPOTrainer.evaluate`'s sampling and scoring: num_generations_eval completions per prompt with fixed seeds
+    (the same weights always give the same evaluation), scored by the training scorer, with the GRPO loss of those
+    completions (on-policy: the ratio is 1, so the value is the aggregate of -A, + beta·KL, as TRL computes it in
+    evaluation)."""
+
+    def __init__(self, args: GRPOConfig, accelerator, maker: ExperienceMaker):
+        self.args, self.accelerator, self.maker = args, accelerator, maker
+
+    @torch.no_grad()
+    def evaluate(self, dataset, prefix: str, trainer_state=None) -> tuple[dict[str, float], list[dict]]:
+        """(metrics prefixed `prefix/` and `prefix_loss`, the per-prompt records of every process)."""
+        from accelerate.utils import gather_object
+
+        args, acc, maker = self.args, self.accelerator, self.maker
+        if is_iterable_dataset(dataset):
+            dataset = dataset_rows(dataset)
+        n, names = args.num_generations_eval, maker.scorer.names
+        indices = list(range(acc.process_index, len(dataset), acc.num_processes))
+        prompts_per_batch = max(1, args.per_device_eval_batch_size // n)
+        batches = math.ceil(len(indices) / prompts_per_batch)
+        if is_sharded(maker.policy()):  # every process samples as many batches as the busiest one
+            batches = math.ceil(math.ceil(len(dataset) / acc.num_processes) / prompts_per_batch)
+        records, loss_sum, loss_count = [], 0.0, 0
+        for batch_index in range(batches):
+            chunk = indices[batch_index * prompts_per_batch : (batch_index + 1) * prompts_per_batch]
+            # A process with no prompts left samples a discarded one, in step with the others.
+            rows = [dataset[i] for i in (chunk or [0]) for _ in range(n)]
+            seed = rollout_seed(args.seed + EVAL_SEED_OFFSET, batch_index, acc.process_index)
+            sampled, scores = maker.sample_and_score(rows, [n] * (len(rows) // n), seed, trainer_state)
+            rewards = maker.scorer.outcome_rewards(scores.scores)
+            loss = self._loss(sampled.rollout, group_advantages(rewards, n, args.scale_rewards))
+            if not chunk:
+                continue
+            loss_sum, loss_count = loss_sum + loss, loss_count + 1
+            records += group_records(scores.prompts, sampled.completions, scores.scores, rewards,
+                                     sampled.rollout.lengths, sampled.rollout.is_truncated, names, n)  # fmt: skip
+        maker.scorer.logs.flush_extra()
+        logged = maker.scorer.logs.flush_metrics(acc)
+        totals = acc.reduce(torch.tensor([loss_sum, float(loss_count)], dtype=torch.float64, device=acc.device), "sum")
+        samples = gather_object(records) if acc.num_processes > 1 else records
+        metrics = evaluation_metrics(samples, names, args.pass_threshold, prefix=f"{prefix}/")
+        metrics.update({f"{prefix}/{k}": v for k, v in logged.items()})
+        metrics.update({f"{prefix}/{k}": v for k, v in maker.runner.metrics(acc).items()})
+        metrics[f"{prefix}_loss"] = (totals[0] / totals[1].clamp(min=1)).item()
+        return metrics, samples
+
+    def _loss(self, rollout, advantages: torch.Tensor) -> float:
+        args, maker, autocast = self.args, self.maker, self.accelerator.autocast
+        batch = TrainBatch.from_rollout(rollout, advantages)
+        logprobs = logprobs_in_chunks(maker.policy(), batch, args, autocast)
+        ref = None
+        if args.beta > 0:
+            with reference_policy(maker.policy(), maker.reference) as reference:
+                ref = logprobs_in_chunks(reference, batch, args, autocast)
+        loss, _ = policy_loss(logprobs, None, ref, batch.advantages, batch.loss_mask, **args.objective_options())
+        return loss.item()
+
+
+def _none_if_nan(value: float) -> float | None:
+    return None if math.isnan(value) else value
