@@ -463,7 +463,8 @@ class GRPOConfig:
     vllm_server_host: str = _f("0.0.0.0", "Server mode: the server's host (when no vllm_server_base_url).")
     vllm_server_port: int = _f(8000, "Server mode: the server's port (when no vllm_server_base_url).")
     vllm_server_timeout: float = _f(240.0, "Server mode: seconds to wait for the server to come up, and for each "
-                                           "request, before failing with a clear error.")
+                                           "request in all (its retries after a connection error included, after "
+                                           "pauses of 2, 4, 8 s), before failing with a clear error.")
     vllm_group_port: int | None = _f(None, "Server mode: push the weights through a process group with the server, "
                                            "whose store it hosts at this port (NCCL between GPUs, gloo between "
                                            "CPUs), as TRL does at its default 51216. None (grpokit's default): "

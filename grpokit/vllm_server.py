@@ -14,7 +14,8 @@ The protocol is plain HTTP with JSON (stdlib on both sides; one request at a tim
 
     GET  /health          {"status": "ok"}
     GET  /info            the served model's shape (model_type, vocab_size, hidden_size, num_hidden_layers,
-                          tie_word_embeddings), logprobs_mode, this server's `instance` id, weight `version`,
+                          tie_word_embeddings; `shape`: every config field that shapes a weight, and
+                          `max_model_len`: the longest prompt + completion vLLM takes), logprobs_mode, this server's `instance` id, weight `version`,
                           `device` ("cuda" / "cpu"), `structured_outputs` (whether it has the tokenizer) and
                           `images` (a vision-language model with its processor)
     POST /generate        {"prompt_ids": [[...]], "counts": [...], "params": {SamplingParams}, "seed": int,
@@ -72,6 +73,9 @@ class VLLMService:
         if self.multimodal:
             llm_options = {**multimodal_options(True, llm_options), **llm_options, "load_format": "dummy"}
         self.llm, _ = start_llm(model_dir, tokenizer_files=tokenizer, **llm_options)
+        # The longest prompt + completion vLLM takes (--max-model-len, or the model's): the trainer checks its
+        # budget against it when it connects.
+        self.info["max_model_len"] = getattr(getattr(self.llm.llm_engine, "model_config", None), "max_model_len", None)
         if self.multimodal:
             self._load(checkpoint_weights(model_dir))
         self.version = 0  # the checkpoint's own weights
@@ -184,13 +188,14 @@ def served_model_info(model_dir) -> tuple[bool, dict]:
     from transformers import AutoConfig
 
     from .multimodal import is_vision_language_model, text_config_of, ties_word_embeddings
+    from .rollout.vllm_client import weight_shape_config
 
     config = AutoConfig.from_pretrained(model_dir)
     text = text_config_of(config)
     info = {"model_type": config.model_type, "vocab_size": getattr(text, "vocab_size", None),
             "hidden_size": getattr(text, "hidden_size", None),
             "num_hidden_layers": getattr(text, "num_hidden_layers", None),
-            "tie_word_embeddings": ties_word_embeddings(config)}  # fmt: skip
+            "tie_word_embeddings": ties_word_embeddings(config), "shape": weight_shape_config(config)}  # fmt: skip
     multimodal = is_vision_language_model(config)
     if multimodal and not has_processor(model_dir):
         raise ValueError(f"{model_dir} holds a vision-language model ({config.model_type}) without its processor, "
