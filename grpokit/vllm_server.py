@@ -25,7 +25,9 @@ The protocol is plain HTTP with JSON (stdlib on both sides; one request at a tim
                           this server's (it restarted and lost the pushed weights)
                           images: each prompt's, with its ids before the processor expanded the image placeholders
                           (vLLM expands them itself and must arrive at prompt_ids, or the request fails)
-    POST /update_weights  body: the weights as safetensors bytes, checkpoint names -> {"version": int}
+    POST /update_weights  body: the weights as safetensors bytes, checkpoint names -> {"version": int}; a tensor
+                          whose shape is not the checkpoint's (another model) is refused, as it is when announced
+                          to /update_weights_collective
 
 and, for weights broadcast through a process group (the trainer's `vllm_group_port`, as TRL's; NCCL between GPUs,
 gloo between CPUs: `grpokit.rollout.weight_broadcast`):
@@ -79,6 +81,7 @@ class VLLMService:
         if self.multimodal:
             self._load(checkpoint_weights(model_dir))
         self.version = 0  # the checkpoint's own weights
+        self.shapes = checkpoint_shapes(model_dir)  # what every push must match, name by name
         self.host, self.group, self.backend = host, None, None
         self._background, self._outcome = None, {}  # the group's joining or a receiving thread; its outcome
 
@@ -118,7 +121,9 @@ class VLLMService:
     def update_weights(self, body: bytes) -> dict:
         from safetensors.torch import load
 
-        self._load(load(body))
+        weights = load(body)
+        check_pushed_shapes(self.shapes, {name: tensor.shape for name, tensor in weights.items()})
+        self._load(weights)
         self.version += 1
         return {"version": self.version}
 
@@ -168,6 +173,7 @@ class VLLMService:
         self._finish_background()  # the group has been joined
         if self.group is None:
             raise RuntimeError("no process group: POST /init_communicator first")
+        check_pushed_shapes(self.shapes, {name: shape for name, _, shape in request["params"]})
         device = torch.device("cuda" if self.backend == "nccl" else "cpu")
         self._run_in_background(lambda: receive(self.group, request["params"], device))
         return {"status": "receiving", "tensors": len(request["params"])}
@@ -202,6 +208,30 @@ def served_model_info(model_dir) -> tuple[bool, dict]:
                          f"which vLLM needs to preprocess the prompts' images: save it there "
                          f"(AutoProcessor.from_pretrained(...).save_pretrained(DIR)) and start the server again.")
     return multimodal, info
+
+
+def checkpoint_shapes(model_dir) -> dict[str, list[int]]:
+    """The shape of every tensor of a checkpoint directory's safetensors files, by name (read from their headers)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(file, "pt") as opened:
+            shapes.update({name: list(opened.get_slice(name).get_shape()) for name in opened.keys()})  # noqa: SIM118
+    return shapes
+
+
+def check_pushed_shapes(expected: dict[str, list[int]], pushed: dict) -> None:
+    """Pushed weights must have the served checkpoint's shapes (vLLM copies a weight into a larger parameter
+    without an error): a second check, by the tensors themselves, behind the client's comparison of the configs.
+    Names the checkpoint does not hold (a tied head it left out, a renamed vision tower) are vLLM's to place."""
+    wrong = {name: (expected[name], list(shape)) for name, shape in pushed.items()
+             if name in expected and expected[name] != list(shape)}  # fmt: skip
+    if wrong:
+        shown = ", ".join(f"{name}: served {a}, pushed {b}" for name, (a, b) in list(wrong.items())[:4])
+        raise ValueError(f"pushed weights have other shapes than the served model's ({len(wrong)} tensors; {shown}): "
+                         f"the server serves another model than the trainer's policy; start it with the policy's "
+                         f"checkpoint")  # fmt: skip
 
 
 def checkpoint_weights(model_dir) -> dict:

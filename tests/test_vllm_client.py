@@ -59,6 +59,23 @@ def test_a_server_whose_weights_have_other_shapes_is_refused(tmp_path):
     check_same_model(policy.config, {**served(policy.config), "shape": {"rope_layers_unknown": 3}}, "http://h:1")
 
 
+def test_the_server_refuses_pushed_weights_of_other_shapes(tmp_path):
+    """The server's second check, on the tensors of a push (HTTP or a process group's announced shapes), against
+    its checkpoint's, read from the safetensors headers."""
+    from grpokit.vllm_server import check_pushed_shapes, checkpoint_shapes
+
+    served_model = build_tiny_model(40, hidden_size=32)
+    served_model.save_pretrained(tmp_path / "served")
+    shapes = checkpoint_shapes(tmp_path / "served")
+    assert shapes["model.layers.0.mlp.down_proj.weight"] == [32, 128]
+    policy = dict(build_tiny_model(40, hidden_size=32, seed=1).named_parameters())
+    check_pushed_shapes(shapes, {name: tensor.shape for name, tensor in policy.items()})  # same shapes: fine
+    narrower = dict(build_tiny_model(40, hidden_size=32, intermediate_size=64).named_parameters())
+    with pytest.raises(ValueError, match=r"pushed weights have other shapes than the served model's \(6 tensors; "
+                                         r"model.layers.0.mlp.gate_proj.weight: served \[128, 32\], pushed \[64, 32\]"):
+        check_pushed_shapes(shapes, {name: tensor.shape for name, tensor in narrower.items()})
+
+
 def test_a_server_shorter_than_the_trainers_budget_is_found_at_start():
     """Issue 39: found when the trainer connects (it was a validation error when a long prompt first came): no room
     for a whole completion is an error; a prompt budget beyond the server's is a warning (prompts may all be short),
