@@ -302,6 +302,9 @@ class GRPOConfig:
                                                        "until a turn calls no tool or max_completion_length is used.")
     tool_timeout: float = _f(30.0, "grpokit-only: seconds a tool call may run; a call that takes longer returns an "
                                    "error to the model and counts as a failure (tools/failure_frequency).")
+    max_tool_output_chars: int | None = _f(100_000, "grpokit-only: a tool result longer than this many characters "
+                                                    "is cut there, before it is tokenized, and counted "
+                                                    "(tools/truncated_frequency); None: no limit.")
     multi_objective_aggregation: str = _f("sum_then_normalize", "'sum_then_normalize': weight and sum the rewards, "
                                                                 "then normalise in the group; 'normalize_then_sum' "
                                                                 "(GDPO): normalise each reward in its group first.")
@@ -460,7 +463,8 @@ class GRPOConfig:
     vllm_server_host: str = _f("0.0.0.0", "Server mode: the server's host (when no vllm_server_base_url).")
     vllm_server_port: int = _f(8000, "Server mode: the server's port (when no vllm_server_base_url).")
     vllm_server_timeout: float = _f(240.0, "Server mode: seconds to wait for the server to come up, and for each "
-                                           "request, before failing with a clear error.")
+                                           "request in all (its retries after a connection error included, after "
+                                           "pauses of 2, 4, 8 s), before failing with a clear error.")
     vllm_group_port: int | None = _f(None, "Server mode: push the weights through a process group with the server, "
                                            "whose store it hosts at this port (NCCL between GPUs, gloo between "
                                            "CPUs), as TRL does at its default 51216. None (grpokit's default): "
@@ -811,6 +815,9 @@ class GRPOConfig:
             fail(f"max_tool_calling_iterations={self.max_tool_calling_iterations} must be >= 0 (or None: no limit).")
         if not self.tool_timeout > 0:
             fail(f"tool_timeout={self.tool_timeout} must be a positive number of seconds.")
+        if self.max_tool_output_chars is not None and self.max_tool_output_chars < 1:
+            fail(f"max_tool_output_chars={self.max_tool_output_chars} must be a positive number of characters "
+                 f"(or None: no limit).")
         if self.cache_implementation not in CACHE_IMPLEMENTATIONS:
             fail(f"cache_implementation={self.cache_implementation!r} is not supported by grpokit's sampler; use "
                  f"None / 'dynamic' (its preallocated cache) or 'static' (fixed shapes, CUDA graphs on a GPU).")

@@ -41,23 +41,42 @@ def row_images(row: dict) -> list | None:
     return images or None
 
 
-def load_image(image):
+def load_image(image, where: str | None = None):
     """A PIL image from a PIL image, a path, encoded bytes, or an undecoded `datasets` Image value ({"bytes",
-    "path"}); files are opened and converted to RGB."""
+    "path"}); files are opened and converted to RGB. where: the image's place in the dataset ("row 3, column
+    'images' (item 1)"), named when it cannot be read."""
     import io
 
     from PIL import Image
 
     if isinstance(image, Image.Image):
         return image
+    source = image
     if isinstance(image, dict) and (image.get("bytes") or image.get("path")):
-        image = image["bytes"] or image["path"]
+        image = source = image["bytes"] or image["path"]
     if isinstance(image, bytes):
-        image = io.BytesIO(image)
+        image, source = io.BytesIO(image), f"{len(image)} bytes"
     elif not (isinstance(image, str) or hasattr(image, "__fspath__")):
-        raise TypeError(f"An image must be a PIL image or a path; got {type(image).__name__}.")
-    with Image.open(image) as opened:
-        return opened.convert("RGB")
+        raise TypeError(f"An image must be a PIL image or a path; got {type(image).__name__}"
+                        f"{f' ({where})' if where else ''}.")  # fmt: skip
+    try:
+        with Image.open(image) as opened:
+            return opened.convert("RGB")
+    except (OSError, ValueError, Image.DecompressionBombError) as error:  # PIL's UnidentifiedImageError: an OSError
+        if where is None:
+            raise
+        raise ValueError(f"The image at {where} cannot be read ({source!s:.80}: {error}); fix or drop that row "
+                         f"(e.g. dataset.filter).") from error  # fmt: skip
+
+
+def load_row_images(row: dict, index: int) -> list:
+    """The images of a dataset row (`row_images`), loaded; one that cannot be read is named by its row (`index`, in
+    its batch, with the prompt's start) and column."""
+    column = "images" if row.get("images") is not None else "image"
+    prompt = str(row.get("prompt", ""))[:60]
+    return [load_image(image, f"row {index} of this batch (prompt {prompt!r}), column {column!r}"
+                              + (f" (item {item})" if column == "images" else ""))  # fmt: skip
+            for item, image in enumerate(row_images(row) or [])]
 
 
 def prepare_multimodal_messages(messages: list[dict], images: list | None = None) -> list[dict]:

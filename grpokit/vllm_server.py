@@ -14,7 +14,8 @@ The protocol is plain HTTP with JSON (stdlib on both sides; one request at a tim
 
     GET  /health          {"status": "ok"}
     GET  /info            the served model's shape (model_type, vocab_size, hidden_size, num_hidden_layers,
-                          tie_word_embeddings), logprobs_mode, this server's `instance` id, weight `version`,
+                          tie_word_embeddings; `shape`: every config field that shapes a weight, and
+                          `max_model_len`: the longest prompt + completion vLLM takes), logprobs_mode, this server's `instance` id, weight `version`,
                           `device` ("cuda" / "cpu"), `structured_outputs` (whether it has the tokenizer) and
                           `images` (a vision-language model with its processor)
     POST /generate        {"prompt_ids": [[...]], "counts": [...], "params": {SamplingParams}, "seed": int,
@@ -24,7 +25,9 @@ The protocol is plain HTTP with JSON (stdlib on both sides; one request at a tim
                           this server's (it restarted and lost the pushed weights)
                           images: each prompt's, with its ids before the processor expanded the image placeholders
                           (vLLM expands them itself and must arrive at prompt_ids, or the request fails)
-    POST /update_weights  body: the weights as safetensors bytes, checkpoint names -> {"version": int}
+    POST /update_weights  body: the weights as safetensors bytes, checkpoint names -> {"version": int}; a tensor
+                          whose shape is not the checkpoint's (another model) is refused, as it is when announced
+                          to /update_weights_collective
 
 and, for weights broadcast through a process group (the trainer's `vllm_group_port`, as TRL's; NCCL between GPUs,
 gloo between CPUs: `grpokit.rollout.weight_broadcast`):
@@ -72,9 +75,13 @@ class VLLMService:
         if self.multimodal:
             llm_options = {**multimodal_options(True, llm_options), **llm_options, "load_format": "dummy"}
         self.llm, _ = start_llm(model_dir, tokenizer_files=tokenizer, **llm_options)
+        # The longest prompt + completion vLLM takes (--max-model-len, or the model's): the trainer checks its
+        # budget against it when it connects.
+        self.info["max_model_len"] = getattr(getattr(self.llm.llm_engine, "model_config", None), "max_model_len", None)
         if self.multimodal:
             self._load(checkpoint_weights(model_dir))
         self.version = 0  # the checkpoint's own weights
+        self.shapes = checkpoint_shapes(model_dir)  # what every push must match, name by name
         self.host, self.group, self.backend = host, None, None
         self._background, self._outcome = None, {}  # the group's joining or a receiving thread; its outcome
 
@@ -114,7 +121,9 @@ class VLLMService:
     def update_weights(self, body: bytes) -> dict:
         from safetensors.torch import load
 
-        self._load(load(body))
+        weights = load(body)
+        check_pushed_shapes(self.shapes, {name: tensor.shape for name, tensor in weights.items()})
+        self._load(weights)
         self.version += 1
         return {"version": self.version}
 
@@ -164,6 +173,7 @@ class VLLMService:
         self._finish_background()  # the group has been joined
         if self.group is None:
             raise RuntimeError("no process group: POST /init_communicator first")
+        check_pushed_shapes(self.shapes, {name: shape for name, _, shape in request["params"]})
         device = torch.device("cuda" if self.backend == "nccl" else "cpu")
         self._run_in_background(lambda: receive(self.group, request["params"], device))
         return {"status": "receiving", "tensors": len(request["params"])}
@@ -184,19 +194,44 @@ def served_model_info(model_dir) -> tuple[bool, dict]:
     from transformers import AutoConfig
 
     from .multimodal import is_vision_language_model, text_config_of, ties_word_embeddings
+    from .rollout.vllm_client import weight_shape_config
 
     config = AutoConfig.from_pretrained(model_dir)
     text = text_config_of(config)
     info = {"model_type": config.model_type, "vocab_size": getattr(text, "vocab_size", None),
             "hidden_size": getattr(text, "hidden_size", None),
             "num_hidden_layers": getattr(text, "num_hidden_layers", None),
-            "tie_word_embeddings": ties_word_embeddings(config)}  # fmt: skip
+            "tie_word_embeddings": ties_word_embeddings(config), "shape": weight_shape_config(config)}  # fmt: skip
     multimodal = is_vision_language_model(config)
     if multimodal and not has_processor(model_dir):
         raise ValueError(f"{model_dir} holds a vision-language model ({config.model_type}) without its processor, "
                          f"which vLLM needs to preprocess the prompts' images: save it there "
                          f"(AutoProcessor.from_pretrained(...).save_pretrained(DIR)) and start the server again.")
     return multimodal, info
+
+
+def checkpoint_shapes(model_dir) -> dict[str, list[int]]:
+    """The shape of every tensor of a checkpoint directory's safetensors files, by name (read from their headers)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(file, "pt") as opened:
+            shapes.update({name: list(opened.get_slice(name).get_shape()) for name in opened.keys()})  # noqa: SIM118
+    return shapes
+
+
+def check_pushed_shapes(expected: dict[str, list[int]], pushed: dict) -> None:
+    """Pushed weights must have the served checkpoint's shapes (vLLM copies a weight into a larger parameter
+    without an error): a second check, by the tensors themselves, behind the client's comparison of the configs.
+    Names the checkpoint does not hold (a tied head it left out, a renamed vision tower) are vLLM's to place."""
+    wrong = {name: (expected[name], list(shape)) for name, shape in pushed.items()
+             if name in expected and expected[name] != list(shape)}  # fmt: skip
+    if wrong:
+        shown = ", ".join(f"{name}: served {a}, pushed {b}" for name, (a, b) in list(wrong.items())[:4])
+        raise ValueError(f"pushed weights have other shapes than the served model's ({len(wrong)} tensors; {shown}): "
+                         f"the server serves another model than the trainer's policy; start it with the policy's "
+                         f"checkpoint")  # fmt: skip
 
 
 def checkpoint_weights(model_dir) -> dict:

@@ -62,7 +62,7 @@ def test_a_tool_call_is_run_and_its_result_inserted_as_context_without_loss():
     assert second.counts == [1, 1]
     assert tokenizer.decode(second.ids[0]).endswith(call_text("lookup", {"key": "k3"}) + SUFFIX.format(TABLE["k3"]))
     assert runner.metrics(FakeAccelerator()) == {"tools/call_frequency": 1.0, "tools/failure_frequency": 0.0,
-                                                 "tools/lookup/call_frequency": 1.0,
+                                                 "tools/truncated_frequency": 0.0, "tools/lookup/call_frequency": 1.0,
                                                  "tools/lookup/failure_frequency": 0.0}  # fmt: skip
 
 

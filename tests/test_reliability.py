@@ -244,6 +244,17 @@ def test_sigterm_with_enable_jit_checkpoint_saves_the_step_under_way_and_resumes
 # ---------------------------------------------------------------------------------------------- bad input
 
 
+def test_a_partial_checkpoint_left_by_a_kill_is_skipped_with_a_warning(tmp_path):
+    """Issue 39: the warning the checkpoint module promises, also when a complete checkpoint precedes the partial."""
+    from grpokit.checkpoint.atomic import begin_checkpoint, write_checkpoint
+
+    complete = write_checkpoint(tmp_path, 2, lambda directory: (directory / "weights").write_bytes(b"w"))
+    partial = begin_checkpoint(tmp_path, 4)  # a save killed before it was finished
+    (partial / "weights").write_bytes(b"half")
+    with pytest.warns(UserWarning, match=rf"Skipping partial checkpoint .*{partial.name}: a save was interrupted"):
+        assert latest_checkpoint(tmp_path) == complete
+
+
 def test_missing_prompt_column_is_named_before_loading_the_model(tmp_path):
     data = Dataset.from_list([{"question": "a"}])
     with pytest.raises(ValueError, match="no 'prompt' column.*question"):

@@ -438,6 +438,14 @@ def test_images_given_as_paths_or_bytes_encode_as_the_images_themselves(tmp_path
         torch.testing.assert_close(batch.processed[0]["pixel_values"], batches[0].processed[0]["pixel_values"])
     with pytest.raises(TypeError, match="PIL image or a path"):
         codec.encode([{"prompt": QUESTION, "image": 3}], [1])
+    # Issue 39: an image that cannot be decoded is named by its row and column (it was PIL's "cannot identify image
+    # file <_io.BytesIO ...>", naming neither).
+    rows = [{"prompt": QUESTION, "images": [image]}, {"prompt": QUESTION, "images": [image, b"\x89PNG broken"]}]
+    with pytest.raises(ValueError, match=r"The image at row 1 of this batch \(prompt .*colour\?.*\), column 'images' "
+                                         r"\(item 1\) cannot be read \(11 bytes: cannot identify image file"):
+        codec.encode(rows, [1, 1])
+    with pytest.raises(ValueError, match=r"row 0 of this batch .*column 'image' cannot be read \(.*missing.png"):
+        codec.encode([{"prompt": QUESTION, "image": str(tmp_path / "missing.png")}], [1])
 
 
 @pytest.mark.parametrize("model_type", VLM_TYPES)

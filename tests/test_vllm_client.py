@@ -3,12 +3,15 @@ the served model and its errors; what a sharded policy pushes (a LoRA layer merg
 Against a real server and vLLM: tests/test_vllm_server.py and tests/test_vllm_distributed.py (`-m vllm`)."""
 
 import contextlib
+import json
 import socket
 import time
 
 import pytest
 
-from grpokit.rollout.vllm_client import VLLMServerEngine, check_same_model
+from grpokit.rollout import SamplingParams
+from grpokit.rollout.vllm_client import (VLLMServerEngine, check_context_fits, check_same_model,
+                                         weight_shape_config)
 from grpokit.testing import build_tiny_model
 
 
@@ -28,6 +31,121 @@ def test_the_served_model_must_be_the_policys():
         check_same_model(config, served(config, hidden_size=64, num_hidden_layers=3), "http://h:1")
     with pytest.raises(ValueError, match="model_type: server 'llama', policy 'qwen2'"):
         check_same_model(config, served(config, model_type="llama"), "http://h:1")
+
+
+def test_a_server_whose_weights_have_other_shapes_is_refused(tmp_path):
+    """Issue 39: the same type, width, depth and vocabulary but another MLP width (or heads, key-value heads,
+    tying...) is another model, whose pushed weights vLLM would take without an error. The server reports every
+    config field that shapes a weight (/info's `shape`, from the checkpoint) and the client compares them all."""
+    from grpokit.vllm_server import served_model_info
+
+    policy = build_tiny_model(40, hidden_size=32)
+    shape = weight_shape_config(policy.config)
+    assert {"intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "tie_word_embeddings": True}.items() <= shape.items()  # fmt: skip
+    for changes, shown in (({"intermediate_size": 64}, "intermediate_size: server 64, policy 128"),
+                           ({"num_heads": 2}, "num_attention_heads: server 2, policy 4"),
+                           ({"num_kv_heads": 4}, "num_key_value_heads: server 4, policy 2"),
+                           ({"tie_word_embeddings": False}, "tie_word_embeddings: server False, policy True")):
+        other = build_tiny_model(40, hidden_size=32, **changes)
+        other.save_pretrained(tmp_path / "served")
+        _, info = served_model_info(tmp_path / "served")
+        assert info["hidden_size"] == 32 and info["num_hidden_layers"] == 2 and info["vocab_size"] == 40
+        with pytest.raises(ValueError, match=rf"serves another model \({shown}\).*its weights have other shapes"):
+            check_same_model(policy.config, {**info, "model": "/srv/model"}, "http://h:1")
+    policy.save_pretrained(tmp_path / "same")
+    check_same_model(policy.config, served_model_info(tmp_path / "same")[1], "http://h:1")  # the same: no error
+    # A field only one side's transformers writes is not compared (the server may run another version).
+    check_same_model(policy.config, {**served(policy.config), "shape": {"rope_layers_unknown": 3}}, "http://h:1")
+
+
+def test_the_server_refuses_pushed_weights_of_other_shapes(tmp_path):
+    """The server's second check, on the tensors of a push (HTTP or a process group's announced shapes), against
+    its checkpoint's, read from the safetensors headers."""
+    from grpokit.vllm_server import check_pushed_shapes, checkpoint_shapes
+
+    served_model = build_tiny_model(40, hidden_size=32)
+    served_model.save_pretrained(tmp_path / "served")
+    shapes = checkpoint_shapes(tmp_path / "served")
+    assert shapes["model.layers.0.mlp.down_proj.weight"] == [32, 128]
+    policy = dict(build_tiny_model(40, hidden_size=32, seed=1).named_parameters())
+    check_pushed_shapes(shapes, {name: tensor.shape for name, tensor in policy.items()})  # same shapes: fine
+    narrower = dict(build_tiny_model(40, hidden_size=32, intermediate_size=64).named_parameters())
+    with pytest.raises(ValueError, match=r"pushed weights have other shapes than the served model's \(6 tensors; "
+                                         r"model.layers.0.mlp.gate_proj.weight: served \[128, 32\], pushed \[64, 32\]"):
+        check_pushed_shapes(shapes, {name: tensor.shape for name, tensor in narrower.items()})
+
+
+def test_a_server_shorter_than_the_trainers_budget_is_found_at_start():
+    """Issue 39: found when the trainer connects (it was a validation error when a long prompt first came): no room
+    for a whole completion is an error; a prompt budget beyond the server's is a warning (prompts may all be short),
+    and a prompt that does not fit is named before the request is sent."""
+    import warnings
+
+    from grpokit.rollout import PromptBatch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_context_fits(1024, 512, 512, 2048, "http://h:1")  # fits exactly
+        check_context_fits(None, 512, 512, 2048, "http://h:1")  # a server that does not say: nothing to check
+        check_context_fits(512, 512, 256, 512, "http://h:1")  # prompts are cut to the model's 512 positions anyway
+        check_context_fits(512, None, 256, 2048, "http://h:1")  # uncut prompts: only the completion is known
+    with pytest.raises(ValueError, match=r"takes at most 512 tokens of prompt \+ completion \(its max_model_len\), "
+                                         r"which leaves no room for a prompt before a completion of "
+                                         r"max_completion_length=512 tokens"):
+        check_context_fits(512, None, 512, 2048, "http://h:1")
+    with pytest.warns(UserWarning, match=r"takes at most 512 tokens .* may send up to 768 \(max_prompt_length=512 "
+                                         r"\+ max_completion_length=256\): a prompt longer than 256 tokens will stop "
+                                         r"the run. Restart the server with `grpokit vllm-serve --max-model-len 768`"):
+        check_context_fits(512, 512, 256, 2048, "http://h:1")
+    model = build_tiny_model(40, hidden_size=32)
+    with stand_in_server({**served(model.config), "instance": "i", "max_model_len": 256}) as url:
+        with pytest.raises(ValueError, match="takes at most 256 tokens"):
+            VLLMServerEngine(model, url, timeout=10, max_prompt_length=None, max_completion_length=256)
+        engine = VLLMServerEngine(model, url, timeout=10, max_prompt_length=100, max_completion_length=100)
+        params = SamplingParams(max_new_tokens=100, eos_token_ids=(1,), pad_token_id=0)
+        long_prompts = PromptBatch(ids=[[3] * 10, [4] * 157], counts=[1, 1], raw=[None, None])
+        with pytest.raises(ValueError, match=r"Prompt 1 of this generation has 157 tokens, and with "
+                                             r"max_completion_length=100 it does not fit the 256 tokens"):
+            engine.generate(long_prompts, params, seed=0)
+
+
+def test_a_frozen_server_stops_the_trainer_within_the_timeout():
+    """A server that takes requests and never answers: every try of a request, retries included, ends within
+    vllm_server_timeout in all (it was retries + 1 times that, plus the pauses)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    model = build_tiny_model(40, hidden_size=32)
+    info = {**served(model.config), "instance": "i"}
+    thawed = threading.Event()
+
+    class Frozen(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = json.dumps({"status": "ok"} if self.path == "/health" else info).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):  # noqa: N802
+            thawed.wait()
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Frozen)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        engine = VLLMServerEngine(model, f"http://127.0.0.1:{server.server_port}", timeout=3, retries=3)
+        started = time.monotonic()
+        with pytest.raises(ConnectionError, match=r"stopped answering \(POST /generate, \d tries in 3 s, "
+                                                  r"vllm_server_timeout=3:"):
+            engine.request("POST", "/generate", {"prompt_ids": [[3]]})
+        assert time.monotonic() - started < 3 + 1.5  # was 4 x 3 s + 2 + 4 + 8 s of pauses
+    finally:
+        thawed.set()
+        server.shutdown()
 
 
 def test_no_server_is_a_clear_error_after_the_timeout():
@@ -138,12 +256,13 @@ def test_the_server_refuses_a_vision_language_checkpoint_without_its_processor(t
     text = model.config.get_text_config()
     assert multimodal and info == {"model_type": "gemma3", "vocab_size": text.vocab_size,
                                    "hidden_size": text.hidden_size, "num_hidden_layers": text.num_hidden_layers,
-                                   "tie_word_embeddings": True}  # fmt: skip
+                                   "tie_word_embeddings": True, "shape": weight_shape_config(model.config)}  # fmt: skip
     text_model = build_tiny_model(40, hidden_size=32)
     text_model.save_pretrained(tmp_path / "text")
     assert served_model_info(tmp_path / "text") == (False, {
         "model_type": "qwen2", "vocab_size": 40, "hidden_size": 32, "num_hidden_layers": 2,
-        "tie_word_embeddings": text_model.config.tie_word_embeddings})  # fmt: skip
+        "tie_word_embeddings": text_model.config.tie_word_embeddings,
+        "shape": weight_shape_config(text_model.config)})  # fmt: skip
 
 
 def test_images_travel_to_the_server_losslessly():

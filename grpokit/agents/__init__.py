@@ -53,4 +53,5 @@ def build_agents(tokenizer, model, args, max_prompt_length, tools, environments,
                   max_tool_calling_iterations=args.max_tool_calling_iterations,
                   max_completion_length=args.max_completion_length, max_prompt_length=max_prompt_length,
                   chat_template_kwargs=args.chat_template_kwargs, tool_timeout=args.tool_timeout,
+                  max_tool_output_chars=args.max_tool_output_chars,
                   max_model_length=getattr(config, "max_position_embeddings", None))  # fmt: skip

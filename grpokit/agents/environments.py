@@ -6,6 +6,11 @@ environment in an `environment` column). An environment has `reset(**row)`, whic
 source (one reward function per environment class, named after it, weight 1). Instances are pooled per process:
 built once, reset for every rollout; a batch that needs more concurrent instances of one environment than exist
 builds more.
+
+An instance whose tool call timed out is retired (issue 39): the abandoned call may still run and write into it, so
+it is never reset for another rollout (the pool builds a fresh one from the factory when it needs one), and its own
+rollout is not scored by it (its get_reward gives None, "does not apply": what the instance holds depends on when
+the abandoned call finishes, not on the transcript the model saw).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class EnvironmentPool:
         if not self.factories:
             raise ValueError("environment_factory is an empty dict: map at least one environment name to a factory.")
         self.pool: dict = {}
+        self.retired: dict[int, object] = {}  # id -> instance (held, so that the id stays its own) until scored
         self.tool_names: dict = {}  # environment name -> names of its tools
         self.reward_types: list[type] = []  # classes that own a reward (get_reward), one reward function each
         for name, factory in self.factories.items():
@@ -79,8 +85,31 @@ class EnvironmentPool:
 
     def reset(self, environments: list, rows: list[dict]) -> list:
         """reset(**row) of each row's environment (without the routing column); returns the observations."""
-        return [env.reset(**{k: v for k, v in row.items() if not (self.routed and k == ENVIRONMENT_COLUMN)})
-                for env, row in zip(environments, rows)]  # fmt: skip
+        observations = []
+        for index, (env, row) in enumerate(zip(environments, rows)):
+            try:
+                observations.append(env.reset(**{k: v for k, v in row.items()
+                                                 if not (self.routed and k == ENVIRONMENT_COLUMN)}))  # fmt: skip
+            except Exception as error:
+                prompt = str(row.get("prompt", ""))[:120]
+                raise RuntimeError(f"The environment {type(env).__name__}'s reset() raised {type(error).__name__}: "
+                                   f"{error} (row {index} of this generation's {len(rows)}, columns {sorted(row)}, "
+                                   f"prompt {prompt!r}).") from error  # fmt: skip
+        return observations
+
+    def retire(self, environment) -> None:
+        """Never hand `environment` out again (a call of its tools timed out and may still run), and score its
+        rollout None. Instances that are not the pool's (e.g. a user's object) are left alone."""
+        for pool in self.pool.values():
+            for index, pooled in enumerate(pool):
+                if pooled is environment:
+                    del pool[index]
+                    self.retired[id(environment)] = environment
+                    return
+
+    def scores(self, environment) -> bool:
+        """Whether `environment`'s get_reward scores its rollout (False for a retired one, which is then let go)."""
+        return self.retired.pop(id(environment), None) is None
 
     def reward_functions(self) -> list[Callable]:
         """One reward function per environment class with get_reward: it scores the rollouts of that exact class
@@ -89,10 +118,11 @@ class EnvironmentPool:
         for env_type in self.reward_types:
             if inspect.iscoroutinefunction(env_type.get_reward):
                 async def reward(environments, _type=env_type, **kwargs):
-                    return [await e.get_reward() if type(e) is _type else None for e in environments]
+                    return [await e.get_reward() if type(e) is _type and self.scores(e) else None
+                            for e in environments]  # fmt: skip
             else:
                 def reward(environments, _type=env_type, **kwargs):
-                    return [e.get_reward() if type(e) is _type else None for e in environments]
+                    return [e.get_reward() if type(e) is _type and self.scores(e) else None for e in environments]
             reward.__name__ = env_type.__name__
             functions.append(reward)
         return functions

@@ -67,7 +67,8 @@ class Agents:
     def __init__(self, tokenizer, *, tools=None, environments: EnvironmentPool | None = None, rollout_func=None,
                  max_tool_calling_iterations: int | None = None, max_completion_length: int = 256,
                  max_prompt_length: int | None = None, chat_template_kwargs: dict | None = None,
-                 tool_timeout: float = 30.0, max_model_length: int | None = None):  # fmt: skip
+                 tool_timeout: float = 30.0, max_model_length: int | None = None,
+                 max_tool_output_chars: int | None = None):  # fmt: skip
         self.tokenizer, self.rollout_func = tokenizer, rollout_func
         self.standalone_tools = list(tools or [])
         check_tools(self.standalone_tools)
@@ -78,7 +79,7 @@ class Agents:
         self.max_completion_length, self.max_prompt_length = max_completion_length, max_prompt_length
         self.max_model_length = max_model_length
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        self.runner = ToolRunner(tool_timeout) if self.uses_tools else None
+        self.runner = ToolRunner(tool_timeout, max_tool_output_chars) if self.uses_tools else None
         self.stats = ToolStats()
         names = [tool_name(t) for t in self.standalone_tools]
         for env_names in (self.environments.tool_names.values() if self.environments else []):
@@ -155,7 +156,7 @@ class Agents:
         """Run the last turn's tool calls and append their results; False (and nothing appended) when the results
         would not fit in the completion budget or the model's context."""
         calls = [(c["function"]["name"], c["function"]["arguments"]) for c in transcript.messages[-1]["tool_calls"]]
-        results = self.runner.run(calls, transcript.tools, self.stats)
+        results = self.runner.run(calls, transcript.tools, self.stats, on_timeout=self._retire_environment)
         ids = tool_result_ids(self.tokenizer, results, self.chat_template_kwargs)
         total = len(transcript.prompt_ids) + len(transcript.ids) + len(ids)
         if len(transcript.ids) + len(ids) >= self.max_completion_length or \
@@ -164,6 +165,12 @@ class Agents:
         transcript.add(ids, 0)
         transcript.messages += results
         return True
+
+    def _retire_environment(self, tool: Callable) -> None:
+        """A timed-out call of an environment's tool may still write into the instance: retire it from the pool."""
+        owner = getattr(tool, "__self__", None)
+        if self.environments is not None and owner is not None:
+            self.environments.retire(owner)
 
     def _as_rollout(self, transcripts: list[Transcript], params: SamplingParams, extra: dict) -> Rollout:
         from ..data import pad_left

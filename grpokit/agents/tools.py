@@ -2,10 +2,22 @@
 
 A tool needs type hints and a Google-style docstring (transformers' `get_json_schema` turns them into the JSON schema
 the chat template shows the model); that is checked when the trainer is built. A call runs with a time limit
-(`tool_timeout` seconds); a tool that raises, times out, is unknown or gets arguments it does not take returns
-`{'error': ...}` to the model as its result (TRL 1.16's form) and is counted as a failure: it never stops training.
-A timed-out synchronous call cannot be interrupted from Python: its thread is abandoned and finishes on its own, so
-a tool that can hang should enforce its own limit (the built-in `python` tool runs in a killed subprocess).
+(`tool_timeout` seconds); a tool that raises, times out, is unknown, gets arguments it does not take or returns a
+result that cannot be turned into text returns `{'error': ...}` to the model as its result (TRL 1.16's form) and is
+counted as a failure: it never stops training. A result longer than `max_tool_output_chars` characters is cut there
+(before it is tokenized) and counted (`tools/truncated_frequency`).
+
+Calls are isolated, so that a hung call costs its own row and nothing else (issue 39):
+- a synchronous call runs in a daemon thread of its own. Python cannot interrupt a thread: a call that times out is
+  abandoned and finishes on its own, but it holds no worker another call waits for, and it does not keep the
+  process from exiting. A tool that can hang should still enforce its own limit (the built-in `python` tool runs in
+  a killed subprocess); a warning says when abandoned calls pile up.
+- async tools share one event loop (in a daemon thread). A blocking call inside `async def` (time.sleep, a blocking
+  HTTP client) stalls that loop and every async call on it: when a call times out and the loop does not answer, the
+  tool running on it is named in a warning, the loop is abandoned for a new one, and that tool runs from then on
+  on a loop of its own per call, off the shared one.
+- an environment's tool that times out leaves its instance to the abandoned call: the agents loop retires the
+  instance (`EnvironmentPool.retire`) so that it is never reset for another rollout.
 """
 
 from __future__ import annotations
@@ -14,6 +26,8 @@ import asyncio
 import concurrent.futures
 import inspect
 import threading
+import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -50,37 +64,74 @@ class ToolStats:
 
     calls: Counter = field(default_factory=Counter)
     failures: Counter = field(default_factory=Counter)
+    truncated: Counter = field(default_factory=Counter)  # results cut at max_tool_output_chars
     rows: int = 0  # completions sampled (the denominator of call_frequency, as in TRL)
 
     def metrics(self, accelerator, names: list[str]) -> dict[str, float]:
         """TRL's `tools/call_frequency` (calls per completion) and `tools/failure_frequency` (failures per call),
-        over all processes, and the same per tool (`tools/<name>/...`, grpokit's addition). A collective."""
+        over all processes, and the same per tool (`tools/<name>/...`, grpokit's addition); grpokit's
+        `tools/truncated_frequency`: results cut at max_tool_output_chars, per call. A collective."""
         import torch
 
         values = [float(self.rows)] + [float(x) for n in names for x in (self.calls[n], self.failures[n])]
+        values += [float(sum(self.truncated.values()))]
         values += [float(sum(self.calls.values())), float(sum(self.failures.values()))]
         totals = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
         if accelerator.num_processes > 1:
             totals = accelerator.reduce(totals, "sum")
         totals = totals.tolist()
         rows, (calls, failures) = max(totals[0], 1.0), totals[-2:]
-        out = {"tools/call_frequency": calls / rows, "tools/failure_frequency": failures / calls if calls else 0.0}
+        out = {"tools/call_frequency": calls / rows, "tools/failure_frequency": failures / calls if calls else 0.0,
+               "tools/truncated_frequency": totals[-3] / calls if calls else 0.0}
         for i, name in enumerate(names):
             n_calls, n_failures = totals[1 + 2 * i], totals[2 + 2 * i]
             out[f"tools/{name}/call_frequency"] = n_calls / rows
             out[f"tools/{name}/failure_frequency"] = n_failures / n_calls if n_calls else 0.0
-        self.calls.clear(), self.failures.clear()
+        self.calls.clear(), self.failures.clear(), self.truncated.clear()
         self.rows = 0
         return out
 
 
-class ToolRunner:
-    """Runs the tool calls of one turn, each under a time limit; async tools on one event loop of their own."""
+TRUNCATION_NOTE = "\n[... {dropped} more characters cut: max_tool_output_chars={limit}]"
+ABANDONED_WARNING_AT = 64  # timed-out calls still running: a tool that hangs every time leaks a thread per call
 
-    def __init__(self, timeout: float):
-        self.timeout = timeout
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="grpokit-tool")
+
+def in_daemon_thread(function: Callable, arguments: dict, name: str) -> concurrent.futures.Future:
+    """function(**arguments) in a new daemon thread; its future. Daemon: an abandoned call never holds up exit."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def work():
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(function(**arguments))
+        except BaseException as error:  # noqa: BLE001 (the caller decides; a thread must not die with it)
+            future.set_exception(error)
+
+    threading.Thread(target=work, name=f"grpokit-tool-{name}", daemon=True).start()
+    return future
+
+
+def as_text(result: Any, max_chars: int | None) -> tuple[str, bool]:
+    """A tool's result as the message content the chat template renders, cut at max_chars characters (a 5 MB
+    result would otherwise be tokenized whole before the completion budget drops it); whether it was cut."""
+    text = result if isinstance(result, str) else str(result)
+    if max_chars is None or len(text) <= max_chars:
+        return text, False
+    return text[:max_chars] + TRUNCATION_NOTE.format(dropped=len(text) - max_chars, limit=max_chars), True
+
+
+class ToolRunner:
+    """Runs the tool calls of one turn, each under a time limit: sync tools each in a daemon thread of their own,
+    async tools on a shared event loop (or, once one has blocked it, that tool on a loop of its own per call)."""
+
+    def __init__(self, timeout: float, max_output_chars: int | None = None):
+        self.timeout, self.max_output_chars = timeout, max_output_chars
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._running_on_loop: dict = {}  # coroutine -> tool name, to name the one that blocks the loop
+        self._off_loop: set[str] = set()  # async tools that blocked the shared loop
+        self._abandoned: list[concurrent.futures.Future] = []
+        self._warned_abandoned = False
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
@@ -88,14 +139,23 @@ class ToolRunner:
             threading.Thread(target=self._loop.run_forever, name="grpokit-tool-loop", daemon=True).start()
         return self._loop
 
-    def submit(self, tool: Callable, arguments: dict) -> concurrent.futures.Future:
-        if inspect.iscoroutinefunction(tool):
-            return asyncio.run_coroutine_threadsafe(tool(**arguments), self._event_loop())
-        return self._pool.submit(tool, **arguments)
+    def submit(self, name: str, tool: Callable, arguments: dict) -> tuple[concurrent.futures.Future, bool]:
+        """The call's future, and whether it runs on the shared event loop."""
+        if not inspect.iscoroutinefunction(tool):
+            return in_daemon_thread(tool, arguments, name), False
+        if name in self._off_loop:
+            return in_daemon_thread(lambda: asyncio.run(tool(**arguments)), {}, name), False
+        coroutine = tool(**arguments)
+        self._running_on_loop[coroutine] = name
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._event_loop())
+        future.add_done_callback(lambda _: self._running_on_loop.pop(coroutine, None))
+        return future, True
 
-    def run(self, calls: list[tuple[str, Any]], tools: dict[str, Callable], stats: ToolStats) -> list[dict]:
+    def run(self, calls: list[tuple[str, Any]], tools: dict[str, Callable], stats: ToolStats,
+            on_timeout: Callable[[Callable], None] | None = None) -> list[dict]:  # fmt: skip
         """calls: (name, arguments) per tool call, in order; returns one tool message per call. All calls of the
-        turn run concurrently."""
+        turn run concurrently, each for at most `timeout` seconds from the start of the turn. on_timeout(tool):
+        told of each call that timed out (and may still be running)."""
         pending = []
         for name, arguments in calls:
             stats.calls[name] += 1
@@ -111,19 +171,63 @@ class ToolRunner:
                     problem = f"Bad arguments for {name!r}: {error}."
                 except ValueError:  # no signature to check (a builtin): the call itself will tell
                     pass
-            pending.append((name, problem, None if problem else self.submit(tools[name], arguments)))
+            pending.append((name, problem, *((None, False) if problem else self.submit(name, tools[name], arguments))))
+        deadline = time.monotonic() + self.timeout
         messages = []
-        for name, problem, future in pending:
+        for name, problem, future, on_loop in pending:
+            content = None
             if future is not None:
                 try:
-                    result = future.result(timeout=self.timeout)
+                    result = future.result(timeout=max(deadline - time.monotonic(), 0.0))
                 except concurrent.futures.TimeoutError:
-                    future.cancel()
                     problem = f"Tool {name!r} timed out after {self.timeout:g} s."
-                except Exception as error:  # the model sees what went wrong, training goes on
+                    self._abandon(future, on_loop)
+                    if on_timeout is not None:
+                        on_timeout(tools[name])
+                except BaseException as error:  # the model sees what went wrong, training goes on
+                    if not (future.done() and future.exception() is error):  # Ctrl-C in this thread, not the tool's
+                        raise
                     problem = str(error) or type(error).__name__
+                else:
+                    try:
+                        content, truncated = as_text(result, self.max_output_chars)
+                        stats.truncated[name] += truncated
+                    except Exception as error:  # a result whose __str__ raises is the tool's failure, not ours
+                        problem = f"Tool {name!r} returned a {type(result).__name__} that str() fails on: {error!r}."
             if problem is not None:
                 stats.failures[name] += 1
-                result = {"error": problem}
-            messages.append({"role": "tool", "name": name, "content": str(result)})
+                content = str({"error": problem})
+            messages.append({"role": "tool", "name": name, "content": content})
         return messages
+
+    def _abandon(self, future: concurrent.futures.Future, on_loop: bool) -> None:
+        """A call past its time: an async call is cancelled (if its loop answers); a sync one runs on in its thread.
+        A loop that does not answer is blocked by a tool: it is left to that tool, and the tool named."""
+        if on_loop and self._loop is not None and not loop_answers(self._loop, min(self.timeout, 0.5)):
+            culprit = asyncio.current_task(self._loop)
+            name = self._running_on_loop.get(culprit.get_coro()) if culprit is not None else None
+            shown = f"The async tool {name!r}" if name else "An async tool"
+            then = f"; {name!r} runs from now on on an event loop of its own per call" if name else ""
+            warnings.warn(f"{shown} blocked the event loop that async tools share for over {self.timeout:g} s "
+                          f"(tool_timeout): a blocking call inside `async def` (time.sleep, a blocking HTTP client, "
+                          f"a long computation) stalls every async tool. grpokit leaves that loop to it and starts "
+                          f"another{then}. Make the tool await (asyncio.sleep, an async client, asyncio.to_thread) "
+                          f"or make it a plain def.", stacklevel=3)  # fmt: skip
+            if name:
+                self._off_loop.add(name)
+            self._loop, self._running_on_loop = None, {}
+        future.cancel()
+        self._abandoned = [f for f in self._abandoned if not f.done()] + [future]
+        if len(self._abandoned) >= ABANDONED_WARNING_AT and not self._warned_abandoned:
+            self._warned_abandoned = True
+            warnings.warn(f"{len(self._abandoned)} tool calls that timed out are still running in abandoned threads "
+                          f"(Python cannot stop a thread): a tool that hangs should enforce its own time limit, e.g. "
+                          f"run its work in a subprocess it kills, as grpokit.agents.python_tool does.",
+                          stacklevel=3)  # fmt: skip
+
+
+def loop_answers(loop: asyncio.AbstractEventLoop, wait: float) -> bool:
+    """Whether the event loop runs a callback within `wait` seconds (False: something blocks it)."""
+    answered = threading.Event()
+    loop.call_soon_threadsafe(answered.set)
+    return answered.wait(wait)

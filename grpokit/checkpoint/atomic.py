@@ -103,13 +103,15 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return None
+    # Said whether or not a complete checkpoint comes before it (issue 39: it was said only when none did).
+    for partial in sorted(output_dir.glob(f"{TMP_PREFIX}*")):
+        warnings.warn(f"Skipping partial checkpoint {partial}: a save was interrupted there (the next save removes "
+                      f"it).", stacklevel=2)  # fmt: skip
     candidates = sorted((p for p in output_dir.iterdir() if p.is_dir() and _step_of(p) >= 0), key=_step_of)
     for path in reversed(candidates):
         if is_complete(path):
             return path
         warnings.warn(f"Skipping incomplete checkpoint {path} (no valid manifest): it was not finished writing.")
-    for partial in output_dir.glob(f"{TMP_PREFIX}*"):
-        warnings.warn(f"Skipping partial checkpoint {partial}: a save was interrupted there.")
     return None
 
 

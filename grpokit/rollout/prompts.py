@@ -14,10 +14,10 @@ from ..data import is_conversational, render_prompt
 from ..multimodal import (
     is_processor,
     load_image,
+    load_row_images,
     message_images,
     prepare_multimodal_messages,
     process_prompt,
-    row_images,
     tokenizer_of,
 )
 from .engine import PromptBatch, Rollout, SamplingParams
@@ -108,8 +108,8 @@ class PromptCodec:
         template and encodes the text with the images. `raw` holds the prepared messages (reward functions receive
         those, as in TRL)."""
         raw, ids, images, processed, unexpanded = [], [], [], [], []
-        for row in rows:
-            prompt, row_imgs = row["prompt"], [load_image(i) for i in row_images(row) or []]
+        for index, row in enumerate(rows):
+            prompt, row_imgs = row["prompt"], load_row_images(row, index)
             if not is_conversational(prompt):
                 if row_imgs:
                     raise ValueError("Multimodal training needs conversational prompts (a list of messages): this "
@@ -118,7 +118,8 @@ class PromptCodec:
                 text = prompt
             else:
                 prompt = prepare_multimodal_messages(prompt, row_imgs)
-                row_imgs = [load_image(i) for i in message_images(prompt)]
+                row_imgs = [load_image(image, f"row {index} of this batch, column 'prompt' (image part {item})")
+                            for item, image in enumerate(message_images(prompt))]  # fmt: skip
                 text = render_prompt(prompt, self.processor, self.chat_template_kwargs)
             if row_imgs:
                 prompt_ids, tensors = process_prompt(self.processor, text, row_imgs)

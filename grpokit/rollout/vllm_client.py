@@ -4,11 +4,18 @@
 With several training processes every process asks the one server for its own prompts; only the main process
 pushes the weights, and the others wait for its push (a barrier) before they sample.
 
-Failure is loud and early: no server answering within `timeout` seconds, a server serving another model
-(architecture, width, depth) or another vocabulary, a server that fails a request, are errors that say what to do.
-A request that fails on the connection is retried (`retries` times, with a growing pause) before giving up; a
-server that restarted (its instance id changed) gets the weights pushed again. Checkpoints are written atomically
-by the trainer, so a run that stops here can resume from its last one.
+Failure is loud and early: no server answering within `timeout` seconds, a server serving another model (any config
+field that shapes a weight: architecture, width, depth, MLP width, heads, key-value heads, tying...) or another
+vocabulary, a server whose max_model_len leaves no room for a whole completion (and, when a batch comes, for its
+longest prompt + completion; a warning at start when max_prompt_length + max_completion_length exceeds it), a server
+that fails a request, are errors that say what to do.
+
+`timeout` (vllm_server_timeout) bounds each request in all, its retries included: a request that fails on the
+connection (refused, reset, or no answer in time) is tried again after pauses of 2, 4, 8 s (10 s from then on; up to
+`retries` more tries), each try waiting at most the time left, so that a frozen server stops the trainer after
+about `timeout` seconds (not `retries + 1` times it), and a killed one after the pauses (~14 s). A server that
+restarted (its instance id changed) gets the weights pushed again. Checkpoints are written atomically by the trainer,
+so a run that stops here can resume from its last one.
 """
 
 from __future__ import annotations
@@ -17,16 +24,18 @@ import base64
 import http.client
 import io
 import json
+import re
 import socket
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import warnings
 
 import torch
 
 from ..compat import parameter_versions
-from ..multimodal import is_vision_language_model, text_config_of
+from ..multimodal import is_vision_language_model, text_config_of, ties_word_embeddings
 from .engine import PromptBatch, Rollout, SamplingParams
 from .vllm import base_model_of, policy_weights, refuse_images, rollout_from_completions
 
@@ -44,10 +53,13 @@ class VLLMServerEngine:
 
     def __init__(self, model: torch.nn.Module, base_url: str, timeout: float = 240.0, retries: int = 3,
                  process_index: int = 0, num_processes: int = 1, group_port: int | None = None,
-                 structured_outputs_regex: str | None = None):  # fmt: skip
+                 structured_outputs_regex: str | None = None, max_prompt_length: int | None = None,
+                 max_completion_length: int | None = None):  # fmt: skip
         """group_port: push the weights through a process group with the server at that port (NCCL between GPUs,
         gloo between CPUs; TRL's vllm_group_port) instead of as safetensors over HTTP. structured_outputs_regex:
-        every completion matches this regex (the server needs the tokenizer in its checkpoint directory)."""
+        every completion matches this regex (the server needs the tokenizer in its checkpoint directory).
+        max_prompt_length, max_completion_length: the trainer's budget, checked against the server's
+        max_model_len."""
         from ..distributed import is_sharded
 
         self.base_url, self.timeout, self.retries = base_url.rstrip("/"), timeout, retries
@@ -60,6 +72,8 @@ class VLLMServerEngine:
         self.info = self.request("GET", "/info")
         config = base_model_of(model).config
         check_same_model(config, self.info, self.base_url)
+        check_context_fits(self.info.get("max_model_len"), max_prompt_length, max_completion_length,
+                           getattr(text_config_of(config), "max_position_embeddings", None), self.base_url)
         if is_vision_language_model(config) and not self.info.get("images"):
             raise ValueError(f"The vLLM server at {self.base_url} does not take images ({self.info.get('model')}): "
                              f"start it with the vision-language policy's checkpoint and processor (`grpokit "
@@ -79,7 +93,9 @@ class VLLMServerEngine:
         base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         return cls(model, base_url, timeout=args.vllm_server_timeout, process_index=process_index,
                    num_processes=num_processes, group_port=args.vllm_group_port,
-                   structured_outputs_regex=args.vllm_structured_outputs_regex)  # fmt: skip
+                   structured_outputs_regex=args.vllm_structured_outputs_regex,
+                   max_prompt_length=args.max_prompt_length,
+                   max_completion_length=args.max_completion_length)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ the protocol
 
@@ -106,6 +122,7 @@ class VLLMServerEngine:
             if not self.info.get("images"):
                 refuse_images(prompts)
             images = [[image_to_wire(image) for image in row] for row in prompts.images]
+        check_prompts_fit(prompts, params.max_new_tokens, self.info.get("max_model_len"), self.base_url)
         body = {"prompt_ids": prompts.ids, "counts": prompts.counts, "seed": seed,
                 "params": {**params.__dict__, "eos_token_ids": list(params.eos_token_ids)},
                 "structured_outputs_regex": self.structured_outputs_regex, "images": images,
@@ -199,19 +216,25 @@ class VLLMServerEngine:
             time.sleep(1.0)
 
     def request(self, method: str, path: str, payload=None):
-        """One request with retries on connection errors; the answer's JSON."""
+        """One request, tried again on connection errors (after pauses of 2, 4, 8, 10... s) until `timeout` seconds
+        have passed in all; the answer's JSON."""
         data, headers = None, {}
         if isinstance(payload, bytes):
             data, headers = payload, {"Content-Type": "application/octet-stream"}
         elif payload is not None:
             data, headers = json.dumps(payload).encode(), {"Content-Type": "application/json"}
-        last_error = None
+        started = time.monotonic()
+        deadline, last_error, tries = started + self.timeout, None, 0
         for attempt in range(self.retries + 1):
             if attempt:
-                time.sleep(min(2.0**attempt, 10.0))
+                time.sleep(max(min(2.0**attempt, 10.0, deadline - time.monotonic()), 0.0))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            tries += 1
             request = urllib.request.Request(self.base_url + path, data=data, headers=headers, method=method)
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                with urllib.request.urlopen(request, timeout=left) as response:
                     return json.loads(response.read())
             except urllib.error.HTTPError as error:  # the server answered: no retry
                 detail = json.loads(error.read() or b"{}")
@@ -222,8 +245,8 @@ class VLLMServerEngine:
             except CONNECTION_ERRORS as error:
                 last_error = error
         raise ConnectionError(
-            f"The vLLM server at {self.base_url} stopped answering ({method} {path}, {self.retries + 1} tries: "
-            f"{last_error}). Restart it (`grpokit vllm-serve --model MODEL_DIR ...`) and resume the run from its "
+            f"The vLLM server at {self.base_url} stopped answering ({method} {path}, {tries} tries in "
+            f"{time.monotonic() - started:.0f} s, vllm_server_timeout={self.timeout:g}: {last_error}). Restart it (`grpokit vllm-serve --model MODEL_DIR ...`) and resume the run from its "
             f"last checkpoint (`trainer.train(resume_from_checkpoint=True)`)."
         )
 
@@ -249,18 +272,92 @@ def image_from_wire(data: str):
     return image
 
 
+# Config fields that fix a weight's shape or how the weights are wired: by name, so that every architecture's own
+# (moe_intermediate_size, kv_lora_rank, qk_rope_head_dim, n_routed_experts, ...) is covered without a list per model.
+SHAPE_FIELDS = re.compile(r"^(num_|n_)|_(size|dim|dims|rank|bias|heads|layers|experts)$|^(head_dim|vocab_size|"
+                          r"tie_word_embeddings|layer_types|first_k_dense_replace|decoder_sparse_step)$")
+NOT_SHAPE_FIELDS = {"chunk_size_feed_forward", "num_beams", "num_beam_groups", "num_return_sequences",
+                    "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "max_window_layers"}  # fmt: skip
+
+
+def weight_shape_config(config) -> dict:
+    """The fields of a model's (a vision-language model's: its text model's) config that determine its weights'
+    shapes: what the server reports in /info and the trainer compares with its policy's (issue 39: a server whose
+    model differs only in intermediate_size took the pushed weights into wrong-sized layers without an error)."""
+    text = text_config_of(config)
+    fields = {k: v for k, v in text.to_dict().items()
+              if SHAPE_FIELDS.search(k) and k not in NOT_SHAPE_FIELDS and v is not None}  # fmt: skip
+    for name in ("head_dim", "num_key_value_heads"):  # attributes some configs derive rather than store
+        value = getattr(text, name, None)
+        if isinstance(value, int) and name not in fields:
+            fields[name] = value
+    fields["tie_word_embeddings"] = ties_word_embeddings(config)
+    return json.loads(json.dumps(fields, default=str))  # as it travels (tuples become lists)
+
+
+def shape_differences(policy: dict, served: dict) -> dict:
+    """{field: (served, policy)} for the weight-shape fields both sides report with different values (a field one
+    side's transformers does not write is not compared)."""
+    return {k: (served[k], v) for k, v in policy.items() if k in served and served[k] != v}
+
+
 def check_same_model(config, info: dict, base_url: str) -> None:
     """The served model must be the policy's architecture with its vocabulary (a vision-language model's: its
-    text model's); say which differs."""
-    model_type, config = config.model_type, text_config_of(config)
-    if info.get("vocab_size") != config.vocab_size:
+    text model's), down to every field that shapes a weight; say which differs."""
+    model_type, text = config.model_type, text_config_of(config)
+    if info.get("vocab_size") != text.vocab_size:
         raise ValueError(f"The vLLM server at {base_url} serves a model with a vocabulary of {info.get('vocab_size')} "
-                         f"tokens; the policy's has {config.vocab_size}: start the server with the policy's "
+                         f"tokens; the policy's has {text.vocab_size}: start the server with the policy's "
                          f"checkpoint (`grpokit vllm-serve --model ...`).")  # fmt: skip
-    ours = {"model_type": model_type, "hidden_size": getattr(config, "hidden_size", None),
-            "num_hidden_layers": getattr(config, "num_hidden_layers", None)}  # fmt: skip
+    ours = {"model_type": model_type, "hidden_size": getattr(text, "hidden_size", None),
+            "num_hidden_layers": getattr(text, "num_hidden_layers", None)}  # fmt: skip
     different = {k: (info.get(k), v) for k, v in ours.items() if info.get(k) != v}
+    if not different and "shape" in info:
+        different = shape_differences(weight_shape_config(config), info["shape"])
     if different:
         shown = ", ".join(f"{k}: server {a!r}, policy {b!r}" for k, (a, b) in different.items())
         raise ValueError(f"The vLLM server at {base_url} serves another model ({shown}) ({info.get('model')}): "
-                         f"start it with the policy's checkpoint.")  # fmt: skip
+                         f"its weights have other shapes than the policy's, which it would take without an error "
+                         f"and sample wrongly. Start it with the policy's checkpoint.")  # fmt: skip
+
+
+def check_context_fits(max_model_len: int | None, max_prompt_length: int | None, max_completion_length: int | None,
+                       max_positions: int | None, base_url: str) -> None:  # fmt: skip
+    """When the trainer connects: the server must take a whole completion after a prompt (an error otherwise), and
+    should take the longest prompt the trainer may send, max_prompt_length (as cut to the model's positions), plus
+    max_completion_length (a warning otherwise: the run works while the dataset's prompts are shorter, and a longer
+    one is refused by `check_prompts_fit` when it comes)."""
+    if max_model_len is None or max_completion_length is None:
+        return
+    if max_completion_length >= max_model_len:
+        raise ValueError(f"The vLLM server at {base_url} takes at most {max_model_len} tokens of prompt + completion "
+                         f"(its max_model_len), which leaves no room for a prompt before a completion of "
+                         f"max_completion_length={max_completion_length} tokens: restart it with a larger "
+                         f"`grpokit vllm-serve --max-model-len`, or lower max_completion_length.")  # fmt: skip
+    if max_prompt_length is None:
+        return
+    longest = max_prompt_length + max_completion_length
+    if max_positions is not None:
+        longest = min(longest, max_positions)
+    if longest > max_model_len:
+        warnings.warn(f"The vLLM server at {base_url} takes at most {max_model_len} tokens of prompt + completion "
+                      f"(its max_model_len), and this run may send up to {longest} (max_prompt_length="
+                      f"{max_prompt_length} + max_completion_length={max_completion_length}): a prompt longer than "
+                      f"{max_model_len - max_completion_length} tokens will stop the run. Restart the server with "
+                      f"`grpokit vllm-serve --max-model-len {longest}`, or set max_prompt_length="
+                      f"{max_model_len - max_completion_length}.", UserWarning, stacklevel=4)  # fmt: skip
+
+
+def check_prompts_fit(prompts: PromptBatch, max_new_tokens: int, max_model_len: int | None, base_url: str) -> None:
+    """Before a request: every prompt leaves room for max_new_tokens in the server's max_model_len (vLLM would
+    refuse the whole request with a validation error); name the prompt and the fixes."""
+    if max_model_len is None:
+        return
+    for index, ids in enumerate(prompts.ids):
+        if len(ids) + max_new_tokens > max_model_len:
+            raise ValueError(f"Prompt {index} of this generation has {len(ids)} tokens, and with max_completion_length"
+                             f"={max_new_tokens} it does not fit the {max_model_len} tokens the vLLM server at "
+                             f"{base_url} takes (its max_model_len): restart the server with `grpokit vllm-serve "
+                             f"--max-model-len {len(ids) + max_new_tokens}` (or more), set max_prompt_length="
+                             f"{max_model_len - max_new_tokens} to cut prompts, or filter long prompts out of the "
+                             f"dataset.")  # fmt: skip
