@@ -155,7 +155,8 @@ class GRPOConfig:
                                        "deterministic kernels only (torch.use_deterministic_algorithms; CUDA's "
                                        "workspace settings), slower on GPUs.")
     bf16: bool | None = _f(False, "bfloat16 autocast for forward passes (weights and optimizer stay float32). "
-                                  "None: on unless fp16 (TRL's meaning).")
+                                  "Off by default (TRL's default is on unless fp16: set bf16=True on GPUs); "
+                                  "None: on unless fp16.")
     fp16: bool = _f(False, "float16 autocast with loss scaling (GPU).")
     torch_empty_cache_steps: int | None = _f(None, "Return the accelerator's cached memory (torch.cuda.empty_cache "
                                                   "and the like) before the backward of every micro-batch of every "
@@ -442,8 +443,8 @@ class GRPOConfig:
     transformers_continuous_batching_config: dict | str | None = _no_effect(None, "only read with "
                                                                             "use_transformers_continuous_batching "
                                                                             "(not implemented; warned there).")
-    use_vllm: bool = _f(False, "Sample with vLLM (grpokit.rollout.vllm; `pip install grpokit[vllm]`, CPU recipe in "
-                               "the README) instead of the in-process engine. π_old is then always the training "
+    use_vllm: bool = _f(False, "Sample with vLLM (grpokit.rollout.vllm; `pip install \".[vllm]\"` in the checkout "
+                               "on a GPU machine, the CPU recipe in the vLLM guide) instead of the in-process engine. π_old is then always the training "
                                "forward's, and vLLM's log-probs feed only the importance-sampling correction.")
     vllm_mode: str = _f("colocate", "'colocate': vLLM runs inside each training process; 'server': "
                                     "it runs in `grpokit vllm-serve` (vllm_server_*) and the trainer talks to it "

@@ -65,6 +65,17 @@ def _read_jsonl(path: Path) -> tuple[list[dict], bool]:
     return records, broken_last
 
 
+def reward_trend(log_history: list[dict]) -> str:
+    """'reward 0.134 at step 1 -> 0.512 at step 60' from a trainer's `state.log_history` (or metrics.jsonl's
+    records): the first and last training records that have a reward. The last record of a finished run is the
+    summary (train_loss, train_runtime, ...), which has none."""
+    records = [r for r in log_history if isinstance(r.get("reward"), (int, float))]
+    if not records:
+        return "no reward logged"
+    first, last = records[0], records[-1]
+    return f"reward {first['reward']:.3f} at step {first.get('step')} -> {last['reward']:.3f} at step {last.get('step')}"
+
+
 def load_run(output_dir: str | Path) -> Run:
     """Load metrics.jsonl, completions.jsonl and grpo_config.json (all optional)."""
     path = Path(output_dir)
@@ -366,6 +377,10 @@ def write_report(output_dirs: list[str | Path] | str | Path, out: Path | None = 
     runs = [load_run(d) for d in output_dirs]
     if not runs:
         raise ValueError("write_report needs at least one output directory")
+    for run in runs:
+        if not run.metrics and not run.config and not (run.path / "metrics.jsonl").exists():
+            raise FileNotFoundError(f"{run.path} holds no run: no metrics.jsonl or grpo_config.json there (give the "
+                                    "output_dir of a training run).")
     out = Path(out) if out is not None else Path(output_dirs[0]) / "report"
     pngs = plot_metrics(runs, out)
     names = _display_names(runs)
