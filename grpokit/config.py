@@ -260,7 +260,7 @@ class GRPOConfig:
     ref_model_dtype: str | None = _f(None, "The frozen reference's weights in 'bfloat16' / 'float16' (inference only: "
                                            "half a float32 copy's memory, no per-op cast under bf16 autocast) or "
                                            "'int8' (linear layers in int8 with a scale per row, the rest bfloat16); "
-                                           "log-prob differences in the README; None: the policy's dtype, as TRL.")
+                                           "log-prob differences in the memory guide; None: the policy's dtype, as TRL.")
     pass_threshold: float = _f(1.0, "A completion passes a reward function (for pass@k) when its reward >= this.")
     guard_metric: str | None = _f(None, "Warn when the reward rises while this metric falls (e.g. "
                                         "'rewards/format/mean', 'completions/mean_length'); None: off.")
@@ -291,8 +291,8 @@ class GRPOConfig:
                                                 "the decode step compiled with CUDA graphs (torch.compile "
                                                 "'reduce-overhead'; generation_kwargs disable_compile=True turns "
                                                 "that off). Full-attention models only. No effect with use_vllm. "
-                                                "On a GPU the faster choice (README, 'Static decoding and CUDA "
-                                                "graphs'); it holds its cache through training.")
+                                                "On a GPU the faster choice (memory guide, 'Static decoding and "
+                                                "CUDA graphs'); it holds its cache through training.")
     generation_kwargs: dict | str | None = _f(None, "Sampling options as TRL passes them to generate() / vLLM: top_p, top_k, "
                                               "min_p, repetition_penalty (they override the named fields, as in "
                                               "TRL), eos_token_id / stop_token_ids (more tokens that end a "
