@@ -49,7 +49,8 @@ def tiny_setup():
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="Qwen/Qwen2.5-VL-3B-Instruct")
-    parser.add_argument("--output_dir", default=None, help="Default: Qwen2.5-VL-3B-GRPO; with --tiny, a folder in the temporary directory (printed at the end).")
+    parser.add_argument("--output_dir", default=None,
+                        help="Default: Qwen2.5-VL-3B-GRPO; with --tiny, a folder in the temporary directory.")
     parser.add_argument("--tiny", action="store_true", help="A tiny offline VLM and task (CPU-friendly).")
     parser.add_argument("--max_steps", type=int, default=-1)
     options = parser.parse_args(argv)
@@ -59,7 +60,8 @@ def main(argv=None):
 
         model, processor, dataset, rewards = tiny_setup()
         peft_config = None
-        training_args = GRPOConfig(output_dir=options.output_dir or tiny_output_dir("grpo_vlm"), per_device_train_batch_size=8, num_generations=4,
+        output_dir = options.output_dir or tiny_output_dir("grpo_vlm")
+        training_args = GRPOConfig(output_dir=output_dir, per_device_train_batch_size=8, num_generations=4,
                                    max_completion_length=4, learning_rate=1e-3,
                                    max_steps=options.max_steps if options.max_steps > 0 else 20, logging_steps=5,
                                    save_strategy="no", log_completions=True, report_to=[])  # fmt: skip

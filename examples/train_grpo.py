@@ -42,7 +42,8 @@ def tiny_setup():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="Qwen/Qwen2-0.5B-Instruct")
-    parser.add_argument("--output_dir", default=None, help="Default: Qwen2-0.5B-GRPO; with --tiny, a folder in the temporary directory (printed at the end).")
+    parser.add_argument("--output_dir", default=None,
+                        help="Default: Qwen2-0.5B-GRPO; with --tiny, a folder in the temporary directory.")
     parser.add_argument("--tiny", action="store_true", help="A tiny offline model and task (CPU-friendly).")
     parser.add_argument("--max_steps", type=int, default=-1)
     options = parser.parse_args()
@@ -51,7 +52,8 @@ def main():
         from grpokit.testing import tiny_output_dir
 
         model, tokenizer, dataset, reward = tiny_setup()
-        training_args = GRPOConfig(output_dir=options.output_dir or tiny_output_dir("train_grpo"), per_device_train_batch_size=32, num_generations=8,
+        output_dir = options.output_dir or tiny_output_dir("train_grpo")
+        training_args = GRPOConfig(output_dir=output_dir, per_device_train_batch_size=32, num_generations=8,
                                    max_completion_length=2, learning_rate=1e-2, lr_scheduler_type="constant",
                                    max_steps=options.max_steps if options.max_steps > 0 else 60, logging_steps=10,
                                    save_steps=30)  # fmt: skip

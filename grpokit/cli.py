@@ -4,8 +4,8 @@
 `grpokit train` with no model and no dataset runs the built-in demo (flags still apply, e.g. --max_steps).
 Every GRPOConfig field is a flag; values are parsed as YAML scalars (`--bf16`, `--bf16 false`,
 `--top_k null`); list fields take `--reward_weights 1.0`, `--reward_weights 1.0 0.5`, `--reward_weights 1.0,0.5`
-or `--reward_weights "[1, 0.5]"`. Mistakes (an unknown flag or key, a bad value) print one line with a suggestion. A YAML file gives the same keys, plus `model`, `dataset` and
-`reward`; flags override the file.
+or `--reward_weights "[1, 0.5]"`. A YAML file gives the same keys, plus `model`, `dataset` and `reward`; flags
+override the file. Mistakes (an unknown command, flag or key, a bad value) print one line with a suggestion.
 """
 
 from __future__ import annotations
@@ -247,8 +247,14 @@ def report_command(argv: list[str]) -> int:
     except ImportError:
         raise SystemExit("grpokit report draws its plots with matplotlib, a dependency of grpokit that is missing "
                          "here: pip install matplotlib") from None
-    from .report import write_report
+    from .report import holds_a_run, write_report
 
+    for folder in options.output_dirs:  # a mistyped or empty folder is not a run whose report is empty
+        if not Path(folder).is_dir():
+            raise UsageError(f"{folder} is not a directory: give the output_dir of a training run.")
+        if not holds_a_run(folder):
+            raise UsageError(f"{folder} holds no run (no metrics.jsonl, completions.jsonl or grpo_config.json): "
+                             "give the output_dir of a training run.")
     try:
         path = write_report(options.output_dirs, Path(options.out) if options.out else None)
     except FileNotFoundError as error:

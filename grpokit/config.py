@@ -260,7 +260,8 @@ class GRPOConfig:
     ref_model_dtype: str | None = _f(None, "The frozen reference's weights in 'bfloat16' / 'float16' (inference only: "
                                            "half a float32 copy's memory, no per-op cast under bf16 autocast) or "
                                            "'int8' (linear layers in int8 with a scale per row, the rest bfloat16); "
-                                           "log-prob differences in the memory guide; None: the policy's dtype, as TRL.")
+                                           "log-prob differences in the memory guide; None: the policy's dtype, "
+                                           "as TRL.")
     pass_threshold: float = _f(1.0, "A completion passes a reward function (for pass@k) when its reward >= this.")
     guard_metric: str | None = _f(None, "Warn when the reward rises while this metric falls (e.g. "
                                         "'rewards/format/mean', 'completions/mean_length'); None: off.")
@@ -444,8 +445,9 @@ class GRPOConfig:
                                                                             "use_transformers_continuous_batching "
                                                                             "(not implemented; warned there).")
     use_vllm: bool = _f(False, "Sample with vLLM (grpokit.rollout.vllm; `pip install \".[vllm]\"` in the checkout "
-                               "on a GPU machine, the CPU recipe in the vLLM guide) instead of the in-process engine. π_old is then always the training "
-                               "forward's, and vLLM's log-probs feed only the importance-sampling correction.")
+                               "on a GPU machine, the CPU recipe in the vLLM guide) instead of the in-process "
+                               "engine. π_old is then always the training forward's, and vLLM's log-probs feed only "
+                               "the importance-sampling correction.")
     vllm_mode: str = _f("colocate", "'colocate': vLLM runs inside each training process; 'server': "
                                     "it runs in `grpokit vllm-serve` (vllm_server_*) and the trainer talks to it "
                                     "over HTTP.")

@@ -76,6 +76,14 @@ def reward_trend(log_history: list[dict]) -> str:
     return f"reward {first['reward']:.3f} at step {first.get('step')} -> {last['reward']:.3f} at step {last.get('step')}"
 
 
+RUN_FILES = ("metrics.jsonl", "completions.jsonl", "grpo_config.json")
+
+
+def holds_a_run(output_dir: str | Path) -> bool:
+    """Whether a folder is a training run's output_dir (one of the files a run writes is there)."""
+    return any((Path(output_dir) / name).is_file() for name in RUN_FILES)
+
+
 def load_run(output_dir: str | Path) -> Run:
     """Load metrics.jsonl, completions.jsonl and grpo_config.json (all optional)."""
     path = Path(output_dir)
@@ -377,10 +385,6 @@ def write_report(output_dirs: list[str | Path] | str | Path, out: Path | None = 
     runs = [load_run(d) for d in output_dirs]
     if not runs:
         raise ValueError("write_report needs at least one output directory")
-    for run in runs:
-        if not run.metrics and not run.config and not (run.path / "metrics.jsonl").exists():
-            raise FileNotFoundError(f"{run.path} holds no run: no metrics.jsonl or grpo_config.json there (give the "
-                                    "output_dir of a training run).")
     out = Path(out) if out is not None else Path(output_dirs[0]) / "report"
     pngs = plot_metrics(runs, out)
     names = _display_names(runs)

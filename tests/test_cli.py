@@ -144,6 +144,9 @@ def test_report_on_an_empty_folder_says_so(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     code, out, err = run_main(capsys, "report", str(tmp_path / "empty"))
     assert code == 2 and "Report written" not in out and "holds no run" in err
+    assert not (tmp_path / "empty" / "report").exists()
+    code, _, err = run_main(capsys, "report", str(tmp_path / "nowhere"))
+    assert code == 2 and "is not a directory" in err
 
 
 @pytest.mark.parametrize("argv, weights", [

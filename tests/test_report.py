@@ -183,13 +183,6 @@ def test_html_renders_in_headless_chromium(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 50_000  # a blank page is a few KB
 
 
-def test_an_empty_folder_is_no_run_and_gets_no_report(tmp_path):
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match="holds no run"):
-        write_report([tmp_path / "empty"])
-    assert not (tmp_path / "empty" / "report").exists()
-
-
 def test_reward_trend_skips_the_summary_record():
     from grpokit.report import reward_trend
 
