@@ -2,7 +2,7 @@
 """Rollout engines: vLLM (`use_vllm=True`, colocated) vs grpokit's in-process engine (vs TRL + vLLM on GPU), same
 model, same workload, one run each.
 
-    # in the vLLM environment (README: "Sampling with vLLM"):
+    # in the vLLM environment (docs/guides/vllm.md):
     python benchmarks/bench_engines.py --config small --out benchmarks/results/engines_small.json
     python benchmarks/bench_engines.py --config 50m
     python benchmarks/bench_engines.py --config qwen0.5b

@@ -79,5 +79,6 @@ if __name__ == "__main__":
     parser.add_argument("--output_dir", default="grpo-ar-image")
     options = parser.parse_args()
     trainer = train(options.steps, options.output_dir)
-    history = trainer.state.log_history
-    print(f"pattern reward: {history[0]['reward']:.3f} at step 1 -> {history[-1]['reward']:.3f} at step {history[-1]['step']}")
+    from grpokit.report import reward_trend
+
+    print(f"pattern {reward_trend(trainer.state.log_history)}")

@@ -42,14 +42,18 @@ def tiny_setup():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="Qwen/Qwen2-0.5B-Instruct")
-    parser.add_argument("--output_dir", default="Qwen2-0.5B-GRPO")
+    parser.add_argument("--output_dir", default=None,
+                        help="Default: Qwen2-0.5B-GRPO; with --tiny, a folder in the temporary directory.")
     parser.add_argument("--tiny", action="store_true", help="A tiny offline model and task (CPU-friendly).")
     parser.add_argument("--max_steps", type=int, default=-1)
     options = parser.parse_args()
 
     if options.tiny:
+        from grpokit.testing import tiny_output_dir
+
         model, tokenizer, dataset, reward = tiny_setup()
-        training_args = GRPOConfig(output_dir=options.output_dir, per_device_train_batch_size=32, num_generations=8,
+        output_dir = options.output_dir or tiny_output_dir("train_grpo")
+        training_args = GRPOConfig(output_dir=output_dir, per_device_train_batch_size=32, num_generations=8,
                                    max_completion_length=2, learning_rate=1e-2, lr_scheduler_type="constant",
                                    max_steps=options.max_steps if options.max_steps > 0 else 60, logging_steps=10,
                                    save_steps=30)  # fmt: skip
@@ -58,12 +62,17 @@ def main():
 
         model, tokenizer = options.model, None
         dataset, reward = load_dataset("trl-lib/tldr", split="train"), reward_len
-        training_args = GRPOConfig(output_dir=options.output_dir, logging_steps=10, max_steps=options.max_steps)
+        training_args = GRPOConfig(output_dir=options.output_dir or "Qwen2-0.5B-GRPO", logging_steps=10,
+                                   max_steps=options.max_steps)
 
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=training_args, train_dataset=dataset,
                           processing_class=tokenizer)
     trainer.train()
     trainer.save_model()
+    if trainer.accelerator.is_main_process:
+        from grpokit.report import reward_trend
+
+        print(f"{reward_trend(trainer.state.log_history)}; model saved to {training_args.output_dir}")
 
 
 if __name__ == "__main__":

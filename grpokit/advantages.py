@@ -262,10 +262,10 @@ def process_advantages(
 ) -> torch.Tensor:
     """Token advantages [N, T] from step-level (process) rewards (DeepSeekMath §4.1.3).
 
-    step_rewards[i][j] is the reward of step j of completion i; step_ends[i][j] the token position (exclusive)
+    `step_rewards[i][j]` is the reward of step j of completion i; `step_ends[i][j]` the token position (exclusive)
     where that step ends. Inside each group the step rewards of all its completions are normalised together,
-    r~ = (r - mean) / (std + 1e-4) (Bessel std), and a token's advantage is the sum of the normalised rewards of
-    the steps that end after it: A[i, t] = sum_j r~[i][j] for step_ends[i][j] > t (0 after the last step).
+    `r~ = (r - mean) / (std + 1e-4)` (Bessel std), and a token's advantage is the sum of the normalised rewards of
+    the steps that end after it: `A[i, t] = sum_j r~[i][j] for step_ends[i][j] > t` (0 after the last step).
 
     Example (G = 2): step_rewards = [[1, 0], [1]], step_ends = [[2, 4], [3]], T = 5: the group's rewards are
     [1, 0, 1] (mean 2/3, std 0.5774), normalised [0.5773, -1.1546, 0.5773]; so A[0] = [-0.5773, -0.5773,

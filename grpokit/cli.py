@@ -3,14 +3,16 @@
 
 `grpokit train` with no model and no dataset runs the built-in demo (flags still apply, e.g. --max_steps).
 Every GRPOConfig field is a flag; values are parsed as YAML scalars (`--bf16`, `--bf16 false`,
-`--reward_weights "[1, 0.5]"`, `--top_k null`). A YAML file gives the same keys, plus `model`, `dataset` and
-`reward`; flags override the file.
+`--top_k null`); list fields take `--reward_weights 1.0`, `--reward_weights 1.0 0.5`, `--reward_weights 1.0,0.5`
+or `--reward_weights "[1, 0.5]"`. A YAML file gives the same keys, plus `model`, `dataset` and `reward`; flags
+override the file. Mistakes (an unknown command, flag or key, a bad value) print one line with a suggestion.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import sys
 from pathlib import Path
@@ -22,8 +24,46 @@ from .config import GRPOConfig, annotation_of
 RUN_KEYS = ("model", "dataset", "dataset_split", "reward", "eval_dataset", "eval_dataset_split")
 
 
-def _parse_value(raw: str):
+class UsageError(ValueError):
+    """A user's mistake on the command line or in a config file: printed as one or two lines, no traceback."""
+
+
+def did_you_mean(word: str, choices) -> str:
+    """' Did you mean X?' for the closest of `choices`, or '' when nothing is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.75)
+    return f" Did you mean {close[0]}?" if close else ""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse without prefix matching (`--learning_rat` is not `--learning_rate`) and with short errors: one line
+    and a suggestion instead of the whole usage, which lists every GRPOConfig field."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            flags = [word for word in extras if word.startswith("-")]
+            if flags:
+                known = [option for action in self._actions for option in action.option_strings]
+                self.error(f"unknown option {flags[0]}.{did_you_mean(flags[0].split('=')[0], known)}")
+            self.error(f"unexpected argument(s): {' '.join(extras)}")
+        return namespace
+
+    def error(self, message):
+        raise UsageError(f"{message} (`{self.prog} --help` lists the options)")
+
+
+def _parse_value(raw: str | list[str]):
+    if isinstance(raw, list):  # a list flag given several values: `--reward_weights 1.0 0.5`
+        values = [yaml.safe_load(item) for item in raw]
+        return values[0] if len(values) == 1 else values
     return yaml.safe_load(raw)
+
+
+def _is_list_field(name: str) -> bool:
+    return annotation_of(name).startswith("list[")
 
 
 def _field_types(name: str) -> set[str]:
@@ -37,13 +77,23 @@ def _coerce(name: str, value):
     """Give a flag's or a YAML file's value the type of the field's annotation (YAML reads `1e-3` as a string,
     `2` as an int where a float is wanted, `none` as a string)."""
     types = _field_types(name)
+    if "list" in types and "str" not in types and value is not None and not isinstance(value, (list, dict)):
+        # `--reward_weights 1.0`, `--reward_weights 1.0,0.5`, `reward_weights: 1`: the list users mean
+        items = [yaml.safe_load(item) for item in value.split(",")] if isinstance(value, str) else [value]
+        inner = annotation_of(name).split("[", 1)[1].split("]", 1)[0]
+        if inner == "float":
+            try:
+                return [float(item) for item in items]
+            except (TypeError, ValueError):
+                raise UsageError(f"--{name} takes numbers (1.0, or 1.0,0.5, or '[1.0, 0.5]'), not {value!r}.") from None
+        return [str(item) for item in items] if inner == "str" else items
     numbers = [kind for kind in ("int", "float") if kind in types]
     if isinstance(value, str) and "str" not in types:
         if value in ("none", "None") and "None" in types:
             return None  # `--top_k none`; but `--scale_rewards none` stays the string 'none'
         if "bool" in types:
             if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError(f"--{name} takes true or false, not {value!r}.")
+                raise UsageError(f"--{name} takes true or false, not {value!r}.")
             return value.lower() in ("true", "1", "yes")
         for kind in numbers:  # int first: `--save_steps 50` stays an int where int is allowed
             try:
@@ -51,7 +101,7 @@ def _coerce(name: str, value):
             except ValueError:
                 pass
         if numbers:
-            raise ValueError(f"--{name} takes a number, not {value!r}.")
+            raise UsageError(f"--{name} takes a number, not {value!r}.")
         return value
     if isinstance(value, bool) and "bool" not in types and "str" in types and not value:
         return "no"  # YAML 1.1 reads `save_strategy: no` as False
@@ -67,7 +117,7 @@ def _coerce(name: str, value):
 
 
 def build_train_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="grpokit train",
         description="Train with GRPO. With no --model and no --dataset (and no config file), runs the built-in demo.",
     )
@@ -81,8 +131,9 @@ def build_train_parser() -> argparse.ArgumentParser:
                         help="Reward: a built-in name (accuracy, think_format, length, code_execution, exact_match) "
                              "or module:function / path.py:function. Repeat for several.")  # fmt: skip
     for f in dataclasses.fields(GRPOConfig):
-        parser.add_argument(f"--{f.name}", dest=f.name, default=argparse.SUPPRESS, nargs="?", const="true",
-                            metavar="VALUE", help=f.metadata.get("help", ""))  # fmt: skip
+        parser.add_argument(f"--{f.name}", dest=f.name, default=argparse.SUPPRESS, metavar="VALUE",
+                            help=f.metadata.get("help", ""),
+                            **({"nargs": "+"} if _is_list_field(f.name) else {"nargs": "?", "const": "true"}))
     return parser
 
 
@@ -93,10 +144,13 @@ def parse_train_args(argv: list[str]) -> tuple[dict, dict]:
     if namespace.get("config"):
         path = Path(namespace["config"])
         if not path.is_file():
-            raise FileNotFoundError(f"Config file {path} not found.")
-        values = yaml.safe_load(path.read_text()) or {}
+            raise UsageError(f"config file {path} not found.")
+        try:
+            values = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as error:
+            raise UsageError(f"config file {path} is not valid YAML: {error}".replace("\n", " ")) from None
         if not isinstance(values, dict):
-            raise ValueError(f"Config file {path} must hold a mapping of field: value.")
+            raise UsageError(f"config file {path} must hold a mapping of field: value.")
     run = {key: values.pop(key, None) for key in RUN_KEYS}
     if "reward_funcs" in values:
         run["reward"] = values.pop("reward_funcs")
@@ -108,10 +162,12 @@ def parse_train_args(argv: list[str]) -> tuple[dict, dict]:
     fields = {f.name for f in dataclasses.fields(GRPOConfig)}
     unknown = sorted(set(values) - fields)
     if unknown:
-        raise ValueError(f"Unknown key(s) in the config file: {unknown}. `grpokit train --help` lists the fields.")
+        hints = "".join(did_you_mean(key, [*fields, *RUN_KEYS]) for key in unknown)
+        raise UsageError(f"unknown key(s) in {namespace['config']}: {', '.join(unknown)}.{hints} "
+                         "`grpokit train --help` lists the fields.")
     for name in fields & set(namespace):
         raw = namespace[name]
-        values[name] = _parse_value(raw) if isinstance(raw, str) else raw
+        values[name] = _parse_value(raw) if isinstance(raw, (str, list)) else raw
         if isinstance(values[name], bool) and "bool" not in _field_types(name) and "str" in _field_types(name):
             values[name] = raw  # YAML 1.1 reads `--eval_strategy no` as False; the field wants the word
     return run, {name: _coerce(name, value) for name, value in values.items()}
@@ -122,20 +178,22 @@ def train_command(argv: list[str]) -> int:
     if run["model"] is None and run["dataset"] is None:
         from .demo import run_demo
 
-        run_demo(**{"output_dir": "grpo-demo", **values})
+        try:
+            run_demo(**{"output_dir": "grpo-demo", **values})
+        except ValueError as error:
+            if _raised_by_config_validation(error):
+                raise UsageError(str(error)) from None
+            raise
         return 0
     missing = [key for key in ("model", "dataset", "reward") if not run[key]]
     if missing:
-        raise SystemExit(f"grpokit train: missing {', '.join('--' + k for k in missing)} (or give them in the YAML file).")
-    from .data import load_dataset_source
-    from .rewards.builtin import resolve_reward
+        raise UsageError(f"missing {', '.join('--' + k for k in missing)} (or give them in the YAML file).")
     from .trainer import GRPOTrainer
 
-    rewards = [resolve_reward(spec) for spec in run["reward"]]  # bad reward names fail before any loading
-    args = GRPOConfig(**values)
-    dataset = load_dataset_source(run["dataset"], split=run["dataset_split"] or "train")
-    eval_dataset = (load_dataset_source(run["eval_dataset"], split=run["eval_dataset_split"] or "test")
-                    if run["eval_dataset"] else None)  # fmt: skip
+    rewards = resolve_rewards(run["reward"])  # bad reward names fail before any loading
+    args = build_config(values)
+    dataset = load_data(run["dataset"], run["dataset_split"] or "train")
+    eval_dataset = load_data(run["eval_dataset"], run["eval_dataset_split"] or "test") if run["eval_dataset"] else None
     trainer = GRPOTrainer(model=run["model"], reward_funcs=rewards, args=args, train_dataset=dataset,
                           eval_dataset=eval_dataset)  # fmt: skip
     trainer.train()
@@ -146,8 +204,41 @@ def train_command(argv: list[str]) -> int:
     return 0
 
 
+def _raised_by_config_validation(error: BaseException) -> bool:
+    """Whether GRPOConfig's validation raised this (a value the user gave), not the code behind it."""
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and Path(frames[-1].filename).resolve() == Path(__file__).with_name("config.py").resolve()
+
+
+def resolve_rewards(specs: list[str]) -> list:
+    from .rewards.builtin import resolve_reward
+
+    try:
+        return [resolve_reward(spec) for spec in specs]
+    except (ValueError, FileNotFoundError, AttributeError, ImportError) as error:
+        raise UsageError(str(error)) from None
+
+
+def build_config(values: dict) -> GRPOConfig:
+    try:
+        return GRPOConfig(**values)
+    except ValueError as error:  # GRPOConfig's validation says which value and how to fix it
+        raise UsageError(str(error)) from None
+
+
+def load_data(spec: str, split: str):
+    from .data import load_dataset_source
+
+    try:
+        return load_dataset_source(spec, split=split)
+    except (FileNotFoundError, ValueError) as error:
+        raise UsageError(str(error)) from None
+
+
 def report_command(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="grpokit report", description="Plots and an HTML page for one or more runs.")
+    parser = Parser(prog="grpokit report", description="Plots and an HTML page for one or more runs.")
     parser.add_argument("output_dirs", nargs="+", help="Run output directories (several are overlaid).")
     parser.add_argument("--out", default=None, help="Where to write the report (default: FIRST_DIR/report).")
     options = parser.parse_args(argv)
@@ -156,9 +247,18 @@ def report_command(argv: list[str]) -> int:
     except ImportError:
         raise SystemExit("grpokit report draws its plots with matplotlib, a dependency of grpokit that is missing "
                          "here: pip install matplotlib") from None
-    from .report import write_report
+    from .report import holds_a_run, write_report
 
-    path = write_report(options.output_dirs, Path(options.out) if options.out else None)
+    for folder in options.output_dirs:  # a mistyped or empty folder is not a run whose report is empty
+        if not Path(folder).is_dir():
+            raise UsageError(f"{folder} is not a directory: give the output_dir of a training run.")
+        if not holds_a_run(folder):
+            raise UsageError(f"{folder} holds no run (no metrics.jsonl, completions.jsonl or grpo_config.json): "
+                             "give the output_dir of a training run.")
+    try:
+        path = write_report(options.output_dirs, Path(options.out) if options.out else None)
+    except FileNotFoundError as error:
+        raise UsageError(str(error)) from None
     print(f"Report written to {path}")
     return 0
 
@@ -182,7 +282,7 @@ def run_config_of(model: str) -> Path | None:
 
 
 def eval_command(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="grpokit eval",
         description="Sample num_generations_eval completions per prompt from a saved model or checkpoint, score them "
                     "with the rewards, print mean rewards and pass@k, and write them with every completion to JSON. "
@@ -196,25 +296,31 @@ def eval_command(argv: list[str]) -> int:
                         help="Reward, as for `grpokit train --reward`. Repeat for several.")  # fmt: skip
     parser.add_argument("--out", default="eval_results.json", help="JSON file to write (default: %(default)s).")
     for name in EVAL_FIELDS:
-        parser.add_argument(f"--{name}", dest=name, default=argparse.SUPPRESS, nargs="?", const="true",
-                            metavar="VALUE", help=GRPOConfig.field_help(name))  # fmt: skip
+        parser.add_argument(f"--{name}", dest=name, default=argparse.SUPPRESS, metavar="VALUE",
+                            help=GRPOConfig.field_help(name),
+                            **({"nargs": "+"} if _is_list_field(name) else {"nargs": "?", "const": "true"}))
     options = vars(parser.parse_args(argv))
     values = {name: _coerce(name, _parse_value(options[name])) for name in EVAL_FIELDS if name in options}
+    if "reward_weights" in values and values["reward_weights"] is not None \
+            and len(values["reward_weights"]) != len(options["reward"]):
+        raise UsageError(f"--reward_weights has {len(values['reward_weights'])} value(s) for "
+                         f"{len(options['reward'])} --reward(s); give one weight per reward.")
     run_config = run_config_of(options["model"])
     if run_config is not None:  # the run's own sampling settings, unless a flag says otherwise
         saved = json.loads(run_config.read_text())
         inherited = {name: saved[name] for name in EVAL_FIELDS if name in saved and name not in values}
+        weights = inherited.get("reward_weights")
+        if weights is not None and len(weights) != len(options["reward"]):
+            del inherited["reward_weights"]  # the run's weights were for its own rewards, not these
         values = {**inherited, **values}
         print(f"Settings from {run_config} (flags override): "
               + ", ".join(f"{k}={v}" for k, v in inherited.items() if v is not None))  # fmt: skip
-    from .data import load_dataset_source
     from .evaluation import format_table
-    from .rewards.builtin import resolve_reward
     from .trainer import GRPOTrainer
 
-    rewards = [resolve_reward(spec) for spec in options["reward"]]
-    args = GRPOConfig(disable_tqdm=True, **values)
-    dataset = load_dataset_source(options["dataset"], split=options["dataset_split"] or "train")
+    rewards = resolve_rewards(options["reward"])
+    args = build_config({"disable_tqdm": True, **values})
+    dataset = load_data(options["dataset"], options["dataset_split"] or "train")
     # The trainer loads the model exactly as training does and evaluates exactly as it does during training.
     trainer = GRPOTrainer(model=options["model"], reward_funcs=rewards, args=args, train_dataset=dataset,
                           eval_dataset=dataset)  # fmt: skip
@@ -248,16 +354,38 @@ def vllm_serve_command(argv: list[str]) -> int:
 COMMANDS = {"train": train_command, "report": report_command, "eval": eval_command, "vllm-serve": vllm_serve_command}
 
 
+USAGE = (
+    "usage: grpokit {train,eval,report,vllm-serve} ...\n\n"
+    "  train [config.yaml] [--field value ...]   GRPO training (no arguments: the built-in demo)\n"
+    "  eval --model DIR --dataset D --reward R   mean rewards and pass@k of a saved model or checkpoint\n"
+    "  report OUTPUT_DIR [OUTPUT_DIR ...]        plots and an HTML report of runs\n"
+    "  vllm-serve --model DIR [--port 8000]      a vLLM server for vllm_mode='server'\n"
+    "  --version                                 grpokit's version\n"
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: grpokit {train,eval,report,vllm-serve} ...\n\n"
-              "  train [config.yaml] [--field value ...]   GRPO training (no arguments: the built-in demo)\n"
-              "  eval --model DIR --dataset D --reward R   mean rewards and pass@k of a saved model or checkpoint\n"
-              "  report OUTPUT_DIR [OUTPUT_DIR ...]        plots and an HTML report of runs\n"
-              "  vllm-serve --model DIR [--port 8000]      a vLLM server for vllm_mode='server'\n")  # fmt: skip
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
-    return COMMANDS[argv[0]](argv[1:])
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"grpokit {version('grpokit')}")
+        except PackageNotFoundError:  # a checkout on the path, not installed
+            print("grpokit (not installed: running from a checkout)")
+        return 0
+    if argv[0] not in COMMANDS:
+        print(f"grpokit: unknown command {argv[0]!r}.{did_you_mean(argv[0], COMMANDS)} "
+              f"Commands: {', '.join(COMMANDS)} (`grpokit --help`).", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except UsageError as error:
+        print(f"grpokit {argv[0]}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -155,7 +155,8 @@ class GRPOConfig:
                                        "deterministic kernels only (torch.use_deterministic_algorithms; CUDA's "
                                        "workspace settings), slower on GPUs.")
     bf16: bool | None = _f(False, "bfloat16 autocast for forward passes (weights and optimizer stay float32). "
-                                  "None: on unless fp16 (TRL's meaning).")
+                                  "Off by default (TRL's default is on unless fp16: set bf16=True on GPUs); "
+                                  "None: on unless fp16.")
     fp16: bool = _f(False, "float16 autocast with loss scaling (GPU).")
     torch_empty_cache_steps: int | None = _f(None, "Return the accelerator's cached memory (torch.cuda.empty_cache "
                                                   "and the like) before the backward of every micro-batch of every "
@@ -259,7 +260,8 @@ class GRPOConfig:
     ref_model_dtype: str | None = _f(None, "The frozen reference's weights in 'bfloat16' / 'float16' (inference only: "
                                            "half a float32 copy's memory, no per-op cast under bf16 autocast) or "
                                            "'int8' (linear layers in int8 with a scale per row, the rest bfloat16); "
-                                           "log-prob differences in the README; None: the policy's dtype, as TRL.")
+                                           "log-prob differences in the memory guide; None: the policy's dtype, "
+                                           "as TRL.")
     pass_threshold: float = _f(1.0, "A completion passes a reward function (for pass@k) when its reward >= this.")
     guard_metric: str | None = _f(None, "Warn when the reward rises while this metric falls (e.g. "
                                         "'rewards/format/mean', 'completions/mean_length'); None: off.")
@@ -290,8 +292,8 @@ class GRPOConfig:
                                                 "the decode step compiled with CUDA graphs (torch.compile "
                                                 "'reduce-overhead'; generation_kwargs disable_compile=True turns "
                                                 "that off). Full-attention models only. No effect with use_vllm. "
-                                                "On a GPU the faster choice (README, 'Static decoding and CUDA "
-                                                "graphs'); it holds its cache through training.")
+                                                "On a GPU the faster choice (memory guide, 'Static decoding and "
+                                                "CUDA graphs'); it holds its cache through training.")
     generation_kwargs: dict | str | None = _f(None, "Sampling options as TRL passes them to generate() / vLLM: top_p, top_k, "
                                               "min_p, repetition_penalty (they override the named fields, as in "
                                               "TRL), eos_token_id / stop_token_ids (more tokens that end a "
@@ -445,9 +447,10 @@ class GRPOConfig:
     transformers_continuous_batching_config: dict | str | None = _no_effect(None, "only read with "
                                                                             "use_transformers_continuous_batching "
                                                                             "(not implemented; warned there).")
-    use_vllm: bool = _f(False, "Sample with vLLM (grpokit.rollout.vllm; `pip install grpokit[vllm]`, CPU recipe in "
-                               "the README) instead of the in-process engine. π_old is then always the training "
-                               "forward's, and vLLM's log-probs feed only the importance-sampling correction.")
+    use_vllm: bool = _f(False, "Sample with vLLM (grpokit.rollout.vllm; `pip install \".[vllm]\"` in the checkout "
+                               "on a GPU machine, the CPU recipe in the vLLM guide) instead of the in-process "
+                               "engine. π_old is then always the training forward's, and vLLM's log-probs feed only "
+                               "the importance-sampling correction.")
     vllm_mode: str = _f("colocate", "'colocate': vLLM runs inside each training process; 'server': "
                                     "it runs in `grpokit vllm-serve` (vllm_server_*) and the trainer talks to it "
                                     "over HTTP.")

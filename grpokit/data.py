@@ -26,9 +26,23 @@ def load_dataset_source(spec: str, split: str = "train"):
             loaded = datasets.load_from_disk(str(path))
             return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
         return datasets.load_dataset(str(path), split=split)
-    if spec.startswith(("/", "./", "../", "~")):
-        raise FileNotFoundError(f"Dataset {spec!r} not found: no such file or directory.")
+    if spec.startswith(("/", "./", "../", "~")) or path.suffix in suffix_to_builder:
+        # a path, or a file name (`trian.jsonl`): never ask the Hub for it
+        raise FileNotFoundError(f"Dataset {spec!r} not found: no such file or directory.{_nearby_files(path)}")
     return datasets.load_dataset(spec, split=split)
+
+
+def _nearby_files(path: Path) -> str:
+    """' Did you mean X?' for a file of the same kind next to where `path` points, or ''."""
+    import difflib
+
+    folder = path.parent if path.parent.is_dir() else None
+    if folder is None:
+        return ""
+    candidates = [str(folder / entry.name) if str(path.parent) != "." else entry.name
+                  for entry in folder.iterdir() if entry.suffix == path.suffix]  # fmt: skip
+    close = difflib.get_close_matches(str(path), candidates, n=1, cutoff=0.6)
+    return f" Did you mean {close[0]}?" if close else f" (looked in {folder.resolve()})"
 
 
 def is_iterable_dataset(dataset) -> bool:

@@ -65,6 +65,25 @@ def _read_jsonl(path: Path) -> tuple[list[dict], bool]:
     return records, broken_last
 
 
+def reward_trend(log_history: list[dict]) -> str:
+    """'reward 0.134 at step 1 -> 0.512 at step 60' from a trainer's `state.log_history` (or metrics.jsonl's
+    records): the first and last training records that have a reward. The last record of a finished run is the
+    summary (train_loss, train_runtime, ...), which has none."""
+    records = [r for r in log_history if isinstance(r.get("reward"), (int, float))]
+    if not records:
+        return "no reward logged"
+    first, last = records[0], records[-1]
+    return f"reward {first['reward']:.3f} at step {first.get('step')} -> {last['reward']:.3f} at step {last.get('step')}"
+
+
+RUN_FILES = ("metrics.jsonl", "completions.jsonl", "grpo_config.json")
+
+
+def holds_a_run(output_dir: str | Path) -> bool:
+    """Whether a folder is a training run's output_dir (one of the files a run writes is there)."""
+    return any((Path(output_dir) / name).is_file() for name in RUN_FILES)
+
+
 def load_run(output_dir: str | Path) -> Run:
     """Load metrics.jsonl, completions.jsonl and grpo_config.json (all optional)."""
     path = Path(output_dir)

@@ -478,3 +478,11 @@ def build_chat_tokenizer(chat_template: str, special_tokens: list[str], eos_toke
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad_token, eos_token=eos_token)
     tokenizer.chat_template = chat_template
     return tokenizer
+
+
+def tiny_output_dir(example: str) -> str:
+    """Where an example run with `--tiny` writes: a folder under the system's temporary directory, the same in
+    every process of a launch, never a Hub-named folder in the current directory."""
+    import tempfile
+
+    return str(Path(tempfile.gettempdir()) / "grpokit-examples" / example)

@@ -1,5 +1,5 @@
 """Slow and GPU tests are skipped by default: `pytest --runslow` runs the slow ones, `-m gpu` needs CUDA. vLLM tests
-(`-m vllm`) need vllm installed (the README's CPU recipe; `.ci/run` builds that environment) and skip without it,
+(`-m vllm`) need vllm installed (docs/guides/vllm.md: CPU recipe; `.ci/run` builds it) and skip without it,
 unless GRPOKIT_REQUIRE_VLLM=1, which turns a missing vllm into a failure (CI sets it, so a broken install shows)."""
 
 import importlib.util
@@ -29,5 +29,5 @@ def pytest_collection_modifyitems(config, items):
         if "vllm" in item.keywords and importlib.util.find_spec("vllm") is None:
             if os.environ.get("GRPOKIT_REQUIRE_VLLM") == "1":
                 raise pytest.UsageError("GRPOKIT_REQUIRE_VLLM=1 but vllm is not importable: the vLLM environment "
-                                        "was not built (see the README's CPU recipe).")  # fmt: skip
-            item.add_marker(pytest.mark.skip(reason="needs vllm (README: 'vLLM on CPU'; `.ci/run` builds it)"))
+                                        "was not built (see the CPU recipe in docs/guides/vllm.md).")  # fmt: skip
+            item.add_marker(pytest.mark.skip(reason="needs vllm (docs/guides/vllm.md: CPU recipe; .ci/run builds it)"))

@@ -88,3 +88,131 @@ def test_processes_the_tests_start_import_this_checkout(tmp_path):
                          capture_output=True, text=True, check=True)  # fmt: skip
     checkout = Path(__file__).resolve().parents[1]
     assert Path(out.stdout.strip().splitlines()[-1]).resolve().is_relative_to(checkout)
+
+
+# ------------------------------------------------------------------------ mistakes: one or two lines, a suggestion
+
+
+def run_main(capsys, *argv):
+    from grpokit.cli import main
+
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["train", "--learnig_rate", "1e-5"], ["unknown option --learnig_rate", "Did you mean --learning_rate?"]),
+    (["train", "--learning_rat", "1e-5"], ["unknown option --learning_rat", "Did you mean --learning_rate?"]),
+    (["train", "--max_steps", "many"], ["--max_steps takes a number, not 'many'"]),
+    (["train", "--model", "m"], ["missing --dataset, --reward"]),
+    (["eval", "--model", "m", "--dataset", "d.jsonl", "--reward", "exact_match", "--tempreature", "0.5"],
+     ["unknown option --tempreature", "Did you mean --temperature?"]),
+    (["report"], ["the following arguments are required: output_dirs"]),
+])  # fmt: skip
+def test_a_mistake_prints_one_line_with_a_suggestion(capsys, argv, words):
+    code, out, err = run_main(capsys, *argv)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) <= 2, err  # not the usage of every GRPOConfig field
+    for word in words:
+        assert word in err, err
+
+
+def test_a_yaml_typo_is_named_with_the_field_it_meant(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("learning_rat: 1.0e-5\nmodel: m\n")
+    code, _, err = run_main(capsys, "train", str(config))
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "unknown key(s)" in err and "learning_rat" in err and "Did you mean learning_rate?" in err
+
+
+def test_an_unknown_command_gets_a_suggestion_and_version_works(capsys):
+    code, out, err = run_main(capsys, "trian")
+    assert code == 2 and out == "" and "unknown command 'trian'. Did you mean train?" in err
+    code, out, _ = run_main(capsys, "--version")
+    assert code == 0 and out.startswith("grpokit ")
+
+
+def test_a_missing_dataset_file_is_a_file_not_found_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_main(capsys, "train", "--model", "m", "--dataset", "trian.jsonl", "--reward", "length")
+    assert code == 2 and "Dataset 'trian.jsonl' not found: no such file or directory" in err
+    assert "Hub" not in err
+
+
+def test_report_on_an_empty_folder_says_so(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    code, out, err = run_main(capsys, "report", str(tmp_path / "empty"))
+    assert code == 2 and "Report written" not in out and "holds no run" in err
+    assert not (tmp_path / "empty" / "report").exists()
+    code, _, err = run_main(capsys, "report", str(tmp_path / "nowhere"))
+    assert code == 2 and "is not a directory" in err
+
+
+@pytest.mark.parametrize("argv, weights", [
+    (["--reward_weights", "1.0"], [1.0]),
+    (["--reward_weights", "1"], [1.0]),
+    (["--reward_weights", "1.0", "0.5"], [1.0, 0.5]),
+    (["--reward_weights", "1.0,0.5"], [1.0, 0.5]),
+    (["--reward_weights", "[1, 0.5]"], [1.0, 0.5]),
+    (["--reward_weights", "null"], None),
+])  # fmt: skip
+def test_list_flags_take_the_forms_users_type(argv, weights):
+    from grpokit.cli import parse_train_args
+
+    _, values = parse_train_args(argv)
+    assert values["reward_weights"] == weights
+    assert all(isinstance(w, float) for w in weights or [])
+
+
+def test_a_list_field_in_yaml_may_be_one_value(tmp_path):
+    from grpokit.cli import parse_train_args
+
+    config = tmp_path / "run.yaml"
+    config.write_text("reward_weights: 1\n")
+    assert parse_train_args([str(config)])[1]["reward_weights"] == [1.0]
+
+
+def test_eval_with_other_rewards_does_not_inherit_the_runs_weights(tmp_path, capsys):
+    """A run trained with two rewards (the demo's weights [0.2, 1.0]) evaluated with one: the run's weights are not
+    taken over; `--reward_weights 1.0` is accepted too."""
+    model = save_tiny_model(tmp_path / "run", chars="abcd:")
+    (tmp_path / "run" / "grpo_config.json").write_text(json.dumps(
+        {"reward_weights": [0.2, 1.0], "max_completion_length": 2, "num_generations_eval": 2, "temperature": 1.0}))
+    data = tmp_path / "test.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{c}:", "target": c}) + "\n" for c in "ab"))
+    for extra in ([], ["--reward_weights", "1.0"]):
+        out_file = tmp_path / f"eval{len(extra)}.json"
+        code, out, err = run_main(capsys, "eval", "--model", str(model), "--dataset", str(data), "--reward",
+                                  "exact_match", "--out", str(out_file), *extra)  # fmt: skip
+        assert code == 0, err
+        assert json.loads(out_file.read_text())["rewards"] == {"exact_match": 1.0}
+    code, _, err = run_main(capsys, "eval", "--model", str(model), "--dataset", str(data), "--reward", "exact_match",
+                            "--reward_weights", "1.0", "0.5")  # fmt: skip
+    assert code == 2 and "--reward_weights has 2 value(s) for 1 --reward(s)" in err
+
+
+def test_bf16_help_says_the_real_default():
+    from grpokit.config import GRPOConfig
+
+    assert GRPOConfig().bf16 is False
+    assert "Off by default" in GRPOConfig.field_help("bf16")
+
+
+EXAMPLES_WITH_TINY = ["train_grpo", "tools_grpo", "environment_grpo", "grpo_vlm"]
+
+
+@pytest.mark.parametrize("example", EXAMPLES_WITH_TINY)
+def test_tiny_examples_write_nothing_into_the_current_directory(example, tmp_path):
+    """`python examples/X.py --tiny` from the repository root must not leave Hub-named folders there."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / f"{example}.py"
+    cwd, temporary = tmp_path / "cwd", tmp_path / "tmp"
+    cwd.mkdir(), temporary.mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(temporary)}
+    result = subprocess.run([sys.executable, str(script), "--tiny", "--max_steps", "1"], cwd=cwd, env=env,
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert list(cwd.iterdir()) == []
+    assert (temporary / "grpokit-examples" / example / "grpo_config.json").is_file()

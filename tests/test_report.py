@@ -181,3 +181,12 @@ def test_html_renders_in_headless_chromium(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     data = shot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 50_000  # a blank page is a few KB
+
+
+def test_reward_trend_skips_the_summary_record():
+    from grpokit.report import reward_trend
+
+    history = [{"step": 1, "reward": 0.25}, {"step": 5, "reward": 0.5, "eval/reward": 0.4},
+               {"step": 5, "train_loss": 0.1, "train_runtime": 3.0}]  # the last record of a finished run
+    assert reward_trend(history) == "reward 0.250 at step 1 -> 0.500 at step 5"
+    assert reward_trend([{"train_loss": 0.1}]) == "no reward logged"

@@ -381,3 +381,18 @@ def test_resolve_errors(tmp_path):
         resolve_reward(f"{path}:whisper_reward")
     with pytest.raises(ModuleNotFoundError):
         resolve_reward("grpokit_no_such_module_anywhere:f")
+
+
+# ------------------------------------------------------------------------------------ a missing package
+
+
+def test_a_missing_math_verify_says_install_it_not_score_none(monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # `import math_verify` now raises ImportError
+    with pytest.raises(ImportError, match="pip install math-verify"):
+        resolve_reward("accuracy")  # the command line names it before loading any model
+    with pytest.raises(RewardFunctionError) as error:
+        compute_rewards([RewardFunction("accuracy", accuracy_reward)], PROMPTS, COMPLETIONS, COMPLETION_IDS,
+                        {"solution": ["2", "2", "5050", "5050"]})  # fmt: skip
+    message = str(error.value)
+    assert "pip install math-verify" in message and "Install the missing package" in message
+    assert "reward_fn_errors" not in message  # scoring every row None would train on nothing

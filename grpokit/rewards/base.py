@@ -135,6 +135,10 @@ def _locate_failure(function: RewardFunction, kwargs: dict, error: Exception, n:
             _call(function, _row_kwargs(kwargs, row))
         except Exception:
             prompt = kwargs["prompts"][row]
+            if isinstance(error, ImportError):  # a missing package fails every row: scoring them None would train on
+                return RewardFunctionError(   # nothing, so reward_fn_errors='none' is no way out
+                    f"Reward function {function.name!r} raised {type(error).__name__}: {error}. Install the missing "
+                    "package and run again.")
             return RewardFunctionError(
                 f"Reward function {function.name!r} raised {type(error).__name__}: {error} — on row {row} (prompt: "
                 f"{_excerpt(prompt)!r}). Fix the function, or set reward_fn_errors='none' to score such rows None."

