@@ -13,8 +13,9 @@ import math
 import pytest
 import torch
 
-from grpokit.distillation import chunked_distillation_loss
+from grpokit.distillation import check_shared_tokenizer, chunked_distillation_loss, tokenizer_differences
 from grpokit.loss import distillation_loss, generalized_jsd
+from grpokit.testing import build_char_tokenizer
 
 F64 = torch.float64
 ATOL = 1e-12  # float64 hand checks
@@ -85,7 +86,8 @@ def test_which_end_is_which():
 
 
 def test_middle_tends_to_beta_times_the_ends_kl():
-    # The ends are special cases, not limits: near 0 the JSD is ~ beta · KL(p_t ‖ p_s), near 1 ~ (1 - beta) · KL(p_s ‖ p_t)
+    # The ends are special cases, not limits: near 0 the JSD is ~ beta · KL(p_t ‖ p_s), near 1 it is
+    # ~ (1 - beta) · KL(p_s ‖ p_t)
     student = torch.tensor([0.3, -1.0, 2.0], dtype=F64)
     teacher = torch.tensor([1.0, 0.5, -0.5], dtype=F64)
     small = 1e-6
@@ -235,7 +237,7 @@ def test_chunked_equals_full_logits_in_float64(beta, chunk_rows):
     student_bias = torch.randn(37, dtype=F64, requires_grad=True)
     teacher_bias = torch.randn(37, dtype=F64)
     inputs = (student_hidden, student_weight, teacher_hidden, teacher_weight, mask)
-    options = dict(beta=beta, temperature=0.9, num_tokens=20)
+    options = {"beta": beta, "temperature": 0.9, "num_tokens": 20}
     expected, expected_stats = naive(*inputs, student_bias=student_bias, teacher_bias=teacher_bias, **options)
     loss, stats = chunked_distillation_loss(*inputs, student_bias=student_bias, teacher_bias=teacher_bias,
                                             chunk_rows=chunk_rows, **options)  # fmt: skip
@@ -298,3 +300,69 @@ def test_chunked_refuses_heads_of_different_vocabularies():
     student_hidden, student_weight, teacher_hidden, teacher_weight, mask = heads_fixture()
     with pytest.raises(ValueError, match="same vocabulary"):
         chunked_distillation_loss(student_hidden, student_weight, teacher_hidden, teacher_weight[:-1], mask, beta=1.0)
+
+
+# ------------------------------------------------------------------------------------------- the tokenizers
+
+
+def permuted_tokenizer():
+    """`build_char_tokenizer()`'s tokens with the ids of 'a' and 'b' swapped: same tokens, another mapping."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = build_char_tokenizer()
+    state = tokenizer.backend_tokenizer.to_str()
+    vocab = tokenizer.get_vocab()
+    a, b = vocab["a"], vocab["b"]
+    swapped = state.replace(f'"a":{a}', '"a":SWAP').replace(f'"b":{b}', f'"b":{a}').replace('"a":SWAP', f'"a":{b}')
+    assert swapped != state
+    from tokenizers import Tokenizer
+
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(swapped), pad_token="<pad>", eos_token="<eos>",
+                                   bos_token="<bos>", unk_token="<pad>")  # fmt: skip
+
+
+def test_same_tokenizer_passes():
+    student, teacher = build_char_tokenizer(), build_char_tokenizer()
+    assert tokenizer_differences(student, teacher) == []
+    check_shared_tokenizer(student, teacher)
+
+
+def test_a_missing_padding_token_is_no_difference():
+    # Trainers set a missing pad token to eos; padded positions take no part in the loss
+    teacher = build_char_tokenizer()
+    teacher.pad_token = None
+    check_shared_tokenizer(build_char_tokenizer(), teacher)
+
+
+def test_another_vocabulary_is_refused_naming_the_tokens_and_the_fix():
+    student, teacher = build_char_tokenizer(), build_char_tokenizer("abc")
+    with pytest.raises(ValueError) as refusal:
+        check_shared_tokenizer(student, teacher)
+    message = str(refusal.value)
+    assert "the student's vocabulary has 53 tokens, the teacher's 10" in message
+    assert "43 tokens only in the student's: ' ', '+'" in message
+    assert "tokens with other ids (student / teacher): 'a -> 27 / 7'" in message
+    assert "pick a teacher of the student's family" in message and "processing_class" in message
+
+
+def test_the_same_tokens_under_other_ids_are_refused():
+    differences = tokenizer_differences(build_char_tokenizer(), permuted_tokenizer())
+    assert differences == ["2 tokens with other ids (student / teacher): 'a -> 27 / 28', 'b -> 28 / 27'"]
+
+
+def test_another_end_of_sequence_token_is_refused():
+    teacher = build_char_tokenizer()
+    teacher.eos_token = "<|end|>"
+    assert tokenizer_differences(build_char_tokenizer(), teacher) == [
+        "eos_token: '<eos>' in the student's, '<|end|>' in the teacher's",
+        "special tokens only in the student's: '<eos>'",
+        "special tokens only in the teacher's: '<|end|>'",
+    ]
+
+
+def test_an_added_special_token_is_refused():
+    teacher = build_char_tokenizer()
+    teacher.add_special_tokens({"additional_special_tokens": ["<tool>"]})
+    with pytest.raises(ValueError, match="1 token only in the teacher's: '<tool>'.*special tokens only in the "
+                                         "teacher's: '<tool>'"):  # fmt: skip
+        check_shared_tokenizer(build_char_tokenizer(), teacher)
