@@ -176,10 +176,7 @@ class _Head:
 
     def cast(self, chunk: torch.Tensor) -> torch.Tensor:
         """A float32 chunk in the matmul dtype (for the gradient's matmuls)."""
-        if chunk.dtype == self.weight.dtype:
-            return chunk
-        return self.scratch.product[: len(chunk)].copy_(chunk) if self.scratch.product.dtype == self.weight.dtype \
-            else chunk.to(self.weight.dtype)  # fmt: skip
+        return self.scratch.cast(chunk)
 
 
 def chunked_distillation_loss(

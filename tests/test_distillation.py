@@ -287,6 +287,24 @@ def test_chunked_bfloat16_teacher_beside_a_float32_student():
     close(torch.autograd.grad(loss, student_hidden)[0], torch.autograd.grad(expected, student_hidden)[0], 1e-5)
 
 
+def test_chunked_under_bfloat16_autocast_multiplies_as_the_plain_heads_do():
+    # Under autocast both heads' matmuls run in bf16 (the product rounded to bf16, as nn.Linear's would be), and
+    # everything after them in float32
+    student_hidden, student_weight, teacher_hidden, teacher_weight, mask = heads_fixture(seed=5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = chunked_distillation_loss(student_hidden, student_weight, teacher_hidden, teacher_weight, mask,
+                                            beta=0.5, chunk_rows=4)  # fmt: skip
+        student_logits, teacher_logits = student_hidden @ student_weight.T, teacher_hidden @ teacher_weight.T
+    assert student_logits.dtype == torch.bfloat16
+    expected, _ = distillation_loss(student_logits.float(), teacher_logits.float(), mask, beta=0.5)
+    assert loss.dtype == torch.float32
+    close(loss, expected, 1e-5)
+    for grad, expected_grad in zip(torch.autograd.grad(loss, (student_hidden, student_weight)),
+                                   torch.autograd.grad(expected, (student_hidden, student_weight))):  # fmt: skip
+        assert grad.dtype == torch.float32
+        torch.testing.assert_close(grad, expected_grad, atol=2e-2, rtol=2e-2)
+
+
 def test_chunked_all_masked_gives_zero():
     student_hidden, student_weight, teacher_hidden, teacher_weight, mask = heads_fixture(F64)
     loss, stats = chunked_distillation_loss(student_hidden, student_weight, teacher_hidden, teacher_weight,
@@ -294,6 +312,27 @@ def test_chunked_all_masked_gives_zero():
     loss.backward()
     assert loss.item() == 0.0 and stats.num_tokens.item() == 0
     assert (student_hidden.grad == 0).all() and (student_weight.grad == 0).all()
+
+
+def test_chunked_saves_no_tensor_that_spans_the_vocabulary():
+    # M = 1,024 masked-in rows, V = 32,000: [M, V] would be 33M floats; the backward works from hidden states,
+    # heads and a few numbers per row
+    rows, vocab, saved = 1024, 32_000, []
+    student_hidden = torch.randn(4, rows // 4, 8, requires_grad=True)
+    student_weight = torch.randn(vocab, 8, requires_grad=True)
+    teacher_hidden, teacher_weight = torch.randn(4, rows // 4, 16), torch.randn(vocab, 16)
+
+    def pack(tensor):
+        if tensor.data_ptr() not in (student_weight.data_ptr(), teacher_weight.data_ptr()):
+            saved.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss, _ = chunked_distillation_loss(student_hidden, student_weight, teacher_hidden, teacher_weight,
+                                            torch.ones(4, rows // 4), beta=0.5)  # fmt: skip
+    assert saved and max(saved) < rows * vocab // 1000, saved
+    loss.backward()
+    assert student_hidden.grad.shape == student_hidden.shape and student_weight.grad.shape == student_weight.shape
 
 
 def test_chunked_refuses_heads_of_different_vocabularies():
