@@ -6,9 +6,10 @@
 from .advantages import group_advantages, process_advantages
 from .batch import TrainBatch
 from .config import GRPOConfig
+from .distillation import chunked_distillation_loss
 from .evaluation import pass_at_k
 from .logprobs import chunked_token_logprobs, selective_log_softmax, token_logprobs
-from .loss import policy_loss
+from .loss import distillation_loss, generalized_jsd, policy_loss
 from .optim import build_optimizer
 from .rollout import HFEngine, PromptBatch, Rollout, RolloutEngine, SamplingParams, ScriptedEngine
 from .trainer import GRPOTrainer
@@ -25,7 +26,10 @@ __all__ = [
     "ScriptedEngine",
     "TrainBatch",
     "build_optimizer",
+    "chunked_distillation_loss",
     "chunked_token_logprobs",
+    "distillation_loss",
+    "generalized_jsd",
     "group_advantages",
     "pass_at_k",
     "policy_loss",

@@ -295,3 +295,25 @@ def process_advantages(
                 normalised = (float(reward) - mean) / (std + EPS)
                 advantages[i, : min(int(end), completion_length)] += normalised
     return advantages
+
+
+def teacher_advantages(
+    logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor, coef: float = 1.0
+) -> torch.Tensor:
+    """A teacher's per-token signal to add to the reward advantages [N, T] (issue 37): the sampled-token estimate
+    of the reverse KL's negative, coef · -(log π_student - log π_teacher), and 0 where `mask` is 0.
+
+    logprobs: [N, T] the log-probs of the sampled tokens under the policy that sampled them (π_old, or the
+    sampler's own); teacher_logprobs: [N, T] the teacher's of the same tokens; mask: [N, T] (completion · tools).
+    A token the teacher finds likelier than the student did gets a positive advantage. Summed over a completion it
+    is the single-sample estimate of -KL(π_student ‖ π_teacher), so the policy gradient with these advantages is
+    on-policy distillation's reverse-KL gradient (Agarwal et al. 2024; Thinking Machines' "On-Policy Distillation",
+    2025, which uses coef = 1 and no reward). It is a constant for the loss, like every advantage: detached.
+    Composes by addition: A = outcome[:, None] + process + teacher_advantages(...).
+
+    Example: logprobs = [-1.0, -0.5], teacher = [-0.25, -2.0], mask = [1, 1], coef = 0.5:
+        0.5 · [-(-1.0 + 0.25), -(-0.5 + 2.0)] = [0.375, -0.75]
+    """
+    signal = coef * (teacher_logprobs.detach() - logprobs.detach())
+    # where(), not a product: padded positions may hold -inf log-probs, and 0 · inf is NaN
+    return torch.where(mask != 0, signal, torch.zeros_like(signal))

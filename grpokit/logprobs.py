@@ -215,6 +215,14 @@ MIN_CHUNK_ROWS = 256
 MIN_FROZEN_CHUNK_ROWS = 128
 
 
+def default_chunk_rows(weight: torch.Tensor, bias: torch.Tensor | None = None) -> int:
+    """Rows per chunk of a chunked LM head [V, H]: the device's element budget over V, but at least
+    `MIN_CHUNK_ROWS` when the head's weight (or bias) gets a gradient, `MIN_FROZEN_CHUNK_ROWS` otherwise."""
+    weight_grad = torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad))
+    budget = CHUNK_ELEMENTS.get(weight.device.type, CHUNK_ELEMENTS["default"])
+    return max(MIN_CHUNK_ROWS if weight_grad else MIN_FROZEN_CHUNK_ROWS, budget // weight.shape[0])
+
+
 def chunked_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -249,7 +257,6 @@ def chunked_token_logprobs(
     CPUs without bfloat16 hardware) runs bfloat16 matmuls through float32 gemms (`cpu_matmul.Float32Head`), in
     blocks of the vocabulary; `chunk_rows` does not apply then.
     """
-    vocab_size = weight.shape[0]
     device_type = hidden.device.type
     if fp32_head:
         compute_dtype = torch.float32
@@ -258,9 +265,7 @@ def chunked_token_logprobs(
     else:
         compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
     if chunk_rows is None:
-        weight_grad = torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad))
-        chunk_rows = max(MIN_CHUNK_ROWS if weight_grad else MIN_FROZEN_CHUNK_ROWS,
-                         CHUNK_ELEMENTS.get(device_type, CHUNK_ELEMENTS["default"]) // vocab_size)  # fmt: skip
+        chunk_rows = default_chunk_rows(weight, bias)
     leading = targets.shape
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_targets = targets.reshape(-1)

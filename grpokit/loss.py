@@ -768,3 +768,97 @@ def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: flo
         return torch.zeros_like(entropies)
     threshold = torch.quantile(values, 1 - quantile)
     return ((entropies >= threshold) & mask.bool()).to(entropies.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- distillation
+
+
+def generalized_jsd(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, beta: float, temperature: float = 1.0
+) -> torch.Tensor:
+    """Per-token generalized Jensen–Shannon divergence between the student's and the teacher's next-token
+    distributions: logits [..., V] -> [...]. Agarwal et al. 2024 ("On-Policy Distillation of Language Models",
+    arXiv 2306.13649, Eq. 1), with TRL 1.16's `DistillationTrainer` names for the ends of `beta`:
+
+        p_s = softmax(student_logits / temperature),  p_t = softmax(teacher_logits / temperature)
+        beta = 0      KL(p_t ‖ p_s)                                  TRL: "forward KL" (mass-covering)
+        beta = 1      KL(p_s ‖ p_t)                                  TRL: "reverse KL" (mode-seeking; TRL's default)
+        otherwise     beta · KL(p_t ‖ m) + (1 - beta) · KL(p_s ‖ m),  m = (1 - beta) · p_s + beta · p_t
+                      (beta = 0.5: the Jensen–Shannon divergence)
+
+    The ends are defined, not limits of the middle: as beta -> 0 the mixture tends to p_s and the divergence to
+    beta · KL(p_t ‖ p_s) -> 0 (likewise (1 - beta) · KL(p_s ‖ p_t) as beta -> 1). As in TRL, the temperature divides
+    both models' logits and the result is not rescaled by temperature² (Hinton et al.'s correction).
+
+    Worked example (V = 2, temperature 1): p_s = (1/2, 1/2), p_t = (3/4, 1/4):
+        beta = 0:  3/4 · ln(3/2) + 1/4 · ln(1/2)                                  = 0.130812
+        beta = 1:  1/2 · ln(2/3) + 1/2 · ln(2)                                    = 0.143841
+        beta = 1/2 (m = (5/8, 3/8)):  1/2 · [3/4 ln(6/5) + 1/4 ln(2/3)] + 1/2 · [1/2 ln(4/5) + 1/2 ln(4/3)] = 0.033822
+
+    Gradients flow to whichever of the two logits require them (the trainers detach the teacher's). The chunked
+    twin that never holds [N, T, V] logits is `grpokit.distillation.chunked_distillation_loss`.
+    """
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1] (0 = forward KL, 0.5 = JSD, 1 = reverse KL), got {beta}.")
+    student_logprobs = torch.log_softmax(student_logits / temperature, dim=-1)
+    teacher_logprobs = torch.log_softmax(teacher_logits / temperature, dim=-1)
+    if beta == 0.0:
+        return (teacher_logprobs.exp() * (teacher_logprobs - student_logprobs)).sum(-1)
+    if beta == 1.0:
+        return (student_logprobs.exp() * (student_logprobs - teacher_logprobs)).sum(-1)
+    mixture_logprobs = torch.logaddexp(student_logprobs + math.log1p(-beta), teacher_logprobs + math.log(beta))
+    kl_teacher = (teacher_logprobs.exp() * (teacher_logprobs - mixture_logprobs)).sum(-1)
+    kl_student = (student_logprobs.exp() * (student_logprobs - mixture_logprobs)).sum(-1)
+    return beta * kl_teacher + (1 - beta) * kl_student
+
+
+@dataclass
+class DistillationStats:
+    """Detached sums of one distillation-loss evaluation, over its masked tokens (sums, so that processes and
+    micro-batches add up before the one division TRL logs as `entropy`)."""
+
+    entropy_sum: torch.Tensor  # the student's entropy at the loss's temperature, in nats, summed over the tokens
+    num_tokens: torch.Tensor  # tokens that took part (mask != 0)
+
+    def as_dict(self) -> dict[str, float]:
+        count = self.num_tokens.item()
+        return {"entropy": self.entropy_sum.item() / count if count else 0.0}
+
+
+def distillation_reduction(per_token: torch.Tensor, num_valid: torch.Tensor, num_tokens) -> torch.Tensor:
+    """TRL 1.16's reduction of the per-token divergences of the masked tokens: their sum over `num_tokens` (the
+    tokens of the whole accumulated batch, so that micro-batch losses add up to the batch's) when given, else
+    over this call's own count (at least 1, so that an all-masked micro-batch gives 0, not 0/0)."""
+    if num_tokens is None:
+        return per_token.sum() / num_valid.clamp(min=1)
+    if isinstance(num_tokens, torch.Tensor):
+        num_tokens = num_tokens.to(per_token.device)
+    return per_token.sum() / num_tokens
+
+
+def distillation_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    beta: float,
+    temperature: float = 1.0,
+    num_tokens: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, DistillationStats]:
+    """TRL 1.16's `DistillationTrainer` loss on full logits: the `generalized_jsd` of the tokens where `mask` is
+    nonzero, reduced by `distillation_reduction`.
+
+    student_logits, teacher_logits: [N, T, V] (any leading shape), aligned to the completion tokens
+    mask: [N, T], the loss mask (TRL: completion_mask · tool_mask — tool output tokens take no part)
+    Only the masked-in rows are computed, so padding and tool spans cost nothing and cannot poison the loss.
+    """
+    valid = mask.reshape(-1) != 0
+    vocab_size = student_logits.shape[-1]
+    student_rows = student_logits.reshape(-1, vocab_size)[valid]
+    teacher_rows = teacher_logits.reshape(-1, teacher_logits.shape[-1])[valid]
+    per_token = generalized_jsd(student_rows, teacher_rows, beta=beta, temperature=temperature)
+    num_valid = valid.sum()
+    with torch.no_grad():
+        student_logprobs = torch.log_softmax(student_rows.detach() / temperature, dim=-1)
+        entropy_sum = -(student_logprobs.exp() * student_logprobs).sum()
+    return distillation_reduction(per_token, num_valid, num_tokens), DistillationStats(entropy_sum, num_valid)

@@ -1,5 +1,6 @@
 """Write grpokit/trl_fields.json: every field of the installed `trl.GRPOConfig` (TRL's own fields and the
-`transformers.TrainingArguments` fields it inherits) with its default, the surface grpokit's GRPOConfig accepts.
+`transformers.TrainingArguments` fields it inherits) with its default, the surface grpokit's GRPOConfig accepts; and
+grpokit/trl_distillation_fields.json, the same for `trl.DistillationConfig` (grpokit's DistillationConfig).
 
     python scripts/trl_fields.py           # regenerate the JSON from the installed trl
     python scripts/trl_fields.py --check   # report fields added, removed or with a changed default; exit 1 on drift
@@ -17,6 +18,9 @@ import sys
 from pathlib import Path
 
 JSON_PATH = Path(__file__).resolve().parents[1] / "grpokit" / "trl_fields.json"
+# The same for `trl.DistillationConfig`, the surface of grpokit.distillation_config.DistillationConfig.
+DISTILLATION_JSON_PATH = JSON_PATH.with_name("trl_distillation_fields.json")
+JSON_PATHS = {"GRPOConfig": JSON_PATH, "DistillationConfig": DISTILLATION_JSON_PATH}
 
 
 def _jsonable(value):
@@ -28,14 +32,14 @@ def _jsonable(value):
     return {"repr": repr(value)}
 
 
-def installed_fields() -> dict:
-    """{"versions": {...}, "fields": {name: default}} from the installed trl, in declaration order."""
+def installed_fields(config: str = "GRPOConfig") -> dict:
+    """{"versions": {...}, "fields": {name: default}} of the installed `trl.<config>`, in declaration order."""
     import torch
     import transformers
     import trl
 
     fields = {}
-    for spec in dataclasses.fields(trl.GRPOConfig):
+    for spec in dataclasses.fields(getattr(trl, config)):
         if not spec.init:
             continue
         default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
@@ -59,21 +63,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="Compare with the committed JSON instead of writing it.")
     options = parser.parse_args(argv)
-    installed = installed_fields()
-    if not options.check:
-        JSON_PATH.write_text(json.dumps(installed, indent=1) + "\n")
-        print(f"Wrote {len(installed['fields'])} fields of trl {installed['versions']['trl']} to {JSON_PATH}")
-        return 0
-    committed = json.loads(JSON_PATH.read_text())
-    lines = drift(committed, installed)
-    if committed["versions"] != installed["versions"]:
-        print(f"versions: committed {committed['versions']}, installed {installed['versions']}")
-    if lines:
-        print("\n".join(lines))
-        print(f"{len(lines)} difference(s): update grpokit/config.py, then run `python scripts/trl_fields.py`.")
-        return 1
-    print(f"No drift: {len(installed['fields'])} fields match {JSON_PATH.name}.")
-    return 0
+    status = 0
+    for config, path in JSON_PATHS.items():
+        installed = installed_fields(config)
+        if not options.check:
+            path.write_text(json.dumps(installed, indent=1) + "\n")
+            print(f"Wrote {len(installed['fields'])} fields of trl {installed['versions']['trl']} to {path}")
+            continue
+        committed = json.loads(path.read_text())
+        lines = drift(committed, installed)
+        if committed["versions"] != installed["versions"]:
+            print(f"versions: committed {committed['versions']}, installed {installed['versions']}")
+        if lines:
+            print("\n".join(lines))
+            print(f"{len(lines)} difference(s) in {path.name}: update grpokit's {config}, then run "
+                  "`python scripts/trl_fields.py`.")  # fmt: skip
+            status = 1
+        else:
+            print(f"No drift: {len(installed['fields'])} fields match {path.name}.")
+    return status
 
 
 if __name__ == "__main__":

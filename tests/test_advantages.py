@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from grpokit import group_advantages, process_advantages
+from grpokit.advantages import teacher_advantages
 
 ATOL = 1e-5  # the functions work in float32
 EPS = 1e-4
@@ -408,3 +409,33 @@ def test_combine_and_normalize_validation():
         combine_and_normalize(scores, WEIGHTS, 4)
     with pytest.raises(ValueError, match="scale_rewards='batch'"):
         combine_and_normalize(scores, WEIGHTS, 2, estimator="reinforce_pp_baseline")  # the default "group"
+
+
+# ------------------------------------------------------------------------------------ a teacher's signal
+
+
+def test_teacher_advantages_worked_example():
+    # The docstring's example: 0.5 · -(logp - teacher) per token
+    logprobs = torch.tensor([[-1.0, -0.5]], dtype=torch.float64)
+    teacher = torch.tensor([[-0.25, -2.0]], dtype=torch.float64)
+    close(teacher_advantages(logprobs, teacher, torch.ones(1, 2), coef=0.5), [[0.375, -0.75]])
+
+
+def test_teacher_advantages_are_zero_off_the_mask_and_carry_no_gradient():
+    # N = 2, T = 3; the second row's last token is padding with -inf log-probs, the first row's middle one a tool
+    # output; coef 1: -(logp - teacher) = teacher - logp
+    logprobs = torch.tensor([[-0.1, -3.0, -2.0], [-1.5, -0.7, -math.inf]], dtype=torch.float64, requires_grad=True)
+    teacher = torch.tensor([[-0.6, -0.2, -1.0], [-1.5, -0.2, -math.inf]], dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[1, 0, 1], [1, 1, 0]])
+    advantages = teacher_advantages(logprobs, teacher, mask)
+    close(advantages, [[-0.5, 0.0, 1.0], [0.0, 0.5, 0.0]])
+    assert not advantages.requires_grad
+
+
+def test_teacher_advantages_add_to_outcome_advantages():
+    # Outcome A = [1, -1] per completion plus the teacher's per-token signal with coef 2
+    outcome = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    logprobs = torch.tensor([[-1.0, -1.0], [-2.0, -0.5]], dtype=torch.float64)
+    teacher = torch.tensor([[-0.5, -1.0], [-1.0, -1.5]], dtype=torch.float64)
+    total = outcome[:, None] + teacher_advantages(logprobs, teacher, torch.ones(2, 2), coef=2.0)
+    close(total, [[2.0, 1.0], [1.0, -3.0]])

@@ -1,0 +1,68 @@
+"""DistillationConfig: TRL 1.16's `trl.DistillationConfig` surface (issue 37), not yet read by a trainer.
+
+TRL's DistillationConfig is its GRPOConfig's fields (those of `transformers.TrainingArguments` and the generation,
+vLLM and logging ones) less the GRPO-only ones, with `beta` redefined, plus three teacher fields; its defaults are
+TRL GRPOConfig's but for `beta` (1.0). So this dataclass takes every field TRL's has, in TRL's order
+(`grpokit/trl_distillation_fields.json`, written by `scripts/trl_fields.py`), with TRL's default, and the help and
+kind (implemented / not implemented / no effect) of grpokit's GRPOConfig field of the same name: one definition of
+what e.g. `vllm_mode` means. Only the teacher fields and `beta` are declared here.
+
+Where grpokit's GRPOConfig departs from TRL's default (`optim`, `bf16`, `gradient_checkpointing`,
+`logging_first_step`, `disable_dropout`, `vllm_group_port`), this class keeps TRL's: a TRL distillation script's
+config, built with only the import changed, holds the same values as TRL's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from .config import GRPOConfig, _field
+
+TRL_DISTILLATION_FIELDS: dict = json.loads((Path(__file__).with_name("trl_distillation_fields.json")).read_text())
+
+# The fields GRPOConfig has not, or has with another meaning: name -> (annotation, help)
+DISTILLATION_FIELDS = {
+    "teacher_model_name_or_path": ("str | None", (
+        "Model id or path of the teacher, when `teacher_model` is not given to the trainer. It must share the "
+        "student's tokenizer (`distillation.check_shared_tokenizer`).")),
+    "teacher_model_revision": ("str | None", "Revision (branch, tag or commit) of the teacher model."),
+    "teacher_model_init_kwargs": ("dict | str | None", (
+        "Keyword arguments of the teacher's `from_pretrained` (e.g. its dtype or quantization), as "
+        "model_init_kwargs.")),
+    "beta": ("float", (
+        "The divergence (`loss.generalized_jsd`): 0 = forward KL(teacher ‖ student), 0.5 = JSD, 1 = reverse "
+        "KL(student ‖ teacher). Not GRPO's KL coefficient: there is no reference model.")),
+}  # fmt: skip
+
+
+def _declared_fields() -> list[tuple[str, str, dataclasses.Field]]:
+    grpo_fields = {spec.name: spec for spec in dataclasses.fields(GRPOConfig)}
+    declared = []
+    for name, default in TRL_DISTILLATION_FIELDS["fields"].items():
+        if name in DISTILLATION_FIELDS:
+            annotation, help_text = DISTILLATION_FIELDS[name]
+            metadata = {}
+        else:
+            spec = grpo_fields[name]
+            annotation, help_text = spec.type, spec.metadata["help"]
+            metadata = {key: value for key, value in spec.metadata.items() if key != "help"}
+        declared.append((name, annotation, _field(default, help_text, metadata)))
+    return declared
+
+
+def _validate(config) -> None:
+    if not 0.0 <= config.beta <= 1.0:
+        raise ValueError(
+            f"beta must be in [0, 1], got {config.beta}: 0 = forward KL, 0.5 = JSD, 1 = reverse KL. It picks the "
+            "divergence; it is not GRPO's KL coefficient."
+        )
+
+
+DistillationConfig = dataclasses.make_dataclass(
+    "DistillationConfig",
+    _declared_fields(),
+    namespace={"__post_init__": _validate, "__module__": __name__,
+               "__doc__": "TRL 1.16's `DistillationConfig` fields and defaults (see the module docstring)."},
+)  # fmt: skip
