@@ -3,7 +3,7 @@
 # grpokit vs TRL at the Qwen2.5-0.5B shape (`bench_vs_trl.py --config gpu`: 256 completions x 512 tokens per step),
 # full fine-tuning with the benchmark's common settings, grpokit alone with its memory options, and LoRA.
 #
-#     bash benchmarks/gpu_session.sh OUTDIR [PART...]     # parts: tests static fair_static full lora qlora lora_grpokit lowmem fair bf16 bf16_static engines_static profile profile_static
+#     bash benchmarks/gpu_session.sh OUTDIR [PART...]     # parts: tests static fair_static full lora qlora lora_grpokit lowmem fair bf16 bf16_static engines_static profile profile_static async
 #     STEPS=1 bash benchmarks/gpu_session.sh OUTDIR fair     # fewer measured steps (default 2, after 1 warm-up)
 #     DEADLINE=540 TAR=$OUT/gpu.tgz bash benchmarks/gpu_session.sh /tmp/o tests fair_static   # the device tool's way
 #
@@ -98,6 +98,10 @@ for p in "${parts[@]}"; do
     profile) part profile_grpokit 150 python3 benchmarks/profile_step.py --config gpu --impl grpokit --warmup 1 --steps 1
              part profile_trl 150 python3 benchmarks/profile_step.py --config gpu --impl trl --warmup 1 --steps 1
              profile_static ;;
-    *) echo "unknown part $p (tests static fair_static full lora qlora lora_grpokit lowmem fair bf16 bf16_static engines_static profile profile_static)"; exit 2 ;;
+    # Asynchronous generation (max_staleness=1) against the synchronous loop on one GPU: the producer's copy of the
+    # policy samples in a thread while the trainer trains (a larger tiny model than the CPU run's).
+    async) part async 240 bash -c "python3 benchmarks/async_overlap.py --hidden 1024 --layers 8 --batch 64 \
+             --completion 128 --steps 6 --name gpu && cp benchmarks/results/async_overlap_gpu.json '$out/'" ;;
+    *) echo "unknown part $p (tests static fair_static full lora qlora lora_grpokit lowmem fair bf16 bf16_static engines_static profile profile_static async)"; exit 2 ;;
   esac
 done

@@ -307,6 +307,16 @@ class GRPOConfig:
     max_tool_output_chars: int | None = _f(100_000, "grpokit-only: a tool result longer than this many characters "
                                                     "is cut there, before it is tokenized, and counted "
                                                     "(tools/truncated_frequency); None: no limit.")
+    max_staleness: int | None = _f(None, "Asynchronous generation (TRL's AsyncGRPOConfig name): a producer samples "
+                                         "ahead of training, and a sample of policy version v (optimizer steps) is "
+                                         "trained on at version <= v + max_staleness, else dropped and counted "
+                                         "(sample/dropped_stale_total). 0: the synchronous loop, bitwise; None "
+                                         "(grpokit's default): no producer. docs/guides/async.md.")
+    queue_maxsize: int = _f(1024, "Asynchronous generation: completions the producer may hold ready for the trainer "
+                                  "(whole generation batches; at least one).")
+    weight_sync_steps: int = _f(1, "Asynchronous generation: optimizer steps between the producer's weight updates.")
+    heartbeat_stale_after_s: float = _f(300.0, "Asynchronous generation: seconds without a sign of life from the "
+                                               "producer after which the run stops with a message.")
     multi_objective_aggregation: str = _f("sum_then_normalize", "'sum_then_normalize': weight and sum the rewards, "
                                                                 "then normalise in the group; 'normalize_then_sum' "
                                                                 "(GDPO): normalise each reward in its group first.")
@@ -821,6 +831,12 @@ class GRPOConfig:
         if self.max_tool_output_chars is not None and self.max_tool_output_chars < 1:
             fail(f"max_tool_output_chars={self.max_tool_output_chars} must be a positive number of characters "
                  f"(or None: no limit).")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            fail(f"max_staleness={self.max_staleness}: give the optimizer steps a sample may lag behind the policy "
+                 f"(0: the synchronous loop), or None for no producer.")
+        if self.weight_sync_steps < 1 or self.queue_maxsize < 1 or not self.heartbeat_stale_after_s > 0:
+            fail(f"weight_sync_steps={self.weight_sync_steps}, queue_maxsize={self.queue_maxsize} and "
+                 f"heartbeat_stale_after_s={self.heartbeat_stale_after_s} must be positive.")
         if self.cache_implementation not in CACHE_IMPLEMENTATIONS:
             fail(f"cache_implementation={self.cache_implementation!r} is not supported by grpokit's sampler; use "
                  f"None / 'dynamic' (its preallocated cache) or 'static' (fixed shapes, CUDA graphs on a GPU).")

@@ -70,14 +70,16 @@ def logprobs_in_chunks(model, batch: TrainBatch, args: GRPOConfig, autocast) -> 
 class ExperienceMaker:
     """Turns the next prompt rows into an `Experience`.
 
-    policy: returns the policy being trained (unwrapped); reference: the frozen reference model, or None (LoRA: the
-    policy with its adapter off; beta = 0: none needed); draw_prompts(n): the next n distinct prompt rows."""
+    policy: returns the policy that samples (unwrapped); reference: the frozen reference model, or None (LoRA: the
+    policy with its adapter off; beta = 0: none needed); draw_prompts(n): the next n distinct prompt rows;
+    off_policy: the batch may be trained on after the policy moved (a producer running ahead), so the behaviour
+    policy's log-probs always come with it as π_old."""
 
     def __init__(self, args: GRPOConfig, accelerator, runner: RolloutRunner, scorer: RewardScorer,
                  policy: Callable[[], torch.nn.Module], reference,
-                 draw_prompts: Callable[[int], list[dict]]):  # fmt: skip
+                 draw_prompts: Callable[[int], list[dict]], off_policy: bool = False):  # fmt: skip
         self.args, self.accelerator, self.runner, self.scorer = args, accelerator, runner, scorer
-        self.policy, self.reference, self.draw_prompts = policy, reference, draw_prompts
+        self.policy, self.reference, self.draw_prompts, self.off_policy = policy, reference, draw_prompts, off_policy
 
     def make(self, generation: int, trainer_state=None) -> Experience:
         """The experience of generation `generation` (its rollout seeds: generation, generation + 1, ... for each
@@ -216,7 +218,7 @@ class ExperienceMaker:
         # log-probs only feed the correction.
         corrected = args.use_vllm and args.vllm_importance_sampling_correction
         metrics = {}
-        if not trains_on_policy(args) or corrected:
+        if not trains_on_policy(args) or corrected or self.off_policy:
             # The engine's log-probs serve as π_old only where they are the training forward's (the in-process
             # engine in float32, tested to 1e-5); otherwise π_old comes from a training-style forward.
             exact = self.runner.exact_logprobs and sampling_logprobs is not None and not corrected

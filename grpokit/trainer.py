@@ -22,6 +22,7 @@ definition).
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import sys
 import time
@@ -90,11 +91,12 @@ from .models import (
 )
 from .multimodal import check_images_supported
 from .optim import build_optimizer
+from .producer import Producer, WeightSync, check_async
 from .rewards import build_reward_functions
 from .rewards.base import check_required_columns
 from .rewards.model import RewardModel
 from .rewards.scorer import RewardScorer
-from .rollout import PromptCodec, RolloutEngine, RolloutRunner
+from .rollout import HFEngine, PromptCodec, RolloutEngine, RolloutRunner
 from .signals import guard_message
 from .state import Callbacks, TrainerState
 from .stepping import OptimizerStepper
@@ -155,6 +157,8 @@ class GRPOTrainer:
         self.accelerator = acc = build_accelerator(args)
         args.check_batch(acc.num_processes)
         set_log_level(args.log_level if acc.is_main_process else args.log_level_replica)
+        check_async(args, acc.num_processes, is_iterable_dataset(train_dataset))
+        self.weights, self.producer = WeightSync(), None  # asynchronous generation (grpokit.producer)
         if acc.device.type == "cpu":  # freed tensors leave the process (cpu_memory: glibc kept them, +30% peak RSS)
             keep_large_allocations_mapped()
         if args.full_determinism:  # as transformers' Trainer: deterministic kernels, then the same seeding
@@ -273,6 +277,9 @@ class GRPOTrainer:
             return self._train(resume_from_checkpoint)
         finally:
             self._in_train = False
+            if self.producer is not None:  # what it had in flight is dropped; a resumed run samples it again
+                self.producer.close()
+                self.producer = None
 
     def _train(self, resume_from_checkpoint: bool | str | None):
         from tqdm.auto import tqdm
@@ -410,7 +417,8 @@ class GRPOTrainer:
             if index < len(window) - 1:
                 self.callback_handler("on_substep_end", args, self.state)
         self.callback_handler("on_pre_optimizer_step", args, self.state)
-        result = self.stepper.step(loss_total, self.state)
+        with self.weights.lock:  # a producer (asynchronous generation) never copies half-updated weights
+            result = self.stepper.step(loss_total, self.state)
         self.callback_handler("on_optimizer_step", args, self.state)
         if self.entropy_controller is not None:  # the coefficient for the next step, from this window's entropy
             stats.append({"entropy_coef": self.entropy_controller.coef})
@@ -419,6 +427,7 @@ class GRPOTrainer:
         self.state.epoch = self.sampler.epochs_done
         if args.sync_ref_model and self.reference is not None and self.state.global_step % args.ref_model_sync_steps == 0:
             mix_into_reference(self.reference, self.unwrapped_model, args.ref_model_mixup_alpha)
+        self.weights.stepped()
         metrics = {"loss": loss_total, "learning_rate": result.learning_rate, "grad_norm": result.grad_norm,
                    "nonfinite_steps": self.state.nonfinite_steps,
                    **{key: sum(s[key] for s in stats if key in s) / sum(key in s for s in stats)
@@ -474,13 +483,37 @@ class GRPOTrainer:
         """This process's next generation batch (`ExperienceMaker.make`: sample, score, advantages, π_old and π_ref
         where the loss needs them), with what it produced recorded: its metrics into the logging window, its tokens
         into state.num_tokens, its rollouts into state.generations (the next seeds), its completions-log rows."""
-        experience = self.experience.make(self.state.generations, self.state)
-        self.state.generations += experience.rollouts
+        if self.args.max_staleness is None:
+            experience = self.experience.make(self.state.generations, self.state)
+            self.state.generations += experience.rollouts
+        else:  # from the producer: the sampler's position and the seeds move to where that batch's end
+            produced, metrics = (self.producer or self._start_producer()).take(self.state.global_step)
+            experience = produced.experience
+            self.state.generations = produced.generation + experience.rollouts
+            self.sampler.load_state_dict(produced.sampler_state)
+            self.window.add(metrics)
         self.state.num_tokens += experience.num_tokens
         self.window.add(experience.metrics)
         if experience.samples is not None:
             self._samples = experience.samples
         return experience.batch
+
+    def _start_producer(self) -> Producer:
+        """Asynchronous generation (max_staleness): a copy of the policy samples ahead in a thread, drawing prompts
+        from a copy of the sampler (grpokit.producer). The default in-process engine gets an engine of its own over
+        the copy; a given engine (vLLM, yours) is driven from the producer's thread and synced with the copy."""
+        args, acc = self.args, self.accelerator
+        policy = copy.deepcopy(self.unwrapped_model)
+        engine = build_engine(policy, args, self.processing_class, acc) if isinstance(self.engine, HFEngine) else \
+            self.engine  # fmt: skip
+        runner = RolloutRunner(engine, self.codec, self.runner.params, acc.device, driver=self.agents, host=self)
+        sampler = copy.deepcopy(self.sampler)
+        maker = ExperienceMaker(args, acc, runner, self.scorer.fresh(), lambda: policy, self.reference,
+                                lambda n: sampler.rows(self.train_dataset, n), off_policy=args.max_staleness > 0)
+        self.weights.version = self.state.global_step
+        self.producer = Producer(args, maker, self.unwrapped_model, policy, self.weights, sampler,
+                                 self.state.generations, self.state, threads=torch.get_num_threads()).start()
+        return self.producer
 
     # ------------------------------------------------------------------------------------------ evaluation
 

@@ -41,6 +41,11 @@ class RewardScorer:
         self.on_error, self.routing_column, self.step_separator = on_error, routing_column, step_separator
         self.logs = RewardLogs()  # what the functions report through log_metric / log_extra
 
+    def fresh(self) -> "RewardScorer":
+        """The same functions and settings with logs of its own (a producer thread scores beside evaluation)."""
+        return RewardScorer(self.functions, self.weights, self.tokenizer, on_error=self.on_error,
+                            routing_column=self.routing_column, step_separator=self.step_separator)  # fmt: skip
+
     @property
     def names(self) -> list[str]:
         return [f.name for f in self.functions]

@@ -1,0 +1,128 @@
+"""Asynchronous generation against the synchronous loop: tokens per second on the same model, data and config, in one
+run of this script.
+
+    python benchmarks/async_overlap.py                 # the in-process engine (sampling with the policy's copy)
+    python benchmarks/async_overlap.py --tool-delay 0.3  # an agent whose every tool call takes 0.3 s
+
+Settings compared (each a fresh model with the same seed):
+- sync, 2 threads: the synchronous loop with both cores for every op (torch.set_num_threads(2));
+- sync, 1 thread: the same on one core;
+- async, 1 + 1 threads: max_staleness=1, the producer (sampling, rewards, π_ref) on one core and training on the other.
+
+tokens/s is grpokit's num_tokens (prompt + completion tokens of every trained batch) over train()'s runtime, after a
+warm-up run that is not counted. Results go to benchmarks/results/async_overlap_<name>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+
+from grpokit import GRPOConfig, GRPOTrainer
+from grpokit.testing import build_char_tokenizer, build_tiny_model
+
+LETTERS = "abcdefghijklmnop"
+
+
+def first_letter(completions, letter, **kwargs):
+    return [float(c[:1] == t) for c, t in zip(completions, letter)]
+
+
+def slow_lookup(key: str) -> str:
+    """Look up a key.
+
+    Args:
+        key: the key
+    """
+    time.sleep(DELAY)
+    return key[::-1]
+
+
+DELAY = 0.0
+
+
+def trainer_for(directory: Path, options: argparse.Namespace, **overrides) -> GRPOTrainer:
+    common = dict(output_dir=str(directory), per_device_train_batch_size=options.batch, num_generations=4,
+                  max_completion_length=options.completion, max_steps=options.steps, logging_steps=1,
+                  save_strategy="no", disable_tqdm=True, report_to="none", seed=0, beta=options.beta,
+                  learning_rate=1e-4)  # fmt: skip
+    if options.tool_delay:
+        from grpokit.rollout import ScriptedEngine
+        from grpokit.testing import build_qwen_chat_tokenizer
+
+        tokenizer = build_qwen_chat_tokenizer(("slow_lookup", "key", "answer"))
+        model = build_tiny_model(len(tokenizer), hidden_size=options.hidden, num_layers=options.layers, seed=0,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                 bos_token_id=None)  # fmt: skip
+        turns = ["<tool_call>\n" + json.dumps({"name": "slow_lookup", "arguments": {"key": "k1"}}) +
+                 "\n</tool_call><|im_end|>", "answer<|im_end|>"]  # fmt: skip
+
+        def script(prompt_ids, index):  # first a tool call, then an answer
+            text = tokenizer.decode(prompt_ids)
+            return tokenizer(turns["<tool_response>" in text], add_special_tokens=False)["input_ids"]
+
+        data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"key k{i}"}], "letter": "a"}
+                                  for i in range(64)])  # fmt: skip
+        return GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(str(c)) % 3)
+                                                                                 for c in completions],
+                           args=GRPOConfig(**{**common, **overrides}), train_dataset=data, processing_class=tokenizer,
+                           tools=[slow_lookup], rollout_engine=ScriptedEngine(script))  # fmt: skip
+    tokenizer = build_char_tokenizer(LETTERS + ":")
+    model = build_tiny_model(len(tokenizer), hidden_size=options.hidden, num_layers=options.layers, seed=0,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                             bos_token_id=tokenizer.bos_token_id)  # fmt: skip
+    data = Dataset.from_list([{"prompt": f"{c}:", "letter": c} for c in LETTERS] * 8)
+    return GRPOTrainer(model=model, reward_funcs=first_letter, args=GRPOConfig(**{**common, **overrides}),
+                       train_dataset=data, processing_class=tokenizer)  # fmt: skip
+
+
+def measure(options, threads: int, **overrides) -> dict:
+    torch.set_num_threads(threads)
+    with tempfile.TemporaryDirectory() as directory:
+        trainer_for(Path(directory) / "warm", options, **{**overrides, "max_steps": 1}).train()
+        trainer = trainer_for(Path(directory) / "run", options, **overrides)
+        summary = trainer.train().metrics
+        tokens = trainer.state.num_tokens
+        steps = [r for r in trainer.state.log_history if "loss" in r]
+        waits = [r.get("perf/rollout_wait_fraction") for r in steps if "perf/rollout_wait_fraction" in r]
+    return {"threads": threads, **overrides, "tokens": tokens, "runtime_s": summary["train_runtime"],
+            "tokens_per_s": tokens / summary["train_runtime"],
+            "trainer_wait_fraction": sum(waits) / len(waits) if waits else None}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--completion", type=int, default=48)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient (TRL's default 0: no reference forward)")
+    parser.add_argument("--tool-delay", type=float, default=0.0, help="seconds every tool call sleeps (an agent)")
+    parser.add_argument("--name", default=None)
+    options = parser.parse_args()
+    global DELAY
+    DELAY = options.tool_delay
+    rows = {"sync, 2 threads": measure(options, 2), "sync, 1 thread": measure(options, 1),
+            "async (max_staleness=1), 1 + 1 threads": measure(options, 1, max_staleness=1)}  # fmt: skip
+    base = rows["sync, 2 threads"]["tokens_per_s"]
+    print(f"{'setting':42s} {'tokens/s':>9s} {'vs sync, 2 threads':>19s} {'trainer waited':>15s}")
+    for name, row in rows.items():
+        wait = "" if row["trainer_wait_fraction"] is None else f"{row['trainer_wait_fraction']:.0%}"
+        print(f"{name:42s} {row['tokens_per_s']:9.1f} {row['tokens_per_s'] / base:18.2f}x {wait:>15s}")
+    name = options.name or ("tool" if options.tool_delay else "engine")
+    out = Path(__file__).parent / "results" / f"async_overlap_{name}.json"
+    out.write_text(json.dumps({"options": vars(options), "machine": platform.processor() or platform.machine(),
+                               "torch": torch.__version__, "results": rows}, indent=1))  # fmt: skip
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

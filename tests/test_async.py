@@ -1,0 +1,143 @@
+"""Asynchronous generation (grpokit.producer, `max_staleness`): at staleness 0 it is the synchronous loop bitwise; the
+staleness bound holds on every trained batch; stale batches are dropped and counted; a failing or hung producer
+stops the run with a message and leaves a checkpoint a resumed run continues from; with staleness 1 the letter task
+learns as the synchronous loop does."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from grpokit import GRPOConfig, GRPOTrainer, TrainBatch
+from grpokit.experience import Experience
+from grpokit.producer import Produced, Producer, WeightSync
+from grpokit.rollout import HFEngine
+
+from letters import letter_config, letter_dataset, repeat_letter, tiny_letter_model
+from test_pinned import CPU, PINNED_BY_CPU, digest, run
+
+
+def weights(trainer) -> str:
+    return digest(dict(trainer.unwrapped_model.state_dict()))
+
+
+@pytest.mark.parametrize("case", ["on_policy", "lora"])
+def test_staleness_zero_is_the_synchronous_loop_bitwise(tmp_path, case):
+    overrides = dict(peft=True, learning_rate=5e-2) if case == "lora" else {}
+    _, synchronous = run(tmp_path / "sync", **overrides)
+    trainer, asynchronous = run(tmp_path / "async", max_staleness=0, **overrides)
+    assert asynchronous == synchronous
+    if CPU in PINNED_BY_CPU:
+        assert asynchronous == PINNED_BY_CPU[CPU][case]
+    steps = [r for r in trainer.state.log_history if "sample/staleness_max" in r]
+    assert len(steps) == 3 and all(r["sample/staleness_max"] == 0 and r["sample/dropped_stale_total"] == 0
+                                   for r in steps)  # fmt: skip
+
+
+def test_the_staleness_bound_holds_on_every_trained_batch(tmp_path):
+    trainer, _ = run(tmp_path, max_staleness=1, weight_sync_steps=2, max_steps=6)
+    staleness = [r["sample/staleness_max"] for r in trainer.state.log_history if "sample/staleness_max" in r]
+    assert len(staleness) == 6 and max(staleness) <= 1
+    assert 1 in staleness  # it ran ahead: some batch was sampled by the weights one step before those it trained
+    assert trainer.state.log_history[-2]["sample/dropped_stale_total"] == 0  # the schedule keeps every batch fresh
+    assert trainer.state.generations == 6 and trainer.producer is None  # six batches taken; the producer stopped
+
+
+def batch_of(rows: int) -> TrainBatch:
+    zeros = torch.zeros(rows, 2, dtype=torch.long)
+    return TrainBatch(zeros, zeros + 1, zeros, zeros + 1, zeros + 1, torch.full((rows,), 2), torch.zeros(rows, 2))
+
+
+def test_batches_past_the_bound_are_dropped_and_counted():
+    args = GRPOConfig(max_staleness=1, per_device_train_batch_size=4, num_generations=2, report_to="none")
+    model = torch.nn.Linear(2, 2)
+    producer = Producer(args, None, model, torch.nn.Linear(2, 2), WeightSync(), None, 0)
+    for version, rows in ((0, 4), (1, 4), (3, 4)):  # queued as a producer that lagged would have queued them
+        producer.queue.put(Produced(Experience(batch_of(rows), {}, None, 10, 1), version, version, {}, 0.0))
+    producer.thread.is_alive = lambda: True  # never started: the queue above is all it has
+    taken, metrics = producer.take(3)  # versions 0 and 1 are 3 and 2 steps behind: dropped
+    assert taken.version == 3 and metrics["sample/dropped_stale_total"] == 8 and metrics["sample/staleness_max"] == 0
+    assert producer.dropped_batches == 2
+
+
+class FlakyEngine:
+    """The in-process engine over whatever model it is synced with, failing (or hanging) at one call."""
+
+    exact_logprobs = True
+
+    def __init__(self, fail_at: int | None = None, hang: bool = False):
+        self.fail_at, self.hang, self.calls, self.engine = fail_at, hang, 0, None
+
+    def sync_weights(self, model):
+        if self.engine is None or self.engine.model is not model:
+            self.engine = HFEngine(model, torch.device("cpu"), exact_logprobs=True)
+
+    def generate(self, prompts, params, seed):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            if self.hang:
+                threading.Event().wait(15)
+            raise ConnectionError("the engine went away")
+        return self.engine.generate(prompts, params, seed)
+
+
+def flaky_trainer(tmp_path, engine, **overrides):
+    model, tokenizer = tiny_letter_model()
+    values = dict(per_device_train_batch_size=16, num_generations=4, max_steps=4, save_strategy="steps", save_steps=1,
+                  max_staleness=0, report_to="none", beta=0.04)  # fmt: skip
+    return GRPOTrainer(model=model, reward_funcs=repeat_letter, args=letter_config(tmp_path, **{**values, **overrides}),
+                       train_dataset=letter_dataset(), processing_class=tokenizer, rollout_engine=engine)  # fmt: skip
+
+
+def test_a_failing_producer_stops_the_run_and_a_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path):
+    uninterrupted = flaky_trainer(tmp_path / "whole", FlakyEngine())
+    uninterrupted.train()
+    broken = flaky_trainer(tmp_path / "broken", FlakyEngine(fail_at=3))
+    with pytest.raises(RuntimeError, match="The generation producer failed: ConnectionError: the engine went away"):
+        broken.train()
+    assert sorted(p.name for p in (tmp_path / "broken" / "out").glob("checkpoint-*")) == ["checkpoint-1",
+                                                                                           "checkpoint-2"]
+    resumed = flaky_trainer(tmp_path / "broken", FlakyEngine())
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 4 and weights(resumed) == weights(uninterrupted)
+
+
+def test_a_hung_producer_is_detected_within_the_heartbeat(tmp_path):
+    trainer = flaky_trainer(tmp_path, FlakyEngine(fail_at=2, hang=True), heartbeat_stale_after_s=1.0)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="heartbeat_stale_after_s=1.0"):
+        trainer.train()
+    assert time.monotonic() - started < 20
+    assert (tmp_path / "out" / "checkpoint-1").is_dir()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(num_iterations=2), "one optimizer step per generation batch"),
+    (dict(steps_per_generation=2), "one optimizer step per generation batch"),
+    (dict(dynamic_sampling=True), "dynamic_sampling"),
+    (dict(max_staleness=2, sync_ref_model=True), "sync_ref_model"),
+])  # fmt: skip
+def test_what_asynchronous_generation_does_not_support_is_refused_by_name(tmp_path, overrides, message):
+    with pytest.raises(NotImplementedError, match=message):
+        flaky_trainer(tmp_path, FlakyEngine(), **{"max_staleness": 1, **overrides})
+    with pytest.raises(ValueError, match="max_staleness=-1"):
+        GRPOConfig(max_staleness=-1, report_to="none")
+
+
+def test_with_staleness_one_the_letter_task_learns_as_the_synchronous_loop_does(tmp_path):
+    """Same seeds, same config; the 8-step moving average of the reward: the asynchronous run ends as high (within
+    0.05) and first reaches 0.6 in no more optimizer steps."""
+    curves = {}
+    for name, overrides in (("sync", {}), ("async", {"max_staleness": 1})):
+        model, tokenizer = tiny_letter_model()
+        args = letter_config(tmp_path / name, max_steps=80, report_to="none", **overrides)
+        trainer = GRPOTrainer(model=model, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset(),
+                              processing_class=tokenizer)  # fmt: skip
+        trainer.train()
+        rewards = [r["reward"] for r in trainer.state.log_history if "reward" in r]
+        curves[name] = [sum(rewards[i - 8 : i]) / 8 for i in range(8, len(rewards) + 1)]
+    assert curves["sync"][0] < 0.2 and curves["sync"][-1] > 0.6, curves  # learned from chance (1/8)
+    assert curves["async"][-1] >= curves["sync"][-1] - 0.05, curves
+    reached = {name: next(i for i, r in enumerate(curve) if r >= 0.6) for name, curve in curves.items()}
+    assert reached["async"] <= reached["sync"], reached
