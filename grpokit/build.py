@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -176,3 +177,15 @@ def check_checkpoint_format(args: GRPOConfig, checkpoint_format: str, sharded: b
                          f"{checkpoint_format} ones (FSDP2 SHARDED_STATE_DICT / DeepSpeed). Set it False "
                          f"and load trainer.state.best_model_checkpoint (metric_for_best_model tracks it) "
                          f"yourself, or use FULL_STATE_DICT checkpoints.")  # fmt: skip
+
+
+def track_best_checkpoint(args: GRPOConfig, state, evaluation: dict | None) -> None:
+    """metric_for_best_model: when this step's evaluation beats state.best_metric (strictly, as transformers), the
+    checkpoint about to be written becomes state.best_model_checkpoint."""
+    if args.metric_for_best_model is None or evaluation is None or evaluation["step"] != state.global_step:
+        return
+    value = float(evaluation[best_metric_key(args.metric_for_best_model, evaluation)])
+    if state.best_metric is None or (value > state.best_metric if args.greater_is_better else
+                                     value < state.best_metric):  # fmt: skip
+        state.best_metric, state.best_global_step = value, state.global_step
+        state.best_model_checkpoint = str(Path(args.output_dir) / f"checkpoint-{state.global_step}")

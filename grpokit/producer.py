@@ -27,6 +27,7 @@ last consumed batch), so a resumed run drops what was in flight and samples it a
 
 from __future__ import annotations
 
+import copy
 import queue
 import threading
 import time
@@ -34,7 +35,9 @@ from dataclasses import dataclass
 import torch
 
 from .config import GRPOConfig
+from .build import build_engine
 from .experience import Experience, ExperienceMaker
+from .rollout import HFEngine, RolloutRunner
 
 
 def check_async(args: GRPOConfig, num_processes: int, iterable_dataset: bool) -> None:
@@ -231,3 +234,21 @@ class Producer:
                 raise RuntimeError(f"The generation producer failed: {type(item.error).__name__}: {item.error}. The "
                                    f"last checkpoint is good: fix the cause and resume from it.") from item.error
             return item
+
+
+def start_producer(args: GRPOConfig, accelerator, policy: torch.nn.Module, engine, runner: RolloutRunner, scorer,
+                   reference, sampler, dataset, sync: WeightSync, trainer_state, processing_class,
+                   host=None) -> Producer:  # fmt: skip
+    """A producer over a copy of `policy`, drawing prompts of `dataset` from a copy of `sampler` (the trainer's
+    stays at the trained position). The default in-process engine gets an engine of its own over the copy; a given
+    engine (vLLM, yours) is driven from the producer's thread and synced with the copy. `runner` is the trainer's:
+    the producer's samples with its codec, sampling parameters and multi-turn driver."""
+    copied = copy.deepcopy(policy)
+    if isinstance(engine, HFEngine):
+        engine = build_engine(copied, args, processing_class, accelerator)
+    own_runner = RolloutRunner(engine, runner.codec, runner.params, runner.device, driver=runner.driver, host=host)
+    own_sampler = copy.deepcopy(sampler)
+    maker = ExperienceMaker(args, accelerator, own_runner, scorer, lambda: copied, reference,
+                            lambda n: own_sampler.rows(dataset, n), off_policy=args.max_staleness > 0)
+    return Producer(args, maker, policy, copied, sync, own_sampler, trainer_state.generations, trainer_state,
+                    threads=torch.get_num_threads()).start()

@@ -7,7 +7,7 @@ One training step, top to bottom (`train`):
             for each generation batch (`generate_batch`: engine → rewards → advantages → TrainBatch)
                 for each of the μ = num_iterations passes over it
                     its micro-batches of per_device_train_batch_size rows, in order
-        for each micro-batch of the window: forward, loss, backward   (`_train_micro_batch`)
+        for each micro-batch of the window: forward, loss, backward   (`training_step`, `compute_loss`)
         one optimizer step                                             (`OptimizerStepper`)
         log, evaluate, save
 
@@ -22,7 +22,6 @@ definition).
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import sys
 import time
@@ -39,7 +38,6 @@ from .batch import TrainBatch
 from .build import (
     activation_offload,
     as_steps,
-    best_metric_key,
     build_engine,
     build_scheduler,
     check_checkpoint_format,
@@ -48,11 +46,12 @@ from .build import (
     reward_weights,
     router_aux_loss_coef,
     set_log_level,
+    track_best_checkpoint,
     total_steps,
     warn_like_trl,
 )
 from .checkpoint import Checkpointer, TrainingParts
-from .checkpoint.model_files import write_model_files
+from .checkpoint.model_files import load_best_checkpoint, write_model_files
 from .checkpoint.preemption import SigtermCheckpoint
 from .compat import models_written_by_this_process
 from .config import GRPOConfig
@@ -76,7 +75,7 @@ from .experience import Evaluator, ExperienceMaker
 from .hub import check_hub, push_folder
 from .logprobs import check_padding_free, token_logprobs
 from .logs import MetricSink, MetricWindow
-from .loss import AdaptiveEntropyController, high_entropy_mask, load_balancing_loss, policy_loss
+from .loss import AdaptiveEntropyController, high_entropy_mask, load_balancing_loss, off_policy_mask, policy_loss
 from .model_card import describe_dataset, render_model_card
 from .models import (
     build_policy,
@@ -85,18 +84,17 @@ from .models import (
     enable_gradient_checkpointing,
     full_precision,
     is_peft_model,
-    load_model_weights,
     mix_into_reference,
     prompt_length_limit,
 )
 from .multimodal import check_images_supported
 from .optim import build_optimizer
-from .producer import Producer, WeightSync, check_async
+from .producer import Producer, WeightSync, check_async, start_producer
 from .rewards import build_reward_functions
 from .rewards.base import check_required_columns
 from .rewards.model import RewardModel
 from .rewards.scorer import RewardScorer
-from .rollout import HFEngine, PromptCodec, RolloutEngine, RolloutRunner
+from .rollout import PromptCodec, RolloutEngine, RolloutRunner
 from .signals import guard_message
 from .state import Callbacks, TrainerState
 from .stepping import OptimizerStepper
@@ -227,6 +225,7 @@ class GRPOTrainer:
                                           self.reference, lambda n: self.sampler.rows(self.train_dataset, n))
         self.evaluator = Evaluator(args, acc, self.experience)
         self.window = MetricWindow()
+        self._window_counts, self._step_stats, self._sink = None, [], None  # the current step's (compute_loss, log)
         self._samples: list[dict] | None = None  # the latest generation's completions-log rows
         self.cursor = GenerationCursor()
         self._last_evaluation: dict | None = None  # the latest evaluation's record (metric_for_best_model)
@@ -264,6 +263,38 @@ class GRPOTrainer:
     def unwrapped_model(self):
         return unwrap_model(self.accelerator, self.model)
 
+    # TRL's GRPOTrainer attributes, read by scripts, callbacks and subclasses
+    ref_model = property(lambda self: self.reference, doc="The frozen reference (None with beta = 0 or LoRA).")
+    reward_funcs = property(lambda self: [f.fn for f in self.reward_functions])
+    reward_func_names = property(lambda self: [f.name for f in self.reward_functions])
+    reward_processing_classes = property(lambda self: [getattr(f.fn, "tokenizer", None) if isinstance(f.fn, RewardModel)
+                                                       else None for f in self.reward_functions])  # fmt: skip
+    aux_loss_enabled = property(lambda self: bool(self.router_aux_loss_coef))
+    num_generations = property(lambda self: self.args.num_generations)
+
+    @property
+    def entropy_coef(self) -> float:
+        """The entropy bonus's coefficient now: the adaptive controller's (use_adaptive_entropy), else the config's."""
+        controller = self.entropy_controller
+        return controller.coef if controller is not None else self.args.entropy_coef
+
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """TRL's: True for the tokens whose entropy is at least the `threshold` quantile of every process's masked
+        tokens (grpokit's training forward uses `loss.high_entropy_mask` with quantile 1 - threshold)."""
+        acc, pad = self.accelerator, -1e9  # entropies are >= 0: the padding cannot be a value
+        gathered = acc.gather(acc.pad_across_processes(entropies[mask.bool()].float(), dim=0, pad_index=pad))
+        gathered = gathered[gathered != pad]
+        if gathered.numel() == 0:
+            return torch.zeros_like(entropies, dtype=torch.bool)
+        return (entropies * mask.float() >= torch.quantile(gathered, threshold)) & mask.bool()
+
+    @staticmethod
+    def get_off_policy_mask(advantages: torch.Tensor, per_token_logps: torch.Tensor,
+                            sampling_per_token_logps: torch.Tensor, mask: torch.Tensor,
+                            off_policy_threshold: float) -> torch.Tensor:  # fmt: skip
+        """TRL's off-policy sequence mask (DeepSeek-V3.2), [B, 1]: 1 keeps a sequence (`loss.off_policy_mask`)."""
+        return off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold)
+
     # ------------------------------------------------------------------------------------------------ the loop
 
     def train(self, resume_from_checkpoint: bool | str | None = None, **unused):
@@ -293,6 +324,7 @@ class GRPOTrainer:
         sink = MetricSink(args.output_dir, args.report_to, args.run_name, args.logging_dir, args.to_dict(),
                           enabled=acc.is_main_process)  # fmt: skip
         sink.truncate_after(state.global_step)
+        self._sink = sink
         if acc.is_main_process:
             args.save(Path(args.output_dir) / "grpo_config.json")
         logging_steps, save_steps = as_steps(args.logging_steps, state.max_steps), as_steps(args.save_steps, state.max_steps)
@@ -327,12 +359,9 @@ class GRPOTrainer:
                     control.should_training_stop = True
                 if self._log_due(step, epoch_ended, logging_steps, control):
                     control.should_log = False
-                    record = {"step": step, "epoch": round(state.epoch, 4), **self.window.flush(),
-                              "num_tokens": state.num_tokens}  # fmt: skip
-                    state.log_history.append(record)
-                    bar.set_postfix(reward=f"{record.get('reward', float('nan')):.3f}")
-                    sink.write(record)
-                    control = callbacks("on_log", args, state, logs=record)
+                    self.log({"step": step, "epoch": round(state.epoch, 4)})
+                    control = callbacks.control
+                    bar.set_postfix(reward=f"{state.log_history[-1].get('reward', float('nan')):.3f}")
                     self.check_guard()
                     if args.log_completions and acc.is_main_process and self._samples:
                         sink.write_completions(step, self._samples, args.log_unique_prompts)
@@ -354,7 +383,8 @@ class GRPOTrainer:
                     control = callbacks("on_epoch_begin", args, state)
         bar.close()
         if args.load_best_model_at_end and state.best_model_checkpoint is not None:
-            self._load_best_checkpoint()
+            load_best_checkpoint(self.unwrapped_model, state, args.metric_for_best_model,
+                                 announce=acc.is_main_process)  # fmt: skip
         release_scratch()  # the float32 route's reused buffers (CPU), allocated again if anything runs after
         runtime = time.perf_counter() - started
         steps = state.global_step - first_step
@@ -363,8 +393,8 @@ class GRPOTrainer:
         summary = {"train_runtime": round(runtime, 4), "train_samples_per_second": round(samples / runtime, 3),
                    "train_steps_per_second": round(steps / runtime, 3), "total_flos": float(state.total_flos),
                    "train_loss": train_loss, "epoch": round(state.epoch, 4), "step": state.global_step}  # fmt: skip
-        state.log_history.append(summary)
-        callbacks("on_log", args, state, logs=summary)
+        self.log(summary)  # with the metrics of the steps after the last record, as TRL's log() merges them
+        summary = state.log_history[-1]
         if acc.is_main_process:  # the HF Trainer's save_metrics("train", ...) file
             import json
 
@@ -373,16 +403,31 @@ class GRPOTrainer:
         callbacks("on_train_end", args, state)
         return TrainOutput(state.global_step, train_loss, summary)
 
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """transformers' hook, as TRL's GRPOTrainer extends it: the metrics gathered since the last record (the
+        logging window) join `logs` and the record goes to state.log_history, metrics.jsonl and the trackers, and to
+        the `on_log` callbacks. The loop calls it for every step record and for the final summary, which so carries
+        the metrics of the steps after the last record (`reward`, `rewards/<name>/mean`, ...; not the window's
+        loss, learning rate and gradient norm: transformers reports train_loss). Override it to change what is
+        logged."""
+        window = self.window.flush()
+        if "train_runtime" in logs:
+            window = {k: v for k, v in window.items() if k not in ("loss", "learning_rate", "grad_norm")}
+        record = {**logs, **window, **({"num_tokens": self.state.num_tokens} if window else {})}
+        self.state.log_history.append(record)
+        if self._sink is not None and window:
+            self._sink.write(record, console="train_runtime" not in logs)
+        self.callback_handler("on_log", self.args, self.state, logs=record)
+
     def _log_due(self, step: int, epoch_ended: bool, logging_steps: int, control) -> bool:
-        """Whether this step writes a metrics record: logging_strategy's schedule, the first step, a callback's
-        should_log, and a step that ends training early, so that its metrics are not lost; with 'no', only a
-        callback's should_log."""
+        """Whether this step writes a metrics record, as transformers' DefaultFlowCallback decides: logging_strategy's
+        schedule, the first step, a callback's should_log (with 'no', only that). The metrics of the steps after the
+        last record go into the final summary (`log`)."""
         args, strategy = self.args, self.args.logging_strategy
-        due = (strategy == "steps" and (step % logging_steps == 0 or step == self.state.max_steps)) or \
-            (strategy == "epoch" and epoch_ended)  # fmt: skip
+        due = (strategy == "steps" and step % logging_steps == 0) or (strategy == "epoch" and epoch_ended)
         if strategy == "no":  # not even logging_first_step (grpokit's default True would override the choice)
             return control.should_log
-        return due or (step == 1 and args.logging_first_step) or control.should_log or control.should_training_stop
+        return due or (step == 1 and args.logging_first_step) or control.should_log
 
     def _micro_batch_stream(self) -> Iterator[TrainBatch]:
         """For each generation batch, for each of the μ passes over it, its micro-batches in order, from the
@@ -408,18 +453,17 @@ class GRPOTrainer:
         local_counts = torch.tensor([sum(len(b) for b in window), sum(b.loss_mask.sum().item() for b in window)],
                                     dtype=torch.float64, device=acc.device)  # fmt: skip
         num_sequences, num_tokens = (acc.reduce(local_counts, "sum") / acc.num_processes).tolist()
-        loss_total, stats = 0.0, []
+        loss_total, self._window_counts, self._step_stats = 0.0, (num_sequences, num_tokens, len(window)), []
         for index, micro_batch in enumerate(window):
             with self.stepper.micro_batch(is_last=index == len(window) - 1):
-                loss, micro_stats = self._train_micro_batch(micro_batch, num_sequences, num_tokens, len(window))
-            loss_total += loss
-            stats.append(micro_stats)
+                loss_total += self.training_step(self.model, micro_batch).item()
             if index < len(window) - 1:
                 self.callback_handler("on_substep_end", args, self.state)
         self.callback_handler("on_pre_optimizer_step", args, self.state)
         with self.weights.lock:  # a producer (asynchronous generation) never copies half-updated weights
             result = self.stepper.step(loss_total, self.state)
         self.callback_handler("on_optimizer_step", args, self.state)
+        stats = self._step_stats
         if self.entropy_controller is not None:  # the coefficient for the next step, from this window's entropy
             stats.append({"entropy_coef": self.entropy_controller.coef})
             self.entropy_controller.step(acc.reduce(self.entropy_controller.window_totals().to(acc.device), "sum"))
@@ -440,15 +484,31 @@ class GRPOTrainer:
         self.window.add(dict(zip(names, means.tolist())))
         return means[names.index("loss")].item()
 
-    def _train_micro_batch(self, batch: TrainBatch, num_sequences: float, num_tokens: float,
-                           num_micro_batches: int) -> tuple[float, dict]:  # fmt: skip
+    def training_step(self, model, inputs: TrainBatch, num_items_in_batch=None) -> torch.Tensor:
+        """transformers' hook, called for every micro-batch: its loss (`compute_loss`) and backward. Returns the
+        loss, detached."""
+        loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        if self.args.torch_empty_cache_steps and self.state.global_step % self.args.torch_empty_cache_steps == 0:
+            clear_device_cache()  # as transformers' Trainer: cached allocator blocks back to the device, pre-backward
+        self.stepper.backward(loss)
+        return loss.detach()
+
+    def compute_loss(self, model, inputs: TrainBatch, return_outputs: bool = False, num_items_in_batch=None):
+        """TRL's hook: the GRPO loss of one micro-batch (`inputs`, a `TrainBatch`) under `model`. Unlike TRL's, the
+        loss is normalised by the counts of the whole optimizer step's window (grpokit's exact accumulation):
+        `num_items_in_batch` = (sequences, tokens, micro-batches) of the window; None: the current step's. Its
+        metrics join the step's. As in TRL, return_outputs=True is refused."""
+        if return_outputs:
+            raise ValueError("The GRPOTrainer does not support returning outputs")
         args, controller = self.args, self.entropy_controller
-        batch = batch.trimmed()
+        num_sequences, num_tokens, num_micro_batches = num_items_in_batch or self._window_counts or \
+            (len(inputs), inputs.loss_mask.sum().item(), 1)  # fmt: skip
+        batch = inputs.trimmed()
         entropy_coef = controller.coef_to_apply() if controller is not None else args.entropy_coef
         router_logits = [] if self.router_aux_loss_coef else None
         offload = self.activation_offload or contextlib.nullcontext()
         with self.accelerator.autocast(), offload:  # offload: what the forward saves waits in host memory
-            logprobs, entropies = token_logprobs(self.model, batch.input_ids, batch.input_mask,
+            logprobs, entropies = token_logprobs(model, batch.input_ids, batch.input_mask,
                                                  batch.completion_ids.shape[1], args.temperature, with_entropy=True,
                                                  entropy_grad=args.entropy_coef != 0 or controller is not None,
                                                  router_logits=router_logits, fp32_head=args.cast_lm_head_to_fp32,
@@ -472,10 +532,8 @@ class GRPOTrainer:
                                       batch.input_mask).to(loss.device)  # fmt: skip
             loss = loss + self.router_aux_loss_coef * aux / num_micro_batches
             stats.objective["aux_loss"] = aux.detach()
-        if args.torch_empty_cache_steps and self.state.global_step % args.torch_empty_cache_steps == 0:
-            clear_device_cache()  # as transformers' Trainer: cached allocator blocks back to the device, pre-backward
-        self.stepper.backward(loss)
-        return loss.item(), stats.as_dict()
+        self._step_stats.append(stats.as_dict())
+        return loss
 
     # ------------------------------------------------------------------------------------------- generation
 
@@ -499,20 +557,11 @@ class GRPOTrainer:
         return experience.batch
 
     def _start_producer(self) -> Producer:
-        """Asynchronous generation (max_staleness): a copy of the policy samples ahead in a thread, drawing prompts
-        from a copy of the sampler (grpokit.producer). The default in-process engine gets an engine of its own over
-        the copy; a given engine (vLLM, yours) is driven from the producer's thread and synced with the copy."""
-        args, acc = self.args, self.accelerator
-        policy = copy.deepcopy(self.unwrapped_model)
-        engine = build_engine(policy, args, self.processing_class, acc) if isinstance(self.engine, HFEngine) else \
-            self.engine  # fmt: skip
-        runner = RolloutRunner(engine, self.codec, self.runner.params, acc.device, driver=self.agents, host=self)
-        sampler = copy.deepcopy(self.sampler)
-        maker = ExperienceMaker(args, acc, runner, self.scorer.fresh(), lambda: policy, self.reference,
-                                lambda n: sampler.rows(self.train_dataset, n), off_policy=args.max_staleness > 0)
+        """Asynchronous generation (max_staleness): grpokit.producer, from the trainer's parts."""
         self.weights.version = self.state.global_step
-        self.producer = Producer(args, maker, self.unwrapped_model, policy, self.weights, sampler,
-                                 self.state.generations, self.state, threads=torch.get_num_threads()).start()
+        self.producer = start_producer(self.args, self.accelerator, self.unwrapped_model, self.engine, self.runner,
+                                       self.scorer.fresh(), self.reference, self.sampler, self.train_dataset,
+                                       self.weights, self.state, self.processing_class, host=self)  # fmt: skip
         return self.producer
 
     # ------------------------------------------------------------------------------------------ evaluation
@@ -575,34 +624,8 @@ class GRPOTrainer:
                 "pass_index": cursor.pass_index, "micro_index": cursor.micro_index,
                 "entropy_controller": None if self.entropy_controller is None else self.entropy_controller.state_dict()}
         process = {"batch": None if cursor.batch is None else cursor.batch.to("cpu").state_dict()}
-        self._track_best_checkpoint()
+        track_best_checkpoint(self.args, self.state, self._last_evaluation)
         return self.checkpointer.save(self._training_parts(), self.state, loop, process)
-
-    def _track_best_checkpoint(self) -> None:
-        """metric_for_best_model: when this step's evaluation beats state.best_metric (strictly, as transformers),
-        the checkpoint about to be written becomes state.best_model_checkpoint."""
-        args, state = self.args, self.state
-        evaluation = self._last_evaluation
-        if args.metric_for_best_model is None or evaluation is None or evaluation["step"] != state.global_step:
-            return
-        value = float(evaluation[best_metric_key(args.metric_for_best_model, evaluation)])
-        if state.best_metric is None or (value > state.best_metric if args.greater_is_better else
-                                         value < state.best_metric):  # fmt: skip
-            state.best_metric, state.best_global_step = value, state.global_step
-            state.best_model_checkpoint = str(Path(args.output_dir) / f"checkpoint-{state.global_step}")
-
-    def _load_best_checkpoint(self) -> None:
-        """load_best_model_at_end: the best checkpoint's weights (the adapter with LoRA) into the model."""
-        state = self.state
-        path = Path(state.best_model_checkpoint)
-        if not path.is_dir():
-            warnings.warn(f"load_best_model_at_end: the best checkpoint {path} is gone; the model keeps its last "
-                          f"weights.", UserWarning, stacklevel=3)  # fmt: skip
-            return
-        load_model_weights(self.unwrapped_model, path)
-        if self.accelerator.is_main_process:
-            print(f"Loaded the best checkpoint, {path.name} ({self.args.metric_for_best_model} = "
-                  f"{state.best_metric:.6g}).", file=sys.stderr, flush=True)  # fmt: skip
 
     def _resume(self, resume: bool | str) -> None:
         resumed = self.checkpointer.load(self.checkpointer.find(resume), self._training_parts())

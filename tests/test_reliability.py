@@ -233,7 +233,9 @@ def test_sigterm_with_enable_jit_checkpoint_saves_the_step_under_way_and_resumes
     _, err = child.communicate(timeout=240)
     assert child.returncode == 0, err[-2000:]  # train() returned; the script went on (it saved final/)
     saved = latest_checkpoint(broken)
-    assert saved is not None and saved.name in ("checkpoint-3", "checkpoint-4"), saved
+    # Any step after checkpoint-2 and before the end: the signal lands while a later step runs (how late depends
+    # on the machine's load).
+    assert saved is not None and saved.name in ("checkpoint-3", "checkpoint-4", "checkpoint-5"), saved
     assert f"SIGTERM: saved {saved.name}" in err
     subprocess.run([sys.executable, str(child_script), model_dir, str(broken), "6", "resume"], check=True, env=env,
                    capture_output=True, timeout=300)  # fmt: skip

@@ -104,8 +104,9 @@ def test_callbacks_see_every_event_and_can_stop_and_save(tmp_path):
     assert names[0] == "on_init_end" and names[1] == "on_train_begin" and names[-1] == "on_train_end"
     assert names.count("on_step_begin") == 2 and names.count("on_step_end") == 2  # stopped after step 2
     assert ("on_save", 2) in recorder.events and (tmp_path / "out" / "checkpoint-2").is_dir()
-    # The stop step is logged (as should_training_stop asks), then the summary; step 1 was logged as first step.
-    assert [log.get("step") for log in recorder.logs] == [1, 2, 2] and "train_loss" in recorder.logs[-1]
+    # Step 1 was logged as first step; the stop step's metrics go into the summary (TRL's log() merges them).
+    assert [log.get("step") for log in recorder.logs] == [1, 2] and "train_loss" in recorder.logs[-1]
+    assert "reward" in recorder.logs[-1]
     assert names.index("on_pre_optimizer_step") < names.index("on_optimizer_step") < names.index("on_step_end")
 
 
@@ -459,7 +460,9 @@ def test_sigterm_with_enable_jit_checkpoint_saves_stops_and_resumes_exactly(tmp_
     assert output.global_step == 2 and signal.getsignal(signal.SIGTERM) is before  # the handler is given back
     assert (tmp_path / "a" / "out" / "checkpoint-2").is_dir()
     assert "SIGTERM: saved checkpoint-2" in capfd.readouterr().err
-    assert [h["step"] for h in preempted.state.log_history if "loss" in h] == [1, 2]  # step 2's metrics not lost
+    # Step 2's metrics are not lost: the summary carries them (TRL's log() merges what was not logged yet).
+    assert [h["step"] for h in preempted.state.log_history if "loss" in h] == [1]
+    assert preempted.state.log_history[-1]["step"] == 2 and "reward" in preempted.state.log_history[-1]
     resumed = trainer_for(tmp_path / "a", args=config(tmp_path / "a"))
     resumed.train(resume_from_checkpoint=True)
     unbroken = trainer_for(tmp_path / "b", args=config(tmp_path / "b"))
@@ -820,3 +823,97 @@ def test_torch_compile_with_inductor_keeps_the_run(tmp_path):
         [e["loss"] for e in eager.state.log_history[:-1]], abs=1e-5)  # fmt: skip
     for (name, a), b in zip(eager.unwrapped_model.state_dict().items(), compiled.unwrapped_model.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-4), name
+
+
+# ------------------------------------------------------------ the last record and the trainer's surface (TRL)
+
+
+def test_the_summary_record_carries_the_metrics_of_the_steps_after_the_last_record(tmp_path):
+    """TRL's log() merges the metrics not yet logged into the record it writes: with logging_steps=2 and 3 steps,
+    step 3 has no record of its own and its metrics are in the summary (as transformers' DefaultFlowCallback logs
+    only every logging_steps)."""
+    trainer = trainer_for(tmp_path, args=config(tmp_path, max_steps=3, logging_steps=2, logging_first_step=False))
+    output = trainer.train()
+    steps = [r["step"] for r in trainer.state.log_history]
+    assert steps == [2, 3]
+    summary = trainer.state.log_history[-1]
+    assert {"train_runtime", "train_loss", "reward", "reward_std", "rewards/repeat_letter/mean",
+            "rewards/repeat_letter/std", "policy_loss", "step_time", "num_tokens", "entropy"} <= set(summary)
+    assert not {"loss", "learning_rate", "grad_norm"} & set(summary)  # transformers reports train_loss instead
+    assert output.metrics["reward"] == summary["reward"] and summary["num_tokens"] == trainer.state.num_tokens
+    # The steps' own records: the window of steps 1-2 in the first, step 3's alone in the summary.
+    per_step = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in per_step] == [2, 3] and per_step[-1]["reward"] == summary["reward"]
+
+
+def test_no_window_left_means_the_plain_summary(tmp_path):
+    trainer = trainer_for(tmp_path, args=config(tmp_path, max_steps=2, logging_steps=1))
+    trainer.train()
+    assert "reward" not in trainer.state.log_history[-1]
+
+
+def test_trls_public_attributes(tmp_path):
+    from grpokit.rewards.model import RewardModel
+
+    trainer = trainer_for(tmp_path, args=config(tmp_path, beta=0.04, use_adaptive_entropy=True, entropy_coef=0.01,
+                                                max_steps=2))  # fmt: skip
+    assert trainer.ref_model is not None and trainer.ref_model is trainer.reference
+    assert trainer.reward_funcs == [repeat_letter] and trainer.reward_func_names == ["repeat_letter"]
+    assert trainer.reward_processing_classes == [None]
+    assert torch.equal(trainer.reward_weights, torch.tensor([1.0]))
+    assert trainer.aux_loss_enabled is False and trainer.num_generations == 4
+    assert trainer.model is not None and trainer.processing_class is not None and trainer.accelerator is not None
+    first = trainer.entropy_coef
+    assert first == 0.01
+    trainer.train()
+    assert trainer.entropy_coef == trainer.entropy_controller.coef != first  # the adaptive coefficient moved
+    plain = trainer_for(tmp_path / "plain")
+    assert plain.ref_model is None and plain.entropy_coef == plain.args.entropy_coef  # beta = 0: no reference
+    assert RewardModel  # a reward model's processing class is its tokenizer: tests/test_rewards.py builds one
+
+
+def test_the_static_helpers_equal_trls(tmp_path):
+    import trl
+
+    torch.manual_seed(0)
+    entropies, mask = torch.rand(4, 6) * 3, (torch.rand(4, 6) > 0.3).long()
+    trainer = trainer_for(tmp_path)
+    for threshold in (0.0, 0.2, 0.5, 0.9):
+        ours = trainer.get_high_entropy_mask(entropies, mask, threshold)
+        theirs = trl.GRPOTrainer.get_high_entropy_mask(trainer, entropies, mask, threshold)  # reads .accelerator
+        assert torch.equal(ours, theirs) and ours.dtype == torch.bool
+    advantages = torch.tensor([[1.0], [-1.0], [-0.5], [0.0]])
+    logps, sampling = -torch.rand(4, 6), -torch.rand(4, 6)
+    sampling[2, 1] = float("nan")
+    for threshold in (0.0, 0.1, 1.0):
+        assert torch.equal(GRPOTrainer.get_off_policy_mask(advantages, logps, sampling, mask.float(), threshold),
+                           trl.GRPOTrainer.get_off_policy_mask(advantages, logps, sampling, mask.float(), threshold))
+
+
+def test_compute_loss_training_step_and_log_are_hooks_the_loop_calls(tmp_path):
+    calls = {"training_step": 0, "log": []}
+
+    class Frozen(GRPOTrainer):  # a subclass whose loss carries no gradient: the weights must not move
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return 0.0 * super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            calls["training_step"] += 1
+            return super().training_step(model, inputs, num_items_in_batch)
+
+        def log(self, logs, start_time=None):
+            calls["log"].append(sorted(logs))
+            super().log({**logs, "seen_by_subclass": 1.0}, start_time)
+
+    model, tokenizer = tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = Frozen(model=model, reward_funcs=repeat_letter, processing_class=tokenizer, train_dataset=letters(),
+                     args=config(tmp_path, max_steps=2, gradient_accumulation_steps=2, steps_per_generation=2,
+                                 weight_decay=0.0))  # fmt: skip
+    trainer.train()
+    assert calls["training_step"] == 4  # 2 steps x 2 micro-batches
+    assert all(torch.equal(before[k], v) for k, v in trainer.unwrapped_model.state_dict().items())
+    assert len(calls["log"]) == 3 and "train_runtime" in calls["log"][-1]  # two step records and the summary
+    assert all(r.get("seen_by_subclass") == 1.0 for r in trainer.state.log_history)
+    with pytest.raises(ValueError, match="does not support returning outputs"):
+        trainer.compute_loss(trainer.model, trainer.generate_batch(), return_outputs=True)

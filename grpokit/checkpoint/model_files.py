@@ -3,13 +3,15 @@ asked), the config, the tokenizer or processor, and the model card."""
 
 from __future__ import annotations
 
+import sys
+import warnings
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from ..model_card import model_card_writable, write_model_card
-from ..models import is_peft_model, save_merged
+from ..models import is_peft_model, load_model_weights, save_merged
 
 
 def write_model_files(output_dir: Path, model, processing_class, weights: dict[str, torch.Tensor] | None = None, *,
@@ -41,3 +43,16 @@ def write_model_files(output_dir: Path, model, processing_class, weights: dict[s
         processing_class.save_pretrained(output_dir)
     if card:
         write_model_card(output_dir, model_card())
+
+
+def load_best_checkpoint(model, state, metric_name: str, announce: bool = True) -> None:
+    """load_best_model_at_end: the best checkpoint's weights (the adapter with LoRA) into the model."""
+    path = Path(state.best_model_checkpoint)
+    if not path.is_dir():
+        warnings.warn(f"load_best_model_at_end: the best checkpoint {path} is gone; the model keeps its last "
+                      f"weights.", UserWarning, stacklevel=3)  # fmt: skip
+        return
+    load_model_weights(model, path)
+    if announce:
+        print(f"Loaded the best checkpoint, {path.name} ({metric_name} = {state.best_metric:.6g}).", file=sys.stderr,
+              flush=True)  # fmt: skip
