@@ -31,6 +31,7 @@ from .logs import generation_metrics, reduce_extremes
 from .loss import policy_loss, sampling_correction
 from .models import reference_policy
 from .multimodal import loggable_prompt
+from .rewards.base import RewardFunctionError
 from .rewards.scorer import RewardScorer
 from .rollout import EVAL_SEED_OFFSET, Generation, RolloutRunner, group_counts, rollout_seed
 from .signals import duplicate_ratio, sequence_keys
@@ -45,6 +46,10 @@ class Experience:
     samples: list[dict] | None  # the completions-log rows (log_completions), else None
     num_tokens: int  # prompt + completion tokens of the whole global batch
     rollouts: int  # rollouts drawn (dynamic sampling may draw more than one); each took one generation seed
+
+
+# Generation batches in a row in which every reward function raised on every row before the run stops (`make`).
+FAILED_BATCHES_LIMIT = 3
 
 
 def trains_on_policy(args: GRPOConfig) -> bool:
@@ -80,6 +85,7 @@ class ExperienceMaker:
                  draw_prompts: Callable[[int], list[dict]], off_policy: bool = False):  # fmt: skip
         self.args, self.accelerator, self.runner, self.scorer = args, accelerator, runner, scorer
         self.policy, self.reference, self.draw_prompts, self.off_policy = policy, reference, draw_prompts, off_policy
+        self.failed_batches = 0  # consecutive generation batches in which no completion was scored (all raised)
 
     def make(self, generation: int, trainer_state=None) -> Experience:
         """The experience of generation `generation` (its rollout seeds: generation, generation + 1, ... for each
@@ -107,6 +113,7 @@ class ExperienceMaker:
         if device.type == "cpu":  # and the no-grad forwards' (π_old, π_ref), before the training forward
             return_free_memory()
         generated, num_tokens = self._generation_metrics(all_scores, rewards, scored)
+        self._check_some_reward(all_scores, generated)
         metrics.update(generated)
         metrics.update(self.scorer.logs.flush_metrics(acc))
         metrics.update(self.runner.metrics(acc))
@@ -237,6 +244,20 @@ class ExperienceMaker:
             with reference_policy(self.policy(), self.reference) as reference:
                 batch.ref_logprobs = logprobs_in_chunks(reference, batch, args, acc.autocast)
         return metrics
+
+    def _check_some_reward(self, all_scores: torch.Tensor, metrics: dict[str, float]) -> None:
+        """With reward_fn_errors='none' a reward function that raises on every row gives every completion None: no
+        advantage, no gradient, a run that trains on nothing. Stop after FAILED_BATCHES_LIMIT such batches in a
+        row (a batch in which functions merely return None for every row only warns, as in TRL)."""
+        errors = {k.removeprefix("rewards/").removesuffix("/errors"): int(v) for k, v in metrics.items()
+                  if k.endswith("/errors") and v}  # fmt: skip
+        self.failed_batches = self.failed_batches + 1 if errors and bool(torch.isnan(all_scores).all()) else 0
+        if self.failed_batches >= FAILED_BATCHES_LIMIT:
+            raise RewardFunctionError(
+                f"No completion got a reward in {self.failed_batches} generation batches in a row: the reward "
+                f"functions raised ({', '.join(f'{name} on {count} rows' for name, count in errors.items())} of the "
+                f"last {len(all_scores)}), and reward_fn_errors='none' scores such rows None, which trains on nothing. "
+                f"Set reward_fn_errors='raise' to see the first error with its row, and fix the function.")
 
     def _generation_metrics(self, scores, rewards, scored: ScoredRollout) -> tuple[dict[str, float], int]:
         """TRL's generation metrics over the global batch, and its prompt + completion token count."""

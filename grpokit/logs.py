@@ -245,7 +245,7 @@ class MetricSink:
             tracker.log(scalars, step)
         if console:
             shown = " ".join(f"{k}={record[k]:.4g}" for k in CONSOLE_KEYS if k in record)
-            print(f"[step {step}] {shown}", file=sys.stderr, flush=True)
+            console_line(f"[step {step}] {shown}")
 
     def write_completions(self, step: int, samples: list[dict], unique_prompts: bool = False) -> None:
         """Sample completions with their rewards: completions.jsonl, a compact console table, and a table in each
@@ -259,7 +259,7 @@ class MetricSink:
                 handle.write(json.dumps({"step": step, **sample}, default=str) + "\n")
         lines = [f"  {_short(s['prompt'])!r} -> {_short(s['completion'])!r}  reward={s['reward']}  "
                  f"advantage={s['advantage']:+.3f}" for s in samples]  # fmt: skip
-        print(f"[step {step}] completions:\n" + "\n".join(lines), file=sys.stderr, flush=True)
+        console_line(f"[step {step}] completions:\n" + "\n".join(lines))
         columns = ["prompt", "completion", "reward", "advantage"]
         if unique_prompts:  # the first row of each prompt; conversations compared by their text, as in TRL
             first = {}
@@ -287,3 +287,12 @@ class MetricSink:
     def close(self) -> None:
         for tracker in self.trackers:
             tracker.close()
+
+
+def console_line(text: str) -> None:
+    """A line for the console (stderr) printed through tqdm, which clears a progress bar first and draws it again
+    after, so that the line is not glued onto the bar."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(text, file=sys.stderr)
+    sys.stderr.flush()

@@ -55,12 +55,15 @@ def render_model_card(
     config: dict[str, Any],
     final_metrics: dict[str, Any] | None = None,
     final_eval: dict[str, Any] | None = None,
+    model_class: str = "model",
 ) -> str:
     """Markdown text of the card. `rewards` is (function name, weight) pairs; `config` a GRPOConfig as a dict (only
-    KEY_FIELDS are shown); `final_metrics` / `final_eval` the last training / evaluation record of log_history."""
+    KEY_FIELDS are shown); `base_model` the hub id or path ("" for a model built in code: then `model_class`
+    names it); `final_metrics` / `final_eval` the last training / evaluation record of log_history."""
     lines = [
         "---", "library_name: transformers", "tags: [grpokit, grpo]", "---", MARKER, "", f"# {title}", "",
-        f"Trained with GRPO (grpokit {__version__}) from the base model **{base_model}**.", "",
+        f"Trained with GRPO (grpokit {__version__}) from "
+        f"{f'the base model **{base_model}**' if base_model else f'a `{model_class}` built in code'}.", "",
         "## Training data", "", f"- dataset: {dataset}", "",
         "## Reward functions", "", "| reward function | weight |", "|---|---|",
         *(f"| `{name}` | {weight:g} |" for name, weight in rewards), "",

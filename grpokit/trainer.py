@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -74,7 +73,7 @@ from .distributed import (
 from .experience import Evaluator, ExperienceMaker
 from .hub import check_hub, push_folder
 from .logprobs import check_padding_free, token_logprobs
-from .logs import MetricSink, MetricWindow
+from .logs import MetricSink, MetricWindow, console_line
 from .loss import AdaptiveEntropyController, high_entropy_mask, load_balancing_loss, off_policy_mask, policy_loss
 from .model_card import describe_dataset, render_model_card
 from .models import (
@@ -377,8 +376,8 @@ class GRPOTrainer:
                     self._save_checkpoint()
                     control = callbacks("on_save", args, state)
                 if preempted and acc.is_main_process:
-                    print(f"SIGTERM: saved checkpoint-{step} in {args.output_dir} and stopped; resume with "
-                          f"resume_from_checkpoint.", file=sys.stderr, flush=True)  # fmt: skip
+                    console_line(f"SIGTERM: saved checkpoint-{step} in {args.output_dir} and stopped; resume with "
+                          f"resume_from_checkpoint.")  # fmt: skip
                 if epoch_ended and state.global_step < state.max_steps:
                     control = callbacks("on_epoch_begin", args, state)
         bar.close()
@@ -596,7 +595,7 @@ class GRPOTrainer:
         if self.accelerator.is_main_process:
             shown = " ".join(f"{k.removeprefix('eval/')}={v:.4g}" for k, v in record.items()
                              if k == "eval/reward" or "/pass@" in k)  # fmt: skip
-            print(f"[step {step}] eval: {shown}", file=sys.stderr, flush=True)
+            console_line(f"[step {step}] eval: {shown}")
         self.check_guard()
 
     def check_guard(self) -> None:
@@ -677,11 +676,12 @@ class GRPOTrainer:
 
     def _model_card(self) -> str:
         model, history = self.unwrapped_model, self.state.log_history
-        base_model = getattr(getattr(model, "config", None), "name_or_path", "") or "(a model object)"
+        base_model = getattr(getattr(model, "config", None), "name_or_path", "")
         return render_model_card(
             self.args.run_name or Path(self.args.output_dir).name, base_model, describe_dataset(self.train_dataset),
             [(f.name, w) for f, w in zip(self.reward_functions, self.reward_weights.tolist())],
             {**self.args.to_dict(), "max_steps": self.state.max_steps},
             final_metrics=next((r for r in reversed(history) if "reward" in r), None),
             final_eval=next((r for r in reversed(history) if "eval/reward" in r), None),
+            model_class=type(model).__name__,
         )  # fmt: skip

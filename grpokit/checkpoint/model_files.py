@@ -3,6 +3,7 @@ asked), the config, the tokenizer or processor, and the model card."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
 from pathlib import Path
@@ -29,11 +30,13 @@ def write_model_files(output_dir: Path, model, processing_class, weights: dict[s
         return
     card = model_card is not None and model_card_writable(output_dir)  # first: peft writes a README.md of its own
     if hasattr(model, "save_pretrained"):
-        # With LoRA: the adapter only. A sharded model saves the gathered weights.
-        model.save_pretrained(output_dir, safe_serialization=True,
-                              **({"state_dict": weights} if weights is not None else {}))  # fmt: skip
-        if save_merged_model and is_peft_model(model):
-            save_merged(model, output_dir / "merged", processing_class, weights)
+        # With LoRA: the adapter only. A sharded model saves the gathered weights. Without transformers' "Writing
+        # model shards" bar, which every checkpoint would print between the training logs.
+        with without_progress_bars():
+            model.save_pretrained(output_dir, safe_serialization=True,
+                                  **({"state_dict": weights} if weights is not None else {}))  # fmt: skip
+            if save_merged_model and is_peft_model(model):
+                save_merged(model, output_dir / "merged", processing_class, weights)
     else:
         from safetensors.torch import save_file
 
@@ -56,3 +59,17 @@ def load_best_checkpoint(model, state, metric_name: str, announce: bool = True) 
     if announce:
         print(f"Loaded the best checkpoint, {path.name} ({metric_name} = {state.best_metric:.6g}).", file=sys.stderr,
               flush=True)  # fmt: skip
+
+
+@contextlib.contextmanager
+def without_progress_bars():
+    """transformers' progress bars off (and back as they were after)."""
+    from transformers.utils import logging as transformers_logging
+
+    enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            transformers_logging.enable_progress_bar()

@@ -427,14 +427,36 @@ def external_launcher_options(process_index: int, local_process_index: int, num_
     return {"distributed_executor_backend": "external_launcher"}
 
 
+# vLLM 0.32's CPU attention (CPUAttentionBackend.get_supported_head_sizes(); tests/test_vllm.py compares them).
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
+def check_cpu_head_size(directory) -> None:
+    """Refuse, with what to do, a checkpoint whose attention head size vLLM's CPU attention does not take (it fails
+    at the first request with `Unsupported CPU attention configuration: head_dim=...`)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(directory))
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    if head_dim is not None and head_dim not in VLLM_CPU_HEAD_SIZES:
+        raise ValueError(f"vLLM's CPU attention takes head sizes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}; this "
+                         f"model's is {head_dim} (hidden_size {config.hidden_size} / {heads} heads). Use a model with "
+                         f"one of those (a tiny test model: e.g. hidden_size 64 with 2 heads), sample on a GPU, or "
+                         f"sample with grpokit's own engine (use_vllm=False).")  # fmt: skip
+
+
 def start_llm(directory, *, dtype, max_model_len=None, max_num_seqs=256, gpu_memory_utilization=0.3,
               tensor_parallel_size=1, model_impl="vllm", enable_sleep_mode=False, kv_cache_gib=1, seed=0,
               tokenizer_files=False, **llm_kwargs):  # fmt: skip
     """`vllm.LLM` over the checkpoint in `directory`, in this process, set up for RL sampling: token ids in and out
     (no tokenizer unless `tokenizer_files`: the directory holds one, for structured outputs), processed log-probs,
     eager on CPU. Returns (llm, whether sleep mode is on)."""
-    vllm = import_vllm()
     on_gpu = torch.cuda.is_available()
+    if not on_gpu:  # before vLLM starts: its CPU attention refuses other head sizes only when the first prompt runs
+        check_cpu_head_size(directory)
+    vllm = import_vllm()
     if enable_sleep_mode and not on_gpu:
         warnings.warn("vllm_enable_sleep_mode=True: vLLM has no sleep mode on CPU, so its weights and KV cache stay "
                       "in memory while training (set vllm_enable_sleep_mode=False to silence this).", UserWarning,
