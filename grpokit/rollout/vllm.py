@@ -427,8 +427,19 @@ def external_launcher_options(process_index: int, local_process_index: int, num_
     return {"distributed_executor_backend": "external_launcher"}
 
 
-# vLLM 0.32's CPU attention (CPUAttentionBackend.get_supported_head_sizes(); tests/test_vllm.py compares them).
+# vLLM's CPU attention head sizes (CPUAttentionBackend.get_supported_head_sizes()), for when vLLM is not importable
+# here (the check then still names the problem before a server or engine is started).
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
+def cpu_head_sizes() -> tuple[int, ...]:
+    """The head sizes vLLM's CPU attention takes: the installed vLLM's own list, else VLLM_CPU_HEAD_SIZES."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        return tuple(CPUAttentionBackend.get_supported_head_sizes())
+    except Exception:  # noqa: BLE001 - no vLLM, or one that keeps the list elsewhere
+        return VLLM_CPU_HEAD_SIZES
 
 
 def check_cpu_head_size(directory) -> None:
@@ -440,8 +451,9 @@ def check_cpu_head_size(directory) -> None:
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(config, "num_attention_heads", None)
     head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
-    if head_dim is not None and head_dim not in VLLM_CPU_HEAD_SIZES:
-        raise ValueError(f"vLLM's CPU attention takes head sizes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}; this "
+    supported = cpu_head_sizes()
+    if head_dim is not None and head_dim not in supported:
+        raise ValueError(f"vLLM's CPU attention takes head sizes {', '.join(map(str, supported))}; this "
                          f"model's is {head_dim} (hidden_size {config.hidden_size} / {heads} heads). Use a model with "
                          f"one of those (a tiny test model: e.g. hidden_size 64 with 2 heads), sample on a GPU, or "
                          f"sample with grpokit's own engine (use_vllm=False).")  # fmt: skip
