@@ -114,38 +114,19 @@ def test_a_frozen_server_stops_the_trainer_within_the_timeout():
     """A server that takes requests and never answers: every try of a request, retries included, ends within
     vllm_server_timeout in all (it was retries + 1 times that, plus the pauses)."""
     import threading
-    from http.server import BaseHTTPRequestHandler, HTTPServer
 
     model = build_tiny_model(40, hidden_size=32)
-    info = {**served(model.config), "instance": "i"}
     thawed = threading.Event()
-
-    class Frozen(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            body = json.dumps({"status": "ok"} if self.path == "/health" else info).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_POST(self):  # noqa: N802
-            thawed.wait()
-
-        def log_message(self, *args):
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Frozen)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        engine = VLLMServerEngine(model, f"http://127.0.0.1:{server.server_port}", timeout=3, retries=3)
-        started = time.monotonic()
-        with pytest.raises(ConnectionError, match=r"stopped answering \(POST /generate, \d tries in 3 s, "
-                                                  r"vllm_server_timeout=3:"):
-            engine.request("POST", "/generate", {"prompt_ids": [[3]]})
-        assert time.monotonic() - started < 3 + 1.5  # was 4 x 3 s + 2 + 4 + 8 s of pauses
-    finally:
-        thawed.set()
-        server.shutdown()
+    with stand_in_server({**served(model.config), "instance": "i"}, on_post=thawed.wait) as url:
+        try:
+            engine = VLLMServerEngine(model, url, timeout=3, retries=3)
+            started = time.monotonic()
+            with pytest.raises(ConnectionError, match=r"stopped answering \(POST /generate, \d tries in 3 s, "
+                                                      r"vllm_server_timeout=3:"):
+                engine.request("POST", "/generate", {"prompt_ids": [[3]]})
+            assert time.monotonic() - started < 3 + 1.5  # was 4 x 3 s + 2 + 4 + 8 s of pauses
+        finally:
+            thawed.set()
 
 
 def test_no_server_is_a_clear_error_after_the_timeout():
@@ -174,9 +155,10 @@ def test_what_vllm_does_not_do_yet_is_refused_with_the_way_out():
 
 
 @contextlib.contextmanager
-def stand_in_server(info: dict):
+def stand_in_server(info: dict, on_post=None):
     """A stand-in that answers /health and /info as `grpokit vllm-serve` does (the real server's side:
-    tests/test_vllm_server.py); yields its URL."""
+    tests/test_vllm_server.py), and calls `on_post` for a POST (a frozen server: one that never returns); yields its
+    URL."""
     import json
     import threading
     from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -188,6 +170,10 @@ def stand_in_server(info: dict):
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
+
+        def do_POST(self):  # noqa: N802
+            if on_post is not None:
+                on_post()
 
         def log_message(self, *args):
             pass
