@@ -93,7 +93,8 @@ class TensorBoardTracker:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as error:
-            raise ImportError("report_to='tensorboard' needs: pip install 'grpokit[trackers]'") from error
+            raise ImportError("report_to='tensorboard' needs: pip install '.[trackers]' in grpokit's "
+                              "checkout") from error
         # transformers 5 reads the directory from TENSORBOARD_LOGGING_DIR (logging_dir is grpokit's older spelling).
         directory = logging_dir or os.environ.get("TENSORBOARD_LOGGING_DIR") or str(Path(output_dir) / "runs")
         self.writer = SummaryWriter(os.path.expanduser(directory))
@@ -121,7 +122,7 @@ class WandbTracker:
         try:
             import wandb
         except ImportError as error:
-            raise ImportError("report_to='wandb' needs: pip install 'grpokit[trackers]'") from error
+            raise ImportError("report_to='wandb' needs: pip install '.[trackers]' in grpokit's checkout") from error
         self.wandb = wandb
         self.run = wandb.init(name=run_name, config=config)
 
@@ -148,7 +149,7 @@ class MlflowTracker:
         try:
             import mlflow
         except ImportError as error:
-            raise ImportError("report_to='mlflow' needs: pip install 'grpokit[trackers]'") from error
+            raise ImportError("report_to='mlflow' needs: pip install '.[trackers]' in grpokit's checkout") from error
         self.mlflow = mlflow
         if os.environ.get("MLFLOW_EXPERIMENT_NAME"):
             mlflow.set_experiment(os.environ["MLFLOW_EXPERIMENT_NAME"])
@@ -180,7 +181,7 @@ class TrackioTracker:
         try:
             import trackio
         except ImportError as error:
-            raise ImportError("report_to='trackio' needs: pip install 'grpokit[trackers]'") from error
+            raise ImportError("report_to='trackio' needs: pip install '.[trackers]' in grpokit's checkout") from error
         self.trackio = trackio
         trackio.init(project=config.get("project") or "huggingface", name=run_name, config=config, resume="allow")
 

@@ -103,7 +103,7 @@ def apply_peft(model, peft_config):
     try:
         from peft import get_peft_model
     except ImportError as error:
-        raise ImportError("peft_config needs peft: pip install 'grpokit[peft]'") from error
+        raise ImportError("peft_config needs peft: pip install '.[peft]' in grpokit's checkout") from error
     if is_peft_model(model):
         raise ValueError("The model already has a LoRA adapter (a PeftModel): do not pass peft_config as well.")
     return get_peft_model(model, peft_config)

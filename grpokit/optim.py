@@ -5,7 +5,8 @@
 bitsandbytes 8-bit and paged ones (`adamw_8bit`, `paged_adamw_32bit`, ...), torchao's 8-bit and 4-bit AdamW
 (`adamw_torch_8bit`, `adamw_torch_4bit`), GaLore, schedule-free, ... and one of grpokit's own, `adamw_torch_bf16`
 (torchao's AdamW with states in the weights' dtype, GRPOKIT_OPTIMIZERS). The low-precision ones (`pip install
-'grpokit[lowmem]'`) run on the CPU too; tests/test_memory.py checks that they learn and resume bitwise.
+'.[lowmem]'` in grpokit's checkout) run on the CPU too; tests/test_memory.py checks that they learn and resume
+bitwise.
 
 Weight decay skips biases and norm weights, as transformers' Trainer does (`Trainer.get_decay_parameter_names`).
 With `weight_decay=0` (the default) that split changes nothing, so there is one parameter group, and
@@ -48,7 +49,7 @@ def _transformers_args(args) -> SimpleNamespace:
 # bf16 weights, bf16 weights, gradients and states (6 bytes per parameter against AdamW's 16 with float32
 # weights), each update computed in float32, the states rounded to the nearest bf16 and the weights stochastically
 # (`RowChunkedAdam`; optim_args 'bf16_stochastic_round=False': to the nearest). Needs torchao (pip install
-# 'grpokit[lowmem]').
+# '.[lowmem]' in grpokit's checkout).
 GRPOKIT_OPTIMIZERS = ("adamw_torch_bf16",)
 
 
@@ -57,7 +58,8 @@ def _grpokit_optimizer(args) -> tuple[type, dict]:
     try:
         from torchao.optim import _AdamW
     except ImportError as error:
-        raise ImportError(f"optim={args.optim!r} needs torchao: pip install 'grpokit[lowmem]' ({error})") from error
+        raise ImportError(f"optim={args.optim!r} needs torchao: pip install '.[lowmem]' in grpokit's checkout "
+                          f"({error})") from error
     options = dict(pair.partition("=")[::2] for pair in (args.optim_args or "").replace(" ", "").split(",") if pair)
     rounding = options.pop("bf16_stochastic_round", "True").lower()
     if options or rounding not in ("true", "false"):

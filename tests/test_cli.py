@@ -26,6 +26,7 @@ def test_demo_through_the_cli_shortened(tmp_path):
     out = run_cli("train", "--max_steps", "4", "--output_dir", str(tmp_path / "demo"), "--logging_steps", "2",
                   cwd=tmp_path)  # fmt: skip
     assert "Held-out accuracy before GRPO" in out and "Supervised warm-up" in out
+    assert "reward = 0.2 x answer_format (a single letter) + 1.0 x exact_match (the right letter), 1.2 at best" in out
     assert f"Model and tokenizer saved to {tmp_path / 'demo'}" in out
     metrics = read_metrics(tmp_path / "demo")
     assert [m["step"] for m in metrics] == [1, 2, 4]

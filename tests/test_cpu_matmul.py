@@ -332,7 +332,7 @@ def test_float32_scratch_is_reused_grown_and_released():
 # --------------------------------------------------------------------------------- bitsandbytes 4-bit layers
 
 needs_bitsandbytes = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
-                                        reason="bitsandbytes is not installed (pip install 'grpokit[lowmem]')")
+                                        reason="bitsandbytes is not installed (pip install '.[lowmem]')")
 
 
 def linear4bit(in_features=96, out_features=80, bias=True, quant_type="nf4"):

@@ -1,5 +1,5 @@
 """Trackers (`grpokit.logs`): what MetricSink logs reaches MLflow and Trackio stores, read back with their own
-clients. Each test skips when its tracker is not installed (`pip install 'grpokit[trackers]'`)."""
+clients. Each test skips when its tracker is not installed (`pip install '.[trackers]' in grpokit's checkout`)."""
 
 import sys
 

@@ -226,7 +226,7 @@ def test_the_trainer_gives_the_policy_and_reference_heads_contiguous_inputs(mode
 # ------------------------------------------------------------------------------------- optimizer states
 
 # transformers' registry names with low-precision states that run on the CPU: bitsandbytes' blockwise 8-bit AdamW
-# and torchao's 8-bit / 4-bit AdamW (pip install 'grpokit[lowmem]').
+# and torchao's 8-bit / 4-bit AdamW (pip install '.[lowmem]' in grpokit's checkout).
 LOW_PRECISION_OPTIMIZERS = {"adamw_8bit": "bitsandbytes", "adamw_torch_8bit": "torchao",
                             "adamw_torch_4bit": "torchao"}  # fmt: skip
 

@@ -125,6 +125,10 @@ def run_demo(output_dir: str = "grpo-demo", max_steps: int = 300, seed: int = 0,
     )  # fmt: skip
     config.update(overrides)
     args = GRPOConfig(**config)
+    weights = dict(zip(("answer_format", "exact_match"), args.reward_weights))
+    print(f"GRPO: reward = {weights['answer_format']} x answer_format (a single letter) + {weights['exact_match']} x "
+          f"exact_match (the right letter), {sum(weights.values()):g} at best; the log's `reward` is that weighted "
+          f"sum, rewards/<name>/mean each function alone.")
     trainer = GRPOTrainer(model=model, reward_funcs=[answer_format, exact_match], args=args,
                           train_dataset=task.dataset(), processing_class=task.tokenizer)  # fmt: skip
     trainer.train()
