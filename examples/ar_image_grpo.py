@@ -7,6 +7,12 @@ No transformers model and no tokenizer: the model is a plain `nn.Module` whose f
 full forward per token), as it would any model that has none.
 
     python examples/ar_image_grpo.py --steps 60
+
+What it shows, measured on a 2-core CPU (learning_rate 5e-4: 0.19 -> 0.64 over 60 steps; at the default 3e-3 the same
+in ~10 steps): the random model draws many non-pixel tokens (reward ~0.19), GRPO teaches it to draw pixels, and the
+policy then settles on a nearly blank image (reward ~0.64, entropy -> 0), which matches half of the checkerboard and
+three quarters of the stripe. One reward for 64 pixels gives each pixel little credit; a per-pixel (process) reward
+is what would take it further. It is an example of the model interface, not of a solved task.
 """
 
 from __future__ import annotations
