@@ -275,9 +275,10 @@ class GRPOConfig:
                                             "until the backward needs them (TRL SFTConfig's field; with gradient "
                                             "checkpointing: each layer's input). Exact; accelerators only (on a CPU "
                                             "it warns and does nothing).")
-    freeze_vision_tower: bool = _f(True, "Vision-language models: the vision encoder and its projector do not train "
-                                         "(LoRA adapts the language model only, through peft's exclude_modules; full "
-                                         "training freezes them). False trains them too, as TRL does.")
+    freeze_vision_tower: bool = _f(False, "Vision-language models: True keeps the vision encoder and its projector "
+                                          "as they are (LoRA adapts the language model only, through peft's "
+                                          "exclude_modules; full training freezes them). False (TRL's behaviour) "
+                                          "trains them too.")
 
     # ---- accepted, not implemented: a value other than the default warns (what TRL does; what to use instead)
     use_transformers_continuous_batching: bool = _not_implemented(False, "TRL samples with transformers' continuous "
@@ -907,8 +908,9 @@ class GRPOConfig:
             fail(f"min_p={self.min_p} must be in [0, 1].")
         if self.repetition_penalty <= 0:
             fail(f"repetition_penalty={self.repetition_penalty} must be > 0 (1.0 disables it).")
-        if not 0 < self.top_entropy_quantile <= 1:
-            fail(f"top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1] (1.0 keeps every token).")
+        if not 0 <= self.top_entropy_quantile <= 1:  # TRL's range: 0.0 keeps only the highest-entropy token
+            fail(f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1] (1.0 keeps every token, 0.0 "
+                 "only the highest-entropy one).")
         if not 0 <= self.ref_model_mixup_alpha <= 1:
             fail(f"ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in [0, 1].")
         if self.ref_model_sync_steps < 1:
@@ -1068,6 +1070,21 @@ def _fields_of_kind(kind: str) -> dict[str, str]:
     return {spec.name: spec.metadata["message"] for spec in dataclasses.fields(GRPOConfig)
             if spec.metadata.get("kind") == kind}  # fmt: skip
 
+
+# TRL 1.16 fields whose grpokit default is deliberately not TRL's: name -> why (docs/guides/from-trl.md lists them;
+# `scripts/trl_fields.py --check` fails on any other default that differs from grpokit/trl_fields.json).
+TRL_DEFAULT_DIFFERENCES: dict[str, str] = {
+    "bf16": "False: the default run is exact on any device (under bf16 autocast the incremental decode and the "
+            "training forward round differently); set bf16=True on GPUs, as TRL's None resolves it.",
+    "gradient_checkpointing": "False: with it on transformers turns the KV cache off, which grpokit's shared-prompt "
+                              "training forward needs; turn it on with padding_free=True for models that do not fit.",
+    "disable_dropout": "True: the policy that samples is the policy that is trained.",
+    "optim": "adamw_torch: every pinned number was taken with it (the fused kernel rounds differently); set "
+             "adamw_torch_fused for TRL's.",
+    "logging_first_step": "True: the first step's metrics show at once.",
+    "vllm_group_port": "None: server mode pushes the weights over HTTP; set TRL's 51216 to broadcast them through "
+                       "a process group.",
+}
 
 # name -> what TRL does with it and what to use in grpokit instead (warned when set to anything but the default)
 NOT_IMPLEMENTED: dict[str, str] = _fields_of_kind(NOT_IMPLEMENTED_KIND)

@@ -917,3 +917,42 @@ def test_compute_loss_training_step_and_log_are_hooks_the_loop_calls(tmp_path):
     assert all(r.get("seen_by_subclass") == 1.0 for r in trainer.state.log_history)
     with pytest.raises(ValueError, match="does not support returning outputs"):
         trainer.compute_loss(trainer.model, trainer.generate_batch(), return_outputs=True)
+
+
+# ------------------------------------------------------------------------------- issue 38, items 3 to 9
+
+
+def test_defaults_are_trls_but_the_listed_ones(tmp_path):
+    """Item 3. Every GRPOConfig default is TRL 1.16's (grpokit/trl_fields.json) except those listed with their reason
+    in TRL_DEFAULT_DIFFERENCES and in the guide; `scripts/trl_fields.py --check` says so. TRL trains a VLM's vision
+    tower, accepts top_entropy_quantile=0 (only the highest-entropy token) and divides bnpo's micro-batch token mean
+    by the accumulation steps (grpo_trainer.py: `loss / self.current_gradient_accumulation_steps`)."""
+    import importlib.util
+    from pathlib import Path
+
+    from grpokit.config import TRL_DEFAULT_DIFFERENCES
+    from grpokit.loss import high_entropy_mask, policy_loss
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("trl_fields", root / "scripts" / "trl_fields.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    committed = json.loads((root / "grpokit" / "trl_fields.json").read_text())
+    assert script.grpokit_default_differences(committed) == []
+    changed = {**committed, "fields": {**committed["fields"], "beta": 0.5}}  # a default that would drift silently
+    assert script.grpokit_default_differences(changed) == [
+        "grpokit default differs: beta: TRL 0.5, grpokit 0.0 (make it TRL's, or list it with its reason in "
+        "grpokit.config.TRL_DEFAULT_DIFFERENCES)"]  # fmt: skip
+    guide = (root / "docs" / "guides" / "from-trl.md").read_text()
+    assert all(f"| `{name}` |" in guide for name in TRL_DEFAULT_DIFFERENCES)
+    assert GRPOConfig(output_dir=str(tmp_path)).freeze_vision_tower is False
+    entropies, mask = torch.tensor([[0.1, 0.9, 0.5], [0.3, 0.2, 0.0]]), torch.tensor([[1, 1, 1], [1, 1, 0]])
+    assert config(tmp_path, top_entropy_quantile=0.0).top_entropy_quantile == 0.0
+    assert high_entropy_mask(entropies, mask, 0.0).tolist() == [[0, 1, 0], [0, 0, 0]]
+    # bnpo as TRL computes it for one of 2 accumulated micro-batches (on-policy, beta=0: per-token loss = -A)
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -1.1]], requires_grad=True)
+    advantages = torch.tensor([1.0, -0.5])
+    loss, _ = policy_loss(logprobs, None, None, advantages, mask, loss_type="bnpo", num_micro_batches=2)
+    per_token = -advantages[:, None].expand(2, 3)
+    trl_loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0) / 2
+    assert loss.item() == pytest.approx(trl_loss.item(), abs=1e-7)
