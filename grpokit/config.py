@@ -887,8 +887,9 @@ class GRPOConfig:
                 fail(f"{name}={value!r} must be a positive integer (>= 1).")
         if not isinstance(self.num_generations, int) or self.num_generations < 2:
             fail(
-                f"num_generations={self.num_generations} must be at least 2: GRPO's advantage compares the "
-                f"completions of one prompt with each other, so a group of 1 has no signal."
+                f"GRPO requires at least 2 generations per prompt to calculate the advantages. You provided "
+                f"num_generations={self.num_generations}: GRPO's advantage compares the completions of one prompt "
+                f"with each other, so a group of 1 has no signal."
             )
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             fail(f"max_prompt_length={self.max_prompt_length} must be a positive integer or None (no limit).")
@@ -926,8 +927,8 @@ class GRPOConfig:
             fail("Set max_steps > 0 or num_train_epochs > 0: otherwise there is nothing to train.")
         if self.auto_find_batch_size:
             fail(
-                "auto_find_batch_size=True is not supported (nor by TRL's GRPO): the generation batch must hold whole "
-                "groups of num_generations completions, and halving the batch on out-of-memory breaks them. Set "
+                "auto_find_batch_size is not supported by GRPO (auto_find_batch_size=True): the generation batch must "
+                "hold whole groups of num_generations completions, and halving the batch on out-of-memory breaks them. Set "
                 "auto_find_batch_size=False and lower per_device_train_batch_size instead."
             )
         unknown = [name for name in self.report_to if name not in TRACKERS]

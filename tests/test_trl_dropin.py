@@ -3,6 +3,7 @@ TrainerControl, optimizers=, IterableDataset, named eval sets and eval_loss, the
 log_metric / log_extra, and optimizer steps that straddle two generation batches."""
 
 import json
+import logging
 import math
 import os
 import signal
@@ -226,18 +227,18 @@ def test_reward_processing_classes_must_match_the_reward_functions(tmp_path):
         trainer_for(tmp_path, reward_funcs=None)
 
 
-def test_all_none_rewards_warn_like_trl(tmp_path):
+def test_all_none_rewards_warn_like_trl(tmp_path, caplog):
     def never(completions, **kwargs):
         return [None] * len(completions)
 
     trainer = trainer_for(tmp_path, reward_funcs=never, args=config(tmp_path, max_steps=1))
-    with pytest.warns(UserWarning, match="All reward functions returned None"):
-        trainer.train()
+    trainer.train()
+    assert "All reward functions returned None" in caplog.text  # through the logger, as TRL's
 
 
-def test_sequence_level_with_a_token_sum_warns(tmp_path):
-    with pytest.warns(UserWarning, match="weights each sequence by its length"):
-        trainer_for(tmp_path, args=config(tmp_path, importance_sampling_level="sequence", loss_type="dapo"))
+def test_sequence_level_with_a_token_sum_warns(tmp_path, caplog):
+    trainer_for(tmp_path, args=config(tmp_path, importance_sampling_level="sequence", loss_type="dapo"))
+    assert "effectively weights each sequence by its length" in caplog.text
 
 
 # ------------------------------------------------------------------ steps that straddle generation batches
@@ -418,8 +419,10 @@ def test_log_level_sets_transformers_verbosity(tmp_path):
         assert transformers_logging.get_verbosity() == transformers_logging.INFO
         trainer_for(tmp_path, args=config(tmp_path, log_level="error"))
         assert transformers_logging.get_verbosity() == transformers_logging.ERROR
+        assert logging.getLogger("grpokit").level == logging.ERROR  # grpokit's advisories follow it too
     finally:
         transformers_logging.set_verbosity(before)
+        logging.getLogger("grpokit").setLevel(logging.NOTSET)
     with pytest.raises(ValueError, match="log_level_replica='loud' is not valid"):
         config(tmp_path, log_level_replica="loud")
 
@@ -956,3 +959,50 @@ def test_defaults_are_trls_but_the_listed_ones(tmp_path):
     per_token = -advantages[:, None].expand(2, 3)
     trl_loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0) / 2
     assert loss.item() == pytest.approx(trl_loss.item(), abs=1e-7)
+
+
+def test_advisories_go_through_the_logger_and_errors_carry_trls_phrases(tmp_path, caplog):
+    """Item 4. TRL warns through its logger (`logger.warning`, grpo_trainer.py), so caplog and log handlers see it,
+    and raises ValueError with phrases users match on; grpokit does both, TRL's words first, then its advice."""
+    caplog.set_level("WARNING")
+    logging.getLogger("grpokit").setLevel(logging.NOTSET)
+    model, tokenizer = tiny()
+    GRPOTrainer(model=model, reward_funcs=repeat_letter, train_dataset=letters(), processing_class=tokenizer,
+                args=config(tmp_path, model_init_kwargs={"dtype": "float32"}, importance_sampling_level="sequence",
+                            loss_type="bnpo"))  # fmt: skip
+    logged = [(r.name, r.levelname, r.getMessage()) for r in caplog.records]
+    assert ("grpokit.build", "WARNING", "You passed `model_init_kwargs` to the `GRPOConfig`, but your model is "
+            "already instantiated. The `model_init_kwargs` will be ignored.") in logged  # TRL's sentence
+    assert any(name == "grpokit.build" and "When using `importance_sampling_level='sequence'`, the `'bnpo'` loss sums "
+               "per-token contributions" in message for name, _, message in logged)  # fmt: skip
+    for values, phrase in [({"num_generations": 1}, "GRPO requires at least 2 generations per prompt"),
+                           ({"auto_find_batch_size": True}, "auto_find_batch_size is not supported by GRPO")]:
+        with pytest.raises(ValueError, match=phrase):
+            config(tmp_path, **values)
+    caplog.clear()
+    try:  # log_level reaches grpokit's logger as it sets transformers' verbosity
+        trainer_for(tmp_path, args=config(tmp_path, log_level="error", importance_sampling_level="sequence",
+                                          loss_type="dapo"))  # fmt: skip
+    finally:
+        logging.getLogger("grpokit").setLevel(logging.NOTSET)
+    assert "loss sums per-token" not in caplog.text
+
+
+def test_iterable_datasets_are_configured_as_trl_does(tmp_path, caplog):
+    """Item 7. TRL sets accelerate's dispatch_batches=False for any iterable train or eval set (True refused), and
+    forces dataloader_num_workers=0 for an iterable train set with its logged warning; map-style keeps its workers."""
+    rows = [{"prompt": f"{c}:", "letter": c} for c in LETTERS]
+    args = config(tmp_path, dataloader_num_workers=2)
+    trainer = trainer_for(tmp_path, train_dataset=stream(rows), args=args)
+    assert trainer.args.dataloader_num_workers == 0
+    assert trainer.args.accelerator_options()["dispatch_batches"] is False
+    assert ("Iterable datasets require `dataloader_num_workers=0` to preserve prompt grouping; overriding the "
+            "provided value (2).") in caplog.text  # fmt: skip
+    trainer.train()
+    assert trainer.state.global_step == 4
+    kept = trainer_for(tmp_path / "eval", eval_dataset=stream(rows[:2]),
+                       args=config(tmp_path / "eval", dataloader_num_workers=2))  # fmt: skip
+    assert kept.args.dataloader_num_workers == 2 and kept.args.accelerator_options()["dispatch_batches"] is False
+    with pytest.raises(ValueError, match="Iterable datasets require `dispatch_batches=False`"):
+        trainer_for(tmp_path / "d", train_dataset=stream(rows),
+                    args=config(tmp_path / "d", accelerator_config={"dispatch_batches": True}))  # fmt: skip
