@@ -56,6 +56,31 @@ LOG_LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 5
 GENERATION_KWARGS = ("top_p", "top_k", "min_p", "repetition_penalty", "temperature", "do_sample", "eos_token_id",
                      "stop_token_ids", "suppress_tokens", "disable_compile")  # fmt: skip
 
+# generation_kwargs keys TRL passes on (transformers' GenerationConfig, vLLM's SamplingParams) that do not change what
+# is sampled whatever their value: output, caching and detokenization options, and beam-search-only ones (no beams).
+GENERATION_KWARGS_WITHOUT_EFFECT = (
+    "use_cache", "cache_implementation", "output_scores", "output_logits", "return_dict_in_generate",
+    "output_attentions", "output_hidden_states", "return_legacy_cache", "pad_token_id", "bos_token_id",
+    "decoder_start_token_id", "remove_invalid_values", "renormalize_logits", "low_memory", "compile_config",
+    "length_penalty", "early_stopping", "logprobs", "prompt_logprobs", "detokenize", "skip_special_tokens",
+    "spaces_between_special_tokens", "include_stop_str_in_output", "output_kind",
+)  # fmt: skip
+# generation_kwargs keys accepted at their neutral value (the sampling grpokit does); any other value would change
+# the sampling in a way grpokit's engines do not implement, and is refused by name.
+GENERATION_KWARGS_NEUTRAL = {
+    "num_beams": (1,), "num_beam_groups": (1,), "num_return_sequences": (1,), "n": (1,), "best_of": (None, 1),
+    "diversity_penalty": (0.0,), "typical_p": (1.0,), "epsilon_cutoff": (0.0,), "eta_cutoff": (0.0,),
+    "encoder_repetition_penalty": (1.0,), "no_repeat_ngram_size": (0,), "encoder_no_repeat_ngram_size": (0,),
+    "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "min_new_tokens": (None, 0), "min_length": (0,),
+    "min_tokens": (0,), "guidance_scale": (None, 1.0), "penalty_alpha": (None,), "ignore_eos": (False,),
+    "token_healing": (False,), **{name: (None,) for name in (
+        "bad_words_ids", "bad_words", "force_words_ids", "constraints", "sequence_bias", "logit_bias",
+        "forced_bos_token_id", "forced_eos_token_id", "begin_suppress_tokens", "exponential_decay_length_penalty",
+        "watermarking_config", "stop_strings", "stop", "seed", "allowed_token_ids", "logits_processors", "max_time",
+        "prompt_lookup_num_tokens", "assistant_early_exit", "dola_layers", "truncate_prompt_tokens",
+        "structured_outputs", "guided_decoding", "top_h")},
+}  # fmt: skip
+
 # cache_implementation values the in-process sampler takes (`rollout/static.py`); TRL passes any to generate().
 CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
 
@@ -299,7 +324,9 @@ class GRPOConfig:
                                               "min_p, repetition_penalty (they override the named fields, as in "
                                               "TRL), eos_token_id / stop_token_ids (more tokens that end a "
                                               "completion), suppress_tokens (never sampled; vLLM: a logit bias of -100), "
-                                              "do_sample=True. Others are refused by name.")
+                                              "do_sample=True. Keys that cannot change what is sampled "
+                                              "(output options, beam options without beams, penalties at their "
+                                              "neutral value) pass; others are refused by name.")
     max_tool_calling_iterations: int | None = _f(None, "Most tool-calling turns per rollout of an agent "
                                                        "(GRPOTrainer(tools=... / environment_factory=...)); None: "
                                                        "until a turn calls no tool or max_completion_length is used.")
@@ -585,7 +612,9 @@ class GRPOConfig:
             self.warmup_ratio, self.warmup_steps = float(self.warmup_steps), 0
 
     def _apply_generation_kwargs(self) -> None:
-        """TRL's generation_kwargs: the keys grpokit's engines honour exactly; anything else fails by name."""
+        """TRL's generation_kwargs: the keys grpokit's engines honour exactly, the keys that cannot change what is
+        sampled (GENERATION_KWARGS_WITHOUT_EFFECT) and the rest at their neutral value (GENERATION_KWARGS_NEUTRAL);
+        anything else fails by name."""
         options = self.generation_kwargs
         if options is None:
             return
@@ -605,9 +634,18 @@ class GRPOConfig:
         for name in ("max_new_tokens", "max_tokens", "max_length"):
             if name in options:
                 fail(f"generation_kwargs {name}: set max_completion_length instead.")
-        unknown = sorted(set(options) - set(GENERATION_KWARGS))
+        changing = sorted(name for name, neutral in GENERATION_KWARGS_NEUTRAL.items()
+                          if name in options and not any(_same(options[name], value) for value in neutral))
+        if changing:
+            fail(f"generation_kwargs {changing}: {', '.join(f'{n}={options[n]!r}' for n in changing)} would change the "
+                 f"sampling in a way grpokit's engines do not implement (accepted at "
+                 f"{', '.join(f'{n}={GENERATION_KWARGS_NEUTRAL[n][0]!r}' for n in changing)}). Supported: "
+                 f"{', '.join(GENERATION_KWARGS)}.")  # fmt: skip
+        known = {*GENERATION_KWARGS, *GENERATION_KWARGS_WITHOUT_EFFECT, *GENERATION_KWARGS_NEUTRAL}
+        unknown = sorted(set(options) - known)
         if unknown:
-            fail(f"generation_kwargs {unknown}: not supported by grpokit's engines. Supported: "
+            fail(f"generation_kwargs {unknown}: not an option of transformers' GenerationConfig or vLLM's "
+                 f"SamplingParams that grpokit knows (TRL would ignore a misspelt one silently). Supported: "
                  f"{', '.join(GENERATION_KWARGS)}.")
         for name in ("eos_token_id", "stop_token_ids", "suppress_tokens"):
             if name in options and _token_ids(options[name]) is None:
@@ -1045,6 +1083,13 @@ class GRPOConfig:
             # A saved config keeps a warm-up fraction in warmup_ratio; load it under its current name.
             values["warmup_steps"] = values.pop("warmup_ratio")
         return cls(**values)
+
+
+def _same(value, neutral) -> bool:
+    """A generation option equal to its neutral value (1 and 1.0 alike, never True for 1)."""
+    if neutral is None or isinstance(neutral, bool) or isinstance(value, bool):
+        return value is neutral
+    return isinstance(value, (int, float)) and value == neutral
 
 
 def _default_of(name: str):

@@ -516,7 +516,10 @@ def test_generation_kwargs_stop_and_suppress_tokens_and_override_the_sampling_fi
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"num_beams": 2}, r"generation_kwargs \['num_beams'\]: not supported by grpokit's engines"),
+    ({"num_beams": 2}, r"generation_kwargs \['num_beams'\]: num_beams=2 would change the sampling"),
+    ({"no_repeat_ngram_size": 3, "seed": 7}, r"\['no_repeat_ngram_size', 'seed'\]: .*accepted at "
+                                             r"no_repeat_ngram_size=0, seed=None"),
+    ({"top_k_typo": 5}, r"\['top_k_typo'\]: not an option of transformers' GenerationConfig or vLLM's"),
     ({"temperature": 0.5}, "Set temperature instead"),
     ({"do_sample": False}, "GRPO needs sampled completions"),
     ({"max_new_tokens": 8}, "set max_completion_length instead"),
@@ -1006,3 +1009,20 @@ def test_iterable_datasets_are_configured_as_trl_does(tmp_path, caplog):
     with pytest.raises(ValueError, match="Iterable datasets require `dispatch_batches=False`"):
         trainer_for(tmp_path / "d", train_dataset=stream(rows),
                     args=config(tmp_path / "d", accelerator_config={"dispatch_batches": True}))  # fmt: skip
+
+
+def test_generation_kwargs_that_leave_sampling_as_it_is_pass(tmp_path):
+    """Item 5. TRL hands generation_kwargs to transformers' GenerationConfig or vLLM's SamplingParams; the keys that do
+    not change what is sampled pass (beam options without beams, output options, neutral penalties), the rest is
+    refused by name (test above)."""
+    options = {"num_beams": 1, "length_penalty": 2.0, "early_stopping": True, "num_return_sequences": 1,
+               "use_cache": True, "output_scores": True, "return_dict_in_generate": True, "typical_p": 1.0,
+               "presence_penalty": 0.0, "frequency_penalty": 0, "min_new_tokens": 0, "bad_words_ids": None,
+               "skip_special_tokens": False, "n": 1, "seed": None, "top_k": 5}  # fmt: skip
+    args = config(tmp_path, generation_kwargs=options, max_steps=1)
+    assert args.top_k == 5
+    trainer = trainer_for(tmp_path, args=args)
+    trainer.train()
+    assert trainer.state.global_step == 1
+    with pytest.raises(ValueError, match="num_beams=True"):
+        config(tmp_path, generation_kwargs={"num_beams": True})  # a bool is not the count 1
