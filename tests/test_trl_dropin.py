@@ -1026,3 +1026,29 @@ def test_generation_kwargs_that_leave_sampling_as_it_is_pass(tmp_path):
     assert trainer.state.global_step == 1
     with pytest.raises(ValueError, match="num_beams=True"):
         config(tmp_path, generation_kwargs={"num_beams": True})  # a bool is not the count 1
+
+
+def test_use_liger_kernel_is_validated_as_trl_does(tmp_path, monkeypatch):
+    """Item 8. With use_liger_kernel=True TRL refuses a PEFT adapter on lm_head and
+    liger_kernel_config={"fused_linear_cross_entropy": True} (ValueError), and transformers' Trainer raises
+    ImportError when liger-kernel is missing; grpokit refuses prompt learning too. It runs no Liger kernel (warned)."""
+    from peft import LoraConfig, PromptTuningConfig
+    import transformers.utils
+
+    def build(peft_config=None, **values):
+        model, tokenizer = tiny()
+        return GRPOTrainer(model=model, reward_funcs=repeat_letter, train_dataset=letters(), processing_class=tokenizer,
+                           args=config(tmp_path, use_liger_kernel=True, **values), peft_config=peft_config)
+
+    with pytest.warns(UserWarning, match="use_liger_kernel"):  # not implemented: warned by name at config time
+        config(tmp_path, use_liger_kernel=True)
+    with pytest.raises(ValueError, match="Applying a PEFT adapter to `lm_head` is not supported"):
+        build(LoraConfig(target_modules=["q_proj", "lm_head"]))
+    with pytest.raises(ValueError, match="not supported with prompt learning"):
+        build(PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+    with pytest.raises(ValueError, match='liger_kernel_config=\\{"fused_linear_cross_entropy": True\\}` is not'):
+        build(liger_kernel_config={"fused_linear_cross_entropy": True})
+    monkeypatch.setattr(transformers.utils, "is_liger_kernel_available", lambda: False)
+    with pytest.raises(ImportError, match="You have set `use_liger_kernel` to `True` but liger-kernel"):
+        build(LoraConfig(target_modules=["q_proj"]))
+    trainer_for(tmp_path / "off", peft_config=LoraConfig(target_modules=["q_proj", "lm_head"]))  # off: no check
