@@ -1052,3 +1052,77 @@ def test_use_liger_kernel_is_validated_as_trl_does(tmp_path, monkeypatch):
     with pytest.raises(ImportError, match="You have set `use_liger_kernel` to `True` but liger-kernel"):
         build(LoraConfig(target_modules=["q_proj"]))
     trainer_for(tmp_path / "off", peft_config=LoraConfig(target_modules=["q_proj", "lm_head"]))  # off: no check
+
+
+def _trl_compute_loss(loss_type, logprobs, entropies, ref_logprobs, advantages, mask, *, beta, entropy_coef,
+                      accumulation_steps=1):  # fmt: skip
+    """TRL 1.16's own `GRPOTrainer._compute_loss` on given log-probs and entropies (a stub `self` supplies what it
+    reads: the config values, a one-process accelerator, the forward's output)."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    import trl
+
+    n, t = mask.shape
+    one_process = SimpleNamespace(gather=lambda x: x, gather_for_metrics=lambda x: x, reduce=lambda x, reduction: x,
+                                  num_processes=1, sync_gradients=True)  # fmt: skip
+    stub = SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logprobs, entropies, None),
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta,
+        loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28, use_vllm=False, aux_loss_enabled=False,
+        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=accumulation_steps,
+        max_completion_length=t, _entropy_bonus_enabled=entropy_coef != 0, entropy_coef=entropy_coef,
+        use_adaptive_entropy=False, accelerator=one_process, _metrics=defaultdict(lambda: defaultdict(list)),
+        get_gamma_weights=trl.GRPOTrainer.get_gamma_weights,
+        args=SimpleNamespace(use_bias_correction_kl=True, delta=None, steps_per_generation=accumulation_steps,
+                             sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0,
+                             vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0),
+    )  # fmt: skip
+    inputs = {"prompt_ids": torch.zeros(n, 1, dtype=torch.long), "prompt_mask": torch.ones(n, 1, dtype=torch.long),
+              "completion_ids": torch.zeros(n, t, dtype=torch.long), "completion_mask": mask.long(),
+              "advantages": advantages, "ref_per_token_logps": ref_logprobs,
+              "num_items_in_batch": mask.sum()}  # fmt: skip
+    return trl.GRPOTrainer._compute_loss(stub, None, inputs)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
+def test_a_batch_whose_completions_are_all_truncated_is_a_zero_gradient_step_as_in_trl(tmp_path, loss_type):
+    """Item 9. With mask_truncated_completions, TRL zeroes the completion mask of truncated completions; when all
+    are, its loss (policy term, beta·KL added before the mask, and the entropy bonus over the same mask) is 0 with a
+    zero gradient — no term still pushes — and transformers' Trainer still takes the optimizer step (the schedule
+    advances, Adam's momentum from earlier steps still moves the weights). grpokit matches both."""
+    from grpokit.loss import policy_loss
+
+    torch.manual_seed(0)
+    mask = torch.zeros(4, 5)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    ref_logprobs = -torch.rand(4, 5)
+    grads = []
+    for ours in (False, True):
+        logprobs = (-torch.rand(4, 5, generator=torch.Generator().manual_seed(1))).requires_grad_()
+        entropies = (torch.rand(4, 5, generator=torch.Generator().manual_seed(2)) * 2).requires_grad_()
+        if ours:
+            loss, _ = policy_loss(logprobs, None, ref_logprobs, advantages, mask, loss_type=loss_type, beta=0.04,
+                                  epsilon=0.2, epsilon_high=0.28, use_bias_correction_kl=True, entropies=entropies,
+                                  entropy_coef=0.1, entropy_normalization="token_mean",
+                                  importance_sampling_level="token")  # fmt: skip
+        else:
+            loss = _trl_compute_loss(loss_type, logprobs, entropies, ref_logprobs, advantages, mask, beta=0.04,
+                                     entropy_coef=0.1)  # fmt: skip
+        loss.backward()
+        assert loss.item() == 0.0
+        grads.append((logprobs.grad, entropies.grad))
+    for trl_grad, our_grad in zip(*grads):
+        assert torch.equal(trl_grad, our_grad) and not trl_grad.any()
+    if loss_type != "grpo":
+        return
+    # The run: at max_completion_length=1 the steps whose completions are all cut are zero-gradient steps that still
+    # count, as transformers' Trainer takes them.
+    trainer = trainer_for(tmp_path, args=config(tmp_path, max_completion_length=1, mask_truncated_completions=True,
+                                                max_steps=3, beta=0.1, entropy_coef=0.1))  # fmt: skip
+    trainer.train()
+    records = [r for r in trainer.state.log_history if "loss" in r]
+    assert trainer.state.global_step == 3 and [r["step"] for r in records] == [1, 2, 3]
+    truncated = [r for r in records if r["completions/clipped_ratio"] == 1.0]
+    assert truncated and all(r["loss"] == 0.0 and r["grad_norm"] == 0.0 for r in truncated)
+    assert len({r["learning_rate"] for r in records}) == 3  # the schedule advanced on every step
