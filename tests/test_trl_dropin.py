@@ -1126,3 +1126,27 @@ def test_a_batch_whose_completions_are_all_truncated_is_a_zero_gradient_step_as_
     truncated = [r for r in records if r["completions/clipped_ratio"] == 1.0]
     assert truncated and all(r["loss"] == 0.0 and r["grad_norm"] == 0.0 for r in truncated)
     assert len({r["learning_rate"] for r in records}) == 3  # the schedule advanced on every step
+
+
+def test_bnpo_equals_trls_compute_loss_under_accumulation():
+    """Item 3, against TRL's own code: one of 2 accumulated micro-batches, with beta and an entropy bonus."""
+    from grpokit.loss import policy_loss
+
+    gen = torch.Generator().manual_seed(3)
+    mask = (torch.rand(4, 6, generator=gen) > 0.3).float()
+    advantages, ref_logprobs = torch.randn(4, generator=gen), -torch.rand(4, 6, generator=gen)
+    results = []
+    for ours in (False, True):
+        logprobs = (-torch.rand(4, 6, generator=torch.Generator().manual_seed(1))).requires_grad_()
+        entropies = (torch.rand(4, 6, generator=torch.Generator().manual_seed(2)) * 2).requires_grad_()
+        if ours:
+            loss, _ = policy_loss(logprobs, None, ref_logprobs, advantages, mask, loss_type="bnpo", beta=0.04,
+                                  epsilon=0.2, epsilon_high=0.28, use_bias_correction_kl=True, entropies=entropies,
+                                  entropy_coef=0.1, entropy_normalization="token_mean", num_micro_batches=2)
+        else:
+            loss = _trl_compute_loss("bnpo", logprobs, entropies, ref_logprobs, advantages, mask, beta=0.04,
+                                     entropy_coef=0.1, accumulation_steps=2)  # fmt: skip
+        loss.backward()
+        results.append((loss.detach(), logprobs.grad, entropies.grad))
+    for theirs, ours in zip(*results):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
