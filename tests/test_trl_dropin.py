@@ -1150,3 +1150,54 @@ def test_bnpo_equals_trls_compute_loss_under_accumulation():
         results.append((loss.detach(), logprobs.grad, entropies.grad))
     for theirs, ours in zip(*results):
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_a_dataset_of_environment_names_only_and_tool_metrics_without_calls(tmp_path):
+    """Item 6, as TRL 1.16 does: a routing dataset with only an `environment` column works (the prompt
+    defaults to an empty user message that reset()'s observation fills; reset gets no routing column), the
+    environment-owned reward is in reward_func_names under its class name, and tools/call_frequency and
+    tools/failure_frequency are logged at every logging step, 0 when the model made no call."""
+    from agents_helpers import tiny_agent_model, tool_call_script
+
+    model, tokenizer = tiny_agent_model()
+    engine = tool_call_script(tokenizer, lambda user, results, index: "done<|im_end|>")  # never calls a tool
+
+    class Counter:
+        def reset(self, **row):
+            self.row, self.count = row, 0
+
+        def increment(self, by: int) -> int:
+            """Add to the counter.
+
+            Args:
+                by: how much to add
+            """
+            self.count += by
+            return self.count
+
+    class Riddles(Counter):
+        def reset(self, **row):
+            super().reset(**row)
+            return "key k7"
+
+        def get_reward(self) -> float:
+            return 0.5
+
+    rows = [{"environment": "riddles"}, {"environment": "counter"}]
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **k: [0.0] * len(completions),
+                          args=config(tmp_path, per_device_train_batch_size=4, num_generations=2, max_steps=2,
+                                      max_completion_length=64, learning_rate=1e-3),
+                          train_dataset=Dataset.from_list(rows),
+                          processing_class=tokenizer, environment_factory={"riddles": Riddles, "counter": Counter},
+                          rollout_engine=engine)  # fmt: skip
+    assert trainer.reward_func_names == ["<lambda>", "Riddles"]  # TRL: the environment's class name, after reward_funcs
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert all(c.row == {} for pool in trainer.agents.environments.pool.values() for c in pool)
+    prompts = [tokenizer.decode(ids) for ids in engine.calls[0].ids]
+    assert any(p.endswith("<|im_start|>user\nkey k7<|im_end|>\n<|im_start|>assistant\n") for p in prompts)
+    records = [r for r in trainer.state.log_history if "loss" in r]
+    assert len(records) == 2
+    for record in records:
+        assert record["tools/call_frequency"] == 0.0 and record["tools/failure_frequency"] == 0.0
+        assert record["rewards/Riddles/mean"] == 0.5
