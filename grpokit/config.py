@@ -1048,10 +1048,11 @@ class GRPOConfig:
         global_batch = self.generation_batch_size * num_processes
         if global_batch % self.num_generations:
             valid = [g for g in range(2, global_batch + 1) if global_batch % g == 0]
-            raise ValueError(
-                f"The global generation batch ({num_processes} process(es) x per_device_train_batch_size "
-                f"{self.per_device_train_batch_size} x steps_per_generation {self.steps_per_generation} = "
-                f"{global_batch} completions) must be a multiple of num_generations ({self.num_generations}). "
+            raise ValueError(  # TRL's phrase first (its generation_batch_size is the global one)
+                f"generation_batch_size ({global_batch}) must be divisible by num_generations "
+                f"({self.num_generations}): the global generation batch ({num_processes} process(es) x "
+                f"per_device_train_batch_size {self.per_device_train_batch_size} x steps_per_generation "
+                f"{self.steps_per_generation} = {global_batch} completions) must be a multiple of num_generations. "
                 f"Change per_device_train_batch_size or num_generations (valid num_generations here: {valid})."
             )
 

@@ -978,6 +978,8 @@ def test_advisories_go_through_the_logger_and_errors_carry_trls_phrases(tmp_path
             "already instantiated. The `model_init_kwargs` will be ignored.") in logged  # TRL's sentence
     assert any(name == "grpokit.build" and "When using `importance_sampling_level='sequence'`, the `'bnpo'` loss sums "
                "per-token contributions" in message for name, _, message in logged)  # fmt: skip
+    with pytest.raises(ValueError, match=r"generation_batch_size \(8\) must be divisible by num_generations \(3\)"):
+        trainer_for(tmp_path, args=config(tmp_path, num_generations=3))
     for values, phrase in [({"num_generations": 1}, "GRPO requires at least 2 generations per prompt"),
                            ({"auto_find_batch_size": True}, "auto_find_batch_size is not supported by GRPO")]:
         with pytest.raises(ValueError, match=phrase):
