@@ -4,9 +4,9 @@ reward weights, the MoE auxiliary loss coefficient, activation offloading)."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
-import warnings
 from pathlib import Path
 
 import torch
@@ -19,17 +19,23 @@ from .distributed import all_processes_done, is_sharded
 from .models import full_precision
 from .rollout import HFEngine, RolloutEngine
 
+# Advisory warnings go through the logger, as TRL's do (`logging.get_logger(__name__)`): log handlers, caplog and
+# log_level see them. Deprecations stay FutureWarnings and GRPOConfig's own warnings stay Python warnings, as in TRL.
+logger = logging.getLogger(__name__)
+
 
 def check_run(args: GRPOConfig, train_dataset, eval_dataset, rollout_engine, tools, rollout_func,
               environment_factory) -> None:  # fmt: skip
     """The run-time checks (what GRPOConfig.validate cannot know: the data, the launch, the arguments)."""
     check_agents(tools, rollout_func, environment_factory, rollout_engine)
-    check_dataset(train_dataset)
+    environments = environment_factory is not None  # reset() may supply every prompt (TRL: prompt optional)
+    check_dataset(train_dataset, prompt_optional=environments)
     if is_iterable_dataset(train_dataset) and args.max_steps <= 0:
         raise ValueError("train_dataset is an IterableDataset (no len()): set max_steps > 0 to say how long to "
                          "train, as with transformers' Trainer.")  # fmt: skip
     for name, dataset in named_eval_datasets(eval_dataset).items():
-        check_dataset(dataset, "eval_dataset" if name is None else f"eval_dataset[{name!r}]")
+        check_dataset(dataset, "eval_dataset" if name is None else f"eval_dataset[{name!r}]", environments)
+    configure_iterable_datasets(args, train_dataset, eval_dataset)
     if eval_dataset is None and args.eval_strategy != "no":
         raise ValueError(f"eval_strategy={args.eval_strategy!r} needs an eval_dataset: pass "
                          f"GRPOTrainer(eval_dataset=...), or set eval_strategy='no'.")  # fmt: skip
@@ -45,6 +51,25 @@ def check_run(args: GRPOConfig, train_dataset, eval_dataset, rollout_engine, too
     if rollout_engine is not None and not isinstance(rollout_engine, RolloutEngine):
         raise TypeError(f"rollout_engine={rollout_engine!r} is not a RolloutEngine: it needs generate(prompts, "
                         f"params, seed) -> Rollout and sync_weights(model) (see grpokit.rollout.engine).")
+
+
+def configure_iterable_datasets(args: GRPOConfig, train_dataset, eval_dataset) -> None:
+    """TRL's settings for streams (grpo_trainer.py, trl#3213): accelerate's `dispatch_batches=False` when the train
+    or an eval set is iterable (True is refused), and `dataloader_num_workers=0` for an iterable train set (workers
+    would shard the stream and split the num_generations groups; map-style sets keep theirs). grpokit reads prompts
+    in the main process either way; the fields are set so that the run's config says what TRL's would."""
+    iterable_eval = any(is_iterable_dataset(d) for d in named_eval_datasets(eval_dataset).values())
+    if is_iterable_dataset(train_dataset) or iterable_eval:
+        options = args.accelerator_options()
+        if options.get("dispatch_batches"):
+            raise ValueError("Iterable datasets require `dispatch_batches=False`, but it is set to `True` in "
+                             "`accelerator_config`. Please set it to `False` (each process reads its own share of the "
+                             "stream).")  # fmt: skip
+        args.accelerator_config = {**options, "dispatch_batches": False}
+    if is_iterable_dataset(train_dataset) and args.dataloader_num_workers != 0:
+        logger.warning(f"Iterable datasets require `dataloader_num_workers=0` to preserve prompt grouping; overriding "
+                       f"the provided value ({args.dataloader_num_workers}).")  # fmt: skip
+        args.dataloader_num_workers = 0
 
 
 def moe_shape(config) -> tuple[int, int] | None:
@@ -115,6 +140,7 @@ def set_log_level(name: str) -> None:
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.set_verbosity(LOG_LEVELS[name])
+        logging.getLogger("grpokit").setLevel(LOG_LEVELS[name])  # grpokit's advisories, as TRL's follow its logger
 
 
 def activation_offload(args: GRPOConfig, device: torch.device) -> ActivationOffload | None:
@@ -123,23 +149,26 @@ def activation_offload(args: GRPOConfig, device: torch.device) -> ActivationOffl
     if not args.activation_offloading:
         return None
     if device.type == "cpu":
-        warnings.warn("activation_offloading=True has no effect on a CPU: the activations are in host memory "
-                      "already. It is left off; set it on GPU runs.", UserWarning, stacklevel=3)  # fmt: skip
+        logger.warning("activation_offloading=True has no effect on a CPU: the activations are in host memory "
+                       "already. It is left off; set it on GPU runs.")  # fmt: skip
         return None
     return ActivationOffload(device.type)
 
 
 def warn_like_trl(args: GRPOConfig, model, quantization_config) -> None:
-    """TRL's advisory warnings, with its wording's substance."""
+    """TRL's advisory warnings through the logger, as TRL logs them: TRL's words first, then grpokit's advice."""
     if args.importance_sampling_level == "sequence" and args.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
-        warnings.warn(f"importance_sampling_level='sequence' with loss_type={args.loss_type!r}: the loss sums "
-                      f"per-token contributions, which weights each sequence by its length instead of optimising the "
-                      f"per-sequence objective; GSPO's setup is loss_type='grpo'.", UserWarning, stacklevel=3)
+        logger.warning(f"When using `importance_sampling_level='sequence'`, the `'{args.loss_type}'` loss sums "
+                       f"per-token contributions, which effectively weights each sequence by its length instead of "
+                       f"optimizing the per-sequence objective. To reproduce the GSPO paper's setup, set "
+                       f"`loss_type='grpo'`.")  # fmt: skip
     if not isinstance(model, str) and quantization_config is not None:
-        warnings.warn("quantization_config is ignored: the model is already instantiated (quantize it when loading, "
-                      "or pass the model as a path).", UserWarning, stacklevel=3)  # fmt: skip
+        logger.warning("You passed `quantization_config` to the trainer, but your model is already instantiated. The "
+                       "`quantization_config` will be ignored. Quantize the model when loading it, or pass it as a "
+                       "path.")  # fmt: skip
     if not isinstance(model, str) and args.model_init_kwargs:
-        warnings.warn("model_init_kwargs is ignored: the model is already instantiated.", UserWarning, stacklevel=3)
+        logger.warning("You passed `model_init_kwargs` to the `GRPOConfig`, but your model is already instantiated. "
+                       "The `model_init_kwargs` will be ignored.")  # fmt: skip
 
 
 

@@ -56,6 +56,31 @@ LOG_LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 5
 GENERATION_KWARGS = ("top_p", "top_k", "min_p", "repetition_penalty", "temperature", "do_sample", "eos_token_id",
                      "stop_token_ids", "suppress_tokens", "disable_compile")  # fmt: skip
 
+# generation_kwargs keys TRL passes on (transformers' GenerationConfig, vLLM's SamplingParams) that do not change what
+# is sampled whatever their value: output, caching and detokenization options, and beam-search-only ones (no beams).
+GENERATION_KWARGS_WITHOUT_EFFECT = (
+    "use_cache", "cache_implementation", "output_scores", "output_logits", "return_dict_in_generate",
+    "output_attentions", "output_hidden_states", "return_legacy_cache", "pad_token_id", "bos_token_id",
+    "decoder_start_token_id", "remove_invalid_values", "renormalize_logits", "low_memory", "compile_config",
+    "length_penalty", "early_stopping", "logprobs", "prompt_logprobs", "detokenize", "skip_special_tokens",
+    "spaces_between_special_tokens", "include_stop_str_in_output", "output_kind",
+)  # fmt: skip
+# generation_kwargs keys accepted at their neutral value (the sampling grpokit does); any other value would change
+# the sampling in a way grpokit's engines do not implement, and is refused by name.
+GENERATION_KWARGS_NEUTRAL = {
+    "num_beams": (1,), "num_beam_groups": (1,), "num_return_sequences": (1,), "n": (1,), "best_of": (None, 1),
+    "diversity_penalty": (0.0,), "typical_p": (1.0,), "epsilon_cutoff": (0.0,), "eta_cutoff": (0.0,),
+    "encoder_repetition_penalty": (1.0,), "no_repeat_ngram_size": (0,), "encoder_no_repeat_ngram_size": (0,),
+    "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "min_new_tokens": (None, 0), "min_length": (0,),
+    "min_tokens": (0,), "guidance_scale": (None, 1.0), "penalty_alpha": (None,), "ignore_eos": (False,),
+    "token_healing": (False,), **{name: (None,) for name in (
+        "bad_words_ids", "bad_words", "force_words_ids", "constraints", "sequence_bias", "logit_bias",
+        "forced_bos_token_id", "forced_eos_token_id", "begin_suppress_tokens", "exponential_decay_length_penalty",
+        "watermarking_config", "stop_strings", "stop", "seed", "allowed_token_ids", "logits_processors", "max_time",
+        "prompt_lookup_num_tokens", "assistant_early_exit", "dola_layers", "truncate_prompt_tokens",
+        "structured_outputs", "guided_decoding", "top_h")},
+}  # fmt: skip
+
 # cache_implementation values the in-process sampler takes (`rollout/static.py`); TRL passes any to generate().
 CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
 
@@ -275,9 +300,10 @@ class GRPOConfig:
                                             "until the backward needs them (TRL SFTConfig's field; with gradient "
                                             "checkpointing: each layer's input). Exact; accelerators only (on a CPU "
                                             "it warns and does nothing).")
-    freeze_vision_tower: bool = _f(True, "Vision-language models: the vision encoder and its projector do not train "
-                                         "(LoRA adapts the language model only, through peft's exclude_modules; full "
-                                         "training freezes them). False trains them too, as TRL does.")
+    freeze_vision_tower: bool = _f(False, "Vision-language models: True keeps the vision encoder and its projector "
+                                          "as they are (LoRA adapts the language model only, through peft's "
+                                          "exclude_modules; full training freezes them). False (TRL's behaviour) "
+                                          "trains them too.")
 
     # ---- accepted, not implemented: a value other than the default warns (what TRL does; what to use instead)
     use_transformers_continuous_batching: bool = _not_implemented(False, "TRL samples with transformers' continuous "
@@ -298,7 +324,9 @@ class GRPOConfig:
                                               "min_p, repetition_penalty (they override the named fields, as in "
                                               "TRL), eos_token_id / stop_token_ids (more tokens that end a "
                                               "completion), suppress_tokens (never sampled; vLLM: a logit bias of -100), "
-                                              "do_sample=True. Others are refused by name.")
+                                              "do_sample=True. Keys that cannot change what is sampled "
+                                              "(output options, beam options without beams, penalties at their "
+                                              "neutral value) pass; others are refused by name.")
     max_tool_calling_iterations: int | None = _f(None, "Most tool-calling turns per rollout of an agent "
                                                        "(GRPOTrainer(tools=... / environment_factory=...)); None: "
                                                        "until a turn calls no tool or max_completion_length is used.")
@@ -584,7 +612,9 @@ class GRPOConfig:
             self.warmup_ratio, self.warmup_steps = float(self.warmup_steps), 0
 
     def _apply_generation_kwargs(self) -> None:
-        """TRL's generation_kwargs: the keys grpokit's engines honour exactly; anything else fails by name."""
+        """TRL's generation_kwargs: the keys grpokit's engines honour exactly, the keys that cannot change what is
+        sampled (GENERATION_KWARGS_WITHOUT_EFFECT) and the rest at their neutral value (GENERATION_KWARGS_NEUTRAL);
+        anything else fails by name."""
         options = self.generation_kwargs
         if options is None:
             return
@@ -604,9 +634,18 @@ class GRPOConfig:
         for name in ("max_new_tokens", "max_tokens", "max_length"):
             if name in options:
                 fail(f"generation_kwargs {name}: set max_completion_length instead.")
-        unknown = sorted(set(options) - set(GENERATION_KWARGS))
+        changing = sorted(name for name, neutral in GENERATION_KWARGS_NEUTRAL.items()
+                          if name in options and not any(_same(options[name], value) for value in neutral))
+        if changing:
+            fail(f"generation_kwargs {changing}: {', '.join(f'{n}={options[n]!r}' for n in changing)} would change the "
+                 f"sampling in a way grpokit's engines do not implement (accepted at "
+                 f"{', '.join(f'{n}={GENERATION_KWARGS_NEUTRAL[n][0]!r}' for n in changing)}). Supported: "
+                 f"{', '.join(GENERATION_KWARGS)}.")  # fmt: skip
+        known = {*GENERATION_KWARGS, *GENERATION_KWARGS_WITHOUT_EFFECT, *GENERATION_KWARGS_NEUTRAL}
+        unknown = sorted(set(options) - known)
         if unknown:
-            fail(f"generation_kwargs {unknown}: not supported by grpokit's engines. Supported: "
+            fail(f"generation_kwargs {unknown}: not an option of transformers' GenerationConfig or vLLM's "
+                 f"SamplingParams that grpokit knows (TRL would ignore a misspelt one silently). Supported: "
                  f"{', '.join(GENERATION_KWARGS)}.")
         for name in ("eos_token_id", "stop_token_ids", "suppress_tokens"):
             if name in options and _token_ids(options[name]) is None:
@@ -886,8 +925,9 @@ class GRPOConfig:
                 fail(f"{name}={value!r} must be a positive integer (>= 1).")
         if not isinstance(self.num_generations, int) or self.num_generations < 2:
             fail(
-                f"num_generations={self.num_generations} must be at least 2: GRPO's advantage compares the "
-                f"completions of one prompt with each other, so a group of 1 has no signal."
+                f"GRPO requires at least 2 generations per prompt to calculate the advantages. You provided "
+                f"num_generations={self.num_generations}: GRPO's advantage compares the completions of one prompt "
+                f"with each other, so a group of 1 has no signal."
             )
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             fail(f"max_prompt_length={self.max_prompt_length} must be a positive integer or None (no limit).")
@@ -907,8 +947,9 @@ class GRPOConfig:
             fail(f"min_p={self.min_p} must be in [0, 1].")
         if self.repetition_penalty <= 0:
             fail(f"repetition_penalty={self.repetition_penalty} must be > 0 (1.0 disables it).")
-        if not 0 < self.top_entropy_quantile <= 1:
-            fail(f"top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1] (1.0 keeps every token).")
+        if not 0 <= self.top_entropy_quantile <= 1:  # TRL's range: 0.0 keeps only the highest-entropy token
+            fail(f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1] (1.0 keeps every token, 0.0 "
+                 "only the highest-entropy one).")
         if not 0 <= self.ref_model_mixup_alpha <= 1:
             fail(f"ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in [0, 1].")
         if self.ref_model_sync_steps < 1:
@@ -924,8 +965,8 @@ class GRPOConfig:
             fail("Set max_steps > 0 or num_train_epochs > 0: otherwise there is nothing to train.")
         if self.auto_find_batch_size:
             fail(
-                "auto_find_batch_size=True is not supported (nor by TRL's GRPO): the generation batch must hold whole "
-                "groups of num_generations completions, and halving the batch on out-of-memory breaks them. Set "
+                "auto_find_batch_size is not supported by GRPO (auto_find_batch_size=True): the generation batch must "
+                "hold whole groups of num_generations completions, and halving the batch on out-of-memory breaks them. Set "
                 "auto_find_batch_size=False and lower per_device_train_batch_size instead."
             )
         unknown = [name for name in self.report_to if name not in TRACKERS]
@@ -1007,10 +1048,11 @@ class GRPOConfig:
         global_batch = self.generation_batch_size * num_processes
         if global_batch % self.num_generations:
             valid = [g for g in range(2, global_batch + 1) if global_batch % g == 0]
-            raise ValueError(
-                f"The global generation batch ({num_processes} process(es) x per_device_train_batch_size "
-                f"{self.per_device_train_batch_size} x steps_per_generation {self.steps_per_generation} = "
-                f"{global_batch} completions) must be a multiple of num_generations ({self.num_generations}). "
+            raise ValueError(  # TRL's phrase first (its generation_batch_size is the global one)
+                f"generation_batch_size ({global_batch}) must be divisible by num_generations "
+                f"({self.num_generations}): the global generation batch ({num_processes} process(es) x "
+                f"per_device_train_batch_size {self.per_device_train_batch_size} x steps_per_generation "
+                f"{self.steps_per_generation} = {global_batch} completions) must be a multiple of num_generations. "
                 f"Change per_device_train_batch_size or num_generations (valid num_generations here: {valid})."
             )
 
@@ -1044,6 +1086,13 @@ class GRPOConfig:
         return cls(**values)
 
 
+def _same(value, neutral) -> bool:
+    """A generation option equal to its neutral value (1 and 1.0 alike, never True for 1)."""
+    if neutral is None or isinstance(neutral, bool) or isinstance(value, bool):
+        return value is neutral
+    return isinstance(value, (int, float)) and value == neutral
+
+
 def _default_of(name: str):
     spec = GRPOConfig.__dataclass_fields__[name]
     return spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
@@ -1068,6 +1117,21 @@ def _fields_of_kind(kind: str) -> dict[str, str]:
     return {spec.name: spec.metadata["message"] for spec in dataclasses.fields(GRPOConfig)
             if spec.metadata.get("kind") == kind}  # fmt: skip
 
+
+# TRL 1.16 fields whose grpokit default is deliberately not TRL's: name -> why (docs/guides/from-trl.md lists them;
+# `scripts/trl_fields.py --check` fails on any other default that differs from grpokit/trl_fields.json).
+TRL_DEFAULT_DIFFERENCES: dict[str, str] = {
+    "bf16": "False: the default run is exact on any device (under bf16 autocast the incremental decode and the "
+            "training forward round differently); set bf16=True on GPUs, as TRL's None resolves it.",
+    "gradient_checkpointing": "False: with it on transformers turns the KV cache off, which grpokit's shared-prompt "
+                              "training forward needs; turn it on with padding_free=True for models that do not fit.",
+    "disable_dropout": "True: the policy that samples is the policy that is trained.",
+    "optim": "adamw_torch: every pinned number was taken with it (the fused kernel rounds differently); set "
+             "adamw_torch_fused for TRL's.",
+    "logging_first_step": "True: the first step's metrics show at once.",
+    "vllm_group_port": "None: server mode pushes the weights over HTTP; set TRL's 51216 to broadcast them through "
+                       "a process group.",
+}
 
 # name -> what TRL does with it and what to use in grpokit instead (warned when set to anything but the default)
 NOT_IMPLEMENTED: dict[str, str] = _fields_of_kind(NOT_IMPLEMENTED_KIND)

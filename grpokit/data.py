@@ -8,6 +8,13 @@ from typing import Any
 import torch
 
 PROMPT_COLUMNS = ("prompt", "prompt_ids")
+# The prompt of a row without one when an environment supplies it through reset() (TRL 1.16's default).
+EMPTY_PROMPT = [{"role": "user", "content": ""}]
+
+
+def with_prompt(row: dict) -> dict:
+    """The row, with TRL's empty user message as its prompt when it has none (an environment's reset() fills it)."""
+    return row if any(c in row for c in PROMPT_COLUMNS) else {**row, "prompt": EMPTY_PROMPT}
 
 
 def load_dataset_source(spec: str, split: str = "train"):
@@ -57,14 +64,15 @@ def is_empty(dataset) -> bool:
     return len(dataset) == 0
 
 
-def check_dataset(dataset, name: str = "train_dataset") -> None:
-    """The errors a user can fix before any model is loaded."""
+def check_dataset(dataset, name: str = "train_dataset", prompt_optional: bool = False) -> None:
+    """The errors a user can fix before any model is loaded. `prompt_optional`: an environment supplies the prompt
+    through reset() (TRL: a row without one starts from an empty user message), so no prompt column is needed."""
     if dataset is None:
         raise ValueError(f"{name} is None: pass a dataset with a 'prompt' column (or 'prompt_ids').")
     if is_empty(dataset):
         raise ValueError(f"{name} is empty: it has no rows to draw prompts from. Check the split and any filtering.")
     columns = dataset_columns(dataset)
-    if not any(c in columns for c in PROMPT_COLUMNS):
+    if not prompt_optional and not any(c in columns for c in PROMPT_COLUMNS):
         raise ValueError(
             f"{name} has no 'prompt' column (columns: {sorted(columns)}). Rename the column holding the prompts to "
             f"'prompt' (e.g. dataset.rename_column('question', 'prompt')), or give token ids in 'prompt_ids'."

@@ -19,7 +19,7 @@ objective, an aggregation and the statistics it reports, looked up once; `policy
 
     loss_type  per-token loss                              aggregation                        source
     grpo       clipped surrogate (above)                   mean of per-sequence token means   DeepSeekMath
-    bnpo       clipped surrogate                           token mean of this micro-batch     TRL
+    bnpo       clipped surrogate                           micro-batch token mean / micro-bs  TRL
     dr_grpo    clipped surrogate                           token sum / (N · max length)       Dr. GRPO
     dapo       clipped surrogate                           token sum / tokens of the batch    DAPO
     cispo      -sg(min(ratio, eps_high)) · A · logp        token sum / tokens of the batch    MiniMax-M1, ScaleRL
@@ -75,32 +75,33 @@ def bias_corrected_kl(per_token_kl: torch.Tensor, ratio: torch.Tensor) -> torch.
 # An aggregation turns a per-token loss [N, T] (or [N, 1], broadcast over the mask) into a scalar. Each receives
 # the batch-wide counts so that a micro-batch's loss is its share of the accumulated batch's loss: summing the
 # micro-batch losses of one optimizer step then equals the loss of the whole batch in one piece (for every
-# aggregation but `token_mean_local`).
+# aggregation but `token_mean_local`, which only takes the number of micro-batches, as TRL's `bnpo` does).
 Aggregation = Callable[..., torch.Tensor]
 
 
-def aggregate_sequence_mean(loss, mask, *, num_sequences, num_tokens, max_completion_length):
+def aggregate_sequence_mean(loss, mask, *, num_sequences, num_tokens, max_completion_length, num_micro_batches=1):
     """Mean over sequences of each sequence's token mean (DeepSeekMath eq. 3): sum_i (sum_t l·m / sum_t m) / N."""
     per_sequence = (loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
     return per_sequence.sum() / num_sequences
 
 
-def aggregate_token_mean_local(loss, mask, *, num_sequences, num_tokens, max_completion_length):
-    """Token mean over this micro-batch only (TRL's `bnpo`): by definition it depends on how the batch is split."""
-    return (loss * mask).sum() / mask.sum().clamp(min=1.0)
+def aggregate_token_mean_local(loss, mask, *, num_sequences, num_tokens, max_completion_length, num_micro_batches=1):
+    """Token mean over this micro-batch only, divided by the micro-batches of the optimizer step as TRL's `bnpo`
+    divides it by `current_gradient_accumulation_steps`: by definition it depends on how the batch is split."""
+    return (loss * mask).sum() / mask.sum().clamp(min=1.0) / num_micro_batches
 
 
-def aggregate_constant(loss, mask, *, num_sequences, num_tokens, max_completion_length):
+def aggregate_constant(loss, mask, *, num_sequences, num_tokens, max_completion_length, num_micro_batches=1):
     """Token sum over (N · max_completion_length), a constant (Dr. GRPO, Liu et al. 2025): no length bias."""
     return (loss * mask).sum() / (num_sequences * max_completion_length)
 
 
-def aggregate_token_mean(loss, mask, *, num_sequences, num_tokens, max_completion_length):
+def aggregate_token_mean(loss, mask, *, num_sequences, num_tokens, max_completion_length, num_micro_batches=1):
     """Token sum over the token count of the whole accumulated batch (DAPO, Yu et al. 2025)."""
     return (loss * mask).sum() / max(float(num_tokens), 1.0)
 
 
-def aggregate_sequence_sum(loss, mask, *, num_sequences, num_tokens, max_completion_length):
+def aggregate_sequence_sum(loss, mask, *, num_sequences, num_tokens, max_completion_length, num_micro_batches=1):
     """Mean over sequences of each sequence's token SUM (LUSPO, arXiv 2602.05261): sum_i sum_t l·m / N. With one
     ratio per sequence this scales each sequence's loss by its length, undoing GSPO's length normalisation."""
     return (loss * mask).sum() / num_sequences
@@ -369,13 +370,14 @@ def aggregate(
     num_sequences: float | None = None,
     num_tokens: float | None = None,
     max_completion_length: int | None = None,
+    num_micro_batches: int = 1,
 ) -> torch.Tensor:
     """Aggregate a per-token quantity [N, T] as `loss_type` does (counts default to this batch's own)."""
     return _aggregate(loss_type_spec(loss_type).aggregation, per_token, mask, num_sequences, num_tokens,
-                      max_completion_length)  # fmt: skip
+                      max_completion_length, num_micro_batches)  # fmt: skip
 
 
-def _aggregate(aggregation, per_token, mask, num_sequences, num_tokens, max_completion_length):
+def _aggregate(aggregation, per_token, mask, num_sequences, num_tokens, max_completion_length, num_micro_batches=1):
     mask = mask.to(per_token.dtype)
     return aggregation(
         per_token,
@@ -384,6 +386,7 @@ def _aggregate(aggregation, per_token, mask, num_sequences, num_tokens, max_comp
         num_tokens=mask.sum().item() if num_tokens is None else num_tokens,
         # The mask, not the loss, has the token width: a sequence-level loss is [N, 1] until broadcast.
         max_completion_length=mask.shape[1] if max_completion_length is None else max_completion_length,
+        num_micro_batches=num_micro_batches,
     )
 
 
@@ -680,7 +683,8 @@ def policy_loss(
     entropy_normalization: "loss_type" = the bonus -entropy_coef·H is part of each token's loss and aggregated
                    with it (grpokit before TRL parity); "token_mean" = TRL 1.16: the loss minus entropy_coef times
                    the micro-batch's mean entropy over mask·loss_weights, divided by `num_micro_batches`
-    num_micro_batches: micro-batches accumulated into this optimizer step (only the "token_mean" bonus uses it)
+    num_micro_batches: micro-batches accumulated into this optimizer step (the "token_mean" bonus and `bnpo`,
+                   as TRL's current_gradient_accumulation_steps)
 
     Returns (loss, stats).
     """
@@ -740,7 +744,8 @@ def policy_loss(
     if bonus and entropy_normalization == "loss_type":
         per_token = per_token - entropy_coef * entropies
 
-    loss = _aggregate(spec.aggregation, per_token, mask, num_sequences, num_tokens, max_completion_length)
+    loss = _aggregate(spec.aggregation, per_token, mask, num_sequences, num_tokens, max_completion_length,
+                      num_micro_batches)
 
     policy_part = None
     if entropies is not None and entropy_normalization == "token_mean":

@@ -109,6 +109,35 @@ def apply_peft(model, peft_config):
     return get_peft_model(model, peft_config)
 
 
+def check_liger_kernel(model, args) -> None:
+    """TRL 1.16's checks for `use_liger_kernel=True`, in its words: a PEFT adapter on the LM head (the log-probs are
+    computed from the head's weight directly, so it would never train), prompt learning (its virtual tokens shift
+    the positions Liger's fused head reads) and `fused_linear_cross_entropy` (it replaces the forward) are refused,
+    and a missing liger-kernel raises transformers' ImportError. grpokit runs no Liger kernel itself (the field is
+    "not implemented" and warns so): its chunked LM head already avoids full-vocabulary logits."""
+    if not args.use_liger_kernel:
+        return
+    if is_peft_model(model):
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        if isinstance(model.get_output_embeddings(), BaseTunerLayer):
+            raise ValueError("Applying a PEFT adapter to `lm_head` is not supported: the log-probabilities are "
+                             "computed from `lm_head.weight` directly, so the adapter would never be trained. Remove "
+                             "`'lm_head'` from your `target_modules`.")  # fmt: skip
+        if model.active_peft_config.is_prompt_learning:
+            raise ValueError("use_liger_kernel=True is not supported with prompt learning (prompt / prefix tuning): "
+                             "its virtual tokens are not inputs of the fused LM head. Use LoRA, or "
+                             "use_liger_kernel=False.")  # fmt: skip
+    if (args.liger_kernel_config or {}).get("fused_linear_cross_entropy"):
+        raise ValueError('`liger_kernel_config={"fused_linear_cross_entropy": True}` is not supported: it replaces '
+                         "the model's forward, which this trainer patches with a fused LM head.")  # fmt: skip
+    from transformers.utils import is_liger_kernel_available
+
+    if not is_liger_kernel_available():
+        raise ImportError("You have set `use_liger_kernel` to `True` but liger-kernel >= 0.3.0 is not available. "
+                          "Please install it with `pip install liger-kernel`")  # fmt: skip
+
+
 @contextlib.contextmanager
 def reference_policy(policy, frozen_reference=None):
     """The reference policy: a frozen copy when there is one, else (LoRA) the policy with its adapter disabled.
@@ -279,6 +308,7 @@ def build_policy(model, processing_class, peft_config, args, quantization_config
     keep_4bit_layers_trainable(model)
     if peft_config is not None:
         model = apply_peft(model, peft_config)
+    check_liger_kernel(model, args)
     contiguous_head_input(model)
     return model, processing_class
 

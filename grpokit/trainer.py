@@ -147,13 +147,13 @@ class GRPOTrainer:
                 check_required_columns(self.reward_functions, dataset_columns(dataset) + agent_columns)
         self.reward_weights = reward_weights(args, len(self.reward_functions), len(environments.reward_types)
                                              if environments is not None else 0)  # fmt: skip
-        warn_like_trl(args, model, quantization_config)
         if args.push_to_hub:
             check_hub(args)
 
         self.accelerator = acc = build_accelerator(args)
         args.check_batch(acc.num_processes)
         set_log_level(args.log_level if acc.is_main_process else args.log_level_replica)
+        warn_like_trl(args, model, quantization_config)  # after set_log_level: log_level decides what shows
         check_async(args, acc.num_processes, is_iterable_dataset(train_dataset))
         self.weights, self.producer = WeightSync(), None  # asynchronous generation (grpokit.producer)
         if acc.device.type == "cpu":  # freed tensors leave the process (cpu_memory: glibc kept them, +30% peak RSS)

@@ -3,7 +3,9 @@
 grpokit/trl_distillation_fields.json, the same for `trl.DistillationConfig` (grpokit's DistillationConfig).
 
     python scripts/trl_fields.py           # regenerate the JSON from the installed trl
-    python scripts/trl_fields.py --check   # report fields added, removed or with a changed default; exit 1 on drift
+    python scripts/trl_fields.py --check   # report fields added, removed or with a changed default, and grpokit
+                                           # defaults that differ from TRL's without being listed in
+                                           # grpokit.config.TRL_DEFAULT_DIFFERENCES; exit 1 on either
 
 Defaults are the dataclass defaults, before TRL's `__post_init__` resolves them (`bf16=None` stays None). A default
 that JSON cannot hold is stored as {"repr": "..."}; none of TRL 1.16's needs it.
@@ -59,6 +61,37 @@ def drift(committed: dict, installed: dict) -> list[str]:
     return lines
 
 
+def grpokit_default_differences(committed: dict, config: str = "GRPOConfig") -> list[str]:
+    """One line per TRL field whose default in grpokit's `config` is not the committed JSON's, unless listed in
+    grpokit.config.TRL_DEFAULT_DIFFERENCES (a deliberate difference with its reason; GRPOConfig only), and per
+    listed field whose default is TRL's after all (a stale entry)."""
+    if str(JSON_PATH.parents[1]) not in sys.path:  # this checkout's grpokit, not another installed one
+        sys.path.insert(0, str(JSON_PATH.parents[1]))
+    import grpokit
+    from grpokit.config import TRL_DEFAULT_DIFFERENCES
+
+    from grpokit.distillation_config import DistillationConfig
+
+    classes = {"GRPOConfig": grpokit.GRPOConfig, "DistillationConfig": DistillationConfig}
+    specs = {spec.name: spec for spec in dataclasses.fields(classes[config]) if spec.init}
+    # DistillationConfig keeps every TRL default (grpokit/distillation_config.py): no difference is deliberate there.
+    allowed = TRL_DEFAULT_DIFFERENCES if config == "GRPOConfig" else {}
+    differing = {}
+    for name, trl_default in committed["fields"].items():
+        if name not in specs:
+            continue  # a missing field is `drift`'s business (and tests/test_trl_config.py's)
+        spec = specs[name]
+        default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
+        if _jsonable(default) != trl_default:
+            differing[name] = (default, trl_default)
+    lines = [f"grpokit default differs: {name}: TRL {trl!r}, grpokit {ours!r} (make it TRL's, or list it with its "
+             f"reason in grpokit.config.TRL_DEFAULT_DIFFERENCES)"
+             for name, (ours, trl) in differing.items() if name not in allowed]  # fmt: skip
+    lines += [f"listed as differing but equal to TRL's: {name}" for name in allowed
+              if name in committed["fields"] and name not in differing]  # fmt: skip
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="Compare with the committed JSON instead of writing it.")
@@ -71,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"Wrote {len(installed['fields'])} fields of trl {installed['versions']['trl']} to {path}")
             continue
         committed = json.loads(path.read_text())
-        lines = drift(committed, installed)
+        lines = drift(committed, installed) + grpokit_default_differences(committed, config)
         if committed["versions"] != installed["versions"]:
             print(f"versions: committed {committed['versions']}, installed {installed['versions']}")
         if lines:

@@ -99,7 +99,7 @@ INVALID = {
     "top_p>1": ({"top_p": 1.5}, ["top_p", "(0, 1]"]),
     "min_p>1": ({"min_p": 1.5}, ["min_p", "[0, 1]"]),
     "repetition_penalty=0": ({"repetition_penalty": 0.0}, ["repetition_penalty", "1.0 disables"]),
-    "top_entropy_quantile=0": ({"top_entropy_quantile": 0.0}, ["top_entropy_quantile", "(0, 1]"]),
+    "top_entropy_quantile<0": ({"top_entropy_quantile": -0.1}, ["top_entropy_quantile", "[0, 1]"]),
     "ref_model_mixup_alpha>1": ({"ref_model_mixup_alpha": 1.5}, ["ref_model_mixup_alpha", "[0, 1]"]),
     "ref_model_sync_steps=0": ({"ref_model_sync_steps": 0}, ["ref_model_sync_steps", ">= 1"]),
     "warmup_ratio>1": ({"warmup_ratio": 1.5}, ["warmup_ratio", "[0, 1]"]),

@@ -189,7 +189,7 @@ def test_trl_spellings_of_values():
     assert type(config.lr_scheduler_type) is str
     assert config.bf16 is True and config.top_k is None and config.output_dir == "trainer_output"
     assert config.model_init_kwargs == {"dtype": "float32"} and type(config.logging_steps) is int
-    with pytest.raises(ValueError, match="auto_find_batch_size=True is not supported"):
+    with pytest.raises(ValueError, match="auto_find_batch_size is not supported by GRPO"):
         GRPOConfig(auto_find_batch_size=True)
     with pytest.raises(ValueError, match=r"needs num_decay_steps in lr_scheduler_kwargs"):
         GRPOConfig(lr_scheduler_type="warmup_stable_decay")

@@ -3,6 +3,7 @@ TrainerControl, optimizers=, IterableDataset, named eval sets and eval_loss, the
 log_metric / log_extra, and optimizer steps that straddle two generation batches."""
 
 import json
+import logging
 import math
 import os
 import signal
@@ -226,18 +227,18 @@ def test_reward_processing_classes_must_match_the_reward_functions(tmp_path):
         trainer_for(tmp_path, reward_funcs=None)
 
 
-def test_all_none_rewards_warn_like_trl(tmp_path):
+def test_all_none_rewards_warn_like_trl(tmp_path, caplog):
     def never(completions, **kwargs):
         return [None] * len(completions)
 
     trainer = trainer_for(tmp_path, reward_funcs=never, args=config(tmp_path, max_steps=1))
-    with pytest.warns(UserWarning, match="All reward functions returned None"):
-        trainer.train()
+    trainer.train()
+    assert "All reward functions returned None" in caplog.text  # through the logger, as TRL's
 
 
-def test_sequence_level_with_a_token_sum_warns(tmp_path):
-    with pytest.warns(UserWarning, match="weights each sequence by its length"):
-        trainer_for(tmp_path, args=config(tmp_path, importance_sampling_level="sequence", loss_type="dapo"))
+def test_sequence_level_with_a_token_sum_warns(tmp_path, caplog):
+    trainer_for(tmp_path, args=config(tmp_path, importance_sampling_level="sequence", loss_type="dapo"))
+    assert "effectively weights each sequence by its length" in caplog.text
 
 
 # ------------------------------------------------------------------ steps that straddle generation batches
@@ -418,8 +419,10 @@ def test_log_level_sets_transformers_verbosity(tmp_path):
         assert transformers_logging.get_verbosity() == transformers_logging.INFO
         trainer_for(tmp_path, args=config(tmp_path, log_level="error"))
         assert transformers_logging.get_verbosity() == transformers_logging.ERROR
+        assert logging.getLogger("grpokit").level == logging.ERROR  # grpokit's advisories follow it too
     finally:
         transformers_logging.set_verbosity(before)
+        logging.getLogger("grpokit").setLevel(logging.NOTSET)
     with pytest.raises(ValueError, match="log_level_replica='loud' is not valid"):
         config(tmp_path, log_level_replica="loud")
 
@@ -513,7 +516,10 @@ def test_generation_kwargs_stop_and_suppress_tokens_and_override_the_sampling_fi
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"num_beams": 2}, r"generation_kwargs \['num_beams'\]: not supported by grpokit's engines"),
+    ({"num_beams": 2}, r"generation_kwargs \['num_beams'\]: num_beams=2 would change the sampling"),
+    ({"no_repeat_ngram_size": 3, "seed": 7}, r"\['no_repeat_ngram_size', 'seed'\]: .*accepted at "
+                                             r"no_repeat_ngram_size=0, seed=None"),
+    ({"top_k_typo": 5}, r"\['top_k_typo'\]: not an option of transformers' GenerationConfig or vLLM's"),
     ({"temperature": 0.5}, "Set temperature instead"),
     ({"do_sample": False}, "GRPO needs sampled completions"),
     ({"max_new_tokens": 8}, "set max_completion_length instead"),
@@ -917,3 +923,283 @@ def test_compute_loss_training_step_and_log_are_hooks_the_loop_calls(tmp_path):
     assert all(r.get("seen_by_subclass") == 1.0 for r in trainer.state.log_history)
     with pytest.raises(ValueError, match="does not support returning outputs"):
         trainer.compute_loss(trainer.model, trainer.generate_batch(), return_outputs=True)
+
+
+# ------------------------------------------------------------------------------- issue 38, items 3 to 9
+
+
+def test_defaults_are_trls_but_the_listed_ones(tmp_path):
+    """Item 3. Every GRPOConfig default is TRL 1.16's (grpokit/trl_fields.json) except those listed with their reason
+    in TRL_DEFAULT_DIFFERENCES and in the guide; `scripts/trl_fields.py --check` says so. TRL trains a VLM's vision
+    tower, accepts top_entropy_quantile=0 (only the highest-entropy token) and divides bnpo's micro-batch token mean
+    by the accumulation steps (grpo_trainer.py: `loss / self.current_gradient_accumulation_steps`)."""
+    import importlib.util
+    from pathlib import Path
+
+    from grpokit.config import TRL_DEFAULT_DIFFERENCES
+    from grpokit.loss import high_entropy_mask, policy_loss
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("trl_fields", root / "scripts" / "trl_fields.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    committed = json.loads((root / "grpokit" / "trl_fields.json").read_text())
+    assert script.grpokit_default_differences(committed) == []
+    changed = {**committed, "fields": {**committed["fields"], "beta": 0.5}}  # a default that would drift silently
+    assert script.grpokit_default_differences(changed) == [
+        "grpokit default differs: beta: TRL 0.5, grpokit 0.0 (make it TRL's, or list it with its reason in "
+        "grpokit.config.TRL_DEFAULT_DIFFERENCES)"]  # fmt: skip
+    guide = (root / "docs" / "guides" / "from-trl.md").read_text()
+    assert all(f"| `{name}` |" in guide for name in TRL_DEFAULT_DIFFERENCES)
+    assert GRPOConfig(output_dir=str(tmp_path)).freeze_vision_tower is False
+    entropies, mask = torch.tensor([[0.1, 0.9, 0.5], [0.3, 0.2, 0.0]]), torch.tensor([[1, 1, 1], [1, 1, 0]])
+    assert config(tmp_path, top_entropy_quantile=0.0).top_entropy_quantile == 0.0
+    assert high_entropy_mask(entropies, mask, 0.0).tolist() == [[0, 1, 0], [0, 0, 0]]
+    # bnpo as TRL computes it for one of 2 accumulated micro-batches (on-policy, beta=0: per-token loss = -A)
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -1.1]], requires_grad=True)
+    advantages = torch.tensor([1.0, -0.5])
+    loss, _ = policy_loss(logprobs, None, None, advantages, mask, loss_type="bnpo", num_micro_batches=2)
+    per_token = -advantages[:, None].expand(2, 3)
+    trl_loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0) / 2
+    assert loss.item() == pytest.approx(trl_loss.item(), abs=1e-7)
+
+
+def test_advisories_go_through_the_logger_and_errors_carry_trls_phrases(tmp_path, caplog):
+    """Item 4. TRL warns through its logger (`logger.warning`, grpo_trainer.py), so caplog and log handlers see it,
+    and raises ValueError with phrases users match on; grpokit does both, TRL's words first, then its advice."""
+    caplog.set_level("WARNING")
+    logging.getLogger("grpokit").setLevel(logging.NOTSET)
+    model, tokenizer = tiny()
+    GRPOTrainer(model=model, reward_funcs=repeat_letter, train_dataset=letters(), processing_class=tokenizer,
+                args=config(tmp_path, model_init_kwargs={"dtype": "float32"}, importance_sampling_level="sequence",
+                            loss_type="bnpo"))  # fmt: skip
+    logged = [(r.name, r.levelname, r.getMessage()) for r in caplog.records]
+    assert ("grpokit.build", "WARNING", "You passed `model_init_kwargs` to the `GRPOConfig`, but your model is "
+            "already instantiated. The `model_init_kwargs` will be ignored.") in logged  # TRL's sentence
+    assert any(name == "grpokit.build" and "When using `importance_sampling_level='sequence'`, the `'bnpo'` loss sums "
+               "per-token contributions" in message for name, _, message in logged)  # fmt: skip
+    with pytest.raises(ValueError, match=r"generation_batch_size \(8\) must be divisible by num_generations \(3\)"):
+        trainer_for(tmp_path, args=config(tmp_path, num_generations=3))
+    for values, phrase in [({"num_generations": 1}, "GRPO requires at least 2 generations per prompt"),
+                           ({"auto_find_batch_size": True}, "auto_find_batch_size is not supported by GRPO")]:
+        with pytest.raises(ValueError, match=phrase):
+            config(tmp_path, **values)
+    caplog.clear()
+    try:  # log_level reaches grpokit's logger as it sets transformers' verbosity
+        trainer_for(tmp_path, args=config(tmp_path, log_level="error", importance_sampling_level="sequence",
+                                          loss_type="dapo"))  # fmt: skip
+    finally:
+        logging.getLogger("grpokit").setLevel(logging.NOTSET)
+    assert "loss sums per-token" not in caplog.text
+
+
+def test_iterable_datasets_are_configured_as_trl_does(tmp_path, caplog):
+    """Item 7. TRL sets accelerate's dispatch_batches=False for any iterable train or eval set (True refused), and
+    forces dataloader_num_workers=0 for an iterable train set with its logged warning; map-style keeps its workers."""
+    rows = [{"prompt": f"{c}:", "letter": c} for c in LETTERS]
+    args = config(tmp_path, dataloader_num_workers=2)
+    trainer = trainer_for(tmp_path, train_dataset=stream(rows), args=args)
+    assert trainer.args.dataloader_num_workers == 0
+    assert trainer.args.accelerator_options()["dispatch_batches"] is False
+    assert ("Iterable datasets require `dataloader_num_workers=0` to preserve prompt grouping; overriding the "
+            "provided value (2).") in caplog.text  # fmt: skip
+    trainer.train()
+    assert trainer.state.global_step == 4
+    kept = trainer_for(tmp_path / "eval", eval_dataset=stream(rows[:2]),
+                       args=config(tmp_path / "eval", dataloader_num_workers=2))  # fmt: skip
+    assert kept.args.dataloader_num_workers == 2 and kept.args.accelerator_options()["dispatch_batches"] is False
+    with pytest.raises(ValueError, match="Iterable datasets require `dispatch_batches=False`"):
+        trainer_for(tmp_path / "d", train_dataset=stream(rows),
+                    args=config(tmp_path / "d", accelerator_config={"dispatch_batches": True}))  # fmt: skip
+
+
+def test_generation_kwargs_that_leave_sampling_as_it_is_pass(tmp_path):
+    """Item 5. TRL hands generation_kwargs to transformers' GenerationConfig or vLLM's SamplingParams; the keys that do
+    not change what is sampled pass (beam options without beams, output options, neutral penalties), the rest is
+    refused by name (test above)."""
+    options = {"num_beams": 1, "length_penalty": 2.0, "early_stopping": True, "num_return_sequences": 1,
+               "use_cache": True, "output_scores": True, "return_dict_in_generate": True, "typical_p": 1.0,
+               "presence_penalty": 0.0, "frequency_penalty": 0, "min_new_tokens": 0, "bad_words_ids": None,
+               "skip_special_tokens": False, "n": 1, "seed": None, "top_k": 5}  # fmt: skip
+    args = config(tmp_path, generation_kwargs=options, max_steps=1)
+    assert args.top_k == 5
+    trainer = trainer_for(tmp_path, args=args)
+    trainer.train()
+    assert trainer.state.global_step == 1
+    with pytest.raises(ValueError, match="num_beams=True"):
+        config(tmp_path, generation_kwargs={"num_beams": True})  # a bool is not the count 1
+
+
+def test_use_liger_kernel_is_validated_as_trl_does(tmp_path, monkeypatch):
+    """Item 8. With use_liger_kernel=True TRL refuses a PEFT adapter on lm_head and
+    liger_kernel_config={"fused_linear_cross_entropy": True} (ValueError), and transformers' Trainer raises
+    ImportError when liger-kernel is missing; grpokit refuses prompt learning too. It runs no Liger kernel (warned)."""
+    from peft import LoraConfig, PromptTuningConfig
+    import transformers.utils
+
+    def build(peft_config=None, **values):
+        model, tokenizer = tiny()
+        return GRPOTrainer(model=model, reward_funcs=repeat_letter, train_dataset=letters(), processing_class=tokenizer,
+                           args=config(tmp_path, use_liger_kernel=True, **values), peft_config=peft_config)
+
+    with pytest.warns(UserWarning, match="use_liger_kernel"):  # not implemented: warned by name at config time
+        config(tmp_path, use_liger_kernel=True)
+    with pytest.raises(ValueError, match="Applying a PEFT adapter to `lm_head` is not supported"):
+        build(LoraConfig(target_modules=["q_proj", "lm_head"]))
+    with pytest.raises(ValueError, match="not supported with prompt learning"):
+        build(PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+    with pytest.raises(ValueError, match='liger_kernel_config=\\{"fused_linear_cross_entropy": True\\}` is not'):
+        build(liger_kernel_config={"fused_linear_cross_entropy": True})
+    monkeypatch.setattr(transformers.utils, "is_liger_kernel_available", lambda: False)
+    with pytest.raises(ImportError, match="You have set `use_liger_kernel` to `True` but liger-kernel"):
+        build(LoraConfig(target_modules=["q_proj"]))
+    trainer_for(tmp_path / "off", peft_config=LoraConfig(target_modules=["q_proj", "lm_head"]))  # off: no check
+
+
+def _trl_compute_loss(loss_type, logprobs, entropies, ref_logprobs, advantages, mask, *, beta, entropy_coef,
+                      accumulation_steps=1):  # fmt: skip
+    """TRL 1.16's own `GRPOTrainer._compute_loss` on given log-probs and entropies (a stub `self` supplies what it
+    reads: the config values, a one-process accelerator, the forward's output)."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    import trl
+
+    n, t = mask.shape
+    one_process = SimpleNamespace(gather=lambda x: x, gather_for_metrics=lambda x: x, reduce=lambda x, reduction: x,
+                                  num_processes=1, sync_gradients=True)  # fmt: skip
+    stub = SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logprobs, entropies, None),
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta,
+        loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28, use_vllm=False, aux_loss_enabled=False,
+        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=accumulation_steps,
+        max_completion_length=t, _entropy_bonus_enabled=entropy_coef != 0, entropy_coef=entropy_coef,
+        use_adaptive_entropy=False, accelerator=one_process, _metrics=defaultdict(lambda: defaultdict(list)),
+        get_gamma_weights=trl.GRPOTrainer.get_gamma_weights,
+        args=SimpleNamespace(use_bias_correction_kl=True, delta=None, steps_per_generation=accumulation_steps,
+                             sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0,
+                             vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0),
+    )  # fmt: skip
+    inputs = {"prompt_ids": torch.zeros(n, 1, dtype=torch.long), "prompt_mask": torch.ones(n, 1, dtype=torch.long),
+              "completion_ids": torch.zeros(n, t, dtype=torch.long), "completion_mask": mask.long(),
+              "advantages": advantages, "ref_per_token_logps": ref_logprobs,
+              "num_items_in_batch": mask.sum()}  # fmt: skip
+    return trl.GRPOTrainer._compute_loss(stub, None, inputs)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
+def test_a_batch_whose_completions_are_all_truncated_is_a_zero_gradient_step_as_in_trl(tmp_path, loss_type):
+    """Item 9. With mask_truncated_completions, TRL zeroes the completion mask of truncated completions; when all
+    are, its loss (policy term, beta·KL added before the mask, and the entropy bonus over the same mask) is 0 with a
+    zero gradient — no term still pushes — and transformers' Trainer still takes the optimizer step (the schedule
+    advances, Adam's momentum from earlier steps still moves the weights). grpokit matches both."""
+    from grpokit.loss import policy_loss
+
+    torch.manual_seed(0)
+    mask = torch.zeros(4, 5)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    ref_logprobs = -torch.rand(4, 5)
+    grads = []
+    for ours in (False, True):
+        logprobs = (-torch.rand(4, 5, generator=torch.Generator().manual_seed(1))).requires_grad_()
+        entropies = (torch.rand(4, 5, generator=torch.Generator().manual_seed(2)) * 2).requires_grad_()
+        if ours:
+            loss, _ = policy_loss(logprobs, None, ref_logprobs, advantages, mask, loss_type=loss_type, beta=0.04,
+                                  epsilon=0.2, epsilon_high=0.28, use_bias_correction_kl=True, entropies=entropies,
+                                  entropy_coef=0.1, entropy_normalization="token_mean",
+                                  importance_sampling_level="token")  # fmt: skip
+        else:
+            loss = _trl_compute_loss(loss_type, logprobs, entropies, ref_logprobs, advantages, mask, beta=0.04,
+                                     entropy_coef=0.1)  # fmt: skip
+        loss.backward()
+        assert loss.item() == 0.0
+        grads.append((logprobs.grad, entropies.grad))
+    for trl_grad, our_grad in zip(*grads):
+        assert torch.equal(trl_grad, our_grad) and not trl_grad.any()
+    if loss_type != "grpo":
+        return
+    # The run: at max_completion_length=1 the steps whose completions are all cut are zero-gradient steps that still
+    # count, as transformers' Trainer takes them.
+    trainer = trainer_for(tmp_path, args=config(tmp_path, max_completion_length=1, mask_truncated_completions=True,
+                                                max_steps=3, beta=0.1, entropy_coef=0.1))  # fmt: skip
+    trainer.train()
+    records = [r for r in trainer.state.log_history if "loss" in r]
+    assert trainer.state.global_step == 3 and [r["step"] for r in records] == [1, 2, 3]
+    truncated = [r for r in records if r["completions/clipped_ratio"] == 1.0]
+    assert truncated and all(r["loss"] == 0.0 and r["grad_norm"] == 0.0 for r in truncated)
+    assert len({r["learning_rate"] for r in records}) == 3  # the schedule advanced on every step
+
+
+def test_bnpo_equals_trls_compute_loss_under_accumulation():
+    """Item 3, against TRL's own code: one of 2 accumulated micro-batches, with beta and an entropy bonus."""
+    from grpokit.loss import policy_loss
+
+    gen = torch.Generator().manual_seed(3)
+    mask = (torch.rand(4, 6, generator=gen) > 0.3).float()
+    advantages, ref_logprobs = torch.randn(4, generator=gen), -torch.rand(4, 6, generator=gen)
+    results = []
+    for ours in (False, True):
+        logprobs = (-torch.rand(4, 6, generator=torch.Generator().manual_seed(1))).requires_grad_()
+        entropies = (torch.rand(4, 6, generator=torch.Generator().manual_seed(2)) * 2).requires_grad_()
+        if ours:
+            loss, _ = policy_loss(logprobs, None, ref_logprobs, advantages, mask, loss_type="bnpo", beta=0.04,
+                                  epsilon=0.2, epsilon_high=0.28, use_bias_correction_kl=True, entropies=entropies,
+                                  entropy_coef=0.1, entropy_normalization="token_mean", num_micro_batches=2)
+        else:
+            loss = _trl_compute_loss("bnpo", logprobs, entropies, ref_logprobs, advantages, mask, beta=0.04,
+                                     entropy_coef=0.1, accumulation_steps=2)  # fmt: skip
+        loss.backward()
+        results.append((loss.detach(), logprobs.grad, entropies.grad))
+    for theirs, ours in zip(*results):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_a_dataset_of_environment_names_only_and_tool_metrics_without_calls(tmp_path):
+    """Item 6, as TRL 1.16 does: a routing dataset with only an `environment` column works (the prompt
+    defaults to an empty user message that reset()'s observation fills; reset gets no routing column), the
+    environment-owned reward is in reward_func_names under its class name, and tools/call_frequency and
+    tools/failure_frequency are logged at every logging step, 0 when the model made no call."""
+    from agents_helpers import tiny_agent_model, tool_call_script
+
+    model, tokenizer = tiny_agent_model()
+    engine = tool_call_script(tokenizer, lambda user, results, index: "done<|im_end|>")  # never calls a tool
+
+    class Counter:
+        def reset(self, **row):
+            self.row, self.count = row, 0
+
+        def increment(self, by: int) -> int:
+            """Add to the counter.
+
+            Args:
+                by: how much to add
+            """
+            self.count += by
+            return self.count
+
+    class Riddles(Counter):
+        def reset(self, **row):
+            super().reset(**row)
+            return "key k7"
+
+        def get_reward(self) -> float:
+            return 0.5
+
+    rows = [{"environment": "riddles"}, {"environment": "counter"}]
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **k: [0.0] * len(completions),
+                          args=config(tmp_path, per_device_train_batch_size=4, num_generations=2, max_steps=2,
+                                      max_completion_length=64, learning_rate=1e-3),
+                          train_dataset=Dataset.from_list(rows),
+                          processing_class=tokenizer, environment_factory={"riddles": Riddles, "counter": Counter},
+                          rollout_engine=engine)  # fmt: skip
+    assert trainer.reward_func_names == ["<lambda>", "Riddles"]  # TRL: the environment's class name, after reward_funcs
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert all(c.row == {} for pool in trainer.agents.environments.pool.values() for c in pool)
+    prompts = [tokenizer.decode(ids) for ids in engine.calls[0].ids]
+    assert any(p.endswith("<|im_start|>user\nkey k7<|im_end|>\n<|im_start|>assistant\n") for p in prompts)
+    records = [r for r in trainer.state.log_history if "loss" in r]
+    assert len(records) == 2
+    for record in records:
+        assert record["tools/call_frequency"] == 0.0 and record["tools/failure_frequency"] == 0.0
+        assert record["rewards/Riddles/mean"] == 0.5

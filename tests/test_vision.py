@@ -164,7 +164,7 @@ def vlm_config(tmp_path, **overrides) -> GRPOConfig:
 def test_trl_style_training_from_a_checkpoint(tmp_path, model_type):
     """TRL's script shape: the checkpoint path loads the VLM class and its processor (AutoProcessor); rewards
     receive the images as a column and the prompts with their image parts; the vision tower stays as it was
-    (freeze_vision_tower), the language model trains; the reference forward (beta > 0) takes the images too."""
+    (freeze_vision_tower=True), the language model trains; the reference forward (beta > 0) takes the images too."""
     model, processor = build_tiny_vlm(model_type)
     model.save_pretrained(tmp_path / "vlm")
     processor.save_pretrained(tmp_path / "vlm")
@@ -177,7 +177,7 @@ def test_trl_style_training_from_a_checkpoint(tmp_path, model_type):
 
     dataset = Dataset.from_list(colour_rows(copies=2))
     trainer = GRPOTrainer(model=str(tmp_path / "vlm"), reward_funcs=colour_reward, train_dataset=dataset,
-                          args=vlm_config(tmp_path, beta=0.1))  # fmt: skip
+                          args=vlm_config(tmp_path, beta=0.1, freeze_vision_tower=True))  # fmt: skip
     assert type(trainer.model) is type(model) and type(trainer.processing_class) is type(processor)
     vision = set(vision_parameter_names(trainer.model))
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -194,7 +194,7 @@ def test_trl_style_training_from_a_checkpoint(tmp_path, model_type):
 
 def test_lora_adapts_the_language_model_only(tmp_path):
     """peft's target_modules='all-linear' would adapt the vision tower too; by default grpokit excludes it (the
-    vision weights stay bit-identical); freeze_vision_tower=False adapts it as peft would."""
+    vision weights stay bit-identical) with freeze_vision_tower=True; by default (False, as TRL) peft adapts it."""
     from peft import LoraConfig
 
     model, processor = build_tiny_vlm("gemma3")
@@ -202,7 +202,8 @@ def test_lora_adapts_the_language_model_only(tmp_path):
     dataset = Dataset.from_list(colour_rows(copies=2))
     reward = lambda completions, **kwargs: [float(len(c[0]["content"])) for c in completions]  # noqa: E731
     trainer = GRPOTrainer(model=model, reward_funcs=reward, train_dataset=dataset, processing_class=processor,
-                          args=vlm_config(tmp_path, beta=0.1), peft_config=LoraConfig(target_modules="all-linear"))
+                          args=vlm_config(tmp_path, beta=0.1, freeze_vision_tower=True),
+                          peft_config=LoraConfig(target_modules="all-linear"))  # fmt: skip
     adapted = [n for n, _ in trainer.model.named_modules() if n.endswith("lora_A")]
     assert adapted and not any(".vision_tower." in n or ".multi_modal_projector." in n for n in adapted)
     trainer.train()
@@ -213,7 +214,7 @@ def test_lora_adapts_the_language_model_only(tmp_path):
     model, processor = build_tiny_vlm("gemma3")
     assert vision_module_prefixes(model) == ["model.vision_tower", "model.multi_modal_projector"]
     trainer = GRPOTrainer(model=model, reward_funcs=reward, train_dataset=dataset, processing_class=processor,
-                          args=vlm_config(tmp_path, freeze_vision_tower=False),
+                          args=vlm_config(tmp_path),
                           peft_config=LoraConfig(target_modules="all-linear"))  # fmt: skip
     assert any(".vision_tower." in n for n, _ in trainer.model.named_modules() if n.endswith("lora_A"))
 

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from ..data import is_conversational
+from ..data import EMPTY_PROMPT, is_conversational
 from ..rollout.engine import PromptBatch, Rollout, RolloutEngine, SamplingParams
 from .chat import check_tool_calling, parse_completion, render_prompt, tool_result_ids
 from .environments import EnvironmentPool, public_methods
@@ -103,7 +103,7 @@ class Agents:
         turns and tool results, TRL's form). `Rollout.extra['environments']` holds each row's environment."""
         if self.rollout_func is not None:
             return self._custom_rollout(rows, trainer)
-        prompts = [row.get("prompt", [{"role": "user", "content": ""}]) for row in rows]
+        prompts = [row.get("prompt", EMPTY_PROMPT) for row in rows]  # without one, reset() supplies it (TRL)
         if not all(is_conversational(p) for p in prompts):
             raise ValueError("Tools and environments need conversational prompts (lists of {'role', 'content'} "
                              "messages), so that the chat template can render the tools and their results; a row's "

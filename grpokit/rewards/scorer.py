@@ -6,7 +6,7 @@ Training and evaluation score through the same object, so a completion gets the 
 
 from __future__ import annotations
 
-import warnings
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +15,8 @@ import torch
 from .base import RewardFunction, combine_rewards, compute_rewards, routes_from_column
 from .context import RewardLogs
 from .process import step_token_ends
+
+logger = logging.getLogger(__name__)  # TRL's warnings go through its logger; so do these
 
 
 @dataclass
@@ -83,9 +85,9 @@ class RewardScorer:
         unscored = torch.isnan(scores).all(dim=1).nonzero().flatten().tolist() if scores.shape[1] else []
         if unscored:  # TRL's warning: such a completion has no reward at all
             row = unscored[0]
-            warnings.warn(f"All reward functions returned None for {len(unscored)} completion(s), e.g. prompt "
-                          f"{_short(prompts[row])}, completion {_short(completions[row])}: they get no advantage. "
-                          f"Make sure at least one reward function scores every completion.", stacklevel=4)
+            logger.warning(f"All reward functions returned None for {len(unscored)} completion(s), e.g. prompt "
+                           f"{_short(prompts[row])}, completion {_short(completions[row])}: they get no advantage. "
+                           f"Please ensure that at least one reward function returns a valid reward.")  # fmt: skip
         return Scores(prompts, scores, failures, step_rewards, step_ends)
 
 

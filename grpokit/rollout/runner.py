@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..data import with_prompt
 from .engine import Rollout, RolloutEngine, SamplingParams, engine_logprobs_exact
 from .prompts import PromptCodec
 
@@ -68,7 +69,7 @@ class RolloutRunner:
     def run(self, rows: list[dict], counts: list[int], seed: int) -> Generation:
         """Sample rows (consecutive runs of counts[i] rows share a prompt) reproducibly from seed."""
         starts = [sum(counts[:i]) for i in range(len(counts))]
-        prompts = self.codec.encode([rows[s] for s in starts], counts)
+        prompts = self.codec.encode([with_prompt(rows[s]) for s in starts], counts)
         if self.driver is not None:
             rollout, completions = self.driver.rollout(self.engine, rows, self.params, seed, self.host)
             rollout = rollout.to(self.device)
