@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 
 from .config import GRPOConfig, _field
@@ -58,18 +59,25 @@ def _declared_fields() -> list[tuple[str, str, dataclasses.Field]]:
     return declared
 
 
-def _validate(config) -> None:
+def _post_init(config) -> None:
+    """TRL's RLOOConfig checks its values and derives steps_per_generation and generation_batch_size when it is
+    built; so does this one, through the GRPOConfig it maps to (whose warnings wait for the trainer)."""
     if config.beta < 0:
         raise ValueError(f"beta={config.beta} must be >= 0 (0 disables the KL penalty and the reference model).")
     clip = config.reward_clip_range
     if clip is not None and (not isinstance(clip, (list, tuple)) or len(clip) != 2 or not clip[0] <= clip[1]):
         raise ValueError(f"reward_clip_range={clip!r} must be (min, max) with min <= max, or None (no clipping).")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        derived = grpo_config(config)
+    config.steps_per_generation, config.generation_batch_size = derived.steps_per_generation, \
+        derived.generation_batch_size  # fmt: skip
 
 
 RLOOConfig = dataclasses.make_dataclass(
     "RLOOConfig",
     _declared_fields(),
-    namespace={"__post_init__": _validate, "__module__": __name__,
+    namespace={"__post_init__": _post_init, "__module__": __name__,
                "__doc__": "TRL 1.16's `RLOOConfig` fields and defaults (see the module docstring)."},
 )  # fmt: skip
 

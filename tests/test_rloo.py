@@ -73,6 +73,9 @@ def test_the_config_maps_onto_the_shared_loop():
         "rloo", "batch", "rloo", "sequence_sum", True, [-1.0, 2.0], 0.1, 3e-6)  # fmt: skip
     assert config.objective_options()["beta"] == 0.0  # the KL is in the reward, never a loss term
     assert grpo_config(RLOOConfig()).scale_rewards == "none"
+    derived = RLOOConfig(per_device_train_batch_size=4, gradient_accumulation_steps=3)  # derived when built, as TRL
+    assert (derived.steps_per_generation, derived.generation_batch_size) == (3, 12)
+    assert grpo_config(derived).generation_batch_size == 12
     with pytest.raises(ValueError, match="reward_clip_range=\\(2, 1\\) must be \\(min, max\\)"):
         RLOOConfig(reward_clip_range=(2, 1))
     with pytest.raises(TypeError, match="RLOOTrainer takes an RLOOConfig"):
