@@ -268,6 +268,8 @@ def test_a_trl_rloo_script_runs_with_only_the_import_changed(tmp_path):
     steps = [record for record in trainer.state.log_history if "loss" in record]
     assert len(steps) == 3 and all(key in steps[0] for key in ("reward", "kl", "entropy", "clip_ratio/region_mean"))
     assert trainer.state.log_history[-1]["train_loss"] == pytest.approx(sum(r["loss"] for r in steps) / 3, rel=1e-6)
+    # TRL's eval_loss is its loss on-policy: mean(-A), 0 since leave-one-out advantages sum to 0 in every group
+    assert trainer.evaluate(scope["dataset"].select(range(4)))["eval_loss"] == pytest.approx(0.0, abs=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------ learning
