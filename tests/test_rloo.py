@@ -1,7 +1,8 @@
 """RLOOConfig / RLOOTrainer (issue 38, item 10): TRL 1.16's fields and defaults; the reward with its KL penalty and
 clipping, the leave-one-out advantages and the sequence-ratio loss checked against the code of the installed TRL's
-RLOOTrainer (its own lines, run on the same inputs, in float64); the shared loop's batches against the same code; a
-TRL RLOO script with only its import changed; and learning on the letter task."""
+RLOOTrainer (its own lines, run on the same inputs, in float64); the shared loop's batches against the same code, in
+one process and in two (a group spanning them); a TRL RLOO script with only its import changed; and learning on the
+letter task (slow)."""
 
 from __future__ import annotations
 
@@ -290,3 +291,68 @@ def test_rloo_learns_the_letter_task(tmp_path):
     assert letter[0] < 0.25, letter
     assert sum(letter[-8:]) / 8 >= 0.45, letter
     assert all("kl" in entry for entry in logs)  # TRL RLOO's kl: the mean per-token log-ratio, at every record
+
+
+# --------------------------------------------------------------------------------------------- two processes
+
+TWO_PROCESS_SCRIPT = '''
+import json, os, sys
+
+import torch
+from datasets import Dataset
+
+from grpokit import RLOOConfig, RLOOTrainer
+from grpokit.experience import logprobs_in_chunks
+
+
+def first_token_reward(completions, completion_ids, **kwargs):
+    return [float(ids[0] % 3) if len(ids) else 0.0 for ids in completion_ids]
+
+
+def main(spec_path):
+    spec = json.load(open(spec_path))[0]
+    letters = "abcdefgh"
+    dataset = Dataset.from_list([{"prompt": f"{a}{b}:"} for a in letters for b in letters])
+    args = RLOOConfig(output_dir=spec["out"], per_device_train_batch_size=6, num_generations=4,
+                      max_completion_length=3, max_steps=1, save_strategy="no", disable_tqdm=True, seed=0,
+                      report_to="none", bf16=False, gradient_checkpointing=False, beta=0.5,
+                      normalize_advantages=True)
+    trainer = RLOOTrainer(model=spec["model"], reward_funcs=first_token_reward, args=args, train_dataset=dataset)
+    with torch.no_grad():  # the same move away from the reference on every rank
+        generator = torch.Generator().manual_seed(1)
+        for parameter in trainer.unwrapped_model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    batch = trainer.generate_batch()
+    ref = logprobs_in_chunks(trainer.ref_model, batch, trainer.args, trainer.accelerator.autocast)
+    rank = int(os.environ.get("RANK", 0))
+    torch.save({"prompt_ids": batch.prompt_ids, "completion_ids": batch.completion_ids, "mask": batch.loss_mask,
+                "old": batch.old_logprobs, "ref": ref, "advantages": batch.advantages[:, 0]},
+               os.path.join(spec["out"], f"rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+'''
+
+
+def test_two_processes_fold_the_kl_of_the_whole_group(tmp_path):
+    """2 processes x 6 completions, groups of 4: the middle prompt's group spans the processes. Each rank's
+    advantages are TRL's code's over the gathered rows (rewards, π_old and π_ref of both ranks)."""
+    from test_distributed import launch
+
+    model_dir = str(save_tiny_model(tmp_path / "tiny", chars=LETTERS + ":", hidden_size=32))
+    out = tmp_path / "out"
+    out.mkdir()
+    launch(tmp_path, dict(model=model_dir, out=str(out)), script=TWO_PROCESS_SCRIPT)
+    ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    rows = {key: torch.cat([rank[key] for rank in ranks]) for key in ranks[0]}
+    keys = [tuple(row.tolist()) for row in rows["prompt_ids"]]
+    assert sorted(keys.count(key) for key in set(keys)) == [4, 4, 4]
+    assert {tuple(r.tolist()) for r in ranks[0]["prompt_ids"]} & {tuple(r.tolist()) for r in ranks[1]["prompt_ids"]}
+    assert sequence_kl(rows["old"], rows["ref"], rows["mask"]).abs().min() > 1e-3  # a KL that moves the advantages
+    order = torch.tensor(sorted(range(len(keys)), key=lambda i: (keys[i], i)))
+    rewards = torch.tensor([[float(ids[0] % 3)] for ids in rows["completion_ids"][order].tolist()], dtype=torch.float64)
+    expected = trl_rloo_advantages(rewards, torch.ones(1, dtype=torch.float64), rows["old"][order].double(),
+                                   rows["ref"][order].double(), rows["mask"][order], 4, beta=0.5,
+                                   normalize_advantages=True, reward_clip_range=None)  # fmt: skip
+    torch.testing.assert_close(rows["advantages"][order].double(), expected, rtol=1e-5, atol=1e-5)
