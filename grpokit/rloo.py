@@ -108,3 +108,8 @@ class RLOOTrainer(GRPOTrainer):
         super().__init__(model, reward_funcs, grpo_config(args), train_dataset, eval_dataset, processing_class,
                          reward_processing_classes, callbacks, optimizers, quantization_config, peft_config,
                          **grpokit_options)  # fmt: skip
+
+    # TRL's RLOOTrainer attributes of its RLOO settings
+    beta = property(lambda self: self.rloo_args.beta)
+    normalize_advantages = property(lambda self: self.rloo_args.normalize_advantages)
+    reward_clip_range = property(lambda self: self.rloo_args.reward_clip_range)

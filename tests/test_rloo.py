@@ -266,6 +266,7 @@ def test_a_trl_rloo_script_runs_with_only_the_import_changed(tmp_path):
     exec(compile(script, "train_rloo.py", "exec"), scope)
     trainer = scope["trainer"]
     assert trainer.state.global_step == 3 and trainer.rloo_args.beta == 0.05 and trainer.ref_model is not None
+    assert (trainer.beta, trainer.normalize_advantages, trainer.reward_clip_range) == (0.05, False, None)  # TRL's
     steps = [record for record in trainer.state.log_history if "loss" in record]
     assert len(steps) == 3 and all(key in steps[0] for key in ("reward", "kl", "entropy", "clip_ratio/region_mean"))
     assert trainer.state.log_history[-1]["train_loss"] == pytest.approx(sum(r["loss"] for r in steps) / 3, rel=1e-6)
