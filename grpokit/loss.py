@@ -365,10 +365,10 @@ def loss_type_warnings(loss_type: str, importance_sampling_level: str, epsilon_h
             f"loss_type={loss_type!r} is defined with importance_sampling_level={spec.importance_sampling_level!r}, "
             f"got {importance_sampling_level!r}."
         )
-    if importance_sampling_level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+    if importance_sampling_level in ("sequence", "sequence_sum") and loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
         warnings.append(
-            f"importance_sampling_level='sequence' with loss_type={loss_type!r} sums per-token terms, weighting each "
-            "sequence by its length; GSPO's setup is loss_type='grpo'."
+            f"importance_sampling_level={importance_sampling_level!r} with loss_type={loss_type!r} sums per-token "
+            "terms, weighting each sequence by its length; GSPO's setup is loss_type='grpo' (RLOO's: 'rloo')."
         )
     if loss_type == "cispo" and epsilon_high is not None and epsilon_high < 1:
         warnings.append(

@@ -77,6 +77,9 @@ def test_loss_type_warnings():
     assert "'token'" in loss_type_warnings("vespo", "sequence")[0]
     assert "length" in loss_type_warnings("dapo", "sequence")[0]
     assert loss_type_warnings("grpo", "sequence") == []
+    assert loss_type_warnings("rloo", "sequence_sum") == []  # TRL RLOOTrainer's summed sequence ratio
+    assert "'sequence_sum'" in loss_type_warnings("rloo", "token")[0]
+    assert "length" in loss_type_warnings("dapo", "sequence_sum")[0]
     assert "5.0" in loss_type_warnings("cispo", "token", epsilon_high=0.2)[0]
     assert loss_type_warnings("cispo", "token", epsilon_high=5.0) == []
 
