@@ -1,6 +1,7 @@
 """grpokit: GRPO post-training for autoregressive token models.
 
     from grpokit import GRPOConfig, GRPOTrainer     # drop-in for trl's classes of the same names
+    from grpokit import RLOOConfig, RLOOTrainer     # TRL's RLOO, on the same loop
 """
 
 from .advantages import group_advantages, process_advantages
@@ -11,6 +12,7 @@ from .evaluation import pass_at_k
 from .logprobs import chunked_token_logprobs, selective_log_softmax, token_logprobs
 from .loss import distillation_loss, generalized_jsd, policy_loss
 from .optim import build_optimizer
+from .rloo import RLOOConfig, RLOOTrainer
 from .rollout import HFEngine, PromptBatch, Rollout, RolloutEngine, SamplingParams, ScriptedEngine
 from .trainer import GRPOTrainer
 from .version import __version__  # noqa: F401  (grpokit.__version__)
@@ -20,6 +22,8 @@ __all__ = [
     "GRPOTrainer",
     "HFEngine",
     "PromptBatch",
+    "RLOOConfig",
+    "RLOOTrainer",
     "Rollout",
     "RolloutEngine",
     "SamplingParams",

@@ -18,6 +18,10 @@ Several reward functions (`combine_and_normalize`): "sum_then_normalize" weights
 then applies the estimator; "normalize_then_sum" (GDPO) z-scores each function inside its group, weights and sums,
 then whitens over the batch (TRL 1.16).
 
+A KL penalty in the reward (TRL RLOOTrainer's, `kl_in_reward`): before the estimator, a completion's reward is
+clipped to `reward_clip_range` and loses beta times its sequence KL, `sequence_kl` = sum_t (log π_old - log π_ref),
+the first-order (k1) estimate (Ahmadian et al. 2024, §3; `shape_rewards`).
+
 Process rewards compose by addition: the estimator gives each completion's outcome advantage [N] from the outcome
 reward functions only (process functions' columns left out, or weighted 0); `process_advantages` normalises the
 step rewards of each process function inside the group (DeepSeekMath §4.1.3) whatever the estimator, and the token
@@ -180,6 +184,35 @@ ESTIMATOR_SCALE_REWARDS = {"grpo": SCALE_REWARDS, "rloo": SCALE_REWARDS, "reinfo
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
+def sequence_kl(old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each completion's KL to the reference [N], as TRL's RLOOTrainer puts it in the reward: the k1 estimate
+    (the log-ratio of the sampled tokens, which may be negative) summed over the completion's tokens,
+
+        KL_i = sum_t m_t · (log π_old(y_t) - log π_ref(y_t))
+
+    old_logprobs, ref_logprobs, mask: [N, T], the log-probs under the policy that sampled (π_old) and the
+    reference. Example: old = [[-1, -2]], ref = [[-1.5, -1]], mask = [[1, 1]] -> [0.5 - 1] = [-0.5].
+    """
+    # where(), not a product: padded positions may hold -inf log-probs, and 0 · inf is NaN
+    per_token = torch.where(mask != 0, old_logprobs - ref_logprobs, torch.zeros_like(old_logprobs))
+    return per_token.sum(-1)
+
+
+def shape_rewards(rewards: torch.Tensor, *, reward_clip_range: Sequence[float] | None = None,
+                  kl_penalty: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Rewards [N] as TRL's RLOOTrainer feeds them to the estimator: clipped to `reward_clip_range` (lo, hi), then
+    minus `kl_penalty` [N] (beta · `sequence_kl`). The clip comes first, so the penalty is never clipped; a missing
+    reward (NaN) stays missing.
+
+    Example: rewards [3, -1, NaN], clip (-0.5, 2), kl_penalty [0.1, -0.2, 0.3] -> [1.9, -0.3, NaN].
+    """
+    if reward_clip_range:  # TRL tests the range's truth: None or an empty range is no clipping
+        rewards = rewards.clamp(min=reward_clip_range[0], max=reward_clip_range[1])
+    if kl_penalty is not None:
+        rewards = rewards - kl_penalty.to(rewards.dtype)
+    return rewards
+
+
 def weighted_reward_sum(scores: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Weighted sum over functions [N, F] -> [N], skipping None (NaN); NaN only where every function is None."""
     weighted = (scores * weights[None]).nansum(-1)
@@ -214,6 +247,8 @@ def combine_and_normalize(
     scale_rewards="group",
     multi_objective_aggregation: str = "sum_then_normalize",
     token_counts: torch.Tensor | None = None,
+    reward_clip_range: Sequence[float] | None = None,
+    kl_penalty: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Advantages [N] of the outcome scores [N, F] (NaN = None) of F reward functions with weights [F]; the
     trainer's one call. Pass only the outcome functions' columns (or weight the process ones 0).
@@ -223,6 +258,7 @@ def combine_and_normalize(
     "normalize_then_sum": `normalize_then_sum` (GDPO); it defines its own normalisation, so `scale_rewards` is not
                           used (as in TRL 1.16) and the estimator must be "grpo".
     token_counts [N]: loss tokens per completion, for reinforce_pp_baseline's token-weighted whitening only.
+    reward_clip_range, kl_penalty [N]: `shape_rewards` of the summed reward before the estimator (TRL RLOO).
     """
     scores = torch.as_tensor(scores)
     scores = scores.to(torch.float32) if not scores.is_floating_point() else scores
@@ -237,6 +273,9 @@ def combine_and_normalize(
     if token_counts is not None and estimator != "reinforce_pp_baseline":
         raise ValueError(f"token_counts weights reinforce_pp_baseline's whitening only; estimator is {estimator!r}.")
     if multi_objective_aggregation == "normalize_then_sum":
+        if reward_clip_range or kl_penalty is not None:
+            raise ValueError("reward_clip_range and a KL penalty in the reward apply to the summed reward; "
+                             "multi_objective_aggregation='normalize_then_sum' has none: use 'sum_then_normalize'.")
         if estimator != "grpo":
             raise ValueError(
                 f"multi_objective_aggregation='normalize_then_sum' (GDPO) normalises each reward inside its group "
@@ -248,7 +287,8 @@ def combine_and_normalize(
             f"Unknown multi_objective_aggregation {multi_objective_aggregation!r}; "
             f"choose one of {list(MULTI_OBJECTIVE_AGGREGATIONS)}."
         )
-    rewards = weighted_reward_sum(scores, weights)
+    rewards = shape_rewards(weighted_reward_sum(scores, weights), reward_clip_range=reward_clip_range,
+                            kl_penalty=kl_penalty)  # fmt: skip
     if estimator == "reinforce_pp_baseline":
         return reinforce_pp_baseline_advantages(rewards, num_generations, scale_rewards, token_counts=token_counts)
     return ADVANTAGE_ESTIMATORS[estimator](rewards, num_generations, scale_rewards)

@@ -350,6 +350,13 @@ class GRPOConfig:
                                                                 "(GDPO): normalise each reward in its group first.")
     advantage_estimator: str = _f("grpo", "grpokit-only: 'grpo' (group z-score), 'rloo' (leave-one-out baseline) or "
                                           "'reinforce_pp_baseline' (group mean, batch std); docs/objectives.md.")
+    kl_in_reward: bool = _f(False, "grpokit-only: put the KL to the reference in the reward instead of the loss, as "
+                                   "TRL's RLOOTrainer does: each completion's reward loses beta · sum_t (log π_old - "
+                                   "log π_ref) before the advantage estimator, and the loss has no KL term "
+                                   "(grpokit.RLOOTrainer sets it).")
+    reward_clip_range: list[float] | None = _f(None, "grpokit-only (TRL RLOOConfig's): clip each completion's summed "
+                                                     "reward to [lo, hi] before the KL penalty and the estimator "
+                                                     "(None: no clipping).")
     use_adaptive_entropy: bool = _f(False, "Skywork-OR1: adapt entropy_coef (within entropy_coef_min/max, by "
                                            "entropy_coef_delta) towards entropy_target; the bonus applies only while "
                                            "entropy is below the target.")
@@ -778,7 +785,10 @@ class GRPOConfig:
         names = ("loss_type", "beta", "epsilon", "epsilon_high", "importance_sampling_level", "max_completion_length",
                  "delta", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
                  "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask_threshold", "use_bias_correction_kl")  # fmt: skip
-        return {name: getattr(self, name) for name in names}
+        options = {name: getattr(self, name) for name in names}
+        if self.kl_in_reward:  # the KL is a reward penalty (experience.py), not a loss term
+            options["beta"] = 0.0
+        return options
 
     def generation_token_ids(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(extra tokens that end a completion, tokens never sampled) from generation_kwargs."""
@@ -861,8 +871,16 @@ class GRPOConfig:
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
             fail(
                 f"importance_sampling_level={self.importance_sampling_level!r} is not valid; use 'token' (GRPO) "
-                f"or 'sequence' (GSPO)."
+                f"or 'sequence' (GSPO) (or 'sequence_sum': TRL RLOOTrainer's summed log-ratio)."
             )
+        if self.reward_clip_range is not None:
+            clip = self.reward_clip_range
+            if not isinstance(clip, (list, tuple)) or len(clip) != 2 or not clip[0] <= clip[1]:
+                fail(f"reward_clip_range={clip!r} must be two numbers [lo, hi] with lo <= hi (or None: no clipping).")
+            self.reward_clip_range = [float(clip[0]), float(clip[1])]
+        if (self.kl_in_reward or self.reward_clip_range) and self.multi_objective_aggregation != "sum_then_normalize":
+            fail("kl_in_reward and reward_clip_range shape the summed reward: they need "
+                 "multi_objective_aggregation='sum_then_normalize'.")
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
             fail(f"max_tool_calling_iterations={self.max_tool_calling_iterations} must be >= 0 (or None: no limit).")
         if not self.tool_timeout > 0:

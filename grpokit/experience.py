@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from .advantages import combine_and_normalize, group_advantages, group_stats, process_advantages
+from .advantages import combine_and_normalize, group_advantages, group_stats, process_advantages, sequence_kl
 from .batch import ScoredRollout, TrainBatch
 from .config import GRPOConfig
 from .cpu_memory import return_free_memory
@@ -104,12 +104,15 @@ class ExperienceMaker:
         rollout, offset, n = scored.rollout, scored.offset, len(scored.rows)
         all_scores = acc.gather(scored.scores.to(device)).cpu()
         rewards = self.scorer.outcome_rewards(all_scores)
-        advantages = self._advantages(scored, all_scores)
         loss_mask = rollout.loss_mask
         if args.mask_truncated_completions:
             loss_mask = loss_mask * (~rollout.is_truncated)[:, None].to(loss_mask.dtype)
-        batch = TrainBatch.from_rollout(rollout, advantages[offset : offset + n], loss_mask)
-        metrics.update(self._add_old_and_ref_logprobs(batch, rollout.sampling_logprobs))
+        # The log-probs come first: with kl_in_reward (RLOO) the advantages need the KL to the reference.
+        batch = TrainBatch.from_rollout(rollout, torch.zeros(n), loss_mask)
+        logprob_metrics, reward_kl = self._add_old_and_ref_logprobs(batch, rollout.sampling_logprobs)
+        metrics.update(logprob_metrics)
+        advantages = self._advantages(scored, all_scores, reward_kl)
+        batch.advantages = TrainBatch.from_rollout(rollout, advantages[offset : offset + n]).advantages
         if device.type == "cpu":  # and the no-grad forwards' (π_old, π_ref), before the training forward
             return_free_memory()
         generated, num_tokens = self._generation_metrics(all_scores, rewards, scored)
@@ -183,8 +186,11 @@ class ExperienceMaker:
             filled = ScoredRollout.concat([filled, first.select(groups(first, varied=False)[:missing])])
         return filled.select(list(range(size))), rounds, metrics
 
-    def _advantages(self, scored: ScoredRollout, all_scores: torch.Tensor) -> torch.Tensor:
-        """[N_global] or [N_global, T] (with process rewards): advantages over the whole global batch."""
+    def _advantages(self, scored: ScoredRollout, all_scores: torch.Tensor,
+                    reward_kl: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """[N_global] or [N_global, T] (with process rewards): advantages over the whole global batch.
+        reward_kl [N_global]: each completion's `sequence_kl`, subtracted from its reward times beta
+        (kl_in_reward), or None."""
         args, acc, scorer = self.args, self.accelerator, self.scorer
         process = scorer.process_indices
         outcome = [i for i in range(len(scorer.functions)) if i not in process]
@@ -194,7 +200,8 @@ class ExperienceMaker:
                 token_counts = acc.gather(scored.rollout.loss_mask.sum(-1).to(acc.device)).cpu().float()
             advantages = combine_and_normalize(all_scores[:, outcome], scorer.weights[outcome], args.num_generations,
                                                estimator=args.advantage_estimator, scale_rewards=args.scale_rewards,
-                                               token_counts=token_counts,
+                                               token_counts=token_counts, reward_clip_range=args.reward_clip_range,
+                                               kl_penalty=None if reward_kl is None else args.beta * reward_kl,
                                                multi_objective_aggregation=args.multi_objective_aggregation)
         else:  # only process rewards: the per-token advantages below are the whole signal
             advantages = torch.zeros(len(all_scores))
@@ -217,15 +224,19 @@ class ExperienceMaker:
             )
         return token_advantages
 
-    def _add_old_and_ref_logprobs(self, batch: TrainBatch, sampling_logprobs) -> dict[str, float]:
+    def _add_old_and_ref_logprobs(self, batch: TrainBatch,
+                                  sampling_logprobs) -> tuple[dict[str, float], torch.Tensor | None]:  # fmt: skip
         """π_old where some optimizer step trains on the batch after the policy moved (or vLLM's correction
-        needs it), the correction itself, and π_ref when beta > 0. Returns the correction's metrics."""
+        needs it, or the KL in the reward), the correction itself, and π_ref when beta > 0: on the batch for the
+        loss's KL term, or, with kl_in_reward, turned into each completion's `sequence_kl` (gathered over
+        processes) and TRL RLOO's `kl` metric. Returns (metrics, the sequence KL [N_global] or None)."""
         args, acc = self.args, self.accelerator
         # With vLLM (TRL: use_vllm and its correction) π_old is always the training forward's; the sampler's
         # log-probs only feed the correction.
         corrected = args.use_vllm and args.vllm_importance_sampling_correction
+        reward_kl = args.kl_in_reward and args.beta > 0
         metrics = {}
-        if not trains_on_policy(args) or corrected or self.off_policy:
+        if not trains_on_policy(args) or corrected or self.off_policy or reward_kl:
             # The engine's log-probs serve as π_old only where they are the training forward's (the in-process
             # engine in float32, tested to 1e-5); otherwise π_old comes from a training-style forward.
             exact = self.runner.exact_logprobs and sampling_logprobs is not None and not corrected
@@ -242,8 +253,16 @@ class ExperienceMaker:
             metrics = reduce_extremes(acc, stats)
         if args.beta > 0:
             with reference_policy(self.policy(), self.reference) as reference:
-                batch.ref_logprobs = logprobs_in_chunks(reference, batch, args, acc.autocast)
-        return metrics
+                ref_logprobs = logprobs_in_chunks(reference, batch, args, acc.autocast)
+            if not reward_kl:
+                batch.ref_logprobs = ref_logprobs
+                return metrics, None
+            kl = sequence_kl(batch.old_logprobs, ref_logprobs, batch.loss_mask)
+            # TRL RLOO's `kl`: the mean per-token log-ratio over every process's loss tokens
+            totals = acc.reduce(torch.stack([kl.sum(), batch.loss_mask.sum()]).double().to(acc.device), "sum")
+            metrics["kl"] = (totals[0] / totals[1].clamp(min=1.0)).item()
+            return metrics, acc.gather(kl.to(acc.device)).cpu()
+        return metrics, None
 
     def _check_some_reward(self, all_scores: torch.Tensor, metrics: dict[str, float]) -> None:
         """With reward_fn_errors='none' a reward function that raises on every row gives every completion None: no

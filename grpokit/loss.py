@@ -6,7 +6,8 @@ Per token t of completion i (DeepSeekMath §4.1, with TRL 1.16's extensions):
 
     log_ratio    = logprobs - old_logprobs                       (token level), or its masked mean over the
                                                                  sequence, broadcast to every token (GSPO,
-                                                                 `importance_sampling_level="sequence"`)
+                                                                 `importance_sampling_level="sequence"`), or its
+                                                                 masked sum (TRL's RLOOTrainer, "sequence_sum")
     ratio        = exp(log_ratio)
     policy_term  = the loss type's per-token loss of (ratio, A, logprobs), e.g. for `grpo`/`dapo`/...:
                    -min(ratio · A, clamp(ratio, 1 - epsilon, 1 + epsilon_high) · A)  (ratio capped at `delta` first)
@@ -26,6 +27,7 @@ objective, an aggregation and the statistics it reports, looked up once; `policy
     sapo       -σ(τ (ratio - 1)) · 4/τ · A  (soft gate)    mean of per-sequence token means   SAPO
     luspo      clipped surrogate (sequence ratio)          token sum / sequences              LUSPO
     vespo      -sg(φ(w_seq)) · A · logp  (Gamma weight)    token sum / tokens of the batch    VESPO
+    rloo       clipped surrogate (sequence ratio, a SUM)   mean over sequences                TRL RLOOTrainer
 
 With one update per generation the ratio is exp(logp - logp.detach()) = 1 in value, so the loss value of the
 clipped family is the aggregate of -A + beta·KL — which is just beta·KL when the advantages cancel (zero mean per
@@ -292,6 +294,17 @@ def vespo_statistics(terms: PolicyTerms, params: ObjectiveParams) -> dict[str, t
     return {"vespo/phi_seq_mean": phi.mean() if phi.shape[-1] == 1 else masked_mean(phi, terms.mask)}
 
 
+def sequence_clip_statistics(terms: PolicyTerms, params: ObjectiveParams) -> dict[str, torch.Tensor]:
+    """TRL RLOOTrainer's `clip_ratio/*`: the share of SEQUENCES (one ratio each) clipped where it matters, below
+    1 - epsilon with A < 0 (low), above 1 + epsilon_high with A > 0 (high), either (region); a mean over
+    sequences, not tokens."""
+    ratio, advantages = terms.ratio[:, :1], terms.advantages[:, :1]
+    is_low = ((ratio < 1 - params.epsilon) & (advantages < 0)).to(ratio.dtype)
+    is_high = ((ratio > 1 + params.epsilon_high) & (advantages > 0)).to(ratio.dtype)
+    return {"clip_ratio/low_mean": is_low.mean(), "clip_ratio/high_mean": is_high.mean(),
+            "clip_ratio/region_mean": torch.maximum(is_low, is_high).mean()}  # fmt: skip
+
+
 def no_statistics(terms: PolicyTerms, params: ObjectiveParams) -> dict[str, torch.Tensor]:
     """SAPO has no clipping to count (TRL logs none for it)."""
     return {}
@@ -327,10 +340,14 @@ LOSS_TYPES: dict[str, LossType] = {
     "luspo": LossType(clipped_surrogate, aggregate_sequence_sum, clip_statistics, importance_sampling_level="sequence"),
     "vespo": LossType(vespo_objective, aggregate_token_mean, vespo_statistics, importance_sampling_level="token",
                       corrects_sampling_itself=True),
+    # TRL 1.16's RLOOTrainer: one ratio per sequence, exp(sum_t logp - sum_t old_logp) (not length-normalised as
+    # GSPO's), the clipped surrogate of it, and the mean over sequences (`grpokit.rloo`).
+    "rloo": LossType(clipped_surrogate, aggregate_sequence_mean, sequence_clip_statistics,
+                     importance_sampling_level="sequence_sum"),
 }
 # The name config validation imports: a key of this table is a valid `loss_type`.
 AGGREGATIONS = LOSS_TYPES
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_sum")
 ENTROPY_NORMALIZATIONS = ("loss_type", "token_mean")
 
 
@@ -349,10 +366,10 @@ def loss_type_warnings(loss_type: str, importance_sampling_level: str, epsilon_h
             f"loss_type={loss_type!r} is defined with importance_sampling_level={spec.importance_sampling_level!r}, "
             f"got {importance_sampling_level!r}."
         )
-    if importance_sampling_level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+    if importance_sampling_level in ("sequence", "sequence_sum") and loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
         warnings.append(
-            f"importance_sampling_level='sequence' with loss_type={loss_type!r} sums per-token terms, weighting each "
-            "sequence by its length; GSPO's setup is loss_type='grpo'."
+            f"importance_sampling_level={importance_sampling_level!r} with loss_type={loss_type!r} sums per-token "
+            "terms, weighting each sequence by its length; GSPO's setup is loss_type='grpo' (RLOO's: 'rloo')."
         )
     if loss_type == "cispo" and epsilon_high is not None and epsilon_high < 1:
         warnings.append(
@@ -717,6 +734,9 @@ def policy_loss(
     if importance_sampling_level == "sequence":
         # GSPO (Zheng et al. 2025): one length-normalised ratio per sequence.
         log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
+    elif importance_sampling_level == "sequence_sum":
+        # TRL's RLOOTrainer: the ratio of the whole sequences' probabilities, log-probs summed.
+        log_ratio = (log_ratio * mask).sum(-1, keepdim=True)
     ratio = torch.exp(log_ratio)
     if sampling_ratio is not None:
         sampling_ratio = sampling_ratio.to(device=logprobs.device, dtype=logprobs.dtype)

@@ -1,6 +1,7 @@
 """Write grpokit/trl_fields.json: every field of the installed `trl.GRPOConfig` (TRL's own fields and the
 `transformers.TrainingArguments` fields it inherits) with its default, the surface grpokit's GRPOConfig accepts; and
-grpokit/trl_distillation_fields.json, the same for `trl.DistillationConfig` (grpokit's DistillationConfig).
+grpokit/trl_distillation_fields.json, the same for `trl.DistillationConfig` (grpokit's DistillationConfig), and
+grpokit/trl_rloo_fields.json for `trl.RLOOConfig` (grpokit's RLOOConfig).
 
     python scripts/trl_fields.py           # regenerate the JSON from the installed trl
     python scripts/trl_fields.py --check   # report fields added, removed or with a changed default, and grpokit
@@ -22,7 +23,9 @@ from pathlib import Path
 JSON_PATH = Path(__file__).resolve().parents[1] / "grpokit" / "trl_fields.json"
 # The same for `trl.DistillationConfig`, the surface of grpokit.distillation_config.DistillationConfig.
 DISTILLATION_JSON_PATH = JSON_PATH.with_name("trl_distillation_fields.json")
-JSON_PATHS = {"GRPOConfig": JSON_PATH, "DistillationConfig": DISTILLATION_JSON_PATH}
+# And for `trl.RLOOConfig`, the surface of grpokit.rloo.RLOOConfig.
+RLOO_JSON_PATH = JSON_PATH.with_name("trl_rloo_fields.json")
+JSON_PATHS = {"GRPOConfig": JSON_PATH, "DistillationConfig": DISTILLATION_JSON_PATH, "RLOOConfig": RLOO_JSON_PATH}
 
 
 def _jsonable(value):

@@ -54,13 +54,14 @@ def grid(fn):
 
 
 def test_table_is_the_set_of_valid_loss_types():
-    assert set(LOSS_TYPES) == {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"}
+    assert set(LOSS_TYPES) == {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "rloo"}
     assert AGGREGATIONS is LOSS_TYPES  # the name config validation imports
     # each entry is one choice of objective, aggregation and statistics; loss types share pieces
     assert LOSS_TYPES["cispo"].aggregation is LOSS_TYPES["dapo"].aggregation
     assert LOSS_TYPES["vespo"].aggregation is LOSS_TYPES["dapo"].aggregation
     assert LOSS_TYPES["sapo"].aggregation is LOSS_TYPES["grpo"].aggregation
     assert LOSS_TYPES["luspo"].objective is LOSS_TYPES["grpo"].objective
+    assert LOSS_TYPES["rloo"].objective is LOSS_TYPES["grpo"].objective  # TRL RLOO: its ratio is a sequence sum
 
 
 def test_a_new_loss_type_is_valid_in_the_config():
@@ -76,6 +77,9 @@ def test_loss_type_warnings():
     assert "'token'" in loss_type_warnings("vespo", "sequence")[0]
     assert "length" in loss_type_warnings("dapo", "sequence")[0]
     assert loss_type_warnings("grpo", "sequence") == []
+    assert loss_type_warnings("rloo", "sequence_sum") == []  # TRL RLOOTrainer's summed sequence ratio
+    assert "'sequence_sum'" in loss_type_warnings("rloo", "token")[0]
+    assert "length" in loss_type_warnings("dapo", "sequence_sum")[0]
     assert "5.0" in loss_type_warnings("cispo", "token", epsilon_high=0.2)[0]
     assert loss_type_warnings("cispo", "token", epsilon_high=5.0) == []
 
