@@ -74,10 +74,12 @@ def grpokit_default_differences(committed: dict, config: str = "GRPOConfig") -> 
     from grpokit.config import TRL_DEFAULT_DIFFERENCES
 
     from grpokit.distillation_config import DistillationConfig
+    from grpokit.rloo import RLOOConfig
 
-    classes = {"GRPOConfig": grpokit.GRPOConfig, "DistillationConfig": DistillationConfig}
+    classes = {"GRPOConfig": grpokit.GRPOConfig, "DistillationConfig": DistillationConfig, "RLOOConfig": RLOOConfig}
     specs = {spec.name: spec for spec in dataclasses.fields(classes[config]) if spec.init}
-    # DistillationConfig keeps every TRL default (grpokit/distillation_config.py): no difference is deliberate there.
+    # DistillationConfig and RLOOConfig keep every TRL default (built from TRL's recorded fields): no difference is
+    # deliberate there.
     allowed = TRL_DEFAULT_DIFFERENCES if config == "GRPOConfig" else {}
     differing = {}
     for name, trl_default in committed["fields"].items():
