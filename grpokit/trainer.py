@@ -109,6 +109,10 @@ class GenerationCursor:
 
 
 class GRPOTrainer:
+    # False in a subclass whose objective needs no rewards (DistillationTrainer): no reward function is asked for,
+    # completions are sampled but not scored, and their advantages are 0.
+    scores_completions = True
+
     def __init__(
         self,
         model,
@@ -140,7 +144,8 @@ class GRPOTrainer:
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.reward_functions = build_reward_functions(
             reward_funcs, reward_processing_classes, args.per_device_train_batch_size, args.trust_remote_code,
-            environment_rewards=environments.reward_functions() if environments is not None else ())  # fmt: skip
+            environment_rewards=environments.reward_functions() if environments is not None else (),
+            required=self.scores_completions)  # fmt: skip
         for dataset in (train_dataset, *named_eval_datasets(eval_dataset).values()):
             if rollout_func is None:  # a rollout_func's extra fields are columns too, known only once it has run
                 agent_columns = ["turn_ends"] if tools or environments is not None else []

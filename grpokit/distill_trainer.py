@@ -1,0 +1,152 @@
+"""DistillationTrainer: TRL 1.16's on-policy distillation (`trl.DistillationTrainer`) on grpokit's one training loop.
+
+The student samples completions of the prompts (one per prompt, as TRL), nothing scores them, and the loss moves
+the student's next-token distribution at every completion token toward a frozen teacher's: the generalized
+Jensen–Shannon divergence of `loss.generalized_jsd` (beta 0 forward KL, 0.5 JSD, 1 reverse KL; Agarwal et al.
+2024, arXiv 2306.13649), computed from both models' final hidden states and LM heads chunk by chunk
+(`distillation.chunked_distillation_loss`), so neither model's [N, T, V] logits exist.
+
+What is GRPO's and what is this file's: the loop, sampling engines, checkpoints, resume, callbacks and logging
+are `GRPOTrainer`'s, run with `distillation_config.loop_config(args)` (num_generations = 1, no reference model);
+`scores_completions = False` makes the experience maker skip rewards and advantages; this class loads the teacher
+and replaces `compute_loss`. The loss of a micro-batch is its tokens' summed divergence over the token count of
+the whole optimizer step's window (all processes), TRL's `num_items_in_batch`, so micro-batch losses add up to the
+step's token mean.
+
+Departures from TRL 1.16: `trainer.args` is the loop's GRPOConfig (the DistillationConfig given is
+`trainer.distillation_args`); `teacher_model=None` falls back to `args.teacher_model_name_or_path` (TRL's own
+script passes it explicitly); heads that transform their logits (soft-capping, logit scales), which TRL applies,
+are refused; one process only for now.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .distillation import check_shared_tokenizer, chunked_distillation_loss
+from .distillation_config import DistillationConfig, loop_config
+from .distributed import unwrap_model
+from .logprobs import causal_lm_of, completion_hidden_states, supports_chunked_head
+from .models import load_causal_lm, load_tokenizer, looks_like_local_path
+from .multimodal import tokenizer_of
+from .trainer import GRPOTrainer
+
+
+def _dtype_of(value):
+    """TRL's reading of teacher_model_init_kwargs' dtype: 'auto' / None as they are, else a torch dtype's name."""
+    return value if value in ("auto", None) or isinstance(value, torch.dtype) else getattr(torch, value)
+
+
+def load_teacher(teacher_model, args, device):
+    """The teacher (a model, or a path / hub id loaded with `teacher_model_init_kwargs` at
+    `teacher_model_revision`), frozen, in eval mode, on `device`, and its tokenizer where one can be found (a path's;
+    a model's `name_or_path` when that is a local folder), else None."""
+    init_kwargs = args.teacher_model_init_kwargs
+    if isinstance(init_kwargs, str):  # a JSON string, as TRL's config accepts
+        import json
+
+        init_kwargs = json.loads(init_kwargs)
+    tokenizer = None
+    if isinstance(teacher_model, str):
+        init_kwargs = dict(init_kwargs or {})
+        if "dtype" in init_kwargs:
+            init_kwargs["dtype"] = _dtype_of(init_kwargs["dtype"])
+        if args.teacher_model_revision is not None:
+            init_kwargs.setdefault("revision", args.teacher_model_revision)
+        tokenizer = load_tokenizer(teacher_model, args.trust_remote_code)
+        teacher_model = load_causal_lm(teacher_model, init_kwargs, args.trust_remote_code)
+    else:
+        if init_kwargs is not None:
+            raise ValueError("You passed teacher_model_init_kwargs to the config, but your teacher_model is already "
+                             "instantiated.")  # fmt: skip
+        name = getattr(getattr(teacher_model, "config", None), "_name_or_path", "")
+        if name and looks_like_local_path(name):
+            try:
+                tokenizer = load_tokenizer(name, args.trust_remote_code)
+            except (OSError, ValueError):  # a folder with the weights only: the vocabulary check below remains
+                tokenizer = None
+    return teacher_model.requires_grad_(False).eval().to(device), tokenizer
+
+
+def _row_major(hidden: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, width: int):
+    """(hidden, rows, columns) of `completion_hidden_states` reordered row by row, column by column: the order of
+    `mask.nonzero()`, the same for any model whichever path it took."""
+    order = torch.argsort(rows * width + columns)
+    return hidden[order], rows[order], columns[order]
+
+
+class DistillationTrainer(GRPOTrainer):
+    scores_completions = False
+
+    def __init__(
+        self,
+        model,
+        teacher_model=None,
+        args: DistillationConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        tools=None,
+        rollout_engine=None,
+    ):
+        """TRL 1.16's arguments, in its order, plus grpokit's `rollout_engine` (see `GRPOTrainer`)."""
+        if args is None:
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
+            args = DistillationConfig(output_dir=f"{name.split('/')[-1]}-Distillation")
+        if teacher_model is None:
+            teacher_model = args.teacher_model_name_or_path
+        if teacher_model is None:
+            raise ValueError("DistillationTrainer needs a teacher: pass teacher_model= (a model or a path / hub id) "
+                             "or set DistillationConfig.teacher_model_name_or_path.")  # fmt: skip
+        self.distillation_args = args
+        self.beta, self.temperature = args.beta, args.temperature  # TRL's attributes
+        super().__init__(model, None, loop_config(args), train_dataset, eval_dataset, processing_class,
+                         callbacks=callbacks, optimizers=optimizers, quantization_config=quantization_config,
+                         peft_config=peft_config, tools=tools, rollout_engine=rollout_engine)  # fmt: skip
+        if self.accelerator.num_processes > 1:
+            raise NotImplementedError("DistillationTrainer runs on one process for now: its loss calls the student's "
+                                      "decoder directly, which DDP / FSDP / ZeRO would not see.")  # fmt: skip
+        self.teacher_model, teacher_tokenizer = load_teacher(teacher_model, args, self.accelerator.device)
+        if teacher_tokenizer is not None:
+            check_shared_tokenizer(tokenizer_of(self.processing_class), teacher_tokenizer)
+        for role, lm in (("student", self.unwrapped_model), ("teacher", self.teacher_model)):
+            if not supports_chunked_head(lm):
+                raise ValueError(f"The {role} ({type(causal_lm_of(lm)).__name__}) has an LM head the chunked "
+                                 f"divergence cannot compute (not a plain Linear over the decoder's last hidden "
+                                 f"state, or logits soft-capped / scaled): grpokit.logprobs.supports_chunked_head.")
+        student_vocab = causal_lm_of(self.unwrapped_model).get_output_embeddings().weight.shape[0]
+        teacher_vocab = self.teacher_model.get_output_embeddings().weight.shape[0]
+        if student_vocab != teacher_vocab:  # TRL's check, which is all there is for a teacher given without tokenizer
+            raise ValueError(f"The student's LM head covers {student_vocab} tokens and the teacher's {teacher_vocab}: "
+                             f"the divergence compares the two distributions token by token, so both must share "
+                             f"one tokenizer and vocabulary. Pick a teacher of the student's family.")  # fmt: skip
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        """TRL's hook: the distillation loss of one micro-batch (`inputs`, a `TrainBatch`) under `model`: the
+        divergence summed over its loss-mask tokens (tool output and other inserted tokens are not the student's
+        and take no part) over the window's token count (`num_items_in_batch` = (sequences, tokens, micro-batches)
+        of the optimizer step's window; None: the current step's). Logs TRL's `entropy` (the student's, nats)."""
+        if return_outputs:
+            raise ValueError("The DistillationTrainer does not support returning outputs")
+        num_tokens = (num_items_in_batch or self._window_counts or (0, inputs.loss_mask.sum().item(), 1))[1]
+        batch = inputs.trimmed()
+        width = batch.completion_ids.shape[1]
+        student = unwrap_model(self.accelerator, model)
+        with self.accelerator.autocast():
+            hidden, rows, columns = _row_major(*completion_hidden_states(
+                student, batch.input_ids, batch.input_mask, width, batch.multimodal), width)  # fmt: skip
+            with torch.no_grad():
+                teacher_hidden, _, _ = _row_major(*completion_hidden_states(
+                    self.teacher_model, batch.input_ids, batch.input_mask, width, batch.multimodal), width)  # fmt: skip
+            student_head = causal_lm_of(student).get_output_embeddings()
+            teacher_head = self.teacher_model.get_output_embeddings()
+            loss, stats = chunked_distillation_loss(
+                hidden[None], student_head.weight, teacher_hidden[None].to(hidden.device), teacher_head.weight,
+                batch.loss_mask[rows, columns][None], beta=self.beta, temperature=self.temperature,
+                student_bias=student_head.bias, teacher_bias=teacher_head.bias, num_tokens=max(num_tokens, 1))
+        self._step_stats.append(stats.as_dict())
+        return loss
