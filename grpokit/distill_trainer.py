@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import torch
 
+from .batch import TrainBatch
+from .data import dataset_rows, is_iterable_dataset, named_eval_datasets
 from .distillation import check_shared_tokenizer, chunked_distillation_loss
 from .distillation_config import DistillationConfig, loop_config
 from .distributed import unwrap_model
 from .logprobs import causal_lm_of, completion_hidden_states, supports_chunked_head
+from .logs import completion_metrics
 from .models import load_causal_lm, load_tokenizer, looks_like_local_path
 from .multimodal import tokenizer_of
+from .rollout import EVAL_SEED_OFFSET, rollout_seed
 from .trainer import GRPOTrainer
 
 
@@ -150,3 +154,39 @@ class DistillationTrainer(GRPOTrainer):
                 student_bias=student_head.bias, teacher_bias=teacher_head.bias, num_tokens=max(num_tokens, 1))
         self._step_stats.append(stats.as_dict())
         return loss
+
+    @torch.no_grad()
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """TRL's evaluation: the student samples one completion per prompt of eval_dataset (default: the
+        trainer's; fixed seeds, so the same weights give the same completions), `eval_loss` is their token mean of
+        the divergence from the teacher, with TRL's `eval_entropy` and `eval_completions/...`. Named sets (a dict)
+        are evaluated one by one, prefixed `eval_<name>`."""
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if dataset is None:
+            raise ValueError("No eval_dataset: pass one to DistillationTrainer(eval_dataset=...) or to evaluate().")
+        args, metrics, training = self.args, {}, self.model.training
+        self.model.eval()
+        for name, one in named_eval_datasets(dataset).items():
+            prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
+            rows_of = dataset_rows(one) if is_iterable_dataset(one) else one
+            divergence, entropy, tokens, lengths, truncated = 0.0, 0.0, 0.0, [], []
+            size = args.per_device_eval_batch_size
+            for index, start in enumerate(range(0, len(rows_of), size)):
+                rows = [rows_of[i] for i in range(start, min(start + size, len(rows_of)))]
+                seed = rollout_seed(args.seed + EVAL_SEED_OFFSET, index, 0)
+                generation, _ = self.experience.sample_and_score(rows, [1] * len(rows), seed, self.state)
+                batch = TrainBatch.from_rollout(generation.rollout, torch.zeros(len(rows)))
+                count = batch.loss_mask.sum().item()
+                # num_tokens 1: the divergence summed over the batch's tokens, divided once by all of them below
+                divergence += self.compute_loss(self.model, batch, num_items_in_batch=(len(rows), 1.0, 1)).item()
+                entropy += self._step_stats.pop()["entropy"] * count
+                tokens += count
+                lengths.append(generation.model_lengths.float().cpu())
+                truncated.append(generation.rollout.is_truncated.float().cpu())
+            metrics[f"{prefix}_loss"] = divergence / max(tokens, 1.0)
+            metrics[f"{prefix}_entropy"] = entropy / max(tokens, 1.0)
+            found = completion_metrics(torch.cat(lengths), torch.cat(truncated))
+            metrics.update({f"{prefix}_{key}": value for key, value in found.items()})
+        self.model.train(training)
+        self.callback_handler("on_evaluate", self.args, self.state, metrics=metrics)
+        return metrics

@@ -248,3 +248,26 @@ def test_a_prompt_only_dataset_needs_no_reward_columns(student_dir, teacher_dir,
     trainer = DistillationTrainer(student_dir, teacher_dir, args=config(tmp_path, max_steps=1), train_dataset=dataset)
     trainer.train()
     assert trainer.reward_funcs == [] and trainer.ref_model is None
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+
+
+def test_evaluation_logs_trls_eval_loss_and_is_repeatable(student_dir, teacher_dir, tmp_path):
+    args = config(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
+    trainer = DistillationTrainer(student_dir, teacher_dir, args=args, train_dataset=letter_dataset(1),
+                                  eval_dataset=letter_dataset(1))  # fmt: skip
+    trainer.train()
+    logged = next(record for record in trainer.state.log_history if "eval_loss" in record)
+    assert logged["step"] == 2 and logged["eval_loss"] > 0
+    assert {"eval_entropy", "eval_completions/mean_length", "eval_completions/clipped_ratio"} <= set(logged)
+    again = trainer.evaluate()
+    assert again["eval_loss"] == pytest.approx(logged["eval_loss"], rel=1e-6)  # the same completions
+    assert trainer.model.training
+
+
+def test_evaluation_against_itself_is_zero(student_dir, tmp_path):
+    trainer = DistillationTrainer(student_dir, student_dir, args=config(tmp_path), train_dataset=letter_dataset(1),
+                                  eval_dataset={"letters": letter_dataset(1)})  # fmt: skip
+    metrics = trainer.evaluate()
+    assert abs(metrics["eval_letters_loss"]) < 1e-6 and metrics["eval_letters_entropy"] > 0
