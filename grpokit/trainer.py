@@ -109,9 +109,7 @@ class GenerationCursor:
 
 
 class GRPOTrainer:
-    # False in a subclass whose objective needs no rewards (DistillationTrainer): no reward function is asked for,
-    # completions are sampled but not scored, and their advantages are 0.
-    scores_completions = True
+    scores_completions = True  # False: an objective without rewards (DistillationTrainer): none asked for or scored
 
     def __init__(
         self,

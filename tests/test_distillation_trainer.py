@@ -201,6 +201,38 @@ def test_teacher_equal_to_student_gives_zero_loss_and_gradient(tmp_path, beta):
     assert max(p.grad.abs().max().item() for p in trainer.model.parameters() if p.grad is not None) < 1e-6
 
 
+def test_gradient_accumulation_does_not_change_the_update(student_dir, teacher_dir, tmp_path):
+    # One generation batch of 8 completions (the same seed, so the same completions), trained as one micro-batch
+    # of 8 or two of 4: each is normalised by the window's tokens, so the update is the same. With adam_epsilon >>
+    # |g| the first AdamW step is lr * g / adam_epsilon = g: the update is the gradient.
+    common = dict(max_steps=1, max_grad_norm=0.0, learning_rate=1e6, adam_epsilon=1e6)
+    runs = []
+    for name, batch_size, accumulation in (("one", 8, 1), ("two", 4, 2)):
+        args = config(tmp_path / name, per_device_train_batch_size=batch_size, gradient_accumulation_steps=accumulation,
+                      **common)  # fmt: skip
+        runs.append(DistillationTrainer(student_dir, teacher_dir, args=args, train_dataset=letter_dataset(1)))
+    before = weights(runs[0])
+    for run in runs:
+        run.train()
+    w1, w2 = weights(runs[0]), weights(runs[1])
+    assert runs[0].state.log_history[0]["loss"] == pytest.approx(runs[1].state.log_history[0]["loss"], abs=1e-7)
+    moved = max((w1[k] - before[k]).abs().max().item() for k in w1)
+    assert moved > 1e-3
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-5 * moved
+
+
+def test_a_lora_student_trains_its_adapter_only(student_dir, teacher_dir, tmp_path):
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    trainer = DistillationTrainer(student_dir, teacher_dir, args=config(tmp_path, max_steps=2),
+                                  train_dataset=letter_dataset(1), peft_config=lora)  # fmt: skip
+    before = weights(trainer)
+    trainer.train()
+    after = weights(trainer)
+    changed = {key for key in before if not torch.equal(before[key], after[key])}
+    assert changed and all("lora_" in key for key in changed), sorted(changed)
+
+
 # ---------------------------------------------------------------------------------------------- the teacher
 
 
