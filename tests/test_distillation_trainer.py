@@ -187,6 +187,28 @@ def test_the_trainers_loss_is_distillation_loss_on_full_logits(tmp_path, beta, t
     assert trainer._step_stats[-1]["entropy"] == pytest.approx(stats.as_dict()["entropy"], abs=1e-5)
 
 
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-3)])
+def test_a_teacher_of_another_architecture_and_dtype(tmp_path, dtype, tolerance):
+    # A Llama teacher (other architecture, its own hidden size) for a Qwen2 student, in float32 or bfloat16; the
+    # reference takes the bfloat16 teacher's own logits, in float32 from there on.
+    from grpokit.testing import build_tiny_model_of_type
+
+    tokenizer = build_char_tokenizer(CHARS)
+    student = build_tiny_model(len(tokenizer), hidden_size=32, seed=0, eos_token_id=tokenizer.eos_token_id,
+                               pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    teacher = build_tiny_model_of_type("llama", num_layers=2, vocab_size=len(tokenizer), seed=3).to(dtype)
+    trainer = DistillationTrainer(student, teacher, args=config(tmp_path, beta=0.5), train_dataset=letter_dataset(1),
+                                  processing_class=tokenizer)  # fmt: skip
+    batch = fixed_batch(tokenizer, torch.Generator().manual_seed(2))
+    loss = trainer.compute_loss(trainer.model, batch)
+    with torch.no_grad():
+        teacher_logits = full_logits(trainer.teacher_model, batch).float()
+        expected, _ = distillation_loss(full_logits(trainer.model, batch), teacher_logits, batch.loss_mask, beta=0.5)
+    assert type(trainer.teacher_model).__name__ == "LlamaForCausalLM" and trainer.teacher_model.dtype == dtype
+    assert expected.item() > 1e-3
+    assert loss.item() == pytest.approx(expected.item(), abs=tolerance, rel=0)
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_teacher_equal_to_student_gives_zero_loss_and_gradient(tmp_path, beta):
     tokenizer = build_char_tokenizer(CHARS)
