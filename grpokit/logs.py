@@ -266,16 +266,18 @@ class MetricSink:
         with open(self.path.parent / "completions.jsonl", "a") as handle:
             for sample in samples:
                 handle.write(json.dumps({"step": step, **sample}, default=str) + "\n")
-        lines = [f"  {_short(s['prompt'])!r} -> {_short(s['completion'])!r}  reward={s['reward']}  "
-                 f"advantage={s['advantage']:+.3f}" for s in samples]  # fmt: skip
+        scored = "reward" in samples[0]  # unscored (on-policy distillation): prompt and completion only, as TRL
+        lines = [f"  {_short(s['prompt'])!r} -> {_short(s['completion'])!r}" + (
+                 f"  reward={s['reward']}  advantage={s['advantage']:+.3f}" if scored else "") for s in samples]
         console_line(f"[step {step}] completions:\n" + "\n".join(lines))
-        columns = ["prompt", "completion", "reward", "advantage"]
+        columns = ["prompt", "completion", "reward", "advantage"][: 4 if scored else 2]
         if unique_prompts:  # the first row of each prompt; conversations compared by their text, as in TRL
             first = {}
             for sample in samples:
                 first.setdefault(str(sample["prompt"]), sample)
             samples = list(first.values())
-        rows = [[_short(s["prompt"], 200), _short(s["completion"], 200), s["reward"], s["advantage"]] for s in samples]
+        rows = [[_short(s["prompt"], 200), _short(s["completion"], 200), s.get("reward"), s.get("advantage")]
+                [: len(columns)] for s in samples]  # fmt: skip
         for tracker in self.trackers:
             tracker.log_table("completions", columns, rows, step)
 

@@ -298,6 +298,13 @@ def test_resume_continues_to_the_same_weights(student_dir, teacher_dir, tmp_path
     assert saved["global_step"] == 4
 
 
+def test_logged_completions_have_no_reward_columns(student_dir, teacher_dir, tmp_path):
+    args = config(tmp_path, max_steps=1, log_completions=True, num_completions_to_print=2)
+    DistillationTrainer(student_dir, teacher_dir, args=args, train_dataset=letter_dataset(1)).train()
+    rows = [json.loads(line) for line in (tmp_path / "out" / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and set(rows[0]) == {"step", "prompt", "completion"}
+
+
 def test_a_prompt_only_dataset_needs_no_reward_columns(student_dir, teacher_dir, tmp_path):
     dataset = Dataset.from_list([{"prompt": f"{c}:"} for c in LETTERS])
     trainer = DistillationTrainer(student_dir, teacher_dir, args=config(tmp_path, max_steps=1), train_dataset=dataset)
