@@ -16,7 +16,7 @@ step's token mean.
 Departures from TRL 1.16: `trainer.args` is the loop's GRPOConfig (the DistillationConfig given is
 `trainer.distillation_args`); `teacher_model=None` falls back to `args.teacher_model_name_or_path` (TRL's own
 script passes it explicitly); heads that transform their logits (soft-capping, logit scales), which TRL applies,
-are refused; one process only for now.
+are refused; one process or DDP (not FSDP or DeepSpeed).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from .batch import TrainBatch
 from .data import dataset_rows, is_iterable_dataset, named_eval_datasets
 from .distillation import check_shared_tokenizer, chunked_distillation_loss
 from .distillation_config import DistillationConfig, loop_config
-from .distributed import unwrap_model
+from .distributed import as_wrapper_forward, deepspeed_stage, unwrap_model
 from .logprobs import causal_lm_of, completion_hidden_states, supports_chunked_head
 from .logs import completion_metrics
 from .models import load_causal_lm, load_tokenizer, looks_like_local_path
@@ -111,9 +111,9 @@ class DistillationTrainer(GRPOTrainer):
         super().__init__(model, None, loop_config(args), train_dataset, eval_dataset, processing_class,
                          callbacks=callbacks, optimizers=optimizers, quantization_config=quantization_config,
                          peft_config=peft_config, tools=tools, rollout_engine=rollout_engine)  # fmt: skip
-        if self.accelerator.num_processes > 1:
-            raise NotImplementedError("DistillationTrainer runs on one process for now: its loss calls the student's "
-                                      "decoder directly, which DDP / FSDP / ZeRO would not see.")  # fmt: skip
+        if deepspeed_stage(self.accelerator) is not None or self.accelerator.is_fsdp2:
+            raise NotImplementedError("DistillationTrainer runs on one process or under DDP: its loss reads the "
+                                      "student's LM head weight whole, which FSDP and DeepSpeed shard or wrap.")
         self.teacher_model, teacher_tokenizer = load_teacher(teacher_model, args, self.accelerator.device)
         if teacher_tokenizer is not None:
             check_shared_tokenizer(tokenizer_of(self.processing_class), teacher_tokenizer)
@@ -139,21 +139,27 @@ class DistillationTrainer(GRPOTrainer):
         num_tokens = (num_items_in_batch or self._window_counts or (0, inputs.loss_mask.sum().item(), 1))[1]
         batch = inputs.trimmed()
         width = batch.completion_ids.shape[1]
+        with self.accelerator.autocast(), torch.no_grad():
+            teacher_hidden, _, _ = _row_major(*completion_hidden_states(
+                self.teacher_model, batch.input_ids, batch.input_mask, width, batch.multimodal), width)  # fmt: skip
         student = unwrap_model(self.accelerator, model)
+        # Under DDP the student's part runs as the wrapper's forward, so that its backward reduces the gradients.
+        loss, stats = as_wrapper_forward(model, student, self._student_loss, student, batch, teacher_hidden,
+                                         max(num_tokens, 1))  # fmt: skip
+        self._step_stats.append(stats.as_dict())
+        return loss
+
+    def _student_loss(self, student, batch: TrainBatch, teacher_hidden: torch.Tensor, num_tokens: float):
+        width = batch.completion_ids.shape[1]
         with self.accelerator.autocast():
             hidden, rows, columns = _row_major(*completion_hidden_states(
                 student, batch.input_ids, batch.input_mask, width, batch.multimodal), width)  # fmt: skip
-            with torch.no_grad():
-                teacher_hidden, _, _ = _row_major(*completion_hidden_states(
-                    self.teacher_model, batch.input_ids, batch.input_mask, width, batch.multimodal), width)  # fmt: skip
             student_head = causal_lm_of(student).get_output_embeddings()
             teacher_head = self.teacher_model.get_output_embeddings()
-            loss, stats = chunked_distillation_loss(
+            return chunked_distillation_loss(
                 hidden[None], student_head.weight, teacher_hidden[None].to(hidden.device), teacher_head.weight,
                 batch.loss_mask[rows, columns][None], beta=self.beta, temperature=self.temperature,
-                student_bias=student_head.bias, teacher_bias=teacher_head.bias, num_tokens=max(num_tokens, 1))
-        self._step_stats.append(stats.as_dict())
-        return loss
+                student_bias=student_head.bias, teacher_bias=teacher_head.bias, num_tokens=num_tokens)
 
     @torch.no_grad()
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:

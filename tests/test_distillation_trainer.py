@@ -390,3 +390,79 @@ def test_a_distilled_student_reaches_the_teachers_accuracy_in_fewer_samples_than
     assert distilled.reached_at is not None, distilled.curve
     # The same completions per step, so fewer steps is fewer samples; GRPO may not get there at all in 120.
     assert distilled.reached_at < (rewarded.reached_at or 121) / 1.5, (distilled.curve, rewarded.curve)
+
+
+# ------------------------------------------------------------------------------------------ two processes
+
+DDP_SCRIPT = """
+import json, os, sys
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from transformers import AutoTokenizer
+
+from grpokit import DistillationConfig, DistillationTrainer, TrainBatch
+
+RANK = int(os.environ.get("RANK", 0))
+
+
+def fixed_batch(model):
+    # 16 rows, the same in every process: ragged completions, a 2-token tool span in every fourth row.
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    generator = torch.Generator().manual_seed(0)
+    prompt_ids = torch.tensor(tokenizer(["ab:", "cd:", "ef:", "gh:"] * 4)["input_ids"])
+    completion_ids = torch.randint(7, len(tokenizer), (16, 5), generator=generator)
+    mask = (torch.arange(5) < torch.randint(1, 6, (16, 1), generator=generator)).long()
+    loss_mask = mask.clone()
+    loss_mask[::4, 1:3] = 0
+    return TrainBatch(prompt_ids, torch.ones_like(prompt_ids), completion_ids, mask, loss_mask.float(),
+                      mask.sum(-1), torch.zeros(16, 5))
+
+
+def main(spec_path):
+    for spec in json.loads(Path(spec_path).read_text()):
+        out, batch = Path(spec["out"]), fixed_batch(spec["student"])
+        args = DistillationConfig(output_dir=str(out), per_device_train_batch_size=spec["batch_size"],
+                                  gradient_accumulation_steps=spec["accumulation"], max_steps=1, max_grad_norm=0.0,
+                                  learning_rate=1e6, adam_epsilon=1e6, beta=0.5, bf16=False,
+                                  gradient_checkpointing=False, optim="adamw_torch", logging_steps=1,
+                                  save_strategy="no", disable_tqdm=True, max_completion_length=5)
+        trainer = DistillationTrainer(spec["student"], spec["teacher"], args=args,
+                                      train_dataset=Dataset.from_list([{"prompt": "ab:"}] * 16))
+        rows = args.per_device_train_batch_size * args.gradient_accumulation_steps  # this process's share
+        trainer.generate_batch = lambda: batch.select(slice(RANK * rows, (RANK + 1) * rows))
+        trainer.train()
+        weights = {k: v.detach().clone() for k, v in trainer.unwrapped_model.state_dict().items()}
+        torch.save({"weights": weights, "loss": trainer.state.log_history[0]["loss"]}, out / f"rank{RANK}.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_under_ddp_make_the_update_of_one(student_dir, teacher_dir, tmp_path):
+    # The same 16 completions: 1 process x 16 rows against 2 processes x 8 (as 2 micro-batches of 4). With
+    # adam_epsilon = learning_rate >> |g| the update is the gradient: any error in the normalisation over the
+    # window's tokens of both processes, or a gradient DDP did not reduce, shows.
+    from test_distributed import launch, load, max_difference, run_in_this_process
+
+    job = dict(student=student_dir, teacher=teacher_dir)
+    run_in_this_process(tmp_path, {**job, "out": str(tmp_path / "one"), "batch_size": 16, "accumulation": 1},
+                        script=DDP_SCRIPT)  # fmt: skip
+    launch(tmp_path, {**job, "out": str(tmp_path / "two"), "batch_size": 4, "accumulation": 2}, script=DDP_SCRIPT)
+    one, rank0, rank1 = (load(tmp_path / name) for name in ("one/rank0.pt", "two/rank0.pt", "two/rank1.pt"))
+    initial = weights_of(student_dir)
+    moved = max_difference(one["weights"], initial)
+    assert moved > 1e-3
+    assert max_difference(rank0["weights"], rank1["weights"]) == 0.0
+    assert max_difference(rank0["weights"], one["weights"]) < 1e-5 * moved
+    assert rank0["loss"] == pytest.approx(one["loss"], abs=1e-6)
+
+
+def weights_of(directory):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory).state_dict()
