@@ -21,6 +21,8 @@ are refused; one process or DDP (not FSDP or DeepSpeed).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .batch import TrainBatch
@@ -160,6 +162,12 @@ class DistillationTrainer(GRPOTrainer):
                 hidden[None], student_head.weight, teacher_hidden[None].to(hidden.device), teacher_head.weight,
                 batch.loss_mask[rows, columns][None], beta=self.beta, temperature=self.temperature,
                 student_bias=student_head.bias, teacher_bias=teacher_head.bias, num_tokens=num_tokens)
+
+    def _model_card(self, method: str = "", final_keys: tuple[str, str] = ("loss", "eval_loss"),
+                    config: dict | None = None) -> str:  # fmt: skip
+        teacher = getattr(self.teacher_model.config, "name_or_path", "") or type(self.teacher_model).__name__
+        return super()._model_card(f"on-policy distillation against the teacher **{teacher}**", final_keys,
+                                   dataclasses.asdict(self.distillation_args))  # fmt: skip
 
     @torch.no_grad()
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:

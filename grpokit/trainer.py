@@ -677,14 +677,17 @@ class GRPOTrainer:
                               with_weights=with_weights, save_merged_model=self.args.save_merged,
                               model_card=self._model_card)  # fmt: skip
 
-    def _model_card(self) -> str:
+    def _model_card(self, method: str = "GRPO", final_keys: tuple[str, str] = ("reward", "eval/reward"),
+                    config: dict | None = None) -> str:  # fmt: skip
+        """The card: `method` names the training, `config` its settings (default: args'); the last records holding
+        `final_keys` (training, evaluation) give its final metrics."""
         model, history = self.unwrapped_model, self.state.log_history
         base_model = getattr(getattr(model, "config", None), "name_or_path", "")
         return render_model_card(
             self.args.run_name or Path(self.args.output_dir).name, base_model, describe_dataset(self.train_dataset),
             [(f.name, w) for f, w in zip(self.reward_functions, self.reward_weights.tolist())],
-            {**self.args.to_dict(), "max_steps": self.state.max_steps},
-            final_metrics=next((r for r in reversed(history) if "reward" in r), None),
-            final_eval=next((r for r in reversed(history) if "eval/reward" in r), None),
-            model_class=type(model).__name__,
+            {**(config or self.args.to_dict()), "max_steps": self.state.max_steps},
+            final_metrics=next((r for r in reversed(history) if final_keys[0] in r), None),
+            final_eval=next((r for r in reversed(history) if final_keys[1] in r), None),
+            model_class=type(model).__name__, method=method,
         )  # fmt: skip

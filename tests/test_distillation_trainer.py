@@ -104,6 +104,9 @@ def test_a_trl_distillation_script_runs_with_only_the_import_changed(student_dir
         assert not any(key.startswith("reward") for key in record)  # nothing scores the completions
     assert (tmp_path / "out" / "checkpoint-2").is_dir()
     assert (tmp_path / "out" / "model.safetensors").is_file()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f"on-policy distillation against the teacher **{teacher_dir}**" in card and "| `beta` | 0.5 |" in card
+    assert "Reward functions" not in card and "## Final training metrics (step 2)" in card
 
     # The same script under TRL 1.16: every metric name it logs, grpokit logs.
     trl_trainer = run_script(student_dir, teacher_dir, tmp_path / "trl", library="trl")
