@@ -152,6 +152,7 @@ class DistillationTrainer(GRPOTrainer):
         return loss
 
     def _student_loss(self, student, batch: TrainBatch, teacher_hidden: torch.Tensor, num_tokens: float):
+        """The student's forward and the divergence from the teacher's hidden states (M rows, row-major)."""
         width = batch.completion_ids.shape[1]
         with self.accelerator.autocast():
             hidden, rows, columns = _row_major(*completion_hidden_states(

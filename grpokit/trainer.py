@@ -677,10 +677,8 @@ class GRPOTrainer:
                               with_weights=with_weights, save_merged_model=self.args.save_merged,
                               model_card=self._model_card)  # fmt: skip
 
-    def _model_card(self, method: str = "GRPO", final_keys: tuple[str, str] = ("reward", "eval/reward"),
-                    config: dict | None = None) -> str:  # fmt: skip
-        """The card: `method` names the training, `config` its settings (default: args'); the last records holding
-        `final_keys` (training, evaluation) give its final metrics."""
+    def _model_card(self, method="GRPO", final_keys=("reward", "eval/reward"), config: dict | None = None) -> str:
+        """The card of `method`, `config` (default: args'), and the last records with `final_keys` (train, eval)."""
         model, history = self.unwrapped_model, self.state.log_history
         base_model = getattr(getattr(model, "config", None), "name_or_path", "")
         return render_model_card(
