@@ -2,12 +2,15 @@
 
     from grpokit import GRPOConfig, GRPOTrainer     # drop-in for trl's classes of the same names
     from grpokit import RLOOConfig, RLOOTrainer     # TRL's RLOO, on the same loop
+    from grpokit import DistillationConfig, DistillationTrainer
 """
 
 from .advantages import group_advantages, process_advantages
 from .batch import TrainBatch
 from .config import GRPOConfig
+from .distill_trainer import DistillationTrainer
 from .distillation import chunked_distillation_loss
+from .distillation_config import DistillationConfig
 from .evaluation import pass_at_k
 from .logprobs import chunked_token_logprobs, selective_log_softmax, token_logprobs
 from .loss import distillation_loss, generalized_jsd, policy_loss
@@ -18,6 +21,8 @@ from .trainer import GRPOTrainer
 from .version import __version__  # noqa: F401  (grpokit.__version__)
 
 __all__ = [
+    "DistillationConfig",
+    "DistillationTrainer",
     "GRPOConfig",
     "GRPOTrainer",
     "HFEngine",

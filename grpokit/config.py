@@ -27,7 +27,7 @@ import types
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from .advantages import SCALE_REWARDS
 from .logs import TRACKERS
@@ -128,6 +128,10 @@ ACCELERATOR_CONFIG_DEFAULTS = {"split_batches": False, "dispatch_batches": None,
 
 @dataclass
 class GRPOConfig:
+    # The smallest group (not a field): GRPO's advantage compares the completions of one prompt with each other. A
+    # loop that computes no advantages (on-policy distillation: `distillation_config.DistillationLoopConfig`) takes 1.
+    min_num_generations: ClassVar[int] = 2
+
     # ---- output, logging, checkpoints
     output_dir: str | None = _f(None, "Where checkpoints, metrics.jsonl and the final model are written (None: "
                                      "'trainer_output', as in TRL).")
@@ -941,7 +945,7 @@ class GRPOConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 fail(f"{name}={value!r} must be a positive integer (>= 1).")
-        if not isinstance(self.num_generations, int) or self.num_generations < 2:
+        if not isinstance(self.num_generations, int) or self.num_generations < self.min_num_generations:
             fail(
                 f"GRPO requires at least 2 generations per prompt to calculate the advantages. You provided "
                 f"num_generations={self.num_generations}: GRPO's advantage compares the completions of one prompt "

@@ -1,4 +1,5 @@
-"""DistillationConfig: TRL 1.16's `trl.DistillationConfig` surface (issue 37), not yet read by a trainer.
+"""DistillationConfig: TRL 1.16's `trl.DistillationConfig` surface (issue 37), and the GRPOConfig that grpokit's one
+training loop runs a distillation on (`loop_config`).
 
 TRL's DistillationConfig is its GRPOConfig's fields (those of `transformers.TrainingArguments` and the generation,
 vLLM and logging ones) less the GRPO-only ones, with `beta` redefined, plus three teacher fields; its defaults are
@@ -66,3 +67,21 @@ DistillationConfig = dataclasses.make_dataclass(
     namespace={"__post_init__": _validate, "__module__": __name__,
                "__doc__": "TRL 1.16's `DistillationConfig` fields and defaults (see the module docstring)."},
 )  # fmt: skip
+
+
+class DistillationLoopConfig(GRPOConfig):
+    """The GRPOConfig a `DistillationTrainer` runs grpokit's loop with: groups of one completion per prompt (no
+    advantage compares completions), so `min_num_generations` is 1."""
+
+    min_num_generations = 1
+
+
+def loop_config(config) -> DistillationLoopConfig:
+    """The loop's settings for a DistillationConfig: every shared field as given, and TRL 1.16's distillation
+    batching — one completion per prompt (num_generations = 1), one generation batch per optimizer step
+    (steps_per_generation = gradient_accumulation_steps, the default), one pass over it (num_iterations = 1) — with
+    GRPO's beta 0 (no reference model: the divergence's beta is the trainer's `beta`)."""
+    grpo_names = {spec.name for spec in dataclasses.fields(GRPOConfig)}
+    shared = {name: getattr(config, name) for name in TRL_DISTILLATION_FIELDS["fields"]
+              if name in grpo_names and name != "beta"}  # fmt: skip
+    return DistillationLoopConfig(**shared, num_generations=1, num_generations_eval=1, num_iterations=1, beta=0.0)

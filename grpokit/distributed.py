@@ -400,3 +400,23 @@ def unwrap_model(accelerator, model: torch.nn.Module) -> torch.nn.Module:
     if not hasattr(model, "module") and not hasattr(model, "_orig_mod"):  # DDP, DeepSpeedEngine; torch.compile
         return model
     return accelerator.unwrap_model(model)
+
+
+def as_wrapper_forward(wrapper: torch.nn.Module, module: torch.nn.Module, function, *args, **kwargs):
+    """`function(*args, **kwargs)` run as the forward of `wrapper` (DDP around `module`), for a computation that
+    calls the module's parts directly (its decoder, its head's weight): DDP prepares the gradient reduction of a
+    backward only for what went through its forward (TRL's `_ForwardRedirection` does the same). Without a wrapper
+    (wrapper is module), a plain call."""
+    if wrapper is module:
+        return function(*args, **kwargs)
+    original = module.forward
+
+    def forward(*unused_args, **unused_kwargs):
+        module.forward = original
+        return function(*args, **kwargs)
+
+    module.forward = forward
+    try:
+        return wrapper()
+    finally:
+        module.forward = original

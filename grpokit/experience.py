@@ -27,7 +27,7 @@ from .data import dataset_rows, is_iterable_dataset
 from .distributed import is_sharded
 from .evaluation import evaluation_metrics, group_records
 from .logprobs import token_logprobs
-from .logs import generation_metrics, reduce_extremes
+from .logs import completion_metrics, generation_metrics, reduce_extremes
 from .loss import policy_loss, sampling_correction
 from .models import reference_policy
 from .multimodal import loggable_prompt
@@ -103,7 +103,8 @@ class ExperienceMaker:
             metrics.update(sampling_metrics)
         rollout, offset, n = scored.rollout, scored.offset, len(scored.rows)
         all_scores = acc.gather(scored.scores.to(device)).cpu()
-        rewards = self.scorer.outcome_rewards(all_scores)
+        # Nothing scores them in on-policy distillation: the loss compares with a teacher, not with rewards.
+        rewards = self.scorer.outcome_rewards(all_scores) if self.scorer.functions else None
         loss_mask = rollout.loss_mask
         if args.mask_truncated_completions:
             loss_mask = loss_mask * (~rollout.is_truncated)[:, None].to(loss_mask.dtype)
@@ -111,12 +112,14 @@ class ExperienceMaker:
         batch = TrainBatch.from_rollout(rollout, torch.zeros(n), loss_mask)
         logprob_metrics, reward_kl = self._add_old_and_ref_logprobs(batch, rollout.sampling_logprobs)
         metrics.update(logprob_metrics)
-        advantages = self._advantages(scored, all_scores, reward_kl)
+        advantages = self._advantages(scored, all_scores, reward_kl) if rewards is not None else \
+            torch.zeros(len(all_scores))  # fmt: skip
         batch.advantages = TrainBatch.from_rollout(rollout, advantages[offset : offset + n]).advantages
         if device.type == "cpu":  # and the no-grad forwards' (π_old, π_ref), before the training forward
             return_free_memory()
         generated, num_tokens = self._generation_metrics(all_scores, rewards, scored)
-        self._check_some_reward(all_scores, generated)
+        if rewards is not None:
+            self._check_some_reward(all_scores, generated)
         metrics.update(generated)
         metrics.update(self.scorer.logs.flush_metrics(acc))
         metrics.update(self.runner.metrics(acc))
@@ -126,10 +129,10 @@ class ExperienceMaker:
             shown = min(args.num_completions_to_print or args.num_generations, n)
             samples = [
                 {**loggable_prompt(scored.prompts[i], args.log_multimodal), "completion": scored.completions[i],
-                 "rewards": {name: _none_if_nan(all_scores[offset + i, j].item())
-                             for j, name in enumerate(self.scorer.names)},
-                 "reward": _none_if_nan(rewards[offset + i].item()),
-                 "advantage": advantages[offset + i].float().mean().item(),
+                 **({"rewards": {name: _none_if_nan(all_scores[offset + i, j].item())
+                                 for j, name in enumerate(self.scorer.names)},
+                     "reward": _none_if_nan(rewards[offset + i].item()),
+                     "advantage": advantages[offset + i].float().mean().item()} if rewards is not None else {}),
                  **({"extra": {k: v[i] for k, v in extra.items() if i < len(v)}} if extra else {})}
                 for i in range(shown)
             ]  # fmt: skip
@@ -279,11 +282,14 @@ class ExperienceMaker:
                 f"Set reward_fn_errors='raise' to see the first error with its row, and fix the function.")
 
     def _generation_metrics(self, scores, rewards, scored: ScoredRollout) -> tuple[dict[str, float], int]:
-        """TRL's generation metrics over the global batch, and its prompt + completion token count."""
+        """TRL's generation metrics over the global batch (rewards None: the completions' only), and its prompt +
+        completion token count."""
         args, acc, rollout = self.args, self.accelerator, scored.rollout
         lengths = acc.gather(scored.model_lengths.float()).cpu()
         truncated = acc.gather(rollout.is_truncated.float()).cpu()
         tokens = acc.gather((rollout.prompt_mask.sum() + rollout.attention_mask.sum()).reshape(1)).sum().item()
+        if rewards is None:
+            return completion_metrics(lengths, truncated), int(tokens)
         keys = torch.tensor(sequence_keys(rollout.completion_ids, rollout.attention_mask), device=acc.device)
         # Reward errors are counted where they happen: the metric is the total over the processes.
         names, failures = self.scorer.names, scored.failures

@@ -349,6 +349,48 @@ def supports_chunked_head(model: torch.nn.Module) -> bool:
     return isinstance(decoder, torch.nn.Module) and decoder is not lm
 
 
+def completion_hidden_states(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_length: int,
+    multimodal: MultimodalInputs | None = None,
+    share_prompts: bool = True,
+    position_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The final hidden states (the LM head's input) that predict the real completion tokens of input_ids
+    [N, P + T]: (hidden [M, H], rows [M], columns [M]), hidden[m] predicting token columns[m] of row rows[m]'s
+    completion, for the M positions where attention_mask's last T columns are 1. The first half of
+    `token_logprobs`' chunked path (`supports_chunked_head` models): the decoder runs, the head does not, so a caller
+    projects the rows itself (the log-probs; on-policy distillation's divergence against a teacher's head).
+
+    Rows sharing a prompt run it once (`shared_prompt_hidden`, when `share_prompts` and `can_share_prompts`); the
+    rows then come in that path's order, not row-major. position_ids: as `token_logprobs` computes them (None:
+    computed here)."""
+    prompt_length = input_ids.shape[1] - completion_length
+    if position_ids is None:
+        position_ids = rope_position_ids(model, input_ids, attention_mask, multimodal, prompt_width=prompt_length)
+        if position_ids is None:
+            position_ids = position_ids_from_mask(attention_mask)
+    lm = causal_lm_of(model)
+    decoder = decoder_of(lm)
+    if share_prompts and can_share_prompts(lm):
+        shared = shared_prompt_hidden(decoder, input_ids, attention_mask, position_ids, completion_length, multimodal)
+        if shared is not None:
+            return shared
+    images = batch_model_inputs(multimodal, None, prompt_length, input_ids.shape[1], decoder)
+    out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                  **images)  # fmt: skip
+    hidden = _last_hidden(out)[:, -completion_length - 1 : -1]  # position t predicts token t + 1
+    real = attention_mask[:, -completion_length:].bool()
+    if bool(real.all()):  # the same rows, in the same order, without an index (a copy the reshape makes anyway)
+        rows = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(completion_length)
+        columns = torch.arange(completion_length, device=hidden.device).repeat(hidden.shape[0])
+        return hidden.reshape(-1, hidden.shape[-1]), rows, columns
+    rows, columns = real.nonzero(as_tuple=True)
+    return hidden[rows, columns], rows, columns
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -418,26 +460,9 @@ def token_logprobs(
         position_ids = position_ids_from_mask(attention_mask)
     targets = input_ids[:, -completion_length:]
     if use_chunked:
-        lm = causal_lm_of(model)
-        head, decoder = lm.get_output_embeddings(), decoder_of(lm)
-        shared = None
-        if share_prompts and can_share_prompts(lm):
-            shared = shared_prompt_hidden(decoder, input_ids, attention_mask, position_ids, completion_length,
-                                          multimodal)  # fmt: skip
-        if shared is not None:
-            hidden, rows, columns = shared  # [M, H] for the real completion tokens at (rows, columns)
-        else:
-            images = batch_model_inputs(multimodal, None, prompt_length, input_ids.shape[1], decoder)
-            out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False, **images)  # fmt: skip
-            hidden = _last_hidden(out)[:, -completion_length - 1 : -1]  # position t predicts token t + 1
-            real = attention_mask[:, -completion_length:].bool()
-            if bool(real.all()):
-                return chunked_token_logprobs(hidden, head.weight, targets, temperature, bias=head.bias,
-                                              with_entropy=with_entropy, fp32_head=fp32_head,
-                                              float32_gemm=getattr(head, FLOAT32_HEAD, False))  # fmt: skip
-            rows, columns = real.nonzero(as_tuple=True)
-            hidden = hidden[rows, columns]
+        head = causal_lm_of(model).get_output_embeddings()
+        hidden, rows, columns = completion_hidden_states(model, input_ids, attention_mask, completion_length,
+                                                         multimodal, share_prompts, position_ids)  # fmt: skip
         logprobs, entropies = chunked_token_logprobs(hidden[None], head.weight, targets[rows, columns][None],
                                                      temperature, bias=head.bias, with_entropy=with_entropy,
                                                      fp32_head=fp32_head,

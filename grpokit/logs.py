@@ -10,6 +10,20 @@ from collections import defaultdict
 from pathlib import Path
 
 
+def completion_metrics(lengths, truncated) -> dict[str, float]:
+    """TRL's `completions/*` metrics from the whole batch's completion lengths [N] and truncation flags [N]."""
+    terminated = lengths[truncated == 0]
+    return {
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": truncated.mean().item(),
+        "completions/mean_terminated_length": terminated.mean().item() if len(terminated) else 0.0,
+        "completions/min_terminated_length": terminated.min().item() if len(terminated) else 0.0,
+        "completions/max_terminated_length": terminated.max().item() if len(terminated) else 0.0,
+    }
+
+
 def generation_metrics(rewards, scores, names, lengths, truncated, num_generations: int,
                        errors: dict[str, float] | None = None) -> dict[str, float]:
     """TRL's per-generation metrics from the whole batch's rewards [N], per-function scores [N, F] (NaN = None),
@@ -17,16 +31,11 @@ def generation_metrics(rewards, scores, names, lengths, truncated, num_generatio
     from .advantages import group_stats
 
     _, group_std = group_stats(rewards, num_generations)
-    terminated = lengths[truncated == 0]
     metrics = {
         "reward": rewards.nanmean().item(),
         "reward_std": group_std.mean().item(),
         "frac_reward_zero_std": (group_std < 1e-6).float().mean().item(),
-        "completions/mean_length": lengths.mean().item(),
-        "completions/min_length": lengths.min().item(),
-        "completions/max_length": lengths.max().item(),
-        "completions/clipped_ratio": truncated.mean().item(),
-        "completions/mean_terminated_length": terminated.mean().item() if len(terminated) else 0.0,
+        **completion_metrics(lengths, truncated),
     }
     for index, name in enumerate(names):
         column = scores[:, index]
@@ -258,16 +267,18 @@ class MetricSink:
         with open(self.path.parent / "completions.jsonl", "a") as handle:
             for sample in samples:
                 handle.write(json.dumps({"step": step, **sample}, default=str) + "\n")
-        lines = [f"  {_short(s['prompt'])!r} -> {_short(s['completion'])!r}  reward={s['reward']}  "
-                 f"advantage={s['advantage']:+.3f}" for s in samples]  # fmt: skip
+        scored = "reward" in samples[0]  # unscored (on-policy distillation): prompt and completion only, as TRL
+        lines = [f"  {_short(s['prompt'])!r} -> {_short(s['completion'])!r}" + (
+                 f"  reward={s['reward']}  advantage={s['advantage']:+.3f}" if scored else "") for s in samples]
         console_line(f"[step {step}] completions:\n" + "\n".join(lines))
-        columns = ["prompt", "completion", "reward", "advantage"]
+        columns = ["prompt", "completion", "reward", "advantage"][: 4 if scored else 2]
         if unique_prompts:  # the first row of each prompt; conversations compared by their text, as in TRL
             first = {}
             for sample in samples:
                 first.setdefault(str(sample["prompt"]), sample)
             samples = list(first.values())
-        rows = [[_short(s["prompt"], 200), _short(s["completion"], 200), s["reward"], s["advantage"]] for s in samples]
+        rows = [[_short(s["prompt"], 200), _short(s["completion"], 200), s.get("reward"), s.get("advantage")]
+                [: len(columns)] for s in samples]  # fmt: skip
         for tracker in self.trackers:
             tracker.log_table("completions", columns, rows, step)
 

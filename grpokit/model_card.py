@@ -56,17 +56,18 @@ def render_model_card(
     final_metrics: dict[str, Any] | None = None,
     final_eval: dict[str, Any] | None = None,
     model_class: str = "model",
+    method: str = "GRPO",
 ) -> str:
     """Markdown text of the card. `rewards` is (function name, weight) pairs; `config` a GRPOConfig as a dict (only
-    KEY_FIELDS are shown); `base_model` the hub id or path ("" for a model built in code: then `model_class`
+    KEY_FIELDS are shown; no reward section without rewards); `base_model` the hub id or path ("" for a model built in code: then `model_class`
     names it); `final_metrics` / `final_eval` the last training / evaluation record of log_history."""
     lines = [
         "---", "library_name: transformers", "tags: [grpokit, grpo]", "---", MARKER, "", f"# {title}", "",
-        f"Trained with GRPO (grpokit {__version__}) from "
+        f"Trained with {method} (grpokit {__version__}) from "
         f"{f'the base model **{base_model}**' if base_model else f'a `{model_class}` built in code'}.", "",
         "## Training data", "", f"- dataset: {dataset}", "",
-        "## Reward functions", "", "| reward function | weight |", "|---|---|",
-        *(f"| `{name}` | {weight:g} |" for name, weight in rewards), "",
+        *(["## Reward functions", "", "| reward function | weight |", "|---|---|",
+           *(f"| `{name}` | {weight:g} |" for name, weight in rewards), ""] if rewards else []),
         "## Configuration", "", "Key settings (every field is in `grpo_config.json` of the run's output_dir).", "",
         *_table(("field", "value"), [(key, config[key]) for key in KEY_FIELDS if key in config]),
     ]  # fmt: skip

@@ -109,6 +109,8 @@ class GenerationCursor:
 
 
 class GRPOTrainer:
+    scores_completions = True  # False: an objective without rewards (DistillationTrainer): none asked for or scored
+
     def __init__(
         self,
         model,
@@ -140,7 +142,8 @@ class GRPOTrainer:
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.reward_functions = build_reward_functions(
             reward_funcs, reward_processing_classes, args.per_device_train_batch_size, args.trust_remote_code,
-            environment_rewards=environments.reward_functions() if environments is not None else ())  # fmt: skip
+            environment_rewards=environments.reward_functions() if environments is not None else (),
+            required=self.scores_completions)  # fmt: skip
         for dataset in (train_dataset, *named_eval_datasets(eval_dataset).values()):
             if rollout_func is None:  # a rollout_func's extra fields are columns too, known only once it has run
                 agent_columns = ["turn_ends"] if tools or environments is not None else []
@@ -674,14 +677,15 @@ class GRPOTrainer:
                               with_weights=with_weights, save_merged_model=self.args.save_merged,
                               model_card=self._model_card)  # fmt: skip
 
-    def _model_card(self) -> str:
+    def _model_card(self, method="GRPO", final_keys=("reward", "eval/reward"), config: dict | None = None) -> str:
+        """The card of `method`, `config` (default: args'), and the last records with `final_keys` (train, eval)."""
         model, history = self.unwrapped_model, self.state.log_history
         base_model = getattr(getattr(model, "config", None), "name_or_path", "")
         return render_model_card(
             self.args.run_name or Path(self.args.output_dir).name, base_model, describe_dataset(self.train_dataset),
             [(f.name, w) for f, w in zip(self.reward_functions, self.reward_weights.tolist())],
-            {**self.args.to_dict(), "max_steps": self.state.max_steps},
-            final_metrics=next((r for r in reversed(history) if "reward" in r), None),
-            final_eval=next((r for r in reversed(history) if "eval/reward" in r), None),
-            model_class=type(model).__name__,
+            {**(config or self.args.to_dict()), "max_steps": self.state.max_steps},
+            final_metrics=next((r for r in reversed(history) if final_keys[0] in r), None),
+            final_eval=next((r for r in reversed(history) if final_keys[1] in r), None),
+            model_class=type(model).__name__, method=method,
         )  # fmt: skip

@@ -27,10 +27,12 @@ def __getattr__(name):
 
 
 def build_reward_functions(reward_funcs, processing_classes=None, batch_size: int = 8,
-                           trust_remote_code: bool = False, environment_rewards=()) -> list[RewardFunction]:  # fmt: skip
+                           trust_remote_code: bool = False, environment_rewards=(),
+                           required: bool = True) -> list[RewardFunction]:  # fmt: skip
     """The trainer's reward functions: callables keep TRL's contract; a path / hub id or a PreTrainedModel is a
     reward model (with its processing class from `processing_classes`, one per function, None for callables).
-    `environment_rewards` (the get_reward of environments, grpokit.agents) come after them."""
+    `environment_rewards` (the get_reward of environments, grpokit.agents) come after them. `required`: refuse a run
+    with none (False for an objective that scores no completions: on-policy distillation)."""
     from transformers import PreTrainedModel
 
     from .base import reward_name
@@ -38,7 +40,7 @@ def build_reward_functions(reward_funcs, processing_classes=None, batch_size: in
 
     funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else \
         [reward_funcs]  # fmt: skip
-    if not funcs and not environment_rewards:
+    if not funcs and not environment_rewards and required:
         raise ValueError("No reward source: pass reward_funcs (a function, a reward model or a list of them), or an "
                          "environment_factory whose environments define get_reward().")  # fmt: skip
     if processing_classes is None:
