@@ -27,7 +27,7 @@ import types
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from .advantages import SCALE_REWARDS
 from .logs import TRACKERS
@@ -130,7 +130,7 @@ ACCELERATOR_CONFIG_DEFAULTS = {"split_batches": False, "dispatch_batches": None,
 class GRPOConfig:
     # The smallest group (not a field): GRPO's advantage compares the completions of one prompt with each other. A
     # loop that computes no advantages (on-policy distillation: `distillation_config.DistillationLoopConfig`) takes 1.
-    min_num_generations: ClassVar[int] = 2
+    min_num_generations = 2  # no annotation: a class attribute, not a dataclass field
 
     # ---- output, logging, checkpoints
     output_dir: str | None = _f(None, "Where checkpoints, metrics.jsonl and the final model are written (None: "

@@ -95,7 +95,7 @@ def test_trackio_local_store_receives_metrics(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", ["mlflow", "trackio", "wandb"])
 def test_missing_tracker_package_says_what_to_install(tmp_path, monkeypatch, name):
     monkeypatch.setitem(sys.modules, name, None)  # makes `import name` fail
-    with pytest.raises(ImportError, match=rf"report_to='{name}' needs: pip install 'grpokit\[trackers\]'"):
+    with pytest.raises(ImportError, match=rf"report_to='{name}' needs: pip install '\.\[trackers\]' in grpokit's"):
         MetricSink(str(tmp_path), [name], None, None, {})
 
 
