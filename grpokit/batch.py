@@ -83,12 +83,10 @@ class TrainBatch:
                      loss_mask: torch.Tensor | None = None) -> "TrainBatch":  # fmt: skip
         """The batch of a rollout's rows: `advantages` [N] (a completion's, repeated over its tokens) or [N, ≥T] (per
         token); `loss_mask` replaces the rollout's (mask_truncated_completions)."""
-        width = rollout.completion_ids.shape[1]
-        token_advantages = advantages[:, :width] if advantages.dim() == 2 else advantages[:, None].expand(-1, width)
         return cls(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.attention_mask,
                    rollout.loss_mask if loss_mask is None else loss_mask, rollout.lengths,
-                   token_advantages.to(rollout.completion_ids.device).contiguous(),
-                   sampling_logprobs=rollout.sampling_logprobs, multimodal=rollout.multimodal)  # fmt: skip
+                   per_token(advantages, rollout.completion_ids), sampling_logprobs=rollout.sampling_logprobs,
+                   multimodal=rollout.multimodal)  # fmt: skip
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -137,3 +135,11 @@ class TrainBatch:
         if state.get("multimodal") is not None:
             state["multimodal"] = MultimodalInputs.from_state_dict(state["multimodal"])
         return cls(**state)
+
+
+def per_token(advantages: torch.Tensor, completion_ids: torch.Tensor) -> torch.Tensor:
+    """[N, T] advantages for completions [N, T]: a completion's advantage [N] repeated over its tokens, or per-token
+    advantages [N, >= T] cut to T; on the completions' device."""
+    width = completion_ids.shape[1]
+    token_advantages = advantages[:, :width] if advantages.dim() == 2 else advantages[:, None].expand(-1, width)
+    return token_advantages.to(completion_ids.device).contiguous()

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from .advantages import combine_and_normalize, group_advantages, group_stats, process_advantages, sequence_kl
-from .batch import ScoredRollout, TrainBatch
+from .batch import ScoredRollout, TrainBatch, per_token
 from .config import GRPOConfig
 from .cpu_memory import return_free_memory
 from .data import dataset_rows, is_iterable_dataset
@@ -114,7 +114,7 @@ class ExperienceMaker:
         metrics.update(logprob_metrics)
         advantages = self._advantages(scored, all_scores, reward_kl) if rewards is not None else \
             torch.zeros(len(all_scores))  # fmt: skip
-        batch.advantages = TrainBatch.from_rollout(rollout, advantages[offset : offset + n]).advantages
+        batch.advantages = per_token(advantages[offset : offset + n], rollout.completion_ids)
         if device.type == "cpu":  # and the no-grad forwards' (π_old, π_ref), before the training forward
             return_free_memory()
         generated, num_tokens = self._generation_metrics(all_scores, rewards, scored)

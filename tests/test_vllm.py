@@ -470,14 +470,17 @@ def test_a_vision_language_model_learns_the_colour_of_the_image_with_vllm(tmp_pa
     use_vllm=True: vLLM samples from the images and the pushed weights at every step, and held-out accuracy rises
     by 0.2 or more to >= 0.9 in 30 steps (Qwen2-VL: 40; in 30 it reached 0.89 here, and 0.92 with the in-process
     engine, which it matches at 40: 1.00 both). For Gemma 3 (vLLM attends causally over its image tokens on CPU) the
-    importance-sampling correction carries the difference."""
+    importance-sampling correction carries the difference. The vision tower is frozen, as these figures were taken
+    (TRL's default, which grpokit now shares, trains it too: at this learning rate Qwen2-VL's held-out reward then
+    fell from 0.70 to 0.50 in one run, with vLLM's log-probs still within 0.025 of the training forward's)."""
     from test_vision import learn_colours
 
     model, processor = tiny_vlm(model_type)
     before, after, _, trainer = learn_colours(tmp_path, model_type, model, processor,
                                               steps=40 if model_type == "qwen2_vl" else 30, use_vllm=True,
                                               vllm_max_model_length=128,
-                                              vllm_importance_sampling_mode="token_truncate")  # fmt: skip
+                                              vllm_importance_sampling_mode="token_truncate",
+                                              freeze_vision_tower=True)  # fmt: skip
     assert type(trainer.engine).__name__ == "VLLMEngine"
     history = [r for r in trainer.state.log_history if "reward" in r]
     gaps = [r["sampling/sampling_logp_difference/max"] for r in history]
