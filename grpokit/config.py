@@ -339,6 +339,9 @@ class GRPOConfig:
     max_tool_output_chars: int | None = _f(100_000, "grpokit-only: a tool result longer than this many characters "
                                                     "is cut there, before it is tokenized, and counted "
                                                     "(tools/truncated_frequency); None: no limit.")
+    teacher_kl_coef: float = _f(1.0, "grpokit-only: GRPOTrainer(teacher_model=...): the weight of the teacher's "
+                                      "per-token signal -(log pi_student - log pi_teacher) added to the reward "
+                                      "advantages (docs/guides/distillation.md).")
     max_staleness: int | None = _f(None, "Asynchronous generation (TRL's AsyncGRPOConfig name): a producer samples "
                                          "ahead of training, and a sample of policy version v (optimizer steps) is "
                                          "trained on at version <= v + max_staleness, else dropped and counted "

@@ -27,51 +27,14 @@ import torch
 
 from .batch import TrainBatch
 from .data import dataset_rows, is_iterable_dataset, named_eval_datasets
-from .distillation import check_shared_tokenizer, chunked_distillation_loss
+from .distillation import chunked_distillation_loss
 from .distillation_config import DistillationConfig, loop_config
 from .distributed import as_wrapper_forward, deepspeed_stage, unwrap_model
 from .logprobs import causal_lm_of, completion_hidden_states, supports_chunked_head
 from .logs import completion_metrics
-from .models import load_causal_lm, load_tokenizer, looks_like_local_path
-from .multimodal import tokenizer_of
 from .rollout import EVAL_SEED_OFFSET, rollout_seed
+from .teacher import load_teacher
 from .trainer import GRPOTrainer
-
-
-def _dtype_of(value):
-    """TRL's reading of teacher_model_init_kwargs' dtype: 'auto' / None as they are, else a torch dtype's name."""
-    return value if value in ("auto", None) or isinstance(value, torch.dtype) else getattr(torch, value)
-
-
-def load_teacher(teacher_model, args, device):
-    """The teacher (a model, or a path / hub id loaded with `teacher_model_init_kwargs` at
-    `teacher_model_revision`), frozen, in eval mode, on `device`, and its tokenizer where one can be found (a path's;
-    a model's `name_or_path` when that is a local folder), else None."""
-    init_kwargs = args.teacher_model_init_kwargs
-    if isinstance(init_kwargs, str):  # a JSON string, as TRL's config accepts
-        import json
-
-        init_kwargs = json.loads(init_kwargs)
-    tokenizer = None
-    if isinstance(teacher_model, str):
-        init_kwargs = dict(init_kwargs or {})
-        if "dtype" in init_kwargs:
-            init_kwargs["dtype"] = _dtype_of(init_kwargs["dtype"])
-        if args.teacher_model_revision is not None:
-            init_kwargs.setdefault("revision", args.teacher_model_revision)
-        tokenizer = load_tokenizer(teacher_model, args.trust_remote_code)
-        teacher_model = load_causal_lm(teacher_model, init_kwargs, args.trust_remote_code)
-    else:
-        if init_kwargs is not None:
-            raise ValueError("You passed teacher_model_init_kwargs to the config, but your teacher_model is already "
-                             "instantiated.")  # fmt: skip
-        name = getattr(getattr(teacher_model, "config", None), "_name_or_path", "")
-        if name and looks_like_local_path(name):
-            try:
-                tokenizer = load_tokenizer(name, args.trust_remote_code)
-            except (OSError, ValueError):  # a folder with the weights only: the vocabulary check below remains
-                tokenizer = None
-    return teacher_model.requires_grad_(False).eval().to(device), tokenizer
 
 
 def _row_major(hidden: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, width: int):
@@ -116,20 +79,14 @@ class DistillationTrainer(GRPOTrainer):
         if deepspeed_stage(self.accelerator) is not None or self.accelerator.is_fsdp2:
             raise NotImplementedError("DistillationTrainer runs on one process or under DDP: its loss reads the "
                                       "student's LM head weight whole, which FSDP and DeepSpeed shard or wrap.")
-        self.teacher_model, teacher_tokenizer = load_teacher(teacher_model, args, self.accelerator.device)
-        if teacher_tokenizer is not None:
-            check_shared_tokenizer(tokenizer_of(self.processing_class), teacher_tokenizer)
+        self.teacher_model = load_teacher(teacher_model, args.teacher_model_init_kwargs, args.teacher_model_revision,
+                                          args.trust_remote_code, self.accelerator.device, self.unwrapped_model,
+                                          self.processing_class)  # fmt: skip
         for role, lm in (("student", self.unwrapped_model), ("teacher", self.teacher_model)):
             if not supports_chunked_head(lm):
                 raise ValueError(f"The {role} ({type(causal_lm_of(lm)).__name__}) has an LM head the chunked "
                                  f"divergence cannot compute (not a plain Linear over the decoder's last hidden "
                                  f"state, or logits soft-capped / scaled): grpokit.logprobs.supports_chunked_head.")
-        student_vocab = causal_lm_of(self.unwrapped_model).get_output_embeddings().weight.shape[0]
-        teacher_vocab = self.teacher_model.get_output_embeddings().weight.shape[0]
-        if student_vocab != teacher_vocab:  # TRL's check, which is all there is for a teacher given without tokenizer
-            raise ValueError(f"The student's LM head covers {student_vocab} tokens and the teacher's {teacher_vocab}: "
-                             f"the divergence compares the two distributions token by token, so both must share "
-                             f"one tokenizer and vocabulary. Pick a teacher of the student's family.")  # fmt: skip
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         """TRL's hook: the distillation loss of one micro-batch (`inputs`, a `TrainBatch`) under `model`: the

@@ -19,7 +19,8 @@ from typing import Any, Callable
 
 import torch
 
-from .advantages import combine_and_normalize, group_advantages, group_stats, process_advantages, sequence_kl
+from .advantages import (combine_and_normalize, group_advantages, group_stats, process_advantages, sequence_kl,
+                         teacher_advantages)  # fmt: skip
 from .batch import ScoredRollout, TrainBatch, per_token
 from .config import GRPOConfig
 from .cpu_memory import return_free_memory
@@ -82,9 +83,11 @@ class ExperienceMaker:
 
     def __init__(self, args: GRPOConfig, accelerator, runner: RolloutRunner, scorer: RewardScorer,
                  policy: Callable[[], torch.nn.Module], reference,
-                 draw_prompts: Callable[[int], list[dict]], off_policy: bool = False):  # fmt: skip
+                 draw_prompts: Callable[[int], list[dict]], off_policy: bool = False,
+                 teacher: torch.nn.Module | None = None):  # fmt: skip
         self.args, self.accelerator, self.runner, self.scorer = args, accelerator, runner, scorer
         self.policy, self.reference, self.draw_prompts, self.off_policy = policy, reference, draw_prompts, off_policy
+        self.teacher = teacher  # GRPOTrainer(teacher_model=...): its signal joins the advantages
         self.failed_batches = 0  # consecutive generation batches in which no completion was scored (all raised)
 
     def make(self, generation: int, trainer_state=None) -> Experience:
@@ -115,6 +118,8 @@ class ExperienceMaker:
         advantages = self._advantages(scored, all_scores, reward_kl) if rewards is not None else \
             torch.zeros(len(all_scores))  # fmt: skip
         batch.advantages = per_token(advantages[offset : offset + n], rollout.completion_ids)
+        if self.teacher is not None:
+            metrics.update(self._add_teacher_signal(batch))
         if device.type == "cpu":  # and the no-grad forwards' (π_old, π_ref), before the training forward
             return_free_memory()
         generated, num_tokens = self._generation_metrics(all_scores, rewards, scored)
@@ -266,6 +271,26 @@ class ExperienceMaker:
             metrics["kl"] = (totals[0] / totals[1].clamp(min=1.0)).item()
             return metrics, acc.gather(kl.to(acc.device)).cpu()
         return metrics, None
+
+    def _add_teacher_signal(self, batch: TrainBatch) -> dict[str, float]:
+        """A teacher's per-token signal teacher_kl_coef · -(log π_student - log π_teacher) added to the batch's
+        advantages (`advantages.teacher_advantages`): the sampled-token estimate of on-policy distillation's reverse
+        KL, for tasks with both a verifier and a teacher. The student's log-probs are the sampler's where exact,
+        else π_old, else a forward of the policy. Returns `teacher/reverse_kl`, its token mean over processes."""
+        args, acc = self.args, self.accelerator
+        if self.runner.exact_logprobs and batch.sampling_logprobs is not None:
+            student = batch.sampling_logprobs
+        elif batch.old_logprobs is not None:
+            student = batch.old_logprobs
+        else:
+            student = logprobs_in_chunks(self.policy(), batch, args, acc.autocast)
+        teacher = logprobs_in_chunks(self.teacher, batch, args, acc.autocast)
+        signal = teacher_advantages(student, teacher, batch.loss_mask, args.teacher_kl_coef)
+        batch.advantages = batch.advantages + signal
+        mask = batch.loss_mask != 0
+        totals = torch.stack([((student - teacher) * mask).sum(), mask.sum()]).to(torch.float64).to(acc.device)
+        totals = acc.reduce(totals, "sum")
+        return {"teacher/reverse_kl": (totals[0] / totals[1].clamp(min=1)).item()}
 
     def _check_some_reward(self, all_scores: torch.Tensor, metrics: dict[str, float]) -> None:
         """With reward_fn_errors='none' a reward function that raises on every row gives every completion None: no

@@ -238,7 +238,7 @@ class Producer:
 
 def start_producer(args: GRPOConfig, accelerator, policy: torch.nn.Module, engine, runner: RolloutRunner, scorer,
                    reference, sampler, dataset, sync: WeightSync, trainer_state, processing_class,
-                   host=None) -> Producer:  # fmt: skip
+                   host=None, teacher=None) -> Producer:  # fmt: skip
     """A producer over a copy of `policy`, drawing prompts of `dataset` from a copy of `sampler` (the trainer's
     stays at the trained position). The default in-process engine gets an engine of its own over the copy; a given
     engine (vLLM, yours) is driven from the producer's thread and synced with the copy. `runner` is the trainer's:
@@ -249,6 +249,7 @@ def start_producer(args: GRPOConfig, accelerator, policy: torch.nn.Module, engin
     own_runner = RolloutRunner(engine, runner.codec, runner.params, runner.device, driver=runner.driver, host=host)
     own_sampler = copy.deepcopy(sampler)
     maker = ExperienceMaker(args, accelerator, own_runner, scorer, lambda: copied, reference,
-                            lambda n: own_sampler.rows(dataset, n), off_policy=args.max_staleness > 0)
+                            lambda n: own_sampler.rows(dataset, n), off_policy=args.max_staleness > 0,
+                            teacher=teacher)  # fmt: skip
     return Producer(args, maker, policy, copied, sync, own_sampler, trainer_state.generations, trainer_state,
                     threads=torch.get_num_threads()).start()

@@ -97,6 +97,7 @@ from .rollout import PromptCodec, RolloutEngine, RolloutRunner
 from .signals import guard_message
 from .state import Callbacks, TrainerState
 from .stepping import OptimizerStepper
+from .teacher import load_teacher
 
 @dataclass
 class GenerationCursor:
@@ -128,9 +129,11 @@ class GRPOTrainer:
         rollout_func=None,
         environment_factory=None,
         rollout_engine: RolloutEngine | None = None,
+        teacher_model=None,
     ):
         """TRL 1.16's arguments, in its order, plus `rollout_engine` (any `RolloutEngine`; default: sampling in
-        this process with `HFEngine`)."""
+        this process with `HFEngine`) and `teacher_model` (a model or path sharing the policy's tokenizer: its
+        per-token signal, weighted by teacher_kl_coef, joins the reward advantages; grpokit.teacher)."""
         from accelerate.utils import set_seed
 
         self.args = args = args or GRPOConfig()
@@ -223,8 +226,12 @@ class GRPOTrainer:
         check_checkpoint_format(args, self.checkpointer.format, is_sharded(self.unwrapped_model))
         self.sampler = (StreamSampler(train_dataset) if is_iterable_dataset(train_dataset) else
                         PromptSampler(len(train_dataset), args.data_seed or args.seed, args.shuffle_dataset))  # fmt: skip
+        teacher = None if teacher_model is None else load_teacher(
+            teacher_model, args.model_init_kwargs if isinstance(teacher_model, str) else None, None,
+            args.trust_remote_code, acc.device, self.unwrapped_model, self.processing_class)  # fmt: skip
         self.experience = ExperienceMaker(args, acc, self.runner, self.scorer, lambda: self.unwrapped_model,
-                                          self.reference, lambda n: self.sampler.rows(self.train_dataset, n))
+                                          self.reference, lambda n: self.sampler.rows(self.train_dataset, n),
+                                          teacher=teacher)  # fmt: skip
         self.evaluator = Evaluator(args, acc, self.experience)
         self.window = MetricWindow()
         self._window_counts, self._step_stats, self._sink = None, [], None  # the current step's (compute_loss, log)
@@ -563,7 +570,8 @@ class GRPOTrainer:
         self.weights.version = self.state.global_step
         self.producer = start_producer(self.args, self.accelerator, self.unwrapped_model, self.engine, self.runner,
                                        self.scorer.fresh(), self.reference, self.sampler, self.train_dataset,
-                                       self.weights, self.state, self.processing_class, host=self)  # fmt: skip
+                                       self.weights, self.state, self.processing_class, host=self,
+                                       teacher=self.experience.teacher)  # fmt: skip
         return self.producer
 
     # ------------------------------------------------------------------------------------------ evaluation

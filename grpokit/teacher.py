@@ -1,0 +1,57 @@
+"""A teacher model for on-policy distillation (`DistillationTrainer`) and for a teacher's signal inside GRPO
+(`GRPOTrainer(teacher_model=...)`): loaded as TRL loads it, frozen, and refused when it cannot score the student's
+own token ids (another tokenizer or vocabulary)."""
+
+from __future__ import annotations
+
+import torch
+
+from .distillation import check_shared_tokenizer
+from .logprobs import causal_lm_of
+from .models import load_causal_lm, load_tokenizer, looks_like_local_path
+from .multimodal import tokenizer_of
+
+
+def _dtype_of(value):
+    """TRL's reading of teacher_model_init_kwargs' dtype: 'auto' / None as they are, else a torch dtype's name."""
+    return value if value in ("auto", None) or isinstance(value, torch.dtype) else getattr(torch, value)
+
+
+def load_teacher(teacher_model, init_kwargs, revision, trust_remote_code: bool, device, student,
+                 processing_class) -> torch.nn.Module:  # fmt: skip
+    """The teacher (a model, or a path / hub id loaded with `init_kwargs` at `revision`, as TRL's
+    teacher_model_init_kwargs / teacher_model_revision), frozen, in eval mode, on `device`. Its tokenizer, where one
+    can be found (a path's; a model's `name_or_path` when that is a local folder), must be the student's
+    (`processing_class`); its LM head must cover the student's vocabulary (TRL's check)."""
+    if isinstance(init_kwargs, str):  # a JSON string, as TRL's config accepts
+        import json
+
+        init_kwargs = json.loads(init_kwargs)
+    tokenizer = None
+    if isinstance(teacher_model, str):
+        init_kwargs = dict(init_kwargs or {})
+        if "dtype" in init_kwargs:
+            init_kwargs["dtype"] = _dtype_of(init_kwargs["dtype"])
+        if revision is not None:
+            init_kwargs.setdefault("revision", revision)
+        tokenizer = load_tokenizer(teacher_model, trust_remote_code)
+        teacher_model = load_causal_lm(teacher_model, init_kwargs, trust_remote_code)
+    else:
+        if init_kwargs is not None:
+            raise ValueError("You passed teacher_model_init_kwargs to the config, but your teacher_model is already "
+                             "instantiated.")  # fmt: skip
+        name = getattr(getattr(teacher_model, "config", None), "_name_or_path", "")
+        if name and looks_like_local_path(name):
+            try:
+                tokenizer = load_tokenizer(name, trust_remote_code)
+            except (OSError, ValueError):  # a folder with the weights only: the vocabulary check below remains
+                tokenizer = None
+    if tokenizer is not None:
+        check_shared_tokenizer(tokenizer_of(processing_class), tokenizer)
+    student_vocab = causal_lm_of(student).get_output_embeddings().weight.shape[0]
+    teacher_vocab = teacher_model.get_output_embeddings().weight.shape[0]
+    if student_vocab != teacher_vocab:  # TRL's check, which is all there is for a teacher given without tokenizer
+        raise ValueError(f"The student's LM head covers {student_vocab} tokens and the teacher's {teacher_vocab}: "
+                         f"the teacher scores the student's own tokens, so both must share one tokenizer and "
+                         f"vocabulary. Pick a teacher of the student's family.")  # fmt: skip
+    return teacher_model.requires_grad_(False).eval().to(device)
