@@ -103,6 +103,24 @@ def _field(default, help: str, metadata: dict):
     return field(default=default, metadata={"help": help, **metadata})
 
 
+def trl_config_fields(recorded: dict, own: dict[str, tuple[str, str]],
+                      keep_kind: bool = True) -> list[tuple[str, str, dataclasses.Field]]:
+    """The fields of a config built from another TRL config's recorded fields (name -> TRL's default, in TRL's
+    order: DistillationConfig, RLOOConfig), for `dataclasses.make_dataclass`: the annotation and help of `own`
+    where it declares the field, else GRPOConfig's (with its kind, with `keep_kind`)."""
+    grpo_fields = {spec.name: spec for spec in dataclasses.fields(GRPOConfig)}
+    declared = []
+    for name, default in recorded.items():
+        if name in own:
+            (annotation, help_text), metadata = own[name], {}
+        else:
+            spec = grpo_fields[name]
+            annotation, help_text = spec.type, spec.metadata["help"]
+            metadata = {k: v for k, v in spec.metadata.items() if k != "help"} if keep_kind else {}
+        declared.append((name, annotation, _field(default, help_text, metadata)))
+    return declared
+
+
 def _f(default, help: str):
     return _field(default, help, {})
 

@@ -19,7 +19,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from .config import GRPOConfig, _field
+from .config import GRPOConfig, trl_config_fields
 
 TRL_DISTILLATION_FIELDS: dict = json.loads((Path(__file__).with_name("trl_distillation_fields.json")).read_text())
 
@@ -38,21 +38,6 @@ DISTILLATION_FIELDS = {
 }  # fmt: skip
 
 
-def _declared_fields() -> list[tuple[str, str, dataclasses.Field]]:
-    grpo_fields = {spec.name: spec for spec in dataclasses.fields(GRPOConfig)}
-    declared = []
-    for name, default in TRL_DISTILLATION_FIELDS["fields"].items():
-        if name in DISTILLATION_FIELDS:
-            annotation, help_text = DISTILLATION_FIELDS[name]
-            metadata = {}
-        else:
-            spec = grpo_fields[name]
-            annotation, help_text = spec.type, spec.metadata["help"]
-            metadata = {key: value for key, value in spec.metadata.items() if key != "help"}
-        declared.append((name, annotation, _field(default, help_text, metadata)))
-    return declared
-
-
 def _validate(config) -> None:
     if not 0.0 <= config.beta <= 1.0:
         raise ValueError(
@@ -63,7 +48,7 @@ def _validate(config) -> None:
 
 DistillationConfig = dataclasses.make_dataclass(
     "DistillationConfig",
-    _declared_fields(),
+    trl_config_fields(TRL_DISTILLATION_FIELDS["fields"], DISTILLATION_FIELDS),
     namespace={"__post_init__": _validate, "__module__": __name__,
                "__doc__": "TRL 1.16's `DistillationConfig` fields and defaults (see the module docstring)."},
 )  # fmt: skip

@@ -27,7 +27,7 @@ import json
 import warnings
 from pathlib import Path
 
-from .config import GRPOConfig, _field
+from .config import GRPOConfig, trl_config_fields
 from .trainer import GRPOTrainer
 
 TRL_RLOO_FIELDS: dict = json.loads((Path(__file__).with_name("trl_rloo_fields.json")).read_text())
@@ -47,18 +47,6 @@ RLOO_ON_THE_LOOP = {"advantage_estimator": "rloo", "loss_type": "rloo", "importa
                     "kl_in_reward": True, "vllm_importance_sampling_correction": False}  # fmt: skip
 
 
-def _declared_fields() -> list[tuple[str, str, dataclasses.Field]]:
-    grpo_fields = {spec.name: spec for spec in dataclasses.fields(GRPOConfig)}
-    declared = []
-    for name, default in TRL_RLOO_FIELDS["fields"].items():
-        if name in RLOO_FIELDS:
-            annotation, help_text = RLOO_FIELDS[name]
-        else:
-            annotation, help_text = grpo_fields[name].type, grpo_fields[name].metadata["help"]
-        declared.append((name, annotation, _field(default, help_text, {})))
-    return declared
-
-
 def _post_init(config) -> None:
     """TRL's RLOOConfig checks its values and derives steps_per_generation and generation_batch_size when it is
     built; so does this one, through the GRPOConfig it maps to (whose warnings wait for the trainer)."""
@@ -76,7 +64,7 @@ def _post_init(config) -> None:
 
 RLOOConfig = dataclasses.make_dataclass(
     "RLOOConfig",
-    _declared_fields(),
+    trl_config_fields(TRL_RLOO_FIELDS["fields"], RLOO_FIELDS, keep_kind=False),
     namespace={"__post_init__": _post_init, "__module__": __name__,
                "__doc__": "TRL 1.16's `RLOOConfig` fields and defaults (see the module docstring)."},
 )  # fmt: skip
