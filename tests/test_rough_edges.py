@@ -5,7 +5,6 @@ cannot run refused before vLLM starts, and a reward function that raises on ever
 import re
 
 import pytest
-from datasets import Dataset
 
 from grpokit import GRPOConfig, GRPOTrainer
 from grpokit.rewards.base import RewardFunctionError
@@ -95,4 +94,3 @@ def test_one_failing_batch_between_good_ones_does_not_stop(tmp_path):
     trainer = letter_trainer(tmp_path, reward=flaky, reward_fn_errors="none", max_steps=6)
     trainer.train()
     assert trainer.state.global_step == 6
-    assert Dataset  # noqa: the datasets import is the letter data's

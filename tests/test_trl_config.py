@@ -222,13 +222,17 @@ def test_every_trl_field_is_a_flag_coerced_to_its_type(name):
 # ---------------------------------------------------------------------------------------------- the JSON file
 
 
-def test_json_matches_the_installed_trl():
+@pytest.mark.parametrize("config, recorded", [("GRPOConfig", "trl_fields.json"),
+                                              ("DistillationConfig", "trl_distillation_fields.json"),
+                                              ("RLOOConfig", "trl_rloo_fields.json")])  # fmt: skip
+def test_json_matches_the_installed_trl(config, recorded):
     pytest.importorskip("trl")
     script = load_script("trl_fields")
-    installed = script.installed_fields()
-    if installed["versions"]["trl"] != TRL["versions"]["trl"]:
-        pytest.skip(f"trl {installed['versions']['trl']} is installed; the JSON is of {TRL['versions']['trl']}")
-    assert script.drift(TRL, installed) == []
+    committed = json.loads((ROOT / "grpokit" / recorded).read_text())
+    installed = script.installed_fields(config)
+    if installed["versions"]["trl"] != committed["versions"]["trl"]:
+        pytest.skip(f"trl {installed['versions']['trl']} is installed; the JSON is of {committed['versions']['trl']}")
+    assert script.drift(committed, installed) == []
 
 
 def test_drift_names_added_removed_and_changed_fields():

@@ -1164,18 +1164,7 @@ def test_a_dataset_of_environment_names_only_and_tool_metrics_without_calls(tmp_
     model, tokenizer = tiny_agent_model()
     engine = tool_call_script(tokenizer, lambda user, results, index: "done<|im_end|>")  # never calls a tool
 
-    class Counter:
-        def reset(self, **row):
-            self.row, self.count = row, 0
-
-        def increment(self, by: int) -> int:
-            """Add to the counter.
-
-            Args:
-                by: how much to add
-            """
-            self.count += by
-            return self.count
+    from test_environments import Counter
 
     class Riddles(Counter):
         def reset(self, **row):

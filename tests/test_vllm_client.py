@@ -159,7 +159,6 @@ def stand_in_server(info: dict, on_post=None):
     """A stand-in that answers /health and /info as `grpokit vllm-serve` does (the real server's side:
     tests/test_vllm_server.py), and calls `on_post` for a POST (a frozen server: one that never returns); yields its
     URL."""
-    import json
     import threading
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
