@@ -218,3 +218,24 @@ def track_best_checkpoint(args: GRPOConfig, state, evaluation: dict | None) -> N
                                      value < state.best_metric):  # fmt: skip
         state.best_metric, state.best_global_step = value, state.global_step
         state.best_model_checkpoint = str(Path(args.output_dir) / f"checkpoint-{state.global_step}")
+
+
+def build_rewards(args: GRPOConfig, reward_funcs, reward_processing_classes, environments, datasets, *,
+                  agents: bool, columns_known: bool, required: bool = True):  # fmt: skip
+    """(reward functions, their weights): the user's functions and reward models, then the environments'
+    get_reward; each dataset of `datasets` (train, eval: one or named sets) checked for the columns the functions
+    need (an agent's rows also carry `turn_ends`; a rollout_func's extra fields are columns known only once it has
+    run: `columns_known=False`)."""
+    from .data import dataset_columns
+    from .rewards import build_reward_functions
+    from .rewards.base import check_required_columns
+
+    functions = build_reward_functions(
+        reward_funcs, reward_processing_classes, args.per_device_train_batch_size, args.trust_remote_code,
+        environment_rewards=environments.reward_functions() if environments is not None else (), required=required)
+    train_dataset, eval_dataset = datasets
+    for dataset in (train_dataset, *named_eval_datasets(eval_dataset).values()):
+        if columns_known:
+            check_required_columns(functions, dataset_columns(dataset) + (["turn_ends"] if agents else []))
+    weights = reward_weights(args, len(functions), len(environments.reward_types) if environments is not None else 0)
+    return functions, weights

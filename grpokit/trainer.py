@@ -38,11 +38,11 @@ from .build import (
     activation_offload,
     as_steps,
     build_engine,
+    build_rewards,
     build_scheduler,
     check_checkpoint_format,
     check_run,
     moe_shape,
-    reward_weights,
     router_aux_loss_coef,
     set_log_level,
     track_best_checkpoint,
@@ -89,8 +89,6 @@ from .models import (
 from .multimodal import check_images_supported
 from .optim import build_optimizer
 from .producer import Producer, WeightSync, check_async, start_producer
-from .rewards import build_reward_functions
-from .rewards.base import check_required_columns
 from .rewards.model import RewardModel
 from .rewards.scorer import RewardScorer
 from .rollout import PromptCodec, RolloutEngine, RolloutRunner
@@ -143,16 +141,10 @@ class GRPOTrainer:
             train_dataset = placeholder_dataset(args, environment_factory)
         check_run(args, train_dataset, eval_dataset, rollout_engine, tools, rollout_func, environment_factory)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        self.reward_functions = build_reward_functions(
-            reward_funcs, reward_processing_classes, args.per_device_train_batch_size, args.trust_remote_code,
-            environment_rewards=environments.reward_functions() if environments is not None else (),
+        self.reward_functions, self.reward_weights = build_rewards(
+            args, reward_funcs, reward_processing_classes, environments, (train_dataset, eval_dataset),
+            agents=bool(tools) or environments is not None, columns_known=rollout_func is None,
             required=self.scores_completions)  # fmt: skip
-        for dataset in (train_dataset, *named_eval_datasets(eval_dataset).values()):
-            if rollout_func is None:  # a rollout_func's extra fields are columns too, known only once it has run
-                agent_columns = ["turn_ends"] if tools or environments is not None else []
-                check_required_columns(self.reward_functions, dataset_columns(dataset) + agent_columns)
-        self.reward_weights = reward_weights(args, len(self.reward_functions), len(environments.reward_types)
-                                             if environments is not None else 0)  # fmt: skip
         if args.push_to_hub:
             check_hub(args)
 
