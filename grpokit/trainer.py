@@ -72,6 +72,7 @@ from .distributed import (
 )
 from .experience import Evaluator, ExperienceMaker
 from .hub import check_hub, push_folder
+from .integrations import adapt_environment, environment_inputs
 from .logprobs import check_padding_free, token_logprobs
 from .logs import MetricSink, MetricWindow, console_line
 from .loss import AdaptiveEntropyController, high_entropy_mask, load_balancing_loss, off_policy_mask, policy_loss
@@ -128,14 +129,20 @@ class GRPOTrainer:
         environment_factory=None,
         rollout_engine: RolloutEngine | None = None,
         teacher_model=None,
+        environment=None,
     ):
         """TRL 1.16's arguments, in its order, plus `rollout_engine` (any `RolloutEngine`; default: sampling in
         this process with `HFEngine`) and `teacher_model` (a model or path sharing the policy's tokenizer: its
-        per-token signal, weighted by teacher_kl_coef, joins the reward advantages; grpokit.teacher)."""
+        per-token signal, weighted by teacher_kl_coef, joins the reward advantages; grpokit.teacher) and `environment`
+        (an environment of another library, trained on as it is: its prompts, rewards and turns; grpokit.integrations)."""
         from accelerate.utils import set_seed
 
         self.args = args = args or GRPOConfig()
         # Everything a user can get wrong in the data or rewards is checked before the model is loaded.
+        adapter = None if environment is None else adapt_environment(environment, tools, rollout_func,
+                                                                     environment_factory)  # fmt: skip
+        if adapter is not None:
+            train_dataset, reward_funcs = environment_inputs(adapter, args, train_dataset, reward_funcs)
         environments = EnvironmentPool(environment_factory) if environment_factory is not None else None
         if train_dataset is None and environments is not None:  # the environments supply the prompts (reset)
             train_dataset = placeholder_dataset(args, environment_factory)
@@ -143,7 +150,8 @@ class GRPOTrainer:
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.reward_functions, self.reward_weights = build_rewards(
             args, reward_funcs, reward_processing_classes, environments, (train_dataset, eval_dataset),
-            agents=bool(tools) or environments is not None, columns_known=rollout_func is None,
+            agents=bool(tools) or environments is not None or adapter is not None,
+            columns_known=rollout_func is None and adapter is None,
             required=self.scores_completions)  # fmt: skip
         if args.push_to_hub:
             check_hub(args)
@@ -195,8 +203,9 @@ class GRPOTrainer:
                                  args.chat_template_kwargs, stop_token_ids, suppress_token_ids)  # fmt: skip
         self.engine = rollout_engine if rollout_engine is not None else build_engine(self.unwrapped_model, args,
                                                                                       self.processing_class, acc)
-        self.agents = build_agents(self.processing_class, self.unwrapped_model, args, max_prompt_length, tools,
-                                   environments, rollout_func)  # fmt: skip
+        self.agents = adapter.driver(self.processing_class, args, max_prompt_length) if adapter is not None else \
+            build_agents(self.processing_class, self.unwrapped_model, args, max_prompt_length, tools, environments,
+                         rollout_func)  # fmt: skip
         params = self.codec.sampling_params(args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
                                             top_k=args.top_k, min_p=args.min_p,
                                             repetition_penalty=args.repetition_penalty)  # fmt: skip
