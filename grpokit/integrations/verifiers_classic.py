@@ -158,6 +158,8 @@ class ClassicDriver:
         try:
             return await environment.rollout(dict(row), client, "grpokit", environment.sampling_args)
         except Exception as error:  # noqa: BLE001 (an environment's failure costs its row, never training)
+            if error is client.batcher.failure:
+                raise
             state = client.state
             if state is None:  # it raised before the first model call: a state to score, with an empty completion
                 state = await environment.init_state(dict(row), client, "grpokit", environment.sampling_args)
@@ -181,14 +183,19 @@ class ClassicDriver:
 
 class TurnBatcher:
     """Gathers the model calls of a generation's rows and answers them with one engine call once every row still
-    running waits on the model (the others are in the environment's code, or done)."""
+    running waits on the model (the others are in the environment's code, or done). Rows that have waited
+    `straggler_wait` seconds on rows still in the environment's code are sampled without them, so that a slow
+    environment reply does not spend the other rows' time (their `timeout_seconds`); the engine calls, and so the
+    samples, are then no longer a function of the seed alone."""
 
     def __init__(self, engine, tokenizer, template, params: SamplingParams, seed: int, max_completion_length: int,
-                 rows: int):  # fmt: skip
+                 rows: int, straggler_wait: float = 0.5):  # fmt: skip
         self.engine, self.tokenizer, self.template, self.params = engine, tokenizer, template, params
-        self.seed, self.max_completion_length = seed, max_completion_length
+        self.seed, self.max_completion_length, self.straggler_wait = seed, max_completion_length, straggler_wait
         self.running, self.calls = set(range(rows)), 0
         self.waiting: dict[int, tuple[Transcript, asyncio.Future]] = {}
+        self.timer: asyncio.TimerHandle | None = None
+        self.failure: BaseException | None = None  # the engine's error: it stops training, unlike an environment's
 
     async def next_turn(self, row: int, transcript: Transcript) -> None:
         future = asyncio.get_running_loop().create_future()
@@ -197,22 +204,37 @@ class TurnBatcher:
         await future
 
     def finished(self, row: int) -> None:
+        """The row's rollout ended (a rollout timed out while it waited on the model ends too)."""
         self.running.discard(row)
+        self.waiting.pop(row, None)
         self._flush_when_all_wait()
 
     def _flush_when_all_wait(self) -> None:
-        if not self.waiting or set(self.waiting) != self.running:
+        if not self.waiting:
             return
+        if set(self.waiting) == self.running:
+            self._flush()
+        elif self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(self.straggler_wait, self._flush)
+
+    def _flush(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         order = sorted(self.waiting)  # rows in order: a prompt's G rows stay consecutive, so the engine shares them
         waiting, self.waiting = [self.waiting[r] for r in order], {}
+        waiting = [(transcript, future) for transcript, future in waiting if not future.done()]
+        if not waiting:
+            return
         transcripts = [transcript for transcript, _ in waiting]
         try:
             sample_turns(self.engine, self.tokenizer, self.template, transcripts, list(range(len(transcripts))),
                          self.params, self.seed + SEED_STRIDE * self.calls, self.max_completion_length)  # fmt: skip
-        except BaseException as error:
+        except Exception as error:  # noqa: BLE001 (handed to the waiting rollouts, and re-raised by the driver)
+            self.failure = error
             for _, future in waiting:
                 future.set_exception(error)
-            raise
+            return
         finally:
             self.calls += 1
         for _, future in waiting:
