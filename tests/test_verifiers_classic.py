@@ -131,7 +131,7 @@ def guess_engine(tokenizer):
 
 
 def test_a_multi_turn_env_reply_is_context_without_loss_the_transcript_is_sampled_on_ids():
-    model, tokenizer = tiny_agent_model()
+    _, tokenizer = tiny_agent_model()
     env = Guess(dataset=questions(2), rubric=vf.Rubric(funcs=[second_answer_right]))
     driver = adapt_environment(env).driver(tokenizer, config("/tmp/unused"), None)
     rows = [row for row in env.get_dataset() for _ in range(2)]
@@ -257,21 +257,12 @@ def test_environment_errors_timeouts_and_refused_actions_are_counted_and_trainin
         assert log["rewards/second_answer_right/mean"] == 1 / 8  # k3's first row answers right the second time
 
 
-def test_verifiers_v1_objects_and_non_multiturn_environments_are_left_or_refused():
-    from grpokit.integrations.verifiers_classic import adapt
+def test_only_classic_environments_are_adapted_so_a_v1_adapter_can_sit_beside_this_one():
+    from grpokit.integrations.verifiers_classic import ClassicEnvironment, adapt
 
-    assert adapt(object()) is None
-    assert adapt(Guess(dataset=questions(1))) is not None
-
-
-class Twice(vf.MultiTurnEnv):
-    """Two turns: the model answers, the environment says "again", the model answers again."""
-
-    def __init__(self, **kwargs):
-        super().__init__(max_turns=2, **kwargs)
-
-    async def env_response(self, messages, state, **kwargs):
-        return [{"role": "user", "content": "again"}]
+    v1_like = type("Env", (), {"__module__": "verifiers.v1.env"})()
+    assert adapt(v1_like) is None and adapt(object()) is None
+    assert isinstance(adapt_environment(Guess(dataset=questions(1))), ClassicEnvironment)
 
 
 def answers_again(completion) -> float:
@@ -290,14 +281,14 @@ def test_a_tiny_model_learns_to_play_both_turns_of_a_classic_multi_turn_env(tmp_
     on CPU: reward 0.0 -> 0.5, turns 1.0 -> 2.0 in 20 steps (about 30 s for 30 steps)."""
     model, tokenizer = tiny_agent_model(hidden_size=64)
     data = Dataset.from_list([{"question": f"key k{i}", "answer": "value"} for i in range(32)])
-    env = Twice(dataset=data, rubric=vf.Rubric(funcs=[answers_again, says_value_again], weights=[0.5, 1.0]))
+    env = Guess(dataset=data, rubric=vf.Rubric(funcs=[answers_again, says_value_again], weights=[0.5, 1.0]))
     args = config(tmp_path, per_device_train_batch_size=32, num_generations=8, max_steps=30, max_completion_length=16,
                   learning_rate=1e-2, lr_scheduler_type="constant")  # fmt: skip
     trainer = GRPOTrainer(model=model, args=args, processing_class=tokenizer, environment=env)
     trainer.train()
     logs = [log for log in trainer.state.log_history if "reward" in log]
     first, last = logs[:5], logs[-5:]
-    mean = lambda logs, name: sum(log[name] for log in logs) / len(logs)  # noqa: E731
+    mean = lambda logs, name: sum(log[name] for log in logs) / len(logs)
     assert mean(last, "reward") > mean(first, "reward") + 0.3
     assert mean(last, "rewards/num_turns/mean") > mean(first, "rewards/num_turns/mean") + 0.5
 

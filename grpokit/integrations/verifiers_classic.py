@@ -157,7 +157,7 @@ class ClassicDriver:
         environment = self.environment
         try:
             return await environment.rollout(dict(row), client, "grpokit", environment.sampling_args)
-        except Exception as error:  # noqa: BLE001 (an environment's failure costs its row, never training)
+        except Exception as error:  # an environment's failure costs its row, never training
             if error is client.batcher.failure:
                 raise
             state = client.state
@@ -230,7 +230,7 @@ class TurnBatcher:
         try:
             sample_turns(self.engine, self.tokenizer, self.template, transcripts, list(range(len(transcripts))),
                          self.params, self.seed + SEED_STRIDE * self.calls, self.max_completion_length)  # fmt: skip
-        except Exception as error:  # noqa: BLE001 (handed to the waiting rollouts, and re-raised by the driver)
+        except Exception as error:  # handed to the waiting rollouts; the driver re-raises it
             self.failure = error
             for _, future in waiting:
                 future.set_exception(error)
