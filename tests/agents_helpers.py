@@ -92,3 +92,20 @@ def warm_up(model, tokenizer, keys, steps: int, lr: float = 3e-3, batch_size: in
         optimizer.step()
     model.eval()
     return loss.item()
+
+
+def dapo_update(model, input_ids, attention, loss_mask, advantages, lr: float, eps: float) -> dict:
+    """The first AdamW update of a plain forward of whole transcripts with the DAPO loss over loss_mask (the
+    policy's tokens), at an epsilon so large that the update is -lr·g/(|g| + eps): a trainer's first update under
+    the same lr and eps reads off its gradient. input_ids, attention: [N, L]; loss_mask: [N, L-1] (next tokens)."""
+    model.zero_grad()
+    logits = model(input_ids, attention_mask=attention).logits[:, :-1]
+    logprobs = logits.log_softmax(-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    ratio = (logprobs - logprobs.detach()).exp()
+    (-(ratio * advantages[:, None]) * loss_mask).sum().div(loss_mask.sum()).backward()
+    return {k: -lr * p.grad / (p.grad.abs() + eps) for k, p in model.named_parameters()}
+
+
+def relative_error(a: dict, b: dict) -> float:
+    """The largest error of a against b, per tensor relative to b's largest entry."""
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)).item() for k in b)

@@ -1,6 +1,8 @@
 """Slow and GPU tests are skipped by default: `pytest --runslow` runs the slow ones, `-m gpu` needs CUDA. vLLM tests
 (`-m vllm`) need vllm installed (docs/guides/vllm.md: CPU recipe; `.ci/run` builds it) and skip without it,
-unless GRPOKIT_REQUIRE_VLLM=1, which turns a missing vllm into a failure (CI sets it, so a broken install shows)."""
+unless GRPOKIT_REQUIRE_VLLM=1, which turns a missing vllm into a failure (CI sets it, so a broken install shows).
+Likewise verifiers' tests (`-m verifiers`, classic verifiers environments) skip without verifiers, unless
+GRPOKIT_REQUIRE_VERIFIERS=1."""
 
 import importlib.util
 import os
@@ -17,6 +19,12 @@ os.environ["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, *filter(None, [os.environ
 
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
+
+
+def pytest_sessionstart(session):
+    if os.environ.get("GRPOKIT_REQUIRE_VERIFIERS") == "1" and importlib.util.find_spec("verifiers") is None:
+        raise pytest.UsageError("GRPOKIT_REQUIRE_VERIFIERS=1 but verifiers is not importable: the verifiers "
+                                "environment was not built (pip install 'grpokit[verifiers]'; .ci/run builds it).")
 
 
 def pytest_collection_modifyitems(config, items):

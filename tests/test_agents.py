@@ -8,7 +8,8 @@ import pytest
 import torch
 from datasets import Dataset
 
-from agents_helpers import TABLE, call_text, key_of, lookup, tiny_agent_model, tool_call_script
+from agents_helpers import (TABLE, call_text, dapo_update, key_of, lookup, relative_error, tiny_agent_model,
+                            tool_call_script)
 from grpokit import GRPOConfig, GRPOTrainer, group_advantages, token_logprobs
 from grpokit.agents import Agents
 from grpokit.rollout import HFEngine, PromptBatch, Rollout, SamplingParams
@@ -275,19 +276,11 @@ def test_tool_result_tokens_get_no_loss_and_no_gradient_but_stay_in_context(tmp_
     advantages = group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), 2)
 
     def expected_update(mask):
-        reference_model.zero_grad()
-        logits = reference_model(input_ids, attention_mask=attention).logits[:, :-1]
-        logprobs = logits.log_softmax(-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-        ratio = torch.exp(logprobs - logprobs.detach())
-        (-(ratio * advantages[:, None]) * mask).sum().div(mask.sum()).backward()
-        return {k: -lr * p.grad / (p.grad.abs() + eps) for k, p in reference_model.named_parameters()}
+        return dapo_update(reference_model, input_ids, attention, mask, advantages, lr, eps)
 
     expected = expected_update(loss_mask)
     trainer.train()
     update = {k: v.detach() - initial[k] for k, v in trainer.unwrapped_model.named_parameters()}
-
-    def relative_error(a, b):
-        return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)).item() for k in b)
 
     assert relative_error(update, expected) < 1e-3
     # The test can fail: training on the tool results too would be another update.

@@ -73,6 +73,11 @@ def adapt_environment(environment, tools=None, rollout_func=None, environment_fa
                     "reward_weights, driver). For TRL's environments, pass environment_factory=YourClass instead.")
 
 
+# Classic verifiers environments: their classes live in `verifiers.legacy` (verifiers 0.3); verifiers.v1 objects are
+# left to their own adapter.
+register_adapter("verifiers.legacy", ".verifiers_classic", "adapt")
+
+
 def environment_inputs(adapter: EnvironmentAdapter, args, train_dataset, reward_funcs):
     """(train_dataset, reward_funcs) for the trainer: the environment's, unless the user passed their own; the
     environment's reward weights go into args.reward_weights when the user set none."""
