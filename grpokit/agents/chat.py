@@ -120,11 +120,16 @@ def render_prompt(tokenizer, messages: list[dict], tools: list[Callable], chat_t
 
 
 def tool_result_ids(tokenizer, tool_messages: list[dict], chat_template_kwargs: dict) -> list[int]:
-    """The tokens that follow an assistant turn (ended by its EOS) when tool results come back, up to the next
-    assistant header: the chat template's rendering of the tool messages, read off as the difference between a
-    transcript with and without them (TRL's `_get_tool_suffix_ids`). The template must be prefix-preserving."""
-    call = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
-    before = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": call}]
+    """The tokens that follow an assistant turn (ended by its EOS) when tool results (or, from an agent harness,
+    a later user turn) come back, up to the next assistant header: the chat template's rendering of those messages,
+    read off as the difference between a transcript with and without them (TRL's `_get_tool_suffix_ids`). The
+    template must be prefix-preserving."""
+    if tool_messages[0]["role"] == "tool":
+        call = [{"type": "function", "function": {"name": tool_messages[0].get("name", "tool"), "arguments": {}}}]
+        turn = {"role": "assistant", "content": "", "tool_calls": call}
+    else:
+        turn = {"role": "assistant", "content": "dummy"}
+    before = [{"role": "user", "content": "dummy"}, turn]
     prefix = tokenizer.apply_chat_template(before, tokenize=True, return_dict=True, **chat_template_kwargs)["input_ids"]
     full = tokenizer.apply_chat_template(before + tool_messages, add_generation_prompt=True, tokenize=True,
                                          return_dict=True, **chat_template_kwargs)["input_ids"]  # fmt: skip

@@ -132,7 +132,7 @@ class Agents:
                 self._sample(engine, transcripts, waiting, params, seed + 7919 * (iteration + 1))
             waiting = [i for i in waiting if transcripts[i].messages[-1].get("tool_calls")]
             iteration += 1
-        return self._as_rollout(transcripts, params, extra), [t.messages for t in transcripts]
+        return as_rollout(transcripts, params.pad_token_id, extra), [t.messages for t in transcripts]
 
     def _sample(self, engine, transcripts: list[Transcript], indices: list[int], params: SamplingParams,
                 seed: int) -> None:  # fmt: skip
@@ -171,27 +171,6 @@ class Agents:
         owner = getattr(tool, "__self__", None)
         if self.environments is not None and owner is not None:
             self.environments.retire(owner)
-
-    def _as_rollout(self, transcripts: list[Transcript], params: SamplingParams, extra: dict) -> Rollout:
-        from ..data import pad_left
-
-        prompt_ids, prompt_mask = pad_left([t.prompt_ids for t in transcripts], params.pad_token_id)
-        n, width = len(transcripts), max([len(t.ids) for t in transcripts] + [1])
-        completion_ids = torch.full((n, width), params.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((n, width), dtype=torch.long)
-        loss_mask = torch.zeros((n, width), dtype=torch.long)
-        logprobs = torch.zeros((n, width), dtype=torch.float32)
-        for row, t in enumerate(transcripts):
-            length = len(t.ids)
-            completion_ids[row, :length] = torch.tensor(t.ids, dtype=torch.long)
-            attention_mask[row, :length] = 1
-            loss_mask[row, :length] = torch.tensor(t.trained, dtype=torch.long)
-            logprobs[row, :length] = torch.tensor(t.logprobs, dtype=torch.float32)
-        # Each policy turn is a step for process rewards (grpokit.rewards.process): a per-turn reward credits
-        # the tokens of its turn and of the turns before it.
-        extra = {**extra, TURN_ENDS: [turn_ends(t.trained) for t in transcripts]}
-        return Rollout(prompt_ids, prompt_mask, completion_ids, attention_mask, loss_mask, attention_mask.sum(-1),
-                       torch.tensor([t.truncated for t in transcripts]), logprobs, extra)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------- rollout_func
 
@@ -235,10 +214,34 @@ class Agents:
             transcripts.append(t)
         extra = {k: list(v) for k, v in output.items() if k not in ROLLOUT_FUNC_KEYS and k != "env_mask"}
         params = SamplingParams(max_new_tokens=0, pad_token_id=pad or 0)
-        rollout = self._as_rollout(transcripts, params, extra)
+        rollout = as_rollout(transcripts, params.pad_token_id, extra)
         if all(x is None for x in logprobs):
             rollout.sampling_logprobs = None
         return rollout, None
+
+
+def as_rollout(transcripts: list[Transcript], pad_token_id: int, extra: dict) -> Rollout:
+    """Transcripts as a `Rollout`: sampled tokens in the loss mask with their log-probs, inserted ones
+    attention-only; each row's turn ends in `extra[TURN_ENDS]`."""
+    from ..data import pad_left
+
+    prompt_ids, prompt_mask = pad_left([t.prompt_ids for t in transcripts], pad_token_id)
+    n, width = len(transcripts), max([len(t.ids) for t in transcripts] + [1])
+    completion_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, width), dtype=torch.long)
+    loss_mask = torch.zeros((n, width), dtype=torch.long)
+    logprobs = torch.zeros((n, width), dtype=torch.float32)
+    for row, t in enumerate(transcripts):
+        length = len(t.ids)
+        completion_ids[row, :length] = torch.tensor(t.ids, dtype=torch.long)
+        attention_mask[row, :length] = 1
+        loss_mask[row, :length] = torch.tensor(t.trained, dtype=torch.long)
+        logprobs[row, :length] = torch.tensor(t.logprobs, dtype=torch.float32)
+    # Each policy turn is a step for process rewards (grpokit.rewards.process): a per-turn reward credits
+    # the tokens of its turn and of the turns before it.
+    extra = {**extra, TURN_ENDS: [turn_ends(t.trained) for t in transcripts]}
+    return Rollout(prompt_ids, prompt_mask, completion_ids, attention_mask, loss_mask, attention_mask.sum(-1),
+                   torch.tensor([t.truncated for t in transcripts]), logprobs, extra)  # fmt: skip
 
 
 def turn_ends(trained: list[int]) -> list[int]:
