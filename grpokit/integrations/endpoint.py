@@ -111,8 +111,7 @@ class PolicyEndpoint:
 
     def start(self) -> "PolicyEndpoint":
         if self.server is None:
-            self.server = ThreadingHTTPServer(("127.0.0.1", self.port), handler_for(self))
-            self.server.daemon_threads = True
+            self.server = EndpointServer(("127.0.0.1", self.port), handler_for(self))
             threading.Thread(target=self.server.serve_forever, name="grpokit-endpoint", daemon=True).start()
         return self
 
@@ -280,6 +279,11 @@ def same_message(a: dict, b: dict) -> bool:
 def usage(call: Call) -> dict:
     return {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(call.completion_ids),
             "total_tokens": len(call.prompt_ids) + len(call.completion_ids)}  # fmt: skip
+
+
+class EndpointServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024  # every rollout of a generation connects at once (http.server's default backlog: 5)
 
 
 def handler_for(endpoint: PolicyEndpoint):
