@@ -43,9 +43,25 @@ def test_a_verifiers_v1_env_trains_through_the_endpoint_with_its_episode_rewards
     trainer.train()
     log = trainer.state.log_history[0]
     assert len(verifiers_v1_lookup.RETURNED) == 8  # 4 tasks, 2 episodes each
-    assert sorted(set(verifiers_v1_lookup.RETURNED)) == [1.0 - 6 / 60, 2.0 - 4 / 60]  # two short answers each
+    assert sorted(set(verifiers_v1_lookup.RETURNED)) == [1.0 - 6 / 300, 2.0 - 4 / 300]  # two short answers each
     assert log["reward"] == pytest.approx(sum(verifiers_v1_lookup.RETURNED) / 8)
     assert log["rewards/episode_reward/mean"] == pytest.approx(sum(verifiers_v1_lookup.RETURNED) / 8)
     # The harness's two turns through verifiers' TrainClient: one sequence per episode, no prefix break.
     assert log["endpoint/calls_per_rollout"] == 2.0 and log["endpoint/prefix_break_frequency"] == 0.0
     assert log["endpoint/error_frequency"] == 0.0 and log["endpoint/timeout_frequency"] == 0.0
+
+
+@pytest.mark.slow
+def test_a_tiny_model_improves_on_a_verifiers_v1_env(tmp_path):
+    """The in-process engine samples a random tiny model's turns through verifiers' TrainClient; GRPO on the
+    episodes' rewards (the brevity term: the values are out of a random model's reach) makes the answers short.
+    Measured on CPU: 0.48 over the first 8 steps -> 1.00 over the last 8 (empty answers), about 100 s."""
+    model, tokenizer = tiny_agent_model()
+    args = config(tmp_path, max_steps=60, per_device_train_batch_size=16, num_generations=4, learning_rate=2e-2,
+                  lr_scheduler_type="constant", max_completion_length=32)  # fmt: skip
+    trainer = GRPOTrainer(model=model, args=args, processing_class=tokenizer, environment=lookup_env())
+    trainer.train()
+    rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
+    first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
+    print(f"reward over the first 8 steps {first:.3f}, over the last 8 {last:.3f}")
+    assert last > first + 0.2

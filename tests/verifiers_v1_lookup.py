@@ -19,7 +19,7 @@ class LookupTask(vf.Task[LookupData, vf.State, vf.TaskConfig]):
     @vf.reward(weight=1.0)
     async def answered(self, trace) -> float:
         text = "".join(str(m.content or "") for m in trace.messages if m.role == "assistant")
-        reward = float(TABLE[self.data.key] in text) + 1.0 - min(len(text), 60) / 60
+        reward = float(TABLE[self.data.key] in text) + 1.0 - min(len(text), 300) / 300
         RETURNED.append(reward)
         return reward
 
