@@ -6,12 +6,12 @@ import time
 
 import pytest
 import torch
+from agents_helpers import TABLE, ForcedCallsEngine, call_text, key_of, lookup, tiny_agent_model, tool_call_script
 from datasets import Dataset
 
-from agents_helpers import TABLE, ForcedCallsEngine, call_text, key_of, lookup, tiny_agent_model, tool_call_script
 from grpokit import GRPOConfig, GRPOTrainer, group_advantages, token_logprobs
 from grpokit.agents import Agents
-from grpokit.rollout import HFEngine, PromptBatch, Rollout, SamplingParams
+from grpokit.rollout import SamplingParams
 
 SUFFIX = "\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 

@@ -8,10 +8,10 @@ import threading
 
 import pytest
 import torch
+from agents_helpers import TABLE, ForcedCallsEngine, key_of, lookup, tiny_agent_model, tool_call_script
 from datasets import Dataset
 from transformers.utils import get_json_schema
 
-from agents_helpers import TABLE, ForcedCallsEngine, key_of, lookup, tiny_agent_model, tool_call_script
 from grpokit import GRPOConfig, GRPOTrainer, token_logprobs
 from grpokit.integrations import EnvironmentAdapter
 from grpokit.integrations.endpoint import Call, stitch
@@ -145,7 +145,8 @@ def test_a_harness_that_rewrites_its_history_starts_a_new_segment():
     first = Call([1, 2], [3, 4], [-0.1, -0.2], 0, False)
     second = Call([1, 2, 3, 4, 5], [6], [-0.3], 0, False)
     transcript, breaks = stitch([9], [first, second], max_completion_length=16)
-    assert (transcript.prompt_ids, transcript.ids, transcript.trained, breaks) == ([1, 2], [3, 4, 5, 6], [1, 1, 0, 1], 0)
+    assert (transcript.prompt_ids, transcript.ids, transcript.trained) == ([1, 2], [3, 4, 5, 6], [1, 1, 0, 1])
+    assert breaks == 0
     assert transcript.logprobs == [-0.1, -0.2, 0.0, -0.3]
     rewritten = Call([1, 7, 5], [8], [-0.4], 1, True)
     transcript, breaks = stitch([9], [first, second, rewritten], max_completion_length=16)

@@ -4,8 +4,8 @@ TrainClient, and trains; the episodes' rewards are the logged rewards. Needs ver
 own (`-m verifiers_v1`; .ci/run builds it)."""
 
 import pytest
-
 from agents_helpers import key_of, tiny_agent_model, tool_call_script
+
 from grpokit import GRPOConfig, GRPOTrainer
 
 pytestmark = pytest.mark.verifiers_v1
@@ -29,6 +29,7 @@ def config(tmp_path, **overrides):
 
 def test_a_verifiers_v1_env_trains_through_the_endpoint_with_its_episode_rewards(tmp_path):
     import verifiers_v1_lookup
+
     from grpokit.integrations.verifiers_v1 import VerifiersV1Environment
 
     env = lookup_env()

@@ -200,7 +200,8 @@ class PolicyEndpoint:
         prompt_ids, sampling = body.get("token_ids"), body.get("sampling_params") or {}
         if not isinstance(prompt_ids, list) or not prompt_ids or not all(isinstance(t, int) for t in prompt_ids):
             raise EndpointError(400, "token_ids must be a non-empty list of token ids.")
-        call = self._sample(session, prompt_ids, sampling.get("max_tokens"), tuple(sampling.get("stop_token_ids") or ()))
+        stop_ids = tuple(sampling.get("stop_token_ids") or ())
+        call = self._sample(session, prompt_ids, sampling.get("max_tokens"), stop_ids)
         return {"request_id": f"gen-{uuid.uuid4().hex}", "prompt_token_ids": prompt_ids, "usage": usage(call),
                 "choices": [{"index": 0, "token_ids": call.completion_ids,
                              "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": p}
@@ -272,8 +273,11 @@ def as_template_message(message: dict) -> dict:
 def same_message(a: dict, b: dict) -> bool:
     """Whether two messages render the same: role, content and tool calls (names and arguments), nothing else (a
     harness adds ids, names and fields of its own)."""
-    calls = lambda m: [(c["function"]["name"], c["function"].get("arguments")) for c in m.get("tool_calls") or []]  # noqa: E731
-    return (a.get("role"), a.get("content") or "", calls(a)) == (b.get("role"), b.get("content") or "", calls(b))
+    def key(m: dict) -> tuple:
+        calls = [(c["function"]["name"], c["function"].get("arguments")) for c in m.get("tool_calls") or []]
+        return m.get("role"), m.get("content") or "", calls
+
+    return key(a) == key(b)
 
 
 def usage(call: Call) -> dict:
@@ -305,7 +309,8 @@ def handler_for(endpoint: PolicyEndpoint):
             except EndpointError as error:
                 status, payload = error.status, {"error": {"message": str(error), "type": "invalid_request_error"}}
             except Exception as error:  # the harness gets the error, the server goes on
-                status, payload = 500, {"error": {"message": f"{type(error).__name__}: {error}", "type": "server_error"}}
+                message = f"{type(error).__name__}: {error}"
+                status, payload = 500, {"error": {"message": message, "type": "server_error"}}
             data = json.dumps(payload).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
@@ -414,7 +419,8 @@ class HarnessDriver:
             self.stats.calls += len(row_calls)
             self.stats.prefix_breaks += breaks
         self.stats.rollouts += len(rows)
-        versions = [min((c.version for c in row_calls if c.version is not None), default=version) for row_calls in calls]
+        versions = [min((c.version for c in row_calls if c.version is not None), default=version)
+                    for row_calls in calls]  # fmt: skip
         extra = {self.reward_column: rewards, "policy_version": versions}
         return as_rollout(transcripts, params.pad_token_id, extra), None
 

@@ -89,7 +89,8 @@ class VerifiersV1Environment:
                                    renderer_model_name=self.renderer_model)  # fmt: skip
         context = ModelContext(model=self.model_name, client=client)
         task = self.tasks[int(row["task_index"])]
-        episode = asyncio.run_coroutine_threadsafe(self.env.run_episode(task, context), self._event_loop()).result()
+        episode = asyncio.run_coroutine_threadsafe(self.env.run_episode(task, context), self._event_loop())
+        episode = episode.result()
         if not episode.ok or not episode.traces:
             errors = [episode.last_error] + [trace.last_error for trace in episode.traces]
             shown = "; ".join(f"{e.type}: {e.message}" for e in errors if e is not None) or "no error recorded"
