@@ -152,3 +152,56 @@ def test_a_harness_that_rewrites_its_history_starts_a_new_segment():
     transcript, breaks = stitch([9], [first, second, rewritten], max_completion_length=16)
     assert (transcript.prompt_ids, transcript.ids, transcript.truncated, breaks) == ([1, 7, 5], [8], True, 1)
     assert stitch([9], [], max_completion_length=16)[0].prompt_ids == [9]
+
+
+def post(url, body, headers=None):
+    """(status, JSON reply) of a POST with the standard library, as any harness's HTTP client sends it."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json",
+                                                                      **(headers or {})})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_the_generate_route_speaks_vllms_token_format_and_sessions_come_from_a_header():
+    """/inference/v1/generate as verifiers' TrainClient (renderers.client.generate) reads it; the bare routes take the
+    session from X-Session-ID; /v1/models gives the card; nothing samples outside `serving`."""
+    import urllib.request
+
+    from grpokit.integrations.endpoint import PolicyEndpoint
+    from grpokit.rollout import ScriptedEngine
+
+    _, tokenizer = tiny_agent_model()
+    endpoint = PolicyEndpoint(tokenizer, max_completion_length=6, model_name="policy", max_model_length=64).start()
+    engine = ScriptedEngine(lambda prompt, index: [5, 6, 7, tokenizer.eos_token_id])
+    params = SamplingParams(max_new_tokens=8, eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=0)
+    try:
+        assert post(f"{endpoint.url}/inference/v1/generate", {"token_ids": [1, 2]})[0] == 400  # no session
+        with endpoint.serving(engine, params, seed=0, version=3):
+            session = endpoint.open_session(0)
+            request = {"model": "policy", "token_ids": [1, 2], "sampling_params": {"max_tokens": 2, "logprobs": 1}}
+            status, reply = post(f"{endpoint.url}/inference/v1/generate", request, {"X-Session-ID": session})
+            assert status == 200 and reply["prompt_token_ids"] == [1, 2]
+            (choice,) = reply["choices"]
+            assert choice["token_ids"] == [5, 6] and choice["finish_reason"] == "length"  # max_tokens cut it
+            assert [c["token"] for c in choice["logprobs"]["content"]] == ["token_id:5", "token_id:6"]
+            status, reply = post(f"{endpoint.base_url(session).removesuffix('/v1')}/inference/v1/generate",
+                                 {"token_ids": [1, 2, 5, 6, 9]})  # fmt: skip
+            # The session's budget: 6 completion tokens, 3 spent (2 sampled, 1 inserted).
+            assert reply["choices"][0]["token_ids"] == [5, 6, 7] and reply["choices"][0]["finish_reason"] == "length"
+            assert post(f"{endpoint.url}/s/unknown/v1/chat/completions", {"messages": []})[0] == 404
+            with urllib.request.urlopen(f"{endpoint.base_url(session)}/models", timeout=30) as card:
+                assert json.loads(card.read())["data"][0] == {"id": "policy", "object": "model", "owned_by": "grpokit",
+                                                              "max_model_len": 64}  # fmt: skip
+            calls = endpoint.close_session(session)
+        assert [(c.prompt_ids, c.completion_ids, c.version) for c in calls] == [([1, 2], [5, 6], 3),
+                                                                                ([1, 2, 5, 6, 9], [5, 6, 7], 3)]
+        transcript, breaks = stitch([1], calls, max_completion_length=6)
+        assert (transcript.ids, transcript.trained, breaks) == ([5, 6, 9, 5, 6, 7], [1, 1, 0, 1, 1, 1], 0)
+    finally:
+        endpoint.stop()

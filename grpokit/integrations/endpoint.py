@@ -73,7 +73,7 @@ class Call:
 
     prompt_ids: list[int]  # the context the turn was sampled in
     completion_ids: list[int]  # the sampled tokens
-    logprobs: list[float]  # their log-probs under the engine's policy
+    logprobs: list[float] | None  # their log-probs under the engine's policy; None where it reports none
     version: int | None  # the policy version (training step) that sampled them
     truncated: bool  # ended by the token budget, not a stop token
     messages: list[dict] | None = None  # chat route: the request's messages, tools and the reply (for bridging)
@@ -202,10 +202,11 @@ class PolicyEndpoint:
             raise EndpointError(400, "token_ids must be a non-empty list of token ids.")
         stop_ids = tuple(sampling.get("stop_token_ids") or ())
         call = self._sample(session, prompt_ids, sampling.get("max_tokens"), stop_ids)
+        logprobs = call.logprobs if call.logprobs is not None else [0.0] * len(call.completion_ids)  # wire: a number
         return {"request_id": f"gen-{uuid.uuid4().hex}", "prompt_token_ids": prompt_ids, "usage": usage(call),
                 "choices": [{"index": 0, "token_ids": call.completion_ids,
                              "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": p}
-                                                      for t, p in zip(call.completion_ids, call.logprobs)]},
+                                                      for t, p in zip(call.completion_ids, logprobs)]},
                              "finish_reason": "length" if call.truncated else "stop"}]}  # fmt: skip
 
     # ------------------------------------------------------------------------------------------- sampling
@@ -245,8 +246,7 @@ class PolicyEndpoint:
             seed = self.seed + 1009 * session.index + 7919 * len(session.calls)
             out = self.engine.generate(PromptBatch(ids=[list(prompt_ids)], counts=[1], raw=[None]), params, seed)
             ids = out.completion_id_lists()[0]
-            logprobs = [0.0] * len(ids) if out.sampling_logprobs is None else \
-                out.sampling_logprobs[0, : len(ids)].tolist()  # fmt: skip
+            logprobs = None if out.sampling_logprobs is None else out.sampling_logprobs[0, : len(ids)].tolist()
             call = Call(list(prompt_ids), ids, logprobs, self.version, bool(out.is_truncated[0]))
             session.calls.append(call)
             return call
@@ -422,7 +422,10 @@ class HarnessDriver:
         versions = [min((c.version for c in row_calls if c.version is not None), default=version)
                     for row_calls in calls]  # fmt: skip
         extra = {self.reward_column: rewards, "policy_version": versions}
-        return as_rollout(transcripts, params.pad_token_id, extra), None
+        rollout = as_rollout(transcripts, params.pad_token_id, extra)
+        if any(call.logprobs is None for row_calls in calls for call in row_calls):
+            rollout.sampling_logprobs = None  # an engine that reports none (the trainer computes π_old itself)
+        return rollout, None
 
     def _outcome(self, future: concurrent.futures.Future, deadline: float):
         try:
