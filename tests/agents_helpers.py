@@ -5,7 +5,10 @@ import json
 import random
 import re
 
-from grpokit.rollout import ScriptedEngine
+import torch
+
+from grpokit import token_logprobs
+from grpokit.rollout import HFEngine, PromptBatch, Rollout, SamplingParams, ScriptedEngine
 from grpokit.testing import build_qwen_chat_tokenizer, build_tiny_model
 
 # Whole tokens of the test tokenizer besides the template's own: tool names, the lookup tool's schema line and the
@@ -109,3 +112,33 @@ def dapo_update(model, input_ids, attention, loss_mask, advantages, lr: float, e
 def relative_error(a: dict, b: dict) -> float:
     """The largest error of a against b, per tensor relative to b's largest entry."""
     return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)).item() for k in b)
+
+
+class ForcedCallsEngine:
+    """The real in-process engine, except that while a transcript holds fewer than `calls` tool results its turn
+    is a forced tool call (with log-probs from a plain forward): so that a random tiny model makes calls, and the
+    turns the engine samples come after tool results of different lengths."""
+
+    exact_logprobs = True
+
+    def __init__(self, model, tokenizer, calls=2):
+        self.inner, self.model, self.tokenizer, self.calls = HFEngine(model), model, tokenizer, calls
+
+    def sync_weights(self, model):
+        self.inner.sync_weights(model)
+
+    def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
+        text = self.tokenizer.decode(prompts.ids[0])
+        if text.count("<tool_response>") >= self.calls:
+            return self.inner.generate(prompts, params, seed)
+        from grpokit.rollout import ScriptedEngine
+
+        forced = ScriptedEngine(lambda ids, index: self.tokenizer(call_text(
+            "lookup", {"key": key_of(self.tokenizer.decode(ids))}), add_special_tokens=False)["input_ids"])
+        rollout = forced.generate(prompts, params, seed)
+        with torch.no_grad():
+            logprobs, _ = token_logprobs(self.model, torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
+                                         torch.cat([rollout.prompt_mask, rollout.attention_mask], 1),
+                                         rollout.completion_ids.shape[1])  # fmt: skip
+        rollout.sampling_logprobs = logprobs * rollout.attention_mask
+        return rollout

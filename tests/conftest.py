@@ -2,7 +2,8 @@
 (`-m vllm`) need vllm installed (docs/guides/vllm.md: CPU recipe; `.ci/run` builds it) and skip without it,
 unless GRPOKIT_REQUIRE_VLLM=1, which turns a missing vllm into a failure (CI sets it, so a broken install shows).
 Likewise verifiers' tests (`-m verifiers`, classic verifiers environments) skip without verifiers, unless
-GRPOKIT_REQUIRE_VERIFIERS=1."""
+GRPOKIT_REQUIRE_VERIFIERS=1; verifiers-v1 tests (`-m verifiers_v1`) need verifiers 0.4, in an environment of its own
+(.ci/run), and GRPOKIT_REQUIRE_VERIFIERS_V1=1 makes its absence a failure."""
 
 import importlib.util
 import os
@@ -39,3 +40,20 @@ def pytest_collection_modifyitems(config, items):
                 raise pytest.UsageError("GRPOKIT_REQUIRE_VLLM=1 but vllm is not importable: the vLLM environment "
                                         "was not built (see the CPU recipe in docs/guides/vllm.md).")  # fmt: skip
             item.add_marker(pytest.mark.skip(reason="needs vllm (docs/guides/vllm.md: CPU recipe; .ci/run builds it)"))
+        if "verifiers_v1" in item.keywords and not has_verifiers_v1():
+            if os.environ.get("GRPOKIT_REQUIRE_VERIFIERS_V1") == "1":
+                raise pytest.UsageError("GRPOKIT_REQUIRE_VERIFIERS_V1=1 but verifiers>=0.4 is not installed: the "
+                                        "verifiers-v1 environment was not built (.ci/run builds it).")  # fmt: skip
+            item.add_marker(pytest.mark.skip(reason="needs verifiers 0.4 (pip install grpokit[verifiers-v1] in an "
+                                                    "environment of its own; .ci/run builds it)"))  # fmt: skip
+
+
+def has_verifiers_v1() -> bool:
+    """verifiers 0.4 (its v1 API) is installed; read from the package metadata, so that an older verifiers (the
+    classic API) is not imported to find out."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return tuple(int(x) for x in version("verifiers").split(".")[:2]) >= (0, 4)
+    except (PackageNotFoundError, ValueError):
+        return False

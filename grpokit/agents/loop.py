@@ -132,7 +132,7 @@ class Agents:
                 self._sample(engine, transcripts, waiting, params, seed + 7919 * (iteration + 1))
             waiting = [i for i in waiting if transcripts[i].messages[-1].get("tool_calls")]
             iteration += 1
-        return self._as_rollout(transcripts, params, extra), [t.messages for t in transcripts]
+        return transcripts_rollout(transcripts, params.pad_token_id, extra), [t.messages for t in transcripts]
 
     def _sample(self, engine, transcripts: list[Transcript], indices: list[int], params: SamplingParams,
                 seed: int) -> None:  # fmt: skip
@@ -158,9 +158,6 @@ class Agents:
         owner = getattr(tool, "__self__", None)
         if self.environments is not None and owner is not None:
             self.environments.retire(owner)
-
-    def _as_rollout(self, transcripts: list[Transcript], params: SamplingParams, extra: dict) -> Rollout:
-        return transcripts_rollout(transcripts, params.pad_token_id, extra)
 
     # ------------------------------------------------------------------------------------------- rollout_func
 
@@ -204,7 +201,7 @@ class Agents:
             transcripts.append(t)
         extra = {k: list(v) for k, v in output.items() if k not in ROLLOUT_FUNC_KEYS and k != "env_mask"}
         params = SamplingParams(max_new_tokens=0, pad_token_id=pad or 0)
-        rollout = self._as_rollout(transcripts, params, extra)
+        rollout = transcripts_rollout(transcripts, params.pad_token_id, extra)
         if all(x is None for x in logprobs):
             rollout.sampling_logprobs = None
         return rollout, None

@@ -48,6 +48,10 @@ def register_adapter(type_module_prefix: str, adapter_module: str, adapter_funct
     _ADAPTERS.append((type_module_prefix, adapter_module, adapter_function))
 
 
+# verifiers 0.4's v1 API first: its types live under "verifiers", which classic verifiers' adapter also claims.
+register_adapter("verifiers.v1", ".verifiers_v1", "adapt")
+
+
 def adapt_environment(environment, tools=None, rollout_func=None, environment_factory=None) -> EnvironmentAdapter:
     """The adapter for `environment`: one of a library grpokit speaks, or the environment itself when it already
     is an `EnvironmentAdapter`. The trainer's own multi-turn arguments are refused beside it."""
