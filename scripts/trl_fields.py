@@ -79,9 +79,8 @@ def grpokit_default_differences(committed: dict, config: str = "GRPOConfig") -> 
     if str(JSON_PATH.parents[1]) not in sys.path:  # this checkout's grpokit, not another installed one
         sys.path.insert(0, str(JSON_PATH.parents[1]))
     import grpokit
-    from grpokit.config import TRL_DEFAULT_DIFFERENCES
-
     from grpokit.async_grpo import AsyncGRPOConfig
+    from grpokit.config import TRL_DEFAULT_DIFFERENCES
     from grpokit.distillation_config import DistillationConfig
     from grpokit.rloo import RLOOConfig
 

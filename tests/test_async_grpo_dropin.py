@@ -56,7 +56,10 @@ def test_every_trl_field_is_a_field_with_trls_default():
     # The values TRL's config holds once built (its __post_init__ run), for the fields TRL declares itself.
     built_trl, built = trl_config(output_dir="unused", use_cpu=True), AsyncGRPOConfig(output_dir="unused")
     own = [name for name in trl_config.__dataclass_fields__ if name in vars(trl_config)["__annotations__"]]
-    plain = lambda value: value.value if isinstance(value, enum.Enum) else value  # noqa: E731
+
+    def plain(value):  # transformers' enums (SchedulerType, ...) as their values
+        return value.value if isinstance(value, enum.Enum) else value
+
     differing = {name: (getattr(built, name), plain(getattr(built_trl, name))) for name in own
                  if plain(getattr(built, name)) != plain(getattr(built_trl, name))}  # fmt: skip
     assert differing == {"top_k": (None, 0)}  # GRPOConfig reads top_k 0 as None: both mean no top-k filtering
@@ -80,10 +83,10 @@ def test_the_fields_grpoconfig_lacks_are_declared_here_and_the_shared_ones_keep_
 
 
 @pytest.mark.parametrize("values, error, message", [
-    (dict(token_budget=4096), NotImplementedError, "token_budget=4096: grpokit micro-batches by count"),
-    (dict(dtype="float64"), ValueError, "dtype='float64' is not one of"),
-    (dict(max_inflight_tasks=0), ValueError, "max_inflight_tasks=0 would never sample"),
-    (dict(request_timeout=0), ValueError, "request_timeout=0 and weight_sync_timeout=1800 must be positive"),
+    ({"token_budget": 4096}, NotImplementedError, "token_budget=4096: grpokit micro-batches by count"),
+    ({"dtype": "float64"}, ValueError, "dtype='float64' is not one of"),
+    ({"max_inflight_tasks": 0}, ValueError, "max_inflight_tasks=0 would never sample"),
+    ({"request_timeout": 0}, ValueError, "request_timeout=0 and weight_sync_timeout=1800 must be positive"),
 ])  # fmt: skip
 def test_values_grpokit_cannot_honour_are_refused_by_name(values, error, message):
     with pytest.raises(error, match=message):
