@@ -16,8 +16,8 @@ requests / the weight pushes instead: a request that fails on the connection (re
 is tried again after pauses of 2, 4, 8 s (10 s from then on; up to `retries` more tries), each try waiting at most
 the time left, so that a frozen server stops the trainer after about `timeout` seconds (not `retries + 1` times it),
 and a killed one after the pauses (~14 s). A server that restarted (its instance id changed) gets the weights pushed
-again. Checkpoints are written atomically by the trainer,
-so a run that stops here can resume from its last one.
+again. Checkpoints are written atomically by the trainer, so a run that stops here can resume from its last
+one.
 """
 
 from __future__ import annotations
