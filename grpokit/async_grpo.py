@@ -58,12 +58,6 @@ ASYNC_FIELDS = {
                     "by count, which does not change the update (loss_type 'dapo' divides by the whole batch's "
                     "tokens). A positive budget is refused: bound memory with per_device_train_batch_size, and "
                     "drop padding with padding_free=True.",
-    "max_inflight_tasks": "How many completions may be in generation at once. -1 (auto, TRL's default) is resolved "
-                          "by the trainer, as TRL does, to max(max_staleness, 1) × per_device_train_batch_size × "
-                          "gradient_accumulation_steps × processes: more would be dropped as stale before the "
-                          "trainer reaches them. Stored for the producer; today's producer has one generation batch "
-                          "(generation_batch_size completions) in flight at a time, at most max_staleness versions "
-                          "ahead.",
 }  # fmt: skip
 
 
@@ -93,7 +87,6 @@ class AsyncGRPOConfig(GRPOConfig):
     request_timeout: int = _field(600, ASYNC_FIELDS["request_timeout"], {})
     weight_sync_timeout: int = _field(1800, ASYNC_FIELDS["weight_sync_timeout"], {})
     token_budget: int | None = _field(None, ASYNC_FIELDS["token_budget"], {})
-    max_inflight_tasks: int = _field(-1, ASYNC_FIELDS["max_inflight_tasks"], {})
 
     def validate(self) -> None:
         """GRPOConfig's checks, and those of the fields above."""
@@ -103,9 +96,6 @@ class AsyncGRPOConfig(GRPOConfig):
         if not (self.request_timeout > 0 and self.weight_sync_timeout > 0):
             raise ValueError(f"request_timeout={self.request_timeout} and weight_sync_timeout="
                              f"{self.weight_sync_timeout} must be positive numbers of seconds.")  # fmt: skip
-        if self.max_inflight_tasks == 0:
-            raise ValueError("max_inflight_tasks=0 would never sample: give a positive count of completions, or -1 "
-                             "(auto: max(max_staleness, 1) × the completions of one optimizer step).")
         if self.token_budget is not None and self.token_budget > 0:
             raise NotImplementedError(
                 f"token_budget={self.token_budget}: grpokit micro-batches by count (per_device_train_batch_size "

@@ -85,7 +85,7 @@ def test_the_fields_grpoconfig_lacks_are_declared_here_and_the_shared_ones_keep_
 @pytest.mark.parametrize("values, error, message", [
     ({"token_budget": 4096}, NotImplementedError, "token_budget=4096: grpokit micro-batches by count"),
     ({"dtype": "float64"}, ValueError, "dtype='float64' is not one of"),
-    ({"max_inflight_tasks": 0}, ValueError, "max_inflight_tasks=0 would never sample"),
+    ({"max_inflight_tasks": 0}, ValueError, "max_inflight_tasks=0: give a positive count"),
     ({"request_timeout": 0}, ValueError, "request_timeout=0 and weight_sync_timeout=1800 must be positive"),
 ])  # fmt: skip
 def test_values_grpokit_cannot_honour_are_refused_by_name(values, error, message):
