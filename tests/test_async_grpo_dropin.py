@@ -24,16 +24,11 @@ from grpokit.rollout.vllm_client import VLLMServerEngine
 from grpokit.testing import build_tiny_model, save_tiny_model
 
 from letters import LETTERS, letter_dataset, repeat_letter, tiny_letter_model
+from test_rloo import defaults
 from test_vllm_client import served, stand_in_server
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = json.loads((ROOT / "grpokit" / "trl_async_grpo_fields.json").read_text())
-
-
-def defaults(config_class) -> dict:
-    """{name: default} of a dataclass's init fields, in declaration order (factories called)."""
-    return {spec.name: spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
-            for spec in dataclasses.fields(config_class) if spec.init}  # fmt: skip
 
 
 def installed_trl_async():

@@ -12,11 +12,12 @@ from agents_helpers import TABLE, ForcedCallsEngine, key_of, lookup, tiny_agent_
 from datasets import Dataset
 from transformers.utils import get_json_schema
 
-from grpokit import GRPOConfig, GRPOTrainer, token_logprobs
+from grpokit import GRPOTrainer, token_logprobs
 from grpokit.integrations import EnvironmentAdapter
 from grpokit.integrations.endpoint import Call, stitch
 from grpokit.integrations.openai_agent import OpenAIAgentEnvironment
 from grpokit.rollout import SamplingParams
+from test_environments import config as environments_config
 
 openai = pytest.importorskip("openai")
 
@@ -24,10 +25,7 @@ LOOKUP_SCHEMA = get_json_schema(lookup)
 
 
 def config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=1,
-                  max_completion_length=48, learning_rate=1e-3, logging_steps=1, save_strategy="no",
-                  disable_tqdm=True, report_to="none", seed=0)  # fmt: skip
-    return GRPOConfig(**{**values, **overrides})
+    return environments_config(tmp_path, **{"max_steps": 1, "max_completion_length": 48, **overrides})
 
 
 def dataset(*keys):
