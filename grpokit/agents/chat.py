@@ -85,7 +85,10 @@ def check_tool_calling(tokenizer) -> dict:
 
 def parse_completion(tokenizer, template: dict, ids: list[int], prefix: list[int], tools: list) -> dict:
     """One assistant turn as a message, with its `tool_calls` when it made any; a turn that does not parse (a
-    malformed call) is its decoded text, as in TRL's `parse_response`."""
+    malformed call) is its decoded text, as in TRL's `parse_response`. Without a template (no tools: an environment
+    that reads actions from plain text) every turn is its decoded text."""
+    if template is None:
+        return {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
     try:
         message = tokenizer.parse_response(ids, template, prefix=prefix, tools=tools or None)
         if message is None:
@@ -121,19 +124,28 @@ def render_prompt(tokenizer, messages: list[dict], tools: list[Callable], chat_t
 
 def tool_result_ids(tokenizer, tool_messages: list[dict], chat_template_kwargs: dict) -> list[int]:
     """The tokens that follow an assistant turn (ended by its EOS) when tool results come back, up to the next
-    assistant header: the chat template's rendering of the tool messages, read off as the difference between a
-    transcript with and without them (TRL's `_get_tool_suffix_ids`). The template must be prefix-preserving."""
+    assistant header (TRL's `_get_tool_suffix_ids`)."""
     call = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
-    before = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": call}]
+    return continuation_ids(tokenizer, {"role": "assistant", "content": "", "tool_calls": call}, tool_messages,
+                            chat_template_kwargs)  # fmt: skip
+
+
+def continuation_ids(tokenizer, assistant: dict, messages: list[dict], chat_template_kwargs: dict) -> list[int]:
+    """The tokens that follow an assistant turn (ended by its EOS) when `messages` (tool results, or a user message
+    such as an environment's observation) come next, up to the next assistant header: the chat template's rendering
+    of the messages, read off as the difference between a transcript with and without them. `assistant` stands in
+    for the sampled turn (with a tool call when tool results follow, as templates expect). The template must be
+    prefix-preserving."""
+    before = [{"role": "user", "content": "dummy"}, assistant]
     prefix = tokenizer.apply_chat_template(before, tokenize=True, return_dict=True, **chat_template_kwargs)["input_ids"]
-    full = tokenizer.apply_chat_template(before + tool_messages, add_generation_prompt=True, tokenize=True,
+    full = tokenizer.apply_chat_template(before + messages, add_generation_prompt=True, tokenize=True,
                                          return_dict=True, **chat_template_kwargs)["input_ids"]  # fmt: skip
     # The sampled turn ends at EOS; Qwen's template writes "<|im_end|>\n": cut the prefix at its last EOS.
     eos = [i for i, token in enumerate(prefix) if token == tokenizer.eos_token_id]
     if eos:
         prefix = prefix[: eos[-1] + 1]
     if list(full[: len(prefix)]) != list(prefix):
-        raise ValueError("This chat template is not prefix-preserving: appending tool messages re-renders the earlier "
-                         "turns, so tool results cannot be appended to a sampled transcript. Use a template that "
-                         "renders earlier messages the same whatever follows.")
+        raise ValueError("This chat template is not prefix-preserving: appending messages re-renders the earlier "
+                         "turns, so tool results or observations cannot be appended to a sampled transcript. Use a "
+                         "template that renders earlier messages the same whatever follows.")
     return list(full[len(prefix) :])

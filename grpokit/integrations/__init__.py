@@ -48,6 +48,10 @@ def register_adapter(type_module_prefix: str, adapter_module: str, adapter_funct
     _ADAPTERS.append((type_module_prefix, adapter_module, adapter_function))
 
 
+# OpenEnv's clients (openenv.core.EnvClient) point at a server: trained on through grpokit.integrations.openenv.
+register_adapter("openenv", ".openenv", "adapter")
+
+
 def adapt_environment(environment, tools=None, rollout_func=None, environment_factory=None) -> EnvironmentAdapter:
     """The adapter for `environment`: one of a library grpokit speaks, or the environment itself when it already
     is an `EnvironmentAdapter`. The trainer's own multi-turn arguments are refused beside it."""

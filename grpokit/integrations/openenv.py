@@ -1,0 +1,393 @@
+"""OpenEnv environments (openenv-core 0.3): `GRPOTrainer(environment=OpenEnvEnvironment(url_or_server, ...))`.
+
+An OpenEnv environment is a server (`openenv.core.env_server.create_app` over an `Environment` subclass with
+`reset()`, `step(action)` and `state`) that clients reach over a WebSocket (`EnvClient`, one server-side session
+per connection). Here every rollout opens a session of its own, resets it and plays it turn by turn:
+
+    prompt (+ the reset observation, appended to the last user message as TRL does with environments)
+    → the model's turn, sampled by the trainer's engine on token ids (loss mask 1, its sampling log-probs)
+    → the turn's text → `parse_action` → `step(action)` over the session → StepResult(observation, reward, done)
+    → the observation, rendered by `render_observation` as a user message and appended as the chat template's
+      tokens for it (attention only, loss mask 0) → the next turn … until `done`, `max_turns` steps, or the
+      completion budget (max_completion_length) runs out.
+
+The rollouts of a generation run in parallel: their resets, then each round of steps, go out together and each
+call has `step_timeout` seconds (the tool runner of grpokit.agents: the same time limits and failure counts as
+tools). A rollout's reward is what the environment's steps gave:
+
+- `rewards="turns"` (default): the reward of each step credits its turn as a process reward (grpokit.rewards.process:
+  an agent's steps are its turns), so a token's advantage is built from the rewards of its turn and the turns after
+  it; `rewards/<reward_name>/mean` logs the mean step reward.
+- `rewards="sum"`: the steps' rewards summed, one outcome reward per rollout (the usual GRPO reward).
+
+What goes wrong is counted and training goes on:
+- a turn whose action does not parse (`parse_action` raises ValueError/TypeError/KeyError or returns None, or the
+  action does not validate against `action_class` when it is known), or a turn cut at the token budget, ends the
+  rollout without a step; that turn is rewarded `invalid_action_reward` (`openenv/action/failure_frequency`).
+  Ending, rather than showing the model an error and letting it retry, keeps a rollout's reward the environment's.
+- a reset or step that raises on the server, cannot reach it, or takes longer than `step_timeout` ends the rollout
+  and leaves it unscored (reward None: "does not apply", as TRL's OpenEnv harness does with a failed session) —
+  what the session holds after a failure is not the outcome of the model's actions
+  (`openenv/<reset|step>/failure_frequency`, `openenv/step/timeout_frequency`).
+
+Every group's G rollouts face the same task: the rows of the dataset are repeated G times and `reset_kwargs(row)`
+(default: the row's `seed` column) picks the episode.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import socket
+import threading
+import time
+from collections import Counter
+from typing import Any, Callable, Literal
+
+from ..agents.chat import continuation_ids, render_prompt
+from ..agents.loop import Agents, Transcript, with_observation
+from ..agents.tools import ToolRunner, ToolStats
+from ..rewards.process import process_reward
+
+INSTALL = 'pip install "grpokit[openenv]"'
+REWARDS_COLUMN = "openenv_rewards"  # per row: the reward of each of its turns, or None when its session failed
+PARSE_ERRORS = (ValueError, TypeError, KeyError)  # what a parser raises for an action it cannot read
+
+
+def require_openenv():
+    """The openenv package, or an ImportError that says how to install it."""
+    try:
+        import openenv.core  # noqa: F401
+    except ImportError as error:
+        raise ImportError(f"OpenEnv environments need openenv-core (0.3): {INSTALL}") from error
+    import openenv
+
+    return openenv
+
+
+# ------------------------------------------------------------------------------------------- actions, observations
+
+
+def json_action(text: str) -> dict:
+    """The default action parser: the last JSON object in the turn's text (a ```json fence or a bare {...})."""
+    candidates = re.findall(r"```(?:json)?\s*(\{.*?\})\s*```", text, re.S) or re.findall(r"\{.*\}", text, re.S)
+    if not candidates:
+        raise ValueError("no JSON object in the turn")
+    action = json.loads(candidates[-1])
+    if not isinstance(action, dict):
+        raise ValueError("the action is not a JSON object")
+    return action
+
+
+def text_action(field: str) -> Callable[[str], dict]:
+    """A parser that sends the whole turn's text (stripped) as the action's `field`, e.g. the echo environment's
+    `text_action("message")`."""
+
+    def parse(text: str) -> dict:
+        return {field: text.strip()}
+
+    return parse
+
+
+def render_observation(observation: Any) -> str:
+    """The default rendering: an observation (a dict from the generic client, or a typed one) with one non-empty
+    field is that field's text; with several, their JSON."""
+    if hasattr(observation, "model_dump"):
+        observation = observation.model_dump(exclude={"reward", "done", "metadata"})
+    if not isinstance(observation, dict):
+        return str(observation)
+    fields = {name: value for name, value in observation.items() if value not in (None, "", [], {})}
+    if len(fields) == 1:
+        value = next(iter(fields.values()))
+        return value if isinstance(value, str) else json.dumps(value, default=str)
+    return json.dumps(fields, default=str)
+
+
+# ------------------------------------------------------------------------------------------- a local server
+
+
+class LocalServer:
+    """An OpenEnv environment served by openenv's own app (`create_app`) on 127.0.0.1, in a thread of this process:
+    for tests, examples and environments that live in the training script."""
+
+    def __init__(self, environment: Callable, action_class: type, observation_class: type,
+                 max_concurrent_envs: int = 256, log_level: str = "warning"):  # fmt: skip
+        require_openenv()
+        import uvicorn
+        from openenv.core.env_server.http_server import create_app
+
+        concurrent = getattr(environment, "SUPPORTS_CONCURRENT_SESSIONS", True)
+        app = create_app(environment, action_class, observation_class,
+                         max_concurrent_envs=max_concurrent_envs if concurrent else 1)  # fmt: skip
+        self.action_class = action_class
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.bind(("127.0.0.1", 0))  # a free port, held from now on (no race with another server)
+        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
+                                        name="grpokit-openenv-server", daemon=True)  # fmt: skip
+        self._thread.start()
+        deadline = time.monotonic() + 30.0
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"The OpenEnv server for {getattr(environment, '__name__', environment)} did not "
+                                   f"start on {self.url}; see the log above.")  # fmt: skip
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10.0)
+        self._socket.close()
+
+
+# ------------------------------------------------------------------------------------------- the adapter
+
+
+class OpenEnvEnvironment:
+    """An OpenEnv environment for `GRPOTrainer(environment=...)` (the grpokit.integrations adapter).
+
+    Args:
+        server: the environment server's URL (http://… or ws://…), or a `LocalServer`; `OpenEnvEnvironment.serve`
+            starts one from an `Environment` class.
+        prompt: the instruction each rollout starts from (a string: one user message; or a list of messages), the
+            reset observation appended to its last message. Ignored when `dataset` is given.
+        dataset: the rows to train on (a `datasets.Dataset` with a conversational `prompt` column and whatever
+            `reset_kwargs` reads); default: one row per seed in `seeds`.
+        seeds: the episodes of the default dataset (reset(seed=...)).
+        reset_kwargs: row → keyword arguments of reset(); default: `seed` (and `episode_id`) when the row has them.
+        parse_action: turn text → the action (a dict, or an openenv `Action`); raising ValueError/TypeError/KeyError
+            or returning None makes it a bad action. Default `json_action`; `text_action(field)` sends the text.
+        action_class: the environment's `Action` class, to validate actions before they are sent (a bad action
+            then costs the turn, not the session); known when the server is a `LocalServer`.
+        client_class: the `EnvClient` subclass that talks to the server; default `GenericEnvClient` (dicts).
+        render_observation: observation → the text the model sees; `observation_role`: "user" or "tool".
+        rewards: "turns" (each step's reward credits its turn: process rewards) or "sum" (one reward per rollout).
+        max_turns: the most steps in one rollout. step_timeout: seconds each reset and step may take.
+        invalid_action_reward: the reward of a turn that does not become a step. reward_name: in the metrics.
+    """
+
+    def __init__(self, server: str | LocalServer, *, prompt: str | list[dict] = "", dataset=None,
+                 seeds: range | list[int] = range(64), reset_kwargs: Callable[[dict], dict] | None = None,
+                 parse_action: Callable[[str], Any] = json_action, action_class: type | None = None,
+                 client_class: type | None = None, render_observation: Callable[[Any], str] = render_observation,
+                 observation_role: Literal["user", "tool"] = "user", rewards: Literal["turns", "sum"] = "turns",
+                 max_turns: int = 8, step_timeout: float = 30.0, invalid_action_reward: float = 0.0,
+                 reward_name: str = "openenv"):  # fmt: skip
+        require_openenv()
+        if rewards not in ("turns", "sum"):
+            raise ValueError(f"rewards={rewards!r}: use 'turns' (each step's reward credits its turn) or 'sum' (the "
+                             f"steps' rewards summed into one reward per rollout).")  # fmt: skip
+        if observation_role not in ("user", "tool"):
+            raise ValueError(f"observation_role={observation_role!r}: use 'user' or 'tool'.")
+        if max_turns < 1:
+            raise ValueError(f"max_turns={max_turns}: a rollout needs at least one step.")
+        self.local = server if isinstance(server, LocalServer) else None
+        self.url = server.url if self.local is not None else server
+        self.action_class = action_class or (self.local.action_class if self.local is not None else None)
+        if client_class is None:
+            from openenv.core import GenericEnvClient
+
+            client_class = GenericEnvClient
+        self.client_class, self.parse_action, self.render_observation = client_class, parse_action, render_observation
+        self.prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        self.dataset, self.seeds, self.reset_kwargs_of = dataset, list(seeds), reset_kwargs or default_reset_kwargs
+        self.observation_role, self.rewards, self.max_turns = observation_role, rewards, max_turns
+        self.step_timeout, self.invalid_action_reward, self.reward_name = step_timeout, invalid_action_reward, reward_name
+
+    @classmethod
+    def serve(cls, environment: Callable, action_class: type, observation_class: type, *,
+              max_concurrent_envs: int = 256, **options) -> "OpenEnvEnvironment":  # fmt: skip
+        """Serve `environment` (an openenv `Environment` class or factory) on 127.0.0.1 with openenv's server and
+        train on it; `close()` stops the server."""
+        server = LocalServer(environment, action_class, observation_class, max_concurrent_envs)
+        return cls(server, **options)
+
+    def close(self) -> None:
+        if self.local is not None:
+            self.local.close()
+
+    def __enter__(self) -> "OpenEnvEnvironment":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # EnvironmentAdapter
+
+    def train_dataset(self):
+        if self.dataset is not None:
+            return self.dataset
+        from datasets import Dataset
+
+        return Dataset.from_list([{"prompt": self.prompt, "seed": seed} for seed in self.seeds])
+
+    def reward_funcs(self) -> list[Callable]:
+        if self.rewards == "turns":
+            def reward(openenv_rewards, **kwargs):
+                return [None if steps is None else list(steps) for steps in openenv_rewards]
+
+            reward = process_reward(reward)
+        else:
+            def reward(openenv_rewards, **kwargs):
+                return [None if steps is None else float(sum(steps)) for steps in openenv_rewards]
+        reward.__name__ = self.reward_name
+        return [reward]
+
+    def reward_weights(self) -> list[float] | None:
+        return None
+
+    def driver(self, tokenizer, args, max_prompt_length: int | None) -> "OpenEnvDriver":
+        return OpenEnvDriver(self, tokenizer, max_completion_length=args.max_completion_length,
+                             max_prompt_length=max_prompt_length, chat_template_kwargs=args.chat_template_kwargs)  # fmt: skip
+
+    # one session
+
+    def client(self):
+        return self.client_class(base_url=self.url, message_timeout_s=self.step_timeout + 5.0)
+
+    def action_of(self, text: str):
+        """The action a turn's text asks for, or None when it is not a valid one."""
+        try:
+            action = self.parse_action(text)
+            if action is not None and self.action_class is not None:
+                values = action.model_dump() if hasattr(action, "model_dump") else action
+                self.action_class.model_validate(values)
+        except PARSE_ERRORS:  # pydantic's ValidationError is a ValueError
+            return None
+        return action
+
+
+def default_reset_kwargs(row: dict) -> dict:
+    return {key: row[key] for key in ("seed", "episode_id") if row.get(key) is not None}
+
+
+async def open_session(client, **kwargs):
+    await client.connect()
+    return await client.reset(**kwargs)
+
+
+async def step_session(client, action):
+    return await client.step(action)
+
+
+async def close_session(client):
+    await client.close()
+
+
+class OpenEnvDriver(Agents):
+    """Plays OpenEnv sessions turn by turn on the trainer's engine (a grpokit.rollout.runner.MultiTurnDriver);
+    the turns are sampled and assembled into a Rollout as grpokit.agents.Agents does with tools."""
+
+    def __init__(self, environment: OpenEnvEnvironment, tokenizer, *, max_completion_length: int,
+                 max_prompt_length: int | None, chat_template_kwargs: dict | None):  # fmt: skip
+        super().__init__(tokenizer, max_completion_length=max_completion_length, max_prompt_length=max_prompt_length,
+                         chat_template_kwargs=chat_template_kwargs)  # fmt: skip
+        self.environment = environment
+        self.runner = ToolRunner(environment.step_timeout)
+        self.counts = Counter()  # since the last metrics(): done, timeouts
+
+    def rollout(self, engine, rows: list[dict], params, seed: int, trainer=None):
+        env, n = self.environment, len(rows)
+        clients = [env.client() for _ in rows]
+        self.stats.rows += n
+        kwargs = [env.reset_kwargs_of(row) for row in rows]
+        resets = self._call("reset", [functools.partial(open_session, c, **k) for c, k in zip(clients, kwargs)])
+        failed = [problem is not None for _, problem in resets]
+        transcripts = []
+        for row, (result, problem) in zip(rows, resets):
+            prompt = row.get("prompt") or env.prompt
+            if problem is None and result.observation is not None:
+                text = env.render_observation(result.observation)
+                prompt = with_observation(prompt, ("\n\n" if prompt[-1]["content"] else "") + text)
+            ids = render_prompt(self.tokenizer, prompt, [], self.chat_template_kwargs)
+            transcripts.append(Transcript(ids[-self.max_prompt_length :] if self.max_prompt_length else ids, {}))
+        step_rewards: list[list[float]] = [[] for _ in rows]
+        playing = list(range(n))  # rows that sample a turn now; a row whose reset failed samples one, unscored
+        for turn in range(env.max_turns):
+            self._sample(engine, transcripts, playing, params, seed + 7919 * turn)
+            stepping, actions = [], []
+            for i in playing:
+                if failed[i]:
+                    continue
+                self.stats.calls["action"] += 1
+                action = None if transcripts[i].truncated else env.action_of(transcripts[i].messages[-1]["content"])
+                if action is None:
+                    self.stats.failures["action"] += 1
+                    step_rewards[i].append(env.invalid_action_reward)
+                else:
+                    stepping.append(i)
+                    actions.append(action)
+            outcomes = self._call("step", [functools.partial(step_session, clients[i], a)
+                                           for i, a in zip(stepping, actions)])  # fmt: skip
+            playing = []
+            for i, (result, problem) in zip(stepping, outcomes):
+                if problem is not None:
+                    failed[i] = True
+                    continue
+                step_rewards[i].append(float(result.reward or 0.0))
+                self.counts["done"] += bool(result.done)
+                if not result.done and turn + 1 < env.max_turns and self._add_observation(transcripts[i], result):
+                    playing.append(i)
+            if not playing:
+                break
+        self._call("close", [functools.partial(close_session, c) for c in clients], ToolStats())
+        extra = {REWARDS_COLUMN: [None if failed[i] else step_rewards[i] for i in range(n)]}
+        return self._as_rollout(transcripts, params, extra), [t.messages for t in transcripts]
+
+    def _call(self, name: str, calls: list[Callable], stats: ToolStats | None = None) -> list[tuple[Any, str | None]]:
+        """The session calls (coroutine functions) run together, each within step_timeout; counted under name."""
+        timed_out = []
+        outcomes = self.runner.call([(name, call, {}, None) for call in calls], self.stats if stats is None else stats,
+                                    on_timeout=timed_out.append)  # fmt: skip
+        if stats is None:
+            self.counts[f"{name}_timeouts"] += len(timed_out)
+        return outcomes
+
+    def _add_observation(self, transcript: Transcript, result) -> bool:
+        """Append the step's observation as the chat template renders it; False when it does not fit the budget
+        (the rollout ends there)."""
+        message = {"role": self.environment.observation_role, "content": self.environment.render_observation(
+            result.observation)}  # fmt: skip
+        if message["role"] == "tool":
+            message["name"] = "step"
+        assistant = {"role": "assistant", "content": "", **({"tool_calls": [
+            {"type": "function", "function": {"name": "step", "arguments": {}}}]} if message["role"] == "tool" else {})}
+        ids = continuation_ids(self.tokenizer, assistant, [message], self.chat_template_kwargs)
+        if len(transcript.ids) + len(ids) >= self.max_completion_length:
+            return False
+        transcript.add(ids, 0)
+        transcript.messages.append(message)
+        return True
+
+    def metrics(self, accelerator) -> dict[str, float]:
+        """openenv/<reset|step|action>/call_frequency (per rollout) and failure_frequency (per call: resets and steps
+        that raised or timed out; actions that did not parse), openenv/step/timeout_frequency (per step) and
+        openenv/done_frequency (rollouts the environment ended), over all processes."""
+        import torch
+
+        counts = torch.tensor([self.stats.rows, self.counts["done"], self.stats.calls["step"],
+                               self.counts["step_timeouts"]], dtype=torch.float64, device=accelerator.device)  # fmt: skip
+        if accelerator.num_processes > 1:
+            counts = accelerator.reduce(counts, "sum")
+        rows, done, steps, timeouts = counts.tolist()
+        self.counts.clear()
+        names = ["reset", "step", "action"]
+        out = {key.replace("tools/", "openenv/", 1): value
+               for key, value in self.stats.metrics(accelerator, names).items() if key.count("/") == 2}  # fmt: skip
+        out["openenv/step/timeout_frequency"] = timeouts / steps if steps else 0.0
+        out["openenv/done_frequency"] = done / rows if rows else 0.0
+        return out
+
+
+def adapter(environment) -> OpenEnvEnvironment | None:
+    """`GRPOTrainer(environment=client)` with an openenv `EnvClient` (or its `.sync()` wrapper): train on the server it
+    points at, each rollout with a session of its own from a client of the same class."""
+    client = getattr(environment, "_async", environment)  # SyncEnvClient wraps the async client
+    url = getattr(client, "_ws_url", None)
+    if url is None:
+        return None
+    return OpenEnvEnvironment(url.removesuffix("/ws"), client_class=type(client))
+
+
+__all__ = ["LocalServer", "OpenEnvDriver", "OpenEnvEnvironment", "json_action", "render_observation", "text_action"]

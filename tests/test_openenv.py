@@ -1,0 +1,239 @@
+"""OpenEnv environments (grpokit.integrations.openenv): a guessing game written as an openenv `Environment`, served
+on 127.0.0.1 by openenv's own server and played over its WebSocket client, one session per rollout, by a tiny
+Qwen2 with Qwen2.5's chat template. The policy is scripted where the numbers must be hand-computable."""
+
+import os
+import re
+import threading
+import time
+
+import pytest
+
+# Without openenv-core these tests skip, unless GRPOKIT_REQUIRE_OPENENV=1 (CI), where the import below fails instead.
+if os.environ.get("GRPOKIT_REQUIRE_OPENENV") != "1":
+    pytest.importorskip("openenv.core", reason='needs openenv-core: pip install "grpokit[openenv]"')
+
+from openenv.core.env_server.interfaces import Environment  # noqa: E402
+from openenv.core.env_server.types import Action, Observation, State  # noqa: E402
+
+from agents_helpers import tiny_agent_model  # noqa: E402
+from grpokit import GRPOConfig, GRPOTrainer  # noqa: E402
+from grpokit.integrations import adapt_environment  # noqa: E402
+from grpokit.integrations.openenv import REWARDS_COLUMN, OpenEnvEnvironment  # noqa: E402
+from grpokit.rollout import ScriptedEngine  # noqa: E402
+from grpokit.rollout.engine import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.openenv
+
+RAISES, SLEEPS = 7, 8  # guesses that make the environment's step raise, or take longer than the step timeout
+WRONG = -0.25  # the reward of a wrong guess; a right one gets 1 and ends the episode
+
+
+class GuessAction(Action):
+    guess: int
+
+
+class GuessObservation(Observation):
+    feedback: str = ""
+
+
+class GuessingGame(Environment):
+    """Guess the episode's number (the reset seed); each wrong guess is told 'higher' or 'lower'."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = True
+    sessions = 0  # instances the server built: one per WebSocket session
+    in_flight = max_in_flight = 0  # steps running at once, across sessions
+    lock = threading.Lock()
+
+    def __init__(self):
+        super().__init__()
+        self.target, self._state = 0, State()
+        with GuessingGame.lock:
+            GuessingGame.sessions += 1
+
+    def reset(self, seed=None, episode_id=None, **kwargs):
+        self.target = seed or 0
+        return GuessObservation(feedback=f"Episode {self.target}: guess a digit.")
+
+    def step(self, action, timeout_s=None, **kwargs):
+        with GuessingGame.lock:
+            GuessingGame.in_flight += 1
+            GuessingGame.max_in_flight = max(GuessingGame.max_in_flight, GuessingGame.in_flight)
+        try:
+            time.sleep(0.2)  # long enough that the sessions' steps overlap when they run in parallel
+            if action.guess == RAISES:
+                raise RuntimeError("the game crashed")
+            if action.guess == SLEEPS:
+                time.sleep(3.0)
+            if action.guess == self.target:
+                return GuessObservation(feedback="Correct!", reward=1.0, done=True)
+            return GuessObservation(feedback="higher" if action.guess < self.target else "lower", reward=WRONG)
+        finally:
+            with GuessingGame.lock:
+                GuessingGame.in_flight -= 1
+
+    @property
+    def state(self):
+        return self._state
+
+
+def parse_guess(text: str) -> dict | None:
+    match = re.fullmatch(r"\s*guess (\d)\s*", text)
+    return {"guess": int(match.group(1))} if match else None  # None: not an action (a bad one)
+
+
+def guessing_policy(tokenizer, first_guess):
+    """A ScriptedEngine: the first turn says first_guess(target, index) (a text), later turns follow the feedback."""
+
+    def script(prompt_ids, index):
+        text = tokenizer.decode(prompt_ids)
+        target = int(re.search(r"Episode (\d)", text).group(1))
+        guesses = [int(g) for g in re.findall(r"guess (\d)<\|im_end\|>", text)]
+        feedback = re.findall(r"<\|im_start\|>user\n(higher|lower)<\|im_end\|>", text)
+        if not guesses:
+            reply = first_guess(target, index)
+        else:
+            reply = f"guess {guesses[-1] + (1 if feedback[-1] == 'higher' else -1)}"
+        return tokenizer(reply + "<|im_end|>", add_special_tokens=False)["input_ids"]
+
+    return ScriptedEngine(script)
+
+
+def one_low(target, index):
+    """Even rows guess right at once; odd rows one too low, then right."""
+    return f"guess {target if index % 2 == 0 else target - 1}"
+
+
+def config(tmp_path, **overrides):
+    values = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=1,
+                  max_completion_length=96, learning_rate=1e-3, logging_steps=1, save_strategy="no",
+                  disable_tqdm=True, report_to="none", seed=0)  # fmt: skip
+    return GRPOConfig(**{**values, **overrides})
+
+
+@pytest.fixture
+def game():
+    GuessingGame.sessions = GuessingGame.max_in_flight = 0
+    environment = OpenEnvEnvironment.serve(GuessingGame, GuessAction, GuessObservation, prompt="Play.",
+                                           seeds=[3, 5], parse_action=parse_guess, step_timeout=1.0)  # fmt: skip
+    yield environment
+    environment.close()
+
+
+def test_observations_are_continuation_tokens_and_the_model_turns_trained(game):
+    _, tokenizer = tiny_agent_model()
+    driver = game.driver(tokenizer, config("unused"), max_prompt_length=None)
+    rows = [dict(row) for row in game.train_dataset()][:1] * 2  # seed 3, twice (a group of G = 2)
+    params = SamplingParams(max_new_tokens=96, pad_token_id=tokenizer.pad_token_id,
+                            eos_token_ids=(tokenizer.eos_token_id,))  # fmt: skip
+    rollout, completions = driver.rollout(guessing_policy(tokenizer, one_low), rows, params, seed=0)
+    assert rollout.extra[REWARDS_COLUMN] == [[1.0], [WRONG, 1.0]]
+    # The second row as the chat template renders the whole conversation: the reset observation appended to the
+    # prompt's user message, the model's turns as assistant messages, the feedback as a user message.
+    messages = [{"role": "user", "content": "Play.\n\nEpisode 3: guess a digit."},
+                {"role": "assistant", "content": "guess 2"}, {"role": "user", "content": "higher"},
+                {"role": "assistant", "content": "guess 3"}]  # fmt: skip
+    prompt = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=False)
+    whole = tokenizer.apply_chat_template(messages, tokenize=False)
+    length = int(rollout.lengths[1])
+    ids, loss_mask = rollout.completion_ids[1, :length].tolist(), rollout.loss_mask[1, :length].tolist()
+    assert tokenizer.decode(rollout.prompt_ids[1][rollout.prompt_mask[1].bool()]) == prompt
+    assert tokenizer.decode(ids) == whole[len(prompt):].removesuffix("\n")
+    trained = [token for token, flag in zip(ids, loss_mask) if flag]
+    inserted = [token for token, flag in zip(ids, loss_mask) if not flag]
+    assert tokenizer.decode(trained) == "guess 2<|im_end|>guess 3<|im_end|>"
+    assert tokenizer.decode(inserted) == "\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n"
+    assert rollout.extra["turn_ends"][1] == [len(tokenizer("guess 2<|im_end|>")["input_ids"]), length]
+    assert completions[1][1:] == [{"role": "user", "content": "higher"}, {"role": "assistant", "content": "guess 3"}]
+
+
+@pytest.mark.parametrize("rewards", ["sum", "turns"])
+def test_a_training_step_logs_the_environments_rewards(tmp_path, rewards):
+    model, tokenizer = tiny_agent_model()
+    with OpenEnvEnvironment.serve(GuessingGame, GuessAction, GuessObservation, prompt="Play.", seeds=[3, 5],
+                                  parse_action=parse_guess, rewards=rewards) as environment:  # fmt: skip
+        trainer = GRPOTrainer(model=model, args=config(tmp_path), processing_class=tokenizer, environment=environment,
+                              rollout_engine=guessing_policy(tokenizer, one_low))  # fmt: skip
+        trainer.train()
+    log = trainer.state.log_history[0]
+    # Per seed: one rollout right at once (rewards [1]), one a step too low ([-0.25, 1]).
+    if rewards == "sum":  # one reward per rollout: 1 and 0.75
+        assert log["rewards/openenv/mean"] == pytest.approx((1.0 + 0.75) / 2)
+        assert log["reward"] == pytest.approx(0.875)
+    else:  # each turn credited its step's reward; the metric is the mean step reward per rollout: 1 and 0.375
+        assert log["rewards/openenv/mean"] == pytest.approx((1.0 + 0.375) / 2)
+    assert log["openenv/step/call_frequency"] == pytest.approx(1.5)
+    assert log["openenv/done_frequency"] == 1.0 and log["openenv/step/failure_frequency"] == 0.0
+
+
+def test_turn_credit_gives_each_turn_the_rewards_from_it_on(game):
+    """Process credit: a token's advantage is the sum of the group-normalised rewards of the steps that end at or
+    after its turn (grpokit.process_advantages), so the too-low first guess is credited less than the right one."""
+    import torch
+
+    from grpokit import process_advantages
+
+    _, tokenizer = tiny_agent_model()
+    driver = game.driver(tokenizer, config("unused"), max_prompt_length=None)
+    rows = [dict(row) for row in game.train_dataset()][:1] * 2
+    params = SamplingParams(max_new_tokens=96, pad_token_id=tokenizer.pad_token_id,
+                            eos_token_ids=(tokenizer.eos_token_id,))  # fmt: skip
+    rollout, _ = driver.rollout(guessing_policy(tokenizer, one_low), rows, params, seed=0)
+    steps = game.reward_funcs()[0](openenv_rewards=rollout.extra[REWARDS_COLUMN])
+    assert steps == [[1.0], [WRONG, 1.0]]
+    advantages = process_advantages(steps, rollout.extra["turn_ends"], 2, rollout.completion_ids.shape[1])
+    # The group's step rewards {1, -0.25, 1}: mean 0.5833, std 0.7217 (Bessel); normalised 0.5774 and -1.1547.
+    high, low = (1.0 - 7 / 12) / (torch.tensor([1.0, WRONG, 1.0]).std().item() + 1e-4), \
+        (WRONG - 7 / 12) / (torch.tensor([1.0, WRONG, 1.0]).std().item() + 1e-4)  # fmt: skip
+    first_end, length = rollout.extra["turn_ends"][1]
+    assert advantages[0, 0].item() == pytest.approx(high, rel=1e-4)
+    assert advantages[1, 0].item() == pytest.approx(low + high, rel=1e-4)  # the first turn: both steps after it
+    assert advantages[1, first_end].item() == pytest.approx(high, rel=1e-4)  # the second turn: its own step
+
+
+def test_a_raising_a_hanging_step_and_a_bad_action_are_counted_and_training_goes_on(tmp_path):
+    model, tokenizer = tiny_agent_model()
+    GuessingGame.sessions = GuessingGame.max_in_flight = 0
+    # One prompt, 4 rollouts: right at once; a guess that crashes the game; one that hangs past the 1 s timeout;
+    # one that is not a guess.
+    turns = {0: lambda t: f"guess {t}", 1: lambda t: f"guess {RAISES}", 2: lambda t: f"guess {SLEEPS}",
+             3: lambda t: "I give up"}  # fmt: skip
+    engine = guessing_policy(tokenizer, lambda target, index: turns[index](target))
+    with OpenEnvEnvironment.serve(GuessingGame, GuessAction, GuessObservation, prompt="Play.", seeds=[3],
+                                  parse_action=parse_guess, rewards="sum", step_timeout=1.0,
+                                  invalid_action_reward=-1.0) as environment:  # fmt: skip
+        trainer = GRPOTrainer(model=model, args=config(tmp_path, num_generations=4, max_steps=2),
+                              processing_class=tokenizer, environment=environment, rollout_engine=engine)  # fmt: skip
+        trainer.train()
+    first, second = trainer.state.log_history[:2]
+    for log in (first, second):
+        # Scored: the right guess (1) and the bad action (-1); the crashed and the hung session are unscored.
+        assert log["rewards/openenv/mean"] == pytest.approx(0.0)
+        assert log["openenv/step/failure_frequency"] == pytest.approx(2 / 3)  # 3 steps sent, 2 failed
+        assert log["openenv/step/timeout_frequency"] == pytest.approx(1 / 3)
+        assert log["openenv/action/failure_frequency"] == pytest.approx(1 / 4)
+        assert log["openenv/done_frequency"] == pytest.approx(1 / 4)
+    # One session per rollout (4 a step, 2 steps), and their steps ran at once.
+    assert GuessingGame.sessions == 8 and GuessingGame.max_in_flight >= 3
+
+
+def test_an_unreachable_server_leaves_rollouts_unscored(tmp_path):
+    _, tokenizer = tiny_agent_model()
+    environment = OpenEnvEnvironment("http://127.0.0.1:9", parse_action=parse_guess, step_timeout=1.0)
+    driver = environment.driver(tokenizer, config(tmp_path), max_prompt_length=None)
+    rows = [{"prompt": [{"role": "user", "content": "Episode 1"}], "seed": 1}] * 2
+    params = SamplingParams(max_new_tokens=16, pad_token_id=tokenizer.pad_token_id,
+                            eos_token_ids=(tokenizer.eos_token_id,))  # fmt: skip
+    rollout, _ = driver.rollout(guessing_policy(tokenizer, one_low), rows, params, seed=0)
+    assert rollout.extra[REWARDS_COLUMN] == [None, None]
+    assert rollout.loss_mask.sum(1).tolist() == [len(tokenizer("guess 1<|im_end|>")["input_ids"])] * 2
+
+
+def test_an_openenv_client_is_adapted_and_bad_options_refused(game):
+    from openenv.core import GenericEnvClient
+
+    adapter = adapt_environment(GenericEnvClient(base_url=game.url))
+    assert isinstance(adapter, OpenEnvEnvironment) and adapter.url == game.url.replace("http://", "ws://")
+    assert adapter.client_class is GenericEnvClient
+    with pytest.raises(ValueError, match="rewards='mean'"):
+        OpenEnvEnvironment(game.url, rewards="mean")
