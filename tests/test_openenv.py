@@ -237,3 +237,48 @@ def test_an_openenv_client_is_adapted_and_bad_options_refused(game):
     assert adapter.client_class is GenericEnvClient
     with pytest.raises(ValueError, match="rewards='mean'"):
         OpenEnvEnvironment(game.url, rewards="mean")
+
+
+def load_example():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "openenv_grpo.py"
+    spec = importlib.util.spec_from_file_location("openenv_grpo", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_example_runs_tiny(tmp_path):
+    """examples/openenv_grpo.py --tiny, as docs/guides/openenv.md runs it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "openenv_grpo.py"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, str(script), "--tiny", "--max_steps", "1"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Exception in ASGI application" not in result.stderr  # sessions end without errors on the server
+    assert (tmp_path / "grpokit-examples" / "openenv_grpo" / "grpo_config.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rewards", ["sum", "turns"])
+def test_a_tiny_model_learns_the_guessing_game(tmp_path, rewards):
+    """The example's game with the digit always 7: after a warm-up on the format (random guesses), GRPO finds the
+    digit from the environment's rewards alone. Measured on CPU (2 shared cores, about 25 s each): sum 0.02 over
+    the first 5 steps -> 0.96 over the last 5; turns (mean step reward) 0.02 -> 0.90."""
+    example = load_example()
+    model, tokenizer = example.tiny_model()
+    assert example.warm_up(model, tokenizer) < 0.7  # the format learned: the digit alone is uncertain (ln 10 / 4)
+    args = config(tmp_path, per_device_train_batch_size=16, num_generations=8, max_completion_length=40, max_steps=30,
+                  learning_rate=3e-3, lr_scheduler_type="constant")  # fmt: skip
+    with example.environment(seeds=[7, 17, 27, 37], rewards=rewards) as game:
+        trainer = GRPOTrainer(model=model, args=args, processing_class=tokenizer, environment=game)
+        trainer.train()
+    rewards_seen = [log["rewards/openenv/mean"] for log in trainer.state.log_history if "rewards/openenv/mean" in log]
+    first, last = sum(rewards_seen[:5]) / 5, sum(rewards_seen[-5:]) / 5
+    assert first < 0.3 and last > 0.75, rewards_seen

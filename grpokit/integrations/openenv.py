@@ -36,6 +36,7 @@ Every group's G rollouts face the same task: the rows of the dataset are repeate
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import re
@@ -271,7 +272,18 @@ async def step_session(client, action):
     return await client.step(action)
 
 
-async def close_session(client):
+async def close_session(client, graceful: bool):
+    """End a session. openenv 0.3's `EnvClient.close()` sends "close" and closes the socket at once, so the server
+    then closes a closed socket and logs an error for every session: here the client sends "close" and lets the
+    server close the socket first (private parts of EnvClient, looked up, used only when there). A session whose
+    call failed or timed out is closed at once (its server side may still be busy)."""
+    connection, send = getattr(client, "_ws", None), getattr(client, "_send", None)
+    if graceful and connection is not None and send is not None:
+        try:
+            await send({"type": "close"})
+            await asyncio.wait_for(connection.wait_closed(), timeout=5.0)
+        except Exception:  # noqa: BLE001 (a session that cannot say goodbye is closed below all the same)
+            pass
     await client.close()
 
 
@@ -331,7 +343,8 @@ class OpenEnvDriver(Agents):
                     playing.append(i)
             if not playing:
                 break
-        self._call("close", [functools.partial(close_session, c) for c in clients], ToolStats())
+        self._call("close", [functools.partial(close_session, c, graceful=not f) for c, f in zip(clients, failed)],
+                   ToolStats())  # fmt: skip
         extra = {REWARDS_COLUMN: [None if failed[i] else step_rewards[i] for i in range(n)]}
         return self._as_rollout(transcripts, params, extra), [t.messages for t in transcripts]
 
