@@ -88,7 +88,7 @@ def warm_up(model, tokenizer, steps: int = 40, lr: float = 1e-2, seed: int = 0) 
     opening = [{"role": "user", "content": f"{INSTRUCTION}\n\nYour first guess?"}]
     prompt = tokenizer.apply_chat_template(opening, add_generation_prompt=True, tokenize=True,
                                            return_dict=True)["input_ids"]  # fmt: skip
-    pieces = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    pieces = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     for _ in range(steps):

@@ -13,15 +13,15 @@ import pytest
 if os.environ.get("GRPOKIT_REQUIRE_OPENENV") != "1":
     pytest.importorskip("openenv.core", reason='needs openenv-core: pip install "grpokit[openenv]"')
 
-from openenv.core.env_server.interfaces import Environment  # noqa: E402
-from openenv.core.env_server.types import Action, Observation, State  # noqa: E402
+from agents_helpers import tiny_agent_model
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.types import Action, Observation, State
 
-from agents_helpers import tiny_agent_model  # noqa: E402
-from grpokit import GRPOConfig, GRPOTrainer  # noqa: E402
-from grpokit.integrations import adapt_environment  # noqa: E402
-from grpokit.integrations.openenv import REWARDS_COLUMN, OpenEnvEnvironment  # noqa: E402
-from grpokit.rollout import ScriptedEngine  # noqa: E402
-from grpokit.rollout.engine import SamplingParams  # noqa: E402
+from grpokit import GRPOConfig, GRPOTrainer
+from grpokit.integrations import adapt_environment
+from grpokit.integrations.openenv import REWARDS_COLUMN, OpenEnvEnvironment
+from grpokit.rollout import ScriptedEngine
+from grpokit.rollout.engine import SamplingParams
 
 pytestmark = pytest.mark.openenv
 
@@ -185,7 +185,7 @@ def test_turn_credit_gives_each_turn_the_rewards_from_it_on(game):
     # The group's step rewards {1, -0.25, 1}: mean 0.5833, std 0.7217 (Bessel); normalised 0.5774 and -1.1547.
     high, low = (1.0 - 7 / 12) / (torch.tensor([1.0, WRONG, 1.0]).std().item() + 1e-4), \
         (WRONG - 7 / 12) / (torch.tensor([1.0, WRONG, 1.0]).std().item() + 1e-4)  # fmt: skip
-    first_end, length = rollout.extra["turn_ends"][1]
+    first_end, _ = rollout.extra["turn_ends"][1]
     assert advantages[0, 0].item() == pytest.approx(high, rel=1e-4)
     assert advantages[1, 0].item() == pytest.approx(low + high, rel=1e-4)  # the first turn: both steps after it
     assert advantages[1, first_end].item() == pytest.approx(high, rel=1e-4)  # the second turn: its own step

@@ -44,7 +44,8 @@ import socket
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 from ..agents.chat import continuation_ids, render_prompt
 from ..agents.loop import Agents, Transcript, with_observation
@@ -59,7 +60,7 @@ PARSE_ERRORS = (ValueError, TypeError, KeyError)  # what a parser raises for an 
 def require_openenv():
     """The openenv package, or an ImportError that says how to install it."""
     try:
-        import openenv.core  # noqa: F401
+        import openenv.core
     except ImportError as error:
         raise ImportError(f"OpenEnv environments need openenv-core (0.3): {INSTALL}") from error
     import openenv
@@ -72,7 +73,7 @@ def require_openenv():
 
 def json_action(text: str) -> dict:
     """The default action parser: the last JSON object in the turn's text (a ```json fence or a bare {...})."""
-    candidates = re.findall(r"```(?:json)?\s*(\{.*?\})\s*```", text, re.S) or re.findall(r"\{.*\}", text, re.S)
+    candidates = re.findall(r"```(?:json)?\s*(\{.*?\})\s*```", text, re.DOTALL) or re.findall(r"\{.*\}", text, re.DOTALL)
     if not candidates:
         raise ValueError("no JSON object in the turn")
     action = json.loads(candidates[-1])
@@ -198,7 +199,7 @@ class OpenEnvEnvironment:
 
     @classmethod
     def serve(cls, environment: Callable, action_class: type, observation_class: type, *,
-              max_concurrent_envs: int = 256, **options) -> "OpenEnvEnvironment":  # fmt: skip
+              max_concurrent_envs: int = 256, **options) -> OpenEnvEnvironment:  # fmt: skip
         """Serve `environment` (an openenv `Environment` class or factory) on 127.0.0.1 with openenv's server and
         train on it; `close()` stops the server."""
         server = LocalServer(environment, action_class, observation_class, max_concurrent_envs)
@@ -208,7 +209,7 @@ class OpenEnvEnvironment:
         if self.local is not None:
             self.local.close()
 
-    def __enter__(self) -> "OpenEnvEnvironment":
+    def __enter__(self) -> OpenEnvEnvironment:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -238,7 +239,7 @@ class OpenEnvEnvironment:
     def reward_weights(self) -> list[float] | None:
         return None
 
-    def driver(self, tokenizer, args, max_prompt_length: int | None) -> "OpenEnvDriver":
+    def driver(self, tokenizer, args, max_prompt_length: int | None) -> OpenEnvDriver:
         return OpenEnvDriver(self, tokenizer, max_completion_length=args.max_completion_length,
                              max_prompt_length=max_prompt_length, chat_template_kwargs=args.chat_template_kwargs)  # fmt: skip
 
