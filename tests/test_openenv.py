@@ -89,7 +89,7 @@ def guessing_policy(tokenizer, first_guess):
         text = tokenizer.decode(prompt_ids)
         target = int(re.search(r"Episode (\d)", text).group(1))
         guesses = [int(g) for g in re.findall(r"guess (\d)<\|im_end\|>", text)]
-        feedback = re.findall(r"<\|im_start\|>user\n(higher|lower)<\|im_end\|>", text)
+        feedback = re.findall(r"\b(higher|lower)\b", text)  # as a user message or a tool result
         if not guesses:
             reply = first_guess(target, index)
         else:
@@ -227,6 +227,40 @@ def test_an_unreachable_server_leaves_rollouts_unscored(tmp_path):
     rollout, _ = driver.rollout(guessing_policy(tokenizer, one_low), rows, params, seed=0)
     assert rollout.extra[REWARDS_COLUMN] == [None, None]
     assert rollout.loss_mask.sum(1).tolist() == [len(tokenizer("guess 1<|im_end|>")["input_ids"])] * 2
+
+
+def test_a_typed_client_and_observations_as_tool_results(game):
+    """An environment's own typed client (openenv's template: typed actions and observations) and the observation
+    rendered as a tool result."""
+    from openenv.core import EnvClient
+    from openenv.core.client_types import StepResult
+
+    class GuessClient(EnvClient[GuessAction, GuessObservation, State]):
+        def _step_payload(self, action):
+            return {"guess": action.guess}
+
+        def _parse_result(self, payload):
+            observation = GuessObservation(**payload.get("observation", {}), done=payload.get("done", False),
+                                           reward=payload.get("reward"))  # fmt: skip
+            return StepResult(observation=observation, reward=payload.get("reward"), done=payload.get("done", False))
+
+        def _parse_state(self, payload):
+            return State(**payload)
+
+    _, tokenizer = tiny_agent_model()
+    typed = OpenEnvEnvironment(game.url, client_class=GuessClient, observation_role="tool", prompt="Play.",
+                               parse_action=lambda text: GuessAction(**parse_guess(text)))  # fmt: skip
+    driver = typed.driver(tokenizer, config("unused"), max_prompt_length=None)
+    rows = [{"prompt": typed.prompt, "seed": 3}] * 2
+    params = SamplingParams(max_new_tokens=96, pad_token_id=tokenizer.pad_token_id,
+                            eos_token_ids=(tokenizer.eos_token_id,))  # fmt: skip
+    rollout, completions = driver.rollout(guessing_policy(tokenizer, one_low), rows, params, seed=0)
+    assert rollout.extra[REWARDS_COLUMN] == [[1.0], [WRONG, 1.0]]
+    inserted = [t for t, flag in zip(rollout.completion_ids[1].tolist(), rollout.loss_mask[1].tolist())
+                if not flag and t != tokenizer.pad_token_id]  # fmt: skip
+    assert tokenizer.decode(inserted) == ("\n<|im_start|>user\n<tool_response>\nhigher\n</tool_response><|im_end|>\n"
+                                          "<|im_start|>assistant\n")  # fmt: skip
+    assert completions[1][1] == {"role": "tool", "name": "step", "content": "higher"}
 
 
 def test_an_openenv_client_is_adapted_and_bad_options_refused(game):
