@@ -299,6 +299,35 @@ def test_the_example_runs_tiny(tmp_path):
     assert (tmp_path / "grpokit-examples" / "openenv_grpo" / "grpo_config.json").is_file()
 
 
+def test_sampling_logprobs_of_every_turn_equal_the_training_forward_of_the_whole_transcript():
+    """The in-process engine plays the example's game (a model warmed up on its format, so that it makes moves):
+    each turn is sampled on the token ids of the transcript so far, observations included, so the training forward
+    over prompt + completion gives the sampled tokens the log-probs they were drawn with."""
+    import torch
+
+    from grpokit import token_logprobs
+    from grpokit.rollout import HFEngine
+
+    example = load_example()
+    model, tokenizer = example.tiny_model()
+    example.warm_up(model, tokenizer, steps=15)
+    with example.environment(seeds=[7]) as game:
+        driver = game.driver(tokenizer, config("unused", max_completion_length=48), max_prompt_length=None)
+        params = SamplingParams(max_new_tokens=48, pad_token_id=tokenizer.pad_token_id,
+                                eos_token_ids=(tokenizer.eos_token_id,))  # fmt: skip
+        rows = [dict(row) for row in game.train_dataset()] * 8
+        rollout, _ = driver.rollout(HFEngine(model), rows, params, seed=0)
+    turns = [len(ends) for ends in rollout.extra["turn_ends"]]
+    assert max(turns) >= 2  # observations between turns, in context
+    with torch.no_grad():
+        training, _ = token_logprobs(model, torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
+                                     torch.cat([rollout.prompt_mask, rollout.attention_mask], 1),
+                                     rollout.completion_ids.shape[1])  # fmt: skip
+    trained = rollout.loss_mask.bool()
+    torch.testing.assert_close(rollout.sampling_logprobs[trained], training[trained], rtol=0, atol=1e-5)
+    assert (rollout.sampling_logprobs[~trained] == 0).all()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("rewards", ["sum", "turns"])
 def test_a_tiny_model_learns_the_guessing_game(tmp_path, rewards):
