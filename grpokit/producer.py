@@ -27,6 +27,7 @@ last consumed batch), so a resumed run drops what was in flight and samples it a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import queue
 import threading
@@ -38,6 +39,7 @@ from .config import GRPOConfig
 from .build import build_engine
 from .experience import Experience, ExperienceMaker
 from .rollout import HFEngine, RolloutRunner
+from .rollout.process_engine import ProcessEngine
 
 
 def check_async(args: GRPOConfig, num_processes: int, iterable_dataset: bool) -> None:
@@ -104,8 +106,9 @@ class Producer:
 
     def __init__(self, args: GRPOConfig, maker: ExperienceMaker, policy: torch.nn.Module, copy: torch.nn.Module,
                  sync: WeightSync, sampler, generation: int, trainer_state=None,
-                 threads: int | None = None):  # fmt: skip
+                 threads: int | None = None, engine=None):  # fmt: skip
         self.args, self.maker, self.policy, self.copy, self.sync = args, maker, policy, copy, sync
+        self.engine = engine  # closed with the producer when it is a ProcessEngine
         self.sampler, self.generation, self.trainer_state, self.threads = sampler, generation, trainer_state, threads
         self.first_step = sync.version
         self.queue: queue.Queue = queue.Queue(maxsize=max(1, args.queue_maxsize // args.generation_batch_size))
@@ -135,6 +138,8 @@ class Producer:
         # A batch in progress is not waited for past a few seconds (a hung engine or tool never ends): the thread is
         # a daemon, and it stops at its next check.
         self.thread.join(timeout=5)
+        if isinstance(self.engine, ProcessEngine):
+            self.engine.close()
 
     # ------------------------------------------------------------------------------------------- the thread
 
@@ -179,7 +184,8 @@ class Producer:
         """The trainer's current weights into the copy, under the optimizer step's lock: the first time, every
         weight_sync_steps versions, and whenever the copy's weights would be too stale for a batch trained at version
         `due`."""
-        with self.sync.lock:
+        engine_idle = self.engine.lock if isinstance(self.engine, ProcessEngine) else contextlib.nullcontext()
+        with self.sync.lock, engine_idle:
             version, mine, every = self.sync.version, self.weights_version, self.args.weight_sync_steps
             scheduled = mine is None or version // every > mine // every
             if (scheduled or due - mine > self.args.max_staleness) and version != mine:
@@ -244,12 +250,15 @@ def start_producer(args: GRPOConfig, accelerator, policy: torch.nn.Module, engin
     engine (vLLM, yours) is driven from the producer's thread and synced with the copy. `runner` is the trainer's:
     the producer's samples with its codec, sampling parameters and multi-turn driver."""
     copied = copy.deepcopy(policy)
-    if isinstance(engine, HFEngine):
+    if isinstance(engine, HFEngine):  # an engine of its own over the copy
         engine = build_engine(copied, args, processing_class, accelerator)
+        # On the CPU, in a process of its own when it may run ahead (at max_staleness=0 it never overlaps training).
+        if accelerator.device.type == "cpu" and args.max_staleness > 0:
+            engine = ProcessEngine(engine, copied)
     own_runner = RolloutRunner(engine, runner.codec, runner.params, runner.device, driver=runner.driver, host=host)
     own_sampler = copy.deepcopy(sampler)
     maker = ExperienceMaker(args, accelerator, own_runner, scorer, lambda: copied, reference,
                             lambda n: own_sampler.rows(dataset, n), off_policy=args.max_staleness > 0,
                             teacher=teacher)  # fmt: skip
     return Producer(args, maker, policy, copied, sync, own_sampler, trainer_state.generations, trainer_state,
-                    threads=torch.get_num_threads()).start()
+                    threads=torch.get_num_threads(), engine=engine).start()

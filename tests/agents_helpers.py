@@ -5,7 +5,10 @@ import json
 import random
 import re
 
-from grpokit.rollout import ScriptedEngine
+import torch
+
+from grpokit import token_logprobs
+from grpokit.rollout import HFEngine, PromptBatch, Rollout, SamplingParams, ScriptedEngine
 from grpokit.testing import build_qwen_chat_tokenizer, build_tiny_model
 
 # Whole tokens of the test tokenizer besides the template's own: tool names, the lookup tool's schema line and the
@@ -92,3 +95,50 @@ def warm_up(model, tokenizer, keys, steps: int, lr: float = 3e-3, batch_size: in
         optimizer.step()
     model.eval()
     return loss.item()
+
+
+def dapo_update(model, input_ids, attention, loss_mask, advantages, lr: float, eps: float) -> dict:
+    """The first AdamW update of a plain forward of whole transcripts with the DAPO loss over loss_mask (the
+    policy's tokens), at an epsilon so large that the update is -lr·g/(|g| + eps): a trainer's first update under
+    the same lr and eps reads off its gradient. input_ids, attention: [N, L]; loss_mask: [N, L-1] (next tokens)."""
+    model.zero_grad()
+    logits = model(input_ids, attention_mask=attention).logits[:, :-1]
+    logprobs = logits.log_softmax(-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    ratio = (logprobs - logprobs.detach()).exp()
+    (-(ratio * advantages[:, None]) * loss_mask).sum().div(loss_mask.sum()).backward()
+    return {k: -lr * p.grad / (p.grad.abs() + eps) for k, p in model.named_parameters()}
+
+
+def relative_error(a: dict, b: dict) -> float:
+    """The largest error of a against b, per tensor relative to b's largest entry."""
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)).item() for k in b)
+
+
+class ForcedCallsEngine:
+    """The real in-process engine, except that while a transcript holds fewer than `calls` tool results its turn
+    is a forced tool call (with log-probs from a plain forward): so that a random tiny model makes calls, and the
+    turns the engine samples come after tool results of different lengths."""
+
+    exact_logprobs = True
+
+    def __init__(self, model, tokenizer, calls=2):
+        self.inner, self.model, self.tokenizer, self.calls = HFEngine(model), model, tokenizer, calls
+
+    def sync_weights(self, model):
+        self.inner.sync_weights(model)
+
+    def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
+        text = self.tokenizer.decode(prompts.ids[0])
+        if text.count("<tool_response>") >= self.calls:
+            return self.inner.generate(prompts, params, seed)
+        from grpokit.rollout import ScriptedEngine
+
+        forced = ScriptedEngine(lambda ids, index: self.tokenizer(call_text(
+            "lookup", {"key": key_of(self.tokenizer.decode(ids))}), add_special_tokens=False)["input_ids"])
+        rollout = forced.generate(prompts, params, seed)
+        with torch.no_grad():
+            logprobs, _ = token_logprobs(self.model, torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
+                                         torch.cat([rollout.prompt_mask, rollout.attention_mask], 1),
+                                         rollout.completion_ids.shape[1])  # fmt: skip
+        rollout.sampling_logprobs = logprobs * rollout.attention_mask
+        return rollout

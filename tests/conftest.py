@@ -1,6 +1,10 @@
 """Slow and GPU tests are skipped by default: `pytest --runslow` runs the slow ones, `-m gpu` needs CUDA. vLLM tests
 (`-m vllm`) need vllm installed (docs/guides/vllm.md: CPU recipe; `.ci/run` builds it) and skip without it,
-unless GRPOKIT_REQUIRE_VLLM=1, which turns a missing vllm into a failure (CI sets it, so a broken install shows)."""
+unless GRPOKIT_REQUIRE_VLLM=1, which turns a missing vllm into a failure (CI sets it, so a broken install shows).
+Likewise verifiers' tests (`-m verifiers`, classic verifiers environments) skip without verifiers, unless
+GRPOKIT_REQUIRE_VERIFIERS=1; verifiers-v1 tests (`-m verifiers_v1`) need verifiers 0.4, in an environment of its own
+(.ci/run), and GRPOKIT_REQUIRE_VERIFIERS_V1=1 makes its absence a failure. OpenEnv's tests (`-m openenv`) skip without
+openenv-core, unless GRPOKIT_REQUIRE_OPENENV=1."""
 
 import importlib.util
 import os
@@ -19,6 +23,15 @@ def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
 
 
+def pytest_sessionstart(session):
+    if os.environ.get("GRPOKIT_REQUIRE_VERIFIERS") == "1" and importlib.util.find_spec("verifiers") is None:
+        raise pytest.UsageError("GRPOKIT_REQUIRE_VERIFIERS=1 but verifiers is not importable: the verifiers "
+                                "environment was not built (pip install 'grpokit[verifiers]'; .ci/run builds it).")
+    if os.environ.get("GRPOKIT_REQUIRE_OPENENV") == "1" and importlib.util.find_spec("openenv") is None:
+        raise pytest.UsageError("GRPOKIT_REQUIRE_OPENENV=1 but openenv-core is not importable: the OpenEnv "
+                                "environment was not built (pip install 'grpokit[openenv]'; .ci/run builds it).")
+
+
 def pytest_collection_modifyitems(config, items):
     run_slow = config.getoption("--runslow") or "slow" in (config.getoption("-m") or "")
     for item in items:
@@ -31,3 +44,20 @@ def pytest_collection_modifyitems(config, items):
                 raise pytest.UsageError("GRPOKIT_REQUIRE_VLLM=1 but vllm is not importable: the vLLM environment "
                                         "was not built (see the CPU recipe in docs/guides/vllm.md).")  # fmt: skip
             item.add_marker(pytest.mark.skip(reason="needs vllm (docs/guides/vllm.md: CPU recipe; .ci/run builds it)"))
+        if "verifiers_v1" in item.keywords and not has_verifiers_v1():
+            if os.environ.get("GRPOKIT_REQUIRE_VERIFIERS_V1") == "1":
+                raise pytest.UsageError("GRPOKIT_REQUIRE_VERIFIERS_V1=1 but verifiers>=0.4 is not installed: the "
+                                        "verifiers-v1 environment was not built (.ci/run builds it).")  # fmt: skip
+            item.add_marker(pytest.mark.skip(reason="needs verifiers 0.4 (pip install grpokit[verifiers-v1] in an "
+                                                    "environment of its own; .ci/run builds it)"))  # fmt: skip
+
+
+def has_verifiers_v1() -> bool:
+    """verifiers 0.4 (its v1 API) is installed; read from the package metadata, so that an older verifiers (the
+    classic API) is not imported to find out."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return tuple(int(x) for x in version("verifiers").split(".")[:2]) >= (0, 4)
+    except (PackageNotFoundError, ValueError):
+        return False

@@ -8,10 +8,11 @@ import pytest
 import torch
 from datasets import Dataset
 
-from agents_helpers import TABLE, call_text, key_of, lookup, tiny_agent_model, tool_call_script
+from agents_helpers import (TABLE, ForcedCallsEngine, call_text, dapo_update, key_of, lookup, relative_error,
+                            tiny_agent_model, tool_call_script)
 from grpokit import GRPOConfig, GRPOTrainer, group_advantages, token_logprobs
 from grpokit.agents import Agents
-from grpokit.rollout import HFEngine, PromptBatch, Rollout, SamplingParams
+from grpokit.rollout import SamplingParams
 
 SUFFIX = "\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 
@@ -172,36 +173,6 @@ def test_a_tokenizer_that_cannot_do_tools_and_a_tool_without_a_schema_are_refuse
 # ------------------------------------------------------------------------ log-probs and gradients across turns
 
 
-class ForcedCallsEngine:
-    """The real in-process engine, except that while a transcript holds fewer than `calls` tool results its turn
-    is a forced tool call (with log-probs from a plain forward): so that a random tiny model makes calls, and the
-    turns the engine samples come after tool results of different lengths."""
-
-    exact_logprobs = True
-
-    def __init__(self, model, tokenizer, calls=2):
-        self.inner, self.model, self.tokenizer, self.calls = HFEngine(model), model, tokenizer, calls
-
-    def sync_weights(self, model):
-        self.inner.sync_weights(model)
-
-    def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
-        text = self.tokenizer.decode(prompts.ids[0])
-        if text.count("<tool_response>") >= self.calls:
-            return self.inner.generate(prompts, params, seed)
-        from grpokit.rollout import ScriptedEngine
-
-        forced = ScriptedEngine(lambda ids, index: self.tokenizer(call_text(
-            "lookup", {"key": key_of(self.tokenizer.decode(ids))}), add_special_tokens=False)["input_ids"])
-        rollout = forced.generate(prompts, params, seed)
-        with torch.no_grad():
-            logprobs, _ = token_logprobs(self.model, torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
-                                         torch.cat([rollout.prompt_mask, rollout.attention_mask], 1),
-                                         rollout.completion_ids.shape[1])  # fmt: skip
-        rollout.sampling_logprobs = logprobs * rollout.attention_mask
-        return rollout
-
-
 def test_sampling_logprobs_of_every_policy_turn_equal_the_training_forward_of_the_whole_transcript():
     model, tokenizer = tiny_agent_model(seed=1)
     model.eval()
@@ -275,19 +246,11 @@ def test_tool_result_tokens_get_no_loss_and_no_gradient_but_stay_in_context(tmp_
     advantages = group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), 2)
 
     def expected_update(mask):
-        reference_model.zero_grad()
-        logits = reference_model(input_ids, attention_mask=attention).logits[:, :-1]
-        logprobs = logits.log_softmax(-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-        ratio = torch.exp(logprobs - logprobs.detach())
-        (-(ratio * advantages[:, None]) * mask).sum().div(mask.sum()).backward()
-        return {k: -lr * p.grad / (p.grad.abs() + eps) for k, p in reference_model.named_parameters()}
+        return dapo_update(reference_model, input_ids, attention, mask, advantages, lr, eps)
 
     expected = expected_update(loss_mask)
     trainer.train()
     update = {k: v.detach() - initial[k] for k, v in trainer.unwrapped_model.named_parameters()}
-
-    def relative_error(a, b):
-        return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)).item() for k in b)
 
     assert relative_error(update, expected) < 1e-3
     # The test can fail: training on the tool results too would be another update.

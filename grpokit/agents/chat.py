@@ -85,8 +85,8 @@ def check_tool_calling(tokenizer) -> dict:
 
 def parse_completion(tokenizer, template: dict, ids: list[int], prefix: list[int], tools: list) -> dict:
     """One assistant turn as a message, with its `tool_calls` when it made any; a turn that does not parse (a
-    malformed call) is its decoded text, as in TRL's `parse_response`. Without a template (no tools: an environment
-    that reads actions from plain text) every turn is its decoded text."""
+    malformed call) is its decoded text, as in TRL's `parse_response`; so is every turn without a template (no
+    tools)."""
     if template is None:
         return {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
     try:
@@ -123,19 +123,21 @@ def render_prompt(tokenizer, messages: list[dict], tools: list[Callable], chat_t
 
 
 def tool_result_ids(tokenizer, tool_messages: list[dict], chat_template_kwargs: dict) -> list[int]:
-    """The tokens that follow an assistant turn (ended by its EOS) when tool results come back, up to the next
-    assistant header (TRL's `_get_tool_suffix_ids`)."""
-    call = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
-    return continuation_ids(tokenizer, {"role": "assistant", "content": "", "tool_calls": call}, tool_messages,
-                            chat_template_kwargs)  # fmt: skip
+    """The tokens that follow an assistant turn that called tools when their results come back (see
+    `appended_message_ids`)."""
+    return appended_message_ids(tokenizer, tool_messages, chat_template_kwargs)
 
 
-def continuation_ids(tokenizer, assistant: dict, messages: list[dict], chat_template_kwargs: dict) -> list[int]:
-    """The tokens that follow an assistant turn (ended by its EOS) when `messages` (tool results, or a user message
-    such as an environment's observation) come next, up to the next assistant header: the chat template's rendering
-    of the messages, read off as the difference between a transcript with and without them. `assistant` stands in
-    for the sampled turn (with a tool call when tool results follow, as templates expect). The template must be
-    prefix-preserving."""
+def appended_message_ids(tokenizer, messages: list[dict], chat_template_kwargs: dict) -> list[int]:
+    """The tokens that follow an assistant turn (ended by its EOS) when `messages` come next (tool results, or an
+    environment's reply as a user turn), up to the next assistant header: the chat template's rendering of the
+    messages, read off as the difference between a transcript with and without them (TRL's `_get_tool_suffix_ids`).
+    The template must be prefix-preserving."""
+    if messages[0].get("role") == "tool":  # tool results follow an assistant turn that called the tool
+        call = [{"type": "function", "function": {"name": messages[0].get("name", "tool"), "arguments": {}}}]
+        assistant = {"role": "assistant", "content": "", "tool_calls": call}
+    else:
+        assistant = {"role": "assistant", "content": "dummy"}
     before = [{"role": "user", "content": "dummy"}, assistant]
     prefix = tokenizer.apply_chat_template(before, tokenize=True, return_dict=True, **chat_template_kwargs)["input_ids"]
     full = tokenizer.apply_chat_template(before + messages, add_generation_prompt=True, tokenize=True,
@@ -146,6 +148,6 @@ def continuation_ids(tokenizer, assistant: dict, messages: list[dict], chat_temp
         prefix = prefix[: eos[-1] + 1]
     if list(full[: len(prefix)]) != list(prefix):
         raise ValueError("This chat template is not prefix-preserving: appending messages re-renders the earlier "
-                         "turns, so tool results or observations cannot be appended to a sampled transcript. Use a "
-                         "template that renders earlier messages the same whatever follows.")
+                         "turns, so they cannot be appended to a sampled transcript. Use a template that renders "
+                         "earlier messages the same whatever follows.")
     return list(full[len(prefix) :])

@@ -132,25 +132,12 @@ class Agents:
                 self._sample(engine, transcripts, waiting, params, seed + 7919 * (iteration + 1))
             waiting = [i for i in waiting if transcripts[i].messages[-1].get("tool_calls")]
             iteration += 1
-        return self._as_rollout(transcripts, params, extra), [t.messages for t in transcripts]
+        return transcripts_rollout(transcripts, params.pad_token_id, extra), [t.messages for t in transcripts]
 
     def _sample(self, engine, transcripts: list[Transcript], indices: list[int], params: SamplingParams,
                 seed: int) -> None:  # fmt: skip
-        """Sample the next assistant turn of transcripts[indices], each within its remaining token budget."""
-        contexts = [transcripts[i].prompt_ids + transcripts[i].ids for i in indices]
-        budgets = [self.max_completion_length - len(transcripts[i].ids) for i in indices]
-        ids, counts = grouped(contexts)
-        batch = PromptBatch(ids=ids, counts=counts, raw=[None] * len(ids))
-        out = engine.generate(batch, dataclasses.replace(params, max_new_tokens=max(budgets)), seed)
-        sampled = out.completion_id_lists()
-        for row, (i, budget) in enumerate(zip(indices, budgets)):
-            transcript, turn = transcripts[i], sampled[row][:budget]
-            logprobs = None if out.sampling_logprobs is None else out.sampling_logprobs[row, : len(turn)].tolist()
-            transcript.truncated = bool(out.is_truncated[row]) or len(sampled[row]) > budget
-            context = transcript.prompt_ids + transcript.ids
-            transcript.add(turn, 1, logprobs)
-            tools = list(transcript.tools.values())
-            transcript.messages.append(parse_completion(self.tokenizer, self.template, turn, context, tools))
+        sample_turns(engine, self.tokenizer, self.template, transcripts, indices, params, seed,
+                     self.max_completion_length)  # fmt: skip
 
     def _add_tool_results(self, transcript: Transcript) -> bool:
         """Run the last turn's tool calls and append their results; False (and nothing appended) when the results
@@ -171,27 +158,6 @@ class Agents:
         owner = getattr(tool, "__self__", None)
         if self.environments is not None and owner is not None:
             self.environments.retire(owner)
-
-    def _as_rollout(self, transcripts: list[Transcript], params: SamplingParams, extra: dict) -> Rollout:
-        from ..data import pad_left
-
-        prompt_ids, prompt_mask = pad_left([t.prompt_ids for t in transcripts], params.pad_token_id)
-        n, width = len(transcripts), max([len(t.ids) for t in transcripts] + [1])
-        completion_ids = torch.full((n, width), params.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((n, width), dtype=torch.long)
-        loss_mask = torch.zeros((n, width), dtype=torch.long)
-        logprobs = torch.zeros((n, width), dtype=torch.float32)
-        for row, t in enumerate(transcripts):
-            length = len(t.ids)
-            completion_ids[row, :length] = torch.tensor(t.ids, dtype=torch.long)
-            attention_mask[row, :length] = 1
-            loss_mask[row, :length] = torch.tensor(t.trained, dtype=torch.long)
-            logprobs[row, :length] = torch.tensor(t.logprobs, dtype=torch.float32)
-        # Each policy turn is a step for process rewards (grpokit.rewards.process): a per-turn reward credits
-        # the tokens of its turn and of the turns before it.
-        extra = {**extra, TURN_ENDS: [turn_ends(t.trained) for t in transcripts]}
-        return Rollout(prompt_ids, prompt_mask, completion_ids, attention_mask, loss_mask, attention_mask.sum(-1),
-                       torch.tensor([t.truncated for t in transcripts]), logprobs, extra)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------- rollout_func
 
@@ -235,10 +201,55 @@ class Agents:
             transcripts.append(t)
         extra = {k: list(v) for k, v in output.items() if k not in ROLLOUT_FUNC_KEYS and k != "env_mask"}
         params = SamplingParams(max_new_tokens=0, pad_token_id=pad or 0)
-        rollout = self._as_rollout(transcripts, params, extra)
+        rollout = transcripts_rollout(transcripts, params.pad_token_id, extra)
         if all(x is None for x in logprobs):
             rollout.sampling_logprobs = None
         return rollout, None
+
+
+def transcripts_rollout(transcripts: list[Transcript], pad_token_id: int, extra: dict) -> Rollout:
+    """Rows' transcripts as one Rollout: left-padded prompts, right-padded completions (attention mask 1 on every
+    transcript token, loss mask 1 on the sampled ones), and each row's turn ends for process rewards."""
+    from ..data import pad_left
+
+    prompt_ids, prompt_mask = pad_left([t.prompt_ids for t in transcripts], pad_token_id)
+    n, width = len(transcripts), max([len(t.ids) for t in transcripts] + [1])
+    completion_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, width), dtype=torch.long)
+    loss_mask = torch.zeros((n, width), dtype=torch.long)
+    logprobs = torch.zeros((n, width), dtype=torch.float32)
+    for row, t in enumerate(transcripts):
+        length = len(t.ids)
+        completion_ids[row, :length] = torch.tensor(t.ids, dtype=torch.long)
+        attention_mask[row, :length] = 1
+        loss_mask[row, :length] = torch.tensor(t.trained, dtype=torch.long)
+        logprobs[row, :length] = torch.tensor(t.logprobs, dtype=torch.float32)
+    # Each policy turn is a step for process rewards (grpokit.rewards.process): a per-turn reward credits
+    # the tokens of its turn and of the turns before it.
+    extra = {**extra, TURN_ENDS: [turn_ends(t.trained) for t in transcripts]}
+    return Rollout(prompt_ids, prompt_mask, completion_ids, attention_mask, loss_mask, attention_mask.sum(-1),
+                   torch.tensor([t.truncated for t in transcripts]), logprobs, extra)  # fmt: skip
+
+
+def sample_turns(engine: RolloutEngine, tokenizer, template: dict | None, transcripts: list[Transcript],
+                 indices: list[int], params: SamplingParams, seed: int, max_completion_length: int) -> None:  # fmt: skip
+    """Sample the next assistant turn of transcripts[indices] in one engine call, each on its prompt + transcript ids
+    so far and within its remaining token budget; append it (loss mask 1, the engine's log-probs) and its message
+    (parsed for tool calls with `template`, plain text without one)."""
+    contexts = [transcripts[i].prompt_ids + transcripts[i].ids for i in indices]
+    budgets = [max_completion_length - len(transcripts[i].ids) for i in indices]
+    ids, counts = grouped(contexts)
+    batch = PromptBatch(ids=ids, counts=counts, raw=[None] * len(ids))
+    out = engine.generate(batch, dataclasses.replace(params, max_new_tokens=max(budgets)), seed)
+    sampled = out.completion_id_lists()
+    for row, (i, budget) in enumerate(zip(indices, budgets)):
+        transcript, turn = transcripts[i], sampled[row][:budget]
+        logprobs = None if out.sampling_logprobs is None else out.sampling_logprobs[row, : len(turn)].tolist()
+        transcript.truncated = bool(out.is_truncated[row]) or len(sampled[row]) > budget
+        context = transcript.prompt_ids + transcript.ids
+        transcript.add(turn, 1, logprobs)
+        tools = list(transcript.tools.values())
+        transcript.messages.append(parse_completion(tokenizer, template, turn, context, tools))
 
 
 def turn_ends(trained: list[int]) -> list[int]:

@@ -71,15 +71,10 @@ class ToolStats:
         """TRL's `tools/call_frequency` (calls per completion) and `tools/failure_frequency` (failures per call),
         over all processes, and the same per tool (`tools/<name>/...`, grpokit's addition); grpokit's
         `tools/truncated_frequency`: results cut at max_tool_output_chars, per call. A collective."""
-        import torch
-
         values = [float(self.rows)] + [float(x) for n in names for x in (self.calls[n], self.failures[n])]
         values += [float(sum(self.truncated.values()))]
         values += [float(sum(self.calls.values())), float(sum(self.failures.values()))]
-        totals = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
-        if accelerator.num_processes > 1:
-            totals = accelerator.reduce(totals, "sum")
-        totals = totals.tolist()
+        totals = summed_over_processes(accelerator, values)
         rows, (calls, failures) = max(totals[0], 1.0), totals[-2:]
         out = {"tools/call_frequency": calls / rows, "tools/failure_frequency": failures / calls if calls else 0.0,
                "tools/truncated_frequency": totals[-3] / calls if calls else 0.0}
@@ -90,6 +85,16 @@ class ToolStats:
         self.calls.clear(), self.failures.clear(), self.truncated.clear()
         self.rows = 0
         return out
+
+
+def summed_over_processes(accelerator, values: list[float]) -> list[float]:
+    """Counters summed over all processes (a collective), in float64."""
+    import torch
+
+    totals = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
+    if accelerator.num_processes > 1:
+        totals = accelerator.reduce(totals, "sum")
+    return totals.tolist()
 
 
 TRUNCATION_NOTE = "\n[... {dropped} more characters cut: max_tool_output_chars={limit}]"

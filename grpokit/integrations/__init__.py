@@ -48,6 +48,9 @@ def register_adapter(type_module_prefix: str, adapter_module: str, adapter_funct
     _ADAPTERS.append((type_module_prefix, adapter_module, adapter_function))
 
 
+# verifiers 0.4's v1 API first: its types live under "verifiers", which classic verifiers' adapter also claims.
+register_adapter("verifiers.v1", ".verifiers_v1", "adapt")
+
 # OpenEnv's clients (openenv.core.EnvClient) point at a server: trained on through grpokit.integrations.openenv.
 register_adapter("openenv", ".openenv", "adapter")
 
@@ -75,6 +78,11 @@ def adapt_environment(environment, tools=None, rollout_func=None, environment_fa
                     f"which grpokit cannot train on. It takes environments of these libraries: {known}; or an object "
                     "with the grpokit.integrations.EnvironmentAdapter methods (train_dataset, reward_funcs, "
                     "reward_weights, driver). For TRL's environments, pass environment_factory=YourClass instead.")
+
+
+# Classic verifiers environments: their classes live in `verifiers.legacy` (verifiers 0.3); verifiers.v1 objects are
+# left to their own adapter.
+register_adapter("verifiers.legacy", ".verifiers_classic", "adapt")
 
 
 def environment_inputs(adapter: EnvironmentAdapter, args, train_dataset, reward_funcs):

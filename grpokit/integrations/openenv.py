@@ -28,7 +28,8 @@ What goes wrong is counted and training goes on:
 - a reset or step that raises on the server, cannot reach it, or takes longer than `step_timeout` ends the rollout
   and leaves it unscored (reward None: "does not apply", as TRL's OpenEnv harness does with a failed session) —
   what the session holds after a failure is not the outcome of the model's actions
-  (`openenv/<reset|step>/failure_frequency`, `openenv/step/timeout_frequency`).
+  (`environment/error_frequency`, `environment/timeout_frequency` per rollout; `openenv/<reset|step>/
+  failure_frequency` per call).
 
 Every group's G rollouts face the same task: the rows of the dataset are repeated G times and `reset_kwargs(row)`
 (default: the row's `seed` column) picks the episode.
@@ -47,14 +48,16 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any, Literal
 
-from ..agents.chat import continuation_ids, render_prompt
-from ..agents.loop import Agents, Transcript, with_observation
-from ..agents.tools import ToolRunner, ToolStats
+from ..agents.chat import appended_message_ids, render_prompt
+from ..agents.loop import Transcript, sample_turns, transcripts_rollout, with_observation
+from ..agents.tools import ToolRunner, ToolStats, summed_over_processes
 from ..rewards.process import process_reward
+from ..rollout.engine import Rollout, RolloutEngine, SamplingParams
 
 INSTALL = 'pip install "grpokit[openenv]"'
 REWARDS_COLUMN = "openenv_rewards"  # per row: the reward of each of its turns, or None when its session failed
 PARSE_ERRORS = (ValueError, TypeError, KeyError)  # what a parser raises for an action it cannot read
+SEED_STRIDE = 7919  # the seed of a generation's k-th turn is seed + SEED_STRIDE * k (as grpokit.agents)
 
 
 def require_openenv():
@@ -288,55 +291,54 @@ async def close_session(client, graceful: bool):
     await client.close()
 
 
-class OpenEnvDriver(Agents):
-    """Plays OpenEnv sessions turn by turn on the trainer's engine (a grpokit.rollout.runner.MultiTurnDriver);
-    the turns are sampled and assembled into a Rollout as grpokit.agents.Agents does with tools."""
+class OpenEnvDriver:
+    """`MultiTurnDriver` that plays OpenEnv sessions turn by turn on the trainer's engine: every row's turn sampled
+    in one engine call (grpokit.agents.loop.sample_turns), the sessions' resets and steps sent together."""
+
+    exact_logprobs = True  # every trained token is sampled by the engine, on the context the training forward sees
 
     def __init__(self, environment: OpenEnvEnvironment, tokenizer, *, max_completion_length: int,
-                 max_prompt_length: int | None, chat_template_kwargs: dict | None):  # fmt: skip
-        super().__init__(tokenizer, max_completion_length=max_completion_length, max_prompt_length=max_prompt_length,
-                         chat_template_kwargs=chat_template_kwargs)  # fmt: skip
-        self.environment = environment
-        self.runner = ToolRunner(environment.step_timeout)
-        self.counts = Counter()  # since the last metrics(): done, timeouts
+                 max_prompt_length: int | None, chat_template_kwargs: dict | None = None):  # fmt: skip
+        self.environment, self.tokenizer = environment, tokenizer
+        self.max_completion_length, self.max_prompt_length = max_completion_length, max_prompt_length
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.runner = ToolRunner(environment.step_timeout)  # the sessions' calls, under the tools' time limits
+        self.stats = ToolStats()  # calls and failures of reset, step and action (a turn parsed into an action)
+        self.counts = Counter()  # since the last metrics(): done, errors, timeouts (rollouts)
 
-    def rollout(self, engine, rows: list[dict], params, seed: int, trainer=None):
+    def rollout(self, engine: RolloutEngine, rows: list[dict], params: SamplingParams, seed: int,
+                host: Any = None) -> tuple[Rollout, list]:  # fmt: skip
+        """rows: one per completion, a prompt's G rows consecutive. The rollout (`openenv_rewards`: each row's step
+        rewards, None for a failed session) and each row's completion as messages."""
         env, n = self.environment, len(rows)
         clients = [env.client() for _ in rows]
         self.stats.rows += n
-        kwargs = [env.reset_kwargs_of(row) for row in rows]
-        resets = self._call("reset", [functools.partial(open_session, c, **k) for c, k in zip(clients, kwargs)])
-        failed = [problem is not None for _, problem in resets]
-        transcripts = []
-        for row, (result, problem) in zip(rows, resets):
-            prompt = row.get("prompt") or env.prompt
-            if problem is None and result.observation is not None:
-                text = env.render_observation(result.observation)
-                prompt = with_observation(prompt, ("\n\n" if prompt[-1]["content"] else "") + text)
-            ids = render_prompt(self.tokenizer, prompt, [], self.chat_template_kwargs)
-            transcripts.append(Transcript(ids[-self.max_prompt_length :] if self.max_prompt_length else ids, {}))
+        failed = [None] * n  # why a row's session failed: "error" or "timeout"
+        resets = self._call("reset", [functools.partial(open_session, c, **env.reset_kwargs_of(row))
+                                      for c, row in zip(clients, rows)], range(n), failed)  # fmt: skip
+        transcripts = [self._start(row, result) for row, result in zip(rows, resets)]
         step_rewards: list[list[float]] = [[] for _ in rows]
         playing = list(range(n))  # rows that sample a turn now; a row whose reset failed samples one, unscored
         for turn in range(env.max_turns):
-            self._sample(engine, transcripts, playing, params, seed + 7919 * turn)
+            sample_turns(engine, self.tokenizer, None, transcripts, playing, params, seed + SEED_STRIDE * turn,
+                         self.max_completion_length)  # fmt: skip
             stepping, actions = [], []
             for i in playing:
                 if failed[i]:
                     continue
                 self.stats.calls["action"] += 1
                 action = None if transcripts[i].truncated else env.action_of(transcripts[i].messages[-1]["content"])
-                if action is None:
+                if action is None:  # a bad action (or a turn cut at the budget) ends the rollout without a step
                     self.stats.failures["action"] += 1
                     step_rewards[i].append(env.invalid_action_reward)
                 else:
                     stepping.append(i)
                     actions.append(action)
-            outcomes = self._call("step", [functools.partial(step_session, clients[i], a)
-                                           for i, a in zip(stepping, actions)])  # fmt: skip
+            results = self._call("step", [functools.partial(step_session, clients[i], action)
+                                          for i, action in zip(stepping, actions)], stepping, failed)  # fmt: skip
             playing = []
-            for i, (result, problem) in zip(stepping, outcomes):
-                if problem is not None:
-                    failed[i] = True
+            for i, result in zip(stepping, results):
+                if failed[i]:
                     continue
                 step_rewards[i].append(float(result.reward or 0.0))
                 self.counts["done"] += bool(result.done)
@@ -344,30 +346,39 @@ class OpenEnvDriver(Agents):
                     playing.append(i)
             if not playing:
                 break
-        self._call("close", [functools.partial(close_session, c, graceful=not f) for c, f in zip(clients, failed)],
-                   ToolStats())  # fmt: skip
+        self.runner.call([("close", functools.partial(close_session, c, graceful=not f), {}, None)
+                          for c, f in zip(clients, failed)], ToolStats())  # fmt: skip
+        self.counts.update(reason for reason in failed if reason)
         extra = {REWARDS_COLUMN: [None if failed[i] else step_rewards[i] for i in range(n)]}
-        return self._as_rollout(transcripts, params, extra), [t.messages for t in transcripts]
+        return transcripts_rollout(transcripts, params.pad_token_id, extra), [t.messages for t in transcripts]
 
-    def _call(self, name: str, calls: list[Callable], stats: ToolStats | None = None) -> list[tuple[Any, str | None]]:
-        """The session calls (coroutine functions) run together, each within step_timeout; counted under name."""
+    def _call(self, name: str, calls: list[Callable], rows, failed: list) -> list:
+        """Run the sessions' calls (coroutine functions) of `rows` together, each within step_timeout; their results
+        (None for a failed one, whose row is marked in `failed`), counted under name."""
         timed_out = []
-        outcomes = self.runner.call([(name, call, {}, None) for call in calls], self.stats if stats is None else stats,
-                                    on_timeout=timed_out.append)  # fmt: skip
-        if stats is None:
-            self.counts[f"{name}_timeouts"] += len(timed_out)
-        return outcomes
+        outcomes = self.runner.call([(name, call, {}, None) for call in calls], self.stats, on_timeout=timed_out.append)
+        for row, call, (_, problem) in zip(rows, calls, outcomes):
+            if problem is not None:
+                failed[row] = "timeout" if call in timed_out else "error"
+        return [result for result, _ in outcomes]
+
+    def _start(self, row: dict, reset) -> Transcript:
+        """A row's transcript: its prompt with the reset observation appended to the last message (TRL)."""
+        prompt = row.get("prompt") or self.environment.prompt
+        if reset is not None and reset.observation is not None:
+            text = self.environment.render_observation(reset.observation)
+            prompt = with_observation(prompt, ("\n\n" if prompt[-1]["content"] else "") + text)
+        ids = render_prompt(self.tokenizer, prompt, [], self.chat_template_kwargs)
+        return Transcript(ids[-self.max_prompt_length :] if self.max_prompt_length else ids, {})
 
     def _add_observation(self, transcript: Transcript, result) -> bool:
-        """Append the step's observation as the chat template renders it; False when it does not fit the budget
-        (the rollout ends there)."""
-        message = {"role": self.environment.observation_role, "content": self.environment.render_observation(
-            result.observation)}  # fmt: skip
+        """Append the step's observation as the chat template renders it (a user message, or a tool result); False
+        when it does not fit the completion budget (the rollout ends there)."""
+        message = {"role": self.environment.observation_role,
+                   "content": self.environment.render_observation(result.observation)}  # fmt: skip
         if message["role"] == "tool":
             message["name"] = "step"
-        assistant = {"role": "assistant", "content": "", **({"tool_calls": [
-            {"type": "function", "function": {"name": "step", "arguments": {}}}]} if message["role"] == "tool" else {})}
-        ids = continuation_ids(self.tokenizer, assistant, [message], self.chat_template_kwargs)
+        ids = appended_message_ids(self.tokenizer, [message], self.chat_template_kwargs)
         if len(transcript.ids) + len(ids) >= self.max_completion_length:
             return False
         transcript.add(ids, 0)
@@ -375,22 +386,20 @@ class OpenEnvDriver(Agents):
         return True
 
     def metrics(self, accelerator) -> dict[str, float]:
-        """openenv/<reset|step|action>/call_frequency (per rollout) and failure_frequency (per call: resets and steps
-        that raised or timed out; actions that did not parse), openenv/step/timeout_frequency (per step) and
-        openenv/done_frequency (rollouts the environment ended), over all processes."""
-        import torch
-
-        counts = torch.tensor([self.stats.rows, self.counts["done"], self.stats.calls["step"],
-                               self.counts["step_timeouts"]], dtype=torch.float64, device=accelerator.device)  # fmt: skip
-        if accelerator.num_processes > 1:
-            counts = accelerator.reduce(counts, "sum")
-        rows, done, steps, timeouts = counts.tolist()
+        """`environment/error_frequency` and `environment/timeout_frequency` (rollouts whose session failed, as the
+        other environment integrations count them); `openenv/<reset|step|action>/call_frequency` (per rollout) and
+        `failure_frequency` (per call: resets and steps that raised or timed out; turns that were no valid action);
+        `openenv/done_frequency` (rollouts the environment ended). A collective."""
+        rows, done, errors, timeouts = summed_over_processes(accelerator, [
+            float(self.stats.rows), float(self.counts["done"]), float(self.counts["error"]),
+            float(self.counts["timeout"])])  # fmt: skip
         self.counts.clear()
-        names = ["reset", "step", "action"]
         out = {key.replace("tools/", "openenv/", 1): value
-               for key, value in self.stats.metrics(accelerator, names).items() if key.count("/") == 2}  # fmt: skip
-        out["openenv/step/timeout_frequency"] = timeouts / steps if steps else 0.0
-        out["openenv/done_frequency"] = done / rows if rows else 0.0
+               for key, value in self.stats.metrics(accelerator, ["reset", "step", "action"]).items()
+               if key.count("/") == 2}  # fmt: skip
+        rows = max(rows, 1.0)
+        out.update({"environment/error_frequency": errors / rows, "environment/timeout_frequency": timeouts / rows,
+                    "openenv/done_frequency": done / rows})  # fmt: skip
         return out
 
 
