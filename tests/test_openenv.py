@@ -2,7 +2,6 @@
 on 127.0.0.1 by openenv's own server and played over its WebSocket client, one session per rollout, by a tiny
 Qwen2 with Qwen2.5's chat template. The policy is scripted where the numbers must be hand-computable."""
 
-import os
 import re
 import threading
 import time
@@ -12,7 +11,7 @@ import pytest
 # Without openenv-core these tests skip (with GRPOKIT_REQUIRE_OPENENV=1, CI's, conftest makes that a failure).
 pytest.importorskip("openenv.core", reason='needs openenv-core: pip install "grpokit[openenv]"')
 
-from agents_helpers import tiny_agent_model
+from agents_helpers import assert_sampled_logprobs_match_training, tiny_agent_model
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, Observation, State
 
@@ -284,27 +283,16 @@ def load_example():
 
 
 def test_the_example_runs_tiny(tmp_path):
-    """examples/openenv_grpo.py --tiny, as docs/guides/openenv.md runs it."""
-    import subprocess
-    import sys
-    from pathlib import Path
+    """examples/openenv_grpo.py --tiny, as docs/guides/openenv.md runs it; its sessions end without server errors."""
+    from examples_helpers import run_tiny_example
 
-    script = Path(__file__).resolve().parents[1] / "examples" / "openenv_grpo.py"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, str(script), "--tiny", "--max_steps", "1"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "Exception in ASGI application" not in result.stderr  # sessions end without errors on the server
-    assert (tmp_path / "grpokit-examples" / "openenv_grpo" / "grpo_config.json").is_file()
+    assert "Exception in ASGI application" not in run_tiny_example("openenv_grpo", tmp_path).stderr
 
 
 def test_sampling_logprobs_of_every_turn_equal_the_training_forward_of_the_whole_transcript():
     """The in-process engine plays the example's game (a model warmed up on its format, so that it makes moves):
     each turn is sampled on the token ids of the transcript so far, observations included, so the training forward
     over prompt + completion gives the sampled tokens the log-probs they were drawn with."""
-    import torch
-
-    from grpokit import token_logprobs
     from grpokit.rollout import HFEngine
 
     example = load_example()
@@ -318,13 +306,7 @@ def test_sampling_logprobs_of_every_turn_equal_the_training_forward_of_the_whole
         rollout, _ = driver.rollout(HFEngine(model), rows, params, seed=0)
     turns = [len(ends) for ends in rollout.extra["turn_ends"]]
     assert max(turns) >= 2  # observations between turns, in context
-    with torch.no_grad():
-        training, _ = token_logprobs(model, torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
-                                     torch.cat([rollout.prompt_mask, rollout.attention_mask], 1),
-                                     rollout.completion_ids.shape[1])  # fmt: skip
-    trained = rollout.loss_mask.bool()
-    torch.testing.assert_close(rollout.sampling_logprobs[trained], training[trained], rtol=0, atol=1e-5)
-    assert (rollout.sampling_logprobs[~trained] == 0).all()
+    assert_sampled_logprobs_match_training(model, rollout)
 
 
 @pytest.mark.slow
