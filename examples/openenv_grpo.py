@@ -125,7 +125,8 @@ def environment(url: str | None = None, seeds=range(64), rewards: str = "sum") -
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="A tiny offline model, first warmed up on the game's format (CPU-friendly).")
+    parser.add_argument("--tiny", action="store_true",
+                        help="A tiny offline model, first warmed up on the game's format (CPU-friendly).")
     parser.add_argument("--url", default=None, help="An OpenEnv server of the game (default: serve it here).")
     parser.add_argument("--max_steps", type=int, default=200)
     parser.add_argument("--output_dir", default=None,

@@ -40,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import re
 import socket
 import threading
 import time
@@ -60,29 +59,31 @@ PARSE_ERRORS = (ValueError, TypeError, KeyError)  # what a parser raises for an 
 SEED_STRIDE = 7919  # the seed of a generation's k-th turn is seed + SEED_STRIDE * k (as grpokit.agents)
 
 
-def require_openenv():
-    """The openenv package, or an ImportError that says how to install it."""
+def require_openenv() -> None:
+    """An ImportError that says how to install openenv-core when it is missing."""
     try:
-        import openenv.core
+        import openenv.core  # noqa: F401
     except ImportError as error:
         raise ImportError(f"OpenEnv environments need openenv-core (0.3): {INSTALL}") from error
-    import openenv
-
-    return openenv
 
 
 # ------------------------------------------------------------------------------------------- actions, observations
 
 
 def json_action(text: str) -> dict:
-    """The default action parser: the last JSON object in the turn's text (a ```json fence or a bare {...})."""
-    candidates = re.findall(r"```(?:json)?\s*(\{.*?\})\s*```", text, re.DOTALL) or re.findall(r"\{.*\}", text, re.DOTALL)
-    if not candidates:
+    """The default action parser: the last JSON object in the turn's text (bare, or in a ```json fence)."""
+    decoder, found, position = json.JSONDecoder(), None, text.find("{")
+    while position != -1:
+        try:
+            value, end = decoder.raw_decode(text, position)
+        except ValueError:
+            position = text.find("{", position + 1)
+            continue
+        found = value if isinstance(value, dict) else found
+        position = text.find("{", end)
+    if found is None:
         raise ValueError("no JSON object in the turn")
-    action = json.loads(candidates[-1])
-    if not isinstance(action, dict):
-        raise ValueError("the action is not a JSON object")
-    return action
+    return found
 
 
 def text_action(field: str) -> Callable[[str], dict]:
@@ -122,9 +123,12 @@ class LocalServer:
         import uvicorn
         from openenv.core.env_server.http_server import create_app
 
-        concurrent = getattr(environment, "SUPPORTS_CONCURRENT_SESSIONS", True)
-        app = create_app(environment, action_class, observation_class,
-                         max_concurrent_envs=max_concurrent_envs if concurrent else 1)  # fmt: skip
+        if not getattr(environment, "SUPPORTS_CONCURRENT_SESSIONS", True):
+            raise ValueError(f"{environment.__name__} does not set SUPPORTS_CONCURRENT_SESSIONS = True, so openenv's "
+                             f"server gives it one session at a time; grpokit plays every rollout of a generation in "
+                             f"a session of its own, at once. Set it on the class when its instances share no "
+                             f"state.")  # fmt: skip
+        app = create_app(environment, action_class, observation_class, max_concurrent_envs=max_concurrent_envs)
         self.action_class = action_class
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.bind(("127.0.0.1", 0))  # a free port, held from now on (no race with another server)
@@ -198,7 +202,8 @@ class OpenEnvEnvironment:
         self.prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         self.dataset, self.seeds, self.reset_kwargs_of = dataset, list(seeds), reset_kwargs or default_reset_kwargs
         self.observation_role, self.rewards, self.max_turns = observation_role, rewards, max_turns
-        self.step_timeout, self.invalid_action_reward, self.reward_name = step_timeout, invalid_action_reward, reward_name
+        self.step_timeout, self.invalid_action_reward = step_timeout, invalid_action_reward
+        self.reward_name = reward_name
 
     @classmethod
     def serve(cls, environment: Callable, action_class: type, observation_class: type, *,
@@ -244,7 +249,8 @@ class OpenEnvEnvironment:
 
     def driver(self, tokenizer, args, max_prompt_length: int | None) -> OpenEnvDriver:
         return OpenEnvDriver(self, tokenizer, max_completion_length=args.max_completion_length,
-                             max_prompt_length=max_prompt_length, chat_template_kwargs=args.chat_template_kwargs)  # fmt: skip
+                             max_prompt_length=max_prompt_length,
+                             chat_template_kwargs=args.chat_template_kwargs)  # fmt: skip
 
     # one session
 
