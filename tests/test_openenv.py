@@ -269,6 +269,9 @@ def test_an_openenv_client_is_adapted_and_bad_options_refused(game):
     assert adapter.client_class is GenericEnvClient
     with pytest.raises(ValueError, match="rewards='mean'"):
         OpenEnvEnvironment(game.url, rewards="mean")
+    one_at_a_time = type("OneAtATime", (GuessingGame,), {"SUPPORTS_CONCURRENT_SESSIONS": False})
+    with pytest.raises(ValueError, match="OneAtATime does not set SUPPORTS_CONCURRENT_SESSIONS = True"):
+        OpenEnvEnvironment.serve(one_at_a_time, GuessAction, GuessObservation)
 
 
 def load_example():
