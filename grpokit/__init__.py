@@ -3,8 +3,10 @@
     from grpokit import GRPOConfig, GRPOTrainer     # drop-in for trl's classes of the same names
     from grpokit import RLOOConfig, RLOOTrainer     # TRL's RLOO, on the same loop
     from grpokit import DistillationConfig, DistillationTrainer
+    from grpokit import AsyncGRPOConfig, AsyncGRPOTrainer  # trl.experimental.async_grpo's, on GRPOTrainer's producer
 """
 
+from .async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from .advantages import group_advantages, process_advantages
 from .batch import TrainBatch
 from .config import GRPOConfig
@@ -21,6 +23,8 @@ from .trainer import GRPOTrainer
 from .version import __version__  # noqa: F401  (grpokit.__version__)
 
 __all__ = [
+    "AsyncGRPOConfig",
+    "AsyncGRPOTrainer",
     "DistillationConfig",
     "DistillationTrainer",
     "GRPOConfig",

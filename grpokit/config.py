@@ -370,6 +370,10 @@ class GRPOConfig:
     weight_sync_steps: int = _f(1, "Asynchronous generation: optimizer steps between the producer's weight updates.")
     heartbeat_stale_after_s: float = _f(300.0, "Asynchronous generation: seconds without a sign of life from the "
                                                "producer after which the run stops with a message.")
+    max_inflight_tasks: int = _f(-1, "Asynchronous generation (TRL's AsyncGRPOConfig name): how many completions may "
+                                     "be in generation at once in multi-turn rollouts, streamed group by group "
+                                     "(docs/guides/async.md). -1 (auto, TRL's): max(max_staleness, 1) x "
+                                     "generation_batch_size.")
     multi_objective_aggregation: str = _f("sum_then_normalize", "'sum_then_normalize': weight and sum the rewards, "
                                                                 "then normalise in the group; 'normalize_then_sum' "
                                                                 "(GDPO): normalise each reward in its group first.")
@@ -913,6 +917,9 @@ class GRPOConfig:
         if self.max_tool_output_chars is not None and self.max_tool_output_chars < 1:
             fail(f"max_tool_output_chars={self.max_tool_output_chars} must be a positive number of characters "
                  f"(or None: no limit).")
+        if self.max_inflight_tasks == 0 or self.max_inflight_tasks < -1:
+            fail(f"max_inflight_tasks={self.max_inflight_tasks}: give a positive count of completions, or -1 (auto: "
+                 f"max(max_staleness, 1) x generation_batch_size).")
         if self.max_staleness is not None and self.max_staleness < 0:
             fail(f"max_staleness={self.max_staleness}: give the optimizer steps a sample may lag behind the policy "
                  f"(0: the synchronous loop), or None for no producer.")

@@ -162,6 +162,9 @@ class PromptSampler:
     def __init__(self, num_rows: int, seed: int, shuffle: bool = True):
         self.num_rows, self.seed, self.shuffle = num_rows, seed, shuffle
         self.epoch, self.position = 0, 0
+        # Indices drawn before but never trained on (a streaming producer's groups in flight when a checkpoint was
+        # written): drawn again first, in order.
+        self.requeued: list[int] = []
 
     def _order(self, epoch: int) -> list[int]:
         if not self.shuffle:
@@ -170,7 +173,7 @@ class PromptSampler:
         return torch.randperm(self.num_rows, generator=generator).tolist()
 
     def draw(self, count: int) -> list[int]:
-        out: list[int] = []
+        out, self.requeued = self.requeued[:count], self.requeued[count:]
         while len(out) < count:
             order = self._order(self.epoch)
             take = order[self.position : self.position + count - len(out)]
@@ -188,10 +191,11 @@ class PromptSampler:
         return self.epoch + self.position / self.num_rows
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
+        return {"epoch": self.epoch, "position": self.position, **({"requeued": self.requeued} if self.requeued else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position = state["epoch"], state["position"]
+        self.requeued = list(state.get("requeued", []))
 
 
 class StreamSampler:

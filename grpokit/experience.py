@@ -90,12 +90,14 @@ class ExperienceMaker:
         self.teacher = teacher  # GRPOTrainer(teacher_model=...): its signal joins the advantages
         self.failed_batches = 0  # consecutive generation batches in which no completion was scored (all raised)
 
-    def make(self, generation: int, trainer_state=None) -> Experience:
+    def make(self, generation: int, trainer_state=None, sampled: Generation | None = None) -> Experience:
         """The experience of generation `generation` (its rollout seeds: generation, generation + 1, ... for each
-        rollout drawn). `trainer_state` is what reward functions receive as their `trainer_state` argument."""
+        rollout drawn). `trainer_state` is what reward functions receive as their `trainer_state` argument.
+        `sampled`: this batch's rollouts, already run (a producer streaming groups: one process), to be scored."""
         args, acc, device = self.args, self.accelerator, self.accelerator.device
         metrics: dict[str, float] = {}
-        scored = self._sample_and_score(generation, trainer_state)
+        scored = self._sample_and_score(generation, trainer_state) if sampled is None else \
+            self._score(sampled, 0, trainer_state)  # fmt: skip
         rollouts = 1
         if device.type == "cpu":  # the rollout's freed heap (cpu_memory: its holes fit no later tensor)
             return_free_memory()
@@ -148,8 +150,7 @@ class ExperienceMaker:
 
     def sample_and_score(self, rows: list[dict], counts: list[int], seed: int,
                          trainer_state=None) -> tuple[Generation, Any]:  # fmt: skip
-        """Sample rows with the current policy's weights and score them: (generation, scores). Evaluation and
-        training both go through here."""
+        """Sample rows with the current policy's weights and score them: (generation, scores) (evaluation)."""
         self.runner.sync_weights(self.policy())
         generation = self.runner.run(rows, counts, seed)
         return generation, self.scorer.score(generation.rows, generation.completions, generation.completion_ids,
@@ -164,8 +165,12 @@ class ExperienceMaker:
         global_rows = [row for row in prompts for _ in range(args.num_generations)]  # each prompt G times
         rows = global_rows[offset : offset + per_process]
         seed = rollout_seed(args.seed, generation, acc.process_index)
-        sampled, scores = self.sample_and_score(rows, group_counts(len(rows), args.num_generations, offset), seed,
-                                                trainer_state)  # fmt: skip
+        self.runner.sync_weights(self.policy())
+        sampled = self.runner.run(rows, group_counts(len(rows), args.num_generations, offset), seed)
+        return self._score(sampled, offset, trainer_state)
+
+    def _score(self, sampled: Generation, offset: int, trainer_state) -> ScoredRollout:
+        scores = self.scorer.score(sampled.rows, sampled.completions, sampled.completion_ids, trainer_state)
         return ScoredRollout(sampled.rows, scores.prompts, sampled.completions, sampled.completion_ids,
                              sampled.rollout, scores.scores, scores.failures, scores.step_rewards, scores.step_ends,
                              offset, sampled.model_lengths)  # fmt: skip

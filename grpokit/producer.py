@@ -95,7 +95,7 @@ class Produced:
     produced_at: float  # time.perf_counter() when it was queued
 
 
-class _Failure:
+class Failure:
     def __init__(self, error: BaseException):
         self.error = error
 
@@ -168,7 +168,7 @@ class Producer:
                 self.heartbeat = time.monotonic()
                 index += 1
         except BaseException as error:  # noqa: BLE001 - the trainer re-raises it with its traceback
-            self.queue.put(_Failure(error))
+            self.queue.put(Failure(error))
 
     def _wait_for_version(self, needed: int) -> bool:
         started = time.perf_counter()
@@ -184,7 +184,8 @@ class Producer:
         """The trainer's current weights into the copy, under the optimizer step's lock: the first time, every
         weight_sync_steps versions, and whenever the copy's weights would be too stale for a batch trained at version
         `due`."""
-        engine_idle = self.engine.lock if isinstance(self.engine, ProcessEngine) else contextlib.nullcontext()
+        # An engine shared by several rollouts at once (ProcessEngine, SerializedEngine) takes weights between requests
+        engine_idle = getattr(self.engine, "lock", None) or contextlib.nullcontext()
         with self.sync.lock, engine_idle:
             version, mine, every = self.sync.version, self.weights_version, self.args.weight_sync_steps
             scheduled = mine is None or version // every > mine // every
@@ -236,7 +237,7 @@ class Producer:
                         f"{self.args.heartbeat_stale_after_s}): a rollout, a reward function or a tool is hung. The "
                         f"last checkpoint is good: resume from it (in-flight samples are sampled again).")
                 continue
-            if isinstance(item, _Failure):
+            if isinstance(item, Failure):
                 raise RuntimeError(f"The generation producer failed: {type(item.error).__name__}: {item.error}. The "
                                    f"last checkpoint is good: fix the cause and resume from it.") from item.error
             return item
@@ -255,10 +256,21 @@ def start_producer(args: GRPOConfig, accelerator, policy: torch.nn.Module, engin
         # On the CPU, in a process of its own when it may run ahead (at max_staleness=0 it never overlaps training).
         if accelerator.device.type == "cpu" and args.max_staleness > 0:
             engine = ProcessEngine(engine, copied)
+    streaming = args.max_staleness > 0 and getattr(runner.driver, "concurrent_rollouts", False)
+    if streaming and not isinstance(engine, ProcessEngine):
+        from .streaming import SerializedEngine
+
+        engine = SerializedEngine(engine)
     own_runner = RolloutRunner(engine, runner.codec, runner.params, runner.device, driver=runner.driver, host=host)
     own_sampler = copy.deepcopy(sampler)
     maker = ExperienceMaker(args, accelerator, own_runner, scorer, lambda: copied, reference,
                             lambda n: own_sampler.rows(dataset, n), off_policy=args.max_staleness > 0,
                             teacher=teacher)  # fmt: skip
+    if streaming:  # multi-turn rollouts, group by group (grpokit.streaming)
+        from .streaming import StreamingProducer
+
+        return StreamingProducer(args, maker, policy, copied, sync, own_sampler, trainer_state.generations,
+                                 trainer_state, threads=torch.get_num_threads(), engine=engine, runner=own_runner,
+                                 dataset=dataset).start()  # fmt: skip
     return Producer(args, maker, policy, copied, sync, own_sampler, trainer_state.generations, trainer_state,
                     threads=torch.get_num_threads(), engine=engine).start()

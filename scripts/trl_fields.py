@@ -1,7 +1,8 @@
 """Write grpokit/trl_fields.json: every field of the installed `trl.GRPOConfig` (TRL's own fields and the
 `transformers.TrainingArguments` fields it inherits) with its default, the surface grpokit's GRPOConfig accepts; and
 grpokit/trl_distillation_fields.json, the same for `trl.DistillationConfig` (grpokit's DistillationConfig), and
-grpokit/trl_rloo_fields.json for `trl.RLOOConfig` (grpokit's RLOOConfig).
+grpokit/trl_rloo_fields.json for `trl.RLOOConfig` (grpokit's RLOOConfig), and grpokit/trl_async_grpo_fields.json for
+`trl.experimental.async_grpo.AsyncGRPOConfig` (grpokit's AsyncGRPOConfig).
 
     python scripts/trl_fields.py           # regenerate the JSON from the installed trl
     python scripts/trl_fields.py --check   # report fields added, removed or with a changed default, and grpokit
@@ -25,7 +26,12 @@ JSON_PATH = Path(__file__).resolve().parents[1] / "grpokit" / "trl_fields.json"
 DISTILLATION_JSON_PATH = JSON_PATH.with_name("trl_distillation_fields.json")
 # And for `trl.RLOOConfig`, the surface of grpokit.rloo.RLOOConfig.
 RLOO_JSON_PATH = JSON_PATH.with_name("trl_rloo_fields.json")
-JSON_PATHS = {"GRPOConfig": JSON_PATH, "DistillationConfig": DISTILLATION_JSON_PATH, "RLOOConfig": RLOO_JSON_PATH}
+# And for `trl.experimental.async_grpo.AsyncGRPOConfig`, the TRL fields of grpokit.async_grpo.AsyncGRPOConfig.
+ASYNC_GRPO_JSON_PATH = JSON_PATH.with_name("trl_async_grpo_fields.json")
+JSON_PATHS = {"GRPOConfig": JSON_PATH, "DistillationConfig": DISTILLATION_JSON_PATH, "RLOOConfig": RLOO_JSON_PATH,
+              "AsyncGRPOConfig": ASYNC_GRPO_JSON_PATH}  # fmt: skip
+# Where each config lives in trl (its top level unless named here).
+TRL_MODULES = {"AsyncGRPOConfig": "trl.experimental.async_grpo"}
 
 
 def _jsonable(value):
@@ -39,12 +45,14 @@ def _jsonable(value):
 
 def installed_fields(config: str = "GRPOConfig") -> dict:
     """{"versions": {...}, "fields": {name: default}} of the installed `trl.<config>`, in declaration order."""
+    import importlib
+
     import torch
     import transformers
     import trl
 
     fields = {}
-    for spec in dataclasses.fields(getattr(trl, config)):
+    for spec in dataclasses.fields(getattr(importlib.import_module(TRL_MODULES.get(config, "trl")), config)):
         if not spec.init:
             continue
         default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
@@ -71,15 +79,15 @@ def grpokit_default_differences(committed: dict, config: str = "GRPOConfig") -> 
     if str(JSON_PATH.parents[1]) not in sys.path:  # this checkout's grpokit, not another installed one
         sys.path.insert(0, str(JSON_PATH.parents[1]))
     import grpokit
+    from grpokit.async_grpo import AsyncGRPOConfig
     from grpokit.config import TRL_DEFAULT_DIFFERENCES
-
     from grpokit.distillation_config import DistillationConfig
     from grpokit.rloo import RLOOConfig
 
-    classes = {"GRPOConfig": grpokit.GRPOConfig, "DistillationConfig": DistillationConfig, "RLOOConfig": RLOOConfig}
+    classes = {"GRPOConfig": grpokit.GRPOConfig, "DistillationConfig": DistillationConfig, "RLOOConfig": RLOOConfig,
+               "AsyncGRPOConfig": AsyncGRPOConfig}  # fmt: skip
     specs = {spec.name: spec for spec in dataclasses.fields(classes[config]) if spec.init}
-    # DistillationConfig and RLOOConfig keep every TRL default (built from TRL's recorded fields): no difference is
-    # deliberate there.
+    # DistillationConfig, RLOOConfig and AsyncGRPOConfig keep every TRL default: no difference is deliberate there.
     allowed = TRL_DEFAULT_DIFFERENCES if config == "GRPOConfig" else {}
     differing = {}
     for name, trl_default in committed["fields"].items():

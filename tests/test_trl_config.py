@@ -224,7 +224,8 @@ def test_every_trl_field_is_a_flag_coerced_to_its_type(name):
 
 @pytest.mark.parametrize("config, recorded", [("GRPOConfig", "trl_fields.json"),
                                               ("DistillationConfig", "trl_distillation_fields.json"),
-                                              ("RLOOConfig", "trl_rloo_fields.json")])  # fmt: skip
+                                              ("RLOOConfig", "trl_rloo_fields.json"),
+                                              ("AsyncGRPOConfig", "trl_async_grpo_fields.json")])  # fmt: skip
 def test_json_matches_the_installed_trl(config, recorded):
     pytest.importorskip("trl")
     script = load_script("trl_fields")

@@ -16,6 +16,7 @@ tool call does not parse is plain text and ends the row.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Callable
 
 import torch
@@ -81,18 +82,23 @@ class Agents:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.runner = ToolRunner(tool_timeout, max_tool_output_chars) if self.uses_tools else None
         self.stats = ToolStats()
+        self.stats_lock = threading.Lock()  # rollouts may run at once (concurrent_rollouts): each counts on its own
         names = [tool_name(t) for t in self.standalone_tools]
         for env_names in (self.environments.tool_names.values() if self.environments else []):
             names += [n for n in env_names if n not in names]
         self.tool_names = names
         # The engine's log-probs are the training forward's only for rollouts this module sampled with it.
         self.exact_logprobs = rollout_func is None
+        # Rollouts of disjoint rows may run at once (a streaming producer), except where instances are shared:
+        # the environment pool lends its instances through scoring, and a user's rollout_func is not known to allow it.
+        self.concurrent_rollouts = environments is None and rollout_func is None
 
     def reward_functions(self) -> list[Callable]:
         return self.environments.reward_functions() if self.environments is not None else []
 
     def metrics(self, accelerator) -> dict[str, float]:
-        return self.stats.metrics(accelerator, self.tool_names) if self.uses_tools else {}
+        with self.stats_lock:
+            return self.stats.metrics(accelerator, self.tool_names) if self.uses_tools else {}
 
     # ------------------------------------------------------------------------------------------- one rollout
 
@@ -122,16 +128,18 @@ class Agents:
             if self.max_prompt_length is not None:
                 ids = ids[-self.max_prompt_length :]
             transcripts.append(Transcript(ids, {tool_name(t): t for t in tools}))
-        self.stats.rows += len(rows)
+        stats = ToolStats(rows=len(rows))
         self._sample(engine, transcripts, list(range(len(rows))), params, seed)
         waiting = [i for i, t in enumerate(transcripts) if t.messages[-1].get("tool_calls")]
         iteration = 0
         while waiting and iteration < self.max_iterations:
-            waiting = [i for i in waiting if self._add_tool_results(transcripts[i])]
+            waiting = [i for i in waiting if self._add_tool_results(transcripts[i], stats)]
             if waiting:
                 self._sample(engine, transcripts, waiting, params, seed + 7919 * (iteration + 1))
             waiting = [i for i in waiting if transcripts[i].messages[-1].get("tool_calls")]
             iteration += 1
+        with self.stats_lock:
+            self.stats.add(stats)
         return transcripts_rollout(transcripts, params.pad_token_id, extra), [t.messages for t in transcripts]
 
     def _sample(self, engine, transcripts: list[Transcript], indices: list[int], params: SamplingParams,
@@ -139,11 +147,11 @@ class Agents:
         sample_turns(engine, self.tokenizer, self.template, transcripts, indices, params, seed,
                      self.max_completion_length)  # fmt: skip
 
-    def _add_tool_results(self, transcript: Transcript) -> bool:
+    def _add_tool_results(self, transcript: Transcript, stats: ToolStats) -> bool:
         """Run the last turn's tool calls and append their results; False (and nothing appended) when the results
         would not fit in the completion budget or the model's context."""
         calls = [(c["function"]["name"], c["function"]["arguments"]) for c in transcript.messages[-1]["tool_calls"]]
-        results = self.runner.run(calls, transcript.tools, self.stats, on_timeout=self._retire_environment)
+        results = self.runner.run(calls, transcript.tools, stats, on_timeout=self._retire_environment)
         ids = tool_result_ids(self.tokenizer, results, self.chat_template_kwargs)
         total = len(transcript.prompt_ids) + len(transcript.ids) + len(ids)
         if len(transcript.ids) + len(ids) >= self.max_completion_length or \

@@ -67,6 +67,11 @@ class ToolStats:
     truncated: Counter = field(default_factory=Counter)  # results cut at max_tool_output_chars
     rows: int = 0  # completions sampled (the denominator of call_frequency, as in TRL)
 
+    def add(self, other: ToolStats) -> None:
+        """Count `other`'s calls too (a rollout's own counters, joined when it ends)."""
+        self.calls.update(other.calls), self.failures.update(other.failures), self.truncated.update(other.truncated)
+        self.rows += other.rows
+
     def metrics(self, accelerator, names: list[str]) -> dict[str, float]:
         """TRL's `tools/call_frequency` (calls per completion) and `tools/failure_frequency` (failures per call),
         over all processes, and the same per tool (`tools/<name>/...`, grpokit's addition); grpokit's

@@ -33,9 +33,19 @@ class Generation:
     # completion lengths); otherwise the rollout's lengths
     model_lengths: torch.Tensor
 
+    @staticmethod
+    def concat(parts: list[Generation]) -> Generation:
+        """Generations of separate rows as one (rows in the order of `parts`)."""
+        return Generation(Rollout.concat([p.rollout for p in parts]), [r for p in parts for r in p.rows],
+                          [c for p in parts for c in p.completions], [i for p in parts for i in p.completion_ids],
+                          torch.cat([p.model_lengths for p in parts]))  # fmt: skip
+
 
 class MultiTurnDriver(Protocol):
-    """What drives a multi-turn rollout over an engine (grpokit.agents.Agents)."""
+    """What drives a multi-turn rollout over an engine (grpokit.agents.Agents).
+
+    A driver whose `concurrent_rollouts` is True (an optional attribute) may run several `rollout` calls at once
+    from different threads, on disjoint rows: an asynchronous producer then streams its rollouts group by group."""
 
     exact_logprobs: bool  # False when the driver's log-probs are not the engine's (a user's rollout_func)
 

@@ -10,12 +10,14 @@ vocabulary, a server whose max_model_len leaves no room for a whole completion (
 longest prompt + completion; a warning at start when max_prompt_length + max_completion_length exceeds it), a server
 that fails a request, are errors that say what to do.
 
-`timeout` (vllm_server_timeout) bounds each request in all, its retries included: a request that fails on the
-connection (refused, reset, or no answer in time) is tried again after pauses of 2, 4, 8 s (10 s from then on; up to
-`retries` more tries), each try waiting at most the time left, so that a frozen server stops the trainer after
-about `timeout` seconds (not `retries + 1` times it), and a killed one after the pauses (~14 s). A server that
-restarted (its instance id changed) gets the weights pushed again. Checkpoints are written atomically by the trainer,
-so a run that stops here can resume from its last one.
+`timeout` (vllm_server_timeout) bounds the wait for the server to come up, and each request in all, its retries
+included, unless `request_timeout` / `weight_sync_timeout` (TRL AsyncGRPOConfig's fields) bound the sampling
+requests / the weight pushes instead: a request that fails on the connection (refused, reset, or no answer in time)
+is tried again after pauses of 2, 4, 8 s (10 s from then on; up to `retries` more tries), each try waiting at most
+the time left, so that a frozen server stops the trainer after about `timeout` seconds (not `retries + 1` times it),
+and a killed one after the pauses (~14 s). A server that restarted (its instance id changed) gets the weights pushed
+again. Checkpoints are written atomically by the trainer, so a run that stops here can resume from its last
+one.
 """
 
 from __future__ import annotations
@@ -54,15 +56,22 @@ class VLLMServerEngine:
     def __init__(self, model: torch.nn.Module, base_url: str, timeout: float = 240.0, retries: int = 3,
                  process_index: int = 0, num_processes: int = 1, group_port: int | None = None,
                  structured_outputs_regex: str | None = None, max_prompt_length: int | None = None,
-                 max_completion_length: int | None = None):  # fmt: skip
+                 max_completion_length: int | None = None, request_timeout: float | None = None,
+                 weight_sync_timeout: float | None = None):  # fmt: skip
         """group_port: push the weights through a process group with the server at that port (NCCL between GPUs,
         gloo between CPUs; TRL's vllm_group_port) instead of as safetensors over HTTP. structured_outputs_regex:
         every completion matches this regex (the server needs the tokenizer in its checkpoint directory).
         max_prompt_length, max_completion_length: the trainer's budget, checked against the server's
-        max_model_len."""
+        max_model_len. request_timeout, weight_sync_timeout: seconds a request / a weight push may take in all
+        (None: `timeout`, as for everything else)."""
         from ..distributed import is_sharded
 
         self.base_url, self.timeout, self.retries = base_url.rstrip("/"), timeout, retries
+        # (seconds, the config field that set them): the field is named in the error when a request runs out.
+        self.request_timeout = (request_timeout, "request_timeout") if request_timeout else (timeout,
+                                                                                              "vllm_server_timeout")
+        self.weight_sync_timeout = (weight_sync_timeout, "weight_sync_timeout") if weight_sync_timeout else (
+            timeout, "vllm_server_timeout")  # fmt: skip
         self.group_port, self.group, self.group_instance = group_port, None, None
         self.process_index, self.num_processes = process_index, num_processes
         self.structured_outputs_regex = structured_outputs_regex
@@ -95,7 +104,10 @@ class VLLMServerEngine:
                    num_processes=num_processes, group_port=args.vllm_group_port,
                    structured_outputs_regex=args.vllm_structured_outputs_regex,
                    max_prompt_length=args.max_prompt_length,
-                   max_completion_length=args.max_completion_length)  # fmt: skip
+                   max_completion_length=args.max_completion_length,
+                   # AsyncGRPOConfig's (TRL's async trainer's); GRPOConfig has neither: vllm_server_timeout bounds all
+                   request_timeout=getattr(args, "request_timeout", None),
+                   weight_sync_timeout=getattr(args, "weight_sync_timeout", None))  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ the protocol
 
@@ -174,7 +186,8 @@ class VLLMServerEngine:
             if not sends:
                 return
             if self.group_port is None:
-                self.request("POST", "/update_weights", save({k: v.cpu() for k, v in tensors.items()}))
+                self.request("POST", "/update_weights", save({k: v.cpu() for k, v in tensors.items()}),
+                             self.weight_sync_timeout)
             else:
                 self._broadcast(list(tensors.items()))
         self._model = model
@@ -188,15 +201,15 @@ class VLLMServerEngine:
         backend = "nccl" if torch.cuda.is_available() and self.info.get("device") == "cuda" else "gloo"
         if self.group is None or self.group_instance != self.info["instance"]:
             self.request("POST", "/init_communicator", {"port": self.group_port, "backend": backend,
-                                                         "timeout": self.timeout})  # fmt: skip
+                                                         "timeout": self.weight_sync_timeout[0]})  # fmt: skip
             host = urllib.parse.urlparse(self.base_url).hostname
-            self.group = open_group(backend, host, self.group_port, TRAINER_RANK, self.timeout)
+            self.group = open_group(backend, host, self.group_port, TRAINER_RANK, self.weight_sync_timeout[0])
             self.group_instance = self.info["instance"]
         device = torch.device("cuda" if backend == "nccl" else "cpu")
         weights = [(name, tensor.to(device)) for name, tensor in weights]
-        self.request("POST", "/update_weights_collective", {"params": describe(weights)})
+        self.request("POST", "/update_weights_collective", {"params": describe(weights)}, self.weight_sync_timeout)
         send(self.group, weights)
-        self.request("POST", "/weights_received")
+        self.request("POST", "/weights_received", timeout=self.weight_sync_timeout)
 
     def wait_until_up(self) -> None:
         deadline = time.monotonic() + self.timeout
@@ -215,16 +228,18 @@ class VLLMServerEngine:
                 )
             time.sleep(1.0)
 
-    def request(self, method: str, path: str, payload=None):
-        """One request, tried again on connection errors (after pauses of 2, 4, 8, 10... s) until `timeout` seconds
-        have passed in all; the answer's JSON."""
+    def request(self, method: str, path: str, payload=None, timeout: tuple[float, str] | None = None):
+        """One request, tried again on connection errors (after pauses of 2, 4, 8, 10... s) until `timeout`
+        seconds (and the config field that set them; default `request_timeout`) have passed in all; the answer's
+        JSON."""
+        timeout_s, timeout_field = timeout or self.request_timeout
         data, headers = None, {}
         if isinstance(payload, bytes):
             data, headers = payload, {"Content-Type": "application/octet-stream"}
         elif payload is not None:
             data, headers = json.dumps(payload).encode(), {"Content-Type": "application/json"}
         started = time.monotonic()
-        deadline, last_error, tries = started + self.timeout, None, 0
+        deadline, last_error, tries = started + timeout_s, None, 0
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(max(min(2.0**attempt, 10.0, deadline - time.monotonic()), 0.0))
@@ -246,7 +261,7 @@ class VLLMServerEngine:
                 last_error = error
         raise ConnectionError(
             f"The vLLM server at {self.base_url} stopped answering ({method} {path}, {tries} tries in "
-            f"{time.monotonic() - started:.0f} s, vllm_server_timeout={self.timeout:g}: {last_error}). Restart it (`grpokit vllm-serve --model MODEL_DIR ...`) and resume the run from its "
+            f"{time.monotonic() - started:.0f} s, {timeout_field}={timeout_s:g}: {last_error}). Restart it (`grpokit vllm-serve --model MODEL_DIR ...`) and resume the run from its "
             f"last checkpoint (`trainer.train(resume_from_checkpoint=True)`)."
         )
 

@@ -1,0 +1,144 @@
+"""Multi-turn rollouts streamed group by group: the asynchronous producer for agents (tools, environments of other
+libraries), where a rollout waits on tool calls as much as on the engine.
+
+Each prompt's group of G rollouts is a task of its own, run in a thread pool (`Agents.rollout` on G rows): up to
+`max_inflight_tasks` completions are in generation at once, so while one group waits for a slow tool call the engine
+samples the turns of others. A generation batch is assembled from the first groups to finish, in the order they
+finish: a slow tool call delays its own group, not the batch. Rewards, advantages and π_old/π_ref are computed when
+the batch is assembled (`ExperienceMaker.make(sampled=...)`; scale_rewards="batch" sees the whole batch).
+
+Staleness is kept as by `Producer`: group g belongs nominally to batch b = g // (groups per batch), trained at
+version c(b) = first_step + b; it starts only once the trainer's version is at least c(b) - max_staleness, with
+weights no older than that. A group that finishes so late that the batch it lands in is trained past its version +
+max_staleness is dropped and counted (`sample/dropped_stale_total`). Weights move between engine requests: a group's
+later turns may be sampled by newer weights than its first; its version is the one it started with (the oldest), and
+every token's π_old is the log-prob its own sampler gave it.
+
+Resume: a checkpoint records the prompt sampler's position after the latest draw and, as `requeued`, the prompts of
+the groups drawn but not yet trained (in flight, or finished and waiting for a batch): a resumed run samples those
+first. Their completions are sampled again, with new seeds; nothing drawn is skipped.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from .producer import Failure, Produced, Producer
+from .rollout import Generation, rollout_seed
+
+
+@dataclass
+class GroupTask:
+    index: int  # the prompt's dataset index
+    generation: int  # its rollout seed's generation number
+    version: int  # the weights' version when it started
+
+
+class SerializedEngine:
+    """An engine that takes one request at a time, and weights only between requests (`lock`): for several
+    rollouts at once on an engine that is not known to allow it (an in-process engine, a user's)."""
+
+    def __init__(self, engine):
+        self.engine, self.lock = engine, threading.Lock()
+        self.exact_logprobs = bool(getattr(engine, "exact_logprobs", False))
+
+    def generate(self, prompts, params, seed):
+        with self.lock:
+            return self.engine.generate(prompts, params, seed)
+
+    def sync_weights(self, model) -> None:
+        with self.lock:
+            self.engine.sync_weights(model)
+
+
+class StreamingProducer(Producer):
+    """`Producer` for multi-turn rollouts: groups in a thread pool, batches assembled as groups finish (see the
+    module docstring). `runner` is the producer's own `RolloutRunner`; `dataset` the training rows."""
+
+    def __init__(self, *args, runner, dataset, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.runner, self.dataset = runner, dataset
+        config = self.args
+        self.group_size = config.num_generations
+        self.groups_per_batch = config.generation_batch_size // config.num_generations
+        inflight = config.max_inflight_tasks if config.max_inflight_tasks > 0 else \
+            max(config.max_staleness, 1) * config.generation_batch_size  # fmt: skip
+        self.max_groups = max(1, inflight // config.num_generations)
+        self.pool = concurrent.futures.ThreadPoolExecutor(self.max_groups, thread_name_prefix="grpokit-rollout")
+        self.running: dict[concurrent.futures.Future, GroupTask] = {}
+        self.finished: list[tuple[GroupTask, Generation]] = []  # in the order they finished
+        self.started = 0  # groups started
+
+    def close(self) -> None:
+        super().close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _run(self) -> None:
+        try:
+            batches = 0
+            while not self.stop.is_set():
+                self._start_groups()
+                done, _ = concurrent.futures.wait(list(self.running), timeout=0.05,
+                                                  return_when=concurrent.futures.FIRST_COMPLETED)  # fmt: skip
+                for future in done:
+                    task = self.running.pop(future)
+                    self.finished.append((task, future.result()))  # a rollout's exception stops the producer
+                self.heartbeat = time.monotonic()
+                if len(self.finished) >= self.groups_per_batch and self._queue_batch(batches):
+                    batches += 1
+        except BaseException as error:  # noqa: BLE001 - the trainer re-raises it with its traceback
+            self.queue.put(Failure(error))
+
+    def _due(self, group: int) -> int:
+        """The version group `group` is trained at, nominally (batches dropped as stale shift it earlier)."""
+        return self.first_step + group // self.groups_per_batch - self.dropped_batches
+
+    def _start_groups(self) -> None:
+        """Start groups while fewer than max_groups run and the next one's version is within reach."""
+        while len(self.running) < self.max_groups and not self.stop.is_set():
+            due = self._due(self.started)
+            if self.sync.version < due - self.args.max_staleness:
+                return
+            self._take_weights(due)
+            index = self.sampler.draw(1)[0]
+            task = GroupTask(index, self.generation, self.weights_version)
+            self.generation += 1
+            row = self.dataset[index]
+            seed = rollout_seed(self.args.seed, task.generation, 0)
+            future = self.pool.submit(self.runner.run, [row] * self.group_size, [self.group_size], seed)
+            self.running[future] = task
+            self.started += 1
+
+    def _queue_batch(self, batch: int) -> bool:
+        """The first groups to finish as generation batch `batch` (groups too stale for it are dropped); False when
+        too few fresh ones are left to fill it."""
+        trained_at = self.first_step + batch - self.dropped_batches
+        taken, kept = self.finished[: self.groups_per_batch], []
+        self.finished = self.finished[self.groups_per_batch :]
+        for task, generation in taken:
+            if trained_at - task.version > self.args.max_staleness:
+                self.dropped += len(generation.rows)
+            else:
+                kept.append((task, generation))
+        if len(kept) < self.groups_per_batch:  # wait for fresher groups to fill it
+            self.finished = kept + self.finished
+            return False
+        tasks = [task for task, _ in kept]
+        experience = self.maker.make(tasks[0].generation, self.trainer_state,
+                                     sampled=Generation.concat([g for _, g in kept]))  # fmt: skip
+        # Drawn but not in this or an earlier batch: sampled again first after a resume from this batch's checkpoint.
+        pending = [t.index for t in self.running.values()] + [t.index for t, _ in self.finished]
+        state = {**self.sampler.state_dict(), "requeued": pending + list(self.sampler.requeued)}
+        item = Produced(experience, min(t.version for t in tasks), self.generation - experience.rollouts, state,
+                        time.perf_counter())  # fmt: skip
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.5)
+                return True
+            except queue.Full:  # the trainer is behind: keep the heartbeat
+                self.heartbeat = time.monotonic()
+        return False

@@ -1,0 +1,142 @@
+"""Asynchronous generation for agents and on the CPU: multi-turn rollouts streamed group by group
+(grpokit.streaming), so that a hanging tool call holds back its own group and not the others; and the in-process
+engine in a process of its own (grpokit.rollout.process_engine), whose death stops the run with a message and leaves
+a checkpoint a resumed run continues from."""
+
+import os
+import signal
+import threading
+
+import pytest
+from datasets import Dataset
+
+from agents_helpers import TABLE, call_text, key_of, tiny_agent_model, tool_call_script
+from grpokit import GRPOConfig, GRPOTrainer
+from grpokit.rollout.process_engine import EngineProcessDied
+from grpokit.state import TrainerCallback
+
+from letters import letter_config, letter_dataset, repeat_letter, tiny_letter_model
+
+RELEASE = threading.Event()
+
+
+def lookup(key: str) -> str:
+    """Look up the value stored under a key.
+
+    Args:
+        key: the key to look up
+    """
+    if key == "k0":  # hangs until the test lets it go
+        RELEASE.wait(60)
+    return TABLE[key]
+
+
+class ReleaseAt(TrainerCallback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            RELEASE.set()
+
+
+def test_a_hanging_tool_call_holds_back_its_own_group_not_the_batch(tmp_path):
+    """Six prompts, k0 first; its tool call hangs until step 2 ends. Batches of two groups are made of the groups
+    that finish first, so steps 1 and 2 train on the other prompts while k0's group waits; released, it lands in
+    step 3's batch, two versions after it started: past max_staleness=1, so it is dropped and counted."""
+    RELEASE.clear()
+    model, tokenizer = tiny_agent_model()
+    engine = tool_call_script(tokenizer, lambda user, results, index: f"{results[-1]}<|im_end|>" if results else
+                              call_text("lookup", {"key": key_of(user)}))  # fmt: skip
+    scored = []
+
+    def found(completions, key, **kwargs):
+        scored.append(list(key))
+        return [float(TABLE[k] in str(c[-1]["content"])) for c, k in zip(completions, key)]
+
+    rows = [{"prompt": [{"role": "user", "content": f"key k{i}"}], "key": f"k{i}"} for i in range(6)]
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=3,
+                      max_completion_length=64, learning_rate=1e-3, logging_steps=1, save_strategy="no",
+                      disable_tqdm=True, report_to="none", seed=0, shuffle_dataset=False, max_staleness=1,
+                      max_inflight_tasks=8, tool_timeout=60)  # fmt: skip
+    trainer = GRPOTrainer(model=model, reward_funcs=found, args=args, train_dataset=Dataset.from_list(rows),
+                          processing_class=tokenizer, tools=[lookup], rollout_engine=engine,
+                          callbacks=[ReleaseAt(2)])  # fmt: skip
+    try:
+        trainer.train()
+    finally:
+        RELEASE.set()
+    assert len(scored) >= 3
+    assert all("k0" not in keys for keys in scored[:2]), scored  # steps 1 and 2 did not wait for k0's group
+    assert sorted(k for keys in scored[:2] for k in keys) == ["k1", "k1", "k2", "k2", "k3", "k3", "k4", "k4"]
+    steps = [r for r in trainer.state.log_history if "loss" in r]
+    assert len(steps) == 3 and steps[-1]["sample/dropped_stale_total"] == 2  # k0's two completions
+    assert all(r["sample/staleness_max"] <= 1 for r in steps)
+    assert all(r["rewards/found/mean"] == 1.0 for r in steps)  # every trained group looked its key up
+
+
+def test_groups_in_flight_when_a_checkpoint_is_written_are_sampled_again_after_resume(tmp_path):
+    """The checkpoint of step 1 records k0 (in flight, hung) as requeued: a resumed run draws it first."""
+    RELEASE.clear()
+    model, tokenizer = tiny_agent_model()
+    engine = tool_call_script(tokenizer, lambda user, results, index: f"{results[-1]}<|im_end|>" if results else
+                              call_text("lookup", {"key": key_of(user)}))  # fmt: skip
+    rows = [{"prompt": [{"role": "user", "content": f"key k{i}"}], "key": f"k{i}"} for i in range(6)]
+    values = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=1,
+                  max_completion_length=64, learning_rate=1e-3, logging_steps=1, save_strategy="steps", save_steps=1,
+                  disable_tqdm=True, report_to="none", seed=0, shuffle_dataset=False, max_staleness=1,
+                  max_inflight_tasks=8, tool_timeout=60)  # fmt: skip
+    reward = lambda completions, **kwargs: [0.0] * len(completions)  # noqa: E731
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(**values),
+                          train_dataset=Dataset.from_list(rows), processing_class=tokenizer, tools=[lookup],
+                          rollout_engine=engine)  # fmt: skip
+    try:
+        trainer.train()
+    finally:
+        RELEASE.set()
+    scored = []
+
+    def recording(completions, key, **kwargs):
+        scored.append(list(key))
+        return [0.0] * len(completions)
+
+    resumed = GRPOTrainer(model=tiny_agent_model()[0], reward_funcs=recording,
+                          args=GRPOConfig(**{**values, "max_steps": 2, "max_staleness": None}),
+                          train_dataset=Dataset.from_list(rows), processing_class=tokenizer, tools=[lookup],
+                          rollout_engine=engine)  # fmt: skip
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    # Step 1 trained two of k1..k4 (the first two groups to finish); step 2 starts with k0, then what was in flight.
+    assert scored[0][:2] == ["k0", "k0"], scored
+
+
+class KillEngineAt(TrainerCallback):
+    def __init__(self, trainer, step: int):
+        self.trainer, self.step = trainer, step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os.kill(self.trainer.producer.engine.pid, signal.SIGKILL)
+
+
+def test_a_killed_engine_process_stops_the_run_with_a_message_and_the_checkpoint_resumes(tmp_path):
+    def trainer_for(directory, **overrides):
+        model, tokenizer = tiny_letter_model()
+        args = letter_config(directory, per_device_train_batch_size=16, num_generations=4, max_steps=4,
+                             save_strategy="steps", save_steps=1, max_staleness=1, report_to="none",
+                             **overrides)  # fmt: skip
+        return GRPOTrainer(model=model, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset(),
+                           processing_class=tokenizer)  # fmt: skip
+
+    trainer = trainer_for(tmp_path)
+    trainer.add_callback(KillEngineAt(trainer, 2))
+    with pytest.raises(RuntimeError, match=r"The generation producer failed: EngineProcessDied: The engine process "
+                                           r"\(pid \d+\) killed by SIGKILL") as raised:  # fmt: skip
+        trainer.train()
+    assert isinstance(raised.value.__cause__, EngineProcessDied)
+    checkpoints = sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*"))
+    assert checkpoints[:2] == ["checkpoint-1", "checkpoint-2"] and not list((tmp_path / "out").glob(".tmp-*"))
+    resumed = trainer_for(tmp_path)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert resumed.state.global_step == 4 and resumed.producer is None
+    steps = [r for r in resumed.state.log_history if "loss" in r]
+    assert [r["step"] for r in steps][-2:] == [3, 4] and all(r["sample/staleness_max"] <= 1 for r in steps)
