@@ -164,6 +164,21 @@ def test_a_training_step_logs_the_environments_rewards(tmp_path, rewards):
     assert log["openenv/done_frequency"] == 1.0 and log["openenv/step/failure_frequency"] == 0.0
 
 
+def test_groups_play_at_once_under_asynchronous_generation(tmp_path):
+    """With max_staleness > 0 the streaming producer plays each prompt's group in a thread of its own (sessions are
+    per rollout, so groups may overlap); the logged rewards are those of the synchronous run."""
+    model, tokenizer = tiny_agent_model()
+    with OpenEnvEnvironment.serve(GuessingGame, GuessAction, GuessObservation, prompt="Play.", seeds=[3, 5],
+                                  parse_action=parse_guess, rewards="sum") as environment:  # fmt: skip
+        trainer = GRPOTrainer(model=model, args=config(tmp_path, max_steps=2, max_staleness=1),
+                              processing_class=tokenizer, environment=environment,
+                              rollout_engine=guessing_policy(tokenizer, one_low))  # fmt: skip
+        trainer.train()
+    for log in trainer.state.log_history[:2]:
+        assert log["rewards/openenv/mean"] == pytest.approx(0.875)
+        assert log["openenv/step/call_frequency"] == pytest.approx(1.5) and log["openenv/done_frequency"] == 1.0
+
+
 def test_turn_credit_gives_each_turn_the_rewards_from_it_on(game):
     """Process credit: a token's advantage is the sum of the group-normalised rewards of the steps that end at or
     after its turn (grpokit.process_advantages), so the too-low first guess is credited less than the right one."""

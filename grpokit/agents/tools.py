@@ -157,12 +157,14 @@ class ToolRunner:
         self._off_loop: set[str] = set()  # async tools that blocked the shared loop
         self._abandoned: list[concurrent.futures.Future] = []
         self._warned_abandoned = False
+        self._loop_lock = threading.Lock()
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-            threading.Thread(target=self._loop.run_forever, name="grpokit-tool-loop", daemon=True).start()
-        return self._loop
+        with self._loop_lock:  # rollouts running at once (concurrent_rollouts) share one loop
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                threading.Thread(target=self._loop.run_forever, name="grpokit-tool-loop", daemon=True).start()
+            return self._loop
 
     def submit(self, name: str, tool: Callable, arguments: dict) -> tuple[concurrent.futures.Future, bool]:
         """The call's future, and whether it runs on the shared event loop."""

@@ -302,6 +302,7 @@ class OpenEnvDriver:
     in one engine call (grpokit.agents.loop.sample_turns), the sessions' resets and steps sent together."""
 
     exact_logprobs = True  # every trained token is sampled by the engine, on the context the training forward sees
+    concurrent_rollouts = True  # each rollout has a session of its own: groups may play at once (grpokit.streaming)
 
     def __init__(self, environment: OpenEnvEnvironment, tokenizer, *, max_completion_length: int,
                  max_prompt_length: int | None, chat_template_kwargs: dict | None = None):  # fmt: skip
@@ -309,8 +310,9 @@ class OpenEnvDriver:
         self.max_completion_length, self.max_prompt_length = max_completion_length, max_prompt_length
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.runner = ToolRunner(environment.step_timeout)  # the sessions' calls, under the tools' time limits
-        self.stats = ToolStats()  # calls and failures of reset, step and action (a turn parsed into an action)
-        self.counts = Counter()  # since the last metrics(): done, errors, timeouts (rollouts)
+        # Since the last metrics(), each rollout's counts added under the lock: calls and failures of reset, step and
+        # action (a turn parsed into an action); rollouts done, failed with an error, timed out.
+        self.stats, self.counts, self.lock = ToolStats(), Counter(), threading.Lock()
 
     def rollout(self, engine: RolloutEngine, rows: list[dict], params: SamplingParams, seed: int,
                 host: Any = None) -> tuple[Rollout, list]:  # fmt: skip
@@ -318,10 +320,10 @@ class OpenEnvDriver:
         rewards, None for a failed session) and each row's completion as messages."""
         env, n = self.environment, len(rows)
         clients = [env.client() for _ in rows]
-        self.stats.rows += n
+        stats, counts = ToolStats(rows=n), Counter()  # this rollout's
         failed = [None] * n  # why a row's session failed: "error" or "timeout"
         resets = self._call("reset", [functools.partial(open_session, c, **env.reset_kwargs_of(row))
-                                      for c, row in zip(clients, rows)], range(n), failed)  # fmt: skip
+                                      for c, row in zip(clients, rows)], range(n), failed, stats)  # fmt: skip
         transcripts = [self._start(row, result) for row, result in zip(rows, resets)]
         step_rewards: list[list[float]] = [[] for _ in rows]
         playing = list(range(n))  # rows that sample a turn now; a row whose reset failed samples one, unscored
@@ -332,37 +334,42 @@ class OpenEnvDriver:
             for i in playing:
                 if failed[i]:
                     continue
-                self.stats.calls["action"] += 1
+                stats.calls["action"] += 1
                 action = None if transcripts[i].truncated else env.action_of(transcripts[i].messages[-1]["content"])
                 if action is None:  # a bad action (or a turn cut at the budget) ends the rollout without a step
-                    self.stats.failures["action"] += 1
+                    stats.failures["action"] += 1
                     step_rewards[i].append(env.invalid_action_reward)
                 else:
                     stepping.append(i)
                     actions.append(action)
             results = self._call("step", [functools.partial(step_session, clients[i], action)
-                                          for i, action in zip(stepping, actions)], stepping, failed)  # fmt: skip
+                                          for i, action in zip(stepping, actions)], stepping, failed, stats)  # fmt: skip
             playing = []
             for i, result in zip(stepping, results):
                 if failed[i]:
                     continue
                 step_rewards[i].append(float(result.reward or 0.0))
-                self.counts["done"] += bool(result.done)
+                counts["done"] += bool(result.done)
                 if not result.done and turn + 1 < env.max_turns and self._add_observation(transcripts[i], result):
                     playing.append(i)
             if not playing:
                 break
         self.runner.call([("close", functools.partial(close_session, c, graceful=not f), {}, None)
                           for c, f in zip(clients, failed)], ToolStats())  # fmt: skip
-        self.counts.update(reason for reason in failed if reason)
+        counts.update(reason for reason in failed if reason)
+        with self.lock:
+            self.stats.rows += stats.rows
+            self.stats.calls.update(stats.calls)
+            self.stats.failures.update(stats.failures)
+            self.counts.update(counts)
         extra = {REWARDS_COLUMN: [None if failed[i] else step_rewards[i] for i in range(n)]}
         return transcripts_rollout(transcripts, params.pad_token_id, extra), [t.messages for t in transcripts]
 
-    def _call(self, name: str, calls: list[Callable], rows, failed: list) -> list:
+    def _call(self, name: str, calls: list[Callable], rows, failed: list, stats: ToolStats) -> list:
         """Run the sessions' calls (coroutine functions) of `rows` together, each within step_timeout; their results
         (None for a failed one, whose row is marked in `failed`), counted under name."""
         timed_out = []
-        outcomes = self.runner.call([(name, call, {}, None) for call in calls], self.stats, on_timeout=timed_out.append)
+        outcomes = self.runner.call([(name, call, {}, None) for call in calls], stats, on_timeout=timed_out.append)
         for row, call, (_, problem) in zip(rows, calls, outcomes):
             if problem is not None:
                 failed[row] = "timeout" if call in timed_out else "error"
@@ -396,13 +403,12 @@ class OpenEnvDriver:
         other environment integrations count them); `openenv/<reset|step|action>/call_frequency` (per rollout) and
         `failure_frequency` (per call: resets and steps that raised or timed out; turns that were no valid action);
         `openenv/done_frequency` (rollouts the environment ended). A collective."""
-        rows, done, errors, timeouts = summed_over_processes(accelerator, [
-            float(self.stats.rows), float(self.counts["done"]), float(self.counts["error"]),
-            float(self.counts["timeout"])])  # fmt: skip
-        self.counts.clear()
-        out = {key.replace("tools/", "openenv/", 1): value
-               for key, value in self.stats.metrics(accelerator, ["reset", "step", "action"]).items()
-               if key.count("/") == 2}  # fmt: skip
+        with self.lock:
+            values = [float(self.stats.rows)] + [float(self.counts[key]) for key in ("done", "error", "timeout")]
+            tool_metrics = self.stats.metrics(accelerator, ["reset", "step", "action"])
+            self.counts.clear()
+        rows, done, errors, timeouts = summed_over_processes(accelerator, values)
+        out = {key.replace("tools/", "openenv/", 1): value for key, value in tool_metrics.items() if key.count("/") == 2}
         rows = max(rows, 1.0)
         out.update({"environment/error_frequency": errors / rows, "environment/timeout_frequency": timeouts / rows,
                     "openenv/done_frequency": done / rows})  # fmt: skip
