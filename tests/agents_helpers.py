@@ -97,6 +97,20 @@ def warm_up(model, tokenizer, keys, steps: int, lr: float = 3e-3, batch_size: in
     return loss.item()
 
 
+def assert_sampled_logprobs_match_training(model, rollout) -> torch.Tensor:
+    """Every trained token's sampling log-prob equals a plain training forward over prompt + completion (float32,
+    1e-5), and inserted tokens carry 0: the turns were sampled on exactly the context the trainer sees. Returns the
+    training log-probs [N, T]."""
+    with torch.no_grad():
+        training, _ = token_logprobs(model, torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
+                                     torch.cat([rollout.prompt_mask, rollout.attention_mask], 1),
+                                     rollout.completion_ids.shape[1])  # fmt: skip
+    trained = rollout.loss_mask.bool()
+    torch.testing.assert_close(rollout.sampling_logprobs[trained], training[trained], rtol=0, atol=1e-5)
+    assert (rollout.sampling_logprobs[~trained] == 0).all()
+    return training
+
+
 def dapo_update(model, input_ids, attention, loss_mask, advantages, lr: float, eps: float) -> dict:
     """The first AdamW update of a plain forward of whole transcripts with the DAPO loss over loss_mask (the
     policy's tokens), at an epsilon so large that the update is -lr·g/(|g| + eps): a trainer's first update under

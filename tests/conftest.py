@@ -3,7 +3,8 @@
 unless GRPOKIT_REQUIRE_VLLM=1, which turns a missing vllm into a failure (CI sets it, so a broken install shows).
 Likewise verifiers' tests (`-m verifiers`, classic verifiers environments) skip without verifiers, unless
 GRPOKIT_REQUIRE_VERIFIERS=1; verifiers-v1 tests (`-m verifiers_v1`) need verifiers 0.4, in an environment of its own
-(.ci/run), and GRPOKIT_REQUIRE_VERIFIERS_V1=1 makes its absence a failure."""
+(.ci/run), and GRPOKIT_REQUIRE_VERIFIERS_V1=1 makes its absence a failure. OpenEnv's tests (`-m openenv`) skip without
+openenv-core, unless GRPOKIT_REQUIRE_OPENENV=1."""
 
 import importlib.util
 import os
@@ -26,6 +27,9 @@ def pytest_sessionstart(session):
     if os.environ.get("GRPOKIT_REQUIRE_VERIFIERS") == "1" and importlib.util.find_spec("verifiers") is None:
         raise pytest.UsageError("GRPOKIT_REQUIRE_VERIFIERS=1 but verifiers is not importable: the verifiers "
                                 "environment was not built (pip install 'grpokit[verifiers]'; .ci/run builds it).")
+    if os.environ.get("GRPOKIT_REQUIRE_OPENENV") == "1" and importlib.util.find_spec("openenv") is None:
+        raise pytest.UsageError("GRPOKIT_REQUIRE_OPENENV=1 but openenv-core is not importable: the OpenEnv "
+                                "environment was not built (pip install 'grpokit[openenv]'; .ci/run builds it).")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -206,14 +206,6 @@ EXAMPLES_WITH_TINY = ["train_grpo", "tools_grpo", "environment_grpo", "grpo_vlm"
 @pytest.mark.parametrize("example", EXAMPLES_WITH_TINY)
 def test_tiny_examples_write_nothing_into_the_current_directory(example, tmp_path):
     """`python examples/X.py --tiny` from the repository root must not leave Hub-named folders there."""
-    from pathlib import Path
+    from examples_helpers import run_tiny_example
 
-    script = Path(__file__).resolve().parents[1] / "examples" / f"{example}.py"
-    cwd, temporary = tmp_path / "cwd", tmp_path / "tmp"
-    cwd.mkdir(), temporary.mkdir()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(temporary)}
-    result = subprocess.run([sys.executable, str(script), "--tiny", "--max_steps", "1"], cwd=cwd, env=env,
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert list(cwd.iterdir()) == []
-    assert (temporary / "grpokit-examples" / example / "grpo_config.json").is_file()
+    run_tiny_example(example, tmp_path)

@@ -8,11 +8,12 @@ import threading
 
 import pytest
 import torch
-from agents_helpers import TABLE, ForcedCallsEngine, key_of, lookup, tiny_agent_model, tool_call_script
+from agents_helpers import (TABLE, ForcedCallsEngine, assert_sampled_logprobs_match_training, key_of, lookup,
+                            tiny_agent_model, tool_call_script)
 from datasets import Dataset
 from transformers.utils import get_json_schema
 
-from grpokit import GRPOTrainer, token_logprobs
+from grpokit import GRPOTrainer
 from grpokit.integrations import EnvironmentAdapter
 from grpokit.integrations.endpoint import Call, stitch
 from grpokit.integrations.openai_agent import OpenAIAgentEnvironment
@@ -74,13 +75,7 @@ def test_an_openai_sdk_agent_trains_on_the_tokens_the_policy_sampled_with_their_
         assert runs == [1, 0, 1]
         inserted = rollout.completion_ids[row][(rollout.attention_mask[row] == 1) & (rollout.loss_mask[row] == 0)]
         assert f"<tool_response>\n{TABLE[rows[row]['key']]}\n</tool_response>" in tokenizer.decode(inserted)
-    with torch.no_grad():
-        training, _ = token_logprobs(model, torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
-                                     torch.cat([rollout.prompt_mask, rollout.attention_mask], 1),
-                                     rollout.completion_ids.shape[1])  # fmt: skip
-    trained = rollout.loss_mask.bool()
-    torch.testing.assert_close(rollout.sampling_logprobs[trained], training[trained], rtol=0, atol=1e-5)
-    assert (rollout.sampling_logprobs[~trained] == 0).all()
+    assert_sampled_logprobs_match_training(model, rollout)
     assert driver.metrics(type("Accelerator", (), {"device": "cpu", "num_processes": 1})) == {
         "endpoint/timeout_frequency": 0.0, "endpoint/error_frequency": 0.0, "endpoint/calls_per_rollout": 2.0,
         "endpoint/prefix_break_frequency": 0.0}  # fmt: skip

@@ -294,14 +294,6 @@ def test_a_tiny_model_learns_to_play_both_turns_of_a_classic_multi_turn_env(tmp_
 
 
 def test_the_example_runs_tiny_offline(tmp_path):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from examples_helpers import run_tiny_example
 
-    script = Path(__file__).resolve().parents[1] / "examples" / "verifiers_grpo.py"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, str(script), "--tiny", "--max_steps", "1"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert (tmp_path / "grpokit-examples" / "verifiers_grpo" / "grpo_config.json").is_file()
+    run_tiny_example("verifiers_grpo", tmp_path)

@@ -131,6 +131,21 @@ def as_text(result: Any, max_chars: int | None) -> tuple[str, bool]:
     return text[:max_chars] + TRUNCATION_NOTE.format(dropped=len(text) - max_chars, limit=max_chars), True
 
 
+def call_problem(name: str, arguments: Any, tools: dict[str, Callable]) -> str | None:
+    """Why a tool call cannot be made (unknown tool, arguments it does not take), or None."""
+    if name not in tools:
+        return f"Tool {name!r} not found; available tools: {sorted(tools)}."
+    if not isinstance(arguments, dict):
+        return f"Arguments of {name!r} must be a JSON object, got {arguments!r}."
+    try:
+        inspect.signature(tools[name]).bind(**arguments)
+    except TypeError as error:
+        return f"Bad arguments for {name!r}: {error}."
+    except ValueError:  # no signature to check (a builtin): the call itself will tell
+        pass
+    return None
+
+
 class ToolRunner:
     """Runs the tool calls of one turn, each under a time limit: sync tools each in a daemon thread of their own,
     async tools on a shared event loop (or, once one has blocked it, that tool on a loop of its own per call)."""
@@ -142,12 +157,14 @@ class ToolRunner:
         self._off_loop: set[str] = set()  # async tools that blocked the shared loop
         self._abandoned: list[concurrent.futures.Future] = []
         self._warned_abandoned = False
+        self._loop_lock = threading.Lock()
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-            threading.Thread(target=self._loop.run_forever, name="grpokit-tool-loop", daemon=True).start()
-        return self._loop
+        with self._loop_lock:  # rollouts running at once (concurrent_rollouts) share one loop
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                threading.Thread(target=self._loop.run_forever, name="grpokit-tool-loop", daemon=True).start()
+            return self._loop
 
     def submit(self, name: str, tool: Callable, arguments: dict) -> tuple[concurrent.futures.Future, bool]:
         """The call's future, and whether it runs on the shared event loop."""
@@ -166,26 +183,37 @@ class ToolRunner:
         """calls: (name, arguments) per tool call, in order; returns one tool message per call. All calls of the
         turn run concurrently, each for at most `timeout` seconds from the start of the turn. on_timeout(tool):
         told of each call that timed out (and may still be running)."""
-        pending = []
-        for name, arguments in calls:
-            stats.calls[name] += 1
-            problem = None
-            if name not in tools:
-                problem = f"Tool {name!r} not found; available tools: {sorted(tools)}."
-            elif not isinstance(arguments, dict):
-                problem = f"Arguments of {name!r} must be a JSON object, got {arguments!r}."
-            else:
-                try:
-                    inspect.signature(tools[name]).bind(**arguments)
-                except TypeError as error:
-                    problem = f"Bad arguments for {name!r}: {error}."
-                except ValueError:  # no signature to check (a builtin): the call itself will tell
-                    pass
-            pending.append((name, problem, *((None, False) if problem else self.submit(name, tools[name], arguments))))
-        deadline = time.monotonic() + self.timeout
+        outcomes = self.call([(name, tools.get(name), arguments, call_problem(name, arguments, tools))
+                              for name, arguments in calls], stats, on_timeout)  # fmt: skip
         messages = []
-        for name, problem, future, on_loop in pending:
+        for (name, _), (result, problem) in zip(calls, outcomes):
             content = None
+            if problem is None:
+                try:
+                    content, truncated = as_text(result, self.max_output_chars)
+                    stats.truncated[name] += truncated
+                except Exception as error:  # a result whose __str__ raises is the tool's failure, not ours
+                    problem = f"Tool {name!r} returned a {type(result).__name__} that str() fails on: {error!r}."
+                    stats.failures[name] += 1
+            if problem is not None:
+                content = str({"error": problem})
+            messages.append({"role": "tool", "name": name, "content": content})
+        return messages
+
+    def call(self, calls: list[tuple[str, Callable | None, Any, str | None]], stats: ToolStats,
+             on_timeout: Callable[[Callable], None] | None = None) -> list[tuple[Any, str | None]]:  # fmt: skip
+        """calls: (name, callable, keyword arguments, a problem found before calling it or None) each. Runs them
+        concurrently, each for at most `timeout` seconds from now; returns (result, None) or (None, problem) for
+        each, in order, counting every call and every problem (a failure) under its name. Besides the tool loop,
+        environments of other libraries run their sessions' calls through this (grpokit.integrations)."""
+        pending = []
+        for name, tool, arguments, problem in calls:
+            stats.calls[name] += 1
+            pending.append((name, tool, problem, *((None, False) if problem else self.submit(name, tool, arguments))))
+        deadline = time.monotonic() + self.timeout
+        outcomes = []
+        for name, tool, problem, future, on_loop in pending:
+            result = None
             if future is not None:
                 try:
                     result = future.result(timeout=max(deadline - time.monotonic(), 0.0))
@@ -193,22 +221,15 @@ class ToolRunner:
                     problem = f"Tool {name!r} timed out after {self.timeout:g} s."
                     self._abandon(future, on_loop)
                     if on_timeout is not None:
-                        on_timeout(tools[name])
+                        on_timeout(tool)
                 except BaseException as error:  # the model sees what went wrong, training goes on
                     if not (future.done() and future.exception() is error):  # Ctrl-C in this thread, not the tool's
                         raise
                     problem = str(error) or type(error).__name__
-                else:
-                    try:
-                        content, truncated = as_text(result, self.max_output_chars)
-                        stats.truncated[name] += truncated
-                    except Exception as error:  # a result whose __str__ raises is the tool's failure, not ours
-                        problem = f"Tool {name!r} returned a {type(result).__name__} that str() fails on: {error!r}."
             if problem is not None:
                 stats.failures[name] += 1
-                content = str({"error": problem})
-            messages.append({"role": "tool", "name": name, "content": content})
-        return messages
+            outcomes.append((result, problem))
+        return outcomes
 
     def _abandon(self, future: concurrent.futures.Future, on_loop: bool) -> None:
         """A call past its time: an async call is cancelled (if its loop answers); a sync one runs on in its thread.

@@ -51,6 +51,9 @@ def register_adapter(type_module_prefix: str, adapter_module: str, adapter_funct
 # verifiers 0.4's v1 API first: its types live under "verifiers", which classic verifiers' adapter also claims.
 register_adapter("verifiers.v1", ".verifiers_v1", "adapt")
 
+# OpenEnv's clients (openenv.core.EnvClient) point at a server: trained on through grpokit.integrations.openenv.
+register_adapter("openenv", ".openenv", "adapter")
+
 
 def adapt_environment(environment, tools=None, rollout_func=None, environment_factory=None) -> EnvironmentAdapter:
     """The adapter for `environment`: one of a library grpokit speaks, or the environment itself when it already
