@@ -491,3 +491,24 @@ def test_a_vision_language_model_learns_the_colour_of_the_image_with_vllm(tmp_pa
     # test_image_prompts_are_sampled_by_vllm_from_the_pushed_weights), and for Gemma 3 the causal image attention
     # too. Stale weights or caches would show gaps of ~1 (test_a_prompt_seen_before_a_push_...).
     assert max(gaps) < 0.05, gaps
+
+
+def test_asynchronous_generation_drives_vllm_within_the_staleness_bound_and_learns(tmp_path):
+    """max_staleness=1 with the colocated vLLM engine: the producer's thread samples with vLLM while the trainer
+    trains; weights pushed from the producer's copy; every trained batch within the bound, and the letter task
+    learns."""
+    from grpokit.rollout.vllm import VLLMEngine
+
+    model, tokenizer = tiny()
+    args = letter_config(tmp_path, max_steps=40, logging_steps=1, use_vllm=True, max_staleness=1,
+                         vllm_importance_sampling_mode="token_truncate")  # fmt: skip
+    trainer = GRPOTrainer(model=model, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset(),
+                          processing_class=tokenizer)  # fmt: skip
+    assert isinstance(trainer.engine, VLLMEngine)
+    trainer.train()
+    steps = [r for r in trainer.state.log_history if "loss" in r]
+    staleness = [r["sample/staleness_max"] for r in steps]
+    assert len(steps) == 40 and max(staleness) <= 1 and 1 in staleness, staleness
+    assert steps[-1]["sample/dropped_stale_total"] == 0
+    rewards = [r["reward"] for r in steps]
+    assert sum(rewards[-10:]) / 10 >= sum(rewards[:10]) / 10 + 0.15, rewards
