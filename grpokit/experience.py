@@ -158,6 +158,12 @@ class ExperienceMaker:
 
     def _sample_and_score(self, generation: int, trainer_state) -> ScoredRollout:
         """Draw this process's next rows, sample their completions and score them."""
+        offset = self.accelerator.process_index * self.args.generation_batch_size
+        return self._score(self.sample(generation), offset, trainer_state)
+
+    def sample(self, generation: int) -> Generation:
+        """This process's next rows (each prompt G times), sampled with the policy's current weights, from the
+        rollout seed of `generation`."""
         args, acc = self.args, self.accelerator
         per_process = args.generation_batch_size
         prompts = self.draw_prompts(per_process * acc.num_processes // args.num_generations)
@@ -166,8 +172,7 @@ class ExperienceMaker:
         rows = global_rows[offset : offset + per_process]
         seed = rollout_seed(args.seed, generation, acc.process_index)
         self.runner.sync_weights(self.policy())
-        sampled = self.runner.run(rows, group_counts(len(rows), args.num_generations, offset), seed)
-        return self._score(sampled, offset, trainer_state)
+        return self.runner.run(rows, group_counts(len(rows), args.num_generations, offset), seed)
 
     def _score(self, sampled: Generation, offset: int, trainer_state) -> ScoredRollout:
         scores = self.scorer.score(sampled.rows, sampled.completions, sampled.completion_ids, trainer_state)

@@ -22,7 +22,6 @@ first. Their completions are sampled again, with new seeds; nothing drawn is ski
 from __future__ import annotations
 
 import concurrent.futures
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -135,10 +134,5 @@ class StreamingProducer(Producer):
         state = {**self.sampler.state_dict(), "requeued": pending + list(self.sampler.requeued)}
         item = Produced(experience, min(t.version for t in tasks), self.generation - experience.rollouts, state,
                         time.perf_counter())  # fmt: skip
-        while not self.stop.is_set():
-            try:
-                self.queue.put(item, timeout=0.5)
-                return True
-            except queue.Full:  # the trainer is behind: keep the heartbeat
-                self.heartbeat = time.monotonic()
-        return False
+        self._put(self.queue, item)
+        return True

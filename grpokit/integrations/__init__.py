@@ -5,7 +5,13 @@ functions and their weights, and a `MultiTurnDriver` (grpokit.rollout.runner) th
 `RolloutEngine` — the policy's sampled tokens trained, everything the environment inserts attention-only.
 
 `adapt_environment` recognises the environments of the libraries grpokit speaks; an object that already has the
-`EnvironmentAdapter` shape is used as it is, so a user can plug in an environment of any library.
+`EnvironmentAdapter` shape is used as it is, so a user can plug in an environment of any library:
+- `verifiers_classic`: verifiers < 0.4 (`vf.SingleTurnEnv`, `MultiTurnEnv`, `ToolEnv`), in this process;
+- `verifiers_v1`: verifiers 0.4's `verifiers.v1` environments, whose harness calls the policy over HTTP;
+- `openenv`: OpenEnv environments served over HTTP/WebSocket, one session per rollout;
+- `openai_agent`: any agent written against the OpenAI SDK (`OpenAIAgentEnvironment`);
+- `endpoint`: the policy served on 127.0.0.1 (OpenAI chat completions, vLLM-style generate) for the two above, with
+  every call's tokens and log-probs recorded.
 """
 
 from __future__ import annotations
@@ -37,8 +43,8 @@ class EnvironmentAdapter(Protocol):
         ...
 
 
-# (module, function): tried in order; each `function(environment)` returns an adapter or None when the environment
-# is not of its library. Modules are imported only when the environment's type comes from their library.
+# Tried in order; each adapter function returns an adapter, or None when the environment is not of its library.
+# Modules are imported only when the environment's type comes from their library.
 _ADAPTERS: list[tuple[str, str, str]] = []  # (type module prefix, adapter module, adapter function)
 
 
@@ -50,6 +56,9 @@ def register_adapter(type_module_prefix: str, adapter_module: str, adapter_funct
 
 # verifiers 0.4's v1 API first: its types live under "verifiers", which classic verifiers' adapter also claims.
 register_adapter("verifiers.v1", ".verifiers_v1", "adapt")
+
+# Classic verifiers environments: their classes live in `verifiers.legacy` (verifiers 0.3).
+register_adapter("verifiers.legacy", ".verifiers_classic", "adapt")
 
 # OpenEnv's clients (openenv.core.EnvClient) point at a server: trained on through grpokit.integrations.openenv.
 register_adapter("openenv", ".openenv", "adapter")
@@ -78,11 +87,6 @@ def adapt_environment(environment, tools=None, rollout_func=None, environment_fa
                     f"which grpokit cannot train on. It takes environments of these libraries: {known}; or an object "
                     "with the grpokit.integrations.EnvironmentAdapter methods (train_dataset, reward_funcs, "
                     "reward_weights, driver). For TRL's environments, pass environment_factory=YourClass instead.")
-
-
-# Classic verifiers environments: their classes live in `verifiers.legacy` (verifiers 0.3); verifiers.v1 objects are
-# left to their own adapter.
-register_adapter("verifiers.legacy", ".verifiers_classic", "adapt")
 
 
 def environment_inputs(adapter: EnvironmentAdapter, args, train_dataset, reward_funcs):
