@@ -137,12 +137,11 @@ def test_the_trainer_returns_free_memory_after_the_rollout_and_the_no_grad_forwa
                       disable_tqdm=True, beta=0.04)  # fmt: skip
     run = GRPOTrainer(model=str(save_tiny_model(tmp_path / "tiny")), args=args, train_dataset=[{"prompt": "ab"}] * 8,
                       reward_funcs=lambda completions, **kw: [0.0] * len(completions))  # fmt: skip
-    sample_and_score = run.experience.sample_and_score
-    monkeypatch.setattr(run.experience, "sample_and_score", lambda *a, **k: events.append("sample_and_score") or
-                        sample_and_score(*a, **k))  # fmt: skip
+    sample = run.experience.sample
+    monkeypatch.setattr(run.experience, "sample", lambda *a, **k: events.append("sample") or sample(*a, **k))
     run.train()
     # Per step: the rollout, its free pages returned, the reference's forward, its free pages returned.
-    assert events == ["sample_and_score", "free", "logprobs_in_chunks", "free"] * 2
+    assert events == ["sample", "free", "logprobs_in_chunks", "free"] * 2
 
 
 IMPORTS_SCRIPT = """

@@ -512,3 +512,39 @@ def test_asynchronous_generation_drives_vllm_within_the_staleness_bound_and_lear
     assert steps[-1]["sample/dropped_stale_total"] == 0
     rewards = [r["reward"] for r in steps]
     assert sum(rewards[-10:]) / 10 >= sum(rewards[:10]) / 10 + 0.15, rewards
+
+
+def test_an_openai_sdk_agent_is_served_by_vllm_through_the_endpoint(tmp_path):
+    """The policy endpoint (grpokit.integrations) on the vLLM engine: an OpenAI-SDK agent's two chat calls, with a
+    tool result between, come back as one rollout per row whose policy tokens carry vLLM's log-probs, equal to the
+    training forward's over the whole transcript, and whose tool result is context without loss."""
+    pytest.importorskip("openai")
+    from agents_helpers import tiny_agent_model, warm_up
+    from grpokit.integrations.openai_agent import OpenAIAgentEnvironment
+    from grpokit.rollout.vllm import VLLMEngine
+    from test_endpoint import config as endpoint_config
+    from test_endpoint import dataset, lookup_agent
+
+    model, tokenizer = tiny_agent_model(hidden_size=64, num_heads=2, num_kv_heads=1, seed=0)
+    warm_up(model, tokenizer, [f"k{i}" for i in range(50)], steps=AGENT_WARM_UP_STEPS, lr=1e-2)
+    engine = VLLMEngine(model, max_model_len=256, max_num_seqs=16, seed=0)
+    rewards = {}
+    keys = ("k3", "k17", "k42", "k60")
+    environment = OpenAIAgentEnvironment(lookup_agent(rewards), dataset(*keys), timeout=120)
+    driver = environment.driver(tokenizer, endpoint_config(tmp_path, max_completion_length=96), None)
+    params = SamplingParams(max_new_tokens=96, temperature=TEMPERATURE, eos_token_ids=(tokenizer.eos_token_id,),
+                            pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    rollout, _ = driver.rollout(engine, list(dataset(*keys)), params, seed=3, host=None)
+    assert rollout.extra["agent_reward"] == [rewards[k][0] for k in keys]
+    trained = rollout.loss_mask.bool()
+    inserted = rollout.attention_mask.bool() & ~trained
+    tool_rows = [row for row in range(len(rollout)) if "<tool_response>" in tokenizer.decode(
+        rollout.completion_ids[row][inserted[row]])]  # fmt: skip
+    assert tool_rows, [tokenizer.decode(rollout.completion_ids[r][trained[r]]) for r in range(len(rollout))]
+    with torch.no_grad():
+        training, _ = token_logprobs(model, torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
+                                     torch.cat([rollout.prompt_mask, rollout.attention_mask], 1),
+                                     rollout.completion_ids.shape[1], TEMPERATURE)  # fmt: skip
+    gap = (training - rollout.sampling_logprobs)[trained].abs().max().item()
+    assert gap <= TOLERANCE, gap
+    assert (rollout.sampling_logprobs[inserted] == 0).all()

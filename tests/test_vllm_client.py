@@ -110,21 +110,25 @@ def test_a_server_shorter_than_the_trainers_budget_is_found_at_start():
             engine.generate(long_prompts, params, seed=0)
 
 
-def test_a_frozen_server_stops_the_trainer_within_the_timeout():
+@pytest.mark.parametrize("options, limit, name", [
+    ({"timeout": 3, "retries": 3}, 3, "vllm_server_timeout"),  # was 4 x 3 s + 2 + 4 + 8 s of pauses
+    ({"timeout": 30, "request_timeout": 2}, 2, "request_timeout"),  # AsyncGRPOConfig's bound on one request
+])  # fmt: skip
+def test_a_frozen_server_stops_the_trainer_within_the_timeout(options, limit, name):
     """A server that takes requests and never answers: every try of a request, retries included, ends within
-    vllm_server_timeout in all (it was retries + 1 times that, plus the pauses)."""
+    the request's time limit in all (it was retries + 1 times that, plus the pauses)."""
     import threading
 
     model = build_tiny_model(40, hidden_size=32)
     thawed = threading.Event()
     with stand_in_server({**served(model.config), "instance": "i"}, on_post=thawed.wait) as url:
         try:
-            engine = VLLMServerEngine(model, url, timeout=3, retries=3)
+            engine = VLLMServerEngine(model, url, **options)
             started = time.monotonic()
-            with pytest.raises(ConnectionError, match=r"stopped answering \(POST /generate, \d tries in 3 s, "
-                                                      r"vllm_server_timeout=3:"):
+            with pytest.raises(ConnectionError, match=rf"stopped answering \(POST /generate, \d tries in {limit} s, "
+                                                      rf"{name}={limit}:"):
                 engine.request("POST", "/generate", {"prompt_ids": [[3]]})
-            assert time.monotonic() - started < 3 + 1.5  # was 4 x 3 s + 2 + 4 + 8 s of pauses
+            assert time.monotonic() - started < limit + 1.5
         finally:
             thawed.set()
 
