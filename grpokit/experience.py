@@ -79,15 +79,18 @@ class ExperienceMaker:
     policy: returns the policy that samples (unwrapped); reference: the frozen reference model, or None (LoRA: the
     policy with its adapter off; beta = 0: none needed); draw_prompts(n): the next n distinct prompt rows;
     off_policy: the batch may be trained on after the policy moved (a producer running ahead), so the behaviour
-    policy's log-probs always come with it as π_old."""
+    policy's log-probs always come with it as π_old; trim_heap: on a CPU, give the heap's free pages back to the OS
+    after the rollout and the no-grad forwards (False for a producer whose engine samples in another process: the
+    trim would take the allocator's locks while the trainer allocates, and there is no decode heap to give back)."""
 
     def __init__(self, args: GRPOConfig, accelerator, runner: RolloutRunner, scorer: RewardScorer,
                  policy: Callable[[], torch.nn.Module], reference,
                  draw_prompts: Callable[[int], list[dict]], off_policy: bool = False,
-                 teacher: torch.nn.Module | None = None):  # fmt: skip
+                 teacher: torch.nn.Module | None = None, trim_heap: bool = True):  # fmt: skip
         self.args, self.accelerator, self.runner, self.scorer = args, accelerator, runner, scorer
         self.policy, self.reference, self.draw_prompts, self.off_policy = policy, reference, draw_prompts, off_policy
         self.teacher = teacher  # GRPOTrainer(teacher_model=...): its signal joins the advantages
+        self.trim_heap = trim_heap and accelerator.device.type == "cpu"
         self.failed_batches = 0  # consecutive generation batches in which no completion was scored (all raised)
 
     def make(self, generation: int, trainer_state=None, sampled: Generation | None = None) -> Experience:
@@ -99,7 +102,7 @@ class ExperienceMaker:
         scored = self._sample_and_score(generation, trainer_state) if sampled is None else \
             self._score(sampled, 0, trainer_state)  # fmt: skip
         rollouts = 1
-        if device.type == "cpu":  # the rollout's freed heap (cpu_memory: its holes fit no later tensor)
+        if self.trim_heap:  # the rollout's freed heap (cpu_memory: its holes fit no later tensor)
             return_free_memory()
         if args.dynamic_sampling:
             scored, extra_rollouts, sampling_metrics = self._fill_with_varied_groups(scored, generation + 1,
@@ -122,7 +125,7 @@ class ExperienceMaker:
         batch.advantages = per_token(advantages[offset : offset + n], rollout.completion_ids)
         if self.teacher is not None:
             metrics.update(self._add_teacher_signal(batch))
-        if device.type == "cpu":  # and the no-grad forwards' (π_old, π_ref), before the training forward
+        if self.trim_heap:  # and the no-grad forwards' (π_old, π_ref), before the training forward
             return_free_memory()
         generated, num_tokens = self._generation_metrics(all_scores, rewards, scored)
         if rewards is not None:

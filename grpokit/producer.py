@@ -295,7 +295,7 @@ def start_producer(args: GRPOConfig, accelerator, policy: torch.nn.Module, engin
     own_sampler = copy.deepcopy(sampler)
     maker = ExperienceMaker(args, accelerator, own_runner, scorer, lambda: copied, reference,
                             lambda n: own_sampler.rows(dataset, n), off_policy=args.max_staleness > 0,
-                            teacher=teacher)  # fmt: skip
+                            teacher=teacher, trim_heap=not isinstance(engine, ProcessEngine))  # fmt: skip
     if streaming:  # multi-turn rollouts, group by group (grpokit.streaming)
         from .streaming import StreamingProducer
 
