@@ -156,8 +156,11 @@ class ExperienceMaker:
         """Sample rows with the current policy's weights and score them: (generation, scores) (evaluation)."""
         self.runner.sync_weights(self.policy())
         generation = self.runner.run(rows, counts, seed)
-        return generation, self.scorer.score(generation.rows, generation.completions, generation.completion_ids,
-                                             trainer_state)  # fmt: skip
+        try:
+            return generation, self.scorer.score(generation.rows, generation.completions, generation.completion_ids,
+                                                 trainer_state)  # fmt: skip
+        finally:
+            self.runner.scored(generation)
 
     def _sample_and_score(self, generation: int, trainer_state) -> ScoredRollout:
         """Draw this process's next rows, sample their completions and score them."""
@@ -178,7 +181,10 @@ class ExperienceMaker:
         return self.runner.run(rows, group_counts(len(rows), args.num_generations, offset), seed)
 
     def _score(self, sampled: Generation, offset: int, trainer_state) -> ScoredRollout:
-        scores = self.scorer.score(sampled.rows, sampled.completions, sampled.completion_ids, trainer_state)
+        try:
+            scores = self.scorer.score(sampled.rows, sampled.completions, sampled.completion_ids, trainer_state)
+        finally:
+            self.runner.scored(sampled)
         return ScoredRollout(sampled.rows, scores.prompts, sampled.completions, sampled.completion_ids,
                              sampled.rollout, scores.scores, scores.failures, scores.step_rewards, scores.step_ends,
                              offset, sampled.model_lengths)  # fmt: skip

@@ -121,6 +121,7 @@ class StreamingProducer(Producer):
         for task, generation in taken:
             if trained_at - task.version > self.args.max_staleness:
                 self.dropped += len(generation.rows)
+                self.runner.scored(generation)  # never scored: its environments go back to the pool
             else:
                 kept.append((task, generation))
         if len(kept) < self.groups_per_batch:  # wait for fresher groups to fill it

@@ -142,3 +142,56 @@ def test_a_killed_engine_process_stops_the_run_with_a_message_and_the_checkpoint
     assert resumed.state.global_step == 4 and resumed.producer is None
     steps = [r for r in resumed.state.log_history if "loss" in r]
     assert [r["step"] for r in steps][-2:] == [3, 4] and all(r["sample/staleness_max"] <= 1 for r in steps)
+
+
+class Locker:
+    """An environment whose tool reads the key its rollout was reset with; k0's read hangs until released. A
+    rollout scores 1 when the value it read is its own row's: an instance shared by two rollouts in flight would be
+    reset by the second, and the first would read the other's value."""
+
+    built = 0
+
+    def __init__(self):
+        Locker.built += 1
+        self.key, self.read_value = None, None
+
+    def reset(self, **row):
+        self.key, self.read_value = row["key"], None
+
+    def read(self, key: str) -> str:
+        """Read the value stored under a key.
+
+        Args:
+            key: the key to read
+        """
+        if self.key == "k0":
+            RELEASE.wait(60)
+        self.read_value = TABLE[self.key]
+        return self.read_value
+
+    def get_reward(self) -> float:
+        return float(self.read_value == TABLE[self.key])
+
+
+def test_environments_are_streamed_too_each_rollout_with_its_own_instance(tmp_path):
+    RELEASE.clear()
+    model, tokenizer = tiny_agent_model()
+    engine = tool_call_script(tokenizer, lambda user, results, index: f"{results[-1]}<|im_end|>" if results else
+                              call_text("read", {"key": key_of(user)}))  # fmt: skip
+    rows = [{"prompt": [{"role": "user", "content": f"key k{i}"}], "key": f"k{i}"} for i in range(6)]
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=3,
+                      max_completion_length=64, learning_rate=1e-3, logging_steps=1, save_strategy="no",
+                      disable_tqdm=True, report_to="none", seed=0, shuffle_dataset=False, max_staleness=1,
+                      max_inflight_tasks=8, tool_timeout=60)  # fmt: skip
+    Locker.built = 0
+    trainer = GRPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+                          environment_factory=Locker, rollout_engine=engine, callbacks=[ReleaseAt(2)])  # fmt: skip
+    try:
+        trainer.train()
+    finally:
+        RELEASE.set()
+    steps = [r for r in trainer.state.log_history if "loss" in r]
+    assert len(steps) == 3 and all(r["rewards/Locker/mean"] == 1.0 for r in steps)  # no instance shared
+    assert steps[-1]["sample/dropped_stale_total"] == 2  # k0's group, released after step 2, too stale
+    # Up to 8 rollouts in flight at once, each with its own instance, given back when scored and lent again.
+    assert 8 <= Locker.built <= 12

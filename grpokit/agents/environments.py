@@ -16,6 +16,7 @@ the abandoned call finishes, not on the transcript the model saw).
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Callable
 
 from .tools import check_tools
@@ -37,6 +38,8 @@ class EnvironmentPool:
         if not self.factories:
             raise ValueError("environment_factory is an empty dict: map at least one environment name to a factory.")
         self.pool: dict = {}
+        self.lent: set[int] = set()  # ids of the instances whose rollouts are not scored yet
+        self.lock = threading.Lock()
         self.retired: dict[int, object] = {}  # id -> instance (held, so that the id stays its own) until scored
         self.tool_names: dict = {}  # environment name -> names of its tools
         self.reward_types: list[type] = []  # classes that own a reward (get_reward), one reward function each
@@ -71,17 +74,26 @@ class EnvironmentPool:
         return names
 
     def take(self, names: list) -> list:
-        """One instance per row, reusing the pooled ones in order and building more only when needed."""
-        handed: dict = {}
+        """One instance per row, lent until `give_back`: the pooled ones that are not lent, in pool order, and
+        more built only when none is free. Rollouts of several rows at once (a streaming producer) get disjoint
+        instances."""
         out = []
-        for name in names:
-            index = handed.get(name, 0)
-            pool = self.pool[name]
-            if index == len(pool):
-                pool.append(self.factories[name]())
-            handed[name] = index + 1
-            out.append(pool[index])
+        with self.lock:
+            for name in names:
+                pool = self.pool[name]
+                free = next((e for e in pool if id(e) not in self.lent), None)
+                if free is None:
+                    free = self.factories[name]()
+                    pool.append(free)
+                self.lent.add(id(free))
+                out.append(free)
         return out
+
+    def give_back(self, environments: list) -> None:
+        """The rollouts of `environments` are scored: they may be lent again (retired ones never are)."""
+        with self.lock:
+            for environment in environments:
+                self.lent.discard(id(environment))
 
     def reset(self, environments: list, rows: list[dict]) -> list:
         """reset(**row) of each row's environment (without the routing column); returns the observations."""
@@ -105,6 +117,7 @@ class EnvironmentPool:
                 if pooled is environment:
                     del pool[index]
                     self.retired[id(environment)] = environment
+                    self.lent.discard(id(environment))
                     return
 
     def scores(self, environment) -> bool:

@@ -89,9 +89,14 @@ class Agents:
         self.tool_names = names
         # The engine's log-probs are the training forward's only for rollouts this module sampled with it.
         self.exact_logprobs = rollout_func is None
-        # Rollouts of disjoint rows may run at once (a streaming producer), except where instances are shared:
-        # the environment pool lends its instances through scoring, and a user's rollout_func is not known to allow it.
-        self.concurrent_rollouts = environments is None and rollout_func is None
+        # Rollouts of disjoint rows may run at once (a streaming producer; the environment pool lends each rollout
+        # its own instances until it is scored), except a user's rollout_func, which is not known to allow it.
+        self.concurrent_rollouts = rollout_func is None
+
+    def scored(self, rollout: Rollout) -> None:
+        """A rollout's rewards are computed: its environments go back to the pool."""
+        if self.environments is not None and "environments" in rollout.extra:
+            self.environments.give_back(rollout.extra["environments"])
 
     def reward_functions(self) -> list[Callable]:
         return self.environments.reward_functions() if self.environments is not None else []

@@ -45,7 +45,8 @@ class MultiTurnDriver(Protocol):
     """What drives a multi-turn rollout over an engine (grpokit.agents.Agents).
 
     A driver whose `concurrent_rollouts` is True (an optional attribute) may run several `rollout` calls at once
-    from different threads, on disjoint rows: an asynchronous producer then streams its rollouts group by group."""
+    from different threads, on disjoint rows: an asynchronous producer then streams its rollouts group by group. An
+    optional `scored(rollout)` is called once the rollout's rewards are computed (to take back what it lent)."""
 
     exact_logprobs: bool  # False when the driver's log-probs are not the engine's (a user's rollout_func)
 
@@ -75,6 +76,11 @@ class RolloutRunner:
 
     def sync_weights(self, policy: torch.nn.Module) -> None:
         self.engine.sync_weights(policy)
+
+    def scored(self, generation: Generation) -> None:
+        """`generation`'s rewards are computed: what its driver lent it (environments) may be lent again."""
+        if self.driver is not None and hasattr(self.driver, "scored"):
+            self.driver.scored(generation.rollout)
 
     def run(self, rows: list[dict], counts: list[int], seed: int) -> Generation:
         """Sample rows (consecutive runs of counts[i] rows share a prompt) reproducibly from seed."""
