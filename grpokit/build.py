@@ -1,13 +1,16 @@
 """The trainer's set-up, outside the loop: the run-time checks (what `GRPOConfig.validate` cannot know: the data,
-the launch, the arguments), TRL's advisory warnings, and the small parts built from the config (the schedule, the
-reward weights, the MoE auxiliary loss coefficient, activation offloading)."""
+the launch, the arguments), the run's inputs and multi-turn driver, TRL's advisory warnings, and the small parts
+built from the config (the schedule, the reward weights, the MoE auxiliary loss coefficient, activation
+offloading)."""
 
 from __future__ import annotations
 
 import logging
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -218,6 +221,52 @@ def track_best_checkpoint(args: GRPOConfig, state, evaluation: dict | None) -> N
                                      value < state.best_metric):  # fmt: skip
         state.best_metric, state.best_global_step = value, state.global_step
         state.best_model_checkpoint = str(Path(args.output_dir) / f"checkpoint-{state.global_step}")
+
+
+@dataclass
+class RunInputs:
+    """What a run trains on, checked before the model is loaded: the rows, the multi-turn parts and the rewards."""
+
+    train_dataset: Any
+    environments: Any  # grpokit.agents.EnvironmentPool (environment_factory), or None
+    adapter: Any  # grpokit.integrations.EnvironmentAdapter (environment=), or None
+    reward_functions: list
+    reward_weights: torch.Tensor
+
+
+def run_inputs(args: GRPOConfig, train_dataset, eval_dataset, reward_funcs, reward_processing_classes,
+               rollout_engine, tools, rollout_func, environment_factory, environment, *,
+               rewards_required: bool) -> RunInputs:  # fmt: skip
+    """The trainer's inputs: an environment of another library supplies its rows and rewards (and its weights go
+    into args.reward_weights), environment_factory's instances the prompts when there is no dataset; then every
+    check of the data, the agent arguments and the rewards."""
+    from .agents import EnvironmentPool, placeholder_dataset
+    from .integrations import adapt_environment, environment_inputs
+
+    adapter = None if environment is None else adapt_environment(environment, tools, rollout_func,
+                                                                 environment_factory)  # fmt: skip
+    if adapter is not None:
+        train_dataset, reward_funcs = environment_inputs(adapter, args, train_dataset, reward_funcs)
+    environments = EnvironmentPool(environment_factory) if environment_factory is not None else None
+    if train_dataset is None and environments is not None:  # the environments supply the prompts (reset)
+        train_dataset = placeholder_dataset(args, environment_factory)
+    check_run(args, train_dataset, eval_dataset, rollout_engine, tools, rollout_func, environment_factory)
+    functions, weights = build_rewards(
+        args, reward_funcs, reward_processing_classes, environments, (train_dataset, eval_dataset),
+        agents=bool(tools) or environments is not None or adapter is not None,
+        columns_known=rollout_func is None and adapter is None, required=rewards_required)  # fmt: skip
+    return RunInputs(train_dataset, environments, adapter, functions, weights)
+
+
+def build_driver(inputs: RunInputs, tokenizer, model, args: GRPOConfig, max_prompt_length: int | None, tools,
+                 rollout_func):  # fmt: skip
+    """The multi-turn driver: the environment adapter's, grpokit's agents (tools, environments, a rollout_func), or
+    None for single-turn training."""
+    from .agents import build_agents
+
+    if inputs.adapter is not None:
+        return inputs.adapter.driver(tokenizer, args, max_prompt_length)
+    return build_agents(tokenizer, model, args, max_prompt_length, tools, inputs.environments, rollout_func)
 
 
 def build_rewards(args: GRPOConfig, reward_funcs, reward_processing_classes, environments, datasets, *,

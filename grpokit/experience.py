@@ -156,11 +156,7 @@ class ExperienceMaker:
         """Sample rows with the current policy's weights and score them: (generation, scores) (evaluation)."""
         self.runner.sync_weights(self.policy())
         generation = self.runner.run(rows, counts, seed)
-        try:
-            return generation, self.scorer.score(generation.rows, generation.completions, generation.completion_ids,
-                                                 trainer_state)  # fmt: skip
-        finally:
-            self.runner.scored(generation)
+        return generation, self._scores(generation, trainer_state)
 
     def _sample_and_score(self, generation: int, trainer_state) -> ScoredRollout:
         """Draw this process's next rows, sample their completions and score them."""
@@ -180,11 +176,15 @@ class ExperienceMaker:
         self.runner.sync_weights(self.policy())
         return self.runner.run(rows, group_counts(len(rows), args.num_generations, offset), seed)
 
-    def _score(self, sampled: Generation, offset: int, trainer_state) -> ScoredRollout:
+    def _scores(self, sampled: Generation, trainer_state):
+        """The scorer's scores of `sampled`; then what its driver lent it (environments) goes back."""
         try:
-            scores = self.scorer.score(sampled.rows, sampled.completions, sampled.completion_ids, trainer_state)
+            return self.scorer.score(sampled.rows, sampled.completions, sampled.completion_ids, trainer_state)
         finally:
             self.runner.scored(sampled)
+
+    def _score(self, sampled: Generation, offset: int, trainer_state) -> ScoredRollout:
+        scores = self._scores(sampled, trainer_state)
         return ScoredRollout(sampled.rows, scores.prompts, sampled.completions, sampled.completion_ids,
                              sampled.rollout, scores.scores, scores.failures, scores.step_rewards, scores.step_ends,
                              offset, sampled.model_lengths)  # fmt: skip

@@ -119,11 +119,6 @@ class Producer:
         self.reported_weight_wait, self.last_taken = 0.0, None
         self.dropped, self.dropped_batches = 0, 0  # samples, batches the trainer found too stale
         self.thread = threading.Thread(target=self._run, name="grpokit-producer", daemon=True)
-        # Scoring (rewards, advantages, π_ref) in a thread of its own while the engine samples the next batch: where
-        # the engine is a process of its own and its log-probs are π_old (no forward of the copy, whose weights the
-        # sampling side may update meanwhile).
-        self.pipelined = isinstance(engine, ProcessEngine) and maker is not None and maker.runner.exact_logprobs
-        self.sampled: queue.Queue = queue.Queue(maxsize=1)
         self.pairs = [(mine, theirs) for mine, theirs in zip(copy.parameters(), policy.parameters())
                       if theirs.requires_grad]  # the frozen ones never change  # fmt: skip
 
@@ -149,12 +144,8 @@ class Producer:
     # ------------------------------------------------------------------------------------------- the thread
 
     def _run(self) -> None:
-        """Sample batch after batch. With `pipelined`, a second thread scores each batch (`_score_loop`) while the
-        engine samples the next."""
         if self.threads is not None:
             torch.set_num_threads(self.threads)
-        if self.pipelined:
-            threading.Thread(target=self._score_loop, name="grpokit-producer-scoring", daemon=True).start()
         try:
             index = 0
             while not self.stop.is_set():
@@ -164,33 +155,14 @@ class Producer:
                     return
                 self._take_weights(due)
                 generation = self.generation
-                sampled = self.maker.sample(generation)
-                self.generation += 1  # one rollout per batch (dynamic sampling is refused)
-                job = (sampled, generation, self.weights_version, self.sampler.state_dict())
-                if self.pipelined:
-                    self._put(self.sampled, job)
-                else:
-                    self._score(*job)
+                experience = self.maker.make(generation, self.trainer_state)
+                self.generation += experience.rollouts
+                self._put(self.queue, Produced(experience, self.weights_version, generation,
+                                               self.sampler.state_dict(), time.perf_counter()))  # fmt: skip
                 self.heartbeat = time.monotonic()
                 index += 1
         except BaseException as error:  # noqa: BLE001 - the trainer re-raises it with its traceback
             self.queue.put(Failure(error))
-
-    def _score_loop(self) -> None:
-        try:
-            while not self.stop.is_set():
-                try:
-                    job = self.sampled.get(timeout=0.5)
-                except queue.Empty:
-                    continue
-                self._score(*job)
-        except BaseException as error:  # noqa: BLE001 - the trainer re-raises it with its traceback
-            self.queue.put(Failure(error))
-
-    def _score(self, sampled, generation: int, version: int, sampler_state: dict) -> None:
-        experience = self.maker.make(generation, self.trainer_state, sampled=sampled)
-        self._put(self.queue, Produced(experience, version, generation, sampler_state, time.perf_counter()))
-        self.heartbeat = time.monotonic()
 
     def _put(self, into: queue.Queue, item) -> None:
         while not self.stop.is_set():

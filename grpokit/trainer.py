@@ -32,18 +32,17 @@ from typing import Iterator
 import torch
 from accelerate.utils.memory import clear_device_cache
 
-from .agents import EnvironmentPool, build_agents, placeholder_dataset
 from .batch import TrainBatch
 from .build import (
     activation_offload,
     as_steps,
+    build_driver,
     build_engine,
-    build_rewards,
     build_scheduler,
     check_checkpoint_format,
-    check_run,
     moe_shape,
     router_aux_loss_coef,
+    run_inputs,
     set_log_level,
     track_best_checkpoint,
     total_steps,
@@ -72,7 +71,6 @@ from .distributed import (
 )
 from .experience import Evaluator, ExperienceMaker
 from .hub import check_hub, push_folder
-from .integrations import adapt_environment, environment_inputs
 from .logprobs import check_padding_free, token_logprobs
 from .logs import MetricSink, MetricWindow, console_line
 from .loss import AdaptiveEntropyController, high_entropy_mask, load_balancing_loss, off_policy_mask, policy_loss
@@ -139,20 +137,12 @@ class GRPOTrainer:
 
         self.args = args = args or GRPOConfig()
         # Everything a user can get wrong in the data or rewards is checked before the model is loaded.
-        adapter = None if environment is None else adapt_environment(environment, tools, rollout_func,
-                                                                     environment_factory)  # fmt: skip
-        if adapter is not None:
-            train_dataset, reward_funcs = environment_inputs(adapter, args, train_dataset, reward_funcs)
-        environments = EnvironmentPool(environment_factory) if environment_factory is not None else None
-        if train_dataset is None and environments is not None:  # the environments supply the prompts (reset)
-            train_dataset = placeholder_dataset(args, environment_factory)
-        check_run(args, train_dataset, eval_dataset, rollout_engine, tools, rollout_func, environment_factory)
+        inputs = run_inputs(args, train_dataset, eval_dataset, reward_funcs, reward_processing_classes, rollout_engine,
+                            tools, rollout_func, environment_factory, environment,
+                            rewards_required=self.scores_completions)  # fmt: skip
+        train_dataset = inputs.train_dataset
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        self.reward_functions, self.reward_weights = build_rewards(
-            args, reward_funcs, reward_processing_classes, environments, (train_dataset, eval_dataset),
-            agents=bool(tools) or environments is not None or adapter is not None,
-            columns_known=rollout_func is None and adapter is None,
-            required=self.scores_completions)  # fmt: skip
+        self.reward_functions, self.reward_weights = inputs.reward_functions, inputs.reward_weights
         if args.push_to_hub:
             check_hub(args)
 
@@ -203,9 +193,8 @@ class GRPOTrainer:
                                  args.chat_template_kwargs, stop_token_ids, suppress_token_ids)  # fmt: skip
         self.engine = rollout_engine if rollout_engine is not None else build_engine(self.unwrapped_model, args,
                                                                                       self.processing_class, acc)
-        self.agents = adapter.driver(self.processing_class, args, max_prompt_length) if adapter is not None else \
-            build_agents(self.processing_class, self.unwrapped_model, args, max_prompt_length, tools, environments,
-                         rollout_func)  # fmt: skip
+        self.agents = build_driver(inputs, self.processing_class, self.unwrapped_model, args, max_prompt_length,
+                                   tools, rollout_func)  # fmt: skip
         params = self.codec.sampling_params(args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
                                             top_k=args.top_k, min_p=args.min_p,
                                             repetition_penalty=args.repetition_penalty)  # fmt: skip

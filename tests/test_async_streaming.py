@@ -18,6 +18,16 @@ from grpokit.state import TrainerCallback
 from letters import letter_config, letter_dataset, repeat_letter, tiny_letter_model
 
 RELEASE = threading.Event()
+ROWS = [{"prompt": [{"role": "user", "content": f"key k{i}"}], "key": f"k{i}"} for i in range(6)]  # k0 first
+
+
+def streaming_config(tmp_path, **overrides) -> GRPOConfig:
+    """Batches of two groups of two, prompts in order, up to four groups in flight one version ahead."""
+    values = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=3,
+                  max_completion_length=64, learning_rate=1e-3, logging_steps=1, save_strategy="no",
+                  disable_tqdm=True, report_to="none", seed=0, shuffle_dataset=False, max_staleness=1,
+                  max_inflight_tasks=8, tool_timeout=60)  # fmt: skip
+    return GRPOConfig(**{**values, **overrides})
 
 
 def lookup(key: str) -> str:
@@ -54,12 +64,8 @@ def test_a_hanging_tool_call_holds_back_its_own_group_not_the_batch(tmp_path):
         scored.append(list(key))
         return [float(TABLE[k] in str(c[-1]["content"])) for c, k in zip(completions, key)]
 
-    rows = [{"prompt": [{"role": "user", "content": f"key k{i}"}], "key": f"k{i}"} for i in range(6)]
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=3,
-                      max_completion_length=64, learning_rate=1e-3, logging_steps=1, save_strategy="no",
-                      disable_tqdm=True, report_to="none", seed=0, shuffle_dataset=False, max_staleness=1,
-                      max_inflight_tasks=8, tool_timeout=60)  # fmt: skip
-    trainer = GRPOTrainer(model=model, reward_funcs=found, args=args, train_dataset=Dataset.from_list(rows),
+    args = streaming_config(tmp_path)
+    trainer = GRPOTrainer(model=model, reward_funcs=found, args=args, train_dataset=Dataset.from_list(ROWS),
                           processing_class=tokenizer, tools=[lookup], rollout_engine=engine,
                           callbacks=[ReleaseAt(2)])  # fmt: skip
     try:
@@ -83,14 +89,10 @@ def test_groups_in_flight_when_a_checkpoint_is_written_are_sampled_again_after_r
     model, tokenizer = tiny_agent_model()
     engine = tool_call_script(tokenizer, lambda user, results, index: f"{results[-1]}<|im_end|>" if results else
                               call_text("lookup", {"key": key_of(user)}))  # fmt: skip
-    rows = [{"prompt": [{"role": "user", "content": f"key k{i}"}], "key": f"k{i}"} for i in range(6)]
-    values = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=1,
-                  max_completion_length=64, learning_rate=1e-3, logging_steps=1, save_strategy="steps", save_steps=1,
-                  disable_tqdm=True, report_to="none", seed=0, shuffle_dataset=False, max_staleness=1,
-                  max_inflight_tasks=8, tool_timeout=60)  # fmt: skip
+    values = {"max_steps": 1, "save_strategy": "steps", "save_steps": 1}
     reward = lambda completions, **kwargs: [0.0] * len(completions)  # noqa: E731
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(**values),
-                          train_dataset=Dataset.from_list(rows), processing_class=tokenizer, tools=[lookup],
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=streaming_config(tmp_path, **values),
+                          train_dataset=Dataset.from_list(ROWS), processing_class=tokenizer, tools=[lookup],
                           rollout_engine=engine)  # fmt: skip
     try:
         trainer.train()
@@ -103,8 +105,8 @@ def test_groups_in_flight_when_a_checkpoint_is_written_are_sampled_again_after_r
         return [0.0] * len(completions)
 
     resumed = GRPOTrainer(model=tiny_agent_model()[0], reward_funcs=recording,
-                          args=GRPOConfig(**{**values, "max_steps": 2, "max_staleness": None}),
-                          train_dataset=Dataset.from_list(rows), processing_class=tokenizer, tools=[lookup],
+                          args=streaming_config(tmp_path, **{**values, "max_steps": 2, "max_staleness": None}),
+                          train_dataset=Dataset.from_list(ROWS), processing_class=tokenizer, tools=[lookup],
                           rollout_engine=engine)  # fmt: skip
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
     # Step 1 trained two of k1..k4 (the first two groups to finish); step 2 starts with k0, then what was in flight.
@@ -178,13 +180,9 @@ def test_environments_are_streamed_too_each_rollout_with_its_own_instance(tmp_pa
     model, tokenizer = tiny_agent_model()
     engine = tool_call_script(tokenizer, lambda user, results, index: f"{results[-1]}<|im_end|>" if results else
                               call_text("read", {"key": key_of(user)}))  # fmt: skip
-    rows = [{"prompt": [{"role": "user", "content": f"key k{i}"}], "key": f"k{i}"} for i in range(6)]
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=3,
-                      max_completion_length=64, learning_rate=1e-3, logging_steps=1, save_strategy="no",
-                      disable_tqdm=True, report_to="none", seed=0, shuffle_dataset=False, max_staleness=1,
-                      max_inflight_tasks=8, tool_timeout=60)  # fmt: skip
+    args = streaming_config(tmp_path)
     Locker.built = 0
-    trainer = GRPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+    trainer = GRPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(ROWS), processing_class=tokenizer,
                           environment_factory=Locker, rollout_engine=engine, callbacks=[ReleaseAt(2)])  # fmt: skip
     try:
         trainer.train()

@@ -66,7 +66,7 @@ class ProcessEngine:
                                        name="grpokit-engine")  # fmt: skip
         self.process.start()
         child_end.close()
-        self.pairs = None  # (shared parameter, trainer parameter) pairs, built on the first sync_weights
+        self.owner = os.getpid()
 
     @property
     def pid(self) -> int:
@@ -88,17 +88,12 @@ class ProcessEngine:
             raise RuntimeError(f"The engine process (pid {self.pid}) raised:\n{payload}")
         return payload
 
-    @torch.no_grad()
     def sync_weights(self, model: torch.nn.Module) -> None:
-        """Copy `model`'s trainable weights into the shared ones (the frozen ones never change), between requests."""
-        if model is self.model:
-            return
-        if self.pairs is None:
-            self.pairs = [(mine, theirs) for mine, theirs in zip(self.model.parameters(), model.parameters())
-                          if theirs.requires_grad]  # fmt: skip
-        with self.lock:
-            for mine, theirs in self.pairs:
-                mine.copy_(theirs)
+        """`model`'s weights into the shared ones, between requests (nothing to do for the shared model itself,
+        which the producer updates in place under `lock`)."""
+        if model is not self.model:
+            with self.lock:
+                self.model.load_state_dict(model.state_dict())
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the child: asked first, then killed if it does not end within `timeout` (a request in progress)."""
@@ -126,7 +121,6 @@ class ProcessEngine:
                                 f"The last checkpoint is good: resume from it.")  # fmt: skip
 
     def __del__(self):
-        process = getattr(self, "process", None)
-        if process is not None and process.pid is not None and process._parent_pid == os.getpid():
-            if process.is_alive():
-                process.kill()
+        process = getattr(self, "process", None)  # the forked child holds a copy of this object too: not its own
+        if process is not None and getattr(self, "owner", None) == os.getpid() and process.is_alive():
+            process.kill()
