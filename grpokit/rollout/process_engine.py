@@ -53,8 +53,9 @@ def _serve(engine: RolloutEngine, connection) -> None:
 
 
 class ProcessEngine:
-    """`engine` (built over `model`, on the CPU) run in a forked child process, on one thread. `model` must be the module the engine samples from: it is moved to shared memory
-    before the fork, and `sync_weights` copies into it."""
+    """`engine` (built over `model`, on the CPU) run in a forked child process, on one thread. `model` must be the
+    module the engine samples from: it is moved to shared memory before the fork, and new weights are copied into
+    it, in this process, under `lock`."""
 
     def __init__(self, engine: RolloutEngine, model: torch.nn.Module, poll_s: float = 0.5):
         self.model, self.poll_s = model.share_memory(), poll_s
@@ -116,9 +117,9 @@ class ProcessEngine:
         code = self.process.exitcode
         how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else
                f"exited with code {code}")  # fmt: skip
-        raise EngineProcessDied(f"The engine process (pid {self.pid}) {how}: generation cannot go on. "
-                                f"{'The system may be out of memory (dmesg shows the OOM killer). ' if code == -9 else ''}"
-                                f"The last checkpoint is good: resume from it.")  # fmt: skip
+        memory = "The system may be out of memory (dmesg shows the OOM killer). " if code == -9 else ""
+        raise EngineProcessDied(f"The engine process (pid {self.pid}) {how}: generation cannot go on. {memory}"
+                                f"The last checkpoint is good: resume from it.")
 
     def __del__(self):
         process = getattr(self, "process", None)  # the forked child holds a copy of this object too: not its own
