@@ -39,6 +39,7 @@ from .config import GRPOConfig
 from .build import build_engine
 from .experience import Experience, ExperienceMaker
 from .rollout import HFEngine, RolloutRunner
+from .rollout.batching import BatchingEngine
 from .rollout.process_engine import ProcessEngine
 
 
@@ -106,9 +107,10 @@ class Producer:
 
     def __init__(self, args: GRPOConfig, maker: ExperienceMaker, policy: torch.nn.Module, copy: torch.nn.Module,
                  sync: WeightSync, sampler, generation: int, trainer_state=None,
-                 threads: int | None = None, engine=None):  # fmt: skip
+                 threads: int | None = None, engine=None, process: ProcessEngine | None = None):  # fmt: skip
         self.args, self.maker, self.policy, self.copy, self.sync = args, maker, policy, copy, sync
-        self.engine = engine  # closed with the producer when it is a ProcessEngine
+        self.engine = engine  # what the producer samples with: its lock, if any, is held while weights move
+        self.process = process  # the engine's process, if it has one of its own: closed with the producer
         self.sampler, self.generation, self.trainer_state, self.threads = sampler, generation, trainer_state, threads
         self.first_step = sync.version
         self.queue: queue.Queue = queue.Queue(maxsize=max(1, args.queue_maxsize // args.generation_batch_size))
@@ -138,8 +140,8 @@ class Producer:
         # A batch in progress is not waited for past a few seconds (a hung engine or tool never ends): the thread is
         # a daemon, and it stops at its next check.
         self.thread.join(timeout=5)
-        if isinstance(self.engine, ProcessEngine):
-            self.engine.close()
+        if self.process is not None:
+            self.process.close()
 
     # ------------------------------------------------------------------------------------------- the thread
 
@@ -186,7 +188,7 @@ class Producer:
         """The trainer's current weights into the copy, under the optimizer step's lock: the first time, every
         weight_sync_steps versions, and whenever the copy's weights would be too stale for a batch trained at version
         `due`."""
-        # An engine shared by several rollouts at once (ProcessEngine, SerializedEngine) takes weights between requests
+        # An engine shared by several rollouts at once (ProcessEngine, BatchingEngine) takes weights between requests
         engine_idle = getattr(self.engine, "lock", None) or contextlib.nullcontext()
         with self.sync.lock, engine_idle:
             version, mine, every = self.sync.version, self.weights_version, self.args.weight_sync_steps
@@ -252,27 +254,25 @@ def start_producer(args: GRPOConfig, accelerator, policy: torch.nn.Module, engin
     stays at the trained position). The default in-process engine gets an engine of its own over the copy; a given
     engine (vLLM, yours) is driven from the producer's thread and synced with the copy. `runner` is the trainer's:
     the producer's samples with its codec, sampling parameters and multi-turn driver."""
-    copied = copy.deepcopy(policy)
+    copied, process = copy.deepcopy(policy), None
     if isinstance(engine, HFEngine):  # an engine of its own over the copy
         engine = build_engine(copied, args, processing_class, accelerator)
         # On the CPU, in a process of its own when it may run ahead (at max_staleness=0 it never overlaps training).
         if accelerator.device.type == "cpu" and args.max_staleness > 0:
-            engine = ProcessEngine(engine, copied)
+            engine = process = ProcessEngine(engine, copied)
     streaming = args.max_staleness > 0 and getattr(runner.driver, "concurrent_rollouts", False)
-    if streaming and not isinstance(engine, ProcessEngine):
-        from .streaming import SerializedEngine
-
-        engine = SerializedEngine(engine)
+    if streaming:  # the turns that groups in flight ask for at once go into one engine call
+        engine = BatchingEngine(engine)
     own_runner = RolloutRunner(engine, runner.codec, runner.params, runner.device, driver=runner.driver, host=host)
     own_sampler = copy.deepcopy(sampler)
     maker = ExperienceMaker(args, accelerator, own_runner, scorer, lambda: copied, reference,
                             lambda n: own_sampler.rows(dataset, n), off_policy=args.max_staleness > 0,
-                            teacher=teacher, trim_heap=not isinstance(engine, ProcessEngine))  # fmt: skip
+                            teacher=teacher, trim_heap=process is None)  # fmt: skip
     if streaming:  # multi-turn rollouts, group by group (grpokit.streaming)
         from .streaming import StreamingProducer
 
         return StreamingProducer(args, maker, policy, copied, sync, own_sampler, trainer_state.generations,
-                                 trainer_state, threads=torch.get_num_threads(), engine=engine, runner=own_runner,
-                                 dataset=dataset).start()  # fmt: skip
+                                 trainer_state, threads=torch.get_num_threads(), engine=engine, process=process,
+                                 runner=own_runner, dataset=dataset).start()  # fmt: skip
     return Producer(args, maker, policy, copied, sync, own_sampler, trainer_state.generations, trainer_state,
-                    threads=torch.get_num_threads(), engine=engine).start()
+                    threads=torch.get_num_threads(), engine=engine, process=process).start()

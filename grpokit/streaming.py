@@ -3,7 +3,8 @@ libraries), where a rollout waits on tool calls as much as on the engine.
 
 Each prompt's group of G rollouts is a task of its own, run in a thread pool (`Agents.rollout` on G rows): up to
 `max_inflight_tasks` completions are in generation at once, so while one group waits for a slow tool call the engine
-samples the turns of others. A generation batch is assembled from the first groups to finish, in the order they
+samples the turns of others; the turns that groups ask for at once go into one engine call
+(`rollout.batching.BatchingEngine`). A generation batch is assembled from the first groups to finish, in the order they
 finish: a slow tool call delays its own group, not the batch. Rewards, advantages and π_old/π_ref are computed when
 the batch is assembled (`ExperienceMaker.make(sampled=...)`; scale_rewards="batch" sees the whole batch).
 
@@ -22,7 +23,6 @@ first. Their completions are sampled again, with new seeds; nothing drawn is ski
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import time
 from dataclasses import dataclass
 
@@ -35,23 +35,6 @@ class GroupTask:
     index: int  # the prompt's dataset index
     generation: int  # its rollout seed's generation number
     version: int  # the weights' version when it started
-
-
-class SerializedEngine:
-    """An engine that takes one request at a time, and weights only between requests (`lock`): for several
-    rollouts at once on an engine that is not known to allow it (an in-process engine, a user's)."""
-
-    def __init__(self, engine):
-        self.engine, self.lock = engine, threading.Lock()
-        self.exact_logprobs = bool(getattr(engine, "exact_logprobs", False))
-
-    def generate(self, prompts, params, seed):
-        with self.lock:
-            return self.engine.generate(prompts, params, seed)
-
-    def sync_weights(self, model) -> None:
-        with self.lock:
-            self.engine.sync_weights(model)
 
 
 class StreamingProducer(Producer):

@@ -11,6 +11,7 @@ P prompt tokens (left-padded); T completion tokens (right-padded).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -73,6 +74,24 @@ class PromptBatch:
 
         return pad_left([self.ids[i] for i in self.rows()], pad_token_id)
 
+    @staticmethod
+    def concat(parts: list["PromptBatch"]) -> "PromptBatch":
+        """The prompts of several batches as one, in order (images and processor tensors where every part has them)."""
+        if len(parts) == 1:
+            return parts[0]
+
+        def joined(name: str) -> list | None:
+            values = [getattr(part, name) for part in parts]
+            if all(v is None for v in values):
+                return None
+            if any(v is None for v in values):
+                raise ValueError(f"PromptBatch.concat: some parts have {name} and others none.")
+            return [x for v in values for x in v]
+
+        return PromptBatch([x for p in parts for x in p.ids], [x for p in parts for x in p.counts],
+                           [x for p in parts for x in p.raw], joined("images"), joined("processed"),
+                           joined("unexpanded_ids"))  # fmt: skip
+
     def multimodal(self) -> MultimodalInputs | None:
         """The processor's tensors for the rows (one entry per prompt, indexed by row), None for text prompts."""
         if self.processed is None:
@@ -125,6 +144,33 @@ class Rollout:
                        pick(self.attention_mask), pick(self.loss_mask), pick(self.lengths), pick(self.is_truncated),
                        pick(self.sampling_logprobs), {k: [v[i] for i in index.tolist()] for k, v in self.extra.items()},
                        None if self.multimodal is None else self.multimodal.select(index))  # fmt: skip
+
+    def trimmed(self) -> "Rollout":
+        """Without the padding columns no row uses (prompt columns on the left, completion columns on the right): what
+        is left over after `select` takes rows of a wider batch."""
+        used = self.prompt_mask.bool().any(0).nonzero()
+        first = int(used[0]) if len(used) else self.prompt_mask.shape[1]
+        used = self.attention_mask.bool().any(0).nonzero()
+        width = int(used[-1]) + 1 if len(used) else 0
+        if first == 0 and width == self.completion_ids.shape[1]:
+            return self
+        return dataclasses.replace(self, prompt_ids=self.prompt_ids[:, first:], prompt_mask=self.prompt_mask[:, first:],
+                                   **self._completion_columns(width))  # fmt: skip
+
+    def cut_to(self, max_new_tokens: int) -> "Rollout":
+        """Each completion cut to its first max_new_tokens tokens; a row cut short is truncated (as if sampled with
+        that limit)."""
+        if self.completion_ids.shape[1] <= max_new_tokens:
+            return self
+        cut = self.lengths > max_new_tokens
+        return dataclasses.replace(self, lengths=self.lengths.clamp(max=max_new_tokens),
+                                   is_truncated=self.is_truncated | cut,
+                                   **self._completion_columns(max_new_tokens))  # fmt: skip
+
+    def _completion_columns(self, width: int) -> dict[str, torch.Tensor | None]:
+        columns = {name: getattr(self, name)[:, :width] for name in ("completion_ids", "attention_mask", "loss_mask")}
+        logprobs = self.sampling_logprobs
+        return {**columns, "sampling_logprobs": None if logprobs is None else logprobs[:, :width]}
 
     @staticmethod
     def concat(parts: list["Rollout"]) -> "Rollout":
