@@ -4,9 +4,9 @@ libraries), where a rollout waits on tool calls as much as on the engine.
 Each prompt's group of G rollouts is a task of its own, run in a thread pool (`Agents.rollout` on G rows): up to
 `max_inflight_tasks` completions are in generation at once, so while one group waits for a slow tool call the engine
 samples the turns of others; the turns that groups ask for at once go into one engine call
-(`rollout.batching.BatchingEngine`). A generation batch is assembled from the first groups to finish, in the order they
-finish: a slow tool call delays its own group, not the batch. Rewards, advantages and π_old/π_ref are computed when
-the batch is assembled (`ExperienceMaker.make(sampled=...)`; scale_rewards="batch" sees the whole batch).
+(`rollout.batching.BatchingEngine`). A generation batch is assembled from the first groups to finish, in the order
+they finish: a slow tool call delays its own group, not the batch. Rewards, advantages and π_old/π_ref are computed
+when the batch is assembled (`ExperienceMaker.make(sampled=...)`; scale_rewards="batch" sees the whole batch).
 
 Staleness is kept as by `Producer`: group g belongs nominally to batch b = g // (groups per batch), trained at
 version c(b) = first_step + b; it starts only once the trainer's version is at least c(b) - max_staleness, with
