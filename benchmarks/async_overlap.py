@@ -6,14 +6,18 @@ run of this script.
 
 Settings compared (each a fresh model with the same seed):
 - sync, 2 threads: the synchronous loop with both cores for every op (torch.set_num_threads(2));
-- sync, 1 thread: the same on one core;
+- sync, 1 thread: the same on one core, which is also what the synchronous loop gets from an engine on one core and
+  training on the other: they take turns;
 - async, 1 + 1 threads: max_staleness=1, training on one thread and sampling on the other (on the CPU the in-process
-  engine runs in a process of its own, on one thread; the producer's thread scores the rollouts).
+  engine runs in a process of its own, on one thread).
 
 tokens/s is grpokit's num_tokens (prompt + completion tokens of every trained batch) over train()'s runtime, after a
-warm-up run that is not counted; each setting runs --repeats times, interleaved, and the median is shown. Results
-go to benchmarks/results/async_overlap_<name>.json. The default shape (hidden 256, 96-token completions, 24 steps)
-spends about as long sampling as training, as GRPO runs tend to; --hidden 512 --completion 48 is training-heavy.
+warm-up run that is not counted; each setting runs --repeats times, interleaved, and the median is shown. The
+synchronous runs also time their generation (generate_batch) and the rest, from which the script prints the most
+that any overlap could give against the two-thread loop (`overlap_bound`). Results go to
+benchmarks/results/async_overlap_<name>.json. The default shape (hidden 256, 96-token completions, 48 steps) spends
+about as long sampling as training, as GRPO runs tend to; --hidden 512 --completion 48 is training-heavy. The first
+batch is never overlapped (the trainer waits for it): 48 steps keep that to a few percent, as in a long run.
 """
 
 from __future__ import annotations
@@ -91,13 +95,34 @@ def measure(options, threads: int, **overrides) -> dict:
     with tempfile.TemporaryDirectory() as directory:
         trainer_for(Path(directory) / "warm", options, **{**overrides, "max_steps": 1}).train()
         trainer = trainer_for(Path(directory) / "run", options, **overrides)
+        generating = []  # seconds in generate_batch (sampling, scoring, advantages), per batch
+        generate_batch = trainer.generate_batch
+
+        def timed_generate_batch():
+            started = time.perf_counter()
+            batch = generate_batch()
+            generating.append(time.perf_counter() - started)
+            return batch
+
+        trainer.generate_batch = timed_generate_batch
         summary = trainer.train().metrics
         tokens = trainer.state.num_tokens
         steps = [r for r in trainer.state.log_history if "loss" in r]
         waits = [r.get("perf/rollout_wait_fraction") for r in steps if "perf/rollout_wait_fraction" in r]
-    return {"threads": threads, **overrides, "tokens": tokens, "runtime_s": summary["train_runtime"],
-            "tokens_per_s": tokens / summary["train_runtime"],
+    runtime = summary["train_runtime"]
+    return {"threads": threads, **overrides, "tokens": tokens, "runtime_s": runtime, "tokens_per_s": tokens / runtime,
+            # In a synchronous run, the time per batch spent generating and the rest (training, logging).
+            "generate_s_per_batch": sum(generating) / len(generating),
+            "train_s_per_batch": (runtime - sum(generating)) / len(generating),
             "trainer_wait_fraction": sum(waits) / len(waits) if waits else None}  # fmt: skip
+
+
+def overlap_bound(two_threads: dict, one_thread: dict) -> float:
+    """The most that overlapping could give against the two-thread synchronous loop, from the synchronous runs'
+    own timings: one batch there takes generate + train on two threads; overlapped, with each half on one thread,
+    a batch takes at least the slower half's one-thread time."""
+    sync = two_threads["generate_s_per_batch"] + two_threads["train_s_per_batch"]
+    return sync / max(one_thread["generate_s_per_batch"], one_thread["train_s_per_batch"])
 
 
 def main() -> None:
@@ -106,8 +131,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--completion", type=int, default=96)
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient (TRL's default 0: no reference forward)")
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient (TRL default 0: no reference)")
     parser.add_argument("--tool-delay", type=float, default=0.0, help="seconds every tool call sleeps (an agent)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of the three settings; the median is shown")
     parser.add_argument("--name", default=None)
@@ -129,10 +154,16 @@ def main() -> None:
     for name, row in rows.items():
         wait = "" if row["trainer_wait_fraction"] is None else f"{row['trainer_wait_fraction']:.0%}"
         print(f"{name:42s} {row['tokens_per_s']:9.1f} {row['tokens_per_s'] / base:18.2f}x {wait:>15s}")
+    two, one = rows["sync, 2 threads"], rows["sync, 1 thread"]
+    bound = overlap_bound(two, one)
+    print(f"synchronous seconds per batch, generating + the rest: 2 threads {two['generate_s_per_batch']:.3f} + "
+          f"{two['train_s_per_batch']:.3f}, 1 thread {one['generate_s_per_batch']:.3f} + "
+          f"{one['train_s_per_batch']:.3f}; the most overlap could give against 2 threads: {bound:.2f}x")  # fmt: skip
     name = options.name or ("tool" if options.tool_delay else "engine")
     out = Path(__file__).parent / "results" / f"async_overlap_{name}.json"
     out.write_text(json.dumps({"options": vars(options), "machine": platform.processor() or platform.machine(),
-                               "torch": torch.__version__, "results": rows}, indent=1))  # fmt: skip
+                               "torch": torch.__version__, "overlap_bound_vs_2_threads": bound,
+                               "results": rows}, indent=1))  # fmt: skip
     print(f"wrote {out}")
 
 
