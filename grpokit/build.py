@@ -1,6 +1,8 @@
 """The trainer's set-up, outside the loop: the run-time checks (what `GRPOConfig.validate` cannot know: the data,
-the launch, the arguments), the run's inputs and multi-turn driver, TRL's advisory warnings, and the small parts
-built from the config (the schedule, the reward weights, the MoE auxiliary loss coefficient, activation
+the launch, the arguments), the run's inputs and multi-turn driver, TRL's advisory warnings, the process's seed,
+the models (policy, reference) and their preparation by accelerate, the parts the loop drives (rollout runner,
+reward scorer, optimizer stepper, checkpointer, prompt sampler, teacher, entropy controller, state), and the small
+parts built from the config (the schedule, the reward weights, the MoE auxiliary loss coefficient, activation
 offloading)."""
 
 from __future__ import annotations
@@ -15,12 +17,39 @@ from typing import Any
 import torch
 
 from .agents import check_agents
+from .checkpoint import Checkpointer
 from .config import LOG_LEVELS, GRPOConfig
-from .data import check_dataset, is_iterable_dataset, named_eval_datasets
+from .cpu_matmul import float32_matmuls
+from .cpu_memory import keep_large_allocations_mapped
+from .data import PromptSampler, StreamSampler, check_dataset, dataset_columns, is_iterable_dataset, named_eval_datasets
+from .distributed import (
+    all_processes_done,
+    check_backend,
+    configure_deepspeed,
+    deepspeed_stage,
+    is_sharded,
+    place_before_reference_copy,
+    prepare_reference,
+    unwrap_model,
+)
+from .loss import AdaptiveEntropyController
+from .models import (
+    build_policy,
+    build_reference,
+    compile_blocks,
+    enable_gradient_checkpointing,
+    full_precision,
+    prompt_length_limit,
+)
+from .multimodal import check_images_supported
 from .offload import ActivationOffload
-from .distributed import all_processes_done, is_sharded
-from .models import full_precision
-from .rollout import HFEngine, RolloutEngine
+from .optim import build_optimizer
+from .rewards.model import RewardModel
+from .rewards.scorer import RewardScorer
+from .rollout import HFEngine, PromptCodec, RolloutEngine, RolloutRunner
+from .state import TrainerState
+from .stepping import OptimizerStepper
+from .teacher import load_teacher
 
 # Advisory warnings go through the logger, as TRL's do (`logging.get_logger(__name__)`): log handlers, caplog and
 # log_level see them. Deprecations stay FutureWarnings and GRPOConfig's own warnings stay Python warnings, as in TRL.
@@ -53,7 +82,7 @@ def check_run(args: GRPOConfig, train_dataset, eval_dataset, rollout_engine, too
                                   "different numbers of prompt batches and fall out of step.")  # fmt: skip
     if rollout_engine is not None and not isinstance(rollout_engine, RolloutEngine):
         raise TypeError(f"rollout_engine={rollout_engine!r} is not a RolloutEngine: it needs generate(prompts, "
-                        f"params, seed) -> Rollout and sync_weights(model) (see grpokit.rollout.engine).")
+                        f"params, seed) -> Rollout and sync_weights(model) (see grpokit.rollout.engine).")  # fmt: skip
 
 
 def configure_iterable_datasets(args: GRPOConfig, train_dataset, eval_dataset) -> None:
@@ -92,9 +121,9 @@ def router_aux_loss_coef(args: GRPOConfig, model) -> float:
         return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if is_moe else 0.0
     if args.router_aux_loss_coef and not is_moe:
         raise ValueError(f"router_aux_loss_coef={args.router_aux_loss_coef} needs a mixture-of-experts model (its "
-                         f"config has num_experts and num_experts_per_tok); this model has none. Set it to None.")
+                         f"config has num_experts and num_experts_per_tok); this model has none. "
+                         f"Set it to None.")  # fmt: skip
     return float(args.router_aux_loss_coef)
-
 
 
 def reward_weights(args: GRPOConfig, count: int, environment_rewards: int = 0) -> torch.Tensor:
@@ -105,7 +134,6 @@ def reward_weights(args: GRPOConfig, count: int, environment_rewards: int = 0) -
         raise ValueError(f"reward_weights has {len(weights)} entries for {count} reward functions; give one weight "
                          f"per function.")  # fmt: skip
     return torch.tensor(list(weights) + [1.0] * environment_rewards, dtype=torch.float32)
-
 
 
 def total_steps(args: GRPOConfig, train_dataset, num_processes: int) -> int:
@@ -174,12 +202,9 @@ def warn_like_trl(args: GRPOConfig, model, quantization_config) -> None:
                        "The `model_init_kwargs` will be ignored.")  # fmt: skip
 
 
-
-
 def as_steps(value: float, max_steps: int) -> int:
     """TrainingArguments allow a fraction of the run for logging/saving intervals."""
     return max(1, math.ceil(value * max_steps)) if 0 < value < 1 else max(1, int(value))
-
 
 
 def build_engine(model, args: GRPOConfig, processing_class, accelerator) -> RolloutEngine:
@@ -275,16 +300,148 @@ def build_rewards(args: GRPOConfig, reward_funcs, reward_processing_classes, env
     get_reward; each dataset of `datasets` (train, eval: one or named sets) checked for the columns the functions
     need (an agent's rows also carry `turn_ends`; a rollout_func's extra fields are columns known only once it has
     run: `columns_known=False`)."""
-    from .data import dataset_columns
     from .rewards import build_reward_functions
     from .rewards.base import check_required_columns
 
     functions = build_reward_functions(
         reward_funcs, reward_processing_classes, args.per_device_train_batch_size, args.trust_remote_code,
-        environment_rewards=environments.reward_functions() if environments is not None else (), required=required)
+        environment_rewards=environments.reward_functions() if environments is not None else (),
+        required=required)  # fmt: skip
     train_dataset, eval_dataset = datasets
     for dataset in (train_dataset, *named_eval_datasets(eval_dataset).values()):
         if columns_known:
             check_required_columns(functions, dataset_columns(dataset) + (["turn_ends"] if agents else []))
     weights = reward_weights(args, len(functions), len(environments.reward_types) if environments is not None else 0)
     return functions, weights
+
+
+def prepare_process(args: GRPOConfig, device: torch.device) -> None:
+    """What the process sets before the model is built: on a CPU, glibc's allocation threshold; the seed."""
+    if device.type == "cpu":  # freed tensors leave the process (cpu_memory: glibc kept them, +30% peak RSS)
+        keep_large_allocations_mapped()
+    if args.full_determinism:  # as transformers' Trainer: deterministic kernels, then the same seeding
+        from transformers import enable_full_determinism
+
+        enable_full_determinism(args.seed)
+    else:
+        from accelerate.utils import set_seed
+
+        set_seed(args.seed)
+
+
+def build_models(model, processing_class, peft_config, quantization_config, args: GRPOConfig, accelerator,
+                 datasets) -> tuple[Any, Any, Any, int | None]:  # fmt: skip
+    """(policy, processing class, reference, prompt length limit): the policy loaded or wrapped (LoRA) and placed
+    on the device, each dataset of `datasets` (train, eval) checked for images the processing class cannot take,
+    the frozen reference copied from the policy (None with beta = 0 or LoRA), then the policy's own training
+    options (gradient checkpointing, torch.compile), which the reference so does not take."""
+    policy, processing_class = build_policy(model, processing_class, peft_config, args, quantization_config)
+    if args.bf16 or not full_precision(policy):  # before the reference is copied: it takes the same route
+        float32_matmuls(policy, accelerator.device)
+    train_dataset, eval_dataset = datasets
+    for dataset in (train_dataset, *named_eval_datasets(eval_dataset).values()):
+        check_images_supported(processing_class, dataset_columns(dataset))
+    max_prompt_length = prompt_length_limit(policy, args)
+    policy = place_before_reference_copy(accelerator, policy)  # the reference is then copied on the device
+    reference = build_reference(model, policy, args)
+    enable_gradient_checkpointing(policy, args, accelerator.device)
+    check_backend(accelerator, policy, args)
+    if args.torch_compile:  # the policy only, after the reference was copied from it
+        compile_blocks(policy, backend=args.torch_compile_backend, mode=args.torch_compile_mode)
+    return policy, processing_class, reference, max_prompt_length
+
+
+def prepare_models(accelerator, args: GRPOConfig, policy, optimizer, reference) -> tuple[Any, Any, Any, bool]:
+    """(policy, optimizer, reference, deepspeed): the policy and its optimizer (None: built from args) prepared by
+    accelerate (DDP, FSDP2 or DeepSpeed, configured from args first), the reference placed to match; with
+    debug="underflow_overflow", transformers' hooks on the policy."""
+    optimizer = optimizer or build_optimizer(policy, args)
+    deepspeed = deepspeed_stage(accelerator) is not None
+    if deepspeed:
+        configure_deepspeed(accelerator, args)
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+    reference = prepare_reference(accelerator, reference, policy)
+    if "underflow_overflow" in args.debug:  # as transformers' Trainer: hooks on every module, stop at inf/nan
+        from transformers.debug_utils import DebugUnderflowOverflow
+
+        DebugUnderflowOverflow(unwrap_model(accelerator, policy))
+    return policy, optimizer, reference, deepspeed
+
+
+def place_reward_models(reward_functions: list, device: torch.device) -> None:
+    """The reward models among the reward functions onto the device, where the completions they score are."""
+    for function in reward_functions:
+        if isinstance(function.fn, RewardModel):
+            function.fn.to(device)
+
+
+def build_runner(inputs: RunInputs, rollout_engine: RolloutEngine | None, processing_class, model, args: GRPOConfig,
+                 accelerator, max_prompt_length: int | None, tools, rollout_func, host) -> RolloutRunner:  # fmt: skip
+    """What samples the completions: the prompt codec, the engine (`rollout_engine`, else `build_engine`'s), the
+    multi-turn driver (`build_driver`) and the sampling settings of args. `host` is what a user's rollout_func
+    receives as its trainer (TRL's contract)."""
+    stop_token_ids, suppress_token_ids = args.generation_token_ids()
+    codec = PromptCodec(processing_class, model, max_prompt_length, args.chat_template_kwargs, stop_token_ids,
+                        suppress_token_ids)  # fmt: skip
+    engine = rollout_engine if rollout_engine is not None else build_engine(model, args, processing_class, accelerator)
+    driver = build_driver(inputs, processing_class, model, args, max_prompt_length, tools, rollout_func)
+    params = codec.sampling_params(args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
+                                   top_k=args.top_k, min_p=args.min_p,
+                                   repetition_penalty=args.repetition_penalty)  # fmt: skip
+    return RolloutRunner(engine, codec, params, accelerator.device, driver=driver, host=host)
+
+
+def build_scorer(reward_functions: list, weights: torch.Tensor, tokenizer, args: GRPOConfig) -> RewardScorer:
+    return RewardScorer(reward_functions, weights, tokenizer, on_error=args.reward_fn_errors,
+                        routing_column=args.reward_routing_column, step_separator=args.step_separator)  # fmt: skip
+
+
+def new_state(args: GRPOConfig, train_dataset, accelerator) -> TrainerState:
+    """A run's state before its first step (`total_steps` to go)."""
+    return TrainerState(max_steps=total_steps(args, train_dataset, accelerator.num_processes),
+                        logging_steps=args.logging_steps, eval_steps=args.eval_steps, save_steps=args.save_steps,
+                        train_batch_size=args.per_device_train_batch_size, num_train_epochs=args.num_train_epochs,
+                        is_local_process_zero=accelerator.is_local_main_process,
+                        is_world_process_zero=accelerator.is_main_process)  # fmt: skip
+
+
+def build_stepper(accelerator, model, optimizer, scheduler, args: GRPOConfig, deepspeed: bool) -> OptimizerStepper:
+    sync_each_batch = args.accelerator_options().get("gradient_accumulation_kwargs", {}).get("sync_each_batch")
+    return OptimizerStepper(accelerator, model, optimizer, scheduler, deepspeed=deepspeed,
+                            max_grad_norm=args.max_grad_norm, max_nonfinite_steps=args.max_nonfinite_steps,
+                            sync_each_batch=bool(sync_each_batch))  # fmt: skip
+
+
+def build_checkpointer(accelerator, args: GRPOConfig, write_model, gather_weights, deepspeed: bool,
+                       sharded: bool) -> Checkpointer:  # fmt: skip
+    """The checkpointer of args' options, refused where the run's checkpoint format cannot honour them."""
+    checkpointer = Checkpointer(accelerator, args.output_dir, write_model, save_total_limit=args.save_total_limit,
+                                save_only_model=args.save_only_model, deepspeed=deepspeed,
+                                gather_weights=gather_weights, save_on_each_node=args.save_on_each_node)  # fmt: skip
+    check_checkpoint_format(args, checkpointer.format, sharded)
+    return checkpointer
+
+
+def build_sampler(train_dataset, args: GRPOConfig) -> PromptSampler | StreamSampler:
+    """Which prompts come next: a stream's rows in its order, or a dataset's in a seeded order (data_seed, else seed;
+    shuffled per epoch unless shuffle_dataset is False)."""
+    if is_iterable_dataset(train_dataset):
+        return StreamSampler(train_dataset)
+    return PromptSampler(len(train_dataset), args.data_seed or args.seed, args.shuffle_dataset)
+
+
+def build_teacher(teacher_model, args: GRPOConfig, device, student, processing_class):
+    """The teacher of the per-token teacher signal (grpokit.teacher), loaded with model_init_kwargs when a path is
+    given; None without a teacher_model."""
+    if teacher_model is None:
+        return None
+    init_kwargs = args.model_init_kwargs if isinstance(teacher_model, str) else None
+    return load_teacher(teacher_model, init_kwargs, None, args.trust_remote_code, device, student, processing_class)
+
+
+def build_entropy_controller(args: GRPOConfig) -> AdaptiveEntropyController | None:
+    """The adaptive entropy bonus's controller (use_adaptive_entropy), else None: the fixed entropy_coef."""
+    if not args.use_adaptive_entropy:
+        return None
+    return AdaptiveEntropyController(args.entropy_coef, args.entropy_target, args.entropy_coef_delta,
+                                     args.entropy_coef_min, args.entropy_coef_max)  # fmt: skip

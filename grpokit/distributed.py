@@ -262,6 +262,17 @@ def all_processes_done(done: bool) -> bool:
     return int(flag.item()) == 0
 
 
+def at_least_global_quantile(accelerator, values: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """True where a masked entry of `values` (>= 0, e.g. entropies) is at least the `quantile` of the masked entries
+    of every process (TRL's `get_high_entropy_mask`); all False where no process has any."""
+    pad = -1e9  # the values are >= 0: the padding cannot be a value
+    gathered = accelerator.gather(accelerator.pad_across_processes(values[mask.bool()].float(), dim=0, pad_index=pad))
+    gathered = gathered[gathered != pad]
+    if gathered.numel() == 0:
+        return torch.zeros_like(values, dtype=torch.bool)
+    return (values * mask.float() >= torch.quantile(gathered, quantile)) & mask.bool()
+
+
 def _collective_device() -> torch.device:
     import torch.distributed as dist
 

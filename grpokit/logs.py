@@ -301,6 +301,16 @@ class MetricSink:
             tracker.close()
 
 
+def train_summary(args, state, steps: int, num_processes: int, runtime: float, losses: list[float]) -> dict:
+    """transformers' end-of-training record: the speed of a train() call's `steps` (`runtime` seconds, on
+    `num_processes` processes), the mean of their `losses` (train_loss), and the run's FLOPs, epoch and step."""
+    samples = steps * args.per_device_train_batch_size * args.gradient_accumulation_steps * num_processes
+    train_loss = sum(losses) / len(losses) if losses else 0.0
+    return {"train_runtime": round(runtime, 4), "train_samples_per_second": round(samples / runtime, 3),
+            "train_steps_per_second": round(steps / runtime, 3), "total_flos": float(state.total_flos),
+            "train_loss": train_loss, "epoch": round(state.epoch, 4), "step": state.global_step}  # fmt: skip
+
+
 def console_line(text: str) -> None:
     """A line for the console (stderr) printed through tqdm, which clears a progress bar first and draws it again
     after, so that the line is not glued onto the bar."""

@@ -8,8 +8,9 @@ did not write (no `MARKER` in it) is never overwritten.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from .data import dataset_columns, is_iterable_dataset
 from .version import __version__
@@ -76,6 +77,22 @@ def render_model_card(
             metrics = [(key, value) for key, value in record.items() if key not in ("step", "epoch")]
             lines += ["", f"## {heading} (step {record.get('step', '?')})", "", *_table(("metric", "value"), metrics)]
     return "\n".join(lines) + "\n"
+
+
+def run_model_card(args, model, state, train_dataset, rewards: Sequence[tuple[str, float]], method: str = "GRPO",
+                   final_keys: tuple[str, str] = ("reward", "eval/reward"),
+                   config: dict | None = None) -> str:  # fmt: skip
+    """The card of a run of `method`: `config` (default: args'), and the last records of state.log_history with
+    `final_keys` (train, eval); `rewards` as in `render_model_card`."""
+    history = state.log_history
+    base_model = getattr(getattr(model, "config", None), "name_or_path", "")
+    return render_model_card(
+        args.run_name or Path(args.output_dir).name, base_model, describe_dataset(train_dataset), rewards,
+        {**(config or args.to_dict()), "max_steps": state.max_steps},
+        final_metrics=next((r for r in reversed(history) if final_keys[0] in r), None),
+        final_eval=next((r for r in reversed(history) if final_keys[1] in r), None),
+        model_class=type(model).__name__, method=method,
+    )  # fmt: skip
 
 
 def model_card_writable(directory: str | Path) -> bool:

@@ -25,9 +25,9 @@ import contextlib
 import math
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from accelerate.utils.memory import clear_device_cache
@@ -36,65 +36,49 @@ from .batch import TrainBatch
 from .build import (
     activation_offload,
     as_steps,
-    build_driver,
-    build_engine,
+    build_checkpointer,
+    build_entropy_controller,
+    build_models,
+    build_runner,
+    build_sampler,
     build_scheduler,
-    check_checkpoint_format,
+    build_scorer,
+    build_stepper,
+    build_teacher,
     moe_shape,
+    new_state,
+    place_reward_models,
+    prepare_models,
+    prepare_process,
     router_aux_loss_coef,
     run_inputs,
     set_log_level,
-    track_best_checkpoint,
     total_steps,
+    track_best_checkpoint,
     warn_like_trl,
 )
-from .checkpoint import Checkpointer, TrainingParts
-from .checkpoint.model_files import load_best_checkpoint, write_model_files
+from .checkpoint import TrainingParts
+from .checkpoint.model_files import gathered_weights, load_best_checkpoint, write_model_files
 from .checkpoint.preemption import SigtermCheckpoint
 from .compat import models_written_by_this_process
 from .config import GRPOConfig
-from .cpu_matmul import float32_matmuls, release_scratch
-from .cpu_memory import keep_large_allocations_mapped, reuse_activation_memory
-from .data import PromptSampler, StreamSampler, dataset_columns, is_iterable_dataset, named_eval_datasets
-from .distributed import (
-    all_processes_done,
-    build_accelerator,
-    check_backend,
-    configure_deepspeed,
-    deepspeed_stage,
-    full_state_dict,
-    is_sharded,
-    place_before_reference_copy,
-    prepare_reference,
-    trainable_parameters,
-    unwrap_model,
-)
+from .cpu_matmul import release_scratch
+from .cpu_memory import reuse_activation_memory
+from .data import is_iterable_dataset, named_eval_datasets
+from .distributed import all_processes_done, at_least_global_quantile, build_accelerator, is_sharded, unwrap_model
 from .experience import Evaluator, ExperienceMaker
 from .hub import check_hub, push_folder
 from .logprobs import check_padding_free, token_logprobs
-from .logs import MetricSink, MetricWindow, console_line
-from .loss import AdaptiveEntropyController, high_entropy_mask, load_balancing_loss, off_policy_mask, policy_loss
-from .model_card import describe_dataset, render_model_card
-from .models import (
-    build_policy,
-    build_reference,
-    compile_blocks,
-    enable_gradient_checkpointing,
-    full_precision,
-    is_peft_model,
-    mix_into_reference,
-    prompt_length_limit,
-)
-from .multimodal import check_images_supported
-from .optim import build_optimizer
+from .logs import MetricSink, MetricWindow, console_line, train_summary
+from .loss import high_entropy_mask, load_balancing_loss, off_policy_mask, policy_loss
+from .model_card import run_model_card
+from .models import mix_into_reference
 from .producer import Producer, WeightSync, check_async, start_producer
 from .rewards.model import RewardModel
-from .rewards.scorer import RewardScorer
-from .rollout import PromptCodec, RolloutEngine, RolloutRunner
+from .rollout import RolloutEngine
 from .signals import guard_message
-from .state import Callbacks, TrainerState
-from .stepping import OptimizerStepper
-from .teacher import load_teacher
+from .state import Callbacks
+
 
 @dataclass
 class GenerationCursor:
@@ -129,12 +113,10 @@ class GRPOTrainer:
         teacher_model=None,
         environment=None,
     ):
-        """TRL 1.16's arguments, in its order, plus `rollout_engine` (any `RolloutEngine`; default: sampling in
-        this process with `HFEngine`) and `teacher_model` (a model or path sharing the policy's tokenizer: its
-        per-token signal, weighted by teacher_kl_coef, joins the reward advantages; grpokit.teacher) and `environment`
-        (an environment of another library, trained on as it is: its prompts, rewards and turns; grpokit.integrations)."""
-        from accelerate.utils import set_seed
-
+        """TRL 1.16's arguments, in its order, plus `rollout_engine` (any `RolloutEngine`; default: sampling in this
+        process with `HFEngine`) and `teacher_model` (a model or path sharing the policy's tokenizer: its per-token
+        signal, weighted by teacher_kl_coef, joins the reward advantages; grpokit.teacher) and `environment` (an
+        environment of another library, trained on as it is: its prompts, rewards and turns; grpokit.integrations)."""
         self.args = args = args or GRPOConfig()
         # Everything a user can get wrong in the data or rewards is checked before the model is loaded.
         inputs = run_inputs(args, train_dataset, eval_dataset, reward_funcs, reward_processing_classes, rollout_engine,
@@ -152,73 +134,27 @@ class GRPOTrainer:
         warn_like_trl(args, model, quantization_config)  # after set_log_level: log_level decides what shows
         check_async(args, acc.num_processes, is_iterable_dataset(train_dataset))
         self.weights, self.producer = WeightSync(), None  # asynchronous generation (grpokit.producer)
-        if acc.device.type == "cpu":  # freed tensors leave the process (cpu_memory: glibc kept them, +30% peak RSS)
-            keep_large_allocations_mapped()
-        if args.full_determinism:  # as transformers' Trainer: deterministic kernels, then the same seeding
-            from transformers import enable_full_determinism
-
-            enable_full_determinism(args.seed)
-        else:
-            set_seed(args.seed)
-        self.model, self.processing_class = build_policy(model, processing_class, peft_config, args,
-                                                         quantization_config)  # fmt: skip
-        if args.bf16 or not full_precision(self.model):  # before the reference is copied: it takes the same route
-            float32_matmuls(self.model, acc.device)
-        for dataset in (train_dataset, *named_eval_datasets(eval_dataset).values()):
-            check_images_supported(self.processing_class, dataset_columns(dataset))
-        max_prompt_length = prompt_length_limit(self.model, args)
-        self.model = place_before_reference_copy(acc, self.model)  # the reference is then copied on the device
-        self.reference = build_reference(model, self.model, args)
-        enable_gradient_checkpointing(self.model, args, acc.device)
-        check_backend(acc, self.model, args)
-        if args.torch_compile:  # the policy only, after the reference was copied from it
-            compile_blocks(self.model, backend=args.torch_compile_backend, mode=args.torch_compile_mode)
+        prepare_process(args, acc.device)
+        self.model, self.processing_class, self.reference, max_prompt_length = build_models(
+            model, processing_class, peft_config, quantization_config, args, acc, (train_dataset, eval_dataset)
+        )
         optimizer, scheduler = optimizers
-        self.optimizer = optimizer or build_optimizer(self.model, args)
-        deepspeed = deepspeed_stage(acc) is not None
-        if deepspeed:
-            configure_deepspeed(acc, args)
-        self.model, self.optimizer = acc.prepare(self.model, self.optimizer)
-        self.reference = prepare_reference(acc, self.reference, self.model)
-        for function in self.reward_functions:
-            if isinstance(function.fn, RewardModel):
-                function.fn.to(acc.device)
-
-        if "underflow_overflow" in args.debug:  # as transformers' Trainer: hooks on every module, stop at inf/nan
-            from transformers.debug_utils import DebugUnderflowOverflow
-
-            DebugUnderflowOverflow(self.unwrapped_model)
-        stop_token_ids, suppress_token_ids = args.generation_token_ids()
-        self.codec = PromptCodec(self.processing_class, self.unwrapped_model, max_prompt_length,
-                                 args.chat_template_kwargs, stop_token_ids, suppress_token_ids)  # fmt: skip
-        self.engine = rollout_engine if rollout_engine is not None else build_engine(self.unwrapped_model, args,
-                                                                                      self.processing_class, acc)
-        self.agents = build_driver(inputs, self.processing_class, self.unwrapped_model, args, max_prompt_length,
-                                   tools, rollout_func)  # fmt: skip
-        params = self.codec.sampling_params(args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
-                                            top_k=args.top_k, min_p=args.min_p,
-                                            repetition_penalty=args.repetition_penalty)  # fmt: skip
+        self.model, self.optimizer, self.reference, deepspeed = prepare_models(acc, args, self.model, optimizer,
+                                                                               self.reference)  # fmt: skip
+        place_reward_models(self.reward_functions, acc.device)
         # A user's rollout_func receives the trainer (TRL's contract): the runner passes it on as the host.
-        self.runner = RolloutRunner(self.engine, self.codec, params, acc.device, driver=self.agents, host=self)
-        self.scorer = RewardScorer(self.reward_functions, self.reward_weights, self.codec.tokenizer,
-                                   on_error=args.reward_fn_errors, routing_column=args.reward_routing_column,
-                                   step_separator=args.step_separator)  # fmt: skip
-        self.state = self._new_state()
+        self.runner = build_runner(inputs, rollout_engine, self.processing_class, self.unwrapped_model, args, acc,
+                                   max_prompt_length, tools, rollout_func, host=self)  # fmt: skip
+        self.codec, self.engine, self.agents = self.runner.codec, self.runner.engine, self.runner.driver
+        self.scorer = build_scorer(self.reward_functions, self.reward_weights, self.codec.tokenizer, args)
+        self.state = new_state(args, self.train_dataset, acc)
         self.scheduler = scheduler or build_scheduler(self.optimizer, args, self.state.max_steps)
-        sync_each_batch = bool(args.accelerator_options().get("gradient_accumulation_kwargs", {}).get("sync_each_batch"))
-        self.stepper = OptimizerStepper(acc, self.model, self.optimizer, self.scheduler, deepspeed=deepspeed,
-                                        max_grad_norm=args.max_grad_norm, max_nonfinite_steps=args.max_nonfinite_steps,
-                                        sync_each_batch=sync_each_batch)  # fmt: skip
-        self.checkpointer = Checkpointer(acc, args.output_dir, self._write_model, save_total_limit=args.save_total_limit,
-                                         save_only_model=args.save_only_model, deepspeed=deepspeed,
-                                         gather_weights=self._gathered_weights,
-                                         save_on_each_node=args.save_on_each_node)  # fmt: skip
-        check_checkpoint_format(args, self.checkpointer.format, is_sharded(self.unwrapped_model))
-        self.sampler = (StreamSampler(train_dataset) if is_iterable_dataset(train_dataset) else
-                        PromptSampler(len(train_dataset), args.data_seed or args.seed, args.shuffle_dataset))  # fmt: skip
-        teacher = None if teacher_model is None else load_teacher(
-            teacher_model, args.model_init_kwargs if isinstance(teacher_model, str) else None, None,
-            args.trust_remote_code, acc.device, self.unwrapped_model, self.processing_class)  # fmt: skip
+        self.stepper = build_stepper(acc, self.model, self.optimizer, self.scheduler, args, deepspeed)
+        self.checkpointer = build_checkpointer(acc, args, self._write_model,
+                                               lambda model: gathered_weights(model, self.args.save_merged),
+                                               deepspeed, is_sharded(self.unwrapped_model))  # fmt: skip
+        self.sampler = build_sampler(train_dataset, args)
+        teacher = build_teacher(teacher_model, args, acc.device, self.unwrapped_model, self.processing_class)
         self.experience = ExperienceMaker(args, acc, self.runner, self.scorer, lambda: self.unwrapped_model,
                                           self.reference, lambda n: self.sampler.rows(self.train_dataset, n),
                                           teacher=teacher)  # fmt: skip
@@ -233,20 +169,10 @@ class GRPOTrainer:
         self.activation_offload = activation_offload(args, acc.device)
         if args.padding_free:
             check_padding_free(self.model, self.reference, self.router_aux_loss_coef)
-        self.entropy_controller = None if not args.use_adaptive_entropy else AdaptiveEntropyController(
-            args.entropy_coef, args.entropy_target, args.entropy_coef_delta, args.entropy_coef_min,
-            args.entropy_coef_max)  # fmt: skip
+        self.entropy_controller = build_entropy_controller(args)
         self.callback_handler = Callbacks(callbacks, self.unwrapped_model, self.processing_class, self.optimizer,
                                           self.scheduler)  # fmt: skip
         self.callback_handler("on_init_end", args, self.state)
-
-    def _new_state(self) -> TrainerState:
-        args, acc = self.args, self.accelerator
-        return TrainerState(max_steps=total_steps(args, self.train_dataset, acc.num_processes),
-                            logging_steps=args.logging_steps, eval_steps=args.eval_steps, save_steps=args.save_steps,
-                            train_batch_size=args.per_device_train_batch_size, num_train_epochs=args.num_train_epochs,
-                            is_local_process_zero=acc.is_local_main_process,
-                            is_world_process_zero=acc.is_main_process)  # fmt: skip
 
     # HF Trainer's callback API
     def add_callback(self, callback) -> None:
@@ -280,12 +206,7 @@ class GRPOTrainer:
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
         """TRL's: True for the tokens whose entropy is at least the `threshold` quantile of every process's masked
         tokens (grpokit's training forward uses `loss.high_entropy_mask` with quantile 1 - threshold)."""
-        acc, pad = self.accelerator, -1e9  # entropies are >= 0: the padding cannot be a value
-        gathered = acc.gather(acc.pad_across_processes(entropies[mask.bool()].float(), dim=0, pad_index=pad))
-        gathered = gathered[gathered != pad]
-        if gathered.numel() == 0:
-            return torch.zeros_like(entropies, dtype=torch.bool)
-        return (entropies * mask.float() >= torch.quantile(gathered, threshold)) & mask.bool()
+        return at_least_global_quantile(self.accelerator, entropies, mask, threshold)
 
     @staticmethod
     def get_off_policy_mask(advantages: torch.Tensor, per_token_logps: torch.Tensor,
@@ -326,7 +247,8 @@ class GRPOTrainer:
         self._sink = sink
         if acc.is_main_process:
             args.save(Path(args.output_dir) / "grpo_config.json")
-        logging_steps, save_steps = as_steps(args.logging_steps, state.max_steps), as_steps(args.save_steps, state.max_steps)
+        logging_steps = as_steps(args.logging_steps, state.max_steps)
+        save_steps = as_steps(args.save_steps, state.max_steps)
         eval_steps = as_steps(args.eval_steps or args.logging_steps, state.max_steps)
         bar = tqdm(total=state.max_steps, initial=state.global_step, desc="GRPO",
                    disable=args.disable_tqdm or not acc.is_main_process, dynamic_ncols=True)  # fmt: skip
@@ -385,13 +307,9 @@ class GRPOTrainer:
             load_best_checkpoint(self.unwrapped_model, state, args.metric_for_best_model,
                                  announce=acc.is_main_process)  # fmt: skip
         release_scratch()  # the float32 route's reused buffers (CPU), allocated again if anything runs after
-        runtime = time.perf_counter() - started
-        steps = state.global_step - first_step
-        samples = steps * args.per_device_train_batch_size * args.gradient_accumulation_steps * acc.num_processes
-        train_loss = sum(losses) / len(losses) if losses else 0.0
-        summary = {"train_runtime": round(runtime, 4), "train_samples_per_second": round(samples / runtime, 3),
-                   "train_steps_per_second": round(steps / runtime, 3), "total_flos": float(state.total_flos),
-                   "train_loss": train_loss, "epoch": round(state.epoch, 4), "step": state.global_step}  # fmt: skip
+        runtime, steps = time.perf_counter() - started, state.global_step - first_step
+        summary = train_summary(args, state, steps, acc.num_processes, runtime, losses)
+        train_loss = summary["train_loss"]
         self.log(summary)  # with the metrics of the steps after the last record, as TRL's log() merges them
         summary = state.log_history[-1]
         if acc.is_main_process:  # the HF Trainer's save_metrics("train", ...) file
@@ -468,7 +386,8 @@ class GRPOTrainer:
             self.entropy_controller.step(acc.reduce(self.entropy_controller.window_totals().to(acc.device), "sum"))
         self.state.global_step += 1
         self.state.epoch = self.sampler.epochs_done
-        if args.sync_ref_model and self.reference is not None and self.state.global_step % args.ref_model_sync_steps == 0:
+        if args.sync_ref_model and self.reference is not None and \
+                self.state.global_step % args.ref_model_sync_steps == 0:  # fmt: skip
             mix_into_reference(self.reference, self.unwrapped_model, args.ref_model_mixup_alpha)
         self.weights.stepped()
         metrics = {"loss": loss_total, "learning_rate": result.learning_rate, "grad_norm": result.grad_norm,
@@ -616,13 +535,13 @@ class GRPOTrainer:
         return TrainingParts(self.model, self.optimizer, self.scheduler, self.reference if moving_reference else None)
 
     def _save_checkpoint(self) -> Path | None:
-        cursor, args = self.cursor, self.args
+        cursor, args, controller = self.cursor, self.args, self.entropy_controller
         if cursor.batch is not None and cursor.pass_index == args.num_iterations - 1 and \
-                cursor.micro_index == math.ceil(len(cursor.batch) / args.per_device_train_batch_size):
-            cursor = GenerationCursor()  # used up: the resumed run samples the next one, as this one would  # fmt: skip
+                cursor.micro_index == math.ceil(len(cursor.batch) / args.per_device_train_batch_size):  # fmt: skip
+            cursor = GenerationCursor()  # used up: the resumed run samples the next one, as this one would
         loop = {"sampler": self.sampler.state_dict(), "window": self.window.state_dict(),
                 "pass_index": cursor.pass_index, "micro_index": cursor.micro_index,
-                "entropy_controller": None if self.entropy_controller is None else self.entropy_controller.state_dict()}
+                "entropy_controller": None if controller is None else controller.state_dict()}  # fmt: skip
         process = {"batch": None if cursor.batch is None else cursor.batch.to("cpu").state_dict()}
         track_best_checkpoint(self.args, self.state, self._last_evaluation)
         return self.checkpointer.save(self._training_parts(), self.state, loop, process)
@@ -648,7 +567,8 @@ class GRPOTrainer:
         """Every process calls it; the main process writes (under FSDP2 / ZeRO-3 all of them gather first), or with
         save_on_each_node the main process of each node."""
         self.accelerator.wait_for_everyone()
-        weights = self._gathered_weights(self.unwrapped_model) if is_sharded(self.unwrapped_model) else None
+        model = self.unwrapped_model
+        weights = gathered_weights(model, self.args.save_merged) if is_sharded(model) else None
         if self.checkpointer.writes:
             self._write_model(Path(output_dir or self.args.output_dir), weights)
             if self.args.push_to_hub and not _internal_call and self.accelerator.is_main_process:
@@ -661,12 +581,6 @@ class GRPOTrainer:
             return push_folder(self.args, Path(self.args.output_dir), commit_message or "End of training")
         return None
 
-    def _gathered_weights(self, model) -> dict[str, torch.Tensor]:
-        """What `_write_model` needs of a sharded model, gathered (a collective): with LoRA the adapter only (the
-        base is never gathered), unless the merged model is written too."""
-        adapter_only = is_peft_model(model) and not self.args.save_merged
-        return trainable_parameters(model) if adapter_only else full_state_dict(model)
-
     def _write_model(self, output_dir: Path, weights: dict[str, torch.Tensor] | None = None,
                      with_weights: bool = True) -> None:  # fmt: skip
         # Each node's main process writes under save_on_each_node; transformers would leave it to rank 0 alone.
@@ -677,13 +591,6 @@ class GRPOTrainer:
 
     def _model_card(self, method="GRPO", final_keys=("reward", "eval/reward"), config: dict | None = None) -> str:
         """The card of `method`, `config` (default: args'), and the last records with `final_keys` (train, eval)."""
-        model, history = self.unwrapped_model, self.state.log_history
-        base_model = getattr(getattr(model, "config", None), "name_or_path", "")
-        return render_model_card(
-            self.args.run_name or Path(self.args.output_dir).name, base_model, describe_dataset(self.train_dataset),
-            [(f.name, w) for f, w in zip(self.reward_functions, self.reward_weights.tolist())],
-            {**(config or self.args.to_dict()), "max_steps": self.state.max_steps},
-            final_metrics=next((r for r in reversed(history) if final_keys[0] in r), None),
-            final_eval=next((r for r in reversed(history) if final_keys[1] in r), None),
-            model_class=type(model).__name__, method=method,
-        )  # fmt: skip
+        rewards = [(f.name, w) for f, w in zip(self.reward_functions, self.reward_weights.tolist())]
+        return run_model_card(self.args, self.unwrapped_model, self.state, self.train_dataset, rewards, method,
+                              final_keys, config)  # fmt: skip

@@ -37,11 +37,11 @@ def test_freed_tensors_leave_the_process_only_with_large_allocations_mapped():
 
 
 def test_the_trainer_fixes_the_threshold_on_the_cpu(monkeypatch, tmp_path):
-    from grpokit import GRPOConfig, GRPOTrainer, trainer
+    from grpokit import GRPOConfig, GRPOTrainer, build
     from grpokit.testing import save_tiny_model
 
     calls = []
-    monkeypatch.setattr(trainer, "keep_large_allocations_mapped", lambda: calls.append(1) or True)
+    monkeypatch.setattr(build, "keep_large_allocations_mapped", lambda: calls.append(1) or True)  # the set-up's call
     args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=4, max_steps=1, use_cpu=True, report_to="none")
     GRPOTrainer(model=str(save_tiny_model(tmp_path / "tiny")), args=args, train_dataset=[{"prompt": "ab"}] * 4,

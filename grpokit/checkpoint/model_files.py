@@ -6,11 +6,12 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
+from ..distributed import full_state_dict, trainable_parameters
 from ..model_card import model_card_writable, write_model_card
 from ..models import is_peft_model, load_model_weights, save_merged
 
@@ -46,6 +47,13 @@ def write_model_files(output_dir: Path, model, processing_class, weights: dict[s
         processing_class.save_pretrained(output_dir)
     if card:
         write_model_card(output_dir, model_card())
+
+
+def gathered_weights(model, save_merged_model: bool) -> dict[str, torch.Tensor]:
+    """What `write_model_files` needs of a sharded model, gathered (a collective): with LoRA the adapter only (the
+    base is never gathered), unless the merged model is written too."""
+    adapter_only = is_peft_model(model) and not save_merged_model
+    return trainable_parameters(model) if adapter_only else full_state_dict(model)
 
 
 def load_best_checkpoint(model, state, metric_name: str, announce: bool = True) -> None:
