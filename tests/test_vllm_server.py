@@ -145,21 +145,29 @@ class KillAt(TrainerCallback):
             stop(self.process)
 
 
-@pytest.mark.parametrize("transport", ["http", "broadcast"])
-def test_the_server_going_away_mid_run_fails_clearly_and_the_run_resumes(tmp_path, transport):
+@pytest.mark.parametrize("transport, max_staleness", [("http", None), ("broadcast", None), ("http", 1)])
+def test_the_server_going_away_mid_run_fails_clearly_and_the_run_resumes(tmp_path, transport, max_staleness):
+    """The server SIGKILLed at the end of step 3: the run stops with the client's message (under asynchronous
+    generation, raised by the producer, which was sampling ahead), checkpoint-2 is intact, and a run resumed against
+    a new server reaches step 6 sampling from its own weights."""
     model, tokenizer = tiny(seed=0)
     model_dir = save(model, tokenizer, tmp_path / "model")
     port = free_port()
     args = letter_config(tmp_path, max_steps=6, save_steps=2, save_strategy="steps", use_vllm=True,
                          vllm_mode="server", vllm_server_host="127.0.0.1", vllm_server_port=port,
                          vllm_server_timeout=20, vllm_importance_sampling_mode="token_truncate",
-                         vllm_group_port=free_port() if transport == "broadcast" else None)  # fmt: skip
+                         vllm_group_port=free_port() if transport == "broadcast" else None,
+                         max_staleness=max_staleness)  # fmt: skip
     process = start_server(model_dir, port)
     try:
         trainer = GRPOTrainer(model=str(model_dir), reward_funcs=repeat_letter, args=args,
                               train_dataset=letter_dataset(), callbacks=[KillAt(3, process)])  # fmt: skip
-        with pytest.raises(ConnectionError, match="stopped answering.*resume the run from its last checkpoint"):
+        raised_by = ConnectionError if max_staleness is None else RuntimeError  # the producer's failure
+        with pytest.raises(raised_by, match="stopped answering.*resume the run from its last checkpoint") as raised:
             trainer.train()
+        if max_staleness is not None:
+            assert raised.value.args[0].startswith("The generation producer failed: ConnectionError")
+            assert isinstance(raised.value.__cause__, ConnectionError)
     finally:
         stop(process)
     assert trainer.state.global_step == 3
