@@ -6,14 +6,14 @@ import time
 from dataclasses import replace
 
 import torch
-from datasets import Dataset
-
 from agents_helpers import TABLE, call_text, key_of, tiny_agent_model, tool_call_script
+from datasets import Dataset
+from letters import tiny_letter_model
+
 from grpokit import GRPOConfig, GRPOTrainer
 from grpokit.rollout import HFEngine
 from grpokit.rollout.batching import BatchingEngine
 from grpokit.rollout.engine import PromptBatch, SamplingParams
-from letters import tiny_letter_model
 
 
 def letter_prompts(tokenizer, letters: str, count: int) -> PromptBatch:
