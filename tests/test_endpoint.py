@@ -8,8 +8,8 @@ import threading
 
 import pytest
 import torch
-from agents_helpers import (TABLE, ForcedCallsEngine, assert_sampled_logprobs_match_training, key_of, lookup,
-                            tiny_agent_model, tool_call_script)
+from agents_helpers import (TABLE, ForcedCallsEngine, assert_sampled_logprobs_match_training, call_text, key_of,
+                            lookup, tiny_agent_model, tool_call_script)
 from datasets import Dataset
 from transformers.utils import get_json_schema
 
@@ -198,3 +198,43 @@ def test_the_generate_route_speaks_vllms_token_format_and_sessions_come_from_a_h
         assert (transcript.ids, transcript.trained, breaks) == ([5, 6, 9, 5, 6, 7], [1, 1, 0, 1, 1, 1], 0)
     finally:
         endpoint.stop()
+
+
+class SlowEngine:
+    """A scripted engine whose every call takes 50 ms whatever its rows, recording how many rows each call had."""
+
+    exact_logprobs = False
+
+    def __init__(self, engine):
+        self.engine, self.rows = engine, []
+
+    def generate(self, prompts, params, seed):
+        threading.Event().wait(0.05)
+        self.rows.append(prompts.num_rows)
+        return self.engine.generate(prompts, params, seed)
+
+    def sync_weights(self, model):
+        self.engine.sync_weights(model)
+
+
+def test_harnesses_are_streamed_group_by_group_under_max_staleness_and_their_calls_share_engine_calls(tmp_path):
+    """max_staleness=1: each group of harnesses is a serving window of its own, several open at once; harness calls
+    that arrive while the engine samples go into its next call together (calls of more than one row: each harness
+    call is one), and every harness still gets its own answers (reward 1.75: the value found, three messages)."""
+    model, tokenizer = tiny_agent_model()
+    scripted = tool_call_script(tokenizer, lambda user, results, index: f"{results[-1]}<|im_end|>" if results else
+                                call_text("lookup", {"key": key_of(user)}))  # fmt: skip
+    engine, rewards = SlowEngine(scripted), {}
+    keys = [f"k{i}" for i in range(6)]
+    environment = OpenAIAgentEnvironment(lookup_agent(rewards), dataset(*keys), timeout=60)
+    args = config(tmp_path, per_device_train_batch_size=4, num_generations=2, max_steps=4, max_staleness=1,
+                  max_inflight_tasks=8, logging_steps=1)  # fmt: skip
+    trainer = GRPOTrainer(model=model, args=args, processing_class=tokenizer, environment=environment,
+                          rollout_engine=engine)  # fmt: skip
+    trainer.train()
+    steps = [r for r in trainer.state.log_history if "loss" in r]
+    assert len(steps) == 4 and all(r["rewards/agent_reward/mean"] == 1.75 for r in steps)
+    assert all(r["sample/staleness_max"] <= 1 for r in steps)
+    assert all(r["endpoint/calls_per_rollout"] == 2.0 for r in steps)
+    assert max(engine.rows) > 2, engine.rows  # harness calls of more than one group in one engine call
+    assert len(engine.rows) < sum(engine.rows)

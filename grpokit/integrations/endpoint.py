@@ -17,9 +17,12 @@ the prompt ids, the sampled ids, their log-probs and the policy version.
 
 Sampling uses the trainer's settings (temperature, top-p, ...), whatever the request asks, so that the recorded
 log-probs are the ones the loss is computed with; a request's `max_tokens` and stop token ids only shorten a turn,
-and every session shares the completion budget `max_completion_length`. Engine calls are serialized behind one
-lock, and refused outside `serving`: the in-process engine samples from the very model being trained, so no call
-may run while it trains (a harness that outlives its rollout gets HTTP 404).
+and every session shares the completion budget `max_completion_length`. Engine calls are refused outside the
+`serving` window their session was opened in, and leaving a window waits for its calls in flight: the in-process
+engine samples from the very model being trained, so no call may run while it trains (a harness that outlives its
+rollout gets HTTP 404). Calls take turns on the engine, in the order they come, each seeded by its session and
+turn; under asynchronous generation, where several windows (groups) are open at once and the engine is a
+`BatchingEngine`, calls that arrive together go into one engine call.
 
 Stitching (`stitch`): a rollout is trained as one sequence, prompt + completion, so each call's prompt must extend
 the previous call's prompt + completion token for token; what lies between (tool results, later user turns) is
@@ -52,6 +55,7 @@ from ..agents.chat import parse_completion, render_prompt, response_template, to
 from ..agents.loop import Transcript, transcripts_rollout
 from ..agents.tools import in_daemon_thread
 from ..data import is_conversational
+from ..rollout.batching import BatchingEngine
 from ..rollout.engine import PromptBatch, Rollout, RolloutEngine, SamplingParams
 
 SESSION_HEADER = "X-Session-ID"  # verifiers' header name (HTTP header names are case-insensitive)
@@ -81,15 +85,30 @@ class Call:
     reply: dict | None = None
 
 
+@dataclasses.dataclass(eq=False)
+class Window:
+    """One `serving` window: the engine and what its calls are sampled with, and its calls in flight."""
+
+    engine: RolloutEngine
+    params: SamplingParams
+    seed: int
+    version: int | None
+    open: bool = True
+    in_flight: int = 0
+
+
 @dataclasses.dataclass
 class Session:
     index: int  # the row it plays (seeds its calls)
+    window: Window
     calls: list[Call] = dataclasses.field(default_factory=list)
+    closed: bool = False
 
 
 class PolicyEndpoint:
     """The engine behind HTTP on 127.0.0.1 (see the module docstring). `start()` once; then per generation
-    `with endpoint.serving(engine, params, seed, version):` open sessions, let harnesses call, close them."""
+    `with endpoint.serving(engine, params, seed, version) as window:` open sessions in it, let harnesses call,
+    close them. Windows may be open at once (groups streamed under asynchronous generation)."""
 
     def __init__(self, tokenizer, *, max_completion_length: int, chat_template_kwargs: dict | None = None,
                  model_name: str = "grpokit-policy", max_model_length: int | None = None, port: int = 0):  # fmt: skip
@@ -100,11 +119,11 @@ class PolicyEndpoint:
             self.template = response_template(tokenizer)
         except ValueError:  # no tool-call format known: replies are the decoded text
             self.template = None
-        self.lock = threading.Lock()  # every engine call, and opening/closing a generation
+        self.lock = threading.Lock()  # the sessions and windows (not held during engine calls)
+        self.idle = threading.Condition(self.lock)  # notified when a call in flight ends
+        self.engine_lock = threading.Lock()  # one engine call at a time, unless the engine merges concurrent ones
         self.sessions: dict[str, Session] = {}
-        self.engine: RolloutEngine | None = None
-        self.params: SamplingParams | None = None
-        self.seed, self.version = 0, None
+        self.window: Window | None = None  # the latest window opened
         self.server: ThreadingHTTPServer | None = None
 
     # ------------------------------------------------------------------------------------------- lifetime
@@ -131,26 +150,39 @@ class PolicyEndpoint:
 
     @contextlib.contextmanager
     def serving(self, engine: RolloutEngine, params: SamplingParams, seed: int, version: int | None):
-        """Harnesses may call the engine inside this block only; leaving it waits for the call in flight."""
+        """The window's sessions may call the engine inside this block only; leaving it waits for their calls in
+        flight and closes them."""
+        window = Window(engine, params, seed, version)
         with self.lock:
-            self.engine, self.params, self.seed, self.version = engine, params, seed, version
+            self.window = window
         try:
-            yield self
+            yield window
         finally:
             with self.lock:
-                self.engine = None
-                self.sessions.clear()
+                window.open = False
+                while window.in_flight:
+                    self.idle.wait()
+                for name in [n for n, s in self.sessions.items() if s.window is window]:
+                    self.sessions.pop(name).closed = True
 
-    def open_session(self, index: int) -> str:
+    def open_session(self, index: int, window: Window | None = None) -> str:
+        """A session of `window` (the latest opened by default) playing row `index`."""
+        window = window or self.window
+        if window is None or not window.open:
+            raise RuntimeError("open_session: open sessions inside `with endpoint.serving(...)`.")
         name = uuid.uuid4().hex[:16]
-        self.sessions[name] = Session(index)
+        with self.lock:
+            self.sessions[name] = Session(index, window)
         return name
 
     def close_session(self, name: str) -> list[Call]:
-        """The session's calls; later calls to it are refused."""
-        with self.lock:  # not while one of its calls is being recorded
+        """The session's calls; later calls to it are refused, and a call in flight is not recorded."""
+        with self.lock:
             session = self.sessions.pop(name, None)
-        return [] if session is None else session.calls
+            if session is None:
+                return []
+            session.closed = True
+            return list(session.calls)
 
     # ------------------------------------------------------------------------------------------- routes
 
@@ -228,8 +260,9 @@ class PolicyEndpoint:
                                                                                self.chat_template_kwargs)
 
     def _sample(self, session: Session, prompt_ids: list[int], max_tokens, stop_ids: tuple) -> Call:
+        window = session.window
         with self.lock:
-            if self.engine is None:
+            if not window.open or session.closed:
                 raise EndpointError(404, "No rollout is being played: the endpoint samples only while the trainer "
                                          "waits for its harnesses.")  # fmt: skip
             first = session.calls[0].prompt_ids if session.calls else prompt_ids
@@ -240,16 +273,29 @@ class PolicyEndpoint:
             if max_tokens is not None:
                 budget = min(budget, int(max_tokens))
             if budget <= 0:  # nothing left to sample: an empty, truncated turn, recorded as no call
-                return Call(list(prompt_ids), [], [], self.version, True)
-            params = dataclasses.replace(self.params, max_new_tokens=budget,
-                                         eos_token_ids=tuple(self.params.eos_token_ids) + tuple(stop_ids))  # fmt: skip
-            seed = self.seed + 1009 * session.index + 7919 * len(session.calls)
-            out = self.engine.generate(PromptBatch(ids=[list(prompt_ids)], counts=[1], raw=[None]), params, seed)
-            ids = out.completion_id_lists()[0]
-            logprobs = None if out.sampling_logprobs is None else out.sampling_logprobs[0, : len(ids)].tolist()
-            call = Call(list(prompt_ids), ids, logprobs, self.version, bool(out.is_truncated[0]))
+                return Call(list(prompt_ids), [], [], window.version, True)
+            stops = tuple(window.params.eos_token_ids) + tuple(stop_ids)
+            params = dataclasses.replace(window.params, max_new_tokens=budget, eos_token_ids=stops)
+            seed = window.seed + 1009 * session.index + 7919 * len(session.calls)
+            window.in_flight += 1
+        try:
+            prompts = PromptBatch(ids=[list(prompt_ids)], counts=[1], raw=[None])
+            # A BatchingEngine takes concurrent calls (and merges them); any other engine one call at a time.
+            turns = contextlib.nullcontext() if isinstance(window.engine, BatchingEngine) else self.engine_lock
+            with turns:
+                out = window.engine.generate(prompts, params, seed)
+        finally:
+            with self.lock:
+                window.in_flight -= 1
+                self.idle.notify_all()
+        ids = out.completion_id_lists()[0]
+        logprobs = None if out.sampling_logprobs is None else out.sampling_logprobs[0, : len(ids)].tolist()
+        call = Call(list(prompt_ids), ids, logprobs, window.version, bool(out.is_truncated[0]))
+        with self.lock:
+            if session.closed:  # its rollout ended (timed out) while the engine sampled: nothing to record into
+                raise EndpointError(404, "The session closed while its call was sampled (its rollout timed out).")
             session.calls.append(call)
-            return call
+        return call
 
 
 def as_template_message(message: dict) -> dict:
@@ -391,22 +437,25 @@ class HarnessDriver:
     oldest policy version their calls were sampled at in `policy_version`."""
 
     exact_logprobs = True  # every sampled token's log-prob is the engine's own
+    concurrent_rollouts = True  # each rollout is a serving window of its own: groups may play at once (streaming)
 
     def __init__(self, endpoint: PolicyEndpoint, play: Callable[[str, dict], Any], *, timeout: float,
                  reward_column: str):  # fmt: skip
         self.endpoint, self.play, self.timeout, self.reward_column = endpoint, play, timeout, reward_column
         self.stats = HarnessStats()
+        self.stats_lock = threading.Lock()  # rollouts running at once count into the same stats
         self.warned: set[str] = set()
 
     def metrics(self, accelerator) -> dict[str, float]:
-        return self.stats.metrics(accelerator)
+        with self.stats_lock:
+            return self.stats.metrics(accelerator)
 
     def rollout(self, engine: RolloutEngine, rows: list[dict], params: SamplingParams, seed: int,
                 host: Any) -> tuple[Rollout, None]:  # fmt: skip
         version = getattr(getattr(host, "state", None), "global_step", None)
         self.endpoint.start()
-        with self.endpoint.serving(engine, params, seed, version):
-            sessions = [self.endpoint.open_session(index) for index in range(len(rows))]
+        with self.endpoint.serving(engine, params, seed, version) as window:
+            sessions = [self.endpoint.open_session(index, window) for index in range(len(rows))]
             futures = [in_daemon_thread(self.play, {"base_url": self.endpoint.base_url(s), "row": row}, "harness")
                        for s, row in zip(sessions, rows)]  # fmt: skip
             deadline = time.monotonic() + self.timeout
@@ -416,9 +465,11 @@ class HarnessDriver:
         for row, row_calls in zip(rows, calls):
             transcript, breaks = stitch(self._prompt_ids(row), row_calls, self.endpoint.max_completion_length)
             transcripts.append(transcript)
-            self.stats.calls += len(row_calls)
-            self.stats.prefix_breaks += breaks
-        self.stats.rollouts += len(rows)
+            with self.stats_lock:
+                self.stats.calls += len(row_calls)
+                self.stats.prefix_breaks += breaks
+        with self.stats_lock:
+            self.stats.rollouts += len(rows)
         versions = [min((c.version for c in row_calls if c.version is not None), default=version)
                     for row_calls in calls]  # fmt: skip
         extra = {self.reward_column: rewards, "policy_version": versions}
@@ -431,12 +482,14 @@ class HarnessDriver:
         try:
             return future.result(timeout=max(deadline - time.monotonic(), 0.0))
         except concurrent.futures.TimeoutError:
-            self.stats.timeouts += 1
+            with self.stats_lock:
+                self.stats.timeouts += 1
             self._warn_once("timeout", f"An agent harness did not return within {self.timeout:g} s (timeout): its "
                                        f"row scores None, and later calls from it are refused. Counted in "
                                        f"endpoint/timeout_frequency.")  # fmt: skip
         except Exception as error:  # noqa: BLE001 (a harness's failure is its row's, training goes on)
-            self.stats.errors += 1
+            with self.stats_lock:
+                self.stats.errors += 1
             self._warn_once(type(error).__name__, f"An agent harness raised {type(error).__name__}: {error}. Its row "
                                                   f"scores None; counted in endpoint/error_frequency.")  # fmt: skip
         return None
