@@ -235,6 +235,8 @@ def test_harnesses_are_streamed_group_by_group_under_max_staleness_and_their_cal
     steps = [r for r in trainer.state.log_history if "loss" in r]
     assert len(steps) == 4 and all(r["rewards/agent_reward/mean"] == 1.75 for r in steps)
     assert all(r["sample/staleness_max"] <= 1 for r in steps)
-    assert all(r["endpoint/calls_per_rollout"] == 2.0 for r in steps)
+    # Counted as groups end, which is not batch by batch: a record holds the groups that ended since the last one.
+    counted = [r["endpoint/calls_per_rollout"] for r in steps if "endpoint/calls_per_rollout" in r]
+    assert counted and all(value == 2.0 for value in counted), counted
     assert max(engine.rows) > 2, engine.rows  # harness calls of more than one group in one engine call
     assert len(engine.rows) < sum(engine.rows)

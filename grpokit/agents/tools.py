@@ -80,6 +80,8 @@ class ToolStats:
         values += [float(sum(self.truncated.values()))]
         values += [float(sum(self.calls.values())), float(sum(self.failures.values()))]
         totals = summed_over_processes(accelerator, values)
+        if not any(totals):  # no rollout ended since the last record (streamed groups end between batches)
+            return {}
         rows, (calls, failures) = max(totals[0], 1.0), totals[-2:]
         out = {"tools/call_frequency": calls / rows, "tools/failure_frequency": failures / calls if calls else 0.0,
                "tools/truncated_frequency": totals[-3] / calls if calls else 0.0}

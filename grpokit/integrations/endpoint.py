@@ -419,8 +419,9 @@ class HarnessStats:
         if accelerator.num_processes > 1:
             totals = accelerator.reduce(totals, "sum")
         rollouts, calls, timeouts, errors, breaks = totals.tolist()
-        rollouts = max(rollouts, 1.0)
         self.rollouts = self.calls = self.timeouts = self.errors = self.prefix_breaks = 0
+        if not rollouts:  # none ended since the last record (groups streamed: they end between batches)
+            return {}
         return {"endpoint/timeout_frequency": timeouts / rollouts, "endpoint/error_frequency": errors / rollouts,
                 "endpoint/calls_per_rollout": calls / rollouts,
                 "endpoint/prefix_break_frequency": breaks / calls if calls else 0.0}  # fmt: skip
@@ -459,17 +460,20 @@ class HarnessDriver:
             futures = [in_daemon_thread(self.play, {"base_url": self.endpoint.base_url(s), "row": row}, "harness")
                        for s, row in zip(sessions, rows)]  # fmt: skip
             deadline = time.monotonic() + self.timeout
-            rewards = [self._outcome(future, deadline) for future in futures]
+            failures = HarnessStats()  # this rollout's timeouts and errors, counted with it below
+            rewards = [self._outcome(future, deadline, failures) for future in futures]
             calls = [self.endpoint.close_session(s) for s in sessions]
-        transcripts = []
+        transcripts, breaks = [], 0
         for row, row_calls in zip(rows, calls):
-            transcript, breaks = stitch(self._prompt_ids(row), row_calls, self.endpoint.max_completion_length)
+            transcript, row_breaks = stitch(self._prompt_ids(row), row_calls, self.endpoint.max_completion_length)
             transcripts.append(transcript)
-            with self.stats_lock:
-                self.stats.calls += len(row_calls)
-                self.stats.prefix_breaks += breaks
-        with self.stats_lock:
+            breaks += row_breaks
+        with self.stats_lock:  # the rollouts with their calls, as one record (streamed groups count at once)
             self.stats.rollouts += len(rows)
+            self.stats.calls += sum(len(row_calls) for row_calls in calls)
+            self.stats.prefix_breaks += breaks
+            self.stats.timeouts += failures.timeouts
+            self.stats.errors += failures.errors
         versions = [min((c.version for c in row_calls if c.version is not None), default=version)
                     for row_calls in calls]  # fmt: skip
         extra = {self.reward_column: rewards, "policy_version": versions}
@@ -478,18 +482,16 @@ class HarnessDriver:
             rollout.sampling_logprobs = None  # an engine that reports none (the trainer computes π_old itself)
         return rollout, None
 
-    def _outcome(self, future: concurrent.futures.Future, deadline: float):
+    def _outcome(self, future: concurrent.futures.Future, deadline: float, failures: HarnessStats):
         try:
             return future.result(timeout=max(deadline - time.monotonic(), 0.0))
         except concurrent.futures.TimeoutError:
-            with self.stats_lock:
-                self.stats.timeouts += 1
+            failures.timeouts += 1
             self._warn_once("timeout", f"An agent harness did not return within {self.timeout:g} s (timeout): its "
                                        f"row scores None, and later calls from it are refused. Counted in "
                                        f"endpoint/timeout_frequency.")  # fmt: skip
         except Exception as error:  # noqa: BLE001 (a harness's failure is its row's, training goes on)
-            with self.stats_lock:
-                self.stats.errors += 1
+            failures.errors += 1
             self._warn_once(type(error).__name__, f"An agent harness raised {type(error).__name__}: {error}. Its row "
                                                   f"scores None; counted in endpoint/error_frequency.")  # fmt: skip
         return None
