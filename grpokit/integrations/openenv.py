@@ -408,6 +408,8 @@ class OpenEnvDriver:
             tool_metrics = self.stats.metrics(accelerator, ["reset", "step", "action"])
             self.counts.clear()
         rows, done, errors, timeouts = summed_over_processes(accelerator, values)
+        if not any((rows, done, errors, timeouts)):  # no rollout ended since the last record (streamed groups)
+            return {}
         out = {key.replace("tools/", "openenv/", 1): value for key, value in tool_metrics.items() if key.count("/") == 2}
         rows = max(rows, 1.0)
         out.update({"environment/error_frequency": errors / rows, "environment/timeout_frequency": timeouts / rows,
