@@ -148,8 +148,8 @@ class KillAt(TrainerCallback):
 @pytest.mark.parametrize("transport, max_staleness", [("http", None), ("broadcast", None), ("http", 1)])
 def test_the_server_going_away_mid_run_fails_clearly_and_the_run_resumes(tmp_path, transport, max_staleness):
     """The server SIGKILLed at the end of step 3: the run stops with the client's message (under asynchronous
-    generation, raised by the producer, which was sampling ahead), checkpoint-2 is intact, and a run resumed against
-    a new server reaches step 6 sampling from its own weights."""
+    generation, raised by the producer, which was sampling ahead, once the batches it had sampled are trained), the
+    checkpoints are intact, and a run resumed against a new server reaches step 6 sampling from its own weights."""
     model, tokenizer = tiny(seed=0)
     model_dir = save(model, tokenizer, tmp_path / "model")
     port = free_port()
@@ -170,9 +170,12 @@ def test_the_server_going_away_mid_run_fails_clearly_and_the_run_resumes(tmp_pat
             assert isinstance(raised.value.__cause__, ConnectionError)
     finally:
         stop(process)
-    assert trainer.state.global_step == 3
+    # Asynchronous: the producer may have sampled the next batches before the server died; the trainer trains them.
+    stopped = trainer.state.global_step
+    assert stopped == 3 if max_staleness is None else 3 <= stopped < 6
     out = Path(args.output_dir)
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]  # intact; nothing half-written
+    saved = [f"checkpoint-{step}" for step in range(2, stopped + 1, 2)]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == saved  # intact; nothing half-written
     # A new server (the original checkpoint: the resumed run pushes its own weights first) and a resumed run.
     process = start_server(model_dir, port)
     try:
@@ -186,7 +189,7 @@ def test_the_server_going_away_mid_run_fails_clearly_and_the_run_resumes(tmp_pat
     assert (out / "checkpoint-6").is_dir()
     # The resumed run trained from checkpoint-2's weights, pushed to the new server: its first generation's
     # log-probs from vLLM match the training forward's (the correction's metric), not the served checkpoint's.
-    first = next(r for r in resumed.state.log_history if r.get("step") == 3)
+    first = next(r for r in resumed.state.log_history if r.get("step") == int(saved[-1].split("-")[1]) + 1)
     assert first["sampling/sampling_logp_difference/max"] < 1e-3
 
 
