@@ -159,17 +159,17 @@ class Producer:
                 generation = self.generation
                 experience = self.maker.make(generation, self.trainer_state)
                 self.generation += experience.rollouts
-                self._put(self.queue, Produced(experience, self.weights_version, generation,
-                                               self.sampler.state_dict(), time.perf_counter()))  # fmt: skip
+                self._put(Produced(experience, self.weights_version, generation, self.sampler.state_dict(),
+                                   time.perf_counter()))  # fmt: skip
                 self.heartbeat = time.monotonic()
                 index += 1
         except BaseException as error:  # noqa: BLE001 - the trainer re-raises it with its traceback
             self.queue.put(Failure(error))
 
-    def _put(self, into: queue.Queue, item) -> None:
+    def _put(self, item) -> None:
         while not self.stop.is_set():
             try:
-                into.put(item, timeout=0.5)
+                self.queue.put(item, timeout=0.5)
                 return
             except queue.Full:  # the trainer is behind: keep the heartbeat
                 self.heartbeat = time.monotonic()

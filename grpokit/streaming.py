@@ -118,5 +118,5 @@ class StreamingProducer(Producer):
         state = {**self.sampler.state_dict(), "requeued": pending + list(self.sampler.requeued)}
         item = Produced(experience, min(t.version for t in tasks), self.generation - experience.rollouts, state,
                         time.perf_counter())  # fmt: skip
-        self._put(self.queue, item)
+        self._put(item)
         return True

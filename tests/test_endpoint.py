@@ -175,8 +175,8 @@ def test_the_generate_route_speaks_vllms_token_format_and_sessions_come_from_a_h
     params = SamplingParams(max_new_tokens=8, eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=0)
     try:
         assert post(f"{endpoint.url}/inference/v1/generate", {"token_ids": [1, 2]})[0] == 400  # no session
-        with endpoint.serving(engine, params, seed=0, version=3):
-            session = endpoint.open_session(0)
+        with endpoint.serving(engine, params, seed=0, version=3) as window:
+            session = endpoint.open_session(0, window)
             request = {"model": "policy", "token_ids": [1, 2], "sampling_params": {"max_tokens": 2, "logprobs": 1}}
             status, reply = post(f"{endpoint.url}/inference/v1/generate", request, {"X-Session-ID": session})
             assert status == 200 and reply["prompt_token_ids"] == [1, 2]

@@ -123,7 +123,6 @@ class PolicyEndpoint:
         self.idle = threading.Condition(self.lock)  # notified when a call in flight ends
         self.engine_lock = threading.Lock()  # one engine call at a time, unless the engine merges concurrent ones
         self.sessions: dict[str, Session] = {}
-        self.window: Window | None = None  # the latest window opened
         self.server: ThreadingHTTPServer | None = None
 
     # ------------------------------------------------------------------------------------------- lifetime
@@ -153,8 +152,6 @@ class PolicyEndpoint:
         """The window's sessions may call the engine inside this block only; leaving it waits for their calls in
         flight and closes them."""
         window = Window(engine, params, seed, version)
-        with self.lock:
-            self.window = window
         try:
             yield window
         finally:
@@ -165,11 +162,10 @@ class PolicyEndpoint:
                 for name in [n for n, s in self.sessions.items() if s.window is window]:
                     self.sessions.pop(name).closed = True
 
-    def open_session(self, index: int, window: Window | None = None) -> str:
-        """A session of `window` (the latest opened by default) playing row `index`."""
-        window = window or self.window
-        if window is None or not window.open:
-            raise RuntimeError("open_session: open sessions inside `with endpoint.serving(...)`.")
+    def open_session(self, index: int, window: Window) -> str:
+        """A session of `window` playing row `index`."""
+        if not window.open:
+            raise RuntimeError("open_session: open sessions inside `with endpoint.serving(...) as window`.")
         name = uuid.uuid4().hex[:16]
         with self.lock:
             self.sessions[name] = Session(index, window)

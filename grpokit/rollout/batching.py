@@ -67,9 +67,9 @@ class BatchingEngine:
     def _take_compatible(self) -> list[Request]:
         """The oldest waiting request and every other waiting one whose parameters it can share."""
         with self.waiting_lock:
-            key = merge_key(self.waiting[0].params)
-            taken = [r for r in self.waiting if merge_key(r.params) == key]
-            self.waiting = [r for r in self.waiting if merge_key(r.params) != key]
+            keys = [merge_key(r.params) for r in self.waiting]
+            taken = [r for r, key in zip(self.waiting, keys) if key == keys[0]]
+            self.waiting = [r for r, key in zip(self.waiting, keys) if key != keys[0]]
         return taken
 
     def _serve(self, requests: list[Request]) -> None:
