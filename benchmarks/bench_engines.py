@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's grpokit, not an installed one
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))  # this tree's grpokit, not an installed one
 from bench_vs_trl import build_model_dir, common_args, make_dataset, reward_len  # noqa: E402
 
 QWEN05 = dict(vocab_size=151_936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,

@@ -84,6 +84,13 @@ TRL_LIKE = ("trl", "unsloth")  # the runs that train with trl.GRPOTrainer
 PROMPT_TEMPLATE = "q{index:04d}: what is {a:02d}+{b:02d}? answer:"  # every prompt has the same token length
 
 
+
+def package_root(tree) -> str:
+    """The folder to put on sys.path for a source tree's grpokit: its src/ (the layout since 0.1), or the tree
+    itself for an earlier checkout that kept the package at its top."""
+    tree = Path(tree).resolve()
+    return str(tree / "src" if (tree / "src" / "grpokit").is_dir() else tree)
+
 def common_args(config: dict, output_dir: str, max_steps: int, learning_rate: float, beta: float, seed: int) -> dict:
     """The GRPOConfig keyword arguments, identical for trl.GRPOConfig and grpokit.GRPOConfig."""
     return dict(
@@ -316,7 +323,7 @@ def run_child(spec: dict) -> dict:
     else:
         # The source tree this script belongs to (the one machine_info describes), or an earlier one (--baseline),
         # shadows any installed grpokit.
-        sys.path.insert(0, spec.get("src") or str(Path(__file__).resolve().parent.parent))
+        sys.path.insert(0, spec.get("src") or package_root(Path(__file__).resolve().parent.parent))
         import grpokit
         from grpokit import GRPOConfig, GRPOTrainer
 
@@ -705,7 +712,7 @@ def main(argv=None) -> int:
                     "warmup": args.warmup, "beta": args.beta, "learning_rate": args.learning_rate, "seed": args.seed,
                     "threads": args.threads, "output_dir": str(workdir / f"out_{impl}_{repeat}"),
                     "num_prompts": max(64, prompts_per_step * (args.steps + args.warmup)),
-                    "src": str(Path(args.baseline).resolve()) if impl == BASELINE else None,
+                    "src": package_root(args.baseline) if impl == BASELINE else None,
                     "extra_args": {"grpokit": json.loads(args.grpokit_args), "trl": json.loads(args.trl_args),
                                    "unsloth": json.loads(args.unsloth_args)},
                     "lora": args.lora, "cpu": cpus[slot] if args.concurrent else None,

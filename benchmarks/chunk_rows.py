@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's grpokit, not an installed one
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))  # this tree's grpokit, not an installed one
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_trl import current_rss_mib, peak_rss_since_reset_mib, reset_peak_rss  # noqa: E402
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 from grpokit.cpu_matmul import Float32Linear, cpu_has_bf16_matmul  # noqa: E402
 from grpokit.cpu_memory import keep_large_allocations_mapped  # noqa: E402
 

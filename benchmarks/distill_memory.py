@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # this tree's grpokit, not an installed one
+sys.path.insert(0, str(HERE.parent / "src"))  # this tree's grpokit, not an installed one
 sys.path.insert(0, str(HERE))
 
 

@@ -16,7 +16,7 @@ import time
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's grpokit, not an installed one
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))  # this tree's grpokit, not an installed one
 
 SETTINGS = {
     "float32 weights, AdamW (TRL's default)": {},
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     parser.add_argument("--update-check", action="store_true", help="only compare the weight updates (update_check)")
     args = parser.parse_args(argv)
     root = Path(__file__).resolve().parent.parent
-    sys.path[:0] = [str(root), str(root / "tests")]
+    sys.path[:0] = [str(root / "src"), str(root / "tests")]
     warnings.filterwarnings("ignore")
     from grpokit import GRPOTrainer
     from grpokit.testing import save_tiny_model

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's grpokit, not an installed one
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))  # this tree's grpokit, not an installed one
 
 CONFIGS = {
     # bench_vs_trl's `small` shape: 4 layers, hidden 256, SwiGLU 1024, 4 / 2 heads; 64 completions of at most 64.
@@ -207,7 +207,7 @@ def child_memory(spec: dict) -> dict:
 
 
 def run_child(spec: dict, threads: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": str(threads)}
     out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
                          env=env, check=False)  # fmt: skip
     if out.returncode != 0:

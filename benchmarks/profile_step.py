@@ -31,7 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_trl import (  # noqa: E402
-    CONFIGS, LORA, build_model_dir, common_args, make_dataset, peak_rss_since_reset_mib, reset_peak_rss, reward_len,
+    CONFIGS, LORA, build_model_dir, common_args, make_dataset, package_root, peak_rss_since_reset_mib, reset_peak_rss,
+    reward_len,
 )  # fmt: skip
 
 
@@ -271,7 +272,7 @@ def main(argv=None) -> int:
                         help="extra GRPOConfig arguments, e.g. '{\"model_init_kwargs\": {\"dtype\": \"bfloat16\"}}'")
     args = parser.parse_args(argv)
     # Before anything imports grpokit: this source tree (or --src's), not an installed copy.
-    sys.path.insert(0, str(Path(args.src).resolve()) if args.src else str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, package_root(args.src or Path(__file__).resolve().parent.parent))
     if args.plain_head:
         import grpokit.logprobs
 

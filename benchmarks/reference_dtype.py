@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
     from grpokit.cpu_matmul import float32_matmuls
     from grpokit.logprobs import token_logprobs
     from grpokit.models import frozen_copy

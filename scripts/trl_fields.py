@@ -1,4 +1,4 @@
-"""Write grpokit/trl_fields.json: every field of the installed `trl.GRPOConfig` (TRL's own fields and the
+"""Write src/grpokit/trl_fields.json: every field of the installed `trl.GRPOConfig` (TRL's own fields and the
 `transformers.TrainingArguments` fields it inherits) with its default, the surface grpokit's GRPOConfig accepts; and
 grpokit/trl_distillation_fields.json, the same for `trl.DistillationConfig` (grpokit's DistillationConfig), and
 grpokit/trl_rloo_fields.json for `trl.RLOOConfig` (grpokit's RLOOConfig), and grpokit/trl_async_grpo_fields.json for
@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-JSON_PATH = Path(__file__).resolve().parents[1] / "grpokit" / "trl_fields.json"
+JSON_PATH = Path(__file__).resolve().parents[1] / "src" / "grpokit" / "trl_fields.json"
 # The same for `trl.DistillationConfig`, the surface of grpokit.distillation_config.DistillationConfig.
 DISTILLATION_JSON_PATH = JSON_PATH.with_name("trl_distillation_fields.json")
 # And for `trl.RLOOConfig`, the surface of grpokit.rloo.RLOOConfig.
@@ -76,8 +76,6 @@ def grpokit_default_differences(committed: dict, config: str = "GRPOConfig") -> 
     """One line per TRL field whose default in grpokit's `config` is not the committed JSON's, unless listed in
     grpokit.config.TRL_DEFAULT_DIFFERENCES (a deliberate difference with its reason; GRPOConfig only), and per
     listed field whose default is TRL's after all (a stale entry)."""
-    if str(JSON_PATH.parents[1]) not in sys.path:  # this checkout's grpokit, not another installed one
-        sys.path.insert(0, str(JSON_PATH.parents[1]))
     import grpokit
     from grpokit.async_grpo import AsyncGRPOConfig
     from grpokit.config import TRL_DEFAULT_DIFFERENCES

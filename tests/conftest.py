@@ -13,10 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 
-# Processes the tests start (torchrun ranks, the CLI, a vLLM server) import grpokit from this checkout, as the tests
-# themselves do, not an installed copy that may be older: they inherit PYTHONPATH.
-REPO_ROOT = str(Path(__file__).resolve().parents[1])
-os.environ["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
+# The tests exercise the installed grpokit (a wheel built from this tree, or `pip install -e .` while developing): the
+# package lives in src/, so neither the checkout on sys.path nor the processes the tests start (torchrun ranks, the
+# CLI, a vLLM server) can import it from the tree by accident. The header of every run says which one it imports.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_report_header(config):
+    import grpokit
+
+    where = Path(grpokit.__file__).resolve().parent
+    kind = "this checkout's src/ (editable install)" if where.is_relative_to(REPO_ROOT) else "an installed package"
+    return f"grpokit {grpokit.__version__} from {where}: {kind}"
 
 
 def pytest_addoption(parser):

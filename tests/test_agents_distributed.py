@@ -96,7 +96,7 @@ def test_two_processes_make_the_update_of_one_from_multi_turn_rollouts(tmp_path)
     script, spec = write(two, {"out": str(two), "batch": 4})
     run_launcher([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                   "127.0.0.1", "--master_port", str(free_port()), script, spec],
-                 env={"PYTHONPATH": os.pathsep.join([str(Path(TESTS).parent), os.environ.get("PYTHONPATH", "")])})
+                 env={"PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])})
     # the single-process reference runs the same script in this process
     run_in_this_process(one, {"out": str(one), "batch": 8}, script=SCRIPT)
     reference, rank0, rank1 = (load(path) for path in (one / "weights_0.pt", two / "weights_0.pt",

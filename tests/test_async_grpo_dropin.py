@@ -11,6 +11,7 @@ import enum
 import json
 import runpy
 import sys
+from importlib.resources import files
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ from test_rloo import defaults
 from test_vllm_client import served, stand_in_server
 
 ROOT = Path(__file__).resolve().parents[1]
-RECORDED = json.loads((ROOT / "grpokit" / "trl_async_grpo_fields.json").read_text())
+RECORDED = json.loads(files("grpokit").joinpath("trl_async_grpo_fields.json").read_text())
 
 
 def installed_trl_async():

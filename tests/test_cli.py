@@ -80,15 +80,19 @@ def test_full_demo_turns_failure_into_success(tmp_path):
     assert result["seconds"] < 300
 
 
-def test_processes_the_tests_start_import_this_checkout(tmp_path):
-    # conftest puts the checkout first on PYTHONPATH: a torchrun rank or a CLI run started elsewhere would otherwise
-    # import whatever grpokit is installed, which may be older than the code under test.
+def test_processes_the_tests_start_import_the_installed_package_the_tests_import(tmp_path):
+    # The package lives in src/: a process started in the checkout (a torchrun rank, the CLI) imports the installed
+    # grpokit, the one under test, never a copy of the tree that happens to be on sys.path.
     from pathlib import Path
 
-    out = subprocess.run([sys.executable, "-c", "import grpokit; print(grpokit.__file__)"], cwd=tmp_path,
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    import grpokit
+
     checkout = Path(__file__).resolve().parents[1]
-    assert Path(out.stdout.strip().splitlines()[-1]).resolve().is_relative_to(checkout)
+    assert not (checkout / "grpokit").exists(), "the package must stay under src/ (it would shadow the installed one)"
+    for cwd in (tmp_path, checkout):
+        out = subprocess.run([sys.executable, "-c", "import grpokit; print(grpokit.__file__)"], cwd=cwd,
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        assert Path(out.stdout.strip().splitlines()[-1]).resolve() == Path(grpokit.__file__).resolve()
 
 
 # ------------------------------------------------------------------------ mistakes: one or two lines, a suggestion

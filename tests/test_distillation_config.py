@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from importlib.resources import files
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from grpokit.config import GRPOConfig
 from grpokit.distillation_config import DISTILLATION_FIELDS, DistillationConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-TRL = json.loads((ROOT / "grpokit" / "trl_distillation_fields.json").read_text())
+TRL = json.loads(files("grpokit").joinpath("trl_distillation_fields.json").read_text())
 
 
 def defaults(config_class) -> dict:

@@ -11,6 +11,7 @@ import inspect
 import json
 import textwrap
 import types
+from importlib.resources import files
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from grpokit.testing import save_tiny_model
 from letters import LETTERS, letter_dataset, repeat_letter, tiny_letter_model
 
 ROOT = Path(__file__).resolve().parents[1]
-RECORDED = json.loads((ROOT / "grpokit" / "trl_rloo_fields.json").read_text())
+RECORDED = json.loads(files("grpokit").joinpath("trl_rloo_fields.json").read_text())
 
 
 def defaults(config_class) -> dict:

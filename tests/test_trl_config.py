@@ -8,15 +8,17 @@ import json
 import math
 import re
 import warnings
+from importlib.resources import files
 from pathlib import Path
 
 import pytest
 
+import grpokit
 from grpokit.cli import _field_types, parse_train_args
 from grpokit.config import DEPRECATED, IMPLEMENTED, NO_EFFECT, NOT_IMPLEMENTED, GRPOConfig, _default_of
 
 ROOT = Path(__file__).resolve().parents[1]
-TRL = json.loads((ROOT / "grpokit" / "trl_fields.json").read_text())
+TRL = json.loads(files("grpokit").joinpath("trl_fields.json").read_text())
 TRL_FIELDS: dict = TRL["fields"]
 IMPLEMENTED_TRL = [name for name in IMPLEMENTED if name in TRL_FIELDS]
 # Fields whose grpokit default is not TRL's, so that passing TRL's default explicitly warns: grpokit does what
@@ -69,7 +71,7 @@ def test_every_trl_field_is_implemented_or_listed():
 
 def test_implemented_fields_are_read_by_grpokit():
     # "Implemented" is a claim about the code: something outside the field's declaration reads it.
-    source = "\n".join(path.read_text() for path in (ROOT / "grpokit").rglob("*.py"))
+    source = "\n".join(path.read_text() for path in Path(grpokit.__file__).parent.rglob("*.py"))
     unread = [name for name in IMPLEMENTED if name not in READ_BY_TRANSFORMERS
               and not re.search(rf"\.{name}\b|[\"']{name}[\"']", source)]  # fmt: skip
     assert unread == []
@@ -229,7 +231,7 @@ def test_every_trl_field_is_a_flag_coerced_to_its_type(name):
 def test_json_matches_the_installed_trl(config, recorded):
     pytest.importorskip("trl")
     script = load_script("trl_fields")
-    committed = json.loads((ROOT / "grpokit" / recorded).read_text())
+    committed = json.loads(files("grpokit").joinpath(recorded).read_text())
     installed = script.installed_fields(config)
     if installed["versions"]["trl"] != committed["versions"]["trl"]:
         pytest.skip(f"trl {installed['versions']['trl']} is installed; the JSON is of {committed['versions']['trl']}")

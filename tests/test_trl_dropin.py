@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import threading
+from importlib.resources import files
 
 import pytest
 import torch
@@ -943,7 +944,7 @@ def test_defaults_are_trls_but_the_listed_ones(tmp_path):
     spec = importlib.util.spec_from_file_location("trl_fields", root / "scripts" / "trl_fields.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    committed = json.loads((root / "grpokit" / "trl_fields.json").read_text())
+    committed = json.loads(files("grpokit").joinpath("trl_fields.json").read_text())
     assert script.grpokit_default_differences(committed) == []
     changed = {**committed, "fields": {**committed["fields"], "beta": 0.5}}  # a default that would drift silently
     assert script.grpokit_default_differences(changed) == [

@@ -25,12 +25,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import warnings
-from pathlib import Path
+from importlib.resources import files
 
 from .config import GRPOConfig, trl_config_fields
 from .trainer import GRPOTrainer
 
-TRL_RLOO_FIELDS: dict = json.loads((Path(__file__).with_name("trl_rloo_fields.json")).read_text())
+TRL_RLOO_FIELDS: dict = json.loads(files("grpokit").joinpath("trl_rloo_fields.json").read_text())
 
 # The fields grpokit's GRPOConfig has not, or has with another meaning: name -> (annotation, help)
 RLOO_FIELDS = {

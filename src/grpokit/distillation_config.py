@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
+from importlib.resources import files
 
 from .config import GRPOConfig, trl_config_fields
 
-TRL_DISTILLATION_FIELDS: dict = json.loads((Path(__file__).with_name("trl_distillation_fields.json")).read_text())
+TRL_DISTILLATION_FIELDS: dict = json.loads(files("grpokit").joinpath("trl_distillation_fields.json").read_text())
 
 # The fields GRPOConfig has not, or has with another meaning: name -> (annotation, help)
 DISTILLATION_FIELDS = {
