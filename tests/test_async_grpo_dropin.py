@@ -185,6 +185,42 @@ def test_the_default_backend_is_the_vllm_server_at_the_base_url_with_trls_timeou
         assert plain.request_timeout == plain.weight_sync_timeout == (30, "vllm_server_timeout")  # as before
 
 
+def test_with_no_server_it_says_at_once_that_it_waits_for_what_and_both_ways_out(tmp_path):
+    """TRL's defaults without a server: said within a second, not after vllm_server_timeout (240 s) of silence."""
+    import logging
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed: nothing listens there
+    said = []
+
+    class Record(logging.Handler):
+        def emit(self, record):
+            said.append((time.monotonic(), record.getMessage()))
+
+    handler, started = Record(level=logging.WARNING), time.monotonic()
+    logging.getLogger("grpokit").addHandler(handler)
+    model, tokenizer = tiny_letter_model()
+    try:
+        with pytest.raises(ConnectionError, match=r"after 3 s \(vllm_server_timeout\): start one with `grpokit "
+                                                  rf"vllm-serve --model MODEL_DIR --port {port}`.* or sample in this "
+                                                  r"process instead with use_vllm=False"):  # fmt: skip
+            AsyncGRPOTrainer(model, repeat_letter, AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_timeout=3,
+                                                                   max_completion_length=8,
+                                                                   vllm_server_base_url=f"http://127.0.0.1:{port}"),
+                             letter_dataset(), tokenizer)  # fmt: skip
+    finally:
+        logging.getLogger("grpokit").removeHandler(handler)
+    (when, message), = [(when, message) for when, message in said if "Waiting" in message]
+    assert when - started < 3  # (the model is built first; the first refused connection is said at once)
+    assert message == (f"Waiting up to 3 s (vllm_server_timeout) for a vLLM server at http://127.0.0.1:{port} "
+                       "(use_vllm=True, vllm_mode='server'): none answers yet. Either start one with `grpokit "
+                       f"vllm-serve --model MODEL_DIR --port {port}` (or check vllm_server_base_url / "
+                       "vllm_server_host / vllm_server_port), or sample in this process instead with use_vllm=False.")
+
+
 def test_a_model_object_in_the_configs_dtype_is_taken(tmp_path):
     model, tokenizer = tiny_letter_model()
     trainer = AsyncGRPOTrainer(model, repeat_letter, AsyncGRPOConfig(output_dir=str(tmp_path), use_vllm=False,

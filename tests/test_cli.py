@@ -123,6 +123,79 @@ def test_a_mistake_prints_one_line_with_a_suggestion(capsys, argv, words):
         assert word in err, err
 
 
+@pytest.fixture
+def tiny_run(tmp_path, monkeypatch):
+    """A saved tiny model `tiny` and two datasets in the current directory: ok.jsonl (prompt, answer) and
+    questions.jsonl (question, answer)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    save_tiny_model(tmp_path / "tiny")
+    for name, column in (("ok.jsonl", "prompt"), ("questions.jsonl", "question")):
+        (tmp_path / name).write_text("\n".join(json.dumps({column: "ab", "answer": "b"}) for _ in range(8)))
+    return tmp_path
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--model", "tinyy", "--dataset", "ok.jsonl", "--reward", "length"],
+     "grpokit train: error: --model tinyy: no such directory. Did you mean tiny?"),
+    (["--model", "tiny", "--dataset", "questions.jsonl", "--reward", "length"],
+     "grpokit train: error: dataset questions.jsonl has no 'prompt' column (its columns: question, answer): say which "
+     "column holds the prompts with --rename_column question=prompt."),
+    (["--model", "tiny", "--dataset", "ok.jsonl", "--reward", "exact_match"],
+     "grpokit train: error: reward exact_match reads the dataset column 'target', which dataset ok.jsonl lacks (its "
+     "columns: prompt, answer): name the column that holds it with --rename_column answer=target."),
+    (["--model", "tiny", "--dataset", "ok.jsonl", "--reward", "length", "--rename_column", "answr=target"],
+     "grpokit train: error: --rename_column answr=target: dataset ok.jsonl has no column 'answr' (its columns: "
+     "prompt, answer). Did you mean answer?"),
+    (["--model", "tiny", "--dataset", "ok.jsonl", "--reward", "length", "--rename_column", "answer"],
+     "grpokit train: error: --rename_column takes OLD=NEW pairs (e.g. --rename_column question=prompt), not "
+     "'answer'."),
+    (["--model", "tiny", "--dataset", "ok.jsonl", "--reward", "length", "--per_device_train_batch_size", "4",
+      "--generation_batch_size", "12", "--num_generations", "8"],
+     "grpokit train: error: generation_batch_size (12) must be divisible by num_generations (8): the global "
+     "generation batch (1 process(es) x per_device_train_batch_size 4 x steps_per_generation 3 = 12 completions) "
+     "must be a multiple of num_generations. Change per_device_train_batch_size or num_generations (valid "
+     "num_generations here: [2, 3, 4, 6, 12])."),
+])  # fmt: skip
+def test_a_user_error_on_the_command_line_is_one_line_with_a_fix_the_cli_user_can_apply(tiny_run, capsys, argv,
+                                                                                           line):  # fmt: skip
+    code, out, err = run_main(capsys, "train", *argv, "--max_steps", "1", "--output_dir", "out")
+    assert (code, err.strip().splitlines()[-1:]) == (2, [line]), err
+    assert "Traceback" not in err and not (tiny_run / "out").exists()
+
+
+def test_a_hub_id_that_cannot_be_loaded_is_one_line(tiny_run, capsys):
+    code, _, err = run_main(capsys, "train", "--model", "org/no-such-model", "--dataset", "ok.jsonl", "--reward",
+                            "length")  # fmt: skip
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("grpokit train: error: --model org/no-such-model: not a local "
+                                                   "directory, and not loadable from the Hub (")  # fmt: skip
+
+
+def test_rename_column_fixes_what_it_names(tiny_run, capsys):
+    code, out, err = run_main(capsys, "train", "--model", "tiny", "--dataset", "questions.jsonl", "--reward",
+                              "exact_match", "--rename_column", "question=prompt", "answer=target", "--max_steps",
+                              "1", "--num_generations", "2", "--per_device_train_batch_size", "2", "--output_dir",
+                              "out", "--disable_tqdm", "true", "--logging_steps", "1")  # fmt: skip
+    assert code == 0, err
+    assert "rewards/exact_match/mean" in json.loads((tiny_run / "out" / "metrics.jsonl").read_text().splitlines()[0])
+
+
+def test_no_command_prints_the_usage_and_exits_2(capsys):
+    code, out, err = run_main(capsys)
+    assert code == 2 and out == "" and err.startswith("usage: grpokit {train,eval,report,vllm-serve}")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["train", "--help"], ["train", "--learnig_rate", "1"],
+                                  ["eval", "--tempreature", "1"]])  # fmt: skip
+def test_help_version_and_argument_errors_do_not_import_torch(argv):
+    code = ("import sys; from grpokit.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "heavy = [m for m in ('torch', 'transformers', 'accelerate', 'peft', 'datasets') if m in sys.modules]\n"
+            "print('imported:', heavy)")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip().splitlines()[-1] == "imported: []", done.stdout + done.stderr
+
+
 def test_a_yaml_typo_is_named_with_the_field_it_meant(tmp_path, capsys):
     config = tmp_path / "run.yaml"
     config.write_text("learning_rat: 1.0e-5\nmodel: m\n")

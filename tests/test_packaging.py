@@ -73,3 +73,32 @@ def test_the_grpokit_under_test_is_installed_with_every_file_of_the_tree():
     assert package_files(installed) == package_files(PACKAGE)
     assert files("grpokit").joinpath("trl_fields.json").read_text().startswith("{")
 
+
+def test_import_grpokit_is_light_and_every_public_name_resolves_to_its_module():
+    import ast
+    import logging
+
+    code = "import sys, grpokit; print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]"
+    # the lazy names are the TYPE_CHECKING imports (what type checkers and the API reference see) and __all__
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    (block,) = [node for node in tree.body if getattr(getattr(node, "test", None), "id", "") == "TYPE_CHECKING"]
+    imported = {alias.name: node.module for node in block.body for alias in node.names}
+    assert imported == grpokit._HOMES and sorted(grpokit.__all__) == sorted(imported)
+    for name, module in imported.items():
+        assert getattr(grpokit, name).__module__.startswith(f"grpokit.{module}"), name
+    with pytest.raises(AttributeError, match="no attribute 'GRPOTrainr'"):
+        grpokit.GRPOTrainr  # noqa: B018
+    # bitsandbytes' failed fetch of an optional Hub kernel is dropped; its other warnings are not
+    kept = []
+    handler = logging.Handler()
+    handler.emit = kept.append
+    bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    bnb.addHandler(handler)
+    try:
+        bnb.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure ...", "x")
+        bnb.warning("something else")
+    finally:
+        bnb.removeHandler(handler)
+    assert [record.getMessage() for record in kept] == ["something else"]

@@ -21,17 +21,23 @@ import yaml
 
 from .config import GRPOConfig, annotation_of
 
-RUN_KEYS = ("model", "dataset", "dataset_split", "reward", "eval_dataset", "eval_dataset_split")
+RUN_KEYS = ("model", "dataset", "dataset_split", "reward", "eval_dataset", "eval_dataset_split", "rename_column")
 
 
 class UsageError(ValueError):
     """A user's mistake on the command line or in a config file: printed as one or two lines, no traceback."""
 
 
+def closest(word: str, choices) -> str | None:
+    """The closest of `choices` to `word`, or None when nothing is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
 def did_you_mean(word: str, choices) -> str:
     """' Did you mean X?' for the closest of `choices`, or '' when nothing is close."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.75)
-    return f" Did you mean {close[0]}?" if close else ""
+    close = closest(word, choices)
+    return f" Did you mean {close}?" if close else ""
 
 
 class Parser(argparse.ArgumentParser):
@@ -130,6 +136,7 @@ def build_train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reward", action="append", default=None,
                         help="Reward: a built-in name (accuracy, think_format, length, code_execution, exact_match) "
                              "or module:function / path.py:function. Repeat for several.")  # fmt: skip
+    add_rename_column(parser)
     for f in dataclasses.fields(GRPOConfig):
         parser.add_argument(f"--{f.name}", dest=f.name, default=argparse.SUPPRESS, metavar="VALUE",
                             help=f.metadata.get("help", ""),
@@ -159,6 +166,7 @@ def parse_train_args(argv: list[str]) -> tuple[dict, dict]:
             run[key] = namespace[key]
     if isinstance(run["reward"], str):
         run["reward"] = [run["reward"]]
+    run["rename_column"] = column_renames(run["rename_column"])
     fields = {f.name for f in dataclasses.fields(GRPOConfig)}
     unknown = sorted(set(values) - fields)
     if unknown:
@@ -188,20 +196,106 @@ def train_command(argv: list[str]) -> int:
     missing = [key for key in ("model", "dataset", "reward") if not run[key]]
     if missing:
         raise UsageError(f"missing {', '.join('--' + k for k in missing)} (or give them in the YAML file).")
-    from .trainer import GRPOTrainer
-
     rewards = resolve_rewards(run["reward"])  # bad reward names fail before any loading
     args = build_config(values)
-    dataset = load_data(run["dataset"], run["dataset_split"] or "train")
-    eval_dataset = load_data(run["eval_dataset"], run["eval_dataset_split"] or "test") if run["eval_dataset"] else None
-    trainer = GRPOTrainer(model=run["model"], reward_funcs=rewards, args=args, train_dataset=dataset,
-                          eval_dataset=eval_dataset)  # fmt: skip
+    dataset = load_data(run["dataset"], run["dataset_split"] or "train", run["rename_column"])
+    check_columns(dataset, run["dataset"], rewards)
+    eval_dataset = None
+    if run["eval_dataset"]:
+        eval_dataset = load_data(run["eval_dataset"], run["eval_dataset_split"] or "test", run["rename_column"])
+        check_columns(eval_dataset, run["eval_dataset"], rewards)
+    check_model(run["model"])
+    trainer = build_trainer(model=run["model"], reward_funcs=rewards, args=args, train_dataset=dataset,
+                            eval_dataset=eval_dataset)  # fmt: skip
     trainer.train()
     trainer.save_model(args.output_dir)
     if trainer.accelerator.is_main_process:  # once, also under torchrun / accelerate launch
         out = Path(args.output_dir).resolve()
         print(f"Model saved to {out}; metrics in {out / 'metrics.jsonl'}.")
     return 0
+
+
+def build_trainer(**kwargs):
+    """GRPOTrainer(**kwargs); the checks it makes on the run's values (batch shapes, datasets, rewards) are the
+    user's to fix, so a ValueError there is one line, not a traceback (GRPOKIT_TRACEBACK=1 shows it)."""
+    import os
+
+    from .trainer import GRPOTrainer
+
+    try:
+        return GRPOTrainer(**kwargs)
+    except ValueError as error:
+        if os.environ.get("GRPOKIT_TRACEBACK") == "1":
+            raise
+        raise UsageError(" ".join(str(error).split())) from None
+
+
+def add_rename_column(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rename_column", nargs="+", default=None, metavar="OLD=NEW",
+                        help="Rename dataset columns before training, e.g. --rename_column question=prompt "
+                             "answer=solution (the prompts go in 'prompt'; built-in rewards read their own columns).")
+
+
+def column_renames(value) -> dict[str, str]:
+    """--rename_column's OLD=NEW pairs (or a YAML mapping {old: new}) as a dict."""
+    if not value:
+        return {}
+    if isinstance(value, dict):
+        return {str(old): str(new) for old, new in value.items()}
+    pairs = [item for word in ([value] if isinstance(value, str) else value) for item in str(word).split(",") if item]
+    bad = [pair for pair in pairs if pair.count("=") != 1 or not all(pair.split("="))]
+    if bad:
+        raise UsageError(f"--rename_column takes OLD=NEW pairs (e.g. --rename_column question=prompt), not {bad[0]!r}.")
+    return dict(pair.split("=") for pair in pairs)
+
+
+def check_model(model: str) -> None:
+    """A model that is neither a local directory nor loadable from the Hub is named before anything loads, with the
+    closest local directory."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UsageError(f"--model {model}: the directory has no config.json (a save_pretrained / save_model "
+                             "directory, or a checkpoint-<step> directory of a run, holds one).")  # fmt: skip
+        return
+    folder = path.parent if path.parent.is_dir() else None
+    nearby = [entry.name for entry in folder.iterdir() if entry.is_dir()] if folder is not None else []
+    near = closest(path.name, nearby)
+    if near is not None:
+        shown = near if str(path.parent) == "." else str(path.parent / near)
+        raise UsageError(f"--model {model}: no such directory. Did you mean {shown}?")
+    looks_local = model.startswith((".", "/", "~")) or model.count("/") != 1
+    try:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as error:
+        where = "no such directory" if looks_local else "not a local directory, and not loadable from the Hub"
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UsageError(f"--model {model}: {where} ({reason}). Give a model directory (save_pretrained's) or a "
+                         "Hub id this machine can download.") from None  # fmt: skip
+
+
+def check_columns(dataset, spec: str, rewards: list) -> None:
+    """The dataset's prompt column and the columns the rewards read, with the command line's fix: --rename_column."""
+    from .data import PROMPT_COLUMNS, dataset_columns
+    from .rewards.base import RewardFunction, reward_name
+
+    columns = dataset_columns(dataset)
+    if not any(column in columns for column in PROMPT_COLUMNS):
+        guess = next((c for c in ("question", "problem", "query", "input", "instruction", "text") if c in columns),
+                     columns[0] if columns else "COLUMN")  # fmt: skip
+        raise UsageError(f"dataset {spec} has no 'prompt' column (its columns: {', '.join(columns)}): say which "
+                         f"column holds the prompts with --rename_column {guess}=prompt.")  # fmt: skip
+    for reward in rewards:
+        function = RewardFunction(reward_name(reward), reward)
+        missing = [c for c in function.required_columns() if c not in columns]
+        if missing:
+            others = [c for c in columns if c not in PROMPT_COLUMNS]
+            guess = closest(missing[0], others) or (others[0] if others else "COLUMN")
+            raise UsageError(f"reward {function.name} reads the dataset column {missing[0]!r}, which dataset {spec} "
+                             f"lacks (its columns: {', '.join(columns)}): name the column that holds it with "
+                             f"--rename_column {guess}={missing[0]}.")  # fmt: skip
 
 
 def _raised_by_config_validation(error: BaseException) -> bool:
@@ -228,13 +322,19 @@ def build_config(values: dict) -> GRPOConfig:
         raise UsageError(str(error)) from None
 
 
-def load_data(spec: str, split: str):
-    from .data import load_dataset_source
+def load_data(spec: str, split: str, renames: dict[str, str] | None = None):
+    from .data import dataset_columns, load_dataset_source
 
     try:
-        return load_dataset_source(spec, split=split)
+        dataset = load_dataset_source(spec, split=split)
     except (FileNotFoundError, ValueError) as error:
         raise UsageError(str(error)) from None
+    columns = dataset_columns(dataset)
+    for old, new in (renames or {}).items():
+        if old not in columns:
+            raise UsageError(f"--rename_column {old}={new}: dataset {spec} has no column {old!r} (its columns: "
+                             f"{', '.join(columns)}).{did_you_mean(old, columns)}")  # fmt: skip
+    return dataset.rename_columns(renames) if renames else dataset
 
 
 def report_command(argv: list[str]) -> int:
@@ -295,6 +395,7 @@ def eval_command(argv: list[str]) -> int:
     parser.add_argument("--reward", action="append", required=True,
                         help="Reward, as for `grpokit train --reward`. Repeat for several.")  # fmt: skip
     parser.add_argument("--out", default="eval_results.json", help="JSON file to write (default: %(default)s).")
+    add_rename_column(parser)
     for name in EVAL_FIELDS:
         parser.add_argument(f"--{name}", dest=name, default=argparse.SUPPRESS, metavar="VALUE",
                             help=GRPOConfig.field_help(name),
@@ -316,14 +417,16 @@ def eval_command(argv: list[str]) -> int:
         print(f"Settings from {run_config} (flags override): "
               + ", ".join(f"{k}={v}" for k, v in inherited.items() if v is not None))  # fmt: skip
     from .evaluation import format_table
-    from .trainer import GRPOTrainer
 
     rewards = resolve_rewards(options["reward"])
     args = build_config({"disable_tqdm": True, **values})
-    dataset = load_data(options["dataset"], options["dataset_split"] or "train")
+    renames = column_renames(options["rename_column"])
+    dataset = load_data(options["dataset"], options["dataset_split"] or "train", renames)
+    check_columns(dataset, options["dataset"], rewards)
+    check_model(options["model"])
     # The trainer loads the model exactly as training does and evaluates exactly as it does during training.
-    trainer = GRPOTrainer(model=options["model"], reward_funcs=rewards, args=args, train_dataset=dataset,
-                          eval_dataset=dataset)  # fmt: skip
+    trainer = build_trainer(model=options["model"], reward_funcs=rewards, args=args, train_dataset=dataset,
+                            eval_dataset=dataset)  # fmt: skip
     metrics = trainer.evaluate()
     if not trainer.accelerator.is_main_process:  # under accelerate launch every process evaluates its share
         return 0
@@ -366,7 +469,10 @@ USAGE = (
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:  # a command is needed: the usage, as an error (exit 2), as argparse does
+        print(USAGE, file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
     if argv[0] in ("-V", "--version"):

@@ -27,19 +27,19 @@ import types
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from .advantages import SCALE_REWARDS
 from .logs import TRACKERS
-from .loss import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, SAMPLING_CORRECTION_MODES
 
-# A runtime import, not under TYPE_CHECKING: transformers' HfArgumentParser (TRL's TrlParser) resolves every field's
-# annotation when it builds a command line from GRPOConfig. accelerate has it from 1.10 on (as transformers, Any
-# before).
-try:
+if TYPE_CHECKING:
     from accelerate.parallelism_config import ParallelismConfig
-except ImportError:  # accelerate < 1.10
-    ParallelismConfig = Any
+else:
+
+    class ParallelismConfig:
+        """The name of parallelism_config's annotation at run time: transformers' HfArgumentParser (TRL's TrlParser)
+        resolves every field's annotation when it builds a command line from GRPOConfig, and importing accelerate's
+        class would import torch whenever the fields are read (`grpokit train --help`). grpokit does not implement
+        the field (a value warns), so nothing checks a value against the class."""
 
 # transformers' schedules that need no metric; extra arguments go in lr_scheduler_kwargs (name -> required keys,
 # any one of which will do).
@@ -95,6 +95,9 @@ def _token_ids(value) -> list[int] | None:
 
 
 NOT_IMPLEMENTED_KIND, NO_EFFECT_KIND, DEPRECATED_KIND = "not implemented", "no effect", "deprecated"
+# The loss types' names, for loss_type's help without importing torch (the command line reads the fields' help);
+# loss.LOSS_TYPES defines them, and tests/test_config.py checks the two agree.
+LOSS_TYPE_NAMES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "rloo")
 
 
 def _field(default, help: str, metadata: dict):
@@ -258,7 +261,7 @@ class GRPOConfig:
     importance_sampling_level: str = _f("token", "'token' ratios (GRPO) or one 'sequence' ratio (GSPO).")
     reward_weights: list[float] | None = _f(None, "Weight of each reward function (default: all 1).")
     scale_rewards: str = _f("group", "Divide advantages by the std of the 'group', the 'batch', or 'none'.")
-    loss_type: str = _f("dapo", f"Token aggregation: one of {', '.join(AGGREGATIONS)}.")
+    loss_type: str = _f("dapo", f"Token aggregation: one of {', '.join(LOSS_TYPE_NAMES)}.")
     mask_truncated_completions: bool = _f(False, "Exclude completions that hit max_completion_length from the loss.")
     sync_ref_model: bool = _f(False, "Move the reference towards the policy every ref_model_sync_steps.")
     ref_model_mixup_alpha: float = _f(0.6, "ref <- alpha * policy + (1 - alpha) * ref at each sync.")
@@ -577,9 +580,9 @@ class GRPOConfig:
     entropy_target: float = _f(0.2, "use_adaptive_entropy: the mean token entropy aimed at.")
 
     # ---- deprecated grpokit names (TRL 1.16 / transformers 5 dropped or renamed them): they still take effect
-    max_prompt_length: int | None = _deprecated(512, "TRL 1.16 dropped it and no longer cuts prompts; filter "
-                                                     "overlong prompts out of the dataset instead. grpokit still "
-                                                     "keeps the last max_prompt_length tokens (None: all).")
+    max_prompt_length: int | None = _deprecated(None, "TRL 1.16 dropped it and no longer cuts prompts; filter "
+                                                      "overlong prompts out of the dataset instead. Set, grpokit "
+                                                      "still keeps each prompt's last max_prompt_length tokens.")
     warmup_ratio: float = _deprecated(0.0, "transformers 5 dropped it; use warmup_steps=<fraction> (a float in "
                                            "(0, 1)). A fraction given either way is kept here.")
     logging_dir: str | None = _deprecated(None, "transformers 5 dropped it; set the TENSORBOARD_LOGGING_DIR "
@@ -890,6 +893,9 @@ class GRPOConfig:
     # ------------------------------------------------------------------------------------------- validation
 
     def validate(self) -> None:
+        from .advantages import SCALE_REWARDS  # (torch: imported when a config is made, not when the CLI reads fields)
+        from .loss import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, SAMPLING_CORRECTION_MODES
+
         """Check every value and every relation between values; raise ValueError saying how to fix it."""
 
         def fail(message: str):

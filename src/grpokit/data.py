@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
+logger = logging.getLogger(__name__)
 PROMPT_COLUMNS = ("prompt", "prompt_ids")
 # The prompt of a row without one when an environment supplies it through reset() (TRL 1.16's default).
 EMPTY_PROMPT = [{"role": "user", "content": ""}]
@@ -15,6 +18,46 @@ EMPTY_PROMPT = [{"role": "user", "content": ""}]
 def with_prompt(row: dict) -> dict:
     """The row, with TRL's empty user message as its prompt when it has none (an environment's reset() fills it)."""
     return row if any(c in row for c in PROMPT_COLUMNS) else {**row, "prompt": EMPTY_PROMPT}
+
+
+class PromptLimit(int):
+    """How many prompt tokens are kept (the last ones), an int, with the reason for the limit. `cut` applies it and
+    says so once per run, the first time a prompt is actually longer: how many of that batch's prompts were cut.
+
+    >>> limit = PromptLimit(3, "max_prompt_length=3")
+    >>> limit.cut([[1, 2, 3, 4, 5], [6, 7]])
+    [[3, 4, 5], [6, 7]]
+    """
+
+    reason: str
+
+    def __new__(cls, length: int, reason: str) -> PromptLimit:
+        limit = super().__new__(cls, length)
+        limit.reason, limit._warned, limit._lock = reason, False, threading.Lock()
+        return limit
+
+    @classmethod
+    def of(cls, limit: int | None) -> PromptLimit | None:
+        """A limit given as a plain number is max_prompt_length's."""
+        return limit if limit is None or isinstance(limit, PromptLimit) else cls(limit, f"max_prompt_length={limit}")
+
+    def cut(self, prompts: list[list[int]]) -> list[list[int]]:
+        longer = sum(len(prompt) > self for prompt in prompts)
+        if longer:
+            self.warn(longer, len(prompts))
+        return [prompt[-self:] if len(prompt) > self else prompt for prompt in prompts]
+
+    def warn(self, longer: int, total: int) -> None:
+        with self._lock:
+            if self._warned:
+                return
+            self._warned = True
+        logger.warning(f"{longer} of {total} prompts in a batch are longer than {int(self)} tokens and keep only "
+                       f"their last {int(self)} ({self.reason}); reward functions still see the whole prompt. "
+                       "Filter long prompts out of the dataset to train on whole prompts. (Said once per run.)")
+
+    def __reduce__(self):  # pickled (the engine's process) as the number and its reason
+        return PromptLimit, (int(self), self.reason)
 
 
 def load_dataset_source(spec: str, split: str = "train"):

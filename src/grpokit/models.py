@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from .compat import output_embeddings, tied_weight_keys
+from .data import PromptLimit
 from .distributed import is_sharded, load_full_state_dict
 from .multimodal import freeze_vision, is_vision_language_model, language_only_lora, text_config_of, tokenizer_of
 
@@ -232,25 +233,24 @@ def load_model_weights(model, directory: Path) -> None:
                            f"unexpected {unexpected[:5]}.")  # fmt: skip
 
 
-def prompt_length_limit(model, args) -> int | None:
-    """The prompt tokens kept (the last ones): max_prompt_length, lowered so that prompt + completion fits the
-    model's positions (with a warning); fails before anything runs if a completion alone does not fit."""
+def prompt_length_limit(model, args) -> PromptLimit | None:
+    """The prompt tokens kept (the last ones): max_prompt_length (None by default: all, as in TRL 1.16), lowered so
+    that prompt + completion fits the model's positions; fails before anything runs if a completion alone does not
+    fit. Nothing is said here: the limit warns once, when a prompt is actually cut (`PromptLimit.cut`)."""
     config = getattr(model, "config", None)
     if config is not None:  # a VLM's positions are its language model's
         config = text_config_of(config)
     limit = getattr(config, "max_position_embeddings", None)
     if limit is None:
-        return args.max_prompt_length
+        return PromptLimit.of(args.max_prompt_length)
     if args.max_completion_length >= limit:
         raise ValueError(f"max_completion_length={args.max_completion_length} does not fit the model's context "
                          f"({limit} positions); lower max_completion_length.")  # fmt: skip
     if args.max_prompt_length is not None and args.max_prompt_length + args.max_completion_length <= limit:
-        return args.max_prompt_length
-    kept = limit - args.max_completion_length
-    warnings.warn(f"Prompts are cut to their last {kept} tokens so that prompt + completion fits the model's "
-                  f"{limit} positions (max_completion_length={args.max_completion_length}).", UserWarning,
-                  stacklevel=3)  # fmt: skip
-    return kept
+        return PromptLimit.of(args.max_prompt_length)
+    return PromptLimit(limit - args.max_completion_length, f"so that prompt + completion fits the model's {limit} "
+                                                            f"positions with max_completion_length="
+                                                            f"{args.max_completion_length}")
 
 
 def reshard(model: torch.nn.Module) -> None:

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from ..data import EMPTY_PROMPT, is_conversational
+from ..data import EMPTY_PROMPT, PromptLimit, is_conversational
 from ..rollout.engine import PromptBatch, Rollout, RolloutEngine, SamplingParams
 from .chat import check_tool_calling, parse_completion, render_prompt, tool_result_ids
 from .environments import EnvironmentPool, public_methods
@@ -77,7 +77,7 @@ class Agents:
         self.uses_tools = bool(self.standalone_tools) or self.environments is not None
         self.template = check_tool_calling(tokenizer) if self.uses_tools else None
         self.max_iterations = max_tool_calling_iterations if max_tool_calling_iterations is not None else 2**62
-        self.max_completion_length, self.max_prompt_length = max_completion_length, max_prompt_length
+        self.max_completion_length, self.max_prompt_length = max_completion_length, PromptLimit.of(max_prompt_length)
         self.max_model_length = max_model_length
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.runner = ToolRunner(tool_timeout, max_tool_output_chars) if self.uses_tools else None
@@ -127,12 +127,11 @@ class Agents:
             prompts = [with_observation(p, o) for p, o in zip(prompts, observations)]
             tools_of = [tools + public_methods(env) for tools, env in zip(tools_of, environments)]
             extra["environments"] = environments
-        transcripts = []
-        for prompt, tools in zip(prompts, tools_of):
-            ids = render_prompt(self.tokenizer, prompt, tools, self.chat_template_kwargs)
-            if self.max_prompt_length is not None:
-                ids = ids[-self.max_prompt_length :]
-            transcripts.append(Transcript(ids, {tool_name(t): t for t in tools}))
+        rendered = [render_prompt(self.tokenizer, prompt, tools, self.chat_template_kwargs)
+                    for prompt, tools in zip(prompts, tools_of)]  # fmt: skip
+        if self.max_prompt_length is not None:
+            rendered = self.max_prompt_length.cut(rendered)
+        transcripts = [Transcript(ids, {tool_name(t): t for t in tools}) for ids, tools in zip(rendered, tools_of)]
         stats = ToolStats(rows=len(rows))
         self._sample(engine, transcripts, list(range(len(rows))), params, seed)
         waiting = [i for i, t in enumerate(transcripts) if t.messages[-1].get("tool_calls")]

@@ -50,6 +50,7 @@ from typing import Any, Literal
 from ..agents.chat import appended_message_ids, render_prompt
 from ..agents.loop import Transcript, sample_turns, transcripts_rollout, with_observation
 from ..agents.tools import ToolRunner, ToolStats, summed_over_processes
+from ..data import PromptLimit
 from ..rewards.process import process_reward
 from ..rollout.engine import Rollout, RolloutEngine, SamplingParams
 
@@ -307,7 +308,7 @@ class OpenEnvDriver:
     def __init__(self, environment: OpenEnvEnvironment, tokenizer, *, max_completion_length: int,
                  max_prompt_length: int | None, chat_template_kwargs: dict | None = None):  # fmt: skip
         self.environment, self.tokenizer = environment, tokenizer
-        self.max_completion_length, self.max_prompt_length = max_completion_length, max_prompt_length
+        self.max_completion_length, self.max_prompt_length = max_completion_length, PromptLimit.of(max_prompt_length)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.runner = ToolRunner(environment.step_timeout)  # the sessions' calls, under the tools' time limits
         # Since the last metrics(), each rollout's counts added under the lock: calls and failures of reset, step and
@@ -382,7 +383,7 @@ class OpenEnvDriver:
             text = self.environment.render_observation(reset.observation)
             prompt = with_observation(prompt, ("\n\n" if prompt[-1]["content"] else "") + text)
         ids = render_prompt(self.tokenizer, prompt, [], self.chat_template_kwargs)
-        return Transcript(ids[-self.max_prompt_length :] if self.max_prompt_length else ids, {})
+        return Transcript(self.max_prompt_length.cut([ids])[0] if self.max_prompt_length else ids, {})
 
     def _add_observation(self, transcript: Transcript, result) -> bool:
         """Append the step's observation as the chat template renders it (a user message, or a tool result); False

@@ -30,6 +30,7 @@ from typing import Any, Callable
 from ..agents.chat import appended_message_ids, check_tool_calling, render_prompt
 from ..agents.loop import Transcript, sample_turns, transcripts_rollout
 from ..agents.tools import ToolStats, summed_over_processes
+from ..data import PromptLimit
 from ..rollout.engine import Rollout, RolloutEngine, SamplingParams
 
 try:
@@ -111,7 +112,7 @@ class ClassicDriver:
     def __init__(self, environment, tokenizer, *, max_completion_length: int, max_prompt_length: int | None,
                  chat_template_kwargs: dict | None = None):  # fmt: skip
         self.environment, self.tokenizer = environment, tokenizer
-        self.max_completion_length, self.max_prompt_length = max_completion_length, max_prompt_length
+        self.max_completion_length, self.max_prompt_length = max_completion_length, PromptLimit.of(max_prompt_length)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.tools = dict(getattr(environment, "tool_map", {})) if isinstance(environment, ToolEnv) else {}
         self.template = check_tool_calling(tokenizer) if self.tools else None
@@ -257,7 +258,7 @@ class EngineClient(Client):
         prompt = [chat_message(m) for m in state["prompt"]]
         tools = [tool_schema(t) for t in state.get("tool_defs") or []]
         ids = render_prompt(driver.tokenizer, prompt, tools, driver.chat_template_kwargs)
-        return ids[-driver.max_prompt_length :] if driver.max_prompt_length is not None else ids
+        return driver.max_prompt_length.cut([ids])[0] if driver.max_prompt_length is not None else ids
 
     async def get_response(self, prompt, model: str, sampling_args, tools=None, **kwargs) -> Response:
         state, driver = kwargs.get("state"), self.driver

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..compat import output_embeddings
-from ..data import is_conversational, render_prompt
+from ..data import PromptLimit, is_conversational, render_prompt
 from ..multimodal import (
     is_processor,
     load_image,
@@ -66,7 +66,7 @@ class PromptCodec:
         self.processor = tokenizer if is_processor(tokenizer) else None
         self._warned_long_image_prompt = False
         tokenizer = tokenizer_of(tokenizer)
-        self.tokenizer, self.max_prompt_length = tokenizer, max_prompt_length
+        self.tokenizer, self.max_prompt_length = tokenizer, PromptLimit.of(max_prompt_length)
         self.chat_template_kwargs = chat_template_kwargs
         # stop_token_ids / suppress_token_ids: the user's own (TRL's generation_kwargs), on top of the model's.
         self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids(tokenizer, model) + tuple(stop_token_ids)))
@@ -99,7 +99,7 @@ class PromptCodec:
             add_special = not any(is_conversational(p) for p in raw)  # a chat template wrote its special tokens
             ids = [self.tokenizer(t, add_special_tokens=add_special)["input_ids"] for t in texts]
         if self.max_prompt_length is not None:
-            ids = [s[-self.max_prompt_length :] for s in ids]
+            ids = self.max_prompt_length.cut(ids)
         return PromptBatch(ids=ids, counts=list(counts), raw=raw)
 
     def _encode_multimodal(self, rows: list[dict], counts: list[int]) -> PromptBatch:
@@ -107,7 +107,7 @@ class PromptCodec:
         conversational prompt as image parts (`prepare_multimodal_messages`); the processor renders the chat
         template and encodes the text with the images. `raw` holds the prepared messages (reward functions receive
         those, as in TRL)."""
-        raw, ids, images, processed, unexpanded = [], [], [], [], []
+        raw, ids, images, processed, unexpanded, cut = [], [], [], [], [], 0
         for index, row in enumerate(rows):
             prompt, row_imgs = row["prompt"], load_row_images(row, index)
             if not is_conversational(prompt):
@@ -131,19 +131,21 @@ class PromptCodec:
             if self.max_prompt_length is not None and len(prompt_ids) > self.max_prompt_length:
                 if row_imgs:  # kept whole, as TRL 1.16 keeps every prompt: a cut would split the image tokens
                     if not self._warned_long_image_prompt:
-                        warnings.warn(f"A prompt with images has {len(prompt_ids)} tokens, more than "
-                                      f"max_prompt_length={self.max_prompt_length}: prompts with images are not cut "
-                                      f"(that would cut image tokens); they are kept whole.", UserWarning,
-                                      stacklevel=3)  # fmt: skip
+                        warnings.warn(f"A prompt with images has {len(prompt_ids)} tokens, more than the "
+                                      f"{int(self.max_prompt_length)} kept ({self.max_prompt_length.reason}): "
+                                      "prompts with images are not cut (that would cut image tokens); they are kept "
+                                      "whole.", UserWarning, stacklevel=3)  # fmt: skip
                         self._warned_long_image_prompt = True
                 else:
-                    prompt_ids = prompt_ids[-self.max_prompt_length :]
+                    prompt_ids, cut = prompt_ids[-self.max_prompt_length :], cut + 1
             if not row_imgs:
                 unexpanded.append(prompt_ids)
             raw.append(prompt)
             ids.append(prompt_ids)
             images.append(row_imgs)
             processed.append(tensors)
+        if cut:
+            self.max_prompt_length.warn(cut, len(rows))
         return PromptBatch(ids=ids, counts=list(counts), raw=raw, images=images, processed=processed,
                            unexpanded_ids=unexpanded)  # fmt: skip
 

@@ -26,6 +26,7 @@ import base64
 import http.client
 import io
 import json
+import logging
 import re
 import socket
 import time
@@ -40,6 +41,8 @@ from ..compat import parameter_versions
 from ..multimodal import is_vision_language_model, text_config_of, ties_word_embeddings
 from .engine import PromptBatch, Rollout, SamplingParams
 from .vllm import base_model_of, policy_weights, refuse_images, rollout_from_completions
+
+logger = logging.getLogger(__name__)
 
 CONNECTION_ERRORS = (urllib.error.URLError, ConnectionError, socket.timeout, http.client.HTTPException, OSError)
 
@@ -212,20 +215,29 @@ class VLLMServerEngine:
         self.request("POST", "/weights_received", timeout=self.weight_sync_timeout)
 
     def wait_until_up(self) -> None:
-        deadline = time.monotonic() + self.timeout
+        """Waits up to `timeout` s for the server's /health; says at once that it waits, for what, and the ways out."""
+        deadline, said = time.monotonic() + self.timeout, False
+        port = urllib.parse.urlparse(self.base_url).port or "PORT"
+        ways_out = (f"start one with `grpokit vllm-serve --model MODEL_DIR --port {port}` (or check "
+                    "vllm_server_base_url / vllm_server_host / vllm_server_port), or sample in this process instead "
+                    "with use_vllm=False")  # fmt: skip
         while True:
             try:
                 with urllib.request.urlopen(self.base_url + "/health", timeout=5) as response:
                     if response.status == 200:
+                        if said:
+                            logger.warning(f"The vLLM server at {self.base_url} answers: training starts.")
                         return
             except CONNECTION_ERRORS:
                 pass
             if time.monotonic() > deadline:
-                raise ConnectionError(
-                    f"No vLLM server answers at {self.base_url} after {self.timeout:g} s (vllm_server_timeout): "
-                    f"start one with `grpokit vllm-serve --model MODEL_DIR --port PORT`, or check "
-                    f"vllm_server_base_url / vllm_server_host / vllm_server_port."
-                )
+                raise ConnectionError(f"No vLLM server answers at {self.base_url} after {self.timeout:g} s "
+                                      f"(vllm_server_timeout): {ways_out}.")  # fmt: skip
+            if not said:
+                logger.warning(f"Waiting up to {self.timeout:g} s (vllm_server_timeout) for a vLLM server at "
+                               f"{self.base_url} (use_vllm=True, vllm_mode='server'): none answers yet. Either "
+                               f"{ways_out}.")  # fmt: skip
+                said = True
             time.sleep(1.0)
 
     def request(self, method: str, path: str, payload=None, timeout: tuple[float, str] | None = None):
