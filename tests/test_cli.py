@@ -51,7 +51,7 @@ def test_train_with_model_dataset_and_reward_file(tmp_path):
             "--reward", "length", "--output_dir", str(tmp_path / "out"), "--beta", "0.04", cwd=tmp_path)  # fmt: skip
     metrics = read_metrics(tmp_path / "out")
     assert [m["step"] for m in metrics] == [1, 2, 3]
-    assert {"rewards/same_letter/mean", "rewards/length_reward/mean", "kl"} <= set(metrics[-1])
+    assert {"rewards/same_letter/mean", "rewards/length/mean", "kl"} <= set(metrics[-1])
     saved = json.loads((tmp_path / "out" / "grpo_config.json").read_text())
     assert saved["beta"] == 0.04 and saved["learning_rate"] == 1e-3 and saved["num_generations"] == 4
     assert (tmp_path / "out" / "model.safetensors").is_file()

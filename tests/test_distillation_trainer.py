@@ -300,6 +300,14 @@ def test_resume_continues_to_the_same_weights(student_dir, teacher_dir, tmp_path
     assert [e["loss"] for e in full.state.log_history[:-1]] == [e["loss"] for e in resumed.state.log_history[:-1]]
     saved = json.loads((tmp_path / "split" / "out" / "checkpoint-4" / "trainer_state.json").read_text())
     assert saved["global_step"] == 4
+    # the run's configuration and progress bar are the distillation's, not GRPO's; the report and eval find it
+    from grpokit.cli import run_config_of
+    from grpokit.report import load_run
+
+    out = tmp_path / "split" / "out"
+    assert (out / "distillation_config.json").is_file() and not (out / "grpo_config.json").exists()
+    assert resumed.progress_label == "Distillation" and run_config_of(str(out)) == out / "distillation_config.json"
+    assert load_run(out).config["max_steps"] == 4
 
 
 def test_logged_completions_have_no_reward_columns(student_dir, teacher_dir, tmp_path):

@@ -90,3 +90,10 @@ def test_mkdocs_builds_strictly(tmp_path):
                             cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "site" / "reference" / "api" / "index.html").is_file()
+
+
+def test_every_guide_is_listed_on_the_front_pages():
+    guides = sorted(path.name for path in (ROOT / "docs" / "guides").glob("*.md"))
+    index = (ROOT / "docs" / "index.md").read_text()
+    assert [name for name in guides if f"(guides/{name})" not in index] == []
+    assert [name for name in guides if f"(docs/guides/{name})" not in README] == []

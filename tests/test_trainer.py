@@ -1,6 +1,7 @@
 """The trainer end to end on tiny real models: learning, μ > 1, accumulation, checkpoints, metrics."""
 
 import json
+import logging
 
 import pytest
 import torch
@@ -117,7 +118,7 @@ def test_checkpoints_rotate_and_load_with_from_pretrained(model_dir, tmp_path):
     assert (tmp_path / "final" / "model.safetensors").is_file()
 
 
-def test_resume_continues_to_the_same_weights(model_dir, tmp_path):
+def test_resume_continues_to_the_same_weights(model_dir, tmp_path, caplog):
     # Unbroken run of 6 steps vs a run stopped at 4 (checkpoint) and resumed to 6: bitwise the same on CPU.
     args = dict(max_steps=6, save_strategy="steps", save_steps=4, num_iterations=2, beta=0.04)
     full = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=config(tmp_path / "full", **args),
@@ -128,7 +129,9 @@ def test_resume_continues_to_the_same_weights(model_dir, tmp_path):
     first.train()
     resumed = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=config(tmp_path / "split", **args),
                           train_dataset=letter_dataset())  # fmt: skip
-    resumed.train(resume_from_checkpoint=True)
+    with caplog.at_level(logging.WARNING, logger="grpokit"):
+        resumed.train(resume_from_checkpoint=True)
+    assert f"Resuming from {(tmp_path / 'split' / 'out' / 'checkpoint-4').resolve()} (step 4)." in caplog.messages
     a, b = weights(full), weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [e["loss"] for e in full.state.log_history[:-1]] == [e["loss"] for e in resumed.state.log_history[:-1]]

@@ -353,7 +353,7 @@ def report_command(argv: list[str]) -> int:
         if not Path(folder).is_dir():
             raise UsageError(f"{folder} is not a directory: give the output_dir of a training run.")
         if not holds_a_run(folder):
-            raise UsageError(f"{folder} holds no run (no metrics.jsonl, completions.jsonl or grpo_config.json): "
+            raise UsageError(f"{folder} holds no run (no metrics.jsonl, completions.jsonl or *_config.json): "
                              "give the output_dir of a training run.")
     try:
         path = write_report(options.output_dirs, Path(options.out) if options.out else None)
@@ -372,12 +372,16 @@ EVAL_FIELDS = (
 
 
 def run_config_of(model: str) -> Path | None:
-    """The grpo_config.json of the run that wrote `model`: in a save_model directory (the run's output_dir) or in
-    the parent of a checkpoint-<step> directory; None for a Hub id or a model from elsewhere."""
+    """The configuration (grpo_config.json, distillation_config.json) of the run that wrote `model`: in a save_model
+    directory (the run's output_dir) or in the parent of a checkpoint-<step> directory; None for a Hub id or a model
+    from elsewhere."""
+    from .report import CONFIG_FILES
+
     path = Path(model).expanduser()
     for directory in (path, path.parent):
-        if (directory / "grpo_config.json").is_file():
-            return directory / "grpo_config.json"
+        for name in CONFIG_FILES:
+            if (directory / name).is_file():
+                return directory / name
     return None
 
 

@@ -46,6 +46,8 @@ def _row_major(hidden: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, 
 
 class DistillationTrainer(GRPOTrainer):
     scores_completions = False
+    progress_label = "Distillation"
+    config_file = "distillation_config.json"
 
     def __init__(
         self,

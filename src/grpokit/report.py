@@ -76,7 +76,9 @@ def reward_trend(log_history: list[dict]) -> str:
     return f"reward {first['reward']:.3f} at step {first.get('step')} -> {last['reward']:.3f} at step {last.get('step')}"
 
 
-RUN_FILES = ("metrics.jsonl", "completions.jsonl", "grpo_config.json")
+# The run's configuration, as each trainer names it (GRPOTrainer and RLOOTrainer, DistillationTrainer).
+CONFIG_FILES = ("grpo_config.json", "distillation_config.json")
+RUN_FILES = ("metrics.jsonl", "completions.jsonl", *CONFIG_FILES)
 
 
 def holds_a_run(output_dir: str | Path) -> bool:
@@ -85,15 +87,15 @@ def holds_a_run(output_dir: str | Path) -> bool:
 
 
 def load_run(output_dir: str | Path) -> Run:
-    """Load metrics.jsonl, completions.jsonl and grpo_config.json (all optional)."""
+    """Load metrics.jsonl, completions.jsonl and the run's configuration (all optional)."""
     path = Path(output_dir)
     if not path.is_dir():
         raise FileNotFoundError(f"not a run directory: {path}")
     metrics, partial = _read_jsonl(path / "metrics.jsonl")
     completions, _ = _read_jsonl(path / "completions.jsonl")
     config: dict = {}
-    cfg_path = path / "grpo_config.json"
-    if cfg_path.is_file():
+    cfg_path = next((path / name for name in CONFIG_FILES if (path / name).is_file()), None)
+    if cfg_path is not None:
         try:
             loaded = json.loads(cfg_path.read_text(encoding="utf-8"))
             config = loaded if isinstance(loaded, dict) else {}

@@ -83,6 +83,8 @@ class RLOOTrainer(GRPOTrainer):
     "<model name>-RLOO"). Everything else is GRPOTrainer's: `trainer.args` is the GRPOConfig the RLOOConfig maps
     to (`grpo_config`), `trainer.rloo_args` the RLOOConfig."""
 
+    progress_label = "RLOO"
+
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, **grpokit_options):  # fmt: skip

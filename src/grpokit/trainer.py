@@ -22,6 +22,7 @@ definition).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 import warnings
@@ -79,6 +80,8 @@ from .rollout import RolloutEngine
 from .signals import guard_message
 from .state import Callbacks
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class GenerationCursor:
@@ -92,6 +95,8 @@ class GenerationCursor:
 
 class GRPOTrainer:
     scores_completions = True  # False: an objective without rewards (DistillationTrainer): none asked for or scored
+    progress_label = "GRPO"  # the progress bar's
+    config_file = "grpo_config.json"  # the configuration as written, in output_dir
 
     def __init__(
         self,
@@ -246,11 +251,11 @@ class GRPOTrainer:
         sink.truncate_after(state.global_step)
         self._sink = sink
         if acc.is_main_process:
-            args.save(Path(args.output_dir) / "grpo_config.json")
+            args.save(Path(args.output_dir) / self.config_file)
         logging_steps = as_steps(args.logging_steps, state.max_steps)
         save_steps = as_steps(args.save_steps, state.max_steps)
         eval_steps = as_steps(args.eval_steps or args.logging_steps, state.max_steps)
-        bar = tqdm(total=state.max_steps, initial=state.global_step, desc="GRPO",
+        bar = tqdm(total=state.max_steps, initial=state.global_step, desc=self.progress_label,
                    disable=args.disable_tqdm or not acc.is_main_process, dynamic_ncols=True)  # fmt: skip
         self.model.train()
         if acc.device.type == "cpu":  # the loop's activations reuse heap memory (cpu_memory: a page fault per 4 KiB)
@@ -547,7 +552,10 @@ class GRPOTrainer:
         return self.checkpointer.save(self._training_parts(), self.state, loop, process)
 
     def _resume(self, resume: bool | str) -> None:
-        resumed = self.checkpointer.load(self.checkpointer.find(resume), self._training_parts())
+        path = self.checkpointer.find(resume)
+        resumed = self.checkpointer.load(path, self._training_parts())
+        if self.accelerator.is_main_process:  # said, as it matters most with resume_from_checkpoint=True
+            logger.warning(f"Resuming from {path.resolve()} (step {resumed.state.global_step}).")
         self.sampler.load_state_dict(resumed.loop["sampler"])
         if self.args.ignore_data_skip:  # transformers' meaning: the current epoch's data starts over
             self.sampler.position = 0

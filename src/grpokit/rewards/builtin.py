@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import re
 from typing import Any
 
@@ -79,6 +81,20 @@ BUILTIN_REWARDS = {
 }
 
 
+def named(function, name: str):
+    """`function` under another name, which its metrics take (`rewards/<name>/mean`): a built-in reward named on the
+    command line logs under that name (`--reward length`, not length_reward); the Python names stay TRL's."""
+    if function.__name__ == name:
+        return function
+
+    @functools.wraps(function)
+    def reward(*args, **kwargs):
+        return function(*args, **kwargs)
+
+    reward.__name__ = reward.__qualname__ = name
+    return reward
+
+
 def resolve_reward(spec: str):
     """A built-in reward's name, or `module:function` (a module on the path or a .py file)."""
     if spec == "accuracy":
@@ -87,7 +103,7 @@ def resolve_reward(spec: str):
         except ImportError:
             raise ImportError("the accuracy reward needs math-verify: pip install math-verify") from None
     if spec in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[spec]
+        return named(BUILTIN_REWARDS[spec], spec)
     if ":" not in spec:
         raise ValueError(
             f"Unknown reward {spec!r}: use a built-in name ({', '.join(BUILTIN_REWARDS)}) or 'module:function'."
