@@ -118,9 +118,11 @@ def test_write_report_html(tmp_path):
     assert html_path == run_dir / "report" / "report.html"
     assert (run_dir / "report" / "reward.png").is_file()
     page = html_path.read_text()
-    # Config values.
-    for value in ("tiny-test-model", "num_generations", "dr_grpo"):
-        assert value in page
+    # The configuration: what differs from GRPOConfig's defaults (num_generations=8 and beta=0.0 are its defaults).
+    config = page.split("<h2>Configuration</h2>")[1].split("<h2>")[0]
+    for value in ("tiny-test-model", "loss_type", "dr_grpo", "2 other field(s) at GRPOConfig's defaults"):
+        assert value in config
+    assert "num_generations" not in config and "beta" not in config
     # All text escaped; the page has no script and no external resources.
     assert SCRIPT not in page and "<script" not in page
     assert "&lt;script&gt;alert(&quot;pwned&quot;)&lt;/script&gt; &amp; more" in page
@@ -188,5 +190,40 @@ def test_reward_trend_skips_the_summary_record():
 
     history = [{"step": 1, "reward": 0.25}, {"step": 5, "reward": 0.5, "eval/reward": 0.4},
                {"step": 5, "train_loss": 0.1, "train_runtime": 3.0}]  # the last record of a finished run
-    assert reward_trend(history) == "reward 0.250 at step 1 -> 0.500 at step 5"
+    assert reward_trend(history) == "mean reward 0.250 over step 1 -> 0.500 over step 5"
     assert reward_trend([{"train_loss": 0.1}]) == "no reward logged"
+    assert reward_trend(history[:1]) == "reward 0.250 at step 1 (one logged step)"
+    # a noisy run: the first and last fifths' means, not one step each (0.0 at step 1 said nothing of the trend)
+    noisy = [{"step": s, "reward": r} for s, r in enumerate([0.0, 0.2, 0.1, 0.15, 0.1, 0.12, 0.14, 0.11, 0.13, 0.3], 1)]
+    assert reward_trend(noisy) == "mean reward 0.100 over steps 1-2 -> 0.215 over steps 9-10"
+
+
+def test_short_runs_are_drawn_honestly(tmp_path):
+    """A short run: the smoothed line ends on the last value (no lag), an all-zero panel is named, not drawn, a
+    terminated length is not drawn as 0 where no completion terminated, and a comparison's configuration table holds
+    only what differs between the runs."""
+    from grpokit.report import collect_series, config_rows, load_run, smoothed
+
+    d = tmp_path / "short"
+    d.mkdir()
+    records = [{"step": step, "entropy": 0.4 * (10 - step) / 9, "clip_ratio/region_mean": 0.0,
+                "completions/mean_terminated_length": 0.0 if step < 3 else 5.0,
+                "completions/clipped_ratio": 1.0 if step < 3 else 0.5} for step in range(1, 11)]  # fmt: skip
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    run = load_run(d)
+    entropy = [r["entropy"] for r in records]
+    assert smoothed(entropy)[-1] == entropy[-1] == 0.0 and smoothed(entropy)[0] == entropy[0]
+    assert smoothed(entropy)[4] == pytest.approx(sum(entropy[3:6]) / 3, abs=1e-12)
+    series = collect_series([run])
+    assert "clip_ratio" not in series
+    (lengths,) = [s for sub in series["completion_length"] for s in sub if s.key.endswith("terminated_length")]
+    assert lengths.xs == [3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0] and set(lengths.ys) == {5.0}
+    page = write_report([d]).read_text()
+    assert "Not drawn, every value 0: Clip ratios." in page
+    # a comparison: the rows are the keys whose values differ
+    (d / "grpo_config.json").write_text(json.dumps({"beta": 0.0, "learning_rate": 1e-5, "seed": 1}))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "grpo_config.json").write_text(json.dumps({"beta": 0.04, "learning_rate": 1e-5, "seed": 1}))
+    assert config_rows([load_run(d), load_run(other)]) == (["beta"], 2)
+    assert config_rows([load_run(d)]) == (["learning_rate", "seed"], 1)

@@ -66,14 +66,23 @@ def _read_jsonl(path: Path) -> tuple[list[dict], bool]:
 
 
 def reward_trend(log_history: list[dict]) -> str:
-    """'reward 0.134 at step 1 -> 0.512 at step 60' from a trainer's `state.log_history` (or metrics.jsonl's
-    records): the first and last training records that have a reward. The last record of a finished run is the
-    summary (train_loss, train_runtime, ...), which has none."""
+    """The reward's trend from a trainer's `state.log_history` (or metrics.jsonl's records), honest on noisy short
+    runs: the mean over the first and over the last fifth of the training records that have a reward (at least one
+    each), e.g. 'mean reward 0.121 over steps 1-12 -> 0.140 over steps 49-60'. The last record of a finished run is
+    the summary (train_loss, train_runtime, ...), which has none."""
     records = [r for r in log_history if isinstance(r.get("reward"), (int, float))]
     if not records:
         return "no reward logged"
-    first, last = records[0], records[-1]
-    return f"reward {first['reward']:.3f} at step {first.get('step')} -> {last['reward']:.3f} at step {last.get('step')}"
+    if len(records) == 1:
+        return f"reward {records[0]['reward']:.3f} at step {records[0].get('step')} (one logged step)"
+    fifth = max(1, len(records) // 5)
+
+    def mean(part: list[dict]) -> str:
+        first, last = part[0].get("step"), part[-1].get("step")
+        steps = f"step {first}" if len(part) == 1 else f"steps {first}-{last}"
+        return f"{sum(r['reward'] for r in part) / len(part):.3f} over {steps}"
+
+    return f"mean reward {mean(records[:fifth])} -> {mean(records[-fifth:])}"
 
 
 # The run's configuration, as each trainer names it (GRPOTrainer and RLOOTrainer, DistillationTrainer).
@@ -148,10 +157,13 @@ def _display_names(runs: list[Run]) -> list[str]:
 
 
 def _series(run: Run, key: str) -> tuple[list[float], list[float]]:
+    """A metric's (steps, values). A terminated-length metric has no point where no completion terminated (it is
+    logged as 0 there, as TRL does, but 0 is not a length any completion had)."""
     xs, ys = [], []
+    terminated = "terminated_length" in key
     for i, rec in enumerate(run.metrics):
         y = _num(rec.get(key))
-        if y is None:
+        if y is None or (terminated and _num(rec.get("completions/clipped_ratio")) == 1.0):
             continue
         x = _num(rec.get("step"))
         xs.append(x if x is not None else float(i))
@@ -159,12 +171,25 @@ def _series(run: Run, key: str) -> tuple[list[float], list[float]]:
     return xs, ys
 
 
+def all_zero_panels(runs: list[Run]) -> list[str]:
+    """The titles of the panels whose every logged value is 0 (no token clipped, say): not drawn, but named."""
+    titles = {stem: title for stem, title, _ in PANELS}
+    return [titles[stem] for stem, subplots in _collect(runs).items()
+            if all(y == 0 for series in subplots for s in series for y in s.ys)]  # fmt: skip
+
+
 def collect_series(runs: list[Run]) -> dict[str, list[list[Series]]]:
-    """Panel stem -> subplots -> series, only for data that exists.
+    """Panel stem -> subplots -> series, only for data that exists and panels not all zero.
 
     Separated from drawing so tests (and callers) can inspect what a plot
     will show, including the legend labels, without parsing images.
     """
+    zero = set(all_zero_panels(runs))
+    return {stem: subplots for stem, subplots in _collect(runs).items()
+            if {title for key, title, _ in PANELS if key == stem}.isdisjoint(zero)}  # fmt: skip
+
+
+def _collect(runs: list[Run]) -> dict[str, list[list[Series]]]:
     names = _display_names(runs)
     multi = len(runs) > 1
     out: dict[str, list[list[Series]]] = {}
@@ -188,12 +213,20 @@ def collect_series(runs: list[Run]) -> dict[str, list[list[Series]]]:
     return out
 
 
-def _ema(ys: list[float], weight: float = 0.6) -> list[float]:
-    # Debiased EMA (as in TensorBoard) so the start isn't dragged towards 0.
-    out, acc = [], 0.0
-    for i, y in enumerate(ys, 1):
-        acc = weight * acc + (1 - weight) * y
-        out.append(acc / (1 - weight**i))
+def smoothed(ys: list[float]) -> list[float]:
+    """A centred moving average, without the lag of an exponential one: each point is the mean of the points within
+    a half-width of it (a tenth of the series, at least 1), the window narrowing near the ends so that the first and
+    last points are their own values (an EMA drew a last entropy of 0 near 0.4 on a short run).
+
+    >>> smoothed([0.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 6.0])
+    [0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 2.0, 6.0]
+    """
+    half = max(1, len(ys) // 10)
+    out = []
+    for i in range(len(ys)):
+        reach = min(half, i, len(ys) - 1 - i)
+        window = ys[i - reach : i + reach + 1]
+        out.append(sum(window) / len(window))
     return out
 
 
@@ -222,7 +255,7 @@ def plot_metrics(runs: list[Run] | Run, out_dir: str | Path) -> list[Path]:
                 style = {"color": f"C{cidx % 10}", "linestyle": _LINESTYLES[s.run % len(_LINESTYLES)]}
                 if len(s.ys) >= 10:  # raw stays visible underneath the smoothed curve
                     ax.plot(s.xs, s.ys, alpha=0.3, linewidth=0.8, **style)
-                    ax.plot(s.xs, _ema(s.ys), linewidth=1.6, label=s.label, **style)
+                    ax.plot(s.xs, smoothed(s.ys), linewidth=1.6, label=s.label, **style)
                 else:
                     ax.plot(s.xs, s.ys, marker="o", markersize=3, label=s.label, **style)
             ax.set_xlabel("step")
@@ -322,18 +355,35 @@ def _summary_html(runs: list[Run], names: list[str]) -> str:
     return f"<table><tr><th>run</th>{head}</tr>{''.join(rows)}</table>"
 
 
+def config_rows(runs: list[Run]) -> tuple[list[str], int]:
+    """The configuration keys worth a row, and how many others there are: with several runs, those whose values
+    differ between them; with one, those it sets to other than GRPOConfig's default (~200 rows hide the few that
+    explain a run)."""
+    from .config import GRPOConfig, _default_of
+
+    keys = sorted({k for r in runs for k in r.config})
+    if len(runs) > 1:
+        shown = [k for k in keys if len({_fmt(r.config.get(k)) if k in r.config else "" for r in runs}) > 1]
+    else:
+        fields = GRPOConfig.__dataclass_fields__
+        shown = [k for k in keys if k not in fields or _fmt(runs[0].config[k]) != _fmt(_default_of(k))]
+    return shown, len(keys) - len(shown)
+
+
 def _config_html(runs: list[Run], names: list[str]) -> str:
     if not any(r.config for r in runs):
-        return '<p class="muted">No grpo_config.json found.</p>'
-    keys = sorted({k for r in runs for k in r.config})
+        return '<p class="muted">No configuration file (grpo_config.json) found.</p>'
+    keys, others = config_rows(runs)
     head = "".join(f"<th>{_esc(n)}</th>" for n in names)
     rows = []
     for k in keys:
         vals = [_fmt(r.config.get(k)) if k in r.config else "" for r in runs]
-        # Highlight what differs between compared runs: that's what explains the curves.
-        cls = ' class="diff"' if len(runs) > 1 and len(set(vals)) > 1 else ""
-        rows.append(f"<tr{cls}><td>{_esc(k)}</td>" + "".join(f"<td>{_esc(v)}</td>" for v in vals) + "</tr>")
-    return f"<table><tr><th>key</th>{head}</tr>{''.join(rows)}</table>"
+        rows.append(f"<tr><td>{_esc(k)}</td>" + "".join(f"<td>{_esc(v)}</td>" for v in vals) + "</tr>")
+    rest = "the same in every run" if len(runs) > 1 else "at GRPOConfig's defaults"
+    note = f'<p class="muted">{others} other field(s) {rest}: the run\'s configuration file has them all.</p>'
+    if not rows:
+        return note
+    return f"<table><tr><th>key</th>{head}</tr>{''.join(rows)}</table>{note}"
 
 
 def _images_html(c: dict, run_path: Path | None) -> str:
@@ -398,6 +448,9 @@ def write_report(output_dirs: list[str | Path] | str | Path, out: Path | None = 
         figures.append(f'<figure><img alt="{_esc(titles.get(p.stem, p.stem))}" '
                        f'src="data:image/png;base64,{data}"></figure>')
     plots = f'<div class="plots">{"".join(figures)}</div>' if figures else '<p class="muted">No metrics logged yet.</p>'
+    zero = all_zero_panels(runs)
+    if zero:
+        plots += f'<p class="muted">Not drawn, every value 0: {_esc(", ".join(zero))}.</p>'
 
     title = "GRPO report: " + " vs ".join(names)
     now = _dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
