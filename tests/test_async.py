@@ -125,6 +125,18 @@ def test_what_asynchronous_generation_does_not_support_is_refused_by_name(tmp_pa
         GRPOConfig(max_staleness=-1, report_to="none")
 
 
+def test_deepspeed_is_refused_even_in_one_process():
+    """Item 7 of the second pass: DeepSpeed's step runs inside backward(), outside the producer's lock (and ZeRO-3's
+    copy would be empty), so it is refused by name in one process too, not only under several."""
+    from grpokit.producer import check_async
+
+    args = GRPOConfig(max_staleness=1, report_to="none")
+    with pytest.raises(NotImplementedError, match="does not run under DeepSpeed yet, even in one process"):
+        check_async(args, num_processes=1, iterable_dataset=False, deepspeed=True)
+    check_async(args, num_processes=1, iterable_dataset=False, deepspeed=False)
+    check_async(GRPOConfig(report_to="none"), num_processes=1, iterable_dataset=False, deepspeed=True)  # synchronous
+
+
 def test_with_staleness_one_the_letter_task_learns_as_the_synchronous_loop_does(tmp_path):
     """Same seeds, same config; the 8-step moving average of the reward: the asynchronous run ends as high (within
     0.05) and first reaches 0.6 in no more optimizer steps."""

@@ -6,11 +6,14 @@ a checkpoint a resumed run continues from."""
 import os
 import signal
 import threading
+import time
 
 import pytest
+import torch
 from datasets import Dataset
 
 from agents_helpers import TABLE, call_text, key_of, tiny_agent_model, tool_call_script
+from agents_helpers import lookup as agents_lookup
 from grpokit import GRPOConfig, GRPOTrainer
 from grpokit.rollout.process_engine import EngineProcessDied
 from grpokit.state import TrainerCallback
@@ -193,3 +196,103 @@ def test_environments_are_streamed_too_each_rollout_with_its_own_instance(tmp_pa
     assert steps[-1]["sample/dropped_stale_total"] == 2  # k0's group, released after step 2, too stale
     # Up to 8 rollouts in flight at once, each with its own instance, given back when scored and lent again.
     assert 8 <= Locker.built <= 12
+
+
+# ------------------------------------------------------------------- hangs, shutdown and version labels (second pass)
+
+
+class HangingEngine:
+    """A user engine (a scripted tool-calling policy) whose `hang_at`-th call blocks until `release` is set (at
+    most `limit` s); `hung_at` is when it began."""
+
+    def __init__(self, engine, hang_at: int, limit: float = 40.0):
+        self.engine, self.hang_at, self.limit = engine, hang_at, limit
+        self.exact_logprobs = engine.exact_logprobs
+        self.calls, self.hung_at, self.release = 0, None, threading.Event()
+
+    def generate(self, prompts, params, seed):
+        self.calls += 1
+        if self.calls == self.hang_at:
+            self.hung_at = time.monotonic()
+            self.release.wait(self.limit)
+        return self.engine.generate(prompts, params, seed)
+
+    def sync_weights(self, model):
+        self.engine.sync_weights(model)
+
+
+def answer_after_lookup(tokenizer):
+    return tool_call_script(tokenizer, lambda user, results, index: f"{results[-1]}<|im_end|>" if results else
+                            call_text("lookup", {"key": key_of(user)}))  # fmt: skip
+
+
+def test_a_hung_engine_call_stops_the_run_within_the_heartbeat_not_when_the_call_returns(tmp_path):
+    """Item 1: the producer must never hold the trainer's step lock while it waits for the engine. An engine call
+    that hangs (40 s) with heartbeat_stale_after_s=3: the TimeoutError reaches the caller a few seconds after the
+    hang began, and train()'s cleanup does not wait for the call."""
+    model, tokenizer = tiny_agent_model()
+    engine = HangingEngine(answer_after_lookup(tokenizer), hang_at=3)
+    args = streaming_config(tmp_path, max_steps=6, heartbeat_stale_after_s=3, max_inflight_tasks=4)
+    trainer = GRPOTrainer(model=model, reward_funcs=repeat_found, args=args, train_dataset=Dataset.from_list(ROWS * 4),
+                          processing_class=tokenizer, tools=[agents_lookup], rollout_engine=engine)  # fmt: skip
+    try:
+        with pytest.raises(TimeoutError, match="no progress for"):
+            trainer.train()
+        stopped = time.monotonic()
+    finally:
+        engine.release.set()
+    assert engine.hung_at is not None and stopped - engine.hung_at < 12, stopped - engine.hung_at
+
+
+def test_a_pool_of_hung_groups_is_reported_within_the_heartbeat(tmp_path):
+    """Item 2: the heartbeat beats on progress (an engine call returned, a group finished or started, a batch
+    queued), not on every tick of the producer's loop: every group hung in its tool call is reported."""
+    hang = threading.Event()
+
+    def lookup(key: str) -> str:  # the scripted policy calls `lookup`; this one never answers in time
+        """Look up the value stored under a key.
+
+        Args:
+            key: the key to look up
+        """
+        hang.wait(40)
+        return TABLE[key]
+
+    model, tokenizer = tiny_agent_model()
+    args = streaming_config(tmp_path, max_steps=4, heartbeat_stale_after_s=3)
+    trainer = GRPOTrainer(model=model, reward_funcs=repeat_found, args=args, train_dataset=Dataset.from_list(ROWS),
+                          processing_class=tokenizer, tools=[lookup],
+                          rollout_engine=answer_after_lookup(tokenizer))  # fmt: skip
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match="no progress for"):
+            trainer.train()
+        elapsed = time.monotonic() - started
+    finally:
+        hang.set()
+    assert elapsed < 15, elapsed
+
+
+def repeat_found(completions, key, **kwargs):
+    return [float(TABLE[k] in str(c[-1]["content"])) for c, k in zip(completions, key)]
+
+
+def test_copies_are_labelled_with_the_version_of_the_weights_they_copied(tmp_path):
+    """Item 6: the optimizer step and the version of the weights it made change under one lock; a copy taken between
+    the step and the trainer's callbacks is labelled with the new version, not the one before."""
+    from grpokit.producer import Producer, WeightSync
+
+    sync = WeightSync()
+    policy, copy = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+
+    class Args:
+        max_staleness, weight_sync_steps, queue_maxsize, generation_batch_size = 1, 1, 1, 1
+
+    producer = Producer(Args(), maker=None, policy=policy, copy=copy, sync=sync, sampler=None, generation=0)
+    with sync.step():  # the trainer's optimizer step
+        with torch.no_grad():
+            policy.weight.add_(1.0)
+    producer._take_weights(due=2)  # before the trainer's bookkeeping and callbacks end (sync.stepped())
+    assert torch.equal(copy.weight, policy.weight) and producer.weights_version == 1
+    sync.stepped()
+    assert sync.version == 1

@@ -19,8 +19,9 @@ TRL's asynchronous GRPO; the clip and the TIS/MIS corrections apply around them.
 a proximal policy recomputed at the training weights instead; grpokit does not.)
 
 Faults: an exception in the producer (an engine, a reward function, a tool) reaches the trainer with its traceback
-at the next batch it asks for; a producer that shows no sign of life (its heartbeat: each rollout and each wait) for
-`heartbeat_stale_after_s` seconds stops the run with a message. Either way the last checkpoint stays good: a
+at the next batch it asks for; a producer that shows no progress (its heartbeat: a batch queued, a wait for the
+trainer, an engine call returned, a group started or finished) for `heartbeat_stale_after_s` seconds stops the run
+with a message. Either way the last checkpoint stays good: a
 checkpoint records where the *trained* batches end (the prompt sampler's position and the rollout seeds after the
 last consumed batch), so a resumed run drops what was in flight and samples it again.
 """
@@ -43,10 +44,16 @@ from .rollout.batching import BatchingEngine
 from .rollout.process_engine import ProcessEngine
 
 
-def check_async(args: GRPOConfig, num_processes: int, iterable_dataset: bool) -> None:
+def check_async(args: GRPOConfig, num_processes: int, iterable_dataset: bool, deepspeed: bool = False) -> None:
     """What asynchronous generation supports today, refused by name otherwise."""
     if args.max_staleness is None:
         return
+    if deepspeed:
+        raise NotImplementedError("max_staleness (asynchronous generation) does not run under DeepSpeed yet, even in "
+                                  "one process: DeepSpeed's optimizer step runs inside backward(), outside the lock "
+                                  "that keeps the producer from copying half-updated weights, and under ZeRO-3 the "
+                                  "producer's copy would hold partitioned, empty parameters. Set max_staleness=None "
+                                  "with DeepSpeed, or train without DeepSpeed.")  # fmt: skip
     if args.num_iterations != 1 or args.steps_per_generation != args.gradient_accumulation_steps:
         raise NotImplementedError(
             f"max_staleness (asynchronous generation) needs one optimizer step per generation batch: "
@@ -71,18 +78,38 @@ def check_async(args: GRPOConfig, num_processes: int, iterable_dataset: bool) ->
 
 class WeightSync:
     """The trainer's policy version (optimizer steps) and the lock that keeps the producer from copying weights while
-    an optimizer step changes them."""
+    an optimizer step changes them.
+
+    Two counts: `weights`, the version of the weights as they are (bumped under the lock, with the optimizer step
+    that changes them: a copy is labelled with it), and `version`, the step the trainer has finished (bumped by
+    `stepped()` after the step's bookkeeping and callbacks: the schedule waits on it)."""
 
     def __init__(self, version: int = 0):
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
-        self.version = version
+        self.version = self.weights = version
+
+    @contextlib.contextmanager
+    def step(self):
+        """Held around the trainer's optimizer step: the weights change, and their version with them."""
+        with self.lock:
+            yield
+            self.weights += 1
 
     def stepped(self) -> None:
-        """Called by the trainer after each optimizer step (the lock is held around the step itself)."""
+        """Called by the trainer once a step's bookkeeping is done: the producer may schedule against it."""
         with self.changed:
-            self.version += 1
+            self.version = self.weights
             self.changed.notify_all()
+
+    def wake(self) -> None:
+        """Wakes waiters (a producer closing) without waiting for a lock held elsewhere: they wake on their own
+        within half a second otherwise."""
+        if self.lock.acquire(timeout=0.1):
+            try:
+                self.changed.notify_all()
+            finally:
+                self.lock.release()
 
 
 @dataclass
@@ -130,8 +157,7 @@ class Producer:
 
     def close(self) -> None:
         self.stop.set()
-        with self.sync.changed:
-            self.sync.changed.notify_all()
+        self.sync.wake()  # never waits for the step lock: nothing here waits on the engine or the trainer
         while True:  # unblock a put on a full queue
             try:
                 self.queue.get_nowait()
@@ -161,7 +187,6 @@ class Producer:
                 self.generation += experience.rollouts
                 self._put(Produced(experience, self.weights_version, generation, self.sampler.state_dict(),
                                    time.perf_counter()))  # fmt: skip
-                self.heartbeat = time.monotonic()
                 index += 1
         except BaseException as error:  # noqa: BLE001 - the trainer re-raises it with its traceback
             self.queue.put(Failure(error))
@@ -170,34 +195,46 @@ class Producer:
         while not self.stop.is_set():
             try:
                 self.queue.put(item, timeout=0.5)
+                self.beat()
                 return
             except queue.Full:  # the trainer is behind: keep the heartbeat
-                self.heartbeat = time.monotonic()
+                self.beat()
 
     def _wait_for_version(self, needed: int) -> bool:
         started = time.perf_counter()
         with self.sync.changed:
             while self.sync.version < needed and not self.stop.is_set():
                 self.sync.changed.wait(timeout=0.5)
-                self.heartbeat = time.monotonic()
+                self.beat()  # waiting for the trainer is not a hang
         self.weight_wait += time.perf_counter() - started
         return not self.stop.is_set()
 
     @torch.no_grad()
     def _take_weights(self, due: int) -> None:
-        """The trainer's current weights into the copy, under the optimizer step's lock: the first time, every
-        weight_sync_steps versions, and whenever the copy's weights would be too stale for a batch trained at version
-        `due`."""
-        # An engine shared by several rollouts at once (ProcessEngine, BatchingEngine) takes weights between requests
-        engine_idle = getattr(self.engine, "lock", None) or contextlib.nullcontext()
-        with self.sync.lock, engine_idle:
-            version, mine, every = self.sync.version, self.weights_version, self.args.weight_sync_steps
-            scheduled = mine is None or version // every > mine // every
-            if (scheduled or due - mine > self.args.max_staleness) and version != mine:
+        """The trainer's current weights into the copy: the first time, every weight_sync_steps versions, and
+        whenever the copy's weights would be too stale for a batch trained at version `due`. Whether a copy is needed
+        is decided under the step lock, without waiting for anything; the copy itself waits for the engine to be idle
+        first (an engine shared by rollouts at once, ProcessEngine or BatchingEngine, takes weights between requests)
+        and only then takes the step lock, so a hung engine call never holds the trainer's optimizer step."""
+        with self.sync.lock:
+            current, copied, every = self.sync.weights, self.weights_version, self.args.weight_sync_steps
+            scheduled = copied is None or current // every > copied // every
+            needed = (scheduled or due - copied > self.args.max_staleness) and current != copied
+        if needed:
+            engine_idle = getattr(self.engine, "lock", None) or contextlib.nullcontext()
+            with engine_idle, self.sync.lock:
                 for mine, theirs in self.pairs:
                     mine.copy_(theirs)
-                self.weights_version = version
+                self.weights_version = self.sync.weights
+            self.beat()
+
+    def beat(self) -> None:
+        """A sign of progress (see `next`)."""
         self.heartbeat = time.monotonic()
+
+    def last_progress(self) -> float:
+        """When the producer last made progress: its own beats, or an engine call that returned."""
+        return max(self.heartbeat, getattr(self.engine, "returned_at", 0.0))
 
     # ------------------------------------------------------------------------------------------ the trainer
 
@@ -234,7 +271,7 @@ class Producer:
                 if not self.thread.is_alive():
                     raise RuntimeError("The generation producer thread stopped without a result: the run cannot go "
                                        "on; resume from the last checkpoint.") from None  # fmt: skip
-                silent = time.monotonic() - self.heartbeat
+                silent = time.monotonic() - self.last_progress()
                 if silent > self.args.heartbeat_stale_after_s:
                     raise TimeoutError(
                         f"The generation producer has shown no progress for {silent:.0f} s (heartbeat_stale_after_s="

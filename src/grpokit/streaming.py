@@ -69,7 +69,8 @@ class StreamingProducer(Producer):
                 for future in done:
                     task = self.running.pop(future)
                     self.finished.append((task, future.result()))  # a rollout's exception stops the producer
-                self.heartbeat = time.monotonic()
+                if done:
+                    self.beat()  # progress only: groups that all hang in a tool call are a hang (heartbeat_stale_after_s)
                 if len(self.finished) >= self.groups_per_batch and self._queue_batch(batches):
                     batches += 1
         except BaseException as error:  # noqa: BLE001 - the trainer re-raises it with its traceback
@@ -94,6 +95,7 @@ class StreamingProducer(Producer):
             future = self.pool.submit(self.runner.run, [row] * self.group_size, [self.group_size], seed)
             self.running[future] = task
             self.started += 1
+            self.beat()
 
     def _queue_batch(self, batch: int) -> bool:
         """The first groups to finish as generation batch `batch` (groups too stale for it are dropped); False when

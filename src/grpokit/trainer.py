@@ -137,7 +137,8 @@ class GRPOTrainer:
         args.check_batch(acc.num_processes)
         set_log_level(args.log_level if acc.is_main_process else args.log_level_replica)
         warn_like_trl(args, model, quantization_config)  # after set_log_level: log_level decides what shows
-        check_async(args, acc.num_processes, is_iterable_dataset(train_dataset))
+        check_async(args, acc.num_processes, is_iterable_dataset(train_dataset),
+                    deepspeed=args.deepspeed is not None or acc.distributed_type.value == "DEEPSPEED")
         self.weights, self.producer = WeightSync(), None  # asynchronous generation (grpokit.producer)
         prepare_process(args, acc.device)
         self.model, self.processing_class, self.reference, max_prompt_length = build_models(
@@ -382,7 +383,7 @@ class GRPOTrainer:
             if index < len(window) - 1:
                 self.callback_handler("on_substep_end", args, self.state)
         self.callback_handler("on_pre_optimizer_step", args, self.state)
-        with self.weights.lock:  # a producer (asynchronous generation) never copies half-updated weights
+        with self.weights.step():  # a producer (asynchronous generation) never copies half-updated weights
             result = self.stepper.step(loss_total, self.state)
         self.callback_handler("on_optimizer_step", args, self.state)
         stats = self._step_stats
@@ -481,7 +482,7 @@ class GRPOTrainer:
 
     def _start_producer(self) -> Producer:
         """Asynchronous generation (max_staleness): grpokit.producer, from the trainer's parts."""
-        self.weights.version = self.state.global_step
+        self.weights.version = self.weights.weights = self.state.global_step
         self.producer = start_producer(self.args, self.accelerator, self.unwrapped_model, self.engine, self.runner,
                                        self.scorer.fresh(), self.reference, self.sampler, self.train_dataset,
                                        self.weights, self.state, self.processing_class, host=self,

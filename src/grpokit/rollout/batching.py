@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import torch
 
@@ -47,6 +48,7 @@ class BatchingEngine:
         self.waiting: list[Request] = []
         self.waiting_lock = threading.Lock()
         self.calls = self.requests = 0
+        self.returned_at = 0.0  # time.monotonic() when the engine last returned (the producer's heartbeat reads it)
 
     def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
         request = Request(prompts, params, seed)
@@ -86,6 +88,7 @@ class BatchingEngine:
         except BaseException as error:  # noqa: BLE001 - every request of the call raises it in its own thread
             for request in requests:
                 request.error = error
+        self.returned_at = time.monotonic()
         for request in requests:
             request.done.set()
 
