@@ -34,10 +34,11 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+
 import torch
 
-from .config import GRPOConfig
 from .build import build_engine
+from .config import GRPOConfig
 from .experience import Experience, ExperienceMaker
 from .rollout import HFEngine, RolloutRunner
 from .rollout.batching import BatchingEngine

@@ -70,7 +70,7 @@ class StreamingProducer(Producer):
                     task = self.running.pop(future)
                     self.finished.append((task, future.result()))  # a rollout's exception stops the producer
                 if done:
-                    self.beat()  # progress only: groups that all hang in a tool call are a hang (heartbeat_stale_after_s)
+                    self.beat()  # progress only: groups that all hang in a tool call are a hang
                 if len(self.finished) >= self.groups_per_batch and self._queue_batch(batches):
                     batches += 1
         except BaseException as error:  # noqa: BLE001 - the trainer re-raises it with its traceback
