@@ -296,3 +296,34 @@ def test_copies_are_labelled_with_the_version_of_the_weights_they_copied(tmp_pat
     assert torch.equal(copy.weight, policy.weight) and producer.weights_version == 1
     sync.stepped()
     assert sync.version == 1
+
+
+def test_drops_do_not_switch_the_overlap_off(tmp_path):
+    """Item 3: a tool call slow on every third prompt makes groups land too late and be dropped; dropped groups free
+    their place in the schedule, so later steps still find groups in flight (before: after the first drops every
+    later step found none, and steps came one slow call apart)."""
+    slow = {f"k{i}" for i in range(0, 60, 3)}
+
+    def lookup(key: str) -> str:  # slow on every third key
+        """Look up the value stored under a key.
+
+        Args:
+            key: the key to look up
+        """
+        if key in slow:
+            time.sleep(1.5)
+        return TABLE[key]
+
+    rows = [{"prompt": [{"role": "user", "content": f"key k{i}"}], "key": f"k{i}"} for i in range(60)]
+    model, tokenizer = tiny_agent_model()
+    args = streaming_config(tmp_path, max_steps=12, max_inflight_tasks=8)
+    trainer = GRPOTrainer(model=model, reward_funcs=repeat_found, args=args, train_dataset=Dataset.from_list(rows),
+                          processing_class=tokenizer, tools=[lookup],
+                          rollout_engine=answer_after_lookup(tokenizer))  # fmt: skip
+    trainer.train()
+    steps = [r for r in trainer.state.log_history if "loss" in r]
+    assert steps[-1]["sample/dropped_stale_total"] > 0  # the slow groups were dropped ...
+    first_drop = next(i for i, r in enumerate(steps) if r["sample/dropped_stale_total"] > 0)
+    later = [r["sample/groups_in_flight"] for r in steps[first_drop + 1 :]]
+    assert later and sum(n > 0 for n in later) >= len(later) - 1, later  # ... and the overlap went on
+    assert all(r["sample/staleness_max"] <= 1 for r in steps)

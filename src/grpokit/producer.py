@@ -257,10 +257,15 @@ class Producer:
         self.last_taken = now
         metrics = {"sample/staleness_mean": staleness, "sample/staleness_max": staleness,
                    "sample/dropped_stale_total": self.dropped, "sample/rollout_queue_size": self.queue.qsize(),
+                   "sample/groups_in_flight": self.in_flight(),
                    "sample/time_in_queue_s": now - item.produced_at, "perf/rollout_wait_s": now - started,
                    "perf/rollout_wait_fraction": min((now - started) / elapsed, 1.0),
                    "perf/weight_wait_fraction": min(weight_wait / elapsed, 1.0)}  # fmt: skip
         return item, metrics
+
+    def in_flight(self) -> int:
+        """Groups being sampled now (streamed groups; whole batches count none)."""
+        return 0
 
     def next(self) -> Produced:
         """The next queued batch; raises what the producer raised, or a timeout after heartbeat_stale_after_s

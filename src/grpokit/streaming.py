@@ -54,6 +54,7 @@ class StreamingProducer(Producer):
         self.running: dict[concurrent.futures.Future, GroupTask] = {}
         self.finished: list[tuple[GroupTask, Generation]] = []  # in the order they finished
         self.started = 0  # groups started
+        self.dropped_groups = 0  # started groups dropped as too stale: they free their place in the schedule
 
     def close(self) -> None:
         super().close()
@@ -77,8 +78,13 @@ class StreamingProducer(Producer):
             self.queue.put(Failure(error))
 
     def _due(self, group: int) -> int:
-        """The version group `group` is trained at, nominally (batches dropped as stale shift it earlier)."""
-        return self.first_step + group // self.groups_per_batch - self.dropped_batches
+        """The version the `group`-th group started is trained at, nominally: groups dropped before it do not count
+        (a drop must not push later groups' versions ahead, which would leave nothing in flight), and batches the
+        trainer dropped shift it earlier."""
+        return self.first_step + (group - self.dropped_groups) // self.groups_per_batch - self.dropped_batches
+
+    def in_flight(self) -> int:
+        return len(self.running)
 
     def _start_groups(self) -> None:
         """Start groups while fewer than max_groups run and the next one's version is within reach."""
@@ -106,6 +112,7 @@ class StreamingProducer(Producer):
         for task, generation in taken:
             if trained_at - task.version > self.args.max_staleness:
                 self.dropped += len(generation.rows)
+                self.dropped_groups += 1
                 self.runner.scored(generation)  # never scored: its environments go back to the pool
             else:
                 kept.append((task, generation))
