@@ -327,3 +327,48 @@ def test_drops_do_not_switch_the_overlap_off(tmp_path):
     later = [r["sample/groups_in_flight"] for r in steps[first_drop + 1 :]]
     assert later and sum(n > 0 for n in later) >= len(later) - 1, later  # ... and the overlap went on
     assert all(r["sample/staleness_max"] <= 1 for r in steps)
+
+
+def test_a_tool_call_in_flight_when_training_ends_does_not_keep_the_process_alive(tmp_path):
+    """Item 8: train() returns while one group still waits on a tool call (60 s, tool_timeout=120); the process exits
+    at once after it, not when the call or its timeout ends."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "run.py"
+    script.write_text(f"""
+import sys, time
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from datasets import Dataset
+from agents_helpers import TABLE, call_text, key_of, tiny_agent_model, tool_call_script
+from grpokit import GRPOConfig, GRPOTrainer
+
+def lookup(key: str) -> str:
+    \"\"\"Look up the value stored under a key.
+
+    Args:
+        key: the key to look up
+    \"\"\"
+    if key == "k5":
+        time.sleep(60)
+    return TABLE[key]
+
+model, tokenizer = tiny_agent_model()
+engine = tool_call_script(tokenizer, lambda user, results, index: f"{{results[-1]}}<|im_end|>" if results else
+                          call_text("lookup", {{"key": key_of(user)}}))
+rows = [{{"prompt": [{{"role": "user", "content": f"key k{{i}}"}}], "key": f"k{{i}}"}} for i in range(6)]
+args = GRPOConfig(output_dir={str(tmp_path / "out")!r}, per_device_train_batch_size=4, num_generations=2, max_steps=2,
+                  max_completion_length=64, logging_steps=1, save_strategy="no", disable_tqdm=True, report_to="none",
+                  shuffle_dataset=False, max_staleness=1, max_inflight_tasks=8, tool_timeout=120)
+trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                      train_dataset=Dataset.from_list(rows), processing_class=tokenizer, tools=[lookup],
+                      rollout_engine=engine)
+trainer.train()
+print("returned", time.monotonic(), flush=True)
+""")
+    done = subprocess.run([sys.executable, "-W", "ignore", str(script)], capture_output=True, text=True, timeout=300)
+    exited = time.monotonic()
+    assert done.returncode == 0, done.stderr[-3000:]
+    returned = float(done.stdout.split("returned ")[1].split()[0])
+    assert exited - returned < 10, exited - returned

@@ -23,6 +23,8 @@ first. Their completions are sampled again, with new seeds; nothing drawn is ski
 from __future__ import annotations
 
 import concurrent.futures
+import queue
+import threading
 import time
 from dataclasses import dataclass
 
@@ -35,6 +37,45 @@ class GroupTask:
     index: int  # the prompt's dataset index
     generation: int  # its rollout seed's generation number
     version: int  # the weights' version when it started
+
+
+class DaemonPool:
+    """`workers` daemon threads running submitted calls, each with its future. concurrent.futures' pool joins its
+    threads at interpreter exit, so one rollout still waiting on a tool call when training ends kept the process
+    alive for the tool's whole timeout; a daemon thread never holds up exit. `shutdown` cancels what has not
+    started and lets idle threads end."""
+
+    def __init__(self, workers: int, name: str):
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.workers = workers
+        for number in range(workers):
+            threading.Thread(target=self._work, name=f"{name}-{number}", daemon=True).start()
+
+    def submit(self, function, *args) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.tasks.put((future, function, args))
+        return future
+
+    def shutdown(self) -> None:
+        while True:
+            try:
+                item = self.tasks.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        for _ in range(self.workers):
+            self.tasks.put(None)
+
+    def _work(self) -> None:
+        while (item := self.tasks.get()) is not None:
+            future, function, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(function(*args))
+            except BaseException as error:  # noqa: BLE001 - the producer raises it from future.result()
+                future.set_exception(error)
 
 
 class StreamingProducer(Producer):
@@ -50,7 +91,7 @@ class StreamingProducer(Producer):
         inflight = config.max_inflight_tasks if config.max_inflight_tasks > 0 else \
             max(config.max_staleness, 1) * config.generation_batch_size  # fmt: skip
         self.max_groups = max(1, inflight // config.num_generations)
-        self.pool = concurrent.futures.ThreadPoolExecutor(self.max_groups, thread_name_prefix="grpokit-rollout")
+        self.pool = DaemonPool(self.max_groups, "grpokit-rollout")
         self.running: dict[concurrent.futures.Future, GroupTask] = {}
         self.finished: list[tuple[GroupTask, Generation]] = []  # in the order they finished
         self.started = 0  # groups started
@@ -58,7 +99,7 @@ class StreamingProducer(Producer):
 
     def close(self) -> None:
         super().close()
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
 
     def _run(self) -> None:
         try:
