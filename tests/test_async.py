@@ -82,12 +82,13 @@ class FlakyEngine:
         return self.engine.generate(prompts, params, seed)
 
 
-def flaky_trainer(tmp_path, engine, **overrides):
+def flaky_trainer(tmp_path, engine, eval_dataset=None, **overrides):
     model, tokenizer = tiny_letter_model()
     values = dict(per_device_train_batch_size=16, num_generations=4, max_steps=4, save_strategy="steps", save_steps=1,
                   max_staleness=0, report_to="none", beta=0.04)  # fmt: skip
     return GRPOTrainer(model=model, reward_funcs=repeat_letter, args=letter_config(tmp_path, **{**values, **overrides}),
-                       train_dataset=letter_dataset(), processing_class=tokenizer, rollout_engine=engine)  # fmt: skip
+                       train_dataset=letter_dataset(), processing_class=tokenizer, rollout_engine=engine,
+                       eval_dataset=eval_dataset)  # fmt: skip
 
 
 def test_a_failing_producer_stops_the_run_and_a_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path):
@@ -153,3 +154,41 @@ def test_with_staleness_one_the_letter_task_learns_as_the_synchronous_loop_does(
     assert curves["async"][-1] >= curves["sync"][-1] - 0.05, curves
     reached = {name: next(i for i, r in enumerate(curve) if r >= 0.6) for name, curve in curves.items()}
     assert reached["async"] <= reached["sync"], reached
+
+
+class RecordingEngine(FlakyEngine):
+    """The in-process engine over whatever model it is synced with, recording each call: the thread that made it,
+    the model it sampled with, and how many calls were running at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.active, self.most_active, self.sampled, self.count_lock = 0, 0, [], threading.Lock()
+
+    def generate(self, prompts, params, seed):
+        with self.count_lock:
+            self.active += 1
+            self.most_active = max(self.most_active, self.active)
+            self.sampled.append((threading.current_thread().name, self.engine.model))
+        try:
+            time.sleep(0.02)  # room for another call to overlap, if anything lets it
+            return self.engine.generate(prompts, params, seed)
+        finally:
+            with self.count_lock:
+                self.active -= 1
+
+
+def test_evaluation_leases_the_producers_engine(tmp_path):
+    """Item 4: under max_staleness the producer and evaluate() share a user's engine. Evaluation leases it: no two
+    calls overlap, the producer's calls sample its copy of the policy and evaluation's the trained weights, also
+    right after an evaluation moved the engine to them."""
+    engine = RecordingEngine()
+    trainer = flaky_trainer(tmp_path, engine, max_staleness=1, max_steps=6, save_strategy="no", eval_strategy="steps",
+                            eval_steps=1, num_generations_eval=4, per_device_eval_batch_size=16,
+                            eval_dataset=letter_dataset(1))  # fmt: skip
+    trainer.train()
+    live = trainer.unwrapped_model
+    producer = [model for thread, model in engine.sampled if thread == "grpokit-producer"]
+    evaluation = [model for thread, model in engine.sampled if thread != "grpokit-producer"]
+    assert len(producer) >= 6 and len(evaluation) >= 6
+    assert engine.most_active == 1
+    assert all(model is not live for model in producer) and all(model is live for model in evaluation)

@@ -372,3 +372,48 @@ print("returned", time.monotonic(), flush=True)
     assert done.returncode == 0, done.stderr[-3000:]
     returned = float(done.stdout.split("returned ")[1].split()[0])
     assert exited - returned < 10, exited - returned
+
+
+class RecordingScript:
+    """A scripted tool-calling policy that records, for each call, the thread that made it and the model it was last
+    synced with, and how many calls ran at once."""
+
+    def __init__(self, engine):
+        self.engine, self.exact_logprobs, self.model = engine, engine.exact_logprobs, None
+        self.active, self.most_active, self.sampled, self.count_lock = 0, 0, [], threading.Lock()
+
+    def sync_weights(self, model):
+        self.model = model
+
+    def generate(self, prompts, params, seed):
+        with self.count_lock:
+            self.active += 1
+            self.most_active = max(self.most_active, self.active)
+            self.sampled.append((threading.current_thread().name, self.model))
+        try:
+            time.sleep(0.02)
+            return self.engine.generate(prompts, params, seed)
+        finally:
+            with self.count_lock:
+                self.active -= 1
+
+
+def test_streamed_groups_sample_the_copy_and_evaluation_leases_the_engine(tmp_path):
+    """Items 4 and 5 of the second pass, streamed: the producer pushes its copy's weights into an engine that keeps
+    weights of its own (before, streamed groups never did), evaluation leases the engine (no two calls overlap) and
+    samples the trained weights, and the copy goes back in before the producer's next call."""
+    model, tokenizer = tiny_agent_model()
+    engine = RecordingScript(answer_after_lookup(tokenizer))
+    args = streaming_config(tmp_path, max_steps=4, eval_strategy="steps", eval_steps=1, num_generations_eval=2,
+                            per_device_eval_batch_size=4)  # fmt: skip
+    trainer = GRPOTrainer(model=model, reward_funcs=repeat_found, args=args, train_dataset=Dataset.from_list(ROWS * 3),
+                          eval_dataset=Dataset.from_list(ROWS[:2]), processing_class=tokenizer,
+                          tools=[agents_lookup], rollout_engine=engine)  # fmt: skip
+    trainer.train()
+    live, main = trainer.unwrapped_model, threading.main_thread().name
+    evaluation = [m for thread, m in engine.sampled if thread == main]
+    producer = [m for thread, m in engine.sampled if thread != main]
+    assert len(evaluation) >= 4 and len(producer) >= 8
+    assert engine.most_active == 1
+    assert all(m is live for m in evaluation)
+    assert all(m is not None and m is not live for m in producer)

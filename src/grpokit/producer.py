@@ -148,6 +148,9 @@ class Producer:
         self.weight_wait = 0.0  # seconds the producer waited for the trainer's version
         self.reported_weight_wait, self.last_taken = 0.0, None
         self.dropped, self.dropped_batches = 0, 0  # samples, batches the trainer found too stale
+        # The trainer's own engine, driven from this thread too (vLLM, a user's): evaluation leases it (`lease`).
+        self.shares_engine = False
+        self._lease = threading.Lock()  # held while the producer samples a batch
         self.thread = threading.Thread(target=self._run, name="grpokit-producer", daemon=True)
         self.pairs = [(mine, theirs) for mine, theirs in zip(copy.parameters(), policy.parameters())
                       if theirs.requires_grad]  # the frozen ones never change  # fmt: skip
@@ -184,7 +187,8 @@ class Producer:
                     return
                 self._take_weights(due)
                 generation = self.generation
-                experience = self.maker.make(generation, self.trainer_state)
+                with self._lease:
+                    experience = self.maker.make(generation, self.trainer_state)
                 self.generation += experience.rollouts
                 self._put(Produced(experience, self.weights_version, generation, self.sampler.state_dict(),
                                    time.perf_counter()))  # fmt: skip
@@ -228,6 +232,12 @@ class Producer:
                     mine.copy_(theirs)
                 self.weights_version = self.sync.weights
             self.beat()
+
+    def lease(self):
+        """The engine, for the trainer's evaluation: while held, the producer does not sample with it (it waits for
+        the batch or engine call in progress first). The producer pushes its own weights again before it samples
+        next (the engine then holds the trained ones)."""
+        return self._lease
 
     def beat(self) -> None:
         """A sign of progress (see `next`)."""
@@ -303,6 +313,7 @@ def start_producer(args: GRPOConfig, accelerator, policy: torch.nn.Module, engin
         # On the CPU, in a process of its own when it may run ahead (at max_staleness=0 it never overlaps training).
         if accelerator.device.type == "cpu" and args.max_staleness > 0:
             engine = process = ProcessEngine(engine, copied)
+    shared = not isinstance(engine, HFEngine)  # the trainer's engine itself: evaluation samples with it too
     streaming = args.max_staleness > 0 and getattr(runner.driver, "concurrent_rollouts", False)
     if streaming:  # the turns that groups in flight ask for at once go into one engine call
         engine = BatchingEngine(engine)
@@ -314,8 +325,11 @@ def start_producer(args: GRPOConfig, accelerator, policy: torch.nn.Module, engin
     if streaming:  # multi-turn rollouts, group by group (grpokit.streaming)
         from .streaming import StreamingProducer
 
-        return StreamingProducer(args, maker, policy, copied, sync, own_sampler, trainer_state.generations,
-                                 trainer_state, threads=torch.get_num_threads(), engine=engine, process=process,
-                                 runner=own_runner, dataset=dataset).start()  # fmt: skip
-    return Producer(args, maker, policy, copied, sync, own_sampler, trainer_state.generations, trainer_state,
-                    threads=torch.get_num_threads(), engine=engine, process=process).start()
+        producer = StreamingProducer(args, maker, policy, copied, sync, own_sampler, trainer_state.generations,
+                                     trainer_state, threads=torch.get_num_threads(), engine=engine, process=process,
+                                     runner=own_runner, dataset=dataset)  # fmt: skip
+    else:
+        producer = Producer(args, maker, policy, copied, sync, own_sampler, trainer_state.generations, trainer_state,
+                            threads=torch.get_num_threads(), engine=engine, process=process)  # fmt: skip
+    producer.shares_engine = shared
+    return producer.start()

@@ -23,6 +23,7 @@ first. Their completions are sampled again, with new seeds; nothing drawn is ski
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import queue
 import threading
 import time
@@ -95,6 +96,7 @@ class StreamingProducer(Producer):
         self.running: dict[concurrent.futures.Future, GroupTask] = {}
         self.finished: list[tuple[GroupTask, Generation]] = []  # in the order they finished
         self.started = 0  # groups started
+        self.pushed: int | None = None  # the version of the copy's weights the engine holds (None: not the copy's)
         self.dropped_groups = 0  # started groups dropped as too stale: they free their place in the schedule
 
     def close(self) -> None:
@@ -127,6 +129,17 @@ class StreamingProducer(Producer):
     def in_flight(self) -> int:
         return len(self.running)
 
+    @contextlib.contextmanager
+    def lease(self):
+        """The engine between calls, for the trainer's evaluation (BatchingEngine's lock); on the way out the copy's
+        weights go back into it before any waiting request is served."""
+        with self.engine.lock:
+            try:
+                yield
+            finally:
+                if self.pushed is not None:
+                    self.engine.engine.sync_weights(self.copy)
+
     def _start_groups(self) -> None:
         """Start groups while fewer than max_groups run and the next one's version is within reach."""
         while len(self.running) < self.max_groups and not self.stop.is_set():
@@ -134,6 +147,9 @@ class StreamingProducer(Producer):
             if self.sync.version < due - self.args.max_staleness:
                 return
             self._take_weights(due)
+            if self.pushed != self.weights_version:  # an engine that keeps weights of its own (vLLM, a user's)
+                self.runner.sync_weights(self.copy)  # between engine calls (BatchingEngine's lock)
+                self.pushed = self.weights_version
             index = self.sampler.draw(1)[0]
             task = GroupTask(index, self.generation, self.weights_version)
             self.generation += 1

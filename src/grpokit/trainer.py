@@ -506,10 +506,14 @@ class GRPOTrainer:
             # transformers' Trainer: outside train(), the model itself is cast (in place, for good) for evaluation.
             self.unwrapped_model.to(dtype=full_eval)
         metrics: dict[str, float] = {}
-        for name, one in named_eval_datasets(dataset).items():
-            prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
-            found, self.eval_samples = self.evaluator.evaluate(one, prefix, self.state)
-            metrics.update(found)
+        producer = self.producer
+        # Under max_staleness the producer may sample with this very engine: evaluation leases it.
+        lease = producer.lease() if producer is not None and producer.shares_engine else contextlib.nullcontext()
+        with lease:
+            for name, one in named_eval_datasets(dataset).items():
+                prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
+                found, self.eval_samples = self.evaluator.evaluate(one, prefix, self.state)
+                metrics.update(found)
         self.callback_handler("on_evaluate", self.args, self.state, metrics=metrics)
         return metrics
 
