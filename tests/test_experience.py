@@ -9,11 +9,12 @@ import pytest
 import torch
 from datasets import Dataset
 
+import grpokit
 from grpokit import GRPOConfig, GRPOTrainer, TrainBatch
 from grpokit.rollout import ScriptedEngine, engine_logprobs_exact
 from grpokit.testing import build_char_tokenizer, build_tiny_model
 
-PACKAGE = Path(__file__).resolve().parent.parent / "grpokit"
+PACKAGE = Path(grpokit.__file__).resolve().parent  # the installed package under test
 
 
 def letter_trainer(tmp_path, **overrides):

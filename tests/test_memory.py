@@ -200,7 +200,10 @@ def test_a_frozen_bf16_head_is_not_copied_once_per_prompt_in_the_prefill():
     ids = torch.randint(3, 8192, (8, 12), generator=torch.Generator().manual_seed(0))
     head_bytes = model.lm_head.weight.numel() * model.lm_head.weight.element_size()  # 1 MiB
     before, expected = largest_allocation_in_last_position_logits(model, ids)
-    assert before >= 8 * head_bytes  # torch's bmm over the sliced hidden states: one copy of the head per row
+    # torch's bmm over the sliced hidden states copies the head once per row where its bf16 kernel is the CPU's own
+    # (AVX-512 BF16 / AMX); elsewhere bf16 matmuls take another path that does not: the fix must then change nothing.
+    copies_the_head = before >= 8 * head_bytes
+    assert copies_the_head or before < head_bytes
     assert contiguous_head_input(model) and not contiguous_head_input(model)  # once per model
     after, logits = largest_allocation_in_last_position_logits(model, ids)
     assert after < head_bytes / 4
