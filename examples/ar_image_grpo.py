@@ -6,7 +6,8 @@ No transformers model and no tokenizer: the model is a plain `nn.Module` whose f
 (style 2: a checkerboard, style 3: a vertical stripe in the middle). grpokit samples it without a KV cache (one
 full forward per token), as it would any model that has none.
 
-    python examples/ar_image_grpo.py --steps 60
+    python examples/ar_image_grpo.py                # 60 steps; metrics.jsonl in ./grpo-ar-image
+    python examples/ar_image_grpo.py --tiny         # 15 steps, into a folder in the temporary directory
 
 What it shows, measured on a 2-core CPU (learning_rate 5e-4: 0.19 -> 0.64 over 60 steps; at the default 3e-3 the same
 in ~10 steps): the random model draws many non-pixel tokens (reward ~0.19), GRPO teaches it to draw pixels, and the
@@ -64,7 +65,8 @@ class TinyImageModel(torch.nn.Module):
 
 
 def build_dataset(rows: int = 64) -> Dataset:
-    return Dataset.from_list([{"prompt_ids": [START, style], "style": style} for style in (CHECKER, STRIPE)] * (rows // 2))
+    rows = [{"prompt_ids": [START, style], "style": style} for style in (CHECKER, STRIPE)] * (rows // 2)
+    return Dataset.from_list(rows)
 
 
 def train(steps: int = 60, output_dir: str = "grpo-ar-image", seed: int = 0, **overrides) -> GRPOTrainer:
@@ -72,7 +74,7 @@ def train(steps: int = 60, output_dir: str = "grpo-ar-image", seed: int = 0, **o
     args = GRPOConfig(**{
         "output_dir": output_dir, "per_device_train_batch_size": 32, "num_generations": 8,
         "max_completion_length": SIDE * SIDE, "learning_rate": 3e-3, "lr_scheduler_type": "constant",
-        "max_steps": steps, "logging_steps": 5, "save_strategy": "no", "seed": seed, "beta": 0.0, **overrides,
+        "max_steps": steps, "logging_steps": 1, "save_strategy": "no", "seed": seed, "beta": 0.0, **overrides,
     })  # fmt: skip
     trainer = GRPOTrainer(model=TinyImageModel(), reward_funcs=pattern_reward, args=args, train_dataset=build_dataset())
     trainer.train()
@@ -81,10 +83,17 @@ def train(steps: int = 60, output_dir: str = "grpo-ar-image", seed: int = 0, **o
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--output_dir", default="grpo-ar-image")
+    parser.add_argument("--steps", "--max_steps", type=int, default=None, help="Default: 60; with --tiny, 15.")
+    parser.add_argument("--output_dir", default=None,
+                        help="Default: grpo-ar-image; with --tiny, a folder in the temporary directory.")
+    parser.add_argument("--tiny", action="store_true", help="15 steps, written into the temporary directory.")
     options = parser.parse_args()
-    trainer = train(options.steps, options.output_dir)
+    output_dir = options.output_dir or "grpo-ar-image"
+    if options.tiny:
+        from grpokit.testing import tiny_output_dir
+
+        output_dir = options.output_dir or tiny_output_dir("ar_image_grpo")
+    trainer = train(options.steps or (15 if options.tiny else 60), output_dir)
     from grpokit.report import reward_trend
 
-    print(f"pattern {reward_trend(trainer.state.log_history)}")
+    print(f"pattern {reward_trend(trainer.state.log_history)}; output in {output_dir}")

@@ -7,10 +7,13 @@
 The dataset's `image` column holds each row's image; the prompt is a conversation, and the trainer places the image
 before the first user text (TRL's `prepare_multimodal_messages`). The checkpoint loads as its vision-language class
 with its processor; LoRA adapts the language model (the vision tower stays frozen: `freeze_vision_tower`).
-`--tiny` builds a random-weight Gemma 3 and a task where the answer is the colour of a solid image.
+`--tiny` builds a random-weight Gemma 3 and a task where the answer is the colour of a solid image; it ends by
+printing where it saved the model and the completions of its last logging step (the prompts as their text).
 """
 
 import argparse
+import json
+from pathlib import Path
 
 from grpokit import GRPOConfig, GRPOTrainer
 from grpokit.rewards import accuracy_reward, think_format_reward
@@ -41,9 +44,19 @@ def tiny_setup():
 
     model, processor = build_tiny_vlm("gemma3")
     colours = {"red": (220, 20, 20), "blue": (20, 20, 220)}
-    rows = [{"prompt": [{"role": "user", "content": "colour?"}], "image": solid_image(rgb), "answer": name}
-            for name, rgb in colours.items()] * 8  # fmt: skip
+    question = [{"role": "user", "content": "what colour is the image?"}]
+    rows = [{"prompt": question, "image": solid_image(rgb), "answer": name} for name, rgb in colours.items()] * 8
     return model, processor, Dataset.from_list(rows), [colour_letter]
+
+
+def show_last_completions(output_dir: str) -> None:
+    """The completions of the last logging step (completions.jsonl), each prompt as its text, an image as [image]."""
+    records = [json.loads(line) for line in (Path(output_dir) / "completions.jsonl").read_text().splitlines()]
+    step = records[-1]["step"]
+    print(f"Completions at step {step} (every logged step's in {Path(output_dir) / 'completions.jsonl'}):")
+    for record in (r for r in records if r["step"] == step):
+        prompt = " ".join(part.get("text", "[image]") for message in record["prompt"] for part in message["content"])
+        print(f"  {prompt!r} -> {record['completion'][0]['content']!r}  reward {record['reward']}")
 
 
 def main(argv=None):
@@ -84,6 +97,10 @@ def main(argv=None):
                           processing_class=processor, peft_config=peft_config)  # fmt: skip
     trainer.train()
     trainer.save_model()
+    if trainer.accelerator.is_main_process:
+        if options.tiny:
+            show_last_completions(training_args.output_dir)
+        print(f"Model saved to {training_args.output_dir}")
     return trainer
 
 

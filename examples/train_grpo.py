@@ -8,7 +8,9 @@
 
 Nothing in it depends on the number of processes: `per_device_train_batch_size` counts completions per process
 (TRL's semantics), so 8 processes sample 8x as many completions per step as one. `--tiny` trains a tiny model built
-offline on a toy task (repeat the prompt's first letter), to try a launcher without a GPU or a download.
+offline on a toy task (repeat the prompt's first letter), to try a launcher without a GPU or a download; it logs
+every step and ends with the mean reward over the first and the last fifth of them (in one process, measured: ~0.13
+over steps 1-12, what a random letter scores, -> ~0.37 over steps 49-60).
 """
 
 import argparse
@@ -54,8 +56,8 @@ def main():
         model, tokenizer, dataset, reward = tiny_setup()
         output_dir = options.output_dir or tiny_output_dir("train_grpo")
         training_args = GRPOConfig(output_dir=output_dir, per_device_train_batch_size=32, num_generations=8,
-                                   max_completion_length=2, learning_rate=1e-2, lr_scheduler_type="constant",
-                                   max_steps=options.max_steps if options.max_steps > 0 else 60, logging_steps=10,
+                                   max_completion_length=2, learning_rate=2e-3, lr_scheduler_type="constant",
+                                   max_steps=options.max_steps if options.max_steps > 0 else 60, logging_steps=1,
                                    save_steps=30)  # fmt: skip
     else:
         from datasets import load_dataset

@@ -277,7 +277,8 @@ def test_bf16_help_says_the_real_default():
     assert "Off by default" in GRPOConfig.field_help("bf16")
 
 
-EXAMPLES_WITH_TINY = ["train_grpo", "tools_grpo", "environment_grpo", "grpo_vlm", "agent_endpoint_grpo"]
+EXAMPLES_WITH_TINY = ["train_grpo", "tools_grpo", "environment_grpo", "grpo_vlm", "agent_endpoint_grpo",
+                      "ar_image_grpo"]
 
 
 @pytest.mark.parametrize("example", EXAMPLES_WITH_TINY)

@@ -138,3 +138,17 @@ def test_trainer_passes_log_unique_prompts_to_the_trackers_table(tmp_path, monke
                         lambda self, step, samples, unique=False: sent.append(unique) or write(self, step, samples, unique))
     trainer.train()
     assert sent == [True]
+
+
+def test_the_console_shows_chat_prompts_as_text():
+    """A conversational prompt on the console is its last message as text (with [image] for image parts), not JSON
+    cut before the question."""
+    from grpokit.logs import _short
+
+    prompt = [{"role": "system", "content": "You are a careful assistant who answers in one word."},
+              {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is the image?"}]}]
+    assert _short(prompt) == "user: [image] what colour is the image?"
+    assert _short([{"role": "assistant", "content": "red"}]) == "assistant: red"
+    assert _short(prompt, 200) == ("system: You are a careful assistant who answers in one word. | user: [image] "
+                                   "what colour is the image?")
+    assert _short("x" * 80) == "x" * 57 + "..."

@@ -63,8 +63,22 @@ def reduce_extremes(accelerator, stats: dict) -> dict[str, float]:
 
 
 def _short(value, limit: int = 60) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    """A prompt or completion as a short line: text as it is; chat messages as 'role: text' (image parts as
+    [image]), only the last message where the line is short (the question, not the system prompt)."""
+    if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m for m in value):
+        text = " | ".join(_message_line(m) for m in (value[-1:] if limit <= 60 else value))
+    else:
+        text = value if isinstance(value, str) else json.dumps(value, default=str)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _message_line(message: dict) -> str:
+    content = message.get("content")
+    if isinstance(content, list):  # multimodal parts
+        content = " ".join("[image]" if isinstance(part, dict) and part.get("type") == "image"
+                           else str(part.get("text", "")) if isinstance(part, dict) else str(part)
+                           for part in content)  # fmt: skip
+    return f"{message['role']}: {content if content is not None else ''}"
 
 
 def _tracker_key(key: str) -> str:
