@@ -18,8 +18,6 @@ near 0.5.
 
 import argparse
 import json
-import random
-import re
 
 import openai
 from datasets import Dataset
@@ -61,29 +59,6 @@ dataset = Dataset.from_list(
 )  # fmt: skip
 
 
-def scripted_policy(tokenizer, seed: int = 0):
-    """--tiny's stand-in for a model that uses the tool: each turn reads the conversation so far (the prompt and
-    the transcript, as token ids) and writes the assistant's next turn."""
-    from grpokit.rollout import ScriptedEngine
-
-    draw = random.Random(seed)
-
-    def next_turn(context_ids: list[int], index: int) -> list[int]:
-        context = tokenizer.decode(context_ids)
-        a, b = re.search(r"What is (\d+) multiplied by (\d+)\?", context).groups()
-        results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", context)
-        if results:  # the tool answered: say its result
-            text = f"The product is {results[-1]}."
-        elif draw.random() < 0.5:  # call the tool, in Qwen's format
-            call = {"name": "multiply", "arguments": {"a": int(a), "b": int(b)}}
-            text = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
-        else:  # guess
-            text = f"About {int(a) * 10}."
-        return tokenizer(text + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
-
-    return ScriptedEngine(next_turn)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="A tiny offline model and a scripted policy (CPU).")
@@ -95,6 +70,8 @@ def main():
     output_dir = options.output_dir or "Qwen3-0.6B-GRPO-agent"
     args = GRPOConfig(output_dir=output_dir, max_steps=options.max_steps, max_completion_length=512, logging_steps=10)
     if options.tiny:
+        from tools_grpo import scripted_policy  # the same task and scripted policy as examples/tools_grpo.py
+
         from grpokit.testing import build_qwen_chat_tokenizer, build_tiny_model, tiny_output_dir
 
         tokenizer = build_qwen_chat_tokenizer(("multiply", "integer", "product"))
