@@ -330,8 +330,9 @@ def test_drops_do_not_switch_the_overlap_off(tmp_path):
 
 
 def test_a_tool_call_in_flight_when_training_ends_does_not_keep_the_process_alive(tmp_path):
-    """Item 8: train() returns while one group still waits on a tool call (60 s, tool_timeout=120); the process exits
-    at once after it, not when the call or its timeout ends."""
+    """Item 8: train() returns while one group still waits on a tool call (240 s, tool_timeout=300); the process
+    exits soon after it (the producer's thread is given 5 s), not when the call or its timeout ends (123 s after
+    train() returned with a 60 s call and tool_timeout=120 on the previous code)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -351,7 +352,7 @@ def lookup(key: str) -> str:
         key: the key to look up
     \"\"\"
     if key == "k5":
-        time.sleep(60)
+        time.sleep(240)
     return TABLE[key]
 
 model, tokenizer = tiny_agent_model()
@@ -360,18 +361,18 @@ engine = tool_call_script(tokenizer, lambda user, results, index: f"{{results[-1
 rows = [{{"prompt": [{{"role": "user", "content": f"key k{{i}}"}}], "key": f"k{{i}}"}} for i in range(6)]
 args = GRPOConfig(output_dir={str(tmp_path / "out")!r}, per_device_train_batch_size=4, num_generations=2, max_steps=2,
                   max_completion_length=64, logging_steps=1, save_strategy="no", disable_tqdm=True, report_to="none",
-                  shuffle_dataset=False, max_staleness=1, max_inflight_tasks=8, tool_timeout=120)
+                  shuffle_dataset=False, max_staleness=1, max_inflight_tasks=8, tool_timeout=300)
 trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
                       train_dataset=Dataset.from_list(rows), processing_class=tokenizer, tools=[lookup],
                       rollout_engine=engine)
 trainer.train()
 print("returned", time.monotonic(), flush=True)
 """)
-    done = subprocess.run([sys.executable, "-W", "ignore", str(script)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-W", "ignore", str(script)], capture_output=True, text=True, timeout=400)
     exited = time.monotonic()
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0 and "returned " in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
     returned = float(done.stdout.split("returned ")[1].split()[0])
-    assert exited - returned < 10, exited - returned
+    assert exited - returned < 60, exited - returned  # a loaded 2-core machine: the bound the old code broke by far
 
 
 class RecordingScript:

@@ -225,7 +225,10 @@ def test_flags_override_the_yaml_file(tmp_path):
     )
     run, values = parse_train_args([path, "--learning_rate", "1e-3", "--max_steps", "5", "--model", "other"])
     assert run == {"model": "other", "dataset": "data.jsonl", "dataset_split": None, "reward": ["accuracy"],
-                   "eval_dataset": None, "eval_dataset_split": None}
+                   "eval_dataset": None, "eval_dataset_split": None, "rename_column": {}}
+    path = write_yaml(tmp_path, "model: m\nrename_column: {question: prompt}\n")
+    assert parse_train_args([path, "--rename_column", "answer=target"])[0]["rename_column"] == {"answer": "target"}
+    assert parse_train_args([path])[0]["rename_column"] == {"question": "prompt"}
     assert values["learning_rate"] == 1e-3 and type(values["learning_rate"]) is float
     assert values["max_steps"] == 5 and type(values["max_steps"]) is int
     assert values["num_generations"] == 4 and values["loss_type"] == "grpo"  # from the file
