@@ -241,7 +241,8 @@ def test_a_hung_engine_call_stops_the_run_within_the_heartbeat_not_when_the_call
         stopped = time.monotonic()
     finally:
         engine.release.set()
-    assert engine.hung_at is not None and stopped - engine.hung_at < 12, stopped - engine.hung_at
+    # heartbeat 3 s, then train()'s cleanup: the producer's thread (5 s at most), the engine's lock (5 s at most)
+    assert engine.hung_at is not None and stopped - engine.hung_at < 20, stopped - engine.hung_at
 
 
 def test_a_pool_of_hung_groups_is_reported_within_the_heartbeat(tmp_path):

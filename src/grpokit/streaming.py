@@ -100,8 +100,13 @@ class StreamingProducer(Producer):
         self.dropped_groups = 0  # started groups dropped as too stale: they free their place in the schedule
 
     def close(self) -> None:
-        super().close()
         self.pool.shutdown()
+        super().close()
+        # Rollouts still running (a tool call in flight) are abandoned in daemon threads: the engine is closed to
+        # them for good once its call in progress ends (its lock is kept), so none is inside torch when the
+        # interpreter exits (a daemon thread in C++ code then aborts the process: "terminate called without an
+        # active exception"). A call hung for good is not waited for past a few seconds.
+        self.engine.lock.acquire(timeout=5)
 
     def _run(self) -> None:
         try:
