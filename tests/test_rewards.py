@@ -342,7 +342,8 @@ def test_think_format_reward(completion, expected):
 
 def test_resolve_builtin_names():
     # a built-in named on the command line logs under that name; its function is TRL's
-    assert resolve_reward("accuracy").__wrapped__ is accuracy_reward and resolve_reward("accuracy").__name__ == "accuracy"
+    accuracy = resolve_reward("accuracy")
+    assert accuracy.__wrapped__ is accuracy_reward and accuracy.__name__ == "accuracy"
     assert resolve_reward("think_format").__wrapped__ is think_format_reward
     assert resolve_reward("exact_match").__name__ == "exact_match"
     assert set(BUILTIN_REWARDS) >= {"accuracy", "think_format", "length", "code_execution"}
