@@ -171,11 +171,14 @@ def _series(run: Run, key: str) -> tuple[list[float], list[float]]:
     return xs, ys
 
 
+def _all_zero(subplots: list[list[Series]]) -> bool:
+    return all(y == 0 for series in subplots for s in series for y in s.ys)
+
+
 def all_zero_panels(runs: list[Run]) -> list[str]:
     """The titles of the panels whose every logged value is 0 (no token clipped, say): not drawn, but named."""
     titles = {stem: title for stem, title, _ in PANELS}
-    return [titles[stem] for stem, subplots in _collect(runs).items()
-            if all(y == 0 for series in subplots for s in series for y in s.ys)]  # fmt: skip
+    return [titles[stem] for stem, subplots in _collect(runs).items() if _all_zero(subplots)]
 
 
 def collect_series(runs: list[Run]) -> dict[str, list[list[Series]]]:
@@ -184,9 +187,7 @@ def collect_series(runs: list[Run]) -> dict[str, list[list[Series]]]:
     Separated from drawing so tests (and callers) can inspect what a plot
     will show, including the legend labels, without parsing images.
     """
-    zero = set(all_zero_panels(runs))
-    return {stem: subplots for stem, subplots in _collect(runs).items()
-            if {title for key, title, _ in PANELS if key == stem}.isdisjoint(zero)}  # fmt: skip
+    return {stem: subplots for stem, subplots in _collect(runs).items() if not _all_zero(subplots)}
 
 
 def _collect(runs: list[Run]) -> dict[str, list[list[Series]]]:
