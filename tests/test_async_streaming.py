@@ -419,3 +419,120 @@ def test_streamed_groups_sample_the_copy_and_evaluation_leases_the_engine(tmp_pa
     assert engine.most_active == 1
     assert all(m is live for m in evaluation)
     assert all(m is not None and m is not live for m in producer)
+
+
+class BehaviourRecorder:
+    """A scripted engine (it reports no log-probs) that records, at each call, the log-probs of each row's turn under
+    the weights it samples with at that moment: the behaviour policy's, keyed by the row's context and turn."""
+
+    exact_logprobs = False
+
+    def __init__(self, engine):
+        self.engine, self.model, self.turns = engine, None, {}
+
+    def sync_weights(self, model):
+        self.model = model
+        self.engine.sync_weights(model)
+
+    def generate(self, prompts, params, seed):
+        from grpokit import TrainBatch
+        from grpokit.logprobs import token_logprobs
+
+        out = self.engine.generate(prompts, params, seed)
+        batch = TrainBatch.from_rollout(out, torch.zeros(len(out.lengths)))
+        with torch.no_grad():
+            logprobs, _ = token_logprobs(self.model, batch.input_ids, batch.input_mask, batch.completion_ids.shape[1],
+                                         params.temperature)  # fmt: skip
+        for row, length in enumerate(out.lengths.tolist()):
+            context = out.prompt_ids[row][out.prompt_mask[row].bool()].tolist()
+            turn = out.completion_ids[row, :length].tolist()
+            self.turns[tuple(context + turn)] = (len(context), logprobs[row, :length])
+        return out
+
+
+def test_streamed_turns_are_trained_with_the_log_probs_they_were_sampled_with(tmp_path):
+    """Item 5: π_old of a streamed turn is the log-prob of the weights that sampled it, recorded at sampling time,
+    not a forward of the copy when the batch is assembled (by then the copy may be a version newer). The engine
+    reports no log-probs, so the producer computes them in the engine's call."""
+
+    class Recording(GRPOTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            self.trained.append(inputs)
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def lookup(key: str) -> str:  # slow on every other key: groups finish after the copy has moved on
+        """Look up the value stored under a key.
+
+        Args:
+            key: the key to look up
+        """
+        time.sleep(0.4 * (int(key[1:]) % 2))
+        return TABLE[key]
+
+    def plain_answer(completions, **kwargs):  # the second of each group adds a '!': the advantages are not 0
+        return [float("!" not in str(c[-1]["content"])) for c in completions]
+
+    model, tokenizer = tiny_agent_model()
+    script = tool_call_script(tokenizer, lambda user, results, index: f"{results[-1]}{'!' * index}<|im_end|>"
+                              if results else call_text("lookup", {"key": key_of(user)}))  # fmt: skip
+    engine = BehaviourRecorder(script)
+    args = streaming_config(tmp_path, max_steps=6, learning_rate=1e-2)
+    rows = [{"prompt": [{"role": "user", "content": f"key k{i}"}], "key": f"k{i}"} for i in range(24)]  # distinct
+    trainer = Recording(model=model, reward_funcs=plain_answer, args=args, train_dataset=Dataset.from_list(rows),
+                        processing_class=tokenizer, tools=[lookup], rollout_engine=engine)  # fmt: skip
+    trainer.trained = []
+    trainer.train()
+    compared = 0
+    for batch in trainer.trained:
+        for row in range(len(batch)):
+            prompt = batch.prompt_ids[row][batch.prompt_mask[row].bool()].tolist()
+            full = prompt + batch.completion_ids[row, : int(batch.lengths[row])].tolist()
+            for key, (context, expected) in engine.turns.items():
+                if tuple(full[: len(key)]) == key and len(key) > context:
+                    start, end = context - len(prompt), len(key) - len(prompt)
+                    mask = batch.loss_mask[row, start:end].bool()
+                    torch.testing.assert_close(batch.old_logprobs[row, start:end][mask], expected[mask], atol=1e-5,
+                                               rtol=0)  # fmt: skip
+                    compared += 1
+    assert compared >= 2 * len(trainer.trained) * 4  # every row's two turns (a call, then the answer)
+
+
+class SlowLocker(Locker):
+    """Locker whose reads take longer the later the key; `reading` counts the reads in progress."""
+
+    reading = 0
+
+    def read(self, key: str) -> str:
+        """Read the value stored under a key.
+
+        Args:
+            key: the key to read
+        """
+        SlowLocker.reading += 1
+        try:
+            time.sleep(1.5 * max(0, int(self.key[1:]) - 1))  # k2: 1.5 s ... k5: 6 s
+            self.read_value = TABLE[self.key]
+            return self.read_value
+        finally:
+            SlowLocker.reading -= 1
+
+
+def test_rollouts_in_flight_when_training_ends_stop_at_their_next_turn_and_give_their_environments_back(tmp_path):
+    """Item 8: train() ends while groups wait on an environment's tool; their rollouts stop at their next engine call
+    (the producer's engine is closed to them) and the instances they were lent go back to the pool (before: they
+    stayed lent for good, and the rollout threads waited on the closed engine forever)."""
+    model, tokenizer = tiny_agent_model()
+    engine = tool_call_script(tokenizer, lambda user, results, index: f"{results[-1]}<|im_end|>" if results else
+                              call_text("read", {"key": key_of(user)}))  # fmt: skip
+    args = streaming_config(tmp_path, max_steps=2)
+    trainer = GRPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(ROWS), processing_class=tokenizer,
+                          environment_factory=SlowLocker, rollout_engine=engine)  # fmt: skip
+    trainer.train()
+    assert SlowLocker.reading > 0  # a read was in progress when train() returned
+    pool = trainer.runner.driver.environments
+    deadline = time.monotonic() + 10
+    while pool.lent and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pool.lent and SlowLocker.reading == 0
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("grpokit-rollout") and t.is_alive()]
+    assert not alive, alive  # the rollout threads ended too

@@ -373,6 +373,14 @@ class GRPOConfig:
     weight_sync_steps: int = _f(1, "Asynchronous generation: optimizer steps between the producer's weight updates.")
     heartbeat_stale_after_s: float = _f(300.0, "Asynchronous generation: seconds without a sign of life from the "
                                                "producer after which the run stops with a message.")
+    async_schedule: str | None = _f(None, "grpokit-only: asynchronous generation's weights. 'exact': generation "
+                                          "batch n is sampled by the weights of exactly version max(0, n - "
+                                          "max_staleness) (raised to a multiple of weight_sync_steps where that "
+                                          "keeps the bound), whatever the timing: seeded runs are reproducible and "
+                                          "a resumed run is bitwise the unbroken one. 'latest': by the newest "
+                                          "weights when the batch starts (fresher, timing-dependent). None: 'exact' "
+                                          "for whole generation batches, 'latest' for multi-turn groups streamed "
+                                          "one by one (they cannot be exact: docs/guides/async.md).")
     max_inflight_tasks: int = _f(-1, "Asynchronous generation (TRL's AsyncGRPOConfig name): how many completions may "
                                      "be in generation at once in multi-turn rollouts, streamed group by group "
                                      "(docs/guides/async.md). -1 (auto, TRL's): max(max_staleness, 1) x "
@@ -929,6 +937,9 @@ class GRPOConfig:
         if self.max_staleness is not None and self.max_staleness < 0:
             fail(f"max_staleness={self.max_staleness}: give the optimizer steps a sample may lag behind the policy "
                  f"(0: the synchronous loop), or None for no producer.")
+        if self.async_schedule not in (None, "exact", "latest"):
+            fail(f"async_schedule={self.async_schedule!r} is not valid; use 'exact', 'latest' or None (exact where "
+                 f"possible).")
         if self.weight_sync_steps < 1 or self.queue_maxsize < 1 or not self.heartbeat_stale_after_s > 0:
             fail(f"weight_sync_steps={self.weight_sync_steps}, queue_maxsize={self.queue_maxsize} and "
                  f"heartbeat_stale_after_s={self.heartbeat_stale_after_s} must be positive.")

@@ -118,7 +118,8 @@ class ExperienceMaker:
             loss_mask = loss_mask * (~rollout.is_truncated)[:, None].to(loss_mask.dtype)
         # The log-probs come first: with kl_in_reward (RLOO) the advantages need the KL to the reference.
         batch = TrainBatch.from_rollout(rollout, torch.zeros(n), loss_mask)
-        logprob_metrics, reward_kl = self._add_old_and_ref_logprobs(batch, rollout.sampling_logprobs)
+        logprob_metrics, reward_kl = self._add_old_and_ref_logprobs(batch, rollout.sampling_logprobs,
+                                                                    streamed=sampled is not None)  # fmt: skip
         metrics.update(logprob_metrics)
         advantages = self._advantages(scored, all_scores, reward_kl) if rewards is not None else \
             torch.zeros(len(all_scores))  # fmt: skip
@@ -251,19 +252,31 @@ class ExperienceMaker:
             )
         return token_advantages
 
-    def _add_old_and_ref_logprobs(self, batch: TrainBatch,
-                                  sampling_logprobs) -> tuple[dict[str, float], torch.Tensor | None]:  # fmt: skip
+    def _add_old_and_ref_logprobs(self, batch: TrainBatch, sampling_logprobs,
+                                  streamed: bool = False) -> tuple[dict[str, float], torch.Tensor | None]:  # fmt: skip
         """π_old where some optimizer step trains on the batch after the policy moved (or vLLM's correction
         needs it, or the KL in the reward), the correction itself, and π_ref when beta > 0: on the batch for the
         loss's KL term, or, with kl_in_reward, turned into each completion's `sequence_kl` (gathered over
-        processes) and TRL RLOO's `kl` metric. Returns (metrics, the sequence KL [N_global] or None)."""
+        processes) and TRL RLOO's `kl` metric. Returns (metrics, the sequence KL [N_global] or None).
+
+        `streamed`: rollouts streamed group by group (grpokit.streaming), whose turns were sampled by whatever
+        weights the engine held at each call: π_old is the log-prob each token was sampled with, recorded at
+        sampling time (the engine's, or a forward of the sampling weights in the same call: BatchingEngine), never
+        a forward at assembly time, when the weights may have moved on. There is then no π_old / π_sampler
+        correction to make (the ratio is 1)."""
         args, acc = self.args, self.accelerator
         # With vLLM (TRL: use_vllm and its correction) π_old is always the training forward's; the sampler's
         # log-probs only feed the correction.
-        corrected = args.use_vllm and args.vllm_importance_sampling_correction
+        corrected = args.use_vllm and args.vllm_importance_sampling_correction and not streamed
         reward_kl = args.kl_in_reward and args.beta > 0
         metrics = {}
-        if not trains_on_policy(args) or corrected or self.off_policy or reward_kl:
+        if streamed and sampling_logprobs is None:
+            raise RuntimeError("Streamed rollouts came without their sampling log-probs (π_old): the driver "
+                               "returned none. Its rollouts cannot be trained asynchronously; set max_staleness=None "
+                               "or 0.")  # fmt: skip
+        if streamed:
+            batch.old_logprobs = sampling_logprobs
+        elif not trains_on_policy(args) or corrected or self.off_policy or reward_kl:
             # The engine's log-probs serve as π_old only where they are the training forward's (the in-process
             # engine in float32, tested to 1e-5); otherwise π_old comes from a training-style forward.
             exact = self.runner.exact_logprobs and sampling_logprobs is not None and not corrected

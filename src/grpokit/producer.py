@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import queue
 import threading
 import time
@@ -37,12 +38,15 @@ from dataclasses import dataclass
 
 import torch
 
+from .batch import TrainBatch
 from .build import build_engine
 from .config import GRPOConfig
-from .experience import Experience, ExperienceMaker
+from .experience import Experience, ExperienceMaker, logprobs_in_chunks
 from .rollout import HFEngine, RolloutRunner
 from .rollout.batching import BatchingEngine
 from .rollout.process_engine import ProcessEngine
+
+logger = logging.getLogger("grpokit")
 
 
 def check_async(args: GRPOConfig, num_processes: int, iterable_dataset: bool, deepspeed: bool = False) -> None:
@@ -77,6 +81,17 @@ def check_async(args: GRPOConfig, num_processes: int, iterable_dataset: bool, de
         raise NotImplementedError("max_staleness with dynamic_sampling is not supported yet: set one of them off.")
 
 
+def scheduled_version(batch: int, max_staleness: int, weight_sync_steps: int = 1) -> int:
+    """The policy version whose weights sample generation batch `batch` (trained at version `batch`) under the exact
+    schedule: the oldest the bound allows, max(0, batch - max_staleness), raised to the next multiple of
+    weight_sync_steps where that is still an earlier version than the batch's own (so a copy is taken every
+    weight_sync_steps versions when weight_sync_steps <= max_staleness, and wherever the bound forces one
+    otherwise). Non-decreasing in `batch`; it never depends on timing."""
+    oldest = max(0, batch - max_staleness)
+    synced = -(-oldest // weight_sync_steps) * weight_sync_steps
+    return synced if synced < batch else oldest
+
+
 class WeightSync:
     """The trainer's policy version (optimizer steps) and the lock that keeps the producer from copying weights while
     an optimizer step changes them.
@@ -89,13 +104,19 @@ class WeightSync:
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.version = self.weights = version
+        # Called under the lock just before the weights of version `weights` change: a producer that will still
+        # sample with them stages a copy (the exact schedule).
+        self.before_step = None
 
     @contextlib.contextmanager
     def step(self):
         """Held around the trainer's optimizer step: the weights change, and their version with them."""
-        with self.lock:
+        with self.changed:
+            if self.before_step is not None:
+                self.before_step(self.weights)
             yield
             self.weights += 1
+            self.changed.notify_all()
 
     def stepped(self) -> None:
         """Called by the trainer once a step's bookkeeping is done: the producer may schedule against it."""
@@ -122,6 +143,21 @@ class Produced:
     generation: int  # its first rollout seed
     sampler_state: dict  # the prompt sampler's position after its prompts were drawn
     produced_at: float  # time.perf_counter() when it was queued
+    index: int | None = None  # the batch's number in the run: the version it is trained at (exact schedule)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of it (tensors on the CPU): ids, masks, log-probs, advantages, metrics."""
+        e = self.experience
+        return {"batch": e.batch.to("cpu").state_dict(), "metrics": e.metrics, "samples": e.samples,
+                "num_tokens": e.num_tokens, "rollouts": e.rollouts, "version": self.version,
+                "generation": self.generation, "sampler_state": self.sampler_state, "index": self.index}  # fmt: skip
+
+    @classmethod
+    def from_state_dict(cls, state: dict, device) -> Produced:
+        experience = Experience(TrainBatch.from_state_dict(state["batch"]).to(device), state["metrics"],
+                                state["samples"], state["num_tokens"], state["rollouts"])  # fmt: skip
+        return cls(experience, state["version"], state["generation"], state["sampler_state"], time.perf_counter(),
+                   state["index"])  # fmt: skip
 
 
 class Failure:
@@ -130,21 +166,32 @@ class Failure:
 
 
 class Producer:
-    """Runs `maker` in a thread: batch n starts once the trainer's version is >= first_step + n - max_staleness, with
-    the trainer's weights copied into `copy` (every weight_sync_steps versions)."""
+    """Runs `maker` in a thread: generation batch n (trained at version n) is sampled by the trainer's weights of
+    the version `schedule(n)` names, copied into `copy`. `exact`: `scheduled_version` (the trainer stages the
+    weights of a version the producer still needs before its optimizer step moves them); otherwise the newest
+    weights when the batch starts, copied every weight_sync_steps versions or when the bound needs it. `restored`:
+    batches a checkpoint held (exact schedule), queued first; the producer goes on after them."""
 
     def __init__(self, args: GRPOConfig, maker: ExperienceMaker, policy: torch.nn.Module, copy: torch.nn.Module,
                  sync: WeightSync, sampler, generation: int, trainer_state=None,
-                 threads: int | None = None, engine=None, process: ProcessEngine | None = None):  # fmt: skip
+                 threads: int | None = None, engine=None, process: ProcessEngine | None = None,
+                 exact: bool = False, restored: list[Produced] = ()):  # fmt: skip
         self.args, self.maker, self.policy, self.copy, self.sync = args, maker, policy, copy, sync
         self.engine = engine  # what the producer samples with: its lock, if any, is held while weights move
         self.process = process  # the engine's process, if it has one of its own: closed with the producer
         self.sampler, self.generation, self.trainer_state, self.threads = sampler, generation, trainer_state, threads
         self.first_step = sync.version
-        self.queue: queue.Queue = queue.Queue(maxsize=max(1, args.queue_maxsize // args.generation_batch_size))
+        self.exact = exact
+        # In the exact schedule a checkpoint waits for the batches sampled by weights it does not hold (up to
+        # max_staleness of them): the queue must have room for them.
+        batches = max(1, args.queue_maxsize // args.generation_batch_size)
+        self.queue: queue.Queue = queue.Queue(maxsize=max(batches, args.max_staleness + 1) if exact else batches)
         self.stop = threading.Event()
         self.heartbeat = time.monotonic()
         self.weights_version: int | None = None
+        self.next_index = self.first_step  # the first batch whose weights are not taken yet
+        self.queued = self.first_step  # batches queued so far (their indices: below this)
+        self.snapshots: dict[int, list[torch.Tensor]] = {}  # versions the trainer staged for the exact schedule
         self.weight_wait = 0.0  # seconds the producer waited for the trainer's version
         self.reported_weight_wait, self.last_taken = 0.0, None
         self.dropped, self.dropped_batches = 0, 0  # samples, batches the trainer found too stale
@@ -154,13 +201,24 @@ class Producer:
         self.thread = threading.Thread(target=self._run, name="grpokit-producer", daemon=True)
         self.pairs = [(mine, theirs) for mine, theirs in zip(copy.parameters(), policy.parameters())
                       if theirs.requires_grad]  # the frozen ones never change  # fmt: skip
+        for item in restored:
+            self.queue.put_nowait(item)
+        if restored:
+            last = restored[-1]
+            self.next_index = self.queued = last.index + 1
+            self.sampler.load_state_dict(last.sampler_state)
+            self.generation = last.generation + last.experience.rollouts
+        if exact:
+            sync.before_step = self.stage
 
-    def start(self) -> "Producer":
+    def start(self) -> Producer:
         self.thread.start()
         return self
 
     def close(self) -> None:
         self.stop.set()
+        if self.sync.before_step == self.stage:
+            self.sync.before_step = None
         self.sync.wake()  # never waits for the step lock: nothing here waits on the engine or the trainer
         while True:  # unblock a put on a full queue
             try:
@@ -170,6 +228,10 @@ class Producer:
         # A batch in progress is not waited for past a few seconds (a hung engine or tool never ends): the thread is
         # a daemon, and it stops at its next check.
         self.thread.join(timeout=5)
+        if self.thread.is_alive():
+            logger.warning("The generation producer thread (grpokit-producer) is still in an engine call, a reward "
+                           "function or a tool 5 s after training stopped: it is abandoned as a daemon thread, which "
+                           "never keeps the process alive.")  # fmt: skip
         if self.process is not None:
             self.process.close()
 
@@ -179,22 +241,37 @@ class Producer:
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         try:
-            index = 0
+            index = self.next_index
             while not self.stop.is_set():
-                # The version this batch will be trained at, at the latest (earlier if a batch before it is dropped)
-                due = self.first_step + index - self.dropped_batches
-                if not self._wait_for_version(due - self.args.max_staleness):
-                    return
-                self._take_weights(due)
+                if self.exact:
+                    if not self._take_scheduled_weights(index):
+                        return
+                else:
+                    # The version this batch will be trained at, at the latest (earlier if a batch before it is
+                    # dropped)
+                    due = self.first_step + index - self.dropped_batches
+                    if not self._wait_for_version(due - self.args.max_staleness):
+                        return
+                    self._take_weights(due)
                 generation = self.generation
                 with self._lease:
-                    experience = self.maker.make(generation, self.trainer_state)
+                    experience = self.maker.make(generation, self._state_at(index))
                 self.generation += experience.rollouts
                 self._put(Produced(experience, self.weights_version, generation, self.sampler.state_dict(),
-                                   time.perf_counter()))  # fmt: skip
+                                   time.perf_counter(), index))  # fmt: skip
                 index += 1
+                self.queued = index
         except BaseException as error:  # noqa: BLE001 - the trainer re-raises it with its traceback
             self.queue.put(Failure(error))
+
+    def _state_at(self, index: int):
+        """What reward functions get as `trainer_state`: in the exact schedule, the trainer's state as the batch's
+        own step will see it (global_step = index), whatever step the trainer is at now."""
+        if not self.exact or self.trainer_state is None:
+            return self.trainer_state
+        state = copy.copy(self.trainer_state)
+        state.global_step = index
+        return state
 
     def _put(self, item) -> None:
         while not self.stop.is_set():
@@ -233,6 +310,57 @@ class Producer:
                 self.weights_version = self.sync.weights
             self.beat()
 
+    @torch.no_grad()
+    def _take_scheduled_weights(self, index: int) -> bool:
+        """The exact schedule: the weights of version scheduled_version(index) into the copy, from the trainer's
+        policy if it is at that version, else from the copy the trainer staged before moving past it. Waits (with
+        the heartbeat) while the trainer has not reached it. False when the producer is stopping."""
+        # Never older than the weights the producer started from: a run resumed from a checkpoint that holds no
+        # batches in flight (see checkpoint_state) samples the first ones with the checkpoint's weights.
+        version = max(scheduled_version(index, self.args.max_staleness, self.args.weight_sync_steps), self.first_step)
+        started = time.perf_counter()
+        with self.sync.changed:
+            while self.sync.weights < version and not self.stop.is_set():
+                self.sync.changed.wait(timeout=0.5)
+                self.beat()  # waiting for the trainer is not a hang
+        self.weight_wait += time.perf_counter() - started
+        if self.stop.is_set():
+            return False
+        if version != self.weights_version:
+            engine_idle = getattr(self.engine, "lock", None) or contextlib.nullcontext()
+            with engine_idle:
+                with self.sync.lock:
+                    staged = self.snapshots.pop(version, None)
+                    if staged is None:
+                        if self.sync.weights != version:
+                            raise RuntimeError(f"internal error: batch {index} is scheduled on the weights of "
+                                               f"version {version}, which the trainer moved past (now "
+                                               f"{self.sync.weights}) without staging them.")  # fmt: skip
+                        for mine, theirs in self.pairs:
+                            mine.copy_(theirs)
+                    self.weights_version, self.next_index = version, index + 1
+                    for older in [v for v in self.snapshots if v < version]:
+                        del self.snapshots[older]
+                if staged is not None:  # outside the step lock: the copy is the producer's alone
+                    for (mine, _), saved in zip(self.pairs, staged):
+                        mine.copy_(saved)
+            self.beat()
+        else:
+            with self.sync.lock:
+                self.next_index = index + 1
+        return True
+
+    @torch.no_grad()
+    def stage(self, version: int) -> None:
+        """WeightSync.before_step, under the step lock: the trainer is about to move past the weights of
+        `version`; if a batch not started yet is scheduled on them, they are copied aside for it."""
+        if self.stop.is_set() or (self.weights_version is not None and version <= self.weights_version):
+            return
+        k, every = self.args.max_staleness, self.args.weight_sync_steps
+        upcoming = {scheduled_version(b, k, every) for b in range(self.next_index, self.next_index + k + every + 2)}
+        if version in upcoming and version not in self.snapshots:
+            self.snapshots[version] = [theirs.detach().clone() for _, theirs in self.pairs]
+
     def lease(self):
         """The engine, for the trainer's evaluation: while held, the producer does not sample with it (it waits for
         the batch or engine call in progress first). The producer pushes its own weights again before it samples
@@ -257,6 +385,8 @@ class Producer:
         while True:
             item = self.next()
             staleness = version - item.version
+            if self.exact and item.index != version:
+                raise RuntimeError(f"internal error: the trainer at step {version} got generation batch {item.index}.")
             if staleness <= self.args.max_staleness:
                 break
             self.dropped += len(item.experience.batch)
@@ -273,6 +403,23 @@ class Producer:
                    "perf/weight_wait_fraction": min(weight_wait / elapsed, 1.0)}  # fmt: skip
         return item, metrics
 
+    def checkpoint_state(self, version: int) -> list[dict] | None:
+        """For a checkpoint at `version` (the trainer's step): the queued batches sampled by weights older than
+        `version`, which a resumed run could not sample again — waited for first (with the heartbeat: they need no
+        newer weights). None where the schedule is not exact: a resumed run samples what was in flight again."""
+        if not self.exact:
+            return None
+        k, every = self.args.max_staleness, self.args.weight_sync_steps
+        end = version  # the batches version..end-1 are scheduled on weights older than version
+        while scheduled_version(end, k, every) < version:
+            end += 1
+        while self.queued < end:
+            self._check_alive(waiting_for=f"the batches a checkpoint at step {version} holds")
+            time.sleep(0.01)
+        with self.queue.mutex:
+            items = [item for item in self.queue.queue if isinstance(item, Produced)]
+        return [item.state_dict() for item in items if item.index < end]
+
     def in_flight(self) -> int:
         """Groups being sampled now (streamed groups; whole batches count none)."""
         return 0
@@ -284,25 +431,39 @@ class Producer:
             try:
                 item = self.queue.get(timeout=1.0)
             except queue.Empty:
-                if not self.thread.is_alive():
-                    raise RuntimeError("The generation producer thread stopped without a result: the run cannot go "
-                                       "on; resume from the last checkpoint.") from None  # fmt: skip
-                silent = time.monotonic() - self.last_progress()
-                if silent > self.args.heartbeat_stale_after_s:
-                    raise TimeoutError(
-                        f"The generation producer has shown no progress for {silent:.0f} s (heartbeat_stale_after_s="
-                        f"{self.args.heartbeat_stale_after_s}): a rollout, a reward function or a tool is hung. The "
-                        f"last checkpoint is good: resume from it (in-flight samples are sampled again).")
+                self._check_alive(waiting_for="a generation batch")
                 continue
             if isinstance(item, Failure):
-                raise RuntimeError(f"The generation producer failed: {type(item.error).__name__}: {item.error}. The "
-                                   f"last checkpoint is good: fix the cause and resume from it.") from item.error
+                raise self._failed(item)
             return item
+
+    def _check_alive(self, waiting_for: str) -> None:
+        """Raises when the producer failed, stopped, or shows no progress for heartbeat_stale_after_s."""
+        with self.queue.mutex:
+            failure = next((item for item in self.queue.queue if isinstance(item, Failure)), None)
+        if failure is not None:
+            raise self._failed(failure)
+        if not self.thread.is_alive():
+            raise RuntimeError(f"The generation producer thread stopped without a result while the trainer waited "
+                               f"for {waiting_for}: the run cannot go on; resume from the last checkpoint.")
+        silent = time.monotonic() - self.last_progress()
+        if silent > self.args.heartbeat_stale_after_s:
+            raise TimeoutError(
+                f"The generation producer has shown no progress for {silent:.0f} s (heartbeat_stale_after_s="
+                f"{self.args.heartbeat_stale_after_s}): a rollout, a reward function or a tool is hung. The "
+                f"last checkpoint is good: resume from it (in-flight samples are sampled again).")
+
+    @staticmethod
+    def _failed(item: Failure) -> RuntimeError:
+        error = RuntimeError(f"The generation producer failed: {type(item.error).__name__}: {item.error}. The last "
+                             f"checkpoint is good: fix the cause and resume from it.")
+        error.__cause__ = item.error
+        return error
 
 
 def start_producer(args: GRPOConfig, accelerator, policy: torch.nn.Module, engine, runner: RolloutRunner, scorer,
                    reference, sampler, dataset, sync: WeightSync, trainer_state, processing_class,
-                   host=None, teacher=None) -> Producer:  # fmt: skip
+                   host=None, teacher=None, restored: list[Produced] = ()) -> Producer:  # fmt: skip
     """A producer over a copy of `policy`, drawing prompts of `dataset` from a copy of `sampler` (the trainer's
     stays at the trained position). The default in-process engine gets an engine of its own over the copy; a given
     engine (vLLM, yours) is driven from the producer's thread and synced with the copy. `runner` is the trainer's:
@@ -315,8 +476,18 @@ def start_producer(args: GRPOConfig, accelerator, policy: torch.nn.Module, engin
             engine = process = ProcessEngine(engine, copied)
     shared = not isinstance(engine, HFEngine)  # the trainer's engine itself: evaluation samples with it too
     streaming = args.max_staleness > 0 and getattr(runner.driver, "concurrent_rollouts", False)
+    if streaming and args.async_schedule == "exact":
+        raise NotImplementedError("async_schedule='exact' cannot hold for multi-turn rollouts streamed group by group: "
+                                  "which groups share an engine call (one seed) and which weights sample a group's "
+                                  "later turns depend on timing. Leave async_schedule unset (or 'latest') for "
+                                  "them.")  # fmt: skip
+    exact = not streaming and args.async_schedule != "latest"
     if streaming:  # the turns that groups in flight ask for at once go into one engine call
-        engine = BatchingEngine(engine)
+        def behaviour(rollout):  # π_old of a turn from an engine that reports no log-probs: the copy's, at once
+            return logprobs_in_chunks(copied, TrainBatch.from_rollout(rollout, torch.zeros(len(rollout.lengths))), args,
+                                      accelerator.autocast)  # fmt: skip
+
+        engine = BatchingEngine(engine, behaviour)
     own_runner = RolloutRunner(engine, runner.codec, runner.params, runner.device, driver=runner.driver, host=host)
     own_sampler = copy.deepcopy(sampler)
     maker = ExperienceMaker(args, accelerator, own_runner, scorer, lambda: copied, reference,
@@ -330,6 +501,7 @@ def start_producer(args: GRPOConfig, accelerator, policy: torch.nn.Module, engin
                                      runner=own_runner, dataset=dataset)  # fmt: skip
     else:
         producer = Producer(args, maker, policy, copied, sync, own_sampler, trainer_state.generations, trainer_state,
-                            threads=torch.get_num_threads(), engine=engine, process=process)  # fmt: skip
+                            threads=torch.get_num_threads(), engine=engine, process=process, exact=exact,
+                            restored=restored)  # fmt: skip
     producer.shares_engine = shared
     return producer.start()

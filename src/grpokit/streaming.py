@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass
 
 from .producer import Failure, Produced, Producer
+
+logger = logging.getLogger("grpokit")
 from .rollout import Generation, rollout_seed
 
 
@@ -102,11 +105,21 @@ class StreamingProducer(Producer):
     def close(self) -> None:
         self.pool.shutdown()
         super().close()
-        # Rollouts still running (a tool call in flight) are abandoned in daemon threads: the engine is closed to
-        # them for good once its call in progress ends (its lock is kept), so none is inside torch when the
-        # interpreter exits (a daemon thread in C++ code then aborts the process: "terminate called without an
-        # active exception"). A call hung for good is not waited for past a few seconds.
-        self.engine.lock.acquire(timeout=5)
+        # Rollouts still running stop at their next engine call (EngineClosed), and the environments they were
+        # lent go back. The engine's lock is kept once its call in progress ends, so that no thread is inside torch
+        # when the interpreter exits (a daemon thread in C++ code then aborts the process: "terminate called
+        # without an active exception"). A call hung for good is not waited for past a few seconds.
+        idle = self.engine.close(timeout=5)
+        # A rollout inside a tool call ends when the call does: it is a daemon thread, named here.
+        deadline = time.monotonic() + 1.0
+        while self.running and time.monotonic() < deadline:
+            self.running = {f: t for f, t in self.running.items() if not f.done()}
+            time.sleep(0.02)
+        if self.running or not idle:
+            logger.warning(f"Asynchronous generation stopped with {len(self.running)} rollout group(s) still in a "
+                           f"tool call or environment step{'' if idle else ' and an engine call that did not return'}"
+                           f": they are abandoned in daemon threads (grpokit-rollout-*), which end when their "
+                           f"call does and never keep the process alive.")  # fmt: skip
 
     def _run(self) -> None:
         try:

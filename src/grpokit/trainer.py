@@ -74,7 +74,7 @@ from .logs import MetricSink, MetricWindow, console_line, train_summary
 from .loss import high_entropy_mask, load_balancing_loss, off_policy_mask, policy_loss
 from .model_card import run_model_card
 from .models import mix_into_reference
-from .producer import Producer, WeightSync, check_async, start_producer
+from .producer import Produced, Producer, WeightSync, check_async, start_producer
 from .rewards.model import RewardModel
 from .rollout import RolloutEngine
 from .signals import guard_message
@@ -140,6 +140,7 @@ class GRPOTrainer:
         check_async(args, acc.num_processes, is_iterable_dataset(train_dataset),
                     deepspeed=args.deepspeed is not None or acc.distributed_type.value == "DEEPSPEED")
         self.weights, self.producer = WeightSync(), None  # asynchronous generation (grpokit.producer)
+        self._restored_in_flight: list[dict] = []  # generation batches in flight that a checkpoint held
         prepare_process(args, acc.device)
         self.model, self.processing_class, self.reference, max_prompt_length = build_models(
             model, processing_class, peft_config, quantization_config, args, acc, (train_dataset, eval_dataset)
@@ -483,10 +484,12 @@ class GRPOTrainer:
     def _start_producer(self) -> Producer:
         """Asynchronous generation (max_staleness): grpokit.producer, from the trainer's parts."""
         self.weights.version = self.weights.weights = self.state.global_step
+        restored = [Produced.from_state_dict(s, self.accelerator.device) for s in self._restored_in_flight]
+        self._restored_in_flight = []
         self.producer = start_producer(self.args, self.accelerator, self.unwrapped_model, self.engine, self.runner,
                                        self.scorer.fresh(), self.reference, self.sampler, self.train_dataset,
                                        self.weights, self.state, self.processing_class, host=self,
-                                       teacher=self.experience.teacher)  # fmt: skip
+                                       teacher=self.experience.teacher, restored=restored)  # fmt: skip
         return self.producer
 
     # ------------------------------------------------------------------------------------------ evaluation
@@ -553,6 +556,8 @@ class GRPOTrainer:
                 "pass_index": cursor.pass_index, "micro_index": cursor.micro_index,
                 "entropy_controller": None if controller is None else controller.state_dict()}  # fmt: skip
         process = {"batch": None if cursor.batch is None else cursor.batch.to("cpu").state_dict()}
+        if self.producer is not None:  # the batches in flight that a resumed run could not sample again
+            process["in_flight"] = self.producer.checkpoint_state(self.state.global_step)
         track_best_checkpoint(self.args, self.state, self._last_evaluation)
         return self.checkpointer.save(self._training_parts(), self.state, loop, process)
 
@@ -568,6 +573,7 @@ class GRPOTrainer:
         if self.entropy_controller is not None and resumed.loop.get("entropy_controller"):
             self.entropy_controller.load_state_dict(resumed.loop["entropy_controller"])
         batch = (resumed.process or {}).get("batch")
+        self._restored_in_flight = (resumed.process or {}).get("in_flight") or []
         if batch is None:
             self.cursor = GenerationCursor()
         else:

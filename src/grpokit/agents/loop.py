@@ -121,12 +121,23 @@ class Agents:
                              f"prompt is {str(prompts[0])[:80]!r}.")
         extra = {}
         tools_of = [list(self.standalone_tools) for _ in rows]
-        if self.environments is not None:
-            environments = self.environments.take(self.environments.names_of(rows))
+        if self.environments is None:
+            return self._play(engine, rows, prompts, tools_of, params, seed, extra)
+        environments = self.environments.take(self.environments.names_of(rows))
+        try:
+            return self._play(engine, rows, prompts, tools_of, params, seed, {"environments": environments})
+        except BaseException:  # never scored (an engine closed to it, a failure): its environments go back
+            self.environments.give_back(environments)
+            raise
+
+    def _play(self, engine: RolloutEngine, rows: list[dict], prompts: list, tools_of: list[list], params, seed: int,
+              extra: dict) -> tuple[Rollout, list]:  # fmt: skip
+        """The turns of `rollout`, with each row's environment (extra['environments']) reset on its row."""
+        if "environments" in extra:
+            environments = extra["environments"]
             observations = self.environments.reset(environments, rows)
             prompts = [with_observation(p, o) for p, o in zip(prompts, observations)]
             tools_of = [tools + public_methods(env) for tools, env in zip(tools_of, environments)]
-            extra["environments"] = environments
         rendered = [render_prompt(self.tokenizer, prompt, tools, self.chat_template_kwargs)
                     for prompt, tools in zip(prompts, tools_of)]  # fmt: skip
         if self.max_prompt_length is not None:

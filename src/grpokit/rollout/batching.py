@@ -13,6 +13,10 @@ each request's rows are cut to its own limit afterwards (a row cut there is trun
 merged call is seeded with the first request's seed: a request alone gets exactly what the engine gives it, while a
 merged one depends on which requests it met (as any sample under asynchronous generation depends on timing).
 Weights move between calls: `lock` is held while the engine samples, and `sync_weights` takes it.
+
+Each row's sampling log-probs are its behaviour policy's, recorded at sampling time: the engine's own, or, from an
+engine that reports none (a scripted engine, a user's), `behaviour`'s forward of the weights it sampled with, taken in
+the same call, under the lock, before any weights move (streamed turns are trained with them as π_old).
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ import time
 import torch
 
 from .engine import PromptBatch, Rollout, SamplingParams
+
+
+class EngineClosed(RuntimeError):
+    """The engine was closed (training ended): a rollout still in flight stops at its next call."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -41,26 +49,49 @@ class BatchingEngine:
     waited go into the engine's next call together (see the module docstring). `calls` counts the engine's calls,
     `requests` the requests served."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, behaviour=None):
         self.engine = engine
+        self.behaviour = behaviour  # Rollout -> [N, T] log-probs of its completions under the sampling weights
         self.exact_logprobs = bool(getattr(engine, "exact_logprobs", False))
         self.lock = threading.Lock()  # held while the engine samples or takes weights
         self.waiting: list[Request] = []
         self.waiting_lock = threading.Lock()
         self.calls = self.requests = 0
         self.returned_at = 0.0  # time.monotonic() when the engine last returned (the producer's heartbeat reads it)
+        self.closed = False
 
     def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
         request = Request(prompts, params, seed)
         with self.waiting_lock:
+            self._check_open()
             self.waiting.append(request)
         while not request.done.is_set():
-            with self.lock:  # whoever holds it serves the oldest waiting requests, its own or others'
+            # Whoever holds the lock serves the oldest waiting requests, its own or others'; a closed engine
+            # answers the waiting ones at once (its lock stays held: see close).
+            if not self.lock.acquire(timeout=0.1):
+                self._check_open()
+                continue
+            try:
+                self._check_open()
                 if not request.done.is_set():
                     self._serve(self._take_compatible())
+            finally:
+                self.lock.release()
         if request.error is not None:
             raise request.error
         return request.rollout
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """No more calls: requests waiting or to come raise EngineClosed (a rollout in flight stops at its next
+        turn). The call in progress, if any, is waited for `timeout` seconds at most, and the lock is then kept for
+        good, so that no thread is inside the engine (torch) when the interpreter exits. False if the call in
+        progress did not end in time."""
+        self.closed = True
+        return self.lock.acquire(timeout=timeout)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise EngineClosed("The producer's engine is closed (training ended): this rollout stops here.")
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         with self.lock:
@@ -78,6 +109,8 @@ class BatchingEngine:
         params = dataclasses.replace(requests[0].params, max_new_tokens=max(r.params.max_new_tokens for r in requests))
         try:
             merged = self.engine.generate(PromptBatch.concat([r.prompts for r in requests]), params, requests[0].seed)
+            if merged.sampling_logprobs is None and self.behaviour is not None:
+                merged.sampling_logprobs = self.behaviour(merged)
             self.calls, self.requests = self.calls + 1, self.requests + len(requests)
             start = 0
             for request in requests:
