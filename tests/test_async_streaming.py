@@ -299,7 +299,7 @@ def test_copies_are_labelled_with_the_version_of_the_weights_they_copied(tmp_pat
     assert sync.version == 1
 
 
-def test_drops_do_not_switch_the_overlap_off(tmp_path):
+def test_drops_do_not_switch_the_overlap_off(tmp_path, caplog):
     """Item 3: a tool call slow on every third prompt makes groups land too late and be dropped; dropped groups free
     their place in the schedule, so later steps still find groups in flight (before: after the first drops every
     later step found none, and steps came one slow call apart)."""
@@ -321,9 +321,15 @@ def test_drops_do_not_switch_the_overlap_off(tmp_path):
     trainer = GRPOTrainer(model=model, reward_funcs=repeat_found, args=args, train_dataset=Dataset.from_list(rows),
                           processing_class=tokenizer, tools=[lookup],
                           rollout_engine=answer_after_lookup(tokenizer))  # fmt: skip
-    trainer.train()
+    with caplog.at_level("WARNING", logger="grpokit"):
+        trainer.train()
     steps = [r for r in trainer.state.log_history if "loss" in r]
     assert steps[-1]["sample/dropped_stale_total"] > 0  # the slow groups were dropped ...
+    # ... and counted by prompt: only slow prompts (every third row) were, named with how often at the end
+    report = next(r.message for r in caplog.records if "dropped as too stale" in r.message)
+    named = [int(part.split(":")[0]) for part in report.split("row ")[1:]]
+    assert named and all(row % 3 == 0 for row in named), report
+    assert steps[-1]["sample/prompts_dropped"] >= len(named) and steps[-1]["sample/prompt_drop_rate_max"] == 1.0
     first_drop = next(i for i, r in enumerate(steps) if r["sample/dropped_stale_total"] > 0)
     later = [r["sample/groups_in_flight"] for r in steps[first_drop + 1 :]]
     assert later and sum(n > 0 for n in later) >= len(later) - 1, later  # ... and the overlap went on

@@ -22,6 +22,7 @@ first. Their completions are sampled again, with new seeds; nothing drawn is ski
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import logging
@@ -101,8 +102,15 @@ class StreamingProducer(Producer):
         self.started = 0  # groups started
         self.pushed: int | None = None  # the version of the copy's weights the engine holds (None: not the copy's)
         self.dropped_groups = 0  # started groups dropped as too stale: they free their place in the schedule
+        # By prompt (dataset index): groups started, and dropped as too stale. A prompt whose tools are slow lands
+        # late again and again: its drop rate says it is being starved.
+        self.started_by_prompt: collections.Counter = collections.Counter()
+        self.dropped_by_prompt: collections.Counter = collections.Counter()
 
     def close(self) -> None:
+        report = self.drop_report()
+        if report is not None:
+            logger.warning(report)
         self.pool.shutdown()
         super().close()
         # Rollouts still running stop at their next engine call (EngineClosed), and the environments they were
@@ -147,6 +155,22 @@ class StreamingProducer(Producer):
     def in_flight(self) -> int:
         return len(self.running)
 
+    def take(self, version: int) -> tuple[Produced, dict[str, float]]:
+        item, metrics = super().take(version)
+        rates = [n / self.started_by_prompt[i] for i, n in self.dropped_by_prompt.items()]
+        metrics.update({"sample/prompts_dropped": len(rates), "sample/prompt_drop_rate_max": max(rates, default=0.0)})
+        return item, metrics
+
+    def drop_report(self, most: int = 5) -> str | None:
+        """The prompts dropped most often as too stale, with how often: None if none was."""
+        if not self.dropped_by_prompt:
+            return None
+        worst = sorted(self.dropped_by_prompt.items(), key=lambda item: (-item[1], item[0]))[:most]
+        shown = ", ".join(f"row {i}: {n} of {self.started_by_prompt[i]}" for i, n in worst)
+        return (f"{len(self.dropped_by_prompt)} prompt(s) had groups dropped as too stale (they finished after "
+                f"max_staleness={self.args.max_staleness} steps), most often {shown}. Slow tools or environments "
+                f"starve these prompts: raise max_staleness, or make their calls faster.")  # fmt: skip
+
     @contextlib.contextmanager
     def lease(self):
         """The engine between calls, for the trainer's evaluation (BatchingEngine's lock); on the way out the copy's
@@ -169,6 +193,7 @@ class StreamingProducer(Producer):
                 self.runner.sync_weights(self.copy)  # between engine calls (BatchingEngine's lock)
                 self.pushed = self.weights_version
             index = self.sampler.draw(1)[0]
+            self.started_by_prompt[index] += 1
             task = GroupTask(index, self.generation, self.weights_version)
             self.generation += 1
             row = self.dataset[index]
@@ -188,6 +213,7 @@ class StreamingProducer(Producer):
             if trained_at - task.version > self.args.max_staleness:
                 self.dropped += len(generation.rows)
                 self.dropped_groups += 1
+                self.dropped_by_prompt[task.index] += 1
                 self.runner.scored(generation)  # never scored: its environments go back to the pool
             else:
                 kept.append((task, generation))
