@@ -3,27 +3,36 @@
 The policy version is the number of optimizer steps taken. The producer samples with its own copy of the policy
 (its engine never sees weights that the optimizer is changing) and takes new weights from the trainer's policy
 between generation batches, never during one, under the lock the trainer holds for each optimizer step
-(`WeightSync`). With `weight_sync_steps = s` it takes them only at versions that are multiples of s.
+(`WeightSync`; the version of the weights moves under it too, with the step that changes them).
 
-Generation batch n is trained on at version c(n) (one optimizer step per generation batch: see `check_async`). The
-producer starts it once the trainer's version is at least c(n) - max_staleness, with the weights it took last unless
-they are older than c(n) - max_staleness (then it takes the current ones, whatever weight_sync_steps says): so a
-sample of version v is trained on at version <= v + max_staleness. The trainer checks that bound on every batch it
-takes, and drops and counts (`sample/dropped_stale_total`) a batch that breaks it — a safety net that the schedule
-above does not reach. With max_staleness = 0 the producer waits for the current version, which makes the run the
-synchronous loop, bitwise (tests/test_async.py).
+Generation batch n is trained at version n (one optimizer step per generation batch: see `check_async`).
+
+- The exact schedule (`async_schedule` 'exact', the default for whole batches): batch n is sampled by the weights of
+  exactly version `scheduled_version(n)` = max(0, n - max_staleness), raised to a multiple of weight_sync_steps
+  where that keeps it before n. The producer waits for the trainer to reach that version; if the trainer has moved
+  past it, the weights are where the trainer staged them: before each optimizer step, under the step lock, it
+  copies aside the weights of a version that a batch not yet started is scheduled on (`Producer.stage`). Which
+  weights sample a batch never depends on timing, so seeded runs end on the same weights (tests/test_async_exact.py).
+- The latest schedule ('latest'; always for groups streamed one by one, grpokit.streaming): batch n starts once the
+  trainer's version is at least n - max_staleness, with the newest weights then (taken every weight_sync_steps
+  versions, or when the copy would be too stale). The trainer checks the bound on every batch it takes and drops
+  and counts (`sample/dropped_stale_total`) one that breaks it.
+
+With max_staleness = 0 either schedule is the synchronous loop, bitwise (tests/test_async.py).
 
 π_old: with max_staleness > 0 a batch may be trained on after the policy moved, so the behaviour policy's log-probs
 (the engine's, where exact, else a forward of the producer's copy at the sampling version) are its π_old, as in
-TRL's asynchronous GRPO; the clip and the TIS/MIS corrections apply around them. (AReaL's decoupled PPO clips around
-a proximal policy recomputed at the training weights instead; grpokit does not.)
+TRL's asynchronous GRPO; the clip and the TIS/MIS corrections apply around them (`off_policy_correction`
+'decoupled': AReaL's proximal policy instead).
 
 Faults: an exception in the producer (an engine, a reward function, a tool) reaches the trainer with its traceback
 at the next batch it asks for; a producer that shows no progress (its heartbeat: a batch queued, a wait for the
 trainer, an engine call returned, a group started or finished) for `heartbeat_stale_after_s` seconds stops the run
-with a message. Either way the last checkpoint stays good: a
-checkpoint records where the *trained* batches end (the prompt sampler's position and the rollout seeds after the
-last consumed batch), so a resumed run drops what was in flight and samples it again.
+with a message. Either way the last checkpoint stays good. A checkpoint records where the *trained* batches end
+(the prompt sampler's position and the rollout seeds after the last consumed batch) and, under the exact schedule,
+the queued batches sampled by weights older than the checkpoint's (`checkpoint_state`): a resumed run trains them,
+then samples on as the unbroken run did, and ends on its weights bitwise. Under the latest schedule a resumed run
+samples what was in flight again.
 """
 
 from __future__ import annotations

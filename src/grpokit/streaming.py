@@ -6,14 +6,22 @@ Each prompt's group of G rollouts is a task of its own, run in a thread pool (`A
 samples the turns of others; the turns that groups ask for at once go into one engine call
 (`rollout.batching.BatchingEngine`). A generation batch is assembled from the first groups to finish, in the order
 they finish: a slow tool call delays its own group, not the batch. Rewards, advantages and π_old/π_ref are computed
-when the batch is assembled (`ExperienceMaker.make(sampled=...)`; scale_rewards="batch" sees the whole batch).
+when the batch is assembled (`ExperienceMaker.make(sampled=...)`; scale_rewards="batch" sees the whole batch); π_old
+is not: it is each token's log-prob recorded when it was sampled (see below).
 
-Staleness is kept as by `Producer`: group g belongs nominally to batch b = g // (groups per batch), trained at
+Staleness is kept as by `Producer`'s latest schedule (streamed groups cannot follow the exact one: which groups
+share an engine call, under one seed, and which weights sample a group's later turns depend on when tools
+return): group g belongs nominally to batch b = g // (groups per batch), trained at
 version c(b) = first_step + b; it starts only once the trainer's version is at least c(b) - max_staleness, with
 weights no older than that. A group that finishes so late that the batch it lands in is trained past its version +
-max_staleness is dropped and counted (`sample/dropped_stale_total`). Weights move between engine requests: a group's
-later turns may be sampled by newer weights than its first; its version is the one it started with (the oldest), and
-every token's π_old is the log-prob its own sampler gave it.
+max_staleness is dropped and counted (`sample/dropped_stale_total`, and by prompt: `sample/prompts_dropped`,
+`sample/prompt_drop_rate_max`, and a warning naming the most-dropped prompts when generation stops). Weights move
+between engine calls: a group's later turns may be sampled by newer weights than its first; its version is the one
+it started with (the oldest), and every token's π_old is the log-prob it was sampled with, recorded in the engine
+call (the engine's, or BatchingEngine's forward of the sampling weights for an engine that reports none).
+
+Shutdown: `close` closes the batching engine: groups in flight stop at their next engine call (EngineClosed) and
+give back the environments they were lent; one inside a tool call ends when the call does, in a daemon thread.
 
 Resume: a checkpoint records the prompt sampler's position after the latest draw and, as `requeued`, the prompts of
 the groups drawn but not yet trained (in flight, or finished and waiting for a batch): a resumed run samples those
