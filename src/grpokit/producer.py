@@ -37,6 +37,8 @@ samples what was in flight again.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import copy
 import logging
@@ -51,9 +53,10 @@ from .batch import TrainBatch
 from .build import build_engine
 from .config import GRPOConfig
 from .experience import Experience, ExperienceMaker, logprobs_in_chunks
-from .rollout import HFEngine, RolloutRunner
+from .rollout import Generation, HFEngine, RolloutRunner, rollout_seed
 from .rollout.batching import BatchingEngine
 from .rollout.process_engine import ProcessEngine
+from .streaming import DaemonPool, GroupTask
 
 logger = logging.getLogger("grpokit")
 
@@ -175,16 +178,27 @@ class Failure:
 
 
 class Producer:
-    """Runs `maker` in a thread: generation batch n (trained at version n) is sampled by the trainer's weights of
-    the version `schedule(n)` names, copied into `copy`. `exact`: `scheduled_version` (the trainer stages the
-    weights of a version the producer still needs before its optimizer step moves them); otherwise the newest
-    weights when the batch starts, copied every weight_sync_steps versions or when the bound needs it. `restored`:
-    batches a checkpoint held (exact schedule), queued first; the producer goes on after them."""
+    """The generation scheduler: runs ahead of the trainer in a thread, under one schedule, one weight discipline and
+    one drop accounting, with two kinds of task:
+
+    - whole generation batches (`runner` None): one at a time, each sampled and scored by `maker.make` in this
+      thread. Batch n (trained at version n) is sampled by the weights of version `scheduled_version(n)` when
+      `exact`, else by the newest weights when it starts;
+    - groups (`runner` given: multi-turn rollouts whose driver allows several at once, grpokit.streaming): each
+      prompt's G rollouts are a task in a pool of daemon threads, up to max_inflight_tasks completions at once, and a
+      generation batch is assembled from the first groups to finish (`_queue_batch`). Always the latest weights.
+
+    A unit of the schedule is a batch or a group (units_per_batch of them make a batch). Unit u (counted from the
+    producer's start) is trained at version `_due(u)`, at the latest; it starts once the trainer's version is at
+    least that minus max_staleness. A dropped unit never shifts the schedule: groups dropped as too stale do not
+    count, and batches the trainer dropped shift it earlier. `restored`: batches a checkpoint held (exact
+    schedule), queued first; the producer goes on after them. `dataset`: the training rows (groups)."""
 
     def __init__(self, args: GRPOConfig, maker: ExperienceMaker, policy: torch.nn.Module, copy: torch.nn.Module,
                  sync: WeightSync, sampler, generation: int, trainer_state=None,
                  threads: int | None = None, engine=None, process: ProcessEngine | None = None,
-                 exact: bool = False, restored: list[Produced] = ()):  # fmt: skip
+                 exact: bool = False, restored: list[Produced] = (), runner: RolloutRunner | None = None,
+                 dataset=None):  # fmt: skip
         self.args, self.maker, self.policy, self.copy, self.sync = args, maker, policy, copy, sync
         self.engine = engine  # what the producer samples with: its lock, if any, is held while weights move
         self.process = process  # the engine's process, if it has one of its own: closed with the producer
@@ -198,23 +212,40 @@ class Producer:
         self.stop = threading.Event()
         self.heartbeat = time.monotonic()
         self.weights_version: int | None = None
-        self.next_index = self.first_step  # the first batch whose weights are not taken yet
+        self.next_index = self.first_step  # the first batch whose weights are not taken yet (exact schedule)
         self.queued = self.first_step  # batches queued so far (their indices: below this)
         self.snapshots: dict[int, list[torch.Tensor]] = {}  # versions the trainer staged for the exact schedule
         self.weight_wait = 0.0  # seconds the producer waited for the trainer's version
         self.reported_weight_wait, self.last_taken = 0.0, None
-        self.dropped, self.dropped_batches = 0, 0  # samples, batches the trainer found too stale
+        # The schedule: units started, groups dropped as too stale (they free their place), batches the trainer
+        # dropped; samples dropped in all.
+        self.started, self.dropped_units, self.dropped_batches, self.dropped = 0, 0, 0, 0
         # The trainer's own engine, driven from this thread too (vLLM, a user's): evaluation leases it (`lease`).
         self.shares_engine = False
-        self._lease = threading.Lock()  # held while the producer samples a batch
+        self._lease = threading.Lock()  # held while the producer samples a whole batch
         self.thread = threading.Thread(target=self._run, name="grpokit-producer", daemon=True)
         self.pairs = [(mine, theirs) for mine, theirs in zip(copy.parameters(), policy.parameters())
                       if theirs.requires_grad]  # the frozen ones never change  # fmt: skip
+        self.runner, self.dataset, self.groups = runner, dataset, runner is not None
+        self.units_per_batch = args.generation_batch_size // args.num_generations if self.groups else 1
+        if self.groups:
+            inflight = args.max_inflight_tasks if args.max_inflight_tasks > 0 else \
+                max(args.max_staleness, 1) * args.generation_batch_size  # fmt: skip
+            self.max_groups = max(1, inflight // args.num_generations)
+            self.pool = DaemonPool(self.max_groups, "grpokit-rollout")
+            self.running: dict[concurrent.futures.Future, GroupTask] = {}
+            self.finished: list[tuple[GroupTask, Generation]] = []  # in the order they finished
+            self.pushed: int | None = None  # the version of the copy's weights the engine holds (None: not the copy's)
+            # By prompt (dataset index): groups started, and dropped as too stale. A prompt whose tools are slow
+            # lands late again and again: its drop rate says it is being starved.
+            self.started_by_prompt: collections.Counter = collections.Counter()
+            self.dropped_by_prompt: collections.Counter = collections.Counter()
         for item in restored:
             self.queue.put_nowait(item)
         if restored:
             last = restored[-1]
             self.next_index = self.queued = last.index + 1
+            self.started = self.next_index - self.first_step
             self.sampler.load_state_dict(last.sampler_state)
             self.generation = last.generation + last.experience.rollouts
         if exact:
@@ -228,6 +259,11 @@ class Producer:
         self.stop.set()
         if self.sync.before_step == self.stage:
             self.sync.before_step = None
+        if self.groups:
+            report = self.drop_report()
+            if report is not None:
+                logger.warning(report)
+            self.pool.shutdown()
         self.sync.wake()  # never waits for the step lock: nothing here waits on the engine or the trainer
         while True:  # unblock a put on a full queue
             try:
@@ -241,37 +277,126 @@ class Producer:
             logger.warning("The generation producer thread (grpokit-producer) is still in an engine call, a reward "
                            "function or a tool 5 s after training stopped: it is abandoned as a daemon thread, which "
                            "never keeps the process alive.")  # fmt: skip
+        if self.groups:
+            self._close_groups()
         if self.process is not None:
             self.process.close()
 
-    # ------------------------------------------------------------------------------------------- the thread
+    def _close_groups(self) -> None:
+        """Groups still running stop at their next engine call (EngineClosed), and the environments they were lent
+        go back. The engine's lock is kept once its call in progress ends, so that no thread is inside torch when the
+        interpreter exits (a daemon thread in C++ code then aborts the process: "terminate called without an active
+        exception"); a call hung for good is not waited for past a few seconds. A rollout inside a tool call ends
+        when the call does, in its daemon thread: named in a warning."""
+        idle = self.engine.close(timeout=5)
+        deadline = time.monotonic() + 1.0
+        while self.running and time.monotonic() < deadline:
+            self.running = {f: t for f, t in self.running.items() if not f.done()}
+            time.sleep(0.02)
+        if self.running or not idle:
+            logger.warning(f"Asynchronous generation stopped with {len(self.running)} rollout group(s) still in a "
+                           f"tool call or environment step{'' if idle else ' and an engine call that did not return'}"
+                           f": they are abandoned in daemon threads (grpokit-rollout-*), which end when their "
+                           f"call does and never keep the process alive.")  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------- the schedule
+
+    def _due(self, unit: int) -> int:
+        """The version the `unit`-th unit started (a batch or a group) is trained at, at the latest: groups dropped
+        before it do not count (a drop must not push later units' versions ahead, which would leave nothing in
+        flight), and batches the trainer dropped shift it earlier."""
+        return self.first_step + (unit - self.dropped_units) // self.units_per_batch - self.dropped_batches
 
     def _run(self) -> None:
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         try:
-            index = self.next_index
-            while not self.stop.is_set():
-                if self.exact:
-                    if not self._take_scheduled_weights(index):
-                        return
-                else:
-                    # The version this batch will be trained at, at the latest (earlier if a batch before it is
-                    # dropped)
-                    due = self.first_step + index - self.dropped_batches
-                    if not self._wait_for_version(due - self.args.max_staleness):
-                        return
-                    self._take_weights(due)
-                generation = self.generation
-                with self._lease:
-                    experience = self.maker.make(generation, self._state_at(index))
-                self.generation += experience.rollouts
-                self._put(Produced(experience, self.weights_version, generation, self.sampler.state_dict(),
-                                   time.perf_counter(), index))  # fmt: skip
-                index += 1
-                self.queued = index
+            self._run_groups() if self.groups else self._run_batches()
         except BaseException as error:  # noqa: BLE001 - the trainer re-raises it with its traceback
             self.queue.put(Failure(error))
+
+    def _run_batches(self) -> None:
+        while not self.stop.is_set():
+            index = self.first_step + self.started  # the batch's number in the run
+            if self.exact:
+                if not self._take_scheduled_weights(index):
+                    return
+            else:
+                due = self._due(self.started)
+                if not self._wait_for_version(due - self.args.max_staleness):
+                    return
+                self._take_weights(due)
+            generation = self.generation
+            with self._lease:
+                experience = self.maker.make(generation, self._state_at(index))
+            self.generation += experience.rollouts
+            self._put(Produced(experience, self.weights_version, generation, self.sampler.state_dict(),
+                               time.perf_counter(), index))  # fmt: skip
+            self.started += 1
+            self.queued = index + 1
+
+    def _run_groups(self) -> None:
+        batches = 0
+        while not self.stop.is_set():
+            self._start_groups()
+            done, _ = concurrent.futures.wait(list(self.running), timeout=0.05,
+                                              return_when=concurrent.futures.FIRST_COMPLETED)  # fmt: skip
+            for future in done:
+                task = self.running.pop(future)
+                self.finished.append((task, future.result()))  # a rollout's exception stops the producer
+            if done:
+                self.beat()  # progress only: groups that all hang in a tool call are a hang
+            if len(self.finished) >= self.units_per_batch and self._queue_batch(batches):
+                batches += 1
+
+    def _start_groups(self) -> None:
+        """Start groups while fewer than max_groups run and the next one's version is within reach."""
+        while len(self.running) < self.max_groups and not self.stop.is_set():
+            due = self._due(self.started)
+            if self.sync.version < due - self.args.max_staleness:
+                return
+            self._take_weights(due)
+            if self.pushed != self.weights_version:  # an engine that keeps weights of its own (vLLM, a user's)
+                self.runner.sync_weights(self.copy)  # between engine calls (BatchingEngine's lock)
+                self.pushed = self.weights_version
+            index = self.sampler.draw(1)[0]
+            self.started_by_prompt[index] += 1
+            task = GroupTask(index, self.generation, self.weights_version)
+            self.generation += 1
+            seed = rollout_seed(self.args.seed, task.generation, 0)
+            size = self.args.num_generations
+            future = self.pool.submit(self.runner.run, [self.dataset[index]] * size, [size], seed)
+            self.running[future] = task
+            self.started += 1
+            self.beat()
+
+    def _queue_batch(self, batch: int) -> bool:
+        """The first groups to finish as generation batch `batch` (groups too stale for it are dropped); False when
+        too few fresh ones are left to fill it."""
+        trained_at = self.first_step + batch - self.dropped_batches
+        taken, kept = self.finished[: self.units_per_batch], []
+        self.finished = self.finished[self.units_per_batch :]
+        for task, generation in taken:
+            if trained_at - task.version > self.args.max_staleness:
+                self.dropped += len(generation.rows)
+                self.dropped_units += 1
+                self.dropped_by_prompt[task.index] += 1
+                self.runner.scored(generation)  # never scored: its environments go back to the pool
+            else:
+                kept.append((task, generation))
+        if len(kept) < self.units_per_batch:  # wait for fresher groups to fill it
+            self.finished = kept + self.finished
+            return False
+        tasks = [task for task, _ in kept]
+        experience = self.maker.make(tasks[0].generation, self.trainer_state,
+                                     sampled=Generation.concat([g for _, g in kept]))  # fmt: skip
+        # Drawn but not in this or an earlier batch: sampled again first after a resume from this batch's checkpoint.
+        pending = [t.index for t in self.running.values()] + [t.index for t, _ in self.finished]
+        state = {**self.sampler.state_dict(), "requeued": pending + list(self.sampler.requeued)}
+        item = Produced(experience, min(t.version for t in tasks), self.generation - experience.rollouts, state,
+                        time.perf_counter())  # fmt: skip
+        self._put(item)
+        return True
 
     def _state_at(self, index: int):
         """What reward functions get as `trainer_state`: in the exact schedule, the trainer's state as the batch's
@@ -290,6 +415,8 @@ class Producer:
                 return
             except queue.Full:  # the trainer is behind: keep the heartbeat
                 self.beat()
+
+    # -------------------------------------------------------------------------------------------- the weights
 
     def _wait_for_version(self, needed: int) -> bool:
         started = time.perf_counter()
@@ -371,10 +498,20 @@ class Producer:
             self.snapshots[version] = [theirs.detach().clone() for _, theirs in self.pairs]
 
     def lease(self):
-        """The engine, for the trainer's evaluation: while held, the producer does not sample with it (it waits for
-        the batch or engine call in progress first). The producer pushes its own weights again before it samples
-        next (the engine then holds the trained ones)."""
-        return self._lease
+        """The engine, for the trainer's evaluation: while held, the producer does not sample with it. Whole batches:
+        the batch in progress ends first, and the producer pushes its own weights again before its next batch.
+        Groups: the engine between calls (BatchingEngine's lock); on the way out the copy's weights go back into it
+        before any waiting request is served."""
+        return self._lease_groups() if self.groups else self._lease
+
+    @contextlib.contextmanager
+    def _lease_groups(self):
+        with self.engine.lock:
+            try:
+                yield
+            finally:
+                if self.pushed is not None:
+                    self.engine.engine.sync_weights(self.copy)
 
     def beat(self) -> None:
         """A sign of progress (see `next`)."""
@@ -410,6 +547,10 @@ class Producer:
                    "sample/time_in_queue_s": now - item.produced_at, "perf/rollout_wait_s": now - started,
                    "perf/rollout_wait_fraction": min((now - started) / elapsed, 1.0),
                    "perf/weight_wait_fraction": min(weight_wait / elapsed, 1.0)}  # fmt: skip
+        if self.groups:  # drops by prompt: a prompt whose groups keep landing late is being starved
+            rates = [n / self.started_by_prompt[i] for i, n in self.dropped_by_prompt.items()]
+            metrics.update({"sample/prompts_dropped": len(rates),
+                            "sample/prompt_drop_rate_max": max(rates, default=0.0)})  # fmt: skip
         return item, metrics
 
     def checkpoint_state(self, version: int) -> list[dict] | None:
@@ -430,8 +571,18 @@ class Producer:
         return [item.state_dict() for item in items if item.index < end]
 
     def in_flight(self) -> int:
-        """Groups being sampled now (streamed groups; whole batches count none)."""
-        return 0
+        """Groups being sampled now (whole batches count none)."""
+        return len(self.running) if self.groups else 0
+
+    def drop_report(self, most: int = 5) -> str | None:
+        """The prompts whose groups were dropped most often as too stale, with how often: None if none was."""
+        if not self.groups or not self.dropped_by_prompt:
+            return None
+        worst = sorted(self.dropped_by_prompt.items(), key=lambda item: (-item[1], item[0]))[:most]
+        shown = ", ".join(f"row {i}: {n} of {self.started_by_prompt[i]}" for i, n in worst)
+        return (f"{len(self.dropped_by_prompt)} prompt(s) had groups dropped as too stale (they finished after "
+                f"max_staleness={self.args.max_staleness} steps), most often {shown}. Slow tools or environments "
+                f"starve these prompts: raise max_staleness, or make their calls faster.")  # fmt: skip
 
     def next(self) -> Produced:
         """The next queued batch; raises what the producer raised, or a timeout after heartbeat_stale_after_s
@@ -502,15 +653,8 @@ def start_producer(args: GRPOConfig, accelerator, policy: torch.nn.Module, engin
     maker = ExperienceMaker(args, accelerator, own_runner, scorer, lambda: copied, reference,
                             lambda n: own_sampler.rows(dataset, n), off_policy=args.max_staleness > 0,
                             teacher=teacher, trim_heap=process is None)  # fmt: skip
-    if streaming:  # multi-turn rollouts, group by group (grpokit.streaming)
-        from .streaming import StreamingProducer
-
-        producer = StreamingProducer(args, maker, policy, copied, sync, own_sampler, trainer_state.generations,
-                                     trainer_state, threads=torch.get_num_threads(), engine=engine, process=process,
-                                     runner=own_runner, dataset=dataset)  # fmt: skip
-    else:
-        producer = Producer(args, maker, policy, copied, sync, own_sampler, trainer_state.generations, trainer_state,
-                            threads=torch.get_num_threads(), engine=engine, process=process, exact=exact,
-                            restored=restored)  # fmt: skip
+    producer = Producer(args, maker, policy, copied, sync, own_sampler, trainer_state.generations, trainer_state,
+                        threads=torch.get_num_threads(), engine=engine, process=process, exact=exact,
+                        restored=restored, runner=own_runner if streaming else None, dataset=dataset)  # fmt: skip
     producer.shares_engine = shared
     return producer.start()
