@@ -242,6 +242,9 @@ class RoutedForward:
     def __deepcopy__(self, memo):
         return RoutedForward(self.function, copy.deepcopy(self.layer(), memo))
 
+    def __reduce__(self):  # pickled with its layer (an engine process: grpokit.rollout.process_engine)
+        return RoutedForward, (self.function, self.layer())
+
 
 def float32_matmuls(model: torch.nn.Module, device: torch.device | str) -> int:
     """Route `model`'s linear layers (all but its LM head) through `linear_forward` (bitsandbytes 4-bit ones through

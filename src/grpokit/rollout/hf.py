@@ -9,8 +9,10 @@ group and share its KV cache across its rows, and we drop finished rows from the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -59,6 +61,12 @@ class HFEngine:
         if self.static is not None:
             self.static.model = model
 
+    def __getstate__(self) -> dict:
+        """Pickled (to an engine process: grpokit.rollout.process_engine) with its autocast as the autocast state it
+        sets: the trainer's is the accelerator's, which reads accelerate's per-process state, absent from a new
+        process."""
+        return {**self.__dict__, "autocast": AutocastSettings.of(self.autocast, self.device.type)}
+
     def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
         ids, mask = (t.to(self.device) for t in prompts.padded(params.pad_token_id))
         generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -69,6 +77,28 @@ class HFEngine:
             return generate(self.model, ids, mask, params, generator=generator,
                             num_generations=counts.pop() if len(counts) == 1 else 1, all_done=self.all_done,
                             multimodal=prompts.multimodal(), static=self.static)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class AutocastSettings:
+    """What an autocast context factory (the accelerator's) sets on one device type, as data that pickles; called,
+    the same context again."""
+
+    device_type: str
+    enabled: bool
+    dtype: torch.dtype
+    cache_enabled: bool
+
+    @classmethod
+    def of(cls, autocast: Callable[[], contextlib.AbstractContextManager], device_type: str) -> AutocastSettings:
+        with autocast():
+            return cls(device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type),
+                       torch.is_autocast_cache_enabled())  # fmt: skip
+
+    def __call__(self) -> contextlib.AbstractContextManager:
+        if not self.enabled:  # as accelerate: no context at all, not one that turns an outer autocast off
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=self.cache_enabled)
 
 
 @contextlib.contextmanager

@@ -1,87 +1,173 @@
 """An engine in a process of its own: `ProcessEngine` runs another `RolloutEngine` (grpokit's in-process `HFEngine`)
 in a child process, so that sampling and training run at once without sharing one interpreter (the sampler's
 per-token Python would otherwise contend with training for the GIL). Asynchronous generation (grpokit.producer)
-uses it for the default engine.
+uses it for the default engine, on the CPU.
 
-The child is forked from the trainer once, with the engine and its model already built: the model's parameters and
-buffers are moved to shared memory first, so the child samples from the very tensors the parent writes. It is a CPU
-engine: CUDA cannot be used in a forked child, and neither can the OpenMP thread pool the parent has used (GNU
-OpenMP hangs in a child's parallel region), so the child runs its ops on one thread. Weights
-therefore move by `copy_` in the parent (`sync_weights`), never while the child samples: every request waits for the
-previous one (one request at a time, under a lock), and the copy takes the same lock. Requests and rollouts cross a
-pipe, pickled.
+The child is spawned (a new interpreter), not forked: by the time a run starts it, the trainer has threads (the
+producer's, tqdm's monitor, the tokenizers' pool, an agent endpoint's server, OpenMP's), and a fork copies the locks
+they hold (Python's, a native library's) into a child that has no thread to release them: the child can deadlock.
+The engine is pickled to the child with torch.multiprocessing's reductions: the model's parameters and buffers,
+moved to shared memory first, travel as handles to that memory, so the child samples from the very storage the
+parent writes (`HFEngine` pickles its autocast as the autocast state it sets; transformers' input-require-grads
+hook, a local function, travels as an equivalent one: `EnginePickler`). Starting costs the child's imports
+(torch, transformers, the model's module: seconds); the constructor returns once the child is ready. As any spawned
+process, the child imports the script that started training again (as `__mp_main__`, for the classes it may
+define): a script that trains at top level must do so under `if __name__ == "__main__":`.
+
+The child runs its ops on one thread, leaving the cores to the trainer's ops that run meanwhile. Weights move by
+`copy_` in the parent (`sync_weights`), never while the child samples: every request waits for the previous one (one
+request at a time, under a lock), and the copy takes the same lock. Requests and rollouts cross a pipe, pickled.
 
 Faults: a child that dies (a crash, the OOM killer, SIGKILL) is noticed while the parent waits for its reply, within
 `poll_s`, and `generate` raises `EngineProcessDied` naming the signal or exit code; an exception inside the child's
-engine is raised in the parent with the child's traceback as text.
+engine is raised in the parent with the child's traceback as text. A child that is alive but does not answer a
+request within `request_timeout_s` (a hang in the sampler) is killed, and `generate` raises `EngineProcessHung`.
+`close` is bounded: a request in flight that does not end within its timeout has the child killed.
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import io
 import os
 import pickle
 import signal
+import sys
 import threading
+import time
 import traceback
+import types
+from multiprocessing.reduction import ForkingPickler
 
 import torch
+import torch.multiprocessing  # registers the reductions that pickle shared-memory tensors as handles
 
 from .engine import PromptBatch, Rollout, RolloutEngine, SamplingParams
+
+# GRPOConfig.heartbeat_stale_after_s's default: one request that takes longer would stop the run anyway.
+REQUEST_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 300.0  # the child imports torch and transformers: seconds, more on a loaded machine
 
 
 class EngineProcessDied(RuntimeError):
     """The engine's process ended while a request was in flight, or before one was sent."""
 
 
-def _serve(engine: RolloutEngine, connection) -> None:
-    """The child's loop: ("generate", prompts, params, seed) → ("ok", rollout) or ("error", text); ("stop",) ends."""
+class EngineProcessHung(EngineProcessDied):
+    """The engine's process did not answer a request (or did not start) in time, and was killed."""
+
+
+# transformers' `enable_input_require_grads` (which gradient checkpointing calls) hooks the input embeddings with a
+# local function, which pickle cannot name: the engine process gets `EnginePickler.inputs_require_grads`, its body.
+INPUTS_REQUIRE_GRADS = "PreTrainedModel.enable_input_require_grads.<locals>.make_inputs_require_grads"
+
+
+class EnginePickler(ForkingPickler):
+    """torch.multiprocessing's pickler (shared-memory tensors as file descriptors), which also pickles transformers'
+    input-require-grads hook."""
+
+    @staticmethod
+    def inputs_require_grads(module, inputs, output):
+        output.requires_grad_(True)
+
+    def reducer_override(self, obj):
+        if isinstance(obj, types.FunctionType) and obj.__qualname__ == INPUTS_REQUIRE_GRADS:
+            return getattr, (EnginePickler, "inputs_require_grads")
+        return NotImplemented
+
+
+class PickledEngine:
+    """An engine, pickled by `EnginePickler` as the child is spawned (so that its tensors' file descriptors are
+    passed to the child with it) and unpickled by the child in `_serve`, which reports a failure to the parent."""
+
+    def __init__(self, engine: RolloutEngine | None = None, data: bytes = b""):
+        self.engine, self.data = engine, data
+
+    def __reduce__(self):
+        buffer = io.BytesIO()
+        EnginePickler(buffer, pickle.HIGHEST_PROTOCOL).dump(self.engine)
+        return PickledEngine, (None, buffer.getvalue())
+
+
+def _serve(pickled: PickledEngine, connection) -> None:
+    """The child: ("ready",) or ("error", text) once the engine is rebuilt; then ("generate", prompts, params, seed)
+    → ("ok", rollout) or ("error", text), until ("stop",) or the parent's end of the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle: it stops the child
-    torch.set_num_threads(1)  # see the module's docstring: no OpenMP pool after a fork
-    while True:
+    torch.set_num_threads(1)  # one thread beside the trainer's (see the module's docstring)
+    try:
+        engine = pickle.loads(pickled.data)
+        reply = ("ready",)
+    except BaseException as error:  # noqa: BLE001 - reported to the parent, which raises it
+        engine, reply = None, ("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
+    connection.send_bytes(pickle.dumps(reply))
+    while engine is not None:
         try:
             request = pickle.loads(connection.recv_bytes())
         except EOFError:  # the parent is gone
-            return
+            break
         if request[0] == "stop":
-            return
+            break
         try:
             reply = ("ok", engine.generate(*request[1:]))
         except BaseException as error:  # noqa: BLE001 - reported to the parent, which raises it
             reply = ("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
         connection.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+    # Nothing to clean up: end at once rather than tear down an interpreter that imported torch (seconds).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class ProcessEngine:
-    """`engine` (built over `model`, on the CPU) run in a forked child process, on one thread. `model` must be the
-    module the engine samples from: it is moved to shared memory before the fork, and new weights are copied into
-    it, in this process, under `lock`."""
+    """`engine` (built over `model`, on the CPU) run in a spawned child process, on one thread. `model` must be the
+    module the engine samples from: it is moved to shared memory and the engine pickled to the child, and new
+    weights are copied into it, in this process, under `lock`. A request that gets no answer within
+    `request_timeout_s` (None: no limit) kills the child; so does a start that takes longer than `start_timeout_s`.
+    """
 
-    def __init__(self, engine: RolloutEngine, model: torch.nn.Module, poll_s: float = 0.5):
-        self.model, self.poll_s = model.share_memory(), poll_s
+    def __init__(self, engine: RolloutEngine, model: torch.nn.Module, poll_s: float = 0.5,
+                 request_timeout_s: float | None = REQUEST_TIMEOUT_S,
+                 start_timeout_s: float = START_TIMEOUT_S):  # fmt: skip
+        self.model, self.poll_s, self.request_timeout_s = model.share_memory(), poll_s, request_timeout_s
         self.exact_logprobs = bool(getattr(engine, "exact_logprobs", False))
         self.lock = threading.Lock()
-        context = multiprocessing.get_context("fork")  # the engine, model and tokenizer are inherited, not pickled
+        self.ended: EngineProcessDied | None = None  # why this side ended the child, if it did: raised again
+        context = torch.multiprocessing.get_context("spawn")
         self.connection, child_end = context.Pipe()
-        self.process = context.Process(target=_serve, args=(engine, child_end), daemon=True,
+        self.process = context.Process(target=_serve, args=(PickledEngine(engine), child_end), daemon=True,
                                        name="grpokit-engine")  # fmt: skip
-        self.process.start()
-        child_end.close()
+        try:
+            self.process.start()  # pickles the engine, before the child exists
+        except (pickle.PicklingError, TypeError, AttributeError) as error:
+            self.connection.close()
+            raise TypeError(f"{type(engine).__name__} cannot be pickled to the engine process, which needs it to "
+                            f"be: {error}") from error  # fmt: skip
+        finally:
+            child_end.close()
         self.owner = os.getpid()
+        try:
+            try:
+                status = self._reply(start_timeout_s, starting=True)
+            except EOFError:
+                self._check_alive(wait=True, starting=True)
+                raise
+            if status[0] == "error":
+                raise EngineProcessDied(f"The engine process (pid {self.pid}) could not rebuild the "
+                                        f"{type(engine).__name__} it was sent:\n{status[1]}")  # fmt: skip
+        except BaseException:
+            self.close(timeout=0)
+            raise
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
     def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
+        request = pickle.dumps(("generate", prompts, params, seed), protocol=pickle.HIGHEST_PROTOCOL)
         with self.lock:
             self._check_alive()
             try:
-                self.connection.send_bytes(pickle.dumps(("generate", prompts, params, seed),
-                                                        protocol=pickle.HIGHEST_PROTOCOL))  # fmt: skip
-                while not self.connection.poll(self.poll_s):
-                    self._check_alive()
-                status, payload = pickle.loads(self.connection.recv_bytes())
+                self.connection.send_bytes(request)
+                status, payload = self._reply(self.request_timeout_s)
             except (EOFError, BrokenPipeError, ConnectionResetError):
                 self._check_alive(wait=True)
                 raise
@@ -97,31 +183,71 @@ class ProcessEngine:
                 self.model.load_state_dict(model.state_dict())
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the child: asked first, then killed if it does not end within `timeout` (a request in progress)."""
-        if self.process.is_alive():
-            try:
-                self.connection.send_bytes(pickle.dumps(("stop",)))
-            except (BrokenPipeError, OSError):
-                pass
-            self.process.join(timeout)
+        """Stop the child: asked between requests; killed if a request in flight does not end within `timeout` (its
+        `generate` then raises `EngineProcessDied`) or if it does not stop within `timeout` when asked. Never waits
+        for the lock unbounded: it returns within about `timeout` + `poll_s` when a request is in flight."""
+        idle = self.lock.acquire(timeout=timeout)
+        try:
+            if self.ended is None:
+                self.ended = EngineProcessDied(f"The engine process (pid {self.pid}) was closed (ProcessEngine.close).")
+            if idle and self.process.is_alive():
+                try:
+                    self.connection.send_bytes(pickle.dumps(("stop",)))
+                except OSError:
+                    pass
+                self.process.join(timeout)
             if self.process.is_alive():
                 self.process.kill()
                 self.process.join(timeout)
-        self.connection.close()
+            if not idle:  # the request in flight sees the child gone within poll_s
+                idle = self.lock.acquire(timeout=self.poll_s + timeout)
+        finally:
+            if idle:
+                self.connection.close()
+                self.lock.release()
 
-    def _check_alive(self, wait: bool = False) -> None:
+    def _reply(self, timeout: float | None, starting: bool = False):
+        """The child's next message; the child is killed and `EngineProcessHung` raised if none comes within
+        `timeout` seconds, and `EngineProcessDied` raised if it dies meanwhile."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.connection.poll(self.poll_s if deadline is None else
+                                       min(self.poll_s, max(deadline - time.monotonic(), 0.0))):  # fmt: skip
+            self._check_alive(starting=starting)
+            if deadline is not None and time.monotonic() >= deadline:
+                self.ended = EngineProcessHung(
+                    f"The engine process (pid {self.pid}) did not start within {timeout} s (start_timeout_s): it "
+                    f"was killed (SIGKILL)." if starting else
+                    f"The engine process (pid {self.pid}) did not answer a request within {timeout} s: it was killed "
+                    f"(SIGKILL). Its sampler hung (a deadlock), or one request takes longer than that. The last "
+                    f"checkpoint is good: resume from it. If requests are that slow, raise the timeout (GRPOConfig's "
+                    f"heartbeat_stale_after_s, which the producer passes as request_timeout_s).")  # fmt: skip
+                self.process.kill()
+                self._check_alive(wait=True)
+        return pickle.loads(self.connection.recv_bytes())
+
+    def _check_alive(self, wait: bool = False, starting: bool = False) -> None:
         if wait:
             self.process.join(self.poll_s)
         if self.process.is_alive():
             return
+        if self.ended is not None:
+            raise type(self.ended)(*self.ended.args)
         code = self.process.exitcode
         how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else
                f"exited with code {code}")  # fmt: skip
+        if starting:
+            raise EngineProcessDied(f"The engine process (pid {self.pid}) {how} while starting (its traceback, if "
+                                    f"any, is above). If it shows your script running again, start training "
+                                    f"under `if __name__ == '__main__':` (a spawned process imports the "
+                                    f"script).")  # fmt: skip
         memory = "The system may be out of memory (dmesg shows the OOM killer). " if code == -9 else ""
         raise EngineProcessDied(f"The engine process (pid {self.pid}) {how}: generation cannot go on. {memory}"
-                                f"The last checkpoint is good: resume from it.")
+                                f"The last checkpoint is good: resume from it.")  # fmt: skip
 
     def __del__(self):
-        process = getattr(self, "process", None)  # the forked child holds a copy of this object too: not its own
-        if process is not None and getattr(self, "owner", None) == os.getpid() and process.is_alive():
-            process.kill()
+        # A process forked from this one later (a DataLoader worker) holds a copy of this object, not its child.
+        try:
+            if self.owner == os.getpid() and self.process.is_alive():
+                self.process.kill()
+        except AttributeError:  # a constructor that failed; or interpreter exit, after multiprocessing ended it
+            pass
