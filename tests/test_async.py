@@ -35,8 +35,9 @@ def test_staleness_zero_is_the_synchronous_loop_bitwise(tmp_path, case):
                                    for r in steps)  # fmt: skip
 
 
-def test_the_staleness_bound_holds_on_every_trained_batch(tmp_path):
-    trainer, _ = run(tmp_path, max_staleness=1, weight_sync_steps=2, max_steps=6)
+@pytest.mark.parametrize("schedule", ["exact", "latest"])
+def test_the_staleness_bound_holds_on_every_trained_batch(tmp_path, schedule):
+    trainer, _ = run(tmp_path, max_staleness=1, weight_sync_steps=2, max_steps=6, async_schedule=schedule)
     staleness = [r["sample/staleness_max"] for r in trainer.state.log_history if "sample/staleness_max" in r]
     assert len(staleness) == 6 and max(staleness) <= 1
     assert 1 in staleness  # it ran ahead: some batch was sampled by the weights one step before those it trained
@@ -91,15 +92,16 @@ def flaky_trainer(tmp_path, engine, eval_dataset=None, **overrides):
                        eval_dataset=eval_dataset)  # fmt: skip
 
 
-def test_a_failing_producer_stops_the_run_and_a_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path):
-    uninterrupted = flaky_trainer(tmp_path / "whole", FlakyEngine())
+@pytest.mark.parametrize("schedule", ["exact", "latest"])
+def test_a_failing_producer_stops_the_run_and_a_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path, schedule):
+    uninterrupted = flaky_trainer(tmp_path / "whole", FlakyEngine(), async_schedule=schedule)
     uninterrupted.train()
-    broken = flaky_trainer(tmp_path / "broken", FlakyEngine(fail_at=3))
+    broken = flaky_trainer(tmp_path / "broken", FlakyEngine(fail_at=3), async_schedule=schedule)
     with pytest.raises(RuntimeError, match="The generation producer failed: ConnectionError: the engine went away"):
         broken.train()
     assert sorted(p.name for p in (tmp_path / "broken" / "out").glob("checkpoint-*")) == ["checkpoint-1",
                                                                                            "checkpoint-2"]
-    resumed = flaky_trainer(tmp_path / "broken", FlakyEngine())
+    resumed = flaky_trainer(tmp_path / "broken", FlakyEngine(), async_schedule=schedule)
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 4 and weights(resumed) == weights(uninterrupted)
 
