@@ -633,7 +633,7 @@ def start_producer(args: GRPOConfig, accelerator, policy: torch.nn.Module, engin
         engine = build_engine(copied, args, processing_class, accelerator)
         # On the CPU, in a process of its own when it may run ahead (at max_staleness=0 it never overlaps training).
         if accelerator.device.type == "cpu" and args.max_staleness > 0:
-            engine = process = ProcessEngine(engine, copied)
+            engine = process = ProcessEngine(engine, copied, request_timeout_s=args.heartbeat_stale_after_s)
     shared = not isinstance(engine, HFEngine)  # the trainer's engine itself: evaluation samples with it too
     streaming = args.max_staleness > 0 and getattr(runner.driver, "concurrent_rollouts", False)
     if streaming and args.async_schedule == "exact":

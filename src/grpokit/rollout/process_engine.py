@@ -10,9 +10,10 @@ The engine is pickled to the child with torch.multiprocessing's reductions: the 
 moved to shared memory first, travel as handles to that memory, so the child samples from the very storage the
 parent writes (`HFEngine` pickles its autocast as the autocast state it sets; transformers' input-require-grads
 hook, a local function, travels as an equivalent one: `EnginePickler`). Starting costs the child's imports
-(torch, transformers, the model's module: seconds); the constructor returns once the child is ready. As any spawned
-process, the child imports the script that started training again (as `__mp_main__`, for the classes it may
-define): a script that trains at top level must do so under `if __name__ == "__main__":`.
+(torch, transformers, the model's module: seconds); the constructor returns once the child is ready. A spawned process
+imports the script that started it again (as `__mp_main__`, for the classes it may define); the engine process does
+so only when the model or the engine uses a class defined in that script, and a script that trains at top level
+must then do so under `if __name__ == "__main__":`. Otherwise the script is hidden from the child while it starts.
 
 The child runs its ops on one thread, leaving the cores to the trainer's ops that run meanwhile. Weights move by
 `copy_` in the parent (`sync_weights`), never while the child samples: every request waits for the previous one (one
@@ -27,6 +28,7 @@ request within `request_timeout_s` (a hang in the sampler) is killed, and `gener
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -117,6 +119,26 @@ def _serve(pickled: PickledEngine, connection) -> None:
     os._exit(0)
 
 
+@contextlib.contextmanager
+def _script_not_reimported(engine, model: torch.nn.Module):
+    """While the child is started: unless the engine or the model uses a class defined in the script itself (which
+    the child can only find by importing the script), the script is hidden from multiprocessing's preparation data,
+    so that the child does not run it again; a script that trains at top level then needs no `__main__` guard."""
+    main = sys.modules.get("__main__")
+    classes = [type(engine)] + [type(m) for m in model.modules()]
+    if main is None or any(c.__module__ == "__main__" for c in classes):
+        yield
+        return
+    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
+    main.__spec__ = None
+    main.__dict__.pop("__file__", None)
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
 class ProcessEngine:
     """`engine` (built over `model`, on the CPU) run in a spawned child process, on one thread. `model` must be the
     module the engine samples from: it is moved to shared memory and the engine pickled to the child, and new
@@ -136,7 +158,8 @@ class ProcessEngine:
         self.process = context.Process(target=_serve, args=(PickledEngine(engine), child_end), daemon=True,
                                        name="grpokit-engine")  # fmt: skip
         try:
-            self.process.start()  # pickles the engine, before the child exists
+            with _script_not_reimported(engine, model):
+                self.process.start()  # pickles the engine, before the child exists
         except (pickle.PicklingError, TypeError, AttributeError) as error:
             self.connection.close()
             raise TypeError(f"{type(engine).__name__} cannot be pickled to the engine process, which needs it to "
@@ -238,8 +261,8 @@ class ProcessEngine:
         if starting:
             raise EngineProcessDied(f"The engine process (pid {self.pid}) {how} while starting (its traceback, if "
                                     f"any, is above). If it shows your script running again, start training "
-                                    f"under `if __name__ == '__main__':` (a spawned process imports the "
-                                    f"script).")  # fmt: skip
+                                    f"under `if __name__ == '__main__':` (a spawned process imports a script that "
+                                    f"defines the model's classes).")  # fmt: skip
         memory = "The system may be out of memory (dmesg shows the OOM killer). " if code == -9 else ""
         raise EngineProcessDied(f"The engine process (pid {self.pid}) {how}: generation cannot go on. {memory}"
                                 f"The last checkpoint is good: resume from it.")  # fmt: skip
