@@ -19,6 +19,9 @@ from test_vllm import TOLERANCE, check_pushes, logprob_gap, tiny, train_a_step
 
 pytestmark = pytest.mark.vllm
 
+# Every server of these tests takes a token (grpokit.vllm_server), which the trainers send from this environment.
+os.environ.setdefault("GRPOKIT_VLLM_TOKEN", "grpokit-test-token")
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -36,7 +39,8 @@ def start_server(model_dir: Path, port: int, max_model_len: int = 64) -> subproc
     import urllib.request
 
     log = open(model_dir.parent / f"server-{port}.log", "w")
-    process = subprocess.Popen(server_command(model_dir, port, max_model_len), stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(server_command(model_dir, port, max_model_len), stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, "GRPOKIT_VLLM_TOKEN": os.environ["GRPOKIT_VLLM_TOKEN"]})  # fmt: skip
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if process.poll() is not None:

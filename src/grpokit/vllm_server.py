@@ -1,8 +1,14 @@
 """A vLLM server for grpokit's server mode: it samples for a trainer in another process (or on another machine)
 and takes the trainer's weight updates.
 
-    grpokit vllm-serve --model DIR [--host 0.0.0.0] [--port 8000] [--dtype bfloat16] [--max-model-len 4096]
+    grpokit vllm-serve --model DIR [--host 127.0.0.1] [--port 8000] [--dtype bfloat16] [--max-model-len 4096]
     python -m grpokit.vllm_server --model DIR ...                  # the same
+
+It listens on the loopback unless `--host` says otherwise (`--host 0.0.0.0`: every interface, for a trainer on
+another machine). Whoever reaches the port can replace the policy's weights and sample from it, so a server on the
+network should take a shared token: `--token TOKEN` or the environment variable GRPOKIT_VLLM_TOKEN. With one, every
+POST without `Authorization: Bearer TOKEN` is refused with 401; the trainer sends the token it finds in its own
+GRPOKIT_VLLM_TOKEN (`/health` and `/info` stay open: they carry no weights and no samples).
 
 and in the trainer: `GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server_base_url="http://HOST:PORT")` (or
 vllm_server_host / vllm_server_port). DIR is the policy's checkpoint (config and weights). Its tokenizer, when DIR
@@ -44,7 +50,9 @@ Without a group port, weights travel as safetensors over HTTP (on one machine ov
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
+import os
 import sys
 import threading
 import uuid
@@ -55,7 +63,7 @@ from pathlib import Path
 class VLLMService:
     """The state behind the HTTP handler: one vLLM engine, its weight version and instance id."""
 
-    def __init__(self, model_dir: str, host: str = "0.0.0.0", **llm_options):
+    def __init__(self, model_dir: str, host: str = "127.0.0.1", **llm_options):
         from .rollout.vllm import multimodal_options, start_llm
 
         self.multimodal, self.info = served_model_info(model_dir)
@@ -254,7 +262,12 @@ def has_tokenizer(model_dir) -> bool:
     return any((Path(model_dir) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
 
 
-def handler_for(service: VLLMService):
+TOKEN_VARIABLE = "GRPOKIT_VLLM_TOKEN"
+
+
+def handler_for(service: VLLMService, token: str | None = None):
+    """The HTTP handler over `service`; with `token`, POST requests must carry it (Authorization: Bearer)."""
+
     class Handler(BaseHTTPRequestHandler):
         def _reply(self, status: int, payload: dict) -> None:
             body = json.dumps(payload).encode()
@@ -276,6 +289,12 @@ def handler_for(service: VLLMService):
                 self._reply(404, {"error": f"no such endpoint {self.path}"})
 
         def do_POST(self):  # noqa: N802
+            given = self.headers.get("Authorization", "")
+            if token is not None and not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                self._body()  # read, so that the client gets the answer rather than a reset connection
+                self._reply(401, {"error": f"this server takes a token: set {TOKEN_VARIABLE} in the trainer's "
+                                           f"environment to the server's"})  # fmt: skip
+                return
             try:
                 if self.path == "/generate":
                     request = json.loads(self._body())
@@ -303,11 +322,16 @@ def handler_for(service: VLLMService):
     return Handler
 
 
-def main(argv: list[str] | None = None) -> int:
+def arguments() -> argparse.ArgumentParser:
+    """`grpokit vllm-serve`'s options."""
     parser = argparse.ArgumentParser(prog="grpokit vllm-serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--model", required=True, help="the policy's checkpoint directory (config + weights)")
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="the address to listen on (default: the loopback; 0.0.0.0 for every interface)")
+    parser.add_argument("--token", default=os.environ.get(TOKEN_VARIABLE) or None,
+                        help=f"a shared secret every POST must carry (default: ${TOKEN_VARIABLE}); the trainer "
+                             f"sends its own ${TOKEN_VARIABLE}")  # fmt: skip
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--dtype", default="auto",
                         help="vLLM's compute dtype (auto: vLLM's choice, 16 bits for a float32 checkpoint)")
@@ -318,12 +342,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-impl", default="vllm", choices=("vllm", "transformers"))
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="CPU only: VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--seed", type=int, default=0)
-    options = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = arguments().parse_args(argv)
     service = VLLMService(options.model, host=options.host, dtype=options.dtype, max_model_len=options.max_model_len,
                           max_num_seqs=options.max_num_seqs, gpu_memory_utilization=options.gpu_memory_utilization,
                           tensor_parallel_size=options.tensor_parallel_size, model_impl=options.model_impl,
                           kv_cache_gib=options.kv_cache_gib, seed=options.seed)  # fmt: skip
-    server = HTTPServer((options.host, options.port), handler_for(service))
+    if options.token is None and options.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"WARNING: listening on {options.host} without a token: anyone who reaches port {options.port} can "
+              f"replace the policy's weights. Set --token (or {TOKEN_VARIABLE}) here and {TOKEN_VARIABLE} in the "
+              f"trainer's environment.", file=sys.stderr, flush=True)  # fmt: skip
+    server = HTTPServer((options.host, options.port), handler_for(service, options.token))
     print(f"grpokit vLLM server: {options.model} at http://{options.host}:{options.port} "
           f"(instance {service.info['instance']})", flush=True)  # fmt: skip
     try:

@@ -27,6 +27,7 @@ import http.client
 import io
 import json
 import logging
+import os
 import re
 import socket
 import time
@@ -245,11 +246,11 @@ class VLLMServerEngine:
         seconds (and the config field that set them; default `request_timeout`) have passed in all; the answer's
         JSON."""
         timeout_s, timeout_field = timeout or self.request_timeout
-        data, headers = None, {}
+        data, headers = None, auth_headers()
         if isinstance(payload, bytes):
-            data, headers = payload, {"Content-Type": "application/octet-stream"}
+            data, headers = payload, {**headers, "Content-Type": "application/octet-stream"}
         elif payload is not None:
-            data, headers = json.dumps(payload).encode(), {"Content-Type": "application/json"}
+            data, headers = json.dumps(payload).encode(), {**headers, "Content-Type": "application/json"}
         started = time.monotonic()
         deadline, last_error, tries = started + timeout_s, None, 0
         for attempt in range(self.retries + 1):
@@ -282,6 +283,12 @@ class ServerRestarted(Exception):
     def __init__(self, instance):
         super().__init__(instance)
         self.instance = instance
+
+
+def auth_headers() -> dict[str, str]:
+    """The server's shared token, from this process's GRPOKIT_VLLM_TOKEN (grpokit.vllm_server), as a header."""
+    token = os.environ.get("GRPOKIT_VLLM_TOKEN")
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 def image_to_wire(image) -> str:
