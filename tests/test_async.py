@@ -138,6 +138,8 @@ def test_deepspeed_is_refused_even_in_one_process():
         check_async(args, num_processes=1, iterable_dataset=False, deepspeed=True)
     check_async(args, num_processes=1, iterable_dataset=False, deepspeed=False)
     check_async(GRPOConfig(report_to="none"), num_processes=1, iterable_dataset=False, deepspeed=True)  # synchronous
+    with pytest.raises(NotImplementedError, match="does not run on a sharded model"):
+        check_async(args, num_processes=1, iterable_dataset=False, sharded=True)
 
 
 def test_with_staleness_one_the_letter_task_learns_as_the_synchronous_loop_does(tmp_path):

@@ -61,10 +61,15 @@ from .streaming import DaemonPool, GroupTask
 logger = logging.getLogger("grpokit")
 
 
-def check_async(args: GRPOConfig, num_processes: int, iterable_dataset: bool, deepspeed: bool = False) -> None:
+def check_async(args: GRPOConfig, num_processes: int, iterable_dataset: bool, deepspeed: bool = False,
+                sharded: bool = False) -> None:  # fmt: skip
     """What asynchronous generation supports today, refused by name otherwise."""
     if args.max_staleness is None:
         return
+    if sharded:
+        raise NotImplementedError("max_staleness (asynchronous generation) does not run on a sharded model (FSDP) "
+                                  "yet, even in one process: the producer's copy would hold the local shards, not "
+                                  "the weights. Set max_staleness=None with FSDP, or train without it.")  # fmt: skip
     if deepspeed:
         raise NotImplementedError("max_staleness (asynchronous generation) does not run under DeepSpeed yet, even in "
                                   "one process: DeepSpeed's optimizer step runs inside backward(), outside the lock "

@@ -138,7 +138,8 @@ class GRPOTrainer:
         set_log_level(args.log_level if acc.is_main_process else args.log_level_replica)
         warn_like_trl(args, model, quantization_config)  # after set_log_level: log_level decides what shows
         check_async(args, acc.num_processes, is_iterable_dataset(train_dataset),
-                    deepspeed=args.deepspeed is not None or acc.distributed_type.value == "DEEPSPEED")
+                    deepspeed=args.deepspeed is not None or acc.distributed_type.value == "DEEPSPEED",
+                    sharded=bool(args.fsdp) or acc.distributed_type.value == "FSDP")  # fmt: skip
         self.weights, self.producer = WeightSync(), None  # asynchronous generation (grpokit.producer)
         self._restored_in_flight: list[dict] = []  # generation batches in flight that a checkpoint held
         prepare_process(args, acc.device)
