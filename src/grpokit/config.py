@@ -368,6 +368,17 @@ class GRPOConfig:
                                          "trained on at version <= v + max_staleness, else dropped and counted "
                                          "(sample/dropped_stale_total). 0: the synchronous loop, bitwise; None "
                                          "(grpokit's default): no producer. docs/guides/async.md.")
+    off_policy_correction: str = _f("behaviour", "grpokit-only: what the clip acts around when a batch is trained "
+                                                 "after the policy moved (max_staleness). 'behaviour' (TRL's "
+                                                 "asynchronous GRPO): the policy that sampled it. 'decoupled' "
+                                                 "(AReaL's decoupled PPO): the policy at the optimizer step, each "
+                                                 "token weighted by pi_prox / pi_behav and dropped above "
+                                                 "off_policy_correction_cap; needs num_iterations=1, not with "
+                                                 "loss_type='vespo'. docs/guides/async.md.")  # fmt: skip
+    off_policy_correction_cap: float | None = _f(5.0, "grpokit-only: off_policy_correction='decoupled': a token whose "
+                                                      "weight pi_prox / pi_behav exceeds this (> 1) is dropped from "
+                                                      "the loss (AReaL's behav_imp_weight_cap and default); None: no "
+                                                      "cap.")  # fmt: skip
     queue_maxsize: int = _f(1024, "Asynchronous generation: completions the producer may hold ready for the trainer "
                                   "(whole generation batches; at least one).")
     weight_sync_steps: int = _f(1, "Asynchronous generation: optimizer steps between the producer's weight updates.")
@@ -824,7 +835,8 @@ class GRPOConfig:
         """The objective's settings as `loss.policy_loss`'s keyword arguments."""
         names = ("loss_type", "beta", "epsilon", "epsilon_high", "importance_sampling_level", "max_completion_length",
                  "delta", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
-                 "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask_threshold", "use_bias_correction_kl")  # fmt: skip
+                 "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask_threshold", "use_bias_correction_kl",
+                 "off_policy_correction", "off_policy_correction_cap")  # fmt: skip
         options = {name: getattr(self, name) for name in names}
         if self.kl_in_reward:  # the KL is a reward penalty (experience.py), not a loss term
             options["beta"] = 0.0
@@ -902,7 +914,7 @@ class GRPOConfig:
 
     def validate(self) -> None:
         from .advantages import SCALE_REWARDS  # (torch: imported when a config is made, not when the CLI reads fields)
-        from .loss import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, SAMPLING_CORRECTION_MODES
+        from .loss import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, OFF_POLICY_CORRECTIONS, SAMPLING_CORRECTION_MODES
 
         """Check every value and every relation between values; raise ValueError saying how to fix it."""
 
@@ -937,6 +949,14 @@ class GRPOConfig:
         if self.max_staleness is not None and self.max_staleness < 0:
             fail(f"max_staleness={self.max_staleness}: give the optimizer steps a sample may lag behind the policy "
                  f"(0: the synchronous loop), or None for no producer.")
+        if self.off_policy_correction not in OFF_POLICY_CORRECTIONS:
+            fail(f"off_policy_correction={self.off_policy_correction!r} is not valid; use one of "
+                 f"{list(OFF_POLICY_CORRECTIONS)} ('behaviour': TRL's asynchronous GRPO; 'decoupled': AReaL's "
+                 f"decoupled PPO).")  # fmt: skip
+        cap = self.off_policy_correction_cap
+        if cap is not None and not cap > 1:
+            fail(f"off_policy_correction_cap={cap} must be > 1 (a token whose weight pi_prox / pi_behav exceeds it is "
+                 f"dropped; the weight is 1 on-policy), or None for no cap.")  # fmt: skip
         if self.async_schedule not in (None, "exact", "latest"):
             fail(f"async_schedule={self.async_schedule!r} is not valid; use 'exact', 'latest' or None (exact where "
                  f"possible).")
@@ -990,6 +1010,15 @@ class GRPOConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 fail(f"{name}={value!r} must be a positive integer (>= 1).")
+        if self.off_policy_correction == "decoupled" and self.num_iterations != 1:
+            fail(f"off_policy_correction='decoupled' needs num_iterations=1 (got {self.num_iterations}): its "
+                 f"proximal policy is the training forward's own log-probs, the weights of the optimizer step, which "
+                 f"holds only when each batch is trained in one step. Set num_iterations=1, or "
+                 f"off_policy_correction='behaviour'.")  # fmt: skip
+        if self.off_policy_correction == "decoupled" and not AGGREGATIONS[self.loss_type].decoupled_correction:
+            fail(f"off_policy_correction='decoupled' is not defined for loss_type={self.loss_type!r}: its "
+                 f"sequence weight is its own off-policy correction. Use off_policy_correction='behaviour' with "
+                 f"it.")  # fmt: skip
         if not isinstance(self.num_generations, int) or self.num_generations < self.min_num_generations:
             fail(
                 f"GRPO requires at least 2 generations per prompt to calculate the advantages. You provided "

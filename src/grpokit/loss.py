@@ -33,6 +33,12 @@ With one update per generation the ratio is exp(logp - logp.detach()) = 1 in val
 clipped family is the aggregate of -A + beta·KL — which is just beta·KL when the advantages cancel (zero mean per
 group under `grpo`) — while its gradient is the policy gradient (TRL PR #2565's derivation).
 
+Asynchronous generation trains on samples of an older policy π_behav. `off_policy_correction` says what π_old is:
+"behaviour" (TRL's asynchronous GRPO): π_old = π_behav, the clip acts around the sampling policy; "decoupled"
+(AReaL's decoupled PPO, Fu et al. 2025, arXiv 2505.24298 eq. 5): π_old = π_prox, the policy at the optimizer step
+(with one step per batch, the training forward's own log-probs, detached), and each token's policy term is weighted
+by w = π_prox / π_behav, dropped where w exceeds a cap (`behaviour_weight`).
+
 An entropy bonus is either part of the per-token loss and aggregated with it (`entropy_normalization="loss_type"`,
 what grpokit always did) or, as TRL 1.16 does, the mean per-token entropy of the micro-batch whatever the loss type
 (`"token_mean"`). The MoE router load-balancing loss and the adaptive entropy coefficient (Skywork-OR1) are here too.
@@ -328,6 +334,9 @@ class LossType:
     # Whether the objective takes the sampler-mismatch correction itself (VESPO: inside its sequence weight)
     # instead of having its per-token loss multiplied by it (every other type, as in TRL).
     corrects_sampling_itself: bool = False
+    # Whether off_policy_correction="decoupled" is defined for it: not for VESPO, whose Gamma weight of the sequence
+    # ratio to π_old is its own off-policy correction (around π_prox the ratio is 1 and its weight φ(1) = 1).
+    decoupled_correction: bool = True
 
 
 LOSS_TYPES: dict[str, LossType] = {
@@ -339,15 +348,16 @@ LOSS_TYPES: dict[str, LossType] = {
     "sapo": LossType(sapo_objective, aggregate_sequence_mean, no_statistics),
     "luspo": LossType(clipped_surrogate, aggregate_sequence_sum, clip_statistics, importance_sampling_level="sequence"),
     "vespo": LossType(vespo_objective, aggregate_token_mean, vespo_statistics, importance_sampling_level="token",
-                      corrects_sampling_itself=True),
+                      corrects_sampling_itself=True, decoupled_correction=False),
     # TRL 1.16's RLOOTrainer: one ratio per sequence, exp(sum_t logp - sum_t old_logp) (not length-normalised as
     # GSPO's), the clipped surrogate of it, and the mean over sequences (`grpokit.rloo`).
     "rloo": LossType(clipped_surrogate, aggregate_sequence_mean, sequence_clip_statistics,
                      importance_sampling_level="sequence_sum"),
-}
+}  # fmt: skip
 # The name config validation imports: a key of this table is a valid `loss_type`.
 AGGREGATIONS = LOSS_TYPES
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_sum")
+OFF_POLICY_CORRECTIONS = ("behaviour", "decoupled")
 ENTROPY_NORMALIZATIONS = ("loss_type", "token_mean")
 
 
@@ -490,6 +500,50 @@ def sampling_correction(
             "sampling/importance_sampling_ratio/max": measured.max() if measured.numel() else zero,
         }
     return ratio, stats
+
+
+@torch.no_grad()
+def behaviour_weight(
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    cap: float | None = 5.0,
+    level: str = "token",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The behaviour importance weight of decoupled PPO (AReaL, Fu et al. 2025, arXiv 2505.24298 eq. 5; AReaL's
+    `behav_imp_weight_cap`), detached:
+
+        log w_t = log π_prox_t - log π_behav_t  (0 where m_t = 0)                         token level        [N, T]
+        sequence level: log w = sum_t log w_t / max(sum_t m_t, 1)  (GSPO's mean)  or  sum_t log w_t
+                        ("sequence_sum", RLOO's), one weight per sequence                                 [N, 1]
+        w <- 0 where w > cap   (None: no cap)
+
+    The weight moves the policy term from the behaviour policy that sampled the tokens to the proximal policy the
+    clip acts around. As in AReaL, a token (a sequence, at sequence level) whose weight exceeds the cap is dropped,
+    not truncated, and the loss's counts keep it (its share of the loss is 0). `level` is the importance-sampling
+    level of the loss's ratio, so that the weight and the ratio are of the same kind.
+
+    proximal_logprobs, behaviour_logprobs, mask: [N, T]. Returns (weight, stats), stats token means over the mask:
+        off_policy/behaviour_weight_mean   the mean weight before the cap
+        off_policy/masked_fraction         the share of tokens dropped by the cap
+    """
+    if level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(
+            f"Unknown importance_sampling_level {level!r}; choose one of {list(IMPORTANCE_SAMPLING_LEVELS)}."
+        )
+    mask = mask.to(proximal_logprobs.dtype)
+    # Padding's log-probs may be anything: zeroed before the exp, so that no inf or NaN reaches the loss.
+    log_weight = torch.where(mask != 0, proximal_logprobs - behaviour_logprobs, 0.0)
+    if level == "sequence":
+        log_weight = log_weight.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    elif level == "sequence_sum":
+        log_weight = log_weight.sum(-1, keepdim=True)
+    weight = torch.exp(log_weight)
+    dropped = torch.zeros_like(weight, dtype=torch.bool) if cap is None else weight > cap
+    stats = {"off_policy/behaviour_weight_mean": masked_mean(weight.expand_as(mask), mask),
+             "off_policy/masked_fraction": masked_mean(dropped.expand_as(mask).to(mask.dtype), mask)}  # fmt: skip
+    return weight.masked_fill(dropped, 0.0), stats
 
 
 def entropy_token_mean(entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -674,6 +728,8 @@ def policy_loss(
     use_bias_correction_kl: bool = False,
     entropy_normalization: str = "loss_type",
     num_micro_batches: int = 1,
+    off_policy_correction: str = "behaviour",
+    off_policy_correction_cap: float | None = 5.0,
 ) -> tuple[torch.Tensor, LossStats]:
     """The loss type's objective plus beta·KL, aggregated by the loss type (see `LOSS_TYPES`).
 
@@ -702,6 +758,16 @@ def policy_loss(
                    the micro-batch's mean entropy over mask·loss_weights, divided by `num_micro_batches`
     num_micro_batches: micro-batches accumulated into this optimizer step (the "token_mean" bonus and `bnpo`,
                    as TRL's current_gradient_accumulation_steps)
+    off_policy_correction: what old_logprobs are to the loss. "behaviour" (TRL's asynchronous GRPO): π_old, the
+                   ratio and the clip are around them. "decoupled" (AReaL's decoupled PPO): they are the behaviour
+                   policy's, and the ratio and the clip are around the proximal policy π_prox = logprobs.detach(),
+                   the weights of this forward — right when each batch is trained in one optimizer step
+                   (num_iterations=1: weights change only at the step, after the forwards of all its micro-batches);
+                   each token's policy term (after the masks and sampling_ratio, before beta·KL) is weighted by
+                   `behaviour_weight` at the importance-sampling level. The KL's ratio (use_bias_correction_kl) is then to π_prox, and neither
+                   KL nor entropy is weighted, as in AReaL. Not defined for `vespo`.
+    off_policy_correction_cap: the "decoupled" weight's cap (AReaL's behav_imp_weight_cap, > 1): a token whose
+                   weight π_prox/π_behav exceeds it is dropped; None: no cap
 
     Returns (loss, stats).
     """
@@ -717,6 +783,15 @@ def policy_loss(
         raise ValueError(
             f"Unknown entropy_normalization {entropy_normalization!r}; choose one of {list(ENTROPY_NORMALIZATIONS)}."
         )
+    if off_policy_correction not in OFF_POLICY_CORRECTIONS:
+        raise ValueError(f"Unknown off_policy_correction {off_policy_correction!r}; choose one of "
+                         f"{list(OFF_POLICY_CORRECTIONS)}.")  # fmt: skip
+    decoupled = off_policy_correction == "decoupled"
+    if decoupled and not spec.decoupled_correction:
+        raise ValueError(
+            f"off_policy_correction='decoupled' is not defined for loss_type={loss_type!r}: its sequence weight is "
+            f"its own off-policy correction. Use off_policy_correction='behaviour'."
+        )
     params = ObjectiveParams(
         epsilon=epsilon, epsilon_high=epsilon if epsilon_high is None else epsilon_high, delta=delta,
         sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
@@ -725,6 +800,9 @@ def policy_loss(
     )  # fmt: skip
     mask = mask.to(logprobs.dtype)
     if old_logprobs is None:
+        old_logprobs = logprobs.detach()
+    behaviour_logprobs = old_logprobs
+    if decoupled:  # π_prox: the weights of this forward, the policy at the optimizer step
         old_logprobs = logprobs.detach()
     if advantages.dim() == 1:
         advantages = advantages[:, None]
@@ -745,12 +823,20 @@ def policy_loss(
 
     per_token = spec.objective(terms, params)
     if off_policy_mask_threshold is not None:
-        behaviour = old_logprobs if sampling_logprobs is None else sampling_logprobs
+        behaviour = behaviour_logprobs if sampling_logprobs is None else sampling_logprobs
         per_token = per_token * off_policy_mask(advantages, logprobs, behaviour, mask, off_policy_mask_threshold)
     if loss_weights is not None:
         per_token = per_token * loss_weights
     if sampling_ratio is not None and not spec.corrects_sampling_itself:
         per_token = per_token * sampling_ratio
+    correction_stats = {}
+    if decoupled:
+        # With sampling_ratio = π_behav / π_sampler this makes the token's weight π_prox / π_sampler, each factor
+        # truncated or masked by its own rule.
+        weight, correction_stats = behaviour_weight(
+            old_logprobs, behaviour_logprobs, mask, cap=off_policy_correction_cap, level=importance_sampling_level
+        )
+        per_token = per_token * weight
 
     kl = None
     if ref_logprobs is not None:
@@ -779,7 +865,7 @@ def policy_loss(
             kl=kl,
             entropy=None if entropies is None else masked_mean(entropies.detach(), mask),
             ratio_mean=masked_mean(ratio.expand_as(mask).detach(), mask),
-            objective=spec.statistics(terms, params),
+            objective={**spec.statistics(terms, params), **correction_stats},
             policy_loss=policy_part,
         )
     return loss, stats

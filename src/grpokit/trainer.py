@@ -170,6 +170,7 @@ class GRPOTrainer:
         self.window = MetricWindow()
         self._window_counts, self._step_stats, self._sink = None, [], None  # the current step's (compute_loss, log)
         self._samples: list[dict] | None = None  # the latest generation's completions-log rows
+        self._batch_staleness: int | None = None  # max_staleness: the trained batch's (optimizer steps behind)
         self.cursor = GenerationCursor()
         self._last_evaluation: dict | None = None  # the latest evaluation's record (metric_for_best_model)
         self._in_train = False
@@ -458,7 +459,13 @@ class GRPOTrainer:
                                       batch.input_mask).to(loss.device)  # fmt: skip
             loss = loss + self.router_aux_loss_coef * aux / num_micro_batches
             stats.objective["aux_loss"] = aux.detach()
-        self._step_stats.append(stats.as_dict())
+        step_stats = stats.as_dict()
+        clipped = step_stats.get("clip_ratio/region_mean")
+        if self._batch_staleness is not None and clipped is not None:
+            # Under max_staleness a step trains one generation batch: its clip ratio, keyed by the batch's staleness,
+            # is averaged by the logging window over the steps of that staleness.
+            step_stats[f"clip_ratio/region_mean_staleness_{self._batch_staleness}"] = clipped
+        self._step_stats.append(step_stats)
         return loss
 
     # ------------------------------------------------------------------------------------------- generation
@@ -476,6 +483,7 @@ class GRPOTrainer:
             self.state.generations = produced.generation + experience.rollouts
             self.sampler.load_state_dict(produced.sampler_state)
             self.window.add(metrics)
+            self._batch_staleness = int(metrics["sample/staleness_max"])
         self.state.num_tokens += experience.num_tokens
         self.window.add(experience.metrics)
         if experience.samples is not None:
