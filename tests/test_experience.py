@@ -126,6 +126,38 @@ def importers_of(target: str) -> set[str]:
             if any(name == target or name.startswith(target + ".") for name in imports_of(path))}  # fmt: skip
 
 
+def import_circles() -> list[set[str]]:
+    """The package's modules that import each other, directly or through others (at any depth in a file:
+    function-level imports count): the strongly connected components of the import graph with more than one module."""
+    modules = {".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): path
+               for path in PACKAGE.rglob("*.py")}  # fmt: skip
+
+    def module_of(name: str) -> str:  # grpokit.rollout.HFEngine -> grpokit.rollout
+        while name not in modules and "." in name:
+            name = name.rsplit(".", 1)[0]
+        return name
+
+    graph = {m: {module_of(n) for n in imports_of(path)} - {m, "grpokit"} for m, path in modules.items()}
+    reaches = {m: set() for m in graph}
+    for start in graph:  # the modules each one reaches (the package is small: a walk from each)
+        todo = list(graph[start])
+        while todo:
+            m = todo.pop()
+            if m in graph and m not in reaches[start]:
+                reaches[start].add(m)
+                todo.extend(graph[m])
+    circles = {frozenset({m} | {n for n in reaches[m] if m in reaches[n]}) for m in graph if m in reaches[m]}
+    return sorted((set(c) for c in circles), key=sorted)
+
+
+def test_no_modules_import_each_other_but_the_known_pairs():
+    # The producer and the streaming tasks no longer import each other (one scheduler: grpokit.producer). The pairs
+    # left are the house issue's to untie; a new circle fails here.
+    assert import_circles() == [{"grpokit.distributed", "grpokit.models"},
+                                {"grpokit.rollout.hf", "grpokit.rollout.static"},
+                                {"grpokit.rollout.vllm", "grpokit.rollout.vllm_client"}]  # fmt: skip
+
+
 def test_imports_run_one_way():
     # rloo.py, distill_trainer.py, async_grpo.py: GRPOTrainer subclasses (another estimator, another objective, TRL's
     # asynchronous trainer's interface, on the same loop)
