@@ -78,7 +78,7 @@ def test_a_reward_function_raising_on_every_row_stops_the_run_after_three_batche
     trainer = letter_trainer(tmp_path / "none", reward=never, max_steps=4)
     caplog.clear()
     trainer.train()
-    assert "All reward functions returned None" in caplog.text  # logged, as TRL logs it
+    assert "All reward functions returned None for the following kwargs:" in caplog.text  # logged, as TRL logs it
     assert trainer.state.global_step == 4
 
 

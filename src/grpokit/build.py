@@ -62,12 +62,12 @@ def check_run(args: GRPOConfig, train_dataset, eval_dataset, rollout_engine, too
     check_agents(tools, rollout_func, environment_factory, rollout_engine)
     environments = environment_factory is not None  # reset() may supply every prompt (TRL: prompt optional)
     check_dataset(train_dataset, prompt_optional=environments)
+    for name, dataset in named_eval_datasets(eval_dataset).items():
+        check_dataset(dataset, "eval_dataset" if name is None else f"eval_dataset[{name!r}]", environments)
+    configure_iterable_datasets(args, train_dataset, eval_dataset)  # TRL's order: dispatch_batches first
     if is_iterable_dataset(train_dataset) and args.max_steps <= 0:
         raise ValueError("train_dataset is an IterableDataset (no len()): set max_steps > 0 to say how long to "
                          "train, as with transformers' Trainer.")  # fmt: skip
-    for name, dataset in named_eval_datasets(eval_dataset).items():
-        check_dataset(dataset, "eval_dataset" if name is None else f"eval_dataset[{name!r}]", environments)
-    configure_iterable_datasets(args, train_dataset, eval_dataset)
     if eval_dataset is None and args.eval_strategy != "no":
         raise ValueError(f"eval_strategy={args.eval_strategy!r} needs an eval_dataset: pass "
                          f"GRPOTrainer(eval_dataset=...), or set eval_strategy='no'.")  # fmt: skip

@@ -48,8 +48,9 @@ def build_reward_functions(reward_funcs, processing_classes=None, batch_size: in
     else:
         classes = list(processing_classes) if isinstance(processing_classes, (list, tuple)) else [processing_classes]
         if len(classes) != len(funcs):
-            raise ValueError(f"reward_processing_classes has {len(classes)} entries for {len(funcs)} reward "
-                             f"functions: give one per function (None for plain functions).")  # fmt: skip
+            raise ValueError(f"The number of reward processing classes ({len(classes)}) must match the number of "
+                             f"reward functions ({len(funcs)}): give one per function (None for plain "
+                             f"functions).")  # fmt: skip
     out = []
     for f, tokenizer in zip(funcs, classes):
         if isinstance(f, (str, PreTrainedModel)):

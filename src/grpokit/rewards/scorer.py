@@ -83,11 +83,13 @@ class RewardScorer:
             step_counts=[len(e) for e in step_ends], context=context,
         )  # fmt: skip
         unscored = torch.isnan(scores).all(dim=1).nonzero().flatten().tolist() if scores.shape[1] else []
-        if unscored:  # TRL's warning: such a completion has no reward at all
+        if unscored:  # TRL's warning (its words and the first such row's kwargs): a completion with no reward
             row = unscored[0]
-            logger.warning(f"All reward functions returned None for {len(unscored)} completion(s), e.g. prompt "
-                           f"{_short(prompts[row])}, completion {_short(completions[row])}: they get no advantage. "
-                           f"Please ensure that at least one reward function returns a valid reward.")  # fmt: skip
+            kwargs = {**{k: _short(v[row]) for k, v in columns.items()}, "prompt": _short(prompts[row]),
+                      "completion": _short(completions[row])}  # fmt: skip
+            logger.warning(f"All reward functions returned None for the following kwargs:\n{kwargs}\nPlease ensure "
+                           f"that at least one reward function returns a valid reward. ({len(unscored)} "
+                           f"completion(s) of this batch got none: they get no advantage.)")  # fmt: skip
         return Scores(prompts, scores, failures, step_rewards, step_ends)
 
 
