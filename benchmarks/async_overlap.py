@@ -9,7 +9,9 @@ Settings compared (each a fresh model with the same seed):
 - sync, 1 thread: the same on one core, which is also what the synchronous loop gets from an engine on one core and
   training on the other: they take turns;
 - async, 1 + 1 threads: max_staleness=1, training on one thread and sampling on the other (on the CPU the in-process
-  engine runs in a process of its own, on one thread).
+  engine runs in a process of its own, on one thread), under the exact schedule (the default for whole batches);
+- async, async_schedule='latest': the same, each batch sampled by the newest weights when it starts (not with
+  --tool-delay: streamed groups always take the latest weights).
 
 tokens/s is grpokit's num_tokens (prompt + completion tokens of every trained batch) over train()'s runtime, after a
 warm-up run that is not counted; each setting runs --repeats times, interleaved, and the median is shown. The
@@ -150,6 +152,9 @@ def main() -> None:
     DELAY = options.tool_delay
     settings = {"sync, 2 threads": (2, {}), "sync, 1 thread": (1, {}),
                 "async (max_staleness=1), 1 + 1 threads": (1, {"max_staleness": 1})}  # fmt: skip
+    if not options.tool_delay:  # whole batches: the exact schedule (the default) against the latest weights
+        settings["async, async_schedule='latest', 1 + 1 threads"] = (1, {"max_staleness": 1,
+                                                                        "async_schedule": "latest"})  # fmt: skip
     runs = {name: [] for name in settings}
     for _ in range(options.repeats):  # interleaved, so that a slow spell of the machine hits every setting alike
         for name, (threads, overrides) in settings.items():
