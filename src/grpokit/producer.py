@@ -328,7 +328,7 @@ class Producer:
                     return
             else:
                 due = self._due(self.started)
-                if not self._wait_for_version(due - self.args.max_staleness):
+                if not self._wait_for_trainer(lambda: self.sync.version >= due - self.args.max_staleness):
                     return
                 self._take_weights(due)
             generation = self.generation
@@ -423,10 +423,12 @@ class Producer:
 
     # -------------------------------------------------------------------------------------------- the weights
 
-    def _wait_for_version(self, needed: int) -> bool:
+    def _wait_for_trainer(self, reached) -> bool:
+        """Waits (with the heartbeat) until `reached()` holds under the step lock, counting the wait in weight_wait;
+        False when the producer is stopping."""
         started = time.perf_counter()
         with self.sync.changed:
-            while self.sync.version < needed and not self.stop.is_set():
+            while not reached() and not self.stop.is_set():
                 self.sync.changed.wait(timeout=0.5)
                 self.beat()  # waiting for the trainer is not a hang
         self.weight_wait += time.perf_counter() - started
@@ -459,13 +461,7 @@ class Producer:
         # Never older than the weights the producer started from: a run resumed from a checkpoint that holds no
         # batches in flight (see checkpoint_state) samples the first ones with the checkpoint's weights.
         version = max(scheduled_version(index, self.args.max_staleness, self.args.weight_sync_steps), self.first_step)
-        started = time.perf_counter()
-        with self.sync.changed:
-            while self.sync.weights < version and not self.stop.is_set():
-                self.sync.changed.wait(timeout=0.5)
-                self.beat()  # waiting for the trainer is not a hang
-        self.weight_wait += time.perf_counter() - started
-        if self.stop.is_set():
+        if not self._wait_for_trainer(lambda: self.sync.weights >= version):
             return False
         if version != self.weights_version:
             engine_idle = getattr(self.engine, "lock", None) or contextlib.nullcontext()
