@@ -101,7 +101,7 @@ for p in "${parts[@]}"; do
     # Asynchronous generation (max_staleness=1) against the synchronous loop on one GPU: the producer's copy of the
     # policy samples in a thread while the trainer trains (a larger tiny model than the CPU run's).
     async) part async 240 bash -c "python3 benchmarks/async_overlap.py --hidden 1024 --layers 8 --batch 64 \
-             --completion 128 --steps 6 --repeats 1 --name gpu && cp benchmarks/results/async_overlap_gpu.json '$out/'" ;;
+             --completion 128 --steps 12 --repeats 1 --name gpu && cp benchmarks/results/async_overlap_gpu.json '$out/'" ;;
     *) echo "unknown part $p (tests static fair_static full lora qlora lora_grpokit lowmem fair bf16 bf16_static engines_static profile profile_static async)"; exit 2 ;;
   esac
 done

@@ -8,14 +8,13 @@ import time
 
 import pytest
 import torch
+from letters import letter_config, letter_dataset, repeat_letter, tiny_letter_model
+from test_pinned import CPU, PINNED_BY_CPU, digest, run
 
 from grpokit import GRPOConfig, GRPOTrainer, TrainBatch
 from grpokit.experience import Experience
 from grpokit.producer import Produced, Producer, WeightSync
 from grpokit.rollout import HFEngine
-
-from letters import letter_config, letter_dataset, repeat_letter, tiny_letter_model
-from test_pinned import CPU, PINNED_BY_CPU, digest, run
 
 
 def weights(trainer) -> str:
@@ -118,7 +117,6 @@ def test_a_hung_producer_is_detected_within_the_heartbeat(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (dict(num_iterations=2), "one optimizer step per generation batch"),
     (dict(steps_per_generation=2), "one optimizer step per generation batch"),
-    (dict(dynamic_sampling=True), "dynamic_sampling"),
     (dict(max_staleness=2, sync_ref_model=True), "sync_ref_model"),
 ])  # fmt: skip
 def test_what_asynchronous_generation_does_not_support_is_refused_by_name(tmp_path, overrides, message):
@@ -135,11 +133,66 @@ def test_deepspeed_is_refused_even_in_one_process():
 
     args = GRPOConfig(max_staleness=1, report_to="none")
     with pytest.raises(NotImplementedError, match="does not run under DeepSpeed yet, even in one process"):
-        check_async(args, num_processes=1, iterable_dataset=False, deepspeed=True)
-    check_async(args, num_processes=1, iterable_dataset=False, deepspeed=False)
-    check_async(GRPOConfig(report_to="none"), num_processes=1, iterable_dataset=False, deepspeed=True)  # synchronous
+        check_async(args, num_processes=1, deepspeed=True)
+    check_async(args, num_processes=1, deepspeed=False)
+    check_async(GRPOConfig(report_to="none"), num_processes=1, deepspeed=True)  # synchronous
     with pytest.raises(NotImplementedError, match="does not run on a sharded model"):
-        check_async(args, num_processes=1, iterable_dataset=False, sharded=True)
+        check_async(args, num_processes=1, sharded=True)
+
+
+@pytest.mark.parametrize("overrides, shared_engine, message", [
+    (dict(async_schedule="latest"), False, "async_schedule='latest' with several training processes"),
+    (dict(use_vllm=True, vllm_mode="colocate"), True, "vllm_mode='colocate' and several training processes"),
+    (dict(eval_strategy="steps"), True, "the run could hang. Set eval_strategy='no'"),
+])  # fmt: skip
+def test_what_several_processes_cannot_do_asynchronously_is_refused_by_name(overrides, shared_engine, message):
+    from grpokit.producer import check_async
+
+    args = GRPOConfig(max_staleness=1, report_to="none", **overrides)
+    with pytest.raises(NotImplementedError, match=message):
+        check_async(args, num_processes=2, shared_engine=shared_engine)
+    check_async(args, num_processes=1, shared_engine=shared_engine)  # one process: each is supported
+    check_async(GRPOConfig(max_staleness=1, report_to="none"), num_processes=2, shared_engine=True)  # the rest runs
+
+
+def test_dynamic_sampling_at_staleness_zero_is_the_synchronous_loop_bitwise_and_fills_batches_ahead(tmp_path):
+    _, synchronous = run(tmp_path / "sync", dynamic_sampling=True, max_steps=4)
+    _, asynchronous = run(tmp_path / "async", dynamic_sampling=True, max_steps=4, max_staleness=0)
+    assert asynchronous == synchronous
+    trainer, ahead = run(tmp_path / "ahead", dynamic_sampling=True, max_steps=4, max_staleness=1)
+    _, ahead_again = run(tmp_path / "again", dynamic_sampling=True, max_steps=4, max_staleness=1)
+    assert ahead == ahead_again  # the exact schedule: the rounds each batch drew never depend on timing
+    steps = [r for r in trainer.state.log_history if "dynamic_sampling/rounds" in r]
+    assert len(steps) == 4 and [r["sample/staleness_max"] for r in steps] == [0, 1, 1, 1]
+    # The producer drew more prompts for batches short of groups with reward spread: the seeds follow the rounds.
+    assert trainer.state.generations == 4 + sum(r["dynamic_sampling/rounds"] for r in steps)
+
+
+def test_an_iterable_dataset_at_staleness_zero_is_the_synchronous_loop_bitwise_and_resumes_exactly_at_one(tmp_path):
+    from datasets import IterableDataset
+
+    rows = list(letter_dataset())
+
+    def stream():
+        return IterableDataset.from_generator(lambda: iter(rows))
+
+    def trainer_for(directory, **overrides):
+        model, tokenizer = tiny_letter_model()
+        values = dict(per_device_train_batch_size=16, num_generations=4, max_steps=4, report_to="none",
+                      accelerator_config={"dispatch_batches": False}, save_strategy="steps", save_steps=2)
+        return GRPOTrainer(model=model, reward_funcs=repeat_letter, train_dataset=stream(), processing_class=tokenizer,
+                           args=letter_config(directory, **{**values, **overrides}))  # fmt: skip
+
+    synchronous, asynchronous = trainer_for(tmp_path / "sync"), trainer_for(tmp_path / "k0", max_staleness=0)
+    synchronous.train()
+    asynchronous.train()
+    assert weights(asynchronous) == weights(synchronous)
+    whole = trainer_for(tmp_path / "k1", max_staleness=1)
+    whole.train()
+    assert weights(whole) != weights(synchronous)  # sampled ahead: another run
+    resumed = trainer_for(tmp_path / "k1", max_staleness=1)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "k1" / "out" / "checkpoint-2"))
+    assert resumed.state.global_step == 4 and weights(resumed) == weights(whole)
 
 
 def test_with_staleness_one_the_letter_task_learns_as_the_synchronous_loop_does(tmp_path):

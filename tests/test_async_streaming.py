@@ -542,3 +542,14 @@ def test_rollouts_in_flight_when_training_ends_stop_at_their_next_turn_and_give_
     assert not pool.lent and SlowLocker.reading == 0
     alive = [t.name for t in threading.enumerate() if t.name.startswith("grpokit-rollout") and t.is_alive()]
     assert not alive, alive  # the rollout threads ended too
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(async_schedule="exact"), "async_schedule='exact' cannot hold for multi-turn rollouts streamed"),
+    (dict(dynamic_sampling=True), "dynamic_sampling with multi-turn rollouts streamed group by group"),
+])  # fmt: skip
+def test_what_streamed_groups_cannot_do_is_refused_when_the_trainer_is_built(tmp_path, overrides, message):
+    model, tokenizer = tiny_agent_model()
+    with pytest.raises(NotImplementedError, match=message):
+        GRPOTrainer(model=model, reward_funcs=repeat_found, args=streaming_config(tmp_path, **overrides),
+                    train_dataset=Dataset.from_list(ROWS), processing_class=tokenizer, tools=[agents_lookup])

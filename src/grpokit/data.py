@@ -283,3 +283,10 @@ class StreamSampler:
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position, self._iterator = state["epoch"], state["position"], None
+
+    def __deepcopy__(self, memo) -> StreamSampler:
+        """A sampler at the same position over the same stream (an asynchronous producer's copy): it iterates the
+        stream anew, skipping the rows already drawn; the stream itself is not copied (a generator cannot be)."""
+        copied = StreamSampler(self.dataset)
+        copied.load_state_dict(self.state_dict())
+        return copied

@@ -9,8 +9,10 @@ hold each process's shards (`save_sharded`; DeepSpeed's own format under DeepSpe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 import warnings
 from datetime import timedelta
 
@@ -260,6 +262,87 @@ def all_processes_done(done: bool) -> bool:
     flag = torch.tensor([0 if done else 1], dtype=torch.int32, device=_collective_device())
     dist.all_reduce(flag)
     return int(flag.item()) == 0
+
+
+class ProducerCollectives:
+    """The accelerator as the generation producer's thread sees it when several processes train (asynchronous
+    generation, grpokit.producer): the same device, process index and autocast, but `gather`, `reduce` and
+    `gather_objects` run on a gloo process group of the producers' own. The producers' gathers (scores for the
+    advantages, metrics) so never interleave with the collectives of the trainer's thread (DDP's gradient
+    all-reduces, the step's metrics): each group sees its own calls in one order on every process (the producers
+    make the same batches one after another). Tensors travel through the CPU: the producers' are small (one score
+    or count per completion), and gloo on the CPU never competes with the training's NCCL streams."""
+
+    def __init__(self, accelerator, group):
+        self.accelerator, self.group = accelerator, group
+
+    def __getattr__(self, name):
+        return getattr(self.accelerator, name)
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every process's `tensor` (the same shape on each) concatenated along dim 0, as accelerate's gather."""
+        import torch.distributed as dist
+
+        local = (tensor.reshape(1) if tensor.ndim == 0 else tensor).detach().cpu().contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.accelerator.num_processes)]
+        dist.all_gather(parts, local, group=self.group)
+        return torch.cat(parts).to(tensor.device)
+
+    def reduce(self, tensor: torch.Tensor, reduction: str = "sum", scale: float = 1.0) -> torch.Tensor:
+        """The sum (or mean) of `tensor` over the processes, as accelerate's reduce."""
+        import torch.distributed as dist
+
+        total = tensor.detach().cpu().clone()
+        dist.all_reduce(total, group=self.group)
+        if reduction == "mean":
+            total = total / self.accelerator.num_processes
+        return (total * scale if scale != 1.0 else total).to(tensor.device)
+
+
+def new_producer_group():
+    """A gloo process group for the generation producers (`ProducerCollectives`); a collective: every process calls
+    it at the same point (the trainer's thread, when the producers start)."""
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo")
+
+
+def gather_objects(accelerator, values: list) -> list:
+    """accelerate's gather_object (every process's list, concatenated) over `accelerator`'s processes: on the
+    producers' own group for a `ProducerCollectives`."""
+    if accelerator.num_processes == 1:
+        return values
+    group = getattr(accelerator, "group", None)
+    if group is None:
+        from accelerate.utils import gather_object
+
+        return gather_object(values)
+    import torch.distributed as dist
+
+    parts = [None] * accelerator.num_processes
+    dist.all_gather_object(parts, values, group=group)
+    return [value for part in parts for value in part]
+
+
+_thread_group = threading.local()
+
+
+@contextlib.contextmanager
+def collectives_on(group):
+    """In this thread, the collectives grpokit makes outside the accelerator (the vLLM server client's barrier)
+    run on `group` (the producers' own) instead of the default group."""
+    _thread_group.group = group
+    try:
+        yield
+    finally:
+        _thread_group.group = None
+
+
+def barrier() -> None:
+    """dist.barrier on this thread's group (`collectives_on`), else the default one."""
+    import torch.distributed as dist
+
+    dist.barrier(group=getattr(_thread_group, "group", None))
 
 
 def at_least_global_quantile(accelerator, values: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:

@@ -25,7 +25,7 @@ from .batch import ScoredRollout, TrainBatch, per_token
 from .config import GRPOConfig
 from .cpu_memory import return_free_memory
 from .data import dataset_rows, is_iterable_dataset
-from .distributed import is_sharded
+from .distributed import gather_objects, is_sharded
 from .evaluation import evaluation_metrics, group_records
 from .logprobs import token_logprobs
 from .logs import completion_metrics, generation_metrics, reduce_extremes
@@ -241,9 +241,9 @@ class ExperienceMaker:
     def _add_process_advantages(self, advantages, process, step_rewards, step_ends, width) -> torch.Tensor:
         """Outcome advantages [N_global] broadcast over tokens, plus each process function's weighted token
         advantages; every process gathers the step rewards of the whole batch (groups may span processes)."""
-        from accelerate.utils import gather_object
+        def gather(values):
+            return gather_objects(self.accelerator, values)
 
-        gather = gather_object if self.accelerator.num_processes > 1 else (lambda values: values)
         ends, width = gather(step_ends), max(gather([width]))
         token_advantages = advantages[:, None].expand(-1, width).clone()
         for index in process:
@@ -370,8 +370,6 @@ class Evaluator:
     @torch.no_grad()
     def evaluate(self, dataset, prefix: str, trainer_state=None) -> tuple[dict[str, float], list[dict]]:
         """(metrics prefixed `prefix/` and `prefix_loss`, the per-prompt records of every process)."""
-        from accelerate.utils import gather_object
-
         args, acc, maker = self.args, self.accelerator, self.maker
         if is_iterable_dataset(dataset):
             dataset = dataset_rows(dataset)
@@ -398,7 +396,7 @@ class Evaluator:
         maker.scorer.logs.flush_extra()
         logged = maker.scorer.logs.flush_metrics(acc)
         totals = acc.reduce(torch.tensor([loss_sum, float(loss_count)], dtype=torch.float64, device=acc.device), "sum")
-        samples = gather_object(records) if acc.num_processes > 1 else records
+        samples = gather_objects(acc, records)
         metrics = evaluation_metrics(samples, names, args.pass_threshold, prefix=f"{prefix}/")
         metrics.update({f"{prefix}/{k}": v for k, v in logged.items()})
         metrics.update({f"{prefix}/{k}": v for k, v in maker.runner.metrics(acc).items()})

@@ -52,6 +52,7 @@ import torch
 from .batch import TrainBatch
 from .build import build_engine
 from .config import GRPOConfig
+from .distributed import ProducerCollectives, collectives_on, new_producer_group
 from .experience import Experience, ExperienceMaker, logprobs_in_chunks
 from .rollout import Generation, HFEngine, RolloutRunner, rollout_seed
 from .rollout.batching import BatchingEngine
@@ -61,9 +62,10 @@ from .streaming import DaemonPool, GroupTask
 logger = logging.getLogger("grpokit")
 
 
-def check_async(args: GRPOConfig, num_processes: int, iterable_dataset: bool, deepspeed: bool = False,
-                sharded: bool = False) -> None:  # fmt: skip
-    """What asynchronous generation supports today, refused by name otherwise."""
+def check_async(args: GRPOConfig, num_processes: int, deepspeed: bool = False,
+                sharded: bool = False, shared_engine: bool = False) -> None:  # fmt: skip
+    """What asynchronous generation supports today, refused by name otherwise. `shared_engine`: the producer
+    samples with the trainer's own engine (vLLM, a rollout_engine), not one of its own."""
     if args.max_staleness is None:
         return
     if sharded:
@@ -84,18 +86,55 @@ def check_async(args: GRPOConfig, num_processes: int, iterable_dataset: bool, de
             f"{args.gradient_accumulation_steps}), as in TRL's AsyncGRPOTrainer. Reuse of samples (μ > 1) is "
             f"off-policy by itself; set max_staleness=None for it.")  # fmt: skip
     if num_processes > 1:
-        raise NotImplementedError("max_staleness (asynchronous generation) runs in one training process for now: "
-                                  "the producer's gathers would interleave with the training collectives. Set "
-                                  "max_staleness=None under DDP / FSDP2 / DeepSpeed.")  # fmt: skip
-    if iterable_dataset:
-        raise NotImplementedError("max_staleness with an IterableDataset is not supported yet: the producer draws "
-                                  "prompts from a copy of the sampler, which a stream cannot give. Use a map-style "
-                                  "dataset, or max_staleness=None.")  # fmt: skip
+        # One producer per process, over its share of each generation batch, as the synchronous loop splits it; the
+        # producers gather on a process group of their own (distributed.ProducerCollectives). Their batches must be
+        # the same ones on every process, sampled by the same weights: the exact schedule, whole batches.
+        if args.async_schedule == "latest":
+            raise NotImplementedError("async_schedule='latest' with several training processes: each process's "
+                                      "producer would sample its share of a batch with whichever weights it has "
+                                      "when it starts, and drop stale batches on its own, so the processes would "
+                                      "train slices of different batches. Leave async_schedule unset (the exact "
+                                      "schedule) under DDP.")  # fmt: skip
+        if args.use_vllm and args.vllm_mode == "colocate":
+            raise NotImplementedError("max_staleness with vllm_mode='colocate' and several training processes: the "
+                                      "colocated engines share the training processes' torch.distributed world, so "
+                                      "the producers' engine calls would interleave with the training collectives. "
+                                      "Use vllm_mode='server' (the producers send their requests to it), or "
+                                      "max_staleness=None.")  # fmt: skip
+        if shared_engine and args.eval_strategy != "no":
+            raise NotImplementedError("Evaluation during training with max_staleness, several training processes "
+                                      "and an engine the producer shares with the trainer (vLLM, a rollout_engine): "
+                                      "each process's evaluation waits for its producer's batch in progress, whose "
+                                      "gathers wait for the other processes' producers, which may be waiting for "
+                                      "their own evaluation: the run could hang. Set eval_strategy='no' and evaluate "
+                                      "the checkpoints afterwards (grpokit eval), or use the built-in engine (each "
+                                      "producer has its own).")  # fmt: skip
     if args.sync_ref_model and args.max_staleness > 0:
         raise NotImplementedError("max_staleness > 0 with sync_ref_model: the producer's reference forwards would run "
                                   "while the trainer mixes the policy into the reference. Set one of them off.")
+
+
+def streams_groups(args: GRPOConfig, runner: RolloutRunner, num_processes: int) -> bool:
+    """Whether the producer streams groups one by one (multi-turn rollouts whose driver runs several at once, in one
+    process) rather than whole generation batches. Several processes take whole batches: streamed, each process's
+    batches would be made of whichever of its groups finish first."""
+    return bool(args.max_staleness) and getattr(runner.driver, "concurrent_rollouts", False) and num_processes == 1
+
+
+def check_streaming(args: GRPOConfig, runner: RolloutRunner, num_processes: int) -> None:
+    """What groups streamed one by one cannot do, refused by name when the trainer is built."""
+    if not streams_groups(args, runner, num_processes):
+        return
+    if args.async_schedule == "exact":
+        raise NotImplementedError("async_schedule='exact' cannot hold for multi-turn rollouts streamed group by group: "
+                                  "which groups share an engine call (one seed) and which weights sample a group's "
+                                  "later turns depend on timing. Leave async_schedule unset (or 'latest') for "
+                                  "them.")  # fmt: skip
     if args.dynamic_sampling:
-        raise NotImplementedError("max_staleness with dynamic_sampling is not supported yet: set one of them off.")
+        raise NotImplementedError("dynamic_sampling with multi-turn rollouts streamed group by group (max_staleness): "
+                                  "groups are scored when a batch is assembled, not as they finish, so a group "
+                                  "without reward spread cannot be replaced by the next one to finish. Set "
+                                  "dynamic_sampling=False, or max_staleness=None (or 0) for these rollouts.")  # fmt: skip
 
 
 def scheduled_version(batch: int, max_staleness: int, weight_sync_steps: int = 1) -> int:
@@ -203,13 +242,14 @@ class Producer:
                  sync: WeightSync, sampler, generation: int, trainer_state=None,
                  threads: int | None = None, engine=None, process: ProcessEngine | None = None,
                  exact: bool = False, restored: list[Produced] = (), runner: RolloutRunner | None = None,
-                 dataset=None):  # fmt: skip
+                 dataset=None, group=None):  # fmt: skip
         self.args, self.maker, self.policy, self.copy, self.sync = args, maker, policy, copy, sync
         self.engine = engine  # what the producer samples with: its lock, if any, is held while weights move
         self.process = process  # the engine's process, if it has one of its own: closed with the producer
         self.sampler, self.generation, self.trainer_state, self.threads = sampler, generation, trainer_state, threads
         self.first_step = sync.version
         self.exact = exact
+        self.group = group  # several processes: the producers' own process group (distributed.ProducerCollectives)
         # In the exact schedule a checkpoint waits for the batches sampled by weights it does not hold (up to
         # max_staleness of them): the queue must have room for them.
         batches = max(1, args.queue_maxsize // args.generation_batch_size)
@@ -316,7 +356,8 @@ class Producer:
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         try:
-            self._run_groups() if self.groups else self._run_batches()
+            with collectives_on(self.group):
+                self._run_groups() if self.groups else self._run_batches()
         except BaseException as error:  # noqa: BLE001 - the trainer re-raises it with its traceback
             self.queue.put(Failure(error))
 
@@ -614,8 +655,15 @@ class Producer:
                 f"{self.args.heartbeat_stale_after_s}): a rollout, a reward function or a tool is hung. The "
                 f"last checkpoint is good: resume from it (in-flight samples are sampled again).")
 
-    @staticmethod
-    def _failed(item: Failure) -> RuntimeError:
+    def _failed(self, item: Failure) -> RuntimeError:
+        if self.group is not None and isinstance(item.error, torch.distributed.DistError | RuntimeError) and \
+                not isinstance(item.error, NotImplementedError) and "gloo" in str(item.error):  # fmt: skip
+            # The producers' gathers broke because another process went away: its own error is the cause.
+            error = RuntimeError(f"The generation producer lost the other training processes' producers "
+                                 f"({item.error}): another process stopped, and its error above is the cause. The "
+                                 f"last checkpoint is good: fix the cause and resume from it.")  # fmt: skip
+            error.__cause__ = item.error
+            return error
         error = RuntimeError(f"The generation producer failed: {type(item.error).__name__}: {item.error}. The last "
                              f"checkpoint is good: fix the cause and resume from it.")
         error.__cause__ = item.error
@@ -636,12 +684,7 @@ def start_producer(args: GRPOConfig, accelerator, policy: torch.nn.Module, engin
         if accelerator.device.type == "cpu" and args.max_staleness > 0:
             engine = process = ProcessEngine(engine, copied, request_timeout_s=args.heartbeat_stale_after_s)
     shared = not isinstance(engine, HFEngine)  # the trainer's engine itself: evaluation samples with it too
-    streaming = args.max_staleness > 0 and getattr(runner.driver, "concurrent_rollouts", False)
-    if streaming and args.async_schedule == "exact":
-        raise NotImplementedError("async_schedule='exact' cannot hold for multi-turn rollouts streamed group by group: "
-                                  "which groups share an engine call (one seed) and which weights sample a group's "
-                                  "later turns depend on timing. Leave async_schedule unset (or 'latest') for "
-                                  "them.")  # fmt: skip
+    streaming = streams_groups(args, runner, accelerator.num_processes)
     exact = not streaming and args.async_schedule != "latest"
     if streaming:  # the turns that groups in flight ask for at once go into one engine call
         def behaviour(rollout):  # π_old of a turn from an engine that reports no log-probs: the copy's, at once
@@ -651,11 +694,15 @@ def start_producer(args: GRPOConfig, accelerator, policy: torch.nn.Module, engin
         engine = BatchingEngine(engine, behaviour)
     own_runner = RolloutRunner(engine, runner.codec, runner.params, runner.device, driver=runner.driver, host=host)
     own_sampler = copy.deepcopy(sampler)
+    group = new_producer_group() if accelerator.num_processes > 1 else None
+    if group is not None:
+        accelerator = ProducerCollectives(accelerator, group)
     maker = ExperienceMaker(args, accelerator, own_runner, scorer, lambda: copied, reference,
                             lambda n: own_sampler.rows(dataset, n), off_policy=args.max_staleness > 0,
                             teacher=teacher, trim_heap=process is None)  # fmt: skip
     producer = Producer(args, maker, policy, copied, sync, own_sampler, trainer_state.generations, trainer_state,
                         threads=torch.get_num_threads(), engine=engine, process=process, exact=exact,
-                        restored=restored, runner=own_runner if streaming else None, dataset=dataset)  # fmt: skip
+                        restored=restored, runner=own_runner if streaming else None, dataset=dataset,
+                        group=group)  # fmt: skip
     producer.shares_engine = shared
     return producer.start()

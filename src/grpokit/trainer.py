@@ -65,7 +65,7 @@ from .compat import models_written_by_this_process
 from .config import GRPOConfig
 from .cpu_matmul import release_scratch
 from .cpu_memory import reuse_activation_memory
-from .data import is_iterable_dataset, named_eval_datasets
+from .data import named_eval_datasets
 from .distributed import all_processes_done, at_least_global_quantile, build_accelerator, is_sharded, unwrap_model
 from .experience import Evaluator, ExperienceMaker
 from .hub import check_hub, push_folder
@@ -74,7 +74,7 @@ from .logs import MetricSink, MetricWindow, console_line, train_summary
 from .loss import high_entropy_mask, load_balancing_loss, off_policy_mask, policy_loss
 from .model_card import run_model_card
 from .models import mix_into_reference
-from .producer import Produced, Producer, WeightSync, check_async, start_producer
+from .producer import Produced, Producer, WeightSync, check_async, check_streaming, start_producer
 from .rewards.model import RewardModel
 from .rollout import RolloutEngine
 from .signals import guard_message
@@ -137,9 +137,10 @@ class GRPOTrainer:
         args.check_batch(acc.num_processes)
         set_log_level(args.log_level if acc.is_main_process else args.log_level_replica)
         warn_like_trl(args, model, quantization_config)  # after set_log_level: log_level decides what shows
-        check_async(args, acc.num_processes, is_iterable_dataset(train_dataset),
+        check_async(args, acc.num_processes,
                     deepspeed=args.deepspeed is not None or acc.distributed_type.value == "DEEPSPEED",
-                    sharded=bool(args.fsdp) or acc.distributed_type.value == "FSDP")  # fmt: skip
+                    sharded=bool(args.fsdp) or acc.distributed_type.value == "FSDP",
+                    shared_engine=args.use_vllm or rollout_engine is not None)  # fmt: skip
         self.weights, self.producer = WeightSync(), None  # asynchronous generation (grpokit.producer)
         self._restored_in_flight: list[dict] = []  # generation batches in flight that a checkpoint held
         prepare_process(args, acc.device)
@@ -154,6 +155,7 @@ class GRPOTrainer:
         self.runner = build_runner(inputs, rollout_engine, self.processing_class, self.unwrapped_model, args, acc,
                                    max_prompt_length, tools, rollout_func, host=self)  # fmt: skip
         self.codec, self.engine, self.agents = self.runner.codec, self.runner.engine, self.runner.driver
+        check_streaming(args, self.runner, acc.num_processes)
         self.scorer = build_scorer(self.reward_functions, self.reward_weights, self.codec.tokenizer, args)
         self.state = new_state(args, self.train_dataset, acc)
         self.scheduler = scheduler or build_scheduler(self.optimizer, args, self.state.max_steps)

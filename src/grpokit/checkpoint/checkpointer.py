@@ -231,6 +231,12 @@ class Checkpointer:
             # number of processes: the next step samples a fresh batch instead (those prompts are skipped).
             warnings.warn(f"{path} was written by {len(processes)} process(es), this run has {acc.num_processes}: "
                           f"its half-used generation batch is dropped and a new one is sampled.", stacklevel=3)
+        if process is None and any(p.get("in_flight") for p in processes):
+            # Likewise the batches asynchronous generation had sampled ahead (max_staleness): sampled again, by the
+            # checkpoint's weights, so the run no longer follows the unbroken one's schedule exactly.
+            warnings.warn(f"{path} was written by {len(processes)} process(es), this run has {acc.num_processes}: "
+                          f"the generation batches it held in flight (max_staleness) are dropped and sampled again "
+                          f"with the checkpoint's weights.", stacklevel=3)
         return Resumed(TrainerState.load(path / "trainer_state.json"), saved["loop"], process)
 
 

@@ -25,11 +25,12 @@ class RewardLogs:
         """Each metric's mean over the values logged since the last flush, on every process together (a
         collective: every process calls it at the same point, whatever it logged)."""
         import torch
-        from accelerate.utils import gather_object
+
+        from ..distributed import gather_objects
 
         names = sorted(self.metrics)
         if accelerator.num_processes > 1:  # sorted, so that every process reduces the same names in one order
-            names = sorted({name for names_of_one in gather_object([names]) for name in names_of_one})
+            names = sorted({name for names_of_one in gather_objects(accelerator, [names]) for name in names_of_one})
         totals = torch.tensor([[sum(self.metrics.get(n, [])), len(self.metrics.get(n, []))] for n in names],
                               dtype=torch.float64, device=accelerator.device).reshape(-1, 2)  # fmt: skip
         if accelerator.num_processes > 1 and names:

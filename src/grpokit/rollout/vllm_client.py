@@ -39,6 +39,7 @@ import warnings
 import torch
 
 from ..compat import parameter_versions
+from ..distributed import barrier, is_sharded
 from ..multimodal import is_vision_language_model, text_config_of, ties_word_embeddings
 from .engine import PromptBatch, Rollout, SamplingParams
 from .vllm import base_model_of, policy_weights, refuse_images, rollout_from_completions
@@ -68,8 +69,6 @@ class VLLMServerEngine:
         max_prompt_length, max_completion_length: the trainer's budget, checked against the server's
         max_model_len. request_timeout, weight_sync_timeout: seconds a request / a weight push may take in all
         (None: `timeout`, as for everything else)."""
-        from ..distributed import is_sharded
-
         self.base_url, self.timeout, self.retries = base_url.rstrip("/"), timeout, retries
         # (seconds, the config field that set them): the field is named in the error when a request runs out.
         self.request_timeout = (request_timeout, "request_timeout") if request_timeout else (timeout,
@@ -126,10 +125,8 @@ class VLLMServerEngine:
         self._model = model
         if self.process_index == 0 or self.sharded:
             self.push(model)
-        if self.num_processes > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
+        if self.num_processes > 1:  # on the producers' own group when a producer pushes (distributed.barrier)
+            barrier()
         self.pushed_versions = parameter_versions(model)  # after the merge / unmerge of a LoRA adapter
 
     def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:

@@ -1,0 +1,169 @@
+"""Asynchronous generation (max_staleness) in two training processes (torchrun, gloo, CPU): one producer per process
+over its share of each generation batch, gathering on a process group of its own.
+
+Evidence comes from test_distributed's script (weights per rank, the rows each rank's reward function saw, each
+generation batch's advantages): at max_staleness=0 two processes are the synchronous two-process loop bitwise; at
+max_staleness=1 both ranks end identical, every batch after the first is one version stale, advantages come from the
+whole group across the processes, and a run resumed from a checkpoint (batches in flight) ends on the unbroken run's
+weights. A producer that fails on one process stops every process with its cause, and the last checkpoint resumes.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from test_distributed import LETTERS, free_port, launch, load, max_difference, write_script
+
+from grpokit import group_advantages
+from grpokit.testing import save_tiny_model
+
+# 12 completions per process, 24 in all: 3 prompts of G=8, the second one's group spanning the processes (8 + 4 | 4
+# + 8); one optimizer step per generation batch, as asynchronous generation needs.
+RUN = dict(per_device_train_batch_size=12, num_generations=8, learning_rate=1e-2, max_steps=6,
+           save_strategy="steps", save_steps=1)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("model") / "tiny", chars=LETTERS + ":", hidden_size=32))
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir, tmp_path_factory):
+    """One torchrun launch, three jobs in the same two processes: synchronous, max_staleness=0, max_staleness=1."""
+    directory = tmp_path_factory.mktemp("async2")
+    jobs = {"sync": {}, "k0": {"max_staleness": 0}, "k1": {"max_staleness": 1}}
+    launch(directory, *(dict(job="train", model=model_dir, out=str(directory / name), config={**RUN, **extra},
+                             tiebreak=0.01) for name, extra in jobs.items()))  # fmt: skip
+    return directory
+
+
+def test_staleness_zero_in_two_processes_is_the_synchronous_two_process_loop_bitwise(runs):
+    for rank in (0, 1):
+        sync, k0 = load(runs / "sync" / f"final_{rank}.pt"), load(runs / "k0" / f"final_{rank}.pt")
+        assert max_difference(sync["weights"], k0["weights"]) == 0.0
+        assert [e["loss"] for e in k0["log_history"]] == [e["loss"] for e in sync["log_history"]]
+        assert [e["reward"] for e in k0["log_history"]] == [e["reward"] for e in sync["log_history"]]
+        assert [e["sample/staleness_max"] for e in k0["log_history"]] == [0] * 6
+
+
+def test_staleness_one_in_two_processes_keeps_ranks_identical_and_every_batch_one_version_behind(runs):
+    rank0, rank1 = load(runs / "k1" / "final_0.pt"), load(runs / "k1" / "final_1.pt")
+    assert rank0["global_step"] == rank1["global_step"] == 6
+    assert max_difference(rank0["weights"], rank1["weights"]) == 0.0
+    # The exact schedule: batch n sampled by the weights of version n - 1 on both processes, whatever the timing.
+    for rank in (rank0, rank1):
+        assert [e["sample/staleness_max"] for e in rank["log_history"]] == [0, 1, 1, 1, 1, 1]
+    sync = load(runs / "sync" / "final_0.pt")
+    assert max_difference(rank0["weights"], sync["weights"]) > 1e-4  # stale batches: another run than the loop's
+    # Both processes log the same records (metrics reduced over the processes, on the producers' group).
+    assert [e["reward"] for e in rank0["log_history"]] == [e["reward"] for e in rank1["log_history"]]
+
+
+def test_each_process_scores_its_share_and_advantages_use_the_whole_group_across_processes(runs):
+    out = runs / "k1"
+    calls = [[json.loads(line) for line in (out / f"rewards_{rank}.jsonl").read_text().splitlines()]
+             for rank in (0, 1)]  # fmt: skip
+    batches = [load(out / f"final_{rank}.pt")["batches"] for rank in (0, 1)]
+    # 6 batches trained; the producers may have sampled one more ahead before training stopped.
+    assert len(batches[0]) == len(batches[1]) == 6 and len(calls[0]) == len(calls[1]) >= 6
+    for call0, call1, batch0, batch1 in zip(*calls, *batches):
+        prompts = call0["prompts"] + call1["prompts"]
+        distinct = list(dict.fromkeys(prompts))
+        assert prompts == [p for p in distinct for _ in range(8)] and len(distinct) == 3
+        assert call0["prompts"][-1] == call1["prompts"][0]  # the middle group spans the two processes
+        expected = group_advantages(torch.tensor(call0["scores"] + call1["scores"]), 8)
+        for prompt in distinct:
+            got = [a for b in (batch0, batch1) for p, a in zip(b["prompts"], b["advantages"]) if p == prompt]
+            want = expected[[p == prompt for p in prompts]].tolist()
+            assert sorted(got) == pytest.approx(sorted(want), abs=1e-5), prompt
+    spanning = [s for call0, call1 in zip(*calls) for s in (call0["scores"][-4:] + call1["scores"][:4])]
+    assert torch.tensor(spanning).std() > 0  # the spanning groups' advantages are not trivially zero
+
+
+def test_a_two_process_asynchronous_run_resumed_from_a_checkpoint_ends_on_the_unbroken_runs_weights(runs, model_dir,
+                                                                                                   tmp_path):  # fmt: skip
+    # checkpoint-3 holds, on each process, the batch sampled ahead by version 3 - 1 = 2 (the weights it no longer has).
+    saved = torch.load(runs / "k1" / "checkpoint-3" / "generation_state.pt", weights_only=False)
+    assert [[b["index"] for b in p["in_flight"]] for p in saved["processes"]] == [[3], [3]]
+    spec = dict(job="train", model=model_dir, out=str(tmp_path / "out"), config={**RUN, "max_staleness": 1},
+                tiebreak=0.01, resume=str(runs / "k1" / "checkpoint-3"))  # fmt: skip
+    launch(tmp_path, spec)
+    for rank in (0, 1):
+        resumed, unbroken = load(tmp_path / "out" / f"final_{rank}.pt"), load(runs / "k1" / f"final_{rank}.pt")
+        assert resumed["global_step"] == 6
+        assert max_difference(resumed["weights"], unbroken["weights"]) == 0.0
+        assert [e["loss"] for e in resumed["log_history"]] == [e["loss"] for e in unbroken["log_history"]]
+
+
+FAILING = textwrap.dedent(
+    """
+    import os, sys
+    from datasets import Dataset
+    from grpokit import GRPOConfig, GRPOTrainer
+
+    RANK, RESUMED = int(os.environ["RANK"]), len(sys.argv) > 3
+    calls = 0
+
+
+    def reward(completions, **kwargs):
+        global calls
+        calls += 1
+        if RANK == 1 and calls == 4 and not RESUMED:
+            raise ValueError("the grader's database went away")
+        return [float(c[:1] == "a") for c in completions]
+
+
+    data = Dataset.from_list([{"prompt": f"{a}{b}:"} for a in "abcdefgh" for b in "abcdefgh"])
+    args = GRPOConfig(output_dir=sys.argv[2], per_device_train_batch_size=4, num_generations=4, max_steps=6,
+                      max_completion_length=2, max_staleness=1, save_strategy="steps", save_steps=1,
+                      disable_tqdm=True, report_to="none", seed=0)
+    GRPOTrainer(model=sys.argv[1], reward_funcs=reward, args=args, train_dataset=data).train(
+        resume_from_checkpoint=RESUMED)
+    """
+)
+
+
+def test_a_producer_failing_on_one_process_stops_every_process_with_its_cause_and_the_checkpoint_resumes(
+        model_dir, tmp_path):  # fmt: skip
+    script, out = write_script(tmp_path, FAILING), tmp_path / "out"
+
+    def torchrun(*extra):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                   "127.0.0.1", "--master_port", str(free_port()), script, model_dir, str(out), *extra]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, check=False)
+
+    failed = torchrun()
+    assert failed.returncode != 0
+    # Rank 1's fourth batch failed: its trainer stopped with the cause; rank 0's producer, whose gathers lost rank 1,
+    # points at it rather than at its own broken connection.
+    assert "[rank1]: RuntimeError: The generation producer failed: RewardFunctionError: Reward function 'reward' " \
+           "raised ValueError: the grader's database went away" in failed.stderr  # fmt: skip
+    rank0 = [line for line in failed.stderr.splitlines() if line.startswith("[rank0]: RuntimeError: The generation")]
+    assert all("another process stopped, and its error above is the cause" in line for line in rank0)
+    checkpoints = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+    assert checkpoints and checkpoints[-1] <= 3 and not list(out.glob(".tmp*"))
+    # The last checkpoint is good: the run resumes from it (the fault gone) and ends.
+    resumed = torchrun("resume")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    state = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())
+    assert state["global_step"] == 6
+
+
+@pytest.mark.slow
+def test_two_processes_with_max_staleness_learn_as_the_synchronous_two_process_run(model_dir, tmp_path):
+    # test_distributed.test_two_processes_learn's task and budget ("repeat the prompt's first letter", 2 x 32
+    # completions per step, 80 steps), one version stale: the reward rises as it does there.
+    config = dict(per_device_train_batch_size=32, num_generations=8, learning_rate=1e-2, max_steps=80,
+                  logging_steps=5, save_strategy="no", max_staleness=1)  # fmt: skip
+    launch(tmp_path, dict(job="train", model=model_dir, out=str(tmp_path / "out"), config=config, tiebreak=0.0))
+    rank0, rank1 = load(tmp_path / "out" / "final_0.pt"), load(tmp_path / "out" / "final_1.pt")
+    rewards = [entry["reward"] for entry in rank0["log_history"]]
+    assert rewards[0] < 0.25 and sum(rewards[-3:]) / 3 >= 0.5, rewards
+    assert max_difference(rank0["weights"], rank1["weights"]) == 0.0
+    assert {entry["sample/staleness_max"] for entry in rank0["log_history"][1:]} == {1}
