@@ -558,7 +558,12 @@ class GRPOConfig:
                                                          "server mode, in the server's --model directory). The "
                                                          "sampling log-probs are the masked distribution's.")
     vllm_server_base_url: str | None = _f(None, "Server mode: the server's URL, e.g. 'http://localhost:8000' (wins "
-                                                "over vllm_server_host / vllm_server_port).")
+                                                "over vllm_server_host / vllm_server_port); several servers of the "
+                                                "same model: their URLs separated by commas (each generation is "
+                                                "spread over them by load, the weights go to all).")
+    vllm_server_failover: bool = _f(False, "Server mode with several servers: a server that fails is left out for "
+                                           "the rest of the run (its prompts go to the others, with a warning) "
+                                           "instead of stopping the run with its URL.")
     vllm_server_host: str = _f("0.0.0.0", "Server mode: the server's host (when no vllm_server_base_url).")
     vllm_server_port: int = _f(8000, "Server mode: the server's port (when no vllm_server_base_url).")
     vllm_server_timeout: float = _f(240.0, "Server mode: seconds to wait for the server to come up, and for each "

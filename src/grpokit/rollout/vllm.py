@@ -633,8 +633,8 @@ def engine_from_config(model: torch.nn.Module, args, tokenizer=None, process_ind
     """The engine `GRPOConfig(use_vllm=True)` asks for: colocated `VLLMEngine` (one per training process), or the
     server client."""
     if args.vllm_mode == "server":  # no vLLM needed in this process
-        from .vllm_client import VLLMServerEngine
+        from .vllm_client import VLLMServers
 
-        return VLLMServerEngine.from_config(model, args, process_index, num_processes)
+        return VLLMServers.from_config(model, args, process_index, num_processes)
     return VLLMEngine.from_config(model, args, tokenizer=tokenizer, process_index=process_index,
                                   num_processes=num_processes, local_process_index=local_process_index)

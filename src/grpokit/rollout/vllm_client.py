@@ -23,13 +23,17 @@ one.
 from __future__ import annotations
 
 import base64
+import collections
+import concurrent.futures
 import http.client
 import io
 import json
 import logging
+import math
 import os
 import re
 import socket
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -100,11 +104,12 @@ class VLLMServerEngine:
         self.pushes = 0
 
     @classmethod
-    def from_config(cls, model: torch.nn.Module, args, process_index: int = 0,
-                    num_processes: int = 1) -> "VLLMServerEngine":  # fmt: skip
-        base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+    def from_config(cls, model: torch.nn.Module, args, process_index: int = 0, num_processes: int = 1,
+                    base_url: str | None = None, group_port: int | None = None) -> VLLMServerEngine:  # fmt: skip
+        """The engine of the config's server (`base_url`: one of several, see `server_urls`)."""
+        base_url = base_url or server_urls(args)[0]
         return cls(model, base_url, timeout=args.vllm_server_timeout, process_index=process_index,
-                   num_processes=num_processes, group_port=args.vllm_group_port,
+                   num_processes=num_processes, group_port=group_port if group_port is not None else args.vllm_group_port,
                    structured_outputs_regex=args.vllm_structured_outputs_regex,
                    max_prompt_length=args.max_prompt_length,
                    max_completion_length=args.max_completion_length,
@@ -130,6 +135,10 @@ class VLLMServerEngine:
         self.pushed_versions = parameter_versions(model)  # after the merge / unmerge of a LoRA adapter
 
     def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
+        return rollout_from_completions(prompts, self.completions(prompts, params, seed), params)
+
+    def completions(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> list[tuple]:
+        """The server's (ids, log-probs, finish reason) of each row of `prompts`."""
         images = None
         if prompts.images is not None and any(prompts.images):
             if not self.info.get("images"):
@@ -153,8 +162,7 @@ class VLLMServerEngine:
             self._repush_after_restart(answer is None)
         if answer is None:
             answer = self.request("POST", "/generate", {**body, "instance": self.info["instance"]})
-        completions = [(ids, logprobs, reason) for ids, logprobs, reason in answer["completions"]]
-        return rollout_from_completions(prompts, completions, params)
+        return [(ids, logprobs, reason) for ids, logprobs, reason in answer["completions"]]
 
     def _repush_after_restart(self, restarted_here: bool) -> None:
         """A sharded model's push is a collective: when any process met a restarted server, they all learn of it
@@ -274,6 +282,153 @@ class VLLMServerEngine:
             f"{time.monotonic() - started:.0f} s, {timeout_field}={timeout_s:g}: {last_error}). Restart it (`grpokit vllm-serve --model MODEL_DIR ...`) and resume the run from its "
             f"last checkpoint (`trainer.train(resume_from_checkpoint=True)`)."
         )
+
+
+def server_urls(args) -> list[str]:
+    """The servers of the config: vllm_server_base_url, one URL or several separated by commas (each server a
+    `grpokit vllm-serve` of the same model), else vllm_server_host:vllm_server_port."""
+    if not args.vllm_server_base_url:
+        return [f"http://{args.vllm_server_host}:{args.vllm_server_port}"]
+    urls = [url.strip() for url in str(args.vllm_server_base_url).split(",")]
+    if any(not url for url in urls) or len(set(urls)) != len(urls):
+        raise ValueError(f"vllm_server_base_url={args.vllm_server_base_url!r}: give one URL, or several distinct ones "
+                         f"separated by commas (e.g. 'http://host1:8000,http://host2:8000').")  # fmt: skip
+    return urls
+
+
+class VLLMServers:
+    """`RolloutEngine` over several `grpokit vllm-serve` servers of the same model (vllm_server_base_url with several
+    URLs). Every server gets the weights; each generation's prompts are cut into pieces of whole prompts (each with
+    its completions), and a server takes the next piece as soon as it has answered its last, so that a slow server
+    samples less (spread by load, not in turn). A piece's seed comes from the generation's seed and the piece's place,
+    never from the server that takes it; the servers hold the same weights, so which one samples a piece changes
+    nothing but timing, and every batch is sampled by one version of the weights.
+
+    A server that fails (stops answering, answers with an error) stops the generation with its URL; the run stops with
+    a good checkpoint and resumes once the server is back. With `failover` (vllm_server_failover) its piece goes to
+    the others instead, and it is left out for the rest of the run, with a warning; the run stops only when none is
+    left."""
+
+    exact_logprobs = False
+
+    def __init__(self, servers: list[VLLMServerEngine], failover: bool = False, pieces_per_server: int = 4):
+        self.servers, self.failover, self.pieces_per_server = list(servers), failover, pieces_per_server
+        if any(server.sharded for server in self.servers):
+            raise NotImplementedError("Several vLLM servers with a sharded model (FSDP2, ZeRO-3): each push gathers "
+                                      "the weights in a collective, and a restarted server's push is decided by all "
+                                      "processes together, which one generation spread over servers in threads "
+                                      "cannot do in step. Use one server, or DDP / ZeRO-1/2.")  # fmt: skip
+        self.dead: dict[str, BaseException] = {}  # URL -> what stopped it (failover)
+        self.pushed_versions = None
+        self.pieces_taken = {server.base_url: 0 for server in self.servers}  # by server, over the run: the load
+
+    @classmethod
+    def from_config(cls, model: torch.nn.Module, args, process_index: int = 0,
+                    num_processes: int = 1) -> VLLMServers | VLLMServerEngine:  # fmt: skip
+        """One engine per URL of vllm_server_base_url (one URL: the plain `VLLMServerEngine`). With
+        vllm_group_port, server i is reached through the process group at vllm_group_port + i."""
+        urls = server_urls(args)
+        if len(urls) == 1:
+            return VLLMServerEngine.from_config(model, args, process_index, num_processes)
+        port = args.vllm_group_port
+        servers = [VLLMServerEngine.from_config(model, args, process_index, num_processes, base_url=url,
+                                                group_port=None if port is None else port + i)
+                   for i, url in enumerate(urls)]  # fmt: skip
+        return cls(servers, failover=getattr(args, "vllm_server_failover", False))
+
+    @property
+    def live(self) -> list[VLLMServerEngine]:
+        return [server for server in self.servers if server.base_url not in self.dead]
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """The weights into every live server (the main process sends, in parallel), then, with several processes,
+        a barrier as for one server."""
+        versions = parameter_versions(model)
+        if versions is not None and versions == self.pushed_versions:
+            return
+        servers = self.live
+        for server in servers:
+            server._model = model  # a restarted server gets them again at its next request
+        if servers and servers[0].process_index == 0:
+            with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
+                failures = dict(zip(servers, pool.map(lambda s: _failure_of(s.push, model), servers)))
+            for server, error in failures.items():
+                if error is not None:
+                    self._lose(server, error, "taking the weights")
+        if servers and servers[0].num_processes > 1:
+            barrier()
+        self.pushed_versions = parameter_versions(model)
+
+    def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
+        size = math.ceil(len(prompts.ids) / max(1, len(self.live) * self.pieces_per_server))
+        pieces = [range(start, min(start + size, len(prompts.ids))) for start in range(0, len(prompts.ids), size)]
+        seeds = torch.randint(0, 2**31 - 1, (len(pieces),), generator=torch.Generator().manual_seed(seed)).tolist()
+        results: list[list | None] = [None] * len(pieces)
+        waiting = collections.deque(range(len(pieces)))
+        lock, stopped = threading.Lock(), []
+
+        def serve(server: VLLMServerEngine) -> None:
+            while True:
+                with lock:
+                    if stopped or not waiting:
+                        return
+                    index = waiting.popleft()
+                try:
+                    results[index] = server.completions(_piece(prompts, pieces[index]), params, seeds[index])
+                except (ConnectionError, ServerError) as error:
+                    with lock:
+                        waiting.appendleft(index)
+                        if self.failover:
+                            self._lose(server, error, "sampling")
+                        else:
+                            stopped.append(error)
+                    return
+                with lock:
+                    self.pieces_taken[server.base_url] += 1
+
+        # One thread per server, each taking pieces until none is left; a piece a failed server gave back goes to
+        # the servers still up (another round, should they all have finished before it came back).
+        while waiting and self.live and not stopped:
+            threads = [threading.Thread(target=serve, args=(server,), name=f"grpokit-vllm-{i}", daemon=True)
+                       for i, server in enumerate(self.live)]  # fmt: skip
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        if stopped:
+            raise stopped[0]
+        if waiting:
+            lost = "; ".join(f"{url}: {error}" for url, error in self.dead.items())
+            raise ConnectionError(f"No vLLM server is left to sample with (vllm_server_failover): {lost}. Restart "
+                                  f"them and resume the run from its last checkpoint.")  # fmt: skip
+        completions = [row for part in results for row in part]
+        return rollout_from_completions(prompts, completions, params)
+
+    def _lose(self, server: VLLMServerEngine, error: BaseException, doing: str) -> None:
+        if not self.failover:
+            raise error
+        if server.base_url not in self.dead:
+            self.dead[server.base_url] = error
+            logger.warning(f"The vLLM server at {server.base_url} failed while {doing} ({error}): it is left out for "
+                           f"the rest of the run (vllm_server_failover); {len(self.live)} server(s) remain.")
+
+
+def _failure_of(function, *args) -> BaseException | None:
+    try:
+        function(*args)
+    except (ConnectionError, ServerError) as error:
+        return error
+    return None
+
+
+def _piece(prompts: PromptBatch, rows: range) -> PromptBatch:
+    """The prompts `rows` of a batch (each with its completions count)."""
+
+    def part(values):
+        return None if values is None else [values[i] for i in rows]
+
+    return PromptBatch(part(prompts.ids), part(prompts.counts), part(prompts.raw), part(prompts.images),
+                       part(prompts.processed), part(prompts.unexpanded_ids))  # fmt: skip
 
 
 class ServerRestarted(Exception):

@@ -1,0 +1,163 @@
+"""Several inference servers (vllm_server_base_url with several URLs): every generation spread over them by load, the
+weights pushed to all of them, a server that dies named (or, with vllm_server_failover, left out).
+
+Each server is `grpokit vllm-serve`'s own HTTP handler (`handler_for`) over a service that samples with grpokit's
+in-process engine on the served checkpoint and takes pushed weights as vLLM's service does (vLLM itself is not in the
+default environment; tests/test_vllm_server.py drives real vLLM servers in the vLLM one)."""
+
+import threading
+import time
+import uuid
+from http.server import HTTPServer
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grpokit import GRPOConfig, GRPOTrainer
+from grpokit.rollout import HFEngine, PromptBatch, SamplingParams
+from grpokit.rollout.vllm_client import VLLMServers
+from grpokit.state import TrainerCallback
+from grpokit.testing import save_tiny_model
+from grpokit.vllm_server import handler_for, served_model_info
+
+LETTERS = "abcdefgh"
+
+
+class InProcessService:
+    """What vllm_server.VLLMService does, with grpokit's in-process engine in place of vLLM: /info from the
+    checkpoint, generation from the current weights, safetensors pushes loaded into them. `delay` slows every
+    generation request (a slow server); `pieces` records the prompts of every request it served."""
+
+    def __init__(self, model_dir: str, delay: float = 0.0):
+        _, self.info = served_model_info(model_dir)
+        self.info.update(instance=uuid.uuid4().hex, model=model_dir, device="cpu", max_model_len=None)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir)
+        self.engine = HFEngine(self.model, torch.device("cpu"), exact_logprobs=True)
+        self.delay, self.version, self.pieces = delay, 0, []
+
+    def describe(self):
+        return {**self.info, "version": self.version}
+
+    def generate(self, request):
+        time.sleep(self.delay)
+        params = SamplingParams(**{**request["params"], "eos_token_ids": tuple(request["params"]["eos_token_ids"])})
+        prompts = PromptBatch(request["prompt_ids"], request["counts"], [None] * len(request["counts"]))
+        rollout = self.engine.generate(prompts, params, int(request["seed"]))
+        self.pieces.append((self.version, [tuple(ids) for ids in request["prompt_ids"]]))
+        completions = []
+        for row in range(len(rollout.lengths)):
+            length = int(rollout.lengths[row])
+            completions.append((rollout.completion_ids[row, :length].tolist(),
+                                rollout.sampling_logprobs[row, :length].tolist(),
+                                "length" if bool(rollout.is_truncated[row]) else "stop"))  # fmt: skip
+        return {"completions": completions, "version": self.version}
+
+    def update_weights(self, body):
+        from safetensors.torch import load
+
+        with torch.no_grad():
+            self.model.load_state_dict(load(body), strict=False)  # a tied head comes once, as from the trainer
+        self.version += 1
+        return {"version": self.version}
+
+
+class Served:
+    def __init__(self, model_dir: str, delay: float = 0.0):
+        self.service = InProcessService(model_dir, delay)
+        self.server = HTTPServer(("127.0.0.1", 0), handler_for(self.service))
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def kill(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("served") / "tiny", chars=LETTERS + ":", hidden_size=32))
+
+
+def first_letter(completions, letter, **kwargs):
+    return [float(c[:1] == t) for c, t in zip(completions, letter)]
+
+
+class KillAt(TrainerCallback):
+    def __init__(self, step: int, served: Served):
+        self.step, self.served = step, served
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            self.served.kill()
+
+
+def trainer_for(model_dir, out, servers, callbacks=(), **overrides):
+    values = dict(output_dir=str(out), per_device_train_batch_size=16, num_generations=4, max_completion_length=3,
+                  max_steps=4, learning_rate=1e-2, logging_steps=1, save_strategy="steps", save_steps=1,
+                  disable_tqdm=True, report_to="none", seed=0, use_vllm=True, vllm_mode="server",
+                  vllm_server_base_url=",".join(s.url for s in servers), vllm_server_timeout=20)  # fmt: skip
+    data = Dataset.from_list([{"prompt": f"{a}{b}:", "letter": a} for a in LETTERS for b in LETTERS])
+    return GRPOTrainer(model=model_dir, reward_funcs=first_letter, args=GRPOConfig(**{**values, **overrides}),
+                       train_dataset=data, processing_class=AutoTokenizer.from_pretrained(model_dir),
+                       callbacks=list(callbacks))  # fmt: skip
+
+
+def weights(trainer):
+    return {k: v.clone() for k, v in trainer.unwrapped_model.state_dict().items()}
+
+
+def test_two_servers_share_every_batch_by_load_and_both_get_every_version_of_the_weights(model_dir, tmp_path):
+    even, uneven = [Served(model_dir), Served(model_dir)], [Served(model_dir), Served(model_dir, delay=0.3)]
+    runs = {}
+    for name, servers in (("even", even), ("uneven", uneven)):
+        trainer = trainer_for(model_dir, tmp_path / name, servers, max_staleness=1)
+        assert isinstance(trainer.engine, VLLMServers)
+        trainer.train()
+        runs[name] = weights(trainer)
+        # Every version the producer sampled with went to both servers, and each batch (4 pieces) was sampled by one:
+        # batches 0 and 1 by the first push (the policy's version 0, max_staleness=1), batches 2 and 3 by the next two.
+        assert servers[0].service.version == servers[1].service.version >= 3
+        by_batch = sorted((version, piece) for served in servers for version, piece in served.service.pieces)
+        assert [version for version, _ in by_batch][:16] == [1] * 8 + [2] * 4 + [3] * 4
+        # ...and each server sampled part of each of the 4 batches (4 prompts a batch, pieces of 1 prompt).
+        prompts = [p for served in servers for _, piece in served.service.pieces for p in piece]
+        assert len(prompts) >= 16 and all(served.service.pieces for served in servers)
+    # The slow server took fewer pieces: spread by load, not in turn...
+    slow, fast = len(uneven[1].service.pieces), len(uneven[0].service.pieces)
+    assert slow < fast, (slow, fast)
+    # ...and which server sampled a piece changes nothing: a piece's seed is its place in the batch.
+    assert all(torch.equal(runs["even"][k], runs["uneven"][k]) for k in runs["even"])
+
+
+def test_a_server_that_dies_is_named_the_checkpoint_resumes_and_failover_goes_on_without_it(model_dir, tmp_path):
+    servers = [Served(model_dir), Served(model_dir)]
+    trainer = trainer_for(model_dir, tmp_path / "out", servers, callbacks=[KillAt(2, servers[1])])
+    with pytest.raises(ConnectionError, match=f"The vLLM server at {servers[1].url} stopped answering"):
+        trainer.train()
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    # The server back (a new one at another address): the run resumes from its checkpoint and ends.
+    servers[1] = Served(model_dir)
+    resumed = trainer_for(model_dir, tmp_path / "out", servers)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 4
+
+    # With vllm_server_failover the run goes on with the server left, which samples whole batches from then on.
+    left = [Served(model_dir), Served(model_dir)]
+    trainer = trainer_for(model_dir, tmp_path / "failover", left, callbacks=[KillAt(2, left[1])],
+                          vllm_server_failover=True)  # fmt: skip
+    trainer.train()
+    assert trainer.state.global_step == 4 and list(trainer.engine.dead) == [left[1].url]
+    assert [len(piece) for version, piece in left[0].service.pieces if version >= 3] == [1] * 8
+
+
+def test_several_urls_are_checked(model_dir):
+    from grpokit.rollout.vllm_client import server_urls
+
+    args = GRPOConfig(report_to="none", vllm_server_base_url="http://a:1, http://b:2")
+    assert server_urls(args) == ["http://a:1", "http://b:2"]
+    for bad in ("http://a:1,,http://b:2", "http://a:1,http://a:1"):
+        with pytest.raises(ValueError, match="several distinct ones separated by commas"):
+            server_urls(GRPOConfig(report_to="none", vllm_server_base_url=bad))
