@@ -3,7 +3,7 @@
 # grpokit vs TRL at the Qwen2.5-0.5B shape (`bench_vs_trl.py --config gpu`: 256 completions x 512 tokens per step),
 # full fine-tuning with the benchmark's common settings, grpokit alone with its memory options, and LoRA.
 #
-#     bash benchmarks/gpu_session.sh OUTDIR [PART...]     # parts: tests static fair_static full lora qlora lora_grpokit lowmem fair bf16 bf16_static engines_static profile profile_static async
+#     bash benchmarks/gpu_session.sh OUTDIR [PART...]     # parts: tests static fair_static full lora qlora lora_grpokit lowmem fair bf16 bf16_static engines_static profile profile_static async async_ddp
 #     STEPS=1 bash benchmarks/gpu_session.sh OUTDIR fair     # fewer measured steps (default 2, after 1 warm-up)
 #     DEADLINE=540 TAR=$OUT/gpu.tgz bash benchmarks/gpu_session.sh /tmp/o tests fair_static   # the device tool's way
 #
@@ -102,6 +102,12 @@ for p in "${parts[@]}"; do
     # policy samples in a thread while the trainer trains (a larger tiny model than the CPU run's).
     async) part async 240 bash -c "python3 benchmarks/async_overlap.py --hidden 1024 --layers 8 --batch 64 \
              --completion 128 --steps 12 --repeats 1 --name gpu && cp benchmarks/results/async_overlap_gpu.json '$out/'" ;;
-    *) echo "unknown part $p (tests static fair_static full lora qlora lora_grpokit lowmem fair bf16 bf16_static engines_static profile profile_static async)"; exit 2 ;;
+    # The same against the synchronous loop in several training processes (DDP, one per GPU): one producer per
+    # process, gathering on a process group of its own. On a one-GPU machine: NPROC=2 ASYNC_DDP_ARGS="--ddp-backend
+    # gloo" puts two processes on it (NCCL takes one process per GPU).
+    async_ddp) part async_ddp 300 bash -c "python3 -m torch.distributed.run --nproc_per_node \${NPROC:-\$(nvidia-smi -L | wc -l)} \
+                 benchmarks/async_distributed.py --hidden 1024 --layers 8 --batch 64 --completion 128 --steps 12 \
+                 --name gpu \${ASYNC_DDP_ARGS:-} && cp benchmarks/results/async_distributed_gpu.json '$out/'" ;;
+    *) echo "unknown part $p (tests static fair_static full lora qlora lora_grpokit lowmem fair bf16 bf16_static engines_static profile profile_static async async_ddp)"; exit 2 ;;
   esac
 done
