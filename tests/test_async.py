@@ -126,9 +126,9 @@ def test_what_asynchronous_generation_does_not_support_is_refused_by_name(tmp_pa
         GRPOConfig(max_staleness=-1, report_to="none")
 
 
-def test_deepspeed_is_refused_even_in_one_process():
-    """Item 7 of the second pass: DeepSpeed's step runs inside backward(), outside the producer's lock (and ZeRO-3's
-    copy would be empty), so it is refused by name in one process too, not only under several."""
+def test_deepspeed_is_refused_even_in_one_process_and_fsdp2_only_where_it_cannot_run():
+    """DeepSpeed's step runs inside backward(), outside the producer's lock (and ZeRO-3's copy would be empty), so it
+    is refused by name in one process too, not only under several."""
     from grpokit.producer import check_async
 
     args = GRPOConfig(max_staleness=1, report_to="none")
@@ -136,8 +136,15 @@ def test_deepspeed_is_refused_even_in_one_process():
         check_async(args, num_processes=1, deepspeed=True)
     check_async(args, num_processes=1, deepspeed=False)
     check_async(GRPOConfig(report_to="none"), num_processes=1, deepspeed=True)  # synchronous
-    with pytest.raises(NotImplementedError, match="does not run on a sharded model"):
-        check_async(args, num_processes=1, sharded=True)
+    # FSDP2 runs (tests/test_async_distributed.py), but not with what needs a sharded model's forwards or timing.
+    check_async(args, num_processes=2, sharded=True)
+    with pytest.raises(NotImplementedError, match="async_schedule='latest' with a sharded model"):
+        check_async(GRPOConfig(max_staleness=1, async_schedule="latest", report_to="none"), num_processes=1,
+                    sharded=True)  # fmt: skip
+    with_reference = GRPOConfig(max_staleness=1, beta=0.04, report_to="none")
+    with pytest.raises(NotImplementedError, match="the reference model is sharded too"):
+        check_async(with_reference, num_processes=2, sharded=True)
+    check_async(with_reference, num_processes=2, sharded=True, lora=True)  # LoRA's reference: the adapter off
 
 
 @pytest.mark.parametrize("overrides, shared_engine, message", [

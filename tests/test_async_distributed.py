@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 import torch
-from test_distributed import LETTERS, free_port, launch, load, max_difference, write_script
+from test_distributed import FSDP2, LETTERS, free_port, launch, load, max_difference, write_script
 
 from grpokit import group_advantages
 from grpokit.testing import save_tiny_model
@@ -98,6 +98,32 @@ def test_a_two_process_asynchronous_run_resumed_from_a_checkpoint_ends_on_the_un
         assert resumed["global_step"] == 6
         assert max_difference(resumed["weights"], unbroken["weights"]) == 0.0
         assert [e["loss"] for e in resumed["log_history"]] == [e["loss"] for e in unbroken["log_history"]]
+
+
+@pytest.fixture(scope="module")
+def fsdp2_runs(model_dir, tmp_path_factory):
+    """k=0 and k=1 under FSDP2 (parameters sharded over the two processes)."""
+    directory = tmp_path_factory.mktemp("async_fsdp2")
+    jobs = {"k0": {"max_staleness": 0}, "k1": {"max_staleness": 1}}
+    launch(directory, *(dict(job="train", model=model_dir, out=str(directory / name), config={**RUN, **extra},
+                             tiebreak=0.01) for name, extra in jobs.items()), env=FSDP2)  # fmt: skip
+    return directory
+
+
+def test_under_fsdp2_the_producers_sample_gathered_weights_as_ddps_do(fsdp2_runs, runs):
+    # The producers' copies are whole models taken before sharding; the trainer gathers each scheduled version's
+    # weights (a collective of its own thread) and hands them over. Each run is the one DDP gives (same seeds, same
+    # schedule; tests/test_distributed.py shows FSDP2's synchronous run following DDP's), up to reduce-scatter's
+    # rounding against all-reduce: k=0 DDP's synchronous run, k=1 DDP's k=1.
+    for name, ddp_name in (("k0", "sync"), ("k1", "k1")):
+        fsdp2, ddp = load(fsdp2_runs / name / "final_0.pt"), load(runs / ddp_name / "final_0.pt")
+        assert fsdp2["distributed_type"] == "FSDP" and fsdp2["global_step"] == 6
+        assert [e["sample/staleness_max"] for e in fsdp2["log_history"]] == [0] + [int(name[1])] * 5
+        assert [e["reward"] for e in fsdp2["log_history"]] == pytest.approx(
+            [e["reward"] for e in ddp["log_history"]], abs=1e-6)  # fmt: skip
+        assert max_difference(fsdp2["weights"], ddp["weights"]) < 1e-4
+    k1, sync = load(fsdp2_runs / "k1" / "final_0.pt"), load(runs / "sync" / "final_0.pt")
+    assert max_difference(k1["weights"], sync["weights"]) > 1e-4  # one version stale: another run
 
 
 FAILING = textwrap.dedent(

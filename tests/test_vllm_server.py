@@ -303,3 +303,36 @@ def test_image_prompts_in_server_mode_are_sampled_from_the_pushed_weights(tmp_pa
         check_image_prompts(engine, model, processor, model_type)
     finally:
         stop(process)
+
+
+def test_two_servers_sample_every_batch_from_the_pushed_weights_and_a_dead_one_is_named(tmp_path):
+    """Two real servers (vllm_server_base_url with both URLs): each samples part of every batch, from the weights
+    pushed to both (vLLM's log-probs equal the training forward's on every batch); the second killed after step 2:
+    the run stops naming it, and resumes from its checkpoint with a new one."""
+    model, tokenizer = tiny(seed=0)
+    model_dir = save(model, tokenizer, tmp_path / "model")
+    ports = [free_port(), free_port()]
+    args = letter_config(tmp_path, max_steps=4, save_steps=1, save_strategy="steps", use_vllm=True,
+                         vllm_mode="server", vllm_server_timeout=20,
+                         vllm_server_base_url=",".join(f"http://127.0.0.1:{p}" for p in ports),
+                         vllm_importance_sampling_mode="token_truncate")  # fmt: skip
+    processes = [start_server(model_dir, port) for port in ports]
+    try:
+        trainer = GRPOTrainer(model=str(model_dir), reward_funcs=repeat_letter, args=args,
+                              train_dataset=letter_dataset(), callbacks=[KillAt(2, processes[1])])  # fmt: skip
+        with pytest.raises(ConnectionError, match=f"The vLLM server at http://127.0.0.1:{ports[1]} stopped answering"):
+            trainer.train()
+        taken = trainer.engine.pieces_taken
+        assert all(taken[f"http://127.0.0.1:{p}"] >= 2 for p in ports), taken  # both sampled, every batch
+        steps = [r for r in trainer.state.log_history if "sampling/sampling_logp_difference/max" in r]
+        assert len(steps) == 2 and all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in steps)
+        processes[1] = start_server(model_dir, ports[1])
+        resumed = GRPOTrainer(model=str(model_dir), reward_funcs=repeat_letter, args=args,
+                              train_dataset=letter_dataset())  # fmt: skip
+        resumed.train(resume_from_checkpoint=True)
+        assert resumed.state.global_step == 4
+        later = [r for r in resumed.state.log_history if "sampling/sampling_logp_difference/max" in r]
+        assert later and all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in later)
+    finally:
+        for process in processes:
+            stop(process)

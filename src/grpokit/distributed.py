@@ -299,6 +299,14 @@ class ProducerCollectives:
         return (total * scale if scale != 1.0 else total).to(tensor.device)
 
 
+def gathered_parameter(parameter: torch.Tensor) -> torch.Tensor:
+    """A whole copy of a parameter: an FSDP2 DTensor gathered (a collective: every process calls it), another
+    cloned."""
+    if hasattr(parameter, "full_tensor"):
+        return parameter.detach().full_tensor().clone()
+    return parameter.detach().clone()
+
+
 def new_producer_group():
     """A gloo process group for the generation producers (`ProducerCollectives`); a collective: every process calls
     it at the same point (the trainer's thread, when the producers start)."""

@@ -52,7 +52,7 @@ import torch
 from .batch import TrainBatch
 from .build import build_engine
 from .config import GRPOConfig
-from .distributed import ProducerCollectives, collectives_on, new_producer_group
+from .distributed import ProducerCollectives, collectives_on, gathered_parameter, is_sharded, new_producer_group
 from .experience import Experience, ExperienceMaker, logprobs_in_chunks
 from .rollout import Generation, HFEngine, RolloutRunner, rollout_seed
 from .rollout.batching import BatchingEngine
@@ -63,15 +63,22 @@ logger = logging.getLogger("grpokit")
 
 
 def check_async(args: GRPOConfig, num_processes: int, deepspeed: bool = False,
-                sharded: bool = False, shared_engine: bool = False) -> None:  # fmt: skip
+                sharded: bool = False, shared_engine: bool = False, lora: bool = False) -> None:  # fmt: skip
     """What asynchronous generation supports today, refused by name otherwise. `shared_engine`: the producer
-    samples with the trainer's own engine (vLLM, a rollout_engine), not one of its own."""
+    samples with the trainer's own engine (vLLM, a rollout_engine), not one of its own; `lora`: a peft_config (the
+    reference is the policy with its adapter off)."""
     if args.max_staleness is None:
         return
-    if sharded:
-        raise NotImplementedError("max_staleness (asynchronous generation) does not run on a sharded model (FSDP) "
-                                  "yet, even in one process: the producer's copy would hold the local shards, not "
-                                  "the weights. Set max_staleness=None with FSDP, or train without it.")  # fmt: skip
+    if sharded:  # FSDP2: the producers' copies are whole models, given the gathered weights of each version
+        if args.async_schedule == "latest":
+            raise NotImplementedError("async_schedule='latest' with a sharded model (FSDP2): the trainer gathers the "
+                                      "weights each batch is sampled by, at a step every process knows in advance, "
+                                      "which only the exact schedule gives. Leave async_schedule unset.")  # fmt: skip
+        if args.beta > 0 and not lora:
+            raise NotImplementedError("max_staleness with a sharded model (FSDP2) and beta > 0: the reference model is "
+                                      "sharded too, and its forwards (π_ref, in the producer) would be collectives "
+                                      "interleaving with the training's. Use beta=0 (TRL's default), LoRA (the "
+                                      "reference is the producer's copy with the adapter off), or DDP.")  # fmt: skip
     if deepspeed:
         raise NotImplementedError("max_staleness (asynchronous generation) does not run under DeepSpeed yet, even in "
                                   "one process: DeepSpeed's optimizer step runs inside backward(), outside the lock "
@@ -161,8 +168,10 @@ class WeightSync:
         self.changed = threading.Condition(self.lock)
         self.version = self.weights = version
         # Called under the lock just before the weights of version `weights` change: a producer that will still
-        # sample with them stages a copy (the exact schedule).
+        # sample with them stages a copy (the exact schedule). And just after (sharded models): the new version's
+        # weights gathered, where the schedule samples a batch with them.
         self.before_step = None
+        self.after_step = None
 
     @contextlib.contextmanager
     def step(self):
@@ -172,6 +181,8 @@ class WeightSync:
                 self.before_step(self.weights)
             yield
             self.weights += 1
+            if self.after_step is not None:
+                self.after_step(self.weights)
             self.changed.notify_all()
 
     def stepped(self) -> None:
@@ -242,7 +253,7 @@ class Producer:
                  sync: WeightSync, sampler, generation: int, trainer_state=None,
                  threads: int | None = None, engine=None, process: ProcessEngine | None = None,
                  exact: bool = False, restored: list[Produced] = (), runner: RolloutRunner | None = None,
-                 dataset=None, group=None):  # fmt: skip
+                 dataset=None, group=None, sharded: bool = False):  # fmt: skip
         self.args, self.maker, self.policy, self.copy, self.sync = args, maker, policy, copy, sync
         self.engine = engine  # what the producer samples with: its lock, if any, is held while weights move
         self.process = process  # the engine's process, if it has one of its own: closed with the producer
@@ -250,6 +261,9 @@ class Producer:
         self.first_step = sync.version
         self.exact = exact
         self.group = group  # several processes: the producers' own process group (distributed.ProducerCollectives)
+        # A sharded policy (FSDP2): the producer never reads its parameters (local shards); the trainer gathers each
+        # scheduled version's weights when it reaches it (`gather_scheduled`), the producer copies them from there.
+        self.sharded = sharded
         # In the exact schedule a checkpoint waits for the batches sampled by weights it does not hold (up to
         # max_staleness of them): the queue must have room for them.
         batches = max(1, args.queue_maxsize // args.generation_batch_size)
@@ -293,7 +307,10 @@ class Producer:
             self.started = self.next_index - self.first_step
             self.sampler.load_state_dict(last.sampler_state)
             self.generation = last.generation + last.experience.rollouts
-        if exact:
+        if exact and sharded:
+            sync.after_step = self.gather_scheduled
+            self.gather_scheduled(sync.weights, first=True)  # the weights the first batches are sampled by
+        elif exact:
             sync.before_step = self.stage
 
     def start(self) -> Producer:
@@ -304,6 +321,8 @@ class Producer:
         self.stop.set()
         if self.sync.before_step == self.stage:
             self.sync.before_step = None
+        if self.sync.after_step == self.gather_scheduled:
+            self.sync.after_step = None
         if self.groups:
             report = self.drop_report()
             if report is not None:
@@ -502,7 +521,9 @@ class Producer:
         # Never older than the weights the producer started from: a run resumed from a checkpoint that holds no
         # batches in flight (see checkpoint_state) samples the first ones with the checkpoint's weights.
         version = max(scheduled_version(index, self.args.max_staleness, self.args.weight_sync_steps), self.first_step)
-        if not self._wait_for_trainer(lambda: self.sync.weights >= version):
+        reached = (lambda: version in self.snapshots or version == self.weights_version) if self.sharded else \
+            (lambda: self.sync.weights >= version)  # fmt: skip
+        if not self._wait_for_trainer(reached):
             return False
         if version != self.weights_version:
             engine_idle = getattr(self.engine, "lock", None) or contextlib.nullcontext()
@@ -538,6 +559,19 @@ class Producer:
         upcoming = {scheduled_version(b, k, every) for b in range(self.next_index, self.next_index + k + every + 2)}
         if version in upcoming and version not in self.snapshots:
             self.snapshots[version] = [theirs.detach().clone() for _, theirs in self.pairs]
+
+    @torch.no_grad()
+    def gather_scheduled(self, version: int, first: bool = False) -> None:
+        """WeightSync.after_step for a sharded policy (FSDP2), under the step lock, on every process at the same
+        step: if a batch is scheduled on the weights of `version` (they just came out of the optimizer step, or the
+        producer starts on them), they are gathered whole (a collective of the trainer's thread) and kept for the
+        producer. The decision depends on the schedule alone, never on where the producer is, so every process
+        takes part in the same gathers."""
+        k, every = self.args.max_staleness, self.args.weight_sync_steps
+        # The producer's first version: batches scheduled before it are sampled by it (`_take_scheduled_weights`).
+        scheduled = first or version in {scheduled_version(b, k, every) for b in range(version, version + k + every + 2)}
+        if scheduled:
+            self.snapshots[version] = [gathered_parameter(theirs) for _, theirs in self.pairs]
 
     def lease(self):
         """The engine, for the trainer's evaluation: while held, the producer does not sample with it. Whole batches:
@@ -672,12 +706,17 @@ class Producer:
 
 def start_producer(args: GRPOConfig, accelerator, policy: torch.nn.Module, engine, runner: RolloutRunner, scorer,
                    reference, sampler, dataset, sync: WeightSync, trainer_state, processing_class,
-                   host=None, teacher=None, restored: list[Produced] = ()) -> Producer:  # fmt: skip
+                   host=None, teacher=None, restored: list[Produced] = (),
+                   unsharded: torch.nn.Module | None = None) -> Producer:  # fmt: skip
     """A producer over a copy of `policy`, drawing prompts of `dataset` from a copy of `sampler` (the trainer's
     stays at the trained position). The default in-process engine gets an engine of its own over the copy; a given
     engine (vLLM, yours) is driven from the producer's thread and synced with the copy. `runner` is the trainer's:
     the producer's samples with its codec, sampling parameters and multi-turn driver."""
-    copied, process = copy.deepcopy(policy), None
+    # A sharded policy's copy was taken whole before it was sharded (`unsharded`); its weights come gathered.
+    sharded = is_sharded(policy)
+    if sharded and unsharded is None:
+        raise RuntimeError("internal error: a sharded policy's producer needs the copy taken before sharding.")
+    copied, process = (unsharded if sharded else copy.deepcopy(policy)), None
     if isinstance(engine, HFEngine):  # an engine of its own over the copy
         engine = build_engine(copied, args, processing_class, accelerator)
         # On the CPU, in a process of its own when it may run ahead (at max_staleness=0 it never overlaps training).
@@ -685,6 +724,10 @@ def start_producer(args: GRPOConfig, accelerator, policy: torch.nn.Module, engin
             engine = process = ProcessEngine(engine, copied, request_timeout_s=args.heartbeat_stale_after_s)
     shared = not isinstance(engine, HFEngine)  # the trainer's engine itself: evaluation samples with it too
     streaming = streams_groups(args, runner, accelerator.num_processes)
+    if streaming and sharded:
+        raise NotImplementedError("Multi-turn rollouts streamed group by group (max_staleness) with a sharded model "
+                                  "(FSDP2) in one process: streamed groups take the newest weights at any time, "
+                                  "which a sharded model gives only in a collective. Use DDP, or max_staleness=None.")
     exact = not streaming and args.async_schedule != "latest"
     if streaming:  # the turns that groups in flight ask for at once go into one engine call
         def behaviour(rollout):  # π_old of a turn from an engine that reports no log-probs: the copy's, at once
@@ -703,6 +746,6 @@ def start_producer(args: GRPOConfig, accelerator, policy: torch.nn.Module, engin
     producer = Producer(args, maker, policy, copied, sync, own_sampler, trainer_state.generations, trainer_state,
                         threads=torch.get_num_threads(), engine=engine, process=process, exact=exact,
                         restored=restored, runner=own_runner if streaming else None, dataset=dataset,
-                        group=group)  # fmt: skip
+                        group=group, sharded=sharded)  # fmt: skip
     producer.shares_engine = shared
     return producer.start()

@@ -22,6 +22,7 @@ definition).
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import time
@@ -137,10 +138,11 @@ class GRPOTrainer:
         args.check_batch(acc.num_processes)
         set_log_level(args.log_level if acc.is_main_process else args.log_level_replica)
         warn_like_trl(args, model, quantization_config)  # after set_log_level: log_level decides what shows
+        sharded = bool(args.fsdp) or acc.distributed_type.value == "FSDP"
         check_async(args, acc.num_processes,
                     deepspeed=args.deepspeed is not None or acc.distributed_type.value == "DEEPSPEED",
-                    sharded=bool(args.fsdp) or acc.distributed_type.value == "FSDP",
-                    shared_engine=args.use_vllm or rollout_engine is not None)  # fmt: skip
+                    sharded=sharded, shared_engine=args.use_vllm or rollout_engine is not None,
+                    lora=peft_config is not None)  # fmt: skip
         self.weights, self.producer = WeightSync(), None  # asynchronous generation (grpokit.producer)
         self._restored_in_flight: list[dict] = []  # generation batches in flight that a checkpoint held
         prepare_process(args, acc.device)
@@ -148,6 +150,8 @@ class GRPOTrainer:
             model, processing_class, peft_config, quantization_config, args, acc, (train_dataset, eval_dataset)
         )
         optimizer, scheduler = optimizers
+        # Asynchronous generation on a sharded policy (FSDP2): the producer's copy is taken whole, before sharding.
+        self._unsharded_copy = copy.deepcopy(self.model) if args.max_staleness is not None and sharded else None
         self.model, self.optimizer, self.reference, deepspeed = prepare_models(acc, args, self.model, optimizer,
                                                                                self.reference)  # fmt: skip
         place_reward_models(self.reward_functions, acc.device)
@@ -500,7 +504,8 @@ class GRPOTrainer:
         self.producer = start_producer(self.args, self.accelerator, self.unwrapped_model, self.engine, self.runner,
                                        self.scorer.fresh(), self.reference, self.sampler, self.train_dataset,
                                        self.weights, self.state, self.processing_class, host=self,
-                                       teacher=self.experience.teacher, restored=restored)  # fmt: skip
+                                       teacher=self.experience.teacher, restored=restored,
+                                       unsharded=self._unsharded_copy)  # fmt: skip
         return self.producer
 
     # ------------------------------------------------------------------------------------------ evaluation
