@@ -19,7 +19,7 @@ import torch
 
 from grpokit import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOConfig
 from grpokit.async_grpo import ASYNC_FIELDS
-from grpokit.rollout.vllm import engine_from_config
+from grpokit.build import build_vllm_engine
 from grpokit.rollout.vllm_client import VLLMServerEngine
 from grpokit.testing import build_tiny_model, save_tiny_model
 
@@ -176,11 +176,11 @@ def test_trainer_arguments_are_trls_and_its_plug_ins_are_refused_by_name(tmp_pat
 def test_the_default_backend_is_the_vllm_server_at_the_base_url_with_trls_timeouts(tmp_path):
     model = build_tiny_model(40, hidden_size=32)
     with stand_in_server({**served(model.config), "instance": "i"}) as url:
-        engine = engine_from_config(model, AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url=url))
+        engine = build_vllm_engine(model, AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url=url))
         assert isinstance(engine, VLLMServerEngine) and engine.base_url == url
         assert (engine.timeout, engine.request_timeout, engine.weight_sync_timeout) == (
             240.0, (600, "request_timeout"), (1800, "weight_sync_timeout"))  # fmt: skip
-        plain = engine_from_config(model, GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="server",
+        plain = build_vllm_engine(model, GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="server",
                                                      vllm_server_base_url=url, vllm_server_timeout=30))  # fmt: skip
         assert plain.request_timeout == plain.weight_sync_timeout == (30, "vllm_server_timeout")  # as before
 

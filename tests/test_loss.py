@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from grpokit import policy_loss, selective_log_softmax  # the log-prob helper is grpokit.logprobs'
-from grpokit.loss import aggregate, kl_k3
+from grpokit.loss import PolicyLossSettings, aggregate, aggregate_token_loss, kl_k3, token_loss
 
 F64 = torch.float64
 ATOL = 1e-6  # float64 checks
@@ -208,7 +208,8 @@ def test_sequence_level_dr_grpo_default_max_completion_length():
 def test_beta_zero_with_reference_reports_kl_but_does_not_add_it():
     logprobs, old = make_inputs()
     ref = ref_from(logprobs)
-    loss, stats = policy_loss(logprobs, old, ref, t(ADV), t(MASK), loss_type="dapo", beta=0.0)
+    loss, stats = policy_loss(logprobs, old, ref, t(ADV), t(MASK), loss_type="dapo", beta=0.0,
+                              use_bias_correction_kl=False)  # fmt: skip
     close(loss, TOTAL / 9)
     masked_kl = [k3(d) for row, m in zip(REF_MINUS_LOGP, MASK) for d, keep in zip(row, m) if keep]
     assert len(masked_kl) == 9
@@ -232,7 +233,8 @@ def test_beta_positive_adds_k3_per_token_after_clipping(loss_type):
     beta = 0.04
     logprobs, old = make_inputs()
     ref = ref_from(logprobs)
-    loss, stats = policy_loss(logprobs, old, ref, t(ADV), t(MASK), loss_type=loss_type, beta=beta, epsilon=0.2)
+    loss, stats = policy_loss(logprobs, old, ref, t(ADV), t(MASK), loss_type=loss_type, beta=beta, epsilon=0.2,
+                              use_bias_correction_kl=False)  # fmt: skip
     # per-token: clipped surrogate (SEQ_SUMS above) + beta·k3(d), d = ref - logp
     kl_rows = [[k3(d) for d, keep in zip(row, m) if keep] for row, m in zip(REF_MINUS_LOGP, MASK)]
     seq_sums = [s + beta * sum(k) for s, k in zip(SEQ_SUMS, kl_rows)]
@@ -375,7 +377,8 @@ def test_on_policy_value_is_beta_kl_with_zero_mean_advantages(adv):
     d = [[0.2, -0.1, 0.4], [0.3, 5.0, 5.0], [-0.2, 0.1, 5.0], [0.0, 0.5, -0.5]]
     logprobs = t([[-1.0, -0.5, -2.0], [-0.3, -0.7, -0.9], [-1.2, -0.1, -0.6], [-0.8, -0.4, -1.5]]).requires_grad_(True)
     ref = logprobs.detach() + t(d)
-    loss, stats = policy_loss(logprobs, None, ref, t(adv), t(mask_rows), loss_type="grpo", beta=beta)
+    loss, stats = policy_loss(logprobs, None, ref, t(adv), t(mask_rows), loss_type="grpo", beta=beta,
+                              use_bias_correction_kl=False)  # fmt: skip
     kl_means = [sum(k3(d[i][j]) for j in range(lens[i])) / lens[i] for i in range(4)]
     close(loss, beta * sum(kl_means) / 4)
     close(stats.kl, sum(k3(d[i][j]) for i in range(4) for j in range(lens[i])) / 9)
@@ -416,7 +419,8 @@ def test_entropy_bonus(loss_type):
     ent_rows = [[0.5, 1.0, 1.5, 40.0], [2.0, 0.2, 40.0, 40.0], [0.1, 0.3, 0.6, 1.0]]
     entropies = t(ent_rows).requires_grad_(True)
     loss, stats = policy_loss(
-        logprobs, old, None, t(ADV), t(MASK), loss_type=loss_type, entropies=entropies, entropy_coef=coef
+        logprobs, old, None, t(ADV), t(MASK), loss_type=loss_type, entropies=entropies, entropy_coef=coef,
+        entropy_normalization="loss_type",
     )
     ent_sums = [sum(row[:n]) for row, n in zip(ent_rows, LENGTHS)]  # 3.0, 2.2, 2.0
     if loss_type == "grpo":
@@ -445,7 +449,8 @@ def test_loss_weights_apply_to_policy_term_only():
     ref = ref_from(logprobs)
     weights = t([[1, 0, 1, 1], [0, 1, 1, 1], [1, 1, 0, 0]])
     loss, _ = policy_loss(
-        logprobs, old, ref, t(ADV), t(MASK), loss_type="dapo", beta=beta, loss_weights=weights
+        logprobs, old, ref, t(ADV), t(MASK), loss_type="dapo", beta=beta, loss_weights=weights,
+        use_bias_correction_kl=False,
     )
     # policy term of the kept tokens: seq 0: -1.1 - 0.7 ; seq 1: 0.4 ; seq 2: -2.4 - 2.0  -> -5.8
     # KL on every masked token, weighted or not; the denominator is still the 9 mask tokens
@@ -505,7 +510,7 @@ def _ga_call(logprobs, rows, loss_type, **kw):
     ref = (t(GA_OLD) + t(GA_LOG_RATIO) + t(GA_REF_D))[idx]
     return policy_loss(
         logprobs[idx], old, ref, t(GA_ADV)[idx], t(GA_MASK)[idx], loss_type=loss_type, beta=0.05,
-        epsilon=0.2, epsilon_high=0.28, **kw,
+        epsilon=0.2, epsilon_high=0.28, use_bias_correction_kl=False, **kw,
     )[0]
 
 
@@ -651,3 +656,35 @@ def test_selective_log_softmax_upcasts_chunk_by_chunk():
     expected = torch.log_softmax(logits.float(), -1).gather(-1, index[..., None]).squeeze(-1)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------------- settings, objective, aggregation
+
+
+def test_settings_object_keywords_and_the_two_steps_give_one_loss():
+    """`policy_loss(settings=...)`, `policy_loss(**fields)` and `token_loss` then `aggregate_token_loss` are one
+    computation: equal to the last bit, and equal to the hand value (clipped surrogate + beta·k3, grpo)."""
+    beta = 0.04
+    logprobs, old = make_inputs()
+    ref = ref_from(logprobs)
+    values = {"loss_type": "grpo", "beta": beta, "epsilon": 0.2, "use_bias_correction_kl": False}
+    settings = PolicyLossSettings(**values)
+    by_object, _ = policy_loss(logprobs, old, ref, t(ADV), t(MASK), settings=settings)
+    by_keywords, _ = policy_loss(logprobs, old, ref, t(ADV), t(MASK), **values)
+    two_steps, policy_part = aggregate_token_loss(token_loss(logprobs, old, ref, t(ADV), t(MASK), settings), settings)
+    assert torch.equal(by_object, by_keywords) and torch.equal(by_object, two_steps) and policy_part is None
+    kl_rows = [[k3(d) for d, keep in zip(row, m) if keep] for row, m in zip(REF_MINUS_LOGP, MASK)]
+    close(by_object, sum((s + beta * sum(k)) / n for s, k, n in zip(SEQ_SUMS, kl_rows, LENGTHS)) / 3)
+
+
+def test_settings_are_given_one_way_and_checked_when_made():
+    logprobs, old = make_inputs()
+    args = (logprobs, old, None, t(ADV), t(MASK))
+    with pytest.raises(TypeError, match="one way"):
+        policy_loss(*args, settings=PolicyLossSettings(), beta=0.1)
+    with pytest.raises(TypeError, match="'betta'"):
+        policy_loss(*args, betta=0.1)
+    with pytest.raises(ValueError, match="'mean'"):
+        PolicyLossSettings(entropy_normalization="mean")
+    with pytest.raises(ValueError, match="not defined for loss_type='vespo'"):
+        PolicyLossSettings(loss_type="vespo", off_policy_correction="decoupled")

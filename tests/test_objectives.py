@@ -372,7 +372,7 @@ def test_bias_corrected_kl_on_policy_changes_only_the_gradient():
     logprobs, _ = make_inputs()
     ref = logprobs.detach() + t(REF_MINUS_LOGP)
     zero = torch.zeros(3, dtype=F64)
-    plain, plain_stats = policy_loss(logprobs, None, ref, zero, t(MASK), beta=beta)
+    plain, plain_stats = policy_loss(logprobs, None, ref, zero, t(MASK), beta=beta, use_bias_correction_kl=False)
     corrected, corrected_stats = policy_loss(logprobs, None, ref, zero, t(MASK), beta=beta,
                                              use_bias_correction_kl=True)  # fmt: skip
     close(plain, corrected)  # ratio = 1 in value
@@ -430,17 +430,17 @@ def test_token_mean_entropy_bonus_with_loss_weights_and_micro_batches():
     close(entropies.grad, [[-coef / 20 * w * m for w, m in zip(wr, mr)] for wr, mr in zip(weights.tolist(), MASK)])
 
 
-def test_loss_type_entropy_bonus_is_what_grpokit_did_before():
+def test_loss_type_entropy_bonus_is_aggregated_with_the_loss_and_the_default_is_trls():
     coef = 0.01
     logprobs, old = make_inputs()
     args = (logprobs, old, None, t(ADV), t(MASK))
     kwargs = {"loss_type": "grpo", "entropies": t(ENTROPIES), "entropy_coef": coef}
-    default, stats = policy_loss(*args, **kwargs)
-    explicit, _ = policy_loss(*args, **kwargs, entropy_normalization="loss_type")
+    aggregated, stats = policy_loss(*args, **kwargs, entropy_normalization="loss_type")
     ent_means = [3.0 / 3, 2.2 / 2, 2.0 / 4]  # aggregated as grpo: per-sequence means
-    close(default, (-1.0 + 0.425 - 2.1) / 3 - coef * sum(ent_means) / 3)
-    close(explicit, default)
+    close(aggregated, (-1.0 + 0.425 - 2.1) / 3 - coef * sum(ent_means) / 3)
     assert stats.policy_loss is None and "policy_loss" not in stats.as_dict()
+    default, _ = policy_loss(*args, **kwargs)  # TRL 1.16's "token_mean": the mask's token mean, 7.2 over 9 tokens
+    close(default, (-1.0 + 0.425 - 2.1) / 3 - coef * 7.2 / 9)
 
 
 def test_invalid_entropy_normalization_raises():
@@ -604,7 +604,7 @@ def test_gradient_accumulation_per_loss_type(loss_type, split):
     off-policy mask, the bias-corrected KL and a loss_type-aggregated entropy bonus on -- for every loss type whose
     table entry says so; the others (bnpo: a token mean per micro-batch) provably differ."""
     (whole, whole_grad, whole_ent_grad), (total, micro_grad, micro_ent_grad) = _whole_and_split(
-        loss_type, split, entropy_coef=0.01
+        loss_type, split, entropy_coef=0.01, entropy_normalization="loss_type"
     )
     if LOSS_TYPES[loss_type].accumulation_invariant:
         close(total, whole.detach())

@@ -601,7 +601,7 @@ def test_sampling_cache_under_autocast_keeps_the_autocast_dtype_and_samples_the_
     # float32 weights under bf16 autocast make float32 keys (RoPE's float32 cos/sin promote the projection's bf16),
     # which SDPA (and the one-token path's matmuls) round to bf16 at each decode step. The cache holds them in bf16:
     # bitwise the same tokens and log-probs as float32 buffers, with a third less memory.
-    from grpokit.rollout import fast, hf
+    from grpokit.rollout import decoders, fast, hf
     from grpokit.testing import build_tiny_model_of_type
 
     model = build_tiny_model_of_type(model_type, num_layers=2, vocab_size=64)
@@ -613,8 +613,8 @@ def test_sampling_cache_under_autocast_keeps_the_autocast_dtype_and_samples_the_
     if not one_token:
         monkeypatch.setattr(hf, "one_token_attention", lambda model, device, static=False: contextlib.nullcontext())
     caches = []
-    original = hf.sampling_cache
-    monkeypatch.setattr(hf, "sampling_cache", lambda *a: caches.append(original(*a)) or caches[-1])
+    original = decoders.sampling_cache
+    monkeypatch.setattr(decoders, "sampling_cache", lambda *a: caches.append(original(*a)) or caches[-1])
 
     def sample():
         with torch.autocast("cpu", dtype=torch.bfloat16):

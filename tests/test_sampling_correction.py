@@ -107,7 +107,7 @@ def test_the_ratio_multiplies_the_policy_term_not_the_kl():
     weight = t([[2.0, 0.5, 9.0], [1.0, 0.0, 3.0]])  # 9 on padding: must not leak
     advantages = t([1.0, -2.0])
     loss, _ = policy_loss(logprobs, None, ref, advantages, t(MASK), loss_type="dapo", beta=0.1,
-                          sampling_ratio=weight)  # fmt: skip
+                          sampling_ratio=weight, use_bias_correction_kl=False)  # fmt: skip
     kl = lambda d: e(d) - d - 1  # noqa: E731  (d = ref - logp)
     policy = -(1.0 * 2.0 + 1.0 * 0.5) - (-2.0) * (1.0 + 0.0 + 3.0)
     kls = kl(0.1) + kl(-0.2) + kl(0.3) + kl(0.0) + kl(-0.1)

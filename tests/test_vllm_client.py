@@ -193,20 +193,20 @@ def test_structured_outputs_need_a_server_with_the_tokenizer(tmp_path):
     """A server whose checkpoint directory has no tokenizer cannot mask by a regex: refused when the client starts,
     with the fix."""
     from grpokit import GRPOConfig
-    from grpokit.rollout.vllm import engine_from_config
+    from grpokit.build import build_vllm_engine
 
     model = build_tiny_model(40, hidden_size=32)
     info = {**served(model.config), "instance": "i", "structured_outputs": False}
     with stand_in_server(info) as url:
         args = GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="server", vllm_server_timeout=10,
                           vllm_server_base_url=url)  # fmt: skip
-        assert engine_from_config(model, args).structured_outputs_regex is None  # without a regex: fine
+        assert build_vllm_engine(model, args).structured_outputs_regex is None  # without a regex: fine
         args.vllm_structured_outputs_regex = "a+"
         with pytest.raises(ValueError, match=r"needs a vLLM server with the tokenizer .* has none: save the "
                                              r"tokenizer into its --model directory"):
-            engine_from_config(model, args)
+            build_vllm_engine(model, args)
         info["structured_outputs"] = True
-        assert engine_from_config(model, args).structured_outputs_regex == "a+"
+        assert build_vllm_engine(model, args).structured_outputs_regex == "a+"
 
 
 def test_a_vision_language_policy_needs_a_server_that_takes_images(tmp_path):

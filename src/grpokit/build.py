@@ -47,6 +47,8 @@ from .optim import build_optimizer
 from .rewards.model import RewardModel
 from .rewards.scorer import RewardScorer
 from .rollout import HFEngine, PromptCodec, RolloutEngine, RolloutRunner
+from .rollout.vllm import VLLMEngine
+from .rollout.vllm_client import VLLMServers
 from .state import TrainerState
 from .stepping import OptimizerStepper
 from .teacher import load_teacher
@@ -208,18 +210,26 @@ def as_steps(value: float, max_steps: int) -> int:
 
 
 def build_engine(model, args: GRPOConfig, processing_class, accelerator) -> RolloutEngine:
-    """The default engine: vLLM (use_vllm; imported only then), else sampling in this process from the policy."""
+    """The default engine: vLLM (use_vllm), else sampling in this process from the policy."""
     if args.use_vllm:
-        from .rollout.vllm import engine_from_config
-
-        return engine_from_config(model, args, processing_class, accelerator.process_index, accelerator.num_processes,
-                                  accelerator.local_process_index)  # fmt: skip
+        return build_vllm_engine(model, args, processing_class, accelerator.process_index, accelerator.num_processes,
+                                 accelerator.local_process_index)  # fmt: skip
     # With sharded parameters every forward is a collective: the processes sample in step (see generate()).
     all_done = all_processes_done if is_sharded(model) else None
     exact = not (args.bf16 or args.fp16) and full_precision(model)  # bf16 weights: not exact
     compile = False if (args.generation_kwargs or {}).get("disable_compile") else None
     return HFEngine(model, accelerator.device, autocast=accelerator.autocast, all_done=all_done, exact_logprobs=exact,
                     cache_implementation=args.cache_implementation, compile=compile)  # fmt: skip
+
+
+def build_vllm_engine(model: torch.nn.Module, args: GRPOConfig, tokenizer=None, process_index: int = 0,
+                      num_processes: int = 1, local_process_index: int = 0) -> RolloutEngine:  # fmt: skip
+    """The engine `GRPOConfig(use_vllm=True)` asks for: colocated `VLLMEngine` (one per training process), or the
+    server client (no vLLM needed in this process)."""
+    if args.vllm_mode == "server":
+        return VLLMServers.from_config(model, args, process_index, num_processes)
+    return VLLMEngine.from_config(model, args, tokenizer=tokenizer, process_index=process_index,
+                                  num_processes=num_processes, local_process_index=local_process_index)  # fmt: skip
 
 
 def check_checkpoint_format(args: GRPOConfig, checkpoint_format: str, sharded: bool) -> None:

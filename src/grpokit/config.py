@@ -837,7 +837,7 @@ class GRPOConfig:
         return kwargs
 
     def objective_options(self) -> dict:
-        """The objective's settings as `loss.policy_loss`'s keyword arguments."""
+        """The objective's settings as `loss.PolicyLossSettings`' fields (`policy_loss`'s keyword arguments)."""
         names = ("loss_type", "beta", "epsilon", "epsilon_high", "importance_sampling_level", "max_completion_length",
                  "delta", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
                  "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask_threshold", "use_bias_correction_kl",
@@ -918,231 +918,10 @@ class GRPOConfig:
     # ------------------------------------------------------------------------------------------- validation
 
     def validate(self) -> None:
-        from .advantages import SCALE_REWARDS  # (torch: imported when a config is made, not when the CLI reads fields)
-        from .loss import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, OFF_POLICY_CORRECTIONS, SAMPLING_CORRECTION_MODES
-
-        """Check every value and every relation between values; raise ValueError saying how to fix it."""
-
-        def fail(message: str):
-            raise ValueError(message)
-
-        if self.loss_type not in AGGREGATIONS:
-            fail(f"loss_type={self.loss_type!r} is not a loss type; use one of {sorted(AGGREGATIONS)}.")
-        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-            fail(
-                f"importance_sampling_level={self.importance_sampling_level!r} is not valid; use 'token' (GRPO) "
-                f"or 'sequence' (GSPO) (or 'sequence_sum': TRL RLOOTrainer's summed log-ratio)."
-            )
-        if self.reward_clip_range is not None:
-            clip = self.reward_clip_range
-            if not isinstance(clip, (list, tuple)) or len(clip) != 2 or not clip[0] <= clip[1]:
-                fail(f"reward_clip_range={clip!r} must be two numbers [lo, hi] with lo <= hi (or None: no clipping).")
-            self.reward_clip_range = [float(clip[0]), float(clip[1])]
-        if (self.kl_in_reward or self.reward_clip_range) and self.multi_objective_aggregation != "sum_then_normalize":
-            fail("kl_in_reward and reward_clip_range shape the summed reward: they need "
-                 "multi_objective_aggregation='sum_then_normalize'.")
-        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
-            fail(f"max_tool_calling_iterations={self.max_tool_calling_iterations} must be >= 0 (or None: no limit).")
-        if not self.tool_timeout > 0:
-            fail(f"tool_timeout={self.tool_timeout} must be a positive number of seconds.")
-        if self.max_tool_output_chars is not None and self.max_tool_output_chars < 1:
-            fail(f"max_tool_output_chars={self.max_tool_output_chars} must be a positive number of characters "
-                 f"(or None: no limit).")
-        if self.max_inflight_tasks == 0 or self.max_inflight_tasks < -1:
-            fail(f"max_inflight_tasks={self.max_inflight_tasks}: give a positive count of completions, or -1 (auto: "
-                 f"max(max_staleness, 1) x generation_batch_size).")
-        if self.max_staleness is not None and self.max_staleness < 0:
-            fail(f"max_staleness={self.max_staleness}: give the optimizer steps a sample may lag behind the policy "
-                 f"(0: the synchronous loop), or None for no producer.")
-        if self.off_policy_correction not in OFF_POLICY_CORRECTIONS:
-            fail(f"off_policy_correction={self.off_policy_correction!r} is not valid; use one of "
-                 f"{list(OFF_POLICY_CORRECTIONS)} ('behaviour': TRL's asynchronous GRPO; 'decoupled': AReaL's "
-                 f"decoupled PPO).")  # fmt: skip
-        cap = self.off_policy_correction_cap
-        if cap is not None and not cap > 1:
-            fail(f"off_policy_correction_cap={cap} must be > 1 (a token whose weight pi_prox / pi_behav exceeds it is "
-                 f"dropped; the weight is 1 on-policy), or None for no cap.")  # fmt: skip
-        if self.async_schedule not in (None, "exact", "latest"):
-            fail(f"async_schedule={self.async_schedule!r} is not valid; use 'exact', 'latest' or None (exact where "
-                 f"possible).")
-        if self.weight_sync_steps < 1 or self.queue_maxsize < 1 or not self.heartbeat_stale_after_s > 0:
-            fail(f"weight_sync_steps={self.weight_sync_steps}, queue_maxsize={self.queue_maxsize} and "
-                 f"heartbeat_stale_after_s={self.heartbeat_stale_after_s} must be positive.")
-        if self.cache_implementation not in CACHE_IMPLEMENTATIONS:
-            fail(f"cache_implementation={self.cache_implementation!r} is not supported by grpokit's sampler; use "
-                 f"None / 'dynamic' (its preallocated cache) or 'static' (fixed shapes, CUDA graphs on a GPU).")
-        if self.cache_implementation == "static" and self.use_vllm:
-            warnings.warn("cache_implementation='static' has no effect with use_vllm=True: vLLM manages its own "
-                          "KV cache and CUDA graphs. Leave it unset.", UserWarning, stacklevel=3)
-        if self.vllm_mode not in ("colocate", "server"):
-            fail(f"vllm_mode={self.vllm_mode!r} is not valid; use 'colocate' or 'server'.")
-        if self.vllm_model_impl not in ("vllm", "transformers"):
-            fail(f"vllm_model_impl={self.vllm_model_impl!r} is not valid; use 'vllm' or 'transformers'.")
-        if self.vllm_importance_sampling_mode not in SAMPLING_CORRECTION_MODES:
-            fail(f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is not valid; use one of "
-                 f"{list(SAMPLING_CORRECTION_MODES)}.")
-        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
-        if low is not None and high is not None and low > high:
-            fail(f"vllm_importance_sampling_clip_min={low} is above vllm_importance_sampling_clip_max={high}; give "
-                 f"clip_min <= clip_max (or None for no bound).")
-        if self.loss_type == "vespo" and self.use_vllm and self.vllm_importance_sampling_correction and \
-                not self.vllm_importance_sampling_mode.startswith("token"):  # fmt: skip
-            fail(f"loss_type='vespo' takes the vLLM correction per token: set vllm_importance_sampling_mode to "
-                 f"'token_truncate' or 'token_mask' (got {self.vllm_importance_sampling_mode!r}).")
-        if self.scale_rewards not in (*SCALE_REWARDS, True, False):  # True / False: TRL's legacy spelling
-            fail(f"scale_rewards={self.scale_rewards!r} is not valid; use 'group', 'batch' or 'none'.")
-        if self.lr_scheduler_type not in LR_SCHEDULERS:
-            fail(f"lr_scheduler_type={self.lr_scheduler_type!r} is not supported; use one of {list(LR_SCHEDULERS)} "
-                 f"(reduce_lr_on_plateau and greedy need an evaluation metric each step, which GRPO has not).")
-        needed = LR_SCHEDULERS[self.lr_scheduler_type]
-        if needed and not any(key in (self.lr_scheduler_kwargs or {}) for key in needed):
-            fail(f"lr_scheduler_type={self.lr_scheduler_type!r} needs {' or '.join(needed)} in lr_scheduler_kwargs, "
-                 f"e.g. lr_scheduler_kwargs={{{needed[0]!r}: {0.1 if 'rate' in needed[-1] else 100}}}.")
-        if self.torch_empty_cache_steps is not None and self.torch_empty_cache_steps <= 0:
-            fail(f"torch_empty_cache_steps={self.torch_empty_cache_steps} must be a positive number of steps, or None.")
-        if self.ref_model_dtype not in (None, "bfloat16", "float16", "float32", "int8"):
-            fail(f"ref_model_dtype={self.ref_model_dtype!r} is not valid; use 'bfloat16', 'float16', 'float32', "
-                 f"'int8' or None (the policy's dtype).")
-        if self.ref_model_dtype == "int8" and self.sync_ref_model:
-            fail("ref_model_dtype='int8' cannot be combined with sync_ref_model=True (the policy's weights cannot be "
-                 "mixed into int8 ones); use ref_model_dtype='bfloat16'.")
-        if self.save_strategy not in ("steps", "epoch", "no"):
-            fail(f"save_strategy={self.save_strategy!r} is not valid; use 'steps', 'epoch' or 'no'.")
-        if self.reward_fn_errors not in ("raise", "none"):
-            fail(f"reward_fn_errors={self.reward_fn_errors!r} is not valid; use 'raise' or 'none'.")
-        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
-                     "steps_per_generation", "max_completion_length"):  # fmt: skip
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                fail(f"{name}={value!r} must be a positive integer (>= 1).")
-        if self.off_policy_correction == "decoupled" and self.num_iterations != 1:
-            fail(f"off_policy_correction='decoupled' needs num_iterations=1 (got {self.num_iterations}): its "
-                 f"proximal policy is the training forward's own log-probs, the weights of the optimizer step, which "
-                 f"holds only when each batch is trained in one step. Set num_iterations=1, or "
-                 f"off_policy_correction='behaviour'.")  # fmt: skip
-        if self.off_policy_correction == "decoupled" and not AGGREGATIONS[self.loss_type].decoupled_correction:
-            fail(f"off_policy_correction='decoupled' is not defined for loss_type={self.loss_type!r}: its "
-                 f"sequence weight is its own off-policy correction. Use off_policy_correction='behaviour' with "
-                 f"it.")  # fmt: skip
-        if not isinstance(self.num_generations, int) or self.num_generations < self.min_num_generations:
-            fail(
-                f"GRPO requires at least 2 generations per prompt to calculate the advantages. You provided "
-                f"num_generations={self.num_generations}: GRPO's advantage compares the completions of one prompt "
-                f"with each other, so a group of 1 has no signal."
-            )
-        if self.max_prompt_length is not None and self.max_prompt_length < 1:
-            fail(f"max_prompt_length={self.max_prompt_length} must be a positive integer or None (no limit).")
-        if self.learning_rate < 0 or not math.isfinite(self.learning_rate):
-            fail(f"learning_rate={self.learning_rate} must be a finite number >= 0 (e.g. 1e-6).")
-        if self.beta < 0:
-            fail(f"beta={self.beta} must be >= 0 (0 disables the KL term and the reference model).")
-        if self.epsilon <= 0 or (self.epsilon_high is not None and self.epsilon_high <= 0):
-            fail(f"epsilon={self.epsilon} and epsilon_high={self.epsilon_high} must be > 0.")
-        if self.delta is not None and self.delta <= 1 + self.epsilon:
-            fail(f"delta={self.delta} must be greater than 1 + epsilon ({1 + self.epsilon}), or None to disable.")
-        if self.temperature <= 0:
-            fail(f"temperature={self.temperature} must be > 0 (use a small value such as 0.01 for near-greedy).")
-        if not 0 < self.top_p <= 1:
-            fail(f"top_p={self.top_p} must be in (0, 1].")
-        if self.min_p is not None and not 0 <= self.min_p <= 1:
-            fail(f"min_p={self.min_p} must be in [0, 1].")
-        if self.repetition_penalty <= 0:
-            fail(f"repetition_penalty={self.repetition_penalty} must be > 0 (1.0 disables it).")
-        if not 0 <= self.top_entropy_quantile <= 1:  # TRL's range: 0.0 keeps only the highest-entropy token
-            fail(f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1] (1.0 keeps every token, 0.0 "
-                 "only the highest-entropy one).")
-        if not 0 <= self.ref_model_mixup_alpha <= 1:
-            fail(f"ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in [0, 1].")
-        if self.ref_model_sync_steps < 1:
-            fail(f"ref_model_sync_steps={self.ref_model_sync_steps} must be >= 1.")
-        if not 0 <= self.warmup_ratio <= 1:
-            fail(f"warmup_ratio={self.warmup_ratio} must be in [0, 1].")
-        if self.warmup_steps < 0 or (self.warmup_steps >= 1 and self.warmup_steps != int(self.warmup_steps)):
-            fail(f"warmup_steps={self.warmup_steps} must be a whole number of steps, or a fraction in (0, 1) of "
-                 f"all steps.")
-        if self.bf16 and self.fp16:
-            fail("bf16 and fp16 are both set; choose one.")
-        if self.max_steps <= 0 and self.num_train_epochs <= 0:
-            fail("Set max_steps > 0 or num_train_epochs > 0: otherwise there is nothing to train.")
-        if self.auto_find_batch_size:
-            fail(
-                "auto_find_batch_size is not supported by GRPO (auto_find_batch_size=True): the generation batch must "
-                "hold whole groups of num_generations completions, and halving the batch on out-of-memory breaks them. Set "
-                "auto_find_batch_size=False and lower per_device_train_batch_size instead."
-            )
-        unknown = [name for name in self.report_to if name not in TRACKERS]
-        if unknown:
-            fail(
-                f"report_to={unknown} is not supported by grpokit; use one or more of {list(TRACKERS)}, 'all' (those "
-                f"installed) or 'none'. metrics.jsonl in output_dir is written in every case."
-            )
-        if self.optim != _default_of("optim"):
-            from transformers.training_args import OptimizerNames
-
-            from .optim import GRPOKIT_OPTIMIZERS
-
-            if self.optim not in {name.value for name in OptimizerNames} | set(GRPOKIT_OPTIMIZERS):
-                fail(f"optim={self.optim!r} is not an optimizer transformers knows; use e.g. 'adamw_torch', "
-                     f"'adamw_torch_fused', 'adafactor', 'sgd' or 'adamw_8bit' (or grpokit's "
-                     f"{', '.join(map(repr, GRPOKIT_OPTIMIZERS))}).")
-        if self.max_nonfinite_steps < 1:
-            fail(f"max_nonfinite_steps={self.max_nonfinite_steps} must be >= 1.")
-        if self.eval_strategy not in ("no", "steps"):
-            fail(f"eval_strategy={self.eval_strategy!r} is not valid; use 'steps' (with eval_steps) or 'no'.")
-        if self.ddp_backend not in (None, "nccl", "gloo", "mpi", "xccl", "hccl", "cncl", "mccl"):
-            fail(f"ddp_backend={self.ddp_backend!r} is not a torch.distributed backend; use 'nccl', 'gloo', 'mpi', "
-                 f"'xccl', 'hccl', 'cncl', 'mccl' or None.")
-        if self.ddp_timeout <= 0:
-            fail(f"ddp_timeout={self.ddp_timeout} must be a positive number of seconds.")
-        if self.logging_strategy not in ("steps", "epoch", "no"):
-            fail(f"logging_strategy={self.logging_strategy!r} is not valid; use 'steps', 'epoch' or 'no'.")
-        for name in ("log_level", "log_level_replica"):
-            if getattr(self, name) not in LOG_LEVELS:
-                fail(f"{name}={getattr(self, name)!r} is not valid; use one of {sorted(LOG_LEVELS)}.")
-        if self.load_best_model_at_end:
-            if self.save_strategy != "steps" or self.eval_strategy != "steps":
-                fail(f"load_best_model_at_end=True needs a checkpoint where there is an evaluation: set save_strategy="
-                     f"'steps' and eval_strategy='steps' (now {self.save_strategy!r} and {self.eval_strategy!r}).")
-            eval_steps = self.eval_steps or self.logging_steps
-            if self.save_steps >= 1 and eval_steps >= 1 and self.save_steps % eval_steps:
-                fail(f"load_best_model_at_end=True needs save_steps ({self.save_steps}) to be a multiple of "
-                     f"eval_steps ({eval_steps}), so that every checkpoint has an evaluation.")
-        if self.eval_delay < 0:
-            fail(f"eval_delay={self.eval_delay} must be >= 0 (optimizer steps before the first evaluation).")
-        if self.eval_steps is not None and self.eval_steps <= 0:
-            fail(f"eval_steps={self.eval_steps} must be > 0, or None to evaluate every logging_steps.")
-        if self.num_generations_eval is not None and self.num_generations_eval < 1:
-            fail(f"num_generations_eval={self.num_generations_eval} must be >= 1, or None for num_generations.")
-        if self.per_device_eval_batch_size < 1:
-            fail(f"per_device_eval_batch_size={self.per_device_eval_batch_size} must be >= 1.")
-        if self.guard_window < 2:
-            fail(f"guard_window={self.guard_window} must be >= 2: a trend needs at least two logging steps.")
-        if self.padding_free and (self.entropy_coef != 0 or self.use_adaptive_entropy):
-            fail("padding_free=True gives entropies without a gradient, and an entropy bonus (entropy_coef != 0 or "
-                 "use_adaptive_entropy) needs one: set padding_free=False or drop the bonus.")
-        if self.save_total_limit is not None and self.save_total_limit < 1:
-            fail(f"save_total_limit={self.save_total_limit} must be >= 1, or None to keep every checkpoint.")
-        for option in self.debug:
-            if option != "underflow_overflow":
-                fail(f"debug={self.debug!r}: {option!r} is not supported; grpokit has 'underflow_overflow' (TPUs, "
-                     f"which 'tpu_metrics_debug' is for, are not supported).")
-        self.accelerator_options()  # refuses what grpokit would not run
-        fsdp = self.fsdp_plugin_kwargs()  # refuses what grpokit would not run
-        if fsdp is not None and self.deepspeed is not None:
-            fail("fsdp and deepspeed are both set; choose one way to shard the model.")
-        if fsdp is None and self.fsdp_config is not None:
-            warnings.warn("GRPOConfig.fsdp_config is set but fsdp is not: FSDP stays off (set fsdp=True to use it, "
-                          "as in TRL).", UserWarning, stacklevel=4)  # fmt: skip
-        deepspeed = self.deepspeed_config()
-        if deepspeed is not None:
-            sections = [name for name in ("optimizer", "scheduler") if name in deepspeed]
-            if sections:
-                fail(f"deepspeed: the config's {' and '.join(repr(s) for s in sections)} section(s) would replace the "
-                     f"optimizer / scheduler grpokit builds from optim, learning_rate, adam_*, weight_decay and "
-                     f"lr_scheduler_type; remove them from the DeepSpeed config and set those fields instead.")
-            if not isinstance(deepspeed.get("zero_optimization"), dict):
-                fail("deepspeed: the config has no 'zero_optimization' section; add one, e.g. "
-                     "{'zero_optimization': {'stage': 2}}.")
+        """Check every value and every relation between values, one feature at a time (`_CHECKS`, below the
+        class); raise ValueError saying how to fix it."""
+        for check in _CHECKS:
+            check(self)
 
     def check_batch(self, num_processes: int) -> None:
         """The global generation batch must hold whole groups of num_generations (TRL's rule)."""
@@ -1185,6 +964,309 @@ class GRPOConfig:
             # A saved config keeps a warm-up fraction in warmup_ratio; load it under its current name.
             values["warmup_steps"] = values.pop("warmup_ratio")
         return cls(**values)
+
+
+# ------------------------------------------------------------------------------------------- validation
+# One check per feature, run in this order by `GRPOConfig.validate`: each takes the config and raises ValueError
+# with a message that says how to fix the value.
+
+
+def _check_batch_shape(config: GRPOConfig) -> None:
+    """The counts that shape a batch, and the group size GRPO's advantage needs."""
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
+                 "steps_per_generation", "max_completion_length"):  # fmt: skip
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer (>= 1).")
+    if not isinstance(config.num_generations, int) or config.num_generations < config.min_num_generations:
+        raise ValueError(
+            f"GRPO requires at least 2 generations per prompt to calculate the advantages. You provided "
+            f"num_generations={config.num_generations}: GRPO's advantage compares the completions of one prompt "
+            f"with each other, so a group of 1 has no signal."
+        )
+    if config.max_prompt_length is not None and config.max_prompt_length < 1:
+        raise ValueError(f"max_prompt_length={config.max_prompt_length} must be a positive integer or None (no "
+                         f"limit).")  # fmt: skip
+    if config.auto_find_batch_size:
+        raise ValueError(
+            "auto_find_batch_size is not supported by GRPO (auto_find_batch_size=True): the generation batch must "
+            "hold whole groups of num_generations completions, and halving the batch on out-of-memory breaks them. Set "
+            "auto_find_batch_size=False and lower per_device_train_batch_size instead."
+        )
+
+
+def _check_objective(config: GRPOConfig) -> None:
+    """The loss (`loss.PolicyLossSettings`): its type, clip range, KL, entropy options and off-policy correction."""
+    # The loss module imports torch, which `grpokit train --help` (reading the fields) must not.
+    from .loss import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, OFF_POLICY_CORRECTIONS
+
+    if config.loss_type not in AGGREGATIONS:
+        raise ValueError(f"loss_type={config.loss_type!r} is not a loss type; use one of {sorted(AGGREGATIONS)}.")
+    if config.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(
+            f"importance_sampling_level={config.importance_sampling_level!r} is not valid; use 'token' (GRPO) "
+            f"or 'sequence' (GSPO) (or 'sequence_sum': TRL RLOOTrainer's summed log-ratio)."
+        )
+    if config.beta < 0:
+        raise ValueError(f"beta={config.beta} must be >= 0 (0 disables the KL term and the reference model).")
+    if config.epsilon <= 0 or (config.epsilon_high is not None and config.epsilon_high <= 0):
+        raise ValueError(f"epsilon={config.epsilon} and epsilon_high={config.epsilon_high} must be > 0.")
+    if config.delta is not None and config.delta <= 1 + config.epsilon:
+        raise ValueError(f"delta={config.delta} must be greater than 1 + epsilon ({1 + config.epsilon}), or None "
+                         f"to disable.")  # fmt: skip
+    if not 0 <= config.top_entropy_quantile <= 1:  # TRL's range: 0.0 keeps only the highest-entropy token
+        raise ValueError(f"top_entropy_quantile={config.top_entropy_quantile} must be in [0, 1] (1.0 keeps every "
+                         "token, 0.0 only the highest-entropy one).")  # fmt: skip
+    if config.padding_free and (config.entropy_coef != 0 or config.use_adaptive_entropy):
+        raise ValueError("padding_free=True gives entropies without a gradient, and an entropy bonus (entropy_coef != "
+                         "0 or use_adaptive_entropy) needs one: set padding_free=False or drop the bonus.")  # fmt: skip
+    if config.off_policy_correction not in OFF_POLICY_CORRECTIONS:
+        raise ValueError(f"off_policy_correction={config.off_policy_correction!r} is not valid; use one of "
+                         f"{list(OFF_POLICY_CORRECTIONS)} ('behaviour': TRL's asynchronous GRPO; 'decoupled': AReaL's "
+                         f"decoupled PPO).")  # fmt: skip
+    cap = config.off_policy_correction_cap
+    if cap is not None and not cap > 1:
+        raise ValueError(f"off_policy_correction_cap={cap} must be > 1 (a token whose weight pi_prox / pi_behav "
+                         f"exceeds it is dropped; the weight is 1 on-policy), or None for no cap.")  # fmt: skip
+    if config.off_policy_correction == "decoupled" and config.num_iterations != 1:
+        raise ValueError(f"off_policy_correction='decoupled' needs num_iterations=1 (got {config.num_iterations}): "
+                         f"its proximal policy is the training forward's own log-probs, the weights of the optimizer "
+                         f"step, which holds only when each batch is trained in one step. Set num_iterations=1, or "
+                         f"off_policy_correction='behaviour'.")  # fmt: skip
+    if config.off_policy_correction == "decoupled" and not AGGREGATIONS[config.loss_type].decoupled_correction:
+        raise ValueError(f"off_policy_correction='decoupled' is not defined for loss_type={config.loss_type!r}: its "
+                         f"sequence weight is its own off-policy correction. Use off_policy_correction='behaviour' "
+                         f"with it.")  # fmt: skip
+
+
+def _check_rewards(config: GRPOConfig) -> None:
+    """How rewards become advantages: clipping, the KL penalty in the reward, scaling, failing reward functions."""
+    # The advantages module imports torch, which `grpokit train --help` (reading the fields) must not.
+    from .advantages import SCALE_REWARDS
+
+    if config.reward_clip_range is not None:
+        clip = config.reward_clip_range
+        if not isinstance(clip, (list, tuple)) or len(clip) != 2 or not clip[0] <= clip[1]:
+            raise ValueError(f"reward_clip_range={clip!r} must be two numbers [lo, hi] with lo <= hi (or None: no "
+                             f"clipping).")  # fmt: skip
+        config.reward_clip_range = [float(clip[0]), float(clip[1])]
+    if (config.kl_in_reward or config.reward_clip_range) and \
+            config.multi_objective_aggregation != "sum_then_normalize":  # fmt: skip
+        raise ValueError("kl_in_reward and reward_clip_range shape the summed reward: they need "
+                         "multi_objective_aggregation='sum_then_normalize'.")
+    if config.scale_rewards not in (*SCALE_REWARDS, True, False):  # True / False: TRL's legacy spelling
+        raise ValueError(f"scale_rewards={config.scale_rewards!r} is not valid; use 'group', 'batch' or 'none'.")
+    if config.reward_fn_errors not in ("raise", "none"):
+        raise ValueError(f"reward_fn_errors={config.reward_fn_errors!r} is not valid; use 'raise' or 'none'.")
+
+
+def _check_tools(config: GRPOConfig) -> None:
+    """Multi-turn rollouts with tools."""
+    if config.max_tool_calling_iterations is not None and config.max_tool_calling_iterations < 0:
+        raise ValueError(f"max_tool_calling_iterations={config.max_tool_calling_iterations} must be >= 0 (or None: "
+                         f"no limit).")  # fmt: skip
+    if not config.tool_timeout > 0:
+        raise ValueError(f"tool_timeout={config.tool_timeout} must be a positive number of seconds.")
+    if config.max_tool_output_chars is not None and config.max_tool_output_chars < 1:
+        raise ValueError(f"max_tool_output_chars={config.max_tool_output_chars} must be a positive number of "
+                         f"characters (or None: no limit).")  # fmt: skip
+
+
+def _check_async(config: GRPOConfig) -> None:
+    """Asynchronous generation: staleness, the schedule, the queue and the producer's heartbeat."""
+    if config.max_inflight_tasks == 0 or config.max_inflight_tasks < -1:
+        raise ValueError(f"max_inflight_tasks={config.max_inflight_tasks}: give a positive count of completions, or "
+                         f"-1 (auto: max(max_staleness, 1) x generation_batch_size).")  # fmt: skip
+    if config.max_staleness is not None and config.max_staleness < 0:
+        raise ValueError(f"max_staleness={config.max_staleness}: give the optimizer steps a sample may lag behind "
+                         f"the policy (0: the synchronous loop), or None for no producer.")  # fmt: skip
+    if config.async_schedule not in (None, "exact", "latest"):
+        raise ValueError(f"async_schedule={config.async_schedule!r} is not valid; use 'exact', 'latest' or None "
+                         f"(exact where possible).")  # fmt: skip
+    if config.weight_sync_steps < 1 or config.queue_maxsize < 1 or not config.heartbeat_stale_after_s > 0:
+        raise ValueError(f"weight_sync_steps={config.weight_sync_steps}, queue_maxsize={config.queue_maxsize} and "
+                         f"heartbeat_stale_after_s={config.heartbeat_stale_after_s} must be positive.")  # fmt: skip
+
+
+def _check_sampling(config: GRPOConfig) -> None:
+    """The in-process sampler: its cache and the sampling options."""
+    if config.cache_implementation not in CACHE_IMPLEMENTATIONS:
+        raise ValueError(f"cache_implementation={config.cache_implementation!r} is not supported by grpokit's "
+                         f"sampler; use None / 'dynamic' (its preallocated cache) or 'static' (fixed shapes, CUDA "
+                         f"graphs on a GPU).")  # fmt: skip
+    if config.cache_implementation == "static" and config.use_vllm:
+        warnings.warn("cache_implementation='static' has no effect with use_vllm=True: vLLM manages its own "
+                      "KV cache and CUDA graphs. Leave it unset.", UserWarning, stacklevel=5)  # fmt: skip
+    if config.temperature <= 0:
+        raise ValueError(f"temperature={config.temperature} must be > 0 (use a small value such as 0.01 for "
+                         f"near-greedy).")  # fmt: skip
+    if not 0 < config.top_p <= 1:
+        raise ValueError(f"top_p={config.top_p} must be in (0, 1].")
+    if config.min_p is not None and not 0 <= config.min_p <= 1:
+        raise ValueError(f"min_p={config.min_p} must be in [0, 1].")
+    if config.repetition_penalty <= 0:
+        raise ValueError(f"repetition_penalty={config.repetition_penalty} must be > 0 (1.0 disables it).")
+
+
+def _check_vllm(config: GRPOConfig) -> None:
+    """vLLM generation and the correction of its sampling mismatch."""
+    # The loss module imports torch, which `grpokit train --help` (reading the fields) must not.
+    from .loss import SAMPLING_CORRECTION_MODES
+
+    if config.vllm_mode not in ("colocate", "server"):
+        raise ValueError(f"vllm_mode={config.vllm_mode!r} is not valid; use 'colocate' or 'server'.")
+    if config.vllm_model_impl not in ("vllm", "transformers"):
+        raise ValueError(f"vllm_model_impl={config.vllm_model_impl!r} is not valid; use 'vllm' or 'transformers'.")
+    if config.vllm_importance_sampling_mode not in SAMPLING_CORRECTION_MODES:
+        raise ValueError(f"vllm_importance_sampling_mode={config.vllm_importance_sampling_mode!r} is not valid; use "
+                         f"one of {list(SAMPLING_CORRECTION_MODES)}.")  # fmt: skip
+    low, high = config.vllm_importance_sampling_clip_min, config.vllm_importance_sampling_clip_max
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"vllm_importance_sampling_clip_min={low} is above vllm_importance_sampling_clip_max={high}; "
+                         f"give clip_min <= clip_max (or None for no bound).")  # fmt: skip
+    if config.loss_type == "vespo" and config.use_vllm and config.vllm_importance_sampling_correction and \
+            not config.vllm_importance_sampling_mode.startswith("token"):  # fmt: skip
+        raise ValueError(f"loss_type='vespo' takes the vLLM correction per token: set vllm_importance_sampling_mode "
+                         f"to 'token_truncate' or 'token_mask' (got {config.vllm_importance_sampling_mode!r}).")
+
+
+def _check_reference_model(config: GRPOConfig) -> None:
+    """The reference policy: its dtype and its synchronisation with the policy."""
+    if not 0 <= config.ref_model_mixup_alpha <= 1:
+        raise ValueError(f"ref_model_mixup_alpha={config.ref_model_mixup_alpha} must be in [0, 1].")
+    if config.ref_model_sync_steps < 1:
+        raise ValueError(f"ref_model_sync_steps={config.ref_model_sync_steps} must be >= 1.")
+    if config.ref_model_dtype not in (None, "bfloat16", "float16", "float32", "int8"):
+        raise ValueError(f"ref_model_dtype={config.ref_model_dtype!r} is not valid; use 'bfloat16', 'float16', "
+                         f"'float32', 'int8' or None (the policy's dtype).")  # fmt: skip
+    if config.ref_model_dtype == "int8" and config.sync_ref_model:
+        raise ValueError("ref_model_dtype='int8' cannot be combined with sync_ref_model=True (the policy's weights "
+                         "cannot be mixed into int8 ones); use ref_model_dtype='bfloat16'.")  # fmt: skip
+
+
+def _check_optimization(config: GRPOConfig) -> None:
+    """The optimizer, the schedule, the precision and how long to train."""
+    if config.learning_rate < 0 or not math.isfinite(config.learning_rate):
+        raise ValueError(f"learning_rate={config.learning_rate} must be a finite number >= 0 (e.g. 1e-6).")
+    if config.lr_scheduler_type not in LR_SCHEDULERS:
+        raise ValueError(f"lr_scheduler_type={config.lr_scheduler_type!r} is not supported; use one of "
+                         f"{list(LR_SCHEDULERS)} (reduce_lr_on_plateau and greedy need an evaluation metric each "
+                         f"step, which GRPO has not).")  # fmt: skip
+    needed = LR_SCHEDULERS[config.lr_scheduler_type]
+    if needed and not any(key in (config.lr_scheduler_kwargs or {}) for key in needed):
+        raise ValueError(f"lr_scheduler_type={config.lr_scheduler_type!r} needs {' or '.join(needed)} in "
+                         f"lr_scheduler_kwargs, e.g. lr_scheduler_kwargs={{{needed[0]!r}: "
+                         f"{0.1 if 'rate' in needed[-1] else 100}}}.")  # fmt: skip
+    if not 0 <= config.warmup_ratio <= 1:
+        raise ValueError(f"warmup_ratio={config.warmup_ratio} must be in [0, 1].")
+    if config.warmup_steps < 0 or (config.warmup_steps >= 1 and config.warmup_steps != int(config.warmup_steps)):
+        raise ValueError(f"warmup_steps={config.warmup_steps} must be a whole number of steps, or a fraction in "
+                         f"(0, 1) of all steps.")  # fmt: skip
+    if config.optim != _default_of("optim"):
+        # transformers' optimizer names; transformers imports torch, which `grpokit train --help` must not.
+        from transformers.training_args import OptimizerNames
+
+        from .optim import GRPOKIT_OPTIMIZERS
+
+        if config.optim not in {name.value for name in OptimizerNames} | set(GRPOKIT_OPTIMIZERS):
+            raise ValueError(f"optim={config.optim!r} is not an optimizer transformers knows; use e.g. "
+                             f"'adamw_torch', 'adamw_torch_fused', 'adafactor', 'sgd' or 'adamw_8bit' (or "
+                             f"grpokit's {', '.join(map(repr, GRPOKIT_OPTIMIZERS))}).")  # fmt: skip
+    if config.bf16 and config.fp16:
+        raise ValueError("bf16 and fp16 are both set; choose one.")
+    if config.max_steps <= 0 and config.num_train_epochs <= 0:
+        raise ValueError("Set max_steps > 0 or num_train_epochs > 0: otherwise there is nothing to train.")
+    if config.max_nonfinite_steps < 1:
+        raise ValueError(f"max_nonfinite_steps={config.max_nonfinite_steps} must be >= 1.")
+    if config.torch_empty_cache_steps is not None and config.torch_empty_cache_steps <= 0:
+        raise ValueError(f"torch_empty_cache_steps={config.torch_empty_cache_steps} must be a positive number of "
+                         f"steps, or None.")  # fmt: skip
+
+
+def _check_logging_and_evaluation(config: GRPOConfig) -> None:
+    """Trackers, log levels, the evaluation schedule and the guard."""
+    unknown = [name for name in config.report_to if name not in TRACKERS]
+    if unknown:
+        raise ValueError(
+            f"report_to={unknown} is not supported by grpokit; use one or more of {list(TRACKERS)}, 'all' (those "
+            f"installed) or 'none'. metrics.jsonl in output_dir is written in every case."
+        )
+    if config.logging_strategy not in ("steps", "epoch", "no"):
+        raise ValueError(f"logging_strategy={config.logging_strategy!r} is not valid; use 'steps', 'epoch' or 'no'.")
+    for name in ("log_level", "log_level_replica"):
+        if getattr(config, name) not in LOG_LEVELS:
+            raise ValueError(f"{name}={getattr(config, name)!r} is not valid; use one of {sorted(LOG_LEVELS)}.")
+    if config.eval_strategy not in ("no", "steps"):
+        raise ValueError(f"eval_strategy={config.eval_strategy!r} is not valid; use 'steps' (with eval_steps) or "
+                         f"'no'.")  # fmt: skip
+    if config.eval_delay < 0:
+        raise ValueError(f"eval_delay={config.eval_delay} must be >= 0 (optimizer steps before the first "
+                         f"evaluation).")  # fmt: skip
+    if config.eval_steps is not None and config.eval_steps <= 0:
+        raise ValueError(f"eval_steps={config.eval_steps} must be > 0, or None to evaluate every logging_steps.")
+    if config.num_generations_eval is not None and config.num_generations_eval < 1:
+        raise ValueError(f"num_generations_eval={config.num_generations_eval} must be >= 1, or None for "
+                         f"num_generations.")  # fmt: skip
+    if config.per_device_eval_batch_size < 1:
+        raise ValueError(f"per_device_eval_batch_size={config.per_device_eval_batch_size} must be >= 1.")
+    if config.guard_window < 2:
+        raise ValueError(f"guard_window={config.guard_window} must be >= 2: a trend needs at least two logging "
+                         f"steps.")  # fmt: skip
+    for option in config.debug:
+        if option != "underflow_overflow":
+            raise ValueError(f"debug={config.debug!r}: {option!r} is not supported; grpokit has "
+                             f"'underflow_overflow' (TPUs, which 'tpu_metrics_debug' is for, are not "
+                             f"supported).")  # fmt: skip
+
+
+def _check_checkpoints(config: GRPOConfig) -> None:
+    """When checkpoints are written and kept, and the best one reloaded."""
+    if config.save_strategy not in ("steps", "epoch", "no"):
+        raise ValueError(f"save_strategy={config.save_strategy!r} is not valid; use 'steps', 'epoch' or 'no'.")
+    if config.save_total_limit is not None and config.save_total_limit < 1:
+        raise ValueError(f"save_total_limit={config.save_total_limit} must be >= 1, or None to keep every "
+                         f"checkpoint.")  # fmt: skip
+    if config.load_best_model_at_end:
+        if config.save_strategy != "steps" or config.eval_strategy != "steps":
+            raise ValueError(f"load_best_model_at_end=True needs a checkpoint where there is an evaluation: set "
+                             f"save_strategy='steps' and eval_strategy='steps' (now {config.save_strategy!r} and "
+                             f"{config.eval_strategy!r}).")  # fmt: skip
+        eval_steps = config.eval_steps or config.logging_steps
+        if config.save_steps >= 1 and eval_steps >= 1 and config.save_steps % eval_steps:
+            raise ValueError(f"load_best_model_at_end=True needs save_steps ({config.save_steps}) to be a multiple "
+                             f"of eval_steps ({eval_steps}), so that every checkpoint has an evaluation.")
+
+
+def _check_distributed(config: GRPOConfig) -> None:
+    """The launch across processes: the backend, and one way to shard the model (FSDP or DeepSpeed)."""
+    if config.ddp_backend not in (None, "nccl", "gloo", "mpi", "xccl", "hccl", "cncl", "mccl"):
+        raise ValueError(f"ddp_backend={config.ddp_backend!r} is not a torch.distributed backend; use 'nccl', "
+                         f"'gloo', 'mpi', 'xccl', 'hccl', 'cncl', 'mccl' or None.")  # fmt: skip
+    if config.ddp_timeout <= 0:
+        raise ValueError(f"ddp_timeout={config.ddp_timeout} must be a positive number of seconds.")
+    config.accelerator_options()  # refuses what grpokit would not run
+    fsdp = config.fsdp_plugin_kwargs()  # refuses what grpokit would not run
+    if fsdp is not None and config.deepspeed is not None:
+        raise ValueError("fsdp and deepspeed are both set; choose one way to shard the model.")
+    if fsdp is None and config.fsdp_config is not None:
+        warnings.warn("GRPOConfig.fsdp_config is set but fsdp is not: FSDP stays off (set fsdp=True to use it, "
+                      "as in TRL).", UserWarning, stacklevel=5)  # fmt: skip
+    deepspeed = config.deepspeed_config()
+    if deepspeed is not None:
+        sections = [name for name in ("optimizer", "scheduler") if name in deepspeed]
+        if sections:
+            raise ValueError(f"deepspeed: the config's {' and '.join(repr(s) for s in sections)} section(s) would "
+                             f"replace the optimizer / scheduler grpokit builds from optim, learning_rate, adam_*, "
+                             f"weight_decay and lr_scheduler_type; remove them from the DeepSpeed config and set "
+                             f"those fields instead.")  # fmt: skip
+        if not isinstance(deepspeed.get("zero_optimization"), dict):
+            raise ValueError("deepspeed: the config has no 'zero_optimization' section; add one, e.g. "
+                             "{'zero_optimization': {'stage': 2}}.")
+
+
+_CHECKS = (_check_batch_shape, _check_objective, _check_rewards, _check_tools, _check_async, _check_sampling,
+           _check_vllm, _check_reference_model, _check_optimization, _check_logging_and_evaluation,
+           _check_checkpoints, _check_distributed)  # fmt: skip
 
 
 def _same(value, neutral) -> bool:

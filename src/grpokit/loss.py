@@ -16,7 +16,9 @@ Per token t of completion i (DeepSeekMath §4.1, with TRL 1.16's extensions):
                    ratio when `use_bias_correction_kl` (DeepSeek-V3.2)
 
 and the tokens are aggregated by the loss type's aggregation. A loss type is one entry of `LOSS_TYPES`: a per-token
-objective, an aggregation and the statistics it reports, looked up once; `policy_loss` runs the same steps for all.
+objective, an aggregation and the statistics it reports, looked up once; `policy_loss` runs the same two steps for
+all (`token_loss`, the objective; `aggregate_token_loss`, the aggregation), with the hyper-parameters in one
+`PolicyLossSettings`.
 
     loss_type  per-token loss                              aggregation                        source
     grpo       clipped surrogate (above)                   mean of per-sequence token means   DeepSeekMath
@@ -39,9 +41,10 @@ Asynchronous generation trains on samples of an older policy π_behav. `off_poli
 (with one step per batch, the training forward's own log-probs, detached), and each token's policy term is weighted
 by w = π_prox / π_behav, dropped where w exceeds a cap (`behaviour_weight`).
 
-An entropy bonus is either part of the per-token loss and aggregated with it (`entropy_normalization="loss_type"`,
-what grpokit always did) or, as TRL 1.16 does, the mean per-token entropy of the micro-batch whatever the loss type
-(`"token_mean"`). The MoE router load-balancing loss and the adaptive entropy coefficient (Skywork-OR1) are here too.
+An entropy bonus is either, as TRL 1.16 does, the mean per-token entropy of the micro-batch whatever the loss type
+(`entropy_normalization="token_mean"`), or part of the per-token loss and aggregated with it (`"loss_type"`: the
+bonus then weighs each token as the policy term does). The MoE router load-balancing loss and the adaptive entropy
+coefficient (Skywork-OR1) are here too.
 
 Nothing in this module knows about models, configs or accelerators; the trainer calls these functions and users
 may call them from their own loops.
@@ -49,6 +52,7 @@ may call them from their own loops.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -697,122 +701,140 @@ class LossStats:
         return out
 
 
-def policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor | None,
-    ref_logprobs: torch.Tensor | None,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    loss_type: str = "dapo",
-    beta: float = 0.0,
-    epsilon: float = 0.2,
-    epsilon_high: float | None = None,
-    importance_sampling_level: str = "token",
-    max_completion_length: int | None = None,
-    num_sequences: float | None = None,
-    num_tokens: float | None = None,
-    delta: float | None = None,
-    entropies: torch.Tensor | None = None,
-    entropy_coef: float = 0.0,
-    loss_weights: torch.Tensor | None = None,
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
-    vespo_k_pos: float = 2.0,
-    vespo_lambda_pos: float = 3.0,
-    vespo_k_neg: float = 3.0,
-    vespo_lambda_neg: float = 2.0,
-    off_policy_mask_threshold: float | None = None,
-    sampling_logprobs: torch.Tensor | None = None,
-    sampling_ratio: torch.Tensor | None = None,
-    use_bias_correction_kl: bool = False,
-    entropy_normalization: str = "loss_type",
-    num_micro_batches: int = 1,
-    off_policy_correction: str = "behaviour",
-    off_policy_correction_cap: float | None = 5.0,
-) -> tuple[torch.Tensor, LossStats]:
-    """The loss type's objective plus beta·KL, aggregated by the loss type (see `LOSS_TYPES`).
+@dataclass(frozen=True, kw_only=True)
+class PolicyLossSettings:
+    """The loss's hyper-parameters: what stays fixed over a run (`GRPOConfig.objective_options` gives them from a
+    config). Names and defaults are TRL 1.16's GRPOConfig's.
 
-    logprobs:      [N, T] log π_θ of the chosen tokens (with grad)
-    old_logprobs:  [N, T] log π_old (the policy that sampled), or None for on-policy (= logprobs.detach())
-    ref_logprobs:  [N, T] log π_ref, or None (required when beta > 0)
-    advantages:    [N] per completion, or [N, T] per token (process supervision)
-    mask:          [N, T] 1 for completion tokens that count
-    num_sequences, num_tokens: counts over the whole accumulated batch (default: this batch), so that
-                   micro-batch losses add up to the full-batch loss.
+    loss_type:     a key of `LOSS_TYPES`: the per-token objective, the aggregation and the statistics
+    beta:          the KL coefficient (> 0 needs ref_logprobs)
+    epsilon, epsilon_high: the clip range [1 - epsilon, 1 + epsilon_high] (epsilon_high None: epsilon)
     delta:         two-sided clipping: cap the unclipped ratio at delta (INTELLECT-2), None = off
-    entropies:     [N, T] per-token entropies (with grad) for the entropy bonus `entropy_coef`
-    loss_weights:  [N, T] optional 0/1 weights on the policy-gradient term only (e.g. top-entropy tokens)
-    sapo_*, vespo_*: the `sapo` and `vespo` objectives' parameters (TRL 1.16's names and defaults)
+    importance_sampling_level: "token" (GRPO), "sequence" (GSPO: a length-normalised ratio per sequence) or
+                   "sequence_sum" (TRL's RLOOTrainer: the ratio of the whole sequences' probabilities)
+    max_completion_length: the constant of `dr_grpo`'s aggregation (None: the mask's width)
+    sapo_*, vespo_*: the `sapo` and `vespo` objectives' parameters
     off_policy_mask_threshold: drop negative-advantage sequences whose mean KL(sampler ‖ π_θ) exceeds it
                    (DeepSeek-V3.2; `off_policy_mask`), None = off
-    sampling_logprobs: [N, T] log-probs of the policy that sampled (the engine's), for that mask; default
-                   old_logprobs
-    sampling_ratio: [N, T] or [N, 1] the sampler-mismatch correction (`sampling_correction`), or None: it
-                   multiplies each token's policy term (after the masks, before beta·KL), as TRL 1.16 does; VESPO
-                   takes it into its sequence weight instead
-    use_bias_correction_kl: weight the k3 KL by the importance ratio (`bias_corrected_kl`); TRL 1.16's default
-                   is True, this function's False keeps its earlier numbers
-    entropy_normalization: "loss_type" = the bonus -entropy_coef·H is part of each token's loss and aggregated
-                   with it (grpokit before TRL parity); "token_mean" = TRL 1.16: the loss minus entropy_coef times
-                   the micro-batch's mean entropy over mask·loss_weights, divided by `num_micro_batches`
-    num_micro_batches: micro-batches accumulated into this optimizer step (the "token_mean" bonus and `bnpo`,
-                   as TRL's current_gradient_accumulation_steps)
+    use_bias_correction_kl: weight the k3 KL by the importance ratio (`bias_corrected_kl`)
+    entropy_normalization: "token_mean" (TRL 1.16): the loss minus entropy_coef times the micro-batch's mean
+                   entropy over mask·loss_weights, divided by `num_micro_batches`, whatever the loss type;
+                   "loss_type": the bonus -entropy_coef·H is part of each token's loss and aggregated with it, so
+                   that it is weighted as the policy term is (e.g. per-sequence means under `grpo`)
     off_policy_correction: what old_logprobs are to the loss. "behaviour" (TRL's asynchronous GRPO): π_old, the
                    ratio and the clip are around them. "decoupled" (AReaL's decoupled PPO): they are the behaviour
                    policy's, and the ratio and the clip are around the proximal policy π_prox = logprobs.detach(),
                    the weights of this forward — right when each batch is trained in one optimizer step
                    (num_iterations=1: weights change only at the step, after the forwards of all its micro-batches);
                    each token's policy term (after the masks and sampling_ratio, before beta·KL) is weighted by
-                   `behaviour_weight` at the importance-sampling level. The KL's ratio (use_bias_correction_kl) is then to π_prox, and neither
-                   KL nor entropy is weighted, as in AReaL. Not defined for `vespo`.
+                   `behaviour_weight` at the importance-sampling level. The KL's ratio (use_bias_correction_kl) is
+                   then to π_prox, and neither KL nor entropy is weighted, as in AReaL. Not defined for `vespo`.
     off_policy_correction_cap: the "decoupled" weight's cap (AReaL's behav_imp_weight_cap, > 1): a token whose
                    weight π_prox/π_behav exceeds it is dropped; None: no cap
-
-    Returns (loss, stats).
     """
-    spec = loss_type_spec(loss_type)
-    if beta > 0 and ref_logprobs is None:
+
+    loss_type: str = "dapo"
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    delta: float | None = None
+    importance_sampling_level: str = "token"
+    max_completion_length: int | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    off_policy_mask_threshold: float | None = None
+    use_bias_correction_kl: bool = True
+    entropy_normalization: str = "token_mean"
+    off_policy_correction: str = "behaviour"
+    off_policy_correction_cap: float | None = 5.0
+
+    def __post_init__(self):
+        spec = loss_type_spec(self.loss_type)
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(
+                f"Unknown importance_sampling_level {self.importance_sampling_level!r}; "
+                f"choose one of {list(IMPORTANCE_SAMPLING_LEVELS)}."
+            )
+        if self.entropy_normalization not in ENTROPY_NORMALIZATIONS:
+            raise ValueError(f"Unknown entropy_normalization {self.entropy_normalization!r}; choose one of "
+                             f"{list(ENTROPY_NORMALIZATIONS)}.")  # fmt: skip
+        if self.off_policy_correction not in OFF_POLICY_CORRECTIONS:
+            raise ValueError(f"Unknown off_policy_correction {self.off_policy_correction!r}; choose one of "
+                             f"{list(OFF_POLICY_CORRECTIONS)}.")  # fmt: skip
+        if self.decoupled and not spec.decoupled_correction:
+            raise ValueError(
+                f"off_policy_correction='decoupled' is not defined for loss_type={self.loss_type!r}: its sequence "
+                f"weight is its own off-policy correction. Use off_policy_correction='behaviour'."
+            )
+
+    @property
+    def spec(self) -> LossType:
+        return LOSS_TYPES[self.loss_type]
+
+    @property
+    def decoupled(self) -> bool:
+        return self.off_policy_correction == "decoupled"
+
+    def objective_params(self) -> ObjectiveParams:
+        return ObjectiveParams(
+            epsilon=self.epsilon, epsilon_high=self.epsilon if self.epsilon_high is None else self.epsilon_high,
+            delta=self.delta, sapo_temperature_pos=self.sapo_temperature_pos,
+            sapo_temperature_neg=self.sapo_temperature_neg, vespo_k_pos=self.vespo_k_pos,
+            vespo_lambda_pos=self.vespo_lambda_pos, vespo_k_neg=self.vespo_k_neg,
+            vespo_lambda_neg=self.vespo_lambda_neg,
+        )  # fmt: skip
+
+
+@dataclass
+class TokenLoss:
+    """The objective's output, before aggregation."""
+
+    per_token: torch.Tensor  # [N, T], or [N, 1] at sequence level without a KL term: each token's loss
+    mask: torch.Tensor  # [N, T] the completion mask in the dtype of logprobs
+    terms: PolicyTerms  # what the objective saw (the statistics read it)
+    kl: torch.Tensor | None  # the mean KL (bias-corrected when asked), detached; None without ref_logprobs
+    correction_stats: dict[str, torch.Tensor]  # the "decoupled" weight's, else empty
+
+
+def token_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
+    ref_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    settings: PolicyLossSettings,
+    *,
+    entropies: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    loss_weights: torch.Tensor | None = None,
+    sampling_logprobs: torch.Tensor | None = None,
+    sampling_ratio: torch.Tensor | None = None,
+) -> TokenLoss:
+    """The objective, per token: the loss type's policy term, times the off-policy mask, `loss_weights`, the
+    sampler-mismatch correction and (decoupled) the behaviour weight, plus beta·KL, minus the entropy bonus when
+    it is aggregated with the loss (`entropy_normalization="loss_type"`). Arguments as `policy_loss`'s."""
+    if settings.beta > 0 and ref_logprobs is None:
         raise ValueError("policy_loss: beta > 0 needs ref_logprobs (the reference policy's log-probs).")
-    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(
-            f"Unknown importance_sampling_level {importance_sampling_level!r}; "
-            f"choose one of {list(IMPORTANCE_SAMPLING_LEVELS)}."
-        )
-    if entropy_normalization not in ENTROPY_NORMALIZATIONS:
-        raise ValueError(
-            f"Unknown entropy_normalization {entropy_normalization!r}; choose one of {list(ENTROPY_NORMALIZATIONS)}."
-        )
-    if off_policy_correction not in OFF_POLICY_CORRECTIONS:
-        raise ValueError(f"Unknown off_policy_correction {off_policy_correction!r}; choose one of "
-                         f"{list(OFF_POLICY_CORRECTIONS)}.")  # fmt: skip
-    decoupled = off_policy_correction == "decoupled"
-    if decoupled and not spec.decoupled_correction:
-        raise ValueError(
-            f"off_policy_correction='decoupled' is not defined for loss_type={loss_type!r}: its sequence weight is "
-            f"its own off-policy correction. Use off_policy_correction='behaviour'."
-        )
-    params = ObjectiveParams(
-        epsilon=epsilon, epsilon_high=epsilon if epsilon_high is None else epsilon_high, delta=delta,
-        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-        vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-        vespo_lambda_neg=vespo_lambda_neg,
-    )  # fmt: skip
+    spec, params = settings.spec, settings.objective_params()
     mask = mask.to(logprobs.dtype)
     if old_logprobs is None:
         old_logprobs = logprobs.detach()
     behaviour_logprobs = old_logprobs
-    if decoupled:  # π_prox: the weights of this forward, the policy at the optimizer step
+    if settings.decoupled:  # π_prox: the weights of this forward, the policy at the optimizer step
         old_logprobs = logprobs.detach()
     if advantages.dim() == 1:
         advantages = advantages[:, None]
 
     token_log_ratio = logprobs - old_logprobs
     log_ratio = token_log_ratio
-    if importance_sampling_level == "sequence":
+    if settings.importance_sampling_level == "sequence":
         # GSPO (Zheng et al. 2025): one length-normalised ratio per sequence.
         log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
-    elif importance_sampling_level == "sequence_sum":
+    elif settings.importance_sampling_level == "sequence_sum":
         # TRL's RLOOTrainer: the ratio of the whole sequences' probabilities, log-probs summed.
         log_ratio = (log_ratio * mask).sum(-1, keepdim=True)
     ratio = torch.exp(log_ratio)
@@ -822,50 +844,125 @@ def policy_loss(
                         sampling_ratio=sampling_ratio)  # fmt: skip
 
     per_token = spec.objective(terms, params)
-    if off_policy_mask_threshold is not None:
+    if settings.off_policy_mask_threshold is not None:
         behaviour = behaviour_logprobs if sampling_logprobs is None else sampling_logprobs
-        per_token = per_token * off_policy_mask(advantages, logprobs, behaviour, mask, off_policy_mask_threshold)
+        per_token = per_token * off_policy_mask(advantages, logprobs, behaviour, mask,
+                                                settings.off_policy_mask_threshold)  # fmt: skip
     if loss_weights is not None:
         per_token = per_token * loss_weights
     if sampling_ratio is not None and not spec.corrects_sampling_itself:
         per_token = per_token * sampling_ratio
     correction_stats = {}
-    if decoupled:
+    if settings.decoupled:
         # With sampling_ratio = π_behav / π_sampler this makes the token's weight π_prox / π_sampler, each factor
         # truncated or masked by its own rule.
-        weight, correction_stats = behaviour_weight(
-            old_logprobs, behaviour_logprobs, mask, cap=off_policy_correction_cap, level=importance_sampling_level
-        )
+        weight, correction_stats = behaviour_weight(old_logprobs, behaviour_logprobs, mask,
+                                                    cap=settings.off_policy_correction_cap,
+                                                    level=settings.importance_sampling_level)  # fmt: skip
         per_token = per_token * weight
 
     kl = None
     if ref_logprobs is not None:
         per_token_kl = kl_k3(logprobs, ref_logprobs)
-        if use_bias_correction_kl:
+        if settings.use_bias_correction_kl:
             per_token_kl = bias_corrected_kl(per_token_kl, ratio)
         kl = masked_mean(per_token_kl.detach().expand_as(mask), mask)
-        if beta > 0:
-            per_token = per_token + beta * per_token_kl
-    bonus = entropies is not None and entropy_coef != 0
-    if bonus and entropy_normalization == "loss_type":
+        if settings.beta > 0:
+            per_token = per_token + settings.beta * per_token_kl
+    if entropies is not None and entropy_coef != 0 and settings.entropy_normalization == "loss_type":
         per_token = per_token - entropy_coef * entropies
+    return TokenLoss(per_token=per_token, mask=mask, terms=terms, kl=kl, correction_stats=correction_stats)
 
-    loss = _aggregate(spec.aggregation, per_token, mask, num_sequences, num_tokens, max_completion_length,
-                      num_micro_batches)
 
+def aggregate_token_loss(
+    token: TokenLoss,
+    settings: PolicyLossSettings,
+    *,
+    num_sequences: float | None = None,
+    num_tokens: float | None = None,
+    num_micro_batches: int = 1,
+    entropies: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    loss_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The aggregation: the loss type's scalar of `token.per_token`, minus the "token_mean" entropy bonus. Returns
+    (loss, the loss without that bonus, detached: None unless entropy_normalization="token_mean" with entropies)."""
+    mask = token.mask
+    loss = _aggregate(settings.spec.aggregation, token.per_token, mask, num_sequences, num_tokens,
+                      settings.max_completion_length, num_micro_batches)  # fmt: skip
     policy_part = None
-    if entropies is not None and entropy_normalization == "token_mean":
+    if entropies is not None and settings.entropy_normalization == "token_mean":
         policy_part = loss.detach()
-        if bonus:
+        if entropy_coef != 0:
             effective_mask = mask if loss_weights is None else mask * loss_weights
             loss = loss - entropy_coef * (entropy_token_mean(entropies, effective_mask) / num_micro_batches)
+    return loss, policy_part
 
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
+    ref_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    settings: PolicyLossSettings | None = None,
+    num_sequences: float | None = None,
+    num_tokens: float | None = None,
+    num_micro_batches: int = 1,
+    entropies: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    loss_weights: torch.Tensor | None = None,
+    sampling_logprobs: torch.Tensor | None = None,
+    sampling_ratio: torch.Tensor | None = None,
+    **setting_values,
+) -> tuple[torch.Tensor, LossStats]:
+    """The loss type's objective plus beta·KL, aggregated by the loss type (see `LOSS_TYPES`): `token_loss`, then
+    `aggregate_token_loss`.
+
+    logprobs:      [N, T] log π_θ of the chosen tokens (with grad)
+    old_logprobs:  [N, T] log π_old (the policy that sampled), or None for on-policy (= logprobs.detach())
+    ref_logprobs:  [N, T] log π_ref, or None (required when beta > 0)
+    advantages:    [N] per completion, or [N, T] per token (process supervision)
+    mask:          [N, T] 1 for completion tokens that count
+    settings:      the hyper-parameters (`PolicyLossSettings`), or give them as keywords (`loss_type="grpo",
+                   beta=0.04, ...`: PolicyLossSettings' fields), not both
+    num_sequences, num_tokens: counts over the whole accumulated batch (default: this batch), so that
+                   micro-batch losses add up to the full-batch loss
+    num_micro_batches: micro-batches accumulated into this optimizer step (the "token_mean" bonus and `bnpo`,
+                   as TRL's current_gradient_accumulation_steps)
+    entropies:     [N, T] per-token entropies (with grad) for the entropy bonus `entropy_coef`
+    loss_weights:  [N, T] optional 0/1 weights on the policy-gradient term only (e.g. top-entropy tokens)
+    sampling_logprobs: [N, T] log-probs of the policy that sampled (the engine's), for the off-policy mask;
+                   default old_logprobs
+    sampling_ratio: [N, T] or [N, 1] the sampler-mismatch correction (`sampling_correction`), or None: it
+                   multiplies each token's policy term (after the masks, before beta·KL), as TRL 1.16 does; VESPO
+                   takes it into its sequence weight instead
+
+    Returns (loss, stats).
+    """
+    if settings is None:
+        unknown = sorted(set(setting_values) - {spec.name for spec in dataclasses.fields(PolicyLossSettings)})
+        if unknown:
+            raise TypeError(f"policy_loss got unknown keyword(s) {unknown}: pass the tensors and counts by their "
+                            f"names and the hyper-parameters as PolicyLossSettings' fields.")  # fmt: skip
+        settings = PolicyLossSettings(**setting_values)
+    elif setting_values:
+        raise TypeError(f"policy_loss got settings= and {sorted(setting_values)}: give the hyper-parameters one way, "
+                        f"e.g. settings=dataclasses.replace(settings, beta=0.1).")  # fmt: skip
+    token = token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, settings, entropies=entropies,
+                       entropy_coef=entropy_coef, loss_weights=loss_weights, sampling_logprobs=sampling_logprobs,
+                       sampling_ratio=sampling_ratio)  # fmt: skip
+    loss, policy_part = aggregate_token_loss(token, settings, num_sequences=num_sequences, num_tokens=num_tokens,
+                                             num_micro_batches=num_micro_batches, entropies=entropies,
+                                             entropy_coef=entropy_coef, loss_weights=loss_weights)  # fmt: skip
+    terms, mask = token.terms, token.mask
     with torch.no_grad():
         stats = LossStats(
-            kl=kl,
+            kl=token.kl,
             entropy=None if entropies is None else masked_mean(entropies.detach(), mask),
-            ratio_mean=masked_mean(ratio.expand_as(mask).detach(), mask),
-            objective={**spec.statistics(terms, params), **correction_stats},
+            ratio_mean=masked_mean(terms.ratio.expand_as(mask).detach(), mask),
+            objective={**settings.spec.statistics(terms, settings.objective_params()), **token.correction_stats},
             policy_loss=policy_part,
         )
     return loss, stats

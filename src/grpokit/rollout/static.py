@@ -26,7 +26,7 @@ import torch
 
 from ..compat import replace_cache_layer
 from ..forward import logits_of, model_cache, model_config
-from .hf import CachedDecoder
+from .decoders import CachedDecoder
 
 # A rollout's positions (prompt + completion) are rounded up to a multiple of this, so that prompt batches of
 # slightly different widths reuse one cache and one compiled step.

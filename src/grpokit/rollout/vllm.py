@@ -47,6 +47,7 @@ from typing import Iterator
 import torch
 
 from ..compat import parameter_versions
+from ..distributed import is_sharded
 from ..multimodal import is_processor, is_vision_language_model, text_config_of, ties_word_embeddings
 from .engine import PromptBatch, Rollout, SamplingParams
 
@@ -145,8 +146,6 @@ def policy_weights(model: torch.nn.Module) -> Iterator[Iterator[tuple[str, torch
     """The policy's full weights under their checkpoint names, one tensor at a time: `merged_weights` for a model
     each process holds whole; for a sharded one (FSDP2, ZeRO-3) `gathered_weights`, a collective every process
     must iterate, in the same order."""
-    from ..distributed import is_sharded
-
     if not is_sharded(model):
         with merged_weights(model) as weights:
             yield weights
@@ -626,15 +625,3 @@ def rollout_from_completions(prompts: PromptBatch, completions: list, params: Sa
     mask = (torch.arange(width)[None] < lengths[:, None]).long()
     return Rollout(prompt_ids, prompt_mask, completion_ids, mask, mask.clone(), lengths, truncated,
                    sampling_logprobs=logprobs, multimodal=prompts.multimodal())  # fmt: skip
-
-
-def engine_from_config(model: torch.nn.Module, args, tokenizer=None, process_index: int = 0, num_processes: int = 1,
-                       local_process_index: int = 0):  # fmt: skip
-    """The engine `GRPOConfig(use_vllm=True)` asks for: colocated `VLLMEngine` (one per training process), or the
-    server client."""
-    if args.vllm_mode == "server":  # no vLLM needed in this process
-        from .vllm_client import VLLMServers
-
-        return VLLMServers.from_config(model, args, process_index, num_processes)
-    return VLLMEngine.from_config(model, args, tokenizer=tokenizer, process_index=process_index,
-                                  num_processes=num_processes, local_process_index=local_process_index)

@@ -43,10 +43,11 @@ import warnings
 import torch
 
 from ..compat import parameter_versions
-from ..distributed import barrier, is_sharded
+from ..distributed import all_processes_done, barrier, is_sharded
 from ..multimodal import is_vision_language_model, text_config_of, ties_word_embeddings
 from .engine import PromptBatch, Rollout, SamplingParams
 from .vllm import base_model_of, policy_weights, refuse_images, rollout_from_completions
+from .weight_broadcast import TRAINER_RANK, describe, open_group, send
 
 logger = logging.getLogger(__name__)
 
@@ -168,8 +169,6 @@ class VLLMServerEngine:
         """A sharded model's push is a collective: when any process met a restarted server, they all learn of it
         (an all-reduce every generation; the processes generate together) and push together, the main process
         sending."""
-        from ..distributed import all_processes_done
-
         if all_processes_done(not restarted_here):
             return
         self.info["instance"] = self.request("GET", "/info")["instance"]
@@ -204,8 +203,6 @@ class VLLMServerEngine:
 
     def _broadcast(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """The weights through the process group (joined at the first push, and again with a restarted server)."""
-        from .weight_broadcast import TRAINER_RANK, describe, open_group, send
-
         # NCCL between two GPUs; gloo (CPU tensors) when either end has none, e.g. a GPU trainer and a CPU server.
         backend = "nccl" if torch.cuda.is_available() and self.info.get("device") == "cuda" else "gloo"
         if self.group is None or self.group_instance != self.info["instance"]:
