@@ -718,9 +718,40 @@ def test_accelerator_config_is_read_from_a_dict_a_json_string_a_file_or_an_accel
     path.write_text(json.dumps(given))
     for form in (given, json.dumps(given), str(path), AcceleratorConfig(**given)):
         assert config(tmp_path, accelerator_config=form).accelerator_options() == expected
-    assert config(tmp_path).accelerator_options() == {}
+    assert config(tmp_path).accelerator_options() == {**expected, "even_batches": True,
+                                                      "gradient_accumulation_kwargs": {}}  # fmt: skip
     both = {"gradient_accumulation_kwargs": {"num_steps": 2}}  # the same count twice: fine
     assert config(tmp_path, gradient_accumulation_steps=2, accelerator_config=both).accelerator_options()
+
+
+def test_accelerator_config_is_held_as_transformers_accelerator_config(tmp_path):
+    """TRL's code and tests read and set attributes of it (`args.accelerator_config.dispatch_batches`), as
+    transformers' TrainingArguments holds an AcceleratorConfig whatever it was given; every form still loads."""
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    from grpokit.cli import parse_train_args
+
+    path = tmp_path / "accelerator.json"
+    path.write_text(json.dumps({"even_batches": False}))
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("accelerator_config:\n  even_batches: false\n")
+    from_yaml = parse_train_args([str(yaml_file)])[1]["accelerator_config"]
+    from_flag = parse_train_args(["--accelerator_config", '{"even_batches": false}'])[1]["accelerator_config"]
+    for form in ({"even_batches": False}, json.dumps({"even_batches": False}), str(path),
+                 AcceleratorConfig(even_batches=False), from_yaml, from_flag):  # fmt: skip
+        held = config(tmp_path, accelerator_config=form).accelerator_config
+        assert held == AcceleratorConfig(even_batches=False), form
+    default = config(tmp_path).accelerator_config
+    assert isinstance(default, AcceleratorConfig) and default.dispatch_batches is None
+    assert default.gradient_accumulation_kwargs is None and default.even_batches is True  # transformers' defaults
+    # The run's saved configuration loads back into the same one.
+    args = config(tmp_path, accelerator_config=AcceleratorConfig(even_batches=False))
+    args.save(tmp_path / "saved.json")
+    assert GRPOConfig.from_dict(json.loads((tmp_path / "saved.json").read_text())) == args
+    # TRL's trainer sets dispatch_batches=False on it for a stream; grpokit's does the same, on the object.
+    trainer = trainer_for(tmp_path, args=config(tmp_path, max_steps=1), train_dataset=letters().to_iterable_dataset())
+    assert trainer.args.accelerator_config.dispatch_batches is False
+    assert trainer.args.accelerator_options()["dispatch_batches"] is False
 
 
 @pytest.mark.parametrize("given, message", [

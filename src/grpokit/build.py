@@ -97,7 +97,7 @@ def configure_iterable_datasets(args: GRPOConfig, train_dataset, eval_dataset) -
             raise ValueError("Iterable datasets require `dispatch_batches=False`, but it is set to `True` in "
                              "`accelerator_config`. Please set it to `False` (each process reads its own share of the "
                              "stream).")  # fmt: skip
-        args.accelerator_config = {**options, "dispatch_batches": False}
+        args.accelerator_config.dispatch_batches = False
     if is_iterable_dataset(train_dataset) and args.dataloader_num_workers != 0:
         logger.warning(f"Iterable datasets require `dataloader_num_workers=0` to preserve prompt grouping; overriding "
                        f"the provided value ({args.dataloader_num_workers}).")  # fmt: skip

@@ -459,7 +459,9 @@ class GRPOConfig:
     push_to_hub: bool = _f(False, "Upload the model to the Hub (hub_model_id, default: output_dir's name) when "
                                   "save_model / push_to_hub() is called; the Hub is checked at start-up.")
     accelerator_config: dict | str | None = _f(None, "transformers' AcceleratorConfig: a dict, a JSON string or a "
-                                                     "JSON file's path. use_configured_state (the script's "
+                                                     "JSON file's path; held as an AcceleratorConfig, as in TRL "
+                                                     "(`args.accelerator_config.dispatch_batches`). "
+                                                     "use_configured_state (the script's "
                                                      "accelerate state is used, and must exist) and "
                                                      "gradient_accumulation_kwargs.sync_each_batch (gradients "
                                                      "synchronised at every micro-batch: less memory under FSDP) act; "
@@ -621,6 +623,7 @@ class GRPOConfig:
         self._resolve_aliases_and_nones()
         self._derive_generation_batch()
         self.validate()
+        self._hold_accelerator_config()
         self._warn_not_implemented()
 
     # ------------------------------------------------------------------------------------- normalisation
@@ -735,10 +738,9 @@ class GRPOConfig:
                              f"object.")
         return config
 
-    def accelerator_options(self) -> dict:
-        """The `accelerator_config` field as a dict of transformers' AcceleratorConfig options ({} when unset):
-        given as a dict, an AcceleratorConfig, a JSON string or the path of a JSON file. Unknown options, an
-        accumulation count other than gradient_accumulation_steps, and split_batches are refused."""
+    def _given_accelerator_config(self) -> dict:
+        """The options the `accelerator_config` field was given ({} when unset): a dict, an AcceleratorConfig, a JSON
+        string or the path of a JSON file."""
         value = self.accelerator_config
         if value is None:
             return {}
@@ -753,6 +755,21 @@ class GRPOConfig:
         if not isinstance(value, dict):
             raise ValueError(f"accelerator_config must be a dict of AcceleratorConfig options, not "
                              f"{type(value).__name__}.")  # fmt: skip
+        return value
+
+    def _hold_accelerator_config(self) -> None:
+        """As transformers' TrainingArguments: the field holds an AcceleratorConfig whatever form it was given in, so
+        that TRL's code and scripts read and set its attributes (`args.accelerator_config.dispatch_batches`)."""
+        from transformers.trainer_pt_utils import AcceleratorConfig
+
+        if not isinstance(self.accelerator_config, AcceleratorConfig):
+            self.accelerator_config = AcceleratorConfig(**self._given_accelerator_config())
+
+    def accelerator_options(self) -> dict:
+        """The `accelerator_config` field as a dict of all of transformers' AcceleratorConfig options (their defaults
+        where not given). Unknown options, an accumulation count other than gradient_accumulation_steps, and
+        split_batches are refused."""
+        value = self._given_accelerator_config()
         unknown = sorted(set(value) - set(ACCELERATOR_CONFIG_DEFAULTS))
         if unknown:
             raise ValueError(f"accelerator_config {unknown}: not options of transformers' AcceleratorConfig; known: "
@@ -1165,6 +1182,9 @@ class GRPOConfig:
         """The configuration as the user wrote it (derived values, such as steps_per_generation from
         gradient_accumulation_steps, are derived again on loading): `GRPOConfig.from_dict` of it is this config."""
         written = getattr(self, "_as_written", None) or self.to_dict()
+        # An AcceleratorConfig given as one is written as its options.
+        written = {name: dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+                   for name, value in written.items()}  # fmt: skip
         Path(path).write_text(json.dumps(written, indent=2, default=str))
 
     @classmethod
