@@ -21,7 +21,15 @@ from .checkpoint import Checkpointer
 from .config import LOG_LEVELS, GRPOConfig
 from .cpu_matmul import float32_matmuls
 from .cpu_memory import keep_large_allocations_mapped
-from .data import PromptSampler, StreamSampler, check_dataset, dataset_columns, is_iterable_dataset, named_eval_datasets
+from .data import (
+    PromptSampler,
+    StreamSampler,
+    check_dataset,
+    dataset_columns,
+    is_iterable_dataset,
+    named_eval_datasets,
+    prompts_per_epoch,
+)
 from .distributed import (
     all_processes_done,
     check_backend,
@@ -140,8 +148,8 @@ def total_steps(args: GRPOConfig, train_dataset, num_processes: int) -> int:
     """max_steps, or the optimizer steps that num_train_epochs passes over the prompts take."""
     if args.max_steps > 0:
         return args.max_steps
-    num_prompts = len(train_dataset)
     prompts_per_generation = args.generation_batch_size * num_processes // args.num_generations
+    num_prompts = prompts_per_epoch(len(train_dataset), prompts_per_generation)
     generations = math.ceil(args.num_train_epochs * num_prompts / prompts_per_generation)
     micro_batches = generations * args.steps_per_generation * args.num_iterations
     return max(math.ceil(micro_batches / args.gradient_accumulation_steps), 1)
@@ -422,12 +430,13 @@ def build_checkpointer(accelerator, args: GRPOConfig, write_model, gather_weight
     return checkpointer
 
 
-def build_sampler(train_dataset, args: GRPOConfig) -> PromptSampler | StreamSampler:
+def build_sampler(train_dataset, args: GRPOConfig, num_processes: int) -> PromptSampler | StreamSampler:
     """Which prompts come next: a stream's rows in its order, or a dataset's in a seeded order (data_seed, else seed;
-    shuffled per epoch unless shuffle_dataset is False)."""
+    shuffled per epoch unless shuffle_dataset is False), each epoch whole generation batches as in TRL."""
     if is_iterable_dataset(train_dataset):
         return StreamSampler(train_dataset)
-    return PromptSampler(len(train_dataset), args.data_seed or args.seed, args.shuffle_dataset)
+    return PromptSampler(len(train_dataset), args.data_seed or args.seed, args.shuffle_dataset,
+                         args.generation_batch_size * num_processes // args.num_generations)  # fmt: skip
 
 
 def build_teacher(teacher_model, args: GRPOConfig, device, student, processing_class):

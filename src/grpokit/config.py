@@ -498,7 +498,8 @@ class GRPOConfig:
     do_predict: bool = _no_effect(False, "read by scripts, not by the trainer.")
     local_rank: int = _no_effect(-1, "the launcher's rank; accelerate reads it from the environment.")
     remove_unused_columns: bool | None = _no_effect(False, "every column reaches the reward functions.")
-    dataloader_drop_last: bool = _no_effect(False, "prompts stream across epochs, so no batch is ever short.")
+    dataloader_drop_last: bool = _no_effect(False, "an epoch holds whole generation batches (as TRL's sampler), so no "
+                                                  "batch is ever short.")
     dataloader_num_workers: int = _no_effect(0, "prompts are read in the main process (no DataLoader).")
     dataloader_pin_memory: bool = _no_effect(True, "prompts are read in the main process (no DataLoader).")
     dataloader_persistent_workers: bool = _no_effect(False, "prompts are read in the main process (no DataLoader).")

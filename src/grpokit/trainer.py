@@ -161,7 +161,7 @@ class GRPOTrainer:
         self.checkpointer = build_checkpointer(acc, args, self._write_model,
                                                lambda model: gathered_weights(model, self.args.save_merged),
                                                deepspeed, is_sharded(self.unwrapped_model))  # fmt: skip
-        self.sampler = build_sampler(train_dataset, args)
+        self.sampler = build_sampler(train_dataset, args, acc.num_processes)
         teacher = build_teacher(teacher_model, args, acc.device, self.unwrapped_model, self.processing_class)
         self.experience = ExperienceMaker(args, acc, self.runner, self.scorer, lambda: self.unwrapped_model,
                                           self.reference, lambda n: self.sampler.rows(self.train_dataset, n),
