@@ -340,6 +340,48 @@ def test_trls_own_rloo_trainer_calls_training_step_48_times(tmp_path):
     assert trainer.training_steps == trls_training_step_calls() == 48
 
 
+TRL_RLOO_DATALOADER_SCRIPT = '''
+from datasets import Dataset
+from trl import RLOOConfig, RLOOTrainer
+
+dataset = Dataset.from_list([{"prompt": c + ":"} for c in "abcdefgh"] * 4)
+
+
+def reward_len(completions, **kwargs):
+    return [-abs(3 - len(completion)) for completion in completions]
+
+
+training_args = RLOOConfig(output_dir=OUTPUT_DIR, per_device_train_batch_size=8, gradient_accumulation_steps=2,
+                           max_completion_length=4, max_steps=2, report_to="none", use_cpu=True, bf16=False)
+trainer = RLOOTrainer(model=MODEL, reward_funcs=reward_len, args=training_args, train_dataset=dataset)
+dataloader = trainer.get_train_dataloader()
+first = next(iter(dataloader))
+batching = {"rows per batch": dataloader.batch_sampler.batch_size, "batch_size": dataloader.batch_size,
+            "num_workers": dataloader.num_workers, "batches per epoch": len(dataloader),
+            "first batch": [row["prompt"] for row in first]}
+trainer.train()
+'''
+
+
+def test_a_trl_rloo_script_reading_the_train_dataloader_runs_with_only_the_import_changed(tmp_path):
+    """The same script under TRL 1.16 and under grpokit: the same batching, the same first batch (the epoch's seeded
+    order is TRL's: torch.randperm with a generator seeded with `seed`)."""
+    pytest.importorskip("trl")
+    model_dir = str(save_tiny_model(tmp_path / "tiny", chars=LETTERS + ":", hidden_size=32))
+    runs = {}
+    for library in ("trl", "grpokit"):
+        scope = {"OUTPUT_DIR": str(tmp_path / library), "MODEL": model_dir}
+        script = TRL_RLOO_DATALOADER_SCRIPT.replace("from trl import", f"from {library} import")
+        exec(compile(script, "train_rloo.py", "exec"), scope)
+        runs[library] = scope
+    assert runs["grpokit"]["trainer"].state.global_step == 2
+    batching = runs["grpokit"]["batching"]
+    assert batching == runs["trl"]["batching"]
+    # 8 rows (4 prompts x 2 generations) x steps_per_generation 2; 4 generation batches in 32 prompts, each twice
+    assert (batching["rows per batch"], batching["batch_size"], batching["batches per epoch"]) == (16, None, 8)
+    assert batching["first batch"][::2] == batching["first batch"][1::2]
+
+
 # ------------------------------------------------------------------------------------------------ learning
 
 

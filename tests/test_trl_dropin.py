@@ -256,6 +256,63 @@ def test_sequence_level_with_a_token_sum_warns(tmp_path, caplog):
     assert "effectively weights each sequence by its length" in caplog.text
 
 
+# ------------------------------------------------------------------------------- TRL's DataLoaders
+
+
+def test_get_train_dataloader_replays_the_loops_draws_in_trls_layout(tmp_path):
+    """A torch DataLoader whose batches are this process's generation batches (each prompt num_generations times in
+    a row), each repeated steps_per_generation x num_iterations times, in the order the loop then draws them."""
+    drawn = []
+
+    def recording(completions, prompts, **kwargs):  # called once per generation batch, with its rows in order
+        drawn.append(list(prompts))
+        return [0.0] * len(completions)
+
+    args = config(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_iterations=2,
+                  max_steps=8)  # 8 prompts, 2 per generation batch: an epoch is 4 of them, 16 micro-batches
+    trainer = trainer_for(tmp_path, args=args, reward_funcs=recording, train_dataset=letters(1))
+    loader = trainer.get_train_dataloader()
+    assert isinstance(loader, torch.utils.data.DataLoader)
+    # as accelerate prepares TRL's: the rows per batch in batch_sampler.batch_size, batch_size None
+    assert (loader.batch_size, loader.batch_sampler.batch_size, loader.batch_sampler.drop_last, loader.num_workers,
+            loader.pin_memory, loader.persistent_workers, loader.prefetch_factor) == (None, 8, False, 0, True, False,
+                                                                                      None)  # fmt: skip
+    epoch = [[row["prompt"] for row in batch] for batch in loader]
+    assert len(epoch) == len(loader) == 4 * 2 * 2
+    assert all(epoch[i] == epoch[i - i % 4] for i in range(len(epoch)))  # each generation batch 4 times
+    generation_batches = epoch[::4]
+    assert all(batch == [p for p in batch[::4] for _ in range(4)] for batch in generation_batches)
+    assert sorted(p for batch in generation_batches for p in batch[::4]) == sorted(letters(1)["prompt"])  # shuffled
+    assert generation_batches != sorted(generation_batches)
+    trainer.train()  # 8 optimizer steps of 2 micro-batches: the epoch the loader gives
+    assert drawn == generation_batches
+    assert [[row["prompt"] for row in batch] for batch in trainer.get_train_dataloader()] == epoch  # a fresh copy
+
+
+def test_dataloaders_take_the_dataloader_fields_and_a_stream_one_worker(tmp_path):
+    """TRL's tests: a map-style train set keeps its workers when the eval set is a stream, whose loader alone uses
+    one, without changing args; the other dataloader_* fields reach the DataLoader as transformers passes them."""
+    args = config(tmp_path, dataloader_num_workers=4, dataloader_persistent_workers=True, dataloader_pin_memory=False,
+                  dataloader_prefetch_factor=3, num_generations_eval=2, per_device_eval_batch_size=4)  # fmt: skip
+    trainer = trainer_for(tmp_path, args=args, eval_dataset=stream(list(letters(1))))
+    train = trainer.get_train_dataloader()
+    assert (train.num_workers, train.persistent_workers, train.pin_memory, train.prefetch_factor) == (4, True, False, 3)
+    evaluation = trainer.get_eval_dataloader()
+    assert evaluation.num_workers == 0 and trainer.args.dataloader_num_workers == 4
+    # evaluate()'s rows: every prompt num_generations_eval times, in order, whole groups per batch
+    assert [[row["prompt"] for row in batch] for batch in evaluation] == \
+        [[p for p in pair for _ in range(2)] for pair in zip(*[iter(f"{c}:" for c in LETTERS)] * 2)]  # fmt: skip
+    named = trainer_for(tmp_path, eval_dataset={"few": letters(1).select(range(3))})
+    assert [len(batch) for batch in named.get_eval_dataloader("few")] == [8, 4]  # 8 rows: 2 prompts x 4 a batch
+    with pytest.raises(ValueError, match="evaluation requires an eval_dataset"):
+        trainer_for(tmp_path).get_eval_dataloader()
+    # A stream for training: one worker, the stream's rows in the loop's order.
+    streamed = trainer_for(tmp_path, args=config(tmp_path, dataloader_num_workers=0), train_dataset=stream(list(letters())))
+    rows = [[row["prompt"] for row in batch] for batch in streamed.get_train_dataloader()]
+    assert streamed.get_train_dataloader().num_workers == 0
+    assert [batch[::4] for batch in rows] == [[f"{a}:", f"{b}:"] for a, b in zip(*[iter(LETTERS * 2)] * 2)]
+
+
 # ------------------------------------------------------------------ steps that straddle generation batches
 
 
@@ -1238,3 +1295,4 @@ def test_a_dataset_of_environment_names_only_and_tool_metrics_without_calls(tmp_
     for record in records:
         assert record["tools/call_frequency"] == 0.0 and record["tools/failure_frequency"] == 0.0
         assert record["rewards/Riddles/mean"] == 0.5
+

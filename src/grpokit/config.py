@@ -142,6 +142,10 @@ def _deprecated(default, message: str, moved_to: str | None = None):
                                                       "moved_to": moved_to})  # fmt: skip
 
 
+# The dataloader_* fields' effect: on the DataLoaders TRL's API returns, not on the loop.
+LOADER_ONLY = ("the loop reads prompts in the main process; get_train_dataloader() and get_eval_dataloader() "
+               "(TRL's API) build their DataLoaders with it.")
+
 # transformers' AcceleratorConfig options and their defaults (transformers.trainer_pt_utils.AcceleratorConfig).
 ACCELERATOR_CONFIG_DEFAULTS = {"split_batches": False, "dispatch_batches": None, "even_batches": True,
                                "use_seedable_sampler": True, "non_blocking": False,
@@ -500,12 +504,11 @@ class GRPOConfig:
     remove_unused_columns: bool | None = _no_effect(False, "every column reaches the reward functions.")
     dataloader_drop_last: bool = _no_effect(False, "an epoch holds whole generation batches (as TRL's sampler), so no "
                                                   "batch is ever short.")
-    dataloader_num_workers: int = _no_effect(0, "prompts are read in the main process (no DataLoader).")
-    dataloader_pin_memory: bool = _no_effect(True, "prompts are read in the main process (no DataLoader).")
-    dataloader_persistent_workers: bool = _no_effect(False, "prompts are read in the main process (no DataLoader).")
-    dataloader_prefetch_factor: int | None = _no_effect(None, "prompts are read in the main process (no DataLoader).")
-    dataloader_multiprocessing_context: str | None = _no_effect(None, "prompts are read in the main process (no "
-                                                                      "DataLoader).")
+    dataloader_num_workers: int = _no_effect(0, LOADER_ONLY)
+    dataloader_pin_memory: bool = _no_effect(True, LOADER_ONLY)
+    dataloader_persistent_workers: bool = _no_effect(False, LOADER_ONLY)
+    dataloader_prefetch_factor: int | None = _no_effect(None, LOADER_ONLY)
+    dataloader_multiprocessing_context: str | None = _no_effect(None, LOADER_ONLY)
     dataloader_in_order: bool = _no_effect(True, "prompts are read in the main process, in order.")
     train_sampling_strategy: str = _no_effect("random", "TRL's GRPO ignores it too (its own prompt sampler); use "
                                                         "shuffle_dataset.")

@@ -25,6 +25,7 @@ from .batch import ScoredRollout, TrainBatch, per_token
 from .config import GRPOConfig
 from .cpu_memory import return_free_memory
 from .data import dataset_rows, is_iterable_dataset
+from .dataloaders import evaluation_share, generation_share
 from .distributed import is_sharded
 from .evaluation import evaluation_metrics, group_records
 from .logprobs import token_logprobs
@@ -171,8 +172,7 @@ class ExperienceMaker:
         per_process = args.generation_batch_size
         prompts = self.draw_prompts(per_process * acc.num_processes // args.num_generations)
         offset = acc.process_index * per_process
-        global_rows = [row for row in prompts for _ in range(args.num_generations)]  # each prompt G times
-        rows = global_rows[offset : offset + per_process]
+        rows = generation_share(prompts, args.num_generations, acc.process_index, per_process)
         seed = rollout_seed(args.seed, generation, acc.process_index)
         self.runner.sync_weights(self.policy())
         return self.runner.run(rows, group_counts(len(rows), args.num_generations, offset), seed)
@@ -376,7 +376,7 @@ class Evaluator:
         if is_iterable_dataset(dataset):
             dataset = dataset_rows(dataset)
         n, names = args.num_generations_eval, maker.scorer.names
-        indices = list(range(acc.process_index, len(dataset), acc.num_processes))
+        indices = evaluation_share(len(dataset), acc.process_index, acc.num_processes)
         prompts_per_batch = max(1, args.per_device_eval_batch_size // n)
         batches = math.ceil(len(indices) / prompts_per_batch)
         if is_sharded(maker.policy()):  # every process samples as many batches as the busiest one

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 from accelerate.utils.memory import clear_device_cache
+from torch.utils.data import DataLoader
 
 from .batch import TrainBatch
 from .build import (
@@ -66,6 +67,7 @@ from .config import GRPOConfig
 from .cpu_matmul import release_scratch
 from .cpu_memory import reuse_activation_memory
 from .data import is_iterable_dataset, named_eval_datasets
+from .dataloaders import eval_dataloader, train_dataloader
 from .distributed import all_processes_done, at_least_global_quantile, build_accelerator, is_sharded, unwrap_model
 from .experience import Evaluator, ExperienceMaker
 from .hub import check_hub, push_folder
@@ -467,6 +469,27 @@ class GRPOTrainer:
             step_stats[f"clip_ratio/region_mean_staleness_{self._batch_staleness}"] = clipped
         self._step_stats.append(step_stats)
         return loss
+
+    # ------------------------------------------------------------------------------------------ dataloaders
+
+    def get_train_dataloader(self) -> DataLoader:
+        """TRL's: a torch DataLoader over the rows this process trains on, in the order the loop draws them and in
+        TRL's layout (a batch is this process's generation batch, each prompt num_generations times; repeated
+        steps_per_generation × num_iterations times; an epoch per pass), with the dataloader_* fields. The loop
+        reads prompts itself; this loader replays its draws from a copy of its sampler (grpokit.dataloaders)."""
+        acc = self.accelerator
+        return train_dataloader(self.train_dataset, self.sampler, self.args, acc.process_index, acc.num_processes)
+
+    def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
+        """TRL's: a torch DataLoader over this process's evaluation rows, as `evaluate` samples them. `eval_dataset`:
+        a dataset, the name of one of the trainer's named eval sets, or None for the trainer's."""
+        if eval_dataset is None and self.eval_dataset is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        acc = self.accelerator
+        return eval_dataloader(self.eval_dataset if eval_dataset is None else eval_dataset, self.args,
+                               acc.process_index, acc.num_processes)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------- generation
 
