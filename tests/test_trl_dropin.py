@@ -1296,3 +1296,58 @@ def test_a_dataset_of_environment_names_only_and_tool_metrics_without_calls(tmp_
         assert record["tools/call_frequency"] == 0.0 and record["tools/failure_frequency"] == 0.0
         assert record["rewards/Riddles/mean"] == 0.5
 
+
+# ---------------------------------------------------------------------------- compute_loss on TRL's dict
+
+
+def trl_inputs(batch: TrainBatch, num_items_in_batch: torch.Tensor) -> dict:
+    """A micro-batch in the layout of TRL 1.16's `_generate_and_score_completions` output."""
+    return {"prompt_ids": batch.prompt_ids, "prompt_mask": batch.prompt_mask, "completion_ids": batch.completion_ids,
+            "completion_mask": batch.attention_mask, "advantages": batch.advantages[:, 0],
+            "num_items_in_batch": num_items_in_batch, "old_per_token_logps": batch.old_logprobs,
+            "ref_per_token_logps": batch.ref_logprobs}  # fmt: skip
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_compute_loss_takes_trls_dict_and_gives_trls_loss(tmp_path, training):
+    """TRL's tests and subclasses call compute_loss(model, inputs) with TRL's dict: grpokit's gives the loss of TRL
+    1.16's own compute_loss on the same dict and weights (π_old and π_ref away from the policy, μ = 2, 2 accumulation
+    steps, 4 micro-batches per generation batch), and the loss of the same rows as a TrainBatch with those counts."""
+    trl = pytest.importorskip("trl")
+    from grpokit.batch import trl_loss_counts
+    from grpokit.testing import save_tiny_model
+
+    model_dir = str(save_tiny_model(tmp_path / "tiny", chars=LETTERS + ":", hidden_size=32))
+    values = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=3, gradient_accumulation_steps=2,
+                  steps_per_generation=4, num_iterations=2, beta=0.04, bf16=False, report_to="none",
+                  save_strategy="no", gradient_checkpointing=False, epsilon_high=0.28)  # fmt: skip
+    ours = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letters(),
+                       args=GRPOConfig(output_dir=str(tmp_path / "ours"), **values))  # fmt: skip
+    theirs = trl.GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letters(),
+                             args=trl.GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **values))
+    generation = ours.generate_batch()
+    assert generation.old_logprobs is not None and generation.ref_logprobs is not None
+    with torch.no_grad():  # the same step away from π_old on both policies: ratios other than 1, some clipped
+        for model in (ours.unwrapped_model, theirs.model):
+            generator = torch.Generator().manual_seed(1)
+            for parameter in model.parameters():
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    for model in (ours.model, theirs.model):
+        model.train(training)
+    theirs.current_gradient_accumulation_steps = values["gradient_accumulation_steps"]  # set by TRL's loop
+    micro_batch = generation.split(4)[1]
+    inputs = trl_inputs(micro_batch, generation.loss_mask.sum())
+    losses = []
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo"):
+        ours.args.loss_type = theirs.loss_type = loss_type
+        expected = theirs.compute_loss(theirs.model, dict(inputs))
+        losses.append(expected.item())
+        loss = ours.compute_loss(ours.model, dict(inputs))
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7, msg=loss_type)
+        accumulation, steps = (2, 4) if training else (1, 1)
+        counts = trl_loss_counts(micro_batch, inputs["num_items_in_batch"], accumulation, steps, 1)
+        as_batch = ours.compute_loss(ours.model, micro_batch, num_items_in_batch=counts)
+        torch.testing.assert_close(as_batch, loss, rtol=1e-6, atol=1e-8, msg=loss_type)
+    assert len({round(value, 6) for value in losses}) == 5, losses  # five normalisations, told apart
+    with pytest.raises(ValueError, match=r"without \['advantages'\]"):
+        ours.compute_loss(ours.model, {k: v for k, v in inputs.items() if k != "advantages"})

@@ -34,7 +34,7 @@ import torch
 from accelerate.utils.memory import clear_device_cache
 from torch.utils.data import DataLoader
 
-from .batch import TrainBatch
+from .batch import TrainBatch, trl_loss_counts
 from .build import (
     activation_offload,
     as_steps,
@@ -422,14 +422,24 @@ class GRPOTrainer:
         self.stepper.backward(loss)
         return loss.detach()
 
-    def compute_loss(self, model, inputs: TrainBatch, return_outputs: bool = False, num_items_in_batch=None):
+    def compute_loss(self, model, inputs: TrainBatch | dict, return_outputs: bool = False, num_items_in_batch=None):
         """TRL's hook: the GRPO loss of one micro-batch (`inputs`, a `TrainBatch`) under `model`. Unlike TRL's, the
         loss is normalised by the counts of the whole optimizer step's window (grpokit's exact accumulation):
         `num_items_in_batch` = (sequences, tokens, micro-batches) of the window; None: the current step's. Its
-        metrics join the step's. As in TRL, return_outputs=True is refused."""
+        metrics join the step's. As in TRL, return_outputs=True is refused.
+        `inputs` may also be a dict in TRL's layout (`TrainBatch.from_trl_inputs`): its loss is then TRL's number,
+        normalised as TRL normalises a micro-batch (`batch.trl_loss_counts`; `num_items_in_batch` unused, as TRL's)."""
         if return_outputs:
             raise ValueError("The GRPOTrainer does not support returning outputs")
         args, controller = self.args, self.entropy_controller
+        if isinstance(inputs, dict):
+            training = self.model.training  # TRL's mode: no accumulation in evaluation
+            batch = TrainBatch.from_trl_inputs(inputs)
+            num_items_in_batch = trl_loss_counts(batch, inputs.get("num_items_in_batch"),
+                                                 args.gradient_accumulation_steps if training else 1,
+                                                 args.steps_per_generation if training else 1,
+                                                 self.accelerator.num_processes)  # fmt: skip
+            inputs = batch
         num_sequences, num_tokens, num_micro_batches = num_items_in_batch or self._window_counts or \
             (len(inputs), inputs.loss_mask.sum().item(), 1)  # fmt: skip
         batch = inputs.trimmed()
