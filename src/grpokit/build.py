@@ -82,7 +82,7 @@ def check_run(args: GRPOConfig, train_dataset, eval_dataset, rollout_engine, too
     if eval_dataset is None and args.eval_on_start:
         raise ValueError("eval_on_start=True needs an eval_dataset: pass GRPOTrainer(eval_dataset=...), or set "
                          "eval_on_start=False.")  # fmt: skip
-    if args.dynamic_sampling and (args.generation_batch_size % args.num_generations):
+    if args.dynamic_sampling and (args.generation_batch_per_process % args.num_generations):
         raise ValueError("dynamic_sampling keeps or drops whole groups: make the per-process generation batch a "
                          "multiple of num_generations.")  # fmt: skip
     if args.dynamic_sampling and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -148,7 +148,7 @@ def total_steps(args: GRPOConfig, train_dataset, num_processes: int) -> int:
     """max_steps, or the optimizer steps that num_train_epochs passes over the prompts take."""
     if args.max_steps > 0:
         return args.max_steps
-    prompts_per_generation = args.generation_batch_size * num_processes // args.num_generations
+    prompts_per_generation = args.generation_batch_size // args.num_generations
     num_prompts = prompts_per_epoch(len(train_dataset), prompts_per_generation)
     generations = math.ceil(args.num_train_epochs * num_prompts / prompts_per_generation)
     micro_batches = generations * args.steps_per_generation * args.num_iterations
@@ -436,7 +436,7 @@ def build_sampler(train_dataset, args: GRPOConfig, num_processes: int) -> Prompt
     if is_iterable_dataset(train_dataset):
         return StreamSampler(train_dataset)
     return PromptSampler(len(train_dataset), args.data_seed or args.seed, args.shuffle_dataset,
-                         args.generation_batch_size * num_processes // args.num_generations)  # fmt: skip
+                         args.generation_batch_size // args.num_generations)  # fmt: skip
 
 
 def build_teacher(teacher_model, args: GRPOConfig, device, student, processing_class):

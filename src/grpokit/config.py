@@ -23,6 +23,7 @@ import enum
 import importlib.util
 import json
 import math
+import os
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -246,8 +247,11 @@ class GRPOConfig:
     # ---- data and generation
     num_generations: int | None = _f(8, "G: completions sampled per prompt.")
     max_completion_length: int | None = _f(512, "Stop a completion after this many tokens.")
-    generation_batch_size: int | None = _f(None, "Completions per process per generation (default: "
-                                                 "per_device_train_batch_size * steps_per_generation).")
+    generation_batch_size: int | None = _f(None, "Completions per generation, all processes together, as in TRL "
+                                                 "(default: per_device_train_batch_size * number of processes * "
+                                                 "steps_per_generation; the processes are counted from WORLD_SIZE, "
+                                                 "which torchrun and accelerate launch set). Each process samples "
+                                                 "per_device_train_batch_size * steps_per_generation of them.")
     steps_per_generation: int | None = _f(None, "Micro-steps per generation (default: gradient_accumulation_steps).")
     temperature: float = _f(1.0, "Sampling temperature (also divides the logits of the training forward).")
     top_p: float = _f(1.0, "Nucleus sampling: keep the smallest set of tokens with this total probability.")
@@ -898,27 +902,39 @@ class GRPOConfig:
             self.num_generations_eval = self.num_generations
 
     def _derive_generation_batch(self) -> None:
+        """TRL's GRPOConfig.__post_init__ arithmetic: generation_batch_size is global (all processes), counted from
+        the launcher's WORLD_SIZE; steps_per_generation is each process's."""
         if not isinstance(self.per_device_train_batch_size, int) or self.per_device_train_batch_size < 1:
             return  # validate() names the field
+        global_batch = self.per_device_train_batch_size * launched_processes()
         if self.steps_per_generation is None and self.generation_batch_size is not None:
-            if self.generation_batch_size % self.per_device_train_batch_size:
-                raise ValueError(
-                    f"generation_batch_size ({self.generation_batch_size}) must be a multiple of "
-                    f"per_device_train_batch_size ({self.per_device_train_batch_size})."
+            if self.generation_batch_size % global_batch:
+                raise ValueError(  # TRL's words first
+                    f"generation_batch_size ({self.generation_batch_size}) must be divisible by the global batch size "
+                    f"({global_batch}): per_device_train_batch_size ({self.per_device_train_batch_size}) x "
+                    f"{launched_processes()} process(es); generation_batch_size counts the completions of all "
+                    f"processes, as in TRL."
                 )
-            self.steps_per_generation = self.generation_batch_size // self.per_device_train_batch_size
+            self.steps_per_generation = self.generation_batch_size // global_batch
         elif self.generation_batch_size is not None and self.generation_batch_size != (
-            self.per_device_train_batch_size * self.steps_per_generation
+            global_batch * self.steps_per_generation
         ):
             raise ValueError(
                 f"generation_batch_size ({self.generation_batch_size}) and steps_per_generation "
                 f"({self.steps_per_generation}) disagree: generation_batch_size must equal "
-                f"per_device_train_batch_size x steps_per_generation. Set only one of them."
+                f"per_device_train_batch_size x processes ({launched_processes()}) x steps_per_generation. Set only "
+                f"one of them."
             )
         if self.steps_per_generation is None:
             self.steps_per_generation = self.gradient_accumulation_steps
         if isinstance(self.steps_per_generation, int):
-            self.generation_batch_size = self.per_device_train_batch_size * self.steps_per_generation
+            self.generation_batch_size = global_batch * self.steps_per_generation
+
+    @property
+    def generation_batch_per_process(self) -> int:
+        """The completions each process samples per generation: per_device_train_batch_size x steps_per_generation
+        (generation_batch_size / number of processes)."""
+        return self.per_device_train_batch_size * self.steps_per_generation
 
     def _warn_not_implemented(self) -> None:
         for name, message in NOT_IMPLEMENTED.items():
@@ -1161,11 +1177,22 @@ class GRPOConfig:
                      "{'zero_optimization': {'stage': 2}}.")
 
     def check_batch(self, num_processes: int) -> None:
-        """The global generation batch must hold whole groups of num_generations (TRL's rule)."""
-        global_batch = self.generation_batch_size * num_processes
+        """The generation batch counts the run's processes, and holds whole groups of num_generations (TRL's rule).
+        A generation_batch_size derived for another number of processes (no WORLD_SIZE when the config was made)
+        is derived again; one the user gave cannot be, and is refused."""
+        global_batch = self.generation_batch_per_process * num_processes
+        if self.generation_batch_size != global_batch:
+            if (getattr(self, "_as_written", None) or {}).get("generation_batch_size") is not None:
+                raise ValueError(
+                    f"generation_batch_size ({self.generation_batch_size}) was read for {launched_processes()} "
+                    f"process(es) (WORLD_SIZE when the config was made), but the run has {num_processes}: make the "
+                    f"config in the launched processes (after torchrun / accelerate launch set WORLD_SIZE), or set "
+                    f"steps_per_generation instead."
+                )
+            self.generation_batch_size = global_batch
         if global_batch % self.num_generations:
             valid = [g for g in range(2, global_batch + 1) if global_batch % g == 0]
-            raise ValueError(  # TRL's phrase first (its generation_batch_size is the global one)
+            raise ValueError(  # TRL's phrase first
                 f"generation_batch_size ({global_batch}) must be divisible by num_generations "
                 f"({self.num_generations}): the global generation batch ({num_processes} process(es) x "
                 f"per_device_train_batch_size {self.per_device_train_batch_size} x steps_per_generation "
@@ -1204,6 +1231,12 @@ class GRPOConfig:
             # A saved config keeps a warm-up fraction in warmup_ratio; load it under its current name.
             values["warmup_steps"] = values.pop("warmup_ratio")
         return cls(**values)
+
+
+def launched_processes() -> int:
+    """The processes of the run as the launcher set them (torchrun, accelerate launch: WORLD_SIZE), 1 without one:
+    TRL's GRPOConfig derives generation_batch_size from its world_size when it is made."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _same(value, neutral) -> bool:

@@ -47,8 +47,8 @@ class _EpochDraws:
         self.sampler = copy.copy(sampler)
         self.sampler.load_state_dict({"epoch": 0, "position": 0})
         self.args, self.process_index = args, process_index
-        self.per_process = args.generation_batch_size
-        self.prompts = self.per_process * num_processes // args.num_generations
+        self.per_process = args.generation_batch_per_process
+        self.prompts = args.generation_batch_size // args.num_generations
         self.next_epochs = None  # a batch drawn, of the next epoch's prompts (a stream's end found late)
 
     def one_epoch(self, draw) -> list:

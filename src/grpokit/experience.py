@@ -6,9 +6,9 @@ processes), the completions-log rows, the tokens it consumed and how many rollou
 the trainer: the trainer decides what to record. That is what lets the maker run ahead of training (a producer) as
 well as in step with it.
 
-Batch semantics are TRL's: a process generates `generation_batch_size` completions at a time (G per prompt; a
-prompt's group may span processes, so advantages are computed over the whole global batch), and its rows come
-shuffled so that each optimizer step sees a mix of groups.
+Batch semantics are TRL's: the processes generate `generation_batch_size` completions at a time, together (G per
+prompt; a prompt's group may span processes, so advantages are computed over the whole global batch), and each
+process's rows come shuffled so that each optimizer step sees a mix of groups.
 """
 
 from __future__ import annotations
@@ -162,15 +162,15 @@ class ExperienceMaker:
 
     def _sample_and_score(self, generation: int, trainer_state) -> ScoredRollout:
         """Draw this process's next rows, sample their completions and score them."""
-        offset = self.accelerator.process_index * self.args.generation_batch_size
+        offset = self.accelerator.process_index * self.args.generation_batch_per_process
         return self._score(self.sample(generation), offset, trainer_state)
 
     def sample(self, generation: int) -> Generation:
         """This process's next rows (each prompt G times), sampled with the policy's current weights, from the
         rollout seed of `generation`."""
         args, acc = self.args, self.accelerator
-        per_process = args.generation_batch_size
-        prompts = self.draw_prompts(per_process * acc.num_processes // args.num_generations)
+        per_process = args.generation_batch_per_process
+        prompts = self.draw_prompts(args.generation_batch_size // args.num_generations)
         offset = acc.process_index * per_process
         rows = generation_share(prompts, args.num_generations, acc.process_index, per_process)
         seed = rollout_seed(args.seed, generation, acc.process_index)

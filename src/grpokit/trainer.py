@@ -11,8 +11,8 @@ One training step, top to bottom (`train`):
         one optimizer step                                             (`OptimizerStepper`)
         log, evaluate, save
 
-Batch semantics are TRL's: a process generates `generation_batch_size` = per_device_train_batch_size ×
-steps_per_generation completions at a time (G per prompt; a prompt's group may span processes) and reuses them μ
+Batch semantics are TRL's: the processes generate `generation_batch_size` = per_device_train_batch_size × processes
+× steps_per_generation completions at a time (G per prompt; a prompt's group may span processes) and reuses them μ
 times. An optimizer step may take micro-batches from two generation batches (steps_per_generation need not be a
 multiple of gradient_accumulation_steps). Micro-batch losses are normalised by the counts of the whole optimizer
 step's window, so how it is split does not change the update (except for `bnpo`, a per-micro-batch mean by
