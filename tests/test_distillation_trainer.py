@@ -114,6 +114,34 @@ def test_a_trl_distillation_script_runs_with_only_the_import_changed(student_dir
         assert set(theirs) <= set(ours), set(theirs) - set(ours)
 
 
+READ_THE_DATALOADER = """dataloader = trainer.get_train_dataloader()
+first = next(iter(dataloader))
+batching = {"rows per batch": dataloader.batch_sampler.batch_size, "batch_size": dataloader.batch_size,
+            "num_workers": dataloader.num_workers, "persistent_workers": dataloader.persistent_workers,
+            "batches per epoch": len(dataloader), "first batch": [row["prompt"] for row in first]}
+trainer.train("""
+
+
+def test_a_trl_distillation_script_reading_the_train_dataloader_runs_with_only_the_import_changed(
+        student_dir, teacher_dir, tmp_path):  # fmt: skip
+    """TRL's script, reading `trainer.get_train_dataloader()` before training: under grpokit it trains, and the
+    batching is TRL 1.16's (one process; the epoch's seeded order too)."""
+    pytest.importorskip("trl")
+    runs = {}
+    for library in ("trl", "grpokit"):
+        script = TRL_SCRIPT.format(output_dir=str(tmp_path / library), teacher=teacher_dir, student=student_dir)
+        script = script.replace("trainer.train(", READ_THE_DATALOADER).replace("from grpokit import",
+                                                                              f"from {library} import")  # fmt: skip
+        runs[library] = {}
+        exec(compile(script, "distillation.py", "exec"), runs[library])
+    assert runs["grpokit"]["trainer"].state.global_step == 2
+    batching = runs["grpokit"]["batching"]
+    assert batching == runs["trl"]["batching"]
+    # 4 prompts x gradient_accumulation_steps 2 a batch, no repeats (num_generations 1); 16 prompts: 2 generation
+    # batches, each twice (once per micro-batch of the window)
+    assert (batching["rows per batch"], batching["batch_size"], batching["batches per epoch"]) == (8, None, 4)
+
+
 def test_the_loop_config_is_trls_distillation_batching():
     args = loop_config_of(DistillationConfig(output_dir="x", per_device_train_batch_size=4,
                                              gradient_accumulation_steps=3, beta=0.5))  # fmt: skip

@@ -101,8 +101,8 @@ SCRIPT = textwrap.dedent(
                           adam_epsilon=1e6, **values)
             trainer = GRPOTrainer(model=spec["model"], reward_funcs=recording_reward(os.devnull, 0.0), args=args,
                                   train_dataset=dataset())
-            rows = slice(trainer.accelerator.process_index * args.generation_batch_size,
-                         (trainer.accelerator.process_index + 1) * args.generation_batch_size)
+            rows = slice(trainer.accelerator.process_index * args.generation_batch_per_process,
+                         (trainer.accelerator.process_index + 1) * args.generation_batch_per_process)
             trainer.generate_batch = lambda: batch.select(rows)
             trainer.train()
             # Full weights (gathered under FSDP2, where only the main process gets them).
@@ -519,6 +519,61 @@ def test_example_script_under_accelerate_launch(tmp_path, launch_config):
     # FSDP2 really sharded: its optimizer state was gathered by parameter name (DDP's is the optimizer's own).
     optimizer = torch.load(tmp_path / "out" / "checkpoint-30" / "optimizer.pt", weights_only=False)
     assert all(isinstance(key, str) for key in optimizer["state"]) == (launch_config == "fsdp2.yaml")
+
+
+GENERATION_BATCH_SCRIPT = textwrap.dedent(
+    '''
+    import json, os, sys
+
+    from datasets import Dataset
+
+    from grpokit import GRPOConfig, GRPOTrainer
+
+    # A TRL script's batch: generation_batch_size counts the completions of all processes.
+    VALUES = dict(per_device_train_batch_size=4, generation_batch_size=16, num_generations=4)
+
+
+    def main(spec_path):
+        spec = json.load(open(spec_path))[0]
+        sampled = []
+
+        def reward(completions, **kwargs):  # called once per generation batch, with this process's rows
+            sampled.append(len(completions))
+            return [float(len(c)) for c in completions]
+
+        args = GRPOConfig(output_dir=spec["out"], max_completion_length=2, max_steps=4, save_strategy="no",
+                          disable_tqdm=True, report_to="none", seed=0, **VALUES)
+        dataset = Dataset.from_list([{"prompt": f"{a}{b}:"} for a in "abcdefgh" for b in "abcdefgh"])
+        trainer = GRPOTrainer(model=spec["model"], reward_funcs=reward, args=args, train_dataset=dataset)
+        trainer.train()
+        import trl
+
+        theirs = trl.GRPOConfig(output_dir=spec["out"], use_cpu=True, bf16=False, report_to="none", **VALUES)
+        record = {"sampled": sampled, "ours": [args.generation_batch_size, args.steps_per_generation],
+                  "trl": [theirs.generation_batch_size, theirs.steps_per_generation, theirs.world_size],
+                  "steps": trainer.state.global_step}
+        with open(os.path.join(spec["out"], f"rank{os.environ['RANK']}.json"), "w") as handle:
+            json.dump(record, handle)
+
+
+    if __name__ == "__main__":
+        main(sys.argv[1])
+    '''
+)
+
+
+def test_generation_batch_size_counts_all_processes_as_trls(model_dir, tmp_path):
+    """A TRL script's generation_batch_size=16 with per_device_train_batch_size=4 on 2 processes: TRL's own GRPOConfig
+    derives steps_per_generation = 16 / (4 x 2) = 2 and samples 16 completions per generation, 8 per process; so does
+    grpokit (it sampled 16 per process, 32 in all, before)."""
+    pytest.importorskip("trl")
+    launch(tmp_path, {"model": model_dir, "out": str(tmp_path)}, script=GENERATION_BATCH_SCRIPT)
+    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for record in records:
+        assert record["trl"] == [16, 2, 2]  # TRL 1.16's arithmetic, in the same launched process
+        assert record["ours"] == record["trl"][:2]
+        assert record["sampled"] == [8, 8] and record["steps"] == 4  # 2 generation batches of 2 optimizer steps
+    assert sum(records[0]["sampled"][:1] + records[1]["sampled"][:1]) == 16  # one generation, all processes
 
 
 @pytest.mark.slow

@@ -263,6 +263,125 @@ def test_a_trl_rloo_script_runs_with_only_the_import_changed(tmp_path):
     assert trainer.evaluate(scope["dataset"].select(range(4)))["eval_loss"] == pytest.approx(0.0, abs=1e-6)
 
 
+# ------------------------------------------------------------------------- TRL's batch count per epoch
+
+# TRL's test_prepare_input_called_with_correct_data (tests/test_rloo_trainer.py): its config, on its 17-prompt set.
+TRL_COUNT_CONFIG = dict(gradient_accumulation_steps=3, steps_per_generation=4, num_generations=4,
+                        per_device_train_batch_size=6, num_iterations=2, shuffle_dataset=False)  # fmt: skip
+TRL_COUNT_PROMPTS = 17
+
+
+def trls_training_step_calls(num_train_epochs: int = 3) -> int:
+    """TRL's count, from TRL's own code: its RepeatSampler behind the train DataLoader (an epoch holds whole
+    generation batches of 24 / 4 = 6 prompts: 2, the 5 prompts left over are skipped, each batch repeated
+    steps_per_generation x num_iterations times), one `training_step` per DataLoader batch of
+    per_device_train_batch_size x steps_per_generation rows (transformers' loop), num_train_epochs epochs."""
+    pytest.importorskip("trl")
+    from trl.trainer.utils import RepeatSampler
+
+    c = TRL_COUNT_CONFIG
+    rows_per_batch = c["per_device_train_batch_size"] * c["steps_per_generation"]
+    sampler = RepeatSampler(list(range(TRL_COUNT_PROMPTS)), mini_repeat_count=c["num_generations"],
+                            batch_size=rows_per_batch // c["num_generations"],
+                            repeat_count=c["num_iterations"] * c["steps_per_generation"], shuffle=False)  # fmt: skip
+    return num_train_epochs * len(list(sampler)) // rows_per_batch
+
+
+class CountingRLOOTrainer(RLOOTrainer):
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.training_steps = getattr(self, "training_steps", 0) + 1
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def test_training_step_is_called_as_often_as_in_trl(tmp_path):
+    """TRL's test counts 48 `training_step` calls for its config (3 epochs x 2 generation batches x 8); grpokit made
+    72 (3 generation batches per epoch: the 5 prompts left over made a third batch with the next epoch's first).
+    An epoch now holds whole generation batches, as TRL's sampler: the same count, and the same prompts."""
+    model, tokenizer = tiny_letter_model()
+    prompts = [f"{a}{b}:" for a in LETTERS for b in LETTERS][:TRL_COUNT_PROMPTS]
+    seen = []
+
+    def recording(completions, prompts, **kwargs):
+        seen.append(sorted(set(prompts)))
+        return [float(len(c)) for c in completions]
+
+    args = RLOOConfig(output_dir=str(tmp_path / "out"), max_completion_length=2, learning_rate=0.1, save_strategy="no",
+                      disable_tqdm=True, report_to="none", bf16=False, gradient_checkpointing=False, beta=0.0,
+                      **TRL_COUNT_CONFIG)  # fmt: skip
+    trainer = CountingRLOOTrainer(model=model, reward_funcs=recording, args=args, processing_class=tokenizer,
+                                  train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]))  # fmt: skip
+    trainer.train()
+    assert trls_training_step_calls() == 48  # TRL's test's own figure
+    assert trainer.training_steps == trls_training_step_calls() == 48
+    # 48 micro-batches in windows of 3 (TRL steps 18 times: transformers ends each epoch's window early)
+    assert trainer.state.global_step == 16 and trainer.state.epoch == 3
+    assert seen == [sorted(prompts[:6]), sorted(prompts[6:12])] * 3  # shuffle_dataset=False: TRL's batches
+
+
+@pytest.mark.slow
+def test_trls_own_rloo_trainer_calls_training_step_48_times(tmp_path):
+    """The figure trls_training_step_calls derives, from TRL 1.16's RLOOTrainer itself on the tiny model (about a
+    minute on a CPU)."""
+    trl = pytest.importorskip("trl")
+    model, tokenizer = tiny_letter_model()
+    prompts = [f"{a}{b}:" for a in LETTERS for b in LETTERS][:TRL_COUNT_PROMPTS]
+
+    class Counting(trl.RLOOTrainer):
+        def training_step(self, *args, **kwargs):
+            self.training_steps = getattr(self, "training_steps", 0) + 1
+            return super().training_step(*args, **kwargs)
+
+    args = trl.RLOOConfig(output_dir=str(tmp_path / "out"), max_completion_length=2, learning_rate=0.1,
+                          save_strategy="no", disable_tqdm=True, report_to="none", bf16=False, use_cpu=True,
+                          beta=0.0, **TRL_COUNT_CONFIG)  # fmt: skip
+    trainer = Counting(model=model, reward_funcs=lambda completions, **kwargs: [1.0] * len(completions), args=args,
+                       processing_class=tokenizer, train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]))
+    trainer.train()
+    assert trainer.training_steps == trls_training_step_calls() == 48
+
+
+TRL_RLOO_DATALOADER_SCRIPT = '''
+from datasets import Dataset
+from trl import RLOOConfig, RLOOTrainer
+
+dataset = Dataset.from_list([{"prompt": c + ":"} for c in "abcdefgh"] * 4)
+
+
+def reward_len(completions, **kwargs):
+    return [-abs(3 - len(completion)) for completion in completions]
+
+
+training_args = RLOOConfig(output_dir=OUTPUT_DIR, per_device_train_batch_size=8, gradient_accumulation_steps=2,
+                           max_completion_length=4, max_steps=2, report_to="none", use_cpu=True, bf16=False)
+trainer = RLOOTrainer(model=MODEL, reward_funcs=reward_len, args=training_args, train_dataset=dataset)
+dataloader = trainer.get_train_dataloader()
+first = next(iter(dataloader))
+batching = {"rows per batch": dataloader.batch_sampler.batch_size, "batch_size": dataloader.batch_size,
+            "num_workers": dataloader.num_workers, "batches per epoch": len(dataloader),
+            "first batch": [row["prompt"] for row in first]}
+trainer.train()
+'''
+
+
+def test_a_trl_rloo_script_reading_the_train_dataloader_runs_with_only_the_import_changed(tmp_path):
+    """The same script under TRL 1.16 and under grpokit: the same batching, the same first batch (the epoch's seeded
+    order is TRL's: torch.randperm with a generator seeded with `seed`)."""
+    pytest.importorskip("trl")
+    model_dir = str(save_tiny_model(tmp_path / "tiny", chars=LETTERS + ":", hidden_size=32))
+    runs = {}
+    for library in ("trl", "grpokit"):
+        scope = {"OUTPUT_DIR": str(tmp_path / library), "MODEL": model_dir}
+        script = TRL_RLOO_DATALOADER_SCRIPT.replace("from trl import", f"from {library} import")
+        exec(compile(script, "train_rloo.py", "exec"), scope)
+        runs[library] = scope
+    assert runs["grpokit"]["trainer"].state.global_step == 2
+    batching = runs["grpokit"]["batching"]
+    assert batching == runs["trl"]["batching"]
+    # 8 rows (4 prompts x 2 generations) x steps_per_generation 2; 4 generation batches in 32 prompts, each twice
+    assert (batching["rows per batch"], batching["batch_size"], batching["batches per epoch"]) == (16, None, 8)
+    assert batching["first batch"][::2] == batching["first batch"][1::2]
+
+
 # ------------------------------------------------------------------------------------------------ learning
 
 

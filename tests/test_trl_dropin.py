@@ -256,6 +256,63 @@ def test_sequence_level_with_a_token_sum_warns(tmp_path, caplog):
     assert "effectively weights each sequence by its length" in caplog.text
 
 
+# ------------------------------------------------------------------------------- TRL's DataLoaders
+
+
+def test_get_train_dataloader_replays_the_loops_draws_in_trls_layout(tmp_path):
+    """A torch DataLoader whose batches are this process's generation batches (each prompt num_generations times in
+    a row), each repeated steps_per_generation x num_iterations times, in the order the loop then draws them."""
+    drawn = []
+
+    def recording(completions, prompts, **kwargs):  # called once per generation batch, with its rows in order
+        drawn.append(list(prompts))
+        return [0.0] * len(completions)
+
+    args = config(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_iterations=2,
+                  max_steps=8)  # 8 prompts, 2 per generation batch: an epoch is 4 of them, 16 micro-batches
+    trainer = trainer_for(tmp_path, args=args, reward_funcs=recording, train_dataset=letters(1))
+    loader = trainer.get_train_dataloader()
+    assert isinstance(loader, torch.utils.data.DataLoader)
+    # as accelerate prepares TRL's: the rows per batch in batch_sampler.batch_size, batch_size None
+    assert (loader.batch_size, loader.batch_sampler.batch_size, loader.batch_sampler.drop_last, loader.num_workers,
+            loader.pin_memory, loader.persistent_workers, loader.prefetch_factor) == (None, 8, False, 0, True, False,
+                                                                                      None)  # fmt: skip
+    epoch = [[row["prompt"] for row in batch] for batch in loader]
+    assert len(epoch) == len(loader) == 4 * 2 * 2
+    assert all(epoch[i] == epoch[i - i % 4] for i in range(len(epoch)))  # each generation batch 4 times
+    generation_batches = epoch[::4]
+    assert all(batch == [p for p in batch[::4] for _ in range(4)] for batch in generation_batches)
+    assert sorted(p for batch in generation_batches for p in batch[::4]) == sorted(letters(1)["prompt"])  # shuffled
+    assert generation_batches != sorted(generation_batches)
+    trainer.train()  # 8 optimizer steps of 2 micro-batches: the epoch the loader gives
+    assert drawn == generation_batches
+    assert [[row["prompt"] for row in batch] for batch in trainer.get_train_dataloader()] == epoch  # a fresh copy
+
+
+def test_dataloaders_take_the_dataloader_fields_and_a_stream_one_worker(tmp_path):
+    """TRL's tests: a map-style train set keeps its workers when the eval set is a stream, whose loader alone uses
+    one, without changing args; the other dataloader_* fields reach the DataLoader as transformers passes them."""
+    args = config(tmp_path, dataloader_num_workers=4, dataloader_persistent_workers=True, dataloader_pin_memory=False,
+                  dataloader_prefetch_factor=3, num_generations_eval=2, per_device_eval_batch_size=4)  # fmt: skip
+    trainer = trainer_for(tmp_path, args=args, eval_dataset=stream(list(letters(1))))
+    train = trainer.get_train_dataloader()
+    assert (train.num_workers, train.persistent_workers, train.pin_memory, train.prefetch_factor) == (4, True, False, 3)
+    evaluation = trainer.get_eval_dataloader()
+    assert evaluation.num_workers == 0 and trainer.args.dataloader_num_workers == 4
+    # evaluate()'s rows: every prompt num_generations_eval times, in order, whole groups per batch
+    assert [[row["prompt"] for row in batch] for batch in evaluation] == \
+        [[p for p in pair for _ in range(2)] for pair in zip(*[iter(f"{c}:" for c in LETTERS)] * 2)]  # fmt: skip
+    named = trainer_for(tmp_path, eval_dataset={"few": letters(1).select(range(3))})
+    assert [len(batch) for batch in named.get_eval_dataloader("few")] == [8, 4]  # 8 rows: 2 prompts x 4 a batch
+    with pytest.raises(ValueError, match="evaluation requires an eval_dataset"):
+        trainer_for(tmp_path).get_eval_dataloader()
+    # A stream for training: one worker, the stream's rows in the loop's order.
+    streamed = trainer_for(tmp_path, args=config(tmp_path, dataloader_num_workers=0), train_dataset=stream(list(letters())))
+    rows = [[row["prompt"] for row in batch] for batch in streamed.get_train_dataloader()]
+    assert streamed.get_train_dataloader().num_workers == 0
+    assert [batch[::4] for batch in rows] == [[f"{a}:", f"{b}:"] for a, b in zip(*[iter(LETTERS * 2)] * 2)]
+
+
 # ------------------------------------------------------------------ steps that straddle generation batches
 
 
@@ -718,9 +775,40 @@ def test_accelerator_config_is_read_from_a_dict_a_json_string_a_file_or_an_accel
     path.write_text(json.dumps(given))
     for form in (given, json.dumps(given), str(path), AcceleratorConfig(**given)):
         assert config(tmp_path, accelerator_config=form).accelerator_options() == expected
-    assert config(tmp_path).accelerator_options() == {}
+    assert config(tmp_path).accelerator_options() == {**expected, "even_batches": True,
+                                                      "gradient_accumulation_kwargs": {}}  # fmt: skip
     both = {"gradient_accumulation_kwargs": {"num_steps": 2}}  # the same count twice: fine
     assert config(tmp_path, gradient_accumulation_steps=2, accelerator_config=both).accelerator_options()
+
+
+def test_accelerator_config_is_held_as_transformers_accelerator_config(tmp_path):
+    """TRL's code and tests read and set attributes of it (`args.accelerator_config.dispatch_batches`), as
+    transformers' TrainingArguments holds an AcceleratorConfig whatever it was given; every form still loads."""
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    from grpokit.cli import parse_train_args
+
+    path = tmp_path / "accelerator.json"
+    path.write_text(json.dumps({"even_batches": False}))
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("accelerator_config:\n  even_batches: false\n")
+    from_yaml = parse_train_args([str(yaml_file)])[1]["accelerator_config"]
+    from_flag = parse_train_args(["--accelerator_config", '{"even_batches": false}'])[1]["accelerator_config"]
+    for form in ({"even_batches": False}, json.dumps({"even_batches": False}), str(path),
+                 AcceleratorConfig(even_batches=False), from_yaml, from_flag):  # fmt: skip
+        held = config(tmp_path, accelerator_config=form).accelerator_config
+        assert held == AcceleratorConfig(even_batches=False), form
+    default = config(tmp_path).accelerator_config
+    assert isinstance(default, AcceleratorConfig) and default.dispatch_batches is None
+    assert default.gradient_accumulation_kwargs is None and default.even_batches is True  # transformers' defaults
+    # The run's saved configuration loads back into the same one.
+    args = config(tmp_path, accelerator_config=AcceleratorConfig(even_batches=False))
+    args.save(tmp_path / "saved.json")
+    assert GRPOConfig.from_dict(json.loads((tmp_path / "saved.json").read_text())) == args
+    # TRL's trainer sets dispatch_batches=False on it for a stream; grpokit's does the same, on the object.
+    trainer = trainer_for(tmp_path, args=config(tmp_path, max_steps=1), train_dataset=letters().to_iterable_dataset())
+    assert trainer.args.accelerator_config.dispatch_batches is False
+    assert trainer.args.accelerator_options()["dispatch_batches"] is False
 
 
 @pytest.mark.parametrize("given, message", [
@@ -1207,3 +1295,59 @@ def test_a_dataset_of_environment_names_only_and_tool_metrics_without_calls(tmp_
     for record in records:
         assert record["tools/call_frequency"] == 0.0 and record["tools/failure_frequency"] == 0.0
         assert record["rewards/Riddles/mean"] == 0.5
+
+
+# ---------------------------------------------------------------------------- compute_loss on TRL's dict
+
+
+def trl_inputs(batch: TrainBatch, num_items_in_batch: torch.Tensor) -> dict:
+    """A micro-batch in the layout of TRL 1.16's `_generate_and_score_completions` output."""
+    return {"prompt_ids": batch.prompt_ids, "prompt_mask": batch.prompt_mask, "completion_ids": batch.completion_ids,
+            "completion_mask": batch.attention_mask, "advantages": batch.advantages[:, 0],
+            "num_items_in_batch": num_items_in_batch, "old_per_token_logps": batch.old_logprobs,
+            "ref_per_token_logps": batch.ref_logprobs}  # fmt: skip
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_compute_loss_takes_trls_dict_and_gives_trls_loss(tmp_path, training):
+    """TRL's tests and subclasses call compute_loss(model, inputs) with TRL's dict: grpokit's gives the loss of TRL
+    1.16's own compute_loss on the same dict and weights (π_old and π_ref away from the policy, μ = 2, 2 accumulation
+    steps, 4 micro-batches per generation batch), and the loss of the same rows as a TrainBatch with those counts."""
+    trl = pytest.importorskip("trl")
+    from grpokit.batch import trl_loss_counts
+    from grpokit.testing import save_tiny_model
+
+    model_dir = str(save_tiny_model(tmp_path / "tiny", chars=LETTERS + ":", hidden_size=32))
+    values = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=3, gradient_accumulation_steps=2,
+                  steps_per_generation=4, num_iterations=2, beta=0.04, bf16=False, report_to="none",
+                  save_strategy="no", gradient_checkpointing=False, epsilon_high=0.28)  # fmt: skip
+    ours = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letters(),
+                       args=GRPOConfig(output_dir=str(tmp_path / "ours"), **values))  # fmt: skip
+    theirs = trl.GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letters(),
+                             args=trl.GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **values))
+    generation = ours.generate_batch()
+    assert generation.old_logprobs is not None and generation.ref_logprobs is not None
+    with torch.no_grad():  # the same step away from π_old on both policies: ratios other than 1, some clipped
+        for model in (ours.unwrapped_model, theirs.model):
+            generator = torch.Generator().manual_seed(1)
+            for parameter in model.parameters():
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    for model in (ours.model, theirs.model):
+        model.train(training)
+    theirs.current_gradient_accumulation_steps = values["gradient_accumulation_steps"]  # set by TRL's loop
+    micro_batch = generation.split(4)[1]
+    inputs = trl_inputs(micro_batch, generation.loss_mask.sum())
+    losses = []
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo"):
+        ours.args.loss_type = theirs.loss_type = loss_type
+        expected = theirs.compute_loss(theirs.model, dict(inputs))
+        losses.append(expected.item())
+        loss = ours.compute_loss(ours.model, dict(inputs))
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7, msg=loss_type)
+        accumulation, steps = (2, 4) if training else (1, 1)
+        counts = trl_loss_counts(micro_batch, inputs["num_items_in_batch"], accumulation, steps, 1)
+        as_batch = ours.compute_loss(ours.model, micro_batch, num_items_in_batch=counts)
+        torch.testing.assert_close(as_batch, loss, rtol=1e-6, atol=1e-8, msg=loss_type)
+    assert len({round(value, 6) for value in losses}) == 5, losses  # five normalisations, told apart
+    with pytest.raises(ValueError, match=r"without \['advantages'\]"):
+        ours.compute_loss(ours.model, {k: v for k, v in inputs.items() if k != "advantages"})

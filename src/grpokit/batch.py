@@ -88,6 +88,31 @@ class TrainBatch:
                    per_token(advantages, rollout.completion_ids), sampling_logprobs=rollout.sampling_logprobs,
                    multimodal=rollout.multimodal)  # fmt: skip
 
+    @classmethod
+    def from_trl_inputs(cls, inputs: dict) -> "TrainBatch":
+        """The batch of TRL's layout (a dict as TRL's `_generate_and_score_completions` returns it: prompt_ids,
+        prompt_mask, completion_ids, completion_mask, advantages [N] or [N, T], and where present
+        old_per_token_logps, ref_per_token_logps, sampling_per_token_logps, importance_sampling_ratio, tool_mask).
+        TRL's completion_mask is both the attention and the loss mask; its tool_mask takes tool tokens out of the
+        loss only."""
+        missing = [key for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
+                   if key not in inputs]  # fmt: skip
+        if missing:
+            raise ValueError(f"compute_loss was given a dict without {missing}: pass a TrainBatch, or a dict in TRL's "
+                             f"layout (prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, ...).")
+        if any(key in inputs for key in ("pixel_values", "image_grid_thw", "num_images")):
+            raise ValueError("compute_loss with TRL's dict of a vision-language batch is not supported: pass the "
+                             "TrainBatch the loop makes (its images are encoded once per group).")  # fmt: skip
+        completion_ids, attention_mask = inputs["completion_ids"], inputs["completion_mask"]
+        loss_mask = attention_mask * inputs["tool_mask"] if "tool_mask" in inputs else attention_mask
+        present = attention_mask.bool()
+        # the last real token's position + 1 (TRL's mask covers the completion up to its EOS)
+        lengths = torch.where(present.any(1), present.shape[1] - present.flip(1).int().argmax(1), 0)
+        return cls(inputs["prompt_ids"], inputs["prompt_mask"], completion_ids, attention_mask, loss_mask, lengths,
+                   per_token(inputs["advantages"], completion_ids), inputs.get("old_per_token_logps"),
+                   inputs.get("ref_per_token_logps"), inputs.get("sampling_per_token_logps"),
+                   sampling_ratio=inputs.get("importance_sampling_ratio"))  # fmt: skip
+
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
 
@@ -135,6 +160,19 @@ class TrainBatch:
         if state.get("multimodal") is not None:
             state["multimodal"] = MultimodalInputs.from_state_dict(state["multimodal"])
         return cls(**state)
+
+
+def trl_loss_counts(batch: TrainBatch, num_items_in_batch, accumulation: int, steps_per_generation: int,
+                    num_processes: int) -> tuple[float, float, int]:  # fmt: skip
+    """(sequences, tokens, micro-batches) of the window that give grpokit's loss of `batch`, a micro-batch in TRL's
+    layout, TRL's value: TRL divides a micro-batch's loss by `accumulation` (its gradient accumulation steps; 1 in
+    evaluation) and, for the token-summed losses (dapo, cispo), the tokens by the generation batch's
+    (`num_items_in_batch`, all processes) / num_processes × accumulation / steps_per_generation (1 in evaluation)."""
+    if num_items_in_batch is None:
+        tokens = batch.loss_mask.sum().item() * accumulation
+    else:
+        tokens = max(float(num_items_in_batch), 1.0) / num_processes * accumulation / steps_per_generation
+    return len(batch) * accumulation, tokens, accumulation
 
 
 def per_token(advantages: torch.Tensor, completion_ids: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,15 @@ from .checkpoint import Checkpointer
 from .config import LOG_LEVELS, GRPOConfig
 from .cpu_matmul import float32_matmuls
 from .cpu_memory import keep_large_allocations_mapped
-from .data import PromptSampler, StreamSampler, check_dataset, dataset_columns, is_iterable_dataset, named_eval_datasets
+from .data import (
+    PromptSampler,
+    StreamSampler,
+    check_dataset,
+    dataset_columns,
+    is_iterable_dataset,
+    named_eval_datasets,
+    prompts_per_epoch,
+)
 from .distributed import (
     all_processes_done,
     check_backend,
@@ -76,7 +84,7 @@ def check_run(args: GRPOConfig, train_dataset, eval_dataset, rollout_engine, too
     if eval_dataset is None and args.eval_on_start:
         raise ValueError("eval_on_start=True needs an eval_dataset: pass GRPOTrainer(eval_dataset=...), or set "
                          "eval_on_start=False.")  # fmt: skip
-    if args.dynamic_sampling and (args.generation_batch_size % args.num_generations):
+    if args.dynamic_sampling and (args.generation_batch_per_process % args.num_generations):
         raise ValueError("dynamic_sampling keeps or drops whole groups: make the per-process generation batch a "
                          "multiple of num_generations.")  # fmt: skip
     if args.dynamic_sampling and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -99,7 +107,7 @@ def configure_iterable_datasets(args: GRPOConfig, train_dataset, eval_dataset) -
             raise ValueError("Iterable datasets require `dispatch_batches=False`, but it is set to `True` in "
                              "`accelerator_config`. Please set it to `False` (each process reads its own share of the "
                              "stream).")  # fmt: skip
-        args.accelerator_config = {**options, "dispatch_batches": False}
+        args.accelerator_config.dispatch_batches = False
     if is_iterable_dataset(train_dataset) and args.dataloader_num_workers != 0:
         logger.warning(f"Iterable datasets require `dataloader_num_workers=0` to preserve prompt grouping; overriding "
                        f"the provided value ({args.dataloader_num_workers}).")  # fmt: skip
@@ -142,8 +150,8 @@ def total_steps(args: GRPOConfig, train_dataset, num_processes: int) -> int:
     """max_steps, or the optimizer steps that num_train_epochs passes over the prompts take."""
     if args.max_steps > 0:
         return args.max_steps
-    num_prompts = len(train_dataset)
-    prompts_per_generation = args.generation_batch_size * num_processes // args.num_generations
+    prompts_per_generation = args.generation_batch_size // args.num_generations
+    num_prompts = prompts_per_epoch(len(train_dataset), prompts_per_generation)
     generations = math.ceil(args.num_train_epochs * num_prompts / prompts_per_generation)
     micro_batches = generations * args.steps_per_generation * args.num_iterations
     return max(math.ceil(micro_batches / args.gradient_accumulation_steps), 1)
@@ -432,12 +440,13 @@ def build_checkpointer(accelerator, args: GRPOConfig, write_model, gather_weight
     return checkpointer
 
 
-def build_sampler(train_dataset, args: GRPOConfig) -> PromptSampler | StreamSampler:
+def build_sampler(train_dataset, args: GRPOConfig, num_processes: int) -> PromptSampler | StreamSampler:
     """Which prompts come next: a stream's rows in its order, or a dataset's in a seeded order (data_seed, else seed;
-    shuffled per epoch unless shuffle_dataset is False)."""
+    shuffled per epoch unless shuffle_dataset is False), each epoch whole generation batches as in TRL."""
     if is_iterable_dataset(train_dataset):
         return StreamSampler(train_dataset)
-    return PromptSampler(len(train_dataset), args.data_seed or args.seed, args.shuffle_dataset)
+    return PromptSampler(len(train_dataset), args.data_seed or args.seed, args.shuffle_dataset,
+                         args.generation_batch_size // args.num_generations)  # fmt: skip
 
 
 def build_teacher(teacher_model, args: GRPOConfig, device, student, processing_class):

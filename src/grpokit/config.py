@@ -23,6 +23,7 @@ import enum
 import importlib.util
 import json
 import math
+import os
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -142,6 +143,10 @@ def _deprecated(default, message: str, moved_to: str | None = None):
                                                       "moved_to": moved_to})  # fmt: skip
 
 
+# The dataloader_* fields' effect: on the DataLoaders TRL's API returns, not on the loop.
+LOADER_ONLY = ("the loop reads prompts in the main process; get_train_dataloader() and get_eval_dataloader() "
+               "(TRL's API) build their DataLoaders with it.")
+
 # transformers' AcceleratorConfig options and their defaults (transformers.trainer_pt_utils.AcceleratorConfig).
 ACCELERATOR_CONFIG_DEFAULTS = {"split_batches": False, "dispatch_batches": None, "even_batches": True,
                                "use_seedable_sampler": True, "non_blocking": False,
@@ -242,8 +247,11 @@ class GRPOConfig:
     # ---- data and generation
     num_generations: int | None = _f(8, "G: completions sampled per prompt.")
     max_completion_length: int | None = _f(512, "Stop a completion after this many tokens.")
-    generation_batch_size: int | None = _f(None, "Completions per process per generation (default: "
-                                                 "per_device_train_batch_size * steps_per_generation).")
+    generation_batch_size: int | None = _f(None, "Completions per generation, all processes together, as in TRL "
+                                                 "(default: per_device_train_batch_size * number of processes * "
+                                                 "steps_per_generation; the processes are counted from WORLD_SIZE, "
+                                                 "which torchrun and accelerate launch set). Each process samples "
+                                                 "per_device_train_batch_size * steps_per_generation of them.")
     steps_per_generation: int | None = _f(None, "Micro-steps per generation (default: gradient_accumulation_steps).")
     temperature: float = _f(1.0, "Sampling temperature (also divides the logits of the training forward).")
     top_p: float = _f(1.0, "Nucleus sampling: keep the smallest set of tokens with this total probability.")
@@ -459,7 +467,9 @@ class GRPOConfig:
     push_to_hub: bool = _f(False, "Upload the model to the Hub (hub_model_id, default: output_dir's name) when "
                                   "save_model / push_to_hub() is called; the Hub is checked at start-up.")
     accelerator_config: dict | str | None = _f(None, "transformers' AcceleratorConfig: a dict, a JSON string or a "
-                                                     "JSON file's path. use_configured_state (the script's "
+                                                     "JSON file's path; held as an AcceleratorConfig, as in TRL "
+                                                     "(`args.accelerator_config.dispatch_batches`). "
+                                                     "use_configured_state (the script's "
                                                      "accelerate state is used, and must exist) and "
                                                      "gradient_accumulation_kwargs.sync_each_batch (gradients "
                                                      "synchronised at every micro-batch: less memory under FSDP) act; "
@@ -496,13 +506,13 @@ class GRPOConfig:
     do_predict: bool = _no_effect(False, "read by scripts, not by the trainer.")
     local_rank: int = _no_effect(-1, "the launcher's rank; accelerate reads it from the environment.")
     remove_unused_columns: bool | None = _no_effect(False, "every column reaches the reward functions.")
-    dataloader_drop_last: bool = _no_effect(False, "prompts stream across epochs, so no batch is ever short.")
-    dataloader_num_workers: int = _no_effect(0, "prompts are read in the main process (no DataLoader).")
-    dataloader_pin_memory: bool = _no_effect(True, "prompts are read in the main process (no DataLoader).")
-    dataloader_persistent_workers: bool = _no_effect(False, "prompts are read in the main process (no DataLoader).")
-    dataloader_prefetch_factor: int | None = _no_effect(None, "prompts are read in the main process (no DataLoader).")
-    dataloader_multiprocessing_context: str | None = _no_effect(None, "prompts are read in the main process (no "
-                                                                      "DataLoader).")
+    dataloader_drop_last: bool = _no_effect(False, "an epoch holds whole generation batches (as TRL's sampler), so no "
+                                                  "batch is ever short.")
+    dataloader_num_workers: int = _no_effect(0, LOADER_ONLY)
+    dataloader_pin_memory: bool = _no_effect(True, LOADER_ONLY)
+    dataloader_persistent_workers: bool = _no_effect(False, LOADER_ONLY)
+    dataloader_prefetch_factor: int | None = _no_effect(None, LOADER_ONLY)
+    dataloader_multiprocessing_context: str | None = _no_effect(None, LOADER_ONLY)
     dataloader_in_order: bool = _no_effect(True, "prompts are read in the main process, in order.")
     train_sampling_strategy: str = _no_effect("random", "TRL's GRPO ignores it too (its own prompt sampler); use "
                                                         "shuffle_dataset.")
@@ -626,6 +636,7 @@ class GRPOConfig:
         self._resolve_aliases_and_nones()
         self._derive_generation_batch()
         self.validate()
+        self._hold_accelerator_config()
         self._warn_not_implemented()
 
     # ------------------------------------------------------------------------------------- normalisation
@@ -740,10 +751,9 @@ class GRPOConfig:
                              f"object.")
         return config
 
-    def accelerator_options(self) -> dict:
-        """The `accelerator_config` field as a dict of transformers' AcceleratorConfig options ({} when unset):
-        given as a dict, an AcceleratorConfig, a JSON string or the path of a JSON file. Unknown options, an
-        accumulation count other than gradient_accumulation_steps, and split_batches are refused."""
+    def _given_accelerator_config(self) -> dict:
+        """The options the `accelerator_config` field was given ({} when unset): a dict, an AcceleratorConfig, a JSON
+        string or the path of a JSON file."""
         value = self.accelerator_config
         if value is None:
             return {}
@@ -758,6 +768,21 @@ class GRPOConfig:
         if not isinstance(value, dict):
             raise ValueError(f"accelerator_config must be a dict of AcceleratorConfig options, not "
                              f"{type(value).__name__}.")  # fmt: skip
+        return value
+
+    def _hold_accelerator_config(self) -> None:
+        """As transformers' TrainingArguments: the field holds an AcceleratorConfig whatever form it was given in, so
+        that TRL's code and scripts read and set its attributes (`args.accelerator_config.dispatch_batches`)."""
+        from transformers.trainer_pt_utils import AcceleratorConfig
+
+        if not isinstance(self.accelerator_config, AcceleratorConfig):
+            self.accelerator_config = AcceleratorConfig(**self._given_accelerator_config())
+
+    def accelerator_options(self) -> dict:
+        """The `accelerator_config` field as a dict of all of transformers' AcceleratorConfig options (their defaults
+        where not given). Unknown options, an accumulation count other than gradient_accumulation_steps, and
+        split_batches are refused."""
+        value = self._given_accelerator_config()
         unknown = sorted(set(value) - set(ACCELERATOR_CONFIG_DEFAULTS))
         if unknown:
             raise ValueError(f"accelerator_config {unknown}: not options of transformers' AcceleratorConfig; known: "
@@ -882,27 +907,39 @@ class GRPOConfig:
             self.num_generations_eval = self.num_generations
 
     def _derive_generation_batch(self) -> None:
+        """TRL's GRPOConfig.__post_init__ arithmetic: generation_batch_size is global (all processes), counted from
+        the launcher's WORLD_SIZE; steps_per_generation is each process's."""
         if not isinstance(self.per_device_train_batch_size, int) or self.per_device_train_batch_size < 1:
             return  # validate() names the field
+        global_batch = self.per_device_train_batch_size * launched_processes()
         if self.steps_per_generation is None and self.generation_batch_size is not None:
-            if self.generation_batch_size % self.per_device_train_batch_size:
-                raise ValueError(
-                    f"generation_batch_size ({self.generation_batch_size}) must be a multiple of "
-                    f"per_device_train_batch_size ({self.per_device_train_batch_size})."
+            if self.generation_batch_size % global_batch:
+                raise ValueError(  # TRL's words first
+                    f"generation_batch_size ({self.generation_batch_size}) must be divisible by the global batch size "
+                    f"({global_batch}): per_device_train_batch_size ({self.per_device_train_batch_size}) x "
+                    f"{launched_processes()} process(es); generation_batch_size counts the completions of all "
+                    f"processes, as in TRL."
                 )
-            self.steps_per_generation = self.generation_batch_size // self.per_device_train_batch_size
+            self.steps_per_generation = self.generation_batch_size // global_batch
         elif self.generation_batch_size is not None and self.generation_batch_size != (
-            self.per_device_train_batch_size * self.steps_per_generation
+            global_batch * self.steps_per_generation
         ):
             raise ValueError(
                 f"generation_batch_size ({self.generation_batch_size}) and steps_per_generation "
                 f"({self.steps_per_generation}) disagree: generation_batch_size must equal "
-                f"per_device_train_batch_size x steps_per_generation. Set only one of them."
+                f"per_device_train_batch_size x processes ({launched_processes()}) x steps_per_generation. Set only "
+                f"one of them."
             )
         if self.steps_per_generation is None:
             self.steps_per_generation = self.gradient_accumulation_steps
         if isinstance(self.steps_per_generation, int):
-            self.generation_batch_size = self.per_device_train_batch_size * self.steps_per_generation
+            self.generation_batch_size = global_batch * self.steps_per_generation
+
+    @property
+    def generation_batch_per_process(self) -> int:
+        """The completions each process samples per generation: per_device_train_batch_size x steps_per_generation
+        (generation_batch_size / number of processes)."""
+        return self.per_device_train_batch_size * self.steps_per_generation
 
     def _warn_not_implemented(self) -> None:
         for name, message in NOT_IMPLEMENTED.items():
@@ -924,11 +961,22 @@ class GRPOConfig:
             check(self)
 
     def check_batch(self, num_processes: int) -> None:
-        """The global generation batch must hold whole groups of num_generations (TRL's rule)."""
-        global_batch = self.generation_batch_size * num_processes
+        """The generation batch counts the run's processes, and holds whole groups of num_generations (TRL's rule).
+        A generation_batch_size derived for another number of processes (no WORLD_SIZE when the config was made)
+        is derived again; one the user gave cannot be, and is refused."""
+        global_batch = self.generation_batch_per_process * num_processes
+        if self.generation_batch_size != global_batch:
+            if (getattr(self, "_as_written", None) or {}).get("generation_batch_size") is not None:
+                raise ValueError(
+                    f"generation_batch_size ({self.generation_batch_size}) was read for {launched_processes()} "
+                    f"process(es) (WORLD_SIZE when the config was made), but the run has {num_processes}: make the "
+                    f"config in the launched processes (after torchrun / accelerate launch set WORLD_SIZE), or set "
+                    f"steps_per_generation instead."
+                )
+            self.generation_batch_size = global_batch
         if global_batch % self.num_generations:
             valid = [g for g in range(2, global_batch + 1) if global_batch % g == 0]
-            raise ValueError(  # TRL's phrase first (its generation_batch_size is the global one)
+            raise ValueError(  # TRL's phrase first
                 f"generation_batch_size ({global_batch}) must be divisible by num_generations "
                 f"({self.num_generations}): the global generation batch ({num_processes} process(es) x "
                 f"per_device_train_batch_size {self.per_device_train_batch_size} x steps_per_generation "
@@ -949,6 +997,9 @@ class GRPOConfig:
         """The configuration as the user wrote it (derived values, such as steps_per_generation from
         gradient_accumulation_steps, are derived again on loading): `GRPOConfig.from_dict` of it is this config."""
         written = getattr(self, "_as_written", None) or self.to_dict()
+        # An AcceleratorConfig given as one is written as its options.
+        written = {name: dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+                   for name, value in written.items()}  # fmt: skip
         Path(path).write_text(json.dumps(written, indent=2, default=str))
 
     @classmethod
@@ -964,6 +1015,12 @@ class GRPOConfig:
             # A saved config keeps a warm-up fraction in warmup_ratio; load it under its current name.
             values["warmup_steps"] = values.pop("warmup_ratio")
         return cls(**values)
+
+
+def launched_processes() -> int:
+    """The processes of the run as the launcher set them (torchrun, accelerate launch: WORLD_SIZE), 1 without one:
+    TRL's GRPOConfig derives generation_batch_size from its world_size when it is made."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 # ------------------------------------------------------------------------------------------- validation

@@ -196,33 +196,45 @@ def pad_left(sequences: list[list[int]], pad_token_id: int, max_length: int | No
     return ids, mask
 
 
+def prompts_per_epoch(num_rows: int, prompts_per_generation: int) -> int:
+    """The prompts an epoch draws: as TRL's RepeatSampler, whole generation batches only (the rows left over, fewer
+    than a batch, wait for a later epoch's order); a dataset smaller than one batch is drawn whole, its generation
+    batches then spanning epochs."""
+    if num_rows < prompts_per_generation:
+        return num_rows
+    return num_rows - num_rows % prompts_per_generation
+
+
 class PromptSampler:
     """Draws prompt indices in a seeded order, epoch after epoch; its state is two integers, so resuming is exact.
 
-    Every process builds the same order (same seed) and takes its own slice of each draw.
+    Every process builds the same order (same seed) and takes its own slice of each draw. An epoch draws
+    `prompts_per_epoch` of its order: whole generation batches of `prompts_per_generation` prompts, as TRL's.
     """
 
-    def __init__(self, num_rows: int, seed: int, shuffle: bool = True):
+    def __init__(self, num_rows: int, seed: int, shuffle: bool = True, prompts_per_generation: int = 1):
         self.num_rows, self.seed, self.shuffle = num_rows, seed, shuffle
+        self.epoch_rows = prompts_per_epoch(num_rows, prompts_per_generation)
         self.epoch, self.position = 0, 0
         # Indices drawn before but never trained on (a streaming producer's groups in flight when a checkpoint was
         # written): drawn again first, in order.
         self.requeued: list[int] = []
 
-    def _order(self, epoch: int) -> list[int]:
+    def epoch_order(self, epoch: int) -> list[int]:
+        """The indices epoch `epoch` draws, in order."""
         if not self.shuffle:
-            return list(range(self.num_rows))
+            return list(range(self.epoch_rows))
         generator = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(self.num_rows, generator=generator).tolist()
+        return torch.randperm(self.num_rows, generator=generator)[: self.epoch_rows].tolist()
 
     def draw(self, count: int) -> list[int]:
         out, self.requeued = self.requeued[:count], self.requeued[count:]
         while len(out) < count:
-            order = self._order(self.epoch)
+            order = self.epoch_order(self.epoch)
             take = order[self.position : self.position + count - len(out)]
             out.extend(take)
             self.position += len(take)
-            if self.position >= self.num_rows:
+            if self.position >= self.epoch_rows:
                 self.epoch, self.position = self.epoch + 1, 0
         return out
 
@@ -231,7 +243,7 @@ class PromptSampler:
 
     @property
     def epochs_done(self) -> float:
-        return self.epoch + self.position / self.num_rows
+        return self.epoch + self.position / self.epoch_rows
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, **({"requeued": self.requeued} if self.requeued else {})}

@@ -6,9 +6,9 @@ processes), the completions-log rows, the tokens it consumed and how many rollou
 the trainer: the trainer decides what to record. That is what lets the maker run ahead of training (a producer) as
 well as in step with it.
 
-Batch semantics are TRL's: a process generates `generation_batch_size` completions at a time (G per prompt; a
-prompt's group may span processes, so advantages are computed over the whole global batch), and its rows come
-shuffled so that each optimizer step sees a mix of groups.
+Batch semantics are TRL's: the processes generate `generation_batch_size` completions at a time, together (G per
+prompt; a prompt's group may span processes, so advantages are computed over the whole global batch), and each
+process's rows come shuffled so that each optimizer step sees a mix of groups.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from .batch import ScoredRollout, TrainBatch, per_token
 from .config import GRPOConfig
 from .cpu_memory import return_free_memory
 from .data import dataset_rows, is_iterable_dataset
+from .dataloaders import evaluation_share, generation_share
 from .distributed import gather_objects, is_sharded
 from .evaluation import evaluation_metrics, group_records
 from .logprobs import token_logprobs
@@ -161,18 +162,17 @@ class ExperienceMaker:
 
     def _sample_and_score(self, generation: int, trainer_state) -> ScoredRollout:
         """Draw this process's next rows, sample their completions and score them."""
-        offset = self.accelerator.process_index * self.args.generation_batch_size
+        offset = self.accelerator.process_index * self.args.generation_batch_per_process
         return self._score(self.sample(generation), offset, trainer_state)
 
     def sample(self, generation: int) -> Generation:
         """This process's next rows (each prompt G times), sampled with the policy's current weights, from the
         rollout seed of `generation`."""
         args, acc = self.args, self.accelerator
-        per_process = args.generation_batch_size
-        prompts = self.draw_prompts(per_process * acc.num_processes // args.num_generations)
+        per_process = args.generation_batch_per_process
+        prompts = self.draw_prompts(args.generation_batch_size // args.num_generations)
         offset = acc.process_index * per_process
-        global_rows = [row for row in prompts for _ in range(args.num_generations)]  # each prompt G times
-        rows = global_rows[offset : offset + per_process]
+        rows = generation_share(prompts, args.num_generations, acc.process_index, per_process)
         seed = rollout_seed(args.seed, generation, acc.process_index)
         self.runner.sync_weights(self.policy())
         return self.runner.run(rows, group_counts(len(rows), args.num_generations, offset), seed)
@@ -374,7 +374,7 @@ class Evaluator:
         if is_iterable_dataset(dataset):
             dataset = dataset_rows(dataset)
         n, names = args.num_generations_eval, maker.scorer.names
-        indices = list(range(acc.process_index, len(dataset), acc.num_processes))
+        indices = evaluation_share(len(dataset), acc.process_index, acc.num_processes)
         prompts_per_batch = max(1, args.per_device_eval_batch_size // n)
         batches = math.ceil(len(indices) / prompts_per_batch)
         if is_sharded(maker.policy()):  # every process samples as many batches as the busiest one

@@ -266,7 +266,7 @@ class Producer:
         self.sharded = sharded
         # In the exact schedule a checkpoint waits for the batches sampled by weights it does not hold (up to
         # max_staleness of them): the queue must have room for them.
-        batches = max(1, args.queue_maxsize // args.generation_batch_size)
+        batches = max(1, args.queue_maxsize // args.generation_batch_per_process)
         self.queue: queue.Queue = queue.Queue(maxsize=max(batches, args.max_staleness + 1) if exact else batches)
         self.stop = threading.Event()
         self.heartbeat = time.monotonic()
@@ -286,10 +286,10 @@ class Producer:
         self.pairs = [(mine, theirs) for mine, theirs in zip(copy.parameters(), policy.parameters())
                       if theirs.requires_grad]  # the frozen ones never change  # fmt: skip
         self.runner, self.dataset, self.groups = runner, dataset, runner is not None
-        self.units_per_batch = args.generation_batch_size // args.num_generations if self.groups else 1
+        self.units_per_batch = args.generation_batch_per_process // args.num_generations if self.groups else 1
         if self.groups:
             inflight = args.max_inflight_tasks if args.max_inflight_tasks > 0 else \
-                max(args.max_staleness, 1) * args.generation_batch_size  # fmt: skip
+                max(args.max_staleness, 1) * args.generation_batch_per_process  # fmt: skip
             self.max_groups = max(1, inflight // args.num_generations)
             self.pool = DaemonPool(self.max_groups, "grpokit-rollout")
             self.running: dict[concurrent.futures.Future, GroupTask] = {}

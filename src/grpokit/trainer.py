@@ -11,8 +11,8 @@ One training step, top to bottom (`train`):
         one optimizer step                                             (`OptimizerStepper`)
         log, evaluate, save
 
-Batch semantics are TRL's: a process generates `generation_batch_size` = per_device_train_batch_size ×
-steps_per_generation completions at a time (G per prompt; a prompt's group may span processes) and reuses them μ
+Batch semantics are TRL's: the processes generate `generation_batch_size` = per_device_train_batch_size × processes
+× steps_per_generation completions at a time (G per prompt; a prompt's group may span processes) and reuses them μ
 times. An optimizer step may take micro-batches from two generation batches (steps_per_generation need not be a
 multiple of gradient_accumulation_steps). Micro-batch losses are normalised by the counts of the whole optimizer
 step's window, so how it is split does not change the update (except for `bnpo`, a per-micro-batch mean by
@@ -33,8 +33,9 @@ from pathlib import Path
 
 import torch
 from accelerate.utils.memory import clear_device_cache
+from torch.utils.data import DataLoader
 
-from .batch import TrainBatch
+from .batch import TrainBatch, trl_loss_counts
 from .build import (
     activation_offload,
     as_steps,
@@ -67,6 +68,7 @@ from .config import GRPOConfig
 from .cpu_matmul import release_scratch
 from .cpu_memory import reuse_activation_memory
 from .data import named_eval_datasets
+from .dataloaders import eval_dataloader, train_dataloader
 from .distributed import all_processes_done, at_least_global_quantile, build_accelerator, is_sharded, unwrap_model
 from .experience import Evaluator, ExperienceMaker
 from .hub import check_hub, push_folder
@@ -167,7 +169,7 @@ class GRPOTrainer:
         self.checkpointer = build_checkpointer(acc, args, self._write_model,
                                                lambda model: gathered_weights(model, self.args.save_merged),
                                                deepspeed, is_sharded(self.unwrapped_model))  # fmt: skip
-        self.sampler = build_sampler(train_dataset, args)
+        self.sampler = build_sampler(train_dataset, args, acc.num_processes)
         teacher = build_teacher(teacher_model, args, acc.device, self.unwrapped_model, self.processing_class)
         self.experience = ExperienceMaker(args, acc, self.runner, self.scorer, lambda: self.unwrapped_model,
                                           self.reference, lambda n: self.sampler.rows(self.train_dataset, n),
@@ -426,14 +428,24 @@ class GRPOTrainer:
         self.stepper.backward(loss)
         return loss.detach()
 
-    def compute_loss(self, model, inputs: TrainBatch, return_outputs: bool = False, num_items_in_batch=None):
+    def compute_loss(self, model, inputs: TrainBatch | dict, return_outputs: bool = False, num_items_in_batch=None):
         """TRL's hook: the GRPO loss of one micro-batch (`inputs`, a `TrainBatch`) under `model`. Unlike TRL's, the
         loss is normalised by the counts of the whole optimizer step's window (grpokit's exact accumulation):
         `num_items_in_batch` = (sequences, tokens, micro-batches) of the window; None: the current step's. Its
-        metrics join the step's. As in TRL, return_outputs=True is refused."""
+        metrics join the step's. As in TRL, return_outputs=True is refused.
+        `inputs` may also be a dict in TRL's layout (`TrainBatch.from_trl_inputs`): its loss is then TRL's number,
+        normalised as TRL normalises a micro-batch (`batch.trl_loss_counts`; `num_items_in_batch` unused, as TRL's)."""
         if return_outputs:
             raise ValueError("The GRPOTrainer does not support returning outputs")
         args, controller = self.args, self.entropy_controller
+        if isinstance(inputs, dict):
+            training = self.model.training  # TRL's mode: no accumulation in evaluation
+            batch = TrainBatch.from_trl_inputs(inputs)
+            num_items_in_batch = trl_loss_counts(batch, inputs.get("num_items_in_batch"),
+                                                 args.gradient_accumulation_steps if training else 1,
+                                                 args.steps_per_generation if training else 1,
+                                                 self.accelerator.num_processes)  # fmt: skip
+            inputs = batch
         num_sequences, num_tokens, num_micro_batches = num_items_in_batch or self._window_counts or \
             (len(inputs), inputs.loss_mask.sum().item(), 1)  # fmt: skip
         batch = inputs.trimmed()
@@ -473,6 +485,27 @@ class GRPOTrainer:
             step_stats[f"clip_ratio/region_mean_staleness_{self._batch_staleness}"] = clipped
         self._step_stats.append(step_stats)
         return loss
+
+    # ------------------------------------------------------------------------------------------ dataloaders
+
+    def get_train_dataloader(self) -> DataLoader:
+        """TRL's: a torch DataLoader over the rows this process trains on, in the order the loop draws them and in
+        TRL's layout (a batch is this process's generation batch, each prompt num_generations times; repeated
+        steps_per_generation × num_iterations times; an epoch per pass), with the dataloader_* fields. The loop
+        reads prompts itself; this loader replays its draws from a copy of its sampler (grpokit.dataloaders)."""
+        acc = self.accelerator
+        return train_dataloader(self.train_dataset, self.sampler, self.args, acc.process_index, acc.num_processes)
+
+    def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
+        """TRL's: a torch DataLoader over this process's evaluation rows, as `evaluate` samples them. `eval_dataset`:
+        a dataset, the name of one of the trainer's named eval sets, or None for the trainer's."""
+        if eval_dataset is None and self.eval_dataset is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        acc = self.accelerator
+        return eval_dataloader(self.eval_dataset if eval_dataset is None else eval_dataset, self.args,
+                               acc.process_index, acc.num_processes)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------- generation
 
