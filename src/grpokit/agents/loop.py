@@ -83,10 +83,12 @@ class Agents:
         self.runner = ToolRunner(tool_timeout, max_tool_output_chars) if self.uses_tools else None
         self.stats = ToolStats()
         self.stats_lock = threading.Lock()  # rollouts may run at once (concurrent_rollouts): each counts on its own
-        names = [tool_name(t) for t in self.standalone_tools]
-        for env_names in (self.environments.tool_names.values() if self.environments else []):
-            names += [n for n in env_names if n not in names]
-        self.tool_names = names
+        # TRL's `trainer.tools`: the standalone tools, then each environment's (its probe instance's methods); a row
+        # is shown the standalone tools and its own environment's. Metrics are keyed by name, each name once.
+        self.tools = list(self.standalone_tools)
+        for env_tools in (self.environments.tools.values() if self.environments else []):
+            self.tools += [t for t in env_tools if t not in self.tools]
+        self.tool_names = list(dict.fromkeys(tool_name(t) for t in self.tools))
         # The engine's log-probs are the training forward's only for rollouts this module sampled with it.
         self.exact_logprobs = rollout_func is None
         # Rollouts of disjoint rows may run at once (a streaming producer; the environment pool lends each rollout
