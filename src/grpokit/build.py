@@ -208,12 +208,18 @@ def as_steps(value: float, max_steps: int) -> int:
 
 
 def build_engine(model, args: GRPOConfig, processing_class, accelerator) -> RolloutEngine:
-    """The default engine: vLLM (use_vllm; imported only then), else sampling in this process from the policy."""
+    """The default engine: vLLM (use_vllm; imported only then), else sampling in this process from the policy, with
+    transformers' `generate` where generation_kwargs ask for what only it does (beams, its logits processors)."""
     if args.use_vllm:
         from .rollout.vllm import engine_from_config
 
         return engine_from_config(model, args, processing_class, accelerator.process_index, accelerator.num_processes,
                                   accelerator.local_process_index)  # fmt: skip
+    generate_options = args.transformers_generate_kwargs()
+    if generate_options:
+        from .rollout.hf_generate import TransformersGenerateEngine
+
+        return TransformersGenerateEngine(model, accelerator.device, generate_options, autocast=accelerator.autocast)
     # With sharded parameters every forward is a collective: the processes sample in step (see generate()).
     all_done = all_processes_done if is_sharded(model) else None
     exact = not (args.bf16 or args.fp16) and full_precision(model)  # bf16 weights: not exact
