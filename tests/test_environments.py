@@ -368,3 +368,44 @@ def test_several_environments_in_one_run_each_rollout_calls_its_own_tools(tmp_pa
     first_prompts = [tokenizer.decode(ids) for ids in engine.calls[0].ids]  # one per group: counter, echo
     assert ['"name": "increment"' in p for p in first_prompts] == [True, False]
     assert ['"name": "shout"' in p for p in first_prompts] == [False, True]
+
+
+def test_a_mocked_generate_samples_as_in_trls_environment_factory_test(tmp_path):
+    # TRL's test_train_with_environment_factory patches the model's generate (TRL samples with it): the first call
+    # returns a valid tool call, a call of an unknown tool and no call; the second, for the two rows that called,
+    # 'Done!'. grpokit's in-process engine then samples with that generate too; trainer.environments holds the
+    # rollouts' instances, as TRL's.
+    from unittest.mock import patch
+
+    model, tokenizer = tiny_agent_model()
+
+    class Incrementer(Tally):
+        get_reward = None  # TRL's DummyEnvironment has none: scored by reward_funcs
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    first = [ids(call_text("increment", {"step": 1})), ids(call_text("decrement", {"step": 2})),
+             ids("I won't increment<|im_end|>")]  # fmt: skip
+    calls = []
+
+    def fake_generate(input_ids, **kwargs):
+        calls.append(input_ids.shape[0])
+        rows = first if input_ids.shape[0] == 3 else [ids("Done!<|im_end|>")] * input_ids.shape[0]
+        width = max(map(len, rows))
+        completion = torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for row in rows])
+        return torch.cat([input_ids, completion], dim=-1)
+
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **k: [float(len(str(c))) for c in completions],
+                          args=config(tmp_path, per_device_train_batch_size=3, num_generations=3, learning_rate=0.1,
+                                      max_completion_length=256),  # TRL's default: room for the unknown tool's error
+                          processing_class=tokenizer, environment_factory=Incrementer)  # fmt: skip
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    with patch.object(trainer.model, "generate", side_effect=fake_generate):
+        trainer.train()
+    assert calls == [3, 2, 3, 2]  # two steps: three rows, then the two that called a tool
+    record = trainer.state.log_history[-2]
+    assert record["tools/call_frequency"] == pytest.approx(2 / 3)
+    assert record["tools/failure_frequency"] == pytest.approx(1 / 2)
+    assert [environment.count for environment in trainer.environments] == [1, 0, 0]
+    assert any(not torch.equal(before[name], p) for name, p in trainer.model.named_parameters())

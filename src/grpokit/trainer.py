@@ -212,6 +212,9 @@ class GRPOTrainer:
         tools = getattr(self.agents, "tools", None) or []
         return list(tools.values()) if isinstance(tools, dict) else list(tools)  # a verifiers ToolEnv's: name -> tool
 
+    environments = property(lambda self: getattr(self.agents, "latest_environments", None),
+                            doc="TRL's: the environment instances of the latest rollouts, one per completion.")
+
     @property
     def entropy_coef(self) -> float:
         """The entropy bonus's coefficient now: the adaptive controller's (use_adaptive_entropy), else the config's."""

@@ -74,6 +74,7 @@ class Agents:
         self.standalone_tools = list(tools or [])
         check_tools(self.standalone_tools)
         self.environments = environments
+        self.latest_environments: list | None = None  # one per row of the latest rollout call
         self.uses_tools = bool(self.standalone_tools) or self.environments is not None
         self.template = check_tool_calling(tokenizer) if self.uses_tools else None
         self.max_iterations = max_tool_calling_iterations if max_tool_calling_iterations is not None else 2**62
@@ -126,6 +127,7 @@ class Agents:
         if self.environments is None:
             return self._play(engine, rows, prompts, tools_of, params, seed, extra)
         environments = self.environments.take(self.environments.names_of(rows))
+        self.latest_environments = environments  # TRL's `trainer.environments`: the latest rollouts' instances
         try:
             return self._play(engine, rows, prompts, tools_of, params, seed, {"environments": environments})
         except BaseException:  # never scored (an engine closed to it, a failure): its environments go back

@@ -68,6 +68,13 @@ class HFEngine:
         return {**self.__dict__, "autocast": AutocastSettings.of(self.autocast, self.device.type)}
 
     def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
+        if "generate" in vars(self.model):
+            # The model's own generate was replaced on the instance (a Hub `custom_generate`, a user's sampling
+            # function, a test's mock of TRL's generate call): it decides how to sample, as in TRL, which calls it.
+            from .hf_generate import TransformersGenerateEngine
+
+            generate_engine = TransformersGenerateEngine(self.model, self.device, autocast=self.autocast)
+            return generate_engine.generate(prompts, params, seed)
         ids, mask = (t.to(self.device) for t in prompts.padded(params.pad_token_id))
         generator = torch.Generator(device=self.device).manual_seed(seed)
         counts = set(prompts.counts)
