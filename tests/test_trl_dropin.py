@@ -615,6 +615,40 @@ def test_generation_kwargs_only_generate_honours_train_through_it_and_the_defaul
     assert isinstance(trainer.engine, HFEngine)
 
 
+@pytest.mark.parametrize("all_truncated", [False, True])
+def test_a_mocked_transformers_generate_samples_as_in_trls_mask_truncated_completions_tests(tmp_path, all_truncated):
+    # TRL's test_train_with_mask_truncated_completions patches GenerationMixin.generate (TRL samples with it): one
+    # row truncated, one ended early, one ended on the last allowed token. grpokit's in-process engine samples with
+    # the patched generate too; the truncated row leaves the loss (mask_truncated_completions), the others train.
+    # With every row truncated nothing trains (TRL's ..._all_masked): loss 0, weights unchanged.
+    from unittest.mock import patch
+
+    _, tokenizer = tiny()
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    a, b, c = (tokenizer.convert_tokens_to_ids(ch) for ch in "abc")
+    rows = [[a, b, c, a, b, c, a, b], [c, b, a, eos, pad, pad, pad, pad], [a, a, b, b, c, c, a, eos]]
+    if all_truncated:
+        rows = [[a] * 8, [b] * 8, [c] * 8]
+
+    def fake_generate(input_ids, **kwargs):
+        return torch.cat([input_ids, torch.tensor(rows)], dim=1)
+
+    args = config(tmp_path, per_device_train_batch_size=3, num_generations=3, max_completion_length=8, max_steps=1,
+                  mask_truncated_completions=True, loss_type="dapo", learning_rate=0.1)  # fmt: skip
+    trainer = trainer_for(tmp_path, args=args, reward_funcs=lambda completions, **k: [float(len(c)) for c in completions])
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    with patch("transformers.generation.utils.GenerationMixin.generate", side_effect=fake_generate) as generate:
+        batch = trainer.generate_batch()
+        trainer.train()
+    assert generate.call_count == 2  # the batch above, the step's
+    expected_tokens = [0, 0, 0] if all_truncated else [0, 4, 8]
+    assert sorted(batch.loss_mask.sum(1).tolist()) == expected_tokens  # the batch keeps its own row order
+    moved = any(not torch.equal(before[name], p) for name, p in trainer.model.named_parameters())
+    assert moved == (not all_truncated)
+    if all_truncated:
+        assert trainer.state.log_history[-1]["train_loss"] == pytest.approx(0.0)
+
+
 def test_generation_kwargs_suppressed_token_outside_the_vocabulary_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"suppress_tokens \[5000\] are not in the model's vocabulary"):
         trainer_for(tmp_path, args=config(tmp_path, generation_kwargs={"suppress_tokens": [5000]}))
