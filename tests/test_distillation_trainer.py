@@ -290,10 +290,55 @@ def test_a_lora_student_trains_its_adapter_only(student_dir, teacher_dir, tmp_pa
 # ---------------------------------------------------------------------------------------------- the teacher
 
 
-def test_a_teacher_with_another_tokenizer_is_refused(student_dir, tmp_path):
+def test_a_teacher_of_another_vocab_size_is_refused_in_trls_words(student_dir, tmp_path):
     other = save_tiny_model(tmp_path / "other", chars="abcdefghijk:", hidden_size=32, seed=1)
-    with pytest.raises(ValueError, match="teacher's tokenizer differs from the student's"):
+    with pytest.raises(ValueError, match="The student model has vocab_size 16 but the teacher model has vocab_size "
+                                         "19. Distillation compares the teacher's full next-token distribution, "
+                                         "which requires a shared vocabulary.*In grpokit: pick a teacher of the "
+                                         "student's family"):  # fmt: skip
         DistillationTrainer(student_dir, str(other), args=config(tmp_path), train_dataset=letter_dataset(1))
+
+
+def test_a_teacher_with_another_tokenizer_of_the_same_size_is_refused(student_dir, tmp_path):
+    other = save_tiny_model(tmp_path / "other", chars="abcdefgi:", hidden_size=32, seed=1)  # 'i' in place of 'h'
+    with pytest.raises(ValueError, match="teacher's tokenizer differs from the student's: 1 token only in the "
+                                         "student's: 'h'"):  # fmt: skip
+        DistillationTrainer(student_dir, str(other), args=config(tmp_path), train_dataset=letter_dataset(1))
+
+
+def test_a_teacher_folder_whose_tokenizer_reloads_with_a_class_default_trains_as_the_student_tokenizer(tmp_path):
+    # The teacher's folder holds the student's tokenizer saved without an unk token under Qwen2's tokenizer class:
+    # AutoTokenizer reloads it with the class's default unk '<|endoftext|>' added after the last id. Scoring needs
+    # none of that token (TRL accepts this teacher); the run is the one with the teacher's folder left as saved.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = build_char_tokenizer(CHARS)
+    ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    teacher = build_tiny_model(len(tokenizer), hidden_size=48, num_layers=2, seed=1, **ids)
+    as_saved, reloads_otherwise = tmp_path / "as_saved", tmp_path / "reloads_otherwise"
+    for folder in (as_saved, reloads_otherwise):
+        teacher.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    tokenizer_config = json.loads((reloads_otherwise / "tokenizer_config.json").read_text())
+    del tokenizer_config["unk_token"]
+    tokenizer_config["tokenizer_class"] = "Qwen2Tokenizer"
+    (reloads_otherwise / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    reloaded = AutoTokenizer.from_pretrained(reloads_otherwise)
+    assert len(reloaded) == len(tokenizer) + 1 and reloaded.unk_token == "<|endoftext|>"  # the case at hand
+
+    runs = []
+    for folder in (as_saved, reloads_otherwise):
+        student = build_tiny_model(len(tokenizer), hidden_size=32, seed=0, **ids)
+        trainer = DistillationTrainer(student, AutoModelForCausalLM.from_pretrained(folder),
+                                      args=config(tmp_path / folder.name, max_steps=2),
+                                      train_dataset=letter_dataset(1), processing_class=tokenizer)  # fmt: skip
+        trainer.train()
+        runs.append(trainer)
+    losses = [[record["loss"] for record in run.state.log_history[:-1]] for run in runs]
+    assert len(losses[0]) == 2 and losses[0][0] > 0
+    assert losses[0] == losses[1]
+    first, second = weights(runs[0]), weights(runs[1])
+    assert all(torch.equal(first[key], second[key]) for key in first)
 
 
 def test_teacher_init_kwargs_with_a_teacher_object_are_refused_as_in_trl(student_dir, teacher_dir, tmp_path):

@@ -120,30 +120,38 @@ def test_a_dict_of_environments_routes_each_row_and_shows_only_its_tools(tmp_pat
     assert trainer.state.log_history[0]["rewards/Vault/mean"] == 0.0
 
 
-def test_environment_errors_are_clear(tmp_path):
+def test_environment_errors_are_clear_in_trls_words(tmp_path):
     model, tokenizer = tiny_agent_model()
     reward = lambda completions, **k: [0.0] * len(completions)  # noqa: E731
 
     class NoReset:
         pass
 
-    with pytest.raises(ValueError, match="has no callable reset"):
+    with pytest.raises(ValueError, match="Each environment instance returned by `environment_factory` must define a "
+                                         "callable `reset`. The environment NoReset"):  # fmt: skip
         GRPOTrainer(model=model, reward_funcs=reward, args=config(tmp_path), train_dataset=None,
                     processing_class=tokenizer, environment_factory=NoReset)  # fmt: skip
-    with pytest.raises(ValueError, match="set max_steps > 0"):
+    with pytest.raises(ValueError, match=r"When training without a `train_dataset` \(the environment owns the data "
+                                         r"and returns the prompt from `reset\(\)`\), `max_steps` must be set to a "
+                                         r"positive value"):  # fmt: skip
         GRPOTrainer(model=model, reward_funcs=reward, args=config(tmp_path, max_steps=-1), train_dataset=None,
                     processing_class=tokenizer, environment_factory=Vault)  # fmt: skip
-    with pytest.raises(ValueError, match="needs a train_dataset with an 'environment' column"):
+    with pytest.raises(ValueError, match=r"A `dict` `environment_factory` \(multiple environments\) requires a "
+                                         r"`train_dataset` with an `environment` column"):  # fmt: skip
         GRPOTrainer(model=model, reward_funcs=reward, args=config(tmp_path), train_dataset=None,
                     processing_class=tokenizer, environment_factory={"a": Vault})  # fmt: skip
-    with pytest.raises(ValueError, match="No reward source"):
+    with pytest.raises(ValueError, match="No reward source provided. Pass `reward_funcs`, or an "
+                                         "`environment_factory` whose environment defines a `get_reward` method."):
         GRPOTrainer(model=model, reward_funcs=None, args=config(tmp_path), train_dataset=None,
                     processing_class=tokenizer, environment_factory=Counter)  # fmt: skip
+    with pytest.raises(ValueError, match="`train_dataset` is required unless an `environment_factory` is provided."):
+        GRPOTrainer(model=model, reward_funcs=reward, args=config(tmp_path), processing_class=tokenizer)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config(tmp_path, max_steps=1),
                           train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "x"}],
                                                             "environment": "b"}] * 2),
                           processing_class=tokenizer, environment_factory={"a": Counter})  # fmt: skip
-    with pytest.raises(ValueError, match="environment='b', which is not among the environments"):
+    with pytest.raises(ValueError, match=r"Example has `environment='b'`, which is not among the environments passed "
+                                         r"to `environment_factory`. Expected one of: \['a'\]."):  # fmt: skip
         trainer.train()
 
 
@@ -216,3 +224,188 @@ def test_rollout_func_contract_errors_name_the_problem(tmp_path, output, message
                           processing_class=tokenizer, rollout_func=lambda prompts, trainer: output)  # fmt: skip
     with pytest.raises((ValueError, TypeError), match=message):
         trainer.train()
+
+
+# ------------------------------------------------------------- TRL's environment-owned rewards and data
+
+
+class Tally:
+    """TRL's DummyEnvironment: a counter the model increments through its tool; it owns the reward (the count)."""
+
+    def reset(self, **row):
+        self.count = 0
+
+    def increment(self, step: int) -> int:
+        """Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+        """
+        self.count += step
+        return self.count
+
+    def get_reward(self) -> float:
+        return float(self.count)
+
+
+def tally_script(tokenizer):
+    """Per group of 3: a valid call of increment, a call of a tool that does not exist, no call (TRL's script)."""
+    first = [call_text("increment", {"step": 1}), call_text("decrement", {"step": 2}), "I won't increment<|im_end|>"]
+    return tool_call_script(tokenizer, lambda user, results, index: first[index] if not results else "Done!<|im_end|>")
+
+
+def test_an_environment_owning_its_reward_and_data_trains_without_reward_funcs_or_dataset(tmp_path):
+    # TRL 1.16's test_train_with_environment_owned_reward: no reward_funcs, no train_dataset; the environment's
+    # get_reward is the only reward source (named after its class, weight 1) and is no tool; reset() supplies the
+    # (empty) prompts for max_steps steps.
+    model, tokenizer = tiny_agent_model()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer = GRPOTrainer(model=model, args=config(tmp_path, per_device_train_batch_size=3, num_generations=3,
+                                                   learning_rate=0.1),
+                          processing_class=tokenizer, environment_factory=Tally,
+                          rollout_engine=tally_script(tokenizer))  # fmt: skip
+    assert trainer.reward_func_names == ["Tally"] and trainer.reward_weights.tolist() == [1.0]
+    assert [tool.__name__ for tool in trainer.tools] == ["increment"]  # not get_reward, not reset
+    trainer.train()
+    assert trainer.state.global_step == 2
+    record = trainer.state.log_history[-2]
+    assert record["rewards/Tally/mean"] == pytest.approx(1 / 3)  # counts 1, 0, 0
+    assert record["tools/call_frequency"] == pytest.approx(2 / 3)
+    assert record["tools/failure_frequency"] == pytest.approx(1 / 2)
+    assert any(not torch.equal(before[name], p) for name, p in trainer.model.named_parameters())
+
+
+def test_an_environment_owned_reward_comes_after_the_reward_functions_with_weight_one(tmp_path):
+    # TRL's test_environment_owned_reward_coexists_with_reward_funcs: reward_weights weigh the trainer's own
+    # reward functions; the environment's reward is appended with weight 1.
+    model, tokenizer = tiny_agent_model()
+
+    def format_reward(completions, **kwargs):
+        return [0.0 for _ in completions]
+
+    trainer = GRPOTrainer(model=model, reward_funcs=format_reward,
+                          args=config(tmp_path, per_device_train_batch_size=3, num_generations=3, reward_weights=[0.5]),
+                          processing_class=tokenizer, environment_factory=Tally)  # fmt: skip
+    assert trainer.reward_func_names == ["format_reward", "Tally"]
+    assert trainer.reward_weights.tolist() == [0.5, 1.0] and len(trainer.reward_funcs) == 2
+    assert [tool.__name__ for tool in trainer.tools] == ["increment"]
+
+
+def test_standalone_tools_and_each_environments_tools_are_the_trainers_tools(tmp_path):
+    from agents_helpers import lookup
+
+    model, tokenizer = tiny_agent_model()
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **k: [0.0] * len(completions),
+                          args=config(tmp_path), train_dataset=Dataset.from_list(vault_rows("k1", "k2")),
+                          processing_class=tokenizer, tools=[lookup],
+                          environment_factory={"vault": Vault, "counter": Counter})  # fmt: skip
+    assert [tool.__name__ for tool in trainer.tools] == ["lookup", "read", "increment"]
+    assert trainer.tools[1].__self__ is trainer.agents.environments.pool["vault"][0]  # the probe instance's method
+    plain = GRPOTrainer(model=model, reward_funcs=lambda completions, **k: [0.0] * len(completions),
+                        args=config(tmp_path), train_dataset=Dataset.from_list(vault_rows("k1", "k2")),
+                        processing_class=tokenizer)  # fmt: skip
+    assert plain.tools == []
+
+
+def test_several_environments_in_one_run_each_rollout_calls_its_own_tools(tmp_path):
+    # TRL's test_train_with_multiple_environments: a dataset of environment names only; with shuffle_dataset=False
+    # and num_generations=2 each generation is [counter, counter, echo, echo]; each rollout sees and calls only its
+    # own environment's tool, and reset() never receives the routing column.
+    model, tokenizer = tiny_agent_model()
+    resets, calls = {"counter": [], "echo": []}, {"increment": [], "shout": []}
+
+    class CounterEnvironment:
+        def reset(self, **row):
+            resets["counter"].append(row)
+            return "Count."
+
+        def increment(self, step: int) -> int:
+            """Increment the internal counter.
+
+            Args:
+                step: Value to add to the counter.
+            """
+            calls["increment"].append(step)
+            return step
+
+    class EchoEnvironment:
+        def reset(self, **row):
+            resets["echo"].append(row)
+            return "Echo."
+
+        def shout(self, text: str) -> str:
+            """Shout the given text.
+
+            Args:
+                text: Text to shout.
+            """
+            calls["shout"].append(text)
+            return text.upper()
+
+    def turns(user, results, index):
+        if results:
+            return "Done!<|im_end|>"
+        if index == 1:
+            return "I won't<|im_end|>"
+        return call_text("increment", {"step": 1}) if user == "Count." else call_text("shout", {"text": "hi"})
+
+    engine = tool_call_script(tokenizer, turns)
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **k: [float(len(c)) for c in completions],
+                          args=config(tmp_path, per_device_train_batch_size=4, num_generations=2, max_steps=2,
+                                      shuffle_dataset=False),
+                          train_dataset=Dataset.from_dict({"environment": ["counter", "echo"] * 8}),
+                          processing_class=tokenizer,
+                          environment_factory={"counter": CounterEnvironment, "echo": EchoEnvironment},
+                          rollout_engine=engine)  # fmt: skip
+    assert [tool.__name__ for tool in trainer.tools] == ["increment", "shout"]
+    trainer.train()
+    assert calls == {"increment": [1, 1], "shout": ["hi", "hi"]}  # one call of each per generation
+    for record in [r for r in trainer.state.log_history if "loss" in r]:
+        assert record["tools/call_frequency"] == pytest.approx(2 / 4)
+        assert record["tools/failure_frequency"] == 0.0
+    assert len(resets["counter"]) == len(resets["echo"]) == 4  # 2 rows each per generation, 2 generations
+    assert all("environment" not in row for row in resets["counter"] + resets["echo"])
+    first_prompts = [tokenizer.decode(ids) for ids in engine.calls[0].ids]  # one per group: counter, echo
+    assert ['"name": "increment"' in p for p in first_prompts] == [True, False]
+    assert ['"name": "shout"' in p for p in first_prompts] == [False, True]
+
+
+def test_a_mocked_generate_samples_as_in_trls_environment_factory_test(tmp_path):
+    # TRL's test_train_with_environment_factory patches the model's generate (TRL samples with it): the first call
+    # returns a valid tool call, a call of an unknown tool and no call; the second, for the two rows that called,
+    # 'Done!'. grpokit's in-process engine then samples with that generate too; trainer.environments holds the
+    # rollouts' instances, as TRL's.
+    from unittest.mock import patch
+
+    model, tokenizer = tiny_agent_model()
+
+    class Incrementer(Tally):
+        get_reward = None  # TRL's DummyEnvironment has none: scored by reward_funcs
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    first = [ids(call_text("increment", {"step": 1})), ids(call_text("decrement", {"step": 2})),
+             ids("I won't increment<|im_end|>")]  # fmt: skip
+    calls = []
+
+    def fake_generate(input_ids, **kwargs):
+        calls.append(input_ids.shape[0])
+        rows = first if input_ids.shape[0] == 3 else [ids("Done!<|im_end|>")] * input_ids.shape[0]
+        width = max(map(len, rows))
+        completion = torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for row in rows])
+        return torch.cat([input_ids, completion], dim=-1)
+
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **k: [float(len(str(c))) for c in completions],
+                          args=config(tmp_path, per_device_train_batch_size=3, num_generations=3, learning_rate=0.1,
+                                      max_completion_length=256),  # TRL's default: room for the unknown tool's error
+                          processing_class=tokenizer, environment_factory=Incrementer)  # fmt: skip
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    with patch.object(trainer.model, "generate", side_effect=fake_generate):
+        trainer.train()
+    assert calls == [3, 2, 3, 2]  # two steps: three rows, then the two that called a tool
+    record = trainer.state.log_history[-2]
+    assert record["tools/call_frequency"] == pytest.approx(2 / 3)
+    assert record["tools/failure_frequency"] == pytest.approx(1 / 2)
+    assert [environment.count for environment in trainer.environments] == [1, 0, 0]
+    assert any(not torch.equal(before[name], p) for name, p in trainer.model.named_parameters())

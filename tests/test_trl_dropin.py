@@ -2,6 +2,7 @@
 TrainerControl, optimizers=, IterableDataset, named eval sets and eval_loss, the reward kwargs trainer_state /
 log_metric / log_extra, and optimizer steps that straddle two generation batches."""
 
+import itertools
 import json
 import logging
 import math
@@ -588,9 +589,9 @@ def test_generation_kwargs_stop_and_suppress_tokens_and_override_the_sampling_fi
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"num_beams": 2}, r"generation_kwargs \['num_beams'\]: num_beams=2 would change the sampling"),
-    ({"no_repeat_ngram_size": 3, "seed": 7}, r"\['no_repeat_ngram_size', 'seed'\]: .*accepted at "
-                                             r"no_repeat_ngram_size=0, seed=None"),
+    ({"num_return_sequences": 2}, r"generation_kwargs \['num_return_sequences'\]: num_return_sequences=2"),
+    ({"no_repeat_ngram_size": 3, "seed": 7}, r"\['seed'\]: seed=7 .*accepted at seed=None\). Supported: .*; without "
+                                             r"use_vllm, num_beams, .* are sampled with transformers' generate"),
     ({"top_k_typo": 5}, r"\['top_k_typo'\]: not an option of transformers' GenerationConfig or vLLM's"),
     ({"temperature": 0.5}, "Set temperature instead"),
     ({"do_sample": False}, "GRPO needs sampled completions"),
@@ -601,6 +602,108 @@ def test_generation_kwargs_stop_and_suppress_tokens_and_override_the_sampling_fi
 def test_generation_kwargs_that_grpokit_cannot_honour_are_refused_by_name(tmp_path, options, message):
     with pytest.raises(ValueError, match=message):
         config(tmp_path, generation_kwargs=options)
+
+
+def tiny_prompts(tokenizer):
+    from grpokit.rollout import PromptBatch
+
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in ("a:", "bcd:")]
+    return PromptBatch(ids=ids, counts=[3, 3], raw=[None, None])
+
+
+def test_beam_search_is_transformers_generate_with_trls_generation_config(tmp_path):
+    # TRL passes generation_kwargs to GenerationConfig and samples with model.generate; grpokit's engine for options
+    # its own sampler lacks does the same: the rows are generate's, seeded with the generation's seed, cut after the
+    # first EOS (truncated where there is none).
+    from transformers import GenerationConfig
+
+    from grpokit.rollout import SamplingParams, TransformersGenerateEngine
+
+    model, tokenizer = tiny()
+    options = {"num_beams": 2, "length_penalty": -0.1}
+    engine = TransformersGenerateEngine(model, options=options)
+    prompts, seed = tiny_prompts(tokenizer), 11
+    params = SamplingParams(max_new_tokens=6, temperature=0.9, top_k=50, eos_token_ids=(tokenizer.eos_token_id,),
+                            pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    rollout = engine.generate(prompts, params, seed)
+
+    prompt_ids, prompt_mask = prompts.padded(tokenizer.pad_token_id)
+    expected_config = GenerationConfig(max_new_tokens=6, do_sample=True, temperature=0.9, top_k=50, top_p=1.0,
+                                       repetition_penalty=1.0, eos_token_id=[tokenizer.eos_token_id],
+                                       pad_token_id=tokenizer.pad_token_id, **options)  # fmt: skip
+    torch.manual_seed(seed)
+    expected = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=expected_config)
+    expected = expected[:, prompt_ids.shape[1]:]
+    assert rollout.sampling_logprobs is None and torch.equal(rollout.prompt_ids, prompt_ids)
+    for row, ids in enumerate(expected.tolist()):
+        end = ids.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in ids else len(ids)
+        assert rollout.completion_id_lists()[row] == ids[:end]
+        assert rollout.lengths[row] == end and bool(rollout.is_truncated[row]) == (end == len(ids) and
+                                                                                  ids[-1] != tokenizer.eos_token_id)
+        assert rollout.loss_mask[row].sum() == end
+    # The beams are what made these rows: the same seed without them samples others.
+    plain = TransformersGenerateEngine(model).generate(prompts, params, seed)
+    assert plain.completion_id_lists() != rollout.completion_id_lists()
+    assert engine.generate(prompts, params, seed).completion_id_lists() == rollout.completion_id_lists()
+
+
+def test_generation_kwargs_only_generate_honours_train_through_it_and_the_default_sampler_stays(tmp_path):
+    from grpokit.rollout import HFEngine, TransformersGenerateEngine
+
+    # TRL's test_train_with_generation_kwargs, on the tiny model.
+    trl_options = {"do_sample": True, "top_k": 50, "num_beams": 2, "length_penalty": -0.1}
+    trainer = trainer_for(tmp_path, args=config(tmp_path, max_steps=2, generation_kwargs=trl_options),
+                          reward_funcs=lambda completions, **kwargs: [float(len(c)) for c in completions])
+    assert isinstance(trainer.engine, TransformersGenerateEngine)
+    assert trainer.engine.options == {"num_beams": 2, "length_penalty": -0.1}
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.state.global_step == 2 and math.isfinite(trainer.state.log_history[-1]["train_loss"])
+    assert any(not torch.equal(before[name], p) for name, p in trainer.model.named_parameters())
+    # One of generate's logits processors: no bigram repeats in any completion.
+    trainer = trainer_for(tmp_path / "ngram", args=config(tmp_path / "ngram", max_completion_length=12,
+                                                          generation_kwargs={"no_repeat_ngram_size": 2}))  # fmt: skip
+    batch = trainer.generate_batch()
+    rows = [ids[:length].tolist() for ids, length in zip(batch.completion_ids, batch.lengths.tolist())]
+    bigrams = [list(itertools.pairwise(row)) for row in rows]
+    assert max(map(len, rows)) > 6 and all(len(set(pairs)) == len(pairs) for pairs in bigrams)
+    # Neutral values keep grpokit's own sampler (the pinned runs' numbers).
+    trainer = trainer_for(tmp_path / "neutral", args=config(tmp_path / "neutral", generation_kwargs={"num_beams": 1}))
+    assert isinstance(trainer.engine, HFEngine)
+
+
+@pytest.mark.parametrize("all_truncated", [False, True])
+def test_a_mocked_transformers_generate_samples_as_in_trls_mask_truncated_completions_tests(tmp_path, all_truncated):
+    # TRL's test_train_with_mask_truncated_completions patches GenerationMixin.generate (TRL samples with it): one
+    # row truncated, one ended early, one ended on the last allowed token. grpokit's in-process engine samples with
+    # the patched generate too; the truncated row leaves the loss (mask_truncated_completions), the others train.
+    # With every row truncated nothing trains (TRL's ..._all_masked): loss 0, weights unchanged.
+    from unittest.mock import patch
+
+    _, tokenizer = tiny()
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    a, b, c = (tokenizer.convert_tokens_to_ids(ch) for ch in "abc")
+    rows = [[a, b, c, a, b, c, a, b], [c, b, a, eos, pad, pad, pad, pad], [a, a, b, b, c, c, a, eos]]
+    if all_truncated:
+        rows = [[a] * 8, [b] * 8, [c] * 8]
+
+    def fake_generate(input_ids, **kwargs):
+        return torch.cat([input_ids, torch.tensor(rows)], dim=1)
+
+    args = config(tmp_path, per_device_train_batch_size=3, num_generations=3, max_completion_length=8, max_steps=1,
+                  mask_truncated_completions=True, loss_type="dapo", learning_rate=0.1)  # fmt: skip
+    trainer = trainer_for(tmp_path, args=args, reward_funcs=lambda completions, **k: [float(len(c)) for c in completions])
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    with patch("transformers.generation.utils.GenerationMixin.generate", side_effect=fake_generate) as generate:
+        batch = trainer.generate_batch()
+        trainer.train()
+    assert generate.call_count == 2  # the batch above, the step's
+    expected_tokens = [0, 0, 0] if all_truncated else [0, 4, 8]
+    assert sorted(batch.loss_mask.sum(1).tolist()) == expected_tokens  # the batch keeps its own row order
+    moved = any(not torch.equal(before[name], p) for name, p in trainer.model.named_parameters())
+    assert moved == (not all_truncated)
+    if all_truncated:
+        assert trainer.state.log_history[-1]["train_loss"] == pytest.approx(0.0)
 
 
 def test_generation_kwargs_suppressed_token_outside_the_vocabulary_is_refused(tmp_path):

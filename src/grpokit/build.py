@@ -55,6 +55,7 @@ from .optim import build_optimizer
 from .rewards.model import RewardModel
 from .rewards.scorer import RewardScorer
 from .rollout import HFEngine, PromptCodec, RolloutEngine, RolloutRunner
+from .rollout.hf_generate import TransformersGenerateEngine
 from .rollout.vllm import VLLMEngine
 from .rollout.vllm_client import VLLMServers
 from .state import TrainerState
@@ -218,10 +219,14 @@ def as_steps(value: float, max_steps: int) -> int:
 
 
 def build_engine(model, args: GRPOConfig, processing_class, accelerator) -> RolloutEngine:
-    """The default engine: vLLM (use_vllm), else sampling in this process from the policy."""
+    """The default engine: vLLM (use_vllm), else sampling in this process from the policy, with transformers'
+    `generate` where generation_kwargs ask for what only it does (beams, its logits processors)."""
     if args.use_vllm:
         return build_vllm_engine(model, args, processing_class, accelerator.process_index, accelerator.num_processes,
                                  accelerator.local_process_index)  # fmt: skip
+    generate_options = args.transformers_generate_kwargs()
+    if generate_options:
+        return TransformersGenerateEngine(model, accelerator.device, generate_options, autocast=accelerator.autocast)
     # With sharded parameters every forward is a collective: the processes sample in step (see generate()).
     all_done = all_processes_done if is_sharded(model) else None
     exact = not (args.bf16 or args.fp16) and full_precision(model)  # bf16 weights: not exact

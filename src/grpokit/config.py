@@ -82,6 +82,19 @@ GENERATION_KWARGS_NEUTRAL = {
         "structured_outputs", "guided_decoding", "top_h")},
 }  # fmt: skip
 
+# generation_kwargs keys of transformers' GenerationConfig that grpokit's own sampler does not implement but
+# transformers' `generate` does (TRL samples with it without vLLM): away from their neutral value they make the
+# in-process engine sample with `model.generate` (rollout/hf_generate.py). The beam options ride along. Not among
+# them: modes transformers 5 moved to Hub repositories (group / constrained beam search, contrastive search, DoLa),
+# several sequences per prompt, and options generate needs more than a config for (stop_strings: a tokenizer).
+GENERATE_KWARGS = (
+    "num_beams", "typical_p", "epsilon_cutoff", "eta_cutoff", "encoder_repetition_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "min_new_tokens", "min_length", "bad_words_ids", "sequence_bias",
+    "forced_bos_token_id", "forced_eos_token_id", "begin_suppress_tokens", "exponential_decay_length_penalty",
+    "watermarking_config", "max_time", "top_h",
+)  # fmt: skip
+GENERATE_COMPANION_KWARGS = ("length_penalty", "early_stopping", "renormalize_logits", "remove_invalid_values")
+
 # cache_implementation values the in-process sampler takes (`rollout/static.py`); TRL passes any to generate().
 CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
 
@@ -357,9 +370,13 @@ class GRPOConfig:
                                               "min_p, repetition_penalty (they override the named fields, as in "
                                               "TRL), eos_token_id / stop_token_ids (more tokens that end a "
                                               "completion), suppress_tokens (never sampled; vLLM: a logit bias of -100), "
-                                              "do_sample=True. Keys that cannot change what is sampled "
-                                              "(output options, beam options without beams, penalties at their "
-                                              "neutral value) pass; others are refused by name.")
+                                              "do_sample=True. Without use_vllm, transformers' GenerationConfig "
+                                              "options grpokit's sampler lacks (num_beams, no_repeat_ngram_size, "
+                                              "bad_words_ids, sequence_bias, min_new_tokens, typical_p, ...) "
+                                              "sample with transformers' generate, as TRL does (no sampling "
+                                              "log-probs: pi_old is recomputed). Keys that cannot change what is "
+                                              "sampled (output options, beam options without beams, penalties at "
+                                              "their neutral value) pass; others are refused by name.")
     max_tool_calling_iterations: int | None = _f(None, "Most tool-calling turns per rollout of an agent "
                                                        "(GRPOTrainer(tools=... / environment_factory=...)); None: "
                                                        "until a turn calls no tool or max_completion_length is used.")
@@ -710,11 +727,18 @@ class GRPOConfig:
                 fail(f"generation_kwargs {name}: set max_completion_length instead.")
         changing = sorted(name for name, neutral in GENERATION_KWARGS_NEUTRAL.items()
                           if name in options and not any(_same(options[name], value) for value in neutral))
+        if "num_beams" in options and not (type(options["num_beams"]) is int and options["num_beams"] >= 1):
+            fail(f"generation_kwargs num_beams={options['num_beams']!r} must be a whole number >= 1 (1: no beams).")
+        generated = [name for name in changing if name in GENERATE_KWARGS]
+        if not self.use_vllm:  # the in-process engine samples these with transformers' generate, as TRL
+            changing = [name for name in changing if name not in GENERATE_KWARGS]
         if changing:
+            also = (f"; without use_vllm, {', '.join(GENERATE_KWARGS)} are sampled with transformers' generate"
+                    if generated else "")  # fmt: skip
             fail(f"generation_kwargs {changing}: {', '.join(f'{n}={options[n]!r}' for n in changing)} would change the "
                  f"sampling in a way grpokit's engines do not implement (accepted at "
                  f"{', '.join(f'{n}={GENERATION_KWARGS_NEUTRAL[n][0]!r}' for n in changing)}). Supported: "
-                 f"{', '.join(GENERATION_KWARGS)}.")  # fmt: skip
+                 f"{', '.join(GENERATION_KWARGS)}{also}.")  # fmt: skip
         known = {*GENERATION_KWARGS, *GENERATION_KWARGS_WITHOUT_EFFECT, *GENERATION_KWARGS_NEUTRAL}
         unknown = sorted(set(options) - known)
         if unknown:
@@ -871,6 +895,16 @@ class GRPOConfig:
         if self.kl_in_reward:  # the KL is a reward penalty (experience.py), not a loss term
             options["beta"] = 0.0
         return options
+
+    def transformers_generate_kwargs(self) -> dict:
+        """The generation_kwargs only transformers' `generate` honours (GENERATE_KWARGS away from their neutral
+        value, and the beam options beside them); empty when grpokit's own sampler does what they ask."""
+        options = self.generation_kwargs or {}
+        needed = {name: options[name] for name in GENERATE_KWARGS
+                  if name in options and not any(_same(options[name], v) for v in GENERATION_KWARGS_NEUTRAL[name])}
+        if not needed or self.use_vllm:
+            return {}
+        return {**needed, **{name: options[name] for name in GENERATE_COMPANION_KWARGS if name in options}}
 
     def generation_token_ids(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(extra tokens that end a completion, tokens never sampled) from generation_kwargs."""

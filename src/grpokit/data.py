@@ -111,7 +111,8 @@ def check_dataset(dataset, name: str = "train_dataset", prompt_optional: bool = 
     """The errors a user can fix before any model is loaded. `prompt_optional`: an environment supplies the prompt
     through reset() (TRL: a row without one starts from an empty user message), so no prompt column is needed."""
     if dataset is None:
-        raise ValueError(f"`{name}` is required: pass a dataset with a 'prompt' column (or 'prompt_ids').")
+        unless = " unless an `environment_factory` is provided" if name == "train_dataset" else ""  # TRL's words
+        raise ValueError(f"`{name}` is required{unless}. Pass a dataset with a 'prompt' column (or 'prompt_ids').")
     if is_empty(dataset):
         raise ValueError(f"{name} is empty: it has no rows to draw prompts from. Check the split and any filtering.")
     columns = dataset_columns(dataset)

@@ -237,11 +237,6 @@ def chunked_distillation_loss(
 
 # ------------------------------------------------------------------------------------------ the tokenizers
 
-# The padding token is left out: padded positions take no part in the loss, and trainers set a missing one to the
-# end-of-sequence token (TRL does), so a teacher tokenizer loaded on its own often differs there harmlessly.
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token")
-
-
 def _first(items, count: int = 5) -> str:
     items = sorted(items, key=repr)
     shown = ", ".join(repr(item) for item in items[:count])
@@ -253,51 +248,44 @@ def _tokens(count: int) -> str:
 
 
 def tokenizer_differences(student_tokenizer, teacher_tokenizer) -> list[str]:
-    """What keeps the teacher from scoring the student's token ids: one line per difference in the token -> id
-    mapping (added tokens included) or in the special tokens. Empty when they agree."""
+    """What keeps the teacher from scoring the student's token ids: one line per difference. Empty when they agree.
+
+    Scoring needs two things: every token of the student's tokenizer (added tokens included) has its id in the
+    teacher's, so that the teacher reads each id the student emits as the same token; and both end on the same
+    end-of-sequence id (the completion's last scored token). Nothing else is compared: tokens only the teacher's
+    tokenizer has are ids the student's tokenizer gives no meaning (`AutoTokenizer` adds its class's default unk
+    token, e.g. Qwen2's '<|endoftext|>', to a tokenizer saved without one, so a teacher folder holding the
+    student's very tokenizer reloads one token longer); the padding token takes no part in the loss (trainers set
+    a missing one to the end-of-sequence token, as TRL does); bos / unk tokens and which tokens are special change
+    how text is tokenized, not how ids are scored.
+    """
     differences = []
     student_vocab, teacher_vocab = student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
-    only_student = student_vocab.keys() - teacher_vocab.keys()
-    only_teacher = teacher_vocab.keys() - student_vocab.keys()
-    moved = {
-        token for token in student_vocab.keys() & teacher_vocab.keys() if student_vocab[token] != teacher_vocab[token]
-    }
-    if len(student_vocab) != len(teacher_vocab):
+    missing = student_vocab.keys() - teacher_vocab.keys()
+    moved = {token for token in student_vocab.keys() - missing if student_vocab[token] != teacher_vocab[token]}
+    if (missing or moved) and len(student_vocab) != len(teacher_vocab):
         differences.append(
             f"the student's vocabulary has {len(student_vocab)} tokens, the teacher's {len(teacher_vocab)}"
         )
-    if only_student:
-        differences.append(f"{_tokens(len(only_student))} only in the student's: {_first(only_student)}")
-    if only_teacher:
-        differences.append(f"{_tokens(len(only_teacher))} only in the teacher's: {_first(only_teacher)}")
+    if missing:
+        differences.append(f"{_tokens(len(missing))} only in the student's: {_first(missing)}")
     if moved:
         examples = _first(f"{token} -> {student_vocab[token]} / {teacher_vocab[token]}" for token in moved)
         differences.append(f"{_tokens(len(moved))} with other ids (student / teacher): {examples}")
-    for name in SPECIAL_TOKEN_NAMES:
-        student_token, teacher_token = getattr(student_tokenizer, name, None), getattr(teacher_tokenizer, name, None)
-        if student_token != teacher_token:
-            differences.append(f"{name}: {student_token!r} in the student's, {teacher_token!r} in the teacher's")
-    student_special, teacher_special = _special_tokens(student_tokenizer), _special_tokens(teacher_tokenizer)
-    if student_special - teacher_special:
-        differences.append(f"special tokens only in the student's: {_first(student_special - teacher_special)}")
-    if teacher_special - student_special:
-        differences.append(f"special tokens only in the teacher's: {_first(teacher_special - student_special)}")
+    student_eos, teacher_eos = student_tokenizer.eos_token_id, teacher_tokenizer.eos_token_id
+    if student_eos != teacher_eos:
+        differences.append(f"eos_token: {student_tokenizer.eos_token!r} (id {student_eos}) in the student's, "
+                           f"{teacher_tokenizer.eos_token!r} (id {teacher_eos}) in the teacher's")  # fmt: skip
     return differences
-
-
-def _special_tokens(tokenizer) -> set[str]:
-    """The tokenizer's special tokens but its padding token (unless that is also its bos, eos or unk token)."""
-    named = {getattr(tokenizer, name, None) for name in SPECIAL_TOKEN_NAMES} - {None}
-    return (set(tokenizer.all_special_tokens) - {tokenizer.pad_token}) | named
 
 
 def check_shared_tokenizer(student_tokenizer, teacher_tokenizer) -> None:
     """Refuse a teacher whose tokenizer differs from the student's.
 
     The teacher scores the student's own token ids, and the divergence compares the two next-token distributions
-    entry by entry, so both must give every token the same id and agree on the special tokens (the teacher must
-    end where the student ends). Models of one family share a tokenizer even when their architectures, sizes or
-    dtypes differ; that is all this requires.
+    entry by entry, so the teacher must give every token of the student's the same id and end on the same
+    end-of-sequence id (`tokenizer_differences`). Models of one family share a tokenizer even when their
+    architectures, sizes or dtypes differ; that is all this requires.
     """
     differences = tokenizer_differences(student_tokenizer, teacher_tokenizer)
     if differences:

@@ -17,12 +17,20 @@ def _dtype_of(value):
     return value if value in ("auto", None) or isinstance(value, torch.dtype) else getattr(torch, value)
 
 
+def vocab_size_of(model) -> int:
+    """The model's vocabulary size as TRL reads it (its text config's `vocab_size`), else its LM head's rows."""
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    size = getattr(text_config, "vocab_size", None)
+    return size if size is not None else model.get_output_embeddings().weight.shape[0]
+
+
 def load_teacher(teacher_model, init_kwargs, revision, trust_remote_code: bool, device, student,
                  processing_class) -> torch.nn.Module:  # fmt: skip
     """The teacher (a model, or a path / hub id loaded with `init_kwargs` at `revision`, as TRL's
     teacher_model_init_kwargs / teacher_model_revision), frozen, in eval mode, on `device`. Its tokenizer, where one
     can be found (a path's; a model's `name_or_path` when that is a local folder), must be the student's
-    (`processing_class`); its LM head must cover the student's vocabulary (TRL's check)."""
+    (`processing_class`, `distillation.tokenizer_differences`); its vocab_size must be the student's (TRL's check)."""
     if isinstance(init_kwargs, str):  # a JSON string, as TRL's config accepts
         import json
 
@@ -46,12 +54,14 @@ def load_teacher(teacher_model, init_kwargs, revision, trust_remote_code: bool, 
                 tokenizer = load_tokenizer(name, trust_remote_code)
             except (OSError, ValueError):  # a folder with the weights only: the vocabulary check below remains
                 tokenizer = None
+    student_vocab, teacher_vocab = vocab_size_of(causal_lm_of(student)), vocab_size_of(teacher_model)
+    if student_vocab != teacher_vocab:  # TRL's check and words, first, as TRL users match them
+        raise ValueError(f"The student model has vocab_size {student_vocab} but the teacher model has vocab_size "
+                         f"{teacher_vocab}. Distillation compares the teacher's full next-token distribution, which "
+                         f"requires a shared vocabulary. Use a teacher with the same vocab_size, or GOLD for "
+                         f"cross-tokenizer distillation. In grpokit: pick a teacher of the student's family (one "
+                         f"tokenizer, any size or dtype); grpokit has no GOLD trainer, TRL's experimental one "
+                         f"distills across tokenizers.")  # fmt: skip
     if tokenizer is not None:
         check_shared_tokenizer(tokenizer_of(processing_class), tokenizer)
-    student_vocab = causal_lm_of(student).get_output_embeddings().weight.shape[0]
-    teacher_vocab = teacher_model.get_output_embeddings().weight.shape[0]
-    if student_vocab != teacher_vocab:  # TRL's check, which is all there is for a teacher given without tokenizer
-        raise ValueError(f"The student's LM head covers {student_vocab} tokens and the teacher's {teacher_vocab}: "
-                         f"the teacher scores the student's own tokens, so both must share one tokenizer and "
-                         f"vocabulary. Pick a teacher of the student's family.")  # fmt: skip
     return teacher_model.requires_grad_(False).eval().to(device)

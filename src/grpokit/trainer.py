@@ -215,6 +215,15 @@ class GRPOTrainer:
     num_generations = property(lambda self: self.args.num_generations)
 
     @property
+    def tools(self) -> list:
+        """TRL's: the tools the model may call, the standalone ones then each environment's methods (TRL's union)."""
+        tools = getattr(self.agents, "tools", None) or []
+        return list(tools.values()) if isinstance(tools, dict) else list(tools)  # a verifiers ToolEnv's: name -> tool
+
+    environments = property(lambda self: getattr(self.agents, "latest_environments", None),
+                            doc="TRL's: the environment instances of the latest rollouts, one per completion.")
+
+    @property
     def entropy_coef(self) -> float:
         """The entropy bonus's coefficient now: the adaptive controller's (use_adaptive_entropy), else the config's."""
         controller = self.entropy_controller

@@ -41,19 +41,20 @@ class EnvironmentPool:
         self.lent: set[int] = set()  # ids of the instances whose rollouts are not scored yet
         self.lock = threading.Lock()
         self.retired: dict[int, object] = {}  # id -> instance (held, so that the id stays its own) until scored
-        self.tool_names: dict = {}  # environment name -> names of its tools
+        self.tools: dict = {}  # environment name -> its tools, the probe instance's methods (TRL's `_env_tools`)
         self.reward_types: list[type] = []  # classes that own a reward (get_reward), one reward function each
         for name, factory in self.factories.items():
             if not callable(factory):
                 raise TypeError(f"environment_factory[{name!r}] is {factory!r}, not a callable returning an environment.")
             instance = factory()
             if not callable(getattr(instance, "reset", None)):
-                raise ValueError(f"The environment {type(instance).__name__} (from environment_factory"
-                                 f"{'' if name is None else f'[{name!r}]'}) has no callable reset(**row); every "
-                                 f"environment needs one (it returns the first observation, or None).")
+                raise ValueError(f"Each environment instance returned by `environment_factory` must define a callable "
+                                 f"`reset`. The environment {type(instance).__name__} (from environment_factory"
+                                 f"{'' if name is None else f'[{name!r}]'}) has none: add reset(**row), which returns "
+                                 f"the first observation, or None.")  # fmt: skip
             methods = public_methods(instance)
             check_tools(methods, f"environment {type(instance).__name__}")
-            self.tool_names[name] = [m.__name__ for m in methods]
+            self.tools[name] = methods
             self.pool[name] = [instance]
             if callable(getattr(instance, "get_reward", None)) and type(instance) not in self.reward_types:
                 self.reward_types.append(type(instance))
@@ -68,8 +69,9 @@ class EnvironmentPool:
                                  f"'{ENVIRONMENT_COLUMN}' column naming one of {list(self.factories)}; this row has "
                                  f"columns {sorted(row)}.")  # fmt: skip
             if row[ENVIRONMENT_COLUMN] not in self.factories:
-                raise ValueError(f"A row has {ENVIRONMENT_COLUMN}={row[ENVIRONMENT_COLUMN]!r}, which is not among the "
-                                 f"environments passed to environment_factory: {list(self.factories)}.")
+                raise ValueError(f"Example has `{ENVIRONMENT_COLUMN}={row[ENVIRONMENT_COLUMN]!r}`, which is not among "
+                                 f"the environments passed to `environment_factory`. Expected one of: "
+                                 f"{list(self.factories)}.")  # fmt: skip
             names.append(row[ENVIRONMENT_COLUMN])
         return names
 
@@ -147,10 +149,12 @@ def placeholder_dataset(args, environment_factory):
     from datasets import Dataset
 
     if isinstance(environment_factory, dict):
-        raise ValueError("A dict environment_factory (several environments) needs a train_dataset with an "
-                         "'environment' column to route each row; pass one, or a single environment factory.")
+        raise ValueError("A `dict` `environment_factory` (multiple environments) requires a `train_dataset` with an "
+                         "`environment` column to route each example to its environment. Provide a dataset, or pass a "
+                         "single environment factory.")  # fmt: skip
     if args.max_steps <= 0:
-        raise ValueError("Without a train_dataset (the environment supplies the prompts through reset()), set "
-                         "max_steps > 0 to say how long to train: GRPOConfig(max_steps=...).")
+        raise ValueError("When training without a `train_dataset` (the environment owns the data and returns the "
+                         "prompt from `reset()`), `max_steps` must be set to a positive value to define the training "
+                         "length. Set it via `GRPOConfig(max_steps=...)`.")  # fmt: skip
     rows = max(args.generation_batch_size // args.num_generations, 1)
     return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * rows})

@@ -74,6 +74,7 @@ class Agents:
         self.standalone_tools = list(tools or [])
         check_tools(self.standalone_tools)
         self.environments = environments
+        self.latest_environments: list | None = None  # one per row of the latest rollout call
         self.uses_tools = bool(self.standalone_tools) or self.environments is not None
         self.template = check_tool_calling(tokenizer) if self.uses_tools else None
         self.max_iterations = max_tool_calling_iterations if max_tool_calling_iterations is not None else 2**62
@@ -83,10 +84,12 @@ class Agents:
         self.runner = ToolRunner(tool_timeout, max_tool_output_chars) if self.uses_tools else None
         self.stats = ToolStats()
         self.stats_lock = threading.Lock()  # rollouts may run at once (concurrent_rollouts): each counts on its own
-        names = [tool_name(t) for t in self.standalone_tools]
-        for env_names in (self.environments.tool_names.values() if self.environments else []):
-            names += [n for n in env_names if n not in names]
-        self.tool_names = names
+        # TRL's `trainer.tools`: the standalone tools, then each environment's (its probe instance's methods); a row
+        # is shown the standalone tools and its own environment's. Metrics are keyed by name, each name once.
+        self.tools = list(self.standalone_tools)
+        for env_tools in (self.environments.tools.values() if self.environments else []):
+            self.tools += [t for t in env_tools if t not in self.tools]
+        self.tool_names = list(dict.fromkeys(tool_name(t) for t in self.tools))
         # The engine's log-probs are the training forward's only for rollouts this module sampled with it.
         self.exact_logprobs = rollout_func is None
         # Rollouts of disjoint rows may run at once (a streaming producer; the environment pool lends each rollout
@@ -124,6 +127,7 @@ class Agents:
         if self.environments is None:
             return self._play(engine, rows, prompts, tools_of, params, seed, extra)
         environments = self.environments.take(self.environments.names_of(rows))
+        self.latest_environments = environments  # TRL's `trainer.environments`: the latest rollouts' instances
         try:
             return self._play(engine, rows, prompts, tools_of, params, seed, {"environments": environments})
         except BaseException:  # never scored (an engine closed to it, a failure): its environments go back

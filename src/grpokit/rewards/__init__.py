@@ -41,8 +41,9 @@ def build_reward_functions(reward_funcs, processing_classes=None, batch_size: in
     funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else \
         [reward_funcs]  # fmt: skip
     if not funcs and not environment_rewards and required:
-        raise ValueError("No reward source: pass reward_funcs (a function, a reward model or a list of them), or an "
-                         "environment_factory whose environments define get_reward().")  # fmt: skip
+        raise ValueError("No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose "
+                         "environment defines a `get_reward` method. `reward_funcs` is a function, a reward model "
+                         "(a path, hub id or model) or a list of them.")  # fmt: skip
     if processing_classes is None:
         classes = [None] * len(funcs)
     else:

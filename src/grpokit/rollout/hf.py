@@ -26,6 +26,19 @@ from .sampling import sample_tokens
 from .static import StaticDecoder, StaticDecoding
 
 
+def generates_otherwise(model: torch.nn.Module) -> bool:
+    """Whether `model.generate` is something other than transformers' own `GenerationMixin.generate`, which this
+    engine's sampler stands in for: replaced on the instance or the class (a Hub `custom_generate`, a subclass's
+    own, a mock of TRL's generate call). A peft model's generate calls its base model's, which decides."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    generate = getattr(base, "generate", None)
+    if generate is None:  # a plain module: nothing else to call
+        return False
+    function = getattr(generate, "__func__", generate)
+    return (getattr(function, "__module__", None), getattr(function, "__qualname__", None)) != \
+        ("transformers.generation.utils", "GenerationMixin.generate")  # fmt: skip
+
+
 class HFEngine:
     """Samples from the model being trained, in this process (`RolloutEngine`).
 
@@ -63,6 +76,11 @@ class HFEngine:
         return {**self.__dict__, "autocast": AutocastSettings.of(self.autocast, self.device.type)}
 
     def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
+        if prompts.processed is None and generates_otherwise(self.model):  # TRL calls it: so does grpokit then
+            from .hf_generate import TransformersGenerateEngine
+
+            generate_engine = TransformersGenerateEngine(self.model, self.device, autocast=self.autocast)
+            return generate_engine.generate(prompts, params, seed)
         ids, mask = (t.to(self.device) for t in prompts.padded(params.pad_token_id))
         generator = torch.Generator(device=self.device).manual_seed(seed)
         counts = set(prompts.counts)
