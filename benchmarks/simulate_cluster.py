@@ -24,7 +24,7 @@ from pathlib import Path
 from grpokit.simulate import Costs, Workload, simulate
 
 RESULTS = Path(__file__).parent / "results"
-CHECKED = ("engine_fixed_length", "engine_training_heavy", "engine")
+CHECKED = ("engine_fixed_length", "engine_training_heavy", "engine", "tool")
 SYNC_2, SYNC_1, ASYNC = "sync, 2 threads", "sync, 1 thread", "async (max_staleness=1), 1 + 1 threads"
 PROMPT_TOKENS = 2  # async_overlap's prompts ("a:"): 98 tokens a completion with --fixed-length --completion 96
 
@@ -35,13 +35,23 @@ def check_one(name: str) -> dict:
     options, rows = measured["options"], measured["results"]
     steps, completions = options["steps"], options["batch"]
     one, two, overlapped = rows[SYNC_1], rows[SYNC_2], rows[ASYNC]
-    scale = overlapped["tokens"] / one["tokens"]  # 1 with --fixed-length
-    length = round(overlapped["tokens"] / (steps * completions)) - PROMPT_TOKENS
-    workload = Workload(prompts=completions // 4, num_generations=4, prompt_tokens=PROMPT_TOKENS,
-                        completion_median=length, completion_sigma=0.0, max_completion_length=length)  # fmt: skip
-    batch_tokens = completions * (PROMPT_TOKENS + length)
-    costs = Costs(decode_step_s=one["generate_s_per_batch"] * scale / length, decode_token_s=0.0,
-                  train_token_s=one["train_s_per_batch"] * scale / batch_tokens)  # fmt: skip
+    scale = overlapped["tokens"] / one["tokens"]  # 1 with --fixed-length and with the scripted agent
+    per_completion = round(overlapped["tokens"] / (steps * completions))
+    if options["tool_delay"]:
+        # The scripted agent: a tool call, then an answer (a turn each); the synchronous loop runs the batch's 16 tool
+        # calls one after another. What is left of its generating time is the two turns' engine calls.
+        tools = completions * options["tool_delay"]
+        workload = Workload(prompts=completions // 4, num_generations=4, prompt_tokens=per_completion - 2,
+                            completion_median=2, completion_sigma=0.0, max_completion_length=2, tool_calls=1,
+                            tool_latency_median_s=options["tool_delay"])  # fmt: skip
+        decode_step_s = (one["generate_s_per_batch"] - tools) / 2
+    else:
+        length = per_completion - PROMPT_TOKENS
+        workload = Workload(prompts=completions // 4, num_generations=4, prompt_tokens=PROMPT_TOKENS,
+                            completion_median=length, completion_sigma=0.0, max_completion_length=length)  # fmt: skip
+        decode_step_s = one["generate_s_per_batch"] * scale / length
+    costs = Costs(decode_step_s=decode_step_s, decode_token_s=0.0,
+                  train_token_s=one["train_s_per_batch"] * scale / (completions * per_completion))  # fmt: skip
     predicted = simulate(workload, costs, steps=steps, max_staleness=1)
     predicted_tokens_per_s = overlapped["tokens"] / predicted.time_s
     return {"run": name, "steps": steps, "tokens_async_over_sync": scale,

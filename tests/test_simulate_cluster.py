@@ -40,9 +40,9 @@ def test_at_max_staleness_0_long_tailed_batches_add_up_one_by_one():
     costs = Costs(decode_step_s=0.01, decode_token_s=0.001, train_token_s=0.002)
     expected = 0.0
     for n in range(12):
-        lengths = workload.completion_lengths(n)
+        lengths = workload.completion_lengths(workload.draws(n), 6)
         expected += 0.01 * max(lengths) + 0.001 * sum(lengths) + 0.002 * (sum(lengths) + 5 * 6)
-    assert len(set(workload.completion_lengths(0))) > 1 and max(workload.completion_lengths(0)) <= 300
+        assert len(set(lengths)) > 1 and max(lengths) <= 300
     result = simulate(workload, costs, steps=12, max_staleness=0)
     assert result.time_s == pytest.approx(expected, rel=1e-12)
 
@@ -81,20 +81,18 @@ def test_staleness_never_exceeds_the_bound_and_the_exact_schedule_reaches_it(max
 
 
 def test_a_batch_takes_its_slowest_servers_share():
-    workload = Workload(prompts=4, num_generations=2, prompt_tokens=10, completion_median=1, completion_sigma=0,
-                        max_completion_length=1)  # fmt: skip
     lengths = [10, 20, 30, 5, 7, 7, 1, 100]  # four groups of two
     costs = Costs(decode_step_s=0.01, decode_token_s=0.001, train_token_s=0.0, prefill_token_s=0.0001)
     # One server: 8 × 10 prompt tokens, 100 steps, 180 tokens.
-    assert costs.generation_s(lengths, workload) == pytest.approx(0.008 + 1.0 + 0.180, abs=1e-12)
+    assert costs.generation_s(10, lengths, 2) == pytest.approx(0.008 + 1.0 + 0.180, abs=1e-12)
     # Two servers: groups 1-2 (longest 30, 65 tokens) and 3-4 (longest 100, 115 tokens): the second sets the time.
     costs.servers = 2
-    assert costs.generation_s(lengths, workload) == pytest.approx(0.004 + 1.0 + 0.115, abs=1e-12)
+    assert costs.generation_s(10, lengths, 2) == pytest.approx(0.004 + 1.0 + 0.115, abs=1e-12)
     # Three: groups 1-2, 3, 4; four or more: one group each, the last alone.
     costs.servers = 3
-    assert costs.generation_s(lengths, workload) == pytest.approx(0.002 + 1.0 + 0.101, abs=1e-12)
+    assert costs.generation_s(10, lengths, 2) == pytest.approx(0.002 + 1.0 + 0.101, abs=1e-12)
     costs.servers = 8
-    assert costs.generation_s(lengths, workload) == pytest.approx(0.002 + 1.0 + 0.101, abs=1e-12)
+    assert costs.generation_s(10, lengths, 2) == pytest.approx(0.002 + 1.0 + 0.101, abs=1e-12)
 
 
 def test_a_weight_push_is_paid_once_per_new_version_of_the_sampling_weights():
@@ -106,3 +104,46 @@ def test_a_weight_push_is_paid_once_per_new_version_of_the_sampling_weights():
     # the slower side, then takes 0.55 s a batch but the first two: 0.55 + 0.5 + 0.5 + 7 × 0.55, and the last trains.
     result = simulate(FIXED, costs, steps=10, max_staleness=2)
     assert result.time_s == pytest.approx(0.55 + 2 * 0.5 + 7 * 0.55 + 0.3, abs=1e-9)
+
+
+# Agents: 4 prompts × 2 completions a batch, each completion with one tool call of exactly 0.5 s (a group's two run
+# one after the other: 1 s); the turns cost nothing on the engine. Training a batch takes 0.5 s.
+AGENT = Workload(prompts=4, num_generations=2, prompt_tokens=10, completion_median=2, completion_sigma=0,
+                 max_completion_length=2, tool_calls=1, tool_latency_median_s=0.5)  # fmt: skip
+FREE_ENGINE = Costs(decode_step_s=0.0, decode_token_s=0.0, train_token_s=0.0, train_step_s=0.5)
+
+
+def test_synchronously_an_agents_tool_calls_run_one_after_another():
+    # grpokit's agent loop (as TRL's) calls the batch's tools in turn: 8 × 0.5 s, then 0.5 s of training.
+    result = simulate(AGENT, FREE_ENGINE, steps=5, max_staleness=None)
+    assert result.time_s == pytest.approx(5 * 4.5, abs=1e-9)
+
+
+def test_streamed_groups_run_their_tool_calls_at_once_within_the_bound():
+    # max_staleness=1: 4 groups in flight (max_inflight_tasks -1: one generation batch). Each batch's groups run
+    # together, 1 s; the next batch's start when this one's end (no free slot before): sampling, 1 s a batch, is the
+    # slower side, and the last batch trains 0.5 s more.
+    result = simulate(AGENT, FREE_ENGINE, steps=6, max_staleness=1)
+    assert result.time_s == pytest.approx(6 * 1.0 + 0.5, abs=1e-9)
+    assert result.trainer_wait_s == pytest.approx([1.0] + [0.5] * 5, abs=1e-9)
+    assert result.staleness == [0, 1, 1, 1, 1, 1] and result.drop_rate == 0
+    # max_staleness=2: 8 groups in flight. Batches 0 and 1 end at 1 s; batch n >= 2 starts when the trainer reaches
+    # version n - 2, so sampling keeps ahead and training (0.5 s a batch) sets the pace.
+    result = simulate(AGENT, FREE_ENGINE, steps=6, max_staleness=2)
+    assert result.time_s == pytest.approx(1.0 + 6 * 0.5, abs=1e-9)
+    assert result.trainer_wait_s == pytest.approx([1.0] + [0.0] * 5, abs=1e-9)
+    assert max(result.staleness) == 2
+
+
+def test_long_tailed_tools_make_groups_too_stale_and_the_producer_drops_them():
+    workload = Workload(prompts=8, num_generations=4, prompt_tokens=100, completion_median=300, completion_sigma=0.8,
+                        max_completion_length=2000, tool_calls=2, tool_latency_median_s=0.5, tool_latency_sigma=1.0,
+                        tool_result_tokens=50)  # fmt: skip
+    costs = Costs(decode_step_s=0.005, decode_token_s=0.0002, prefill_token_s=1e-5, train_token_s=1e-4, servers=2,
+                  weight_sync_s=0.2)  # fmt: skip
+    synchronous = simulate(workload, costs, steps=20, max_staleness=None)
+    for k in (1, 2):
+        result = simulate(workload, costs, steps=20, max_staleness=k)
+        assert max(result.staleness) <= k
+        assert result.dropped_samples > 0 and result.trained_samples == 20 * 32
+        assert result.time_s < synchronous.time_s / 2

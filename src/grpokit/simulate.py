@@ -24,6 +24,8 @@ scheduler blocks on (`WeightSync.changed` and the producer's queue).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import functools
 import heapq
 import itertools
 import math
@@ -36,14 +38,17 @@ import torch
 
 from .config import GRPOConfig
 from .producer import Producer, WeightSync
+from .rollout import Generation, Rollout
+from .streaming import DaemonPool
 
 # ------------------------------------------------------------------------------------------------ the clock
 
 
 class VirtualClock:
     """Simulated time shared by threads. `running` counts the simulation's threads that are not blocked; when it
-    drops to zero, the clock jumps to the earliest pending `sleep`'s end and wakes that one thread. A thread blocked
-    on a `ClockCondition` counts as blocked until notified, so a wait on the scheduler is not mistaken for work.
+    drops to zero, the clock jumps to the earliest pending event: the end of a `sleep` (that thread runs again) or a
+    timer (its callback runs, under `lock`, and may wake threads). A thread blocked on a `ClockCondition` counts as
+    blocked until notified, so a wait on the scheduler is not mistaken for work.
 
     Rules for code that runs on it: call `spawn()` before starting a thread that acts in simulated time, and never
     `sleep` while holding a lock another simulated thread may wait for (it would wait for real, counted as running)."""
@@ -53,7 +58,8 @@ class VirtualClock:
         self.now = 0.0
         self.running = 0
         self.closed = False
-        self._sleepers: list[tuple[float, int, threading.Lock]] = []  # heap of (wake-up time, order, gate)
+        # A heap of (time, order, the gate of a sleeping thread or None, a timer's callback or None).
+        self._events: list[tuple[float, int, threading.Lock | None, object]] = []
         self._order = itertools.count()
 
     def spawn(self) -> None:
@@ -70,7 +76,7 @@ class VirtualClock:
         with self.lock:
             if self.closed:
                 return
-            heapq.heappush(self._sleepers, (self.now + seconds, next(self._order), gate))
+            heapq.heappush(self._events, (self.now + seconds, next(self._order), gate, None))
             self._block()
         gate.acquire()
 
@@ -78,17 +84,26 @@ class VirtualClock:
         """Time stops mattering: every sleep ends now and later ones return at once (the simulation's shutdown)."""
         with self.lock:
             self.closed = True
-            for _, _, gate in self._sleepers:
-                gate.release()
-            self._sleepers.clear()
+            for _, _, gate, _ in self._events:
+                if gate is not None:
+                    gate.release()
+            self._events.clear()
+
+    def _timer(self, seconds: float, callback) -> None:
+        """Under `lock`: `callback()` runs, under `lock`, once `seconds` of simulated time have passed."""
+        if not self.closed:
+            heapq.heappush(self._events, (self.now + seconds, next(self._order), None, callback))
 
     def _block(self) -> None:
-        """Under `lock`: the calling thread stops running; if none is left running, the next sleeper wakes."""
+        """Under `lock`: the calling thread stops running; while none is left running, time moves to the next event."""
         self.running -= 1
-        if self.running == 0 and self._sleepers:
-            wake_at, _, gate = heapq.heappop(self._sleepers)
-            self.now = max(self.now, wake_at)
-            self._wake(gate)
+        while self.running == 0 and self._events:
+            at, _, gate, callback = heapq.heappop(self._events)
+            self.now = max(self.now, at)
+            if gate is not None:
+                self._wake(gate)
+            else:
+                callback()
 
     def _wake(self, gate: threading.Lock) -> None:
         """Under `lock`: a blocked thread runs again."""
@@ -169,59 +184,93 @@ class ClockWeightSync(WeightSync):
 
 @dataclass
 class Workload:
-    """What each generation batch asks for: `prompts` prompts × `num_generations` completions."""
+    """What each generation batch asks for: `prompts` prompts × `num_generations` completions. With tool calls, a
+    completion's tokens are split evenly over its turns (tool_calls + 1), and each tool call inserts
+    tool_result_tokens (prefilled, and trained on as part of the completion)."""
 
     prompts: int
     num_generations: int
     prompt_tokens: int
-    completion_median: float  # completion tokens: log-normal with this median...
+    completion_median: float  # completion tokens the model writes: log-normal with this median...
     completion_sigma: float  # ...and this σ of its log (0: every completion is completion_median long)
     max_completion_length: int  # ...cut here
+    tool_calls: int = 0  # per completion
+    tool_latency_median_s: float = 0.0  # each call's latency: log-normal with this median...
+    tool_latency_sigma: float = 0.0  # ...and this σ of its log
+    tool_result_tokens: int = 0
     seed: int = 0
 
     @property
     def completions(self) -> int:
         return self.prompts * self.num_generations
 
-    def completion_lengths(self, generation: int) -> list[int]:
-        """Generation batch `generation`'s completion lengths (prompt-major), the same whatever the schedule."""
-        rng = random.Random(self.seed * 1_000_003 + generation)
-        mu = math.log(self.completion_median)
-        draw = (lambda: rng.lognormvariate(mu, self.completion_sigma)) if self.completion_sigma > 0 else \
-            (lambda: self.completion_median)  # fmt: skip
-        return [max(1, min(self.max_completion_length, round(draw()))) for _ in range(self.completions)]
+    def draws(self, seed: int) -> random.Random:
+        """The random draws of generation batch (or rollout seed) `seed`: the same whatever the schedule."""
+        return random.Random(self.seed * 1_000_003 + seed)
+
+    def completion_lengths(self, rng: random.Random, n: int) -> list[int]:
+        return [max(1, min(self.max_completion_length, round(self._log_normal(rng, self.completion_median,
+                                                                                self.completion_sigma))))
+                for _ in range(n)]  # fmt: skip
+
+    def tool_latency_s(self, rng: random.Random) -> float:
+        return self._log_normal(rng, self.tool_latency_median_s, self.tool_latency_sigma)
+
+    def tokens(self, lengths: list[int]) -> int:
+        """Prompt, written and inserted tokens of completions of `lengths` (what a training step is charged for)."""
+        return sum(lengths) + len(lengths) * (self.prompt_tokens + self.tool_calls * self.tool_result_tokens)
+
+    @staticmethod
+    def _log_normal(rng: random.Random, median: float, sigma: float) -> float:
+        return rng.lognormvariate(math.log(median), sigma) if sigma > 0 and median > 0 else median
 
 
 @dataclass
 class Costs:
-    """Simulated seconds. A server's share of a batch costs prefill_token_s per prompt token, then one decode step
-    per token of its longest completion, each step decode_step_s (reading the weights: memory-bound) plus
+    """Simulated seconds. An engine call on one server costs prefill_token_s per token to prefill, then one decode
+    step per token of its longest row, each step decode_step_s (reading the weights: memory-bound) plus
     decode_token_s per row still decoding (its FLOPs and KV-cache reads). A training step costs train_step_s plus
-    train_token_s per token (prompt + completion) of its batch."""
+    train_token_s per token of its batch."""
 
     decode_step_s: float
     decode_token_s: float
     train_token_s: float
     prefill_token_s: float = 0.0
     train_step_s: float = 0.0
-    servers: int = 1  # the groups of a batch are spread over them evenly; the batch takes the slowest share
-    weight_sync_s: float = 0.0  # pushing new weights to the servers, before a batch sampled by new weights
+    servers: int = 1
+    weight_sync_s: float = 0.0  # pushing new weights to the servers
 
-    def generation_s(self, lengths: list[int], workload: Workload) -> float:
-        """One generation batch: its groups (in order) split over the servers in near-equal counts, as a scheduler
-        that cannot know the lengths in advance spreads them; the slowest share sets the time."""
-        groups = [lengths[i : i + workload.num_generations] for i in range(0, len(lengths), workload.num_generations)]
+    def call_s(self, prefill_tokens: int, new_tokens: list[int]) -> float:
+        """One engine call on one server: `prefill_tokens` in all, then rows of `new_tokens` each."""
+        return self.prefill_token_s * prefill_tokens + self.decode_step_s * max(new_tokens, default=0) + \
+            self.decode_token_s * sum(new_tokens)  # fmt: skip
+
+    def generation_s(self, prompt_tokens: int, new_tokens: list[int], num_generations: int) -> float:
+        """One engine call over a whole batch (`prompt_tokens` to prefill a row): its groups (in order) split over the
+        servers in near-equal counts, as a scheduler that cannot know the lengths in advance spreads them; the
+        slowest share sets the time."""
+        groups = [new_tokens[i : i + num_generations] for i in range(0, len(new_tokens), num_generations)]
         per_server, extra = divmod(len(groups), self.servers)
         slowest, start = 0.0, 0
         for server in range(min(self.servers, len(groups))):
             share = [n for group in groups[start : start + per_server + (server < extra)] for n in group]
             start += per_server + (server < extra)
-            slowest = max(slowest, self.prefill_token_s * workload.prompt_tokens * len(share) +
-                          self.decode_step_s * max(share) + self.decode_token_s * sum(share))  # fmt: skip
+            slowest = max(slowest, self.call_s(prompt_tokens * len(share), share))
         return slowest
 
-    def training_s(self, tokens: int) -> float:
+    def training_s(self, tokens: float) -> float:
         return self.train_step_s + self.train_token_s * tokens
+
+
+def run_turns(clock: VirtualClock, workload: Workload, lengths: list[int], rng: random.Random, engine_call) -> None:
+    """Rows of completions of `lengths` written turn by turn: `engine_call(prefill tokens a row, new tokens a row)`
+    for each turn, then the rows' tool calls one row after another, as grpokit's agent loop runs them."""
+    turns = workload.tool_calls + 1
+    for turn in range(turns):
+        engine_call(workload.prompt_tokens if turn == 0 else workload.tool_result_tokens,
+                    [n // turns + (turn < n % turns) for n in lengths])  # fmt: skip
+        if turn < turns - 1:
+            clock.sleep(sum(workload.tool_latency_s(rng) for _ in lengths))
 
 
 # ----------------------------------------------------------------------------------- what the producer drives
@@ -232,8 +281,8 @@ class SimulatedExperience:
     """What the producer queues for one generation batch (the fields of experience.Experience it reads)."""
 
     batch: list[int]  # [B × G] completion lengths
-    num_tokens: int  # prompt + completion tokens
-    generation_s: float  # simulated seconds its sampling took (weight push included)
+    num_tokens: int  # prompt, written and inserted tokens
+    generation_s: float  # simulated seconds its sampling took (weight push included; streamed: its slowest group's)
     rollouts: int = 1
     metrics: dict = field(default_factory=dict)
     samples: None = None
@@ -244,6 +293,7 @@ class Prompts:
 
     def __init__(self):
         self.drawn = 0
+        self.requeued: list[int] = []
 
     def draw(self, n: int) -> list[int]:
         self.drawn += n
@@ -256,25 +306,226 @@ class Prompts:
         self.drawn = state["drawn"]
 
 
+class PromptRows:
+    """The dataset: row i is {"index": i}."""
+
+    def __getitem__(self, index: int) -> dict:
+        return {"index": index}
+
+
 class SimulatedMaker:
-    """ExperienceMaker's `make` in simulated time: batch `generation` of the workload costs its generation time on
-    the servers, plus a weight push when the weights that sample it are not the ones the servers hold."""
+    """ExperienceMaker's `make` in simulated time. Whole batches: batch `generation` of the workload costs its engine
+    calls on the servers (and its tool calls), plus a weight push when the weights that sample it are not the ones
+    the servers hold. Streamed groups (`sampled`): already sampled; scoring costs nothing."""
 
     def __init__(self, clock: VirtualClock, workload: Workload, costs: Costs, weights_version):
         self.clock, self.workload, self.costs = clock, workload, costs
         self.weights_version = weights_version  # () -> the version of the weights that sample the next batch
         self.prompts, self.pushed = Prompts(), None
 
-    def make(self, generation: int, trainer_state=None) -> SimulatedExperience:
-        self.prompts.draw(self.workload.prompts)
-        lengths = self.workload.completion_lengths(generation)
-        seconds = self.costs.generation_s(lengths, self.workload)
+    def make(self, generation: int, trainer_state=None, sampled=None) -> SimulatedExperience:
+        if sampled is not None:
+            lengths = [row["completion_tokens"] for row in sampled.rows]
+            return SimulatedExperience(lengths, self.workload.tokens(lengths), max(r["seconds"] for r in sampled.rows))
+        started, workload = self.clock.now, self.workload
+        self.prompts.draw(workload.prompts)
+        rng = workload.draws(generation)
+        lengths = workload.completion_lengths(rng, workload.completions)
         if self.weights_version() != self.pushed:
-            seconds += self.costs.weight_sync_s
+            self.clock.sleep(self.costs.weight_sync_s)
             self.pushed = self.weights_version()
-        self.clock.sleep(seconds)
-        tokens = sum(lengths) + self.workload.prompt_tokens * len(lengths)
-        return SimulatedExperience(lengths, tokens, seconds)
+        run_turns(self.clock, workload, lengths, rng, lambda prefill, new: self.clock.sleep(
+            self.costs.generation_s(prefill, new, workload.num_generations)))  # fmt: skip
+        return SimulatedExperience(lengths, workload.tokens(lengths), self.clock.now - started)
+
+
+class SimulatedServers:
+    """`costs.servers` inference servers for streamed groups, each as grpokit's BatchingEngine runs one: one engine
+    call at a time, over every request that waited for it (a call already running takes no new rows). A request goes
+    to the server with the fewest rows waiting or running. `lock` is the engine's: while it is held (the producer
+    moving weights), no call starts, and taking it waits for the calls in progress to end."""
+
+    def __init__(self, clock: VirtualClock, costs: Costs):
+        self.clock, self.costs = clock, costs
+        self.waiting: list[list[tuple[int, list[int], threading.Lock]]] = [[] for _ in range(costs.servers)]
+        self.calls: list[list | None] = [None] * costs.servers
+        self.lock = ServersLock(self)
+
+    def generate(self, prefill_tokens: int, new_tokens: list[int]) -> None:
+        """Blocks the calling rollout until its rows are decoded."""
+        gate = threading.Lock()
+        gate.acquire()
+        with self.clock.lock:
+            if self.clock.closed:
+                return
+            load = [sum(len(request[1]) for request in [*waiting, *(call or [])])
+                    for waiting, call in zip(self.waiting, self.calls)]  # rows waiting or decoding  # fmt: skip
+            server = load.index(min(load))
+            self.waiting[server].append((prefill_tokens * len(new_tokens), new_tokens, gate))
+            if self.lock.free():
+                self._start(server)
+            self.clock._block()
+        gate.acquire()
+
+    def idle(self) -> bool:
+        return all(call is None for call in self.calls)
+
+    def close(self, timeout: float = 0.0) -> bool:
+        """Shutdown: every waiting rollout goes on (the clock is closed: its later costs are nothing)."""
+        with self.clock.lock:
+            for requests in [*self.waiting, *(c for c in self.calls if c)]:
+                for *_, gate in requests:
+                    gate.release()
+            self.waiting, self.calls = [[] for _ in self.waiting], [None] * len(self.calls)
+            self.lock.release_all()
+        return True
+
+    def _start(self, server: int) -> None:
+        """Under the clock's lock: the server's next call, if it is idle and requests wait."""
+        if self.calls[server] is not None or not self.waiting[server]:
+            return
+        call, self.waiting[server] = self.waiting[server], []
+        self.calls[server] = call
+        seconds = self.costs.call_s(sum(r[0] for r in call), [n for r in call for n in r[1]])
+        self.clock._timer(seconds, lambda: self._finish(server))
+
+    def _finish(self, server: int) -> None:
+        """Under the clock's lock (a timer): the call's rollouts go on; then the lock, or the next calls."""
+        call, self.calls[server] = self.calls[server], None
+        for *_, gate in call:
+            self.clock._wake(gate)
+        self._changed()
+
+    def _changed(self) -> None:
+        """Under the clock's lock: a call ended or the lock was released."""
+        if self.lock.hand_over():
+            return
+        if self.lock.free():
+            for server in range(len(self.calls)):
+                self._start(server)
+
+
+class ServersLock:
+    """The servers' engine lock (see SimulatedServers), on the clock: a thread waiting for it counts as blocked."""
+
+    def __init__(self, servers: SimulatedServers):
+        self.servers, self.held = servers, False
+        self.waiters: collections.deque[threading.Lock] = collections.deque()
+
+    def free(self) -> bool:
+        """Under the clock's lock: whether calls may start (nobody holds the lock or waits for it)."""
+        return not self.held and not self.waiters
+
+    def acquire(self) -> bool:
+        clock = self.servers.clock
+        gate = threading.Lock()
+        gate.acquire()
+        with clock.lock:
+            if clock.closed or (self.free() and self.servers.idle()):
+                self.held = True
+                return True
+            self.waiters.append(gate)
+            clock._block()
+        gate.acquire()  # woken holding it
+        return True
+
+    def release(self) -> None:
+        with self.servers.clock.lock:
+            self.held = False
+            self.servers._changed()
+
+    def hand_over(self) -> bool:
+        """Under the clock's lock: the first waiter takes the lock once no call runs."""
+        if self.held or not self.waiters or not self.servers.idle():
+            return False
+        self.held = True
+        self.servers.clock._wake(self.waiters.popleft())
+        return True
+
+    def release_all(self) -> None:
+        """Under the clock's lock, at shutdown."""
+        while self.waiters:
+            self.waiters.popleft().release()
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+class SimulatedRollouts:
+    """The RolloutRunner the producer streams groups through: `run` is one group's multi-turn rollouts on the servers,
+    in simulated time; `sync_weights` pushes the producer's weights (holding the servers' lock, as BatchingEngine's)."""
+
+    def __init__(self, clock: VirtualClock, workload: Workload, servers: SimulatedServers, costs: Costs):
+        self.clock, self.workload, self.servers, self.costs = clock, workload, servers, costs
+
+    def run(self, rows: list[dict], counts: list[int], seed: int) -> Generation:
+        started, rng = self.clock.now, self.workload.draws(seed)
+        lengths = self.workload.completion_lengths(rng, len(rows))
+        run_turns(self.clock, self.workload, lengths, rng, self.servers.generate)
+        n, seconds = len(rows), self.clock.now - started
+        ones = torch.ones(n, 1, dtype=torch.long)
+        rollout = Rollout(ones, ones, ones, ones, ones, torch.tensor(lengths), torch.zeros(n, dtype=torch.bool))
+        return Generation(rollout, [{**row, "completion_tokens": length, "seconds": seconds}
+                                    for row, length in zip(rows, lengths)],
+                          [None] * n, [[] for _ in range(n)], torch.tensor(lengths))  # fmt: skip
+
+    def sync_weights(self, model) -> None:
+        with self.servers.lock:
+            self.clock.sleep(self.costs.weight_sync_s)
+
+    def scored(self, generation: Generation) -> None:
+        """A dropped group: nothing to give back."""
+
+
+class ClockPool(DaemonPool):
+    """The producer's pool of rollout threads, on the clock: a task counts as running from its submission to its end,
+    and `wait_any` blocks on the clock until a task ends or `nudge()` (the trainer's version moved: the producer may
+    start groups), where the real pool polls every `timeout` seconds."""
+
+    def __init__(self, clock: VirtualClock, workers: int, name: str):
+        self.clock, self._waiter, self._nudged = clock, None, False
+        super().__init__(workers, name)
+
+    def submit(self, function, *args) -> concurrent.futures.Future:
+        self.clock.spawn()
+        future = super().submit(function, *args)
+        future.add_done_callback(self._ended)
+        return future
+
+    def wait_any(self, futures: list[concurrent.futures.Future], timeout: float) -> set[concurrent.futures.Future]:
+        gate = threading.Lock()
+        gate.acquire()
+        with self.clock.lock:
+            done = {future for future in futures if future.done()}
+            if not done and not self._nudged and not self.clock.closed:
+                self._waiter = gate
+                self.clock._block()
+            self._nudged = False
+        if self._waiter is gate and not gate.acquire(timeout=timeout):
+            with self.clock.lock:
+                if self._waiter is gate:  # the real timeout expired first: running again, on its own
+                    self._waiter = None
+                    self.clock.running += 1
+        return {future for future in futures if future.done()}
+
+    def nudge(self) -> None:
+        with self.clock.lock:
+            self._nudged = self._waiter is None  # seen by the next wait_any, if the producer is not waiting now
+            self._wake_waiter()
+
+    def _ended(self, future: concurrent.futures.Future) -> None:
+        with self.clock.lock:
+            self._wake_waiter()
+            self.clock._block()  # the task's count ends
+
+    def _wake_waiter(self) -> None:
+        """Under the clock's lock."""
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            self.clock._wake(waiter)
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -284,7 +535,7 @@ class SimulatedMaker:
 class SimulationResult:
     steps: int
     time_s: float  # simulated seconds from the start to the last optimizer step
-    tokens: int  # prompt + completion tokens trained on
+    tokens: int  # tokens trained on
     trainer_wait_s: list[float]  # per step: simulated seconds the trainer waited for its batch
     step_time_s: list[float]  # per step: since the previous batch was taken (the first: since the start)
     staleness: list[int]  # per step: versions between the batch's sampling weights and the step
@@ -319,12 +570,17 @@ class SimulationResult:
                 "drop_rate": self.drop_rate}  # fmt: skip
 
 
-def simulate(workload: Workload, costs: Costs, steps: int, max_staleness: int | None, schedule: str = "exact",
-             weight_sync_steps: int = 1, queue_maxsize: int = 1024,
-             real_timeout_s: float = 120.0) -> SimulationResult:  # fmt: skip
+def simulate(workload: Workload, costs: Costs, steps: int, max_staleness: int | None, schedule: str | None = None,
+             weight_sync_steps: int = 1, queue_maxsize: int = 1024, max_inflight_tasks: int = -1,
+             real_timeout_s: float = 300.0) -> SimulationResult:  # fmt: skip
     """`steps` optimizer steps, one per generation batch: synchronously (max_staleness None: sample, then train) or
-    with grpokit's Producer at `max_staleness` under `schedule` ('exact' or 'latest'). Raises if the run does not end
-    within `real_timeout_s` seconds of real time (a stalled simulation)."""
+    with grpokit's Producer at `max_staleness`. As in grpokit, completions with tool calls are streamed group by group
+    when max_staleness > 0 (always under the 'latest' schedule), and whole batches follow `schedule` ('exact' by
+    default, or 'latest'). Raises if the run does not end within `real_timeout_s` seconds of real time."""
+    streamed = workload.tool_calls > 0 and max_staleness is not None and max_staleness > 0
+    if streamed and schedule == "exact":
+        raise ValueError("streamed groups (tool calls, max_staleness > 0) follow the 'latest' schedule only")
+    schedule = schedule or ("latest" if streamed else "exact")
     clock = VirtualClock()
     record = {"wait": [], "step": [], "staleness": [], "generation": [], "tokens": 0, "time": 0.0, "trained": 0}
     producer, failure = None, []
@@ -361,6 +617,8 @@ def simulate(workload: Workload, costs: Costs, steps: int, max_staleness: int | 
             with sync.step():  # the optimizer step: the weights and their version move under the step lock
                 pass
             sync.stepped()
+            if streamed:  # where the real producer would see the new version at its next poll
+                producer.pool.nudge()
             record["time"] = clock.now
 
     def trainer() -> None:
@@ -375,11 +633,17 @@ def simulate(workload: Workload, costs: Costs, steps: int, max_staleness: int | 
         args = GRPOConfig(output_dir="simulate", per_device_train_batch_size=workload.completions,
                           num_generations=workload.num_generations, max_staleness=max_staleness,
                           async_schedule=schedule, weight_sync_steps=weight_sync_steps, queue_maxsize=queue_maxsize,
-                          report_to="none", use_cpu=True)  # fmt: skip
+                          max_inflight_tasks=max_inflight_tasks, report_to="none", use_cpu=True)  # fmt: skip
         sync = ClockWeightSync(clock)
         policy, copy = torch.nn.Linear(1, 1, bias=False), torch.nn.Linear(1, 1, bias=False)
         maker = SimulatedMaker(clock, workload, costs, weights_version=lambda: producer.weights_version)
-        producer = Producer(args, maker, policy, copy, sync, maker.prompts, generation=0, exact=schedule == "exact")
+        if streamed:
+            servers = SimulatedServers(clock, costs)
+            producer = Producer(args, maker, policy, copy, sync, maker.prompts, generation=0, engine=servers,
+                                runner=SimulatedRollouts(clock, workload, servers, costs), dataset=PromptRows(),
+                                pool=functools.partial(ClockPool, clock))  # fmt: skip
+        else:
+            producer = Producer(args, maker, policy, copy, sync, maker.prompts, generation=0, exact=schedule == "exact")
         producer.queue = ClockQueue(clock, producer.queue.maxsize)  # the scheduler's bound, on the clock
     # Both threads count as running before either starts, so that time cannot move before the other has begun.
     for _ in range(1 if producer is None else 2):
