@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from pathlib import Path
 
 from grpokit.simulate import Costs, Workload, simulate
@@ -105,37 +106,61 @@ def cluster_costs(options: argparse.Namespace, servers: int) -> Costs:
                  servers=servers, weight_sync_s=options.weight_sync_s)  # fmt: skip
 
 
-def cluster(options: argparse.Namespace) -> None:
-    stalenesses = (None, 1, 2, 4)
+def workload_of(options: argparse.Namespace, prompts: int, agents: bool) -> Workload:
+    tools = {"tool_calls": options.tool_calls, "tool_latency_median_s": options.tool_latency_median_s,
+             "tool_latency_sigma": options.tool_latency_sigma, "tool_result_tokens": options.tool_result_tokens}  # fmt: skip
+    return Workload(prompts=prompts, num_generations=options.num_generations, prompt_tokens=options.prompt_tokens,
+                    completion_median=options.completion_median, completion_sigma=options.completion_sigma,
+                    max_completion_length=options.max_completion_length, **(tools if agents else {}))  # fmt: skip
+
+
+def table(options: argparse.Namespace, agents: bool) -> list[dict]:
+    """One row per batch shape and number of inference GPUs: the synchronous loop, then max_staleness 1, 2, 4."""
     rows = []
-    for prompts in options.prompts:
-        workload = Workload(prompts=prompts, num_generations=options.num_generations,
-                            prompt_tokens=options.prompt_tokens, completion_median=options.completion_median,
-                            completion_sigma=options.completion_sigma,
-                            max_completion_length=options.max_completion_length)  # fmt: skip
+    for prompts in options.agent_prompts if agents else options.prompts:
+        workload = workload_of(options, prompts, agents)
         for servers in options.servers:
             costs = cluster_costs(options, servers)
-            runs = {k: simulate(workload, costs, options.steps, max_staleness=k) for k in stalenesses}
+            runs = {k: simulate(workload, costs, options.steps, max_staleness=k) for k in STALENESSES}
             sync = runs[None]
             rows.append({"prompts": prompts, "num_generations": options.num_generations, "servers": servers,
                          "generate_s_per_batch": sum(sync.generation_s) / sync.steps,
                          "train_s_per_batch": costs.training_s(sync.tokens / sync.steps),
                          "runs": {str(k): r.summary() for k, r in runs.items()}})  # fmt: skip
+    print("| completions a step | inference GPUs | synchronous: generate + train s/batch, tokens/s | "
+          + " | ".join(f"max_staleness={k}" for k in STALENESSES[1:]) + " |")  # fmt: skip
+    print("|---|---|---|" + "---|" * (len(STALENESSES) - 1))
+    for r in rows:
+        base = r["runs"]["None"]["tokens_per_s"]
+        cells = []
+        for k, s in r["runs"].items():
+            if k != "None" and agents:  # against tool calls one after another, the ratio says little: tokens/s
+                cells.append(f"{s['tokens_per_s']:,.0f}, idle {s['trainer_idle_fraction']:.0%}, "
+                             f"{s['drop_rate']:.1%} dropped")  # fmt: skip
+            elif k != "None":
+                cells.append(f"{s['tokens_per_s'] / base:.2f}×, idle {s['trainer_idle_fraction']:.0%}")
+        print(f"| {r['prompts']} × {r['num_generations']} | {r['servers']} | {r['generate_s_per_batch']:.1f} + "
+              f"{r['train_s_per_batch']:.1f}, {base:,.0f} | " + " | ".join(cells) + " |")  # fmt: skip
+    return rows
+
+
+STALENESSES = (None, 1, 2, 4)
+
+
+def cluster(options: argparse.Namespace) -> None:
+    logging.getLogger("grpokit").setLevel(logging.ERROR)  # the producer's warnings on dropped prompts, every run
     print(f"N = {PARAMETERS / 1e9:.2f} B parameters; {options.steps} steps; prompts {options.prompt_tokens} tokens, "
           f"completions log-normal (median {options.completion_median}, sigma {options.completion_sigma}, at most "
           f"{options.max_completion_length})")  # fmt: skip
-    print("| completions a step | inference GPUs | generate s/batch | train s/batch | synchronous tokens/s | "
-          + " | ".join(f"max_staleness={k}" for k in stalenesses[1:]) + " |")  # fmt: skip
-    print("|---|---|---|---|---|" + "---|" * (len(stalenesses) - 1))
-    for r in rows:
-        base = r["runs"]["None"]["tokens_per_s"]
-        cells = [f"{s['tokens_per_s'] / base:.2f}x, idle {s['trainer_idle_fraction']:.0%}"
-                 for k, s in r["runs"].items() if k != "None"]  # fmt: skip
-        print(f"| {r['prompts']} × {r['num_generations']} | {r['servers']} | {r['generate_s_per_batch']:.1f} | "
-              f"{r['train_s_per_batch']:.1f} | {base:,.0f} (idle {r['runs']['None']['trainer_idle_fraction']:.0%}) | "
-              + " | ".join(cells) + " |")  # fmt: skip
+    print("\nSingle-turn completions, whole generation batches (exact schedule):\n")
+    single = table(options, agents=False)
+    print(f"\nAgents: {options.tool_calls} tool calls a completion, each log-normal (median "
+          f"{options.tool_latency_median_s} s, sigma {options.tool_latency_sigma}), {options.tool_result_tokens} tokens "
+          f"of result; streamed group by group when max_staleness > 0:\n")  # fmt: skip
+    agents = table(options, agents=True)
     out = RESULTS / "simulate_cluster_h100.json"
-    out.write_text(json.dumps({"options": vars(options), "parameters": PARAMETERS, "rows": rows}, indent=1))
+    out.write_text(json.dumps({"options": vars(options), "parameters": PARAMETERS, "single_turn": single,
+                               "agents": agents}, indent=1))  # fmt: skip
     print(f"wrote {out}")
 
 
@@ -155,6 +180,11 @@ def main() -> None:
     parser.add_argument("--compute-util", type=float, default=0.5, help="prefill's and decode's share of peak FLOP/s")
     parser.add_argument("--hbm-util", type=float, default=0.7, help="decode's share of the HBM bandwidth")
     parser.add_argument("--weight-sync-s", type=float, default=1.0, help="seconds to push new weights to the servers")
+    parser.add_argument("--agent-prompts", type=int, nargs="+", default=[128], help="prompts a step, agents' table")
+    parser.add_argument("--tool-calls", type=int, default=3, help="tool calls a completion (agents' table)")
+    parser.add_argument("--tool-latency-median-s", type=float, default=1.0)
+    parser.add_argument("--tool-latency-sigma", type=float, default=1.0)
+    parser.add_argument("--tool-result-tokens", type=int, default=100)
     options = parser.parse_args()
     check() if options.check else cluster(options)
 

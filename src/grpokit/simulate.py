@@ -1,24 +1,29 @@
 """A cluster simulator for asynchronous generation: grpokit's own scheduler (`producer.Producer`, `WeightSync`,
-`scheduled_version`) driven by inference servers and a trainer whose work is simulated time, to ask before renting a
-cluster what `max_staleness`, how many servers and what batch shape keep the trainer busy.
+`scheduled_version`) driven by simulated inference servers and a simulated trainer, on a virtual clock, to ask before
+renting a cluster what `max_staleness`, how many servers and what batch shape keep the trainer busy.
 
-Nothing samples or trains: a generation batch costs the time its slowest server takes (prefill, then a decode step
-per token of its longest completion, each step costing a fixed part plus a part per row still decoding), and a
-training step costs a fixed part plus a part per token. Completion lengths are long-tailed (log-normal, cut at the
-maximum length), drawn from a seed per generation batch, so every schedule is given the same batches.
+Nothing samples or trains. An engine call on a server costs its prefill, then one decode step per token of its
+longest row, each step a fixed part (reading the weights) plus a part per row still decoding; a training step costs
+a fixed part plus a part per token. Completion lengths and tool latencies are log-normal (lengths cut at the maximum),
+drawn from a seed per generation batch (per group, when streamed), so every schedule is given the same batches.
+Whole generation batches are spread over the servers by groups and take their slowest server's time. Completions with
+tool calls are streamed group by group when max_staleness > 0, as grpokit streams agents: each server then runs one
+engine call at a time over the turns that waited for it (grpokit's BatchingEngine), and a rollout's tool calls run
+one row after another (grpokit's agent loop).
 
 Time is a `VirtualClock`, not real sleeps scaled down: simulated time moves only when every thread of the simulation
-is blocked (in a simulated cost, or waiting on the scheduler's condition variable or queue), and then jumps to the next
-cost's end. A run takes milliseconds per simulated minute whatever the costs, and its figures are exact rather than
-the scaled sleeps plus whatever the host's load adds. The scheduler's own clocks (heartbeat, `perf/*` fractions) stay
-on real time, where the whole run takes a fraction of a second: they never see a false hang. The figures here are
+is blocked (in a simulated cost, or waiting on the scheduler's condition variable, queue, engine lock or rollout
+pool), and then jumps to the next event. A run costs real time per event, not per simulated second, and its figures
+are exact rather than scaled sleeps plus whatever the host's load adds. The scheduler's own clocks (heartbeat,
+`perf/*` fractions) stay on real time, where a whole run is short: they never see a false hang. The figures here are
 taken on the virtual clock.
 
 What the real Producer runs unchanged: its thread, the schedule (exact or latest), the waits for the trainer's
-version, the weight copies and the trainer's staging of weights, the queue bound, the take and the drop accounting.
-What the simulation supplies: the engine (`SimulatedMaker`), the prompt sampler, the trainer's loop (take, train,
-optimizer step under `WeightSync.step`, `stepped`), and clock-aware versions of the two synchronisation objects the
-scheduler blocks on (`WeightSync.changed` and the producer's queue).
+version, the weight copies and the trainer's staging of weights, the queue bound, the group pool's bound, the take and
+the drop accounting. What the simulation supplies: the engine (`SimulatedMaker`, `SimulatedServers`), the rollout
+runner, the prompt sampler, the trainer's loop (take, train, optimizer step under `WeightSync.step`, `stepped`), and
+clock-aware versions of what the scheduler blocks on (`WeightSync.changed`, the producer's queue, and its rollout
+pool through the `pool` argument of Producer).
 """
 
 from __future__ import annotations
@@ -533,6 +538,8 @@ class ClockPool(DaemonPool):
 
 @dataclass
 class SimulationResult:
+    """One simulated run, in simulated seconds: per-step waits, times and staleness, and the totals."""
+
     steps: int
     time_s: float  # simulated seconds from the start to the last optimizer step
     tokens: int  # tokens trained on
