@@ -1,5 +1,8 @@
 """grpokit.simulate: the real scheduler (producer.Producer) on a virtual clock reproduces cases computed by hand."""
 
+import threading
+import time
+
 import pytest
 
 from grpokit.simulate import Costs, VirtualClock, Workload, simulate
@@ -14,10 +17,26 @@ TRAINING_BOUND = Costs(decode_step_s=1 / 384, decode_token_s=0.0, train_token_s=
 
 
 def test_the_clock_moves_only_when_every_thread_is_blocked_and_then_to_the_next_wake_up():
-    clock = VirtualClock()
-    clock.spawn()
-    clock.sleep(2.5)  # the only thread: time jumps at once
-    assert clock.now == 2.5
+    clock, woke_at = VirtualClock(), []
+    clock.spawn()  # this thread
+    clock.spawn()  # the other, before it starts
+
+    def other():
+        clock.sleep(2.0)
+        woke_at.append(clock.now)
+        clock.sleep(100.0)  # blocked again (a thread that ended would count as running)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    time.sleep(0.2)  # real time, this thread running: simulated time stays put while the other sleeps
+    assert clock.now == 0.0 and woke_at == []
+    clock.sleep(1.0)  # both blocked: time jumps to the earlier wake-up, this one
+    assert clock.now == 1.0 and woke_at == []
+    clock.sleep(5.0)  # the other wakes at 2 and sleeps again; this one wakes at 6
+    assert woke_at == [2.0] and clock.now == 6.0
+    clock.close()  # every sleep ends
+    thread.join(timeout=10)
+    assert not thread.is_alive() and clock.now == 6.0
     with pytest.raises(ValueError):
         clock.sleep(-1.0)
 

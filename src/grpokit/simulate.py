@@ -214,9 +214,8 @@ class Workload:
         return random.Random(self.seed * 1_000_003 + seed)
 
     def completion_lengths(self, rng: random.Random, n: int) -> list[int]:
-        return [max(1, min(self.max_completion_length, round(self._log_normal(rng, self.completion_median,
-                                                                                self.completion_sigma))))
-                for _ in range(n)]  # fmt: skip
+        draws = [self._log_normal(rng, self.completion_median, self.completion_sigma) for _ in range(n)]
+        return [max(1, min(self.max_completion_length, round(length))) for length in draws]
 
     def tool_latency_s(self, rng: random.Random) -> float:
         return self._log_normal(rng, self.tool_latency_median_s, self.tool_latency_sigma)
