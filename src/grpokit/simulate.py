@@ -66,6 +66,7 @@ class VirtualClock:
         # A heap of (time, order, the gate of a sleeping thread or None, a timer's callback or None).
         self._events: list[tuple[float, int, threading.Lock | None, object]] = []
         self._order = itertools.count()
+        self._closers: list = []  # run under `lock` by close(): they let go of threads blocked elsewhere on the clock
 
     def spawn(self) -> None:
         """A thread that will act in simulated time is about to start (or the calling thread joins)."""
@@ -93,6 +94,8 @@ class VirtualClock:
                 if gate is not None:
                     gate.release()
             self._events.clear()
+            for closer in self._closers:
+                closer()
 
     def _timer(self, seconds: float, callback) -> None:
         """Under `lock`: `callback()` runs, under `lock`, once `seconds` of simulated time have passed."""
@@ -114,6 +117,11 @@ class VirtualClock:
         """Under `lock`: a blocked thread runs again."""
         self.running += 1
         gate.release()
+
+    def _wake_in_turn(self, gate: threading.Lock) -> None:
+        """Under `lock`: a blocked thread runs again at the current time, once every running thread is blocked: threads
+        woken together this way run one after another, in the order they were woken, whatever the host's timing."""
+        heapq.heappush(self._events, (self.now, next(self._order), gate, None))
 
 
 class ClockCondition:
@@ -354,6 +362,7 @@ class SimulatedServers:
         self.waiting: list[list[tuple[int, list[int], threading.Lock]]] = [[] for _ in range(costs.servers)]
         self.calls: list[list | None] = [None] * costs.servers
         self.lock = ServersLock(self)
+        clock._closers.append(self._let_go)
 
     def generate(self, prefill_tokens: int, new_tokens: list[int]) -> None:
         """Blocks the calling rollout until its rows are decoded."""
@@ -375,14 +384,19 @@ class SimulatedServers:
         return all(call is None for call in self.calls)
 
     def close(self, timeout: float = 0.0) -> bool:
-        """Shutdown: every waiting rollout goes on (the clock is closed: its later costs are nothing)."""
+        """The producer's shutdown: idle at once (the clock is closed by then; see `_let_go`)."""
         with self.clock.lock:
-            for requests in [*self.waiting, *(c for c in self.calls if c)]:
-                for *_, gate in requests:
-                    gate.release()
-            self.waiting, self.calls = [[] for _ in self.waiting], [None] * len(self.calls)
-            self.lock.release_all()
+            self._let_go()
         return True
+
+    def _let_go(self) -> None:
+        """Under the clock's lock, when it closes: every rollout waiting for a call, and the producer waiting for the
+        lock, go on (their later costs are nothing)."""
+        for requests in [*self.waiting, *(c for c in self.calls if c)]:
+            for *_, gate in requests:
+                gate.release()
+        self.waiting, self.calls = [[] for _ in self.waiting], [None] * len(self.calls)
+        self.lock.release_all()
 
     def _start(self, server: int) -> None:
         """Under the clock's lock: the server's next call, if it is idle and requests wait."""
@@ -397,7 +411,7 @@ class SimulatedServers:
         """Under the clock's lock (a timer): the call's rollouts go on; then the lock, or the next calls."""
         call, self.calls[server] = self.calls[server], None
         for *_, gate in call:
-            self.clock._wake(gate)
+            self.clock._wake_in_turn(gate)
         self._changed()
 
     def _changed(self) -> None:
