@@ -166,3 +166,14 @@ def test_long_tailed_tools_make_groups_too_stale_and_the_producer_drops_them():
         assert max(result.staleness) <= k
         assert result.dropped_samples > 0 and result.trained_samples == 20 * 32
         assert result.time_s < synchronous.time_s / 2
+
+
+def test_simulated_hours_never_trip_the_schedulers_heartbeat():
+    # Tool calls of 1,000 simulated seconds, far past heartbeat_stale_after_s (300 s): the heartbeat runs on real time,
+    # in which the whole run is short, so the producer is never taken for hung.
+    workload = Workload(prompts=4, num_generations=2, prompt_tokens=10, completion_median=2, completion_sigma=0,
+                        max_completion_length=2, tool_calls=1, tool_latency_median_s=1000.0)  # fmt: skip
+    started = time.monotonic()
+    result = simulate(workload, FREE_ENGINE, steps=3, max_staleness=1)
+    assert result.time_s == pytest.approx(3 * 2000.0 + 0.5, abs=1e-6)  # each batch's groups: two 1,000 s calls
+    assert time.monotonic() - started < 60
