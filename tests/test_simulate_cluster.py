@@ -177,3 +177,15 @@ def test_simulated_hours_never_trip_the_schedulers_heartbeat():
     result = simulate(workload, FREE_ENGINE, steps=3, max_staleness=1)
     assert result.time_s == pytest.approx(3 * 2000.0 + 0.5, abs=1e-6)  # each batch's groups: two 1,000 s calls
     assert time.monotonic() - started < 60
+
+
+def test_a_streamed_weight_push_holds_back_the_groups_that_sample_with_the_new_weights():
+    costs = Costs(decode_step_s=0.0, decode_token_s=0.0, train_token_s=0.0, train_step_s=0.5, weight_sync_s=0.1)
+    result = simulate(AGENT, costs, steps=4, max_staleness=1)
+    # Batch 0: the first push (0.1 s), then its groups (1 s). Batch 1 still samples with version 0 (one step stale):
+    # its groups run 1.1-2.1 s. Batch 2 samples with version 1, pushed when batch 1's first group ends (2.1 s), and
+    # the producer's loop starts groups before it assembles the finished ones: batch 1 reaches the trainer after the
+    # push, at 2.2 s, and batch 2's groups run 2.2-3.2 s. Likewise batch 2 at 3.3 s and batch 3 at 4.4 s, trained
+    # until 4.9 s: after the first batch the trainer waits 1 - 0.5 + 0.1 s a step.
+    assert result.time_s == pytest.approx(4.9, abs=1e-9)
+    assert result.trainer_wait_s == pytest.approx([1.1, 0.6, 0.6, 0.6], abs=1e-9)
