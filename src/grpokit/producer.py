@@ -253,7 +253,7 @@ class Producer:
                  sync: WeightSync, sampler, generation: int, trainer_state=None,
                  threads: int | None = None, engine=None, process: ProcessEngine | None = None,
                  exact: bool = False, restored: list[Produced] = (), runner: RolloutRunner | None = None,
-                 dataset=None, group=None, sharded: bool = False):  # fmt: skip
+                 dataset=None, group=None, sharded: bool = False, pool=DaemonPool):  # fmt: skip
         self.args, self.maker, self.policy, self.copy, self.sync = args, maker, policy, copy, sync
         self.engine = engine  # what the producer samples with: its lock, if any, is held while weights move
         self.process = process  # the engine's process, if it has one of its own: closed with the producer
@@ -291,7 +291,7 @@ class Producer:
             inflight = args.max_inflight_tasks if args.max_inflight_tasks > 0 else \
                 max(args.max_staleness, 1) * args.generation_batch_per_process  # fmt: skip
             self.max_groups = max(1, inflight // args.num_generations)
-            self.pool = DaemonPool(self.max_groups, "grpokit-rollout")
+            self.pool = pool(self.max_groups, "grpokit-rollout")  # grpokit.simulate's runs on its virtual clock
             self.running: dict[concurrent.futures.Future, GroupTask] = {}
             self.finished: list[tuple[GroupTask, Generation]] = []  # in the order they finished
             self.pushed: int | None = None  # the version of the copy's weights the engine holds (None: not the copy's)
@@ -404,8 +404,7 @@ class Producer:
         batches = 0
         while not self.stop.is_set():
             self._start_groups()
-            done, _ = concurrent.futures.wait(list(self.running), timeout=0.05,
-                                              return_when=concurrent.futures.FIRST_COMPLETED)  # fmt: skip
+            done = self.pool.wait_any(list(self.running), timeout=0.05)
             for future in done:
                 task = self.running.pop(future)
                 self.finished.append((task, future.result()))  # a rollout's exception stops the producer

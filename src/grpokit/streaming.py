@@ -60,6 +60,11 @@ class DaemonPool:
         self.tasks.put((future, function, args))
         return future
 
+    @staticmethod
+    def wait_any(futures: list[concurrent.futures.Future], timeout: float) -> set[concurrent.futures.Future]:
+        """The futures done, after waiting up to `timeout` seconds for the first if none is."""
+        return concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED).done
+
     def shutdown(self) -> None:
         while True:
             try:
