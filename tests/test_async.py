@@ -126,16 +126,16 @@ def test_what_asynchronous_generation_does_not_support_is_refused_by_name(tmp_pa
         GRPOConfig(max_staleness=-1, report_to="none")
 
 
-def test_deepspeed_is_refused_even_in_one_process_and_fsdp2_only_where_it_cannot_run():
-    """DeepSpeed's step runs inside backward(), outside the producer's lock (and ZeRO-3's copy would be empty), so it
-    is refused by name in one process too, not only under several."""
+def test_zero3_is_refused_and_fsdp2_only_where_it_cannot_run():
+    """ZeRO-1/2 run (tests/test_async_distributed.py: DeepSpeed's step inside the last backward runs under the
+    weights' lock); ZeRO-3's copy would hold empty partitions, so it is refused by name."""
     from grpokit.producer import check_async
 
     args = GRPOConfig(max_staleness=1, report_to="none")
-    with pytest.raises(NotImplementedError, match="does not run under DeepSpeed yet, even in one process"):
-        check_async(args, num_processes=1, deepspeed=True)
-    check_async(args, num_processes=1, deepspeed=False)
-    check_async(GRPOConfig(report_to="none"), num_processes=1, deepspeed=True)  # synchronous
+    with pytest.raises(NotImplementedError, match="does not run under DeepSpeed ZeRO-3 yet"):
+        check_async(args, num_processes=2, deepspeed=3)
+    check_async(args, num_processes=2, deepspeed=2)
+    check_async(GRPOConfig(report_to="none"), num_processes=1, deepspeed=3)  # synchronous
     # FSDP2 runs (tests/test_async_distributed.py), but not with what needs a sharded model's forwards or timing.
     check_async(args, num_processes=2, sharded=True)
     with pytest.raises(NotImplementedError, match="async_schedule='latest' with a sharded model"):

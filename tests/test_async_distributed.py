@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 import torch
-from test_distributed import FSDP2, LETTERS, free_port, launch, load, max_difference, write_script
+from test_distributed import DEEPSPEED_ZERO2, FSDP2, LETTERS, free_port, launch, load, max_difference, write_script
 
 from grpokit import group_advantages
 from grpokit.testing import save_tiny_model
@@ -124,6 +124,21 @@ def test_under_fsdp2_the_producers_sample_gathered_weights_as_ddps_do(fsdp2_runs
         assert max_difference(fsdp2["weights"], ddp["weights"]) < 1e-4
     k1, sync = load(fsdp2_runs / "k1" / "final_0.pt"), load(runs / "sync" / "final_0.pt")
     assert max_difference(k1["weights"], sync["weights"]) > 1e-4  # one version stale: another run
+
+
+def test_under_zero2_the_optimizer_step_inside_backward_is_under_the_weights_lock(model_dir, runs, tmp_path):
+    # DeepSpeed's engine steps inside the window's last backward: that backward runs under the weights' lock, so the
+    # producers copy whole versions. k=1 gives the run DDP's k=1 gives, up to the rounding of DeepSpeed's reduction.
+    pytest.importorskip("deepspeed")
+    launch(tmp_path, dict(job="train", model=model_dir, out=str(tmp_path / "k1"), config={**RUN, "max_staleness": 1},
+                          tiebreak=0.01), env=DEEPSPEED_ZERO2)  # fmt: skip
+    zero2, ddp = load(tmp_path / "k1" / "final_0.pt"), load(runs / "k1" / "final_0.pt")
+    assert zero2["distributed_type"] == "DEEPSPEED" and zero2["global_step"] == 6
+    assert max_difference(zero2["weights"], load(tmp_path / "k1" / "final_1.pt")["weights"]) == 0.0
+    assert [e["sample/staleness_max"] for e in zero2["log_history"]] == [0, 1, 1, 1, 1, 1]
+    assert [e["reward"] for e in zero2["log_history"]] == pytest.approx([e["reward"] for e in ddp["log_history"]],
+                                                                        abs=1e-6)  # fmt: skip
+    assert max_difference(zero2["weights"], ddp["weights"]) < 1e-4
 
 
 FAILING = textwrap.dedent(

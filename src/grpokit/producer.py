@@ -62,9 +62,10 @@ from .streaming import DaemonPool, GroupTask
 logger = logging.getLogger("grpokit")
 
 
-def check_async(args: GRPOConfig, num_processes: int, deepspeed: bool = False,
+def check_async(args: GRPOConfig, num_processes: int, deepspeed: int | None = None,
                 sharded: bool = False, shared_engine: bool = False, lora: bool = False) -> None:  # fmt: skip
-    """What asynchronous generation supports today, refused by name otherwise. `shared_engine`: the producer
+    """What asynchronous generation supports today, refused by name otherwise. `deepspeed`: the ZeRO stage (None:
+    no DeepSpeed); `shared_engine`: the producer
     samples with the trainer's own engine (vLLM, a rollout_engine), not one of its own; `lora`: a peft_config (the
     reference is the policy with its adapter off)."""
     if args.max_staleness is None:
@@ -79,12 +80,11 @@ def check_async(args: GRPOConfig, num_processes: int, deepspeed: bool = False,
                                       "sharded too, and its forwards (π_ref, in the producer) would be collectives "
                                       "interleaving with the training's. Use beta=0 (TRL's default), LoRA (the "
                                       "reference is the producer's copy with the adapter off), or DDP.")  # fmt: skip
-    if deepspeed:
-        raise NotImplementedError("max_staleness (asynchronous generation) does not run under DeepSpeed yet, even in "
-                                  "one process: DeepSpeed's optimizer step runs inside backward(), outside the lock "
-                                  "that keeps the producer from copying half-updated weights, and under ZeRO-3 the "
-                                  "producer's copy would hold partitioned, empty parameters. Set max_staleness=None "
-                                  "with DeepSpeed, or train without DeepSpeed.")  # fmt: skip
+    if deepspeed == 3:
+        raise NotImplementedError("max_staleness (asynchronous generation) does not run under DeepSpeed ZeRO-3 yet: "
+                                  "the producer's copy would hold ZeRO-3's partitioned, empty parameters. Use "
+                                  "ZeRO-1/2 or FSDP2 (whose weights the trainer gathers for the producer), or set "
+                                  "max_staleness=None.")  # fmt: skip
     if args.num_iterations != 1 or args.steps_per_generation != args.gradient_accumulation_steps:
         raise NotImplementedError(
             f"max_staleness (asynchronous generation) needs one optimizer step per generation batch: "
@@ -706,16 +706,17 @@ class Producer:
 def start_producer(args: GRPOConfig, accelerator, policy: torch.nn.Module, engine, runner: RolloutRunner, scorer,
                    reference, sampler, dataset, sync: WeightSync, trainer_state, processing_class,
                    host=None, teacher=None, restored: list[Produced] = (),
-                   unsharded: torch.nn.Module | None = None) -> Producer:  # fmt: skip
+                   unwrapped_copy: torch.nn.Module | None = None) -> Producer:  # fmt: skip
     """A producer over a copy of `policy`, drawing prompts of `dataset` from a copy of `sampler` (the trainer's
     stays at the trained position). The default in-process engine gets an engine of its own over the copy; a given
     engine (vLLM, yours) is driven from the producer's thread and synced with the copy. `runner` is the trainer's:
     the producer's samples with its codec, sampling parameters and multi-turn driver."""
-    # A sharded policy's copy was taken whole before it was sharded (`unsharded`); its weights come gathered.
+    # Under FSDP2 or DeepSpeed the copy was taken before they wrapped the policy (`unwrapped_copy`: whole, without
+    # their hooks); a sharded policy's weights come gathered.
     sharded = is_sharded(policy)
-    if sharded and unsharded is None:
+    if sharded and unwrapped_copy is None:
         raise RuntimeError("internal error: a sharded policy's producer needs the copy taken before sharding.")
-    copied, process = (unsharded if sharded else copy.deepcopy(policy)), None
+    copied, process = (unwrapped_copy if unwrapped_copy is not None else copy.deepcopy(policy)), None
     if isinstance(engine, HFEngine):  # an engine of its own over the copy
         engine = build_engine(copied, args, processing_class, accelerator)
         # On the CPU, in a process of its own when it may run ahead (at max_staleness=0 it never overlaps training).

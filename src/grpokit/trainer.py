@@ -69,7 +69,14 @@ from .cpu_matmul import release_scratch
 from .cpu_memory import reuse_activation_memory
 from .data import named_eval_datasets
 from .dataloaders import eval_dataloader, train_dataloader
-from .distributed import all_processes_done, at_least_global_quantile, build_accelerator, is_sharded, unwrap_model
+from .distributed import (
+    all_processes_done,
+    at_least_global_quantile,
+    build_accelerator,
+    deepspeed_stage,
+    is_sharded,
+    unwrap_model,
+)
 from .experience import Evaluator, ExperienceMaker
 from .hub import check_hub, push_folder
 from .logprobs import check_padding_free, token_logprobs
@@ -141,8 +148,7 @@ class GRPOTrainer:
         set_log_level(args.log_level if acc.is_main_process else args.log_level_replica)
         warn_like_trl(args, model, quantization_config)  # after set_log_level: log_level decides what shows
         sharded = bool(args.fsdp) or acc.distributed_type.value == "FSDP"
-        check_async(args, acc.num_processes,
-                    deepspeed=args.deepspeed is not None or acc.distributed_type.value == "DEEPSPEED",
+        check_async(args, acc.num_processes, deepspeed=deepspeed_stage(acc),
                     sharded=sharded, shared_engine=args.use_vllm or rollout_engine is not None,
                     lora=peft_config is not None)  # fmt: skip
         self.weights, self.producer = WeightSync(), None  # asynchronous generation (grpokit.producer)
@@ -152,8 +158,10 @@ class GRPOTrainer:
             model, processing_class, peft_config, quantization_config, args, acc, (train_dataset, eval_dataset)
         )
         optimizer, scheduler = optimizers
-        # Asynchronous generation on a sharded policy (FSDP2): the producer's copy is taken whole, before sharding.
-        self._unsharded_copy = copy.deepcopy(self.model) if args.max_staleness is not None and sharded else None
+        # Asynchronous generation under FSDP2 or DeepSpeed: the producer's copy is taken before they wrap the policy
+        # (whole, and without their hooks).
+        wrapped = sharded or deepspeed_stage(acc) is not None
+        self._producer_copy = copy.deepcopy(self.model) if args.max_staleness is not None and wrapped else None
         self.model, self.optimizer, self.reference, deepspeed = prepare_models(acc, args, self.model, optimizer,
                                                                                self.reference)  # fmt: skip
         place_reward_models(self.reward_functions, acc.device)
@@ -397,13 +405,18 @@ class GRPOTrainer:
                                     dtype=torch.float64, device=acc.device)  # fmt: skip
         num_sequences, num_tokens = (acc.reduce(local_counts, "sum") / acc.num_processes).tolist()
         loss_total, self._window_counts, self._step_stats = 0.0, (num_sequences, num_tokens, len(window)), []
+        # A producer (asynchronous generation) never copies half-updated weights: the optimizer step runs under the
+        # weights' lock, and under DeepSpeed, whose engine steps inside the window's last backward, so does that.
+        steps_in_backward = self.stepper.deepspeed
         for index, micro_batch in enumerate(window):
-            with self.stepper.micro_batch(is_last=index == len(window) - 1):
+            last = index == len(window) - 1
+            with self.stepper.micro_batch(is_last=last), \
+                    self.weights.step() if last and steps_in_backward else contextlib.nullcontext():  # fmt: skip
                 loss_total += self.training_step(self.model, micro_batch).item()
-            if index < len(window) - 1:
+            if not last:
                 self.callback_handler("on_substep_end", args, self.state)
         self.callback_handler("on_pre_optimizer_step", args, self.state)
-        with self.weights.step():  # a producer (asynchronous generation) never copies half-updated weights
+        with contextlib.nullcontext() if steps_in_backward else self.weights.step():
             result = self.stepper.step(loss_total, self.state)
         self.callback_handler("on_optimizer_step", args, self.state)
         stats = self._step_stats
@@ -547,7 +560,7 @@ class GRPOTrainer:
                                        self.scorer.fresh(), self.reference, self.sampler, self.train_dataset,
                                        self.weights, self.state, self.processing_class, host=self,
                                        teacher=self.experience.teacher, restored=restored,
-                                       unsharded=self._unsharded_copy)  # fmt: skip
+                                       unwrapped_copy=self._producer_copy)  # fmt: skip
         return self.producer
 
     # ------------------------------------------------------------------------------------------ evaluation
