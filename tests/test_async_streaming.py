@@ -287,7 +287,7 @@ def test_copies_are_labelled_with_the_version_of_the_weights_they_copied(tmp_pat
     policy, copy = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
 
     class Args:
-        max_staleness, weight_sync_steps, queue_maxsize, generation_batch_size = 1, 1, 1, 1
+        max_staleness, weight_sync_steps, queue_maxsize, generation_batch_per_process = 1, 1, 1, 1
 
     producer = Producer(Args(), maker=None, policy=policy, copy=copy, sync=sync, sampler=None, generation=0)
     with sync.step():  # the trainer's optimizer step

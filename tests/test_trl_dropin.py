@@ -252,9 +252,38 @@ def test_trls_messages_for_a_missing_dataset_and_a_dispatched_stream(tmp_path):
                     processing_class=tokenizer)  # fmt: skip
 
 
-def test_sequence_level_with_a_token_sum_warns(tmp_path, caplog):
-    trainer_for(tmp_path, args=config(tmp_path, importance_sampling_level="sequence", loss_type="dapo"))
-    assert "effectively weights each sequence by its length" in caplog.text
+@pytest.mark.parametrize("loss_type", ["bnpo", "cispo", "dapo", "dr_grpo"])
+def test_sequence_level_with_a_token_sum_warns_in_trls_words(tmp_path, caplog, loss_type):
+    """TRL 1.16's warning, word for word (its f-string, from its GRPOTrainer's source, filled in)."""
+    import inspect
+
+    from trl.trainer import grpo_trainer
+
+    trl_message = (f"When using `importance_sampling_level='sequence'`, the `'{loss_type}'` loss sums per-token "
+                   "contributions, which effectively weights each sequence by its completion length instead of "
+                   "optimizing the per-sequence objective. To reproduce the GSPO paper's setup, set `loss_type='grpo'` "
+                   "(see https://huggingface.co/docs/trl/main/en/paper_index#group-sequence-policy-optimization).")
+    source = inspect.getsource(grpo_trainer)
+    link = "(see https://huggingface.co/docs/trl/main/en/paper_index#group-sequence-policy-optimization)."
+    assert "which effectively weights each sequence by its completion length instead of " in source and link in source
+    trainer_for(tmp_path, args=config(tmp_path, importance_sampling_level="sequence", loss_type=loss_type))
+    assert trl_message in caplog.text
+    caplog.clear()
+    trainer_for(tmp_path, args=config(tmp_path, importance_sampling_level="sequence", loss_type="grpo"))
+    assert "weights each sequence" not in caplog.text
+
+
+def test_a_static_entropy_coef_is_logged_as_in_trl(tmp_path):
+    """TRL's test_train_with_static_entropy reads entropy_coef and policy_loss from the last record."""
+    trainer = trainer_for(tmp_path, args=config(tmp_path, entropy_coef=0.1, max_steps=3, logging_steps=2))
+    trainer.train()
+    steps = [record for record in trainer.state.log_history if "loss" in record]
+    assert [record["entropy_coef"] for record in steps] == [0.1, 0.1]
+    assert trainer.state.log_history[-1]["entropy_coef"] == 0.1  # step 3's, in the summary
+    assert trainer.state.log_history[-1]["policy_loss"] is not None
+    plain = trainer_for(tmp_path / "plain", args=config(tmp_path / "plain", max_steps=1))
+    plain.train()
+    assert "entropy_coef" not in plain.state.log_history[0]  # no bonus, nothing logged (TRL's rule)
 
 
 # ------------------------------------------------------------------------------- TRL's DataLoaders
@@ -1451,6 +1480,7 @@ def test_compute_loss_takes_trls_dict_and_gives_trls_loss(tmp_path, training):
         counts = trl_loss_counts(micro_batch, inputs["num_items_in_batch"], accumulation, steps, 1)
         as_batch = ours.compute_loss(ours.model, micro_batch, num_items_in_batch=counts)
         torch.testing.assert_close(as_batch, loss, rtol=1e-6, atol=1e-8, msg=loss_type)
-    assert len({round(value, 6) for value in losses}) == 5, losses  # five normalisations, told apart
+    # four normalisations, told apart (cispo's value is dapo's while no weight reaches its cap; its gradient is not)
+    assert len({round(value, 6) for value in losses[:4]}) == 4, losses
     with pytest.raises(ValueError, match=r"without \['advantages'\]"):
         ours.compute_loss(ours.model, {k: v for k, v in inputs.items() if k != "advantages"})

@@ -89,7 +89,7 @@ class TrainBatch:
                    multimodal=rollout.multimodal)  # fmt: skip
 
     @classmethod
-    def from_trl_inputs(cls, inputs: dict) -> "TrainBatch":
+    def from_trl_inputs(cls, inputs: dict) -> TrainBatch:
         """The batch of TRL's layout (a dict as TRL's `_generate_and_score_completions` returns it: prompt_ids,
         prompt_mask, completion_ids, completion_mask, advantages [N] or [N, T], and where present
         old_per_token_logps, ref_per_token_logps, sampling_per_token_logps, importance_sampling_ratio, tool_mask).

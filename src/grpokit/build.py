@@ -201,9 +201,10 @@ def warn_like_trl(args: GRPOConfig, model, quantization_config) -> None:
     """TRL's advisory warnings through the logger, as TRL logs them: TRL's words first, then grpokit's advice."""
     if args.importance_sampling_level == "sequence" and args.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
         logger.warning(f"When using `importance_sampling_level='sequence'`, the `'{args.loss_type}'` loss sums "
-                       f"per-token contributions, which effectively weights each sequence by its length instead of "
-                       f"optimizing the per-sequence objective. To reproduce the GSPO paper's setup, set "
-                       f"`loss_type='grpo'`.")  # fmt: skip
+                       f"per-token contributions, which effectively weights each sequence by its completion length "
+                       f"instead of optimizing the per-sequence objective. To reproduce the GSPO paper's setup, set "
+                       f"`loss_type='grpo'` (see https://huggingface.co/docs/trl/main/en/paper_index#group-sequence-"
+                       f"policy-optimization).")  # fmt: skip
     if not isinstance(model, str) and quantization_config is not None:
         logger.warning("You passed `quantization_config` to the trainer, but your model is already instantiated. The "
                        "`quantization_config` will be ignored. Quantize the model when loading it, or pass it as a "

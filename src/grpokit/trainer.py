@@ -423,6 +423,8 @@ class GRPOTrainer:
         if self.entropy_controller is not None:  # the coefficient for the next step, from this window's entropy
             stats.append({"entropy_coef": self.entropy_controller.coef})
             self.entropy_controller.step(acc.reduce(self.entropy_controller.window_totals().to(acc.device), "sum"))
+        elif args.entropy_coef != 0:  # TRL logs a static coefficient too, whenever the bonus is on
+            stats.append({"entropy_coef": args.entropy_coef})
         self.state.global_step += 1
         self.state.epoch = self.sampler.epochs_done
         if args.sync_ref_model and self.reference is not None and \
