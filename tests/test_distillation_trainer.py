@@ -551,3 +551,19 @@ def weights_of(directory):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(directory).state_dict()
+
+
+def test_the_default_output_dir_is_the_models_last_name_whatever_the_trainer():
+    """One helper names the output directory of every trainer given no config (Distillation, RLOO, AsyncGRPO): the
+    last part of the model's id or path, a trailing slash ignored -- 'org/model/' gives 'model-Distillation', not
+    '-Distillation'."""
+    from grpokit.models import default_output_dir
+
+    assert default_output_dir("org/model/", "Distillation") == "model-Distillation"
+    assert default_output_dir("org/model", "RLOO") == "model-RLOO"
+    assert default_output_dir("/checkpoints/run-3/", "AsyncGRPO") == "run-3-AsyncGRPO"
+    model = build_tiny_model(40, hidden_size=32)
+    model.config._name_or_path = "org/tiny/"
+    assert default_output_dir(model, "Distillation") == "tiny-Distillation"
+    model.config._name_or_path = ""
+    assert default_output_dir(model, "Distillation") == "model-Distillation"

@@ -149,9 +149,9 @@ def test_sequence_level_value_stats_and_grad():
     # per-token losses: seq 0: -1.2 (x3), seq 1: -min(-0.5·0.7408, -0.5·0.8) = 0.4 (x2), seq 2: -2 (x4)
     close(loss, (-1.2 * 3 + 0.4 * 2 - 2.0 * 4) / 9)
     # one ratio per sequence, broadcast over its tokens: 3 high-clipped tokens, 2 low-clipped
-    close(stats.clip_ratio_high, 3 / 9)
-    close(stats.clip_ratio_low, 2 / 9)
-    close(stats.clip_ratio_region, 5 / 9)
+    close(stats.objective["clip_ratio/high_mean"], 3 / 9)
+    close(stats.objective["clip_ratio/low_mean"], 2 / 9)
+    close(stats.objective["clip_ratio/region_mean"], 5 / 9)
     close(stats.ratio_mean, (3 * math.exp(0.2) + 2 * math.exp(-0.3) + 4 * 1.0) / 9)
     # gradient: seq 0 and 1 are clipped (zero grad); seq 2 contributes 4 tokens of -A·s each, ds/dl_t = s/len:
     # d/dl_t = 4 · (-A · s / 4) / 9 = -2/9 on each of its tokens
@@ -279,9 +279,9 @@ def test_clip_higher_tokens_and_stats():
     close(loss, (-3.08 + 0.85 - 8.5) / 9)
     # high: ratio > 1.28 and A > 0 -> only (0, 1) [1.25 < 1.28; the padded 5.0 does not count]
     # low:  ratio < 0.8 and A < 0  -> only (1, 1) [(0, 2) = 0.7 has A > 0; the padded 9.0 has ratio > 1]
-    close(stats.clip_ratio_high, 1 / 9)
-    close(stats.clip_ratio_low, 1 / 9)
-    close(stats.clip_ratio_region, 2 / 9)
+    close(stats.objective["clip_ratio/high_mean"], 1 / 9)
+    close(stats.objective["clip_ratio/low_mean"], 1 / 9)
+    close(stats.objective["clip_ratio/region_mean"], 2 / 9)
     d = stats.as_dict()
     assert d["clip_ratio/high_mean"] == pytest.approx(1 / 9, abs=ATOL)
     assert d["clip_ratio/low_mean"] == pytest.approx(1 / 9, abs=ATOL)
@@ -301,9 +301,9 @@ def test_symmetric_clip_stats():
     logprobs, old = make_inputs()
     _, stats = policy_loss(logprobs, old, None, t(ADV), t(MASK), epsilon=0.2)
     # high: (0,1) r=1.3 and (2,0) r=1.25 (both A > 0); low: (1,1) r=0.75 (A < 0)
-    close(stats.clip_ratio_high, 2 / 9)
-    close(stats.clip_ratio_low, 1 / 9)
-    close(stats.clip_ratio_region, 3 / 9)
+    close(stats.objective["clip_ratio/high_mean"], 2 / 9)
+    close(stats.objective["clip_ratio/low_mean"], 1 / 9)
+    close(stats.objective["clip_ratio/region_mean"], 3 / 9)
 
 
 def test_swapped_epsilons_are_not_equivalent():
@@ -314,8 +314,8 @@ def test_swapped_epsilons_are_not_equivalent():
         logprobs, old, None, t(ADV), t(MASK), loss_type="dapo", epsilon=0.28, epsilon_high=0.2
     )
     close(loss, ((-1.1 - 1.2 - 0.7) + (0.45 + 0.375) + (-2.4 - 2.0 - 1.7 - 2.3)) / 9)
-    close(stats.clip_ratio_low, 0.0)
-    close(stats.clip_ratio_high, 2 / 9)
+    close(stats.objective["clip_ratio/low_mean"], 0.0)
+    close(stats.objective["clip_ratio/high_mean"], 2 / 9)
 
 
 def test_gradients_zero_in_clipped_region_symmetric():
@@ -359,7 +359,7 @@ def test_on_policy_value_and_policy_gradient(loss_type, norm, adv):
         expected = -sum(a * n for a, n in zip(adv, LENGTHS)) / 9
     close(loss, expected)
     close(stats.ratio_mean, 1.0)
-    close(stats.clip_ratio_region, 0.0)
+    close(stats.objective["clip_ratio/region_mean"], 0.0)
     loss.backward()
     # the policy gradient: d loss / d logp = -A · mask / normaliser
     grad = [[-adv[i] * MASK[i][j] / norm[i][j] for j in range(4)] for i in range(3)]
@@ -467,9 +467,9 @@ def test_per_token_advantages():
     # seq 2: r=1.25,A=.5 -> -min(.625,.6) = -0.6 ; r=1,A=1 -> -1 ; r=.85,A=-1 -> 0.85 ; r=1.15,A=-2 -> 2.3
     close(loss, ((-1.1 + 1.3 - 0.35) / 3 + (-1.8 + 0.4) / 2 + (-0.6 - 1.0 + 0.85 + 2.3) / 4) / 3)
     # low: (1,1) r=.75 A<0 ; high: (2,0) r=1.25 A>0 [(0,1) r=1.3 has A<0 now]
-    close(stats.clip_ratio_low, 1 / 9)
-    close(stats.clip_ratio_high, 1 / 9)
-    close(stats.clip_ratio_region, 2 / 9)
+    close(stats.objective["clip_ratio/low_mean"], 1 / 9)
+    close(stats.objective["clip_ratio/high_mean"], 1 / 9)
+    close(stats.objective["clip_ratio/region_mean"], 2 / 9)
 
 
 def test_per_token_advantages_equal_to_broadcast_sequence_advantages():

@@ -13,9 +13,8 @@ import math
 import pytest
 import torch
 
-from grpokit.data import tokenize_prompts
 from grpokit.logprobs import token_logprobs
-from grpokit.rollout import SamplingParams
+from grpokit.rollout import PromptCodec, SamplingParams
 from grpokit.rollout.hf import generate, supports_kv_cache
 from grpokit.rollout.sampling import apply_repetition_penalty, filter_logits, sample_tokens
 from grpokit.testing import build_char_tokenizer, build_tiny_model
@@ -49,9 +48,10 @@ def seeded(seed: int = 0) -> torch.Generator:
 
 
 def grouped(prompts, tokenizer, num_generations):
-    """Prompt ids/mask [B·G, P]: each prompt repeated G times, consecutively (the trainer's layout)."""
-    ids, mask = tokenize_prompts(prompts, tokenizer, None)
-    return ids.repeat_interleave(num_generations, 0), mask.repeat_interleave(num_generations, 0)
+    """Prompt ids/mask [B·G, P], left-padded, as the trainer encodes them (`PromptCodec`): each prompt repeated G
+    times, consecutively (the trainer's layout)."""
+    batch = PromptCodec(tokenizer, None).encode([{"prompt": p} for p in prompts], [num_generations] * len(prompts))
+    return batch.padded(tokenizer.pad_token_id)
 
 
 def training_logprobs(model, rollout, temperature):
@@ -70,7 +70,7 @@ def training_logprobs(model, rollout, temperature):
 
 
 def test_chat_template_renders_conversations_left_padded(tokenizer):
-    ids, mask = tokenize_prompts(CONVERSATIONS, tokenizer, None)
+    ids, mask = grouped(CONVERSATIONS, tokenizer, 1)
     texts = tokenizer.batch_decode([row[m.bool()] for row, m in zip(ids, mask)])
     assert texts == [
         "<|user|>hi<|end|><|assistant|>",
@@ -195,7 +195,7 @@ def test_frozen_weights_are_cast_once_per_rollout_under_autocast(tokenizer):
     The engine keeps one cast per rollout: the same tokens and log-probs bit for bit, fewer casts, and the
     parameters' requires_grad flags as they were."""
     peft = pytest.importorskip("peft")
-    from grpokit.rollout import HFEngine, PromptBatch
+    from grpokit.rollout import HFEngine
     from grpokit.rollout.hf import autocast_keeps_frozen_casts
 
     base = build_tiny_model(len(tokenizer), hidden_size=32, num_layers=2, seed=0)
@@ -219,9 +219,7 @@ def test_frozen_weights_are_cast_once_per_rollout_under_autocast(tokenizer):
     assert naive_casts - fast_casts >= frozen_linears * (params.max_new_tokens - 2), (naive_casts, fast_casts)
 
     engine = HFEngine(model, autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
-    prompt_ids, prompt_mask = tokenize_prompts(PLAIN_PROMPTS, tokenizer, None)
-    prompts = PromptBatch(ids=[row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)], counts=[4] * 3,
-                          raw=PLAIN_PROMPTS)  # fmt: skip
+    prompts = PromptCodec(tokenizer, None).encode([{"prompt": p} for p in PLAIN_PROMPTS], [4] * 3)
     engine_casts = weight_casts(lambda: engine.generate(prompts, params, seed=0))
     assert {name: p.requires_grad for name, p in model.named_parameters()} == flags
     with pytest.raises(RuntimeError):  # restored on errors too

@@ -245,7 +245,7 @@ class Moody(vf.MultiTurnEnv):
         return [{"role": "user", "content": "again"}]
 
 
-def test_environment_errors_timeouts_and_refused_actions_are_counted_and_training_goes_on(tmp_path):
+def test_environment_errors_timeouts_and_refused_actions_are_counted_excluded_and_training_goes_on(tmp_path):
     model, tokenizer = tiny_agent_model()
     env = Moody(dataset=questions(), rubric=vf.Rubric(funcs=[second_answer_right]))
     trainer = GRPOTrainer(model=model, args=config(tmp_path, max_steps=2), processing_class=tokenizer, environment=env,
@@ -255,10 +255,11 @@ def test_environment_errors_timeouts_and_refused_actions_are_counted_and_trainin
     assert time.monotonic() - start < 20  # the hanging reply cost its timeout, not its 30 s
     assert trainer.state.global_step == 2
     for log in trainer.state.log_history[:2]:
-        # Of 4 prompts (2 rows each): k0 raised, k2 refused (errors), k1 timed out; k3 played its two turns.
+        # Of 4 prompts (2 rows each): k0 raised, k2 refused (errors), k1 timed out; k3 played its two turns. The
+        # failed rows score None (excluded): the means are k3's two rows'.
         assert log["environment/error_frequency"] == 0.5 and log["environment/timeout_frequency"] == 0.25
-        assert log["rewards/num_turns/mean"] == pytest.approx((1 + 1 + 1 + 2) / 4)
-        assert log["rewards/second_answer_right/mean"] == 1 / 8  # k3's first row answers right the second time
+        assert log["rewards/num_turns/mean"] == 2.0
+        assert log["rewards/second_answer_right/mean"] == 1 / 2  # k3's first row answers right the second time
 
 
 def test_only_classic_environments_are_adapted_so_a_v1_adapter_can_sit_beside_this_one():

@@ -58,7 +58,8 @@ def test_without_the_token_generation_and_weight_updates_are_refused(served):
     generate = json.dumps({"instance": "one", "prompt_ids": [[1]]}).encode()
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
         status, answer = call(url, "/generate", generate, headers)
-        assert status == 401 and "GRPOKIT_VLLM_TOKEN" in answer["error"]
+        assert status == 401 and "GRPOKIT_VLLM_TOKEN" in answer["error"]["message"]
+        assert answer["error"]["type"] == "authentication_error"
         assert call(url, "/update_weights", b"weights", headers)[0] == 401
     assert service.generated == []
     status, _ = call(url, "/generate", generate, {"Authorization": "Bearer s3cret"})
@@ -80,3 +81,32 @@ def test_the_server_listens_on_the_loopback_unless_told_otherwise(monkeypatch):
     assert options.host == "127.0.0.1" and options.token is None
     monkeypatch.setenv("GRPOKIT_VLLM_TOKEN", "from-env")
     assert arguments().parse_args(["--model", "DIR", "--host", "0.0.0.0"]).token == "from-env"
+
+
+def test_both_servers_answer_errors_in_one_format():
+    """`grpokit vllm-serve` and the agent endpoint share one JSON handler (grpokit.json_http): a refusal and a
+    server-side failure reach the client as OpenAI's {"error": {"message", "type", ...}}, and the vLLM client reads
+    that format (a restart's instance, a failure's message)."""
+    from grpokit.integrations.endpoint import PolicyEndpoint
+    from grpokit.json_http import error_of
+    from grpokit.testing import build_char_tokenizer
+
+    service = Service()
+    server = HTTPServer(("127.0.0.1", 0), handler_for(service))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = PolicyEndpoint(build_char_tokenizer(), max_completion_length=4).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        status, answer = call(url, "/nowhere", b"{}")
+        assert status == 404 and set(answer) == {"error"} and answer["error"]["type"] == "invalid_request_error"
+        status, answer = call(url, "/generate", json.dumps({"instance": "another"}).encode())
+        assert status == 409 and error_of(answer)["instance"] == "one" and "restarted" in error_of(answer)["message"]
+        status, answer = call(url, "/update_weights", b"weights")  # the stand-in engine raises
+        assert status == 500 and error_of(answer)["type"] == "server_error"
+        assert error_of(answer)["message"].startswith("AssertionError: no weights may reach the engine")
+        status, answer = call(endpoint.url, "/nowhere", b"{}")
+        assert status == 404 and set(answer) == {"error"} and answer["error"]["type"] == "invalid_request_error"
+        assert set(answer["error"]) == {"message", "type"}
+    finally:
+        server.shutdown()
+        endpoint.stop()

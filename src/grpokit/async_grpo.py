@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import GRPOConfig, _field
+from .models import default_output_dir
 from .trainer import GRPOTrainer
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -122,8 +123,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
                  environment_factory=None, rollout_worker=None, weight_transfer=None,
                  **grpokit_options):  # fmt: skip
         if args is None:
-            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
-            args = AsyncGRPOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-AsyncGRPO")
+            args = AsyncGRPOConfig(output_dir=default_output_dir(model, "AsyncGRPO"))
         if not isinstance(args, AsyncGRPOConfig):
             raise TypeError(f"AsyncGRPOTrainer takes an AsyncGRPOConfig (from grpokit import AsyncGRPOConfig), got "
                             f"{type(args).__name__}; for a GRPOConfig use GRPOTrainer (its max_staleness makes "

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .agents import check_agents
+from .agents import EnvironmentPool, build_agents, check_agents, placeholder_dataset
 from .checkpoint import Checkpointer
 from .config import LOG_LEVELS, GRPOConfig
 from .cpu_matmul import float32_matmuls
@@ -40,6 +40,7 @@ from .distributed import (
     prepare_reference,
     unwrap_model,
 )
+from .integrations import adapt_environment, environment_inputs
 from .loss import AdaptiveEntropyController
 from .models import (
     build_policy,
@@ -52,6 +53,8 @@ from .models import (
 from .multimodal import check_images_supported
 from .offload import ActivationOffload
 from .optim import build_optimizer
+from .rewards import build_reward_functions
+from .rewards.base import check_required_columns
 from .rewards.model import RewardModel
 from .rewards.scorer import RewardScorer
 from .rollout import HFEngine, PromptCodec, RolloutEngine, RolloutRunner
@@ -289,9 +292,6 @@ def run_inputs(args: GRPOConfig, train_dataset, eval_dataset, reward_funcs, rewa
     """The trainer's inputs: an environment of another library supplies its rows and rewards (and its weights go
     into args.reward_weights), environment_factory's instances the prompts when there is no dataset; then every
     check of the data, the agent arguments and the rewards."""
-    from .agents import EnvironmentPool, placeholder_dataset
-    from .integrations import adapt_environment, environment_inputs
-
     adapter = None if environment is None else adapt_environment(environment, tools, rollout_func,
                                                                  environment_factory)  # fmt: skip
     if adapter is not None:
@@ -311,8 +311,6 @@ def build_driver(inputs: RunInputs, tokenizer, model, args: GRPOConfig, max_prom
                  rollout_func):  # fmt: skip
     """The multi-turn driver: the environment adapter's, grpokit's agents (tools, environments, a rollout_func), or
     None for single-turn training."""
-    from .agents import build_agents
-
     if inputs.adapter is not None:
         return inputs.adapter.driver(tokenizer, args, max_prompt_length)
     return build_agents(tokenizer, model, args, max_prompt_length, tools, inputs.environments, rollout_func)
@@ -324,9 +322,6 @@ def build_rewards(args: GRPOConfig, reward_funcs, reward_processing_classes, env
     get_reward; each dataset of `datasets` (train, eval: one or named sets) checked for the columns the functions
     need (an agent's rows also carry `turn_ends`; a rollout_func's extra fields are columns known only once it has
     run: `columns_known=False`)."""
-    from .rewards import build_reward_functions
-    from .rewards.base import check_required_columns
-
     functions = build_reward_functions(
         reward_funcs, reward_processing_classes, args.per_device_train_batch_size, args.trust_remote_code,
         environment_rewards=environments.reward_functions() if environments is not None else (),

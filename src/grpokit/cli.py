@@ -6,6 +6,9 @@ Every GRPOConfig field is a flag; values are parsed as YAML scalars (`--bf16`, `
 `--top_k null`); list fields take `--reward_weights 1.0`, `--reward_weights 1.0 0.5`, `--reward_weights 1.0,0.5`
 or `--reward_weights "[1, 0.5]"`. A YAML file gives the same keys, plus `model`, `dataset` and `reward`; flags
 override the file. Mistakes (an unknown command, flag or key, a bad value) print one line with a suggestion.
+
+Each command imports the package modules it runs inside its function: `grpokit --help`, `--version` and
+`train --help` read only GRPOConfig's fields, and must not import torch (seconds), as `import grpokit` does not.
 """
 
 from __future__ import annotations

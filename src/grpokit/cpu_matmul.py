@@ -35,6 +35,7 @@ import weakref
 import torch
 
 from .compat import output_embeddings
+from .head_autograd import frozen_head_grad, save_for_logprobs_backward
 
 FLOAT32_HEAD = "_grpokit_float32_gemm"  # set on the LM head module: `logprobs.chunked_token_logprobs` routes it
 
@@ -321,23 +322,6 @@ def _block_logits(hidden32, weight32, bias, block, temperature):
     return logits
 
 
-def save_for_head_backward(ctx, frozen_head: bool, hidden, weight, bias, targets, lse, expected_rows):
-    """What a chunked head's backward needs (`Float32Head`, `logprobs._ChunkedTokenLogprobs`): with a frozen head
-    (LoRA) the weight, targets and softmax @ weight per row; else hidden, weight, bias, targets and the
-    log-sum-exp per row. `ctx.saved_tensors` then reads (hidden, weight, bias, targets, lse, expected_rows)."""
-    if frozen_head:
-        ctx.save_for_backward(None, weight, None, targets, None, expected_rows)
-    else:
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, None)
-    ctx.frozen_head, ctx.hidden_dtype = frozen_head, hidden.dtype
-
-
-def frozen_head_grad(grad_logprobs, weight, targets, expected_rows) -> torch.Tensor:
-    """d (grad_logprobs · logprobs) / d hidden with a frozen head: g · (W[target] - softmax @ W), [M, H] in the
-    dtype of expected_rows (grad_logprobs already divided by the temperature)."""
-    return grad_logprobs[:, None] * (weight[targets].to(expected_rows.dtype) - expected_rows)
-
-
 class Float32Head(torch.autograd.Function):
     """`logprobs._ChunkedTokenLogprobs` with bfloat16 matmuls, for CPUs without bfloat16 hardware: the same values
     up to float32 summation order (products of bfloat16 operands summed in float32, logits and gradients rounded to
@@ -385,9 +369,8 @@ class Float32Head(torch.autograd.Function):
         logprobs = target_logits - lse
         entropies = total.log() - shifted_dot / total if with_entropy else torch.empty(0)
         expected_rows = expected / total[:, None] if frozen_head else None
-        save_for_head_backward(ctx, frozen_head, hidden, weight, bias, targets, lse, expected_rows)
-        ctx.temperature = temperature
-        ctx.mark_non_differentiable(entropies)
+        save_for_logprobs_backward(ctx, frozen_head, hidden, weight, bias, targets, lse, expected_rows, entropies,
+                                   temperature=temperature)  # fmt: skip
         return logprobs, entropies
 
     @staticmethod

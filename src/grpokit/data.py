@@ -169,20 +169,6 @@ def render_prompt(prompt: Any, tokenizer, chat_template_kwargs: dict | None = No
     )  # fmt: skip
 
 
-def tokenize_prompts(
-    prompts: list[Any],
-    tokenizer,
-    max_prompt_length: int | None,
-    chat_template_kwargs: dict | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ids and mask [N, P]; prompts longer than max_prompt_length keep their last tokens."""
-    texts = [render_prompt(p, tokenizer, chat_template_kwargs) for p in prompts]
-    # A chat template already wrote the special tokens it wants.
-    add_special = not any(is_conversational(p) for p in prompts)
-    ids = [tokenizer(t, add_special_tokens=add_special)["input_ids"] for t in texts]
-    return pad_left(ids, tokenizer.pad_token_id, max_prompt_length)
-
-
 def pad_left(sequences: list[list[int]], pad_token_id: int, max_length: int | None = None):
     if max_length is not None:
         sequences = [s[-max_length:] for s in sequences]

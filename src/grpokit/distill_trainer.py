@@ -32,6 +32,7 @@ from .distillation_config import DistillationConfig, loop_config
 from .distributed import as_wrapper_forward, deepspeed_stage, unwrap_model
 from .logprobs import causal_lm_of, completion_hidden_states, supports_chunked_head
 from .logs import completion_metrics
+from .models import default_output_dir
 from .rollout import EVAL_SEED_OFFSET, rollout_seed
 from .teacher import load_teacher
 from .trainer import GRPOTrainer
@@ -66,8 +67,7 @@ class DistillationTrainer(GRPOTrainer):
     ):
         """TRL 1.16's arguments, in its order, plus grpokit's `rollout_engine` (see `GRPOTrainer`)."""
         if args is None:
-            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
-            args = DistillationConfig(output_dir=f"{name.split('/')[-1]}-Distillation")
+            args = DistillationConfig(output_dir=default_output_dir(model, "Distillation"))
         if teacher_model is None:
             teacher_model = args.teacher_model_name_or_path
         if teacher_model is None:

@@ -29,6 +29,7 @@ import math
 import torch
 
 from .cpu_memory import return_free_memory
+from .head_autograd import head_grad_accumulators, head_input_grads, save_for_head_backward
 from .logprobs import _ChunkScratch, _softmax_dtype, default_chunk_rows
 from .loss import DistillationStats, distillation_reduction
 
@@ -96,11 +97,10 @@ class _ChunkedGeneralizedJSD(torch.autograd.Function):
                 kl_teacher = (teacher_logprobs.exp() * (teacher_logprobs - mixture_logprobs)).sum(-1)
                 divergence[chunk] = beta * kl_teacher + (1 - beta) * kl_student
                 centring[chunk] = kl_student
-        ctx.save_for_backward(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-                              teacher_bias, student_lse, teacher_lse, centring)  # fmt: skip
-        ctx.beta, ctx.temperature, ctx.chunk_rows = beta, temperature, chunk_rows
-        ctx.student_dtype, ctx.teacher_dtype = student_dtype, teacher_dtype
-        ctx.mark_non_differentiable(entropy)
+        save_for_head_backward(ctx, (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                                     teacher_bias, student_lse, teacher_lse, centring), entropy, beta=beta,
+                               temperature=temperature, chunk_rows=chunk_rows, student_dtype=student_dtype,
+                               teacher_dtype=teacher_dtype)  # fmt: skip
         return divergence, entropy
 
     @staticmethod
@@ -108,18 +108,13 @@ class _ChunkedGeneralizedJSD(torch.autograd.Function):
     def backward(ctx, grad_divergence, grad_entropy):
         (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, student_lse,
          teacher_lse, centring) = ctx.saved_tensors  # fmt: skip
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        none = (None,) * 8
-        if grad_divergence is None or not (need_hidden or need_weight or need_bias):
-            return (None, None, None, *none)
+        if grad_divergence is None or not any(ctx.needs_input_grad[:3]):
+            return (None,) * 11
         beta, temperature, chunk_rows = ctx.beta, ctx.temperature, ctx.chunk_rows
         rows, accumulate_dtype = student_hidden.shape[0], student_lse.dtype
         grad_divergence = grad_divergence.to(accumulate_dtype) / temperature  # z = logits / temperature
-        grad_hidden = torch.empty_like(student_hidden) if need_hidden else None
-        grad_weight = torch.zeros(student_weight.shape, dtype=accumulate_dtype, device=student_weight.device) \
-            if need_weight else None  # fmt: skip
-        grad_bias = torch.zeros(student_weight.shape[0], dtype=accumulate_dtype, device=student_weight.device) \
-            if need_bias else None  # fmt: skip
+        (need_hidden, need_weight, need_bias), grad_hidden, grad_weight, grad_bias = \
+            head_grad_accumulators(ctx, student_hidden, student_weight, accumulate_dtype)  # fmt: skip
         student_head = _Head(student_weight, student_bias, ctx.student_dtype, min(chunk_rows, rows), accumulate_dtype)
         teacher_head = _Head(teacher_weight, teacher_bias, ctx.teacher_dtype, min(chunk_rows, rows), accumulate_dtype)
         work = torch.empty(min(chunk_rows, rows), student_weight.shape[0], dtype=accumulate_dtype,
@@ -152,12 +147,7 @@ class _ChunkedGeneralizedJSD(torch.autograd.Function):
                     grad_weight.addmm_(grad_logits.t(), hidden_chunk.to(accumulate_dtype))
                 elif need_weight:
                     grad_weight += (grad_logits.t() @ hidden_chunk.to(grad_logits.dtype)).to(accumulate_dtype)
-        return (
-            grad_hidden,
-            None if grad_weight is None else grad_weight.to(student_weight.dtype),
-            None if grad_bias is None else grad_bias.to(student_bias.dtype),
-            *none,
-        )
+        return head_input_grads(grad_hidden, grad_weight, grad_bias, student_weight, student_bias, num_other_inputs=8)
 
 
 class _Head:

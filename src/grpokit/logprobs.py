@@ -14,11 +14,12 @@ import contextlib
 
 import torch
 
-from .cpu_matmul import FLOAT32_HEAD, Float32Head, frozen_head_grad, save_for_head_backward
 from .compat import cache_argument, cache_from_layers, is_activation_checkpointing, output_cache, output_embeddings
+from .cpu_matmul import FLOAT32_HEAD, Float32Head
 from .cpu_memory import return_free_memory
 from .distributed import is_sharded
 from .forward import forward_accepts, logits_of, model_cache, model_config, position_ids_from_mask
+from .head_autograd import frozen_head_grad, head_grad_accumulators, head_input_grads, save_for_logprobs_backward
 from .models import is_peft_model
 from .multimodal import MultimodalInputs, batch_model_inputs, is_vision_language_model, rope_position_ids
 from .packing import pack_rows
@@ -105,9 +106,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             else:
                 lse[chunk] = shifted.exp_().sum(-1).log_() + row_max.squeeze(-1)
             logprobs[chunk] = target_logits - lse[chunk]
-        save_for_head_backward(ctx, frozen_head, hidden, weight, bias, targets, lse, expected_rows)
-        ctx.temperature, ctx.chunk_rows, ctx.compute_dtype = temperature, chunk_rows, compute_dtype
-        ctx.mark_non_differentiable(entropies)
+        save_for_logprobs_backward(ctx, frozen_head, hidden, weight, bias, targets, lse, expected_rows, entropies,
+                                   temperature=temperature, chunk_rows=chunk_rows, compute_dtype=compute_dtype)  # fmt: skip
         return logprobs, entropies
 
     @staticmethod
@@ -120,10 +120,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         if ctx.frozen_head:
             grad_hidden = frozen_head_grad(grad_logprobs, weight, targets, expected_rows)
             return (grad_hidden.to(ctx.hidden_dtype), None, None, None, None, None, None, None)
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=accumulate_dtype, device=weight.device) if need_weight else None
-        grad_bias = torch.zeros(weight.shape[0], dtype=accumulate_dtype, device=weight.device) if need_bias else None
+        (need_hidden, need_weight, need_bias), grad_hidden, grad_weight, grad_bias = \
+            head_grad_accumulators(ctx, hidden, weight, accumulate_dtype)  # fmt: skip
         weight_c = weight.to(compute_dtype)
         bias_c = None if bias is None else bias.to(compute_dtype)
         scratch = _ChunkScratch(min(chunk_rows, hidden.shape[0]), weight.shape[0], compute_dtype, hidden.device,
@@ -147,12 +145,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                         grad_weight.addmm_(grad_logits.t(), hidden_chunk.to(compute_dtype))
                     else:
                         grad_weight += (grad_logits.t() @ hidden_chunk.to(compute_dtype)).to(accumulate_dtype)
-        return (
-            grad_hidden,
-            None if grad_weight is None else grad_weight.to(weight.dtype),
-            None if grad_bias is None else grad_bias.to(bias.dtype),
-            None, None, None, None, None,
-        )  # fmt: skip
+        return head_input_grads(grad_hidden, grad_weight, grad_bias, weight, bias, num_other_inputs=5)
 
 
 def _softmax_dtype(compute_dtype: torch.dtype) -> torch.dtype:

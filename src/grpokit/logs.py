@@ -28,6 +28,7 @@ def generation_metrics(rewards, scores, names, lengths, truncated, num_generatio
                        errors: dict[str, float] | None = None) -> dict[str, float]:
     """TRL's per-generation metrics from the whole batch's rewards [N], per-function scores [N, F] (NaN = None),
     completion lengths [N] and truncation flags [N]."""
+    # torch (advantages imports it): config imports this module for TRACKERS, and reading the fields must not.
     from .advantages import group_stats
 
     _, group_std = group_stats(rewards, num_generations)

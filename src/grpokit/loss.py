@@ -678,18 +678,6 @@ class LossStats:
     objective: dict[str, torch.Tensor] = field(default_factory=dict)  # the loss type's own, under TRL's names
     policy_loss: torch.Tensor | None = None  # the loss without the entropy bonus ("token_mean" bonus only)
 
-    @property
-    def clip_ratio_low(self) -> torch.Tensor | None:  # share of tokens with ratio < 1 - epsilon and A < 0
-        return self.objective.get("clip_ratio/low_mean")
-
-    @property
-    def clip_ratio_high(self) -> torch.Tensor | None:  # share of tokens with ratio > 1 + epsilon_high and A > 0
-        return self.objective.get("clip_ratio/high_mean")
-
-    @property
-    def clip_ratio_region(self) -> torch.Tensor | None:  # either of the two
-        return self.objective.get("clip_ratio/region_mean")
-
     def as_dict(self) -> dict[str, float]:
         out = {name: value.item() for name, value in self.objective.items()}
         if self.kl is not None:

@@ -12,9 +12,11 @@ from pathlib import Path
 import torch
 
 from .compat import output_embeddings, tied_weight_keys
+from .cpu_matmul import is_linear4bit
 from .data import PromptLimit
-from .distributed import is_sharded, load_full_state_dict
+from .distributed import is_sharded, is_zero3, load_full_state_dict
 from .multimodal import freeze_vision, is_vision_language_model, language_only_lora, text_config_of, tokenizer_of
+from .quantized import quantize_linears
 
 
 def looks_like_local_path(name: str) -> bool:
@@ -87,6 +89,14 @@ def full_precision(model: torch.nn.Module) -> bool:
     """Whether every floating-point parameter is float32 (or float64): only then do the sampler's log-probs equal
     the training forward's to float rounding (half-precision weights round differently in each kernel)."""
     return all(p.dtype in (torch.float32, torch.float64) for p in model.parameters() if p.is_floating_point())
+
+
+def default_output_dir(model, trainer_name: str) -> str:
+    """The output directory of a trainer given no config, as TRL names it: '<model name>-<trainer_name>', the model's
+    name being the last part of its hub id or path (a trailing slash ignored: 'org/model/' gives 'model-...'), of
+    its config's `_name_or_path` for a model object, or 'model' when that is empty."""
+    name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "") or "model"
+    return f"{str(name).rstrip('/').split('/')[-1]}-{trainer_name}"
 
 
 # ------------------------------------------------------------------------------------------------- LoRA
@@ -340,8 +350,6 @@ def keep_4bit_layers_trainable(model) -> int:
     place on the first forward in eval mode without gradients (the sampler's), never unpacks it, and the training
     forward and backward do not expect that layout (Unsloth's CPU backend turns it off for the same reason). On
     that CPU the sampler then runs bitsandbytes' unpacked kernel. Returns how many layers were set."""
-    from .cpu_matmul import is_linear4bit
-
     layers = [m for m in model.modules() if is_linear4bit(m) and getattr(m, "support_avx512bf16_for_cpu", False)]
     for layer in layers:
         layer.support_avx512bf16_for_cpu = False
@@ -401,8 +409,6 @@ def build_reference(model_argument, policy, args):
     the rest in bfloat16), else in the policy's dtype.
     Under ZeRO-3 with the model loaded partitioned (accelerate's zero.Init), a second load of it, partitioned the
     same way (a partitioned model cannot be copied)."""
-    from .distributed import is_zero3
-
     if args.ref_model_dtype and is_peft_model(policy):
         raise ValueError(f"ref_model_dtype={args.ref_model_dtype!r} with LoRA: the reference is the base model with "
                          f"the adapter off, not a copy, so it has no dtype of its own. Load the base in that dtype "
@@ -420,8 +426,6 @@ def build_reference(model_argument, policy, args):
     if not is_zero3(policy):
         reference = frozen_copy(policy, dtype)
         if int8:
-            from .quantized import quantize_linears
-
             quantize_linears(reference)
         contiguous_head_input(reference)
         return reference

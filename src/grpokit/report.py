@@ -27,6 +27,8 @@ from typing import NamedTuple
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from .config import GRPOConfig, _default_of
+
 __all__ = ["Run", "collect_series", "load_run", "plot_metrics", "write_report"]
 
 
@@ -360,8 +362,6 @@ def config_rows(runs: list[Run]) -> tuple[list[str], int]:
     """The configuration keys worth a row, and how many others there are: with several runs, those whose values
     differ between them; with one, those it sets to other than GRPOConfig's default (~200 rows hide the few that
     explain a run)."""
-    from .config import GRPOConfig, _default_of
-
     keys = sorted({k for r in runs for k in r.config})
     if len(runs) > 1:
         shown = [k for k in keys if len({_fmt(r.config.get(k)) if k in r.config else "" for r in runs}) > 1]

@@ -28,6 +28,7 @@ import warnings
 from importlib.resources import files
 
 from .config import GRPOConfig, trl_config_fields
+from .models import default_output_dir
 from .trainer import GRPOTrainer
 
 TRL_RLOO_FIELDS: dict = json.loads(files("grpokit").joinpath("trl_rloo_fields.json").read_text())
@@ -89,8 +90,7 @@ class RLOOTrainer(GRPOTrainer):
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, **grpokit_options):  # fmt: skip
         if args is None:
-            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
-            args = RLOOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-RLOO")
+            args = RLOOConfig(output_dir=default_output_dir(model, "RLOO"))
         if not isinstance(args, RLOOConfig):
             raise TypeError(f"RLOOTrainer takes an RLOOConfig (from grpokit import RLOOConfig), got "
                             f"{type(args).__name__}; for a GRPOConfig use GRPOTrainer.")  # fmt: skip

@@ -51,13 +51,14 @@ from __future__ import annotations
 
 import argparse
 import hmac
-import json
 import os
 import sys
 import threading
 import uuid
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import HTTPServer
 from pathlib import Path
+
+from .json_http import JSONError, JSONHandler
 
 
 class VLLMService:
@@ -268,56 +269,32 @@ TOKEN_VARIABLE = "GRPOKIT_VLLM_TOKEN"
 def handler_for(service: VLLMService, token: str | None = None):
     """The HTTP handler over `service`; with `token`, POST requests must carry it (Authorization: Bearer)."""
 
-    class Handler(BaseHTTPRequestHandler):
-        def _reply(self, status: int, payload: dict) -> None:
-            body = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def _body(self) -> bytes:
-            return self.rfile.read(int(self.headers.get("Content-Length", 0)))
-
-        def do_GET(self):  # noqa: N802 (http.server's name)
-            if self.path == "/health":
-                self._reply(200, {"status": "ok"})
-            elif self.path == "/info":
-                self._reply(200, service.describe())
-            else:
-                self._reply(404, {"error": f"no such endpoint {self.path}"})
-
-        def do_POST(self):  # noqa: N802
-            given = self.headers.get("Authorization", "")
-            if token is not None and not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                self._body()  # read, so that the client gets the answer rather than a reset connection
-                self._reply(401, {"error": f"this server takes a token: set {TOKEN_VARIABLE} in the trainer's "
-                                           f"environment to the server's"})  # fmt: skip
-                return
-            try:
-                if self.path == "/generate":
-                    request = json.loads(self._body())
+    class Handler(JSONHandler):
+        def route(self, method: str, path: str) -> dict:
+            if method == "GET" and path == "/health":
+                return {"status": "ok"}
+            if method == "GET" and path == "/info":
+                return service.describe()
+            if method == "POST":
+                given = self.headers.get("Authorization", "")
+                if token is not None and not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                    raise JSONError(401, f"this server takes a token: set {TOKEN_VARIABLE} in the trainer's "
+                                         f"environment to the server's", "authentication_error")  # fmt: skip
+                if path == "/generate":
+                    request = self.json_body()
                     if request.get("instance") != service.info["instance"]:
-                        self._reply(409, {"error": "this server restarted: push the weights again",
-                                          "instance": service.info["instance"]})  # fmt: skip
-                        return
-                    self._reply(200, service.generate(request))
-                elif self.path == "/update_weights":
-                    self._reply(200, service.update_weights(self._body()))
-                elif self.path == "/init_communicator":
-                    self._reply(200, service.init_communicator(json.loads(self._body())))
-                elif self.path == "/update_weights_collective":
-                    self._reply(200, service.update_weights_collective(json.loads(self._body())))
-                elif self.path == "/weights_received":
-                    self._reply(200, service.weights_received())
-                else:
-                    self._reply(404, {"error": f"no such endpoint {self.path}"})
-            except Exception as error:  # the trainer gets the server's error, not a dropped connection
-                self._reply(500, {"error": f"{type(error).__name__}: {error}"})
-
-        def log_message(self, format, *args):  # quiet: one line per request is noise at RL request rates
-            pass
+                        raise JSONError(409, "this server restarted: push the weights again",
+                                        instance=service.info["instance"])  # fmt: skip
+                    return service.generate(request)
+                if path == "/update_weights":
+                    return service.update_weights(self.body())
+                if path == "/init_communicator":
+                    return service.init_communicator(self.json_body())
+                if path == "/update_weights_collective":
+                    return service.update_weights_collective(self.json_body())
+                if path == "/weights_received":
+                    return service.weights_received()
+            raise JSONError(404, f"no such endpoint {method} {path}")
 
     return Handler
 

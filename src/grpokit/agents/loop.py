@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from ..data import EMPTY_PROMPT, PromptLimit, is_conversational
+from ..data import EMPTY_PROMPT, PromptLimit, is_conversational, pad_left
 from ..rollout.engine import PromptBatch, Rollout, RolloutEngine, SamplingParams
 from .chat import check_tool_calling, parse_completion, render_prompt, tool_result_ids
 from .environments import EnvironmentPool, public_methods
@@ -237,8 +237,6 @@ class Agents:
 def transcripts_rollout(transcripts: list[Transcript], pad_token_id: int, extra: dict) -> Rollout:
     """Rows' transcripts as one Rollout: left-padded prompts, right-padded completions (attention mask 1 on every
     transcript token, loss mask 1 on the sampled ones), and each row's turn ends for process rewards."""
-    from ..data import pad_left
-
     prompt_ids, prompt_mask = pad_left([t.prompt_ids for t in transcripts], pad_token_id)
     n, width = len(transcripts), max([len(t.ids) for t in transcripts] + [1])
     completion_ids = torch.full((n, width), pad_token_id, dtype=torch.long)

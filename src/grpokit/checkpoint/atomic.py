@@ -103,7 +103,8 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return None
-    # Said whether or not a complete checkpoint comes before it (issue 39: it was said only when none did).
+    # Said whether or not a complete checkpoint comes before it: an interrupted save is worth knowing about even
+    # when the run resumes from an older complete checkpoint.
     for partial in sorted(output_dir.glob(f"{TMP_PREFIX}*")):
         warnings.warn(f"Skipping partial checkpoint {partial}: a save was interrupted there (the next save removes "
                       f"it).", stacklevel=2)  # fmt: skip

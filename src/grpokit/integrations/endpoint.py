@@ -46,7 +46,7 @@ import threading
 import time
 import uuid
 import warnings
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any, Callable
 
 import torch
@@ -55,6 +55,7 @@ from ..agents.chat import parse_completion, render_prompt, response_template, to
 from ..agents.loop import Transcript, transcripts_rollout
 from ..agents.tools import in_daemon_thread
 from ..data import is_conversational
+from ..json_http import JSONError, JSONHandler
 from ..rollout.batching import BatchingEngine
 from ..rollout.engine import PromptBatch, Rollout, RolloutEngine, SamplingParams
 
@@ -63,12 +64,11 @@ ROUTE = re.compile(r"^(?:/s/(?P<session>[A-Za-z0-9_.-]+))?(?P<route>/v1/chat/com
                    r"|/v1/models)/?$")  # fmt: skip
 
 
-class EndpointError(Exception):
-    """A request the endpoint refuses, with its HTTP status."""
+class EndpointError(JSONError):
+    """A request the endpoint refuses, with its HTTP status (OpenAI's "invalid_request_error")."""
 
     def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
+        super().__init__(status, message)
 
 
 @dataclasses.dataclass
@@ -333,41 +333,18 @@ class EndpointServer(ThreadingHTTPServer):
 
 
 def handler_for(endpoint: PolicyEndpoint):
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(JSONHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: an SDK client reuses its connection turn after turn
 
-        def _answer(self, method: str) -> None:
-            try:
-                match = ROUTE.match(self.path.split("?")[0])
-                if match is None or (method == "GET") != (match["route"] == "/v1/models"):
-                    raise EndpointError(404, f"No route {method} {self.path}.")
-                session = match["session"] or self.headers.get(SESSION_HEADER)
-                if method == "GET":
-                    status, payload = 200, endpoint.models()
-                else:
-                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                    route = endpoint.chat if match["route"] == "/v1/chat/completions" else endpoint.generate
-                    status, payload = 200, route(session, body)
-            except EndpointError as error:
-                status, payload = error.status, {"error": {"message": str(error), "type": "invalid_request_error"}}
-            except Exception as error:  # the harness gets the error, the server goes on
-                message = f"{type(error).__name__}: {error}"
-                status, payload = 500, {"error": {"message": message, "type": "server_error"}}
-            data = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):  # noqa: N802 (http.server's name)
-            self._answer("GET")
-
-        def do_POST(self):  # noqa: N802
-            self._answer("POST")
-
-        def log_message(self, format, *args):  # one line per request is noise at RL request rates
-            pass
+        def route(self, method: str, path: str) -> dict:
+            match = ROUTE.match(path.split("?")[0])
+            if match is None or (method == "GET") != (match["route"] == "/v1/models"):
+                raise EndpointError(404, f"No route {method} {path}.")
+            session = match["session"] or self.headers.get(SESSION_HEADER)
+            if method == "GET":
+                return endpoint.models()
+            route = endpoint.chat if match["route"] == "/v1/chat/completions" else endpoint.generate
+            return route(session, self.json_body())
 
     return Handler
 

@@ -13,9 +13,12 @@ their subclasses), trained on as they are: `GRPOTrainer(model, args=..., environ
   scores each group of a prompt's rollouts with its own `score_group` (async functions run concurrently,
   asyncio.gather); the reward functions the trainer sees read those scores back, named as the rubric names them.
 - Failures never stop training: a rollout whose environment raised (any exception, in env_response, setup or a
-  tool) ends there and is scored as it stands; one past the environment's `timeout_seconds` likewise. Both are
-  counted (`environment/error_frequency`, `environment/timeout_frequency`); a ToolEnv's calls are counted as
-  grpokit's tools are (`tools/call_frequency`, `tools/failure_frequency` for calls of unknown tools).
+  tool) ends there; one past the environment's `timeout_seconds` likewise. Either scores None in every rubric
+  function (excluded from its group's baseline, no advantage: grpokit's rule for a failed environment or harness
+  rollout in every driver, docs/guides/agents.md) and is counted (`environment/error_frequency`,
+  `environment/timeout_frequency`): a broken environment is not the policy's fault, so it is not punished for it.
+  A ToolEnv's calls are counted as grpokit's tools are (`tools/call_frequency`, `tools/failure_frequency` for calls
+  of unknown tools).
 
 verifiers' v1 API (`verifiers.v1`) is another module's (this adapter returns None for it). Touches of verifiers'
 internals are all here: `State`, `Response`/`ResponseMessage`/`ResponseTokens`, `Client`, `OverlongPromptError`.
@@ -94,11 +97,17 @@ class ClassicEnvironment:
                              chat_template_kwargs=args.chat_template_kwargs)  # fmt: skip
 
 
-def scored(name: str) -> Callable:
-    """The reward function that reads the rubric's score `name` off each row's scored State."""
+def failed(state) -> bool:
+    """Whether a rollout's environment raised or ran past its `timeout_seconds` (`ClassicDriver._play`)."""
+    return state.get("error") is not None or bool(state.get("timed_out"))
 
-    def reward(completions, **columns) -> list[float]:
-        return [float(state["metrics"][name]) for state in columns[STATE_COLUMN]]
+
+def scored(name: str) -> Callable:
+    """The reward function that reads the rubric's score `name` off each row's scored State: None for a failed
+    rollout (`failed`), which then takes no part in its group's advantage."""
+
+    def reward(completions, **columns) -> list[float | None]:
+        return [None if failed(state) else float(state["metrics"][name]) for state in columns[STATE_COLUMN]]
 
     reward.__name__ = reward.__qualname__ = name
     return reward

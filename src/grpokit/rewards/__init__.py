@@ -1,7 +1,8 @@
 """Reward functions: the calling protocol, built-ins, and the sandboxed code-execution reward."""
 
-from .base import RewardFunction, RewardFunctionError, compute_rewards
+from .base import RewardFunction, RewardFunctionError, compute_rewards, reward_name
 from .builtin import BUILTIN_REWARDS, accuracy_reward, length_reward, resolve_reward, think_format_reward
+from .model import RewardModel
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -34,9 +35,6 @@ def build_reward_functions(reward_funcs, processing_classes=None, batch_size: in
     `environment_rewards` (the get_reward of environments, grpokit.agents) come after them. `required`: refuse a run
     with none (False for an objective that scores no completions: on-policy distillation)."""
     from transformers import PreTrainedModel
-
-    from .base import reward_name
-    from .model import RewardModel
 
     funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else \
         [reward_funcs]  # fmt: skip

@@ -17,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from ..data import pad_left
 from ..multimodal import MultimodalInputs
 
 
@@ -70,8 +71,6 @@ class PromptBatch:
 
     def padded(self, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded ids and mask [N, P], one row per completion to sample."""
-        from ..data import pad_left
-
         return pad_left([self.ids[i] for i in self.rows()], pad_token_id)
 
     @staticmethod

@@ -64,14 +64,6 @@ def import_vllm():
     return vllm
 
 
-def vllm_available() -> bool:
-    try:
-        import_vllm()
-    except ImportError:
-        return False
-    return True
-
-
 # ------------------------------------------------------------------------------------------- process state
 
 

@@ -44,6 +44,7 @@ import torch
 
 from ..compat import parameter_versions
 from ..distributed import all_processes_done, barrier, is_sharded
+from ..json_http import error_of
 from ..multimodal import is_vision_language_model, text_config_of, ties_word_embeddings
 from .engine import PromptBatch, Rollout, SamplingParams
 from .vllm import base_model_of, policy_weights, refuse_images, rollout_from_completions
@@ -267,11 +268,11 @@ class VLLMServerEngine:
                 with urllib.request.urlopen(request, timeout=left) as response:
                     return json.loads(response.read())
             except urllib.error.HTTPError as error:  # the server answered: no retry
-                detail = json.loads(error.read() or b"{}")
+                detail = error_of(json.loads(error.read() or b"{}"))
                 if error.code == 409:
                     raise ServerRestarted(detail.get("instance")) from None
                 raise ServerError(f"The vLLM server at {self.base_url} failed {method} {path}: "
-                                  f"{detail.get('error', error)}") from None  # fmt: skip
+                                  f"{detail.get('message', error)}") from None  # fmt: skip
             except CONNECTION_ERRORS as error:
                 last_error = error
         raise ConnectionError(
