@@ -134,6 +134,15 @@ def tied_weight_keys(model: torch.nn.Module) -> set[str]:
 # --------------------------------------------------------------------------------------------------------- torch
 
 
+def is_peft_model(model) -> bool:
+    """Whether `model` is a peft model (a base with an adapter); False where peft is not installed."""
+    try:
+        from peft import PeftModel  # peft is optional
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
 def parameter_versions(model: torch.nn.Module) -> tuple[tuple[int, int], ...] | None:
     """A fingerprint of the model's weights that changes whenever one is written: each parameter's storage address
     and in-place version counter (`Tensor._version`, private; every in-place write, an optimizer step's included,

@@ -18,7 +18,7 @@ from datetime import timedelta
 
 import torch
 
-from .compat import deepspeed_config_of, reset_accelerate_state
+from .compat import deepspeed_config_of, is_peft_model, reset_accelerate_state
 from .config import GRPOConfig
 
 
@@ -442,8 +442,6 @@ def _has_accelerator_device() -> bool:
 
 def check_backend(accelerator, model: torch.nn.Module, args: GRPOConfig) -> None:
     """What this backend (or LoRA on it) cannot run, refused before anything is prepared, with the way out."""
-    from .models import is_peft_model  # models imports this module
-
     lora = is_peft_model(model)  # a frozen base with an adapter
     prompt_learning = lora and model.active_peft_config.is_prompt_learning  # prompt / prefix tuning
     if args.sync_ref_model and lora:

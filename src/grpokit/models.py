@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .compat import output_embeddings, tied_weight_keys
+from .compat import is_peft_model, output_embeddings, tied_weight_keys
 from .cpu_matmul import is_linear4bit
 from .data import PromptLimit
 from .distributed import is_sharded, is_zero3, load_full_state_dict
@@ -100,14 +100,6 @@ def default_output_dir(model, trainer_name: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------- LoRA
-
-
-def is_peft_model(model) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
 
 
 def apply_peft(model, peft_config):
