@@ -689,8 +689,7 @@ class Producer:
                 f"last checkpoint is good: resume from it (in-flight samples are sampled again).")
 
     def _failed(self, item: Failure) -> RuntimeError:
-        if self.group is not None and isinstance(item.error, torch.distributed.DistError | RuntimeError) and \
-                not isinstance(item.error, NotImplementedError) and "gloo" in str(item.error):  # fmt: skip
+        if self.group is not None and isinstance(item.error, RuntimeError) and "gloo" in str(item.error):
             # The producers' gathers broke because another process went away: its own error is the cause.
             error = RuntimeError(f"The generation producer lost the other training processes' producers "
                                  f"({item.error}): another process stopped, and its error above is the cause. The "

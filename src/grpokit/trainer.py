@@ -148,7 +148,8 @@ class GRPOTrainer:
         set_log_level(args.log_level if acc.is_main_process else args.log_level_replica)
         warn_like_trl(args, model, quantization_config)  # after set_log_level: log_level decides what shows
         sharded = bool(args.fsdp) or acc.distributed_type.value == "FSDP"
-        check_async(args, acc.num_processes, deepspeed=deepspeed_stage(acc),
+        zero_stage = deepspeed_stage(acc)
+        check_async(args, acc.num_processes, deepspeed=zero_stage,
                     sharded=sharded, shared_engine=args.use_vllm or rollout_engine is not None,
                     lora=peft_config is not None)  # fmt: skip
         self.weights, self.producer = WeightSync(), None  # asynchronous generation (grpokit.producer)
@@ -160,7 +161,7 @@ class GRPOTrainer:
         optimizer, scheduler = optimizers
         # Asynchronous generation under FSDP2 or DeepSpeed: the producer's copy is taken before they wrap the policy
         # (whole, and without their hooks).
-        wrapped = sharded or deepspeed_stage(acc) is not None
+        wrapped = sharded or zero_stage is not None
         self._producer_copy = copy.deepcopy(self.model) if args.max_staleness is not None and wrapped else None
         self.model, self.optimizer, self.reference, deepspeed = prepare_models(acc, args, self.model, optimizer,
                                                                                self.reference)  # fmt: skip
