@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from async_overlap import trainer_for
 
 
@@ -34,8 +33,13 @@ def measure(options, **overrides) -> dict:
         trainer = trainer_for(Path(directory) / "run", options, **overrides)
         summary = trainer.train().metrics
         tokens, processes = trainer.state.num_tokens, trainer.accelerator.num_processes
-    return {**overrides, "processes": processes, "tokens": tokens, "runtime_s": summary["train_runtime"],
-            "tokens_per_s": tokens / summary["train_runtime"]}  # fmt: skip
+    return {
+        **overrides,
+        "processes": processes,
+        "tokens": tokens,
+        "runtime_s": summary["train_runtime"],
+        "tokens_per_s": tokens / summary["train_runtime"],
+    }
 
 
 def main() -> None:
@@ -58,16 +62,23 @@ def main() -> None:
         for name, overrides in settings.items():
             runs[name].append(measure(options, **overrides))
     if int(os.environ.get("RANK", "0")) == 0:
-        rows = {name: sorted(measured, key=lambda r: r["tokens_per_s"])[len(measured) // 2]
-                for name, measured in runs.items()}  # fmt: skip
+        rows = {
+            name: sorted(measured, key=lambda r: r["tokens_per_s"])[len(measured) // 2]
+            for name, measured in runs.items()
+        }
         base = rows["sync"]["tokens_per_s"]
         for name, row in rows.items():
-            print(f"{name:28s} {row['processes']} processes {row['tokens_per_s']:9.1f} tokens/s "
-                  f"{row['tokens_per_s'] / base:5.2f}x")  # fmt: skip
+            print(
+                f"{name:28s} {row['processes']} processes {row['tokens_per_s']:9.1f} tokens/s "
+                f"{row['tokens_per_s'] / base:5.2f}x"
+            )
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
         out = Path(__file__).parent / "results" / f"async_distributed_{options.name or 'cpu'}.json"
-        out.write_text(json.dumps({"options": vars(options), "machine": device, "torch": torch.__version__,
-                                   "results": rows}, indent=1))  # fmt: skip
+        out.write_text(
+            json.dumps(
+                {"options": vars(options), "machine": device, "torch": torch.__version__, "results": rows}, indent=1
+            )
+        )
         print(f"wrote {out}")
     if dist.is_initialized():
         dist.barrier()

@@ -42,15 +42,26 @@ def train(staleness: int | None, correction: str, steps: int, seed: int) -> dict
     from grpokit.demo import run_demo
 
     with tempfile.TemporaryDirectory() as output_dir, contextlib.redirect_stdout(io.StringIO()):
-        result = run_demo(output_dir=output_dir, max_steps=steps, seed=seed, disable_tqdm=True, save_strategy="no",
-                          logging_steps=10, max_staleness=staleness, off_policy_correction=correction)  # fmt: skip
+        result = run_demo(
+            output_dir=output_dir,
+            max_steps=steps,
+            seed=seed,
+            disable_tqdm=True,
+            save_strategy="no",
+            logging_steps=10,
+            max_staleness=staleness,
+            off_policy_correction=correction,
+        )
     history = result["log_history"]
     records = [r for r in history if "reward" in r and "train_runtime" not in r]  # each the mean of 10 steps
-    return {"accuracy": result["accuracy_after"], "before": result["accuracy_before"],
-            "reward": mean([r["reward"] for r in records[-2:]]),
-            "clip": mean([r["clip_ratio/region_mean"] for r in records]),
-            "masked": mean([r["off_policy/masked_fraction"] for r in records if "off_policy/masked_fraction" in r]),
-            "seconds": history[-1]["train_runtime"]}  # fmt: skip
+    return {
+        "accuracy": result["accuracy_after"],
+        "before": result["accuracy_before"],
+        "reward": mean([r["reward"] for r in records[-2:]]),
+        "clip": mean([r["clip_ratio/region_mean"] for r in records]),
+        "masked": mean([r["off_policy/masked_fraction"] for r in records if "off_policy/masked_fraction" in r]),
+        "seconds": history[-1]["train_runtime"],
+    }
 
 
 def main() -> None:
@@ -65,17 +76,31 @@ def main() -> None:
         print(f"max_staleness={staleness} {correction}: {found}", file=sys.stderr, flush=True)
         rows.append((staleness, correction, found))
     before = rows[0][2]["before"]
-    print(f"Held-out accuracy before GRPO (after the warm-up): {before:.1%}; {options.steps} GRPO steps, seed "
-          f"{options.seed}.\n")  # fmt: skip
-    columns = ("max_staleness", "off_policy_correction", "held-out accuracy", "reward, last 20 steps",
-               "clip_ratio/region_mean", "off_policy/masked_fraction", "training time")  # fmt: skip
+    print(
+        f"Held-out accuracy before GRPO (after the warm-up): {before:.1%}; {options.steps} GRPO steps, seed "
+        f"{options.seed}.\n"
+    )
+    columns = (
+        "max_staleness",
+        "off_policy_correction",
+        "held-out accuracy",
+        "reward, last 20 steps",
+        "clip_ratio/region_mean",
+        "off_policy/masked_fraction",
+        "training time",
+    )
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
     for staleness, correction, found in rows:
-        cells = ("None (synchronous)" if staleness is None else str(staleness), correction,
-                 f"{found['accuracy']:.1%}", f"{found['reward']:.3f}", f"{found['clip']:.4f}",
-                 "" if math.isnan(found["masked"]) else f"{found['masked']:.4f}",  # not logged with "behaviour"
-                 f"{found['seconds']:.0f} s")  # fmt: skip
+        cells = (
+            "None (synchronous)" if staleness is None else str(staleness),
+            correction,
+            f"{found['accuracy']:.1%}",
+            f"{found['reward']:.3f}",
+            f"{found['clip']:.4f}",
+            "" if math.isnan(found["masked"]) else f"{found['masked']:.4f}",  # not logged with "behaviour"
+            f"{found['seconds']:.0f} s",
+        )
         print("| " + " | ".join(cells) + " |")
 
 

@@ -61,40 +61,77 @@ DELAY = 0.0
 
 
 def trainer_for(directory: Path, options: argparse.Namespace, **overrides) -> GRPOTrainer:
-    common = dict(output_dir=str(directory), per_device_train_batch_size=options.batch, num_generations=4,
-                  max_completion_length=options.completion, max_steps=options.steps, logging_steps=1,
-                  save_strategy="no", disable_tqdm=True, report_to="none", seed=0, beta=options.beta,
-                  learning_rate=1e-4)  # fmt: skip
+    common = dict(
+        output_dir=str(directory),
+        per_device_train_batch_size=options.batch,
+        num_generations=4,
+        max_completion_length=options.completion,
+        max_steps=options.steps,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        report_to="none",
+        seed=0,
+        beta=options.beta,
+        learning_rate=1e-4,
+    )
     if options.tool_delay:
         from grpokit.rollout import ScriptedEngine
         from grpokit.testing import build_qwen_chat_tokenizer
 
         tokenizer = build_qwen_chat_tokenizer(("slow_lookup", "key", "answer"))
-        model = build_tiny_model(len(tokenizer), hidden_size=options.hidden, num_layers=options.layers, seed=0,
-                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                                 bos_token_id=None)  # fmt: skip
-        turns = ["<tool_call>\n" + json.dumps({"name": "slow_lookup", "arguments": {"key": "k1"}}) +
-                 "\n</tool_call><|im_end|>", "answer<|im_end|>"]  # fmt: skip
+        model = build_tiny_model(
+            len(tokenizer),
+            hidden_size=options.hidden,
+            num_layers=options.layers,
+            seed=0,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=None,
+        )
+        turns = [
+            "<tool_call>\n"
+            + json.dumps({"name": "slow_lookup", "arguments": {"key": "k1"}})
+            + "\n</tool_call><|im_end|>",
+            "answer<|im_end|>",
+        ]
 
         def script(prompt_ids, index):  # first a tool call, then an answer
             text = tokenizer.decode(prompt_ids)
             return tokenizer(turns["<tool_response>" in text], add_special_tokens=False)["input_ids"]
 
-        data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"key k{i}"}], "letter": "a"}
-                                  for i in range(64)])  # fmt: skip
-        return GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(str(c)) % 3)
-                                                                                 for c in completions],
-                           args=GRPOConfig(**{**common, **overrides}), train_dataset=data, processing_class=tokenizer,
-                           tools=[slow_lookup], rollout_engine=ScriptedEngine(script))  # fmt: skip
+        data = Dataset.from_list(
+            [{"prompt": [{"role": "user", "content": f"key k{i}"}], "letter": "a"} for i in range(64)]
+        )
+        return GRPOTrainer(
+            model=model,
+            reward_funcs=lambda completions, **kw: [float(len(str(c)) % 3) for c in completions],
+            args=GRPOConfig(**{**common, **overrides}),
+            train_dataset=data,
+            processing_class=tokenizer,
+            tools=[slow_lookup],
+            rollout_engine=ScriptedEngine(script),
+        )
     tokenizer = build_char_tokenizer(LETTERS + ":")
     if options.fixed_length:  # EOS never sampled: every completion is max_completion_length tokens
         common["generation_kwargs"] = {"suppress_tokens": [tokenizer.eos_token_id]}
-    model = build_tiny_model(len(tokenizer), hidden_size=options.hidden, num_layers=options.layers, seed=0,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                             bos_token_id=tokenizer.bos_token_id)  # fmt: skip
+    model = build_tiny_model(
+        len(tokenizer),
+        hidden_size=options.hidden,
+        num_layers=options.layers,
+        seed=0,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
     data = Dataset.from_list([{"prompt": f"{c}:", "letter": c} for c in LETTERS] * 8)
-    return GRPOTrainer(model=model, reward_funcs=first_letter, args=GRPOConfig(**{**common, **overrides}),
-                       train_dataset=data, processing_class=tokenizer)  # fmt: skip
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=first_letter,
+        args=GRPOConfig(**{**common, **overrides}),
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
 
 
 def measure(options, threads: int, **overrides) -> dict:
@@ -117,11 +154,17 @@ def measure(options, threads: int, **overrides) -> dict:
         steps = [r for r in trainer.state.log_history if "loss" in r]
         waits = [r.get("perf/rollout_wait_fraction") for r in steps if "perf/rollout_wait_fraction" in r]
     runtime = summary["train_runtime"]
-    return {"threads": threads, **overrides, "tokens": tokens, "runtime_s": runtime, "tokens_per_s": tokens / runtime,
-            # In a synchronous run, the time per batch spent generating and the rest (training, logging).
-            "generate_s_per_batch": sum(generating) / len(generating),
-            "train_s_per_batch": (runtime - sum(generating)) / len(generating),
-            "trainer_wait_fraction": sum(waits) / len(waits) if waits else None}  # fmt: skip
+    return {
+        "threads": threads,
+        **overrides,
+        "tokens": tokens,
+        "runtime_s": runtime,
+        "tokens_per_s": tokens / runtime,
+        # In a synchronous run, the time per batch spent generating and the rest (training, logging).
+        "generate_s_per_batch": sum(generating) / len(generating),
+        "train_s_per_batch": (runtime - sum(generating)) / len(generating),
+        "trainer_wait_fraction": sum(waits) / len(waits) if waits else None,
+    }
 
 
 def overlap_estimate(two_threads: dict, one_thread: dict) -> float:
@@ -142,19 +185,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient (TRL default 0: no reference)")
     parser.add_argument("--tool-delay", type=float, default=0.0, help="seconds every tool call sleeps (an agent)")
-    parser.add_argument("--fixed-length", action="store_true",
-                        help="completions of exactly --completion tokens (EOS never sampled), so that every setting "
-                             "does the same work per batch whatever its policy learned")  # fmt: skip
+    parser.add_argument(
+        "--fixed-length",
+        action="store_true",
+        help="completions of exactly --completion tokens (EOS never sampled), so that every setting "
+        "does the same work per batch whatever its policy learned",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="rounds of the three settings; the median is shown")
     parser.add_argument("--name", default=None)
     options = parser.parse_args()
     global DELAY
     DELAY = options.tool_delay
-    settings = {"sync, 2 threads": (2, {}), "sync, 1 thread": (1, {}),
-                "async (max_staleness=1), 1 + 1 threads": (1, {"max_staleness": 1})}  # fmt: skip
+    settings = {
+        "sync, 2 threads": (2, {}),
+        "sync, 1 thread": (1, {}),
+        "async (max_staleness=1), 1 + 1 threads": (1, {"max_staleness": 1}),
+    }
     if not options.tool_delay:  # whole batches: the exact schedule (the default) against the latest weights
-        settings["async, async_schedule='latest', 1 + 1 threads"] = (1, {"max_staleness": 1,
-                                                                        "async_schedule": "latest"})  # fmt: skip
+        settings["async, async_schedule='latest', 1 + 1 threads"] = (
+            1,
+            {"max_staleness": 1, "async_schedule": "latest"},
+        )
     runs = {name: [] for name in settings}
     for _ in range(options.repeats):  # interleaved, so that a slow spell of the machine hits every setting alike
         for name, (threads, overrides) in settings.items():
@@ -170,14 +221,25 @@ def main() -> None:
         print(f"{name:42s} {row['tokens_per_s']:9.1f} {row['tokens_per_s'] / base:18.2f}x {wait:>15s}")
     two, one = rows["sync, 2 threads"], rows["sync, 1 thread"]
     estimate = overlap_estimate(two, one)
-    print(f"synchronous seconds per batch, generating + the rest: 2 threads {two['generate_s_per_batch']:.3f} + "
-          f"{two['train_s_per_batch']:.3f}, 1 thread {one['generate_s_per_batch']:.3f} + "
-          f"{one['train_s_per_batch']:.3f}; a perfect overlap of these would give {estimate:.2f}x the 2 threads")  # fmt: skip
+    print(
+        f"synchronous seconds per batch, generating + the rest: 2 threads {two['generate_s_per_batch']:.3f} + "
+        f"{two['train_s_per_batch']:.3f}, 1 thread {one['generate_s_per_batch']:.3f} + "
+        f"{one['train_s_per_batch']:.3f}; a perfect overlap of these would give {estimate:.2f}x the 2 threads"
+    )
     name = options.name or ("tool" if options.tool_delay else "engine")
     out = Path(__file__).parent / "results" / f"async_overlap_{name}.json"
-    out.write_text(json.dumps({"options": vars(options), "machine": platform.processor() or platform.machine(),
-                               "torch": torch.__version__, "overlap_estimate_vs_2_threads": estimate,
-                               "results": rows}, indent=1))  # fmt: skip
+    out.write_text(
+        json.dumps(
+            {
+                "options": vars(options),
+                "machine": platform.processor() or platform.machine(),
+                "torch": torch.__version__,
+                "overlap_estimate_vs_2_threads": estimate,
+                "results": rows,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {out}")
 
 

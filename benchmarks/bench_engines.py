@@ -35,30 +35,75 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))  # this tree's grpokit, not an installed one
-from bench_vs_trl import build_model_dir, common_args, make_dataset, reward_len  # noqa: E402
+from bench_vs_trl import build_model_dir, common_args, make_dataset, reward_len
 
-QWEN05 = dict(vocab_size=151_936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
-              intermediate_size=4864, max_position_embeddings=32_768, rope_theta=1_000_000.0)  # fmt: skip
-QWEN15 = dict(vocab_size=151_936, hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2,
-              intermediate_size=8960, max_position_embeddings=32_768, rope_theta=1_000_000.0)  # fmt: skip
+QWEN05 = dict(
+    vocab_size=151_936,
+    hidden_size=896,
+    num_layers=24,
+    num_heads=14,
+    num_kv_heads=2,
+    intermediate_size=4864,
+    max_position_embeddings=32_768,
+    rope_theta=1_000_000.0,
+)
+QWEN15 = dict(
+    vocab_size=151_936,
+    hidden_size=1536,
+    num_layers=28,
+    num_heads=12,
+    num_kv_heads=2,
+    intermediate_size=8960,
+    max_position_embeddings=32_768,
+    rope_theta=1_000_000.0,
+)
 
 CONFIGS = {
     # ~3M parameters, character vocabulary; 4 prompts x 8 completions x 64 tokens per step.
-    "small": dict(vocab_size=None, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024,
-                  max_position_embeddings=512, batch=32, num_generations=8, grad_accum=1, max_completion_length=64,
-                  bf16=True, cuda=False, steps=4),
+    "small": dict(
+        vocab_size=None,
+        hidden_size=256,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=1024,
+        max_position_embeddings=512,
+        batch=32,
+        num_generations=8,
+        grad_accum=1,
+        max_completion_length=64,
+        bf16=True,
+        cuda=False,
+        steps=4,
+    ),
     # ~47M parameters (32k vocabulary, tied): 4 prompts x 8 x 64 tokens.
-    "50m": dict(vocab_size=32_000, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=2048,
-                max_position_embeddings=512, batch=32, num_generations=8, grad_accum=1, max_completion_length=64,
-                bf16=True, cuda=False, steps=3),
+    "50m": dict(
+        vocab_size=32_000,
+        hidden_size=512,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=4,
+        intermediate_size=2048,
+        max_position_embeddings=512,
+        batch=32,
+        num_generations=8,
+        grad_accum=1,
+        max_completion_length=64,
+        bf16=True,
+        cuda=False,
+        steps=3,
+    ),
     # Qwen2.5-0.5B's shape (494M parameters) on CPU: 1 prompt x 8 x 32 tokens, bf16 autocast.
-    "qwen0.5b": dict(**QWEN05, batch=8, num_generations=8, grad_accum=1, max_completion_length=32, bf16=True,
-                     cuda=False, steps=2),
+    "qwen0.5b": dict(
+        **QWEN05, batch=8, num_generations=8, grad_accum=1, max_completion_length=32, bf16=True, cuda=False, steps=2
+    ),
     # GPU (H100 / H200): 32 prompts x 8 completions x 512 tokens per step (8 micro-batches of 32).
-    "gpu-0.5b": dict(**QWEN05, batch=32, num_generations=8, grad_accum=8, max_completion_length=512, bf16=True,
-                     cuda=True, steps=5),
-    "gpu-1.5b": dict(**QWEN15, batch=32, num_generations=8, grad_accum=8, max_completion_length=512, bf16=True,
-                     cuda=True, steps=5),
+    "gpu-0.5b": dict(
+        **QWEN05, batch=32, num_generations=8, grad_accum=8, max_completion_length=512, bf16=True, cuda=True, steps=5
+    ),
+    "gpu-1.5b": dict(
+        **QWEN15, batch=32, num_generations=8, grad_accum=8, max_completion_length=512, bf16=True, cuda=True, steps=5
+    ),
 }
 # hf: grpokit's in-process engine; hf-static: with cache_implementation="static" (fixed shapes; its decode step
 # compiled with CUDA graphs on a GPU, eager elsewhere); hf-static-compile: the same, compiled on any device (on a
@@ -83,22 +128,28 @@ def run_child(spec: dict) -> dict:
         from trl import GRPOConfig, GRPOTrainer
 
         vllm = {"use_vllm": True, "vllm_mode": "colocate"} if engine == "trl-vllm" else {}
-        trainer = GRPOTrainer(model=model_dir, reward_funcs=reward_len, train_dataset=dataset,
-                              args=GRPOConfig(**args, **vllm, **static))  # fmt: skip
+        trainer = GRPOTrainer(
+            model=model_dir, reward_funcs=reward_len, train_dataset=dataset, args=GRPOConfig(**args, **vllm, **static)
+        )
     else:
         from transformers import TrainerCallback
 
         from grpokit import GRPOConfig, GRPOTrainer
 
-        trainer = GRPOTrainer(model=model_dir, reward_funcs=reward_len, train_dataset=dataset,
-                              args=GRPOConfig(**args, use_vllm=engine == "vllm", **static))  # fmt: skip
+        trainer = GRPOTrainer(
+            model=model_dir,
+            reward_funcs=reward_len,
+            train_dataset=dataset,
+            args=GRPOConfig(**args, use_vllm=engine == "vllm", **static),
+        )
         if engine == "hf-static-compile":
             trainer.engine.static.compile = True
 
     class Stamp(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            stamps.append((time.perf_counter(), state.num_input_tokens_seen if engine.startswith("trl")
-                           else state.num_tokens))  # fmt: skip
+            stamps.append(
+                (time.perf_counter(), state.num_input_tokens_seen if engine.startswith("trl") else state.num_tokens)
+            )
 
     result = {"engine": engine}
     if not engine.startswith("trl"):  # the rollout alone, through the engine seam
@@ -118,13 +169,20 @@ def run_child(spec: dict) -> dict:
             times.append(time.perf_counter() - started)
             tokens = int(rollout.attention_mask.sum())
         assert tokens == len(rows) * config["max_completion_length"], tokens
-        result.update(rollout_tokens=tokens, rollout_seconds=sum(times) / len(times),
-                      rollout_tokens_per_s=tokens / (sum(times) / len(times)))  # fmt: skip
+        result.update(
+            rollout_tokens=tokens,
+            rollout_seconds=sum(times) / len(times),
+            rollout_tokens_per_s=tokens / (sum(times) / len(times)),
+        )
     trainer.add_callback(Stamp())
     trainer.train()
     (t0, n0), (t1, n1) = stamps[0], stamps[-1]  # the first step (start-up, warm-up) is left out
-    result.update(step_tokens=(n1 - n0) / (len(stamps) - 1), step_seconds=(t1 - t0) / (len(stamps) - 1),
-                  step_tokens_per_s=(n1 - n0) / (t1 - t0), measured_steps=len(stamps) - 1)  # fmt: skip
+    result.update(
+        step_tokens=(n1 - n0) / (len(stamps) - 1),
+        step_seconds=(t1 - t0) / (len(stamps) - 1),
+        step_tokens_per_s=(n1 - n0) / (t1 - t0),
+        measured_steps=len(stamps) - 1,
+    )
     return result
 
 
@@ -136,8 +194,13 @@ def machine() -> dict:
 
     import torch
 
-    info = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
-            "platform": platform.platform(), "load_average": os.getloadavg()}  # fmt: skip
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "load_average": os.getloadavg(),
+    }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     try:
@@ -168,13 +231,23 @@ def main(argv=None) -> int:
     model_info = build_model_dir(config, workdir / "model")
     results = []
     for engine in options.engines:
-        spec = {"config": config, "engine": engine, "model_dir": str(workdir / "model"),
-                "output_dir": str(workdir / f"out-{engine}"), "steps": options.steps or config["steps"],
-                "rollouts": options.rollouts, "result": str(workdir / f"{engine}.json")}  # fmt: skip
+        spec = {
+            "config": config,
+            "engine": engine,
+            "model_dir": str(workdir / "model"),
+            "output_dir": str(workdir / f"out-{engine}"),
+            "steps": options.steps or config["steps"],
+            "rollouts": options.rollouts,
+            "result": str(workdir / f"{engine}.json"),
+        }
         (workdir / f"{engine}.spec.json").write_text(json.dumps(spec))
         started = time.perf_counter()
-        done = subprocess.run([sys.executable, __file__, "--child", str(workdir / f"{engine}.spec.json")],
-                              timeout=options.timeout, capture_output=True, text=True)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, __file__, "--child", str(workdir / f"{engine}.spec.json")],
+            timeout=options.timeout,
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
             print(done.stderr[-4000:], file=sys.stderr)
             results.append({"engine": engine, "error": done.stderr.strip().splitlines()[-1:]})
@@ -183,8 +256,7 @@ def main(argv=None) -> int:
         result["wall_seconds"] = time.perf_counter() - started
         results.append(result)
         print(json.dumps(result), flush=True)
-    report = {"config": options.config, "shape": config, "model": model_info, "machine": machine(),
-              "results": results}  # fmt: skip
+    report = {"config": options.config, "shape": config, "model": model_info, "machine": machine(), "results": results}
     print("\n| engine | rollout tokens/s | full-step tokens/s | step s | wall s (incl. start-up) |")
     print("|---|---|---|---|---|")
     for r in results:
@@ -192,8 +264,10 @@ def main(argv=None) -> int:
             print(f"| {r['engine']} | error: {r['error']} | | | |")
             continue
         rollout = f"{r['rollout_tokens_per_s']:.0f}" if "rollout_tokens_per_s" in r else "-"
-        print(f"| {r['engine']} | {rollout} | {r['step_tokens_per_s']:.0f} | {r['step_seconds']:.2f} | "
-              f"{r['wall_seconds']:.0f} |")
+        print(
+            f"| {r['engine']} | {rollout} | {r['step_tokens_per_s']:.0f} | {r['step_seconds']:.2f} | "
+            f"{r['wall_seconds']:.0f} |"
+        )
     if options.out:
         Path(options.out).write_text(json.dumps(report, indent=1))
     return 0

@@ -30,6 +30,7 @@ medians (tokens/s > 1 and step time / memory < 1 favour grpokit).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -45,29 +46,71 @@ from pathlib import Path
 CONFIGS = {
     # ~4M parameters: 4 layers, hidden 256, SwiGLU 1024, 4 heads (head_dim 64), 2 KV heads, ~50-token vocabulary.
     "small": dict(
-        vocab_size=None, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024,
-        max_position_embeddings=512, batch=64, num_generations=8, grad_accum=1, max_completion_length=64,
-        bf16=False, cuda=False,
+        vocab_size=None,
+        hidden_size=256,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=1024,
+        max_position_embeddings=512,
+        batch=64,
+        num_generations=8,
+        grad_accum=1,
+        max_completion_length=64,
+        bf16=False,
+        cuda=False,
     ),
     # Same shape with a 32k vocabulary (tied embeddings: ~12M parameters, the LM head dominates).
     "vocab32k": dict(
-        vocab_size=32_000, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024,
-        max_position_embeddings=512, batch=64, num_generations=8, grad_accum=1, max_completion_length=64,
-        bf16=False, cuda=False,
+        vocab_size=32_000,
+        hidden_size=256,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=1024,
+        max_position_embeddings=512,
+        batch=64,
+        num_generations=8,
+        grad_accum=1,
+        max_completion_length=64,
+        bf16=False,
+        cuda=False,
     ),
     # Qwen2.5-0.5B shape (random weights), bf16 autocast, 256 completions (32 prompts x 8) x 512 tokens per step:
     # 8 micro-batches of 32 accumulated into one optimizer step (one generation of 256 per step).
     "gpu": dict(
-        vocab_size=151_936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
-        max_position_embeddings=32_768, rope_theta=1_000_000.0, batch=32, num_generations=8, grad_accum=8,
-        max_completion_length=512, bf16=True, cuda=True,
+        vocab_size=151_936,
+        hidden_size=896,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        intermediate_size=4864,
+        max_position_embeddings=32_768,
+        rope_theta=1_000_000.0,
+        batch=32,
+        num_generations=8,
+        grad_accum=8,
+        max_completion_length=512,
+        bf16=True,
+        cuda=True,
     ),
     # The same Qwen2.5-0.5B shape on the CPU, small enough per step to run there (issue 16): 16 completions (2 prompts
     # x 8) x 32 tokens, bf16 autocast. A step takes minutes on a few cores: use --warmup 1 --steps 1 --repeats 1.
     "qwen05": dict(
-        vocab_size=151_936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
-        max_position_embeddings=32_768, rope_theta=1_000_000.0, batch=16, num_generations=8, grad_accum=1,
-        max_completion_length=32, bf16=True, cuda=False,
+        vocab_size=151_936,
+        hidden_size=896,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        intermediate_size=4864,
+        max_position_embeddings=32_768,
+        rope_theta=1_000_000.0,
+        batch=16,
+        num_generations=8,
+        grad_accum=1,
+        max_completion_length=32,
+        bf16=True,
+        cuda=False,
     ),
 }
 
@@ -84,12 +127,12 @@ TRL_LIKE = ("trl", "unsloth")  # the runs that train with trl.GRPOTrainer
 PROMPT_TEMPLATE = "q{index:04d}: what is {a:02d}+{b:02d}? answer:"  # every prompt has the same token length
 
 
-
 def package_root(tree) -> str:
     """The folder to put on sys.path for a source tree's grpokit: its src/ (the layout since 0.1), or the tree
     itself for an earlier checkout that kept the package at its top."""
     tree = Path(tree).resolve()
     return str(tree / "src" if (tree / "src" / "grpokit").is_dir() else tree)
+
 
 def common_args(config: dict, output_dir: str, max_steps: int, learning_rate: float, beta: float, seed: int) -> dict:
     """The GRPOConfig keyword arguments, identical for trl.GRPOConfig and grpokit.GRPOConfig."""
@@ -272,8 +315,9 @@ def memory_breakdown(trainer, impl: str) -> dict:
     persistent = out["weights"] + grads_mib + out["optimizer_states"] + out["reference"]
     on_gpu = next(trainer.model.parameters()).device.type == "cuda"
     peak = torch.cuda.max_memory_allocated() / 2**20 if on_gpu else peak_rss_mib()
-    out["rest_of_peak (activations, logits, KV cache, autocast copies" + ("" if on_gpu else ", process") + ")"] = \
-        peak - persistent  # fmt: skip
+    out["rest_of_peak (activations, logits, KV cache, autocast copies" + ("" if on_gpu else ", process") + ")"] = (
+        peak - persistent
+    )
     return out
 
 
@@ -289,7 +333,9 @@ def unsloth_model(model_dir: str, config: dict, lora: bool):
     from unsloth import FastLanguageModel
 
     model, tokenizer = FastLanguageModel.from_pretrained(
-        model_name=model_dir, max_seq_length=config["max_completion_length"] + 64, load_in_4bit=lora,
+        model_name=model_dir,
+        max_seq_length=config["max_completion_length"] + 64,
+        load_in_4bit=lora,
         full_finetuning=not lora,
     )  # fmt: skip  (offline: the parent sets HF_HUB_OFFLINE for every run)
     if lora:
@@ -332,8 +378,9 @@ def run_child(spec: dict) -> dict:
 
     stamps: list[float] = []
     dataset = make_dataset(spec["num_prompts"], spec["seed"])
-    kwargs = common_args(config, spec["output_dir"], spec["warmup"] + spec["steps"], spec["learning_rate"],
-                         spec["beta"], spec["seed"])  # fmt: skip
+    kwargs = common_args(
+        config, spec["output_dir"], spec["warmup"] + spec["steps"], spec["learning_rate"], spec["beta"], spec["seed"]
+    )
     kwargs.update(spec.get("extra_args", {}).get(extra_args_key(impl), {}))
     args = GRPOConfig(**kwargs)
     peft_config = None
@@ -350,15 +397,28 @@ def run_child(spec: dict) -> dict:
                     stamps.append(time.perf_counter())
 
         if impl == "trl":
-            trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=reward_len, args=args, train_dataset=dataset,
-                                  callbacks=[Stamp()], peft_config=peft_config)  # fmt: skip
+            trainer = GRPOTrainer(
+                model=spec["model_dir"],
+                reward_funcs=reward_len,
+                args=args,
+                train_dataset=dataset,
+                callbacks=[Stamp()],
+                peft_config=peft_config,
+            )
         else:
             model, tokenizer = unsloth_model(spec["model_dir"], config, lora=bool(spec.get("lora")))
-            trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=reward_len, args=args,
-                                  train_dataset=dataset, callbacks=[Stamp()])  # fmt: skip
+            trainer = GRPOTrainer(
+                model=model,
+                processing_class=tokenizer,
+                reward_funcs=reward_len,
+                args=args,
+                train_dataset=dataset,
+                callbacks=[Stamp()],
+            )
     else:
-        trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=reward_len, args=args, train_dataset=dataset,
-                              peft_config=peft_config)  # fmt: skip
+        trainer = GRPOTrainer(
+            model=spec["model_dir"], reward_funcs=reward_len, args=args, train_dataset=dataset, peft_config=peft_config
+        )
 
         class StampedList(list):
             def append(self, item):
@@ -386,7 +446,7 @@ def run_child(spec: dict) -> dict:
     tokens = [float(r["num_tokens"]) for r in records]
     intervals = [b - a for a, b in zip(stamps[w - 1 :], stamps[w:])] if w > 0 else None
     if w == 0:  # no warm-up: the first interval starts at train()
-        intervals = [stamps[0] - started] + [b - a for a, b in zip(stamps, stamps[1:])]
+        intervals = [stamps[0] - started] + [b - a for a, b in itertools.pairwise(stamps)]
     window_time = stamps[-1] - (stamps[w - 1] if w > 0 else started)
     window_tokens = tokens[-1] - (tokens[w - 1] if w > 0 else 0.0)
     lengths = [r.get("completions/mean_length") for r in records]
@@ -420,8 +480,9 @@ def run_child(spec: dict) -> dict:
         "extra_args": spec.get("extra_args", {}).get(extra_args_key(impl), {}),
         # What the trainer ran with after its own adjustments (Unsloth's CPU backend turns bf16 off where the CPU
         # has no bf16 instructions and picks its optimizer).
-        "effective_args": {key: str(getattr(trainer.args, key, None)) for key in ("bf16", "optim",
-                                                                                  "gradient_checkpointing")},
+        "effective_args": {
+            key: str(getattr(trainer.args, key, None)) for key in ("bf16", "optim", "gradient_checkpointing")
+        },
         "policy_dtype": str(getattr(trainer.accelerator.unwrap_model(trainer.model), "dtype", None)),
         "lora": bool(spec.get("lora")),
         "rss_before_trainer_mib": rss_before_trainer,
@@ -486,12 +547,19 @@ def start(spec: dict, python: str, workdir: Path, index: int, cpu: int | None = 
     spec_path = workdir / f"spec_{index}_{spec['impl']}.json"
     out_path = workdir / f"result_{index}_{spec['impl']}.json"
     spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", WANDB_DISABLED="true", TRL_EXPERIMENTAL_SILENCE="1")  # fmt: skip
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        WANDB_DISABLED="true",
+        TRL_EXPERIMENTAL_SILENCE="1",
+    )
     env.setdefault("PYTHONWARNINGS", "ignore")
     command = [python, os.path.abspath(__file__), "--child", str(spec_path), "--child-out", str(out_path)]
     pin = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
-    logs = [open(workdir / f"{stream}_{index}_{spec['impl']}.txt", "w+") for stream in ("stdout", "stderr")]
+    logs = [open(workdir / f"{stream}_{index}_{spec['impl']}.txt", "w+") for stream in ("stdout", "stderr")]  # noqa: SIM115 (the caller reads and closes them once the run ends)
     proc = subprocess.Popen(command, env=env, stdout=logs[0], stderr=logs[1], text=True, preexec_fn=pin)
     return spec, proc, out_path, logs, time.perf_counter()
 
@@ -526,8 +594,14 @@ def fmt(x, digits=3):
 
 def summarise(results: list[dict]) -> dict:
     out = {}
-    keys = ("tokens_per_s", "step_time_median_s", "peak_rss_mib", "train_peak_rss_mib", "rss_before_train_mib",
-            "cuda_max_allocated_mib")
+    keys = (
+        "tokens_per_s",
+        "step_time_median_s",
+        "peak_rss_mib",
+        "train_peak_rss_mib",
+        "rss_before_train_mib",
+        "cuda_max_allocated_mib",
+    )
     for impl in IMPLS:
         runs = [r for r in results if r["impl"] == impl and "error" not in r]
         out[impl] = {"runs": len(runs)}
@@ -538,22 +612,27 @@ def summarise(results: list[dict]) -> dict:
             out[impl][key + "_max"] = max(values) if values else None
     for name, (a, b) in RATIOS.items():
         if out[a]["runs"] and out[b]["runs"]:
-            out[name] = {key: out[a][key] / out[b][key] if out[a][key] is not None and out[b][key] else None
-                         for key in keys}  # fmt: skip
+            out[name] = {
+                key: out[a][key] / out[b][key] if out[a][key] is not None and out[b][key] else None for key in keys
+            }
     return out
 
 
 # The ratios the summary and the table give, where both sides ran: name -> (numerator, denominator).
-RATIOS = {"ratio_grpokit_over_trl": ("grpokit", "trl"), "ratio_grpokit_over_unsloth": ("grpokit", "unsloth"),
-          "ratio_baseline_over_trl": (BASELINE, "trl")}  # fmt: skip
+RATIOS = {
+    "ratio_grpokit_over_trl": ("grpokit", "trl"),
+    "ratio_grpokit_over_unsloth": ("grpokit", "unsloth"),
+    "ratio_baseline_over_trl": (BASELINE, "trl"),
+}
 LABELS = {"trl": "TRL", "unsloth": "Unsloth", BASELINE: "grpokit before (--baseline)", "grpokit": "grpokit"}
 
 
 def markdown(name: str, config: dict, model_info: dict, summary: dict, info: dict, args) -> str:
     cuda = config["cuda"]
     lines = [
-        f"### `{name}`: {model_info['parameters'] / 1e6:.2f}M parameters, {config['num_layers']} layers, vocab {model_info['model_vocab']}, "
-        f"{config['batch'] * config['grad_accum']} completions/step ({config['batch'] * config['grad_accum'] // config['num_generations']} prompts x "
+        f"### `{name}`: {model_info['parameters'] / 1e6:.2f}M parameters, {config['num_layers']} layers, "
+        f"vocab {model_info['model_vocab']}, {config['batch'] * config['grad_accum']} completions/step "
+        f"({config['batch'] * config['grad_accum'] // config['num_generations']} prompts x "
         f"{config['num_generations']}) x {config['max_completion_length']} tokens, beta={args.beta}, "
         f"{'bf16' if config['bf16'] else 'fp32'}, {args.warmup} warm-up + {args.steps} measured steps, "
         f"{args.repeats} repeat(s) each (median [min-max])",
@@ -561,12 +640,16 @@ def markdown(name: str, config: dict, model_info: dict, summary: dict, info: dic
     ]
     impls = [impl for impl in ("trl", "unsloth", BASELINE, "grpokit") if summary[impl]["runs"]]
     ratios = [name for name in RATIOS if name in summary]
-    headers = [LABELS[impl] for impl in impls] + [f"{LABELS[RATIOS[n][0]].split(' (')[0]} / {LABELS[RATIOS[n][1]]}"
-                                                  for n in ratios]  # fmt: skip
+    headers = [LABELS[impl] for impl in impls] + [
+        f"{LABELS[RATIOS[n][0]].split(' (')[0]} / {LABELS[RATIOS[n][1]]}" for n in ratios
+    ]
     lines += ["| metric | " + " | ".join(headers) + " |", "|---" * (len(headers) + 1) + "|"]
     rows = [("tokens/s", "tokens_per_s", 4), ("step time (s, median)", "step_time_median_s", 3)]
-    rows.append(("peak GPU memory allocated (MiB)", "cuda_max_allocated_mib", 4) if cuda
-                else ("peak RSS (MiB)", "peak_rss_mib", 4))  # fmt: skip
+    rows.append(
+        ("peak GPU memory allocated (MiB)", "cuda_max_allocated_mib", 4)
+        if cuda
+        else ("peak RSS (MiB)", "peak_rss_mib", 4)
+    )
     if not cuda:
         rows.append(("peak RSS during train() (MiB)", "train_peak_rss_mib", 4))
     rows.append(("RSS before train() (MiB)", "rss_before_train_mib", 4))
@@ -574,8 +657,11 @@ def markdown(name: str, config: dict, model_info: dict, summary: dict, info: dic
         cells = []
         for impl in impls:
             s = summary[impl]
-            cells.append(f"{fmt(s[key], digits)} [{fmt(s[key + '_min'], digits)}-{fmt(s[key + '_max'], digits)}]"
-                         if s[key] is not None else "-")  # fmt: skip
+            cells.append(
+                f"{fmt(s[key], digits)} [{fmt(s[key + '_min'], digits)}-{fmt(s[key + '_max'], digits)}]"
+                if s[key] is not None
+                else "-"
+            )
         lines.append(f"| {label} | {' | '.join(cells + [fmt(summary[name][key], 3) for name in ratios])} |")
     lines += [
         "",
@@ -602,16 +688,27 @@ def breakdown_table(results: list[dict], args) -> str:
             runs.setdefault(r["impl"], r)
     if not runs:
         return ""
-    lines = ["", f"LoRA: {LORA}" if args.lora else "Full fine-tuning.",
-             f"Extra arguments: grpokit {args.grpokit_args}, TRL {args.trl_args}"
-             + (f", Unsloth {args.unsloth_args}" if "unsloth" in runs else "") + ".", "",
-             "| memory (MiB) | " + " | ".join(runs) + " |", "|---" * (len(runs) + 1) + "|"]  # fmt: skip
+    lines = [
+        "",
+        f"LoRA: {LORA}" if args.lora else "Full fine-tuning.",
+        f"Extra arguments: grpokit {args.grpokit_args}, TRL {args.trl_args}"
+        + (f", Unsloth {args.unsloth_args}" if "unsloth" in runs else "")
+        + ".",
+        "",
+        "| memory (MiB) | " + " | ".join(runs) + " |",
+        "|---" * (len(runs) + 1) + "|",
+    ]
     keys = [k for k in next(iter(runs.values()))["memory_breakdown_mib"] if k not in ("parameters_by_dtype",)]
-    peak_key = "cuda_max_allocated_mib" if any(r.get("cuda_max_allocated_mib") for r in runs.values()) else "peak_rss_mib"
-    for key in keys + [peak_key]:
+    peak_key = (
+        "cuda_max_allocated_mib" if any(r.get("cuda_max_allocated_mib") for r in runs.values()) else "peak_rss_mib"
+    )
+    for key in [*keys, peak_key]:
         cells = [r["memory_breakdown_mib"].get(key) if key != peak_key else r[peak_key] for r in runs.values()]
-        lines.append(f"| {key} | " + " | ".join(fmt(c, 4) if not isinstance(c, (str, type(None))) else str(c)
-                                                for c in cells) + " |")  # fmt: skip
+        lines.append(
+            f"| {key} | "
+            + " | ".join(fmt(c, 4) if not isinstance(c, (str, type(None))) else str(c) for c in cells)
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -621,25 +718,35 @@ def report(result: dict, config: dict, repeat: int):
         print(f"[bench] {impl} run {repeat} FAILED ({result['error']}):\n{result['stderr_tail']}", flush=True)
         return
     full = all(m == config["max_completion_length"] for m in result["completion_min_length"])
-    print(f"[bench] {impl:8s} run {repeat}: {result['tokens_per_s']:10.1f} tokens/s, step "
-          f"{result['step_time_median_s']:.3f} s, peak RSS {result['peak_rss_mib']:.0f} MiB"
-          + (f", CUDA peak {result['cuda_max_allocated_mib']:.0f} MiB" if config["cuda"] else "")
-          + f", tokens/step {result['tokens_per_step']:.0f}"
-          + ("" if full else " (WARNING: some completions shorter than max_completion_length)"),
-          flush=True)  # fmt: skip
+    print(
+        f"[bench] {impl:8s} run {repeat}: {result['tokens_per_s']:10.1f} tokens/s, step "
+        f"{result['step_time_median_s']:.3f} s, peak RSS {result['peak_rss_mib']:.0f} MiB"
+        + (f", CUDA peak {result['cuda_max_allocated_mib']:.0f} MiB" if config["cuda"] else "")
+        + f", tokens/step {result['tokens_per_step']:.0f}"
+        + ("" if full else " (WARNING: some completions shorter than max_completion_length)"),
+        flush=True,
+    )
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
-    parser.add_argument("--layers", type=int, default=None,
-                        help="override the config's number of decoder layers (a cheaper proxy of the same widths)")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="override the config's number of decoder layers (a cheaper proxy of the same widths)",
+    )
     parser.add_argument("--steps", type=int, default=5, help="measured optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="optimizer steps excluded from timing")
     parser.add_argument("--repeats", type=int, default=2, help="runs per library (alternating trl, grpokit)")
     parser.add_argument("--out", default=None, help="write all results (per run and summary) to this JSON file")
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default=None,
-                        help="override the config's precision for both trainers (bf16: autocast)")
+    parser.add_argument(
+        "--precision",
+        choices=["fp32", "bf16"],
+        default=None,
+        help="override the config's precision for both trainers (bf16: autocast)",
+    )
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--learning-rate", type=float, default=1e-5)
     parser.add_argument("--seed", type=int, default=42)
@@ -647,21 +754,34 @@ def main(argv=None) -> int:
     parser.add_argument("--impls", default="trl,grpokit", help="order within one repeat, e.g. 'grpokit,trl'")
     parser.add_argument("--trl-python", default=sys.executable, help="interpreter for the TRL runs (e.g. a venv)")
     parser.add_argument("--grpokit-python", default=sys.executable, help="interpreter for the grpokit runs")
-    parser.add_argument("--unsloth-python", default=sys.executable,
-                        help="interpreter for the Unsloth runs (--impls unsloth,...; Unsloth pins its own TRL)")
+    parser.add_argument(
+        "--unsloth-python",
+        default=sys.executable,
+        help="interpreter for the Unsloth runs (--impls unsloth,...; Unsloth pins its own TRL)",
+    )
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per child run")
     parser.add_argument("--keep", default=None, help="save the model here instead of a temporary directory")
-    parser.add_argument("--baseline", default=None, metavar="DIR",
-                        help="also run grpokit from this source tree (a directory holding a `grpokit` package, "
-                             "e.g. `git archive HEAD grpokit | tar -x -C DIR`), as a third implementation")  # fmt: skip
-    parser.add_argument("--grpokit-args", default="{}",
-                        help="extra GRPOConfig arguments (JSON) for grpokit only, e.g. its memory options: "
-                             "'{\"ref_model_dtype\": \"bfloat16\", \"optim\": \"adamw_8bit\"}'")  # fmt: skip
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        metavar="DIR",
+        help="also run grpokit from this source tree (a directory holding a `grpokit` package, "
+        "e.g. `git archive HEAD grpokit | tar -x -C DIR`), as a third implementation",
+    )
+    parser.add_argument(
+        "--grpokit-args",
+        default="{}",
+        help="extra GRPOConfig arguments (JSON) for grpokit only, e.g. its memory options: "
+        '\'{"ref_model_dtype": "bfloat16", "optim": "adamw_8bit"}\'',
+    )
     parser.add_argument("--trl-args", default="{}", help="extra GRPOConfig arguments (JSON) for TRL only")
     parser.add_argument("--unsloth-args", default="{}", help="extra GRPOConfig arguments (JSON) for Unsloth's run")
-    parser.add_argument("--concurrent", action="store_true",
-                        help="run the libraries of one repeat at the same time, each pinned to its own CPU (use with "
-                             "--threads 1): both see the same machine load, and the run takes half the time")  # fmt: skip
+    parser.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="run the libraries of one repeat at the same time, each pinned to its own CPU (use with "
+        "--threads 1): both see the same machine load, and the run takes half the time",
+    )
     parser.add_argument("--lora", action="store_true", help=f"train a LoRA adapter in both ({LORA})")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
@@ -688,16 +808,14 @@ def main(argv=None) -> int:
     impls = [s.strip() for s in args.impls.split(",") if s.strip()]
     unknown = sorted(set(impls) - set(IMPLS) | ({BASELINE} & set(impls)))
     if unknown:
-        raise SystemExit(f"--impls: unknown {unknown}; choose from trl, grpokit, unsloth (--baseline adds "
-                         f"{BASELINE})")
+        raise SystemExit(f"--impls: unknown {unknown}; choose from trl, grpokit, unsloth (--baseline adds {BASELINE})")
     if args.baseline:
         impls.append(BASELINE)
     with tempfile.TemporaryDirectory(prefix="grpokit-bench-") as tmp:
         workdir = Path(tmp)
         model_dir = Path(args.keep) if args.keep else workdir / "model"
         model_info = build_model_dir(config, model_dir)
-        print(f"[bench] {args.config}: {model_info['parameters']:,} parameters, model saved to {model_dir}",
-              flush=True)  # fmt: skip
+        print(f"[bench] {args.config}: {model_info['parameters']:,} parameters, model saved to {model_dir}", flush=True)
         prompts_per_step = config["batch"] * config["grad_accum"] // config["num_generations"]
         results = []
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -708,15 +826,26 @@ def main(argv=None) -> int:
             runs = []
             for slot, impl in enumerate(impls):
                 spec = {
-                    "impl": impl, "config": config, "model_dir": str(model_dir), "steps": args.steps,
-                    "warmup": args.warmup, "beta": args.beta, "learning_rate": args.learning_rate, "seed": args.seed,
-                    "threads": args.threads, "output_dir": str(workdir / f"out_{impl}_{repeat}"),
+                    "impl": impl,
+                    "config": config,
+                    "model_dir": str(model_dir),
+                    "steps": args.steps,
+                    "warmup": args.warmup,
+                    "beta": args.beta,
+                    "learning_rate": args.learning_rate,
+                    "seed": args.seed,
+                    "threads": args.threads,
+                    "output_dir": str(workdir / f"out_{impl}_{repeat}"),
                     "num_prompts": max(64, prompts_per_step * (args.steps + args.warmup)),
                     "src": package_root(args.baseline) if impl == BASELINE else None,
-                    "extra_args": {"grpokit": json.loads(args.grpokit_args), "trl": json.loads(args.trl_args),
-                                   "unsloth": json.loads(args.unsloth_args)},
-                    "lora": args.lora, "cpu": cpus[slot] if args.concurrent else None,
-                }  # fmt: skip
+                    "extra_args": {
+                        "grpokit": json.loads(args.grpokit_args),
+                        "trl": json.loads(args.trl_args),
+                        "unsloth": json.loads(args.unsloth_args),
+                    },
+                    "lora": args.lora,
+                    "cpu": cpus[slot] if args.concurrent else None,
+                }
                 python = {"trl": args.trl_python, "unsloth": args.unsloth_python}.get(impl, args.grpokit_python)
                 runs.append(start(spec, python, workdir, repeat, spec["cpu"]))
                 if not args.concurrent:
@@ -730,8 +859,11 @@ def main(argv=None) -> int:
     info["trl_child"] = trl_runs[0]["version"] if trl_runs else None
     info["threads_used"] = sorted({r["threads"] for r in results if "error" not in r})
     # Each child's own versions: --trl-python / --unsloth-python may be other environments than this one.
-    info["children"] = {r["impl"]: f"{r['version']}, transformers {r['transformers']}, torch {r['torch']}"
-                        for r in results if "error" not in r}  # fmt: skip
+    info["children"] = {
+        r["impl"]: f"{r['version']}, transformers {r['transformers']}, torch {r['torch']}"
+        for r in results
+        if "error" not in r
+    }
     ok = [r for r in results if "error" not in r]
     per_step = {r["impl"]: r["tokens_per_step"] for r in ok}
     if len(set(per_step.values())) > 1:
@@ -741,13 +873,25 @@ def main(argv=None) -> int:
     print()
     print(table)
     if args.out:
-        Path(args.out).write_text(json.dumps({
-            "config_name": args.config, "config": config, "model": model_info, "machine": info,
-            "settings": {k: v for k, v in vars(args).items() if not k.startswith("child")},
-            "common_args": common_args(config, "<tmp>", args.warmup + args.steps, args.learning_rate, args.beta,
-                                       args.seed),
-            "summary": summary, "runs": results, "markdown": table,
-        }, indent=1, default=str))  # fmt: skip
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "config_name": args.config,
+                    "config": config,
+                    "model": model_info,
+                    "machine": info,
+                    "settings": {k: v for k, v in vars(args).items() if not k.startswith("child")},
+                    "common_args": common_args(
+                        config, "<tmp>", args.warmup + args.steps, args.learning_rate, args.beta, args.seed
+                    ),
+                    "summary": summary,
+                    "runs": results,
+                    "markdown": table,
+                },
+                indent=1,
+                default=str,
+            )
+        )
     return 1 if any("error" in r for r in results) else 0
 
 

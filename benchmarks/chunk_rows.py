@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))  # this tree's grpokit, not an installed one
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vs_trl import current_rss_mib, peak_rss_since_reset_mib, reset_peak_rss  # noqa: E402
+from bench_vs_trl import current_rss_mib, peak_rss_since_reset_mib, reset_peak_rss
 
-from grpokit.logprobs import chunked_token_logprobs  # noqa: E402
+from grpokit.logprobs import chunked_token_logprobs
 
 
 def main() -> None:
@@ -54,8 +54,7 @@ def main() -> None:
             if rows == 0:
                 logprobs = torch.log_softmax((hidden @ weight.t()).float(), -1).gather(-1, targets[:, None])
             else:
-                logprobs, _ = chunked_token_logprobs(hidden, weight, targets, chunk_rows=rows,
-                                                     with_entropy=args.frozen)  # fmt: skip
+                logprobs, _ = chunked_token_logprobs(hidden, weight, targets, chunk_rows=rows, with_entropy=args.frozen)
         logprobs.sum().backward()
         return time.perf_counter() - start
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-from grpokit.cpu_matmul import Float32Linear, cpu_has_bf16_matmul  # noqa: E402
-from grpokit.cpu_memory import keep_large_allocations_mapped  # noqa: E402
+from grpokit.cpu_matmul import Float32Linear, cpu_has_bf16_matmul
+from grpokit.cpu_memory import keep_large_allocations_mapped
 
 SHAPES = [(896, 896), (896, 4864), (4864, 896)]  # (in, out): attention q/o, MLP gate/up, MLP down
 
@@ -52,10 +52,15 @@ def main(argv=None) -> int:
             weight = (torch.randn(fan_out, fan_in) / fan_in**0.5).bfloat16().requires_grad_()
             grad = torch.randn(rows, fan_out).bfloat16()
             passes = {
-                "forward": (lambda: torch.nn.functional.linear(x, weight), lambda: Float32Linear.apply(x, weight, None)),
-                "forward + backward": (lambda: torch.nn.functional.linear(x, weight).backward(grad),
-                                       lambda: Float32Linear.apply(x, weight, None).backward(grad)),
-            }  # fmt: skip
+                "forward": (
+                    lambda x=x, weight=weight: torch.nn.functional.linear(x, weight),
+                    lambda x=x, weight=weight: Float32Linear.apply(x, weight, None),
+                ),
+                "forward + backward": (
+                    lambda x=x, weight=weight, grad=grad: torch.nn.functional.linear(x, weight).backward(grad),
+                    lambda x=x, weight=weight, grad=grad: Float32Linear.apply(x, weight, None).backward(grad),
+                ),
+            }
             for name, (kernel, route) in passes.items():
                 kernel(), route()  # warm-up
                 times = {"kernel": [], "route": []}
@@ -64,11 +69,19 @@ def main(argv=None) -> int:
                     times["route"].append(timed(route))
                 best = {k: min(v) * 1e3 for k, v in times.items()}
                 rows_out.append({"rows": rows, "in": fan_in, "out": fan_out, "pass": name, **best})
-                print(f"| {rows} | {fan_in} x {fan_out} | {name} | {best['kernel']:.1f} | {best['route']:.1f} | "
-                      f"{best['kernel'] / best['route']:.2f}x |", flush=True)  # fmt: skip
-    info = {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "bf16_hardware": cpu_has_bf16_matmul(), "threads": torch.get_num_threads(),
-            "loadavg_start": load, "loadavg_end": os.getloadavg()}  # fmt: skip
+                print(
+                    f"| {rows} | {fan_in} x {fan_out} | {name} | {best['kernel']:.1f} | {best['route']:.1f} | "
+                    f"{best['kernel'] / best['route']:.2f}x |",
+                    flush=True,
+                )
+    info = {
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "bf16_hardware": cpu_has_bf16_matmul(),
+        "threads": torch.get_num_threads(),
+        "loadavg_start": load,
+        "loadavg_end": os.getloadavg(),
+    }
     print(f"\n{info}")
     if args.out:
         Path(args.out).write_text(json.dumps({"machine": info, "results": rows_out}, indent=1))

@@ -61,20 +61,30 @@ def measure(method: str, vocab: int, tokens: int, hidden: int, beta: float, devi
             raise SystemExit("cannot reset the resident-set high-water mark (needs Linux /proc/self/clear_refs)")
     start = time.perf_counter()
     if method == "naive":
-        loss, _ = distillation_loss(student_hidden @ student_weight.T, teacher_hidden @ teacher_weight.T, mask,
-                                    beta=beta)  # fmt: skip
+        loss, _ = distillation_loss(
+            student_hidden @ student_weight.T, teacher_hidden @ teacher_weight.T, mask, beta=beta
+        )
     else:
-        loss, _ = chunked_distillation_loss(student_hidden, student_weight, teacher_hidden, teacher_weight, mask,
-                                            beta=beta)  # fmt: skip
+        loss, _ = chunked_distillation_loss(
+            student_hidden, student_weight, teacher_hidden, teacher_weight, mask, beta=beta
+        )
     loss.backward()
     if device == "cuda":
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     else:
         peak = peak_rss_since_reset_mib() - base
-    return {"method": method, "vocab": vocab, "tokens": tokens, "hidden": hidden, "beta": beta, "device": device,
-            "peak_mib": round(peak, 1), "seconds": round(time.perf_counter() - start, 3),
-            "loss": loss.item()}  # fmt: skip
+    return {
+        "method": method,
+        "vocab": vocab,
+        "tokens": tokens,
+        "hidden": hidden,
+        "beta": beta,
+        "device": device,
+        "peak_mib": round(peak, 1),
+        "seconds": round(time.perf_counter() - start, 3),
+        "loss": loss.item(),
+    }
 
 
 def cell(row: dict, method: str, key: str, width: int) -> str:
@@ -106,23 +116,41 @@ def main() -> None:
             for method in ("naive", "chunked"):
                 if method == "naive" and vocab * tokens > args.naive_max:
                     continue
-                command = [sys.executable, __file__, "--one", method, str(vocab), str(tokens), "--hidden",
-                           str(args.hidden), "--beta", str(args.beta), "--device", args.device]  # fmt: skip
+                command = [
+                    sys.executable,
+                    __file__,
+                    "--one",
+                    method,
+                    str(vocab),
+                    str(tokens),
+                    "--hidden",
+                    str(args.hidden),
+                    "--beta",
+                    str(args.beta),
+                    "--device",
+                    args.device,
+                ]
                 env = dict(os.environ) if args.glibc_default else {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)}
                 out = subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout
                 row[method] = json.loads(out.strip().splitlines()[-1])
                 results.append(row[method])
             if "naive" in row:
                 assert abs(row["naive"]["loss"] - row["chunked"]["loss"]) < 1e-4 * max(1.0, abs(row["naive"]["loss"]))
-            print(f"{vocab:>8} {tokens:>6} {vocab * tokens:>12,} {cell(row, 'naive', 'peak_mib', 10)} "
-                  f"{cell(row, 'chunked', 'peak_mib', 12)} {cell(row, 'naive', 'seconds', 8)} "
-                  f"{cell(row, 'chunked', 'seconds', 10)}", flush=True)  # fmt: skip
+            print(
+                f"{vocab:>8} {tokens:>6} {vocab * tokens:>12,} {cell(row, 'naive', 'peak_mib', 10)} "
+                f"{cell(row, 'chunked', 'peak_mib', 12)} {cell(row, 'naive', 'seconds', 8)} "
+                f"{cell(row, 'chunked', 'seconds', 10)}",
+                flush=True,
+            )
     if args.json:
         import torch
 
-        meta = {"torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-                "command": " ".join(["python benchmarks/distill_memory.py", *sys.argv[1:]]),
-                "malloc_mmap_threshold": None if args.glibc_default else 2**20}  # fmt: skip
+        meta = {
+            "torch": torch.__version__,
+            "machine": platform.processor() or platform.machine(),
+            "command": " ".join(["python benchmarks/distill_memory.py", *sys.argv[1:]]),
+            "malloc_mmap_threshold": None if args.glibc_default else 2**20,
+        }
         if args.device == "cuda":
             meta["gpu"] = torch.cuda.get_device_name()
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")

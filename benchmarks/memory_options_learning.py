@@ -24,10 +24,14 @@ SETTINGS = {
     "bf16 reference, 8-bit AdamW (bitsandbytes)": {"ref_model_dtype": "bfloat16", "optim": "adamw_8bit"},
     "bf16 weights, AdamW (no master, round to nearest)": {"model_init_kwargs": {"dtype": "bfloat16"}},
     "bf16 weights, 8-bit AdamW (torchao), stochastic rounding": {
-        "model_init_kwargs": {"dtype": "bfloat16"}, "optim": "adamw_torch_8bit",
-        "optim_args": "bf16_stochastic_round=True"},
+        "model_init_kwargs": {"dtype": "bfloat16"},
+        "optim": "adamw_torch_8bit",
+        "optim_args": "bf16_stochastic_round=True",
+    },
     "bf16 weights, bf16 AdamW states, stochastic rounding (adamw_torch_bf16)": {
-        "model_init_kwargs": {"dtype": "bfloat16"}, "optim": "adamw_torch_bf16"},
+        "model_init_kwargs": {"dtype": "bfloat16"},
+        "optim": "adamw_torch_bf16",
+    },
 }
 
 
@@ -43,8 +47,15 @@ def update_check(learning_rate: float, steps: int = 5) -> dict:
     from grpokit.optim import build_optimizer, row_chunked
 
     def grpokit_optimizer(optim):
-        args = SimpleNamespace(optim=optim, optim_args="", learning_rate=learning_rate, adam_beta1=0.9,
-                               adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0)  # fmt: skip
+        args = SimpleNamespace(
+            optim=optim,
+            optim_args="",
+            learning_rate=learning_rate,
+            adam_beta1=0.9,
+            adam_beta2=0.999,
+            adam_epsilon=1e-8,
+            weight_decay=0.0,
+        )
         return lambda p: build_optimizer(list(p), args)
 
     from grpokit.testing import build_tiny_model
@@ -66,23 +77,40 @@ def update_check(learning_rate: float, steps: int = 5) -> dict:
     reference = run(torch.float32, lambda p: torch.optim.AdamW(p, lr=learning_rate, weight_decay=0.0))
     results = {}
     for name, dtype, factory in [
-        ("bf16 weights, AdamW round to nearest", torch.bfloat16,
-         lambda p: torch.optim.AdamW(p, lr=learning_rate, weight_decay=0.0)),
-        ("bf16 weights, torchao AdamW8bit stochastic rounding", torch.bfloat16,
-         lambda p: AdamW8bit(p, lr=learning_rate, weight_decay=0.0, bf16_stochastic_round=True)),
-        ("bf16 weights, grpokit row-chunked AdamW8bit, its stochastic rounding", torch.bfloat16,
-         lambda p: row_chunked(AdamW8bit)(p, lr=learning_rate, weight_decay=0.0, bf16_stochastic_round=True)),
-        ("bf16 weights, grpokit adamw_torch_bf16 (bf16 states, its stochastic rounding)", torch.bfloat16,
-         grpokit_optimizer("adamw_torch_bf16")),
-        ("float32 weights, torchao AdamW8bit", torch.float32,
-         lambda p: AdamW8bit(p, lr=learning_rate, weight_decay=0.0)),
-    ]:  # fmt: skip
+        (
+            "bf16 weights, AdamW round to nearest",
+            torch.bfloat16,
+            lambda p: torch.optim.AdamW(p, lr=learning_rate, weight_decay=0.0),
+        ),
+        (
+            "bf16 weights, torchao AdamW8bit stochastic rounding",
+            torch.bfloat16,
+            lambda p: AdamW8bit(p, lr=learning_rate, weight_decay=0.0, bf16_stochastic_round=True),
+        ),
+        (
+            "bf16 weights, grpokit row-chunked AdamW8bit, its stochastic rounding",
+            torch.bfloat16,
+            lambda p: row_chunked(AdamW8bit)(p, lr=learning_rate, weight_decay=0.0, bf16_stochastic_round=True),
+        ),
+        (
+            "bf16 weights, grpokit adamw_torch_bf16 (bf16 states, its stochastic rounding)",
+            torch.bfloat16,
+            grpokit_optimizer("adamw_torch_bf16"),
+        ),
+        (
+            "float32 weights, torchao AdamW8bit",
+            torch.float32,
+            lambda p: AdamW8bit(p, lr=learning_rate, weight_decay=0.0),
+        ),
+    ]:
         delta = run(dtype, factory)
         error = sum((delta[k] - reference[k]).pow(2).sum() for k in reference).sqrt()
         norm = sum(reference[k].pow(2).sum() for k in reference).sqrt()
         unchanged = sum((delta[k] == 0).sum() for k in reference) / sum(v.numel() for v in reference.values())
-        results[name] = {"relative_error_of_update": round((error / norm).item(), 4),
-                         "weights_unchanged": round(unchanged.item(), 4)}  # fmt: skip
+        results[name] = {
+            "relative_error_of_update": round((error / norm).item(), 4),
+            "weights_unchanged": round(unchanged.item(), 4),
+        }
     return results
 
 
@@ -96,9 +124,10 @@ def main(argv=None) -> int:
     root = Path(__file__).resolve().parent.parent
     sys.path[:0] = [str(root / "src"), str(root / "tests")]
     warnings.filterwarnings("ignore")
+    from letters import LETTERS, letter_config, letter_dataset, repeat_letter
+
     from grpokit import GRPOTrainer
     from grpokit.testing import save_tiny_model
-    from letters import LETTERS, letter_config, letter_dataset, repeat_letter
 
     if args.update_check:
         print(json.dumps({"learning_rate": args.learning_rate, **update_check(args.learning_rate)}, indent=1))
@@ -107,11 +136,19 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(save_tiny_model(Path(tmp) / "model", chars=LETTERS + ":", hidden_size=64))
         for name, options in SETTINGS.items():
-            config = letter_config(Path(tmp) / str(len(results)), bf16=True, beta=0.04, max_steps=args.steps,
-                                   logging_steps=5, learning_rate=args.learning_rate, **options)  # fmt: skip
+            config = letter_config(
+                Path(tmp) / str(len(results)),
+                bf16=True,
+                beta=0.04,
+                max_steps=args.steps,
+                logging_steps=5,
+                learning_rate=args.learning_rate,
+                **options,
+            )
             started = time.perf_counter()
-            trainer = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=config,
-                                  train_dataset=letter_dataset())  # fmt: skip
+            trainer = GRPOTrainer(
+                model=model_dir, reward_funcs=repeat_letter, args=config, train_dataset=letter_dataset()
+            )
             trainer.train()
             rewards = [round(r["reward"], 3) for r in trainer.state.log_history[:-1]]
             results[name] = {"options": options, "rewards": rewards, "seconds": round(time.perf_counter() - started, 1)}

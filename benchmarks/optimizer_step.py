@@ -25,17 +25,27 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))  # this tree's grpokit, not an installed one
 
-from grpokit.optim import row_chunked  # noqa: E402
+from grpokit.optim import row_chunked
 
 QWEN05 = dict(vocab=151_936, hidden=896, intermediate=4864, layers=24, heads=14, kv_heads=2)
 
 
 def parameter_shapes(vocab, hidden, intermediate, layers, heads, kv_heads) -> list[tuple[int, ...]]:
     head_dim = hidden // heads
-    layer = [(hidden, hidden), (hidden,), (kv_heads * head_dim, hidden), (kv_heads * head_dim,),
-             (kv_heads * head_dim, hidden), (kv_heads * head_dim,), (hidden, hidden),  # q (bias), k, v, o
-             (intermediate, hidden), (intermediate, hidden), (hidden, intermediate),  # gate, up, down
-             (hidden,), (hidden,)]  # the two norms  # fmt: skip
+    layer = [
+        (hidden, hidden),
+        (hidden,),
+        (kv_heads * head_dim, hidden),
+        (kv_heads * head_dim,),
+        (kv_heads * head_dim, hidden),
+        (kv_heads * head_dim,),
+        (hidden, hidden),  # q (bias), k, v, o
+        (intermediate, hidden),
+        (intermediate, hidden),
+        (hidden, intermediate),  # gate, up, down
+        (hidden,),
+        (hidden,),
+    ]  # the two norms
     return [(vocab, hidden)] + layer * layers + [(hidden,)]
 
 
@@ -72,9 +82,15 @@ def main() -> None:
     weights = [torch.randn(shape, generator=generator).bfloat16().to(device) for shape in shapes]
     gradients = [(torch.randn(shape, generator=generator) * 1e-3).bfloat16().to(device) for shape in shapes]
     count = sum(w.numel() for w in weights)
-    results = {"parameters": count, "threads": args.threads, "torch": torch.__version__, "device": str(device),
-               "processor": torch.cuda.get_device_name(device) if device.type == "cuda" else
-               platform.processor() or platform.machine()}  # fmt: skip
+    results = {
+        "parameters": count,
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "device": str(device),
+        "processor": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or platform.machine(),
+    }
     for name, cls in (("torchao _AdamW", _AdamW), ("grpokit row-chunked _AdamW", row_chunked(_AdamW))):
         params = [torch.nn.Parameter(w.clone()) for w in weights]
         for p, g in zip(params, gradients):
@@ -82,8 +98,10 @@ def main() -> None:
         optimizer = cls(params, lr=1e-5, weight_decay=0.0, bf16_stochastic_round=True)
         seconds = timed_steps(optimizer, args.repeats, device)
         results[name] = seconds
-        print(f"{name}: {seconds:.2f} s per step, {seconds / count * 1e9:.2f} ns per parameter "
-              f"({count / 1e6:.0f}M parameters, {args.threads} thread(s))")  # fmt: skip
+        print(
+            f"{name}: {seconds:.2f} s per step, {seconds / count * 1e9:.2f} ns per parameter "
+            f"({count / 1e6:.0f}M parameters, {args.threads} thread(s))"
+        )
         del params, optimizer
     ratio = results["torchao _AdamW"] / results["grpokit row-chunked _AdamW"]
     results["speedup"] = ratio

@@ -42,18 +42,50 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))  # this 
 
 CONFIGS = {
     # bench_vs_trl's `small` shape: 4 layers, hidden 256, SwiGLU 1024, 4 / 2 heads; 64 completions of at most 64.
-    "small": dict(vocab_size=64, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024,
-                  prompts=8, generations=8, prompt_length=32, completion_length=64, bf16=False),
+    "small": dict(
+        vocab_size=64,
+        hidden_size=256,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=1024,
+        prompts=8,
+        generations=8,
+        prompt_length=32,
+        completion_length=64,
+        bf16=False,
+    ),
     # ~46M parameters: 8 layers, hidden 512, SwiGLU 2048, 8 / 2 heads, vocab 32,000 (tied); 16 completions (2 prompts
     # x 8) of at most 128 tokens after prompts of 24 to 48.
-    "50m": dict(vocab_size=32_000, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=2048,
-                prompts=2, generations=8, prompt_length=48, completion_length=128, bf16=False),
+    "50m": dict(
+        vocab_size=32_000,
+        hidden_size=512,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=2,
+        intermediate_size=2048,
+        prompts=2,
+        generations=8,
+        prompt_length=48,
+        completion_length=128,
+        bf16=False,
+    ),
     # Qwen2.5-0.5B widths (hidden 896, MLP 4864, 14 / 2 heads, vocab 151,936, tied) with 4 of its 24 layers, float32
     # (this CPU has no bf16 instructions; --bf16 for autocast); 16 completions (2 prompts x 8) of at most 128 tokens.
-    "qwen05x4": dict(vocab_size=151_936, hidden_size=896, num_layers=4, num_heads=14, num_kv_heads=2,
-                     intermediate_size=4864, prompts=2, generations=8, prompt_length=48, completion_length=128,
-                     bf16=False),
-}  # fmt: skip
+    "qwen05x4": dict(
+        vocab_size=151_936,
+        hidden_size=896,
+        num_layers=4,
+        num_heads=14,
+        num_kv_heads=2,
+        intermediate_size=4864,
+        prompts=2,
+        generations=8,
+        prompt_length=48,
+        completion_length=128,
+        bf16=False,
+    ),
+}
 MODES = {  # name -> (how, row bound factor or None, gradient checkpointing)
     "padded": ("padded", None, False),
     "shared": ("shared", None, False),
@@ -73,8 +105,12 @@ def make_batch(config: dict, eos_prob: float, seed: int):
 
     generator = torch.Generator().manual_seed(seed)
     prompts, group = config["prompts"], config["generations"]
-    n, width_p, width_t, vocab = prompts * group, config["prompt_length"], config["completion_length"], \
-        config["vocab_size"]  # fmt: skip
+    n, width_p, width_t, vocab = (
+        prompts * group,
+        config["prompt_length"],
+        config["completion_length"],
+        config["vocab_size"],
+    )
     eos = 1
     prompt_lengths = torch.randint(width_p // 2, width_p + 1, (prompts,), generator=generator)
     prompt_ids = torch.randint(3, vocab, (prompts, width_p), generator=generator)
@@ -86,7 +122,8 @@ def make_batch(config: dict, eos_prob: float, seed: int):
     first_eos = torch.where(is_eos.any(-1), is_eos.float().argmax(-1), width_t)  # [N] index of EOS, or T
     lengths = (first_eos + 1).clamp(max=width_t)  # EOS is a real completion token
     completion_ids[torch.arange(n), first_eos.clamp(max=width_t - 1)] = torch.where(
-        first_eos < width_t, eos, completion_ids[torch.arange(n), first_eos.clamp(max=width_t - 1)])  # fmt: skip
+        first_eos < width_t, eos, completion_ids[torch.arange(n), first_eos.clamp(max=width_t - 1)]
+    )
     completion_mask = (torch.arange(width_t) < lengths[:, None]).long()
     completion_ids = completion_ids * completion_mask
     order = torch.randperm(n, generator=generator)
@@ -129,17 +166,24 @@ def build(spec: dict):
 
     torch.set_num_threads(spec["threads"])
     config = spec["config"]
-    model = build_tiny_model(config["vocab_size"], hidden_size=config["hidden_size"],
-                             num_layers=config["num_layers"], num_heads=config["num_heads"],
-                             num_kv_heads=config["num_kv_heads"], intermediate_size=config["intermediate_size"],
-                             max_position_embeddings=4096, seed=0)  # fmt: skip
+    model = build_tiny_model(
+        config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        num_layers=config["num_layers"],
+        num_heads=config["num_heads"],
+        num_kv_heads=config["num_kv_heads"],
+        intermediate_size=config["intermediate_size"],
+        max_position_embeddings=4096,
+        seed=0,
+    )
     model.train()
     ids, mask, lengths = make_batch(config, spec["eos_prob"], spec["seed"])
     upstream = torch.randn(ids.shape[0], config["completion_length"], generator=torch.Generator().manual_seed(1))
     positions = []
     model.model.layers[0].register_forward_pre_hook(
         lambda module, args, kwargs: positions.append((args[0] if args else kwargs["hidden_states"]).shape[:2].numel()),
-        with_kwargs=True)  # fmt: skip
+        with_kwargs=True,
+    )
     return model, ids, mask, lengths, upstream, positions
 
 
@@ -169,8 +213,16 @@ def step(model, ids, mask, upstream, mode: str, bf16: bool) -> tuple[float, int]
     start = time.perf_counter()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            logprobs, _ = token_logprobs(model, ids, mask, upstream.shape[1], with_entropy=True, chunked=True,
-                                         share_prompts=how == "shared", padding_free=how == "packed")  # fmt: skip
+            logprobs, _ = token_logprobs(
+                model,
+                ids,
+                mask,
+                upstream.shape[1],
+                with_entropy=True,
+                chunked=True,
+                share_prompts=how == "shared",
+                padding_free=how == "packed",
+            )
         loss = (logprobs * upstream).sum()
     loss.backward()
     return time.perf_counter() - start, sum(saved.values())
@@ -189,15 +241,21 @@ def child_time(spec: dict) -> dict:
             runs[mode] = sum(positions)  # the layer's hooks stay outside checkpointing's recomputation
             if round_:
                 times[mode].append(seconds)
-    return {"times": times, "positions": runs, "rows": int(ids.shape[0]), "padded_positions": int(ids.numel()),
-            "real_tokens": int(mask.sum()), "completion_lengths": lengths.tolist()}  # fmt: skip
+    return {
+        "times": times,
+        "positions": runs,
+        "rows": int(ids.shape[0]),
+        "padded_positions": int(ids.numel()),
+        "real_tokens": int(mask.sum()),
+        "completion_lengths": lengths.tolist(),
+    }
 
 
 def child_memory(spec: dict) -> dict:
     """One mode in a fresh process: peak RSS added by a step (after a warm-up step) and bytes saved for backward."""
     import ctypes
 
-    model, ids, mask, lengths, upstream, positions = build(spec)
+    model, ids, mask, _lengths, upstream, _positions = build(spec)
     step(model, ids, mask, upstream, spec["mode"], spec["config"]["bf16"])
     model.zero_grad(set_to_none=True)
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # give what the warm-up freed back, so that the step's peak shows
@@ -208,8 +266,9 @@ def child_memory(spec: dict) -> dict:
 
 def run_child(spec: dict, threads: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": str(threads)}
-    out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
-                         env=env, check=False)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, env=env, check=False
+    )
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -241,18 +300,42 @@ def main() -> int:
     for mode in modes:
         memory = run_child({**common, "kind": "memory", "mode": mode}, args.threads)
         seconds = statistics.median(timing["times"][mode])
-        results.append({"mode": mode, "seconds": seconds, "all_seconds": timing["times"][mode],
-                        "decoder_positions": timing["positions"][mode], **memory})  # fmt: skip
-        print(f"{mode:>12}: {seconds:7.3f} s  peak +{memory['peak_rss_added_mib']:7.1f} MiB  saved "
-              f"{memory['saved_for_backward_mib']:7.1f} MiB  positions {timing['positions'][mode]}", flush=True)
+        results.append(
+            {
+                "mode": mode,
+                "seconds": seconds,
+                "all_seconds": timing["times"][mode],
+                "decoder_positions": timing["positions"][mode],
+                **memory,
+            }
+        )
+        print(
+            f"{mode:>12}: {seconds:7.3f} s  peak +{memory['peak_rss_added_mib']:7.1f} MiB  saved "
+            f"{memory['saved_for_backward_mib']:7.1f} MiB  positions {timing['positions'][mode]}",
+            flush=True,
+        )
     lengths = timing["completion_lengths"]
-    summary = {"config": args.config, **config, "eos_prob": eos_prob, "threads": args.threads,
-               "repeats": args.repeats, "load_average_at_start": start_load, "load_average_at_end": os.getloadavg(), "cpus": os.cpu_count(),
-               "machine": platform.processor() or platform.machine(), "rows": timing["rows"],
-               "padded_positions": timing["padded_positions"], "real_tokens": timing["real_tokens"],
-               "completion_lengths": {"min": min(lengths), "mean": sum(lengths) / len(lengths), "max": max(lengths),
-                                      "all": lengths},
-               "results": results}  # fmt: skip
+    summary = {
+        "config": args.config,
+        **config,
+        "eos_prob": eos_prob,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "load_average_at_start": start_load,
+        "load_average_at_end": os.getloadavg(),
+        "cpus": os.cpu_count(),
+        "machine": platform.processor() or platform.machine(),
+        "rows": timing["rows"],
+        "padded_positions": timing["padded_positions"],
+        "real_tokens": timing["real_tokens"],
+        "completion_lengths": {
+            "min": min(lengths),
+            "mean": sum(lengths) / len(lengths),
+            "max": max(lengths),
+            "all": lengths,
+        },
+        "results": results,
+    }
     by_mode = {r["mode"]: r for r in results}
     if "padded" in by_mode:
         summary["speedup_vs_padded"] = {r["mode"]: by_mode["padded"]["seconds"] / r["seconds"] for r in results}

@@ -30,10 +30,17 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vs_trl import (  # noqa: E402
-    CONFIGS, LORA, build_model_dir, common_args, make_dataset, package_root, peak_rss_since_reset_mib, reset_peak_rss,
+from bench_vs_trl import (
+    CONFIGS,
+    LORA,
+    build_model_dir,
+    common_args,
+    make_dataset,
+    package_root,
+    peak_rss_since_reset_mib,
+    reset_peak_rss,
     reward_len,
-)  # fmt: skip
+)
 
 
 class PhaseTimer:
@@ -119,9 +126,13 @@ def instrument_grpokit(trainer, timer: PhaseTimer):
     trainer.codec.decode = timer.wrap(trainer.codec.decode, "decode completions")
     gtrainer.compute_rewards = timer.wrap(gtrainer.compute_rewards, "reward functions")
     trainer._logprobs_in_chunks = timer.wrap(trainer._logprobs_in_chunks, "reference log-probs (forward)")
+
     def forward_label(stack):
-        return "ref: token_logprobs" if stack and stack[-1].startswith("reference") else \
-            "policy forward (log-probs + entropy)"
+        return (
+            "ref: token_logprobs"
+            if stack and stack[-1].startswith("reference")
+            else "policy forward (log-probs + entropy)"
+        )
 
     gtrainer.token_logprobs = timer.wrap(gtrainer.token_logprobs, forward_label)
     import grpokit.logprobs as glogprobs
@@ -165,8 +176,16 @@ def instrument_trl(trainer, timer: PhaseTimer):
 
 
 # Top-level phases (their sum plus "other" is the step); the rest are shown indented under their parent.
-TOP = ["rollout", "decode completions", "reward functions", "reference log-probs (forward)", "loss", "backward",
-       "grad clip", "optimizer step"]  # fmt: skip
+TOP = [
+    "rollout",
+    "decode completions",
+    "reward functions",
+    "reference log-probs (forward)",
+    "loss",
+    "backward",
+    "grad clip",
+    "optimizer step",
+]
 CHILDREN = {
     "rollout": ["rollout: model forwards", "rollout: sampling arithmetic", "rollout: drop finished rows"],
     "loss": ["policy forward (log-probs + entropy)"],
@@ -190,12 +209,19 @@ def make_trainer(impl, config, model_dir, workdir, steps, hook, extra_args=None,
                 if logs and "num_tokens" in logs:
                     hook()
 
-        return GRPOTrainer(model=str(model_dir), reward_funcs=reward_len, args=GRPOConfig(**args_kwargs),
-                           train_dataset=dataset, callbacks=[Hook()], **peft)  # fmt: skip
+        return GRPOTrainer(
+            model=str(model_dir),
+            reward_funcs=reward_len,
+            args=GRPOConfig(**args_kwargs),
+            train_dataset=dataset,
+            callbacks=[Hook()],
+            **peft,
+        )
     from grpokit import GRPOConfig, GRPOTrainer
 
-    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward_len, args=GRPOConfig(**args_kwargs),
-                          train_dataset=dataset, **peft)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=str(model_dir), reward_funcs=reward_len, args=GRPOConfig(**args_kwargs), train_dataset=dataset, **peft
+    )
 
     class Hooked(list):
         def append(self, item):
@@ -211,7 +237,7 @@ def phase_table(impl, timer: PhaseTimer, wall: float, steps: int) -> str:
     lines = ["| phase | s / step | % of step | calls / step |", "|---|---|---|---|"]
     if impl == "grpokit":
         # grpokit's policy forward runs inside _train_micro_batch, not inside policy_loss: show it top-level.
-        top = TOP[:4] + ["policy forward (log-probs + entropy)"] + TOP[4:]
+        top = [*TOP[:4], "policy forward (log-probs + entropy)", *TOP[4:]]
         children = {"rollout": CHILDREN["rollout"]}
     else:
         top, children = TOP, {"loss": CHILDREN["loss"], "rollout": ["rollout: model forwards"]}
@@ -220,17 +246,22 @@ def phase_table(impl, timer: PhaseTimer, wall: float, steps: int) -> str:
         seconds = timer.totals.get(phase, 0.0)
         accounted += seconds
         label = phase if not (impl == "trl" and phase == "loss") else "policy forward + loss (compute_loss)"
-        lines.append(f"| {label} | {seconds / steps:.3f} | {100 * seconds / wall:.1f} | "
-                     f"{timer.counts.get(phase, 0) / steps:g} |")  # fmt: skip
+        lines.append(
+            f"| {label} | {seconds / steps:.3f} | {100 * seconds / wall:.1f} | {timer.counts.get(phase, 0) / steps:g} |"
+        )
         kids = children.get(phase, [])
         for child in kids:
             c = timer.totals.get(child, 0.0)
-            lines.append(f"| &nbsp;&nbsp;{child} | {c / steps:.3f} | {100 * c / wall:.1f} | "
-                         f"{timer.counts.get(child, 0) / steps:g} |")  # fmt: skip
+            lines.append(
+                f"| &nbsp;&nbsp;{child} | {c / steps:.3f} | {100 * c / wall:.1f} | "
+                f"{timer.counts.get(child, 0) / steps:g} |"
+            )
         if phase == "rollout" and kids:
             rest = seconds - sum(timer.totals.get(c, 0.0) for c in kids)
-            lines.append(f"| &nbsp;&nbsp;rollout: rest (outside the model forwards) | {rest / steps:.3f} | "
-                         f"{100 * rest / wall:.1f} | |")  # fmt: skip
+            lines.append(
+                f"| &nbsp;&nbsp;rollout: rest (outside the model forwards) | {rest / steps:.3f} | "
+                f"{100 * rest / wall:.1f} | |"
+            )
     other = wall - accounted
     lines.append(f"| other (batching, masks, advantages, logging) | {other / steps:.3f} | {100 * other / wall:.1f} | |")
     lines.append(f"| **step (wall)** | **{wall / steps:.3f}** | 100 | |")
@@ -248,28 +279,49 @@ def main(argv=None) -> int:
     parser.add_argument("--config", choices=sorted(CONFIGS), default="vocab32k")
     parser.add_argument("--impl", choices=["grpokit", "trl"], default="grpokit")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default=None, help="override the config's precision")
-    parser.add_argument("--layers", type=int, default=None,
-                        help="override the config's number of decoder layers (a cheaper proxy of the same widths)")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="override the config's number of decoder layers (a cheaper proxy of the same widths)",
+    )
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--cprofile", action="store_true", help="also print cProfile's top functions")
     parser.add_argument("--torch-profiler", action="store_true", help="also print torch.profiler's top operators")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--lora", action="store_true", help="train bench_vs_trl's LoRA adapter")
-    parser.add_argument("--memory", action="store_true",
-                        help="sample RSS every 20 ms and report the largest value seen in each phase during train() "
-                             "(warm-up included), and the RSS when train() starts")  # fmt: skip
-    parser.add_argument("--exact-memory", action="store_true",
-                        help="like --memory, but each phase's exact peak (the kernel's VmHWM, reset at every phase "
-                             "boundary; Linux) instead of 20 ms samples")  # fmt: skip
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="sample RSS every 20 ms and report the largest value seen in each phase during train() "
+        "(warm-up included), and the RSS when train() starts",
+    )
+    parser.add_argument(
+        "--exact-memory",
+        action="store_true",
+        help="like --memory, but each phase's exact peak (the kernel's VmHWM, reset at every phase "
+        "boundary; Linux) instead of 20 ms samples",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
-    parser.add_argument("--src", default=None, metavar="DIR",
-                        help="import grpokit from this source tree instead (e.g. `git archive HEAD grpokit | tar -x "
-                             "-C DIR`), to profile an earlier version")  # fmt: skip
-    parser.add_argument("--plain-head", action="store_true",
-                        help="grpokit: force the plain logits path (grpokit.logprobs.USE_CHUNKED_HEAD = False)")
-    parser.add_argument("--args", default="{}", metavar="JSON",
-                        help="extra GRPOConfig arguments, e.g. '{\"model_init_kwargs\": {\"dtype\": \"bfloat16\"}}'")
+    parser.add_argument(
+        "--src",
+        default=None,
+        metavar="DIR",
+        help="import grpokit from this source tree instead (e.g. `git archive HEAD grpokit | tar -x "
+        "-C DIR`), to profile an earlier version",
+    )
+    parser.add_argument(
+        "--plain-head",
+        action="store_true",
+        help="grpokit: force the plain logits path (grpokit.logprobs.USE_CHUNKED_HEAD = False)",
+    )
+    parser.add_argument(
+        "--args",
+        default="{}",
+        metavar="JSON",
+        help='extra GRPOConfig arguments, e.g. \'{"model_init_kwargs": {"dtype": "bfloat16"}}\'',
+    )
     args = parser.parse_args(argv)
     # Before anything imports grpokit: this source tree (or --src's), not an installed copy.
     sys.path.insert(0, package_root(args.src or Path(__file__).resolve().parent.parent))
@@ -322,8 +374,9 @@ def main(argv=None) -> int:
                 if profiler:
                     profiler.disable()
 
-        trainer = make_trainer(args.impl, config, workdir / "model", workdir, total_steps, hook, json.loads(args.args),
-                               args.lora)  # fmt: skip
+        trainer = make_trainer(
+            args.impl, config, workdir / "model", workdir, total_steps, hook, json.loads(args.args), args.lora
+        )
         (instrument_trl if args.impl == "trl" else instrument_grpokit)(trainer, timer)
         load = os.getloadavg()[0]
         if args.memory:  # what the phases add to: weights, imports, the process (model loading's peak left out)
@@ -336,9 +389,11 @@ def main(argv=None) -> int:
         trainer.train()
         wall = marks[-1] - marks[args.warmup]
         variant = (f" (source {args.src})" if args.src else "") + (" (plain head)" if args.plain_head else "")
-        print(f"\n## {args.impl}{variant} on `{args.config}` ({info['parameters'] / 1e6:.2f}M parameters, vocab "
-              f"{info['model_vocab']}): {args.steps} timed step(s) after {args.warmup} warm-up, "
-              f"{torch.get_num_threads()} threads, load average {load:.2f} -> {os.getloadavg()[0]:.2f}\n")  # fmt: skip
+        print(
+            f"\n## {args.impl}{variant} on `{args.config}` ({info['parameters'] / 1e6:.2f}M parameters, vocab "
+            f"{info['model_vocab']}): {args.steps} timed step(s) after {args.warmup} warm-up, "
+            f"{torch.get_num_threads()} threads, load average {load:.2f} -> {os.getloadavg()[0]:.2f}\n"
+        )
         print(phase_table(args.impl, timer, wall, args.steps))
         if args.memory:
             print(f"\nRSS when train() starts: {rss_at_train:,.0f} MiB (the phases' peaks above are during train())")
@@ -366,8 +421,9 @@ def main(argv=None) -> int:
                     tp.stop()
 
             timer.active = False
-            trainer = make_trainer(args.impl, config, workdir / "model", workdir, total_steps, hook2,
-                                   json.loads(args.args), args.lora)  # fmt: skip
+            trainer = make_trainer(
+                args.impl, config, workdir / "model", workdir, total_steps, hook2, json.loads(args.args), args.lora
+            )
             with contextlib.redirect_stdout(sys.stderr):
                 hook2()
                 trainer.train()

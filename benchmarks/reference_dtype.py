@@ -80,22 +80,32 @@ def main(argv=None) -> int:
     full, light, int8 = results["float32"][0], results["bfloat16"][0], results["int8"][0]
     autocast_delta = full - exact.float()
     delta = light - full
-    kl = (torch.exp(delta) - delta - 1)  # k3(ref=bf16 || policy=fp32 reference), per token
+    kl = torch.exp(delta) - delta - 1  # k3(ref=bf16 || policy=fp32 reference), per token
     int8_delta = int8 - full
     int8_kl = torch.exp(int8_delta) - int8_delta - 1
     out = {
-        "model_dir": str(model_dir), "parameters": sum(p.numel() for p in model.parameters()),
-        "tokens": int(full.numel()), "mean_logprob_float32": full.mean().item(),
-        "abs_diff_max": delta.abs().max().item(), "abs_diff_mean": delta.abs().mean().item(),
-        "abs_diff_p99": delta.abs().flatten().quantile(0.99).item(), "diff_mean (bias)": delta.mean().item(),
-        "k3_kl_mean": kl.mean().item(), "autocast_itself_abs_diff_max": autocast_delta.abs().max().item(),
-        "autocast_itself_abs_diff_mean": autocast_delta.abs().mean().item(), "forward_s_float32": results["float32"][1],
-        "forward_s_bfloat16": results["bfloat16"][1], "torch": torch.__version__,
-        "int8_abs_diff_max": int8_delta.abs().max().item(), "int8_abs_diff_mean": int8_delta.abs().mean().item(),
+        "model_dir": str(model_dir),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "tokens": int(full.numel()),
+        "mean_logprob_float32": full.mean().item(),
+        "abs_diff_max": delta.abs().max().item(),
+        "abs_diff_mean": delta.abs().mean().item(),
+        "abs_diff_p99": delta.abs().flatten().quantile(0.99).item(),
+        "diff_mean (bias)": delta.mean().item(),
+        "k3_kl_mean": kl.mean().item(),
+        "autocast_itself_abs_diff_max": autocast_delta.abs().max().item(),
+        "autocast_itself_abs_diff_mean": autocast_delta.abs().mean().item(),
+        "forward_s_float32": results["float32"][1],
+        "forward_s_bfloat16": results["bfloat16"][1],
+        "torch": torch.__version__,
+        "int8_abs_diff_max": int8_delta.abs().max().item(),
+        "int8_abs_diff_mean": int8_delta.abs().mean().item(),
         "int8_abs_diff_p99": int8_delta.abs().flatten().quantile(0.99).item(),
-        "int8_diff_mean (bias)": int8_delta.mean().item(), "int8_k3_kl_mean": int8_kl.mean().item(),
-        "forward_s_int8": results["int8"][1], "weights_mib": sizes,
-    }  # fmt: skip
+        "int8_diff_mean (bias)": int8_delta.mean().item(),
+        "int8_k3_kl_mean": int8_kl.mean().item(),
+        "forward_s_int8": results["int8"][1],
+        "weights_mib": sizes,
+    }
     print(json.dumps(out, indent=1))
     return 0
 

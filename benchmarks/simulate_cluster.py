@@ -42,42 +42,69 @@ def check_one(name: str) -> dict:
         # The scripted agent: a tool call, then an answer (a turn each); the synchronous loop runs the batch's 16 tool
         # calls one after another. What is left of its generating time is the two turns' engine calls.
         tools = completions * options["tool_delay"]
-        workload = Workload(prompts=completions // 4, num_generations=4, prompt_tokens=per_completion - 2,
-                            completion_median=2, completion_sigma=0.0, max_completion_length=2, tool_calls=1,
-                            tool_latency_median_s=options["tool_delay"])  # fmt: skip
+        workload = Workload(
+            prompts=completions // 4,
+            num_generations=4,
+            prompt_tokens=per_completion - 2,
+            completion_median=2,
+            completion_sigma=0.0,
+            max_completion_length=2,
+            tool_calls=1,
+            tool_latency_median_s=options["tool_delay"],
+        )
         decode_step_s = (one["generate_s_per_batch"] - tools) / 2
     else:
         length = per_completion - PROMPT_TOKENS
-        workload = Workload(prompts=completions // 4, num_generations=4, prompt_tokens=PROMPT_TOKENS,
-                            completion_median=length, completion_sigma=0.0, max_completion_length=length)  # fmt: skip
+        workload = Workload(
+            prompts=completions // 4,
+            num_generations=4,
+            prompt_tokens=PROMPT_TOKENS,
+            completion_median=length,
+            completion_sigma=0.0,
+            max_completion_length=length,
+        )
         decode_step_s = one["generate_s_per_batch"] * scale / length
-    costs = Costs(decode_step_s=decode_step_s, decode_token_s=0.0,
-                  train_token_s=one["train_s_per_batch"] * scale / (completions * per_completion))  # fmt: skip
+    costs = Costs(
+        decode_step_s=decode_step_s,
+        decode_token_s=0.0,
+        train_token_s=one["train_s_per_batch"] * scale / (completions * per_completion),
+    )
     predicted = simulate(workload, costs, steps=steps, max_staleness=1)
     predicted_tokens_per_s = overlapped["tokens"] / predicted.time_s
-    return {"run": name, "steps": steps, "tokens_async_over_sync": scale,
-            "sync_1_thread_s_per_batch": {"generate": one["generate_s_per_batch"], "train": one["train_s_per_batch"]},
-            "async_s_per_batch": {"predicted": predicted.time_s / steps, "measured": overlapped["runtime_s"] / steps},
-            "async_over_sync_2_threads": {"predicted": predicted_tokens_per_s / two["tokens_per_s"],
-                                          "measured": overlapped["tokens_per_s"] / two["tokens_per_s"],
-                                          "measured_runs": [r / two["tokens_per_s"]
-                                                            for r in overlapped["tokens_per_s_runs"]]},
-            "trainer_wait_fraction": {"predicted": predicted.rollout_wait_fraction_mean,
-                                      "measured": overlapped["trainer_wait_fraction"]}}  # fmt: skip
+    return {
+        "run": name,
+        "steps": steps,
+        "tokens_async_over_sync": scale,
+        "sync_1_thread_s_per_batch": {"generate": one["generate_s_per_batch"], "train": one["train_s_per_batch"]},
+        "async_s_per_batch": {"predicted": predicted.time_s / steps, "measured": overlapped["runtime_s"] / steps},
+        "async_over_sync_2_threads": {
+            "predicted": predicted_tokens_per_s / two["tokens_per_s"],
+            "measured": overlapped["tokens_per_s"] / two["tokens_per_s"],
+            "measured_runs": [r / two["tokens_per_s"] for r in overlapped["tokens_per_s_runs"]],
+        },
+        "trainer_wait_fraction": {
+            "predicted": predicted.rollout_wait_fraction_mean,
+            "measured": overlapped["trainer_wait_fraction"],
+        },
+    }
 
 
 def check() -> None:
     rows = [check_one(name) for name in CHECKED]
-    print("| run | sync, 1 thread: generate + train s/batch | async s/batch: predicted / measured | "
-          "async vs sync 2 threads: predicted / measured | trainer waited: predicted / measured |")  # fmt: skip
+    print(
+        "| run | sync, 1 thread: generate + train s/batch | async s/batch: predicted / measured | "
+        "async vs sync 2 threads: predicted / measured | trainer waited: predicted / measured |"
+    )
     print("|---|---|---|---|---|")
     for r in rows:
         phases, per_batch = r["sync_1_thread_s_per_batch"], r["async_s_per_batch"]
         ratio, wait = r["async_over_sync_2_threads"], r["trainer_wait_fraction"]
-        print(f"| {r['run']} | {phases['generate']:.3f} + {phases['train']:.3f} | {per_batch['predicted']:.3f} / "
-              f"{per_batch['measured']:.3f} ({per_batch['predicted'] / per_batch['measured'] - 1:+.0%}) | "
-              f"{ratio['predicted']:.2f}x / {ratio['measured']:.2f}x | {wait['predicted']:.1%} / "
-              f"{wait['measured']:.1%} |")  # fmt: skip
+        print(
+            f"| {r['run']} | {phases['generate']:.3f} + {phases['train']:.3f} | {per_batch['predicted']:.3f} / "
+            f"{per_batch['measured']:.3f} ({per_batch['predicted'] / per_batch['measured'] - 1:+.0%}) | "
+            f"{ratio['predicted']:.2f}x / {ratio['measured']:.2f}x | {wait['predicted']:.1%} / "
+            f"{wait['measured']:.1%} |"
+        )
     (RESULTS / "simulate_cluster_check.json").write_text(json.dumps(rows, indent=1))
 
 
@@ -99,19 +126,32 @@ def cluster_costs(options: argparse.Namespace, servers: int) -> Costs:
     adds its 2·N FLOPs and its KV cache's bytes at a mean context of the prompt plus half a mean completion."""
     mean_context = options.prompt_tokens + options.completion_median / 2
     decode_flops_s = 2 * PARAMETERS / (PEAK_FLOPS * options.compute_util)
-    return Costs(decode_step_s=2 * PARAMETERS / (HBM_BYTES_PER_S * options.hbm_util),
-                 decode_token_s=decode_flops_s + KV_BYTES_PER_TOKEN * mean_context / (HBM_BYTES_PER_S * options.hbm_util),
-                 prefill_token_s=decode_flops_s,
-                 train_token_s=6 * PARAMETERS / (options.trainer_gpus * PEAK_FLOPS * options.mfu),
-                 servers=servers, weight_sync_s=options.weight_sync_s)  # fmt: skip
+    return Costs(
+        decode_step_s=2 * PARAMETERS / (HBM_BYTES_PER_S * options.hbm_util),
+        decode_token_s=decode_flops_s + KV_BYTES_PER_TOKEN * mean_context / (HBM_BYTES_PER_S * options.hbm_util),
+        prefill_token_s=decode_flops_s,
+        train_token_s=6 * PARAMETERS / (options.trainer_gpus * PEAK_FLOPS * options.mfu),
+        servers=servers,
+        weight_sync_s=options.weight_sync_s,
+    )
 
 
 def workload_of(options: argparse.Namespace, prompts: int, agents: bool) -> Workload:
-    tools = {"tool_calls": options.tool_calls, "tool_latency_median_s": options.tool_latency_median_s,
-             "tool_latency_sigma": options.tool_latency_sigma, "tool_result_tokens": options.tool_result_tokens}  # fmt: skip
-    return Workload(prompts=prompts, num_generations=options.num_generations, prompt_tokens=options.prompt_tokens,
-                    completion_median=options.completion_median, completion_sigma=options.completion_sigma,
-                    max_completion_length=options.max_completion_length, **(tools if agents else {}))  # fmt: skip
+    tools = {
+        "tool_calls": options.tool_calls,
+        "tool_latency_median_s": options.tool_latency_median_s,
+        "tool_latency_sigma": options.tool_latency_sigma,
+        "tool_result_tokens": options.tool_result_tokens,
+    }
+    return Workload(
+        prompts=prompts,
+        num_generations=options.num_generations,
+        prompt_tokens=options.prompt_tokens,
+        completion_median=options.completion_median,
+        completion_sigma=options.completion_sigma,
+        max_completion_length=options.max_completion_length,
+        **(tools if agents else {}),
+    )
 
 
 def table(options: argparse.Namespace, agents: bool) -> list[dict]:
@@ -123,24 +163,36 @@ def table(options: argparse.Namespace, agents: bool) -> list[dict]:
             costs = cluster_costs(options, servers)
             runs = {k: simulate(workload, costs, options.steps, max_staleness=k) for k in STALENESSES}
             sync = runs[None]
-            rows.append({"prompts": prompts, "num_generations": options.num_generations, "servers": servers,
-                         "generate_s_per_batch": sum(sync.generation_s) / sync.steps,
-                         "train_s_per_batch": costs.training_s(sync.tokens / sync.steps),
-                         "runs": {str(k): r.summary() for k, r in runs.items()}})  # fmt: skip
-    print("| completions a step | inference GPUs | synchronous: generate + train s/batch, tokens/s | "
-          + " | ".join(f"max_staleness={k}" for k in STALENESSES[1:]) + " |")  # fmt: skip
+            rows.append(
+                {
+                    "prompts": prompts,
+                    "num_generations": options.num_generations,
+                    "servers": servers,
+                    "generate_s_per_batch": sum(sync.generation_s) / sync.steps,
+                    "train_s_per_batch": costs.training_s(sync.tokens / sync.steps),
+                    "runs": {str(k): r.summary() for k, r in runs.items()},
+                }
+            )
+    print(
+        "| completions a step | inference GPUs | synchronous: generate + train s/batch, tokens/s | "
+        + " | ".join(f"max_staleness={k}" for k in STALENESSES[1:])
+        + " |"
+    )
     print("|---|---|---|" + "---|" * (len(STALENESSES) - 1))
     for r in rows:
         base = r["runs"]["None"]["tokens_per_s"]
         cells = []
         for k, s in r["runs"].items():
             if k != "None" and agents:  # against tool calls one after another, the ratio says little: tokens/s
-                cells.append(f"{s['tokens_per_s']:,.0f}, idle {s['trainer_idle_fraction']:.0%}, "
-                             f"{s['drop_rate']:.1%} dropped")  # fmt: skip
+                cells.append(
+                    f"{s['tokens_per_s']:,.0f}, idle {s['trainer_idle_fraction']:.0%}, {s['drop_rate']:.1%} dropped"
+                )
             elif k != "None":
                 cells.append(f"{s['tokens_per_s'] / base:.2f}×, idle {s['trainer_idle_fraction']:.0%}")
-        print(f"| {r['prompts']} × {r['num_generations']} | {r['servers']} | {r['generate_s_per_batch']:.1f} + "
-              f"{r['train_s_per_batch']:.1f}, {base:,.0f} | " + " | ".join(cells) + " |")  # fmt: skip
+        print(
+            f"| {r['prompts']} × {r['num_generations']} | {r['servers']} | {r['generate_s_per_batch']:.1f} + "
+            f"{r['train_s_per_batch']:.1f}, {base:,.0f} | " + " | ".join(cells) + " |"
+        )
     return rows
 
 
@@ -149,18 +201,25 @@ STALENESSES = (None, 1, 2, 4)
 
 def cluster(options: argparse.Namespace) -> None:
     logging.getLogger("grpokit").setLevel(logging.ERROR)  # the producer's warnings on dropped prompts, every run
-    print(f"N = {PARAMETERS / 1e9:.2f} B parameters; {options.steps} steps; prompts {options.prompt_tokens} tokens, "
-          f"completions log-normal (median {options.completion_median}, sigma {options.completion_sigma}, at most "
-          f"{options.max_completion_length})")  # fmt: skip
+    print(
+        f"N = {PARAMETERS / 1e9:.2f} B parameters; {options.steps} steps; prompts {options.prompt_tokens} tokens, "
+        f"completions log-normal (median {options.completion_median}, sigma {options.completion_sigma}, at most "
+        f"{options.max_completion_length})"
+    )
     print("\nSingle-turn completions, whole generation batches (exact schedule):\n")
     single = table(options, agents=False)
-    print(f"\nAgents: {options.tool_calls} tool calls a completion, each log-normal (median "
-          f"{options.tool_latency_median_s} s, sigma {options.tool_latency_sigma}), {options.tool_result_tokens} tokens "
-          f"of result; streamed group by group when max_staleness > 0:\n")  # fmt: skip
+    print(
+        f"\nAgents: {options.tool_calls} tool calls a completion, each log-normal (median "
+        f"{options.tool_latency_median_s} s, sigma {options.tool_latency_sigma}), {options.tool_result_tokens} tokens "
+        f"of result; streamed group by group when max_staleness > 0:\n"
+    )
     agents = table(options, agents=True)
     out = RESULTS / "simulate_cluster_h100.json"
-    out.write_text(json.dumps({"options": vars(options), "parameters": PARAMETERS, "single_turn": single,
-                               "agents": agents}, indent=1))  # fmt: skip
+    out.write_text(
+        json.dumps(
+            {"options": vars(options), "parameters": PARAMETERS, "single_turn": single, "agents": agents}, indent=1
+        )
+    )
     print(f"wrote {out}")
 
 

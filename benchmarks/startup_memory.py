@@ -21,10 +21,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-QLORA = {"gradient_checkpointing": True, "padding_free": True,
-         "model_init_kwargs": {"dtype": "bfloat16", "quantization_config": {
-             "quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
-             "bnb_4bit_compute_dtype": "bfloat16"}}}  # fmt: skip
+QLORA = {
+    "gradient_checkpointing": True,
+    "padding_free": True,
+    "model_init_kwargs": {
+        "dtype": "bfloat16",
+        "quantization_config": {
+            "quant_method": "bitsandbytes",
+            "load_in_4bit": True,
+            "bnb_4bit_quant_type": "nf4",
+            "bnb_4bit_compute_dtype": "bfloat16",
+        },
+    },
+}
 
 
 def main(argv=None) -> int:
@@ -35,9 +44,16 @@ def main(argv=None) -> int:
     options = parser.parse_args(argv)
     model_dir = Path(options.model_dir or tempfile.mkdtemp(prefix="startup_memory_")) / options.config
     if not (model_dir / "config.json").exists():
-        subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-                        f"from pathlib import Path; from bench_vs_trl import CONFIGS, build_model_dir; "
-                        f"build_model_dir(CONFIGS[{options.config!r}], Path({str(model_dir)!r}))"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+                f"from pathlib import Path; from bench_vs_trl import CONFIGS, build_model_dir; "
+                f"build_model_dir(CONFIGS[{options.config!r}], Path({str(model_dir)!r}))",
+            ],
+            check=True,
+        )
     lines = []
 
     import psutil
@@ -55,11 +71,11 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    import peft  # noqa: F401
-    import transformers  # noqa: F401
+    import peft
+    import transformers
+    from bench_vs_trl import CONFIGS, LORA, common_args, make_dataset, reward_len
 
     import grpokit.trainer as trainer_module
-    from bench_vs_trl import CONFIGS, LORA, common_args, make_dataset, reward_len
     from grpokit import GRPOConfig, GRPOTrainer
 
     record("imports (torch, transformers, peft, grpokit)")
@@ -79,8 +95,14 @@ def main(argv=None) -> int:
 
     trainer_module.build_policy = after(trainer_module.build_policy, "the policy (NF4 base + LoRA adapter)")
     trainer_module.build_reference = after(trainer_module.build_reference, "the reference (the adapter-off base)")
-    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward_len, args=args, train_dataset=dataset,
-                          processing_class=tokenizer, peft_config=peft.LoraConfig(task_type="CAUSAL_LM", **LORA))
+    trainer = GRPOTrainer(
+        model=str(model_dir),
+        reward_funcs=reward_len,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft.LoraConfig(task_type="CAUSAL_LM", **LORA),
+    )
     record("the rest of the trainer")
     by_dtype, scales = {}, 0
     tensors = {id(t): t for t in [*trainer.model.parameters(), *trainer.model.buffers()]}
@@ -93,8 +115,10 @@ def main(argv=None) -> int:
             if state.nested:
                 scales += state.state2.absmax.untyped_storage().nbytes()
     lines.append("")
-    lines.append("model tensors, MiB: " + ", ".join(f"{k.removeprefix('torch.')} {v / 2**20:,.1f}"
-                                                     for k, v in sorted(by_dtype.items())))  # fmt: skip
+    lines.append(
+        "model tensors, MiB: "
+        + ", ".join(f"{k.removeprefix('torch.')} {v / 2**20:,.1f}" for k, v in sorted(by_dtype.items()))
+    )
     lines.append(f"NF4 scales (quant_state.absmax, not parameters), MiB: {scales / 2**20:,.1f}")
     report = "\n".join(lines)
     print(report)

@@ -29,13 +29,21 @@ def run_mode(options, share: bool) -> dict:
     from grpokit.testing import build_tiny_vlm, solid_image
 
     torch.set_num_threads(options.threads)
-    model, processor = build_tiny_vlm(options.model_type, image_size=options.image_size, hidden_size=64,
-                                      vision_hidden_size=options.vision_hidden_size,
-                                      vision_layers=options.vision_layers)  # fmt: skip
+    model, processor = build_tiny_vlm(
+        options.model_type,
+        image_size=options.image_size,
+        hidden_size=64,
+        vision_hidden_size=options.vision_hidden_size,
+        vision_layers=options.vision_layers,
+    )
     model.train()
-    rows = [{"prompt": [{"role": "user", "content": "colour?"}], "image": solid_image((20 * i, 90, 200 - 20 * i),
-                                                                                      options.image_size)}
-            for i in range(options.prompts)]  # fmt: skip
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": "colour?"}],
+            "image": solid_image((20 * i, 90, 200 - 20 * i), options.image_size),
+        }
+        for i in range(options.prompts)
+    ]
     codec = PromptCodec(processor, model)
     prompts = codec.encode(rows, [options.generations] * options.prompts)
     rollout = HFEngine(model).generate(prompts, codec.sampling_params(options.completion_length), seed=0)
@@ -44,21 +52,29 @@ def run_mode(options, share: bool) -> dict:
     encoded = []
     model.model.vision_tower.register_forward_hook(
         lambda module, args, kwargs, out: encoded.append((args[0] if args else kwargs["pixel_values"]).shape[0]),
-        with_kwargs=True)  # fmt: skip
+        with_kwargs=True,
+    )
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times = []
     for _ in range(options.repeats):
         encoded.clear()
         model.zero_grad()
         started = time.perf_counter()
-        logprobs, _ = token_logprobs(model, ids, mask, rollout.completion_ids.shape[1], share_prompts=share,
-                                     multimodal=rollout.multimodal)  # fmt: skip
+        logprobs, _ = token_logprobs(
+            model, ids, mask, rollout.completion_ids.shape[1], share_prompts=share, multimodal=rollout.multimodal
+        )
         (logprobs * rollout.attention_mask).sum().backward()
         times.append(time.perf_counter() - started)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"share_prompts": share, "step_seconds": statistics.median(times), "times": times,
-            "peak_rss_added_mib": (peak - baseline) / 1024, "images_encoded": sum(encoded),
-            "rows": len(rollout), "prompt_tokens": rollout.prompt_ids.shape[1]}  # fmt: skip
+    return {
+        "share_prompts": share,
+        "step_seconds": statistics.median(times),
+        "times": times,
+        "peak_rss_added_mib": (peak - baseline) / 1024,
+        "images_encoded": sum(encoded),
+        "rows": len(rollout),
+        "prompt_tokens": rollout.prompt_ids.shape[1],
+    }
 
 
 def main():
@@ -83,9 +99,11 @@ def main():
         command = [sys.executable, __file__, *sys.argv[1:], "--mode", mode]
         results.append(json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout))
     for r in results:
-        print(f"share_prompts={r['share_prompts']!s:5}  images encoded {r['images_encoded']:3d}  "
-              f"step {r['step_seconds']:.3f} s  peak RSS +{r['peak_rss_added_mib']:.0f} MiB  "
-              f"({r['rows']} rows, {r['prompt_tokens']} prompt tokens)")
+        print(
+            f"share_prompts={r['share_prompts']!s:5}  images encoded {r['images_encoded']:3d}  "
+            f"step {r['step_seconds']:.3f} s  peak RSS +{r['peak_rss_added_mib']:.0f} MiB  "
+            f"({r['rows']} rows, {r['prompt_tokens']} prompt tokens)"
+        )
     if options.out:
         with open(options.out, "w") as handle:
             json.dump({"options": vars(options), "results": results}, handle, indent=1)

@@ -52,8 +52,9 @@ class TinyImageModel(torch.nn.Module):
         super().__init__()
         self.embed = torch.nn.Embedding(VOCAB, width)
         self.position = torch.nn.Embedding(max_length, width)
-        layer = torch.nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True,
-                                                 norm_first=True)  # fmt: skip
+        layer = torch.nn.TransformerEncoderLayer(
+            width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True
+        )
         self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = torch.nn.Linear(width, VOCAB)
 
@@ -71,11 +72,22 @@ def build_dataset(rows: int = 64) -> Dataset:
 
 def train(steps: int = 60, output_dir: str = "grpo-ar-image", seed: int = 0, **overrides) -> GRPOTrainer:
     torch.manual_seed(seed)
-    args = GRPOConfig(**{
-        "output_dir": output_dir, "per_device_train_batch_size": 32, "num_generations": 8,
-        "max_completion_length": SIDE * SIDE, "learning_rate": 3e-3, "lr_scheduler_type": "constant",
-        "max_steps": steps, "logging_steps": 1, "save_strategy": "no", "seed": seed, "beta": 0.0, **overrides,
-    })  # fmt: skip
+    args = GRPOConfig(
+        **{
+            "output_dir": output_dir,
+            "per_device_train_batch_size": 32,
+            "num_generations": 8,
+            "max_completion_length": SIDE * SIDE,
+            "learning_rate": 3e-3,
+            "lr_scheduler_type": "constant",
+            "max_steps": steps,
+            "logging_steps": 1,
+            "save_strategy": "no",
+            "seed": seed,
+            "beta": 0.0,
+            **overrides,
+        }
+    )
     trainer = GRPOTrainer(model=TinyImageModel(), reward_funcs=pattern_reward, args=args, train_dataset=build_dataset())
     trainer.train()
     return trainer
@@ -84,8 +96,9 @@ def train(steps: int = 60, output_dir: str = "grpo-ar-image", seed: int = 0, **o
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", "--max_steps", type=int, default=None, help="Default: 60; with --tiny, 15.")
-    parser.add_argument("--output_dir", default=None,
-                        help="Default: grpo-ar-image; with --tiny, a folder in the temporary directory.")
+    parser.add_argument(
+        "--output_dir", default=None, help="Default: grpo-ar-image; with --tiny, a folder in the temporary directory."
+    )
     parser.add_argument("--tiny", action="store_true", help="15 steps, written into the temporary directory.")
     options = parser.parse_args()
     output_dir = options.output_dir or "grpo-ar-image"

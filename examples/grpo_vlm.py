@@ -62,8 +62,11 @@ def show_last_completions(output_dir: str) -> None:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="Qwen/Qwen2.5-VL-3B-Instruct")
-    parser.add_argument("--output_dir", default=None,
-                        help="Default: Qwen2.5-VL-3B-GRPO; with --tiny, a folder in the temporary directory.")
+    parser.add_argument(
+        "--output_dir",
+        default=None,
+        help="Default: Qwen2.5-VL-3B-GRPO; with --tiny, a folder in the temporary directory.",
+    )
     parser.add_argument("--tiny", action="store_true", help="A tiny offline VLM and task (CPU-friendly).")
     parser.add_argument("--max_steps", type=int, default=-1)
     options = parser.parse_args(argv)
@@ -74,10 +77,18 @@ def main(argv=None):
         model, processor, dataset, rewards = tiny_setup()
         peft_config = None
         output_dir = options.output_dir or tiny_output_dir("grpo_vlm")
-        training_args = GRPOConfig(output_dir=output_dir, per_device_train_batch_size=8, num_generations=4,
-                                   max_completion_length=4, learning_rate=1e-3,
-                                   max_steps=options.max_steps if options.max_steps > 0 else 20, logging_steps=5,
-                                   save_strategy="no", log_completions=True, report_to=[])  # fmt: skip
+        training_args = GRPOConfig(
+            output_dir=output_dir,
+            per_device_train_batch_size=8,
+            num_generations=4,
+            max_completion_length=4,
+            learning_rate=1e-3,
+            max_steps=options.max_steps if options.max_steps > 0 else 20,
+            logging_steps=5,
+            save_strategy="no",
+            log_completions=True,
+            report_to=[],
+        )
     else:
         from datasets import load_dataset
         from peft import LoraConfig
@@ -87,14 +98,28 @@ def main(argv=None):
         dataset = dataset.map(make_conversation).remove_columns(["problem", "original_question", "original_answer"])
         rewards = [think_format_reward, accuracy_reward]
         peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
-        training_args = GRPOConfig(output_dir=options.output_dir or "Qwen2.5-VL-3B-GRPO", learning_rate=1e-5, bf16=True,
-                                   gradient_checkpointing=True, per_device_train_batch_size=8, num_generations=8,
-                                   max_completion_length=1024, logging_steps=1,
-                                   log_completions=True, max_steps=options.max_steps,
-                                   model_init_kwargs={"dtype": "bfloat16"})  # fmt: skip
+        training_args = GRPOConfig(
+            output_dir=options.output_dir or "Qwen2.5-VL-3B-GRPO",
+            learning_rate=1e-5,
+            bf16=True,
+            gradient_checkpointing=True,
+            per_device_train_batch_size=8,
+            num_generations=8,
+            max_completion_length=1024,
+            logging_steps=1,
+            log_completions=True,
+            max_steps=options.max_steps,
+            model_init_kwargs={"dtype": "bfloat16"},
+        )
 
-    trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=training_args, train_dataset=dataset,
-                          processing_class=processor, peft_config=peft_config)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=rewards,
+        args=training_args,
+        train_dataset=dataset,
+        processing_class=processor,
+        peft_config=peft_config,
+    )
     trainer.train()
     trainer.save_model()
     if trainer.accelerator.is_main_process:

@@ -71,8 +71,13 @@ def tiny_model():
     from grpokit.testing import build_qwen_chat_tokenizer, build_tiny_model
 
     tokenizer = build_qwen_chat_tokenizer(("guess", "higher", "lower", "Correct!", INSTRUCTION))
-    model = build_tiny_model(len(tokenizer), hidden_size=32, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id, bos_token_id=None)  # fmt: skip
+    model = build_tiny_model(
+        len(tokenizer),
+        hidden_size=32,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
     return model, tokenizer
 
 
@@ -86,9 +91,13 @@ def warm_up(model, tokenizer, steps: int = 40, lr: float = 1e-2, seed: int = 0) 
 
     draw = random.Random(seed)
     opening = [{"role": "user", "content": f"{INSTRUCTION}\n\nYour first guess?"}]
-    prompt = tokenizer.apply_chat_template(opening, add_generation_prompt=True, tokenize=True,
-                                           return_dict=True)["input_ids"]  # fmt: skip
-    pieces = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    prompt = tokenizer.apply_chat_template(opening, add_generation_prompt=True, tokenize=True, return_dict=True)[
+        "input_ids"
+    ]
+
+    def pieces(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     for _ in range(steps):
@@ -97,8 +106,9 @@ def warm_up(model, tokenizer, steps: int = 40, lr: float = 1e-2, seed: int = 0) 
             ids, labels = list(prompt), [-100] * len(prompt)  # -100: no loss (the prompt, the game's feedback)
             for turn in range(draw.randrange(1, 4)):
                 if turn:
-                    feedback = pieces(f"\n<|im_start|>user\n{draw.choice(['higher', 'lower'])}<|im_end|>\n"
-                                      "<|im_start|>assistant\n")  # fmt: skip
+                    feedback = pieces(
+                        f"\n<|im_start|>user\n{draw.choice(['higher', 'lower'])}<|im_end|>\n<|im_start|>assistant\n"
+                    )
                     ids, labels = ids + feedback, labels + [-100] * len(feedback)
                 guess = pieces(f"guess {draw.randrange(10)}<|im_end|>")
                 ids, labels = ids + guess, labels + guess
@@ -116,8 +126,14 @@ def warm_up(model, tokenizer, steps: int = 40, lr: float = 1e-2, seed: int = 0) 
 
 def environment(url: str | None = None, seeds=range(64), rewards: str = "sum") -> OpenEnvEnvironment:
     """The game, served here on 127.0.0.1 (or reached at url), with the options this example trains with."""
-    options = dict(prompt=INSTRUCTION, seeds=seeds, parse_action=parse_guess, rewards=rewards, max_turns=3,
-                   invalid_action_reward=-1.0)  # fmt: skip
+    options = dict(
+        prompt=INSTRUCTION,
+        seeds=seeds,
+        parse_action=parse_guess,
+        rewards=rewards,
+        max_turns=3,
+        invalid_action_reward=-1.0,
+    )
     if url is not None:
         return OpenEnvEnvironment(url, action_class=GuessAction, **options)
     return OpenEnvEnvironment.serve(GuessingGame, GuessAction, GuessObservation, **options)
@@ -125,25 +141,39 @@ def environment(url: str | None = None, seeds=range(64), rewards: str = "sum") -
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tiny", action="store_true",
-                        help="A tiny offline model, first warmed up on the game's format (CPU-friendly).")
+    parser.add_argument(
+        "--tiny", action="store_true", help="A tiny offline model, first warmed up on the game's format (CPU-friendly)."
+    )
     parser.add_argument("--url", default=None, help="An OpenEnv server of the game (default: serve it here).")
     parser.add_argument("--max_steps", type=int, default=200)
-    parser.add_argument("--output_dir", default=None,
-                        help="Default: Qwen3-0.6B-GRPO-openenv; with --tiny, a folder in the temporary directory.")
+    parser.add_argument(
+        "--output_dir",
+        default=None,
+        help="Default: Qwen3-0.6B-GRPO-openenv; with --tiny, a folder in the temporary directory.",
+    )
     options = parser.parse_args()
     model, tokenizer = "Qwen/Qwen3-0.6B", None
-    args = GRPOConfig(output_dir=options.output_dir or "Qwen3-0.6B-GRPO-openenv", max_steps=options.max_steps,
-                      max_completion_length=256, chat_template_kwargs={"enable_thinking": False},
-                      logging_steps=10)  # fmt: skip
+    args = GRPOConfig(
+        output_dir=options.output_dir or "Qwen3-0.6B-GRPO-openenv",
+        max_steps=options.max_steps,
+        max_completion_length=256,
+        chat_template_kwargs={"enable_thinking": False},
+        logging_steps=10,
+    )
     if options.tiny:
         from grpokit.testing import tiny_output_dir
 
         model, tokenizer = tiny_model()
         warm_up(model, tokenizer)
-        args = GRPOConfig(output_dir=options.output_dir or tiny_output_dir("openenv_grpo"),
-                          max_steps=min(options.max_steps, 2), per_device_train_batch_size=8, num_generations=4,
-                          max_completion_length=48, logging_steps=1, save_strategy="no")  # fmt: skip
+        args = GRPOConfig(
+            output_dir=options.output_dir or tiny_output_dir("openenv_grpo"),
+            max_steps=min(options.max_steps, 2),
+            per_device_train_batch_size=8,
+            num_generations=4,
+            max_completion_length=48,
+            logging_steps=1,
+            save_strategy="no",
+        )
     with environment(options.url) as game:
         trainer = GRPOTrainer(model=model, args=args, processing_class=tokenizer, environment=game)
         trainer.train()

@@ -45,9 +45,12 @@ def accuracy(completions, answer, **kwargs):
 
 
 dataset = Dataset.from_list(
-    [{"prompt": [{"role": "user", "content": f"What is {a} multiplied by {b}?"}], "answer": a * b}
-     for a in range(3, 13) for b in range(7, 17)]
-)  # fmt: skip
+    [
+        {"prompt": [{"role": "user", "content": f"What is {a} multiplied by {b}?"}], "answer": a * b}
+        for a in range(3, 13)
+        for b in range(7, 17)
+    ]
+)
 
 
 def scripted_policy(tokenizer, seed: int = 0):
@@ -77,34 +80,59 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="A tiny offline model and a scripted policy (CPU).")
     parser.add_argument("--max_steps", type=int, default=-1)
-    parser.add_argument("--output_dir", default=None,
-                        help="Default: Qwen3-0.6B-GRPO-tools; with --tiny, a folder in the temporary directory.")
+    parser.add_argument(
+        "--output_dir",
+        default=None,
+        help="Default: Qwen3-0.6B-GRPO-tools; with --tiny, a folder in the temporary directory.",
+    )
     options = parser.parse_args()
     model, tokenizer, engine = "Qwen/Qwen3-0.6B", None, None
     output_dir = options.output_dir or "Qwen3-0.6B-GRPO-tools"
-    args = GRPOConfig(output_dir=output_dir, max_steps=options.max_steps, max_completion_length=512,
-                      max_tool_calling_iterations=4, logging_steps=10)  # fmt: skip
+    args = GRPOConfig(
+        output_dir=output_dir,
+        max_steps=options.max_steps,
+        max_completion_length=512,
+        max_tool_calling_iterations=4,
+        logging_steps=10,
+    )
     if options.tiny:
         from grpokit.testing import build_qwen_chat_tokenizer, build_tiny_model, tiny_output_dir
 
         tokenizer = build_qwen_chat_tokenizer(("multiply", "integer", "product"))
-        model = build_tiny_model(len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.pad_token_id, bos_token_id=None)  # fmt: skip
+        model = build_tiny_model(
+            len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None
+        )
         engine = scripted_policy(tokenizer)
         output_dir = options.output_dir or tiny_output_dir("tools_grpo")
-        args = GRPOConfig(output_dir=output_dir, max_steps=options.max_steps if options.max_steps > 0 else 10,
-                          per_device_train_batch_size=8, num_generations=4, max_completion_length=96,
-                          max_tool_calling_iterations=2, logging_steps=1, save_strategy="no")  # fmt: skip
-    trainer = GRPOTrainer(model=model, reward_funcs=accuracy, args=args, train_dataset=dataset,
-                          processing_class=tokenizer, tools=[multiply], rollout_engine=engine)  # fmt: skip
+        args = GRPOConfig(
+            output_dir=output_dir,
+            max_steps=options.max_steps if options.max_steps > 0 else 10,
+            per_device_train_batch_size=8,
+            num_generations=4,
+            max_completion_length=96,
+            max_tool_calling_iterations=2,
+            logging_steps=1,
+            save_strategy="no",
+        )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=accuracy,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        tools=[multiply],
+        rollout_engine=engine,
+    )
     trainer.train()
     from grpokit.report import reward_trend
 
     history = trainer.state.log_history
     calls = [record["tools/call_frequency"] for record in history if "tools/call_frequency" in record]
     scripted = " (a scripted policy: it does not learn)" if options.tiny else ""
-    print(f"{reward_trend(history)}{scripted}; {sum(calls) / max(len(calls), 1):.2f} tool calls per completion; "
-          f"output in {args.output_dir}")
+    print(
+        f"{reward_trend(history)}{scripted}; {sum(calls) / max(len(calls), 1):.2f} tool calls per completion; "
+        f"output in {args.output_dir}"
+    )
 
 
 if __name__ == "__main__":

@@ -35,8 +35,12 @@ def tiny_setup():
 
     letters = "abcdefgh"
     tokenizer = build_char_tokenizer(letters + ":")
-    model = build_tiny_model(len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)  # fmt: skip
+    model = build_tiny_model(
+        len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
     dataset = Dataset.from_list([{"prompt": f"{a}{b}:", "letter": a} for a in letters for b in letters])
     return model, tokenizer, dataset, repeat_letter
 
@@ -44,8 +48,9 @@ def tiny_setup():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="Qwen/Qwen2-0.5B-Instruct")
-    parser.add_argument("--output_dir", default=None,
-                        help="Default: Qwen2-0.5B-GRPO; with --tiny, a folder in the temporary directory.")
+    parser.add_argument(
+        "--output_dir", default=None, help="Default: Qwen2-0.5B-GRPO; with --tiny, a folder in the temporary directory."
+    )
     parser.add_argument("--tiny", action="store_true", help="A tiny offline model and task (CPU-friendly).")
     parser.add_argument("--max_steps", type=int, default=-1)
     options = parser.parse_args()
@@ -55,20 +60,29 @@ def main():
 
         model, tokenizer, dataset, reward = tiny_setup()
         output_dir = options.output_dir or tiny_output_dir("train_grpo")
-        training_args = GRPOConfig(output_dir=output_dir, per_device_train_batch_size=32, num_generations=8,
-                                   max_completion_length=2, learning_rate=2e-3, lr_scheduler_type="constant",
-                                   max_steps=options.max_steps if options.max_steps > 0 else 60, logging_steps=1,
-                                   save_steps=30)  # fmt: skip
+        training_args = GRPOConfig(
+            output_dir=output_dir,
+            per_device_train_batch_size=32,
+            num_generations=8,
+            max_completion_length=2,
+            learning_rate=2e-3,
+            lr_scheduler_type="constant",
+            max_steps=options.max_steps if options.max_steps > 0 else 60,
+            logging_steps=1,
+            save_steps=30,
+        )
     else:
         from datasets import load_dataset
 
         model, tokenizer = options.model, None
         dataset, reward = load_dataset("trl-lib/tldr", split="train"), reward_len
-        training_args = GRPOConfig(output_dir=options.output_dir or "Qwen2-0.5B-GRPO", logging_steps=10,
-                                   max_steps=options.max_steps)
+        training_args = GRPOConfig(
+            output_dir=options.output_dir or "Qwen2-0.5B-GRPO", logging_steps=10, max_steps=options.max_steps
+        )
 
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=training_args, train_dataset=dataset,
-                          processing_class=tokenizer)
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=reward, args=training_args, train_dataset=dataset, processing_class=tokenizer
+    )
     trainer.train()
     trainer.save_model()
     if trainer.accelerator.is_main_process:

@@ -47,8 +47,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="A tiny offline model (CPU-friendly; it will not learn).")
     parser.add_argument("--max_steps", type=int, default=-1)
-    parser.add_argument("--output_dir", default=None,
-                        help="Default: Qwen2.5-0.5B-GRPO-verifiers; with --tiny, a folder in the temporary directory.")
+    parser.add_argument(
+        "--output_dir",
+        default=None,
+        help="Default: Qwen2.5-0.5B-GRPO-verifiers; with --tiny, a folder in the temporary directory.",
+    )
     options = parser.parse_args()
     model, tokenizer = "Qwen/Qwen2.5-0.5B-Instruct", None
     output_dir = options.output_dir or "Qwen2.5-0.5B-GRPO-verifiers"
@@ -57,12 +60,19 @@ def main():
         from grpokit.testing import build_qwen_chat_tokenizer, build_tiny_model, tiny_output_dir
 
         tokenizer = build_qwen_chat_tokenizer(("What", "Answer", "number", "again"))
-        model = build_tiny_model(len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.pad_token_id, bos_token_id=None)  # fmt: skip
+        model = build_tiny_model(
+            len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None
+        )
         output_dir = options.output_dir or tiny_output_dir("verifiers_grpo")
-        args = GRPOConfig(output_dir=output_dir, max_steps=options.max_steps if options.max_steps > 0 else 2,
-                          per_device_train_batch_size=8, num_generations=4, max_completion_length=32,
-                          logging_steps=1, save_strategy="no")  # fmt: skip
+        args = GRPOConfig(
+            output_dir=output_dir,
+            max_steps=options.max_steps if options.max_steps > 0 else 2,
+            per_device_train_batch_size=8,
+            num_generations=4,
+            max_completion_length=32,
+            logging_steps=1,
+            save_strategy="no",
+        )
     trainer = GRPOTrainer(model=model, args=args, processing_class=tokenizer, environment=environment())
     trainer.train()
     from grpokit.report import reward_trend

@@ -28,8 +28,12 @@ DISTILLATION_JSON_PATH = JSON_PATH.with_name("trl_distillation_fields.json")
 RLOO_JSON_PATH = JSON_PATH.with_name("trl_rloo_fields.json")
 # And for `trl.experimental.async_grpo.AsyncGRPOConfig`, the TRL fields of grpokit.async_grpo.AsyncGRPOConfig.
 ASYNC_GRPO_JSON_PATH = JSON_PATH.with_name("trl_async_grpo_fields.json")
-JSON_PATHS = {"GRPOConfig": JSON_PATH, "DistillationConfig": DISTILLATION_JSON_PATH, "RLOOConfig": RLOO_JSON_PATH,
-              "AsyncGRPOConfig": ASYNC_GRPO_JSON_PATH}  # fmt: skip
+JSON_PATHS = {
+    "GRPOConfig": JSON_PATH,
+    "DistillationConfig": DISTILLATION_JSON_PATH,
+    "RLOOConfig": RLOO_JSON_PATH,
+    "AsyncGRPOConfig": ASYNC_GRPO_JSON_PATH,
+}
 # Where each config lives in trl (its top level unless named here).
 TRL_MODULES = {"AsyncGRPOConfig": "trl.experimental.async_grpo"}
 
@@ -67,8 +71,11 @@ def drift(committed: dict, installed: dict) -> list[str]:
     old, new = committed["fields"], installed["fields"]
     lines = [f"added: {name} (default {new[name]!r})" for name in new if name not in old]
     lines += [f"removed: {name}" for name in old if name not in new]
-    lines += [f"default changed: {name}: {old[name]!r} -> {new[name]!r}"
-              for name in new if name in old and old[name] != new[name]]  # fmt: skip
+    lines += [
+        f"default changed: {name}: {old[name]!r} -> {new[name]!r}"
+        for name in new
+        if name in old and old[name] != new[name]
+    ]
     return lines
 
 
@@ -82,8 +89,12 @@ def grpokit_default_differences(committed: dict, config: str = "GRPOConfig") -> 
     from grpokit.distillation_config import DistillationConfig
     from grpokit.rloo import RLOOConfig
 
-    classes = {"GRPOConfig": grpokit.GRPOConfig, "DistillationConfig": DistillationConfig, "RLOOConfig": RLOOConfig,
-               "AsyncGRPOConfig": AsyncGRPOConfig}  # fmt: skip
+    classes = {
+        "GRPOConfig": grpokit.GRPOConfig,
+        "DistillationConfig": DistillationConfig,
+        "RLOOConfig": RLOOConfig,
+        "AsyncGRPOConfig": AsyncGRPOConfig,
+    }
     specs = {spec.name: spec for spec in dataclasses.fields(classes[config]) if spec.init}
     # DistillationConfig, RLOOConfig and AsyncGRPOConfig keep every TRL default: no difference is deliberate there.
     allowed = TRL_DEFAULT_DIFFERENCES if config == "GRPOConfig" else {}
@@ -95,11 +106,17 @@ def grpokit_default_differences(committed: dict, config: str = "GRPOConfig") -> 
         default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
         if _jsonable(default) != trl_default:
             differing[name] = (default, trl_default)
-    lines = [f"grpokit default differs: {name}: TRL {trl!r}, grpokit {ours!r} (make it TRL's, or list it with its "
-             f"reason in grpokit.config.TRL_DEFAULT_DIFFERENCES)"
-             for name, (ours, trl) in differing.items() if name not in allowed]  # fmt: skip
-    lines += [f"listed as differing but equal to TRL's: {name}" for name in allowed
-              if name in committed["fields"] and name not in differing]  # fmt: skip
+    lines = [
+        f"grpokit default differs: {name}: TRL {trl!r}, grpokit {ours!r} (make it TRL's, or list it with its "
+        f"reason in grpokit.config.TRL_DEFAULT_DIFFERENCES)"
+        for name, (ours, trl) in differing.items()
+        if name not in allowed
+    ]
+    lines += [
+        f"listed as differing but equal to TRL's: {name}"
+        for name in allowed
+        if name in committed["fields"] and name not in differing
+    ]
     return lines
 
 
@@ -120,8 +137,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"versions: committed {committed['versions']}, installed {installed['versions']}")
         if lines:
             print("\n".join(lines))
-            print(f"{len(lines)} difference(s) in {path.name}: update grpokit's {config}, then run "
-                  "`python scripts/trl_fields.py`.")  # fmt: skip
+            print(
+                f"{len(lines)} difference(s) in {path.name}: update grpokit's {config}, then run "
+                "`python scripts/trl_fields.py`."
+            )
             status = 1
         else:
             print(f"No drift: {len(installed['fields'])} fields match {path.name}.")

@@ -13,10 +13,20 @@ from grpokit.testing import build_qwen_chat_tokenizer, build_tiny_model
 
 # Whole tokens of the test tokenizer besides the template's own: tool names, the lookup tool's schema line and the
 # fixed parts of a call, so that prompts and calls are a few tokens (a fast CPU test; the format is unchanged).
-WORDS = ("lookup", "key", "value", "slow", "broken", "answer", '\n{"name": "', '", "arguments": {"key": "', '"}}\n',
-         '{"type": "function", "function": {"name": "lookup", "description": "Look up the value stored under a key.", '
-         '"parameters": {"type": "object", "properties": {"key": {"type": "string", "description": "the key to look '
-         'up"}}, "required": ["key"]}, "return": {"type": "string"}}}')
+WORDS = (
+    "lookup",
+    "key",
+    "value",
+    "slow",
+    "broken",
+    "answer",
+    '\n{"name": "',
+    '", "arguments": {"key": "',
+    '"}}\n',
+    '{"type": "function", "function": {"name": "lookup", "description": "Look up the value stored under a key.", '
+    '"parameters": {"type": "object", "properties": {"key": {"type": "string", "description": "the key to look '
+    'up"}}, "required": ["key"]}, "return": {"type": "string"}}}',
+)
 _draw = random.Random(0)
 TABLE = {f"k{i}": f"v{_draw.randrange(10)}{_draw.randrange(10)}" for i in range(100)}  # only readable through lookup
 
@@ -33,9 +43,16 @@ def lookup(key: str) -> str:
 def tiny_agent_model(hidden_size: int = 32, seed: int = 0, num_layers: int = 2, **shape):
     """shape: more of build_tiny_model's arguments (vLLM's CPU attention needs num_heads=2 at hidden size 64)."""
     tokenizer = build_qwen_chat_tokenizer(WORDS)
-    model = build_tiny_model(len(tokenizer), hidden_size=hidden_size, num_layers=num_layers, seed=seed,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                             bos_token_id=None, **shape)  # fmt: skip
+    model = build_tiny_model(
+        len(tokenizer),
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        seed=seed,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        **shape,
+    )
     return model, tokenizer
 
 
@@ -62,12 +79,20 @@ def key_of(user_text: str) -> str:
 
 def transcript_ids(tokenizer, key: str, tools) -> tuple[list[int], list[int], int]:
     """The ideal rollout for a key: (prompt + call + tool result + answer ids, loss mask, prompt length)."""
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": f"key {key}"}], tools=tools,
-                                           add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"key {key}"}],
+        tools=tools,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+    )["input_ids"]
     ids, mask = list(prompt), [0] * len(prompt)
     suffix = "\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
-    for text, trained in ((call_text("lookup", {"key": key}), 1), (suffix.format(TABLE[key]), 0),
-                          (f"{TABLE[key]}<|im_end|>", 1)):
+    for text, trained in (
+        (call_text("lookup", {"key": key}), 1),
+        (suffix.format(TABLE[key]), 0),
+        (f"{TABLE[key]}<|im_end|>", 1),
+    ):
         part = tokenizer(text, add_special_tokens=False)["input_ids"]
         ids, mask = ids + part, mask + [trained] * len(part)
     return ids, mask, len(prompt)
@@ -102,9 +127,12 @@ def assert_sampled_logprobs_match_training(model, rollout) -> torch.Tensor:
     1e-5), and inserted tokens carry 0: the turns were sampled on exactly the context the trainer sees. Returns the
     training log-probs [N, T]."""
     with torch.no_grad():
-        training, _ = token_logprobs(model, torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
-                                     torch.cat([rollout.prompt_mask, rollout.attention_mask], 1),
-                                     rollout.completion_ids.shape[1])  # fmt: skip
+        training, _ = token_logprobs(
+            model,
+            torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
+            torch.cat([rollout.prompt_mask, rollout.attention_mask], 1),
+            rollout.completion_ids.shape[1],
+        )
     trained = rollout.loss_mask.bool()
     torch.testing.assert_close(rollout.sampling_logprobs[trained], training[trained], rtol=0, atol=1e-5)
     assert (rollout.sampling_logprobs[~trained] == 0).all()
@@ -147,12 +175,18 @@ class ForcedCallsEngine:
             return self.inner.generate(prompts, params, seed)
         from grpokit.rollout import ScriptedEngine
 
-        forced = ScriptedEngine(lambda ids, index: self.tokenizer(call_text(
-            "lookup", {"key": key_of(self.tokenizer.decode(ids))}), add_special_tokens=False)["input_ids"])
+        forced = ScriptedEngine(
+            lambda ids, index: self.tokenizer(
+                call_text("lookup", {"key": key_of(self.tokenizer.decode(ids))}), add_special_tokens=False
+            )["input_ids"]
+        )
         rollout = forced.generate(prompts, params, seed)
         with torch.no_grad():
-            logprobs, _ = token_logprobs(self.model, torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
-                                         torch.cat([rollout.prompt_mask, rollout.attention_mask], 1),
-                                         rollout.completion_ids.shape[1])  # fmt: skip
+            logprobs, _ = token_logprobs(
+                self.model,
+                torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
+                torch.cat([rollout.prompt_mask, rollout.attention_mask], 1),
+                rollout.completion_ids.shape[1],
+            )
         rollout.sampling_logprobs = logprobs * rollout.attention_mask
         return rollout

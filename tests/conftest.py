@@ -33,11 +33,15 @@ def pytest_addoption(parser):
 
 def pytest_sessionstart(session):
     if os.environ.get("GRPOKIT_REQUIRE_VERIFIERS") == "1" and importlib.util.find_spec("verifiers") is None:
-        raise pytest.UsageError("GRPOKIT_REQUIRE_VERIFIERS=1 but verifiers is not importable: the verifiers "
-                                "environment was not built (pip install 'grpokit[verifiers]'; .ci/run builds it).")
+        raise pytest.UsageError(
+            "GRPOKIT_REQUIRE_VERIFIERS=1 but verifiers is not importable: the verifiers "
+            "environment was not built (pip install 'grpokit[verifiers]'; .ci/run builds it)."
+        )
     if os.environ.get("GRPOKIT_REQUIRE_OPENENV") == "1" and importlib.util.find_spec("openenv") is None:
-        raise pytest.UsageError("GRPOKIT_REQUIRE_OPENENV=1 but openenv-core is not importable: the OpenEnv "
-                                "environment was not built (pip install 'grpokit[openenv]'; .ci/run builds it).")
+        raise pytest.UsageError(
+            "GRPOKIT_REQUIRE_OPENENV=1 but openenv-core is not importable: the OpenEnv "
+            "environment was not built (pip install 'grpokit[openenv]'; .ci/run builds it)."
+        )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -49,15 +53,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
         if "vllm" in item.keywords and importlib.util.find_spec("vllm") is None:
             if os.environ.get("GRPOKIT_REQUIRE_VLLM") == "1":
-                raise pytest.UsageError("GRPOKIT_REQUIRE_VLLM=1 but vllm is not importable: the vLLM environment "
-                                        "was not built (see the CPU recipe in docs/guides/vllm.md).")  # fmt: skip
+                raise pytest.UsageError(
+                    "GRPOKIT_REQUIRE_VLLM=1 but vllm is not importable: the vLLM environment "
+                    "was not built (see the CPU recipe in docs/guides/vllm.md)."
+                )
             item.add_marker(pytest.mark.skip(reason="needs vllm (docs/guides/vllm.md: CPU recipe; .ci/run builds it)"))
         if "verifiers_v1" in item.keywords and not has_verifiers_v1():
             if os.environ.get("GRPOKIT_REQUIRE_VERIFIERS_V1") == "1":
-                raise pytest.UsageError("GRPOKIT_REQUIRE_VERIFIERS_V1=1 but verifiers>=0.4 is not installed: the "
-                                        "verifiers-v1 environment was not built (.ci/run builds it).")  # fmt: skip
-            item.add_marker(pytest.mark.skip(reason="needs verifiers 0.4 (pip install grpokit[verifiers-v1] in an "
-                                                    "environment of its own; .ci/run builds it)"))  # fmt: skip
+                raise pytest.UsageError(
+                    "GRPOKIT_REQUIRE_VERIFIERS_V1=1 but verifiers>=0.4 is not installed: the "
+                    "verifiers-v1 environment was not built (.ci/run builds it)."
+                )
+            item.add_marker(
+                pytest.mark.skip(
+                    reason="needs verifiers 0.4 (pip install grpokit[verifiers-v1] in an "
+                    "environment of its own; .ci/run builds it)"
+                )
+            )
 
 
 def has_verifiers_v1() -> bool:

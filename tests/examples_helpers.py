@@ -26,8 +26,15 @@ def run_tiny_example(example: str, tmp_path: Path, max_steps: int | None = 1) ->
     # other for most of a step (an example's printed numbers are the same either way).
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(temporary), "OMP_NUM_THREADS": "1"}
     steps = [] if max_steps is None else ["--max_steps", str(max_steps)]
-    result = subprocess.run([sys.executable, str(EXAMPLES / f"{example}.py"), "--tiny", *steps],
-                            cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / f"{example}.py"), "--tiny", *steps],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert list(cwd.iterdir()) == []
     assert (tiny_output(example, tmp_path) / "grpo_config.json").is_file()

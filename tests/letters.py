@@ -17,9 +17,19 @@ def repeat_letter(completions, letter, **kwargs):
 
 
 def letter_config(tmp_path, **overrides) -> GRPOConfig:
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=64, num_generations=8,
-                  max_completion_length=2, learning_rate=1e-2, lr_scheduler_type="constant", max_steps=10,
-                  logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0)  # fmt: skip
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=64,
+        num_generations=8,
+        max_completion_length=2,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        max_steps=10,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
     return GRPOConfig(**{**values, **overrides})
 
 
@@ -28,6 +38,12 @@ def tiny_letter_model(hidden_size: int = 32, seed: int = 0):
     from grpokit.testing import build_char_tokenizer, build_tiny_model
 
     tokenizer = build_char_tokenizer(LETTERS + ":")
-    model = build_tiny_model(len(tokenizer), hidden_size=hidden_size, seed=seed, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
+    model = build_tiny_model(
+        len(tokenizer),
+        hidden_size=hidden_size,
+        seed=seed,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
     return model, tokenizer

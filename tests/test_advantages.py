@@ -286,8 +286,7 @@ def test_reinforce_pp_baseline_token_weighted():
     c = [0.5, -0.5, 0.0, 0.0]
     mean = (2 * 0.5 - 0.5) / 8  # 0.0625
     var = (2 * (0.5 - mean) ** 2 + (-0.5 - mean) ** 2 + 5 * mean**2) / 8
-    close(rpp(t64([1.0, 0.0, 3.0, 3.0]), 2, token_counts=counts), [(x - mean) / math.sqrt(var) for x in c],
-          atol=ATOL64)  # fmt: skip
+    close(rpp(t64([1.0, 0.0, 3.0, 3.0]), 2, token_counts=counts), [(x - mean) / math.sqrt(var) for x in c], atol=ATOL64)
     close(rpp(t64([1.0, 0.0, 3.0, 3.0]), 2, "none", token_counts=counts), [x - mean for x in c], atol=ATOL64)
 
 
@@ -351,12 +350,19 @@ def test_sum_then_normalize_other_estimators():
 
     scores, weights = scores64(), torch.tensor(WEIGHTS, dtype=F64)
     summed = weighted_reward_sum(scores, weights)
-    close(combine_and_normalize(scores, WEIGHTS, 2, estimator="rloo", scale_rewards="none"),
-          rloo_advantages(summed, 2, "none"), atol=0)  # fmt: skip
+    close(
+        combine_and_normalize(scores, WEIGHTS, 2, estimator="rloo", scale_rewards="none"),
+        rloo_advantages(summed, 2, "none"),
+        atol=0,
+    )
     counts = torch.tensor([3, 1, 2, 2, 5, 4])
-    close(combine_and_normalize(scores, WEIGHTS, 2, estimator="reinforce_pp_baseline", scale_rewards="batch",
-                                token_counts=counts),
-          reinforce_pp_baseline_advantages(summed, 2, "batch", token_counts=counts), atol=0)  # fmt: skip
+    close(
+        combine_and_normalize(
+            scores, WEIGHTS, 2, estimator="reinforce_pp_baseline", scale_rewards="batch", token_counts=counts
+        ),
+        reinforce_pp_baseline_advantages(summed, 2, "batch", token_counts=counts),
+        atol=0,
+    )
 
 
 def test_normalize_then_sum_by_hand():
@@ -374,8 +380,9 @@ def test_normalize_then_sum_by_hand():
     std = math.sqrt(sum((r - mean) ** 2 for r in valid) / (len(valid) - 1))
     expected = [0.0 if r is None else (r - mean) / (std + EPS) for r in summed]
     for scale in ("group", "batch", "none"):  # not used here, as in TRL
-        out = combine_and_normalize(scores64(), WEIGHTS, 2, scale_rewards=scale,
-                                    multi_objective_aggregation="normalize_then_sum")  # fmt: skip
+        out = combine_and_normalize(
+            scores64(), WEIGHTS, 2, scale_rewards=scale, multi_objective_aggregation="normalize_then_sum"
+        )
         close(out, expected, atol=ATOL64)
 
 

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from agents_helpers import TABLE, call_text, key_of, lookup, tiny_agent_model, tool_call_script
+
 from grpokit.agents import Agents, EnvironmentPool, ToolRunner, ToolStats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,8 +26,9 @@ class FakeAccelerator:  # ToolStats.metrics needs only these in one process
 def params(tokenizer, max_new_tokens=64):
     from grpokit.rollout import SamplingParams
 
-    return SamplingParams(max_new_tokens=max_new_tokens, eos_token_ids=(tokenizer.eos_token_id,),
-                          pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    return SamplingParams(
+        max_new_tokens=max_new_tokens, eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id
+    )
 
 
 @pytest.fixture
@@ -119,8 +120,13 @@ def test_the_process_exits_promptly_with_tools_that_never_return(tmp_path):
         print("ran", time.monotonic(), flush=True)
     ''')
     (tmp_path / "hang.py").write_text(script)
-    process = subprocess.Popen([sys.executable, "-W", "ignore", str(tmp_path / "hang.py")], cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-W", "ignore", str(tmp_path / "hang.py")],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         stdout, stderr = process.communicate(timeout=120)  # imports on a loaded machine; a hang is forever
     except subprocess.TimeoutExpired:
@@ -166,8 +172,9 @@ def test_a_long_result_is_cut_before_tokenizing_and_counted():
     _, tokenizer = tiny_agent_model()
     runner = Agents(tokenizer, tools=[huge, lookup], max_completion_length=2000, max_tool_output_chars=300)
     turns = {"k1": call_text("huge", {"key": "k1"}), "k2": call_text("lookup", {"key": "k2"})}
-    engine = tool_call_script(tokenizer, lambda user, results, index: turns[key_of(user)] if not results
-                              else "answer<|im_end|>")  # fmt: skip
+    engine = tool_call_script(
+        tokenizer, lambda user, results, index: turns[key_of(user)] if not results else "answer<|im_end|>"
+    )
     rows = [{"prompt": [{"role": "user", "content": f"key {k}"}]} for k in turns]
     _, completions = runner.rollout(engine, rows, params(tokenizer, 2000), seed=0)
     assert completions[0][1]["content"] == "x" * 300 + "\n[... 4999700 more characters cut: max_tool_output_chars=300]"
@@ -178,7 +185,7 @@ def test_a_long_result_is_cut_before_tokenizing_and_counted():
 
 def test_peak_memory_stays_bounded_with_a_5_mb_tool_result(tmp_path):
     """In a process of its own, so that its peak resident memory is this rollout's."""
-    script = textwrap.dedent('''
+    script = textwrap.dedent("""
         import json, resource, sys
         sys.path.insert(0, "tests")
         from agents_helpers import call_text, tiny_agent_model, tool_call_script
@@ -194,10 +201,15 @@ def test_peak_memory_stays_bounded_with_a_5_mb_tool_result(tmp_path):
         runner.rollout(engine, rows * 4, params(tokenizer), seed=1)
         after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         print(json.dumps({"grown_mb": (after - before) / 1024, **runner.metrics(FakeAccelerator())}))
-    ''')
+    """)
     (tmp_path / "memory.py").write_text(script)
-    done = subprocess.run([sys.executable, "-W", "ignore", str(tmp_path / "memory.py")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", str(tmp_path / "memory.py")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.splitlines()[-1])
     # Tokenizing the whole 5 MB would take ~2 GB (and ~15 s); cut at 100,000 characters it stays under 150 MB.
@@ -233,12 +245,16 @@ def test_a_timed_out_environment_call_never_scores_another_rollout():
     pool = EnvironmentPool(Switch)
     runner = Agents(tokenizer, environments=pool, tool_timeout=0.2, max_completion_length=256)
     reward = pool.reward_functions()[0]
-    turns = {"slow": call_text("press", {"delay": 0.8}), "quick": call_text("press", {"delay": 0.0}),
-             "none": "no button<|im_end|>"}  # fmt: skip
+    turns = {
+        "slow": call_text("press", {"delay": 0.8}),
+        "quick": call_text("press", {"delay": 0.0}),
+        "none": "no button<|im_end|>",
+    }
 
     def rollout(*kinds, seed):
-        engine = tool_call_script(tokenizer, lambda user, results, index: turns[user] if not results
-                                  else "done<|im_end|>")  # fmt: skip
+        engine = tool_call_script(
+            tokenizer, lambda user, results, index: turns[user] if not results else "done<|im_end|>"
+        )
         rows = [{"prompt": [{"role": "user", "content": kind}]} for kind in kinds]
         return runner.rollout(engine, rows, params(tokenizer), seed=seed)[0].extra["environments"]
 
@@ -264,6 +280,9 @@ def test_an_environment_whose_reset_raises_is_named_with_its_row():
     runner = Agents(tokenizer, environments=EnvironmentPool(Broken), max_completion_length=64)
     engine = tool_call_script(tokenizer, lambda user, results, index: "done<|im_end|>")
     rows = [{"prompt": [{"role": "user", "content": f"level {level}"}], "level": level} for level in (1, 3)]
-    with pytest.raises(RuntimeError, match=r"The environment Broken's reset\(\) raised KeyError: 'level 3 is "
-                                           r"missing' \(row 1 of this generation's 2, columns \['level', 'prompt'\]"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"The environment Broken's reset\(\) raised KeyError: 'level 3 is "
+        r"missing' \(row 1 of this generation's 2, columns \['level', 'prompt'\]",
+    ):
         runner.rollout(engine, rows, params(tokenizer), seed=0)

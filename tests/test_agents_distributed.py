@@ -8,7 +8,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from test_distributed import free_port, load, max_difference, run_in_this_process, run_launcher
 
 TESTS = str(Path(__file__).resolve().parent)
@@ -94,13 +93,27 @@ def test_two_processes_make_the_update_of_one_from_multi_turn_rollouts(tmp_path)
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir(), two.mkdir()
     script, spec = write(two, {"out": str(two), "batch": 4})
-    run_launcher([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                  "127.0.0.1", "--master_port", str(free_port()), script, spec],
-                 env={"PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])})
+    run_launcher(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            script,
+            spec,
+        ],
+        env={"PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])},
+    )
     # the single-process reference runs the same script in this process
     run_in_this_process(one, {"out": str(one), "batch": 8}, script=SCRIPT)
-    reference, rank0, rank1 = (load(path) for path in (one / "weights_0.pt", two / "weights_0.pt",
-                                                       two / "weights_1.pt"))  # fmt: skip
+    reference, rank0, rank1 = (
+        load(path) for path in (one / "weights_0.pt", two / "weights_0.pt", two / "weights_1.pt")
+    )
     from agents_helpers import tiny_agent_model
 
     initial = tiny_agent_model()[0].state_dict()
@@ -108,7 +121,15 @@ def test_two_processes_make_the_update_of_one_from_multi_turn_rollouts(tmp_path)
     assert moved > 1e-2
     assert max_difference(rank0["weights"], rank1["weights"]) == 0.0
     assert max_difference(rank0["weights"], reference["weights"]) < 1e-5 * moved
-    for name in ("loss", "reward", "tools/call_frequency", "tools/failure_frequency", "tools/lookup/call_frequency",
-                 "tools/note/call_frequency", "rewards/Scratchpad/mean", "rewards/correct/mean"):  # fmt: skip
+    for name in (
+        "loss",
+        "reward",
+        "tools/call_frequency",
+        "tools/failure_frequency",
+        "tools/lookup/call_frequency",
+        "tools/note/call_frequency",
+        "rewards/Scratchpad/mean",
+        "rewards/correct/mean",
+    ):
         assert rank0["log"][name] == pytest.approx(reference["log"][name], abs=1e-6), name
     assert reference["log"]["tools/call_frequency"] == 0.75 and reference["log"]["rewards/Scratchpad/mean"] == 0.25

@@ -13,9 +13,9 @@ a shared 2-core machine. Other model seeds (standalone runs of the same recipe):
 import random
 
 import pytest
+from agents_helpers import TABLE, lookup, tiny_agent_model, warm_up
 from datasets import Dataset
 
-from agents_helpers import TABLE, lookup, tiny_agent_model, warm_up
 from grpokit import GRPOConfig, GRPOTrainer
 
 KEYS = [f"k{i}" for i in range(100)]
@@ -52,13 +52,32 @@ def dataset(keys, with_prompt=True):
 def learn(tmp_path, **agent):
     model, tokenizer = tiny_agent_model(hidden_size=64)
     environment = "environment_factory" in agent
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=32, num_generations=8,
-                      max_completion_length=48, max_steps=200, learning_rate=1e-3, lr_scheduler_type="constant",
-                      logging_steps=1, save_strategy="no", disable_tqdm=True, report_to="none", seed=0,
-                      num_generations_eval=4, per_device_eval_batch_size=120, max_tool_calling_iterations=2)
-    trainer = GRPOTrainer(model=model, reward_funcs=answered, args=args, processing_class=tokenizer,
-                          train_dataset=dataset(TRAIN_KEYS, with_prompt=not environment),
-                          eval_dataset=dataset(HELD_OUT_KEYS, with_prompt=not environment), **agent)  # fmt: skip
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=32,
+        num_generations=8,
+        max_completion_length=48,
+        max_steps=200,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        report_to="none",
+        seed=0,
+        num_generations_eval=4,
+        per_device_eval_batch_size=120,
+        max_tool_calling_iterations=2,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=answered,
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=dataset(TRAIN_KEYS, with_prompt=not environment),
+        eval_dataset=dataset(HELD_OUT_KEYS, with_prompt=not environment),
+        **agent,
+    )
     for chunk in range(200):  # warm up, 5 steps at a time, until the held-out reward first reaches 0.1
         warm_up(trainer.unwrapped_model, tokenizer, TRAIN_KEYS, steps=5, seed=chunk)
         before = trainer.evaluate()["eval/reward"]
@@ -66,8 +85,10 @@ def learn(tmp_path, **agent):
             break
     trainer.train()
     after = trainer.evaluate()
-    print(f"warm-up steps {5 * (chunk + 1)}, held-out reward {before:.3f} -> {after['eval/reward']:.3f}, "
-          f"tool calls per completion {after['eval/tools/call_frequency']:.2f}")
+    print(
+        f"warm-up steps {5 * (chunk + 1)}, held-out reward {before:.3f} -> {after['eval/reward']:.3f}, "
+        f"tool calls per completion {after['eval/tools/call_frequency']:.2f}"
+    )
     return before, after
 
 

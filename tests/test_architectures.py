@@ -48,7 +48,7 @@ ARCHITECTURES = {
     "gpt_oss": Architecture("gpt_oss", ROUTER_LOGITS, True, False, False, (SLIDING, PRE)),
     # NemotronH: a Mamba-2 block (its state is no key/value cache), an attention block and a MoE block.
     "nemotron_h": Architecture("nemotron_h", {}, True, False, True, ("LinearAttentionLayer", PRE, "DummyLayer")),
-}  # fmt: skip
+}
 NAMES = sorted(ARCHITECTURES)
 
 
@@ -84,11 +84,24 @@ def test_two_grpo_steps_through_the_trl_style_trainer(name, tmp_path):
     def count_a(completions, **kwargs):
         return [float(c.count("a")) for c in completions]
 
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                      max_prompt_length=8, max_completion_length=6, learning_rate=1e-2, beta=0.04, max_steps=2,
-                      logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0, report_to="none")  # fmt: skip
-    trainer = GRPOTrainer(model=model, reward_funcs=count_a, args=args, train_dataset=dataset,
-                          processing_class=tokenizer)  # fmt: skip
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_prompt_length=8,
+        max_completion_length=6,
+        learning_rate=1e-2,
+        beta=0.04,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        report_to="none",
+    )
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=count_a, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
     trainer.train()
 
     logs = [log for log in trainer.state.log_history if "loss" in log]
@@ -121,15 +134,24 @@ def test_sampling_logprobs_are_the_training_forwards(name):
     model = tiny_model(name)
     prompt_ids, prompt_mask = grouped_prompts()
     router_logits = []  # what the model's forwards returned as router logits while sampling
-    hook = model.register_forward_hook(lambda module, args, out: router_logits.append(getattr(out, "router_logits",
-                                                                                               None)))  # fmt: skip
+    hook = model.register_forward_hook(
+        lambda module, args, out: router_logits.append(getattr(out, "router_logits", None))
+    )
     try:
-        rollout = generate(model, prompt_ids, prompt_mask, PARAMS, generator=torch.Generator().manual_seed(2),
-                           num_generations=2)  # fmt: skip
+        rollout = generate(
+            model, prompt_ids, prompt_mask, PARAMS, generator=torch.Generator().manual_seed(2), num_generations=2
+        )
     finally:
         hook.remove()
-    plain = generate(model, prompt_ids, prompt_mask, PARAMS, generator=torch.Generator().manual_seed(2),
-                     num_generations=2, use_cache=False)  # fmt: skip
+    plain = generate(
+        model,
+        prompt_ids,
+        prompt_mask,
+        PARAMS,
+        generator=torch.Generator().manual_seed(2),
+        num_generations=2,
+        use_cache=False,
+    )
     assert torch.equal(rollout.completion_ids, plain.completion_ids)
     assert (rollout.sampling_logprobs - plain.sampling_logprobs).abs().max() <= LOGPROB_ATOL
     assert rollout.lengths.min() < rollout.lengths.max()  # rows left the decode batch at different steps
@@ -160,8 +182,9 @@ def test_each_fast_path_is_taken_or_refused_as_intended(name, monkeypatch):
 
     query_lengths = []
     original = fast.one_token_attention_forward
-    monkeypatch.setattr(fast, "one_token_attention_forward",
-                        lambda *a, **k: query_lengths.append(a[1].shape[2]) or original(*a, **k))  # fmt: skip
+    monkeypatch.setattr(
+        fast, "one_token_attention_forward", lambda *a, **k: query_lengths.append(a[1].shape[2]) or original(*a, **k)
+    )
     fast._register_one_token_attention.cache_clear()  # registers the spy
     try:
         prompt_ids, prompt_mask = grouped_prompts()
@@ -184,5 +207,6 @@ def test_a_window_as_long_as_the_rollout_is_preallocated(name):
 
 def test_soft_capped_gemma3_logits_take_the_plain_head():
     assert supports_chunked_head(tiny_model("gemma3_text"))
-    assert not supports_chunked_head(build_tiny_model_of_type("gemma3_text", vocab_size=64,
-                                                              final_logit_softcapping=30.0))  # fmt: skip
+    assert not supports_chunked_head(
+        build_tiny_model_of_type("gemma3_text", vocab_size=64, final_logit_softcapping=30.0)
+    )

@@ -30,8 +30,9 @@ def test_staleness_zero_is_the_synchronous_loop_bitwise(tmp_path, case):
     if CPU in PINNED_BY_CPU:
         assert asynchronous == PINNED_BY_CPU[CPU][case]
     steps = [r for r in trainer.state.log_history if "sample/staleness_max" in r]
-    assert len(steps) == 3 and all(r["sample/staleness_max"] == 0 and r["sample/dropped_stale_total"] == 0
-                                   for r in steps)  # fmt: skip
+    assert len(steps) == 3 and all(
+        r["sample/staleness_max"] == 0 and r["sample/dropped_stale_total"] == 0 for r in steps
+    )
 
 
 @pytest.mark.parametrize("schedule", ["exact", "latest"])
@@ -84,11 +85,25 @@ class FlakyEngine:
 
 def flaky_trainer(tmp_path, engine, eval_dataset=None, **overrides):
     model, tokenizer = tiny_letter_model()
-    values = dict(per_device_train_batch_size=16, num_generations=4, max_steps=4, save_strategy="steps", save_steps=1,
-                  max_staleness=0, report_to="none", beta=0.04)  # fmt: skip
-    return GRPOTrainer(model=model, reward_funcs=repeat_letter, args=letter_config(tmp_path, **{**values, **overrides}),
-                       train_dataset=letter_dataset(), processing_class=tokenizer, rollout_engine=engine,
-                       eval_dataset=eval_dataset)  # fmt: skip
+    values = dict(
+        per_device_train_batch_size=16,
+        num_generations=4,
+        max_steps=4,
+        save_strategy="steps",
+        save_steps=1,
+        max_staleness=0,
+        report_to="none",
+        beta=0.04,
+    )
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=repeat_letter,
+        args=letter_config(tmp_path, **{**values, **overrides}),
+        train_dataset=letter_dataset(),
+        processing_class=tokenizer,
+        rollout_engine=engine,
+        eval_dataset=eval_dataset,
+    )
 
 
 @pytest.mark.parametrize("schedule", ["exact", "latest"])
@@ -98,8 +113,10 @@ def test_a_failing_producer_stops_the_run_and_a_resumed_run_is_bitwise_the_unint
     broken = flaky_trainer(tmp_path / "broken", FlakyEngine(fail_at=3), async_schedule=schedule)
     with pytest.raises(RuntimeError, match="The generation producer failed: ConnectionError: the engine went away"):
         broken.train()
-    assert sorted(p.name for p in (tmp_path / "broken" / "out").glob("checkpoint-*")) == ["checkpoint-1",
-                                                                                           "checkpoint-2"]
+    assert sorted(p.name for p in (tmp_path / "broken" / "out").glob("checkpoint-*")) == [
+        "checkpoint-1",
+        "checkpoint-2",
+    ]
     resumed = flaky_trainer(tmp_path / "broken", FlakyEngine(), async_schedule=schedule)
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 4 and weights(resumed) == weights(uninterrupted)
@@ -108,17 +125,20 @@ def test_a_failing_producer_stops_the_run_and_a_resumed_run_is_bitwise_the_unint
 def test_a_hung_producer_is_detected_within_the_heartbeat(tmp_path):
     trainer = flaky_trainer(tmp_path, FlakyEngine(fail_at=2, hang=True), heartbeat_stale_after_s=1.0)
     started = time.monotonic()
-    with pytest.raises(TimeoutError, match="heartbeat_stale_after_s=1.0"):
+    with pytest.raises(TimeoutError, match=r"heartbeat_stale_after_s=1.0"):
         trainer.train()
     assert time.monotonic() - started < 20
     assert (tmp_path / "out" / "checkpoint-1").is_dir()
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(num_iterations=2), "one optimizer step per generation batch"),
-    (dict(steps_per_generation=2), "one optimizer step per generation batch"),
-    (dict(max_staleness=2, sync_ref_model=True), "sync_ref_model"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(num_iterations=2), "one optimizer step per generation batch"),
+        (dict(steps_per_generation=2), "one optimizer step per generation batch"),
+        (dict(max_staleness=2, sync_ref_model=True), "sync_ref_model"),
+    ],
+)
 def test_what_asynchronous_generation_does_not_support_is_refused_by_name(tmp_path, overrides, message):
     with pytest.raises(NotImplementedError, match=message):
         flaky_trainer(tmp_path, FlakyEngine(), **{"max_staleness": 1, **overrides})
@@ -139,19 +159,23 @@ def test_zero3_is_refused_and_fsdp2_only_where_it_cannot_run():
     # FSDP2 runs (tests/test_async_distributed.py), but not with what needs a sharded model's forwards or timing.
     check_async(args, num_processes=2, sharded=True)
     with pytest.raises(NotImplementedError, match="async_schedule='latest' with a sharded model"):
-        check_async(GRPOConfig(max_staleness=1, async_schedule="latest", report_to="none"), num_processes=1,
-                    sharded=True)  # fmt: skip
+        check_async(
+            GRPOConfig(max_staleness=1, async_schedule="latest", report_to="none"), num_processes=1, sharded=True
+        )
     with_reference = GRPOConfig(max_staleness=1, beta=0.04, report_to="none")
     with pytest.raises(NotImplementedError, match="the reference model is sharded too"):
         check_async(with_reference, num_processes=2, sharded=True)
     check_async(with_reference, num_processes=2, sharded=True, lora=True)  # LoRA's reference: the adapter off
 
 
-@pytest.mark.parametrize("overrides, shared_engine, message", [
-    (dict(async_schedule="latest"), False, "async_schedule='latest' with several training processes"),
-    (dict(use_vllm=True, vllm_mode="colocate"), True, "vllm_mode='colocate' and several training processes"),
-    (dict(eval_strategy="steps"), True, "the run could hang. Set eval_strategy='no'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides, shared_engine, message",
+    [
+        (dict(async_schedule="latest"), False, "async_schedule='latest' with several training processes"),
+        (dict(use_vllm=True, vllm_mode="colocate"), True, "vllm_mode='colocate' and several training processes"),
+        (dict(eval_strategy="steps"), True, "the run could hang. Set eval_strategy='no'"),
+    ],
+)
 def test_what_several_processes_cannot_do_asynchronously_is_refused_by_name(overrides, shared_engine, message):
     from grpokit.producer import check_async
 
@@ -185,10 +209,22 @@ def test_an_iterable_dataset_at_staleness_zero_is_the_synchronous_loop_bitwise_a
 
     def trainer_for(directory, **overrides):
         model, tokenizer = tiny_letter_model()
-        values = dict(per_device_train_batch_size=16, num_generations=4, max_steps=4, report_to="none",
-                      accelerator_config={"dispatch_batches": False}, save_strategy="steps", save_steps=2)
-        return GRPOTrainer(model=model, reward_funcs=repeat_letter, train_dataset=stream(), processing_class=tokenizer,
-                           args=letter_config(directory, **{**values, **overrides}))  # fmt: skip
+        values = dict(
+            per_device_train_batch_size=16,
+            num_generations=4,
+            max_steps=4,
+            report_to="none",
+            accelerator_config={"dispatch_batches": False},
+            save_strategy="steps",
+            save_steps=2,
+        )
+        return GRPOTrainer(
+            model=model,
+            reward_funcs=repeat_letter,
+            train_dataset=stream(),
+            processing_class=tokenizer,
+            args=letter_config(directory, **{**values, **overrides}),
+        )
 
     synchronous, asynchronous = trainer_for(tmp_path / "sync"), trainer_for(tmp_path / "k0", max_staleness=0)
     synchronous.train()
@@ -209,8 +245,13 @@ def test_with_staleness_one_the_letter_task_learns_as_the_synchronous_loop_does(
     for name, overrides in (("sync", {}), ("async", {"max_staleness": 1})):
         model, tokenizer = tiny_letter_model()
         args = letter_config(tmp_path / name, max_steps=80, report_to="none", **overrides)
-        trainer = GRPOTrainer(model=model, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset(),
-                              processing_class=tokenizer)  # fmt: skip
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=repeat_letter,
+            args=args,
+            train_dataset=letter_dataset(),
+            processing_class=tokenizer,
+        )
         trainer.train()
         rewards = [r["reward"] for r in trainer.state.log_history if "reward" in r]
         curves[name] = [sum(rewards[i - 8 : i]) / 8 for i in range(8, len(rewards) + 1)]
@@ -246,9 +287,18 @@ def test_evaluation_leases_the_producers_engine(tmp_path):
     calls overlap, the producer's calls sample its copy of the policy and evaluation's the trained weights, also
     right after an evaluation moved the engine to them."""
     engine = RecordingEngine()
-    trainer = flaky_trainer(tmp_path, engine, max_staleness=1, max_steps=6, save_strategy="no", eval_strategy="steps",
-                            eval_steps=1, num_generations_eval=4, per_device_eval_batch_size=16,
-                            eval_dataset=letter_dataset(1))  # fmt: skip
+    trainer = flaky_trainer(
+        tmp_path,
+        engine,
+        max_staleness=1,
+        max_steps=6,
+        save_strategy="no",
+        eval_strategy="steps",
+        eval_steps=1,
+        num_generations_eval=4,
+        per_device_eval_batch_size=16,
+        eval_dataset=letter_dataset(1),
+    )
     trainer.train()
     live = trainer.unwrapped_model
     producer = [model for thread, model in engine.sampled if thread == "grpokit-producer"]

@@ -23,8 +23,14 @@ from grpokit.testing import save_tiny_model
 
 # 12 completions per process, 24 in all: 3 prompts of G=8, the second one's group spanning the processes (8 + 4 | 4
 # + 8); one optimizer step per generation batch, as asynchronous generation needs.
-RUN = dict(per_device_train_batch_size=12, num_generations=8, learning_rate=1e-2, max_steps=6,
-           save_strategy="steps", save_steps=1)  # fmt: skip
+RUN = dict(
+    per_device_train_batch_size=12,
+    num_generations=8,
+    learning_rate=1e-2,
+    max_steps=6,
+    save_strategy="steps",
+    save_steps=1,
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +43,13 @@ def runs(model_dir, tmp_path_factory):
     """One torchrun launch, three jobs in the same two processes: synchronous, max_staleness=0, max_staleness=1."""
     directory = tmp_path_factory.mktemp("async2")
     jobs = {"sync": {}, "k0": {"max_staleness": 0}, "k1": {"max_staleness": 1}}
-    launch(directory, *(dict(job="train", model=model_dir, out=str(directory / name), config={**RUN, **extra},
-                             tiebreak=0.01) for name, extra in jobs.items()))  # fmt: skip
+    launch(
+        directory,
+        *(
+            dict(job="train", model=model_dir, out=str(directory / name), config={**RUN, **extra}, tiebreak=0.01)
+            for name, extra in jobs.items()
+        ),
+    )
     return directory
 
 
@@ -66,8 +77,7 @@ def test_staleness_one_in_two_processes_keeps_ranks_identical_and_every_batch_on
 
 def test_each_process_scores_its_share_and_advantages_use_the_whole_group_across_processes(runs):
     out = runs / "k1"
-    calls = [[json.loads(line) for line in (out / f"rewards_{rank}.jsonl").read_text().splitlines()]
-             for rank in (0, 1)]  # fmt: skip
+    calls = [[json.loads(line) for line in (out / f"rewards_{rank}.jsonl").read_text().splitlines()] for rank in (0, 1)]
     batches = [load(out / f"final_{rank}.pt")["batches"] for rank in (0, 1)]
     # 6 batches trained; the producers may have sampled one more ahead before training stopped.
     assert len(batches[0]) == len(batches[1]) == 6 and len(calls[0]) == len(calls[1]) >= 6
@@ -85,13 +95,20 @@ def test_each_process_scores_its_share_and_advantages_use_the_whole_group_across
     assert torch.tensor(spanning).std() > 0  # the spanning groups' advantages are not trivially zero
 
 
-def test_a_two_process_asynchronous_run_resumed_from_a_checkpoint_ends_on_the_unbroken_runs_weights(runs, model_dir,
-                                                                                                   tmp_path):  # fmt: skip
+def test_a_two_process_asynchronous_run_resumed_from_a_checkpoint_ends_on_the_unbroken_runs_weights(
+    runs, model_dir, tmp_path
+):
     # checkpoint-3 holds, on each process, the batch sampled ahead by version 3 - 1 = 2 (the weights it no longer has).
     saved = torch.load(runs / "k1" / "checkpoint-3" / "generation_state.pt", weights_only=False)
     assert [[b["index"] for b in p["in_flight"]] for p in saved["processes"]] == [[3], [3]]
-    spec = dict(job="train", model=model_dir, out=str(tmp_path / "out"), config={**RUN, "max_staleness": 1},
-                tiebreak=0.01, resume=str(runs / "k1" / "checkpoint-3"))  # fmt: skip
+    spec = dict(
+        job="train",
+        model=model_dir,
+        out=str(tmp_path / "out"),
+        config={**RUN, "max_staleness": 1},
+        tiebreak=0.01,
+        resume=str(runs / "k1" / "checkpoint-3"),
+    )
     launch(tmp_path, spec)
     for rank in (0, 1):
         resumed, unbroken = load(tmp_path / "out" / f"final_{rank}.pt"), load(runs / "k1" / f"final_{rank}.pt")
@@ -105,8 +122,14 @@ def fsdp2_runs(model_dir, tmp_path_factory):
     """k=0 and k=1 under FSDP2 (parameters sharded over the two processes)."""
     directory = tmp_path_factory.mktemp("async_fsdp2")
     jobs = {"k0": {"max_staleness": 0}, "k1": {"max_staleness": 1}}
-    launch(directory, *(dict(job="train", model=model_dir, out=str(directory / name), config={**RUN, **extra},
-                             tiebreak=0.01) for name, extra in jobs.items()), env=FSDP2)  # fmt: skip
+    launch(
+        directory,
+        *(
+            dict(job="train", model=model_dir, out=str(directory / name), config={**RUN, **extra}, tiebreak=0.01)
+            for name, extra in jobs.items()
+        ),
+        env=FSDP2,
+    )
     return directory
 
 
@@ -120,7 +143,8 @@ def test_under_fsdp2_the_producers_sample_gathered_weights_as_ddps_do(fsdp2_runs
         assert fsdp2["distributed_type"] == "FSDP" and fsdp2["global_step"] == 6
         assert [e["sample/staleness_max"] for e in fsdp2["log_history"]] == [0] + [int(name[1])] * 5
         assert [e["reward"] for e in fsdp2["log_history"]] == pytest.approx(
-            [e["reward"] for e in ddp["log_history"]], abs=1e-6)  # fmt: skip
+            [e["reward"] for e in ddp["log_history"]], abs=1e-6
+        )
         assert max_difference(fsdp2["weights"], ddp["weights"]) < 1e-4
     k1, sync = load(fsdp2_runs / "k1" / "final_0.pt"), load(runs / "sync" / "final_0.pt")
     assert max_difference(k1["weights"], sync["weights"]) > 1e-4  # one version stale: another run
@@ -130,14 +154,18 @@ def test_under_zero2_the_optimizer_step_inside_backward_is_under_the_weights_loc
     # DeepSpeed's engine steps inside the window's last backward: that backward runs under the weights' lock, so the
     # producers copy whole versions. k=1 gives the run DDP's k=1 gives, up to the rounding of DeepSpeed's reduction.
     pytest.importorskip("deepspeed")
-    launch(tmp_path, dict(job="train", model=model_dir, out=str(tmp_path / "k1"), config={**RUN, "max_staleness": 1},
-                          tiebreak=0.01), env=DEEPSPEED_ZERO2)  # fmt: skip
+    launch(
+        tmp_path,
+        dict(job="train", model=model_dir, out=str(tmp_path / "k1"), config={**RUN, "max_staleness": 1}, tiebreak=0.01),
+        env=DEEPSPEED_ZERO2,
+    )
     zero2, ddp = load(tmp_path / "k1" / "final_0.pt"), load(runs / "k1" / "final_0.pt")
     assert zero2["distributed_type"] == "DEEPSPEED" and zero2["global_step"] == 6
     assert max_difference(zero2["weights"], load(tmp_path / "k1" / "final_1.pt")["weights"]) == 0.0
     assert [e["sample/staleness_max"] for e in zero2["log_history"]] == [0, 1, 1, 1, 1, 1]
-    assert [e["reward"] for e in zero2["log_history"]] == pytest.approx([e["reward"] for e in ddp["log_history"]],
-                                                                        abs=1e-6)  # fmt: skip
+    assert [e["reward"] for e in zero2["log_history"]] == pytest.approx(
+        [e["reward"] for e in ddp["log_history"]], abs=1e-6
+    )
     assert max_difference(zero2["weights"], ddp["weights"]) < 1e-4
 
 
@@ -170,12 +198,26 @@ FAILING = textwrap.dedent(
 
 
 def test_a_producer_failing_on_one_process_stops_every_process_with_its_cause_and_the_checkpoint_resumes(
-        model_dir, tmp_path):  # fmt: skip
+    model_dir, tmp_path
+):
     script, out = write_script(tmp_path, FAILING), tmp_path / "out"
 
     def torchrun(*extra):
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                   "127.0.0.1", "--master_port", str(free_port()), script, model_dir, str(out), *extra]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            script,
+            model_dir,
+            str(out),
+            *extra,
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, check=False)
 
@@ -183,8 +225,10 @@ def test_a_producer_failing_on_one_process_stops_every_process_with_its_cause_an
     assert failed.returncode != 0
     # Rank 1's fourth batch failed: its trainer stopped with the cause; rank 0's producer, whose gathers lost rank 1,
     # points at it rather than at its own broken connection.
-    assert "[rank1]: RuntimeError: The generation producer failed: RewardFunctionError: Reward function 'reward' " \
-           "raised ValueError: the grader's database went away" in failed.stderr  # fmt: skip
+    assert (
+        "[rank1]: RuntimeError: The generation producer failed: RewardFunctionError: Reward function 'reward' "
+        "raised ValueError: the grader's database went away" in failed.stderr
+    )
     rank0 = [line for line in failed.stderr.splitlines() if line.startswith("[rank0]: RuntimeError: The generation")]
     assert all("another process stopped, and its error above is the cause" in line for line in rank0)
     checkpoints = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
@@ -200,8 +244,15 @@ def test_a_producer_failing_on_one_process_stops_every_process_with_its_cause_an
 def test_two_processes_with_max_staleness_learn_as_the_synchronous_two_process_run(model_dir, tmp_path):
     # test_distributed.test_two_processes_learn's task and budget ("repeat the prompt's first letter", 2 x 32
     # completions per step, 80 steps), one version stale: the reward rises as it does there.
-    config = dict(per_device_train_batch_size=32, num_generations=8, learning_rate=1e-2, max_steps=80,
-                  logging_steps=5, save_strategy="no", max_staleness=1)  # fmt: skip
+    config = dict(
+        per_device_train_batch_size=32,
+        num_generations=8,
+        learning_rate=1e-2,
+        max_steps=80,
+        logging_steps=5,
+        save_strategy="no",
+        max_staleness=1,
+    )
     launch(tmp_path, dict(job="train", model=model_dir, out=str(tmp_path / "out"), config=config, tiebreak=0.0))
     rank0, rank1 = load(tmp_path / "out" / "final_0.pt"), load(tmp_path / "out" / "final_1.pt")
     rewards = [entry["reward"] for entry in rank0["log_history"]]

@@ -26,15 +26,18 @@ def weights(trainer) -> str:
     return digest(dict(trainer.unwrapped_model.state_dict()))
 
 
-@pytest.mark.parametrize("every, staleness, expected", [
-    (1, 0, [0, 1, 2, 3, 4, 5]),  # the synchronous loop
-    (1, 1, [0, 0, 1, 2, 3, 4]),
-    (1, 2, [0, 0, 0, 1, 2, 3]),
-    (2, 2, [0, 0, 0, 2, 2, 4]),  # copies every weight_sync_steps versions, within the bound
-    (2, 3, [0, 0, 0, 0, 2, 2]),
-    (2, 1, [0, 0, 1, 2, 3, 4]),  # every 2 steps cannot keep a bound of 1 without waits: the bound wins
-    (3, 1, [0, 0, 1, 2, 3, 4]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "every, staleness, expected",
+    [
+        (1, 0, [0, 1, 2, 3, 4, 5]),  # the synchronous loop
+        (1, 1, [0, 0, 1, 2, 3, 4]),
+        (1, 2, [0, 0, 0, 1, 2, 3]),
+        (2, 2, [0, 0, 0, 2, 2, 4]),  # copies every weight_sync_steps versions, within the bound
+        (2, 3, [0, 0, 0, 0, 2, 2]),
+        (2, 1, [0, 0, 1, 2, 3, 4]),  # every 2 steps cannot keep a bound of 1 without waits: the bound wins
+        (3, 1, [0, 0, 1, 2, 3, 4]),
+    ],
+)
 def test_the_schedule_names_each_batchs_version(every, staleness, expected):
     versions = [scheduled_version(batch, staleness, every) for batch in range(6)]
     assert versions == expected
@@ -68,12 +71,19 @@ class SlowSteps(TrainerCallback):
 
 def timed_run(tmp_path, engine_delay: float, step_delay: float, **overrides):
     model, tokenizer = tiny_letter_model()
-    values = dict(per_device_train_batch_size=16, num_generations=4, max_steps=6, max_staleness=2, report_to="none",
-                  beta=0.04)  # fmt: skip
+    values = dict(
+        per_device_train_batch_size=16, num_generations=4, max_steps=6, max_staleness=2, report_to="none", beta=0.04
+    )
     args = letter_config(tmp_path, **{**values, **overrides})
-    trainer = GRPOTrainer(model=model, reward_funcs=repeat_letter, args=args,
-                          train_dataset=letter_dataset(), processing_class=tokenizer,
-                          rollout_engine=SlowEngine(engine_delay), callbacks=[SlowSteps(step_delay)])  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=repeat_letter,
+        args=args,
+        train_dataset=letter_dataset(),
+        processing_class=tokenizer,
+        rollout_engine=SlowEngine(engine_delay),
+        callbacks=[SlowSteps(step_delay)],
+    )
     trainer.train()
     staleness = [r["sample/staleness_max"] for r in trainer.state.log_history if "sample/staleness_max" in r]
     return trainer, staleness
@@ -108,8 +118,12 @@ def child(tmp_path: Path, staleness: int, *resume: str) -> subprocess.Popen:
     script = tmp_path / "child.py"
     script.write_text(textwrap.dedent(CHILD))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
-    return subprocess.Popen([sys.executable, str(script), str(tmp_path), str(staleness), *resume], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), str(staleness), *resume],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def final_weights(output_dir: Path) -> str:

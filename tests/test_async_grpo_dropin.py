@@ -16,16 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from letters import LETTERS, letter_dataset, repeat_letter, tiny_letter_model
+from test_rloo import defaults
+from test_vllm_client import served, stand_in_server
 
 from grpokit import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOConfig
 from grpokit.async_grpo import ASYNC_FIELDS
 from grpokit.build import build_vllm_engine
 from grpokit.rollout.vllm_client import VLLMServerEngine
 from grpokit.testing import build_tiny_model, save_tiny_model
-
-from letters import LETTERS, letter_dataset, repeat_letter, tiny_letter_model
-from test_rloo import defaults
-from test_vllm_client import served, stand_in_server
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = json.loads(files("grpokit").joinpath("trl_async_grpo_fields.json").read_text())
@@ -55,12 +54,21 @@ def test_every_trl_field_is_a_field_with_trls_default():
     def plain(value):  # transformers' enums (SchedulerType, ...) as their values
         return value.value if isinstance(value, enum.Enum) else value
 
-    differing = {name: (getattr(built, name), plain(getattr(built_trl, name))) for name in own
-                 if plain(getattr(built, name)) != plain(getattr(built_trl, name))}  # fmt: skip
+    differing = {
+        name: (getattr(built, name), plain(getattr(built_trl, name)))
+        for name in own
+        if plain(getattr(built, name)) != plain(getattr(built_trl, name))
+    }
     assert differing == {"top_k": (None, 0)}  # GRPOConfig reads top_k 0 as None: both mean no top-k filtering
-    assert (built.max_staleness, built.logging_steps, built.lr_scheduler_type, built.max_completion_length,
-            built.ignore_data_skip, built.vllm_server_base_url, built.bf16) == (
-        4, 1, "constant", 2048, True, "http://localhost:8000", True)  # fmt: skip
+    assert (
+        built.max_staleness,
+        built.logging_steps,
+        built.lr_scheduler_type,
+        built.max_completion_length,
+        built.ignore_data_skip,
+        built.vllm_server_base_url,
+        built.bf16,
+    ) == (4, 1, "constant", 2048, True, "http://localhost:8000", True)
 
 
 def test_the_fields_grpoconfig_lacks_are_declared_here_and_the_shared_ones_keep_grpoconfigs_meaning():
@@ -77,12 +85,15 @@ def test_the_fields_grpoconfig_lacks_are_declared_here_and_the_shared_ones_keep_
     assert (config.beta, config.loss_type, config.num_iterations) == (0.0, "dapo", 1)  # TRL's async loss
 
 
-@pytest.mark.parametrize("values, error, message", [
-    ({"token_budget": 4096}, NotImplementedError, "token_budget=4096: grpokit micro-batches by count"),
-    ({"dtype": "float64"}, ValueError, "dtype='float64' is not one of"),
-    ({"max_inflight_tasks": 0}, ValueError, "max_inflight_tasks=0: give a positive count"),
-    ({"request_timeout": 0}, ValueError, "request_timeout=0 and weight_sync_timeout=1800 must be positive"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "values, error, message",
+    [
+        ({"token_budget": 4096}, NotImplementedError, "token_budget=4096: grpokit micro-batches by count"),
+        ({"dtype": "float64"}, ValueError, "dtype='float64' is not one of"),
+        ({"max_inflight_tasks": 0}, ValueError, "max_inflight_tasks=0: give a positive count"),
+        ({"request_timeout": 0}, ValueError, "request_timeout=0 and weight_sync_timeout=1800 must be positive"),
+    ],
+)
 def test_values_grpokit_cannot_honour_are_refused_by_name(values, error, message):
     with pytest.raises(error, match=message):
         AsyncGRPOConfig(**values)
@@ -127,11 +138,39 @@ def test_a_trl_async_script_runs_with_only_the_import_changed(tmp_path, monkeypa
     changed = [line for old, line in zip(TRL_ASYNC_SCRIPT.splitlines(), script.splitlines()) if old != line]
     assert changed == ["from grpokit import AsyncGRPOConfig, AsyncGRPOTrainer"]
     (tmp_path / "train_async_grpo.py").write_text(script)
-    monkeypatch.setattr(sys, "argv", [
-        "train_async_grpo.py", "--output_dir", str(tmp_path / "out"), "--use_vllm", "false", "--bf16", "false",
-        "--per_device_train_batch_size", "16", "--num_generations", "4", "--max_completion_length", "2",
-        "--max_steps", "4", "--max_staleness", "1", "--learning_rate", "1e-2", "--save_strategy", "no",
-        "--report_to", "none", "--disable_tqdm", "true", "--model_name_or_path", str(model_dir)])  # fmt: skip
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "train_async_grpo.py",
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--use_vllm",
+            "false",
+            "--bf16",
+            "false",
+            "--per_device_train_batch_size",
+            "16",
+            "--num_generations",
+            "4",
+            "--max_completion_length",
+            "2",
+            "--max_steps",
+            "4",
+            "--max_staleness",
+            "1",
+            "--learning_rate",
+            "1e-2",
+            "--save_strategy",
+            "no",
+            "--report_to",
+            "none",
+            "--disable_tqdm",
+            "true",
+            "--model_name_or_path",
+            str(model_dir),
+        ],
+    )
     trainer = runpy.run_path(str(tmp_path / "train_async_grpo.py"), run_name="__main__")["trainer"]
     args = trainer.args
     assert isinstance(trainer, AsyncGRPOTrainer) and trainer.state.global_step == 4
@@ -166,8 +205,13 @@ def test_trainer_arguments_are_trls_and_its_plug_ins_are_refused_by_name(tmp_pat
     with pytest.raises(TypeError, match="AsyncGRPOTrainer takes an AsyncGRPOConfig"):
         AsyncGRPOTrainer(model, repeat_letter, GRPOConfig(), letter_dataset(), tokenizer)
     with pytest.raises(ValueError, match=r"dtype='bfloat16' applies when the model is loaded from a path"):
-        AsyncGRPOTrainer(model, repeat_letter, AsyncGRPOConfig(output_dir=str(tmp_path), use_vllm=False,
-                                                               dtype="bfloat16"), letter_dataset(), tokenizer)
+        AsyncGRPOTrainer(
+            model,
+            repeat_letter,
+            AsyncGRPOConfig(output_dir=str(tmp_path), use_vllm=False, dtype="bfloat16"),
+            letter_dataset(),
+            tokenizer,
+        )
 
 
 # ---------------------------------------------------------------------------------------- the vLLM server
@@ -179,9 +223,20 @@ def test_the_default_backend_is_the_vllm_server_at_the_base_url_with_trls_timeou
         engine = build_vllm_engine(model, AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url=url))
         assert isinstance(engine, VLLMServerEngine) and engine.base_url == url
         assert (engine.timeout, engine.request_timeout, engine.weight_sync_timeout) == (
-            240.0, (600, "request_timeout"), (1800, "weight_sync_timeout"))  # fmt: skip
-        plain = build_vllm_engine(model, GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="server",
-                                                     vllm_server_base_url=url, vllm_server_timeout=30))  # fmt: skip
+            240.0,
+            (600, "request_timeout"),
+            (1800, "weight_sync_timeout"),
+        )
+        plain = build_vllm_engine(
+            model,
+            GRPOConfig(
+                output_dir=str(tmp_path),
+                use_vllm=True,
+                vllm_mode="server",
+                vllm_server_base_url=url,
+                vllm_server_timeout=30,
+            ),
+        )
         assert plain.request_timeout == plain.weight_sync_timeout == (30, "vllm_server_timeout")  # as before
 
 
@@ -204,26 +259,43 @@ def test_with_no_server_it_says_at_once_that_it_waits_for_what_and_both_ways_out
     logging.getLogger("grpokit").addHandler(handler)
     model, tokenizer = tiny_letter_model()
     try:
-        with pytest.raises(ConnectionError, match=r"after 3 s \(vllm_server_timeout\): start one with `grpokit "
-                                                  rf"vllm-serve --model MODEL_DIR --port {port}`.* or sample in this "
-                                                  r"process instead with use_vllm=False"):  # fmt: skip
-            AsyncGRPOTrainer(model, repeat_letter, AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_timeout=3,
-                                                                   max_completion_length=8,
-                                                                   vllm_server_base_url=f"http://127.0.0.1:{port}"),
-                             letter_dataset(), tokenizer)  # fmt: skip
+        with pytest.raises(
+            ConnectionError,
+            match=r"after 3 s \(vllm_server_timeout\): start one with `grpokit "
+            rf"vllm-serve --model MODEL_DIR --port {port}`.* or sample in this "
+            r"process instead with use_vllm=False",
+        ):
+            AsyncGRPOTrainer(
+                model,
+                repeat_letter,
+                AsyncGRPOConfig(
+                    output_dir=str(tmp_path),
+                    vllm_server_timeout=3,
+                    max_completion_length=8,
+                    vllm_server_base_url=f"http://127.0.0.1:{port}",
+                ),
+                letter_dataset(),
+                tokenizer,
+            )
     finally:
         logging.getLogger("grpokit").removeHandler(handler)
-    (when, message), = [(when, message) for when, message in said if "Waiting" in message]
+    ((when, message),) = [(when, message) for when, message in said if "Waiting" in message]
     assert when - started < 3  # (the model is built first; the first refused connection is said at once)
-    assert message == (f"Waiting up to 3 s (vllm_server_timeout) for a vLLM server at http://127.0.0.1:{port} "
-                       "(use_vllm=True, vllm_mode='server'): none answers yet. Either start one with `grpokit "
-                       f"vllm-serve --model MODEL_DIR --port {port}` (or check vllm_server_base_url / "
-                       "vllm_server_host / vllm_server_port), or sample in this process instead with use_vllm=False.")
+    assert message == (
+        f"Waiting up to 3 s (vllm_server_timeout) for a vLLM server at http://127.0.0.1:{port} "
+        "(use_vllm=True, vllm_mode='server'): none answers yet. Either start one with `grpokit "
+        f"vllm-serve --model MODEL_DIR --port {port}` (or check vllm_server_base_url / "
+        "vllm_server_host / vllm_server_port), or sample in this process instead with use_vllm=False."
+    )
 
 
 def test_a_model_object_in_the_configs_dtype_is_taken(tmp_path):
     model, tokenizer = tiny_letter_model()
-    trainer = AsyncGRPOTrainer(model, repeat_letter, AsyncGRPOConfig(output_dir=str(tmp_path), use_vllm=False,
-                                                                     max_completion_length=2, report_to="none"),
-                               letter_dataset(), tokenizer)  # fmt: skip
+    trainer = AsyncGRPOTrainer(
+        model,
+        repeat_letter,
+        AsyncGRPOConfig(output_dir=str(tmp_path), use_vllm=False, max_completion_length=2, report_to="none"),
+        letter_dataset(),
+        tokenizer,
+    )
     assert trainer.args.model_init_kwargs is None and next(trainer.unwrapped_model.parameters()).dtype == torch.float32

@@ -10,15 +10,14 @@ import time
 
 import pytest
 import torch
-from datasets import Dataset
-
 from agents_helpers import TABLE, call_text, key_of, tiny_agent_model, tool_call_script
 from agents_helpers import lookup as agents_lookup
+from datasets import Dataset
+from letters import letter_config, letter_dataset, repeat_letter, tiny_letter_model
+
 from grpokit import GRPOConfig, GRPOTrainer
 from grpokit.rollout.process_engine import EngineProcessDied
 from grpokit.state import TrainerCallback
-
-from letters import letter_config, letter_dataset, repeat_letter, tiny_letter_model
 
 RELEASE = threading.Event()
 ROWS = [{"prompt": [{"role": "user", "content": f"key k{i}"}], "key": f"k{i}"} for i in range(6)]  # k0 first
@@ -26,10 +25,23 @@ ROWS = [{"prompt": [{"role": "user", "content": f"key k{i}"}], "key": f"k{i}"} f
 
 def streaming_config(tmp_path, **overrides) -> GRPOConfig:
     """Batches of two groups of two, prompts in order, up to four groups in flight one version ahead."""
-    values = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=3,
-                  max_completion_length=64, learning_rate=1e-3, logging_steps=1, save_strategy="no",
-                  disable_tqdm=True, report_to="none", seed=0, shuffle_dataset=False, max_staleness=1,
-                  max_inflight_tasks=8, tool_timeout=60)  # fmt: skip
+    values = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_steps=3,
+        max_completion_length=64,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        report_to="none",
+        seed=0,
+        shuffle_dataset=False,
+        max_staleness=1,
+        max_inflight_tasks=8,
+        tool_timeout=60,
+    )
     return GRPOConfig(**{**values, **overrides})
 
 
@@ -59,8 +71,12 @@ def test_a_hanging_tool_call_holds_back_its_own_group_not_the_batch(tmp_path):
     step 3's batch, two versions after it started: past max_staleness=1, so it is dropped and counted."""
     RELEASE.clear()
     model, tokenizer = tiny_agent_model()
-    engine = tool_call_script(tokenizer, lambda user, results, index: f"{results[-1]}<|im_end|>" if results else
-                              call_text("lookup", {"key": key_of(user)}))  # fmt: skip
+    engine = tool_call_script(
+        tokenizer,
+        lambda user, results, index: (
+            f"{results[-1]}<|im_end|>" if results else call_text("lookup", {"key": key_of(user)})
+        ),
+    )
     scored = []
 
     def found(completions, key, **kwargs):
@@ -68,9 +84,16 @@ def test_a_hanging_tool_call_holds_back_its_own_group_not_the_batch(tmp_path):
         return [float(TABLE[k] in str(c[-1]["content"])) for c, k in zip(completions, key)]
 
     args = streaming_config(tmp_path)
-    trainer = GRPOTrainer(model=model, reward_funcs=found, args=args, train_dataset=Dataset.from_list(ROWS),
-                          processing_class=tokenizer, tools=[lookup], rollout_engine=engine,
-                          callbacks=[ReleaseAt(2)])  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=found,
+        args=args,
+        train_dataset=Dataset.from_list(ROWS),
+        processing_class=tokenizer,
+        tools=[lookup],
+        rollout_engine=engine,
+        callbacks=[ReleaseAt(2)],
+    )
     try:
         trainer.train()
     finally:
@@ -90,13 +113,23 @@ def test_groups_in_flight_when_a_checkpoint_is_written_are_sampled_again_after_r
     """The checkpoint of step 1 records k0 (in flight, hung) as requeued: a resumed run draws it first."""
     RELEASE.clear()
     model, tokenizer = tiny_agent_model()
-    engine = tool_call_script(tokenizer, lambda user, results, index: f"{results[-1]}<|im_end|>" if results else
-                              call_text("lookup", {"key": key_of(user)}))  # fmt: skip
+    engine = tool_call_script(
+        tokenizer,
+        lambda user, results, index: (
+            f"{results[-1]}<|im_end|>" if results else call_text("lookup", {"key": key_of(user)})
+        ),
+    )
     values = {"max_steps": 1, "save_strategy": "steps", "save_steps": 1}
     reward = lambda completions, **kwargs: [0.0] * len(completions)  # noqa: E731
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=streaming_config(tmp_path, **values),
-                          train_dataset=Dataset.from_list(ROWS), processing_class=tokenizer, tools=[lookup],
-                          rollout_engine=engine)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=streaming_config(tmp_path, **values),
+        train_dataset=Dataset.from_list(ROWS),
+        processing_class=tokenizer,
+        tools=[lookup],
+        rollout_engine=engine,
+    )
     try:
         trainer.train()
     finally:
@@ -107,10 +140,15 @@ def test_groups_in_flight_when_a_checkpoint_is_written_are_sampled_again_after_r
         scored.append(list(key))
         return [0.0] * len(completions)
 
-    resumed = GRPOTrainer(model=tiny_agent_model()[0], reward_funcs=recording,
-                          args=streaming_config(tmp_path, **{**values, "max_steps": 2, "max_staleness": None}),
-                          train_dataset=Dataset.from_list(ROWS), processing_class=tokenizer, tools=[lookup],
-                          rollout_engine=engine)  # fmt: skip
+    resumed = GRPOTrainer(
+        model=tiny_agent_model()[0],
+        reward_funcs=recording,
+        args=streaming_config(tmp_path, **{**values, "max_steps": 2, "max_staleness": None}),
+        train_dataset=Dataset.from_list(ROWS),
+        processing_class=tokenizer,
+        tools=[lookup],
+        rollout_engine=engine,
+    )
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
     # Step 1 trained two of k1..k4 (the first two groups to finish); step 2 starts with k0, then what was in flight.
     assert scored[0][:2] == ["k0", "k0"], scored
@@ -128,16 +166,32 @@ class KillEngineAt(TrainerCallback):
 def test_a_killed_engine_process_stops_the_run_with_a_message_and_the_checkpoint_resumes(tmp_path):
     def trainer_for(directory, **overrides):
         model, tokenizer = tiny_letter_model()
-        args = letter_config(directory, per_device_train_batch_size=16, num_generations=4, max_steps=4,
-                             save_strategy="steps", save_steps=1, max_staleness=1, report_to="none",
-                             **overrides)  # fmt: skip
-        return GRPOTrainer(model=model, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset(),
-                           processing_class=tokenizer)  # fmt: skip
+        args = letter_config(
+            directory,
+            per_device_train_batch_size=16,
+            num_generations=4,
+            max_steps=4,
+            save_strategy="steps",
+            save_steps=1,
+            max_staleness=1,
+            report_to="none",
+            **overrides,
+        )
+        return GRPOTrainer(
+            model=model,
+            reward_funcs=repeat_letter,
+            args=args,
+            train_dataset=letter_dataset(),
+            processing_class=tokenizer,
+        )
 
     trainer = trainer_for(tmp_path)
     trainer.add_callback(KillEngineAt(trainer, 2))
-    with pytest.raises(RuntimeError, match=r"The generation producer failed: EngineProcessDied: The engine process "
-                                           r"\(pid \d+\) killed by SIGKILL") as raised:  # fmt: skip
+    with pytest.raises(
+        RuntimeError,
+        match=r"The generation producer failed: EngineProcessDied: The engine process "
+        r"\(pid \d+\) killed by SIGKILL",
+    ) as raised:
         trainer.train()
     assert isinstance(raised.value.__cause__, EngineProcessDied)
     checkpoints = sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*"))
@@ -181,12 +235,23 @@ class Locker:
 def test_environments_are_streamed_too_each_rollout_with_its_own_instance(tmp_path):
     RELEASE.clear()
     model, tokenizer = tiny_agent_model()
-    engine = tool_call_script(tokenizer, lambda user, results, index: f"{results[-1]}<|im_end|>" if results else
-                              call_text("read", {"key": key_of(user)}))  # fmt: skip
+    engine = tool_call_script(
+        tokenizer,
+        lambda user, results, index: (
+            f"{results[-1]}<|im_end|>" if results else call_text("read", {"key": key_of(user)})
+        ),
+    )
     args = streaming_config(tmp_path)
     Locker.built = 0
-    trainer = GRPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(ROWS), processing_class=tokenizer,
-                          environment_factory=Locker, rollout_engine=engine, callbacks=[ReleaseAt(2)])  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(ROWS),
+        processing_class=tokenizer,
+        environment_factory=Locker,
+        rollout_engine=engine,
+        callbacks=[ReleaseAt(2)],
+    )
     try:
         trainer.train()
     finally:
@@ -222,8 +287,12 @@ class HangingEngine:
 
 
 def answer_after_lookup(tokenizer):
-    return tool_call_script(tokenizer, lambda user, results, index: f"{results[-1]}<|im_end|>" if results else
-                            call_text("lookup", {"key": key_of(user)}))  # fmt: skip
+    return tool_call_script(
+        tokenizer,
+        lambda user, results, index: (
+            f"{results[-1]}<|im_end|>" if results else call_text("lookup", {"key": key_of(user)})
+        ),
+    )
 
 
 def test_a_hung_engine_call_stops_the_run_within_the_heartbeat_not_when_the_call_returns(tmp_path):
@@ -233,8 +302,15 @@ def test_a_hung_engine_call_stops_the_run_within_the_heartbeat_not_when_the_call
     model, tokenizer = tiny_agent_model()
     engine = HangingEngine(answer_after_lookup(tokenizer), hang_at=3)
     args = streaming_config(tmp_path, max_steps=6, heartbeat_stale_after_s=3, max_inflight_tasks=4)
-    trainer = GRPOTrainer(model=model, reward_funcs=repeat_found, args=args, train_dataset=Dataset.from_list(ROWS * 4),
-                          processing_class=tokenizer, tools=[agents_lookup], rollout_engine=engine)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=repeat_found,
+        args=args,
+        train_dataset=Dataset.from_list(ROWS * 4),
+        processing_class=tokenizer,
+        tools=[agents_lookup],
+        rollout_engine=engine,
+    )
     try:
         with pytest.raises(TimeoutError, match="no progress for"):
             trainer.train()
@@ -261,9 +337,15 @@ def test_a_pool_of_hung_groups_is_reported_within_the_heartbeat(tmp_path):
 
     model, tokenizer = tiny_agent_model()
     args = streaming_config(tmp_path, max_steps=4, heartbeat_stale_after_s=3)
-    trainer = GRPOTrainer(model=model, reward_funcs=repeat_found, args=args, train_dataset=Dataset.from_list(ROWS),
-                          processing_class=tokenizer, tools=[lookup],
-                          rollout_engine=answer_after_lookup(tokenizer))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=repeat_found,
+        args=args,
+        train_dataset=Dataset.from_list(ROWS),
+        processing_class=tokenizer,
+        tools=[lookup],
+        rollout_engine=answer_after_lookup(tokenizer),
+    )
     started = time.monotonic()
     try:
         with pytest.raises(TimeoutError, match="no progress for"):
@@ -290,9 +372,8 @@ def test_copies_are_labelled_with_the_version_of_the_weights_they_copied(tmp_pat
         max_staleness, weight_sync_steps, queue_maxsize, generation_batch_per_process = 1, 1, 1, 1
 
     producer = Producer(Args(), maker=None, policy=policy, copy=copy, sync=sync, sampler=None, generation=0)
-    with sync.step():  # the trainer's optimizer step
-        with torch.no_grad():
-            policy.weight.add_(1.0)
+    with sync.step(), torch.no_grad():  # the trainer's optimizer step
+        policy.weight.add_(1.0)
     producer._take_weights(due=2)  # before the trainer's bookkeeping and callbacks end (sync.stepped())
     assert torch.equal(copy.weight, policy.weight) and producer.weights_version == 1
     sync.stepped()
@@ -318,9 +399,15 @@ def test_drops_do_not_switch_the_overlap_off(tmp_path, caplog):
     rows = [{"prompt": [{"role": "user", "content": f"key k{i}"}], "key": f"k{i}"} for i in range(60)]
     model, tokenizer = tiny_agent_model()
     args = streaming_config(tmp_path, max_steps=12, max_inflight_tasks=8)
-    trainer = GRPOTrainer(model=model, reward_funcs=repeat_found, args=args, train_dataset=Dataset.from_list(rows),
-                          processing_class=tokenizer, tools=[lookup],
-                          rollout_engine=answer_after_lookup(tokenizer))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=repeat_found,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        tools=[lookup],
+        rollout_engine=answer_after_lookup(tokenizer),
+    )
     with caplog.at_level("WARNING", logger="grpokit"):
         trainer.train()
     steps = [r for r in trainer.state.log_history if "loss" in r]
@@ -412,11 +499,19 @@ def test_streamed_groups_sample_the_copy_and_evaluation_leases_the_engine(tmp_pa
     samples the trained weights, and the copy goes back in before the producer's next call."""
     model, tokenizer = tiny_agent_model()
     engine = RecordingScript(answer_after_lookup(tokenizer))
-    args = streaming_config(tmp_path, max_steps=4, eval_strategy="steps", eval_steps=1, num_generations_eval=2,
-                            per_device_eval_batch_size=4)  # fmt: skip
-    trainer = GRPOTrainer(model=model, reward_funcs=repeat_found, args=args, train_dataset=Dataset.from_list(ROWS * 3),
-                          eval_dataset=Dataset.from_list(ROWS[:2]), processing_class=tokenizer,
-                          tools=[agents_lookup], rollout_engine=engine)  # fmt: skip
+    args = streaming_config(
+        tmp_path, max_steps=4, eval_strategy="steps", eval_steps=1, num_generations_eval=2, per_device_eval_batch_size=4
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=repeat_found,
+        args=args,
+        train_dataset=Dataset.from_list(ROWS * 3),
+        eval_dataset=Dataset.from_list(ROWS[:2]),
+        processing_class=tokenizer,
+        tools=[agents_lookup],
+        rollout_engine=engine,
+    )
     trainer.train()
     live, main = trainer.unwrapped_model, threading.main_thread().name
     evaluation = [m for thread, m in engine.sampled if thread == main]
@@ -447,8 +542,9 @@ class BehaviourRecorder:
         out = self.engine.generate(prompts, params, seed)
         batch = TrainBatch.from_rollout(out, torch.zeros(len(out.lengths)))
         with torch.no_grad():
-            logprobs, _ = token_logprobs(self.model, batch.input_ids, batch.input_mask, batch.completion_ids.shape[1],
-                                         params.temperature)  # fmt: skip
+            logprobs, _ = token_logprobs(
+                self.model, batch.input_ids, batch.input_mask, batch.completion_ids.shape[1], params.temperature
+            )
         for row, length in enumerate(out.lengths.tolist()):
             context = out.prompt_ids[row][out.prompt_mask[row].bool()].tolist()
             turn = out.completion_ids[row, :length].tolist()
@@ -479,13 +575,24 @@ def test_streamed_turns_are_trained_with_the_log_probs_they_were_sampled_with(tm
         return [float("!" not in str(c[-1]["content"])) for c in completions]
 
     model, tokenizer = tiny_agent_model()
-    script = tool_call_script(tokenizer, lambda user, results, index: f"{results[-1]}{'!' * index}<|im_end|>"
-                              if results else call_text("lookup", {"key": key_of(user)}))  # fmt: skip
+    script = tool_call_script(
+        tokenizer,
+        lambda user, results, index: (
+            f"{results[-1]}{'!' * index}<|im_end|>" if results else call_text("lookup", {"key": key_of(user)})
+        ),
+    )
     engine = BehaviourRecorder(script)
     args = streaming_config(tmp_path, max_steps=6, learning_rate=1e-2)
     rows = [{"prompt": [{"role": "user", "content": f"key k{i}"}], "key": f"k{i}"} for i in range(24)]  # distinct
-    trainer = Recording(model=model, reward_funcs=plain_answer, args=args, train_dataset=Dataset.from_list(rows),
-                        processing_class=tokenizer, tools=[lookup], rollout_engine=engine)  # fmt: skip
+    trainer = Recording(
+        model=model,
+        reward_funcs=plain_answer,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        tools=[lookup],
+        rollout_engine=engine,
+    )
     trainer.trained = []
     trainer.train()
     compared = 0
@@ -497,8 +604,9 @@ def test_streamed_turns_are_trained_with_the_log_probs_they_were_sampled_with(tm
                 if tuple(full[: len(key)]) == key and len(key) > context:
                     start, end = context - len(prompt), len(key) - len(prompt)
                     mask = batch.loss_mask[row, start:end].bool()
-                    torch.testing.assert_close(batch.old_logprobs[row, start:end][mask], expected[mask], atol=1e-5,
-                                               rtol=0)  # fmt: skip
+                    torch.testing.assert_close(
+                        batch.old_logprobs[row, start:end][mask], expected[mask], atol=1e-5, rtol=0
+                    )
                     compared += 1
     assert compared >= 2 * len(trainer.trained) * 4  # every row's two turns (a call, then the answer)
 
@@ -528,11 +636,21 @@ def test_rollouts_in_flight_when_training_ends_stop_at_their_next_turn_and_give_
     (the producer's engine is closed to them) and the instances they were lent go back to the pool (before: they
     stayed lent for good, and the rollout threads waited on the closed engine forever)."""
     model, tokenizer = tiny_agent_model()
-    engine = tool_call_script(tokenizer, lambda user, results, index: f"{results[-1]}<|im_end|>" if results else
-                              call_text("read", {"key": key_of(user)}))  # fmt: skip
+    engine = tool_call_script(
+        tokenizer,
+        lambda user, results, index: (
+            f"{results[-1]}<|im_end|>" if results else call_text("read", {"key": key_of(user)})
+        ),
+    )
     args = streaming_config(tmp_path, max_steps=2)
-    trainer = GRPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(ROWS), processing_class=tokenizer,
-                          environment_factory=SlowLocker, rollout_engine=engine)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(ROWS),
+        processing_class=tokenizer,
+        environment_factory=SlowLocker,
+        rollout_engine=engine,
+    )
     trainer.train()
     assert SlowLocker.reading > 0  # a read was in progress when train() returned
     pool = trainer.runner.driver.environments
@@ -544,12 +662,21 @@ def test_rollouts_in_flight_when_training_ends_stop_at_their_next_turn_and_give_
     assert not alive, alive  # the rollout threads ended too
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(async_schedule="exact"), "async_schedule='exact' cannot hold for multi-turn rollouts streamed"),
-    (dict(dynamic_sampling=True), "dynamic_sampling with multi-turn rollouts streamed group by group"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(async_schedule="exact"), "async_schedule='exact' cannot hold for multi-turn rollouts streamed"),
+        (dict(dynamic_sampling=True), "dynamic_sampling with multi-turn rollouts streamed group by group"),
+    ],
+)
 def test_what_streamed_groups_cannot_do_is_refused_when_the_trainer_is_built(tmp_path, overrides, message):
     model, tokenizer = tiny_agent_model()
     with pytest.raises(NotImplementedError, match=message):
-        GRPOTrainer(model=model, reward_funcs=repeat_found, args=streaming_config(tmp_path, **overrides),
-                    train_dataset=Dataset.from_list(ROWS), processing_class=tokenizer, tools=[agents_lookup])
+        GRPOTrainer(
+            model=model,
+            reward_funcs=repeat_found,
+            args=streaming_config(tmp_path, **overrides),
+            train_dataset=Dataset.from_list(ROWS),
+            processing_class=tokenizer,
+            tools=[agents_lookup],
+        )

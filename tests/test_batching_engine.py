@@ -17,8 +17,9 @@ from grpokit.rollout.engine import PromptBatch, SamplingParams
 
 
 def letter_prompts(tokenizer, letters: str, count: int) -> PromptBatch:
-    return PromptBatch(ids=[tokenizer(f"{c}:")["input_ids"] for c in letters], counts=[count] * len(letters),
-                       raw=list(letters))  # fmt: skip
+    return PromptBatch(
+        ids=[tokenizer(f"{c}:")["input_ids"] for c in letters], counts=[count] * len(letters), raw=list(letters)
+    )
 
 
 def independent_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
@@ -36,7 +37,7 @@ def merged_requests(engine: BatchingEngine, requests: list[tuple]) -> list:
     def ask(i, prompts, params, seed):
         try:
             results[i] = engine.generate(prompts, params, seed)
-        except Exception as error:  # noqa: BLE001 - checked by the test
+        except Exception as error:
             results[i] = error
 
     with engine.lock:  # busy: as if sampling for someone else
@@ -72,8 +73,11 @@ def test_requests_that_wait_together_are_sampled_in_one_call_and_each_gets_its_o
     eos = tokenizer.eos_token_id
     base = SamplingParams(max_new_tokens=16, eos_token_ids=(eos,), pad_token_id=0)
     longer = PromptBatch(ids=[tokenizer("abcabc:")["input_ids"]], counts=[3], raw=["abcabc:"])
-    requests = [(letter_prompts(tokenizer, "ab", 2), replace(base, max_new_tokens=4), 1), (longer, base, 2),
-                (letter_prompts(tokenizer, "h", 2), replace(base, max_new_tokens=9), 3)]  # fmt: skip
+    requests = [
+        (letter_prompts(tokenizer, "ab", 2), replace(base, max_new_tokens=4), 1),
+        (longer, base, 2),
+        (letter_prompts(tokenizer, "h", 2), replace(base, max_new_tokens=9), 3),
+    ]
     engine = BatchingEngine(HFEngine(model))
     results = merged_requests(engine, requests)
     assert (engine.calls, engine.requests) == (1, 3)
@@ -89,8 +93,12 @@ def test_requests_that_wait_together_are_sampled_in_one_call_and_each_gets_its_o
             ended = completion[-1:] == [eos]
             assert bool(rollout.is_truncated[row]) == (not ended)
             truncated_by_cut += (not ended) and params.max_new_tokens < 16
-            torch.testing.assert_close(rollout.sampling_logprobs[row, : len(completion)],
-                                       independent_logprobs(model, prompt, completion), atol=1e-5, rtol=0)  # fmt: skip
+            torch.testing.assert_close(
+                rollout.sampling_logprobs[row, : len(completion)],
+                independent_logprobs(model, prompt, completion),
+                atol=1e-5,
+                rtol=0,
+            )
             assert not rollout.sampling_logprobs[row, len(completion) :].any()
     assert truncated_by_cut > 0  # the 4-token request had rows cut at its own limit
 
@@ -100,8 +108,11 @@ def test_requests_with_other_sampling_parameters_wait_for_a_call_of_their_own_an
     params = SamplingParams(max_new_tokens=6, eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=0)
     hotter = replace(params, temperature=2.0)
     engine = BatchingEngine(HFEngine(model))
-    requests = [(letter_prompts(tokenizer, "a", 2), params, 0), (letter_prompts(tokenizer, "b", 2), hotter, 1),
-                (letter_prompts(tokenizer, "c", 2), params, 2)]  # fmt: skip
+    requests = [
+        (letter_prompts(tokenizer, "a", 2), params, 0),
+        (letter_prompts(tokenizer, "b", 2), hotter, 1),
+        (letter_prompts(tokenizer, "c", 2), params, 2),
+    ]
     results = merged_requests(engine, requests)
     assert (engine.calls, engine.requests) == (2, 3)  # a and c together, b alone
     assert all(len(r) == 2 for r in results)
@@ -141,8 +152,12 @@ def test_streamed_groups_share_engine_calls_and_each_group_gets_its_own_turns(tm
     arrive while the engine samples go into its next call together (calls with more rows than one group's), and
     every group still gets its own turns: each completion looked up its own key and answered it (reward 1)."""
     model, tokenizer = tiny_agent_model()
-    scripted = tool_call_script(tokenizer, lambda user, results, index: f"{results[-1]}<|im_end|>" if results else
-                                call_text("lookup", {"key": key_of(user)}))  # fmt: skip
+    scripted = tool_call_script(
+        tokenizer,
+        lambda user, results, index: (
+            f"{results[-1]}<|im_end|>" if results else call_text("lookup", {"key": key_of(user)})
+        ),
+    )
     engine = SlowEngine(scripted)
 
     def lookup(key: str) -> str:
@@ -157,11 +172,30 @@ def test_streamed_groups_share_engine_calls_and_each_group_gets_its_own_turns(tm
         return [float(TABLE[k] in str(c[-1]["content"])) for c, k in zip(completions, key)]
 
     rows = [{"prompt": [{"role": "user", "content": f"key k{i}"}], "key": f"k{i}"} for i in range(6)]
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=4,
-                      max_completion_length=64, learning_rate=1e-3, logging_steps=1, save_strategy="no",
-                      disable_tqdm=True, report_to="none", seed=0, max_staleness=1, max_inflight_tasks=8)  # fmt: skip
-    trainer = GRPOTrainer(model=model, reward_funcs=found, args=args, train_dataset=Dataset.from_list(rows),
-                          processing_class=tokenizer, tools=[lookup], rollout_engine=engine)  # fmt: skip
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_steps=4,
+        max_completion_length=64,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        report_to="none",
+        seed=0,
+        max_staleness=1,
+        max_inflight_tasks=8,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=found,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        tools=[lookup],
+        rollout_engine=engine,
+    )
     trainer.train()
     steps = [r for r in trainer.state.log_history if "loss" in r]
     assert len(steps) == 4 and all(r["rewards/found/mean"] == 1.0 for r in steps)

@@ -7,13 +7,13 @@ whole batch, `log_softmax(...).gather(...)` and the entropy of that softmax, dif
 
 from __future__ import annotations
 
+import itertools
 
 import pytest
 import torch
 
 import grpokit.logprobs as policy
-from grpokit.logprobs import chunked_token_logprobs
-from grpokit.logprobs import supports_chunked_head, token_logprobs
+from grpokit.logprobs import chunked_token_logprobs, supports_chunked_head, token_logprobs
 from grpokit.testing import build_tiny_model, build_tiny_model_of_type
 
 ATOL32 = 1e-5
@@ -53,16 +53,19 @@ def grads(loss, tensors):
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_values_and_gradients_match_naive(chunk_rows, temperature, with_bias):
     hidden, weight, bias, targets, upstream = make_inputs(bias=with_bias)
-    logprobs, entropies = chunked_token_logprobs(hidden, weight, targets, temperature, bias=bias,
-                                                 chunk_rows=chunk_rows, with_entropy=True)  # fmt: skip
+    logprobs, entropies = chunked_token_logprobs(
+        hidden, weight, targets, temperature, bias=bias, chunk_rows=chunk_rows, with_entropy=True
+    )
     expected_logprobs, expected_entropies = naive_token_logprobs(hidden, weight, targets, temperature, bias)
     assert logprobs.dtype == entropies.dtype == torch.float32 and logprobs.shape == targets.shape
     torch.testing.assert_close(logprobs, expected_logprobs, atol=ATOL32, rtol=0)
     torch.testing.assert_close(entropies, expected_entropies.detach(), atol=ATOL32, rtol=0)
     assert not entropies.requires_grad  # a metric: an entropy bonus takes the plain path
 
-    for actual, expected in zip(grads((logprobs * upstream).sum(), (hidden, weight, bias)),
-                                grads((expected_logprobs * upstream).sum(), (hidden, weight, bias))):  # fmt: skip
+    for actual, expected in zip(
+        grads((logprobs * upstream).sum(), (hidden, weight, bias)),
+        grads((expected_logprobs * upstream).sum(), (hidden, weight, bias)),
+    ):
         torch.testing.assert_close(actual, expected, atol=ATOL32, rtol=0)
 
 
@@ -93,15 +96,15 @@ def test_only_the_inputs_that_need_grad_get_one(trainable, with_entropy):
     hidden, weight, bias, targets, upstream = make_inputs()
     for name, tensor in (("hidden", hidden), ("weight", weight), ("bias", bias)):
         tensor.requires_grad_(name == trainable)
-    logprobs, _ = chunked_token_logprobs(hidden, weight, targets, 0.9, bias=bias, chunk_rows=8,
-                                         with_entropy=with_entropy)  # fmt: skip
+    logprobs, _ = chunked_token_logprobs(
+        hidden, weight, targets, 0.9, bias=bias, chunk_rows=8, with_entropy=with_entropy
+    )
     (logprobs * upstream).sum().backward()
     tensors = {"hidden": hidden, "weight": weight, "bias": bias}
     for name, tensor in tensors.items():
         assert (tensor.grad is not None) == (name == trainable), name
     detached = {k: v.detach().clone().requires_grad_() for k, v in tensors.items()}
-    expected_logprobs, _ = naive_token_logprobs(detached["hidden"], detached["weight"], targets, 0.9,
-                                                detached["bias"])  # fmt: skip
+    expected_logprobs, _ = naive_token_logprobs(detached["hidden"], detached["weight"], targets, 0.9, detached["bias"])
     (expected_logprobs * upstream).sum().backward()
     torch.testing.assert_close(tensors[trainable].grad, detached[trainable].grad, atol=ATOL32, rtol=0)
 
@@ -110,7 +113,7 @@ def test_bf16_autocast_matches_the_plain_head_under_autocast():
     # Under autocast the chunk matmul runs in bf16 like nn.Linear's, the softmax in float32.
     hidden, weight, _, targets, upstream = make_inputs(h=64, v=300, bias=False)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logprobs, entropies = chunked_token_logprobs(hidden, weight, targets, chunk_rows=7, with_entropy=True)
+        logprobs, _entropies = chunked_token_logprobs(hidden, weight, targets, chunk_rows=7, with_entropy=True)
         plain_logits = torch.nn.functional.linear(hidden, weight)
     assert plain_logits.dtype == torch.bfloat16 and logprobs.dtype == torch.float32
     expected = plain_logits.float().log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
@@ -172,8 +175,9 @@ def both_paths(model, ids, mask, width, temperature=0.8, seed=2, **kwargs):
     for chunked in (False, True):
         model.zero_grad(set_to_none=True)
         with SavedTensorSizes() as saved:
-            logprobs, entropies = token_logprobs(model, ids, mask, width, temperature, with_entropy=True,
-                                                 chunked=chunked, **kwargs)  # fmt: skip
+            logprobs, entropies = token_logprobs(
+                model, ids, mask, width, temperature, with_entropy=True, chunked=chunked, **kwargs
+            )
         if logprobs.requires_grad:
             (logprobs * upstream).sum().backward()
         gradients = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
@@ -249,8 +253,9 @@ def test_lora_model_and_its_disabled_adapter():
 
 def test_lora_on_the_lm_head_falls_back_to_the_plain_path():
     peft = pytest.importorskip("peft")
-    model = peft.get_peft_model(build_tiny_model(VOCAB, tie_word_embeddings=False),
-                                peft.LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))  # fmt: skip
+    model = peft.get_peft_model(
+        build_tiny_model(VOCAB, tie_word_embeddings=False), peft.LoraConfig(r=2, target_modules=["q_proj", "lm_head"])
+    )
     assert not supports_chunked_head(model)
 
 
@@ -320,10 +325,21 @@ def test_one_training_step_is_the_same_through_either_head(tmp_path, monkeypatch
     weights = {}
     for chunked in (False, True):
         monkeypatch.setattr(policy, "USE_CHUNKED_HEAD", chunked)
-        args = GRPOConfig(output_dir=str(tmp_path / f"out{chunked}"), per_device_train_batch_size=16,
-                          num_generations=4, max_completion_length=6, learning_rate=1e-2, beta=0.04,
-                          temperature=0.9, max_steps=2, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                          seed=0, report_to="none")  # fmt: skip
+        args = GRPOConfig(
+            output_dir=str(tmp_path / f"out{chunked}"),
+            per_device_train_batch_size=16,
+            num_generations=4,
+            max_completion_length=6,
+            learning_rate=1e-2,
+            beta=0.04,
+            temperature=0.9,
+            max_steps=2,
+            logging_steps=1,
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+            report_to="none",
+        )
         trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=dataset)
         trainer.train()
         weights[chunked] = {k: v.detach().clone() for k, v in trainer.unwrapped_model.state_dict().items()}
@@ -357,17 +373,20 @@ def shared_and_full(model, ids, mask, width, monkeypatch):
     """(log-probs, entropies, gradients) with and without shared prompts; asserts which path ran."""
     shared_runs = []
     original = policy.shared_prompt_hidden
-    monkeypatch.setattr(policy, "shared_prompt_hidden",
-                        lambda *a, **k: shared_runs.append(1) or original(*a, **k))  # fmt: skip
+    monkeypatch.setattr(policy, "shared_prompt_hidden", lambda *a, **k: shared_runs.append(1) or original(*a, **k))
     upstream = torch.randn(ids.shape[0], width, generator=torch.Generator().manual_seed(4))
     results = {}
     for share in (False, True):
         model.zero_grad(set_to_none=True)
-        logprobs, entropies = token_logprobs(model, ids, mask, width, 0.8, with_entropy=True, chunked=True,
-                                             share_prompts=share)  # fmt: skip
+        logprobs, entropies = token_logprobs(
+            model, ids, mask, width, 0.8, with_entropy=True, chunked=True, share_prompts=share
+        )
         (logprobs * upstream * mask[:, -width:]).sum().backward()
-        results[share] = (logprobs.detach(), entropies,
-                          {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+        results[share] = (
+            logprobs.detach(),
+            entropies,
+            {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None},
+        )
     assert shared_runs == [1]
     return results
 
@@ -401,8 +420,10 @@ def test_shared_prompts_give_the_full_forward_on_every_allowed_architecture(mode
 
 def test_shared_prompts_with_lora_and_a_one_token_completion(monkeypatch):
     peft = pytest.importorskip("peft")
-    model = peft.get_peft_model(build_tiny_model(VOCAB, tie_word_embeddings=False),
-                                peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    model = peft.get_peft_model(
+        build_tiny_model(VOCAB, tie_word_embeddings=False),
+        peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
     ids, mask = grouped_batch(completion_length=1)
     results = shared_and_full(model, ids, mask, 1, monkeypatch)
     assert_same_where_real(results, mask, 1)
@@ -426,7 +447,6 @@ def test_prompts_are_shared_only_where_it_pays_and_the_cache_is_exact():
     assert not policy.can_share_prompts(windowed)
 
 
-
 def ragged_batch(prompts=4, group=4, prompt_length=5, completion_length=12, seed=5):
     """Grouped, shuffled rows whose completions end anywhere from 0 to 12 tokens (right-padded)."""
     ids, mask = grouped_batch(prompts, group, prompt_length, completion_length, seed)
@@ -445,13 +465,13 @@ def test_completions_run_in_length_groups_and_the_head_only_on_real_tokens(monke
     groups = policy.length_groups(lengths)
     assert 2 <= len(groups) <= policy.LENGTH_GROUPS
     assert sorted(torch.cat(groups).tolist()) == list(range(len(ids)))
-    for longer, shorter in zip(groups, groups[1:]):
+    for longer, shorter in itertools.pairwise(groups):
         assert lengths[shorter].max() <= lengths[longer].min()
     positions = []
     handle = model.model.layers[0].register_forward_pre_hook(
         lambda module, args, kwargs: positions.append((args[0] if args else kwargs["hidden_states"]).shape[:2].numel()),
         with_kwargs=True,
-    )  # fmt: skip
+    )
     try:
         results = shared_and_full(model, ids, mask, width, monkeypatch)
     finally:

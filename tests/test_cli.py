@@ -12,8 +12,9 @@ from grpokit.testing import save_tiny_model
 
 def run_cli(*args, cwd, timeout=600):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run([sys.executable, "-m", "grpokit.cli", *args], cwd=cwd, env=env, capture_output=True,
-                            text=True, timeout=timeout)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "grpokit.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout + result.stderr
 
@@ -23,8 +24,9 @@ def read_metrics(path):
 
 
 def test_demo_through_the_cli_shortened(tmp_path):
-    out = run_cli("train", "--max_steps", "4", "--output_dir", str(tmp_path / "demo"), "--logging_steps", "2",
-                  cwd=tmp_path)  # fmt: skip
+    out = run_cli(
+        "train", "--max_steps", "4", "--output_dir", str(tmp_path / "demo"), "--logging_steps", "2", cwd=tmp_path
+    )
     assert "Held-out accuracy before GRPO" in out and "Supervised warm-up" in out
     assert "reward = 0.2 x answer_format (a single letter) + 1.0 x exact_match (the right letter), 1.2 at best" in out
     assert f"Model and tokenizer saved to {tmp_path / 'demo'}" in out
@@ -45,10 +47,25 @@ def test_train_with_model_dataset_and_reward_file(tmp_path):
         "    return [float(c[:1] == l) for c, l in zip(completions, letter)]\n"
     )
     config = tmp_path / "run.yaml"
-    config.write_text(f"model: {model}\nnum_generations: 4\nper_device_train_batch_size: 8\nmax_steps: 3\n"
-                      f"max_completion_length: 3\nlogging_steps: 1\nlearning_rate: 1.0e-3\n")  # fmt: skip
-    run_cli("train", str(config), "--dataset", str(data), "--reward", f"{tmp_path / 'my_rewards.py'}:same_letter",
-            "--reward", "length", "--output_dir", str(tmp_path / "out"), "--beta", "0.04", cwd=tmp_path)  # fmt: skip
+    config.write_text(
+        f"model: {model}\nnum_generations: 4\nper_device_train_batch_size: 8\nmax_steps: 3\n"
+        f"max_completion_length: 3\nlogging_steps: 1\nlearning_rate: 1.0e-3\n"
+    )
+    run_cli(
+        "train",
+        str(config),
+        "--dataset",
+        str(data),
+        "--reward",
+        f"{tmp_path / 'my_rewards.py'}:same_letter",
+        "--reward",
+        "length",
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--beta",
+        "0.04",
+        cwd=tmp_path,
+    )
     metrics = read_metrics(tmp_path / "out")
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert {"rewards/same_letter/mean", "rewards/length/mean", "kl"} <= set(metrics[-1])
@@ -63,8 +80,13 @@ def test_train_with_model_dataset_and_reward_file(tmp_path):
 
 
 def test_bad_flag_value_fails_with_a_message(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "grpokit.cli", "train", "--max_steps", "2", "--loss_type",
-                             "ppo"], cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "grpokit.cli", "train", "--max_steps", "2", "--loss_type", "ppo"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode != 0
     assert "loss_type='ppo'" in result.stderr
 
@@ -90,8 +112,13 @@ def test_processes_the_tests_start_import_the_installed_package_the_tests_import
     checkout = Path(__file__).resolve().parents[1]
     assert not (checkout / "grpokit").exists(), "the package must stay under src/ (it would shadow the installed one)"
     for cwd in (tmp_path, checkout):
-        out = subprocess.run([sys.executable, "-c", "import grpokit; print(grpokit.__file__)"], cwd=cwd,
-                             capture_output=True, text=True, check=True)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", "import grpokit; print(grpokit.__file__)"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         assert Path(out.stdout.strip().splitlines()[-1]).resolve() == Path(grpokit.__file__).resolve()
 
 
@@ -106,15 +133,20 @@ def run_main(capsys, *argv):
     return code, captured.out, captured.err
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["train", "--learnig_rate", "1e-5"], ["unknown option --learnig_rate", "Did you mean --learning_rate?"]),
-    (["train", "--learning_rat", "1e-5"], ["unknown option --learning_rat", "Did you mean --learning_rate?"]),
-    (["train", "--max_steps", "many"], ["--max_steps takes a number, not 'many'"]),
-    (["train", "--model", "m"], ["missing --dataset, --reward"]),
-    (["eval", "--model", "m", "--dataset", "d.jsonl", "--reward", "exact_match", "--tempreature", "0.5"],
-     ["unknown option --tempreature", "Did you mean --temperature?"]),
-    (["report"], ["the following arguments are required: output_dirs"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["train", "--learnig_rate", "1e-5"], ["unknown option --learnig_rate", "Did you mean --learning_rate?"]),
+        (["train", "--learning_rat", "1e-5"], ["unknown option --learning_rat", "Did you mean --learning_rate?"]),
+        (["train", "--max_steps", "many"], ["--max_steps takes a number, not 'many'"]),
+        (["train", "--model", "m"], ["missing --dataset, --reward"]),
+        (
+            ["eval", "--model", "m", "--dataset", "d.jsonl", "--reward", "exact_match", "--tempreature", "0.5"],
+            ["unknown option --tempreature", "Did you mean --temperature?"],
+        ),
+        (["report"], ["the following arguments are required: output_dirs"]),
+    ],
+)
 def test_a_mistake_prints_one_line_with_a_suggestion(capsys, argv, words):
     code, out, err = run_main(capsys, *argv)
     assert code == 2 and out == ""
@@ -135,48 +167,101 @@ def tiny_run(tmp_path, monkeypatch):
     return tmp_path
 
 
-@pytest.mark.parametrize("argv, line", [
-    (["--model", "tinyy", "--dataset", "ok.jsonl", "--reward", "length"],
-     "grpokit train: error: --model tinyy: no such directory. Did you mean tiny?"),
-    (["--model", "tiny", "--dataset", "questions.jsonl", "--reward", "length"],
-     "grpokit train: error: dataset questions.jsonl has no 'prompt' column (its columns: question, answer): say which "
-     "column holds the prompts with --rename_column question=prompt."),
-    (["--model", "tiny", "--dataset", "ok.jsonl", "--reward", "exact_match"],
-     "grpokit train: error: reward exact_match reads the dataset column 'target', which dataset ok.jsonl lacks (its "
-     "columns: prompt, answer): name the column that holds it with --rename_column answer=target."),
-    (["--model", "tiny", "--dataset", "ok.jsonl", "--reward", "length", "--rename_column", "answr=target"],
-     "grpokit train: error: --rename_column answr=target: dataset ok.jsonl has no column 'answr' (its columns: "
-     "prompt, answer). Did you mean answer?"),
-    (["--model", "tiny", "--dataset", "ok.jsonl", "--reward", "length", "--rename_column", "answer"],
-     "grpokit train: error: --rename_column takes OLD=NEW pairs (e.g. --rename_column question=prompt), not "
-     "'answer'."),
-    (["--model", "tiny", "--dataset", "ok.jsonl", "--reward", "length", "--per_device_train_batch_size", "4",
-      "--generation_batch_size", "12", "--num_generations", "8"],
-     "grpokit train: error: generation_batch_size (12) must be divisible by num_generations (8): the global "
-     "generation batch (1 process(es) x per_device_train_batch_size 4 x steps_per_generation 3 = 12 completions) "
-     "must be a multiple of num_generations. Change per_device_train_batch_size or num_generations (valid "
-     "num_generations here: [2, 3, 4, 6, 12])."),
-])  # fmt: skip
-def test_a_user_error_on_the_command_line_is_one_line_with_a_fix_the_cli_user_can_apply(tiny_run, capsys, argv,
-                                                                                           line):  # fmt: skip
-    code, out, err = run_main(capsys, "train", *argv, "--max_steps", "1", "--output_dir", "out")
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (
+            ["--model", "tinyy", "--dataset", "ok.jsonl", "--reward", "length"],
+            "grpokit train: error: --model tinyy: no such directory. Did you mean tiny?",
+        ),
+        (
+            ["--model", "tiny", "--dataset", "questions.jsonl", "--reward", "length"],
+            "grpokit train: error: dataset questions.jsonl has no 'prompt' column (its columns: question, answer): say which "
+            "column holds the prompts with --rename_column question=prompt.",
+        ),
+        (
+            ["--model", "tiny", "--dataset", "ok.jsonl", "--reward", "exact_match"],
+            "grpokit train: error: reward exact_match reads the dataset column 'target', which dataset ok.jsonl lacks (its "
+            "columns: prompt, answer): name the column that holds it with --rename_column answer=target.",
+        ),
+        (
+            ["--model", "tiny", "--dataset", "ok.jsonl", "--reward", "length", "--rename_column", "answr=target"],
+            "grpokit train: error: --rename_column answr=target: dataset ok.jsonl has no column 'answr' (its columns: "
+            "prompt, answer). Did you mean answer?",
+        ),
+        (
+            ["--model", "tiny", "--dataset", "ok.jsonl", "--reward", "length", "--rename_column", "answer"],
+            "grpokit train: error: --rename_column takes OLD=NEW pairs (e.g. --rename_column question=prompt), not "
+            "'answer'.",
+        ),
+        (
+            [
+                "--model",
+                "tiny",
+                "--dataset",
+                "ok.jsonl",
+                "--reward",
+                "length",
+                "--per_device_train_batch_size",
+                "4",
+                "--generation_batch_size",
+                "12",
+                "--num_generations",
+                "8",
+            ],
+            "grpokit train: error: generation_batch_size (12) must be divisible by num_generations (8): the global "
+            "generation batch (1 process(es) x per_device_train_batch_size 4 x steps_per_generation 3 = 12 completions) "
+            "must be a multiple of num_generations. Change per_device_train_batch_size or num_generations (valid "
+            "num_generations here: [2, 3, 4, 6, 12]).",
+        ),
+    ],
+)
+def test_a_user_error_on_the_command_line_is_one_line_with_a_fix_the_cli_user_can_apply(tiny_run, capsys, argv, line):
+    code, _out, err = run_main(capsys, "train", *argv, "--max_steps", "1", "--output_dir", "out")
     assert (code, err.strip().splitlines()[-1:]) == (2, [line]), err
     assert "Traceback" not in err and not (tiny_run / "out").exists()
 
 
 def test_a_hub_id_that_cannot_be_loaded_is_one_line(tiny_run, capsys):
-    code, _, err = run_main(capsys, "train", "--model", "org/no-such-model", "--dataset", "ok.jsonl", "--reward",
-                            "length")  # fmt: skip
+    code, _, err = run_main(
+        capsys, "train", "--model", "org/no-such-model", "--dataset", "ok.jsonl", "--reward", "length"
+    )
     assert code == 2 and "Traceback" not in err
-    assert err.strip().splitlines()[-1].startswith("grpokit train: error: --model org/no-such-model: not a local "
-                                                   "directory, and not loadable from the Hub (")  # fmt: skip
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(
+            "grpokit train: error: --model org/no-such-model: not a local directory, and not loadable from the Hub ("
+        )
+    )
 
 
 def test_rename_column_fixes_what_it_names(tiny_run, capsys):
-    code, out, err = run_main(capsys, "train", "--model", "tiny", "--dataset", "questions.jsonl", "--reward",
-                              "exact_match", "--rename_column", "question=prompt", "answer=target", "--max_steps",
-                              "1", "--num_generations", "2", "--per_device_train_batch_size", "2", "--output_dir",
-                              "out", "--disable_tqdm", "true", "--logging_steps", "1")  # fmt: skip
+    code, _out, err = run_main(
+        capsys,
+        "train",
+        "--model",
+        "tiny",
+        "--dataset",
+        "questions.jsonl",
+        "--reward",
+        "exact_match",
+        "--rename_column",
+        "question=prompt",
+        "answer=target",
+        "--max_steps",
+        "1",
+        "--num_generations",
+        "2",
+        "--per_device_train_batch_size",
+        "2",
+        "--output_dir",
+        "out",
+        "--disable_tqdm",
+        "true",
+        "--logging_steps",
+        "1",
+    )
     assert code == 0, err
     assert "rewards/exact_match/mean" in json.loads((tiny_run / "out" / "metrics.jsonl").read_text().splitlines()[0])
 
@@ -186,12 +271,16 @@ def test_no_command_prints_the_usage_and_exits_2(capsys):
     assert code == 2 and out == "" and err.startswith("usage: grpokit {train,eval,report,vllm-serve}")
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["train", "--help"], ["train", "--learnig_rate", "1"],
-                                  ["eval", "--tempreature", "1"]])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["--version"], ["train", "--help"], ["train", "--learnig_rate", "1"], ["eval", "--tempreature", "1"]],
+)
 def test_help_version_and_argument_errors_do_not_import_torch(argv):
-    code = ("import sys; from grpokit.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
-            "heavy = [m for m in ('torch', 'transformers', 'accelerate', 'peft', 'datasets') if m in sys.modules]\n"
-            "print('imported:', heavy)")  # fmt: skip
+    code = (
+        "import sys; from grpokit.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+        "heavy = [m for m in ('torch', 'transformers', 'accelerate', 'peft', 'datasets') if m in sys.modules]\n"
+        "print('imported:', heavy)"
+    )
     done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip().splitlines()[-1] == "imported: []", done.stdout + done.stderr
 
@@ -227,14 +316,17 @@ def test_report_on_an_empty_folder_says_so(tmp_path, capsys):
     assert code == 2 and "is not a directory" in err
 
 
-@pytest.mark.parametrize("argv, weights", [
-    (["--reward_weights", "1.0"], [1.0]),
-    (["--reward_weights", "1"], [1.0]),
-    (["--reward_weights", "1.0", "0.5"], [1.0, 0.5]),
-    (["--reward_weights", "1.0,0.5"], [1.0, 0.5]),
-    (["--reward_weights", "[1, 0.5]"], [1.0, 0.5]),
-    (["--reward_weights", "null"], None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv, weights",
+    [
+        (["--reward_weights", "1.0"], [1.0]),
+        (["--reward_weights", "1"], [1.0]),
+        (["--reward_weights", "1.0", "0.5"], [1.0, 0.5]),
+        (["--reward_weights", "1.0,0.5"], [1.0, 0.5]),
+        (["--reward_weights", "[1, 0.5]"], [1.0, 0.5]),
+        (["--reward_weights", "null"], None),
+    ],
+)
 def test_list_flags_take_the_forms_users_type(argv, weights):
     from grpokit.cli import parse_train_args
 
@@ -255,18 +347,43 @@ def test_eval_with_other_rewards_does_not_inherit_the_runs_weights(tmp_path, cap
     """A run trained with two rewards (the demo's weights [0.2, 1.0]) evaluated with one: the run's weights are not
     taken over; `--reward_weights 1.0` is accepted too."""
     model = save_tiny_model(tmp_path / "run", chars="abcd:")
-    (tmp_path / "run" / "grpo_config.json").write_text(json.dumps(
-        {"reward_weights": [0.2, 1.0], "max_completion_length": 2, "num_generations_eval": 2, "temperature": 1.0}))
+    (tmp_path / "run" / "grpo_config.json").write_text(
+        json.dumps(
+            {"reward_weights": [0.2, 1.0], "max_completion_length": 2, "num_generations_eval": 2, "temperature": 1.0}
+        )
+    )
     data = tmp_path / "test.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{c}:", "target": c}) + "\n" for c in "ab"))
     for extra in ([], ["--reward_weights", "1.0"]):
         out_file = tmp_path / f"eval{len(extra)}.json"
-        code, out, err = run_main(capsys, "eval", "--model", str(model), "--dataset", str(data), "--reward",
-                                  "exact_match", "--out", str(out_file), *extra)  # fmt: skip
+        code, _out, err = run_main(
+            capsys,
+            "eval",
+            "--model",
+            str(model),
+            "--dataset",
+            str(data),
+            "--reward",
+            "exact_match",
+            "--out",
+            str(out_file),
+            *extra,
+        )
         assert code == 0, err
         assert json.loads(out_file.read_text())["rewards"] == {"exact_match": 1.0}
-    code, _, err = run_main(capsys, "eval", "--model", str(model), "--dataset", str(data), "--reward", "exact_match",
-                            "--reward_weights", "1.0", "0.5")  # fmt: skip
+    code, _, err = run_main(
+        capsys,
+        "eval",
+        "--model",
+        str(model),
+        "--dataset",
+        str(data),
+        "--reward",
+        "exact_match",
+        "--reward_weights",
+        "1.0",
+        "0.5",
+    )
     assert code == 2 and "--reward_weights has 2 value(s) for 1 --reward(s)" in err
 
 
@@ -277,8 +394,14 @@ def test_bf16_help_says_the_real_default():
     assert "Off by default" in GRPOConfig.field_help("bf16")
 
 
-EXAMPLES_WITH_TINY = ["train_grpo", "tools_grpo", "environment_grpo", "grpo_vlm", "agent_endpoint_grpo",
-                      "ar_image_grpo"]
+EXAMPLES_WITH_TINY = [
+    "train_grpo",
+    "tools_grpo",
+    "environment_grpo",
+    "grpo_vlm",
+    "agent_endpoint_grpo",
+    "ar_image_grpo",
+]
 
 
 @pytest.mark.parametrize("example", EXAMPLES_WITH_TINY)

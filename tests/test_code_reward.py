@@ -22,8 +22,9 @@ import pytest
 from grpokit.rewards import code as code_mod
 from grpokit.rewards.code import SandboxLimits, code_execution_reward, make_code_execution_reward
 
-LIMITS = SandboxLimits(cpu_seconds=1, wall_seconds=2.0, memory_bytes=512 << 20,
-                       file_size_bytes=1 << 20, max_processes=32)
+LIMITS = SandboxLimits(
+    cpu_seconds=1, wall_seconds=2.0, memory_bytes=512 << 20, file_size_bytes=1 << 20, max_processes=32
+)
 GOOD_SRC = "def add(a, b):\n    return a + b\n"
 BAD_SRC = "def add(a, b):\n    return a - b\n"
 GOOD, BAD = f"```python\n{GOOD_SRC}```", f"```python\n{BAD_SRC}```"
@@ -118,8 +119,9 @@ def test_fallback_warns_once(monkeypatch):
 
 def test_missing_bwrap(monkeypatch):
     real_which = shutil.which
-    monkeypatch.setattr(shutil, "which", lambda name, path=None: None if name == "bwrap"
-                        else real_which(name, path=path))
+    monkeypatch.setattr(
+        shutil, "which", lambda name, path=None: None if name == "bwrap" else real_which(name, path=path)
+    )
     monkeypatch.setattr(code_mod, "_warned", False)
     with pytest.raises(RuntimeError, match="bwrap not found"):
         make_code_execution_reward(LIMITS, require_bubblewrap=True)([GOOD], [TEST])
@@ -132,7 +134,7 @@ def test_missing_bwrap(monkeypatch):
 def test_honest_and_wrong(reward):
     chat = [[{"role": "user", "content": "add"}, {"role": "assistant", "content": GOOD}]]
     two_blocks = BAD + "\nOops, fixed:\n" + GOOD  # last block wins
-    completions = [GOOD, BAD, "def add(a, b): return a + b", two_blocks, GOOD + "\n" + BAD] + chat
+    completions = [GOOD, BAD, "def add(a, b): return a + b", two_blocks, GOOD + "\n" + BAD, *chat]
     got = reward(completions, [TEST] * 6, prompts=["p"] * 6, completion_ids=[[1]] * 6, extra_col=[0] * 6)
     assert got == [1.0, 0.0, 1.0, 1.0, 0.0, 1.0]
     # MBPP-style list of asserts; syntax errors score 0.
@@ -148,15 +150,15 @@ def test_exit_before_tests_is_not_a_pass(reward):
 def test_hostile_batch_is_bounded(reward, monkeypatch):
     monkeypatch.setenv("GRPOKIT_TEST_SECRET", "hunter2")
     hostile = [
-        "while True:\n    pass",                                   # CPU limit
-        "import time\ntime.sleep(1000)",                          # wall-clock limit
-        "x = bytearray(10 * 1024**3)\nx[-1] = 1",                 # RLIMIT_AS
+        "while True:\n    pass",  # CPU limit
+        "import time\ntime.sleep(1000)",  # wall-clock limit
+        "x = bytearray(10 * 1024**3)\nx[-1] = 1",  # RLIMIT_AS
         "import os\nassert os.environ.get('GRPOKIT_TEST_SECRET') == 'hunter2'",
-        "open('big', 'wb').write(b'x' * (64 << 20))",             # RLIMIT_FSIZE
-        "print('y' * 10**7)\nraise ValueError",                    # chatty and failing
+        "open('big', 'wb').write(b'x' * (64 << 20))",  # RLIMIT_FSIZE
+        "print('y' * 10**7)\nraise ValueError",  # chatty and failing
     ]
     start = time.monotonic()
-    got = reward(hostile + [GOOD], [""] * len(hostile) + [TEST])
+    got = reward([*hostile, GOOD], [""] * len(hostile) + [TEST])
     elapsed = time.monotonic() - start
     assert got == [0.0] * len(hostile) + [1.0]
     # 7 jobs on 4 workers: two rounds of at most wall_seconds each, plus slack.
@@ -173,9 +175,11 @@ def test_secret_in_other_process_environ(reward):
         while secret.encode() not in read_bytes(f"/proc/{holder.pid}/environ"):
             assert time.monotonic() < deadline, "helper never showed its environment"
             time.sleep(0.01)
-        spy = ("import glob\nfound = False\nfor p in glob.glob('/proc/*/environ'):\n"
-               f"    try:\n        found |= {secret.encode()!r} in open(p, 'rb').read()\n"
-               "    except OSError:\n        pass\nassert found")
+        spy = (
+            "import glob\nfound = False\nfor p in glob.glob('/proc/*/environ'):\n"
+            f"    try:\n        found |= {secret.encode()!r} in open(p, 'rb').read()\n"
+            "    except OSError:\n        pass\nassert found"
+        )
         assert reward([spy], [""]) == [0.0]
     finally:
         holder.kill()
@@ -214,8 +218,7 @@ def test_no_network(reward):
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
-        client = ("import socket\n"
-                  f"s = socket.create_connection(('127.0.0.1', {port}), timeout=1)\ns.sendall(b'hi')")
+        client = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\ns.sendall(b'hi')"
         assert reward([client], [""]) == [0.0]
         time.sleep(0.2)
         assert seen == []
@@ -227,11 +230,13 @@ def test_no_network(reward):
 
 def test_no_long_lived_children(reward):
     m1, m2, m3 = marker(), marker(), marker()
-    leaver = ("import os, subprocess\n"
-              f"subprocess.Popen(['sleep', '{m1}'])\n"
-              f"if os.fork() == 0:\n    os.execvp('sleep', ['sleep', '{m2}'])\n"
-              # leaves our process group (but not the session)
-              f"subprocess.Popen(['sleep', '{m3}'], preexec_fn=os.setpgrp)\n")
+    leaver = (
+        "import os, subprocess\n"
+        f"subprocess.Popen(['sleep', '{m1}'])\n"
+        f"if os.fork() == 0:\n    os.execvp('sleep', ['sleep', '{m2}'])\n"
+        # leaves our process group (but not the session)
+        f"subprocess.Popen(['sleep', '{m3}'], preexec_fn=os.setpgrp)\n"
+    )
     assert reward([leaver], [""]) == [1.0]
     assert_no_survivors(m1, m2, m3)
 
@@ -240,8 +245,10 @@ def test_double_fork_setsid_escape_is_contained(reward):
     if not reward.sandbox_mode().bubblewrap:
         pytest.skip("documented limit: without bwrap a double-forked setsid daemon escapes")
     m = marker()
-    daemon = ("import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-              f"        os.execvp('sleep', ['sleep', '{m}'])\n    os._exit(0)\nos.wait()\n")
+    daemon = (
+        "import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+        f"        os.execvp('sleep', ['sleep', '{m}'])\n    os._exit(0)\nos.wait()\n"
+    )
     assert reward([daemon], [""]) == [1.0]
     assert_no_survivors(m)
 
@@ -251,9 +258,11 @@ def test_fork_bomb_is_capped(reward):
     if mode.uid is None and os.geteuid() == 0:
         pytest.skip("RLIMIT_NPROC does not apply to root")
     m = marker()
-    bomb = ("import os\nn = 0\ntry:\n    while n < 200:\n        if os.fork() == 0:\n"
-            f"            os.execvp('sleep', ['sleep', '{m}'])\n        n += 1\n"
-            "except OSError:\n    pass\nassert n >= 200, n\n")
+    bomb = (
+        "import os\nn = 0\ntry:\n    while n < 200:\n        if os.fork() == 0:\n"
+        f"            os.execvp('sleep', ['sleep', '{m}'])\n        n += 1\n"
+        "except OSError:\n    pass\nassert n >= 200, n\n"
+    )
     assert reward([bomb], [""]) == [0.0]
     assert_no_survivors(m)
 
@@ -269,8 +278,7 @@ def test_bubblewrap_started_by_root_without_uid_drop():
 
     if not passes("pass"):
         pytest.skip("bubblewrap unusable here")
-    assert not passes("caps = open('/proc/self/status').read().split('CapEff:')[1].split()[0]\n"
-                      "assert int(caps, 16)")
+    assert not passes("caps = open('/proc/self/status').read().split('CapEff:')[1].split()[0]\nassert int(caps, 16)")
     assert not passes("import socket\nassert len(socket.if_nameindex()) > 1")  # only lo
     assert not passes("open('/usr/pwned', 'w')")
     assert not passes("import os\nassert sum(p.isdigit() for p in os.listdir('/proc')) > 5")  # PID ns

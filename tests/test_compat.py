@@ -112,8 +112,11 @@ def test_select_cache_rows_moves_every_state_of_every_layer_kind():
     model = build_tiny_model_of_type("nemotron_h", vocab_size=16)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(torch.randint(3, 16, (3, 5), generator=torch.Generator().manual_seed(0)), past_key_values=cache,
-              use_cache=True)  # fmt: skip
+        model(
+            torch.randint(3, 16, (3, 5), generator=torch.Generator().manual_seed(0)),
+            past_key_values=cache,
+            use_cache=True,
+        )
 
     def states():
         mamba, attention, _ = cache.layers

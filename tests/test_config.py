@@ -194,10 +194,18 @@ def test_from_dict_rejects_unknown_keys_by_name():
 
 def test_to_dict_from_dict_round_trip(tmp_path):
     config = GRPOConfig(
-        learning_rate=3e-4, num_generations=4, per_device_train_batch_size=8, gradient_accumulation_steps=2,
-        loss_type="grpo", report_to="tensorboard", reward_weights=[1.0, 0.5], lr_scheduler_kwargs={"min_lr_rate": 0.1},
-        epsilon_high=0.28, top_k=20, beta=0.04,
-    )  # fmt: skip
+        learning_rate=3e-4,
+        num_generations=4,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=2,
+        loss_type="grpo",
+        report_to="tensorboard",
+        reward_weights=[1.0, 0.5],
+        lr_scheduler_kwargs={"min_lr_rate": 0.1},
+        epsilon_high=0.28,
+        top_k=20,
+        beta=0.04,
+    )
     values = config.to_dict()
     assert values["learning_rate"] == 3e-4 and values["reward_weights"] == [1.0, 0.5]
     assert values["steps_per_generation"] == 2 and values["generation_batch_size"] == 16
@@ -224,8 +232,15 @@ def test_flags_override_the_yaml_file(tmp_path):
         "learning_rate: 5e-6\nnum_generations: 4\nmax_steps: 20\nloss_type: grpo\n",
     )
     run, values = parse_train_args([path, "--learning_rate", "1e-3", "--max_steps", "5", "--model", "other"])
-    assert run == {"model": "other", "dataset": "data.jsonl", "dataset_split": None, "reward": ["accuracy"],
-                   "eval_dataset": None, "eval_dataset_split": None, "rename_column": {}}
+    assert run == {
+        "model": "other",
+        "dataset": "data.jsonl",
+        "dataset_split": None,
+        "reward": ["accuracy"],
+        "eval_dataset": None,
+        "eval_dataset_split": None,
+        "rename_column": {},
+    }
     path = write_yaml(tmp_path, "model: m\nrename_column: {question: prompt}\n")
     assert parse_train_args([path, "--rename_column", "answer=target"])[0]["rename_column"] == {"answer": "target"}
     assert parse_train_args([path])[0]["rename_column"] == {"question": "prompt"}
@@ -322,22 +337,23 @@ def test_unknown_yaml_keys_raise_by_name(tmp_path):
 
 
 def test_unknown_flag_is_an_error_with_a_suggestion():
-    with pytest.raises(ValueError, match="unknown option --learnig_rate. Did you mean --learning_rate"):
+    with pytest.raises(ValueError, match=r"unknown option --learnig_rate. Did you mean --learning_rate"):
         parse_train_args(["--learnig_rate", "1e-5"])
     with pytest.raises(ValueError, match="unknown option --learning_rat"):  # no argparse prefix matching
         parse_train_args(["--learning_rat", "1e-5"])
 
 
 def test_missing_config_file(tmp_path):
-    with pytest.raises(ValueError, match="nope.yaml not found"):
+    with pytest.raises(ValueError, match=r"nope.yaml not found"):
         parse_train_args([str(tmp_path / "nope.yaml")])
 
 
 def test_the_config_is_saved_as_written(tmp_path):
     import json
 
-    config = GRPOConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
-                        report_to="none", top_k=0)  # fmt: skip
+    config = GRPOConfig(
+        per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4, report_to="none", top_k=0
+    )
     assert config.steps_per_generation == 2 and config.generation_batch_size == 8  # derived
     config.save(tmp_path / "grpo_config.json")
     saved = json.loads((tmp_path / "grpo_config.json").read_text())

@@ -96,8 +96,9 @@ def test_a_routed_model_gives_the_bfloat16_models_logprobs_and_gradients(monkeyp
     the same model on torch's bfloat16 kernels: log-probs and gradients agree to bfloat16 rounding of the layers."""
     monkeypatch.setattr(cpu_matmul, "cpu_has_bf16_matmul", lambda: False)
     torch.manual_seed(0)
-    naive = build_tiny_model(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                             intermediate_size=128)  # fmt: skip
+    naive = build_tiny_model(
+        vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
+    )
     if weights == "bf16":
         naive = naive.to(torch.bfloat16)
     fast = copy.deepcopy(naive)
@@ -138,8 +139,9 @@ def test_gradient_checkpointing_recomputes_through_the_same_route(monkeypatch):
     saved tensors would not match otherwise), and give the same gradients as without checkpointing."""
     monkeypatch.setattr(cpu_matmul, "cpu_has_bf16_matmul", lambda: False)
     torch.manual_seed(0)
-    plain = build_tiny_model(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                             intermediate_size=128).to(torch.bfloat16)  # fmt: skip
+    plain = build_tiny_model(
+        vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
+    ).to(torch.bfloat16)
     float32_matmuls(plain, "cpu")
     checkpointed = copy.deepcopy(plain)
     checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -161,10 +163,23 @@ def test_the_trainer_routes_its_policy_and_reference_under_bf16_only(monkeypatch
 
     monkeypatch.setattr(cpu_matmul, "cpu_has_bf16_matmul", lambda: False)
     model_dir = str(save_tiny_model(tmp_path / "tiny", hidden_size=32))
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=4, max_steps=1, beta=0.1, bf16=bf16, use_cpu=True, report_to="none")
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-                          args=args, train_dataset=[{"prompt": "ab"}] * 8)  # fmt: skip
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=1,
+        beta=0.1,
+        bf16=bf16,
+        use_cpu=True,
+        report_to="none",
+    )
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=args,
+        train_dataset=[{"prompt": "ab"}] * 8,
+    )
     for model in (trainer.unwrapped_model, trainer.reference):
         routed = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" in vars(m)]
         assert len(routed) == (14 + 1 if bf16 else 0)  # the layers, and the head for the sampler
@@ -216,8 +231,9 @@ def head_run(hidden, weight, bias, targets, upstream, trains, temperature, autoc
     """Log-probs, entropies and the gradients of upstream · log-probs: by `chunked_token_logprobs`, or by the
     naive float64 formula on the bfloat16-rounded operands (the exact value the bfloat16 kernels approximate)."""
     leaves = [hidden.detach().clone().requires_grad_()]
-    leaves += [None if t is None else t.detach().clone().requires_grad_(train)
-               for t, train in zip((weight, bias), trains)]  # fmt: skip
+    leaves += [
+        None if t is None else t.detach().clone().requires_grad_(train) for t, train in zip((weight, bias), trains)
+    ]
     if float64:
         h, w, b = (None if t is None else t.to(torch.bfloat16).double() for t in leaves)
         logits = (h @ w.T + (0 if b is None else b)) / temperature
@@ -226,8 +242,9 @@ def head_run(hidden, weight, bias, targets, upstream, trains, temperature, autoc
         entropies = -(log_softmax.exp() * log_softmax).sum(-1)
     else:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            logprobs, entropies = chunked_token_logprobs(leaves[0], leaves[1], targets, temperature, bias=leaves[2],
-                                                         with_entropy=True, float32_gemm=float32_gemm)  # fmt: skip
+            logprobs, entropies = chunked_token_logprobs(
+                leaves[0], leaves[1], targets, temperature, bias=leaves[2], with_entropy=True, float32_gemm=float32_gemm
+            )
     (logprobs * upstream.to(logprobs.dtype)).sum().backward()
     grads = [None if t is None or t.grad is None else t.grad.double() for t in leaves]
     return logprobs.double(), entropies.double(), grads
@@ -262,7 +279,7 @@ def test_float32_head_equals_the_bfloat16_chunked_head(monkeypatch, frozen, bias
 
 
 def test_float32_head_runs_only_for_bfloat16_matmuls_on_the_cpu():
-    hidden, weight, _, targets, upstream, _ = head_inputs(80, 16, 300, False, False, torch.float32)
+    hidden, weight, _, targets, _upstream, _ = head_inputs(80, 16, 300, False, False, torch.float32)
     hidden.requires_grad_()
     for autocast, expected in ((True, "Float32HeadBackward"), (False, "_ChunkedTokenLogprobsBackward")):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -294,8 +311,11 @@ def test_head_forward_equals_the_bfloat16_kernel_where_no_gradient_is_needed(mon
     own forward where a gradient is needed or below HEAD_MIN_ROWS rows."""
     monkeypatch.setattr(cpu_matmul, "HEAD_BLOCK", 64)
     g = torch.Generator().manual_seed(3)
-    for dtype, autocast, bias in ((torch.bfloat16, False, False), (torch.bfloat16, False, True),
-                                  (torch.float32, True, True)):  # fmt: skip
+    for dtype, autocast, bias in (
+        (torch.bfloat16, False, False),
+        (torch.bfloat16, False, True),
+        (torch.float32, True, True),
+    ):
         head = torch.nn.Linear(48, 300, bias=bias).to(dtype)
         x = torch.randn(2, 8, 48, generator=g).to(dtype)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -331,8 +351,9 @@ def test_float32_scratch_is_reused_grown_and_released():
 
 # --------------------------------------------------------------------------------- bitsandbytes 4-bit layers
 
-needs_bitsandbytes = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
-                                        reason="bitsandbytes is not installed (pip install '.[lowmem]')")
+needs_bitsandbytes = pytest.mark.skipif(
+    importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed (pip install '.[lowmem]')"
+)
 
 
 def linear4bit(in_features=96, out_features=80, bias=True, quant_type="nf4"):
@@ -348,12 +369,14 @@ def linear4bit(in_features=96, out_features=80, bias=True, quant_type="nf4"):
 
 
 @needs_bitsandbytes
-@pytest.mark.parametrize("quant_type,nested,blocksize,storage", [("nf4", False, 64, torch.uint8),
-                                                                 ("fp4", True, 128, torch.uint8),
-                                                                 ("nf4", True, 64, torch.bfloat16)])  # fmt: skip
+@pytest.mark.parametrize(
+    "quant_type,nested,blocksize,storage",
+    [("nf4", False, 64, torch.uint8), ("fp4", True, 128, torch.uint8), ("nf4", True, 64, torch.bfloat16)],
+)
 @pytest.mark.parametrize("out_features,in_features", [(83, 128), (40, 100), (83, 96)])
-def test_a_4bit_weight_dequantized_in_pieces_is_bitwise_the_whole(monkeypatch, quant_type, nested, blocksize, storage,
-                                                                  out_features, in_features):  # fmt: skip
+def test_a_4bit_weight_dequantized_in_pieces_is_bitwise_the_whole(
+    monkeypatch, quant_type, nested, blocksize, storage, out_features, in_features
+):
     """`dequantized_float32` dequantizes a few rows at a time (here 4 or 5 pieces, the last one partial), double
     quantization's block scales included: bitwise bitsandbytes' whole dequantization, upcast. Rows of 100 or 96
     inputs do not each start on a block of 64 or 128: the whole weight then (with 96, bitsandbytes' AVX-512 kernel
@@ -362,11 +385,23 @@ def test_a_4bit_weight_dequantized_in_pieces_is_bitwise_the_whole(monkeypatch, q
 
     monkeypatch.setattr(cpu_matmul, "DEQUANT_PIECE", 20 * in_features)
     torch.manual_seed(0)
-    layer = bnb.nn.Linear4bit(in_features, out_features, bias=False, compute_dtype=torch.bfloat16,
-                              quant_type=quant_type, compress_statistics=nested, quant_storage=storage)  # fmt: skip
-    layer.weight = bnb.nn.Params4bit(torch.randn(out_features, in_features, dtype=torch.bfloat16), requires_grad=False,
-                                     quant_type=quant_type, compress_statistics=nested, blocksize=blocksize,
-                                     quant_storage=storage)  # fmt: skip
+    layer = bnb.nn.Linear4bit(
+        in_features,
+        out_features,
+        bias=False,
+        compute_dtype=torch.bfloat16,
+        quant_type=quant_type,
+        compress_statistics=nested,
+        quant_storage=storage,
+    )
+    layer.weight = bnb.nn.Params4bit(
+        torch.randn(out_features, in_features, dtype=torch.bfloat16),
+        requires_grad=False,
+        quant_type=quant_type,
+        compress_statistics=nested,
+        blocksize=blocksize,
+        quant_storage=storage,
+    )
     layer = layer.to("cpu")
     assert layer.weight.quant_state.nested == nested and layer.weight.dtype == storage
     pieces = []
@@ -420,32 +455,39 @@ def test_qlora_base_layers_are_routed_and_learn_the_letter_task(tmp_path, monkey
     The base's layers take the float32 route, the reference is the 4-bit base with the adapter off (no copy), and
     the adapter learns to start completions with 'a' (a 64-wide LoRA model learns the letter-repeating task too
     slowly for a test, with or without quantization)."""
+    from letters import LETTERS, letter_dataset
+    from letters import letter_config as config
     from peft import LoraConfig
     from transformers import BitsAndBytesConfig
 
     from grpokit import GRPOTrainer
     from grpokit.testing import save_tiny_model
-    from letters import LETTERS, letter_dataset
-    from letters import letter_config as config
 
     def starts_with_a(completions, **kwargs):
         return [1.0 if c[:1] == "a" else 0.0 for c in completions]
 
     monkeypatch.setattr(cpu_matmul, "cpu_has_bf16_matmul", lambda: False)
     model_dir = str(save_tiny_model(tmp_path / "tiny", chars=LETTERS + ":", hidden_size=64))
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                      bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+    )
     args = config(tmp_path, bf16=True, beta=0.04, max_steps=30, logging_steps=5, learning_rate=2e-2)
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=starts_with_a, args=args, train_dataset=letter_dataset(),
-                          quantization_config=quantization,
-                          peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=starts_with_a,
+        args=args,
+        train_dataset=letter_dataset(),
+        quantization_config=quantization,
+        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+    )
     base = [m for m in trainer.unwrapped_model.modules() if cpu_matmul.is_linear4bit(m)]
     assert len(base) == 14 and all(m.forward.function is cpu_matmul.linear4bit_forward for m in base)
     assert trainer.reference is None
     slots = []
     release = cpu_matmul.release_scratch
-    monkeypatch.setattr("grpokit.trainer.release_scratch", lambda: slots.append(set(cpu_matmul._SCRATCH.__dict__))
-                        or release())  # fmt: skip
+    monkeypatch.setattr(
+        "grpokit.trainer.release_scratch", lambda: slots.append(set(cpu_matmul._SCRATCH.__dict__)) or release()
+    )
     trainer.train()
     assert slots == [{"weight", "input"}] and not cpu_matmul._SCRATCH.__dict__  # used, then freed at the end
     rewards = [entry["reward"] for entry in trainer.state.log_history[:-1]]
@@ -459,18 +501,19 @@ def test_the_sampler_leaves_4bit_weights_in_their_trainable_layout(tmp_path, mon
     forward in eval mode without gradients (the sampler's) and never unpacks it. Emulated here: the flag forced on,
     and the float32 route off (as on such a CPU), so bitsandbytes' own forward runs. The trainer turns the flag off:
     after a training step every base weight still has its packed 4-bit shape [n/2, 1]."""
+    from letters import LETTERS, letter_dataset
+    from letters import letter_config as config
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from grpokit import GRPOTrainer
     from grpokit.testing import save_tiny_model
-    from letters import LETTERS, letter_dataset
-    from letters import letter_config as config
 
     monkeypatch.setattr(cpu_matmul, "cpu_has_bf16_matmul", lambda: True)
     model_dir = save_tiny_model(tmp_path / "tiny", chars=LETTERS + ":", hidden_size=64)
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                      bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+    )
     model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quantization)
     base = [m for m in model.modules() if cpu_matmul.is_linear4bit(m)]
     shapes = [tuple(m.weight.shape) for m in base]
@@ -481,9 +524,13 @@ def test_the_sampler_leaves_4bit_weights_in_their_trainable_layout(tmp_path, mon
     with torch.no_grad():  # what the flag does, on this CPU too
         layer(torch.randn(3, layer.in_features, dtype=torch.bfloat16))
     assert layer.weight.quant_state.packing_format_for_cpu and layer.weight.shape[1] != 1
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
-                          args=config(tmp_path, bf16=True, max_steps=1), train_dataset=letter_dataset(),
-                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+        args=config(tmp_path, bf16=True, max_steps=1),
+        train_dataset=letter_dataset(),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+    )
     assert not any(m.support_avx512bf16_for_cpu for m in base)
     trainer.train()
     assert [tuple(m.weight.shape) for m in base] == shapes

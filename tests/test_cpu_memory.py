@@ -42,10 +42,21 @@ def test_the_trainer_fixes_the_threshold_on_the_cpu(monkeypatch, tmp_path):
 
     calls = []
     monkeypatch.setattr(build, "keep_large_allocations_mapped", lambda: calls.append(1) or True)  # the set-up's call
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=4, max_steps=1, use_cpu=True, report_to="none")
-    GRPOTrainer(model=str(save_tiny_model(tmp_path / "tiny")), args=args, train_dataset=[{"prompt": "ab"}] * 4,
-                reward_funcs=lambda completions, **kw: [0.0] * len(completions))  # fmt: skip
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=1,
+        use_cpu=True,
+        report_to="none",
+    )
+    GRPOTrainer(
+        model=str(save_tiny_model(tmp_path / "tiny")),
+        args=args,
+        train_dataset=[{"prompt": "ab"}] * 4,
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+    )
     assert calls == [1]
 
 
@@ -90,11 +101,23 @@ def test_the_trainer_reuses_activation_memory_when_training_starts_on_the_cpu(mo
 
     calls = []
     monkeypatch.setattr(trainer, "reuse_activation_memory", lambda: calls.append(1) or True)
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=4, max_steps=1, use_cpu=True, report_to="none", save_strategy="no",
-                      disable_tqdm=True)  # fmt: skip
-    run = GRPOTrainer(model=str(save_tiny_model(tmp_path / "tiny")), args=args, train_dataset=[{"prompt": "ab"}] * 4,
-                      reward_funcs=lambda completions, **kw: [0.0] * len(completions))  # fmt: skip
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=1,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    run = GRPOTrainer(
+        model=str(save_tiny_model(tmp_path / "tiny")),
+        args=args,
+        train_dataset=[{"prompt": "ab"}] * 4,
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+    )
     assert calls == []  # not while the weights load
     run.train()
     assert calls == [1]
@@ -130,13 +153,29 @@ def test_the_trainer_returns_free_memory_after_the_rollout_and_the_no_grad_forwa
     events = []
     monkeypatch.setattr(experience, "return_free_memory", lambda: events.append("free") or True)
     logprobs_in_chunks = experience.logprobs_in_chunks
-    monkeypatch.setattr(experience, "logprobs_in_chunks", lambda *a, **k: events.append("logprobs_in_chunks") or
-                        logprobs_in_chunks(*a, **k))  # fmt: skip
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=4, max_steps=2, use_cpu=True, report_to="none", save_strategy="no",
-                      disable_tqdm=True, beta=0.04)  # fmt: skip
-    run = GRPOTrainer(model=str(save_tiny_model(tmp_path / "tiny")), args=args, train_dataset=[{"prompt": "ab"}] * 8,
-                      reward_funcs=lambda completions, **kw: [0.0] * len(completions))  # fmt: skip
+    monkeypatch.setattr(
+        experience,
+        "logprobs_in_chunks",
+        lambda *a, **k: events.append("logprobs_in_chunks") or logprobs_in_chunks(*a, **k),
+    )
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=2,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        beta=0.04,
+    )
+    run = GRPOTrainer(
+        model=str(save_tiny_model(tmp_path / "tiny")),
+        args=args,
+        train_dataset=[{"prompt": "ab"}] * 8,
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+    )
     sample = run.experience.sample
     monkeypatch.setattr(run.experience, "sample", lambda *a, **k: events.append("sample") or sample(*a, **k))
     run.train()
@@ -164,8 +203,9 @@ def test_a_run_without_deepspeed_does_not_import_it(tmp_path):
     from grpokit.testing import save_tiny_model
 
     model = str(save_tiny_model(tmp_path / "tiny"))
-    out = subprocess.run([sys.executable, "-c", IMPORTS_SCRIPT, model, str(tmp_path / "out")], capture_output=True,
-                         text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", IMPORTS_SCRIPT, model, str(tmp_path / "out")], capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 

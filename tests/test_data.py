@@ -6,8 +6,11 @@ from datasets import Dataset
 from grpokit.data import check_dataset
 
 
-@pytest.mark.parametrize("dataset", [Dataset.from_dict({"prompt": []}), Dataset.from_dict({}), []],
-                         ids=["no rows", "no columns", "empty list"])  # fmt: skip
+@pytest.mark.parametrize(
+    "dataset",
+    [Dataset.from_dict({"prompt": []}), Dataset.from_dict({}), []],
+    ids=["no rows", "no columns", "empty list"],
+)
 @pytest.mark.parametrize("name", ["train_dataset", "eval_dataset"])
 def test_empty_dataset_is_called_empty(dataset, name):
     with pytest.raises(ValueError, match=f"{name} is empty"):
@@ -35,6 +38,6 @@ def test_a_mistyped_dataset_file_name_gets_a_suggestion(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.jsonl").write_text('{"prompt": "a"}\n')
-    with pytest.raises(FileNotFoundError, match="Did you mean train.jsonl"):
+    with pytest.raises(FileNotFoundError, match=r"Did you mean train.jsonl"):
         load_dataset_source("trian.jsonl")
     assert load_dataset_source("train.jsonl")[0] == {"prompt": "a"}

@@ -45,10 +45,12 @@ def hand_jsd(p_student, p_teacher, beta):
 # ------------------------------------------------------------------------------------- hand-computed values
 
 # The docstring's worked example: p_s = (1/2, 1/2), p_t = (3/4, 1/4).
-WORKED = {0.0: 0.75 * math.log(1.5) + 0.25 * math.log(0.5),  # KL(p_t ‖ p_s)
-          1.0: 0.5 * math.log(2 / 3) + 0.5 * math.log(2),  # KL(p_s ‖ p_t)
-          0.5: 0.5 * (0.75 * math.log(6 / 5) + 0.25 * math.log(2 / 3))  # m = (5/8, 3/8)
-          + 0.5 * (0.5 * math.log(4 / 5) + 0.5 * math.log(4 / 3))}  # fmt: skip
+WORKED = {
+    0.0: 0.75 * math.log(1.5) + 0.25 * math.log(0.5),  # KL(p_t ‖ p_s)
+    1.0: 0.5 * math.log(2 / 3) + 0.5 * math.log(2),  # KL(p_s ‖ p_t)
+    0.5: 0.5 * (0.75 * math.log(6 / 5) + 0.25 * math.log(2 / 3))  # m = (5/8, 3/8)
+    + 0.5 * (0.5 * math.log(4 / 5) + 0.5 * math.log(4 / 3)),
+}
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
@@ -108,6 +110,7 @@ def test_beta_outside_the_unit_interval_is_refused():
 
 # ------------------------------------------------------------------------------------------------ reduction
 
+
 # N = 2, T = 3, V = 2: token (i, t) has the student at p_s = (1/2, 1/2) and the teacher at (3/4, 1/4) or (1/2, 1/2)
 # (divergence 0). The mask drops (0, 2) — a tool span, whose logits are NaN so that a leak shows — and (1, 1).
 def reduction_fixture():
@@ -161,6 +164,7 @@ def test_teacher_equal_to_student_gives_zero_loss_and_gradient(beta):
 
 # --------------------------------------------------------------------------------- TRL 1.16's own loss
 
+
 def trl_loss():
     """TRL 1.16's `DistillationTrainer` loss: `_chunked_divergence_loss` (hidden states and LM heads; on a CPU its
     kernel runs the torch tiles), what `DistillationTrainer._compute_loss` calls."""
@@ -180,8 +184,13 @@ def heads_fixture(dtype=torch.float32, seed=0):
     teacher_hidden, teacher_weight = randn(3, 5, 12), randn(37, 12, scale=0.7)
     completion_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
     tool_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 0, 0, 1, 1], [1, 1, 1, 1, 1]])
-    return (student_hidden.requires_grad_(), student_weight.requires_grad_(), teacher_hidden, teacher_weight,
-            completion_mask * tool_mask)  # fmt: skip
+    return (
+        student_hidden.requires_grad_(),
+        student_weight.requires_grad_(),
+        teacher_hidden,
+        teacher_weight,
+        completion_mask * tool_mask,
+    )
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
@@ -191,14 +200,26 @@ def test_equals_trls_distillation_loss_and_its_gradient(beta, temperature, num_t
     trl_chunked_divergence_loss = trl_loss()
     student_hidden, student_weight, teacher_hidden, teacher_weight, mask = heads_fixture()
     expected, expected_entropy_sum, expected_count = trl_chunked_divergence_loss(
-        student_hidden, teacher_hidden, student_weight, teacher_weight, mask, beta,
-        num_items_in_batch=num_tokens, temperature=temperature,
-    )  # fmt: skip
+        student_hidden,
+        teacher_hidden,
+        student_weight,
+        teacher_weight,
+        mask,
+        beta,
+        num_items_in_batch=num_tokens,
+        temperature=temperature,
+    )
     expected_grads = torch.autograd.grad(expected, (student_hidden, student_weight))
 
     # grpokit on full logits (the naive path) and on the heads (the chunked path, several chunk sizes)
-    loss, stats = distillation_loss(student_hidden @ student_weight.T, teacher_hidden @ teacher_weight.T, mask,
-                                    beta=beta, temperature=temperature, num_tokens=num_tokens)  # fmt: skip
+    loss, stats = distillation_loss(
+        student_hidden @ student_weight.T,
+        teacher_hidden @ teacher_weight.T,
+        mask,
+        beta=beta,
+        temperature=temperature,
+        num_tokens=num_tokens,
+    )
     grads = torch.autograd.grad(loss, (student_hidden, student_weight))
     close(loss, expected, ATOL_TRL)
     for grad, expected_grad in zip(grads, expected_grads):
@@ -207,9 +228,16 @@ def test_equals_trls_distillation_loss_and_its_gradient(beta, temperature, num_t
     assert stats.num_tokens.item() == expected_count.item() == 11
     for chunk_rows in (4, None):
         loss, stats = chunked_distillation_loss(
-            student_hidden, student_weight, teacher_hidden, teacher_weight, mask, beta=beta,
-            temperature=temperature, num_tokens=num_tokens, chunk_rows=chunk_rows,
-        )  # fmt: skip
+            student_hidden,
+            student_weight,
+            teacher_hidden,
+            teacher_weight,
+            mask,
+            beta=beta,
+            temperature=temperature,
+            num_tokens=num_tokens,
+            chunk_rows=chunk_rows,
+        )
         grads = torch.autograd.grad(loss, (student_hidden, student_weight))
         close(loss, expected, ATOL_TRL)
         for grad, expected_grad in zip(grads, expected_grads):
@@ -219,8 +247,10 @@ def test_equals_trls_distillation_loss_and_its_gradient(beta, temperature, num_t
 
 # ------------------------------------------------------------------------------ the chunked twin (naive = full)
 
-def naive(student_hidden, student_weight, teacher_hidden, teacher_weight, mask, student_bias=None,
-          teacher_bias=None, **kwargs):  # fmt: skip
+
+def naive(
+    student_hidden, student_weight, teacher_hidden, teacher_weight, mask, student_bias=None, teacher_bias=None, **kwargs
+):
     student_logits = student_hidden @ student_weight.T
     teacher_logits = teacher_hidden @ teacher_weight.T
     if student_bias is not None:
@@ -239,8 +269,9 @@ def test_chunked_equals_full_logits_in_float64(beta, chunk_rows):
     inputs = (student_hidden, student_weight, teacher_hidden, teacher_weight, mask)
     options = {"beta": beta, "temperature": 0.9, "num_tokens": 20}
     expected, expected_stats = naive(*inputs, student_bias=student_bias, teacher_bias=teacher_bias, **options)
-    loss, stats = chunked_distillation_loss(*inputs, student_bias=student_bias, teacher_bias=teacher_bias,
-                                            chunk_rows=chunk_rows, **options)  # fmt: skip
+    loss, stats = chunked_distillation_loss(
+        *inputs, student_bias=student_bias, teacher_bias=teacher_bias, chunk_rows=chunk_rows, **options
+    )
     assert loss.dtype == F64
     close(loss, expected)
     close(stats.entropy_sum, expected_stats.entropy_sum)
@@ -256,8 +287,9 @@ def test_chunked_hidden_gradient_alone_and_teacher_gets_none():
     teacher_weight.requires_grad_()
     inputs = (student_hidden, student_weight, teacher_hidden, teacher_weight, mask)
     loss, _ = chunked_distillation_loss(*inputs, beta=0.5, chunk_rows=2)
-    expected, _ = naive(student_hidden, student_weight, teacher_hidden.detach(), teacher_weight.detach(), mask,
-                        beta=0.5)  # fmt: skip
+    expected, _ = naive(
+        student_hidden, student_weight, teacher_hidden.detach(), teacher_weight.detach(), mask, beta=0.5
+    )
     loss.backward()
     close(student_hidden.grad, torch.autograd.grad(expected, student_hidden)[0])
     assert teacher_hidden.grad is None and teacher_weight.grad is None
@@ -266,8 +298,9 @@ def test_chunked_hidden_gradient_alone_and_teacher_gets_none():
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_chunked_teacher_equal_to_student_gives_zero_loss_and_gradient(beta):
     student_hidden, student_weight, _, _, mask = heads_fixture(F64, seed=3)
-    loss, _ = chunked_distillation_loss(student_hidden, student_weight, student_hidden.detach(),
-                                        student_weight.detach(), mask, beta=beta, chunk_rows=4)  # fmt: skip
+    loss, _ = chunked_distillation_loss(
+        student_hidden, student_weight, student_hidden.detach(), student_weight.detach(), mask, beta=beta, chunk_rows=4
+    )
     grads = torch.autograd.grad(loss, (student_hidden, student_weight))
     close(loss, 0.0)
     for grad in grads:
@@ -278,10 +311,12 @@ def test_chunked_bfloat16_teacher_beside_a_float32_student():
     # The teacher's matmul runs in its own dtype (bf16 here, as its plain head would); the softmaxes in float32
     student_hidden, student_weight, teacher_hidden, teacher_weight, mask = heads_fixture(seed=4)
     teacher_hidden, teacher_weight = teacher_hidden.bfloat16(), teacher_weight.bfloat16()
-    loss, _ = chunked_distillation_loss(student_hidden, student_weight, teacher_hidden, teacher_weight, mask,
-                                        beta=1.0, chunk_rows=4)  # fmt: skip
-    expected, _ = distillation_loss(student_hidden @ student_weight.T, (teacher_hidden @ teacher_weight.T).float(),
-                                    mask, beta=1.0)  # fmt: skip
+    loss, _ = chunked_distillation_loss(
+        student_hidden, student_weight, teacher_hidden, teacher_weight, mask, beta=1.0, chunk_rows=4
+    )
+    expected, _ = distillation_loss(
+        student_hidden @ student_weight.T, (teacher_hidden @ teacher_weight.T).float(), mask, beta=1.0
+    )
     assert loss.dtype == torch.float32
     close(loss, expected, 1e-5)
     close(torch.autograd.grad(loss, student_hidden)[0], torch.autograd.grad(expected, student_hidden)[0], 1e-5)
@@ -292,23 +327,27 @@ def test_chunked_under_bfloat16_autocast_multiplies_as_the_plain_heads_do():
     # everything after them in float32
     student_hidden, student_weight, teacher_hidden, teacher_weight, mask = heads_fixture(seed=5)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss, _ = chunked_distillation_loss(student_hidden, student_weight, teacher_hidden, teacher_weight, mask,
-                                            beta=0.5, chunk_rows=4)  # fmt: skip
+        loss, _ = chunked_distillation_loss(
+            student_hidden, student_weight, teacher_hidden, teacher_weight, mask, beta=0.5, chunk_rows=4
+        )
         student_logits, teacher_logits = student_hidden @ student_weight.T, teacher_hidden @ teacher_weight.T
     assert student_logits.dtype == torch.bfloat16
     expected, _ = distillation_loss(student_logits.float(), teacher_logits.float(), mask, beta=0.5)
     assert loss.dtype == torch.float32
     close(loss, expected, 1e-5)
-    for grad, expected_grad in zip(torch.autograd.grad(loss, (student_hidden, student_weight)),
-                                   torch.autograd.grad(expected, (student_hidden, student_weight))):  # fmt: skip
+    for grad, expected_grad in zip(
+        torch.autograd.grad(loss, (student_hidden, student_weight)),
+        torch.autograd.grad(expected, (student_hidden, student_weight)),
+    ):
         assert grad.dtype == torch.float32
         torch.testing.assert_close(grad, expected_grad, atol=2e-2, rtol=2e-2)
 
 
 def test_chunked_all_masked_gives_zero():
     student_hidden, student_weight, teacher_hidden, teacher_weight, mask = heads_fixture(F64)
-    loss, stats = chunked_distillation_loss(student_hidden, student_weight, teacher_hidden, teacher_weight,
-                                            torch.zeros_like(mask), beta=0.5)  # fmt: skip
+    loss, stats = chunked_distillation_loss(
+        student_hidden, student_weight, teacher_hidden, teacher_weight, torch.zeros_like(mask), beta=0.5
+    )
     loss.backward()
     assert loss.item() == 0.0 and stats.num_tokens.item() == 0
     assert (student_hidden.grad == 0).all() and (student_weight.grad == 0).all()
@@ -328,8 +367,9 @@ def test_chunked_saves_no_tensor_that_spans_the_vocabulary():
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        loss, _ = chunked_distillation_loss(student_hidden, student_weight, teacher_hidden, teacher_weight,
-                                            torch.ones(4, rows // 4), beta=0.5)  # fmt: skip
+        loss, _ = chunked_distillation_loss(
+            student_hidden, student_weight, teacher_hidden, teacher_weight, torch.ones(4, rows // 4), beta=0.5
+        )
     assert saved and max(saved) < rows * vocab // 1000, saved
     loss.backward()
     assert student_hidden.grad.shape == student_hidden.shape and student_weight.grad.shape == student_weight.shape
@@ -356,8 +396,13 @@ def permuted_tokenizer():
     assert swapped != state
     from tokenizers import Tokenizer
 
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(swapped), pad_token="<pad>", eos_token="<eos>",
-                                   bos_token="<bos>", unk_token="<pad>")  # fmt: skip
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(swapped),
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="<pad>",
+    )
 
 
 def test_same_tokenizer_passes():
@@ -400,8 +445,10 @@ def test_another_end_of_sequence_token_is_refused():
 def test_a_token_only_the_student_has_is_refused():
     student = build_char_tokenizer()
     student.add_special_tokens({"additional_special_tokens": ["<tool>"]})
-    with pytest.raises(ValueError, match="the student's vocabulary has 54 tokens, the teacher's 53; 1 token only in "
-                                         "the student's: '<tool>'"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match="the student's vocabulary has 54 tokens, the teacher's 53; 1 token only in the student's: '<tool>'",
+    ):
         check_shared_tokenizer(student, build_char_tokenizer())
 
 

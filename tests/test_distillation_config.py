@@ -50,16 +50,21 @@ def test_shared_fields_are_grpoconfigs_and_the_rest_are_declared_here():
             assert spec.metadata["help"] == DISTILLATION_FIELDS[spec.name][1]
         else:
             assert dict(spec.metadata) == dict(grpo[spec.name].metadata), spec.name
-    assert set(DISTILLATION_FIELDS) == {"teacher_model_name_or_path", "teacher_model_revision",
-                                        "teacher_model_init_kwargs", "beta"}  # fmt: skip
+    assert set(DISTILLATION_FIELDS) == {
+        "teacher_model_name_or_path",
+        "teacher_model_revision",
+        "teacher_model_init_kwargs",
+        "beta",
+    }
 
 
 def test_values_and_beta_check():
-    config = DistillationConfig(teacher_model_name_or_path="teacher", beta=0.5, temperature=0.7,
-                                teacher_model_init_kwargs={"dtype": "bfloat16"})  # fmt: skip
+    config = DistillationConfig(
+        teacher_model_name_or_path="teacher", beta=0.5, temperature=0.7, teacher_model_init_kwargs={"dtype": "bfloat16"}
+    )
     assert (config.teacher_model_name_or_path, config.beta, config.temperature) == ("teacher", 0.5, 0.7)
     assert config.teacher_model_init_kwargs == {"dtype": "bfloat16"}
     assert DistillationConfig().teacher_model_init_kwargs is None
-    with pytest.raises(ValueError, match="beta must be in \\[0, 1\\], got 1.5: 0 = forward KL"):
+    with pytest.raises(ValueError, match=r"beta must be in \[0, 1\], got 1.5: 0 = forward KL"):
         DistillationConfig(beta=1.5)
     assert not hasattr(DistillationConfig(), "num_generations")  # a GRPO-only field

@@ -9,14 +9,13 @@ import json
 import pytest
 import torch
 from datasets import Dataset
+from letters import LETTERS, letter_config, letter_dataset, repeat_letter, tiny_letter_model
 from transformers import TrainerCallback
 
 from grpokit import DistillationConfig, DistillationTrainer, GRPOTrainer, TrainBatch
 from grpokit.distillation_config import DistillationLoopConfig
 from grpokit.loss import distillation_loss
 from grpokit.testing import build_char_tokenizer, build_tiny_model, save_tiny_model
-
-from letters import LETTERS, letter_config, letter_dataset, repeat_letter, tiny_letter_model
 
 CHARS = LETTERS + ":"
 
@@ -29,14 +28,27 @@ def student_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory):
     # Another size and depth than the student: only the tokenizer must be shared.
-    return str(save_tiny_model(tmp_path_factory.mktemp("teacher") / "tiny", chars=CHARS, hidden_size=48, num_layers=3,
-                               seed=1))  # fmt: skip
+    return str(
+        save_tiny_model(tmp_path_factory.mktemp("teacher") / "tiny", chars=CHARS, hidden_size=48, num_layers=3, seed=1)
+    )
 
 
 def config(tmp_path, **overrides) -> DistillationConfig:
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, max_completion_length=3,
-                  learning_rate=1e-2, lr_scheduler_type="constant", max_steps=3, logging_steps=1, save_strategy="no",
-                  disable_tqdm=True, bf16=False, gradient_checkpointing=False, optim="adamw_torch", seed=0)  # fmt: skip
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        max_completion_length=3,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        max_steps=3,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        optim="adamw_torch",
+        seed=0,
+    )
     return DistillationConfig(**{**values, **overrides})
 
 
@@ -98,8 +110,17 @@ def test_a_trl_distillation_script_runs_with_only_the_import_changed(student_dir
     records = trainer.state.log_history[:-1]
     assert len(records) == 2
     for record in records:  # TRL's names
-        assert {"loss", "grad_norm", "learning_rate", "entropy", "num_tokens", "step_time", "completions/mean_length",
-                "completions/clipped_ratio", "completions/min_terminated_length"} <= set(record), record  # fmt: skip
+        assert {
+            "loss",
+            "grad_norm",
+            "learning_rate",
+            "entropy",
+            "num_tokens",
+            "step_time",
+            "completions/mean_length",
+            "completions/clipped_ratio",
+            "completions/min_terminated_length",
+        } <= set(record), record
         assert record["loss"] > 0 and torch.isfinite(torch.tensor(record["loss"]))
         assert not any(key.startswith("reward") for key in record)  # nothing scores the completions
     assert (tmp_path / "out" / "checkpoint-2").is_dir()
@@ -123,15 +144,17 @@ trainer.train("""
 
 
 def test_a_trl_distillation_script_reading_the_train_dataloader_runs_with_only_the_import_changed(
-        student_dir, teacher_dir, tmp_path):  # fmt: skip
+    student_dir, teacher_dir, tmp_path
+):
     """TRL's script, reading `trainer.get_train_dataloader()` before training: under grpokit it trains, and the
     batching is TRL 1.16's (one process; the epoch's seeded order too)."""
     pytest.importorskip("trl")
     runs = {}
     for library in ("trl", "grpokit"):
         script = TRL_SCRIPT.format(output_dir=str(tmp_path / library), teacher=teacher_dir, student=student_dir)
-        script = script.replace("trainer.train(", READ_THE_DATALOADER).replace("from grpokit import",
-                                                                              f"from {library} import")  # fmt: skip
+        script = script.replace("trainer.train(", READ_THE_DATALOADER).replace(
+            "from grpokit import", f"from {library} import"
+        )
         runs[library] = {}
         exec(compile(script, "distillation.py", "exec"), runs[library])
     assert runs["grpokit"]["trainer"].state.global_step == 2
@@ -143,11 +166,17 @@ def test_a_trl_distillation_script_reading_the_train_dataloader_runs_with_only_t
 
 
 def test_the_loop_config_is_trls_distillation_batching():
-    args = loop_config_of(DistillationConfig(output_dir="x", per_device_train_batch_size=4,
-                                             gradient_accumulation_steps=3, beta=0.5))  # fmt: skip
+    args = loop_config_of(
+        DistillationConfig(output_dir="x", per_device_train_batch_size=4, gradient_accumulation_steps=3, beta=0.5)
+    )
     assert isinstance(args, DistillationLoopConfig)
-    assert (args.num_generations, args.num_iterations, args.steps_per_generation, args.generation_batch_size,
-            args.beta) == (1, 1, 3, 12, 0.0)  # fmt: skip
+    assert (
+        args.num_generations,
+        args.num_iterations,
+        args.steps_per_generation,
+        args.generation_batch_size,
+        args.beta,
+    ) == (1, 1, 3, 12, 0.0)
 
 
 def loop_config_of(distillation_config):
@@ -177,8 +206,9 @@ def fixed_batch(tokenizer, generator) -> TrainBatch:
     completion_ids[attention_mask == 0] = tokenizer.pad_token_id
     loss_mask = attention_mask.clone()
     loss_mask[0, 1:3] = 0  # a tool's output, inserted into the completion
-    return TrainBatch(prompt_ids, prompt_mask, completion_ids, attention_mask, loss_mask.float(), lengths,
-                      torch.zeros(4, 5))  # fmt: skip
+    return TrainBatch(
+        prompt_ids, prompt_mask, completion_ids, attention_mask, loss_mask.float(), lengths, torch.zeros(4, 5)
+    )
 
 
 def full_logits(model, batch: TrainBatch) -> torch.Tensor:
@@ -197,8 +227,13 @@ def test_the_trainers_loss_is_distillation_loss_on_full_logits(tmp_path, beta, t
     ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     student = build_tiny_model(len(tokenizer), hidden_size=32, seed=0, **ids)
     teacher = build_tiny_model(len(tokenizer), hidden_size=48, num_layers=3, seed=1, **ids)
-    trainer = DistillationTrainer(student, teacher, args=config(tmp_path, beta=beta, temperature=temperature),
-                                  train_dataset=letter_dataset(1), processing_class=tokenizer)  # fmt: skip
+    trainer = DistillationTrainer(
+        student,
+        teacher,
+        args=config(tmp_path, beta=beta, temperature=temperature),
+        train_dataset=letter_dataset(1),
+        processing_class=tokenizer,
+    )
     batch = fixed_batch(tokenizer, torch.Generator().manual_seed(0))
     window_tokens = 25.0  # this micro-batch's 12 loss tokens are part of a larger window
     loss = trainer.compute_loss(trainer.model, batch, num_items_in_batch=(8, window_tokens, 2))
@@ -208,8 +243,14 @@ def test_the_trainers_loss_is_distillation_loss_on_full_logits(tmp_path, beta, t
 
     with torch.no_grad():
         teacher_logits = full_logits(trainer.teacher_model, batch)
-    expected, stats = distillation_loss(full_logits(trainer.model, batch), teacher_logits, batch.loss_mask, beta=beta,
-                                        temperature=temperature, num_tokens=window_tokens)  # fmt: skip
+    expected, stats = distillation_loss(
+        full_logits(trainer.model, batch),
+        teacher_logits,
+        batch.loss_mask,
+        beta=beta,
+        temperature=temperature,
+        num_tokens=window_tokens,
+    )
     expected.backward()
     assert expected.item() > 1e-3  # two different models: a loss to compare
     assert loss.item() == pytest.approx(expected.item(), abs=1e-5, rel=0)
@@ -226,11 +267,13 @@ def test_a_teacher_of_another_architecture_and_dtype(tmp_path, dtype, tolerance)
     from grpokit.testing import build_tiny_model_of_type
 
     tokenizer = build_char_tokenizer(CHARS)
-    student = build_tiny_model(len(tokenizer), hidden_size=32, seed=0, eos_token_id=tokenizer.eos_token_id,
-                               pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    student = build_tiny_model(
+        len(tokenizer), hidden_size=32, seed=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     teacher = build_tiny_model_of_type("llama", num_layers=2, vocab_size=len(tokenizer), seed=3).to(dtype)
-    trainer = DistillationTrainer(student, teacher, args=config(tmp_path, beta=0.5), train_dataset=letter_dataset(1),
-                                  processing_class=tokenizer)  # fmt: skip
+    trainer = DistillationTrainer(
+        student, teacher, args=config(tmp_path, beta=0.5), train_dataset=letter_dataset(1), processing_class=tokenizer
+    )
     batch = fixed_batch(tokenizer, torch.Generator().manual_seed(2))
     loss = trainer.compute_loss(trainer.model, batch)
     with torch.no_grad():
@@ -247,8 +290,9 @@ def test_teacher_equal_to_student_gives_zero_loss_and_gradient(tmp_path, beta):
     ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     student = build_tiny_model(len(tokenizer), hidden_size=32, seed=0, **ids)
     teacher = build_tiny_model(len(tokenizer), hidden_size=32, seed=0, **ids)
-    trainer = DistillationTrainer(student, teacher, args=config(tmp_path, beta=beta), train_dataset=letter_dataset(1),
-                                  processing_class=tokenizer)  # fmt: skip
+    trainer = DistillationTrainer(
+        student, teacher, args=config(tmp_path, beta=beta), train_dataset=letter_dataset(1), processing_class=tokenizer
+    )
     loss = trainer.compute_loss(trainer.model, fixed_batch(tokenizer, torch.Generator().manual_seed(1)))
     loss.backward()
     assert abs(loss.item()) < 1e-6
@@ -262,8 +306,9 @@ def test_gradient_accumulation_does_not_change_the_update(student_dir, teacher_d
     common = dict(max_steps=1, max_grad_norm=0.0, learning_rate=1e6, adam_epsilon=1e6)
     runs = []
     for name, batch_size, accumulation in (("one", 8, 1), ("two", 4, 2)):
-        args = config(tmp_path / name, per_device_train_batch_size=batch_size, gradient_accumulation_steps=accumulation,
-                      **common)  # fmt: skip
+        args = config(
+            tmp_path / name, per_device_train_batch_size=batch_size, gradient_accumulation_steps=accumulation, **common
+        )
         runs.append(DistillationTrainer(student_dir, teacher_dir, args=args, train_dataset=letter_dataset(1)))
     before = weights(runs[0])
     for run in runs:
@@ -278,8 +323,9 @@ def test_gradient_accumulation_does_not_change_the_update(student_dir, teacher_d
 def test_a_lora_student_trains_its_adapter_only(student_dir, teacher_dir, tmp_path):
     peft = pytest.importorskip("peft")
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    trainer = DistillationTrainer(student_dir, teacher_dir, args=config(tmp_path, max_steps=2),
-                                  train_dataset=letter_dataset(1), peft_config=lora)  # fmt: skip
+    trainer = DistillationTrainer(
+        student_dir, teacher_dir, args=config(tmp_path, max_steps=2), train_dataset=letter_dataset(1), peft_config=lora
+    )
     before = weights(trainer)
     trainer.train()
     after = weights(trainer)
@@ -292,17 +338,21 @@ def test_a_lora_student_trains_its_adapter_only(student_dir, teacher_dir, tmp_pa
 
 def test_a_teacher_of_another_vocab_size_is_refused_in_trls_words(student_dir, tmp_path):
     other = save_tiny_model(tmp_path / "other", chars="abcdefghijk:", hidden_size=32, seed=1)
-    with pytest.raises(ValueError, match="The student model has vocab_size 16 but the teacher model has vocab_size "
-                                         "19. Distillation compares the teacher's full next-token distribution, "
-                                         "which requires a shared vocabulary.*In grpokit: pick a teacher of the "
-                                         "student's family"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"The student model has vocab_size 16 but the teacher model has vocab_size "
+        "19. Distillation compares the teacher's full next-token distribution, "
+        "which requires a shared vocabulary.*In grpokit: pick a teacher of the "
+        "student's family",
+    ):
         DistillationTrainer(student_dir, str(other), args=config(tmp_path), train_dataset=letter_dataset(1))
 
 
 def test_a_teacher_with_another_tokenizer_of_the_same_size_is_refused(student_dir, tmp_path):
     other = save_tiny_model(tmp_path / "other", chars="abcdefgi:", hidden_size=32, seed=1)  # 'i' in place of 'h'
-    with pytest.raises(ValueError, match="teacher's tokenizer differs from the student's: 1 token only in the "
-                                         "student's: 'h'"):  # fmt: skip
+    with pytest.raises(
+        ValueError, match="teacher's tokenizer differs from the student's: 1 token only in the student's: 'h'"
+    ):
         DistillationTrainer(student_dir, str(other), args=config(tmp_path), train_dataset=letter_dataset(1))
 
 
@@ -329,9 +379,13 @@ def test_a_teacher_folder_whose_tokenizer_reloads_with_a_class_default_trains_as
     runs = []
     for folder in (as_saved, reloads_otherwise):
         student = build_tiny_model(len(tokenizer), hidden_size=32, seed=0, **ids)
-        trainer = DistillationTrainer(student, AutoModelForCausalLM.from_pretrained(folder),
-                                      args=config(tmp_path / folder.name, max_steps=2),
-                                      train_dataset=letter_dataset(1), processing_class=tokenizer)  # fmt: skip
+        trainer = DistillationTrainer(
+            student,
+            AutoModelForCausalLM.from_pretrained(folder),
+            args=config(tmp_path / folder.name, max_steps=2),
+            train_dataset=letter_dataset(1),
+            processing_class=tokenizer,
+        )
         trainer.train()
         runs.append(trainer)
     losses = [[record["loss"] for record in run.state.log_history[:-1]] for run in runs]
@@ -356,17 +410,20 @@ def test_teacher_init_kwargs_with_a_teacher_object_are_refused_as_in_trl(student
 def test_resume_continues_to_the_same_weights(student_dir, teacher_dir, tmp_path):
     # Unbroken run of 4 steps vs a run stopped at 2 (checkpoint) and resumed to 4: bitwise the same on CPU. Two
     # micro-batches per step, so the window's token count normalises the loss.
-    args = dict(max_steps=4, save_strategy="steps", save_steps=2, per_device_train_batch_size=4,
-                gradient_accumulation_steps=2)  # fmt: skip
+    args = dict(
+        max_steps=4, save_strategy="steps", save_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2
+    )
     dataset = letter_dataset(2)
     full = DistillationTrainer(student_dir, teacher_dir, args=config(tmp_path / "full", **args), train_dataset=dataset)
     full.train()
-    first = DistillationTrainer(student_dir, teacher_dir, args=config(tmp_path / "split", **{**args, "max_steps": 2}),
-                                train_dataset=dataset)  # fmt: skip
+    first = DistillationTrainer(
+        student_dir, teacher_dir, args=config(tmp_path / "split", **{**args, "max_steps": 2}), train_dataset=dataset
+    )
     first.train()
     assert (tmp_path / "split" / "out" / "checkpoint-2").is_dir()
-    resumed = DistillationTrainer(student_dir, teacher_dir, args=config(tmp_path / "split", **args),
-                                  train_dataset=dataset)  # fmt: skip
+    resumed = DistillationTrainer(
+        student_dir, teacher_dir, args=config(tmp_path / "split", **args), train_dataset=dataset
+    )
     resumed.train(resume_from_checkpoint=True)
     a, b = weights(full), weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -402,8 +459,9 @@ def test_a_prompt_only_dataset_needs_no_reward_columns(student_dir, teacher_dir,
 
 def test_evaluation_logs_trls_eval_loss_and_is_repeatable(student_dir, teacher_dir, tmp_path):
     args = config(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
-    trainer = DistillationTrainer(student_dir, teacher_dir, args=args, train_dataset=letter_dataset(1),
-                                  eval_dataset=letter_dataset(1))  # fmt: skip
+    trainer = DistillationTrainer(
+        student_dir, teacher_dir, args=args, train_dataset=letter_dataset(1), eval_dataset=letter_dataset(1)
+    )
     trainer.train()
     logged = next(record for record in trainer.state.log_history if "eval_loss" in record)
     assert logged["step"] == 2 and logged["eval_loss"] > 0
@@ -414,8 +472,13 @@ def test_evaluation_logs_trls_eval_loss_and_is_repeatable(student_dir, teacher_d
 
 
 def test_evaluation_against_itself_is_zero(student_dir, tmp_path):
-    trainer = DistillationTrainer(student_dir, student_dir, args=config(tmp_path), train_dataset=letter_dataset(1),
-                                  eval_dataset={"letters": letter_dataset(1)})  # fmt: skip
+    trainer = DistillationTrainer(
+        student_dir,
+        student_dir,
+        args=config(tmp_path),
+        train_dataset=letter_dataset(1),
+        eval_dataset={"letters": letter_dataset(1)},
+    )
     metrics = trainer.evaluate()
     assert abs(metrics["eval_letters_loss"]) < 1e-6 and metrics["eval_letters_entropy"] > 0
 
@@ -454,22 +517,35 @@ def test_a_distilled_student_reaches_the_teachers_accuracy_in_fewer_samples_than
     # it reaches 90% of the teacher's accuracy. Seen on CPU: distillation at step 25 (1,600 completions), GRPO
     # from the rewards at step 53 (3,392).
     teacher, tokenizer = tiny_letter_model(seed=1)
-    GRPOTrainer(teacher, repeat_letter, letter_config(tmp_path / "teacher", max_steps=120),
-                train_dataset=letter_dataset(), processing_class=tokenizer).train()  # fmt: skip
+    GRPOTrainer(
+        teacher,
+        repeat_letter,
+        letter_config(tmp_path / "teacher", max_steps=120),
+        train_dataset=letter_dataset(),
+        processing_class=tokenizer,
+    ).train()
     target = 0.9 * expected_accuracy(teacher, tokenizer)
     assert target > 0.5
 
     student, _ = tiny_letter_model(seed=0)
     distilled = StopAtAccuracy(student, tokenizer, target)
-    args = config(tmp_path / "distill", per_device_train_batch_size=64, max_completion_length=2, max_steps=120,
-                  logging_steps=100)  # fmt: skip
-    DistillationTrainer(student, teacher, args=args, train_dataset=letter_dataset(), processing_class=tokenizer,
-                        callbacks=[distilled]).train()  # fmt: skip
+    args = config(
+        tmp_path / "distill", per_device_train_batch_size=64, max_completion_length=2, max_steps=120, logging_steps=100
+    )
+    DistillationTrainer(
+        student, teacher, args=args, train_dataset=letter_dataset(), processing_class=tokenizer, callbacks=[distilled]
+    ).train()
 
     student, _ = tiny_letter_model(seed=0)
     rewarded = StopAtAccuracy(student, tokenizer, target)
-    GRPOTrainer(student, repeat_letter, letter_config(tmp_path / "grpo", max_steps=120, logging_steps=100),
-                train_dataset=letter_dataset(), processing_class=tokenizer, callbacks=[rewarded]).train()  # fmt: skip
+    GRPOTrainer(
+        student,
+        repeat_letter,
+        letter_config(tmp_path / "grpo", max_steps=120, logging_steps=100),
+        train_dataset=letter_dataset(),
+        processing_class=tokenizer,
+        callbacks=[rewarded],
+    ).train()
 
     assert distilled.curve[0] < 0.15 and rewarded.curve[0] < 0.15  # both start from the random policy
     assert distilled.reached_at is not None, distilled.curve
@@ -535,8 +611,9 @@ def test_two_processes_under_ddp_make_the_update_of_one(student_dir, teacher_dir
     from test_distributed import launch, load, max_difference, run_in_this_process
 
     job = dict(student=student_dir, teacher=teacher_dir)
-    run_in_this_process(tmp_path, {**job, "out": str(tmp_path / "one"), "batch_size": 16, "accumulation": 1},
-                        script=DDP_SCRIPT)  # fmt: skip
+    run_in_this_process(
+        tmp_path, {**job, "out": str(tmp_path / "one"), "batch_size": 16, "accumulation": 1}, script=DDP_SCRIPT
+    )
     launch(tmp_path, {**job, "out": str(tmp_path / "two"), "batch_size": 4, "accumulation": 2}, script=DDP_SCRIPT)
     one, rank0, rank1 = (load(tmp_path / name) for name in ("one/rank0.pt", "two/rank0.pt", "two/rank1.pt"))
     initial = weights_of(student_dir)

@@ -7,9 +7,9 @@ of sampling), so that one and two processes see the same completions.
 """
 
 import json
-import shutil
 import os
 import runpy
+import shutil
 import socket
 import subprocess
 import sys
@@ -18,7 +18,6 @@ import warnings
 
 import pytest
 import torch
-
 from transformers import AutoModelForCausalLM
 
 from grpokit import group_advantages
@@ -204,8 +203,15 @@ SCRIPT = textwrap.dedent(
 
 # per_device_train_batch_size 6 x steps_per_generation 2 = 12 completions per process, 24 in all: 3 prompts of G=8,
 # so the second prompt's group spans the two processes (8 + 4 | 4 + 8).
-TWO_PROCESS_RUN = dict(per_device_train_batch_size=6, steps_per_generation=2, num_generations=8, learning_rate=1e-2,
-                       max_steps=6, save_strategy="steps", save_steps=1)  # fmt: skip
+TWO_PROCESS_RUN = dict(
+    per_device_train_batch_size=6,
+    steps_per_generation=2,
+    num_generations=8,
+    learning_rate=1e-2,
+    max_steps=6,
+    save_strategy="steps",
+    save_steps=1,
+)
 
 
 def free_port() -> int:
@@ -220,14 +226,29 @@ def write_script(directory, script: str = SCRIPT) -> str:
     return str(path)
 
 
-def launch(directory, *specs: dict, nproc: int = 2, timeout: float = 600, env: dict | None = None,
-           script: str = SCRIPT) -> None:  # fmt: skip
+def launch(
+    directory, *specs: dict, nproc: int = 2, timeout: float = 600, env: dict | None = None, script: str = SCRIPT
+) -> None:
     """Run `script`'s jobs `specs` in `nproc` processes under torchrun (gloo on CPU); fail with their output."""
     spec_path = directory / f"spec-{len(list(directory.glob('spec-*')))}.json"
     spec_path.write_text(json.dumps(specs))
-    run_launcher([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                  "--master_addr", "127.0.0.1", "--master_port", str(free_port()), write_script(directory, script),
-                  str(spec_path)], timeout, env)  # fmt: skip
+    run_launcher(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            write_script(directory, script),
+            str(spec_path),
+        ],
+        timeout,
+        env,
+    )
 
 
 def launch_nodes(directory, *specs: dict, nodes: int = 2, timeout: float = 600) -> None:
@@ -237,10 +258,32 @@ def launch_nodes(directory, *specs: dict, nodes: int = 2, timeout: float = 600) 
     spec_path.write_text(json.dumps(specs))
     script, port = write_script(directory, SCRIPT), free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    runs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node_rank",
-                              str(rank), "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port",
-                              str(port), script, str(spec_path)], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for rank in range(nodes)]  # fmt: skip
+    runs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                str(nodes),
+                "--node_rank",
+                str(rank),
+                "--nproc_per_node",
+                "1",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(port),
+                script,
+                str(spec_path),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(nodes)
+    ]
     outputs = [run.communicate(timeout=timeout) for run in runs]
     for run, (stdout, stderr) in zip(runs, outputs):
         assert run.returncode == 0, f"a node failed:\n{stdout[-2000:]}\n{stderr[-6000:]}"
@@ -276,8 +319,9 @@ def model_dir(tmp_path_factory):
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")  # bnpo is a per-process mean by definition (as in TRL): not comparable
 UPDATE_VARIANTS = {loss: dict(loss_type=loss, per_device_train_batch_size=8) for loss in LOSS_TYPES}
-UPDATE_VARIANTS["dapo_accumulated"] = dict(loss_type="dapo", per_device_train_batch_size=4,
-                                           gradient_accumulation_steps=2)  # fmt: skip
+UPDATE_VARIANTS["dapo_accumulated"] = dict(
+    loss_type="dapo", per_device_train_batch_size=4, gradient_accumulation_steps=2
+)
 
 
 @pytest.fixture(scope="module")
@@ -285,9 +329,18 @@ def two_process_run(model_dir, tmp_path_factory):
     """One torchrun launch, two jobs: six real steps with a checkpoint after each (evidence in `out`), and one
     update on a fixed batch per variant of UPDATE_VARIANTS (weights in `update`)."""
     directory = tmp_path_factory.mktemp("two")
-    launch(directory, dict(job="train", model=model_dir, out=str(directory / "out"), config=TWO_PROCESS_RUN,
-                           tiebreak=0.01, partial_state_first=True),
-           dict(job="one_update", model=model_dir, out=str(directory / "update"), variants=UPDATE_VARIANTS))
+    launch(
+        directory,
+        dict(
+            job="train",
+            model=model_dir,
+            out=str(directory / "out"),
+            config=TWO_PROCESS_RUN,
+            tiebreak=0.01,
+            partial_state_first=True,
+        ),
+        dict(job="one_update", model=model_dir, out=str(directory / "update"), variants=UPDATE_VARIANTS),
+    )
     return directory / "out"
 
 
@@ -295,9 +348,15 @@ def two_process_run(model_dir, tmp_path_factory):
 def one_process_update(model_dir, tmp_path_factory):
     """The single-process reference: one update on the whole fixed batch (1 x 16 rows) per loss type."""
     directory = tmp_path_factory.mktemp("one")
-    run_in_this_process(directory, dict(job="one_update", model=model_dir, out=str(directory / "one"),
-                                        variants={loss: dict(loss_type=loss, per_device_train_batch_size=16)
-                                                  for loss in LOSS_TYPES}))  # fmt: skip
+    run_in_this_process(
+        directory,
+        dict(
+            job="one_update",
+            model=model_dir,
+            out=str(directory / "one"),
+            variants={loss: dict(loss_type=loss, per_device_train_batch_size=16) for loss in LOSS_TYPES},
+        ),
+    )
     return directory / "one"
 
 
@@ -321,8 +380,9 @@ def assert_same_update_as_one_process(two, one_dir, model_dir, replicated: bool 
         assert rank0["log_history"][0]["loss"] == pytest.approx(one["log_history"][0]["loss"], abs=1e-6), name
 
 
-def test_two_processes_make_the_update_of_one_with_the_same_global_batch(two_process_run, one_process_update,
-                                                                         model_dir):  # fmt: skip
+def test_two_processes_make_the_update_of_one_with_the_same_global_batch(
+    two_process_run, one_process_update, model_dir
+):
     # The same 16 completions (fixed, so the comparison is exact): 1 process x 16 rows against 2 processes x 8 rows
     # (and 2 x 2 micro-batches of 4 accumulated).
     assert_same_update_as_one_process(two_process_run.parent / "update", one_process_update, model_dir)
@@ -350,8 +410,10 @@ def test_ranks_end_identical_and_only_the_main_process_writes(two_process_run):
 
 
 def test_ranks_score_disjoint_slices_and_advantages_use_the_whole_group(two_process_run):
-    calls = [[json.loads(line) for line in (two_process_run / f"rewards_{rank}.jsonl").read_text().splitlines()]
-             for rank in (0, 1)]  # fmt: skip
+    calls = [
+        [json.loads(line) for line in (two_process_run / f"rewards_{rank}.jsonl").read_text().splitlines()]
+        for rank in (0, 1)
+    ]
     batches = [load(two_process_run / f"final_{rank}.pt")["batches"] for rank in (0, 1)]
     assert len(calls[0]) == len(calls[1]) == len(batches[0]) == 3  # 6 steps, 2 per generation batch
     group = TWO_PROCESS_RUN["num_generations"]
@@ -379,14 +441,22 @@ def test_ranks_score_disjoint_slices_and_advantages_use_the_whole_group(two_proc
 
 def test_checkpoint_resumes_in_two_processes_to_the_same_weights(two_process_run, model_dir, tmp_path):
     # checkpoint-3 is half-way through a generation batch (2 steps each): each process must get back its own slice.
-    spec = dict(job="train", model=model_dir, out=str(tmp_path / "out"), config=TWO_PROCESS_RUN, tiebreak=0.01,
-                resume=str(two_process_run / "checkpoint-3"))  # fmt: skip
+    spec = dict(
+        job="train",
+        model=model_dir,
+        out=str(tmp_path / "out"),
+        config=TWO_PROCESS_RUN,
+        tiebreak=0.01,
+        resume=str(two_process_run / "checkpoint-3"),
+    )
     launch(tmp_path, spec)
     resumed, unbroken = load(tmp_path / "out" / "final_0.pt"), load(two_process_run / "final_0.pt")
     assert resumed["global_step"] == 6
     assert [e["step"] for e in resumed["log_history"]] == [1, 2, 3, 4, 5, 6]
     assert [json.loads(line)["step"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()] == [
-        4, 5, 6
+        4,
+        5,
+        6,
     ]
     assert max_difference(resumed["weights"], unbroken["weights"]) == 0.0
     assert [e["loss"] for e in resumed["log_history"]] == [e["loss"] for e in unbroken["log_history"]]
@@ -398,8 +468,14 @@ def test_checkpoint_of_two_processes_resumes_in_one(two_process_run, model_dir, 
     config = {**TWO_PROCESS_RUN, "per_device_train_batch_size": 12, "max_steps": 8}
     for checkpoint, warns in (("checkpoint-4", False), ("checkpoint-3", True)):
         out = tmp_path / checkpoint
-        spec = dict(job="train", model=model_dir, out=str(out), config=config, tiebreak=0.01,
-                    resume=str(two_process_run / checkpoint))  # fmt: skip
+        spec = dict(
+            job="train",
+            model=model_dir,
+            out=str(out),
+            config=config,
+            tiebreak=0.01,
+            resume=str(two_process_run / checkpoint),
+        )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             run_in_this_process(tmp_path, spec)
@@ -417,8 +493,15 @@ def test_checkpoint_of_two_processes_resumes_in_one(two_process_run, model_dir, 
 @pytest.mark.slow
 def test_two_processes_learn(model_dir, tmp_path):
     # "Repeat the prompt's first letter" with 2 x 32 completions per step: the reward rises as in one process.
-    config = dict(per_device_train_batch_size=32, num_generations=8, learning_rate=1e-2, max_steps=80,
-                  logging_steps=5, save_strategy="steps", save_steps=40)  # fmt: skip
+    config = dict(
+        per_device_train_batch_size=32,
+        num_generations=8,
+        learning_rate=1e-2,
+        max_steps=80,
+        logging_steps=5,
+        save_strategy="steps",
+        save_steps=40,
+    )
     launch(tmp_path, dict(job="train", model=model_dir, out=str(tmp_path / "out"), config=config, tiebreak=0.0))
     rank0, rank1 = load(tmp_path / "out" / "final_0.pt"), load(tmp_path / "out" / "final_1.pt")
     rewards = [entry["reward"] for entry in rank0["log_history"]]
@@ -430,15 +513,27 @@ def test_two_processes_learn(model_dir, tmp_path):
 def test_ddp_fields_reach_the_process_group_and_the_ddp_wrapper(model_dir, tmp_path):
     # transformers' TrainingArguments names: ddp_backend / ddp_timeout for the process group, ddp_find_unused_
     # parameters / ddp_bucket_cap_mb / ddp_broadcast_buffers / ddp_static_graph for DistributedDataParallel.
-    options = dict(ddp_backend="gloo", ddp_timeout=321, ddp_find_unused_parameters=True, ddp_bucket_cap_mb=7,
-                   ddp_broadcast_buffers=False, ddp_static_graph=True)  # fmt: skip
+    options = dict(
+        ddp_backend="gloo",
+        ddp_timeout=321,
+        ddp_find_unused_parameters=True,
+        ddp_bucket_cap_mb=7,
+        ddp_broadcast_buffers=False,
+        ddp_static_graph=True,
+    )
     config = dict(per_device_train_batch_size=4, num_generations=4, max_steps=1, **options)
     launch(tmp_path, {"job": "process_options", "model": model_dir, "out": str(tmp_path / "out"), "config": config})
     for rank in (0, 1):
         seen = json.loads((tmp_path / "out" / f"options_{rank}.json").read_text())
-        assert seen == {"wrapper": "DistributedDataParallel", "backend": "gloo", "timeout_s": 321.0,
-                        "find_unused_parameters": True, "static_graph": True, "broadcast_buffers": False,
-                        "bucket_bytes_cap": 7 * 1024 * 1024}, seen  # fmt: skip
+        assert seen == {
+            "wrapper": "DistributedDataParallel",
+            "backend": "gloo",
+            "timeout_s": 321.0,
+            "find_unused_parameters": True,
+            "static_graph": True,
+            "broadcast_buffers": False,
+            "bucket_bytes_cap": 7 * 1024 * 1024,
+        }, seen
 
 
 def test_sync_each_batch_reduces_every_micro_batch_and_updates_alike(model_dir, tmp_path):
@@ -447,19 +542,30 @@ def test_sync_each_batch_reduces_every_micro_batch_and_updates_alike(model_dir, 
     first), and the updates are the same up to rounding (the mean of sums against the sum of means)."""
     # learning_rate = adam_epsilon >> |g|: AdamW's update is its first moment (unnormalised), so float rounding in
     # the gradients is not amplified as AdamW's per-weight normalisation does near 0 (as the vLLM tests compare).
-    run = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=8, learning_rate=1e6,
-               adam_epsilon=1e6, max_grad_norm=0.0, max_steps=2)  # fmt: skip
+    run = dict(
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_generations=8,
+        learning_rate=1e6,
+        adam_epsilon=1e6,
+        max_grad_norm=0.0,
+        max_steps=2,
+    )
     job = dict(job="train", model=model_dir, tiebreak=0.01, count_reductions=True)
     each = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
-    launch(tmp_path, {**job, "out": str(tmp_path / "last"), "config": run},
-           {**job, "out": str(tmp_path / "each"), "config": {**run, "accelerator_config": each}})  # fmt: skip
+    launch(
+        tmp_path,
+        {**job, "out": str(tmp_path / "last"), "config": run},
+        {**job, "out": str(tmp_path / "each"), "config": {**run, "accelerator_config": each}},
+    )
     last, every = load(tmp_path / "last" / "final_0.pt"), load(tmp_path / "each" / "final_0.pt")
     assert last["reductions"] > 0 and every["reductions"] == 2 * last["reductions"]
     initial = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     moved = max_difference(last["weights"], {k: v for k, v in initial.items() if k in last["weights"]})
     assert moved > 1e-3 and max_difference(every["weights"], last["weights"]) < 1e-5 * moved
-    assert [e["loss"] for e in every["log_history"]] == pytest.approx([e["loss"] for e in last["log_history"]],
-                                                                      abs=1e-6)  # fmt: skip
+    assert [e["loss"] for e in every["log_history"]] == pytest.approx(
+        [e["loss"] for e in last["log_history"]], abs=1e-6
+    )
 
 
 def test_save_on_each_node_writes_every_checkpoint_on_each_node_and_each_resumes_from_its_own(model_dir, tmp_path):
@@ -470,27 +576,40 @@ def test_save_on_each_node_writes_every_checkpoint_on_each_node_and_each_resumes
     bitwise where the unbroken one did. Without it only node 0 has them (transformers' semantics)."""
     run = {**TWO_PROCESS_RUN, "max_steps": 4, "save_steps": 2}
     job = dict(job="train", model=model_dir, tiebreak=0.01, per_node=True, save_model=True)
-    launch_nodes(tmp_path, {**job, "out": str(tmp_path / "each"), "config": {**run, "save_on_each_node": True}},
-                 {**job, "out": str(tmp_path / "main"), "config": run})  # fmt: skip
+    launch_nodes(
+        tmp_path,
+        {**job, "out": str(tmp_path / "each"), "config": {**run, "save_on_each_node": True}},
+        {**job, "out": str(tmp_path / "main"), "config": run},
+    )
     each = [tmp_path / "each" / f"node{n}" for n in (0, 1)]
     for node in each:
         assert sorted(p.name for p in node.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
-        assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors", "optimizer.pt",
-                "generation_state.pt"} <= {p.name for p in (node / "checkpoint-2").iterdir()}  # fmt: skip
+        assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors", "optimizer.pt", "generation_state.pt"} <= {
+            p.name for p in (node / "checkpoint-2").iterdir()
+        }
         assert (node / "final_model" / "model.safetensors").is_file()
     for name in ("model.safetensors", "optimizer.pt", "rng_state_1.pth", "generation_state.pt"):  # (trainer_state.json:
         # the writer's own, e.g. its step times and is_world_process_zero)
         for step in (2, 4):
-            assert (each[0] / f"checkpoint-{step}" / name).read_bytes() == \
-                (each[1] / f"checkpoint-{step}" / name).read_bytes(), (name, step)  # fmt: skip
+            assert (each[0] / f"checkpoint-{step}" / name).read_bytes() == (
+                each[1] / f"checkpoint-{step}" / name
+            ).read_bytes(), (name, step)
     main = [tmp_path / "main" / f"node{n}" for n in (0, 1)]
     assert sorted(p.name for p in main[0].glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     assert not list(main[1].glob("checkpoint-*")) and not (main[1] / "final_model").exists()
     # Each node resumes from its own copy of checkpoint-2 (node 1's from node 1's directory), in a fresh output_dir.
     for n in (0, 1):
         shutil.copytree(each[n] / "checkpoint-2", tmp_path / "resumed" / f"node{n}" / "checkpoint-2")
-    launch_nodes(tmp_path, {**job, "out": str(tmp_path / "resumed"), "resume": "checkpoint-2", "save_model": False,
-                            "config": {**run, "save_on_each_node": True}})  # fmt: skip
+    launch_nodes(
+        tmp_path,
+        {
+            **job,
+            "out": str(tmp_path / "resumed"),
+            "resume": "checkpoint-2",
+            "save_model": False,
+            "config": {**run, "save_on_each_node": True},
+        },
+    )
     for n in (0, 1):
         unbroken, resumed = load(each[n] / f"final_{n}.pt"), load(tmp_path / "resumed" / f"node{n}" / f"final_{n}.pt")
         assert resumed["global_step"] == 4 and resumed["num_processes"] == 2
@@ -504,10 +623,25 @@ def test_save_on_each_node_writes_every_checkpoint_on_each_node_and_each_resumes
 def test_example_script_under_accelerate_launch(tmp_path, launch_config):
     # The shipped examples/train_grpo.py and examples/accelerate configs, as a user runs them (2 CPU processes).
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run_launcher([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                  os.path.join(root, "examples", "accelerate", launch_config), "--num_processes", "2",
-                  "--main_process_port", str(free_port()), os.path.join(root, "examples", "train_grpo.py"), "--tiny",
-                  "--output_dir", str(tmp_path / "out"), "--max_steps", "30"])  # fmt: skip
+    run_launcher(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            os.path.join(root, "examples", "accelerate", launch_config),
+            "--num_processes",
+            "2",
+            "--main_process_port",
+            str(free_port()),
+            os.path.join(root, "examples", "train_grpo.py"),
+            "--tiny",
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--max_steps",
+            "30",
+        ]
+    )
     lines = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == list(range(1, 31))  # written once, by the main process
     config = json.loads((tmp_path / "out" / "grpo_config.json").read_text())
@@ -522,7 +656,7 @@ def test_example_script_under_accelerate_launch(tmp_path, launch_config):
 
 
 GENERATION_BATCH_SCRIPT = textwrap.dedent(
-    '''
+    """
     import json, os, sys
 
     from datasets import Dataset
@@ -558,7 +692,7 @@ GENERATION_BATCH_SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":
         main(sys.argv[1])
-    '''
+    """
 )
 
 
@@ -580,11 +714,41 @@ def test_generation_batch_size_counts_all_processes_as_trls(model_dir, tmp_path)
 def test_command_line_under_torchrun(model_dir, tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{a}{b}:", "target": a}) + "\n" for a in LETTERS for b in LETTERS))
-    run_launcher([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                  str(free_port()), "-m", "grpokit.cli", "train", "--model", model_dir, "--dataset", str(data),
-                  "--reward", "exact_match", "--num_generations", "4", "--per_device_train_batch_size", "8",
-                  "--max_completion_length", "2", "--max_steps", "3", "--logging_steps", "1", "--save_steps", "2",
-                  "--output_dir", str(tmp_path / "out"), "--disable_tqdm"])  # fmt: skip
+    run_launcher(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "grpokit.cli",
+            "train",
+            "--model",
+            model_dir,
+            "--dataset",
+            str(data),
+            "--reward",
+            "exact_match",
+            "--num_generations",
+            "4",
+            "--per_device_train_batch_size",
+            "8",
+            "--max_completion_length",
+            "2",
+            "--max_steps",
+            "3",
+            "--logging_steps",
+            "1",
+            "--save_steps",
+            "2",
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--disable_tqdm",
+        ]
+    )
     out = tmp_path / "out"
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= {p.name for p in (out / "checkpoint-2").iterdir()}
@@ -595,13 +759,24 @@ def test_command_line_under_torchrun(model_dir, tmp_path):
 # torch's FSDP2 runs on CPU with gloo; accelerate routes an FSDP config to it only on GPUs, and grpokit honours the
 # request on CPU (distributed._fsdp_on_cpu). These variables are what `accelerate launch` sets for
 # examples/accelerate/fsdp2.yaml; each decoder layer is its own unit, gathered for each forward and resharded after.
-FSDP2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
-         "FSDP_RESHARD_AFTER_FORWARD": "true", "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT"}  # fmt: skip
+FSDP2 = {
+    "ACCELERATE_USE_FSDP": "true",
+    "FSDP_VERSION": "2",
+    "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+    "FSDP_RESHARD_AFTER_FORWARD": "true",
+    "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT",
+}
 # Completions of up to 16 tokens from a model that often ends them early (eos_prone_model_dir): the two processes'
 # rows finish at different steps, so their sampling loops must be kept in step. A KL term to a reference that is
 # mixed with the policy every 2 steps: the reference is sharded too, moves, and is checkpointed.
-FSDP2_RUN = {**TWO_PROCESS_RUN, "max_completion_length": 16, "beta": 0.04, "sync_ref_model": True,
-             "ref_model_sync_steps": 2, "ref_model_mixup_alpha": 0.5}  # fmt: skip
+FSDP2_RUN = {
+    **TWO_PROCESS_RUN,
+    "max_completion_length": 16,
+    "beta": 0.04,
+    "sync_ref_model": True,
+    "ref_model_sync_steps": 2,
+    "ref_model_mixup_alpha": 0.5,
+}
 # LoRA (the SCRIPT's adapter="lora": q and v projections) on the same ragged run, four steps: its reference is the
 # frozen base with the adapter off, so each generation batch takes a second, adapter-off forward (under FSDP2 and
 # ZeRO-3 a collective too).
@@ -610,8 +785,14 @@ LORA_RUN = {**FSDP2_RUN, "sync_ref_model": False, "max_steps": 4}
 
 def lora_job(model: str, out, **values) -> dict:
     """A `train` job of LORA_RUN with the LoRA adapter; `config` in values updates LORA_RUN."""
-    return dict(job="train", model=model, out=str(out), tiebreak=0.01, adapter="lora",
-                **{**values, "config": {**LORA_RUN, **values.get("config", {})}})  # fmt: skip
+    return dict(
+        job="train",
+        model=model,
+        out=str(out),
+        tiebreak=0.01,
+        adapter="lora",
+        **{**values, "config": {**LORA_RUN, **values.get("config", {})}},
+    )
 
 
 def adapter_of(weights: dict) -> dict:
@@ -628,11 +809,15 @@ def assert_lora_run_follows_ddp(run: dict, ddp: dict, model_dir: str) -> None:
     assert run["log_history"][-1]["kl"] > 0  # the adapter moved away from the adapter-off reference
     for key in ("loss", "reward", "kl", "grad_norm"):
         assert [e.get(key) for e in run["log_history"]] == pytest.approx(
-            [e.get(key) for e in ddp["log_history"]], abs=1e-5), key  # fmt: skip
+            [e.get(key) for e in ddp["log_history"]], abs=1e-5
+        ), key
     assert max_difference(adapter_of(run["weights"]), adapter_of(ddp["weights"])) < 1e-4
     initial = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
-    base = {k.removeprefix("base_model.model.").replace(".base_layer.", "."): v for k, v in run["weights"].items()
-            if "lora_" not in k}  # fmt: skip
+    base = {
+        k.removeprefix("base_model.model.").replace(".base_layer.", "."): v
+        for k, v in run["weights"].items()
+        if "lora_" not in k
+    }
     assert base.keys() == initial.keys() and max_difference(base, initial) == 0.0
 
 
@@ -668,13 +853,18 @@ def fsdp2_runs(eos_prone_model_dir, model_dir, tmp_path_factory):
     """Six steps under FSDP2 (checkpoint after each) and the same under DDP; one FSDP2 update per UPDATE_VARIANT;
     the LoRA run (LORA_RUN) under FSDP2 and under DDP (`fsdp2_lora`, `ddp_lora`)."""
     directory = tmp_path_factory.mktemp("fsdp2")
-    launch(directory, dict(job="train", model=eos_prone_model_dir, out=str(directory / "fsdp2"), config=FSDP2_RUN,
-                           tiebreak=0.01),
-           dict(job="one_update", model=model_dir, out=str(directory / "update"), variants=UPDATE_VARIANTS),
-           lora_job(eos_prone_model_dir, directory / "fsdp2_lora"), env=FSDP2)  # fmt: skip
-    launch(directory, dict(job="train", model=eos_prone_model_dir, out=str(directory / "ddp"), config=FSDP2_RUN,
-                           tiebreak=0.01),
-           lora_job(eos_prone_model_dir, directory / "ddp_lora"))  # fmt: skip
+    launch(
+        directory,
+        dict(job="train", model=eos_prone_model_dir, out=str(directory / "fsdp2"), config=FSDP2_RUN, tiebreak=0.01),
+        dict(job="one_update", model=model_dir, out=str(directory / "update"), variants=UPDATE_VARIANTS),
+        lora_job(eos_prone_model_dir, directory / "fsdp2_lora"),
+        env=FSDP2,
+    )
+    launch(
+        directory,
+        dict(job="train", model=eos_prone_model_dir, out=str(directory / "ddp"), config=FSDP2_RUN, tiebreak=0.01),
+        lora_job(eos_prone_model_dir, directory / "ddp_lora"),
+    )
     return directory
 
 
@@ -697,15 +887,17 @@ def test_fsdp2_training_follows_ddp_with_sharded_sampling(fsdp2_runs):
     assert [batch["reference_sharded"] for batch in fsdp2["batches"]] == [True, True, True]
     for key in ("loss", "reward", "entropy", "kl"):
         assert [e.get(key) for e in fsdp2["log_history"]] == pytest.approx(
-            [e.get(key) for e in ddp["log_history"]], abs=1e-5), key  # fmt: skip
+            [e.get(key) for e in ddp["log_history"]], abs=1e-5
+        ), key
     assert max_difference(fsdp2["weights"], ddp["weights"]) < 1e-4
     assert [p.name for p in sorted((fsdp2_runs / "fsdp2").glob("checkpoint-*"))] == [
         f"checkpoint-{step}" for step in range(1, 7)
     ]
 
 
-def test_fsdp2_checkpoint_is_a_plain_model_and_resumes_in_two_processes_or_one(fsdp2_runs, eos_prone_model_dir,
-                                                                               tmp_path):  # fmt: skip
+def test_fsdp2_checkpoint_is_a_plain_model_and_resumes_in_two_processes_or_one(
+    fsdp2_runs, eos_prone_model_dir, tmp_path
+):
     out = fsdp2_runs / "fsdp2"
     final = load(out / "final_0.pt")
     saved = AutoModelForCausalLM.from_pretrained(out / "checkpoint-6")  # unsharded, loadable without grpokit
@@ -713,35 +905,66 @@ def test_fsdp2_checkpoint_is_a_plain_model_and_resumes_in_two_processes_or_one(f
     assert (out / "checkpoint-6" / "reference.safetensors").is_file()
     assert max_difference({k: v for k, v in saved.state_dict().items() if k in final["weights"]}, final["weights"]) == 0
     # FSDP2 -> FSDP2, from the middle of a generation batch: the same run, exactly.
-    launch(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "two"), config=FSDP2_RUN,
-                          tiebreak=0.01, resume=str(out / "checkpoint-3")), env=FSDP2)  # fmt: skip
+    launch(
+        tmp_path,
+        dict(
+            job="train",
+            model=eos_prone_model_dir,
+            out=str(tmp_path / "two"),
+            config=FSDP2_RUN,
+            tiebreak=0.01,
+            resume=str(out / "checkpoint-3"),
+        ),
+        env=FSDP2,
+    )
     resumed = load(tmp_path / "two" / "final_0.pt")
     assert max_difference(resumed["weights"], final["weights"]) == 0.0
     assert [e["loss"] for e in resumed["log_history"]] == [e["loss"] for e in final["log_history"]]
     # FSDP2 -> one process, at a generation boundary: the sharded optimizer state, gathered by parameter name,
     # loads into a plain optimizer, and the run goes on to the same weights as under DDP up to rounding.
     config = {**FSDP2_RUN, "per_device_train_batch_size": 12}
-    run_in_this_process(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "one"),
-                                       config=config, tiebreak=0.01, resume=str(out / "checkpoint-4")))  # fmt: skip
+    run_in_this_process(
+        tmp_path,
+        dict(
+            job="train",
+            model=eos_prone_model_dir,
+            out=str(tmp_path / "one"),
+            config=config,
+            tiebreak=0.01,
+            resume=str(out / "checkpoint-4"),
+        ),
+    )
     one = load(tmp_path / "one" / "final_0.pt")
     assert one["num_processes"] == 1 and one["global_step"] == 6
     assert all(torch.isfinite(v).all() for v in one["weights"].values())
     # DDP -> FSDP2: the positional optimizer state is mapped to names and sharded; the run ends where DDP's did.
-    launch(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "from_ddp"), config=FSDP2_RUN,
-                          tiebreak=0.01, resume=str(fsdp2_runs / "ddp" / "checkpoint-4")), env=FSDP2)  # fmt: skip
+    launch(
+        tmp_path,
+        dict(
+            job="train",
+            model=eos_prone_model_dir,
+            out=str(tmp_path / "from_ddp"),
+            config=FSDP2_RUN,
+            tiebreak=0.01,
+            resume=str(fsdp2_runs / "ddp" / "checkpoint-4"),
+        ),
+        env=FSDP2,
+    )
     from_ddp, ddp = load(tmp_path / "from_ddp" / "final_0.pt"), load(fsdp2_runs / "ddp" / "final_0.pt")
     assert from_ddp["distributed_type"] == "FSDP" and from_ddp["global_step"] == 6
     assert max_difference(from_ddp["weights"], ddp["weights"]) < 1e-4
-    assert [e["loss"] for e in from_ddp["log_history"]] == pytest.approx([e["loss"] for e in ddp["log_history"]],
-                                                                        abs=1e-5)  # fmt: skip
+    assert [e["loss"] for e in from_ddp["log_history"]] == pytest.approx(
+        [e["loss"] for e in ddp["log_history"]], abs=1e-5
+    )
     ddp_checkpoint = torch.load(fsdp2_runs / "ddp" / "checkpoint-4" / "optimizer.pt", weights_only=False)
     fsdp2_checkpoint = torch.load(out / "checkpoint-4" / "optimizer.pt", weights_only=False)
     names = list(fsdp2_checkpoint["state"])
     assert len(names) == len(ddp_checkpoint["state"]) and all(isinstance(n, str) for n in names)
     for index, name in enumerate(names):  # the same Adam moments, keyed by name rather than position
         for moment in ("exp_avg", "exp_avg_sq"):
-            assert torch.allclose(fsdp2_checkpoint["state"][name][moment], ddp_checkpoint["state"][index][moment],
-                                  atol=1e-6), (name, moment)  # fmt: skip
+            assert torch.allclose(
+                fsdp2_checkpoint["state"][name][moment], ddp_checkpoint["state"][index][moment], atol=1e-6
+            ), (name, moment)
 
 
 def test_lora_under_fsdp2_follows_ddp_and_checkpoints_the_adapter(fsdp2_runs, eos_prone_model_dir):
@@ -755,7 +978,9 @@ def test_lora_under_fsdp2_follows_ddp_and_checkpoints_the_adapter(fsdp2_runs, eo
     assert_lora_run_follows_ddp(fsdp2, ddp, eos_prone_model_dir)
     # The checkpoint holds the adapter alone (gathered, in peft's format), not the base.
     checkpoint = out / "checkpoint-4"
-    assert {"adapter_model.safetensors", "adapter_config.json", "optimizer.pt"} <= {p.name for p in checkpoint.iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json", "optimizer.pt"} <= {
+        p.name for p in checkpoint.iterdir()
+    }
     assert not (checkpoint / "model.safetensors").exists() and not (checkpoint / "merged").exists()
     reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(eos_prone_model_dir), checkpoint)
     assert max_difference(adapter_of(reloaded.state_dict()), adapter_of(fsdp2["weights"])) == 0.0
@@ -772,22 +997,37 @@ def test_lora_under_fsdp2_follows_ddp_and_checkpoints_the_adapter(fsdp2_runs, eo
 def lora_resumed_in_one_process(fsdp2_runs, eos_prone_model_dir, tmp_path_factory):
     """The FSDP2 LoRA run's checkpoint-2 (a generation boundary) resumed in one process (1 x 12 rows)."""
     directory = tmp_path_factory.mktemp("lora_one")
-    run_in_this_process(directory, lora_job(eos_prone_model_dir, directory / "out",
-                                            resume=str(fsdp2_runs / "fsdp2_lora" / "checkpoint-2"),
-                                            config={"per_device_train_batch_size": 12}))  # fmt: skip
+    run_in_this_process(
+        directory,
+        lora_job(
+            eos_prone_model_dir,
+            directory / "out",
+            resume=str(fsdp2_runs / "fsdp2_lora" / "checkpoint-2"),
+            config={"per_device_train_batch_size": 12},
+        ),
+    )
     return load(directory / "out" / "final_0.pt")
 
 
-def test_lora_under_fsdp2_resumes_in_two_processes_or_one(fsdp2_runs, lora_resumed_in_one_process,
-                                                          eos_prone_model_dir, tmp_path):  # fmt: skip
+def test_lora_under_fsdp2_resumes_in_two_processes_or_one(
+    fsdp2_runs, lora_resumed_in_one_process, eos_prone_model_dir, tmp_path
+):
     out, ddp_out = fsdp2_runs / "fsdp2_lora", fsdp2_runs / "ddp_lora"
     final, ddp = load(out / "final_0.pt"), load(ddp_out / "final_0.pt")
     # FSDP2 -> FSDP2 from the middle of a generation batch, writing the merged model too (built from the gathered
     # weights: a sharded model cannot be copied); DDP -> FSDP2 (the positional optimizer state mapped to names).
-    launch(tmp_path, lora_job(eos_prone_model_dir, tmp_path / "two", resume=str(out / "checkpoint-3"),
-                              config={"save_merged": True}, save_model=True),
-           lora_job(eos_prone_model_dir, tmp_path / "from_ddp", resume=str(ddp_out / "checkpoint-2")),
-           env=FSDP2)  # fmt: skip
+    launch(
+        tmp_path,
+        lora_job(
+            eos_prone_model_dir,
+            tmp_path / "two",
+            resume=str(out / "checkpoint-3"),
+            config={"save_merged": True},
+            save_model=True,
+        ),
+        lora_job(eos_prone_model_dir, tmp_path / "from_ddp", resume=str(ddp_out / "checkpoint-2")),
+        env=FSDP2,
+    )
     resumed = load(tmp_path / "two" / "final_0.pt")
     assert resumed["global_step"] == 4 and max_difference(resumed["weights"], final["weights"]) == 0.0
     assert [e["loss"] for e in resumed["log_history"]] == [e["loss"] for e in final["log_history"]]
@@ -798,23 +1038,34 @@ def test_lora_under_fsdp2_resumes_in_two_processes_or_one(fsdp2_runs, lora_resum
     assert_lora_run_follows_ddp(from_ddp, ddp, eos_prone_model_dir)
     # FSDP2 -> one process at a generation boundary: the adapter and its name-keyed optimizer state load into the
     # plain model, and the run ends where resuming DDP's checkpoint of the same step ends, up to rounding.
-    run_in_this_process(tmp_path, lora_job(eos_prone_model_dir, tmp_path / "one_from_ddp",
-                                           resume=str(ddp_out / "checkpoint-2"),
-                                           config={"per_device_train_batch_size": 12}))  # fmt: skip
+    run_in_this_process(
+        tmp_path,
+        lora_job(
+            eos_prone_model_dir,
+            tmp_path / "one_from_ddp",
+            resume=str(ddp_out / "checkpoint-2"),
+            config={"per_device_train_batch_size": 12},
+        ),
+    )
     one, one_from_ddp = lora_resumed_in_one_process, load(tmp_path / "one_from_ddp" / "final_0.pt")
     assert one["num_processes"] == 1 and one["global_step"] == 4
-    assert [e["loss"] for e in one["log_history"]] == pytest.approx([e["loss"] for e in one_from_ddp["log_history"]],
-                                                                   abs=1e-5)  # fmt: skip
+    assert [e["loss"] for e in one["log_history"]] == pytest.approx(
+        [e["loss"] for e in one_from_ddp["log_history"]], abs=1e-5
+    )
     assert max_difference(adapter_of(one["weights"]), adapter_of(one_from_ddp["weights"])) < 1e-5
 
 
 def test_fsdp1_and_what_fsdp2_cannot_do_are_refused_with_the_way_out(model_dir, tmp_path):
-    launch(tmp_path, dict(job="refused", model=model_dir, out=str(tmp_path / "fsdp1")),
-           env={**FSDP2, "FSDP_VERSION": "1"})  # fmt: skip
-    launch(tmp_path, dict(job="refused", model=model_dir, out=str(tmp_path / "prompt_tuning"), adapter="prompt_tuning"),
-           dict(job="refused", model=model_dir, out=str(tmp_path / "compile"), config={"torch_compile": True}),
-           dict(job="refused", model=model_dir, out=str(tmp_path / "each_node"), config={"save_on_each_node": True}),
-           env=FSDP2)  # fmt: skip
+    launch(
+        tmp_path, dict(job="refused", model=model_dir, out=str(tmp_path / "fsdp1")), env={**FSDP2, "FSDP_VERSION": "1"}
+    )
+    launch(
+        tmp_path,
+        dict(job="refused", model=model_dir, out=str(tmp_path / "prompt_tuning"), adapter="prompt_tuning"),
+        dict(job="refused", model=model_dir, out=str(tmp_path / "compile"), config={"torch_compile": True}),
+        dict(job="refused", model=model_dir, out=str(tmp_path / "each_node"), config={"save_on_each_node": True}),
+        env=FSDP2,
+    )
     for rank in (0, 1):
         fsdp1 = json.loads((tmp_path / "fsdp1" / f"error_{rank}.json").read_text())
         assert "FSDP1" in fsdp1 and "fsdp_version: 2" in fsdp1
@@ -825,15 +1076,19 @@ def test_fsdp1_and_what_fsdp2_cannot_do_are_refused_with_the_way_out(model_dir, 
         assert "save_on_each_node=True is supported with whole weights" in each_node and "all nodes share" in each_node
 
 
-def test_fsdp2_sharded_checkpoints_resume_in_two_processes_or_one(fsdp2_runs, lora_resumed_in_one_process,
-                                                                 eos_prone_model_dir, tmp_path):  # fmt: skip
+def test_fsdp2_sharded_checkpoints_resume_in_two_processes_or_one(
+    fsdp2_runs, lora_resumed_in_one_process, eos_prone_model_dir, tmp_path
+):
     # accelerate's SHARDED_STATE_DICT: each process writes its own shards (torch.distributed.checkpoint) into the
     # atomic checkpoint directory; nothing is gathered. The run is the FULL_STATE_DICT run, bit for bit; so is the
     # LoRA run (LORA_RUN), launched alongside.
     sharded_env = {**FSDP2, "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}
-    launch(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "sharded"), config=FSDP2_RUN,
-                          tiebreak=0.01),
-           lora_job(eos_prone_model_dir, tmp_path / "sharded_lora"), env=sharded_env)  # fmt: skip
+    launch(
+        tmp_path,
+        dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "sharded"), config=FSDP2_RUN, tiebreak=0.01),
+        lora_job(eos_prone_model_dir, tmp_path / "sharded_lora"),
+        env=sharded_env,
+    )
     out, full = tmp_path / "sharded", load(fsdp2_runs / "fsdp2" / "final_0.pt")
     assert max_difference(load(out / "final_0.pt")["weights"], full["weights"]) == 0.0
     checkpoint = out / "checkpoint-3"
@@ -841,19 +1096,40 @@ def test_fsdp2_sharded_checkpoints_resume_in_two_processes_or_one(fsdp2_runs, lo
     assert {"sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp", "config.json"} <= set(files)
     assert not (checkpoint / "model.safetensors").exists() and not (checkpoint / "optimizer.pt").exists()
     # FSDP2 -> FSDP2 from the middle of a generation batch: the unbroken run, exactly (the moving reference too).
-    launch(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "two"), config=FSDP2_RUN,
-                          tiebreak=0.01, resume=str(checkpoint)),
-           lora_job(eos_prone_model_dir, tmp_path / "two_lora", resume=str(tmp_path / "sharded_lora" / "checkpoint-3")),
-           env=sharded_env)  # fmt: skip
+    launch(
+        tmp_path,
+        dict(
+            job="train",
+            model=eos_prone_model_dir,
+            out=str(tmp_path / "two"),
+            config=FSDP2_RUN,
+            tiebreak=0.01,
+            resume=str(checkpoint),
+        ),
+        lora_job(eos_prone_model_dir, tmp_path / "two_lora", resume=str(tmp_path / "sharded_lora" / "checkpoint-3")),
+        env=sharded_env,
+    )
     resumed = load(tmp_path / "two" / "final_0.pt")
     assert max_difference(resumed["weights"], full["weights"]) == 0.0
     assert [e["loss"] for e in resumed["log_history"]] == [e["loss"] for e in full["log_history"]]
     # Sharded -> one process: the same weights as resuming the FULL_STATE_DICT checkpoint of the same step.
     config = {**FSDP2_RUN, "per_device_train_batch_size": 12}
     for name, source in (("from_sharded", out / "checkpoint-4"), ("from_full", fsdp2_runs / "fsdp2" / "checkpoint-4")):
-        run_in_this_process(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / name),
-                                           config=config, tiebreak=0.01, resume=str(source)))  # fmt: skip
-    from_sharded, from_full = load(tmp_path / "from_sharded" / "final_0.pt"), load(tmp_path / "from_full" / "final_0.pt")
+        run_in_this_process(
+            tmp_path,
+            dict(
+                job="train",
+                model=eos_prone_model_dir,
+                out=str(tmp_path / name),
+                config=config,
+                tiebreak=0.01,
+                resume=str(source),
+            ),
+        )
+    from_sharded, from_full = (
+        load(tmp_path / "from_sharded" / "final_0.pt"),
+        load(tmp_path / "from_full" / "final_0.pt"),
+    )
     assert from_sharded["global_step"] == 6
     assert max_difference(from_sharded["weights"], from_full["weights"]) == 0.0
     # LoRA: the shards hold the adapter and its optimizer state, not the frozen base (torch keeps the LM head, tied
@@ -866,9 +1142,15 @@ def test_fsdp2_sharded_checkpoints_resume_in_two_processes_or_one(fsdp2_runs, lo
     assert len([key for key in weights if "lora_" in key]) == 8 and not any("base_layer" in key for key in weights)
     for name in ("sharded_lora", "two_lora"):
         assert max_difference(load(tmp_path / name / "final_0.pt")["weights"], lora_full["weights"]) == 0.0, name
-    run_in_this_process(tmp_path, lora_job(eos_prone_model_dir, tmp_path / "one_lora",
-                                           resume=str(tmp_path / "sharded_lora" / "checkpoint-2"),
-                                           config={"per_device_train_batch_size": 12}))  # fmt: skip
+    run_in_this_process(
+        tmp_path,
+        lora_job(
+            eos_prone_model_dir,
+            tmp_path / "one_lora",
+            resume=str(tmp_path / "sharded_lora" / "checkpoint-2"),
+            config={"per_device_train_batch_size": 12},
+        ),
+    )
     one = load(tmp_path / "one_lora" / "final_0.pt")
     assert max_difference(one["weights"], lora_resumed_in_one_process["weights"]) == 0.0
 
@@ -879,14 +1161,37 @@ def test_fsdp_fields_run_as_the_accelerate_config_does(fsdp2_runs, eos_prone_mod
     # FSDP2 run, bit for bit; a second trainer in the same processes takes the same setup, another one is refused.
     # With checkpoints every 3 steps the reference is mixed at step 2 without a save in between (that crashed: the
     # reference's root module stayed unsharded after its forward, `mix_into_reference`).
-    fields = {"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_version": 2, "fsdp_state_dict_type":
-              "SHARDED_STATE_DICT", "fsdp_transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}}  # fmt: skip
-    launch(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "fsdp"), tiebreak=0.01,
-                          config={**FSDP2_RUN, "save_steps": 3, **fields}),
-           dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "again"), tiebreak=0.01,
-                config={**FSDP2_RUN, "save_strategy": "no", "max_steps": 2, **fields}),
-           dict(job="refused", model=eos_prone_model_dir, out=str(tmp_path / "other"),
-                config={"fsdp": "shard_grad_op auto_wrap"}))  # fmt: skip
+    fields = {
+        "fsdp": "full_shard auto_wrap",
+        "fsdp_config": {
+            "fsdp_version": 2,
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"],
+        },
+    }
+    launch(
+        tmp_path,
+        dict(
+            job="train",
+            model=eos_prone_model_dir,
+            out=str(tmp_path / "fsdp"),
+            tiebreak=0.01,
+            config={**FSDP2_RUN, "save_steps": 3, **fields},
+        ),
+        dict(
+            job="train",
+            model=eos_prone_model_dir,
+            out=str(tmp_path / "again"),
+            tiebreak=0.01,
+            config={**FSDP2_RUN, "save_strategy": "no", "max_steps": 2, **fields},
+        ),
+        dict(
+            job="refused",
+            model=eos_prone_model_dir,
+            out=str(tmp_path / "other"),
+            config={"fsdp": "shard_grad_op auto_wrap"},
+        ),
+    )
     run, expected = load(tmp_path / "fsdp" / "final_0.pt"), load(fsdp2_runs / "fsdp2" / "final_0.pt")
     assert run["distributed_type"] == "FSDP" and run["global_step"] == 6
     for key in ("loss", "reward", "kl", "grad_norm", "entropy", "completions/mean_length"):
@@ -895,16 +1200,22 @@ def test_fsdp_fields_run_as_the_accelerate_config_does(fsdp2_runs, eos_prone_mod
     assert (tmp_path / "fsdp" / "checkpoint-3" / "sharded").is_dir()  # state_dict_type reached the checkpoints
     again = load(tmp_path / "again" / "final_0.pt")
     assert [e["loss"] for e in again["log_history"]] == [e["loss"] for e in run["log_history"][:2]]
-    assert "differ from the FSDP setup an earlier trainer" in json.loads((tmp_path / "other" / "error_0.json").read_text())
+    assert "differ from the FSDP setup an earlier trainer" in json.loads(
+        (tmp_path / "other" / "error_0.json").read_text()
+    )
 
 
 # -------------------------------------------------------------------------------------------------- DeepSpeed
 # ZeRO-2 through accelerate on CPU processes (gloo). DeepSpeed is not among the test extras (it JIT-compiles a
 # communication op on first use): these run where it is installed, e.g. `pip install deepspeed` in a venv.
-DEEPSPEED_ZERO2 = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
-                   "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "none",
-                   "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none", "ACCELERATE_DEEPSPEED_ZERO3_INIT": "false",
-                   "ACCELERATE_MIXED_PRECISION": "no"}  # fmt: skip
+DEEPSPEED_ZERO2 = {
+    "ACCELERATE_USE_DEEPSPEED": "true",
+    "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "none",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none",
+    "ACCELERATE_DEEPSPEED_ZERO3_INIT": "false",
+    "ACCELERATE_MIXED_PRECISION": "no",
+}
 
 
 @pytest.fixture(scope="module")
@@ -913,14 +1224,28 @@ def zero2_runs(fsdp2_runs, eos_prone_model_dir, model_dir, tmp_path_factory):
     runs resumed from their checkpoint-3 (`resumed`, `resumed_lora`), in a second launch."""
     pytest.importorskip("deepspeed")
     directory = tmp_path_factory.mktemp("zero2")
-    launch(directory, dict(job="train", model=eos_prone_model_dir, out=str(directory / "zero2"), config=FSDP2_RUN,
-                           tiebreak=0.01),
-           dict(job="one_update", model=model_dir, out=str(directory / "update"), variants=UPDATE_VARIANTS),
-           lora_job(eos_prone_model_dir, directory / "zero2_lora"), env=DEEPSPEED_ZERO2)  # fmt: skip
-    launch(directory, dict(job="train", model=eos_prone_model_dir, out=str(directory / "resumed"), config=FSDP2_RUN,
-                           tiebreak=0.01, resume=str(directory / "zero2" / "checkpoint-3")),
-           lora_job(eos_prone_model_dir, directory / "resumed_lora",
-                    resume=str(directory / "zero2_lora" / "checkpoint-3")), env=DEEPSPEED_ZERO2)  # fmt: skip
+    launch(
+        directory,
+        dict(job="train", model=eos_prone_model_dir, out=str(directory / "zero2"), config=FSDP2_RUN, tiebreak=0.01),
+        dict(job="one_update", model=model_dir, out=str(directory / "update"), variants=UPDATE_VARIANTS),
+        lora_job(eos_prone_model_dir, directory / "zero2_lora"),
+        env=DEEPSPEED_ZERO2,
+    )
+    launch(
+        directory,
+        dict(
+            job="train",
+            model=eos_prone_model_dir,
+            out=str(directory / "resumed"),
+            config=FSDP2_RUN,
+            tiebreak=0.01,
+            resume=str(directory / "zero2" / "checkpoint-3"),
+        ),
+        lora_job(
+            eos_prone_model_dir, directory / "resumed_lora", resume=str(directory / "zero2_lora" / "checkpoint-3")
+        ),
+        env=DEEPSPEED_ZERO2,
+    )
     return directory
 
 
@@ -934,13 +1259,17 @@ def test_zero2_training_follows_ddp_and_its_checkpoint_resumes(zero2_runs, fsdp2
     assert zero2["distributed_type"] == "DEEPSPEED" and zero2["global_step"] == 6
     for key in ("loss", "reward", "kl", "grad_norm"):
         assert [e.get(key) for e in zero2["log_history"]] == pytest.approx(
-            [e.get(key) for e in ddp["log_history"]], abs=1e-5), key  # fmt: skip
+            [e.get(key) for e in ddp["log_history"]], abs=1e-5
+        ), key
     assert max_difference(zero2["weights"], ddp["weights"]) < 1e-4
     assert max_difference(zero2["weights"], load(zero2_runs / "zero2" / "final_1.pt")["weights"]) == 0.0
     checkpoint = zero2_runs / "zero2" / "checkpoint-3"
     files = json.loads((checkpoint / "manifest.json").read_text())["files"]
-    assert {"deepspeed/state/zero_pp_rank_0_mp_rank_00_optim_states.pt",
-            "deepspeed/state/zero_pp_rank_1_mp_rank_00_optim_states.pt", "reference.safetensors"} <= set(files)
+    assert {
+        "deepspeed/state/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "deepspeed/state/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "reference.safetensors",
+    } <= set(files)
     resumed = load(zero2_runs / "resumed" / "final_0.pt")  # from checkpoint-3
     assert max_difference(resumed["weights"], zero2["weights"]) == 0.0
     assert [e["loss"] for e in resumed["log_history"]] == [e["loss"] for e in zero2["log_history"]]
@@ -948,8 +1277,13 @@ def test_zero2_training_follows_ddp_and_its_checkpoint_resumes(zero2_runs, fsdp2
 
 def deepspeed_module_keys(checkpoint) -> list[str]:
     """The weights' names in a checkpoint's DeepSpeed model-state file(s)."""
-    return sorted({key for path in (checkpoint / "deepspeed" / "state").glob("*model_states.pt")
-                   for key in torch.load(path, weights_only=False)["module"]})  # fmt: skip
+    return sorted(
+        {
+            key
+            for path in (checkpoint / "deepspeed" / "state").glob("*model_states.pt")
+            for key in torch.load(path, weights_only=False)["module"]
+        }
+    )
 
 
 def assert_lora_checkpoint_holds_the_adapter_alone(checkpoint) -> None:
@@ -980,12 +1314,23 @@ def zero3_env(directory) -> dict:
     every forward gathers every layer's partitions (with DeepSpeed's defaults a model this small would stay whole
     and uneven forward counts would go unnoticed)."""
     path = directory / "ds_config.json"
-    path.write_text(json.dumps({
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 0,
-                              "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0},
-        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
-        "gradient_clipping": "auto",
-    }))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "stage3_param_persistence_threshold": 0,
+                    "stage3_max_live_parameters": 0,
+                    "stage3_max_reuse_distance": 0,
+                    "stage3_prefetch_bucket_size": 0,
+                },
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto",
+                "train_batch_size": "auto",
+                "gradient_clipping": "auto",
+            }
+        )
+    )
     return {**DEEPSPEED_ZERO2, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(path)}
 
 
@@ -998,16 +1343,31 @@ def zero3_runs(zero3_config, eos_prone_model_dir, tmp_path_factory):
     the merged weights; both ZeRO-3 runs resumed from their checkpoint-3 (`resumed`, `resumed_lora`)."""
     pytest.importorskip("deepspeed")
     directory = tmp_path_factory.mktemp("zero3_runs")
-    launch(directory, dict(job="train", model=eos_prone_model_dir, out=str(directory / "zero3"), config=ZERO3_RUN,
-                           tiebreak=0.01),
-           lora_job(eos_prone_model_dir, directory / "zero3_lora", config={"save_merged": True}, save_model=True),
-           env=zero3_config)  # fmt: skip
-    launch(directory, dict(job="train", model=eos_prone_model_dir, out=str(directory / "ddp"), config=ZERO3_RUN,
-                           tiebreak=0.01))  # fmt: skip
-    launch(directory, dict(job="train", model=eos_prone_model_dir, out=str(directory / "resumed"), config=ZERO3_RUN,
-                           tiebreak=0.01, resume=str(directory / "zero3" / "checkpoint-3")),
-           lora_job(eos_prone_model_dir, directory / "resumed_lora",
-                    resume=str(directory / "zero3_lora" / "checkpoint-3")), env=zero3_config)  # fmt: skip
+    launch(
+        directory,
+        dict(job="train", model=eos_prone_model_dir, out=str(directory / "zero3"), config=ZERO3_RUN, tiebreak=0.01),
+        lora_job(eos_prone_model_dir, directory / "zero3_lora", config={"save_merged": True}, save_model=True),
+        env=zero3_config,
+    )
+    launch(
+        directory,
+        dict(job="train", model=eos_prone_model_dir, out=str(directory / "ddp"), config=ZERO3_RUN, tiebreak=0.01),
+    )
+    launch(
+        directory,
+        dict(
+            job="train",
+            model=eos_prone_model_dir,
+            out=str(directory / "resumed"),
+            config=ZERO3_RUN,
+            tiebreak=0.01,
+            resume=str(directory / "zero3" / "checkpoint-3"),
+        ),
+        lora_job(
+            eos_prone_model_dir, directory / "resumed_lora", resume=str(directory / "zero3_lora" / "checkpoint-3")
+        ),
+        env=zero3_config,
+    )
     return directory
 
 
@@ -1017,7 +1377,8 @@ def test_zero3_samples_in_step_follows_ddp_and_resumes(zero3_runs):
     assert all(e["completions/min_length"] < e["completions/max_length"] for e in zero3["log_history"][::2])
     for key in ("loss", "reward", "kl", "completions/mean_length"):
         assert [e.get(key) for e in zero3["log_history"]] == pytest.approx(
-            [e.get(key) for e in ddp["log_history"]], abs=1e-5), key  # fmt: skip
+            [e.get(key) for e in ddp["log_history"]], abs=1e-5
+        ), key
     assert max_difference(zero3["weights"], ddp["weights"]) < 1e-4
     resumed = load(zero3_runs / "resumed" / "final_0.pt")  # from checkpoint-3
     assert max_difference(resumed["weights"], zero3["weights"]) == 0.0
@@ -1037,34 +1398,66 @@ def test_lora_under_zero3_follows_ddp_saves_merged_and_resumes(zero3_runs, fsdp2
     assert [e["loss"] for e in resumed["log_history"]] == [e["loss"] for e in zero3["log_history"]]
 
 
-def test_deepspeed_field_runs_as_the_accelerate_config_does(zero2_runs, zero3_runs, zero3_config, eos_prone_model_dir,
-                                                          tmp_path):  # fmt: skip
+def test_deepspeed_field_runs_as_the_accelerate_config_does(
+    zero2_runs, zero3_runs, zero3_config, eos_prone_model_dir, tmp_path
+):
     # TRL scripts pass DeepSpeed as GRPOConfig(deepspeed=...) under plain torchrun: a dict of ZeRO-2 with 'auto'
     # values, and the ZeRO-3 config file's path. No accelerate variables are set: the field alone turns DeepSpeed on.
-    zero2 = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
-             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}  # fmt: skip
+    zero2 = {
+        "zero_optimization": {"stage": 2},
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+    }
     # A second trainer in the same processes runs on the same config (accelerate sets DeepSpeed up once per
     # process); a different config is refused by name.
-    launch(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "zero2"), tiebreak=0.01,
-                          config={**FSDP2_RUN, "save_strategy": "no", "deepspeed": zero2}),
-           dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "again"), tiebreak=0.01,
-                config={**FSDP2_RUN, "save_strategy": "no", "deepspeed": zero2, "max_steps": 2}),
-           dict(job="refused", model=eos_prone_model_dir, out=str(tmp_path / "other"),
-                config={"deepspeed": {**zero2, "zero_optimization": {"stage": 1}}}))  # fmt: skip
-    launch(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "zero3"), tiebreak=0.01,
-                          config={**ZERO3_RUN, "save_strategy": "no",
-                                  "deepspeed": zero3_config["ACCELERATE_DEEPSPEED_CONFIG_FILE"]}))  # fmt: skip
+    launch(
+        tmp_path,
+        dict(
+            job="train",
+            model=eos_prone_model_dir,
+            out=str(tmp_path / "zero2"),
+            tiebreak=0.01,
+            config={**FSDP2_RUN, "save_strategy": "no", "deepspeed": zero2},
+        ),
+        dict(
+            job="train",
+            model=eos_prone_model_dir,
+            out=str(tmp_path / "again"),
+            tiebreak=0.01,
+            config={**FSDP2_RUN, "save_strategy": "no", "deepspeed": zero2, "max_steps": 2},
+        ),
+        dict(
+            job="refused",
+            model=eos_prone_model_dir,
+            out=str(tmp_path / "other"),
+            config={"deepspeed": {**zero2, "zero_optimization": {"stage": 1}}},
+        ),
+    )
+    launch(
+        tmp_path,
+        dict(
+            job="train",
+            model=eos_prone_model_dir,
+            out=str(tmp_path / "zero3"),
+            tiebreak=0.01,
+            config={**ZERO3_RUN, "save_strategy": "no", "deepspeed": zero3_config["ACCELERATE_DEEPSPEED_CONFIG_FILE"]},
+        ),
+    )
     again = load(tmp_path / "again" / "final_0.pt")
-    assert [e["loss"] for e in again["log_history"]] == [e["loss"] for e in load(tmp_path / "zero2" / "final_0.pt")
-                                                         ["log_history"][:2]]  # fmt: skip
+    assert [e["loss"] for e in again["log_history"]] == [
+        e["loss"] for e in load(tmp_path / "zero2" / "final_0.pt")["log_history"][:2]
+    ]
     assert "differs from the DeepSpeed config an earlier trainer" in json.loads(
-        (tmp_path / "other" / "error_0.json").read_text())  # fmt: skip
+        (tmp_path / "other" / "error_0.json").read_text()
+    )
     for name, expected, exact in (("zero2", zero2_runs / "zero2", True), ("zero3", zero3_runs / "zero3", False)):
         run, expected = load(tmp_path / name / "final_0.pt"), load(expected / "final_0.pt")
         assert run["distributed_type"] == "DEEPSPEED" and run["global_step"] == expected["global_step"] == 6
         for key in ("loss", "reward", "kl", "grad_norm", "completions/mean_length"):
             assert [e.get(key) for e in run["log_history"]] == pytest.approx(
-                [e.get(key) for e in expected["log_history"]], abs=0 if exact else 1e-5), key  # fmt: skip
+                [e.get(key) for e in expected["log_history"]], abs=0 if exact else 1e-5
+            ), key
         # ZeRO-3 from the field loads the model partitioned (zero.Init, as transformers' Trainer does); the
         # accelerate-variables run above loads it whole: the same run up to float summation order.
         assert max_difference(run["weights"], expected["weights"]) <= (0.0 if exact else 1e-4)
@@ -1075,14 +1468,47 @@ def test_two_nodes_through_a_c10d_rendezvous(model_dir, tmp_path):
     # The multi-node launch line of the README, with two "nodes" on this machine (one process each): they meet at
     # a c10d rendezvous endpoint, split the prompts, and end with identical weights after the same steps.
     spec_path = tmp_path / "spec.json"
-    spec_path.write_text(json.dumps([dict(job="train", model=model_dir, out=str(tmp_path / "out"), tiebreak=0.01,
-                                          config={**TWO_PROCESS_RUN, "save_strategy": "no"})]))  # fmt: skip
+    spec_path.write_text(
+        json.dumps(
+            [
+                dict(
+                    job="train",
+                    model=model_dir,
+                    out=str(tmp_path / "out"),
+                    tiebreak=0.01,
+                    config={**TWO_PROCESS_RUN, "save_strategy": "no"},
+                )
+            ]
+        )
+    )
     endpoint, script = f"127.0.0.1:{free_port()}", write_script(tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-                               "--rdzv-id", "grpo", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, script,
-                               str(spec_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for _ in range(2)]  # fmt: skip
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc_per_node",
+                "1",
+                "--rdzv-id",
+                "grpo",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                endpoint,
+                script,
+                str(spec_path),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     outputs = [node.communicate(timeout=600)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(output[-3000:] for output in outputs)
     rank0, rank1 = load(tmp_path / "out" / "final_0.pt"), load(tmp_path / "out" / "final_1.pt")
@@ -1095,10 +1521,23 @@ def test_two_nodes_through_a_c10d_rendezvous(model_dir, tmp_path):
 def test_fsdp2_evaluates_an_uneven_split_in_step(eos_prone_model_dir, tmp_path):
     # 3 eval prompts over 2 processes, one prompt per batch: process 0 samples 2 batches, process 1 only 1, and
     # then samples a discarded one so that its sharded forwards stay in step (otherwise the run hangs).
-    config = {**FSDP2_RUN, "max_steps": 1, "save_strategy": "no", "eval_strategy": "steps", "eval_steps": 1,
-              "num_generations_eval": 2, "per_device_eval_batch_size": 2}  # fmt: skip
-    launch(tmp_path, dict(job="train", model=eos_prone_model_dir, out=str(tmp_path / "out"), config=config,
-                          tiebreak=0.01, eval_rows=3), env=FSDP2, timeout=300)  # fmt: skip
+    config = {
+        **FSDP2_RUN,
+        "max_steps": 1,
+        "save_strategy": "no",
+        "eval_strategy": "steps",
+        "eval_steps": 1,
+        "num_generations_eval": 2,
+        "per_device_eval_batch_size": 2,
+    }
+    launch(
+        tmp_path,
+        dict(
+            job="train", model=eos_prone_model_dir, out=str(tmp_path / "out"), config=config, tiebreak=0.01, eval_rows=3
+        ),
+        env=FSDP2,
+        timeout=300,
+    )
     history = load(tmp_path / "out" / "final_0.pt")["log_history"]
     evaluation = [e for e in history if "eval/reward" in e]
     assert len(evaluation) == 1 and 0.0 <= evaluation[0]["eval/reward"] <= 1.1

@@ -56,13 +56,18 @@ def test_the_configuration_reference_is_generated_from_the_fields():
     documented = set(re.findall(r"^\| `(\w+)` \|", page.read_text(), re.M))
     assert {f.name for f in dataclasses.fields(GRPOConfig)} == documented
     assert page.read_text() == load_script("config_reference").config_reference_page(), (
-        "run python scripts/config_reference.py")  # fmt: skip
+        "run python scripts/config_reference.py"
+    )
 
 
 def test_the_docs_speak_to_users_not_about_the_projects_history():
     words = re.compile(r"this session|the lease|the issue.s|issue #?[0-9]+|contended machine", re.I)
-    found = [f"{page.relative_to(ROOT)}:{n + 1}: {line.strip()}" for page in PAGES
-             for n, line in enumerate(page.read_text().splitlines()) if words.search(line)]  # fmt: skip
+    found = [
+        f"{page.relative_to(ROOT)}:{n + 1}: {line.strip()}"
+        for page in PAGES
+        for n, line in enumerate(page.read_text().splitlines())
+        if words.search(line)
+    ]
     assert found == []
 
 
@@ -86,8 +91,13 @@ def test_mkdocs_builds_strictly(tmp_path):
     for module in ("mkdocs", "material", "mkdocstrings"):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{module} is not installed (pip install '.[test]')")
-    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "site" / "reference" / "api" / "index.html").is_file()
 

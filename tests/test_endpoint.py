@@ -3,14 +3,24 @@ written with `openai.OpenAI(base_url=...)` trains through it; its sampled tokens
 log-probs, what it inserts (tool results) is attention-only, its rewards are the logged rewards; a harness that never
 calls back or raises is counted and training goes on."""
 
+import itertools
 import json
 import threading
 
 import pytest
 import torch
-from agents_helpers import (TABLE, ForcedCallsEngine, assert_sampled_logprobs_match_training, call_text, key_of,
-                            lookup, tiny_agent_model, tool_call_script)
+from agents_helpers import (
+    TABLE,
+    ForcedCallsEngine,
+    assert_sampled_logprobs_match_training,
+    call_text,
+    key_of,
+    lookup,
+    tiny_agent_model,
+    tool_call_script,
+)
 from datasets import Dataset
+from test_environments import config as environments_config
 from transformers.utils import get_json_schema
 
 from grpokit import GRPOTrainer
@@ -18,7 +28,6 @@ from grpokit.integrations import EnvironmentAdapter
 from grpokit.integrations.endpoint import Call, stitch
 from grpokit.integrations.openai_agent import OpenAIAgentEnvironment
 from grpokit.rollout import SamplingParams
-from test_environments import config as environments_config
 
 openai = pytest.importorskip("openai")
 
@@ -64,27 +73,35 @@ def test_an_openai_sdk_agent_trains_on_the_tokens_the_policy_sampled_with_their_
     environment = OpenAIAgentEnvironment(lookup_agent(rewards), dataset("k3", "k17", "k5"), timeout=60)
     assert isinstance(environment, EnvironmentAdapter)
     driver = environment.driver(tokenizer, config(tmp_path), None)
-    params = SamplingParams(max_new_tokens=48, eos_token_ids=(tokenizer.eos_token_id,),
-                            pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    params = SamplingParams(
+        max_new_tokens=48, eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id
+    )
     rows = list(dataset("k3", "k17", "k5"))
     rollout, _ = driver.rollout(engine, rows, params, seed=3, host=None)
     assert rollout.extra["agent_reward"] == [rewards[k][0] for k in ("k3", "k17", "k5")]
     for row in range(3):  # call, tool result, answer: one sequence, the tool result attention-only
         trained = rollout.loss_mask[row][rollout.attention_mask[row].bool()].tolist()
-        runs = [trained[0]] + [b for a, b in zip(trained, trained[1:]) if a != b]
+        runs = [trained[0]] + [b for a, b in itertools.pairwise(trained) if a != b]
         assert runs == [1, 0, 1]
         inserted = rollout.completion_ids[row][(rollout.attention_mask[row] == 1) & (rollout.loss_mask[row] == 0)]
         assert f"<tool_response>\n{TABLE[rows[row]['key']]}\n</tool_response>" in tokenizer.decode(inserted)
     assert_sampled_logprobs_match_training(model, rollout)
     assert driver.metrics(type("Accelerator", (), {"device": "cpu", "num_processes": 1})) == {
-        "endpoint/timeout_frequency": 0.0, "endpoint/error_frequency": 0.0, "endpoint/calls_per_rollout": 2.0,
-        "endpoint/prefix_break_frequency": 0.0}  # fmt: skip
+        "endpoint/timeout_frequency": 0.0,
+        "endpoint/error_frequency": 0.0,
+        "endpoint/calls_per_rollout": 2.0,
+        "endpoint/prefix_break_frequency": 0.0,
+    }
 
     # The same agent trained a step: the logged reward is the mean of what the agents returned.
     rewards.clear()
-    trainer = GRPOTrainer(model=model, args=config(tmp_path, per_device_train_batch_size=4),
-                          processing_class=tokenizer, environment=OpenAIAgentEnvironment(lookup_agent(rewards),
-                          dataset("k3", "k17"), timeout=60), rollout_engine=engine)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        args=config(tmp_path, per_device_train_batch_size=4),
+        processing_class=tokenizer,
+        environment=OpenAIAgentEnvironment(lookup_agent(rewards), dataset("k3", "k17"), timeout=60),
+        rollout_engine=engine,
+    )
     trainer.train()
     log = trainer.state.log_history[0]
     returned = [r for values in rewards.values() for r in values]
@@ -115,8 +132,13 @@ def test_harnesses_that_never_call_back_or_raise_are_counted_and_training_goes_o
         return float(TABLE[row["key"]] in reply.choices[0].message.content)
 
     environment = OpenAIAgentEnvironment(agent, dataset("k1", "k2", "k3", "k4"), timeout=3)
-    trainer = GRPOTrainer(model=model, args=config(tmp_path, per_device_train_batch_size=8, num_generations=2),
-                          processing_class=tokenizer, environment=environment, rollout_engine=engine)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        args=config(tmp_path, per_device_train_batch_size=8, num_generations=2),
+        processing_class=tokenizer,
+        environment=environment,
+        rollout_engine=engine,
+    )
     with pytest.warns(UserWarning, match="did not return within 3 s"):
         trainer.train()
     release.set()
@@ -152,8 +174,9 @@ def post(url, body, headers=None):
     import urllib.error
     import urllib.request
 
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json",
-                                                                      **(headers or {})})  # fmt: skip
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as reply:
             return reply.status, json.loads(reply.read())
@@ -183,17 +206,25 @@ def test_the_generate_route_speaks_vllms_token_format_and_sessions_come_from_a_h
             (choice,) = reply["choices"]
             assert choice["token_ids"] == [5, 6] and choice["finish_reason"] == "length"  # max_tokens cut it
             assert [c["token"] for c in choice["logprobs"]["content"]] == ["token_id:5", "token_id:6"]
-            status, reply = post(f"{endpoint.base_url(session).removesuffix('/v1')}/inference/v1/generate",
-                                 {"token_ids": [1, 2, 5, 6, 9]})  # fmt: skip
+            status, reply = post(
+                f"{endpoint.base_url(session).removesuffix('/v1')}/inference/v1/generate",
+                {"token_ids": [1, 2, 5, 6, 9]},
+            )
             # The session's budget: 6 completion tokens, 3 spent (2 sampled, 1 inserted).
             assert reply["choices"][0]["token_ids"] == [5, 6, 7] and reply["choices"][0]["finish_reason"] == "length"
             assert post(f"{endpoint.url}/s/unknown/v1/chat/completions", {"messages": []})[0] == 404
             with urllib.request.urlopen(f"{endpoint.base_url(session)}/models", timeout=30) as card:
-                assert json.loads(card.read())["data"][0] == {"id": "policy", "object": "model", "owned_by": "grpokit",
-                                                              "max_model_len": 64}  # fmt: skip
+                assert json.loads(card.read())["data"][0] == {
+                    "id": "policy",
+                    "object": "model",
+                    "owned_by": "grpokit",
+                    "max_model_len": 64,
+                }
             calls = endpoint.close_session(session)
-        assert [(c.prompt_ids, c.completion_ids, c.version) for c in calls] == [([1, 2], [5, 6], 3),
-                                                                                ([1, 2, 5, 6, 9], [5, 6, 7], 3)]
+        assert [(c.prompt_ids, c.completion_ids, c.version) for c in calls] == [
+            ([1, 2], [5, 6], 3),
+            ([1, 2, 5, 6, 9], [5, 6, 7], 3),
+        ]
         transcript, breaks = stitch([1], calls, max_completion_length=6)
         assert (transcript.ids, transcript.trained, breaks) == ([5, 6, 9, 5, 6, 7], [1, 1, 0, 1, 1, 1], 0)
     finally:
@@ -222,15 +253,27 @@ def test_harnesses_are_streamed_group_by_group_under_max_staleness_and_their_cal
     that arrive while the engine samples go into its next call together (calls of more than one row: each harness
     call is one), and every harness still gets its own answers (reward 1.75: the value found, three messages)."""
     model, tokenizer = tiny_agent_model()
-    scripted = tool_call_script(tokenizer, lambda user, results, index: f"{results[-1]}<|im_end|>" if results else
-                                call_text("lookup", {"key": key_of(user)}))  # fmt: skip
+    scripted = tool_call_script(
+        tokenizer,
+        lambda user, results, index: (
+            f"{results[-1]}<|im_end|>" if results else call_text("lookup", {"key": key_of(user)})
+        ),
+    )
     engine, rewards = SlowEngine(scripted), {}
     keys = [f"k{i}" for i in range(6)]
     environment = OpenAIAgentEnvironment(lookup_agent(rewards), dataset(*keys), timeout=60)
-    args = config(tmp_path, per_device_train_batch_size=4, num_generations=2, max_steps=4, max_staleness=1,
-                  max_inflight_tasks=8, logging_steps=1)  # fmt: skip
-    trainer = GRPOTrainer(model=model, args=args, processing_class=tokenizer, environment=environment,
-                          rollout_engine=engine)  # fmt: skip
+    args = config(
+        tmp_path,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_steps=4,
+        max_staleness=1,
+        max_inflight_tasks=8,
+        logging_steps=1,
+    )
+    trainer = GRPOTrainer(
+        model=model, args=args, processing_class=tokenizer, environment=environment, rollout_engine=engine
+    )
     trainer.train()
     steps = [r for r in trainer.state.log_history if "loss" in r]
     assert len(steps) == 4 and all(r["rewards/agent_reward/mean"] == 1.75 for r in steps)

@@ -3,9 +3,9 @@ a reward source, reward functions receiving `environments`; train_dataset=None; 
 
 import pytest
 import torch
+from agents_helpers import TABLE, call_text, key_of, tiny_agent_model, tool_call_script
 from datasets import Dataset
 
-from agents_helpers import TABLE, call_text, key_of, tiny_agent_model, tool_call_script
 from grpokit import GRPOConfig, GRPOTrainer
 
 
@@ -56,9 +56,19 @@ class Counter:
 
 
 def config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=2,
-                  max_completion_length=64, learning_rate=1e-3, logging_steps=1, save_strategy="no",
-                  disable_tqdm=True, report_to="none", seed=0)  # fmt: skip
+    values = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_steps=2,
+        max_completion_length=64,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        report_to="none",
+        seed=0,
+    )
     return GRPOConfig(**{**values, **overrides})
 
 
@@ -68,8 +78,12 @@ def vault_rows(*keys):
 
 def test_environments_are_pooled_reset_with_their_row_and_score_through_get_reward(tmp_path):
     model, tokenizer = tiny_agent_model()
-    engine = tool_call_script(tokenizer, lambda user, results, index: call_text("read", {"key": key_of(user)})
-                              if not results else f"{results[-1]}<|im_end|>")  # fmt: skip
+    engine = tool_call_script(
+        tokenizer,
+        lambda user, results, index: (
+            call_text("read", {"key": key_of(user)}) if not results else f"{results[-1]}<|im_end|>"
+        ),
+    )
     seen_environments = []
 
     def uses_environments(completions, environments, vault, **kwargs):
@@ -78,9 +92,15 @@ def test_environments_are_pooled_reset_with_their_row_and_score_through_get_rewa
         return [0.0] * len(completions)
 
     Vault.built = 0
-    trainer = GRPOTrainer(model=model, reward_funcs=uses_environments, args=config(tmp_path),
-                          train_dataset=Dataset.from_list(vault_rows("k1", "k2", "k3", "k4")),
-                          processing_class=tokenizer, environment_factory=Vault, rollout_engine=engine)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=uses_environments,
+        args=config(tmp_path),
+        train_dataset=Dataset.from_list(vault_rows("k1", "k2", "k3", "k4")),
+        processing_class=tokenizer,
+        environment_factory=Vault,
+        rollout_engine=engine,
+    )
     assert Vault.built == 1  # one probe instance, which becomes the pool's first
     trainer.train()
     # Two generations of 4 rows: 4 instances built once, reset every generation.
@@ -103,12 +123,19 @@ def test_environments_are_pooled_reset_with_their_row_and_score_through_get_rewa
 def test_a_dict_of_environments_routes_each_row_and_shows_only_its_tools(tmp_path):
     model, tokenizer = tiny_agent_model()
     engine = tool_call_script(tokenizer, lambda user, results, index: "done<|im_end|>")
-    rows = [{"prompt": [{"role": "user", "content": "key k1"}], "environment": "vault", "vault": 0},
-            {"prompt": [{"role": "user", "content": "key k2"}], "environment": "counter", "vault": 1}]
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **k: [0.0] * len(completions),
-                          args=config(tmp_path, max_steps=1), train_dataset=Dataset.from_list(rows),
-                          processing_class=tokenizer, environment_factory={"vault": Vault, "counter": Counter},
-                          rollout_engine=engine)  # fmt: skip
+    rows = [
+        {"prompt": [{"role": "user", "content": "key k1"}], "environment": "vault", "vault": 0},
+        {"prompt": [{"role": "user", "content": "key k2"}], "environment": "counter", "vault": 1},
+    ]
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **k: [0.0] * len(completions),
+        args=config(tmp_path, max_steps=1),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        environment_factory={"vault": Vault, "counter": Counter},
+        rollout_engine=engine,
+    )
     trainer.train()
     prompts = [tokenizer.decode(ids) for ids in engine.calls[0].ids]
     for text in prompts:
@@ -127,31 +154,74 @@ def test_environment_errors_are_clear_in_trls_words(tmp_path):
     class NoReset:
         pass
 
-    with pytest.raises(ValueError, match="Each environment instance returned by `environment_factory` must define a "
-                                         "callable `reset`. The environment NoReset"):  # fmt: skip
-        GRPOTrainer(model=model, reward_funcs=reward, args=config(tmp_path), train_dataset=None,
-                    processing_class=tokenizer, environment_factory=NoReset)  # fmt: skip
-    with pytest.raises(ValueError, match=r"When training without a `train_dataset` \(the environment owns the data "
-                                         r"and returns the prompt from `reset\(\)`\), `max_steps` must be set to a "
-                                         r"positive value"):  # fmt: skip
-        GRPOTrainer(model=model, reward_funcs=reward, args=config(tmp_path, max_steps=-1), train_dataset=None,
-                    processing_class=tokenizer, environment_factory=Vault)  # fmt: skip
-    with pytest.raises(ValueError, match=r"A `dict` `environment_factory` \(multiple environments\) requires a "
-                                         r"`train_dataset` with an `environment` column"):  # fmt: skip
-        GRPOTrainer(model=model, reward_funcs=reward, args=config(tmp_path), train_dataset=None,
-                    processing_class=tokenizer, environment_factory={"a": Vault})  # fmt: skip
-    with pytest.raises(ValueError, match="No reward source provided. Pass `reward_funcs`, or an "
-                                         "`environment_factory` whose environment defines a `get_reward` method."):
-        GRPOTrainer(model=model, reward_funcs=None, args=config(tmp_path), train_dataset=None,
-                    processing_class=tokenizer, environment_factory=Counter)  # fmt: skip
-    with pytest.raises(ValueError, match="`train_dataset` is required unless an `environment_factory` is provided."):
+    with pytest.raises(
+        ValueError,
+        match=r"Each environment instance returned by `environment_factory` must define a "
+        "callable `reset`. The environment NoReset",
+    ):
+        GRPOTrainer(
+            model=model,
+            reward_funcs=reward,
+            args=config(tmp_path),
+            train_dataset=None,
+            processing_class=tokenizer,
+            environment_factory=NoReset,
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"When training without a `train_dataset` \(the environment owns the data "
+        r"and returns the prompt from `reset\(\)`\), `max_steps` must be set to a "
+        r"positive value",
+    ):
+        GRPOTrainer(
+            model=model,
+            reward_funcs=reward,
+            args=config(tmp_path, max_steps=-1),
+            train_dataset=None,
+            processing_class=tokenizer,
+            environment_factory=Vault,
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"A `dict` `environment_factory` \(multiple environments\) requires a "
+        r"`train_dataset` with an `environment` column",
+    ):
+        GRPOTrainer(
+            model=model,
+            reward_funcs=reward,
+            args=config(tmp_path),
+            train_dataset=None,
+            processing_class=tokenizer,
+            environment_factory={"a": Vault},
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"No reward source provided. Pass `reward_funcs`, or an "
+        "`environment_factory` whose environment defines a `get_reward` method.",
+    ):
+        GRPOTrainer(
+            model=model,
+            reward_funcs=None,
+            args=config(tmp_path),
+            train_dataset=None,
+            processing_class=tokenizer,
+            environment_factory=Counter,
+        )
+    with pytest.raises(ValueError, match=r"`train_dataset` is required unless an `environment_factory` is provided."):
         GRPOTrainer(model=model, reward_funcs=reward, args=config(tmp_path), processing_class=tokenizer)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config(tmp_path, max_steps=1),
-                          train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "x"}],
-                                                            "environment": "b"}] * 2),
-                          processing_class=tokenizer, environment_factory={"a": Counter})  # fmt: skip
-    with pytest.raises(ValueError, match=r"Example has `environment='b'`, which is not among the environments passed "
-                                         r"to `environment_factory`. Expected one of: \['a'\]."):  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config(tmp_path, max_steps=1),
+        train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "x"}], "environment": "b"}] * 2),
+        processing_class=tokenizer,
+        environment_factory={"a": Counter},
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"Example has `environment='b'`, which is not among the environments passed "
+        r"to `environment_factory`. Expected one of: \['a'\].",
+    ):
         trainer.train()
 
 
@@ -164,13 +234,22 @@ def test_without_a_dataset_the_environment_supplies_the_prompts(tmp_path):
             assert row == {"prompt": [{"role": "user", "content": ""}]}
             return "key k7"
 
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **k: [0.0] * len(completions),
-                          args=config(tmp_path, max_steps=3), train_dataset=None, processing_class=tokenizer,
-                          environment_factory=Riddles, rollout_engine=engine)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **k: [0.0] * len(completions),
+        args=config(tmp_path, max_steps=3),
+        train_dataset=None,
+        processing_class=tokenizer,
+        environment_factory=Riddles,
+        rollout_engine=engine,
+    )
     trainer.train()
     assert trainer.state.global_step == 3 and len(engine.calls) == 3
-    assert all(tokenizer.decode(ids).endswith("<|im_start|>user\nkey k7<|im_end|>\n<|im_start|>assistant\n")
-               for call in engine.calls for ids in call.ids)
+    assert all(
+        tokenizer.decode(ids).endswith("<|im_start|>user\nkey k7<|im_end|>\n<|im_start|>assistant\n")
+        for call in engine.calls
+        for ids in call.ids
+    )
 
 
 # --------------------------------------------------------------------------------------------- rollout_func
@@ -182,12 +261,18 @@ def test_rollout_func_output_is_trained_on_with_its_env_mask_and_extra_columns(t
 
     def rollout_func(prompts, trainer):
         received["prompts"] = prompts
-        ids = [tokenizer(p if isinstance(p, str) else p[0]["content"], add_special_tokens=False)["input_ids"]
-               for p in prompts]
+        ids = [
+            tokenizer(p if isinstance(p, str) else p[0]["content"], add_special_tokens=False)["input_ids"]
+            for p in prompts
+        ]
         completion = tokenizer("v1 v2<|im_end|>", add_special_tokens=False)["input_ids"]
-        return {"prompt_ids": ids, "completion_ids": [completion] * len(prompts),
-                "logprobs": [[-1.0] * len(completion)] * len(prompts),
-                "env_mask": [[1, 1, 0, 0, 0, 1]] * len(prompts), "judge": [i % 2 for i in range(len(prompts))]}
+        return {
+            "prompt_ids": ids,
+            "completion_ids": [completion] * len(prompts),
+            "logprobs": [[-1.0] * len(completion)] * len(prompts),
+            "env_mask": [[1, 1, 0, 0, 0, 1]] * len(prompts),
+            "judge": [i % 2 for i in range(len(prompts))],
+        }
 
     scores = []
 
@@ -195,9 +280,14 @@ def test_rollout_func_output_is_trained_on_with_its_env_mask_and_extra_columns(t
         scores.append((list(completions), list(judge)))
         return [float(j) for j in judge]
 
-    trainer = GRPOTrainer(model=model, reward_funcs=judged, args=config(tmp_path, max_steps=1),
-                          train_dataset=Dataset.from_list([{"prompt": "a"}, {"prompt": "b"}]),
-                          processing_class=tokenizer, rollout_func=rollout_func)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=judged,
+        args=config(tmp_path, max_steps=1),
+        train_dataset=Dataset.from_list([{"prompt": "a"}, {"prompt": "b"}]),
+        processing_class=tokenizer,
+        rollout_func=rollout_func,
+    )
     batch = trainer.generate_batch()
     assert received["prompts"] == ["a", "a", "b", "b"]  # one per completion: each prompt num_generations times
     assert scores[0] == (["v1 v2"] * 4, [0, 1, 0, 1])
@@ -206,22 +296,35 @@ def test_rollout_func_output_is_trained_on_with_its_env_mask_and_extra_columns(t
     assert batch.old_logprobs is None  # on-policy: the rollout_func's log-probs are never taken for π_old
 
 
-@pytest.mark.parametrize("output, message", [
-    ({"prompt_ids": [[1]] * 4, "completion_ids": [[2]] * 4}, r"must return keys \['logprobs'\]"),
-    ({"prompt_ids": [[1]] * 4, "completion_ids": [[2]] * 3, "logprobs": [[0.0]] * 4},
-     "'completion_ids' must be a list with one entry per prompt"),
-    ({"prompt_ids": [[1]] * 4, "completion_ids": [[2, 3]] * 4, "logprobs": [[0.0]] * 4},
-     r"logprobs\[0\] has 1 entries for 2 completion tokens"),
-    ({"prompt_ids": [[1]] * 4, "completion_ids": [[2]] * 4, "logprobs": [[0.0]] * 4, "env_mask": [[1, 1]] * 4},
-     r"env_mask\[0\] has 2 entries"),
-    ([1, 2], "must return a dict"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "output, message",
+    [
+        ({"prompt_ids": [[1]] * 4, "completion_ids": [[2]] * 4}, r"must return keys \['logprobs'\]"),
+        (
+            {"prompt_ids": [[1]] * 4, "completion_ids": [[2]] * 3, "logprobs": [[0.0]] * 4},
+            "'completion_ids' must be a list with one entry per prompt",
+        ),
+        (
+            {"prompt_ids": [[1]] * 4, "completion_ids": [[2, 3]] * 4, "logprobs": [[0.0]] * 4},
+            r"logprobs\[0\] has 1 entries for 2 completion tokens",
+        ),
+        (
+            {"prompt_ids": [[1]] * 4, "completion_ids": [[2]] * 4, "logprobs": [[0.0]] * 4, "env_mask": [[1, 1]] * 4},
+            r"env_mask\[0\] has 2 entries",
+        ),
+        ([1, 2], "must return a dict"),
+    ],
+)
 def test_rollout_func_contract_errors_name_the_problem(tmp_path, output, message):
     model, tokenizer = tiny_agent_model()
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **k: [0.0] * len(completions),
-                          args=config(tmp_path, max_steps=1),
-                          train_dataset=Dataset.from_list([{"prompt": "a"}, {"prompt": "b"}]),
-                          processing_class=tokenizer, rollout_func=lambda prompts, trainer: output)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **k: [0.0] * len(completions),
+        args=config(tmp_path, max_steps=1),
+        train_dataset=Dataset.from_list([{"prompt": "a"}, {"prompt": "b"}]),
+        processing_class=tokenizer,
+        rollout_func=lambda prompts, trainer: output,
+    )
     with pytest.raises((ValueError, TypeError), match=message):
         trainer.train()
 
@@ -260,10 +363,13 @@ def test_an_environment_owning_its_reward_and_data_trains_without_reward_funcs_o
     # (empty) prompts for max_steps steps.
     model, tokenizer = tiny_agent_model()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    trainer = GRPOTrainer(model=model, args=config(tmp_path, per_device_train_batch_size=3, num_generations=3,
-                                                   learning_rate=0.1),
-                          processing_class=tokenizer, environment_factory=Tally,
-                          rollout_engine=tally_script(tokenizer))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        args=config(tmp_path, per_device_train_batch_size=3, num_generations=3, learning_rate=0.1),
+        processing_class=tokenizer,
+        environment_factory=Tally,
+        rollout_engine=tally_script(tokenizer),
+    )
     assert trainer.reward_func_names == ["Tally"] and trainer.reward_weights.tolist() == [1.0]
     assert [tool.__name__ for tool in trainer.tools] == ["increment"]  # not get_reward, not reset
     trainer.train()
@@ -283,9 +389,13 @@ def test_an_environment_owned_reward_comes_after_the_reward_functions_with_weigh
     def format_reward(completions, **kwargs):
         return [0.0 for _ in completions]
 
-    trainer = GRPOTrainer(model=model, reward_funcs=format_reward,
-                          args=config(tmp_path, per_device_train_batch_size=3, num_generations=3, reward_weights=[0.5]),
-                          processing_class=tokenizer, environment_factory=Tally)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=format_reward,
+        args=config(tmp_path, per_device_train_batch_size=3, num_generations=3, reward_weights=[0.5]),
+        processing_class=tokenizer,
+        environment_factory=Tally,
+    )
     assert trainer.reward_func_names == ["format_reward", "Tally"]
     assert trainer.reward_weights.tolist() == [0.5, 1.0] and len(trainer.reward_funcs) == 2
     assert [tool.__name__ for tool in trainer.tools] == ["increment"]
@@ -295,15 +405,24 @@ def test_standalone_tools_and_each_environments_tools_are_the_trainers_tools(tmp
     from agents_helpers import lookup
 
     model, tokenizer = tiny_agent_model()
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **k: [0.0] * len(completions),
-                          args=config(tmp_path), train_dataset=Dataset.from_list(vault_rows("k1", "k2")),
-                          processing_class=tokenizer, tools=[lookup],
-                          environment_factory={"vault": Vault, "counter": Counter})  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **k: [0.0] * len(completions),
+        args=config(tmp_path),
+        train_dataset=Dataset.from_list(vault_rows("k1", "k2")),
+        processing_class=tokenizer,
+        tools=[lookup],
+        environment_factory={"vault": Vault, "counter": Counter},
+    )
     assert [tool.__name__ for tool in trainer.tools] == ["lookup", "read", "increment"]
     assert trainer.tools[1].__self__ is trainer.agents.environments.pool["vault"][0]  # the probe instance's method
-    plain = GRPOTrainer(model=model, reward_funcs=lambda completions, **k: [0.0] * len(completions),
-                        args=config(tmp_path), train_dataset=Dataset.from_list(vault_rows("k1", "k2")),
-                        processing_class=tokenizer)  # fmt: skip
+    plain = GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **k: [0.0] * len(completions),
+        args=config(tmp_path),
+        train_dataset=Dataset.from_list(vault_rows("k1", "k2")),
+        processing_class=tokenizer,
+    )
     assert plain.tools == []
 
 
@@ -350,13 +469,15 @@ def test_several_environments_in_one_run_each_rollout_calls_its_own_tools(tmp_pa
         return call_text("increment", {"step": 1}) if user == "Count." else call_text("shout", {"text": "hi"})
 
     engine = tool_call_script(tokenizer, turns)
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **k: [float(len(c)) for c in completions],
-                          args=config(tmp_path, per_device_train_batch_size=4, num_generations=2, max_steps=2,
-                                      shuffle_dataset=False),
-                          train_dataset=Dataset.from_dict({"environment": ["counter", "echo"] * 8}),
-                          processing_class=tokenizer,
-                          environment_factory={"counter": CounterEnvironment, "echo": EchoEnvironment},
-                          rollout_engine=engine)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **k: [float(len(c)) for c in completions],
+        args=config(tmp_path, per_device_train_batch_size=4, num_generations=2, max_steps=2, shuffle_dataset=False),
+        train_dataset=Dataset.from_dict({"environment": ["counter", "echo"] * 8}),
+        processing_class=tokenizer,
+        environment_factory={"counter": CounterEnvironment, "echo": EchoEnvironment},
+        rollout_engine=engine,
+    )
     assert [tool.__name__ for tool in trainer.tools] == ["increment", "shout"]
     trainer.train()
     assert calls == {"increment": [1, 1], "shout": ["hi", "hi"]}  # one call of each per generation
@@ -385,8 +506,11 @@ def test_a_mocked_generate_samples_as_in_trls_environment_factory_test(tmp_path)
     def ids(text):
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    first = [ids(call_text("increment", {"step": 1})), ids(call_text("decrement", {"step": 2})),
-             ids("I won't increment<|im_end|>")]  # fmt: skip
+    first = [
+        ids(call_text("increment", {"step": 1})),
+        ids(call_text("decrement", {"step": 2})),
+        ids("I won't increment<|im_end|>"),
+    ]
     calls = []
 
     def fake_generate(input_ids, **kwargs):
@@ -396,10 +520,15 @@ def test_a_mocked_generate_samples_as_in_trls_environment_factory_test(tmp_path)
         completion = torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for row in rows])
         return torch.cat([input_ids, completion], dim=-1)
 
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **k: [float(len(str(c))) for c in completions],
-                          args=config(tmp_path, per_device_train_batch_size=3, num_generations=3, learning_rate=0.1,
-                                      max_completion_length=256),  # TRL's default: room for the unknown tool's error
-                          processing_class=tokenizer, environment_factory=Incrementer)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **k: [float(len(str(c))) for c in completions],
+        args=config(
+            tmp_path, per_device_train_batch_size=3, num_generations=3, learning_rate=0.1, max_completion_length=256
+        ),  # TRL's default: room for the unknown tool's error
+        processing_class=tokenizer,
+        environment_factory=Incrementer,
+    )
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     with patch.object(trainer.model, "generate", side_effect=fake_generate):
         trainer.train()

@@ -44,9 +44,18 @@ def letters(copies=1):
 
 
 def config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
-                  max_completion_length=2, learning_rate=1e-2, max_steps=2, logging_steps=1, save_strategy="no",
-                  disable_tqdm=True, seed=0)  # fmt: skip
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=2,
+        learning_rate=1e-2,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
     values.update(overrides)
     return GRPOConfig(**values)
 
@@ -74,11 +83,17 @@ def test_evaluation_metrics_worked_example_and_none():
         return {"rewards": {"acc": scores}, "reward": scores, "lengths": [length] * 4, "truncated": [False] * 4}
 
     metrics = evaluation_metrics([record([1.0, 0.0, 0.0, 0.0]), record([1.0, 1.0, 0.0, 1.0], length=3)], ["acc"])
-    assert metrics == pytest.approx({
-        "eval/reward": 0.5, "eval/completions/mean_length": 2.0, "eval/completions/clipped_ratio": 0.0,
-        "eval/rewards/acc/mean": 0.5, "eval/rewards/acc/mean@4": 0.5,
-        "eval/rewards/acc/pass@1": 0.5, "eval/rewards/acc/pass@4": 1.0,
-    })  # fmt: skip
+    assert metrics == pytest.approx(
+        {
+            "eval/reward": 0.5,
+            "eval/completions/mean_length": 2.0,
+            "eval/completions/clipped_ratio": 0.0,
+            "eval/rewards/acc/mean": 0.5,
+            "eval/rewards/acc/mean@4": 0.5,
+            "eval/rewards/acc/pass@1": 0.5,
+            "eval/rewards/acc/pass@4": 1.0,
+        }
+    )
     # None = "does not apply": a prompt counts with its scored completions; with fewer than k it leaves pass@k.
     partial = evaluation_metrics([record([None, 0.5, 1.0, 1.0]), record([None] * 4)], ["acc"], threshold=0.9)
     assert partial["eval/rewards/acc/pass@1"] == pytest.approx(2 / 3)
@@ -117,18 +132,24 @@ def test_guard_fires_on_rising_reward_and_falling_guard_not_on_flat():
 
 
 def test_guard_series_pairs_train_and_eval_metrics_and_rejects_unknown():
-    history = [{"step": 1, "reward": 0.1, "completions/mean_length": 9.0},
-               {"step": 1, "eval/reward": 0.0, "eval/completions/mean_length": 5.0},
-               {"step": 2, "reward": 0.2, "completions/mean_length": 8.0}]  # fmt: skip
+    history = [
+        {"step": 1, "reward": 0.1, "completions/mean_length": 9.0},
+        {"step": 1, "eval/reward": 0.0, "eval/completions/mean_length": 5.0},
+        {"step": 2, "reward": 0.2, "completions/mean_length": 8.0},
+    ]
     assert guard_series(history, "completions/mean_length") == ([0.1, 0.2], [9.0, 8.0], [1, 2])
     assert guard_series(history, "eval/completions/mean_length") == ([0.0], [5.0], [1])
-    with pytest.raises(ValueError, match="completions/mean_lenght.*completions/mean_length"):
+    with pytest.raises(ValueError, match=r"completions/mean_lenght.*completions/mean_length"):
         guard_series(history, "completions/mean_lenght")
 
 
 def test_trainer_guard_warning_names_both_metrics_once_per_window(model_dir, tmp_path):
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=same_letter, train_dataset=letters(),
-                          args=config(tmp_path, guard_metric="rewards/format/mean", guard_window=3))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=same_letter,
+        train_dataset=letters(),
+        args=config(tmp_path, guard_metric="rewards/format/mean", guard_window=3),
+    )
     records = [(0.1, 1.0), (0.3, 0.8), (0.5, 0.5), (0.6, 0.4), (0.7, 0.3)]
     messages = []
     for step, (reward, format_reward) in enumerate(records, start=1):
@@ -144,8 +165,9 @@ def test_trainer_guard_warning_names_both_metrics_once_per_window(model_dir, tmp
 
 def test_duplicate_ratio_is_one_when_sampling_is_deterministic(model_dir, tmp_path):
     # top_k=1 samples the most likely token every time: the G completions of a prompt are identical.
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=same_letter, train_dataset=letters(),
-                          args=config(tmp_path, max_steps=1, top_k=1))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model_dir, reward_funcs=same_letter, train_dataset=letters(), args=config(tmp_path, max_steps=1, top_k=1)
+    )
     trainer.train()
     assert trainer.state.log_history[0]["completions/duplicate_ratio"] == 1.0
 
@@ -157,10 +179,22 @@ def test_duplicate_ratio_is_one_when_sampling_is_deterministic(model_dir, tmp_pa
 def evaluated(model_dir, tmp_path_factory):
     """A 4-step run that evaluates every 2 steps, 6 completions per eval prompt, then saves the model."""
     tmp_path = tmp_path_factory.mktemp("evaluated")
-    args = config(tmp_path, max_steps=4, eval_strategy="steps", eval_steps=2, num_generations_eval=6,
-                  per_device_eval_batch_size=12, temperature=1.5)  # fmt: skip
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=[same_letter, always_one], args=args,
-                          train_dataset=letters(2), eval_dataset=letters())  # fmt: skip
+    args = config(
+        tmp_path,
+        max_steps=4,
+        eval_strategy="steps",
+        eval_steps=2,
+        num_generations_eval=6,
+        per_device_eval_batch_size=12,
+        temperature=1.5,
+    )
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=[same_letter, always_one],
+        args=args,
+        train_dataset=letters(2),
+        eval_dataset=letters(),
+    )
     trainer.train()
     trainer.save_model(str(tmp_path / "final"))
     return trainer, tmp_path
@@ -211,8 +245,12 @@ def test_model_card_lists_rewards_config_and_final_metrics(evaluated):
 
 def test_eval_setup_errors_before_loading(tmp_path):
     with pytest.raises(ValueError, match="needs an eval_dataset"):
-        GRPOTrainer(model="/nonexistent", reward_funcs=same_letter, train_dataset=letters(),
-                    args=config(tmp_path, eval_strategy="steps"))  # fmt: skip
+        GRPOTrainer(
+            model="/nonexistent",
+            reward_funcs=same_letter,
+            train_dataset=letters(),
+            args=config(tmp_path, eval_strategy="steps"),
+        )
     with pytest.raises(ValueError, match="eval_strategy='epoch' is not valid"):
         config(tmp_path, eval_strategy="epoch")
     with warnings.catch_warnings():
@@ -237,10 +275,39 @@ def test_train_with_eval_dataset_then_grpokit_eval_reproduces_it(model_dir, tmp_
     sampling = ["--num_generations_eval", "8", "--max_completion_length", "3", "--temperature", "2.0"]
     reward_flags = ["--reward", f"{rewards}:always_one", "--reward", f"{rewards}:same_letter"]
     # `grpokit train` (in this process) evaluates at steps 1 and 2 and checkpoints at step 2.
-    assert main(["train", "--model", model_dir, "--dataset", str(data), "--eval_dataset", str(data), *reward_flags,
-                 *sampling, "--output_dir", str(tmp_path / "out"), "--num_generations", "4",
-                 "--per_device_train_batch_size", "8", "--max_steps", "2", "--logging_steps", "1",
-                 "--eval_strategy", "steps", "--eval_steps", "1", "--save_steps", "2", "--disable_tqdm"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                "--model",
+                model_dir,
+                "--dataset",
+                str(data),
+                "--eval_dataset",
+                str(data),
+                *reward_flags,
+                *sampling,
+                "--output_dir",
+                str(tmp_path / "out"),
+                "--num_generations",
+                "4",
+                "--per_device_train_batch_size",
+                "8",
+                "--max_steps",
+                "2",
+                "--logging_steps",
+                "1",
+                "--eval_strategy",
+                "steps",
+                "--eval_steps",
+                "1",
+                "--save_steps",
+                "2",
+                "--disable_tqdm",
+            ]
+        )
+        == 0
+    )
     logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "eval/reward" in r] == [1, 2]
     assert "`same_letter`" in (tmp_path / "out" / "README.md").read_text()
@@ -248,10 +315,25 @@ def test_train_with_eval_dataset_then_grpokit_eval_reproduces_it(model_dir, tmp_
     # `grpokit eval` (the real command line) on the step-2 checkpoint: its sampling settings come from the run's
     # grpo_config.json, next to the checkpoint directory, without repeating the flags.
     result = subprocess.run(
-        [sys.executable, "-m", "grpokit.cli", "eval", "--model", str(tmp_path / "out" / "checkpoint-2"),
-         "--dataset", str(data), *reward_flags, "--out", str(tmp_path / "results" / "eval.json")],
-        cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "grpokit.cli",
+            "eval",
+            "--model",
+            str(tmp_path / "out" / "checkpoint-2"),
+            "--dataset",
+            str(data),
+            *reward_flags,
+            "--out",
+            str(tmp_path / "results" / "eval.json"),
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "pass@8" in result.stdout and "always_one" in result.stdout
     assert "temperature=2.0" in result.stdout and "grpo_config.json" in result.stdout
@@ -269,8 +351,25 @@ def test_train_with_eval_dataset_then_grpokit_eval_reproduces_it(model_dir, tmp_
         assert metrics[f"eval/rewards/same_letter/pass@{k}"] == pytest.approx(expected, abs=1e-12)
     assert all(len(c) <= 3 for s in samples for c in s["completions"])
     # A flag overrides the run's setting; the others still come from the run.
-    assert main(["eval", "--model", str(tmp_path / "out" / "checkpoint-2"), "--dataset", str(data), *reward_flags,
-                 "--temperature", "1.0", "--num_generations_eval", "2", "--out", str(tmp_path / "two.json")]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--model",
+                str(tmp_path / "out" / "checkpoint-2"),
+                "--dataset",
+                str(data),
+                *reward_flags,
+                "--temperature",
+                "1.0",
+                "--num_generations_eval",
+                "2",
+                "--out",
+                str(tmp_path / "two.json"),
+            ]
+        )
+        == 0
+    )
     config = json.loads((tmp_path / "two.json").read_text())["config"]
     assert config["temperature"] == 1.0 and config["num_generations_eval"] == 2
     assert config["max_completion_length"] == 3

@@ -38,13 +38,10 @@ def check_honest_trend(out: str, records: list[dict], steps: int) -> None:
 
 # example: (the metric its summary averages, the words after that number, the feature's own metrics)
 SCRIPTED = {
-    "tools_grpo": ("tools/call_frequency", "tool calls per completion",
-                   ["tools/multiply/call_frequency"]),
-    "environment_grpo": ("tools/call_frequency", "increment calls per completion",
-                         ["tools/increment/call_frequency"]),
-    "agent_endpoint_grpo": ("endpoint/calls_per_rollout", "endpoint calls per rollout",
-                            ["rewards/agent_reward/mean"]),
-}  # fmt: skip
+    "tools_grpo": ("tools/call_frequency", "tool calls per completion", ["tools/multiply/call_frequency"]),
+    "environment_grpo": ("tools/call_frequency", "increment calls per completion", ["tools/increment/call_frequency"]),
+    "agent_endpoint_grpo": ("endpoint/calls_per_rollout", "endpoint calls per rollout", ["rewards/agent_reward/mean"]),
+}
 
 
 @pytest.mark.parametrize("example", sorted(SCRIPTED))

@@ -19,23 +19,54 @@ PACKAGE = Path(grpokit.__file__).resolve().parent  # the installed package under
 
 def letter_trainer(tmp_path, **overrides):
     tokenizer = build_char_tokenizer("abcd:")
-    model = build_tiny_model(len(tokenizer), hidden_size=32, seed=0, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)  # fmt: skip
-    values = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=3,
-                  max_steps=2, logging_steps=1, save_strategy="no", disable_tqdm=True, report_to="none", beta=0.04,
-                  log_completions=True)  # fmt: skip
+    model = build_tiny_model(
+        len(tokenizer),
+        hidden_size=32,
+        seed=0,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    values = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=3,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        report_to="none",
+        beta=0.04,
+        log_completions=True,
+    )
     data = Dataset.from_list([{"prompt": f"{c}:", "letter": c} for c in "abcd"] * 2)
 
     def first_letter(completions, letter, **kwargs):
         return [float(c[:1] == t) for c, t in zip(completions, letter)]
 
-    return GRPOTrainer(model=model, reward_funcs=first_letter, args=GRPOConfig(**{**values, **overrides}),
-                       train_dataset=data, processing_class=tokenizer)  # fmt: skip
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=first_letter,
+        args=GRPOConfig(**{**values, **overrides}),
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
 
 
 def same_batch(a: TrainBatch, b: TrainBatch) -> None:
-    for name in ("prompt_ids", "prompt_mask", "completion_ids", "attention_mask", "loss_mask", "lengths", "advantages",
-                 "old_logprobs", "ref_logprobs", "sampling_logprobs"):  # fmt: skip
+    for name in (
+        "prompt_ids",
+        "prompt_mask",
+        "completion_ids",
+        "attention_mask",
+        "loss_mask",
+        "lengths",
+        "advantages",
+        "old_logprobs",
+        "ref_logprobs",
+        "sampling_logprobs",
+    ):
         x, y = getattr(a, name), getattr(b, name)
         assert (x is None) == (y is None), name
         if x is not None:
@@ -122,15 +153,20 @@ def imports_of(path: Path) -> set[str]:
 
 
 def importers_of(target: str) -> set[str]:
-    return {str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
-            if any(name == target or name.startswith(target + ".") for name in imports_of(path))}  # fmt: skip
+    return {
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if any(name == target or name.startswith(target + ".") for name in imports_of(path))
+    }
 
 
 def import_circles() -> list[set[str]]:
     """The package's modules that import each other, directly or through others (at any depth in a file:
     function-level imports count): the strongly connected components of the import graph with more than one module."""
-    modules = {".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): path
-               for path in PACKAGE.rglob("*.py")}  # fmt: skip
+    modules = {
+        ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): path
+        for path in PACKAGE.rglob("*.py")
+    }
 
     def module_of(name: str) -> str:  # grpokit.rollout.HFEngine -> grpokit.rollout
         while name not in modules and "." in name:
@@ -158,13 +194,20 @@ def test_no_modules_import_each_other():
 def test_imports_run_one_way():
     # rloo.py, distill_trainer.py, async_grpo.py: GRPOTrainer subclasses (another estimator, another objective, TRL's
     # asynchronous trainer's interface, on the same loop)
-    assert importers_of("grpokit.trainer") <= {"__init__.py", "cli.py", "demo/task.py", "rloo.py", "distill_trainer.py",
-                                               "async_grpo.py"}  # fmt: skip
+    assert importers_of("grpokit.trainer") <= {
+        "__init__.py",
+        "cli.py",
+        "demo/task.py",
+        "rloo.py",
+        "distill_trainer.py",
+        "async_grpo.py",
+    }
     assert importers_of("grpokit.demo") - {"demo/__init__.py", "demo/task.py"} <= {"cli.py"}
     assert importers_of("grpokit.experience") <= {"trainer.py", "producer.py"}
     for pure in ("advantages.py", "loss.py"):  # the math imports nothing from the package
         assert not imports_of(PACKAGE / pure), pure
     # The training forward shares helpers with the sampler through grpokit.forward, not the sampler's modules.
     assert not {name for name in imports_of(PACKAGE / "logprobs.py") if name.startswith("grpokit.rollout")}
-    assert "grpokit" not in {name for path in PACKAGE.rglob("*.py") if path.name != "__init__.py"
-                             for name in imports_of(path)}  # nothing reaches the package's __init__  # fmt: skip
+    assert "grpokit" not in {
+        name for path in PACKAGE.rglob("*.py") if path.name != "__init__.py" for name in imports_of(path)
+    }  # nothing reaches the package's __init__

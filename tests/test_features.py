@@ -7,12 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
+from letters import LETTERS, letter_config, letter_dataset, repeat_letter
 
 from grpokit import GRPOTrainer, process_advantages
 from grpokit.rewards.process import process_reward, soft_overlong_punishment, split_steps, step_token_ends
 from grpokit.testing import build_char_tokenizer, save_tiny_model
-
-from letters import LETTERS, letter_config, letter_dataset, repeat_letter
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,8 +38,13 @@ def test_lora_trains_the_adapter_only_and_reloads(model_dir, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letter_dataset(),
-                          args=config(tmp_path, beta=0.04, save_merged=True), peft_config=lora_config())  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=repeat_letter,
+        train_dataset=letter_dataset(),
+        args=config(tmp_path, beta=0.04, save_merged=True),
+        peft_config=lora_config(),
+    )
     assert trainer.reference is None  # no second copy of the weights: the reference is the adapter switched off
     model = trainer.unwrapped_model
     base_before = {k: v.clone() for k, v in model.named_parameters() if "lora_" not in k}
@@ -71,14 +75,20 @@ def test_lora_with_a_peft_model_and_resume(model_dir, tmp_path):
         return get_peft_model(base, lora_config())
 
     args = dict(max_steps=4, save_strategy="steps", save_steps=2, beta=0.04)
-    full = GRPOTrainer(model=make(), reward_funcs=repeat_letter, train_dataset=letter_dataset(),
-                       args=config(tmp_path / "a", **args))  # fmt: skip
+    full = GRPOTrainer(
+        model=make(), reward_funcs=repeat_letter, train_dataset=letter_dataset(), args=config(tmp_path / "a", **args)
+    )
     full.train()
-    first = GRPOTrainer(model=make(), reward_funcs=repeat_letter, train_dataset=letter_dataset(),
-                        args=config(tmp_path / "b", **{**args, "max_steps": 2}))  # fmt: skip
+    first = GRPOTrainer(
+        model=make(),
+        reward_funcs=repeat_letter,
+        train_dataset=letter_dataset(),
+        args=config(tmp_path / "b", **{**args, "max_steps": 2}),
+    )
     first.train()
-    resumed = GRPOTrainer(model=make(), reward_funcs=repeat_letter, train_dataset=letter_dataset(),
-                          args=config(tmp_path / "b", **args))  # fmt: skip
+    resumed = GRPOTrainer(
+        model=make(), reward_funcs=repeat_letter, train_dataset=letter_dataset(), args=config(tmp_path / "b", **args)
+    )
     resumed.train(resume_from_checkpoint=True)
     a, b = dict(full.unwrapped_model.named_parameters()), dict(resumed.unwrapped_model.named_parameters())
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -86,8 +96,13 @@ def test_lora_with_a_peft_model_and_resume(model_dir, tmp_path):
 
 def test_lora_refuses_reference_sync(model_dir, tmp_path):
     with pytest.raises(ValueError, match="sync_ref_model with LoRA"):
-        GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letter_dataset(),
-                    args=config(tmp_path, beta=0.04, sync_ref_model=True), peft_config=lora_config())  # fmt: skip
+        GRPOTrainer(
+            model=model_dir,
+            reward_funcs=repeat_letter,
+            train_dataset=letter_dataset(),
+            args=config(tmp_path, beta=0.04, sync_ref_model=True),
+            peft_config=lora_config(),
+        )
 
 
 # ---------------------------------------------------------------------------------------------- reward models
@@ -98,9 +113,16 @@ def letter_loving_reward_model(tokenizer, letter: str):
     token dotted with the normalised embedding of `letter` — highest when the text ends with that letter."""
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=0,
-                         num_attention_heads=2, num_key_value_heads=1, num_labels=1,
-                         pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=0,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     model = Qwen2ForSequenceClassification(config)
     with torch.no_grad():
@@ -114,8 +136,12 @@ def test_reward_model_drives_learning(model_dir, tmp_path):
     reward_model = letter_loving_reward_model(tokenizer, "c")
     reward_model.save_pretrained(tmp_path / "rm")
     tokenizer.save_pretrained(tmp_path / "rm")
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=str(tmp_path / "rm"), train_dataset=letter_dataset(),
-                          args=config(tmp_path, max_steps=40, max_completion_length=1, logging_steps=5))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=str(tmp_path / "rm"),
+        train_dataset=letter_dataset(),
+        args=config(tmp_path, max_steps=40, max_completion_length=1, logging_steps=5),
+    )
     trainer.train()
     name = "rewards/rm/mean"
     history = trainer.state.log_history[:-1]
@@ -151,10 +177,14 @@ def test_routed_rewards_apply_only_to_their_rows(model_dir, tmp_path):
         return [0.5] * len(completions)
 
     rows = [{"prompt": f"{c}:", "reward_funcs": ["vowel"] if c in "ae" else ["consonant"]} for c in LETTERS]
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=[vowel, consonant], train_dataset=Dataset.from_list(rows),
-                          args=config(tmp_path, max_steps=1, per_device_train_batch_size=64))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=[vowel, consonant],
+        train_dataset=Dataset.from_list(rows),
+        args=config(tmp_path, max_steps=1, per_device_train_batch_size=64),
+    )
     trainer.train()
-    assert set(seen["vowel"]) == {"a:", "e:"} and set(seen["consonant"]) == set(f"{c}:" for c in "bcdfgh")
+    assert set(seen["vowel"]) == {"a:", "e:"} and set(seen["consonant"]) == {f"{c}:" for c in "bcdfgh"}
     record = trainer.state.log_history[0]
     assert record["rewards/vowel/mean"] == 1.0 and record["rewards/consonant/mean"] == 0.5
     assert record["reward"] == pytest.approx((2 * 1.0 + 6 * 0.5) / 8)  # each row scored by its own function
@@ -165,8 +195,12 @@ def test_routing_names_an_unknown_function(model_dir, tmp_path):
         return [0.0] * len(completions)
 
     rows = [{"prompt": "a:", "reward_funcs": ["nope"]}] * 8
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=anything, train_dataset=Dataset.from_list(rows),
-                          args=config(tmp_path, max_steps=1))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=anything,
+        train_dataset=Dataset.from_list(rows),
+        args=config(tmp_path, max_steps=1),
+    )
     with pytest.raises(ValueError, match="nope"):
         trainer.train()
 
@@ -189,8 +223,12 @@ def test_process_rewards_give_hand_computed_token_advantages(model_dir, tmp_path
         # one reward per step: 1 for a step that starts with 'a', else 0
         return [[float(step.startswith("a")) for step in split_steps(c)] for c in completions]
 
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=per_step, train_dataset=letter_dataset(),
-                          args=config(tmp_path, max_steps=1, max_completion_length=6, temperature=2.0))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=per_step,
+        train_dataset=letter_dataset(),
+        args=config(tmp_path, max_steps=1, max_completion_length=6, temperature=2.0),
+    )
     batch = trainer.generate_batch()
     tokenizer = trainer.processing_class
     # Undo the shuffle to regroup the completions by prompt, then recompute the advantages by hand.
@@ -232,8 +270,14 @@ def test_plain_module_without_tokenizer_learns_to_draw(tmp_path):
     checker = example.target_image(example.CHECKER)
     inverted = [1 - p for p in checker]
     assert example.pattern_reward([checker, inverted, [0] * 64], [example.CHECKER] * 3) == [1.0, 0.0, 0.5]
-    trainer = example.train(steps=15, output_dir=str(tmp_path / "out"), disable_tqdm=True,
-                            per_device_train_batch_size=16, learning_rate=1e-2, logging_steps=3)  # fmt: skip
+    trainer = example.train(
+        steps=15,
+        output_dir=str(tmp_path / "out"),
+        disable_tqdm=True,
+        per_device_train_batch_size=16,
+        learning_rate=1e-2,
+        logging_steps=3,
+    )
     rewards = [h["reward"] for h in trainer.state.log_history[:-1]]
     assert trainer.processing_class is None and trainer.state.global_step == 15
     # A random model spends ~3/5 of its tokens on non-pixels (~0.2); it learns to draw pixels, then to match the
@@ -247,12 +291,17 @@ def test_plain_module_without_tokenizer_learns_to_draw(tmp_path):
 def test_dynamic_sampling_fills_the_batch_with_varied_groups(model_dir, tmp_path):
     # Prompts 'a:'..'d:' always score 1, 'e:'..'h:' score by chance: the constant groups must be dropped.
     def half_constant(completions, letter, **kwargs):
-        return [1.0 if target in "abcd" else float(c[:1] == target) + 0.01 * len(c)
-                for c, target in zip(completions, letter)]  # fmt: skip
+        return [
+            1.0 if target in "abcd" else float(c[:1] == target) + 0.01 * len(c)
+            for c, target in zip(completions, letter)
+        ]
 
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=half_constant, train_dataset=letter_dataset(),
-                          args=config(tmp_path, dynamic_sampling=True, max_resample_rounds=8,
-                                      max_completion_length=4))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=half_constant,
+        train_dataset=letter_dataset(),
+        args=config(tmp_path, dynamic_sampling=True, max_resample_rounds=8, max_completion_length=4),
+    )
     batch = trainer.generate_batch()
     assert len(batch) == 32  # full
     # Every kept completion comes from a varied group: none of the constant prompts remain.

@@ -4,16 +4,17 @@ clients. Each test skips when its tracker is not installed (`pip install '.[trac
 import sys
 
 import pytest
+from letters import LETTERS, letter_config, letter_dataset, repeat_letter
 
 from grpokit import GRPOConfig, GRPOTrainer
 from grpokit.logs import MetricSink
 from grpokit.testing import save_tiny_model
 
-from letters import LETTERS, letter_config, letter_dataset, repeat_letter
-
-RECORDS = [{"step": 1, "loss": 0.5, "reward": 0.25, "completions/mean_length": 3.0},
-           {"step": 2, "loss": 0.25, "reward": 0.75, "completions/mean_length": 2.5},
-           {"step": 2, "eval/reward": 0.5}]  # fmt: skip
+RECORDS = [
+    {"step": 1, "loss": 0.5, "reward": 0.25, "completions/mean_length": 3.0},
+    {"step": 2, "loss": 0.25, "reward": 0.75, "completions/mean_length": 2.5},
+    {"step": 2, "eval/reward": 0.5},
+]
 SAMPLES = [{"prompt": "a:", "completion": "a|b\nc", "reward": 1.0, "advantage": 0.5}]
 
 
@@ -47,10 +48,15 @@ def test_mlflow_file_store_receives_metrics_params_and_completions(tmp_path, mlf
     write_run(tmp_path / "out", config.report_to, config)
     client, run = mlflow_run(mlflow_store)
     assert run.info.run_name == "run-1" and run.info.status == "FINISHED"
-    history = {key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
-               for key in ("train/reward", "train/loss", "eval/reward")}  # fmt: skip
-    assert history == {"train/reward": [(1, 0.25), (2, 0.75)], "train/loss": [(1, 0.5), (2, 0.25)],
-                       "eval/reward": [(2, 0.5)]}  # fmt: skip
+    history = {
+        key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+        for key in ("train/reward", "train/loss", "eval/reward")
+    }
+    assert history == {
+        "train/reward": [(1, 0.25), (2, 0.75)],
+        "train/loss": [(1, 0.5), (2, 0.25)],
+        "eval/reward": [(2, 0.5)],
+    }
     assert run.data.params["learning_rate"] == "0.0003" and run.data.params["report_to"] == "['mlflow']"
     artifacts = [a.path for a in client.list_artifacts(run.info.run_id, "completions")]
     assert artifacts == ["completions/step_2.json"]
@@ -85,7 +91,7 @@ def test_trackio_local_store_receives_metrics(tmp_path, monkeypatch):
 
     config = GRPOConfig(output_dir=str(tmp_path / "out"), project="grpokit-test", report_to="trackio")
     write_run(tmp_path / "out", config.report_to, config)
-    assert trackio.utils.TRACKIO_DIR == tmp_path / "trackio"
+    assert tmp_path / "trackio" == trackio.utils.TRACKIO_DIR
     logs = SQLiteStorage.get_logs("grpokit-test", "run-1")
     rewards = [(log["step"], log["train/reward"]) for log in logs if "train/reward" in log]
     assert rewards == [(1, 0.25), (2, 0.75)]
@@ -117,13 +123,21 @@ class RecordingTracker:
 
 @pytest.mark.parametrize("unique", [False, True])
 def test_log_unique_prompts_keeps_the_first_row_of_each_prompt_in_the_trackers_table(tmp_path, unique):
-    samples = [{"prompt": p, "completion": c, "reward": r, "advantage": 0.0}
-               for p, c, r in [("a:", "a", 1.0), ("b:", "x", 0.0), ("a:", "b", 0.0), ("b:", "b", 1.0),
-                               ([{"role": "user", "content": "c"}], "c", 1.0), ([{"role": "user", "content": "c"}], "d", 0.0)]]  # fmt: skip
+    samples = [
+        {"prompt": p, "completion": c, "reward": r, "advantage": 0.0}
+        for p, c, r in [
+            ("a:", "a", 1.0),
+            ("b:", "x", 0.0),
+            ("a:", "b", 0.0),
+            ("b:", "b", 1.0),
+            ([{"role": "user", "content": "c"}], "c", 1.0),
+            ([{"role": "user", "content": "c"}], "d", 0.0),
+        ]
+    ]
     sink = MetricSink(str(tmp_path / "out"), [], "run", None, {})
     sink.trackers.append(tracker := RecordingTracker())
     sink.write_completions(3, samples, unique_prompts=unique)
-    ((name, columns, rows, step),) = tracker.tables
+    ((_name, _columns, rows, _step),) = tracker.tables
     completions = [row[1] for row in rows]
     assert completions == (["a", "x", "c"] if unique else ["a", "x", "b", "b", "c", "d"])
     assert len((tmp_path / "out" / "completions.jsonl").read_text().splitlines()) == 6  # the file keeps all
@@ -134,8 +148,11 @@ def test_trainer_passes_log_unique_prompts_to_the_trackers_table(tmp_path, monke
     args = letter_config(tmp_path, max_steps=1, log_completions=True, log_unique_prompts=True)
     trainer = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset())
     sent, write = [], MetricSink.write_completions
-    monkeypatch.setattr(MetricSink, "write_completions",
-                        lambda self, step, samples, unique=False: sent.append(unique) or write(self, step, samples, unique))
+    monkeypatch.setattr(
+        MetricSink,
+        "write_completions",
+        lambda self, step, samples, unique=False: sent.append(unique) or write(self, step, samples, unique),
+    )
     trainer.train()
     assert sent == [True]
 
@@ -145,10 +162,13 @@ def test_the_console_shows_chat_prompts_as_text():
     cut before the question."""
     from grpokit.logs import _short
 
-    prompt = [{"role": "system", "content": "You are a careful assistant who answers in one word."},
-              {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is the image?"}]}]
+    prompt = [
+        {"role": "system", "content": "You are a careful assistant who answers in one word."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is the image?"}]},
+    ]
     assert _short(prompt) == "user: [image] what colour is the image?"
     assert _short([{"role": "assistant", "content": "red"}]) == "assistant: red"
-    assert _short(prompt, 200) == ("system: You are a careful assistant who answers in one word. | user: [image] "
-                                   "what colour is the image?")
+    assert _short(prompt, 200) == (
+        "system: You are a careful assistant who answers in one word. | user: [image] what colour is the image?"
+    )
     assert _short("x" * 80) == "x" * 57 + "..."

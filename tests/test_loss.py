@@ -208,8 +208,9 @@ def test_sequence_level_dr_grpo_default_max_completion_length():
 def test_beta_zero_with_reference_reports_kl_but_does_not_add_it():
     logprobs, old = make_inputs()
     ref = ref_from(logprobs)
-    loss, stats = policy_loss(logprobs, old, ref, t(ADV), t(MASK), loss_type="dapo", beta=0.0,
-                              use_bias_correction_kl=False)  # fmt: skip
+    loss, stats = policy_loss(
+        logprobs, old, ref, t(ADV), t(MASK), loss_type="dapo", beta=0.0, use_bias_correction_kl=False
+    )
     close(loss, TOTAL / 9)
     masked_kl = [k3(d) for row, m in zip(REF_MINUS_LOGP, MASK) for d, keep in zip(row, m) if keep]
     assert len(masked_kl) == 9
@@ -233,8 +234,9 @@ def test_beta_positive_adds_k3_per_token_after_clipping(loss_type):
     beta = 0.04
     logprobs, old = make_inputs()
     ref = ref_from(logprobs)
-    loss, stats = policy_loss(logprobs, old, ref, t(ADV), t(MASK), loss_type=loss_type, beta=beta, epsilon=0.2,
-                              use_bias_correction_kl=False)  # fmt: skip
+    loss, stats = policy_loss(
+        logprobs, old, ref, t(ADV), t(MASK), loss_type=loss_type, beta=beta, epsilon=0.2, use_bias_correction_kl=False
+    )
     # per-token: clipped surrogate (SEQ_SUMS above) + beta·k3(d), d = ref - logp
     kl_rows = [[k3(d) for d, keep in zip(row, m) if keep] for row, m in zip(REF_MINUS_LOGP, MASK)]
     seq_sums = [s + beta * sum(k) for s, k in zip(SEQ_SUMS, kl_rows)]
@@ -269,9 +271,7 @@ def test_beta_positive_without_reference_raises():
 
 def test_clip_higher_tokens_and_stats():
     logprobs, old = make_inputs()
-    loss, stats = policy_loss(
-        logprobs, old, None, t(ADV), t(MASK), loss_type="dapo", epsilon=0.2, epsilon_high=0.28
-    )
+    loss, stats = policy_loss(logprobs, old, None, t(ADV), t(MASK), loss_type="dapo", epsilon=0.2, epsilon_high=0.28)
     # clip range [0.8, 1.28]:
     #   seq 0 (A=1): 1.1 -> -1.1; 1.3 -> -min(1.3, 1.28) = -1.28; 0.7 -> -0.7              sum -3.08
     #   seq 1 (A=-.5): 0.9 -> 0.45; 0.75 -> 0.4 (clipped at 0.8)                           sum 0.85
@@ -310,9 +310,7 @@ def test_swapped_epsilons_are_not_equivalent():
     # epsilon=0.28, epsilon_high=0.2 -> range [0.72, 1.2]: (1,1) r=0.75 is no longer low-clipped
     # (-min(-0.375, -0.36) = 0.375), (2,0) r=1.25 is high-clipped again (-2.4)
     logprobs, old = make_inputs()
-    loss, stats = policy_loss(
-        logprobs, old, None, t(ADV), t(MASK), loss_type="dapo", epsilon=0.28, epsilon_high=0.2
-    )
+    loss, stats = policy_loss(logprobs, old, None, t(ADV), t(MASK), loss_type="dapo", epsilon=0.28, epsilon_high=0.2)
     close(loss, ((-1.1 - 1.2 - 0.7) + (0.45 + 0.375) + (-2.4 - 2.0 - 1.7 - 2.3)) / 9)
     close(stats.objective["clip_ratio/low_mean"], 0.0)
     close(stats.objective["clip_ratio/high_mean"], 2 / 9)
@@ -377,8 +375,9 @@ def test_on_policy_value_is_beta_kl_with_zero_mean_advantages(adv):
     d = [[0.2, -0.1, 0.4], [0.3, 5.0, 5.0], [-0.2, 0.1, 5.0], [0.0, 0.5, -0.5]]
     logprobs = t([[-1.0, -0.5, -2.0], [-0.3, -0.7, -0.9], [-1.2, -0.1, -0.6], [-0.8, -0.4, -1.5]]).requires_grad_(True)
     ref = logprobs.detach() + t(d)
-    loss, stats = policy_loss(logprobs, None, ref, t(adv), t(mask_rows), loss_type="grpo", beta=beta,
-                              use_bias_correction_kl=False)  # fmt: skip
+    loss, stats = policy_loss(
+        logprobs, None, ref, t(adv), t(mask_rows), loss_type="grpo", beta=beta, use_bias_correction_kl=False
+    )
     kl_means = [sum(k3(d[i][j]) for j in range(lens[i])) / lens[i] for i in range(4)]
     close(loss, beta * sum(kl_means) / 4)
     close(stats.kl, sum(k3(d[i][j]) for i in range(4) for j in range(lens[i])) / 9)
@@ -419,7 +418,14 @@ def test_entropy_bonus(loss_type):
     ent_rows = [[0.5, 1.0, 1.5, 40.0], [2.0, 0.2, 40.0, 40.0], [0.1, 0.3, 0.6, 1.0]]
     entropies = t(ent_rows).requires_grad_(True)
     loss, stats = policy_loss(
-        logprobs, old, None, t(ADV), t(MASK), loss_type=loss_type, entropies=entropies, entropy_coef=coef,
+        logprobs,
+        old,
+        None,
+        t(ADV),
+        t(MASK),
+        loss_type=loss_type,
+        entropies=entropies,
+        entropy_coef=coef,
         entropy_normalization="loss_type",
     )
     ent_sums = [sum(row[:n]) for row, n in zip(ent_rows, LENGTHS)]  # 3.0, 2.2, 2.0
@@ -449,7 +455,14 @@ def test_loss_weights_apply_to_policy_term_only():
     ref = ref_from(logprobs)
     weights = t([[1, 0, 1, 1], [0, 1, 1, 1], [1, 1, 0, 0]])
     loss, _ = policy_loss(
-        logprobs, old, ref, t(ADV), t(MASK), loss_type="dapo", beta=beta, loss_weights=weights,
+        logprobs,
+        old,
+        ref,
+        t(ADV),
+        t(MASK),
+        loss_type="dapo",
+        beta=beta,
+        loss_weights=weights,
         use_bias_correction_kl=False,
     )
     # policy term of the kept tokens: seq 0: -1.1 - 0.7 ; seq 1: 0.4 ; seq 2: -2.4 - 2.0  -> -5.8
@@ -509,8 +522,17 @@ def _ga_call(logprobs, rows, loss_type, **kw):
     old = t(GA_OLD)[idx]
     ref = (t(GA_OLD) + t(GA_LOG_RATIO) + t(GA_REF_D))[idx]
     return policy_loss(
-        logprobs[idx], old, ref, t(GA_ADV)[idx], t(GA_MASK)[idx], loss_type=loss_type, beta=0.05,
-        epsilon=0.2, epsilon_high=0.28, use_bias_correction_kl=False, **kw,
+        logprobs[idx],
+        old,
+        ref,
+        t(GA_ADV)[idx],
+        t(GA_MASK)[idx],
+        loss_type=loss_type,
+        beta=0.05,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        use_bias_correction_kl=False,
+        **kw,
     )[0]
 
 
@@ -537,8 +559,11 @@ def test_gradient_accumulation_invariant(loss_type, split):
 
 
 def test_gradient_accumulation_whole_batch_defaults_match_explicit_counts():
-    for loss_type, kw in [("grpo", {"num_sequences": 6}), ("dapo", {"num_tokens": 20}),
-                          ("dr_grpo", {"num_sequences": 6, "max_completion_length": 5})]:
+    for loss_type, kw in [
+        ("grpo", {"num_sequences": 6}),
+        ("dapo", {"num_tokens": 20}),
+        ("dr_grpo", {"num_sequences": 6, "max_completion_length": 5}),
+    ]:
         lp = _ga_leaf()
         close(_ga_call(lp, list(range(6)), loss_type), _ga_call(lp, list(range(6)), loss_type, **kw))
 
@@ -628,7 +653,7 @@ def test_selective_log_softmax_gradient():
     out = selective_log_softmax(logits, torch.tensor([1]), chunk_rows=1)
     out.sum().backward()
     z = sum(math.exp(v) for v in (1.0, 2.0, 3.0))
-    close(logits.grad, [[-math.e / z, 1 - math.e**2 / z, -math.e**3 / z]])
+    close(logits.grad, [[-math.e / z, 1 - math.e**2 / z, -(math.e**3) / z]])
 
 
 # ---------------------------------------------------------------------------------------------- validation

@@ -5,15 +5,14 @@ import contextlib
 
 import pytest
 import torch
+from letters import LETTERS, letter_dataset, repeat_letter, tiny_letter_model
+from letters import letter_config as config
 
 from grpokit import GRPOConfig, GRPOTrainer
 from grpokit.logprobs import token_logprobs
 from grpokit.models import frozen_copy
 from grpokit.offload import ActivationOffload
 from grpokit.testing import save_tiny_model
-
-from letters import LETTERS, letter_dataset, repeat_letter, tiny_letter_model
-from letters import letter_config as config
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +51,10 @@ def test_bf16_reference_logprobs_are_close_to_the_float32_reference_under_autoca
     model, _ = tiny_letter_model(hidden_size=64)
     reference = frozen_copy(model, torch.bfloat16)
     generator = torch.Generator().manual_seed(0)
-    prompt, completion = torch.randint(3, 12, (16, 3), generator=generator), torch.randint(3, 12, (16, 6),
-                                                                                           generator=generator)
+    prompt, completion = (
+        torch.randint(3, 12, (16, 3), generator=generator),
+        torch.randint(3, 12, (16, 6), generator=generator),
+    )
     ids, mask = torch.cat([prompt, completion], 1), torch.ones(16, 9, dtype=torch.long)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         full, _ = token_logprobs(frozen_copy(model), ids, mask, 6, 1.0)
@@ -131,8 +132,12 @@ def test_int8_linear_on_the_gpu_is_the_cpu_one():
         got = layer.cuda()(x.cuda())
     assert got.device.type == "cuda"
     torch.testing.assert_close(got.cpu(), expected, atol=2e-2, rtol=2e-2)  # bf16 GEMMs of two devices
-    torch.testing.assert_close(layer.dequantized_weight().cpu(), (layer.weight_int8.float() * layer.scale[:, None]
-                               ).cpu().bfloat16(), atol=0, rtol=0)  # fmt: skip
+    torch.testing.assert_close(
+        layer.dequantized_weight().cpu(),
+        (layer.weight_int8.float() * layer.scale[:, None]).cpu().bfloat16(),
+        atol=0,
+        rtol=0,
+    )
 
 
 def test_int8_reference_quantizes_its_linear_layers_and_learns_the_letter_task(model_dir, tmp_path):
@@ -175,9 +180,14 @@ def test_ref_model_dtype_with_lora_says_how_to_load_the_base(tmp_path):
 
     model, tokenizer = tiny_letter_model()
     with pytest.raises(ValueError, match=r"ref_model_dtype='bfloat16' with LoRA.*model_init_kwargs"):
-        GRPOTrainer(model=model, reward_funcs=repeat_letter, processing_class=tokenizer,
-                    args=config(tmp_path, beta=0.04, ref_model_dtype="bfloat16"), train_dataset=letter_dataset(),
-                    peft_config=LoraConfig(r=4, target_modules=["q_proj"]))  # fmt: skip
+        GRPOTrainer(
+            model=model,
+            reward_funcs=repeat_letter,
+            processing_class=tokenizer,
+            args=config(tmp_path, beta=0.04, ref_model_dtype="bfloat16"),
+            train_dataset=letter_dataset(),
+            peft_config=LoraConfig(r=4, target_modules=["q_proj"]),
+        )
 
 
 # ------------------------------------------------------------------------------------- a frozen LM head
@@ -214,13 +224,21 @@ def test_the_trainer_gives_the_policy_and_reference_heads_contiguous_inputs(mode
     from peft import LoraConfig
 
     model, tokenizer = tiny_letter_model()
-    trainer = GRPOTrainer(model=model, reward_funcs=repeat_letter, processing_class=tokenizer,
-                          args=config(tmp_path, beta=0.04), train_dataset=letter_dataset(),
-                          peft_config=LoraConfig(r=4, target_modules=["q_proj"]))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=repeat_letter,
+        processing_class=tokenizer,
+        args=config(tmp_path, beta=0.04),
+        train_dataset=letter_dataset(),
+        peft_config=LoraConfig(r=4, target_modules=["q_proj"]),
+    )
     assert trainer.model.get_output_embeddings()._grpokit_contiguous_input
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter,
-                          args=config(tmp_path, beta=0.04, ref_model_dtype="bfloat16"),
-                          train_dataset=letter_dataset())  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=repeat_letter,
+        args=config(tmp_path, beta=0.04, ref_model_dtype="bfloat16"),
+        train_dataset=letter_dataset(),
+    )
     for model in (trainer.model, trainer.reference):
         head = model.get_output_embeddings()
         assert head._grpokit_contiguous_input and len(head._forward_pre_hooks) == 1
@@ -230,8 +248,7 @@ def test_the_trainer_gives_the_policy_and_reference_heads_contiguous_inputs(mode
 
 # transformers' registry names with low-precision states that run on the CPU: bitsandbytes' blockwise 8-bit AdamW
 # and torchao's 8-bit / 4-bit AdamW (pip install '.[lowmem]' in grpokit's checkout).
-LOW_PRECISION_OPTIMIZERS = {"adamw_8bit": "bitsandbytes", "adamw_torch_8bit": "torchao",
-                            "adamw_torch_4bit": "torchao"}  # fmt: skip
+LOW_PRECISION_OPTIMIZERS = {"adamw_8bit": "bitsandbytes", "adamw_torch_8bit": "torchao", "adamw_torch_4bit": "torchao"}
 
 
 def needs(package: str):
@@ -263,8 +280,13 @@ def learns_the_letter_task(model_dir, args, bar: float) -> GRPOTrainer:
     return trainer
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[needs(p)] + ([pytest.mark.slow] if p == "torchao" else []))
-                                  for n, p in LOW_PRECISION_OPTIMIZERS.items()])  # torchao compiles its step: ~20 s
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=[needs(p)] + ([pytest.mark.slow] if p == "torchao" else []))
+        for n, p in LOW_PRECISION_OPTIMIZERS.items()
+    ],
+)  # torchao compiles its step: ~20 s
 def test_low_precision_optimizer_learns_the_letter_task_with_smaller_states(model_dir, tmp_path, name):
     trainer = learns_the_letter_task(model_dir, config(tmp_path, optim=name, max_steps=30, logging_steps=5), 0.35)
     # Smaller states than AdamW's two float32 tensors per parameter (small tensors keep float32 states in both
@@ -273,19 +295,43 @@ def test_low_precision_optimizer_learns_the_letter_task_with_smaller_states(mode
     assert state_bytes(trainer.optimizer) < 0.75 * 2 * 4 * parameters
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[needs(p)] + ([pytest.mark.slow] if p == "torchao" else []))
-                                  for n, p in {**LOW_PRECISION_OPTIMIZERS, "adamw_torch_bf16": "torchao"}.items()])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=[needs(p)] + ([pytest.mark.slow] if p == "torchao" else []))
+        for n, p in {**LOW_PRECISION_OPTIMIZERS, "adamw_torch_bf16": "torchao"}.items()
+    ],
+)
 def test_low_precision_optimizer_resumes_bitwise(model_dir, tmp_path, name):
-    args = dict(optim=name, max_steps=4, save_strategy="steps", save_steps=2, per_device_train_batch_size=16,
-                num_generations=4, lr_scheduler_type="constant")  # fmt: skip
-    full = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letter_dataset(),
-                       args=config(tmp_path / "full", **args))  # fmt: skip
+    args = dict(
+        optim=name,
+        max_steps=4,
+        save_strategy="steps",
+        save_steps=2,
+        per_device_train_batch_size=16,
+        num_generations=4,
+        lr_scheduler_type="constant",
+    )
+    full = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=repeat_letter,
+        train_dataset=letter_dataset(),
+        args=config(tmp_path / "full", **args),
+    )
     full.train()
-    first = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letter_dataset(),
-                        args=config(tmp_path / "split", **{**args, "max_steps": 2}))  # fmt: skip
+    first = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=repeat_letter,
+        train_dataset=letter_dataset(),
+        args=config(tmp_path / "split", **{**args, "max_steps": 2}),
+    )
     first.train()
-    resumed = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letter_dataset(),
-                          args=config(tmp_path / "split", **args))  # fmt: skip
+    resumed = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=repeat_letter,
+        train_dataset=letter_dataset(),
+        args=config(tmp_path / "split", **args),
+    )
     resumed.train(resume_from_checkpoint=str(tmp_path / "split" / "out" / "checkpoint-2"))
     a, b = full.unwrapped_model.state_dict(), resumed.unwrapped_model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -298,10 +344,15 @@ def test_low_precision_optimizer_resumes_bitwise(model_dir, tmp_path, name):
 def test_bf16_weights_do_not_claim_exact_sampling_logprobs(model_dir, tmp_path):
     # With half-precision weights the sampler and the training forward round differently, so with μ > 1 π_old
     # must come from a training-style forward, not from the sampler's log-probs.
-    full = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=config(tmp_path / "a"),
-                       train_dataset=letter_dataset())  # fmt: skip
-    half = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letter_dataset(),
-                       args=config(tmp_path / "b", model_init_kwargs={"dtype": "bfloat16"}))  # fmt: skip
+    full = GRPOTrainer(
+        model=model_dir, reward_funcs=repeat_letter, args=config(tmp_path / "a"), train_dataset=letter_dataset()
+    )
+    half = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=repeat_letter,
+        train_dataset=letter_dataset(),
+        args=config(tmp_path / "b", model_init_kwargs={"dtype": "bfloat16"}),
+    )
     assert full.engine.exact_logprobs and not half.engine.exact_logprobs
     assert all(p.dtype == torch.bfloat16 for p in half.unwrapped_model.parameters())
 
@@ -311,8 +362,16 @@ def test_bf16_weights_do_not_claim_exact_sampling_logprobs(model_dir, tmp_path):
 def test_bf16_weights_with_stochastic_rounding_learn_the_letter_task(model_dir, tmp_path):
     # Weights, gradients and reference in bfloat16, 8-bit AdamW states, updates stochastically rounded into the
     # bf16 weights (no float32 master copy): transformers' names, so the same settings run in TRL.
-    args = config(tmp_path, bf16=True, beta=0.04, max_steps=30, logging_steps=5, optim="adamw_torch_8bit",
-                  optim_args="bf16_stochastic_round=True", model_init_kwargs={"dtype": "bfloat16"})  # fmt: skip
+    args = config(
+        tmp_path,
+        bf16=True,
+        beta=0.04,
+        max_steps=30,
+        logging_steps=5,
+        optim="adamw_torch_8bit",
+        optim_args="bf16_stochastic_round=True",
+        model_init_kwargs={"dtype": "bfloat16"},
+    )
     trainer = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset())
     assert all(p.dtype == torch.bfloat16 for p in trainer.reference.parameters())
     trainer.train()
@@ -328,8 +387,14 @@ def test_torch_empty_cache_steps_clears_the_device_cache_on_every_nth_step(model
 
     calls = []
     monkeypatch.setattr(grpokit.trainer, "clear_device_cache", lambda: calls.append(None))
-    args = config(tmp_path, max_steps=4, torch_empty_cache_steps=2, gradient_accumulation_steps=2,
-                  per_device_train_batch_size=16, num_generations=4)  # fmt: skip
+    args = config(
+        tmp_path,
+        max_steps=4,
+        torch_empty_cache_steps=2,
+        gradient_accumulation_steps=2,
+        per_device_train_batch_size=16,
+        num_generations=4,
+    )
     GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset()).train()
     assert len(calls) == 4  # steps 0 and 2 (global_step before the update), two micro-batches each
     with pytest.raises(ValueError, match="torch_empty_cache_steps=0 must be a positive"):
@@ -395,15 +460,27 @@ def test_activation_offloading_moves_the_saved_activations_and_keeps_the_gradien
 
 
 def test_activation_offloading_on_a_cpu_warns_and_trains_as_without(model_dir, tmp_path, caplog):
-    idle = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letter_dataset(),
-                       args=config(tmp_path / "a", max_steps=2, activation_offloading=True))  # fmt: skip
+    idle = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=repeat_letter,
+        train_dataset=letter_dataset(),
+        args=config(tmp_path / "a", max_steps=2, activation_offloading=True),
+    )
     assert "activation_offloading=True has no effect on a CPU" in caplog.text  # logged, as TRL's advisories
     assert idle.activation_offload is None
     # The trainer's own path with the hooks on (the CPU stands in for the device): the same run, bitwise.
-    plain = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letter_dataset(),
-                        args=config(tmp_path / "b", max_steps=2, gradient_checkpointing=True))  # fmt: skip
-    hooked = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letter_dataset(),
-                         args=config(tmp_path / "c", max_steps=2, gradient_checkpointing=True))  # fmt: skip
+    plain = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=repeat_letter,
+        train_dataset=letter_dataset(),
+        args=config(tmp_path / "b", max_steps=2, gradient_checkpointing=True),
+    )
+    hooked = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=repeat_letter,
+        train_dataset=letter_dataset(),
+        args=config(tmp_path / "c", max_steps=2, gradient_checkpointing=True),
+    )
     hooked.activation_offload = ActivationOffload("cpu")
     plain.train()
     hooked.train()
@@ -444,8 +521,9 @@ def test_checkpointing_every_n_layers_keeps_the_other_layers_activations():
     for every in (None, 1, 2):
         model = build_tiny_model(40, hidden_size=64, num_layers=4).train()
         kwargs = None if every is None else {"every_n_layers": every}
-        enable_gradient_checkpointing(model, GRPOConfig(gradient_checkpointing=every is not None,
-                                                        gradient_checkpointing_kwargs=kwargs), "cpu")  # fmt: skip
+        enable_gradient_checkpointing(
+            model, GRPOConfig(gradient_checkpointing=every is not None, gradient_checkpointing_kwargs=kwargs), "cpu"
+        )
         assert checkpointed_layers(model) == {None: [False] * 4, 1: [True] * 4, 2: [True, False, True, False]}[every]
         kept[every] = saved_bytes(model, input_ids)
         grads[every] = {name: p.grad for name, p in model.named_parameters()}
@@ -457,8 +535,12 @@ def test_checkpointing_every_n_layers_keeps_the_other_layers_activations():
 def test_checkpointing_every_n_layers_trains_as_every_layer(model_dir, tmp_path):
     runs = []
     for every in (1, 2):
-        args = config(tmp_path / str(every), max_steps=2, gradient_checkpointing=True,
-                      gradient_checkpointing_kwargs={"every_n_layers": every, "use_reentrant": False})  # fmt: skip
+        args = config(
+            tmp_path / str(every),
+            max_steps=2,
+            gradient_checkpointing=True,
+            gradient_checkpointing_kwargs={"every_n_layers": every, "use_reentrant": False},
+        )
         trainer = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letter_dataset(), args=args)
         layers = checkpointed_layers(trainer.unwrapped_model)
         assert layers == [index % every == 0 for index in range(len(layers))] and all(layers) == (every == 1)
@@ -526,8 +608,15 @@ def test_bf16_adamw_one_step_is_float32_adamw_rounded_and_keeps_bf16_states():
     g = torch.Generator().manual_seed(0)
     weights = torch.randn(64, 48, generator=g).bfloat16()
     gradient = torch.randn(64, 48, generator=g).bfloat16()
-    args = SimpleNamespace(optim="adamw_torch_bf16", optim_args="bf16_stochastic_round=False", learning_rate=1e-2,
-                           adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0)  # fmt: skip
+    args = SimpleNamespace(
+        optim="adamw_torch_bf16",
+        optim_args="bf16_stochastic_round=False",
+        learning_rate=1e-2,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        weight_decay=0.0,
+    )
     parameter = torch.nn.Parameter(weights.clone())
     optimizer = build_optimizer([parameter], args)
     parameter.grad = gradient.clone()
@@ -537,7 +626,7 @@ def test_bf16_adamw_one_step_is_float32_adamw_rounded_and_keeps_bf16_states():
     torch.testing.assert_close(parameter.detach(), expected.bfloat16(), atol=0, rtol=0)
     state = optimizer.state[parameter]
     assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
-    with pytest.raises(ValueError, match="bf16_stochastic_round=True|False"):
+    with pytest.raises(ValueError, match=r"bf16_stochastic_round=True|False"):
         build_optimizer([parameter], SimpleNamespace(**{**vars(args), "optim_args": "block_size=128"}))
 
 
@@ -551,8 +640,15 @@ def test_grpokit_optimizer_names_pass_the_config_check():
 @needs("torchao")
 def test_bf16_weights_with_bf16_adamw_states_learn_the_letter_task(model_dir, tmp_path):
     # bf16 weights, gradients and AdamW states (6 bytes per parameter), updates stochastically rounded.
-    args = config(tmp_path, bf16=True, beta=0.04, max_steps=30, logging_steps=5, optim="adamw_torch_bf16",
-                  model_init_kwargs={"dtype": "bfloat16"})  # fmt: skip
+    args = config(
+        tmp_path,
+        bf16=True,
+        beta=0.04,
+        max_steps=30,
+        logging_steps=5,
+        optim="adamw_torch_bf16",
+        model_init_kwargs={"dtype": "bfloat16"},
+    )
     trainer = learns_the_letter_task(model_dir, args, 0.25)
     parameters = sum(p.numel() for p in trainer.unwrapped_model.parameters())
     # Two bf16 states per parameter, and a float32 step count per tensor.
@@ -563,8 +659,15 @@ def test_bf16_weights_with_bf16_adamw_states_learn_the_letter_task(model_dir, tm
 
 
 @needs("torchao")
-@pytest.mark.parametrize("name, dtype", [("AdamW8bit", torch.float32), ("AdamW8bit", torch.bfloat16),
-                                         ("AdamW4bit", torch.float32), ("AdamWFp8", torch.float32)])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, dtype",
+    [
+        ("AdamW8bit", torch.float32),
+        ("AdamW8bit", torch.bfloat16),
+        ("AdamW4bit", torch.float32),
+        ("AdamWFp8", torch.float32),
+    ],
+)
 def test_row_chunked_torchao_adam_is_the_whole_tensor_update(monkeypatch, name, dtype):
     # The update is elementwise and the states are quantized in blocks that the row blocks start on: the states and
     # (without stochastic rounding) the weights are bitwise those of torchao's own step.
@@ -665,7 +768,8 @@ def test_bf16_weights_round_torchaos_float32_update_to_one_of_its_two_bf16_neigh
     expected, m, v = weights.float(), torch.zeros_like(weights), torch.zeros_like(weights)
     with torch._dynamo.utils.disable_cache_limit():  # as the optimizer: other tests compiled it for other shapes
         torch.compile(single_param_adam, fullgraph=True, dynamic=False)(
-            expected, gradient, torch.tensor(1.0), m, v, None, torch.tensor(1e-2), 0.9, 0.999, 1e-2, 1e-8, True, False)
+            expected, gradient, torch.tensor(1.0), m, v, None, torch.tensor(1e-2), 0.9, 0.999, 1e-2, 1e-8, True, False
+        )
     towards_zero = (expected.view(torch.int32) & -0x10000).view(torch.float32)
     away = towards_zero + torch.sign(towards_zero) * 2.0 ** (torch.floor(torch.log2(towards_zero.abs())) - 7)
     result = parameter.detach().float()
@@ -707,14 +811,28 @@ def test_the_reference_is_copied_on_the_gpu_not_in_host_memory(tmp_path, monkeyp
 
     devices = []
     original = models.frozen_copy
-    monkeypatch.setattr(models, "frozen_copy",
-                        lambda model, dtype=None: devices.append(next(model.parameters()).device.type)
-                        or original(model, dtype))  # fmt: skip
+    monkeypatch.setattr(
+        models,
+        "frozen_copy",
+        lambda model, dtype=None: devices.append(next(model.parameters()).device.type) or original(model, dtype),
+    )
     tokenizer = build_char_tokenizer()
-    args = GRPOConfig(output_dir=str(tmp_path), beta=0.04, per_device_train_batch_size=4, num_generations=2,
-                      max_completion_length=4, max_steps=1, report_to=[], save_strategy="no")  # fmt: skip
-    trainer = GRPOTrainer(model=build_tiny_model(len(tokenizer)), processing_class=tokenizer, args=args,
-                          reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
-                          train_dataset=Dataset.from_list([{"prompt": "ab"}] * 8))  # fmt: skip
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        beta=0.04,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=4,
+        max_steps=1,
+        report_to=[],
+        save_strategy="no",
+    )
+    trainer = GRPOTrainer(
+        model=build_tiny_model(len(tokenizer)),
+        processing_class=tokenizer,
+        args=args,
+        reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+        train_dataset=Dataset.from_list([{"prompt": "ab"}] * 8),
+    )
     assert devices == ["cuda"]
     assert next(trainer.reference.parameters()).device.type == "cuda"

@@ -1,4 +1,5 @@
-"""router_aux_loss_coef (the MoE load-balancing loss from the training forward's router logits) and cast_lm_head_to_fp32 (TRL 1.16)."""
+"""router_aux_loss_coef (the MoE load-balancing loss from the training forward's router logits) and
+cast_lm_head_to_fp32 (TRL 1.16)."""
 
 import pytest
 import torch
@@ -13,10 +14,23 @@ LETTERS = "abcd"
 def tiny_qwen3_moe(vocab_size):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
-                            num_experts_per_tok=2, decoder_sparse_step=1, router_aux_loss_coef=0.001,
-                            max_position_embeddings=128, eos_token_id=1, pad_token_id=0, bos_token_id=2)  # fmt: skip
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        router_aux_loss_coef=0.001,
+        max_position_embeddings=128,
+        eos_token_id=1,
+        pad_token_id=0,
+        bos_token_id=2,
+    )
     torch.manual_seed(0)
     return Qwen3MoeForCausalLM(config)
 
@@ -30,12 +44,28 @@ def one_step(tmp_path, coef):
     model = tiny_qwen3_moe(len(tokenizer))
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    args = GRPOConfig(output_dir=str(tmp_path / str(coef)), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=3, max_steps=1, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                      router_aux_loss_coef=coef, max_grad_norm=0.0, report_to="none")  # fmt: skip
+    args = GRPOConfig(
+        output_dir=str(tmp_path / str(coef)),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=3,
+        max_steps=1,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        router_aux_loss_coef=coef,
+        max_grad_norm=0.0,
+        report_to="none",
+    )
     data = Dataset.from_list([{"prompt": f"{c}:"} for c in LETTERS])
-    trainer = GRPOTrainer(model=model, reward_funcs=constant, args=args, train_dataset=data, processing_class=tokenizer,
-                          optimizers=(optimizer, schedule))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=constant,
+        args=args,
+        train_dataset=data,
+        processing_class=tokenizer,
+        optimizers=(optimizer, schedule),
+    )
     gates = {k: v.detach().clone() for k, v in model.named_parameters() if k.endswith("mlp.gate.weight")}
     trainer.train()
     moved = {k: (dict(model.named_parameters())[k].detach() - v).abs().max().item() for k, v in gates.items()}
@@ -56,8 +86,8 @@ def test_no_load_balancing_loss_with_a_zero_coefficient(tmp_path):
 
 
 def test_the_coefficient_defaults_to_the_model_configs_and_refuses_dense_models(tmp_path):
-    from grpokit.testing import build_tiny_model
     from grpokit.build import router_aux_loss_coef
+    from grpokit.testing import build_tiny_model
 
     assert router_aux_loss_coef(GRPOConfig(report_to="none"), tiny_qwen3_moe(16)) == 0.001
     assert router_aux_loss_coef(GRPOConfig(report_to="none"), build_tiny_model(16)) == 0.0

@@ -11,9 +11,24 @@ import math
 
 import pytest
 import torch
+from test_loss import (  # the hand batch  # shared helpers
+    ADV,
+    ATOL,
+    F64,
+    GA_ADV,
+    GA_LOG_RATIO,
+    GA_MASK,
+    GA_OLD,
+    GA_REF_D,
+    LENGTHS,
+    MASK,
+    OLD,
+    RATIOS,
+    REF_MINUS_LOGP,
+    close,
+    t,
+)
 
-from test_loss import ADV, LENGTHS, MASK, OLD, RATIOS, REF_MINUS_LOGP  # the hand batch
-from test_loss import ATOL, F64, GA_ADV, GA_LOG_RATIO, GA_MASK, GA_OLD, GA_REF_D, close, t  # shared helpers
 from grpokit.loss import (
     AGGREGATIONS,
     LOSS_TYPES,
@@ -25,7 +40,6 @@ from grpokit.loss import (
     update_entropy_coef,
     vespo_weights,
 )
-
 
 
 def sigmoid(x):
@@ -144,14 +158,21 @@ def sapo_gate(r, tau):
 def test_sapo_value_and_gradient(tau_pos, tau_neg):
     logprobs, old = make_inputs()
     loss, stats = policy_loss(
-        logprobs, old, None, t(ADV), t(MASK), loss_type="sapo",
-        sapo_temperature_pos=tau_pos, sapo_temperature_neg=tau_neg,
-    )  # fmt: skip
+        logprobs,
+        old,
+        None,
+        t(ADV),
+        t(MASK),
+        loss_type="sapo",
+        sapo_temperature_pos=tau_pos,
+        sapo_temperature_neg=tau_neg,
+    )
     tau = [tau_pos if a > 0 else tau_neg for a in ADV]
     per_token = grid(lambda i, j: -sapo_gate(RATIOS[i][j], tau[i]) * ADV[i])
     # grpo's aggregation: mean over the 3 sequences of each one's token mean
     close(loss, sum(sum(per_token[i][: LENGTHS[i]]) / LENGTHS[i] for i in range(3)) / 3)
     loss.backward()
+
     # d/dlogp f(r) = σ'(τ(r-1)) · τ · 4/τ · r = 4 σ (1 - σ) r
     def grad(i, j):
         s = sigmoid(tau[i] * (RATIOS[i][j] - 1))
@@ -191,8 +212,19 @@ def test_luspo_scales_each_sequence_by_its_length():
     close(stats.objective["clip_ratio/high_mean"], 3 / 9)
     close(stats.objective["clip_ratio/low_mean"], 2 / 9)
     # with whole-batch counts the denominator is the number of sequences of the accumulated batch
-    close(policy_loss(logprobs, old, None, t(ADV), t(MASK), loss_type="luspo", importance_sampling_level="sequence",
-                      num_sequences=6)[0], (-1.2 * 3 + 0.4 * 2 - 2.0 * 4) / 6)  # fmt: skip
+    close(
+        policy_loss(
+            logprobs,
+            old,
+            None,
+            t(ADV),
+            t(MASK),
+            loss_type="luspo",
+            importance_sampling_level="sequence",
+            num_sequences=6,
+        )[0],
+        (-1.2 * 3 + 0.4 * 2 - 2.0 * 4) / 6,
+    )
 
 
 def test_luspo_token_level_masks_before_summing():
@@ -253,8 +285,7 @@ def test_vespo_value_gradient_and_stats():
 def test_vespo_gradient_matches_autograd_of_the_written_formula():
     old, mask = t(VESPO_OLD), t(MASK)
     logprobs = (old + t(VESPO_LOG_RATIOS)).requires_grad_(True)
-    loss, _ = policy_loss(logprobs, old, None, t(ADV), mask, loss_type="vespo", vespo_k_pos=1.0,
-                          vespo_lambda_neg=0.5)  # fmt: skip
+    loss, _ = policy_loss(logprobs, old, None, t(ADV), mask, loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_neg=0.5)
     loss.backward()
     twin = (old + t(VESPO_LOG_RATIOS)).requires_grad_(True)
     log_w = ((twin - old) * mask).sum(-1, keepdim=True)
@@ -304,9 +335,15 @@ def test_off_policy_mask_per_token_advantages():
 def test_off_policy_mask_in_the_loss():
     logprobs, sampling = opm_inputs()
     loss, _ = policy_loss(
-        logprobs, None, None, t(OPM_ADV), t(OPM_MASK), loss_type="dapo", off_policy_mask_threshold=0.4375,
+        logprobs,
+        None,
+        None,
+        t(OPM_ADV),
+        t(OPM_MASK),
+        loss_type="dapo",
+        off_policy_mask_threshold=0.4375,
         sampling_logprobs=sampling,
-    )  # fmt: skip
+    )
     # on-policy: -A per token; sequence 1 (3 tokens) dropped but its tokens still count in the denominator (8)
     close(loss, (-1.0 * 2 + 0.0 + 0.5 * 2 + 0.0) / 8)
     loss.backward()
@@ -324,8 +361,10 @@ def test_off_policy_mask_defaults_to_old_logprobs():
     unmasked, _ = policy_loss(*args)
     assert abs(via_old.item() - unmasked.item()) > 1e-3
     # on-policy with no sampler log-probs: the KL is 0 and nothing is dropped
-    close(policy_loss(logprobs, None, None, t(OPM_ADV), t(OPM_MASK), off_policy_mask_threshold=0.0)[0],
-          policy_loss(logprobs, None, None, t(OPM_ADV), t(OPM_MASK))[0])  # fmt: skip
+    close(
+        policy_loss(logprobs, None, None, t(OPM_ADV), t(OPM_MASK), off_policy_mask_threshold=0.0)[0],
+        policy_loss(logprobs, None, None, t(OPM_ADV), t(OPM_MASK))[0],
+    )
 
 
 # ----------------------------------------------------------------------------------- bias-corrected KL
@@ -357,8 +396,7 @@ def test_bias_corrected_kl_matches_autograd_of_the_written_formula():
     logprobs, old = make_inputs()
     ref = logprobs.detach() + t(REF_MINUS_LOGP)
     mask = t(MASK)
-    loss, _ = policy_loss(logprobs, old, ref, torch.zeros(3, dtype=F64), mask, beta=beta,
-                          use_bias_correction_kl=True)  # fmt: skip
+    loss, _ = policy_loss(logprobs, old, ref, torch.zeros(3, dtype=F64), mask, beta=beta, use_bias_correction_kl=True)
     loss.backward()
     twin = t(LOGP).requires_grad_(True)
     written = beta * (torch.exp(twin - old) * (torch.exp(ref - twin) - (ref - twin) - 1) * mask).sum() / 9
@@ -373,8 +411,7 @@ def test_bias_corrected_kl_on_policy_changes_only_the_gradient():
     ref = logprobs.detach() + t(REF_MINUS_LOGP)
     zero = torch.zeros(3, dtype=F64)
     plain, plain_stats = policy_loss(logprobs, None, ref, zero, t(MASK), beta=beta, use_bias_correction_kl=False)
-    corrected, corrected_stats = policy_loss(logprobs, None, ref, zero, t(MASK), beta=beta,
-                                             use_bias_correction_kl=True)  # fmt: skip
+    corrected, corrected_stats = policy_loss(logprobs, None, ref, zero, t(MASK), beta=beta, use_bias_correction_kl=True)
     close(plain, corrected)  # ratio = 1 in value
     close(plain_stats.kl, corrected_stats.kl)
     (g_plain,) = torch.autograd.grad(plain, logprobs)
@@ -389,8 +426,9 @@ def test_bias_corrected_kl_sequence_level_broadcasts_the_sequence_ratio():
     logprobs = (old + t(SEQ_LOG_RATIOS)).requires_grad_(True)
     ref = logprobs.detach() + t(REF_MINUS_LOGP)
     zero = torch.zeros(3, dtype=F64)
-    loss, _ = policy_loss(logprobs, old, ref, zero, t(MASK), beta=beta, importance_sampling_level="sequence",
-                          use_bias_correction_kl=True)  # fmt: skip
+    loss, _ = policy_loss(
+        logprobs, old, ref, zero, t(MASK), beta=beta, importance_sampling_level="sequence", use_bias_correction_kl=True
+    )
     s = [math.exp(0.2), math.exp(-0.3), 1.0]
     close(loss, beta * sum(s[i] * k3(REF_MINUS_LOGP[i][j]) for i, j in TOKENS) / 9)
 
@@ -400,14 +438,24 @@ def test_bias_corrected_kl_sequence_level_broadcasts_the_sequence_ratio():
 ENTROPIES = [[0.5, 1.0, 1.5, 40.0], [2.0, 0.2, 40.0, 40.0], [0.1, 0.3, 0.6, 1.0]]  # masked sum 7.2
 
 
-@pytest.mark.parametrize("loss_type, policy_value", [("grpo", (-1.0 + 0.425 - 2.1) / 3), ("dr_grpo", -10.55 / 12),
-                                                     ("dapo", -10.55 / 9)])  # fmt: skip
+@pytest.mark.parametrize(
+    "loss_type, policy_value", [("grpo", (-1.0 + 0.425 - 2.1) / 3), ("dr_grpo", -10.55 / 12), ("dapo", -10.55 / 9)]
+)
 def test_token_mean_entropy_bonus_is_the_same_for_every_loss_type(loss_type, policy_value):
     coef = 0.01
     logprobs, old = make_inputs()
     entropies = t(ENTROPIES).requires_grad_(True)
-    loss, stats = policy_loss(logprobs, old, None, t(ADV), t(MASK), loss_type=loss_type, entropies=entropies,
-                              entropy_coef=coef, entropy_normalization="token_mean")  # fmt: skip
+    loss, stats = policy_loss(
+        logprobs,
+        old,
+        None,
+        t(ADV),
+        t(MASK),
+        loss_type=loss_type,
+        entropies=entropies,
+        entropy_coef=coef,
+        entropy_normalization="token_mean",
+    )
     close(loss, policy_value - coef * 7.2 / 9)
     close(stats.policy_loss, policy_value)
     assert stats.as_dict()["policy_loss"] == pytest.approx(policy_value, abs=ATOL)
@@ -420,9 +468,19 @@ def test_token_mean_entropy_bonus_with_loss_weights_and_micro_batches():
     logprobs, old = make_inputs()
     entropies = t(ENTROPIES).requires_grad_(True)
     weights = t([[1, 0, 1, 1], [0, 1, 1, 1], [1, 1, 0, 0]])  # masked: 5 tokens kept, entropy 0.5+1.5+0.2+0.1+0.3
-    loss, stats = policy_loss(logprobs, old, None, t(ADV), t(MASK), loss_type="dapo", entropies=entropies,
-                              entropy_coef=coef, entropy_normalization="token_mean", loss_weights=weights,
-                              num_micro_batches=4)  # fmt: skip
+    loss, stats = policy_loss(
+        logprobs,
+        old,
+        None,
+        t(ADV),
+        t(MASK),
+        loss_type="dapo",
+        entropies=entropies,
+        entropy_coef=coef,
+        entropy_normalization="token_mean",
+        loss_weights=weights,
+        num_micro_batches=4,
+    )
     policy = (-1.1 - 0.7 + 0.4 - 2.4 - 2.0) / 9  # the kept tokens' clipped surrogate, over the 9 mask tokens
     close(loss, policy - coef * (2.6 / 5) / 4)
     close(stats.entropy, 7.2 / 9)  # the logged entropy is over the whole mask
@@ -496,7 +554,7 @@ def test_adaptive_entropy_controller_resumes_exactly():
     first.observe(t([[0.05]]), t([[1.0]]))  # a checkpoint mid-window keeps the window too
     second = AdaptiveEntropyController(coef=123.0, target=0.3, delta=0.02)  # config is not state
     second.load_state_dict(first.state_dict())
-    tail = run(second, [[]] + windows[3:])
+    tail = run(second, [[], *windows[3:]])
     assert head + tail == whole
 
 
@@ -575,11 +633,23 @@ def _ga_loss(logprobs, entropies, rows, loss_type, **kw):
     sampling = (t(GA_OLD) + t(GA_SAMPLING_GAP))[idx]
     level = "sequence" if loss_type == "luspo" else "token"
     return policy_loss(
-        logprobs[idx], old, ref, t(GA_ADV)[idx], t(GA_MASK)[idx], loss_type=loss_type, beta=0.05, epsilon=0.2,
-        epsilon_high=1.25 if loss_type == "cispo" else 0.28, importance_sampling_level=level,
-        off_policy_mask_threshold=0.5, sampling_logprobs=sampling, use_bias_correction_kl=True,
-        entropies=entropies[idx], **GA_COUNTS, **kw,
-    )[0]  # fmt: skip
+        logprobs[idx],
+        old,
+        ref,
+        t(GA_ADV)[idx],
+        t(GA_MASK)[idx],
+        loss_type=loss_type,
+        beta=0.05,
+        epsilon=0.2,
+        epsilon_high=1.25 if loss_type == "cispo" else 0.28,
+        importance_sampling_level=level,
+        off_policy_mask_threshold=0.5,
+        sampling_logprobs=sampling,
+        use_bias_correction_kl=True,
+        entropies=entropies[idx],
+        **GA_COUNTS,
+        **kw,
+    )[0]
 
 
 def _ga_leaves():
@@ -672,11 +742,15 @@ def test_parity_with_trl_static_methods():
     advantages[2] = 0.0
     log_ratio = torch.randn(N, T, generator=gen, dtype=F64) * 0.3
     for threshold in (0.0, 0.2, 0.5):
-        close(off_policy_mask(advantages, logprobs, sampling, mask, threshold),
-              trainer.get_off_policy_mask(advantages, logprobs, sampling, mask, threshold))  # fmt: skip
+        close(
+            off_policy_mask(advantages, logprobs, sampling, mask, threshold),
+            trainer.get_off_policy_mask(advantages, logprobs, sampling, mask, threshold),
+        )
     for k_pos, lambda_pos, k_neg, lambda_neg in [(2.0, 3.0, 3.0, 2.0), (1.0, 0.5, 4.0, 0.0)]:
-        ours = vespo_weights(advantages, log_ratio, mask, k_pos=k_pos, lambda_pos=lambda_pos, k_neg=k_neg,
-                             lambda_neg=lambda_neg)  # fmt: skip
-        theirs = trainer.get_gamma_weights(advantages, log_ratio, mask, None, k_pos=k_pos, lambda_pos=lambda_pos,
-                                           k_neg=k_neg, lambda_neg=lambda_neg)  # fmt: skip
+        ours = vespo_weights(
+            advantages, log_ratio, mask, k_pos=k_pos, lambda_pos=lambda_pos, k_neg=k_neg, lambda_neg=lambda_neg
+        )
+        theirs = trainer.get_gamma_weights(
+            advantages, log_ratio, mask, None, k_pos=k_pos, lambda_pos=lambda_pos, k_neg=k_neg, lambda_neg=lambda_neg
+        )
         close(ours, theirs)

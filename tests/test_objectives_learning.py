@@ -4,11 +4,10 @@ normalize_then_sum learns the letter task by the criterion of tests/test_trainer
 Slow (about 20 s each on two cores, minutes together): `pytest --runslow tests/test_objectives_learning.py`."""
 
 import pytest
+from letters import LETTERS, letter_dataset, repeat_letter
 
 from grpokit import GRPOConfig, GRPOTrainer
 from grpokit.testing import save_tiny_model
-
-from letters import LETTERS, letter_dataset, repeat_letter
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +37,17 @@ CASES = {
 def test_each_objective_learns_the_letter_task(model_dir, tmp_path, case):
     values = {"max_steps": 80, "learning_rate": 1e-2, **CASES[case]}
     rewards = values.pop("rewards", [repeat_letter])
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=64, num_generations=8,
-                      max_completion_length=2, lr_scheduler_type="constant",
-                      logging_steps=5, save_strategy="no", disable_tqdm=True, **values)  # fmt: skip
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=64,
+        num_generations=8,
+        max_completion_length=2,
+        lr_scheduler_type="constant",
+        logging_steps=5,
+        save_strategy="no",
+        disable_tqdm=True,
+        **values,
+    )
     trainer = GRPOTrainer(model=model_dir, reward_funcs=rewards, args=args, train_dataset=letter_dataset())
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]

@@ -34,9 +34,11 @@ ADV = [1.5, -0.7, 0.4]  # mixed signs
 CAP = 2.0  # e^1.0 = 2.718 (sequence 0, token 1) and e^0.9 = 2.460 (sequence 1, token 2) are dropped
 
 # The weights after the cap, by hand: e^x, or 0 above the cap; padding 0 (it has no share in the loss).
-KEPT = [[math.exp(0.1), 0.0, math.exp(-0.5), 0.0],
-        [math.exp(-0.2), math.exp(0.3), 0.0, math.exp(-1.0)],
-        [math.exp(0.5), math.exp(-0.3), 0.0, 0.0]]  # fmt: skip
+KEPT = [
+    [math.exp(0.1), 0.0, math.exp(-0.5), 0.0],
+    [math.exp(-0.2), math.exp(0.3), 0.0, math.exp(-1.0)],
+    [math.exp(0.5), math.exp(-0.3), 0.0, 0.0],
+]
 RAW_MEAN = sum(math.exp(x) for row, m in zip(LOG_WEIGHTS, MASK) for x, on in zip(row, m) if on) / 9
 
 
@@ -48,8 +50,17 @@ def inputs():
 
 def decoupled(loss_type="dapo", **kwargs):
     logprobs, behaviour, advantages, mask = inputs()
-    loss, stats = policy_loss(logprobs, behaviour, None, advantages, mask, loss_type=loss_type,
-                              off_policy_correction="decoupled", off_policy_correction_cap=CAP, **kwargs)  # fmt: skip
+    loss, stats = policy_loss(
+        logprobs,
+        behaviour,
+        None,
+        advantages,
+        mask,
+        loss_type=loss_type,
+        off_policy_correction="decoupled",
+        off_policy_correction_cap=CAP,
+        **kwargs,
+    )
     loss.backward()
     return loss.item(), logprobs.grad, stats
 
@@ -73,8 +84,16 @@ def test_decoupled_dapo_value_and_gradient():
     loss, grad, stats = decoupled("dapo")
     expected = sum(-KEPT[i][t] * ADV[i] for i in range(3) for t in range(4)) / 9
     # written out: -(1.5 (e^0.1 + e^-0.5) - 0.7 (e^-0.2 + e^0.3 + e^-1) + 0.4 (e^0.5 + e^-0.3)) / 9
-    assert math.isclose(expected, -(1.5 * (math.exp(0.1) + math.exp(-0.5)) - 0.7 * (math.exp(-0.2) + math.exp(0.3)
-                        + math.exp(-1.0)) + 0.4 * (math.exp(0.5) + math.exp(-0.3))) / 9, abs_tol=1e-15)  # fmt: skip
+    assert math.isclose(
+        expected,
+        -(
+            1.5 * (math.exp(0.1) + math.exp(-0.5))
+            - 0.7 * (math.exp(-0.2) + math.exp(0.3) + math.exp(-1.0))
+            + 0.4 * (math.exp(0.5) + math.exp(-0.3))
+        )
+        / 9,
+        abs_tol=1e-15,
+    )
     assert abs(loss - expected) < TOL
     assert_close(grad, per_token(lambda i, t: -KEPT[i][t] * ADV[i] / 9))
     objective = stats.as_dict()
@@ -116,9 +135,17 @@ def test_decoupled_at_sequence_level_weighs_each_sequence_by_its_mean_log_weight
     tokens: e^0.2 = 1.221, e^0 = 1, e^0.1 = 1.105; with cap 1.15 sequence 0 is dropped (its 3 tokens: 3/9). Each
     sequence's loss -w·A·r, r = exp(mean (logp - sg(logp))): gradient -w·A / (3 · length) on each of its tokens."""
     logprobs, behaviour, advantages, mask = inputs()
-    loss, stats = policy_loss(logprobs, behaviour, None, advantages, mask, loss_type="grpo",
-                              importance_sampling_level="sequence", off_policy_correction="decoupled",
-                              off_policy_correction_cap=1.15)  # fmt: skip
+    loss, stats = policy_loss(
+        logprobs,
+        behaviour,
+        None,
+        advantages,
+        mask,
+        loss_type="grpo",
+        importance_sampling_level="sequence",
+        off_policy_correction="decoupled",
+        off_policy_correction_cap=1.15,
+    )
     loss.backward()
     weights = [0.0, 1.0, math.exp(0.1)]
     expected = sum(-weights[i] * ADV[i] for i in range(3)) / 3
@@ -135,15 +162,25 @@ def test_decoupled_kl_term_is_not_weighted_and_its_ratio_is_to_the_proximal_poli
     logprobs, behaviour, advantages, mask = inputs()
     d = [[0.2, -0.1, 0.3, 5.0], [0.0, 0.4, -0.2, 0.1], [-0.3, 0.25, 5.0, 5.0]]
     reference = logprobs.detach() + torch.tensor(d, dtype=F64)
-    loss, stats = policy_loss(logprobs, behaviour, reference, advantages, mask, loss_type="dapo", beta=0.1,
-                              use_bias_correction_kl=True, off_policy_correction="decoupled",
-                              off_policy_correction_cap=CAP)  # fmt: skip
+    loss, stats = policy_loss(
+        logprobs,
+        behaviour,
+        reference,
+        advantages,
+        mask,
+        loss_type="dapo",
+        beta=0.1,
+        use_bias_correction_kl=True,
+        off_policy_correction="decoupled",
+        off_policy_correction_cap=CAP,
+    )
     loss.backward()
     k3 = [[math.exp(x) - x - 1 for x in row] for row in d]
     expected = sum((-KEPT[i][t] * ADV[i] + 0.1 * k3[i][t]) * MASK[i][t] for i in range(3) for t in range(4)) / 9
     assert abs(loss.item() - expected) < TOL
-    assert_close(logprobs.grad, per_token(lambda i, t: (-KEPT[i][t] * ADV[i]
-                                                        + 0.1 * (k3[i][t] + 1 - math.exp(d[i][t]))) / 9))  # fmt: skip
+    assert_close(
+        logprobs.grad, per_token(lambda i, t: (-KEPT[i][t] * ADV[i] + 0.1 * (k3[i][t] + 1 - math.exp(d[i][t]))) / 9)
+    )
     assert abs(stats.kl.item() - sum(k3[i][t] * MASK[i][t] for i in range(3) for t in range(4)) / 9) < TOL
 
 
@@ -152,9 +189,17 @@ def test_decoupled_composes_with_the_sampling_correction_as_a_product():
     each factor cut by its own rule."""
     logprobs, behaviour, advantages, mask = inputs()
     s = [[0.5, 3.0, 1.2, 7.0], [1.0, 0.8, 2.0, 1.5], [0.9, 1.1, 7.0, 7.0]]
-    loss, _ = policy_loss(logprobs, behaviour, None, advantages, mask, loss_type="dapo",
-                          sampling_ratio=torch.tensor(s, dtype=F64), off_policy_correction="decoupled",
-                          off_policy_correction_cap=CAP)  # fmt: skip
+    loss, _ = policy_loss(
+        logprobs,
+        behaviour,
+        None,
+        advantages,
+        mask,
+        loss_type="dapo",
+        sampling_ratio=torch.tensor(s, dtype=F64),
+        off_policy_correction="decoupled",
+        off_policy_correction_cap=CAP,
+    )
     loss.backward()
     expected = sum(-s[i][t] * KEPT[i][t] * ADV[i] for i in range(3) for t in range(4)) / 9
     assert abs(loss.item() - expected) < TOL
@@ -190,8 +235,11 @@ def test_behaviour_is_the_loss_as_it_was_and_decoupled_on_policy_is_the_same_los
         return
     on_policy, decoupled_on_policy = run(None), run(None, off_policy_correction="decoupled")
     assert torch.equal(on_policy[0], decoupled_on_policy[0]) and torch.equal(on_policy[1], decoupled_on_policy[1])
-    assert decoupled_on_policy[2] == {**on_policy[2], "off_policy/behaviour_weight_mean": 1.0,
-                                      "off_policy/masked_fraction": 0.0}  # fmt: skip
+    assert decoupled_on_policy[2] == {
+        **on_policy[2],
+        "off_policy/behaviour_weight_mean": 1.0,
+        "off_policy/masked_fraction": 0.0,
+    }
 
 
 def test_policy_loss_refuses_what_is_not_defined():
@@ -205,23 +253,38 @@ def test_policy_loss_refuses_what_is_not_defined():
 # ------------------------------------------------------------------------------------------- configuration
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"off_policy_correction": "proximal"},
-     r"off_policy_correction='proximal' is not valid; use one of \['behaviour', 'decoupled'\]"),
-    ({"off_policy_correction_cap": 1.0}, r"off_policy_correction_cap=1.0 must be > 1"),
-    ({"off_policy_correction": "decoupled", "num_iterations": 2},
-     r"off_policy_correction='decoupled' needs num_iterations=1 \(got 2\)"),
-    ({"off_policy_correction": "decoupled", "loss_type": "vespo"},
-     r"off_policy_correction='decoupled' is not defined for loss_type='vespo'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"off_policy_correction": "proximal"},
+            r"off_policy_correction='proximal' is not valid; use one of \['behaviour', 'decoupled'\]",
+        ),
+        ({"off_policy_correction_cap": 1.0}, r"off_policy_correction_cap=1.0 must be > 1"),
+        (
+            {"off_policy_correction": "decoupled", "num_iterations": 2},
+            r"off_policy_correction='decoupled' needs num_iterations=1 \(got 2\)",
+        ),
+        (
+            {"off_policy_correction": "decoupled", "loss_type": "vespo"},
+            r"off_policy_correction='decoupled' is not defined for loss_type='vespo'",
+        ),
+    ],
+)
 def test_the_configuration_refuses_by_name(overrides, message):
     with pytest.raises(ValueError, match=message):
         GRPOConfig(report_to="none", **overrides)
 
 
 def test_the_configuration_passes_the_correction_to_the_loss():
-    args = GRPOConfig(report_to="none", off_policy_correction="decoupled", off_policy_correction_cap=None,
-                      max_staleness=2, loss_type="grpo", importance_sampling_level="sequence")  # fmt: skip
+    args = GRPOConfig(
+        report_to="none",
+        off_policy_correction="decoupled",
+        off_policy_correction_cap=None,
+        max_staleness=2,
+        loss_type="grpo",
+        importance_sampling_level="sequence",
+    )
     options = args.objective_options()
     assert options["off_policy_correction"] == "decoupled" and options["off_policy_correction_cap"] is None
     assert GRPOConfig(report_to="none").objective_options()["off_policy_correction"] == "behaviour"
@@ -234,8 +297,9 @@ def letter_run(tmp_path, **overrides):
     model, tokenizer = tiny_letter_model()
     values = {"per_device_train_batch_size": 16, "num_generations": 4, "max_steps": 6, "report_to": "none"}
     args = letter_config(tmp_path, **{**values, **overrides})
-    trainer = GRPOTrainer(model=model, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset(),
-                          processing_class=tokenizer)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset(), processing_class=tokenizer
+    )
     trainer.train()
     return trainer, [r for r in trainer.state.log_history if "loss" in r and "train_runtime" not in r]
 
@@ -244,8 +308,9 @@ def test_at_staleness_zero_the_weight_is_exactly_one_and_the_run_is_the_behaviou
     """max_staleness=0 trains each batch at the weights that sampled it: w = 1 exactly, nothing is dropped, and the
     run is the "behaviour" run bitwise. Each step logs its clip ratio under its batch's staleness, 0."""
     behaviour_trainer, _ = letter_run(tmp_path / "behaviour", max_staleness=0, max_steps=3)
-    trainer, records = letter_run(tmp_path / "decoupled", max_staleness=0, max_steps=3,
-                                  off_policy_correction="decoupled")  # fmt: skip
+    trainer, records = letter_run(
+        tmp_path / "decoupled", max_staleness=0, max_steps=3, off_policy_correction="decoupled"
+    )
     assert len(records) == 3
     for record in records:
         assert record["off_policy/behaviour_weight_mean"] == 1.0 and record["off_policy/masked_fraction"] == 0.0
@@ -257,8 +322,14 @@ def test_at_staleness_zero_the_weight_is_exactly_one_and_the_run_is_the_behaviou
 def test_at_staleness_one_decoupled_trains_and_logs_what_it_does(tmp_path):
     """max_staleness=1: batches one step stale are weighted (not all by 1), the clip never acts (r = 1 around π_prox),
     each step's clip ratio is logged under its batch's staleness, and the reward rises from chance (1/8)."""
-    _, records = letter_run(tmp_path, max_staleness=1, max_steps=24, off_policy_correction="decoupled",
-                            per_device_train_batch_size=64, num_generations=8)  # fmt: skip
+    _, records = letter_run(
+        tmp_path,
+        max_staleness=1,
+        max_steps=24,
+        off_policy_correction="decoupled",
+        per_device_train_batch_size=64,
+        num_generations=8,
+    )
     assert len(records) == 24
     for record in records:
         staleness = int(record["sample/staleness_max"])
@@ -276,8 +347,9 @@ def test_without_a_cap_decoupled_is_the_behaviour_run_without_its_clip_bitwise(t
     "behaviour" run with its clip out of reach (epsilon 1e9), bitwise. This pins that the weight takes the behaviour
     policy's log-probs of each batch; with the clip in place the "behaviour" run differs (it clips at staleness 2)."""
     common = {"max_staleness": 2, "max_steps": 6, "async_schedule": "exact"}
-    decoupled_run, records = letter_run(tmp_path / "decoupled", off_policy_correction="decoupled",
-                                        off_policy_correction_cap=None, **common)  # fmt: skip
+    decoupled_run, records = letter_run(
+        tmp_path / "decoupled", off_policy_correction="decoupled", off_policy_correction_cap=None, **common
+    )
     unclipped_run, unclipped = letter_run(tmp_path / "unclipped", epsilon=1e9, **common)
     clipped_run, _ = letter_run(tmp_path / "clipped", **common)
     assert [r["sample/staleness_max"] for r in records] == [0, 1, 2, 2, 2, 2]

@@ -103,17 +103,34 @@ def one_low(target, index):
 
 
 def config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=1,
-                  max_completion_length=96, learning_rate=1e-3, logging_steps=1, save_strategy="no",
-                  disable_tqdm=True, report_to="none", seed=0)  # fmt: skip
+    values = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_steps=1,
+        max_completion_length=96,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        report_to="none",
+        seed=0,
+    )
     return GRPOConfig(**{**values, **overrides})
 
 
 @pytest.fixture
 def game():
     GuessingGame.sessions = GuessingGame.max_in_flight = 0
-    environment = OpenEnvEnvironment.serve(GuessingGame, GuessAction, GuessObservation, prompt="Play.",
-                                           seeds=[3, 5], parse_action=parse_guess, step_timeout=1.0)  # fmt: skip
+    environment = OpenEnvEnvironment.serve(
+        GuessingGame,
+        GuessAction,
+        GuessObservation,
+        prompt="Play.",
+        seeds=[3, 5],
+        parse_action=parse_guess,
+        step_timeout=1.0,
+    )
     yield environment
     environment.close()
 
@@ -122,21 +139,25 @@ def test_observations_are_continuation_tokens_and_the_model_turns_trained(game):
     _, tokenizer = tiny_agent_model()
     driver = game.driver(tokenizer, config("unused"), max_prompt_length=None)
     rows = [dict(row) for row in game.train_dataset()][:1] * 2  # seed 3, twice (a group of G = 2)
-    params = SamplingParams(max_new_tokens=96, pad_token_id=tokenizer.pad_token_id,
-                            eos_token_ids=(tokenizer.eos_token_id,))  # fmt: skip
+    params = SamplingParams(
+        max_new_tokens=96, pad_token_id=tokenizer.pad_token_id, eos_token_ids=(tokenizer.eos_token_id,)
+    )
     rollout, completions = driver.rollout(guessing_policy(tokenizer, one_low), rows, params, seed=0)
     assert rollout.extra[REWARDS_COLUMN] == [[1.0], [WRONG, 1.0]]
     # The second row as the chat template renders the whole conversation: the reset observation appended to the
     # prompt's user message, the model's turns as assistant messages, the feedback as a user message.
-    messages = [{"role": "user", "content": "Play.\n\nEpisode 3: guess a digit."},
-                {"role": "assistant", "content": "guess 2"}, {"role": "user", "content": "higher"},
-                {"role": "assistant", "content": "guess 3"}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": "Play.\n\nEpisode 3: guess a digit."},
+        {"role": "assistant", "content": "guess 2"},
+        {"role": "user", "content": "higher"},
+        {"role": "assistant", "content": "guess 3"},
+    ]
     prompt = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=False)
     whole = tokenizer.apply_chat_template(messages, tokenize=False)
     length = int(rollout.lengths[1])
     ids, loss_mask = rollout.completion_ids[1, :length].tolist(), rollout.loss_mask[1, :length].tolist()
     assert tokenizer.decode(rollout.prompt_ids[1][rollout.prompt_mask[1].bool()]) == prompt
-    assert tokenizer.decode(ids) == whole[len(prompt):].removesuffix("\n")
+    assert tokenizer.decode(ids) == whole[len(prompt) :].removesuffix("\n")
     trained = [token for token, flag in zip(ids, loss_mask) if flag]
     inserted = [token for token, flag in zip(ids, loss_mask) if not flag]
     assert tokenizer.decode(trained) == "guess 2<|im_end|>guess 3<|im_end|>"
@@ -148,10 +169,22 @@ def test_observations_are_continuation_tokens_and_the_model_turns_trained(game):
 @pytest.mark.parametrize("rewards", ["sum", "turns"])
 def test_a_training_step_logs_the_environments_rewards(tmp_path, rewards):
     model, tokenizer = tiny_agent_model()
-    with OpenEnvEnvironment.serve(GuessingGame, GuessAction, GuessObservation, prompt="Play.", seeds=[3, 5],
-                                  parse_action=parse_guess, rewards=rewards) as environment:  # fmt: skip
-        trainer = GRPOTrainer(model=model, args=config(tmp_path), processing_class=tokenizer, environment=environment,
-                              rollout_engine=guessing_policy(tokenizer, one_low))  # fmt: skip
+    with OpenEnvEnvironment.serve(
+        GuessingGame,
+        GuessAction,
+        GuessObservation,
+        prompt="Play.",
+        seeds=[3, 5],
+        parse_action=parse_guess,
+        rewards=rewards,
+    ) as environment:
+        trainer = GRPOTrainer(
+            model=model,
+            args=config(tmp_path),
+            processing_class=tokenizer,
+            environment=environment,
+            rollout_engine=guessing_policy(tokenizer, one_low),
+        )
         trainer.train()
     log = trainer.state.log_history[0]
     # Per seed: one rollout right at once (rewards [1]), one a step too low ([-0.25, 1]).
@@ -168,11 +201,22 @@ def test_groups_play_at_once_under_asynchronous_generation(tmp_path):
     """With max_staleness > 0 the streaming producer plays each prompt's group in a thread of its own (sessions are
     per rollout, so groups may overlap); the logged rewards are those of the synchronous run."""
     model, tokenizer = tiny_agent_model()
-    with OpenEnvEnvironment.serve(GuessingGame, GuessAction, GuessObservation, prompt="Play.", seeds=[3, 5],
-                                  parse_action=parse_guess, rewards="sum") as environment:  # fmt: skip
-        trainer = GRPOTrainer(model=model, args=config(tmp_path, max_steps=2, max_staleness=1),
-                              processing_class=tokenizer, environment=environment,
-                              rollout_engine=guessing_policy(tokenizer, one_low))  # fmt: skip
+    with OpenEnvEnvironment.serve(
+        GuessingGame,
+        GuessAction,
+        GuessObservation,
+        prompt="Play.",
+        seeds=[3, 5],
+        parse_action=parse_guess,
+        rewards="sum",
+    ) as environment:
+        trainer = GRPOTrainer(
+            model=model,
+            args=config(tmp_path, max_steps=2, max_staleness=1),
+            processing_class=tokenizer,
+            environment=environment,
+            rollout_engine=guessing_policy(tokenizer, one_low),
+        )
         trainer.train()
     for log in trainer.state.log_history[:2]:
         assert log["rewards/openenv/mean"] == pytest.approx(0.875)
@@ -189,15 +233,18 @@ def test_turn_credit_gives_each_turn_the_rewards_from_it_on(game):
     _, tokenizer = tiny_agent_model()
     driver = game.driver(tokenizer, config("unused"), max_prompt_length=None)
     rows = [dict(row) for row in game.train_dataset()][:1] * 2
-    params = SamplingParams(max_new_tokens=96, pad_token_id=tokenizer.pad_token_id,
-                            eos_token_ids=(tokenizer.eos_token_id,))  # fmt: skip
+    params = SamplingParams(
+        max_new_tokens=96, pad_token_id=tokenizer.pad_token_id, eos_token_ids=(tokenizer.eos_token_id,)
+    )
     rollout, _ = driver.rollout(guessing_policy(tokenizer, one_low), rows, params, seed=0)
     steps = game.reward_funcs()[0](openenv_rewards=rollout.extra[REWARDS_COLUMN])
     assert steps == [[1.0], [WRONG, 1.0]]
     advantages = process_advantages(steps, rollout.extra["turn_ends"], 2, rollout.completion_ids.shape[1])
     # The group's step rewards {1, -0.25, 1}: mean 0.5833, std 0.7217 (Bessel); normalised 0.5774 and -1.1547.
-    high, low = (1.0 - 7 / 12) / (torch.tensor([1.0, WRONG, 1.0]).std().item() + 1e-4), \
-        (WRONG - 7 / 12) / (torch.tensor([1.0, WRONG, 1.0]).std().item() + 1e-4)  # fmt: skip
+    high, low = (
+        (1.0 - 7 / 12) / (torch.tensor([1.0, WRONG, 1.0]).std().item() + 1e-4),
+        (WRONG - 7 / 12) / (torch.tensor([1.0, WRONG, 1.0]).std().item() + 1e-4),
+    )
     first_end, _ = rollout.extra["turn_ends"][1]
     assert advantages[0, 0].item() == pytest.approx(high, rel=1e-4)
     assert advantages[1, 0].item() == pytest.approx(low + high, rel=1e-4)  # the first turn: both steps after it
@@ -209,14 +256,31 @@ def test_a_raising_a_hanging_step_and_a_bad_action_are_counted_and_training_goes
     GuessingGame.sessions = GuessingGame.max_in_flight = 0
     # One prompt, 4 rollouts: right at once; a guess that crashes the game; one that hangs past the 1 s timeout;
     # one that is not a guess.
-    turns = {0: lambda t: f"guess {t}", 1: lambda t: f"guess {RAISES}", 2: lambda t: f"guess {SLEEPS}",
-             3: lambda t: "I give up"}  # fmt: skip
+    turns = {
+        0: lambda t: f"guess {t}",
+        1: lambda t: f"guess {RAISES}",
+        2: lambda t: f"guess {SLEEPS}",
+        3: lambda t: "I give up",
+    }
     engine = guessing_policy(tokenizer, lambda target, index: turns[index](target))
-    with OpenEnvEnvironment.serve(GuessingGame, GuessAction, GuessObservation, prompt="Play.", seeds=[3],
-                                  parse_action=parse_guess, rewards="sum", step_timeout=1.0,
-                                  invalid_action_reward=-1.0) as environment:  # fmt: skip
-        trainer = GRPOTrainer(model=model, args=config(tmp_path, num_generations=4, max_steps=2),
-                              processing_class=tokenizer, environment=environment, rollout_engine=engine)  # fmt: skip
+    with OpenEnvEnvironment.serve(
+        GuessingGame,
+        GuessAction,
+        GuessObservation,
+        prompt="Play.",
+        seeds=[3],
+        parse_action=parse_guess,
+        rewards="sum",
+        step_timeout=1.0,
+        invalid_action_reward=-1.0,
+    ) as environment:
+        trainer = GRPOTrainer(
+            model=model,
+            args=config(tmp_path, num_generations=4, max_steps=2),
+            processing_class=tokenizer,
+            environment=environment,
+            rollout_engine=engine,
+        )
         trainer.train()
     first, second = trainer.state.log_history[:2]
     for log in (first, second):
@@ -235,8 +299,9 @@ def test_an_unreachable_server_leaves_rollouts_unscored(tmp_path):
     environment = OpenEnvEnvironment("http://127.0.0.1:9", parse_action=parse_guess, step_timeout=1.0)
     driver = environment.driver(tokenizer, config(tmp_path), max_prompt_length=None)
     rows = [{"prompt": [{"role": "user", "content": "Episode 1"}], "seed": 1}] * 2
-    params = SamplingParams(max_new_tokens=16, pad_token_id=tokenizer.pad_token_id,
-                            eos_token_ids=(tokenizer.eos_token_id,))  # fmt: skip
+    params = SamplingParams(
+        max_new_tokens=16, pad_token_id=tokenizer.pad_token_id, eos_token_ids=(tokenizer.eos_token_id,)
+    )
     rollout, _ = driver.rollout(guessing_policy(tokenizer, one_low), rows, params, seed=0)
     assert rollout.extra[REWARDS_COLUMN] == [None, None]
     assert rollout.loss_mask.sum(1).tolist() == [len(tokenizer("guess 1<|im_end|>")["input_ids"])] * 2
@@ -253,26 +318,37 @@ def test_a_typed_client_and_observations_as_tool_results(game):
             return {"guess": action.guess}
 
         def _parse_result(self, payload):
-            observation = GuessObservation(**payload.get("observation", {}), done=payload.get("done", False),
-                                           reward=payload.get("reward"))  # fmt: skip
+            observation = GuessObservation(
+                **payload.get("observation", {}), done=payload.get("done", False), reward=payload.get("reward")
+            )
             return StepResult(observation=observation, reward=payload.get("reward"), done=payload.get("done", False))
 
         def _parse_state(self, payload):
             return State(**payload)
 
     _, tokenizer = tiny_agent_model()
-    typed = OpenEnvEnvironment(game.url, client_class=GuessClient, observation_role="tool", prompt="Play.",
-                               parse_action=lambda text: GuessAction(**parse_guess(text)))  # fmt: skip
+    typed = OpenEnvEnvironment(
+        game.url,
+        client_class=GuessClient,
+        observation_role="tool",
+        prompt="Play.",
+        parse_action=lambda text: GuessAction(**parse_guess(text)),
+    )
     driver = typed.driver(tokenizer, config("unused"), max_prompt_length=None)
     rows = [{"prompt": typed.prompt, "seed": 3}] * 2
-    params = SamplingParams(max_new_tokens=96, pad_token_id=tokenizer.pad_token_id,
-                            eos_token_ids=(tokenizer.eos_token_id,))  # fmt: skip
+    params = SamplingParams(
+        max_new_tokens=96, pad_token_id=tokenizer.pad_token_id, eos_token_ids=(tokenizer.eos_token_id,)
+    )
     rollout, completions = driver.rollout(guessing_policy(tokenizer, one_low), rows, params, seed=0)
     assert rollout.extra[REWARDS_COLUMN] == [[1.0], [WRONG, 1.0]]
-    inserted = [t for t, flag in zip(rollout.completion_ids[1].tolist(), rollout.loss_mask[1].tolist())
-                if not flag and t != tokenizer.pad_token_id]  # fmt: skip
-    assert tokenizer.decode(inserted) == ("\n<|im_start|>user\n<tool_response>\nhigher\n</tool_response><|im_end|>\n"
-                                          "<|im_start|>assistant\n")  # fmt: skip
+    inserted = [
+        t
+        for t, flag in zip(rollout.completion_ids[1].tolist(), rollout.loss_mask[1].tolist())
+        if not flag and t != tokenizer.pad_token_id
+    ]
+    assert tokenizer.decode(inserted) == (
+        "\n<|im_start|>user\n<tool_response>\nhigher\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
     assert completions[1][1] == {"role": "tool", "name": "step", "content": "higher"}
 
 
@@ -318,8 +394,9 @@ def test_sampling_logprobs_of_every_turn_equal_the_training_forward_of_the_whole
     example.warm_up(model, tokenizer, steps=15)
     with example.environment(seeds=[7]) as game:
         driver = game.driver(tokenizer, config("unused", max_completion_length=48), max_prompt_length=None)
-        params = SamplingParams(max_new_tokens=48, pad_token_id=tokenizer.pad_token_id,
-                                eos_token_ids=(tokenizer.eos_token_id,))  # fmt: skip
+        params = SamplingParams(
+            max_new_tokens=48, pad_token_id=tokenizer.pad_token_id, eos_token_ids=(tokenizer.eos_token_id,)
+        )
         rows = [dict(row) for row in game.train_dataset()] * 8
         rollout, _ = driver.rollout(HFEngine(model), rows, params, seed=0)
     turns = [len(ends) for ends in rollout.extra["turn_ends"]]
@@ -336,8 +413,15 @@ def test_a_tiny_model_learns_the_guessing_game(tmp_path, rewards):
     example = load_example()
     model, tokenizer = example.tiny_model()
     assert example.warm_up(model, tokenizer) < 0.7  # the format learned: the digit alone is uncertain (ln 10 / 4)
-    args = config(tmp_path, per_device_train_batch_size=16, num_generations=8, max_completion_length=40, max_steps=30,
-                  learning_rate=3e-3, lr_scheduler_type="constant")  # fmt: skip
+    args = config(
+        tmp_path,
+        per_device_train_batch_size=16,
+        num_generations=8,
+        max_completion_length=40,
+        max_steps=30,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+    )
     with example.environment(seeds=[7, 17, 27, 37], rewards=rewards) as game:
         trainer = GRPOTrainer(model=model, args=args, processing_class=tokenizer, environment=game)
         trainer.train()

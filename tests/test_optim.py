@@ -13,9 +13,14 @@ from grpokit.optim import decay_parameter_names
 from grpokit.testing import build_tiny_model
 
 HYPER = dict(learning_rate=3e-3, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6)
-NORMS_AND_BIASES = {"model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight",
-                    "model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.k_proj.bias",
-                    "model.layers.0.self_attn.v_proj.bias", "model.norm.weight"}  # fmt: skip
+NORMS_AND_BIASES = {
+    "model.layers.0.input_layernorm.weight",
+    "model.layers.0.post_attention_layernorm.weight",
+    "model.layers.0.self_attn.q_proj.bias",
+    "model.layers.0.self_attn.k_proj.bias",
+    "model.layers.0.self_attn.v_proj.bias",
+    "model.norm.weight",
+}
 
 
 def tiny():
@@ -62,8 +67,9 @@ def test_each_name_builds_its_optimizer_with_the_config_hyperparameters(name):
 # name -> the optimizer transformers' registry should give, built by hand from the same config
 BY_HAND = {
     "adamw_torch": lambda p: torch.optim.AdamW(p, lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.0),
-    "adamw_torch_fused": lambda p: torch.optim.AdamW(p, lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.0,
-                                                     fused=True),
+    "adamw_torch_fused": lambda p: torch.optim.AdamW(
+        p, lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.0, fused=True
+    ),
     "adafactor": lambda p: Adafactor(p, lr=3e-3, scale_parameter=False, relative_step=False, weight_decay=0.0),
     "sgd": lambda p: torch.optim.SGD(p, lr=3e-3, weight_decay=0.0),
 }
@@ -91,9 +97,13 @@ def test_default_is_bitwise_grpokits_previous_adamw():
     model.model.embed_tokens.weight.requires_grad_(False)  # frozen parameters stay out, as before
     reference = copy.deepcopy(model)
     optimizer = build_optimizer(model, args)
-    previous = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=args.learning_rate,
-                                 betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-                                 weight_decay=args.weight_decay)  # fmt: skip
+    previous = torch.optim.AdamW(
+        [p for p in reference.parameters() if p.requires_grad],
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        weight_decay=args.weight_decay,
+    )
     for seed in range(3):
         train_step(model, optimizer, seed)
         train_step(reference, previous, seed)
@@ -101,8 +111,11 @@ def test_default_is_bitwise_grpokits_previous_adamw():
     saved, expected = optimizer.state_dict(), previous.state_dict()
     assert saved["param_groups"] == expected["param_groups"]
     assert saved["state"].keys() == expected["state"].keys()
-    assert all(torch.equal(saved["state"][i][k], expected["state"][i][k])
-               for i in expected["state"] for k in expected["state"][i])  # fmt: skip
+    assert all(
+        torch.equal(saved["state"][i][k], expected["state"][i][k])
+        for i in expected["state"]
+        for k in expected["state"][i]
+    )
 
 
 def test_decay_parameters_are_transformers_choice():

@@ -22,8 +22,11 @@ PACKAGE = ROOT / "src" / "grpokit"
 
 def package_files(folder: Path) -> set[str]:
     """The package's files below `folder`, as paths relative to its parent (`grpokit/rollout/engine.py`)."""
-    return {path.relative_to(folder.parent).as_posix() for path in folder.rglob("*")
-            if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc"}  # fmt: skip
+    return {
+        path.relative_to(folder.parent).as_posix()
+        for path in folder.rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc"
+    }
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +39,17 @@ def built(tmp_path_factory) -> dict[str, Path]:
         shutil.copy(ROOT / name, tree / name)
     shutil.copytree(PACKAGE, tree / "src" / "grpokit", ignore=ignore)
     # (build_sdist rewrites sys.argv: the folder is read first)
-    script = ("import sys; from setuptools import build_meta as hooks; "
-              "out = sys.argv[1]; hooks.build_sdist(out); hooks.build_wheel(out)")
-    done = subprocess.run([sys.executable, "-c", script, str(out)], cwd=tree, capture_output=True, text=True,
-                          env={**os.environ, "PIP_NO_INDEX": "1"})  # fmt: skip
+    script = (
+        "import sys; from setuptools import build_meta as hooks; "
+        "out = sys.argv[1]; hooks.build_sdist(out); hooks.build_wheel(out)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(out)],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PIP_NO_INDEX": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     (sdist,), (wheel,) = out.glob("*.tar.gz"), out.glob("*.whl")
     return {"sdist": sdist, "wheel": wheel}
@@ -55,8 +65,12 @@ def test_the_wheel_has_every_file_of_the_package_and_the_command(built):
     assert in_wheel == package_files(PACKAGE)
     # the files read at run time, named: the TRL field lists behind GRPOConfig, RLOOConfig, DistillationConfig and
     # AsyncGRPOConfig (the wheel without them crashed at `import grpokit`'s first config)
-    for name in ("trl_fields.json", "trl_rloo_fields.json", "trl_distillation_fields.json",
-                 "trl_async_grpo_fields.json"):  # fmt: skip
+    for name in (
+        "trl_fields.json",
+        "trl_rloo_fields.json",
+        "trl_distillation_fields.json",
+        "trl_async_grpo_fields.json",
+    ):
         assert f"grpokit/{name}" in in_wheel
     assert entry_points["console_scripts"]["grpokit"] == "grpokit.cli:main"
 

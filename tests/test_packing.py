@@ -15,9 +15,9 @@ import torch
 
 import grpokit.logprobs as policy
 from grpokit.compat import is_activation_checkpointing
+from grpokit.forward import position_ids_from_mask
 from grpokit.logprobs import packing_refusal, token_logprobs
 from grpokit.packing import pack_rows
-from grpokit.forward import position_ids_from_mask
 from grpokit.testing import build_tiny_model, build_tiny_model_of_type
 
 ATOL32 = 1e-5
@@ -54,8 +54,9 @@ def forward(model, ids, mask, width, padding_free, seed=4, **kwargs):
     elif padding_free:
         logprobs, entropies = token_logprobs(model, ids, mask, width, 0.8, with_entropy=True, padding_free=True)
     else:
-        logprobs, entropies = token_logprobs(model, ids, mask, width, 0.8, with_entropy=True, chunked=True,
-                                             share_prompts=False)  # fmt: skip
+        logprobs, entropies = token_logprobs(
+            model, ids, mask, width, 0.8, with_entropy=True, chunked=True, share_prompts=False
+        )
     (logprobs * upstream).sum().backward()
     gradients = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     return logprobs.detach(), entropies, gradients
@@ -81,7 +82,7 @@ def decoder_positions(model, run):
     handle = layer.register_forward_pre_hook(
         lambda module, args, kwargs: positions.append((args[0] if args else kwargs["hidden_states"]).shape[:2].numel()),
         with_kwargs=True,
-    )  # fmt: skip
+    )
     try:
         run()
     finally:
@@ -94,9 +95,7 @@ def decoder_positions(model, run):
 
 def test_pack_rows_layout_by_hand():
     # Two prompts (one left-padded by 1), three rows: completions of 3, 1 and 2 real tokens (width 3).
-    ids = torch.tensor([[0, 5, 6, 10, 11, 12],
-                        [7, 8, 9, 20, 0, 0],
-                        [0, 5, 6, 30, 31, 0]])  # fmt: skip
+    ids = torch.tensor([[0, 5, 6, 10, 11, 12], [7, 8, 9, 20, 0, 0], [0, 5, 6, 30, 31, 0]])
     mask = (ids != 0).long()
     packed = pack_rows(ids, mask, position_ids_from_mask(mask), 3, row_tokens=100)
     # One row: prompt [5 6], its rows 0 (tokens 10 11; 12 predicts nothing) and 2 (30), then prompt [7 8 9] (row
@@ -104,14 +103,16 @@ def test_pack_rows_layout_by_hand():
     assert packed.input_ids.tolist() == [[5, 6, 10, 11, 30, 7, 8, 9]]
     assert packed.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1, 2]]
     allowed = packed.allowed[0].int().tolist()
-    assert allowed == [[1, 0, 0, 0, 0, 0, 0, 0],
-                       [1, 1, 0, 0, 0, 0, 0, 0],
-                       [1, 1, 1, 0, 0, 0, 0, 0],
-                       [1, 1, 1, 1, 0, 0, 0, 0],
-                       [1, 1, 0, 0, 1, 0, 0, 0],  # row 2's token sees its prompt and itself, not row 0's tokens
-                       [0, 0, 0, 0, 0, 1, 0, 0],
-                       [0, 0, 0, 0, 0, 1, 1, 0],
-                       [0, 0, 0, 0, 0, 1, 1, 1]]  # fmt: skip
+    assert allowed == [
+        [1, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0, 0],  # row 2's token sees its prompt and itself, not row 0's tokens
+        [0, 0, 0, 0, 0, 1, 0, 0],
+        [0, 0, 0, 0, 0, 1, 1, 0],
+        [0, 0, 0, 0, 0, 1, 1, 1],
+    ]
     # Real completion tokens (row, column) and the packed position whose hidden state predicts each.
     targets = sorted(zip(packed.rows.tolist(), packed.columns.tolist(), packed.hidden_index.tolist()))
     assert targets == [(0, 0, 1), (0, 1, 2), (0, 2, 3), (1, 0, 7), (2, 0, 1), (2, 1, 4)]
@@ -196,8 +197,9 @@ def test_packed_under_gradient_checkpointing(model_type):
 def test_packed_with_lora(model_type):
     peft = pytest.importorskip("peft")
     base = build_tiny_model_of_type(model_type, num_layers=2)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
-                                                      init_lora_weights=False))  # fmt: skip
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
     assert packing_refusal(model) is None
     ids, mask = ragged_batch()
     packed = assert_packed_equals_padded(model, ids, mask, 12)
@@ -285,16 +287,34 @@ def test_trainer_refuses_an_moe_aux_loss_and_a_sliding_window(tmp_path):
 
     tokenizer = build_char_tokenizer("abcd:")
     dataset = Dataset.from_list([{"prompt": "a:"}] * 4)
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=1,
-                      max_completion_length=3, padding_free=True, save_strategy="no", report_to="none")  # fmt: skip
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_steps=1,
+        max_completion_length=3,
+        padding_free=True,
+        save_strategy="no",
+        report_to="none",
+    )
     moe = build_tiny_model_of_type("qwen3_moe", vocab_size=len(tokenizer), router_aux_loss_coef=0.01)
-    with pytest.raises(ValueError, match="router_aux_loss_coef=0.01"):
-        GRPOTrainer(model=moe, reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
-                    train_dataset=dataset, processing_class=tokenizer)  # fmt: skip
+    with pytest.raises(ValueError, match=r"router_aux_loss_coef=0.01"):
+        GRPOTrainer(
+            model=moe,
+            reward_funcs=lambda completions, **k: [0.0] * len(completions),
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
     windowed = build_tiny_model_of_type("mistral", vocab_size=len(tokenizer))
     with pytest.raises(ValueError, match="cannot run the policy: some layers are not full attention"):
-        GRPOTrainer(model=windowed, reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
-                    train_dataset=dataset, processing_class=tokenizer)  # fmt: skip
+        GRPOTrainer(
+            model=windowed,
+            reward_funcs=lambda completions, **k: [0.0] * len(completions),
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
 
 
 # ------------------------------------------------------------------------------------------ the trainer
@@ -322,19 +342,36 @@ def test_training_is_the_same_with_and_without_padding_free(tmp_path, gradient_c
     monkeypatch.setattr(policy, "packed_token_logprobs", lambda *a, **k: packed_calls.append(1) or original(*a, **k))
     results = {}
     for padding_free in (False, True):
-        args = GRPOConfig(output_dir=str(tmp_path / f"out{padding_free}"), per_device_train_batch_size=8,
-                          gradient_accumulation_steps=2, num_generations=4, max_completion_length=10,
-                          learning_rate=0.5, optim="sgd", beta=0.04, num_iterations=2, temperature=1.0, max_steps=3,
-                          logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0, report_to="none",
-                          gradient_checkpointing=gradient_checkpointing, padding_free=padding_free)  # fmt: skip
+        args = GRPOConfig(
+            output_dir=str(tmp_path / f"out{padding_free}"),
+            per_device_train_batch_size=8,
+            gradient_accumulation_steps=2,
+            num_generations=4,
+            max_completion_length=10,
+            learning_rate=0.5,
+            optim="sgd",
+            beta=0.04,
+            num_iterations=2,
+            temperature=1.0,
+            max_steps=3,
+            logging_steps=1,
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+            report_to="none",
+            gradient_checkpointing=gradient_checkpointing,
+            padding_free=padding_free,
+        )
         trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=dataset)
         assert is_activation_checkpointing(trainer.unwrapped_model) == gradient_checkpointing
         trainer.train()
         # 3 optimizer steps of 2 micro-batches each, and per generation (2) π_ref in 2 parts (π_old is the
         # sampler's own float32 log-probs): every forward is packed.
         assert len(packed_calls) == (0 if not padding_free else 3 * 2 + 2 * 2)
-        results[padding_free] = ({k: v.detach().clone() for k, v in trainer.unwrapped_model.state_dict().items()},
-                                 trainer.state.log_history[:-1])  # fmt: skip
+        results[padding_free] = (
+            {k: v.detach().clone() for k, v in trainer.unwrapped_model.state_dict().items()},
+            trainer.state.log_history[:-1],
+        )
     (padded_weights, padded_log), (packed_weights, packed_log) = results[False], results[True]
     sampled = [entry for entry in padded_log if "completions/min_length" in entry]  # steps that generated
     assert sampled and all(e["completions/min_length"] < e["completions/max_length"] for e in sampled), sampled

@@ -45,26 +45,49 @@ def letter_data():
 
 def tiny(seed=0):
     tokenizer = build_char_tokenizer(LETTERS + ":")
-    model = build_tiny_model(len(tokenizer), hidden_size=32, seed=seed, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
+    model = build_tiny_model(
+        len(tokenizer),
+        hidden_size=32,
+        seed=seed,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
     return model, tokenizer
 
 
 def run(tmp_path, *, rewards=(repeat_letter,), peft=False, eval_dataset=None, **overrides):
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=16, num_generations=4,
-                  max_completion_length=3, learning_rate=1e-2, max_steps=3, logging_steps=1, save_strategy="no",
-                  disable_tqdm=True, seed=0, beta=0.04, use_bias_correction_kl=False)  # fmt: skip
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=16,
+        num_generations=4,
+        max_completion_length=3,
+        learning_rate=1e-2,
+        max_steps=3,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        beta=0.04,
+        use_bias_correction_kl=False,
+    )
     model, tokenizer = tiny()
     peft_config = None
     if peft:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    trainer = GRPOTrainer(model=model, reward_funcs=list(rewards), args=GRPOConfig(**{**values, **overrides}),
-                          train_dataset=letter_data(), processing_class=tokenizer, peft_config=peft_config,
-                          eval_dataset=eval_dataset)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=list(rewards),
+        args=GRPOConfig(**{**values, **overrides}),
+        train_dataset=letter_data(),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        eval_dataset=eval_dataset,
+    )
     trainer.train()
-    weights = {k: v for k, v in trainer.unwrapped_model.state_dict().items()}
+    weights = dict(trainer.unwrapped_model.state_dict().items())
     return trainer, digest(weights)
 
 
@@ -128,31 +151,54 @@ PINNED_AVX512_INTEL = {
 def cpu_kernels() -> str:
     """Which kernels round the numbers: torch's CPU capability (AVX512, AVX2) and the CPU's vendor."""
     vendor = "unknown"
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as info:
-            vendor = next((line.split(":", 1)[1].strip() for line in info if line.startswith("vendor_id")), vendor)
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as info:
+        vendor = next((line.split(":", 1)[1].strip() for line in info if line.startswith("vendor_id")), vendor)
     return f"{torch.backends.cpu.get_cpu_capability()} {vendor}"
 
 
-PINNED_BY_CPU = {"AVX512 AuthenticAMD": PINNED_AVX512, "AVX2 AuthenticAMD": PINNED_AVX2,
-                 "AVX512 GenuineIntel": PINNED_AVX512_INTEL}  # fmt: skip
+PINNED_BY_CPU = {
+    "AVX512 AuthenticAMD": PINNED_AVX512,
+    "AVX2 AuthenticAMD": PINNED_AVX2,
+    "AVX512 GenuineIntel": PINNED_AVX512_INTEL,
+}
 CPU = cpu_kernels()
 
 
 CASES = {
     "on_policy": dict(),
     "mu2": dict(num_iterations=2, steps_per_generation=2),
-    "accumulated": dict(num_iterations=2, gradient_accumulation_steps=2, steps_per_generation=4,
-                        per_device_train_batch_size=8, loss_type="grpo", scale_rewards="batch",
-                        top_entropy_quantile=0.5, entropy_coef=0.01, mask_truncated_completions=True,
-                        rewards=(repeat_letter, length_reward)),
-    "accumulated_untruncated": dict(num_iterations=2, gradient_accumulation_steps=2, steps_per_generation=4,
-                                    per_device_train_batch_size=8, loss_type="grpo", scale_rewards="batch",
-                                    top_entropy_quantile=0.5, entropy_coef=0.01, rewards=(repeat_letter, length_reward)),
+    "accumulated": dict(
+        num_iterations=2,
+        gradient_accumulation_steps=2,
+        steps_per_generation=4,
+        per_device_train_batch_size=8,
+        loss_type="grpo",
+        scale_rewards="batch",
+        top_entropy_quantile=0.5,
+        entropy_coef=0.01,
+        mask_truncated_completions=True,
+        rewards=(repeat_letter, length_reward),
+    ),
+    "accumulated_untruncated": dict(
+        num_iterations=2,
+        gradient_accumulation_steps=2,
+        steps_per_generation=4,
+        per_device_train_batch_size=8,
+        loss_type="grpo",
+        scale_rewards="batch",
+        top_entropy_quantile=0.5,
+        entropy_coef=0.01,
+        rewards=(repeat_letter, length_reward),
+    ),
     "bf16_mu2": dict(bf16=True, num_iterations=2, steps_per_generation=2, loss_type="dr_grpo"),
     "lora": dict(peft=True, learning_rate=5e-2),
-    "process": dict(rewards=(repeat_letter, "process"), step_separator="a", loss_type="bnpo",
-                    importance_sampling_level="sequence", num_iterations=2),
+    "process": dict(
+        rewards=(repeat_letter, "process"),
+        step_separator="a",
+        loss_type="bnpo",
+        importance_sampling_level="sequence",
+        num_iterations=2,
+    ),
 }
 
 
@@ -169,8 +215,10 @@ def _process_reward():
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_final_weights_are_pinned(tmp_path, case):
     if CPU not in PINNED_BY_CPU:
-        pytest.skip(f"no digests recorded for torch CPU capability {CPU!r} (known: {sorted(PINNED_BY_CPU)}): run "
-                    "this test at a commit whose numbers are trusted and add the digests it prints")  # fmt: skip
+        pytest.skip(
+            f"no digests recorded for torch CPU capability {CPU!r} (known: {sorted(PINNED_BY_CPU)}): run "
+            "this test at a commit whose numbers are trusted and add the digests it prints"
+        )
     overrides = dict(CASES[case])
     if "rewards" in overrides:
         overrides["rewards"] = tuple(_process_reward() if r == "process" else r for r in overrides["rewards"])
@@ -178,7 +226,9 @@ def test_final_weights_are_pinned(tmp_path, case):
     assert len(trainer.state.log_history) >= 3
     pinned = PINNED_BY_CPU[CPU][case]
     if pinned is None:
-        pytest.skip(f"{case}: no digest recorded for these versions ({CPU}, transformers {_TRANSFORMERS}); found {found}")
+        pytest.skip(
+            f"{case}: no digest recorded for these versions ({CPU}, transformers {_TRANSFORMERS}); found {found}"
+        )
     assert found == pinned, f"{case}: final weights {found} != pinned {pinned} (CPU capability {CPU})"
 
 

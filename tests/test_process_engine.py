@@ -63,12 +63,19 @@ def fail_to_start():
 
 def tiny(seed: int = 0):
     tokenizer = build_char_tokenizer()
-    model = build_tiny_model(len(tokenizer), seed=seed, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)  # fmt: skip
-    prompts = PromptBatch(ids=[tokenizer.encode(text) for text in ("ab", "cd:", "x=1")], counts=[3, 3, 3],
-                          raw=[None] * 3)  # fmt: skip
-    params = SamplingParams(max_new_tokens=8, eos_token_ids=(tokenizer.eos_token_id,),
-                            pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    model = build_tiny_model(
+        len(tokenizer),
+        seed=seed,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    prompts = PromptBatch(
+        ids=[tokenizer.encode(text) for text in ("ab", "cd:", "x=1")], counts=[3, 3, 3], raw=[None] * 3
+    )
+    params = SamplingParams(
+        max_new_tokens=8, eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id
+    )
     return model, prompts, params
 
 
@@ -109,7 +116,8 @@ def test_the_engine_process_starts_safely_beside_threads_holding_locks():
             release.wait(60)
 
     threads = [threading.Thread(target=hold, daemon=True)] + [
-        threading.Thread(target=release.wait, args=(60,), daemon=True) for _ in range(3)]  # fmt: skip
+        threading.Thread(target=release.wait, args=(60,), daemon=True) for _ in range(3)
+    ]
     for thread in threads:
         thread.start()
     holding.wait(10)
@@ -130,8 +138,11 @@ def test_a_request_without_an_answer_kills_the_engine_process_within_the_timeout
     _, prompts, params = tiny()
     process = ProcessEngine(HangingEngine(), torch.nn.Linear(2, 2), request_timeout_s=1.0, poll_s=0.2)
     started = time.monotonic()
-    with pytest.raises(EngineProcessHung, match=rf"pid {process.pid}\) did not answer a request within 1.0 s: it "
-                                                r"was killed.*resume from it.*heartbeat_stale_after_s"):  # fmt: skip
+    with pytest.raises(
+        EngineProcessHung,
+        match=rf"pid {process.pid}\) did not answer a request within 1.0 s: it "
+        r"was killed.*resume from it.*heartbeat_stale_after_s",
+    ):
         process.generate(prompts, params, seed=0)
     assert time.monotonic() - started < 1.0 + SLACK_S
     assert not process.process.is_alive()
@@ -150,7 +161,7 @@ def test_close_is_bounded_while_a_request_is_in_flight():
     def request():
         try:
             process.generate(prompts, params, seed=0)
-        except BaseException as error:  # noqa: BLE001 - checked below
+        except BaseException as error:
             raised.append(error)
 
     thread = threading.Thread(target=request, daemon=True)
@@ -167,15 +178,18 @@ def test_close_is_bounded_while_a_request_is_in_flight():
 
 
 def test_an_engine_that_cannot_start_is_reported_when_the_process_engine_is_built():
-    with pytest.raises(EngineProcessDied, match=r"could not rebuild the FailsToStart it was sent:\nRuntimeError: this "
-                                                r"engine cannot be rebuilt"):  # fmt: skip
+    with pytest.raises(
+        EngineProcessDied,
+        match=r"could not rebuild the FailsToStart it was sent:\nRuntimeError: this "
+        r"engine cannot be rebuilt",
+    ):
         ProcessEngine(FailsToStart(), torch.nn.Linear(2, 2))
 
 
 def test_an_engine_that_does_not_pickle_is_refused_by_name():
     engine = HangingEngine()
     engine.callback = lambda: None
-    with pytest.raises(TypeError, match="HangingEngine.*pickled"):
+    with pytest.raises(TypeError, match=r"HangingEngine.*pickled"):
         ProcessEngine(engine, torch.nn.Linear(2, 2))
 
 

@@ -7,29 +7,41 @@ import warnings
 
 import pytest
 from datasets import Dataset
+from letters import LETTERS
 
 from grpokit import GRPOConfig, GRPOTrainer
 from grpokit.data import PromptLimit
 from grpokit.models import prompt_length_limit
 from grpokit.testing import build_char_tokenizer, build_tiny_model
 
-from letters import LETTERS
-
 CUT = "keep only their last"
 
 
 def tiny(positions: int = 1024):
     tokenizer = build_char_tokenizer(LETTERS + ":")
-    model = build_tiny_model(len(tokenizer), hidden_size=32, max_position_embeddings=positions,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                             bos_token_id=tokenizer.bos_token_id)  # fmt: skip
+    model = build_tiny_model(
+        len(tokenizer),
+        hidden_size=32,
+        max_position_embeddings=positions,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
     return model, tokenizer
 
 
 def config(tmp_path, **overrides) -> GRPOConfig:
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
-                  max_completion_length=8, max_steps=1, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                  report_to=[])  # fmt: skip
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=1,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        report_to=[],
+    )
     return GRPOConfig(**{**values, **overrides})
 
 
@@ -49,8 +61,13 @@ def test_the_default_keeps_an_802_token_prompt_whole_and_says_nothing(tmp_path, 
         seen.extend(prompts)
         return [0.0] * len(completions)
 
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, processing_class=tokenizer,
-                          train_dataset=Dataset.from_list([{"prompt": prompt(802)}]))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=Dataset.from_list([{"prompt": prompt(802)}]),
+    )
     with caplog.at_level(logging.WARNING, logger="grpokit"):
         encoded = trainer.codec.encode([{"prompt": prompt(802)}], [4])
         trainer.train()
@@ -73,19 +90,30 @@ def test_a_cut_is_said_once_with_the_count(tmp_path, caplog):
     model, tokenizer = tiny(positions=64)
     with pytest.warns(FutureWarning, match="max_prompt_length is deprecated"):
         args = config(tmp_path, max_prompt_length=20)
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-                          processing_class=tokenizer, train_dataset=Dataset.from_list([{"prompt": "a:"}]))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=Dataset.from_list([{"prompt": "a:"}]),
+    )
     rows = [{"prompt": prompt(30)}, {"prompt": "b:"}, {"prompt": prompt(25)}, {"prompt": "c:"}]
     with caplog.at_level(logging.WARNING, logger="grpokit"):
         first = trainer.codec.encode(rows, [1, 1, 1, 1])
         trainer.codec.encode(rows, [1, 1, 1, 1])  # cut again, not said again
-    assert [len(ids) for ids in first.ids] == [20, len(tokenizer("b:")["input_ids"]), 20,
-                                               len(tokenizer("c:")["input_ids"])]  # fmt: skip
+    assert [len(ids) for ids in first.ids] == [
+        20,
+        len(tokenizer("b:")["input_ids"]),
+        20,
+        len(tokenizer("c:")["input_ids"]),
+    ]
     assert first.ids[0] == tokenizer(prompt(30))["input_ids"][-20:]
     said = [record.getMessage() for record in caplog.records if CUT in record.getMessage()]
-    assert said == ["2 of 4 prompts in a batch are longer than 20 tokens and keep only their last 20 "
-                    "(max_prompt_length=20); reward functions still see the whole prompt. Filter long prompts out "
-                    "of the dataset to train on whole prompts. (Said once per run.)"]  # fmt: skip
+    assert said == [
+        "2 of 4 prompts in a batch are longer than 20 tokens and keep only their last 20 "
+        "(max_prompt_length=20); reward functions still see the whole prompt. Filter long prompts out "
+        "of the dataset to train on whole prompts. (Said once per run.)"
+    ]
 
 
 def test_the_positions_limit_names_its_reason_when_it_cuts(tmp_path, caplog):

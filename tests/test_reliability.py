@@ -11,11 +11,11 @@ import time
 import pytest
 import torch
 from datasets import Dataset
+from test_pinned import CPU, digest
 
 from grpokit import GRPOConfig, GRPOTrainer
 from grpokit.checkpoint import latest_checkpoint
 from grpokit.testing import save_tiny_model
-from test_pinned import CPU, digest
 
 LETTERS = "abcdefgh"
 
@@ -34,9 +34,17 @@ def repeat_letter(completions, letter, **kwargs):
 
 
 def config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=16, num_generations=4,
-                  max_completion_length=3, learning_rate=1e-2, max_steps=4, logging_steps=1, save_strategy="no",
-                  disable_tqdm=True)  # fmt: skip
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=16,
+        num_generations=4,
+        max_completion_length=3,
+        learning_rate=1e-2,
+        max_steps=4,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     return GRPOConfig(**{**values, **overrides})
 
 
@@ -70,8 +78,12 @@ def test_nonfinite_step_is_skipped_and_counted(tmp_path):
     model = PoisonableLM()
     model.poisoned = 1
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = GRPOTrainer(model=model, reward_funcs=first_token_is_target, train_dataset=id_dataset(),
-                          args=config(tmp_path, max_steps=2, per_device_train_batch_size=8))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=first_token_is_target,
+        train_dataset=id_dataset(),
+        args=config(tmp_path, max_steps=2, per_device_train_batch_size=8),
+    )
     with pytest.warns(RuntimeWarning, match="non-finite"):
         trainer.train()
     history = trainer.state.log_history[:-1]
@@ -86,9 +98,19 @@ def test_nonfinite_step_is_skipped_and_counted(tmp_path):
 def test_repeated_nonfinite_steps_stop_training(tmp_path):
     model = PoisonableLM()
     model.poisoned = 100
-    trainer = GRPOTrainer(model=model, reward_funcs=first_token_is_target, train_dataset=id_dataset(),
-                          args=config(tmp_path, max_steps=10, per_device_train_batch_size=8,
-                                      max_nonfinite_steps=3, save_strategy="steps", save_steps=1))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=first_token_is_target,
+        train_dataset=id_dataset(),
+        args=config(
+            tmp_path,
+            max_steps=10,
+            per_device_train_batch_size=8,
+            max_nonfinite_steps=3,
+            save_strategy="steps",
+            save_steps=1,
+        ),
+    )
     with pytest.raises(FloatingPointError, match="3 optimizer steps in a row"), pytest.warns(RuntimeWarning):
         trainer.train()
     assert trainer.state.global_step == 2  # steps 1 and 2 skipped and checkpointed (finite weights); step 3 stops
@@ -100,17 +122,37 @@ def test_repeated_nonfinite_steps_stop_training(tmp_path):
 
 def test_resume_inside_a_generation_batch(model_dir, tmp_path):
     # steps_per_generation=4, GA=1: each generation feeds 4 optimizer steps; saving at step 2 falls mid-batch.
-    args = dict(max_steps=6, steps_per_generation=4, per_device_train_batch_size=8, save_strategy="steps",
-                save_steps=2, beta=0.04, num_iterations=1, lr_scheduler_type="constant")  # fmt: skip
-    full = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letter_dataset(),
-                       args=config(tmp_path / "full", **args))  # fmt: skip
+    args = dict(
+        max_steps=6,
+        steps_per_generation=4,
+        per_device_train_batch_size=8,
+        save_strategy="steps",
+        save_steps=2,
+        beta=0.04,
+        num_iterations=1,
+        lr_scheduler_type="constant",
+    )
+    full = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=repeat_letter,
+        train_dataset=letter_dataset(),
+        args=config(tmp_path / "full", **args),
+    )
     full.train()
-    first = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letter_dataset(),
-                        args=config(tmp_path / "split", **{**args, "max_steps": 2}))  # fmt: skip
+    first = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=repeat_letter,
+        train_dataset=letter_dataset(),
+        args=config(tmp_path / "split", **{**args, "max_steps": 2}),
+    )
     first.train()
     assert first.cursor.micro_index == 2  # stopped inside the generation batch
-    resumed = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letter_dataset(),
-                          args=config(tmp_path / "split", **args))  # fmt: skip
+    resumed = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=repeat_letter,
+        train_dataset=letter_dataset(),
+        args=config(tmp_path / "split", **args),
+    )
     resumed.train(resume_from_checkpoint=str(tmp_path / "split" / "out" / "checkpoint-2"))
     a, b = full.unwrapped_model.state_dict(), resumed.unwrapped_model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -177,8 +219,13 @@ def child_script(tmp_path_factory):
 @pytest.fixture(scope="module")
 def unbroken_weights(model_dir, child_script, tmp_path_factory):
     reference = tmp_path_factory.mktemp("unbroken")
-    subprocess.run([sys.executable, str(child_script), model_dir, str(reference), "6", "none"], check=True,
-                   env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, timeout=300)  # fmt: skip
+    subprocess.run(
+        [sys.executable, str(child_script), model_dir, str(reference), "6", "none"],
+        check=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        timeout=300,
+    )
     return _final_weights(reference)
 
 
@@ -189,8 +236,12 @@ def test_sigkill_then_resume_gives_the_same_weights(model_dir, child_script, unb
 
     broken = tmp_path / "broken"
     broken.mkdir()
-    child = subprocess.Popen([sys.executable, str(script), model_dir, str(broken), "6", moment], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    child = subprocess.Popen(
+        [sys.executable, str(script), model_dir, str(broken), "6", moment],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 240
     if moment == "between":  # after checkpoint-2 exists, before checkpoint-4 starts
         while not (broken / "checkpoint-2").exists() and time.time() < deadline:
@@ -206,8 +257,13 @@ def test_sigkill_then_resume_gives_the_same_weights(model_dir, child_script, unb
     if moment == "during":
         assert list(broken.glob(".tmp-checkpoint-4-*")), "the kill should have left a partial checkpoint"
         assert not (broken / "checkpoint-4").exists()
-    subprocess.run([sys.executable, str(script), model_dir, str(broken), "6", "resume"], check=True, env=env,
-                   capture_output=True, timeout=300)  # fmt: skip
+    subprocess.run(
+        [sys.executable, str(script), model_dir, str(broken), "6", "resume"],
+        check=True,
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )
     a, b = unbroken_weights, _final_weights(broken)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # Pinned before the rollout-seam redesign (tests/test_pinned.py says how the digests were taken, per CPU).
@@ -217,14 +273,20 @@ def test_sigkill_then_resume_gives_the_same_weights(model_dir, child_script, unb
 
 
 def test_sigterm_with_enable_jit_checkpoint_saves_the_step_under_way_and_resumes_to_the_same_weights(
-        model_dir, child_script, unbroken_weights, tmp_path):  # fmt: skip
+    model_dir, child_script, unbroken_weights, tmp_path
+):
     # A scheduler's SIGTERM arrives at any moment of a step (here: while step 3 runs, between the checkpoints of
     # steps 2 and 4): the run finishes that step, saves it, and returns; resuming ends where the unbroken run ends.
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     broken = tmp_path / "broken"
     broken.mkdir()
-    child = subprocess.Popen([sys.executable, str(child_script), model_dir, str(broken), "6", "sigterm"], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    child = subprocess.Popen(
+        [sys.executable, str(child_script), model_dir, str(broken), "6", "sigterm"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 240
     while not (broken / "checkpoint-2").exists() and time.time() < deadline:
         time.sleep(0.02)
@@ -237,8 +299,13 @@ def test_sigterm_with_enable_jit_checkpoint_saves_the_step_under_way_and_resumes
     # on the machine's load).
     assert saved is not None and saved.name in ("checkpoint-3", "checkpoint-4", "checkpoint-5"), saved
     assert f"SIGTERM: saved {saved.name}" in err
-    subprocess.run([sys.executable, str(child_script), model_dir, str(broken), "6", "resume"], check=True, env=env,
-                   capture_output=True, timeout=300)  # fmt: skip
+    subprocess.run(
+        [sys.executable, str(child_script), model_dir, str(broken), "6", "resume"],
+        check=True,
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )
     a, b = unbroken_weights, _final_weights(broken)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -259,7 +326,7 @@ def test_a_partial_checkpoint_left_by_a_kill_is_skipped_with_a_warning(tmp_path)
 
 def test_missing_prompt_column_is_named_before_loading_the_model(tmp_path):
     data = Dataset.from_list([{"question": "a"}])
-    with pytest.raises(ValueError, match="no 'prompt' column.*question"):
+    with pytest.raises(ValueError, match=r"no 'prompt' column.*question"):
         GRPOTrainer(model="/does/not/exist", reward_funcs=repeat_letter, args=config(tmp_path), train_dataset=data)
 
 
@@ -272,8 +339,9 @@ def test_empty_dataset(tmp_path):
 def test_missing_model_path_fails_fast(tmp_path):
     started = time.time()
     with pytest.raises(FileNotFoundError, match="/does/not/exist"):
-        GRPOTrainer(model="/does/not/exist", reward_funcs=repeat_letter, args=config(tmp_path),
-                    train_dataset=letter_dataset())  # fmt: skip
+        GRPOTrainer(
+            model="/does/not/exist", reward_funcs=repeat_letter, args=config(tmp_path), train_dataset=letter_dataset()
+        )
     assert time.time() - started < 5
 
 
@@ -281,20 +349,33 @@ def test_reward_needing_a_missing_column(tmp_path):
     def needs_answer(completions, answer, **kwargs):
         return [0.0] * len(completions)
 
-    with pytest.raises(ValueError, match="needs_answer.*answer"):
-        GRPOTrainer(model="/does/not/exist", reward_funcs=needs_answer, args=config(tmp_path),
-                    train_dataset=letter_dataset())  # fmt: skip
+    with pytest.raises(ValueError, match=r"needs_answer.*answer"):
+        GRPOTrainer(
+            model="/does/not/exist", reward_funcs=needs_answer, args=config(tmp_path), train_dataset=letter_dataset()
+        )
 
 
 def test_batch_not_a_multiple_of_num_generations(model_dir, tmp_path):
     with pytest.raises(ValueError, match="multiple of num_generations"):
-        GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letter_dataset(),
-                    args=config(tmp_path, per_device_train_batch_size=6, num_generations=4))  # fmt: skip
+        GRPOTrainer(
+            model=model_dir,
+            reward_funcs=repeat_letter,
+            train_dataset=letter_dataset(),
+            args=config(tmp_path, per_device_train_batch_size=6, num_generations=4),
+        )
 
 
-@pytest.mark.parametrize("field,value", [("loss_type", "ppo"), ("scale_rewards", "median"),
-                                         ("importance_sampling_level", "word"), ("max_completion_length", 0),
-                                         ("learning_rate", -1.0), ("num_generations", 1)])  # fmt: skip
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("loss_type", "ppo"),
+        ("scale_rewards", "median"),
+        ("importance_sampling_level", "word"),
+        ("max_completion_length", 0),
+        ("learning_rate", -1.0),
+        ("num_generations", 1),
+    ],
+)
 def test_bad_values_name_the_field(tmp_path, field, value):
     with pytest.raises(ValueError, match=field):
         config(tmp_path, **{field: value})
@@ -308,29 +389,42 @@ def test_reward_errors_name_function_and_row(model_dir, tmp_path):
             raise KeyError("boom")
         return [0.0] * len(completions)
 
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=fragile, train_dataset=letter_dataset(),
-                          args=config(tmp_path, max_steps=1, per_device_train_batch_size=32))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=fragile,
+        train_dataset=letter_dataset(),
+        args=config(tmp_path, max_steps=1, per_device_train_batch_size=32),
+    )
     with pytest.raises(RewardFunctionError, match=r"fragile.*KeyError.*row \d+ \(prompt: 'c:'\)"):
         trainer.train()
 
-    tolerant = GRPOTrainer(model=model_dir, reward_funcs=fragile, train_dataset=letter_dataset(),
-                           args=config(tmp_path / "b", max_steps=1, per_device_train_batch_size=32,
-                                       reward_fn_errors="none"))  # fmt: skip
+    tolerant = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=fragile,
+        train_dataset=letter_dataset(),
+        args=config(tmp_path / "b", max_steps=1, per_device_train_batch_size=32, reward_fn_errors="none"),
+    )
     tolerant.train()
     assert tolerant.state.log_history[0]["rewards/fragile/errors"] == 4  # the 4 completions of prompt 'c:'
 
 
-@pytest.mark.parametrize("bad,message", [(lambda n: [0.0] * (n - 1), "returned 15 values for 16"),
-                                         (lambda n: ["1"] * n, "returned '1'"),
-                                         (lambda n: [float("nan")] * n, "must be finite")])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (lambda n: [0.0] * (n - 1), "returned 15 values for 16"),
+        (lambda n: ["1"] * n, "returned '1'"),
+        (lambda n: [float("nan")] * n, "must be finite"),
+    ],
+)
 def test_bad_reward_returns_name_the_function(model_dir, tmp_path, bad, message):
     from grpokit.rewards import RewardFunctionError
 
     def broken_reward(completions, **kwargs):
         return bad(len(completions))
 
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=broken_reward, train_dataset=letter_dataset(),
-                          args=config(tmp_path, max_steps=1))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model_dir, reward_funcs=broken_reward, train_dataset=letter_dataset(), args=config(tmp_path, max_steps=1)
+    )
     with pytest.raises(RewardFunctionError, match=f"broken_reward.*{message}"):
         trainer.train()
 
@@ -341,7 +435,12 @@ def test_tokenizer_without_pad_token_uses_eos(model_dir, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.pad_token = None
     with pytest.warns(UserWarning, match="no pad token"):
-        trainer = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letter_dataset(),
-                              processing_class=tokenizer, args=config(tmp_path, max_steps=1))  # fmt: skip
+        trainer = GRPOTrainer(
+            model=model_dir,
+            reward_funcs=repeat_letter,
+            train_dataset=letter_dataset(),
+            processing_class=tokenizer,
+            args=config(tmp_path, max_steps=1),
+        )
     assert trainer.processing_class.pad_token == trainer.processing_class.eos_token
     trainer.train()

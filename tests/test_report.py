@@ -19,12 +19,24 @@ def make_run(root: Path, name: str = "run_a", rewards=REWARDS, truncated: bool =
     lines = []
     for i, r in enumerate(rewards, 1):
         # Deliberately no "kl" (beta=0) and no "entropy": those panels must not appear.
-        lines.append({
-            "step": i, "reward": r, "reward_std": 0.3, "rewards/exact_match/mean": r,
-            "rewards/format/mean": 1.0, "frac_reward_zero_std": 0.25, "clip_ratio/region_mean": 0.01,
-            "completions/mean_length": 7.5 + i, "completions/min_length": 3, "completions/max_length": 16,
-            "completions/clipped_ratio": 0.1, "learning_rate": 1e-5, "grad_norm": 0.8, "step_time": 0.31,
-        })
+        lines.append(
+            {
+                "step": i,
+                "reward": r,
+                "reward_std": 0.3,
+                "rewards/exact_match/mean": r,
+                "rewards/format/mean": 1.0,
+                "frac_reward_zero_std": 0.25,
+                "clip_ratio/region_mean": 0.01,
+                "completions/mean_length": 7.5 + i,
+                "completions/min_length": 3,
+                "completions/max_length": 16,
+                "completions/clipped_ratio": 0.1,
+                "learning_rate": 1e-5,
+                "grad_norm": 0.8,
+                "step_time": 0.31,
+            }
+        )
     lines.insert(3, {"step": 3, "eval/reward": 0.55})  # eval-only line: every other key missing
     text = "".join(json.dumps(rec) + "\n" for rec in lines)
     if truncated:
@@ -33,14 +45,20 @@ def make_run(root: Path, name: str = "run_a", rewards=REWARDS, truncated: bool =
     comps = []
     for step, tag in [(1, "EARLY"), (3, "MIDDLE"), (5, "LATE")]:
         for k in range(2):
-            comps.append({
-                "step": step, "prompt": f"{tag} prompt {k} {SCRIPT} & more",
-                "completion": f"{tag} completion {k}", "rewards": {"exact_match": 1.0, "format": None},
-                "reward": 1.0, "advantage": 0.7 if k else -0.7,
-            })
+            comps.append(
+                {
+                    "step": step,
+                    "prompt": f"{tag} prompt {k} {SCRIPT} & more",
+                    "completion": f"{tag} completion {k}",
+                    "rewards": {"exact_match": 1.0, "format": None},
+                    "reward": 1.0,
+                    "advantage": 0.7 if k else -0.7,
+                }
+            )
     (d / "completions.jsonl").write_text("".join(json.dumps(c) + "\n" for c in comps))
-    (d / "grpo_config.json").write_text(json.dumps(
-        {"model_name_or_path": "tiny-test-model", "beta": 0.0, "num_generations": 8, "loss_type": "dr_grpo"}))
+    (d / "grpo_config.json").write_text(
+        json.dumps({"model_name_or_path": "tiny-test-model", "beta": 0.0, "num_generations": 8, "loss_type": "dr_grpo"})
+    )
     return d
 
 
@@ -74,8 +92,15 @@ def test_corrupt_middle_line_is_skipped(tmp_path):
 def test_plot_metrics_writes_valid_pngs_only_for_present_metrics(tmp_path):
     paths = plot_metrics([load_run(make_run(tmp_path))], tmp_path / "plots")
     names = {p.name for p in paths}
-    assert names == {"reward.png", "reward_std.png", "clip_ratio.png", "completion_length.png",
-                     "learning_rate.png", "grad_norm.png", "step_time.png"}
+    assert names == {
+        "reward.png",
+        "reward_std.png",
+        "clip_ratio.png",
+        "completion_length.png",
+        "learning_rate.png",
+        "grad_norm.png",
+        "step_time.png",
+    }
     for p in paths:
         data = p.read_bytes()
         assert data[:8] == PNG_MAGIC and len(data) > 5000, p
@@ -162,24 +187,46 @@ CHROMIUM = Path("/usr/bin/chromium")
 def test_html_renders_in_headless_chromium(tmp_path):
     html_path = write_report([make_run(tmp_path, "run_a"), make_run(tmp_path, "run_b")], out=tmp_path / "out")
     shot = tmp_path / "shot.png"
-    common = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-              f"--user-data-dir={tmp_path / 'profile'}"]
+    common = [
+        str(CHROMIUM),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        f"--user-data-dir={tmp_path / 'profile'}",
+    ]
     url = html_path.as_uri()
-    dom = subprocess.run(common + ["--dump-dom", url], check=False, capture_output=True, text=True, timeout=120)
+    dom = subprocess.run([*common, "--dump-dom", url], check=False, capture_output=True, text=True, timeout=120)
     assert dom.returncode == 0, dom.stderr[-2000:]
     assert "<title>GRPO report: run_a vs run_b</title>" in dom.stdout
     assert dom.stdout.count("<img") == 7
     # Check that every embedded PNG actually decodes: a copy of the page (the report itself
     # has no JS) counts the loaded images into a DOM attribute that --dump-dom shows.
     probe = tmp_path / "probe.html"
-    probe.write_text(html_path.read_text().replace("</body>", (
-        "<script>window.onload=()=>{document.body.dataset.ok=[...document.images]"
-        ".filter(i=>i.complete&&i.naturalWidth>300).length}</script></body>")))
-    dom = subprocess.run(common + ["--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
-                         check=False, capture_output=True, text=True, timeout=120)
+    probe.write_text(
+        html_path.read_text().replace(
+            "</body>",
+            (
+                "<script>window.onload=()=>{document.body.dataset.ok=[...document.images]"
+                ".filter(i=>i.complete&&i.naturalWidth>300).length}</script></body>"
+            ),
+        )
+    )
+    dom = subprocess.run(
+        [*common, "--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert 'data-ok="7"' in dom.stdout, dom.stdout[:300]
-    res = subprocess.run(common + ["--window-size=1400,3000", f"--screenshot={shot}", url],
-                         check=False, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [*common, "--window-size=1400,3000", f"--screenshot={shot}", url],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     data = shot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 50_000  # a blank page is a few KB
@@ -188,8 +235,11 @@ def test_html_renders_in_headless_chromium(tmp_path):
 def test_reward_trend_skips_the_summary_record():
     from grpokit.report import reward_trend
 
-    history = [{"step": 1, "reward": 0.25}, {"step": 5, "reward": 0.5, "eval/reward": 0.4},
-               {"step": 5, "train_loss": 0.1, "train_runtime": 3.0}]  # the last record of a finished run
+    history = [
+        {"step": 1, "reward": 0.25},
+        {"step": 5, "reward": 0.5, "eval/reward": 0.4},
+        {"step": 5, "train_loss": 0.1, "train_runtime": 3.0},
+    ]  # the last record of a finished run
     assert reward_trend(history) == "mean reward 0.250 over step 1 -> 0.500 over step 5"
     assert reward_trend([{"train_loss": 0.1}]) == "no reward logged"
     assert reward_trend(history[:1]) == "reward 0.250 at step 1 (one logged step)"
@@ -206,9 +256,16 @@ def test_short_runs_are_drawn_honestly(tmp_path):
 
     d = tmp_path / "short"
     d.mkdir()
-    records = [{"step": step, "entropy": 0.4 * (10 - step) / 9, "clip_ratio/region_mean": 0.0,
-                "completions/mean_terminated_length": 0.0 if step < 3 else 5.0,
-                "completions/clipped_ratio": 1.0 if step < 3 else 0.5} for step in range(1, 11)]  # fmt: skip
+    records = [
+        {
+            "step": step,
+            "entropy": 0.4 * (10 - step) / 9,
+            "clip_ratio/region_mean": 0.0,
+            "completions/mean_terminated_length": 0.0 if step < 3 else 5.0,
+            "completions/clipped_ratio": 1.0 if step < 3 else 0.5,
+        }
+        for step in range(1, 11)
+    ]
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     run = load_run(d)
     entropy = [r["entropy"] for r in records]

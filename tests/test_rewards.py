@@ -312,9 +312,12 @@ def test_accuracy_reward_unparsable_gold_is_none(gold):
 
 def test_accuracy_reward_none_survives_compute_rewards():
     scores, _, _ = compute_rewards(
-        [RewardFunction("accuracy", accuracy_reward)], ["p"] * 2, [r"$\boxed{2}$", r"$\boxed{2}$"], [[1], [1]],
+        [RewardFunction("accuracy", accuracy_reward)],
+        ["p"] * 2,
+        [r"$\boxed{2}$", r"$\boxed{2}$"],
+        [[1], [1]],
         {"solution": ["2", ""]},
-    )  # fmt: skip
+    )
     assert nan_list(scores[:, 0].tolist()) == [1.0, None]
 
 
@@ -349,10 +352,10 @@ def test_resolve_builtin_names():
     assert set(BUILTIN_REWARDS) >= {"accuracy", "think_format", "length", "code_execution"}
 
 
-REWARD_MODULE = '''
+REWARD_MODULE = """
 def shout_reward(completions, **kwargs):
     return [float(c.isupper()) for c in completions]
-'''
+"""
 
 
 def test_resolve_module_function(tmp_path, monkeypatch):
@@ -376,7 +379,7 @@ def test_resolve_errors(tmp_path):
     with pytest.raises(ValueError) as error:
         resolve_reward("acuracy")
     assert "'acuracy'" in str(error.value) and "accuracy" in str(error.value).replace("'acuracy'", "")
-    with pytest.raises(FileNotFoundError, match="missing.py"):
+    with pytest.raises(FileNotFoundError, match=r"missing.py"):
         resolve_reward(f"{tmp_path / 'missing.py'}:f")
     path = tmp_path / "my_rewards.py"
     path.write_text(REWARD_MODULE)
@@ -394,8 +397,13 @@ def test_a_missing_math_verify_says_install_it_not_score_none(monkeypatch):
     with pytest.raises(ImportError, match="pip install math-verify"):
         resolve_reward("accuracy")  # the command line names it before loading any model
     with pytest.raises(RewardFunctionError) as error:
-        compute_rewards([RewardFunction("accuracy", accuracy_reward)], PROMPTS, COMPLETIONS, COMPLETION_IDS,
-                        {"solution": ["2", "2", "5050", "5050"]})  # fmt: skip
+        compute_rewards(
+            [RewardFunction("accuracy", accuracy_reward)],
+            PROMPTS,
+            COMPLETIONS,
+            COMPLETION_IDS,
+            {"solution": ["2", "2", "5050", "5050"]},
+        )
     message = str(error.value)
     assert "pip install math-verify" in message and "Install the missing package" in message
     assert "reward_fn_errors" not in message  # scoring every row None would train on nothing

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
+from letters import LETTERS, letter_dataset, repeat_letter, tiny_letter_model
 
 from grpokit import GRPOConfig, RLOOConfig, RLOOTrainer
 from grpokit.advantages import combine_and_normalize, sequence_kl
@@ -24,7 +25,6 @@ from grpokit.experience import logprobs_in_chunks
 from grpokit.loss import policy_loss
 from grpokit.rloo import RLOO_FIELDS, grpo_config
 from grpokit.testing import save_tiny_model
-from letters import LETTERS, letter_dataset, repeat_letter, tiny_letter_model
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = json.loads(files("grpokit").joinpath("trl_rloo_fields.json").read_text())
@@ -32,8 +32,11 @@ RECORDED = json.loads(files("grpokit").joinpath("trl_rloo_fields.json").read_tex
 
 def defaults(config_class) -> dict:
     """{name: default} of a dataclass's init fields, in declaration order (factories called)."""
-    return {spec.name: spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
-            for spec in dataclasses.fields(config_class) if spec.init}  # fmt: skip
+    return {
+        spec.name: spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
+        for spec in dataclasses.fields(config_class)
+        if spec.init
+    }
 
 
 # ----------------------------------------------------------------------------------------------- the config
@@ -46,8 +49,12 @@ def test_fields_and_defaults_are_the_installed_trls():
     expected, actual = defaults(trl.RLOOConfig), defaults(RLOOConfig)
     assert list(actual) == list(expected)  # the same fields, in TRL's order
     assert {name: value for name, value in actual.items() if value != expected[name]} == {}
-    assert (RLOOConfig().beta, RLOOConfig().num_generations, RLOOConfig().normalize_advantages,
-            RLOOConfig().reward_clip_range) == (0.05, 2, False, None)  # fmt: skip
+    assert (
+        RLOOConfig().beta,
+        RLOOConfig().num_generations,
+        RLOOConfig().normalize_advantages,
+        RLOOConfig().reward_clip_range,
+    ) == (0.05, 2, False, None)
     assert defaults(RLOOConfig) == RECORDED["fields"]
 
 
@@ -56,11 +63,21 @@ def test_the_config_maps_onto_the_shared_loop():
     for spec in dataclasses.fields(RLOOConfig):  # shared fields keep GRPOConfig's help: one meaning per name
         if spec.name not in RLOO_FIELDS:
             assert spec.metadata["help"] == grpo_fields[spec.name].metadata["help"], spec.name
-    config = grpo_config(RLOOConfig(output_dir="out", normalize_advantages=True, reward_clip_range=(-1.0, 2.0),
-                                    beta=0.1, learning_rate=3e-6))  # fmt: skip
-    assert (config.advantage_estimator, config.scale_rewards, config.loss_type, config.importance_sampling_level,
-            config.kl_in_reward, config.reward_clip_range, config.beta, config.learning_rate) == (
-        "rloo", "batch", "rloo", "sequence_sum", True, [-1.0, 2.0], 0.1, 3e-6)  # fmt: skip
+    config = grpo_config(
+        RLOOConfig(
+            output_dir="out", normalize_advantages=True, reward_clip_range=(-1.0, 2.0), beta=0.1, learning_rate=3e-6
+        )
+    )
+    assert (
+        config.advantage_estimator,
+        config.scale_rewards,
+        config.loss_type,
+        config.importance_sampling_level,
+        config.kl_in_reward,
+        config.reward_clip_range,
+        config.beta,
+        config.learning_rate,
+    ) == ("rloo", "batch", "rloo", "sequence_sum", True, [-1.0, 2.0], 0.1, 3e-6)
     assert config.objective_options()["beta"] == 0.0  # the KL is in the reward, never a loss term
     assert grpo_config(RLOOConfig()).scale_rewards == "none"
     derived = RLOOConfig(per_device_train_batch_size=4, gradient_accumulation_steps=3)  # derived when built, as TRL
@@ -84,20 +101,46 @@ def trl_lines(method, first: str, last: str) -> str:
     return textwrap.dedent("\n".join(lines[start : end + 1]))
 
 
-def trl_rloo_advantages(rewards_per_func, weights, old_logprobs, ref_logprobs, mask, num_generations, *, beta,
-                        normalize_advantages, reward_clip_range):  # fmt: skip
+def trl_rloo_advantages(
+    rewards_per_func,
+    weights,
+    old_logprobs,
+    ref_logprobs,
+    mask,
+    num_generations,
+    *,
+    beta,
+    normalize_advantages,
+    reward_clip_range,
+):
     """TRL 1.16 RLOOTrainer._generate_and_score_completions from the weighted reward sum to the advantages."""
-    trl = pytest.importorskip("trl")
+    pytest.importorskip("trl")
     from trl.trainer.rloo_trainer import RLOOTrainer as TRLRLOOTrainer
     from trl.trainer.utils import nanstd
 
-    code = trl_lines(TRLRLOOTrainer._generate_and_score_completions, "unscorable_mask = torch.isnan(",
-                     "advantages = torch.nan_to_num(advantages")  # fmt: skip
-    trainer = types.SimpleNamespace(reward_weights=weights, reward_clip_range=reward_clip_range, beta=beta,
-                                    normalize_advantages=normalize_advantages)  # fmt: skip
-    scope = dict(self=trainer, torch=torch, nanstd=nanstd, gather=lambda t: t, device="cpu",
-                 rewards_per_func=rewards_per_func, old_per_token_logps=old_logprobs,
-                 ref_per_token_logps=ref_logprobs, completion_mask=mask, num_generations=num_generations)  # fmt: skip
+    code = trl_lines(
+        TRLRLOOTrainer._generate_and_score_completions,
+        "unscorable_mask = torch.isnan(",
+        "advantages = torch.nan_to_num(advantages",
+    )
+    trainer = types.SimpleNamespace(
+        reward_weights=weights,
+        reward_clip_range=reward_clip_range,
+        beta=beta,
+        normalize_advantages=normalize_advantages,
+    )
+    scope = dict(
+        self=trainer,
+        torch=torch,
+        nanstd=nanstd,
+        gather=lambda t: t,
+        device="cpu",
+        rewards_per_func=rewards_per_func,
+        old_per_token_logps=old_logprobs,
+        ref_per_token_logps=ref_logprobs,
+        completion_mask=mask,
+        num_generations=num_generations,
+    )
     exec(code, scope)
     return scope["advantages"]
 
@@ -123,13 +166,26 @@ def random_inputs(seed: int, num_prompts=4, num_generations=4, num_functions=2, 
 def test_advantages_with_the_kl_in_the_reward_are_trls(beta, normalize_advantages, reward_clip_range):
     for seed in range(3):
         scores, weights, old, ref, mask = random_inputs(seed)
-        expected = trl_rloo_advantages(scores, weights, old, ref, mask, 4, beta=beta,
-                                       normalize_advantages=normalize_advantages,
-                                       reward_clip_range=reward_clip_range)  # fmt: skip
-        actual = combine_and_normalize(scores, weights, 4, estimator="rloo",
-                                       scale_rewards="batch" if normalize_advantages else "none",
-                                       reward_clip_range=reward_clip_range,
-                                       kl_penalty=beta * sequence_kl(old, ref, mask) if beta else None)  # fmt: skip
+        expected = trl_rloo_advantages(
+            scores,
+            weights,
+            old,
+            ref,
+            mask,
+            4,
+            beta=beta,
+            normalize_advantages=normalize_advantages,
+            reward_clip_range=reward_clip_range,
+        )
+        actual = combine_and_normalize(
+            scores,
+            weights,
+            4,
+            estimator="rloo",
+            scale_rewards="batch" if normalize_advantages else "none",
+            reward_clip_range=reward_clip_range,
+            kl_penalty=beta * sequence_kl(old, ref, mask) if beta else None,
+        )
         assert actual.dtype == torch.float64
         # TRL's nanstd computes its Bessel factor count / (count - 1) as an int / int division, in float32: the
         # whitened advantages carry that factor's rounding (~1e-8 relative); grpokit's is exact.
@@ -145,8 +201,14 @@ def test_the_kl_penalty_changes_the_advantages_by_beta_times_the_summed_log_rati
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     kl = sequence_kl(old, ref, mask)  # [1.0, 0.0]: the masked token (-9 vs 0) does not count
     assert kl.tolist() == [1.0, 0.0]
-    advantages = combine_and_normalize(torch.ones(2, 1, dtype=torch.float64), torch.ones(1, dtype=torch.float64),
-                                       2, estimator="rloo", scale_rewards="none", kl_penalty=0.1 * kl)  # fmt: skip
+    advantages = combine_and_normalize(
+        torch.ones(2, 1, dtype=torch.float64),
+        torch.ones(1, dtype=torch.float64),
+        2,
+        estimator="rloo",
+        scale_rewards="none",
+        kl_penalty=0.1 * kl,
+    )
     assert advantages.tolist() == pytest.approx([-0.1, 0.1], abs=1e-15)  # (1 - 0.1) - 1 and 1 - (1 - 0.1)
 
 
@@ -154,8 +216,11 @@ def test_the_loss_and_its_gradient_are_trls():
     trl = pytest.importorskip("trl")
     from trl.trainer.rloo_trainer import RLOOTrainer as TRLRLOOTrainer
 
-    code = trl_lines(TRLRLOOTrainer._compute_loss, "logps = (per_token_logps * completion_mask).sum(1)",
-                     "loss = per_sequence_loss.mean()")  # fmt: skip
+    code = trl_lines(
+        TRLRLOOTrainer._compute_loss,
+        "logps = (per_token_logps * completion_mask).sum(1)",
+        "loss = per_sequence_loss.mean()",
+    )
     generator = torch.Generator().manual_seed(0)
     n, width = 12, 5
     mask = (torch.arange(width)[None] < torch.randint(1, width + 1, (n,), generator=generator)[:, None]).double()
@@ -164,13 +229,27 @@ def test_the_loss_and_its_gradient_are_trls():
     logprobs = (old + torch.randn(n, width, generator=generator, dtype=torch.float64) * 0.15).requires_grad_()
     advantages = torch.randn(n, generator=generator, dtype=torch.float64)
     trainer = types.SimpleNamespace(epsilon_low=0.2, epsilon_high=0.28)
-    scope = dict(self=trainer, torch=torch, per_token_logps=logprobs, completion_mask=mask,
-                 inputs={"old_logps": (old * mask).sum(1), "advantages": advantages})  # fmt: skip
+    scope = dict(
+        self=trainer,
+        torch=torch,
+        per_token_logps=logprobs,
+        completion_mask=mask,
+        inputs={"old_logps": (old * mask).sum(1), "advantages": advantages},
+    )
     exec(code, scope)
-    expected, = torch.autograd.grad(scope["loss"], logprobs)
-    loss, stats = policy_loss(logprobs, old, None, advantages, mask, loss_type="rloo", epsilon=0.2,
-                              epsilon_high=0.28, importance_sampling_level="sequence_sum")  # fmt: skip
-    actual, = torch.autograd.grad(loss, logprobs)
+    (expected,) = torch.autograd.grad(scope["loss"], logprobs)
+    loss, stats = policy_loss(
+        logprobs,
+        old,
+        None,
+        advantages,
+        mask,
+        loss_type="rloo",
+        epsilon=0.2,
+        epsilon_high=0.28,
+        importance_sampling_level="sequence_sum",
+    )
+    (actual,) = torch.autograd.grad(loss, logprobs)
     torch.testing.assert_close(loss, scope["loss"], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
     ratio = torch.exp((logprobs.detach() - old).mul(mask).sum(1))
@@ -189,9 +268,20 @@ def first_token_reward(completions, completion_ids, **kwargs):
 
 
 def rloo_config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=16, num_generations=4,
-                  max_completion_length=3, learning_rate=1e-2, max_steps=2, logging_steps=1, save_strategy="no",
-                  disable_tqdm=True, seed=0, report_to="none", gradient_checkpointing=False)  # fmt: skip
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=16,
+        num_generations=4,
+        max_completion_length=3,
+        learning_rate=1e-2,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        report_to="none",
+        gradient_checkpointing=False,
+    )
     return RLOOConfig(**{**values, **overrides})
 
 
@@ -201,9 +291,12 @@ def test_the_loops_batches_carry_trls_advantages(tmp_path, normalize_advantages)
     old_logprobs, as TRL's old_per_token_logps) and of the reference's log-probs; the loss sees no π_ref."""
     model, tokenizer = tiny_letter_model()
     dataset = Dataset.from_list([{"prompt": f"{c}{d}:"} for c in LETTERS for d in LETTERS[:2]])  # distinct prompts
-    args = rloo_config(tmp_path, beta=0.5, bf16=False, normalize_advantages=normalize_advantages, reward_clip_range=(0.0, 1.5))
-    trainer = RLOOTrainer(model=model, reward_funcs=first_token_reward, args=args, train_dataset=dataset,
-                          processing_class=tokenizer)  # fmt: skip
+    args = rloo_config(
+        tmp_path, beta=0.5, bf16=False, normalize_advantages=normalize_advantages, reward_clip_range=(0.0, 1.5)
+    )
+    trainer = RLOOTrainer(
+        model=model, reward_funcs=first_token_reward, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
     with torch.no_grad():  # move the policy away from the reference, so that the KL is not 0
         generator = torch.Generator().manual_seed(1)
         for parameter in trainer.model.parameters():
@@ -219,9 +312,17 @@ def test_the_loops_batches_carry_trls_advantages(tmp_path, normalize_advantages)
     kl = sequence_kl(grouped.old_logprobs, ref, grouped.loss_mask)
     assert kl.abs().min() > 1e-3  # a KL that moves the advantages
     rewards = torch.tensor([[float(ids[0] % 3)] for ids in grouped.completion_ids.tolist()], dtype=torch.float64)
-    expected = trl_rloo_advantages(rewards, torch.ones(1, dtype=torch.float64), grouped.old_logprobs.double(),
-                                   ref.double(), grouped.loss_mask, 4, beta=0.5,
-                                   normalize_advantages=normalize_advantages, reward_clip_range=(0.0, 1.5))
+    expected = trl_rloo_advantages(
+        rewards,
+        torch.ones(1, dtype=torch.float64),
+        grouped.old_logprobs.double(),
+        ref.double(),
+        grouped.loss_mask,
+        4,
+        beta=0.5,
+        normalize_advantages=normalize_advantages,
+        reward_clip_range=(0.0, 1.5),
+    )
     torch.testing.assert_close(grouped.advantages[:, 0].double(), expected, rtol=1e-5, atol=1e-5)
     assert (grouped.advantages == grouped.advantages[:, :1]).all()  # one advantage per completion
     trainer.train()
@@ -229,7 +330,7 @@ def test_the_loops_batches_carry_trls_advantages(tmp_path, normalize_advantages)
     assert len(logged) == 2 and all("kl" in record and "clip_ratio/region_mean" in record for record in logged)
 
 
-TRL_RLOO_SCRIPT = '''
+TRL_RLOO_SCRIPT = """
 from datasets import Dataset
 from trl import RLOOConfig, RLOOTrainer
 
@@ -245,7 +346,7 @@ training_args = RLOOConfig(output_dir=OUTPUT_DIR, per_device_train_batch_size=8,
 trainer = RLOOTrainer(model=model, reward_funcs=reward_len, args=training_args, train_dataset=dataset,
                       processing_class=tokenizer)
 trainer.train()
-'''
+"""
 
 
 def test_a_trl_rloo_script_runs_with_only_the_import_changed(tmp_path):
@@ -266,8 +367,14 @@ def test_a_trl_rloo_script_runs_with_only_the_import_changed(tmp_path):
 # ------------------------------------------------------------------------- TRL's batch count per epoch
 
 # TRL's test_prepare_input_called_with_correct_data (tests/test_rloo_trainer.py): its config, on its 17-prompt set.
-TRL_COUNT_CONFIG = dict(gradient_accumulation_steps=3, steps_per_generation=4, num_generations=4,
-                        per_device_train_batch_size=6, num_iterations=2, shuffle_dataset=False)  # fmt: skip
+TRL_COUNT_CONFIG = dict(
+    gradient_accumulation_steps=3,
+    steps_per_generation=4,
+    num_generations=4,
+    per_device_train_batch_size=6,
+    num_iterations=2,
+    shuffle_dataset=False,
+)
 TRL_COUNT_PROMPTS = 17
 
 
@@ -281,9 +388,13 @@ def trls_training_step_calls(num_train_epochs: int = 3) -> int:
 
     c = TRL_COUNT_CONFIG
     rows_per_batch = c["per_device_train_batch_size"] * c["steps_per_generation"]
-    sampler = RepeatSampler(list(range(TRL_COUNT_PROMPTS)), mini_repeat_count=c["num_generations"],
-                            batch_size=rows_per_batch // c["num_generations"],
-                            repeat_count=c["num_iterations"] * c["steps_per_generation"], shuffle=False)  # fmt: skip
+    sampler = RepeatSampler(
+        list(range(TRL_COUNT_PROMPTS)),
+        mini_repeat_count=c["num_generations"],
+        batch_size=rows_per_batch // c["num_generations"],
+        repeat_count=c["num_iterations"] * c["steps_per_generation"],
+        shuffle=False,
+    )
     return num_train_epochs * len(list(sampler)) // rows_per_batch
 
 
@@ -305,11 +416,25 @@ def test_training_step_is_called_as_often_as_in_trl(tmp_path):
         seen.append(sorted(set(prompts)))
         return [float(len(c)) for c in completions]
 
-    args = RLOOConfig(output_dir=str(tmp_path / "out"), max_completion_length=2, learning_rate=0.1, save_strategy="no",
-                      disable_tqdm=True, report_to="none", bf16=False, gradient_checkpointing=False, beta=0.0,
-                      **TRL_COUNT_CONFIG)  # fmt: skip
-    trainer = CountingRLOOTrainer(model=model, reward_funcs=recording, args=args, processing_class=tokenizer,
-                                  train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]))  # fmt: skip
+    args = RLOOConfig(
+        output_dir=str(tmp_path / "out"),
+        max_completion_length=2,
+        learning_rate=0.1,
+        save_strategy="no",
+        disable_tqdm=True,
+        report_to="none",
+        bf16=False,
+        gradient_checkpointing=False,
+        beta=0.0,
+        **TRL_COUNT_CONFIG,
+    )
+    trainer = CountingRLOOTrainer(
+        model=model,
+        reward_funcs=recording,
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
+    )
     trainer.train()
     assert trls_training_step_calls() == 48  # TRL's test's own figure
     assert trainer.training_steps == trls_training_step_calls() == 48
@@ -331,16 +456,30 @@ def test_trls_own_rloo_trainer_calls_training_step_48_times(tmp_path):
             self.training_steps = getattr(self, "training_steps", 0) + 1
             return super().training_step(*args, **kwargs)
 
-    args = trl.RLOOConfig(output_dir=str(tmp_path / "out"), max_completion_length=2, learning_rate=0.1,
-                          save_strategy="no", disable_tqdm=True, report_to="none", bf16=False, use_cpu=True,
-                          beta=0.0, **TRL_COUNT_CONFIG)  # fmt: skip
-    trainer = Counting(model=model, reward_funcs=lambda completions, **kwargs: [1.0] * len(completions), args=args,
-                       processing_class=tokenizer, train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]))
+    args = trl.RLOOConfig(
+        output_dir=str(tmp_path / "out"),
+        max_completion_length=2,
+        learning_rate=0.1,
+        save_strategy="no",
+        disable_tqdm=True,
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        beta=0.0,
+        **TRL_COUNT_CONFIG,
+    )
+    trainer = Counting(
+        model=model,
+        reward_funcs=lambda completions, **kwargs: [1.0] * len(completions),
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
+    )
     trainer.train()
     assert trainer.training_steps == trls_training_step_calls() == 48
 
 
-TRL_RLOO_DATALOADER_SCRIPT = '''
+TRL_RLOO_DATALOADER_SCRIPT = """
 from datasets import Dataset
 from trl import RLOOConfig, RLOOTrainer
 
@@ -360,7 +499,7 @@ batching = {"rows per batch": dataloader.batch_sampler.batch_size, "batch_size":
             "num_workers": dataloader.num_workers, "batches per epoch": len(dataloader),
             "first batch": [row["prompt"] for row in first]}
 trainer.train()
-'''
+"""
 
 
 def test_a_trl_rloo_script_reading_the_train_dataloader_runs_with_only_the_import_changed(tmp_path):
@@ -390,9 +529,19 @@ def test_rloo_learns_the_letter_task(tmp_path):
     """By the criterion of tests/test_objectives_learning.py, with TRL RLOOConfig's defaults (beta 0.05 in the
     reward) but for the batch shape and the learning rate."""
     model_dir = str(save_tiny_model(tmp_path / "tiny", chars=LETTERS + ":", hidden_size=64))
-    args = RLOOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=64, num_generations=8,
-                      max_completion_length=2, learning_rate=1e-2, lr_scheduler_type="constant", max_steps=80,
-                      logging_steps=5, save_strategy="no", disable_tqdm=True, report_to="none")  # fmt: skip
+    args = RLOOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=64,
+        num_generations=8,
+        max_completion_length=2,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        max_steps=80,
+        logging_steps=5,
+        save_strategy="no",
+        disable_tqdm=True,
+        report_to="none",
+    )
     trainer = RLOOTrainer(model=model_dir, reward_funcs=[repeat_letter], args=args, train_dataset=letter_dataset())
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
@@ -404,7 +553,7 @@ def test_rloo_learns_the_letter_task(tmp_path):
 
 # --------------------------------------------------------------------------------------------- two processes
 
-TWO_PROCESS_SCRIPT = '''
+TWO_PROCESS_SCRIPT = """
 import json, os, sys
 
 import torch
@@ -441,7 +590,7 @@ def main(spec_path):
 
 if __name__ == "__main__":
     main(sys.argv[1])
-'''
+"""
 
 
 def test_two_processes_fold_the_kl_of_the_whole_group(tmp_path):
@@ -461,7 +610,15 @@ def test_two_processes_fold_the_kl_of_the_whole_group(tmp_path):
     assert sequence_kl(rows["old"], rows["ref"], rows["mask"]).abs().min() > 1e-3  # a KL that moves the advantages
     order = torch.tensor(sorted(range(len(keys)), key=lambda i: (keys[i], i)))
     rewards = torch.tensor([[float(ids[0] % 3)] for ids in rows["completion_ids"][order].tolist()], dtype=torch.float64)
-    expected = trl_rloo_advantages(rewards, torch.ones(1, dtype=torch.float64), rows["old"][order].double(),
-                                   rows["ref"][order].double(), rows["mask"][order], 4, beta=0.5,
-                                   normalize_advantages=True, reward_clip_range=None)  # fmt: skip
+    expected = trl_rloo_advantages(
+        rewards,
+        torch.ones(1, dtype=torch.float64),
+        rows["old"][order].double(),
+        rows["ref"][order].double(),
+        rows["mask"][order],
+        4,
+        beta=0.5,
+        normalize_advantages=True,
+        reward_clip_range=None,
+    )
     torch.testing.assert_close(rows["advantages"][order].double(), expected, rtol=1e-5, atol=1e-5)

@@ -129,9 +129,16 @@ def test_fast_paths_match_the_naive_loop(model, tokenizer, sampling):
 
     def run(use_cache, share_prefix, drop_finished):
         return generate(
-            model, ids, mask, params, generator=seeded(0), num_generations=num_generations,
-            use_cache=use_cache, share_prefix=share_prefix, drop_finished=drop_finished,
-        )  # fmt: skip
+            model,
+            ids,
+            mask,
+            params,
+            generator=seeded(0),
+            num_generations=num_generations,
+            use_cache=use_cache,
+            share_prefix=share_prefix,
+            drop_finished=drop_finished,
+        )
 
     naive = run(use_cache=False, share_prefix=False, drop_finished=False)
     # The compaction path only runs when at least a quarter of the rows finish before the last step, and it only
@@ -172,8 +179,9 @@ def test_lora_model_samples_with_the_kv_cache(tokenizer, task_type, monkeypatch)
     assert not torch.equal(no_adapter.completion_ids, naive.completion_ids)  # the adapter is in the samples
 
     steps = []
-    monkeypatch.setattr(hf.CachedDecoder, "step", lambda self, tokens, _s=hf.CachedDecoder.step: steps.append(1)
-                        or _s(self, tokens))  # fmt: skip
+    monkeypatch.setattr(
+        hf.CachedDecoder, "step", lambda self, tokens, _s=hf.CachedDecoder.step: steps.append(1) or _s(self, tokens)
+    )
     fast = generate(model, ids, mask, params, generator=seeded(0), num_generations=4)
     assert steps, "a LoRA model sampled without its KV cache"
     assert torch.equal(fast.completion_ids, naive.completion_ids)
@@ -206,8 +214,10 @@ def test_frozen_weights_are_cast_once_per_rollout_under_autocast(tokenizer):
     params = params_for(tokenizer, max_new_tokens=8)
 
     def sample(keep_casts: bool):
-        with torch.autocast("cpu", dtype=torch.bfloat16), \
-                (autocast_keeps_frozen_casts(model) if keep_casts else contextlib.nullcontext()):  # fmt: skip
+        with (
+            torch.autocast("cpu", dtype=torch.bfloat16),
+            autocast_keeps_frozen_casts(model) if keep_casts else contextlib.nullcontext(),
+        ):
             return generate(model, ids, mask, params, generator=seeded(0), num_generations=4)
 
     naive, fast = sample(False), sample(True)
@@ -222,9 +232,8 @@ def test_frozen_weights_are_cast_once_per_rollout_under_autocast(tokenizer):
     prompts = PromptCodec(tokenizer, None).encode([{"prompt": p} for p in PLAIN_PROMPTS], [4] * 3)
     engine_casts = weight_casts(lambda: engine.generate(prompts, params, seed=0))
     assert {name: p.requires_grad for name, p in model.named_parameters()} == flags
-    with pytest.raises(RuntimeError):  # restored on errors too
-        with autocast_keeps_frozen_casts(model):
-            raise RuntimeError
+    with pytest.raises(RuntimeError), autocast_keeps_frozen_casts(model):  # restored on errors too
+        raise RuntimeError
     assert {name: p.requires_grad for name, p in model.named_parameters()} == flags
     assert engine_casts < naive_casts
 
@@ -295,9 +304,16 @@ def kept(scores: torch.Tensor) -> list[int]:
 
 @pytest.mark.parametrize(
     "top_p, expected",
-    [(0.4, [0]), (0.5, [0]), (0.6, [0, 1]), (0.8, [0, 1]), (0.81, [0, 1, 2]), (0.96, [0, 1, 2, 3]),
-     (1.0, [0, 1, 2, 3])],
-)  # fmt: skip
+    [
+        (0.4, [0]),
+        (0.5, [0]),
+        (0.6, [0, 1]),
+        (0.8, [0, 1]),
+        (0.81, [0, 1, 2]),
+        (0.96, [0, 1, 2, 3]),
+        (1.0, [0, 1, 2, 3]),
+    ],
+)
 def test_top_p_keeps_the_smallest_set_reaching_top_p(top_p, expected):
     assert kept(filter_logits(LOGITS, SamplingParams(1, top_p=top_p))) == expected
 
@@ -522,8 +538,16 @@ def test_all_done_keeps_stepping_until_every_process_is_done(model, tokenizer, d
         return done and len(asked) >= 11
 
     try:
-        synced = generate(model, ids, mask, params, generator=seeded(4), num_generations=2, all_done=all_done,
-                          drop_finished=drop_finished)  # fmt: skip
+        synced = generate(
+            model,
+            ids,
+            mask,
+            params,
+            generator=seeded(4),
+            num_generations=2,
+            all_done=all_done,
+            drop_finished=drop_finished,
+        )
     finally:
         handle.remove()
     assert len(calls) == 11 and len(asked) == 11
@@ -594,8 +618,9 @@ def test_one_token_attention_samples_what_sdpa_samples(model_type):
 
 @pytest.mark.parametrize("one_token", [True, False], ids=["one-token", "sdpa"])
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "gemma", "llama", "qwen2"])
-def test_sampling_cache_under_autocast_keeps_the_autocast_dtype_and_samples_the_same(model_type, one_token,
-                                                                                     monkeypatch):
+def test_sampling_cache_under_autocast_keeps_the_autocast_dtype_and_samples_the_same(
+    model_type, one_token, monkeypatch
+):
     # float32 weights under bf16 autocast make float32 keys (RoPE's float32 cos/sin promote the projection's bf16),
     # which SDPA (and the one-token path's matmuls) round to bf16 at each decode step. The cache holds them in bf16:
     # bitwise the same tokens and log-probs as float32 buffers, with a third less memory.
@@ -621,8 +646,9 @@ def test_sampling_cache_under_autocast_keeps_the_autocast_dtype_and_samples_the_
     def buffers(cache):
         layers = [layer for layer in cache.layers if getattr(layer, "_keys", None) is not None]
         assert layers
-        return {(layer._keys.dtype, layer._values.dtype) for layer in layers}, \
-            sum(layer._keys.nbytes + layer._values.nbytes for layer in layers)  # fmt: skip
+        return {(layer._keys.dtype, layer._values.dtype) for layer in layers}, sum(
+            layer._keys.nbytes + layer._values.nbytes for layer in layers
+        )
 
     compact = sample()
     monkeypatch.setattr(fast, "CASTING_ATTENTION", frozenset())

@@ -5,21 +5,33 @@ cannot run refused before vLLM starts, and a reward function that raises on ever
 import re
 
 import pytest
+from letters import letter_dataset, repeat_letter, tiny_letter_model
 
 from grpokit import GRPOConfig, GRPOTrainer
 from grpokit.rewards.base import RewardFunctionError
 from grpokit.rollout.vllm import VLLM_CPU_HEAD_SIZES, check_cpu_head_size, start_llm
 from grpokit.testing import build_char_tokenizer, build_tiny_model, save_tiny_model
 
-from letters import letter_dataset, repeat_letter, tiny_letter_model
-
 
 def letter_trainer(tmp_path, reward=repeat_letter, **overrides):
     model, tokenizer = tiny_letter_model()
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
-                  max_completion_length=2, max_steps=2, logging_steps=1, save_strategy="no", report_to="none")
-    return GRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(**{**values, **overrides}),
-                       train_dataset=letter_dataset(1), processing_class=tokenizer)  # fmt: skip
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=2,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+    )
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=GRPOConfig(**{**values, **overrides}),
+        train_dataset=letter_dataset(1),
+        processing_class=tokenizer,
+    )
 
 
 def test_log_lines_are_printed_through_the_progress_bar_and_checkpoints_draw_no_bar(tmp_path, capfd):
@@ -39,10 +51,19 @@ def test_the_model_card_names_a_model_built_in_code(tmp_path):
     card = (tmp_path / "final" / "README.md").read_text()
     assert "from a `Qwen2ForCausalLM` built in code." in card and "a model object" not in card
     model_dir = save_tiny_model(tmp_path / "tiny")
-    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=repeat_letter, train_dataset=letter_dataset(1),
-                          args=GRPOConfig(output_dir=str(tmp_path / "out2"), per_device_train_batch_size=8,
-                                          num_generations=4, max_completion_length=2, max_steps=1,
-                                          report_to="none"))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=str(model_dir),
+        reward_funcs=repeat_letter,
+        train_dataset=letter_dataset(1),
+        args=GRPOConfig(
+            output_dir=str(tmp_path / "out2"),
+            per_device_train_batch_size=8,
+            num_generations=4,
+            max_completion_length=2,
+            max_steps=1,
+            report_to="none",
+        ),
+    )
     trainer.train()
     trainer.save_model(str(tmp_path / "final2"))
     assert f"from the base model **{model_dir}**." in (tmp_path / "final2" / "README.md").read_text()
@@ -52,7 +73,7 @@ def test_a_head_size_vllms_cpu_attention_refuses_is_named_before_vllm_starts(tmp
     tokenizer = build_char_tokenizer("ab")
     sixteen = tmp_path / "sixteen"
     build_tiny_model(len(tokenizer), hidden_size=32, num_heads=2).save_pretrained(sixteen)  # head size 16
-    with pytest.raises(ValueError, match="this model's is 16 \\(hidden_size 32 / 2 heads\\).*use_vllm=False"):
+    with pytest.raises(ValueError, match=r"this model's is 16 \(hidden_size 32 / 2 heads\).*use_vllm=False"):
         check_cpu_head_size(sixteen)
     with pytest.raises(ValueError, match="head sizes 32, 64"):  # before vLLM is imported (not installed here)
         start_llm(sixteen, dtype=None)
@@ -67,8 +88,11 @@ def test_a_reward_function_raising_on_every_row_stops_the_run_after_three_batche
         raise KeyError("answer")
 
     trainer = letter_trainer(tmp_path, reward=broken, reward_fn_errors="none", max_steps=10)
-    with pytest.raises(RewardFunctionError, match="No completion got a reward in 3 generation batches in a row: "
-                                                  "the reward functions raised \\(broken on 8 rows of the last 8\\)"):
+    with pytest.raises(
+        RewardFunctionError,
+        match="No completion got a reward in 3 generation batches in a row: "
+        "the reward functions raised \\(broken on 8 rows of the last 8\\)",
+    ):
         trainer.train()
     assert trainer.state.global_step == 2  # two batches trained on nothing, the third stopped the run
 

@@ -9,11 +9,11 @@ import math
 
 import pytest
 import torch
+from letters import letter_config, letter_dataset, repeat_letter, tiny_letter_model
 
 from grpokit import GRPOTrainer, policy_loss
 from grpokit.loss import sampling_correction, vespo_weights
 from grpokit.rollout import HFEngine
-from letters import letter_config, letter_dataset, repeat_letter, tiny_letter_model
 
 F64 = torch.float64
 
@@ -88,7 +88,7 @@ def test_nan_sampling_logprobs_count_as_no_difference_and_are_left_out_of_the_me
 
 
 def test_unknown_mode_is_refused():
-    with pytest.raises(ValueError, match="vllm_importance_sampling_mode.*token_truncate"):
+    with pytest.raises(ValueError, match=r"vllm_importance_sampling_mode.*token_truncate"):
         correct("token_clip")
 
 
@@ -106,16 +106,27 @@ def test_the_ratio_multiplies_the_policy_term_not_the_kl():
     ref = t(OLD) + t([[0.1, -0.2, 0.0], [0.3, 0.0, -0.1]])
     weight = t([[2.0, 0.5, 9.0], [1.0, 0.0, 3.0]])  # 9 on padding: must not leak
     advantages = t([1.0, -2.0])
-    loss, _ = policy_loss(logprobs, None, ref, advantages, t(MASK), loss_type="dapo", beta=0.1,
-                          sampling_ratio=weight, use_bias_correction_kl=False)  # fmt: skip
+    loss, _ = policy_loss(
+        logprobs,
+        None,
+        ref,
+        advantages,
+        t(MASK),
+        loss_type="dapo",
+        beta=0.1,
+        sampling_ratio=weight,
+        use_bias_correction_kl=False,
+    )
     kl = lambda d: e(d) - d - 1  # noqa: E731  (d = ref - logp)
     policy = -(1.0 * 2.0 + 1.0 * 0.5) - (-2.0) * (1.0 + 0.0 + 3.0)
     kls = kl(0.1) + kl(-0.2) + kl(0.3) + kl(0.0) + kl(-0.1)
     close(loss, (policy + 0.1 * kls) / 5)
     loss.backward()
     # d/dlogp of -A·w·exp(logp - sg(logp)) is -A·w at ratio 1; of k3, 1 - exp(ref - logp)
-    expected_grad = [[(-2.0 + 0.1 * (1 - e(0.1))) / 5, (-0.5 + 0.1 * (1 - e(-0.2))) / 5, 0.0],
-                     [(2.0 + 0.1 * (1 - e(0.3))) / 5, (0.0 + 0.1 * (1 - e(0.0))) / 5, (6.0 + 0.1 * (1 - e(-0.1))) / 5]]
+    expected_grad = [
+        [(-2.0 + 0.1 * (1 - e(0.1))) / 5, (-0.5 + 0.1 * (1 - e(-0.2))) / 5, 0.0],
+        [(2.0 + 0.1 * (1 - e(0.3))) / 5, (0.0 + 0.1 * (1 - e(0.0))) / 5, (6.0 + 0.1 * (1 - e(-0.1))) / 5],
+    ]
     close(logprobs.grad, expected_grad)
 
 
@@ -135,8 +146,9 @@ def test_vespo_takes_the_ratio_into_its_sequence_weight():
     close(weights, [[e(3 + 2 * math.log(1e-8) - 3e-8)]], atol=1e-20)
     # and the loss is not multiplied by it a second time
     logprobs = t([[-1.0, -2.0]]).requires_grad_(True)
-    loss, _ = policy_loss(logprobs, None, None, t([1.0]), t([[1, 1]]), loss_type="vespo",
-                          sampling_ratio=t([[e(0.3), e(-0.1)]]))  # fmt: skip
+    loss, _ = policy_loss(
+        logprobs, None, None, t([1.0]), t([[1, 1]]), loss_type="vespo", sampling_ratio=t([[e(0.3), e(-0.1)]])
+    )
     close(loss, -e(3 + 0.4 - 3 * e(0.2)) * (-3.0) / 2)
 
 
@@ -161,8 +173,14 @@ def corrected_run(tmp_path, shift, **overrides):
     model, tokenizer = tiny_letter_model()
     before = [p.detach().clone() for p in model.parameters()]
     args = letter_config(tmp_path, max_steps=2, use_vllm=True, **overrides)
-    trainer = GRPOTrainer(model=model, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset(),
-                          processing_class=tokenizer, rollout_engine=ShiftedEngine(model, shift))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=repeat_letter,
+        args=args,
+        train_dataset=letter_dataset(),
+        processing_class=tokenizer,
+        rollout_engine=ShiftedEngine(model, shift),
+    )
     trainer.train()
     moved = max((p.detach() - b).abs().max().item() for p, b in zip(trainer.unwrapped_model.parameters(), before))
     return trainer.state.log_history[0], moved
@@ -180,8 +198,13 @@ def test_trainer_reports_the_correction_and_masks_by_it(tmp_path):
     assert moved > 1e-4
     # sequence_mask: 2 tokens of gap 1.0 per completion give a sequence ratio e^2 > clip_max = 1.5: every
     # completion is masked out, and with beta = 0 nothing moves the weights.
-    record, moved = corrected_run(tmp_path / "b", 1.0, vllm_importance_sampling_mode="sequence_mask",
-                                  vllm_importance_sampling_clip_max=1.5, max_completion_length=2)
+    record, moved = corrected_run(
+        tmp_path / "b",
+        1.0,
+        vllm_importance_sampling_mode="sequence_mask",
+        vllm_importance_sampling_clip_max=1.5,
+        max_completion_length=2,
+    )
     assert record["sampling/importance_sampling_ratio/max"] == 0.0
     assert moved == 0.0
 
@@ -192,11 +215,11 @@ def test_trainer_reports_the_correction_and_masks_by_it(tmp_path):
 def test_config_checks_the_correction_fields():
     from grpokit import GRPOConfig
 
-    with pytest.raises(ValueError, match="vllm_importance_sampling_mode='token_clip'.*token_truncate"):
+    with pytest.raises(ValueError, match=r"vllm_importance_sampling_mode='token_clip'.*token_truncate"):
         GRPOConfig(vllm_importance_sampling_mode="token_clip")
-    with pytest.raises(ValueError, match="clip_min=2.0 is above.*clip_max=1.5"):
+    with pytest.raises(ValueError, match=r"clip_min=2.0 is above.*clip_max=1.5"):
         GRPOConfig(vllm_importance_sampling_clip_min=2.0, vllm_importance_sampling_clip_max=1.5)
-    with pytest.raises(ValueError, match="vespo.*token_truncate"):
+    with pytest.raises(ValueError, match=r"vespo.*token_truncate"):
         GRPOConfig(loss_type="vespo", use_vllm=True)  # TRL's default mode is sequence_mask
     with pytest.warns(FutureWarning, match="vllm_importance_sampling_cap.*clip_max"):
         assert GRPOConfig(vllm_importance_sampling_cap=2.0).vllm_importance_sampling_clip_max == 2.0

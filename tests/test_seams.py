@@ -4,10 +4,10 @@ on (a hole in the loss mask), the typed train batch, and the prompt codec."""
 import pytest
 import torch
 from datasets import Dataset
+from letters import tiny_letter_model
 
 from grpokit import GRPOConfig, GRPOTrainer, PromptBatch, ScriptedEngine, TrainBatch, group_advantages
 from grpokit.rollout import PromptCodec, ScriptedCompletion, eos_token_ids, group_counts
-from letters import tiny_letter_model
 
 LETTERS = "abcdefgh"
 
@@ -17,9 +17,18 @@ def tiny():
 
 
 def config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
-                  max_completion_length=8, learning_rate=1e-2, max_steps=3, logging_steps=1, save_strategy="no",
-                  disable_tqdm=True, seed=0)  # fmt: skip
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        learning_rate=1e-2,
+        max_steps=3,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
     return GRPOConfig(**{**values, **overrides})
 
 
@@ -45,8 +54,14 @@ def test_a_user_engine_passed_as_rollout_engine_trains(tmp_path):
             logits = trainer.unwrapped_model(torch.tensor([ids])).logits[0, -1]
         return logits.softmax(-1)[tokenizer.convert_tokens_to_ids(letter)].item()
 
-    trainer = GRPOTrainer(model=model, reward_funcs=own_letter, args=config(tmp_path, max_steps=6, learning_rate=5e-2),
-                          train_dataset=letters(4), processing_class=tokenizer, rollout_engine=engine)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=own_letter,
+        args=config(tmp_path, max_steps=6, learning_rate=5e-2),
+        train_dataset=letters(4),
+        processing_class=tokenizer,
+        rollout_engine=engine,
+    )
     before = {c: probability_of(c, f"{c}:") for c in "abcd"}
     trainer.train()
     after = {c: probability_of(c, f"{c}:") for c in "abcd"}
@@ -60,10 +75,15 @@ def test_a_user_engine_passed_as_rollout_engine_trains(tmp_path):
 
 def test_an_object_that_is_not_an_engine_is_refused(tmp_path):
     model, tokenizer = tiny()
-    with pytest.raises(TypeError, match="not a RolloutEngine.*generate"):
-        GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-                    args=config(tmp_path), train_dataset=letters(), processing_class=tokenizer,
-                    rollout_engine=object())  # fmt: skip
+    with pytest.raises(TypeError, match=r"not a RolloutEngine.*generate"):
+        GRPOTrainer(
+            model=model,
+            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+            args=config(tmp_path),
+            train_dataset=letters(),
+            processing_class=tokenizer,
+            rollout_engine=object(),
+        )
 
 
 # -------------------------------------------------------------------------------- a hole in the loss mask
@@ -88,11 +108,26 @@ def test_a_hole_in_the_loss_mask_is_attended_to_but_not_trained_on(tmp_path):
         return [float(c == samples[0]) for c in completions]
 
     lr, eps = 1e6, 1e6
-    args = config(tmp_path, per_device_train_batch_size=4, num_generations=2, max_steps=1, learning_rate=lr,
-                  adam_epsilon=eps, max_grad_norm=0.0, lr_scheduler_type="constant", loss_type="dapo")
+    args = config(
+        tmp_path,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_steps=1,
+        learning_rate=lr,
+        adam_epsilon=eps,
+        max_grad_norm=0.0,
+        lr_scheduler_type="constant",
+        loss_type="dapo",
+    )
     data = Dataset.from_list([{"prompt": "a:"}, {"prompt": "b:"}])
-    trainer = GRPOTrainer(model=model, reward_funcs=first_sample, args=args, train_dataset=data,
-                          processing_class=tokenizer, rollout_engine=engine)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=first_sample,
+        args=args,
+        train_dataset=data,
+        processing_class=tokenizer,
+        rollout_engine=engine,
+    )
     initial = {k: v.detach().clone() for k, v in trainer.unwrapped_model.named_parameters()}
 
     # The plain computation, on a copy of the initial weights.
@@ -117,6 +152,7 @@ def test_a_hole_in_the_loss_mask_is_attended_to_but_not_trained_on(tmp_path):
     expected = expected_update(loss_mask)
     trainer.train()
     update = {k: v.detach() - initial[k] for k, v in trainer.unwrapped_model.named_parameters()}
+
     def relative_error(a, b):  # per tensor, against the size of the expected update (float32 gradients)
         return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)).item() for k in b)
 
@@ -140,7 +176,7 @@ def test_hole_tokens_change_the_logprobs_of_the_tokens_after_them():
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():
         ours, _ = token_logprobs(model, ids, torch.ones_like(ids), len(completion))
-        plain = model(ids).logits[0, len(prompt) - 1 : -1].log_softmax(-1).gather(-1, ids[0, len(prompt):, None])[:, 0]
+        plain = model(ids).logits[0, len(prompt) - 1 : -1].log_softmax(-1).gather(-1, ids[0, len(prompt) :, None])[:, 0]
         without = torch.tensor([prompt + completion[:2] + completion[4:]])
         skipped, _ = token_logprobs(model, without, torch.ones_like(without), 4)
     torch.testing.assert_close(ours[0], plain, rtol=0, atol=1e-5)
@@ -153,10 +189,16 @@ def test_hole_tokens_change_the_logprobs_of_the_tokens_after_them():
 def hand_batch(n=5, width=4):
     lengths = torch.tensor([4, 1, 3, 2, 4])[:n]
     mask = (torch.arange(width) < lengths[:, None]).long()
-    return TrainBatch(prompt_ids=torch.arange(n * 2).view(n, 2), prompt_mask=torch.ones(n, 2, dtype=torch.long),
-                      completion_ids=torch.arange(n * width).view(n, width) * mask, attention_mask=mask,
-                      loss_mask=mask.clone(), lengths=lengths, advantages=torch.arange(n, dtype=torch.float32)[:, None]
-                      .expand(-1, width).contiguous(), old_logprobs=-torch.rand(n, width))  # fmt: skip
+    return TrainBatch(
+        prompt_ids=torch.arange(n * 2).view(n, 2),
+        prompt_mask=torch.ones(n, 2, dtype=torch.long),
+        completion_ids=torch.arange(n * width).view(n, width) * mask,
+        attention_mask=mask,
+        loss_mask=mask.clone(),
+        lengths=lengths,
+        advantages=torch.arange(n, dtype=torch.float32)[:, None].expand(-1, width).contiguous(),
+        old_logprobs=-torch.rand(n, width),
+    )
 
 
 def test_train_batch_splits_permutes_and_trims():
@@ -225,7 +267,13 @@ def test_fields_an_engine_reports_reach_the_reward_functions(tmp_path):
         seen.extend(zip(completions, kwargs["sample_index"]))
         return [float(i == 0) for i in kwargs["sample_index"]]
 
-    trainer = GRPOTrainer(model=model, reward_funcs=by_index, args=config(tmp_path, max_steps=1),
-                          train_dataset=letters(4), processing_class=tokenizer, rollout_engine=engine)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=by_index,
+        args=config(tmp_path, max_steps=1),
+        train_dataset=letters(4),
+        processing_class=tokenizer,
+        rollout_engine=engine,
+    )
     trainer.train()
     assert len(seen) == 8 and all(completion == LETTERS[index] for completion, index in seen)

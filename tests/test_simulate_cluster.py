@@ -8,8 +8,9 @@ import pytest
 from grpokit.simulate import Costs, VirtualClock, Workload, simulate
 
 # 4 prompts × 4 completions of exactly 96 tokens after 3 prompt tokens: 16 × 99 = 1584 tokens a batch.
-FIXED = Workload(prompts=4, num_generations=4, prompt_tokens=3, completion_median=96, completion_sigma=0,
-                 max_completion_length=96)  # fmt: skip
+FIXED = Workload(
+    prompts=4, num_generations=4, prompt_tokens=3, completion_median=96, completion_sigma=0, max_completion_length=96
+)
 # Sampling a batch: 96 decode steps of 1/192 s = 0.5 s. Training it: 1584 tokens × 0.2/1584 s + 0.1 s = 0.3 s.
 GENERATION_BOUND = Costs(decode_step_s=1 / 192, decode_token_s=0.0, train_token_s=0.2 / 1584, train_step_s=0.1)
 # Sampling 0.25 s (96 × 1/384), training 0.5 s.
@@ -54,8 +55,15 @@ def test_at_max_staleness_0_a_run_takes_the_sum_of_its_generation_and_training(m
 def test_at_max_staleness_0_long_tailed_batches_add_up_one_by_one():
     # Every batch's lengths differ; each batch costs 0.01 s a decode step of its longest completion, 1 ms a token
     # decoded and 2 ms a token trained, one after the other.
-    workload = Workload(prompts=3, num_generations=2, prompt_tokens=5, completion_median=40, completion_sigma=1.0,
-                        max_completion_length=300, seed=7)  # fmt: skip
+    workload = Workload(
+        prompts=3,
+        num_generations=2,
+        prompt_tokens=5,
+        completion_median=40,
+        completion_sigma=1.0,
+        max_completion_length=300,
+        seed=7,
+    )
     costs = Costs(decode_step_s=0.01, decode_token_s=0.001, train_token_s=0.002)
     expected = 0.0
     for n in range(12):
@@ -88,8 +96,15 @@ def test_when_training_is_slower_the_trainer_waits_only_for_the_first_batch():
 @pytest.mark.parametrize("schedule", ["exact", "latest"])
 @pytest.mark.parametrize("max_staleness", [1, 2, 3])
 def test_staleness_never_exceeds_the_bound_and_the_exact_schedule_reaches_it(max_staleness, schedule):
-    workload = Workload(prompts=4, num_generations=4, prompt_tokens=8, completion_median=60, completion_sigma=0.8,
-                        max_completion_length=400, seed=3)  # fmt: skip
+    workload = Workload(
+        prompts=4,
+        num_generations=4,
+        prompt_tokens=8,
+        completion_median=60,
+        completion_sigma=0.8,
+        max_completion_length=400,
+        seed=3,
+    )
     costs = Costs(decode_step_s=0.004, decode_token_s=0.0005, train_token_s=0.0002, servers=2)
     result = simulate(workload, costs, steps=16, max_staleness=max_staleness, schedule=schedule)
     assert max(result.staleness) <= max_staleness and result.dropped_samples == 0
@@ -115,8 +130,9 @@ def test_a_batch_takes_its_slowest_servers_share():
 
 
 def test_a_weight_push_is_paid_once_per_new_version_of_the_sampling_weights():
-    costs = Costs(decode_step_s=1 / 192, decode_token_s=0.0, train_token_s=0.2 / 1584, train_step_s=0.1,
-                  weight_sync_s=0.05)  # fmt: skip
+    costs = Costs(
+        decode_step_s=1 / 192, decode_token_s=0.0, train_token_s=0.2 / 1584, train_step_s=0.1, weight_sync_s=0.05
+    )
     # Synchronous: every batch is sampled by new weights.
     assert simulate(FIXED, costs, steps=10, max_staleness=0).time_s == pytest.approx(10 * 0.85, abs=1e-9)
     # max_staleness=2, exact: batches 0-2 share version 0 (one push); each later batch has new weights. Sampling,
@@ -127,8 +143,16 @@ def test_a_weight_push_is_paid_once_per_new_version_of_the_sampling_weights():
 
 # Agents: 4 prompts × 2 completions a batch, each completion with one tool call of exactly 0.5 s (a group's two run
 # one after the other: 1 s); the turns cost nothing on the engine. Training a batch takes 0.5 s.
-AGENT = Workload(prompts=4, num_generations=2, prompt_tokens=10, completion_median=2, completion_sigma=0,
-                 max_completion_length=2, tool_calls=1, tool_latency_median_s=0.5)  # fmt: skip
+AGENT = Workload(
+    prompts=4,
+    num_generations=2,
+    prompt_tokens=10,
+    completion_median=2,
+    completion_sigma=0,
+    max_completion_length=2,
+    tool_calls=1,
+    tool_latency_median_s=0.5,
+)
 FREE_ENGINE = Costs(decode_step_s=0.0, decode_token_s=0.0, train_token_s=0.0, train_step_s=0.5)
 
 
@@ -155,11 +179,26 @@ def test_streamed_groups_run_their_tool_calls_at_once_within_the_bound():
 
 
 def test_long_tailed_tools_make_groups_too_stale_and_the_producer_drops_them():
-    workload = Workload(prompts=8, num_generations=4, prompt_tokens=100, completion_median=300, completion_sigma=0.8,
-                        max_completion_length=2000, tool_calls=2, tool_latency_median_s=0.5, tool_latency_sigma=1.0,
-                        tool_result_tokens=50)  # fmt: skip
-    costs = Costs(decode_step_s=0.005, decode_token_s=0.0002, prefill_token_s=1e-5, train_token_s=1e-4, servers=2,
-                  weight_sync_s=0.2)  # fmt: skip
+    workload = Workload(
+        prompts=8,
+        num_generations=4,
+        prompt_tokens=100,
+        completion_median=300,
+        completion_sigma=0.8,
+        max_completion_length=2000,
+        tool_calls=2,
+        tool_latency_median_s=0.5,
+        tool_latency_sigma=1.0,
+        tool_result_tokens=50,
+    )
+    costs = Costs(
+        decode_step_s=0.005,
+        decode_token_s=0.0002,
+        prefill_token_s=1e-5,
+        train_token_s=1e-4,
+        servers=2,
+        weight_sync_s=0.2,
+    )
     synchronous = simulate(workload, costs, steps=20, max_staleness=None)
     for k in (1, 2):
         result = simulate(workload, costs, steps=20, max_staleness=k)
@@ -171,8 +210,16 @@ def test_long_tailed_tools_make_groups_too_stale_and_the_producer_drops_them():
 def test_simulated_hours_never_trip_the_schedulers_heartbeat():
     # Tool calls of 1,000 simulated seconds, far past heartbeat_stale_after_s (300 s): the heartbeat runs on real time,
     # in which the whole run is short, so the producer is never taken for hung.
-    workload = Workload(prompts=4, num_generations=2, prompt_tokens=10, completion_median=2, completion_sigma=0,
-                        max_completion_length=2, tool_calls=1, tool_latency_median_s=1000.0)  # fmt: skip
+    workload = Workload(
+        prompts=4,
+        num_generations=2,
+        prompt_tokens=10,
+        completion_median=2,
+        completion_sigma=0,
+        max_completion_length=2,
+        tool_calls=1,
+        tool_latency_median_s=1000.0,
+    )
     started = time.monotonic()
     result = simulate(workload, FREE_ENGINE, steps=3, max_staleness=1)
     assert result.time_s == pytest.approx(3 * 2000.0 + 0.5, abs=1e-6)  # each batch's groups: two 1,000 s calls

@@ -17,12 +17,28 @@ def current_rss_mib() -> float:
 @pytest.mark.slow
 def test_thousand_demo_steps_with_frequent_checkpoints_do_not_grow_memory(tmp_path):
     task = DemoTask()
-    args = GRPOConfig(output_dir=str(tmp_path / "soak"), per_device_train_batch_size=64, num_generations=8,
-                      max_completion_length=3, learning_rate=1e-3, lr_scheduler_type="constant", max_steps=1000,
-                      logging_steps=10, save_steps=25, save_total_limit=2, disable_tqdm=True,
-                      log_completions=True, num_completions_to_print=2)  # fmt: skip
-    trainer = GRPOTrainer(model=task.build_model(), reward_funcs=[answer_format, exact_match], args=args,
-                          train_dataset=task.dataset(), processing_class=task.tokenizer)  # fmt: skip
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "soak"),
+        per_device_train_batch_size=64,
+        num_generations=8,
+        max_completion_length=3,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        max_steps=1000,
+        logging_steps=10,
+        save_steps=25,
+        save_total_limit=2,
+        disable_tqdm=True,
+        log_completions=True,
+        num_completions_to_print=2,
+    )
+    trainer = GRPOTrainer(
+        model=task.build_model(),
+        reward_funcs=[answer_format, exact_match],
+        args=args,
+        train_dataset=task.dataset(),
+        processing_class=task.tokenizer,
+    )
     samples = {}
     original = trainer.optimizer_step
 

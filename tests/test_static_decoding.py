@@ -64,8 +64,9 @@ def test_static_decoding_under_autocast_samples_what_the_default_decoder_samples
     model = build_tiny_model_of_type("qwen2", num_layers=2, vocab_size=VOCAB)
     decoding = StaticDecoding(model, compile=False)
     assert_same_rollout(sample(model, decoding, autocast=True), sample(model, autocast=True), atol=0.0)
-    assert {(layer.keys.dtype, layer.values.dtype) for layer in decoding.cache.layers} == {(torch.bfloat16,
-                                                                                           torch.bfloat16)}  # fmt: skip
+    assert {(layer.keys.dtype, layer.values.dtype) for layer in decoding.cache.layers} == {
+        (torch.bfloat16, torch.bfloat16)
+    }
 
 
 def test_compiled_static_step_samples_the_same_and_compiles_once_per_shape():
@@ -90,8 +91,10 @@ def test_compiled_static_step_samples_the_same_and_compiles_once_per_shape():
         third = sample(model, decoding, seed=11)
     updated = sample(model, seed=11)
     assert_same_rollout(third, updated)
-    assert not torch.equal(updated.sampling_logprobs, sample(build_tiny_model_of_type(
-        "qwen2", num_layers=2, vocab_size=VOCAB), seed=11).sampling_logprobs)  # fmt: skip
+    assert not torch.equal(
+        updated.sampling_logprobs,
+        sample(build_tiny_model_of_type("qwen2", num_layers=2, vocab_size=VOCAB), seed=11).sampling_logprobs,
+    )
 
 
 @pytest.mark.parametrize("static", [True, False], ids=["static", "default"])
@@ -130,7 +133,7 @@ def test_lora_model_decodes_statically():
 
 def test_models_without_full_attention_everywhere_are_refused():
     model = build_tiny_model_of_type("gemma3_text", vocab_size=VOCAB)  # sliding-window layers
-    with pytest.raises(ValueError, match="full attention.*Leave cache_implementation unset"):
+    with pytest.raises(ValueError, match=r"full attention.*Leave cache_implementation unset"):
         StaticDecoding(model)
     with pytest.raises(ValueError, match="no transformers config"):
         StaticDecoding(torch.nn.Linear(2, 2))
@@ -140,7 +143,7 @@ def test_engine_and_config_refuse_what_they_cannot_do():
     from grpokit import GRPOConfig, HFEngine
 
     model = build_tiny_model_of_type("qwen2", vocab_size=VOCAB)
-    with pytest.raises(ValueError, match="'offloaded'.*'static'"):
+    with pytest.raises(ValueError, match=r"'offloaded'.*'static'"):
         HFEngine(model, cache_implementation="offloaded")
     with pytest.raises(ValueError, match="sharded"):
         HFEngine(model, cache_implementation="static", all_done=lambda done: done)
@@ -169,11 +172,22 @@ def test_trainer_with_a_static_cache_ends_where_the_default_sampler_ends(tmp_pat
 
     def run(name, **extra):
         model = build_tiny_model(len(tokenizer), hidden_size=32, num_layers=2, seed=0)
-        args = GRPOConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=4, num_generations=4,
-                          max_completion_length=8, max_steps=2, learning_rate=1e-2, logging_steps=1, save_strategy="no",
-                          report_to="none", seed=3, **extra)  # fmt: skip
-        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
-                              processing_class=tokenizer)  # fmt: skip
+        args = GRPOConfig(
+            output_dir=str(tmp_path / name),
+            per_device_train_batch_size=4,
+            num_generations=4,
+            max_completion_length=8,
+            max_steps=2,
+            learning_rate=1e-2,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            seed=3,
+            **extra,
+        )
+        trainer = GRPOTrainer(
+            model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer
+        )
         trainer.train()
         return trainer, model
 
@@ -182,8 +196,13 @@ def test_trainer_with_a_static_cache_ends_where_the_default_sampler_ends(tmp_pat
     _, default_model = run("default")
     for (name, got), expected in zip(static_model.named_parameters(), default_model.parameters()):
         assert (got - expected).abs().max() <= 1e-5, name
-    assert any((p != q).any() for p, q in zip(static_model.parameters(), build_tiny_model(len(tokenizer),
-               hidden_size=32, num_layers=2, seed=0).parameters()))  # fmt: skip
+    assert any(
+        (p != q).any()
+        for p, q in zip(
+            static_model.parameters(),
+            build_tiny_model(len(tokenizer), hidden_size=32, num_layers=2, seed=0).parameters(),
+        )
+    )
 
 
 @pytest.mark.gpu
@@ -200,8 +219,15 @@ def test_cuda_graph_decoding_samples_what_the_default_decoder_samples(autocast):
     def run(static, seed):
         context = torch.autocast("cuda", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
         with context:
-            return generate(model, ids, mask, PARAMS, generator=torch.Generator("cuda").manual_seed(seed),
-                            num_generations=2, static=static)  # fmt: skip
+            return generate(
+                model,
+                ids,
+                mask,
+                PARAMS,
+                generator=torch.Generator("cuda").manual_seed(seed),
+                num_generations=2,
+                static=static,
+            )
 
     for seed in (2, 3):
         context = torch._dynamo.config.patch(error_on_recompile=True) if seed == 3 else contextlib.nullcontext()

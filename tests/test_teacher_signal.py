@@ -6,20 +6,25 @@ import copy
 
 import pytest
 import torch
+from letters import letter_config, letter_dataset, repeat_letter, tiny_letter_model
 
 from grpokit import GRPOConfig, GRPOTrainer
 from grpokit.experience import logprobs_in_chunks
 from grpokit.testing import build_tiny_model
-
-from letters import letter_config, letter_dataset, repeat_letter, tiny_letter_model
 
 
 def trainer_with(tmp_path, teacher=None, **overrides):
     model, tokenizer = tiny_letter_model()
     values = dict(per_device_train_batch_size=16, num_generations=4, max_steps=1, report_to="none")
     args = letter_config(tmp_path, **{**values, **overrides})
-    return GRPOTrainer(model=model, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset(1),
-                       processing_class=tokenizer, teacher_model=teacher)  # fmt: skip
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=repeat_letter,
+        args=args,
+        train_dataset=letter_dataset(1),
+        processing_class=tokenizer,
+        teacher_model=teacher,
+    )
 
 
 def test_the_teachers_signal_joins_the_advantages(tmp_path):
@@ -28,11 +33,13 @@ def test_the_teachers_signal_joins_the_advantages(tmp_path):
     taught_trainer = trainer_with(tmp_path / "taught", teacher, teacher_kl_coef=0.5)
     taught = taught_trainer.generate_batch()
     assert torch.equal(plain.completion_ids, taught.completion_ids)  # the same samples, in the same order
-    teacher_logprobs = logprobs_in_chunks(taught_trainer.experience.teacher, taught, taught_trainer.args,
-                                          taught_trainer.accelerator.autocast)  # fmt: skip
+    teacher_logprobs = logprobs_in_chunks(
+        taught_trainer.experience.teacher, taught, taught_trainer.args, taught_trainer.accelerator.autocast
+    )
     mask = taught.loss_mask != 0
-    expected = plain.advantages + torch.where(mask, 0.5 * (teacher_logprobs - taught.sampling_logprobs),
-                                              torch.zeros_like(teacher_logprobs))  # fmt: skip
+    expected = plain.advantages + torch.where(
+        mask, 0.5 * (teacher_logprobs - taught.sampling_logprobs), torch.zeros_like(teacher_logprobs)
+    )
     torch.testing.assert_close(taught.advantages, expected, rtol=0, atol=1e-6)
     assert (taught.advantages - plain.advantages)[mask].abs().max() > 0.01  # not a no-op
     reverse_kl = ((taught.sampling_logprobs - teacher_logprobs) * mask).sum() / mask.sum()

@@ -6,12 +6,11 @@ import logging
 import pytest
 import torch
 from datasets import Dataset
+from letters import LETTERS, letter_dataset, repeat_letter
+from letters import letter_config as config
 
 from grpokit import GRPOConfig, GRPOTrainer
 from grpokit.testing import save_tiny_model
-
-from letters import LETTERS, letter_dataset, repeat_letter
-from letters import letter_config as config
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +24,21 @@ def weights(trainer):
 
 def test_trl_style_script_learns(model_dir, tmp_path):
     # What a TRL user writes, with only the import changed (trl -> grpokit).
-    training_args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=64, num_generations=8,
-                               max_completion_length=2, learning_rate=1e-2, lr_scheduler_type="constant",
-                               max_steps=80, logging_steps=5, save_strategy="no", disable_tqdm=True)  # fmt: skip
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=training_args,
-                          train_dataset=letter_dataset())  # fmt: skip
+    training_args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=64,
+        num_generations=8,
+        max_completion_length=2,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        max_steps=80,
+        logging_steps=5,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        model=model_dir, reward_funcs=repeat_letter, args=training_args, train_dataset=letter_dataset()
+    )
     trainer.train()
     rewards = [entry["reward"] for entry in trainer.state.log_history[:-1]]
     assert rewards[0] < 0.25, rewards  # a random policy names the letter ~1 time in 17
@@ -40,14 +49,37 @@ def test_trl_style_script_learns(model_dir, tmp_path):
 
 
 def test_metrics_have_trl_names_and_reach_jsonl(model_dir, tmp_path):
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter,
-                          args=config(tmp_path, max_steps=2, beta=0.04), train_dataset=letter_dataset())  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=repeat_letter,
+        args=config(tmp_path, max_steps=2, beta=0.04),
+        train_dataset=letter_dataset(),
+    )
     trainer.train()
-    expected = {"loss", "reward", "reward_std", "rewards/repeat_letter/mean", "rewards/repeat_letter/std",
-                "frac_reward_zero_std", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
-                "clip_ratio/region_mean", "completions/mean_length", "completions/min_length",
-                "completions/max_length", "completions/clipped_ratio", "completions/mean_terminated_length",
-                "num_tokens", "learning_rate", "grad_norm", "step_time", "step", "epoch"}  # fmt: skip
+    expected = {
+        "loss",
+        "reward",
+        "reward_std",
+        "rewards/repeat_letter/mean",
+        "rewards/repeat_letter/std",
+        "frac_reward_zero_std",
+        "kl",
+        "entropy",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "clip_ratio/region_mean",
+        "completions/mean_length",
+        "completions/min_length",
+        "completions/max_length",
+        "completions/clipped_ratio",
+        "completions/mean_terminated_length",
+        "num_tokens",
+        "learning_rate",
+        "grad_norm",
+        "step_time",
+        "step",
+        "epoch",
+    }
     history = trainer.state.log_history[:-1]
     assert expected <= set(history[-1]), expected - set(history[-1])
     lines = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
@@ -70,9 +102,12 @@ def test_second_iteration_uses_old_logprobs(model_dir, tmp_path):
     assert clip[0::2] == [0.0, 0.0, 0.0], clip  # first pass of each generation
     assert all(c > 0 for c in clip[1::2]), clip  # second pass
 
-    on_policy = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter,
-                            args=config(tmp_path / "b", max_steps=4, epsilon=0.02, learning_rate=3e-2),
-                            train_dataset=letter_dataset())  # fmt: skip
+    on_policy = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=repeat_letter,
+        args=config(tmp_path / "b", max_steps=4, epsilon=0.02, learning_rate=3e-2),
+        train_dataset=letter_dataset(),
+    )
     on_policy.train()
     assert all(entry["clip_ratio/region_mean"] == 0.0 for entry in on_policy.state.log_history[:-1])
 
@@ -81,13 +116,28 @@ def test_second_iteration_uses_old_logprobs(model_dir, tmp_path):
 def test_gradient_accumulation_gives_the_same_update(model_dir, tmp_path, loss_type):
     # Same generation batch (16 completions, same seed) as 1 micro-batch of 16 or 2 of 8 accumulated.
     # With adam_epsilon >> |g| the first AdamW step is lr * g / adam_epsilon = g: the update is the gradient.
-    common = dict(num_generations=4, max_completion_length=4, max_steps=1, loss_type=loss_type, beta=0.04,
-                  max_grad_norm=0.0, learning_rate=1e6, adam_epsilon=1e6)  # fmt: skip
-    one = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letter_dataset(),
-                      args=config(tmp_path / "a", per_device_train_batch_size=16, **common))  # fmt: skip
-    two = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letter_dataset(),
-                      args=config(tmp_path / "b", per_device_train_batch_size=8, gradient_accumulation_steps=2,
-                                  **common))  # fmt: skip
+    common = dict(
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=1,
+        loss_type=loss_type,
+        beta=0.04,
+        max_grad_norm=0.0,
+        learning_rate=1e6,
+        adam_epsilon=1e6,
+    )
+    one = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=repeat_letter,
+        train_dataset=letter_dataset(),
+        args=config(tmp_path / "a", per_device_train_batch_size=16, **common),
+    )
+    two = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=repeat_letter,
+        train_dataset=letter_dataset(),
+        args=config(tmp_path / "b", per_device_train_batch_size=8, gradient_accumulation_steps=2, **common),
+    )
     before = weights(one)
     one.train()
     two.train()
@@ -121,14 +171,26 @@ def test_checkpoints_rotate_and_load_with_from_pretrained(model_dir, tmp_path):
 def test_resume_continues_to_the_same_weights(model_dir, tmp_path, caplog):
     # Unbroken run of 6 steps vs a run stopped at 4 (checkpoint) and resumed to 6: bitwise the same on CPU.
     args = dict(max_steps=6, save_strategy="steps", save_steps=4, num_iterations=2, beta=0.04)
-    full = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=config(tmp_path / "full", **args),
-                       train_dataset=letter_dataset())  # fmt: skip
+    full = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=repeat_letter,
+        args=config(tmp_path / "full", **args),
+        train_dataset=letter_dataset(),
+    )
     full.train()
-    first = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter,
-                        args=config(tmp_path / "split", **{**args, "max_steps": 4}), train_dataset=letter_dataset())
+    first = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=repeat_letter,
+        args=config(tmp_path / "split", **{**args, "max_steps": 4}),
+        train_dataset=letter_dataset(),
+    )
     first.train()
-    resumed = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=config(tmp_path / "split", **args),
-                          train_dataset=letter_dataset())  # fmt: skip
+    resumed = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=repeat_letter,
+        args=config(tmp_path / "split", **args),
+        train_dataset=letter_dataset(),
+    )
     with caplog.at_level(logging.WARNING, logger="grpokit"):
         resumed.train(resume_from_checkpoint=True)
     assert f"Resuming from {(tmp_path / 'split' / 'out' / 'checkpoint-4').resolve()} (step 4)." in caplog.messages
@@ -157,8 +219,7 @@ def test_conversational_prompts_reach_rewards_as_messages(model_dir, tmp_path):
         return [0.0] * len(completions)
 
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": c}]} for c in LETTERS])
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=config(tmp_path, max_steps=1),
-                          train_dataset=data)  # fmt: skip
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=config(tmp_path, max_steps=1), train_dataset=data)
     trainer.train()
     assert seen["prompt"][0]["role"] == "user"
     assert seen["completion"][0]["role"] == "assistant" and isinstance(seen["completion"][0]["content"], str)
@@ -167,8 +228,12 @@ def test_conversational_prompts_reach_rewards_as_messages(model_dir, tmp_path):
 @pytest.mark.parametrize("alpha", [1.0, 0.5])
 def test_reference_sync_happens_exactly_when_configured(model_dir, tmp_path, alpha):
     args = dict(beta=0.04, sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=alpha)
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=config(tmp_path, max_steps=1, **args),
-                          train_dataset=letter_dataset())  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=repeat_letter,
+        args=config(tmp_path, max_steps=1, **args),
+        train_dataset=letter_dataset(),
+    )
     initial = {k: v.clone() for k, v in trainer.reference.named_parameters()}
     trainer.train()
     assert all(torch.equal(v, initial[k]) for k, v in trainer.reference.named_parameters())  # step 1: no sync

@@ -25,10 +25,14 @@ IMPLEMENTED_TRL = [name for name in IMPLEMENTED if name in TRL_FIELDS]
 # TRL's *other* value does (its KL has no importance-ratio correction).
 DEFAULTS_THAT_WARN: set[str] = set()  # TRL defaults grpokit does not implement (none today)
 # Implemented fields that grpokit's own code does not read by name: transformers reads them, through grpokit.
-READ_BY_TRANSFORMERS = {"optim_args": "Trainer.get_optimizer_cls_and_kwargs, called by grpokit.optim",
-                        "optim_target_modules": "GaLore/APOLLO handlers, called by grpokit.optim",
-                        **{name: "the optimizer's hyperparameters, Trainer.get_optimizer_cls_and_kwargs (grpokit.optim)"
-                           for name in ("adam_beta1", "adam_beta2", "adam_epsilon")}}  # fmt: skip
+READ_BY_TRANSFORMERS = {
+    "optim_args": "Trainer.get_optimizer_cls_and_kwargs, called by grpokit.optim",
+    "optim_target_modules": "GaLore/APOLLO handlers, called by grpokit.optim",
+    **dict.fromkeys(
+        ("adam_beta1", "adam_beta2", "adam_epsilon"),
+        "the optimizer's hyperparameters, Trainer.get_optimizer_cls_and_kwargs (grpokit.optim)",
+    ),
+}
 
 
 def build(**values):
@@ -72,24 +76,36 @@ def test_every_trl_field_is_implemented_or_listed():
 def test_implemented_fields_are_read_by_grpokit():
     # "Implemented" is a claim about the code: something outside the field's declaration reads it.
     source = "\n".join(path.read_text() for path in Path(grpokit.__file__).parent.rglob("*.py"))
-    unread = [name for name in IMPLEMENTED if name not in READ_BY_TRANSFORMERS
-              and not re.search(rf"\.{name}\b|[\"']{name}[\"']", source)]  # fmt: skip
+    unread = [
+        name
+        for name in IMPLEMENTED
+        if name not in READ_BY_TRANSFORMERS and not re.search(rf"\.{name}\b|[\"']{name}[\"']", source)
+    ]
     assert unread == []
 
 
 def test_counts(capsys):
-    counts = {"TRL fields": len(TRL_FIELDS), "implemented": len(IMPLEMENTED_TRL),
-              "not implemented": len(NOT_IMPLEMENTED), "no effect needed": len(NO_EFFECT),
-              "grpokit-only": len(IMPLEMENTED) - len(IMPLEMENTED_TRL), "deprecated": len(DEPRECATED)}  # fmt: skip
+    counts = {
+        "TRL fields": len(TRL_FIELDS),
+        "implemented": len(IMPLEMENTED_TRL),
+        "not implemented": len(NOT_IMPLEMENTED),
+        "no effect needed": len(NO_EFFECT),
+        "grpokit-only": len(IMPLEMENTED) - len(IMPLEMENTED_TRL),
+        "deprecated": len(DEPRECATED),
+    }
     with capsys.disabled():
         print("\nGRPOConfig vs trl " + TRL["versions"]["trl"] + ": " + ", ".join(f"{v} {k}" for k, v in counts.items()))
     assert counts["implemented"] + counts["not implemented"] + counts["no effect needed"] == counts["TRL fields"]
     # The "Coming from TRL" guide states the same numbers.
     section = (ROOT / "docs" / "guides" / "from-trl.md").read_text()
     section = " ".join(section.split())
-    for number, words in [(len(TRL_FIELDS), "fields"), (counts["implemented"], "implemented"),
-                          (counts["not implemented"], "not implemented"), (counts["no effect needed"], "no effect"),
-                          (counts["deprecated"], "deprecated")]:  # fmt: skip
+    for number, words in [
+        (len(TRL_FIELDS), "fields"),
+        (counts["implemented"], "implemented"),
+        (counts["not implemented"], "not implemented"),
+        (counts["no effect needed"], "no effect"),
+        (counts["deprecated"], "deprecated"),
+    ]:
         assert re.search(rf"\b{number}\b[^.;]*{words}", section), f"docs/guides/from-trl.md: {number} ... {words}"
 
 
@@ -175,8 +191,11 @@ def test_logging_dir_still_places_the_tensorboard_events(tmp_path):
 
 def test_activation_checkpointing_is_gradient_checkpointing():
     config, record = build(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": True})
-    assert record == [] and config.gradient_checkpointing and config.gradient_checkpointing_kwargs == {
-        "use_reentrant": True}
+    assert (
+        record == []
+        and config.gradient_checkpointing
+        and config.gradient_checkpointing_kwargs == {"use_reentrant": True}
+    )
     # A copy that changes the older name is not overruled by an unset newer one.
     assert dataclasses.replace(GRPOConfig(), gradient_checkpointing=True).gradient_checkpointing
 
@@ -184,8 +203,15 @@ def test_activation_checkpointing_is_gradient_checkpointing():
 def test_trl_spellings_of_values():
     from transformers.trainer_utils import IntervalStrategy, SchedulerType
 
-    config, record = build(lr_scheduler_type=SchedulerType.COSINE, save_strategy=IntervalStrategy.NO, bf16=None,
-                           top_k=0, output_dir=None, model_init_kwargs='{"dtype": "float32"}', logging_steps=5.0)
+    config, record = build(
+        lr_scheduler_type=SchedulerType.COSINE,
+        save_strategy=IntervalStrategy.NO,
+        bf16=None,
+        top_k=0,
+        output_dir=None,
+        model_init_kwargs='{"dtype": "float32"}',
+        logging_steps=5.0,
+    )
     assert record == []
     assert (config.lr_scheduler_type, config.save_strategy) == ("cosine", "no")
     assert type(config.lr_scheduler_type) is str
@@ -202,13 +228,16 @@ def test_trl_spellings_of_values():
 
 def test_every_field_annotation_is_a_type_the_cli_knows():
     known = {"int", "float", "bool", "str", "dict", "list", "None", "ParallelismConfig"}
-    unknown = {name: spec.type for name, spec in GRPOConfig.__dataclass_fields__.items()
-               if not _field_types(name) <= known}  # fmt: skip
+    unknown = {
+        name: spec.type for name, spec in GRPOConfig.__dataclass_fields__.items() if not _field_types(name) <= known
+    }
     assert unknown == {}
 
 
-@pytest.mark.parametrize("name", [name for name, default in TRL_FIELDS.items()
-                                  if default not in (None, "", []) and not isinstance(default, dict)])  # fmt: skip
+@pytest.mark.parametrize(
+    "name",
+    [name for name, default in TRL_FIELDS.items() if default not in (None, "", []) and not isinstance(default, dict)],
+)
 def test_every_trl_field_is_a_flag_coerced_to_its_type(name):
     default = TRL_FIELDS[name]
     raw = str(default).lower() if isinstance(default, bool) else str(default)
@@ -224,10 +253,15 @@ def test_every_trl_field_is_a_flag_coerced_to_its_type(name):
 # ---------------------------------------------------------------------------------------------- the JSON file
 
 
-@pytest.mark.parametrize("config, recorded", [("GRPOConfig", "trl_fields.json"),
-                                              ("DistillationConfig", "trl_distillation_fields.json"),
-                                              ("RLOOConfig", "trl_rloo_fields.json"),
-                                              ("AsyncGRPOConfig", "trl_async_grpo_fields.json")])  # fmt: skip
+@pytest.mark.parametrize(
+    "config, recorded",
+    [
+        ("GRPOConfig", "trl_fields.json"),
+        ("DistillationConfig", "trl_distillation_fields.json"),
+        ("RLOOConfig", "trl_rloo_fields.json"),
+        ("AsyncGRPOConfig", "trl_async_grpo_fields.json"),
+    ],
+)
 def test_json_matches_the_installed_trl(config, recorded):
     pytest.importorskip("trl")
     script = load_script("trl_fields")
@@ -242,8 +276,11 @@ def test_drift_names_added_removed_and_changed_fields():
     script = load_script("trl_fields")
     old = {"fields": {"beta": 0.0, "gone": 1, "loss_type": "dapo"}}
     new = {"fields": {"beta": 0.04, "loss_type": "dapo", "added": True}}
-    assert script.drift(old, new) == ["added: added (default True)", "removed: gone",
-                                      "default changed: beta: 0.0 -> 0.04"]  # fmt: skip
+    assert script.drift(old, new) == [
+        "added: added (default True)",
+        "removed: gone",
+        "default changed: beta: 0.0 -> 0.04",
+    ]
 
 
 # ------------------------------------------------------------------------- TRL scripts' argument parsers
@@ -256,30 +293,65 @@ def test_transformers_argument_parser_builds_grpokit_config_as_trl_scripts_do(tm
     (plain,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path)])
     expected = GRPOConfig(output_dir=str(tmp_path))
     assert {f.name: getattr(plain, f.name) for f in dataclasses.fields(GRPOConfig)} == {
-        f.name: getattr(expected, f.name) for f in dataclasses.fields(GRPOConfig)}
-    (args,) = parser.parse_args_into_dataclasses([
-        "--output_dir", str(tmp_path), "--learning_rate", "3e-6", "--num_generations", "4", "--bf16", "false",
-        "--gradient_checkpointing", "--model_init_kwargs", '{"dtype": "bfloat16"}', "--reward_weights", "1.0", "0.5",
-        "--report_to", "none", "--scale_rewards", "batch", "--fsdp", "full_shard auto_wrap",
-        "--debug", "underflow_overflow", "--vllm_group_port", "51216", "--max_steps", "3"])  # fmt: skip
+        f.name: getattr(expected, f.name) for f in dataclasses.fields(GRPOConfig)
+    }
+    (args,) = parser.parse_args_into_dataclasses(
+        [
+            "--output_dir",
+            str(tmp_path),
+            "--learning_rate",
+            "3e-6",
+            "--num_generations",
+            "4",
+            "--bf16",
+            "false",
+            "--gradient_checkpointing",
+            "--model_init_kwargs",
+            '{"dtype": "bfloat16"}',
+            "--reward_weights",
+            "1.0",
+            "0.5",
+            "--report_to",
+            "none",
+            "--scale_rewards",
+            "batch",
+            "--fsdp",
+            "full_shard auto_wrap",
+            "--debug",
+            "underflow_overflow",
+            "--vllm_group_port",
+            "51216",
+            "--max_steps",
+            "3",
+        ]
+    )
     assert (args.learning_rate, args.num_generations, args.bf16, args.gradient_checkpointing) == (3e-6, 4, False, True)
     assert args.model_init_kwargs == {"dtype": "bfloat16"} and args.reward_weights == [1.0, 0.5]
-    assert (args.report_to, args.scale_rewards, args.debug, args.vllm_group_port) == ([], "batch",
-                                                                                      ["underflow_overflow"], 51216)
+    assert (args.report_to, args.scale_rewards, args.debug, args.vllm_group_port) == (
+        [],
+        "batch",
+        ["underflow_overflow"],
+        51216,
+    )
     assert args.fsdp_plugin_kwargs()["reshard_after_forward"] is True
     # The parser rewrites the dataclass fields' `type` in place; grpokit reads the annotations as written.
     assert GRPOConfig(output_dir=str(tmp_path), chat_template_kwargs='{"a": 1}').chat_template_kwargs == {"a": 1}
     assert parse_train_args(["--model", "m", "--learning_rate", "1e-3", "--reward_weights", "[1, 2]"])[1] == {
-        "learning_rate": 1e-3, "reward_weights": [1, 2]}  # grpokit's own CLI still coerces by the annotations
+        "learning_rate": 1e-3,
+        "reward_weights": [1, 2],
+    }  # grpokit's own CLI still coerces by the annotations
 
 
 def test_trl_parser_with_a_yaml_config_builds_grpokit_config(tmp_path):
     trl = pytest.importorskip("trl")
-    (tmp_path / "recipe.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nlearning_rate: 2.0e-6\n"
-                                          "num_generations: 4\nbeta: 0.0\nlr_scheduler_kwargs: {min_lr_rate: 0.1}\n")
+    (tmp_path / "recipe.yaml").write_text(
+        "model_name_or_path: Qwen/Qwen2.5-0.5B\nlearning_rate: 2.0e-6\n"
+        "num_generations: 4\nbeta: 0.0\nlr_scheduler_kwargs: {min_lr_rate: 0.1}\n"
+    )
     parser = trl.TrlParser((trl.ScriptArguments, GRPOConfig, trl.ModelConfig))
-    script, args, model = parser.parse_args_and_config(["--config", str(tmp_path / "recipe.yaml"),
-                                                        "--output_dir", str(tmp_path / "out")])  # fmt: skip
+    _script, args, model = parser.parse_args_and_config(
+        ["--config", str(tmp_path / "recipe.yaml"), "--output_dir", str(tmp_path / "out")]
+    )
     assert isinstance(args, GRPOConfig) and model.model_name_or_path == "Qwen/Qwen2.5-0.5B"
     assert (args.learning_rate, args.num_generations, args.beta) == (2e-6, 4, 0.0)
     assert args.lr_scheduler_kwargs == {"min_lr_rate": 0.1}

@@ -14,10 +14,10 @@ from importlib.resources import files
 import pytest
 import torch
 from datasets import Dataset, IterableDataset
+from letters import tiny_letter_model
 from transformers import TrainerCallback, TrainerState
 
 from grpokit import GRPOConfig, GRPOTrainer, TrainBatch
-from letters import tiny_letter_model
 
 LETTERS = "abcdefgh"
 
@@ -35,9 +35,19 @@ def repeat_letter(completions, letter, **kwargs):
 
 
 def config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
-                  max_completion_length=3, learning_rate=1e-2, max_steps=4, logging_steps=1, save_strategy="no",
-                  disable_tqdm=True, seed=0, report_to="none")  # fmt: skip
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=3,
+        learning_rate=1e-2,
+        max_steps=4,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        report_to="none",
+    )
     return GRPOConfig(**{**values, **overrides})
 
 
@@ -46,8 +56,14 @@ def trainer_for(tmp_path, **kwargs):
     args = kwargs.pop("args", None) or config(tmp_path)
     reward_funcs = kwargs.pop("reward_funcs", repeat_letter)
     train_dataset = kwargs.pop("train_dataset", None) or letters()
-    return GRPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
-                       processing_class=tokenizer, **kwargs)
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=reward_funcs,
+        args=args,
+        train_dataset=train_dataset,
+        processing_class=tokenizer,
+        **kwargs,
+    )
 
 
 # -------------------------------------------------------------------------------------- the summary record
@@ -57,8 +73,15 @@ def test_train_appends_the_hf_summary_record_and_returns_train_output(tmp_path):
     trainer = trainer_for(tmp_path)
     output = trainer.train()
     summary = trainer.state.log_history[-1]
-    assert set(summary) == {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos",
-                            "train_loss", "epoch", "step"}  # fmt: skip
+    assert set(summary) == {
+        "train_runtime",
+        "train_samples_per_second",
+        "train_steps_per_second",
+        "total_flos",
+        "train_loss",
+        "epoch",
+        "step",
+    }
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 4 and summary["train_loss"] == pytest.approx(sum(losses) / 4, rel=1e-6)
     assert summary["step"] == 4 and output.global_step == 4 and output.training_loss == summary["train_loss"]
@@ -129,9 +152,12 @@ def test_callback_flags_log_and_evaluate(tmp_path):
             seen_metrics.append(metrics)
 
     seen_metrics = metrics
-    trainer = trainer_for(tmp_path, callbacks=[LogEveryStepAndEvaluate, Seen()], eval_dataset=evaluation,
-                          args=config(tmp_path, logging_steps=100, logging_first_step=False,
-                                      per_device_eval_batch_size=8))  # fmt: skip
+    trainer = trainer_for(
+        tmp_path,
+        callbacks=[LogEveryStepAndEvaluate, Seen()],
+        eval_dataset=evaluation,
+        args=config(tmp_path, logging_steps=100, logging_first_step=False, per_device_eval_batch_size=8),
+    )
     trainer.train()
     steps = [h["step"] for h in trainer.state.log_history if "loss" in h]
     assert steps == [1, 2, 3, 4]
@@ -147,8 +173,14 @@ def test_optimizers_argument_is_used(tmp_path):
     model, tokenizer = tiny()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.1)
-    trainer = GRPOTrainer(model=model, reward_funcs=repeat_letter, args=config(tmp_path, max_steps=2),
-                          train_dataset=letters(), processing_class=tokenizer, optimizers=(optimizer, scheduler))
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=repeat_letter,
+        args=config(tmp_path, max_steps=2),
+        train_dataset=letters(),
+        processing_class=tokenizer,
+        optimizers=(optimizer, scheduler),
+    )
     trainer.train()
     assert [h["learning_rate"] for h in trainer.state.log_history if "loss" in h] == pytest.approx([0.05, 0.05])
     inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
@@ -167,8 +199,12 @@ def stream(rows):
 
 def test_iterable_train_and_eval_datasets(tmp_path):
     rows = [{"prompt": f"{c}:", "letter": c} for c in LETTERS]
-    trainer = trainer_for(tmp_path, train_dataset=stream(rows), eval_dataset=stream(rows[:2]),
-                          args=config(tmp_path, max_steps=5, eval_strategy="steps", eval_steps=5))  # fmt: skip
+    trainer = trainer_for(
+        tmp_path,
+        train_dataset=stream(rows),
+        eval_dataset=stream(rows[:2]),
+        args=config(tmp_path, max_steps=5, eval_strategy="steps", eval_steps=5),
+    )
     trainer.train()
     assert trainer.state.global_step == 5
     # 5 generations of 2 prompts from an 8-row stream: a second epoch began, from the first row again.
@@ -191,11 +227,15 @@ def test_named_eval_datasets_get_prefixed_metrics(tmp_path):
 def test_eval_loss_is_the_grpo_loss_of_the_eval_completions(tmp_path):
     """On-policy the ratio is 1: with `grpo` aggregation and no KL the loss is -mean over sequences of A, which
     is 0 up to rounding for group-normalised advantages (each group's advantages sum to zero)."""
-    trainer = trainer_for(tmp_path, args=config(tmp_path, loss_type="grpo", max_steps=1),
-                          eval_dataset=letters(1).select(range(4)))  # fmt: skip
+    trainer = trainer_for(
+        tmp_path, args=config(tmp_path, loss_type="grpo", max_steps=1), eval_dataset=letters(1).select(range(4))
+    )
     assert abs(trainer.evaluate()["eval_loss"]) < 1e-6
-    with_kl = trainer_for(tmp_path / "kl", args=config(tmp_path / "kl", loss_type="grpo", beta=0.5, max_steps=1),
-                          eval_dataset=letters(1).select(range(4)))  # fmt: skip
+    with_kl = trainer_for(
+        tmp_path / "kl",
+        args=config(tmp_path / "kl", loss_type="grpo", beta=0.5, max_steps=1),
+        eval_dataset=letters(1).select(range(4)),
+    )
     with_kl.train()  # the policy moves away from the reference: a positive KL term
     assert with_kl.evaluate()["eval_loss"] > 1e-6
 
@@ -212,8 +252,11 @@ def test_reward_functions_receive_trainer_state_log_metric_and_log_extra(tmp_pat
         log_extra("first", [c[:1] for c in completions])
         return [float(c[:1] == t) * (1 + trainer_state.global_step) for c, t in zip(completions, letter)]
 
-    trainer = trainer_for(tmp_path, reward_funcs=shaped,
-                          args=config(tmp_path, max_steps=3, log_completions=True, num_completions_to_print=2))
+    trainer = trainer_for(
+        tmp_path,
+        reward_funcs=shaped,
+        args=config(tmp_path, max_steps=3, log_completions=True, num_completions_to_print=2),
+    )
     trainer.train()
     assert steps_seen == [0, 1, 2]  # the state as it was when each batch was sampled
     logged = [h for h in trainer.state.log_history if "loss" in h]
@@ -248,8 +291,9 @@ def test_trls_messages_for_a_missing_dataset_and_a_dispatched_stream(tmp_path):
     stream = letters().to_iterable_dataset()
     args = config(tmp_path, max_steps=-1, accelerator_config={"dispatch_batches": True})
     with pytest.raises(ValueError, match="Iterable datasets require `dispatch_batches=False`"):
-        GRPOTrainer(model=model, reward_funcs=repeat_letter, args=args, train_dataset=stream,
-                    processing_class=tokenizer)  # fmt: skip
+        GRPOTrainer(
+            model=model, reward_funcs=repeat_letter, args=args, train_dataset=stream, processing_class=tokenizer
+        )
 
 
 @pytest.mark.parametrize("loss_type", ["bnpo", "cispo", "dapo", "dr_grpo"])
@@ -259,10 +303,12 @@ def test_sequence_level_with_a_token_sum_warns_in_trls_words(tmp_path, caplog, l
 
     from trl.trainer import grpo_trainer
 
-    trl_message = (f"When using `importance_sampling_level='sequence'`, the `'{loss_type}'` loss sums per-token "
-                   "contributions, which effectively weights each sequence by its completion length instead of "
-                   "optimizing the per-sequence objective. To reproduce the GSPO paper's setup, set `loss_type='grpo'` "
-                   "(see https://huggingface.co/docs/trl/main/en/paper_index#group-sequence-policy-optimization).")
+    trl_message = (
+        f"When using `importance_sampling_level='sequence'`, the `'{loss_type}'` loss sums per-token "
+        "contributions, which effectively weights each sequence by its completion length instead of "
+        "optimizing the per-sequence objective. To reproduce the GSPO paper's setup, set `loss_type='grpo'` "
+        "(see https://huggingface.co/docs/trl/main/en/paper_index#group-sequence-policy-optimization)."
+    )
     source = inspect.getsource(grpo_trainer)
     link = "(see https://huggingface.co/docs/trl/main/en/paper_index#group-sequence-policy-optimization)."
     assert "which effectively weights each sequence by its completion length instead of " in source and link in source
@@ -298,15 +344,22 @@ def test_get_train_dataloader_replays_the_loops_draws_in_trls_layout(tmp_path):
         drawn.append(list(prompts))
         return [0.0] * len(completions)
 
-    args = config(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_iterations=2,
-                  max_steps=8)  # 8 prompts, 2 per generation batch: an epoch is 4 of them, 16 micro-batches
+    args = config(
+        tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_iterations=2, max_steps=8
+    )  # 8 prompts, 2 per generation batch: an epoch is 4 of them, 16 micro-batches
     trainer = trainer_for(tmp_path, args=args, reward_funcs=recording, train_dataset=letters(1))
     loader = trainer.get_train_dataloader()
     assert isinstance(loader, torch.utils.data.DataLoader)
     # as accelerate prepares TRL's: the rows per batch in batch_sampler.batch_size, batch_size None
-    assert (loader.batch_size, loader.batch_sampler.batch_size, loader.batch_sampler.drop_last, loader.num_workers,
-            loader.pin_memory, loader.persistent_workers, loader.prefetch_factor) == (None, 8, False, 0, True, False,
-                                                                                      None)  # fmt: skip
+    assert (
+        loader.batch_size,
+        loader.batch_sampler.batch_size,
+        loader.batch_sampler.drop_last,
+        loader.num_workers,
+        loader.pin_memory,
+        loader.persistent_workers,
+        loader.prefetch_factor,
+    ) == (None, 8, False, 0, True, False, None)
     epoch = [[row["prompt"] for row in batch] for batch in loader]
     assert len(epoch) == len(loader) == 4 * 2 * 2
     assert all(epoch[i] == epoch[i - i % 4] for i in range(len(epoch)))  # each generation batch 4 times
@@ -322,22 +375,32 @@ def test_get_train_dataloader_replays_the_loops_draws_in_trls_layout(tmp_path):
 def test_dataloaders_take_the_dataloader_fields_and_a_stream_one_worker(tmp_path):
     """TRL's tests: a map-style train set keeps its workers when the eval set is a stream, whose loader alone uses
     one, without changing args; the other dataloader_* fields reach the DataLoader as transformers passes them."""
-    args = config(tmp_path, dataloader_num_workers=4, dataloader_persistent_workers=True, dataloader_pin_memory=False,
-                  dataloader_prefetch_factor=3, num_generations_eval=2, per_device_eval_batch_size=4)  # fmt: skip
+    args = config(
+        tmp_path,
+        dataloader_num_workers=4,
+        dataloader_persistent_workers=True,
+        dataloader_pin_memory=False,
+        dataloader_prefetch_factor=3,
+        num_generations_eval=2,
+        per_device_eval_batch_size=4,
+    )
     trainer = trainer_for(tmp_path, args=args, eval_dataset=stream(list(letters(1))))
     train = trainer.get_train_dataloader()
     assert (train.num_workers, train.persistent_workers, train.pin_memory, train.prefetch_factor) == (4, True, False, 3)
     evaluation = trainer.get_eval_dataloader()
     assert evaluation.num_workers == 0 and trainer.args.dataloader_num_workers == 4
     # evaluate()'s rows: every prompt num_generations_eval times, in order, whole groups per batch
-    assert [[row["prompt"] for row in batch] for batch in evaluation] == \
-        [[p for p in pair for _ in range(2)] for pair in zip(*[iter(f"{c}:" for c in LETTERS)] * 2)]  # fmt: skip
+    assert [[row["prompt"] for row in batch] for batch in evaluation] == [
+        [p for p in pair for _ in range(2)] for pair in zip(*[iter(f"{c}:" for c in LETTERS)] * 2)
+    ]
     named = trainer_for(tmp_path, eval_dataset={"few": letters(1).select(range(3))})
     assert [len(batch) for batch in named.get_eval_dataloader("few")] == [8, 4]  # 8 rows: 2 prompts x 4 a batch
     with pytest.raises(ValueError, match="evaluation requires an eval_dataset"):
         trainer_for(tmp_path).get_eval_dataloader()
     # A stream for training: one worker, the stream's rows in the loop's order.
-    streamed = trainer_for(tmp_path, args=config(tmp_path, dataloader_num_workers=0), train_dataset=stream(list(letters())))
+    streamed = trainer_for(
+        tmp_path, args=config(tmp_path, dataloader_num_workers=0), train_dataset=stream(list(letters()))
+    )
     rows = [[row["prompt"] for row in batch] for batch in streamed.get_train_dataloader()]
     assert streamed.get_train_dataloader().num_workers == 0
     assert [batch[::4] for batch in rows] == [[f"{a}:", f"{b}:"] for a, b in zip(*[iter(LETTERS * 2)] * 2)]
@@ -356,12 +419,24 @@ def test_an_optimizer_step_straddling_two_generation_batches_is_one_big_batch(tm
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         args = config(directory, loss_type="dapo", beta=0.04, max_grad_norm=0.0, max_completion_length=4, **values)
-        return GRPOTrainer(model=model, reward_funcs=repeat_letter, args=args, train_dataset=letters(),
-                           processing_class=tokenizer, optimizers=(optimizer, schedule))  # fmt: skip
+        return GRPOTrainer(
+            model=model,
+            reward_funcs=repeat_letter,
+            args=args,
+            train_dataset=letters(),
+            processing_class=tokenizer,
+            optimizers=(optimizer, schedule),
+        )
 
     model, tokenizer = tiny()
-    trainer = sgd_trainer(tmp_path / "a", model, per_device_train_batch_size=4, steps_per_generation=3,
-                          gradient_accumulation_steps=2, max_steps=2)  # fmt: skip
+    trainer = sgd_trainer(
+        tmp_path / "a",
+        model,
+        per_device_train_batch_size=4,
+        steps_per_generation=3,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+    )
     windows, before = [], {}
     original = trainer.optimizer_step
 
@@ -377,8 +452,12 @@ def test_an_optimizer_step_straddling_two_generation_batches_is_one_big_batch(tm
     assert straddling[0].old_logprobs is not None  # trained after the policy moved: π_old kept
     update = {k: v.detach() - before[k] for k, v in trainer.unwrapped_model.state_dict().items()}
 
-    joined = TrainBatch(**{f: None if getattr(straddling[0], f) is None else _cat(straddling, f)
-                           for f in TrainBatch.__dataclass_fields__})  # fmt: skip
+    joined = TrainBatch(
+        **{
+            f: None if getattr(straddling[0], f) is None else _cat(straddling, f)
+            for f in TrainBatch.__dataclass_fields__
+        }
+    )
     fresh, _ = tiny()
     fresh.load_state_dict(before)
     single = sgd_trainer(tmp_path / "b", fresh, per_device_train_batch_size=8, max_steps=1)
@@ -422,9 +501,17 @@ def test_trust_remote_code_reaches_the_tokenizer_and_reward_models(tmp_path, mon
     reward_dir = tmp_path / "reward"
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     AutoModelForSequenceClassification.from_config(
-        Qwen2Config(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                    num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=0)
-    ).save_pretrained(reward_dir)  # fmt: skip
+        Qwen2Config(
+            vocab_size=len(tokenizer),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            num_labels=1,
+            pad_token_id=0,
+        )
+    ).save_pretrained(reward_dir)
     tokenizer.save_pretrained(reward_dir)
     seen = []
     for cls in (AutoTokenizer, AutoModelForSequenceClassification):
@@ -435,8 +522,12 @@ def test_trust_remote_code_reaches_the_tokenizer_and_reward_models(tmp_path, mon
             return _real(klass, name, *args, **kwargs)
 
         monkeypatch.setattr(cls, "from_pretrained", classmethod(recording))
-    GRPOTrainer(model=str(model_dir), reward_funcs=[repeat_letter, str(reward_dir)], train_dataset=letters(),
-                args=config(tmp_path, trust_remote_code=True))  # fmt: skip
+    GRPOTrainer(
+        model=str(model_dir),
+        reward_funcs=[repeat_letter, str(reward_dir)],
+        train_dataset=letters(),
+        args=config(tmp_path, trust_remote_code=True),
+    )
     assert ("AutoTokenizer", True) in seen and ("AutoModelForSequenceClassification", True) in seen
     assert all(flag is True for _, flag in seen)
 
@@ -455,7 +546,9 @@ def test_resume_is_exact_with_a_stream_and_with_adaptive_entropy(tmp_path, setti
 
     def run(directory, max_steps, resume=None):
         dataset = stream(rows) if setting == "stream" else letters()
-        trainer = trainer_for(directory, train_dataset=dataset, args=config(directory, **{**values, "max_steps": max_steps}))
+        trainer = trainer_for(
+            directory, train_dataset=dataset, args=config(directory, **{**values, "max_steps": max_steps})
+        )
         trainer.train(resume_from_checkpoint=resume)
         return trainer
 
@@ -480,8 +573,10 @@ def test_logging_strategy_no_and_epoch(tmp_path):
     none.train()
     assert [h for h in none.state.log_history if "loss" in h] == []  # nothing per step, not even the first
     assert "train_loss" in none.state.log_history[-1]
-    epoch = trainer_for(tmp_path / "epoch", args=config(tmp_path / "epoch", max_steps=10, logging_strategy="epoch",
-                                                        logging_first_step=False))  # fmt: skip
+    epoch = trainer_for(
+        tmp_path / "epoch",
+        args=config(tmp_path / "epoch", max_steps=10, logging_strategy="epoch", logging_first_step=False),
+    )
     epoch.train()
     records = [h for h in epoch.state.log_history if "loss" in h]
     assert [(h["step"], h["epoch"]) for h in records] == [(8, 1.0)]
@@ -499,9 +594,19 @@ def test_logging_strategy_no_and_epoch(tmp_path):
 
 def test_eval_on_start_and_eval_delay(tmp_path):
     evaluation = letters(1).select(range(2))
-    trainer = trainer_for(tmp_path, eval_dataset=evaluation,
-                          args=config(tmp_path, max_steps=4, eval_on_start=True, eval_strategy="steps",
-                                      eval_steps=1, eval_delay=3, per_device_eval_batch_size=8))  # fmt: skip
+    trainer = trainer_for(
+        tmp_path,
+        eval_dataset=evaluation,
+        args=config(
+            tmp_path,
+            max_steps=4,
+            eval_on_start=True,
+            eval_strategy="steps",
+            eval_steps=1,
+            eval_delay=3,
+            per_device_eval_batch_size=8,
+        ),
+    )
     trainer.train()
     assert [h["step"] for h in trainer.state.log_history if "eval_loss" in h] == [0, 3, 4]
     with pytest.raises(ValueError, match="eval_on_start=True needs an eval_dataset"):
@@ -530,8 +635,13 @@ def test_log_level_sets_transformers_verbosity(tmp_path):
 
 
 def test_full_determinism_turns_on_deterministic_kernels_and_keeps_the_run(tmp_path, monkeypatch):
-    for name in ("CUDA_LAUNCH_BLOCKING", "CUBLAS_WORKSPACE_CONFIG", "ASCEND_LAUNCH_BLOCKING", "HCCL_DETERMINISTIC",
-                 "FLASH_ATTENTION_DETERMINISTIC"):  # fmt: skip
+    for name in (
+        "CUDA_LAUNCH_BLOCKING",
+        "CUBLAS_WORKSPACE_CONFIG",
+        "ASCEND_LAUNCH_BLOCKING",
+        "HCCL_DETERMINISTIC",
+        "FLASH_ATTENTION_DETERMINISTIC",
+    ):
         monkeypatch.delenv(name, raising=False)  # set by transformers; put back as they were after the test
     plain = trainer_for(tmp_path / "a", args=config(tmp_path / "a", max_steps=2))
     plain.train()
@@ -559,8 +669,11 @@ class SigtermAt(TrainerCallback):
 
 def test_sigterm_with_enable_jit_checkpoint_saves_stops_and_resumes_exactly(tmp_path, capfd):
     before = signal.getsignal(signal.SIGTERM)
-    preempted = trainer_for(tmp_path / "a", callbacks=[SigtermAt(2)],
-                            args=config(tmp_path / "a", enable_jit_checkpoint=True, logging_steps=10))  # fmt: skip
+    preempted = trainer_for(
+        tmp_path / "a",
+        callbacks=[SigtermAt(2)],
+        args=config(tmp_path / "a", enable_jit_checkpoint=True, logging_steps=10),
+    )
     output = preempted.train()
     assert output.global_step == 2 and signal.getsignal(signal.SIGTERM) is before  # the handler is given back
     assert (tmp_path / "a" / "out" / "checkpoint-2").is_dir()
@@ -596,12 +709,17 @@ def _train_error(tmp_path) -> str:
 def test_generation_kwargs_stop_and_suppress_tokens_and_override_the_sampling_fields(tmp_path):
     model, tokenizer = tiny()
     stop, never = tokenizer.convert_tokens_to_ids("c"), tokenizer.convert_tokens_to_ids("d")
-    args = config(tmp_path, max_completion_length=12, per_device_train_batch_size=64, num_generations=8,
-                  generation_kwargs={"eos_token_id": stop, "suppress_tokens": [never], "top_k": 6,
-                                     "do_sample": True})  # fmt: skip
+    args = config(
+        tmp_path,
+        max_completion_length=12,
+        per_device_train_batch_size=64,
+        num_generations=8,
+        generation_kwargs={"eos_token_id": stop, "suppress_tokens": [never], "top_k": 6, "do_sample": True},
+    )
     assert args.top_k == 6  # TRL: generation_kwargs override the named fields
-    trainer = GRPOTrainer(model=model, reward_funcs=repeat_letter, args=args, train_dataset=letters(4),
-                          processing_class=tokenizer)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=repeat_letter, args=args, train_dataset=letters(4), processing_class=tokenizer
+    )
     assert stop in trainer.codec.eos_token_ids and tokenizer.eos_token_id in trainer.codec.eos_token_ids
     batch = trainer.generate_batch()
     rows = [ids[:length].tolist() for ids, length in zip(batch.completion_ids, batch.lengths.tolist())]
@@ -609,25 +727,35 @@ def test_generation_kwargs_stop_and_suppress_tokens_and_override_the_sampling_fi
     ended_on_stop = [row for row in rows if row and row[-1] == stop]
     assert ended_on_stop and all(stop not in row[:-1] for row in rows)  # "c" ends a completion where it appears
     # Without the options both tokens are sampled (the model is random): the options are what made the difference.
-    plain = GRPOTrainer(model=model, reward_funcs=repeat_letter, processing_class=tokenizer, train_dataset=letters(4),
-                        args=config(tmp_path / "plain", max_completion_length=12, per_device_train_batch_size=64,
-                                    num_generations=8))  # fmt: skip
+    plain = GRPOTrainer(
+        model=model,
+        reward_funcs=repeat_letter,
+        processing_class=tokenizer,
+        train_dataset=letters(4),
+        args=config(tmp_path / "plain", max_completion_length=12, per_device_train_batch_size=64, num_generations=8),
+    )
     batch = plain.generate_batch()
     rows = [ids[:length].tolist() for ids, length in zip(batch.completion_ids, batch.lengths.tolist())]
     assert any(never in row for row in rows) and any(stop in row[:-1] for row in rows)
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"num_return_sequences": 2}, r"generation_kwargs \['num_return_sequences'\]: num_return_sequences=2"),
-    ({"no_repeat_ngram_size": 3, "seed": 7}, r"\['seed'\]: seed=7 .*accepted at seed=None\). Supported: .*; without "
-                                             r"use_vllm, num_beams, .* are sampled with transformers' generate"),
-    ({"top_k_typo": 5}, r"\['top_k_typo'\]: not an option of transformers' GenerationConfig or vLLM's"),
-    ({"temperature": 0.5}, "Set temperature instead"),
-    ({"do_sample": False}, "GRPO needs sampled completions"),
-    ({"max_new_tokens": 8}, "set max_completion_length instead"),
-    ({"eos_token_id": "</s>"}, "must be a token id or a list of token ids"),
-    ("top_k=5", "must be a dict"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"num_return_sequences": 2}, r"generation_kwargs \['num_return_sequences'\]: num_return_sequences=2"),
+        (
+            {"no_repeat_ngram_size": 3, "seed": 7},
+            r"\['seed'\]: seed=7 .*accepted at seed=None\). Supported: .*; without "
+            r"use_vllm, num_beams, .* are sampled with transformers' generate",
+        ),
+        ({"top_k_typo": 5}, r"\['top_k_typo'\]: not an option of transformers' GenerationConfig or vLLM's"),
+        ({"temperature": 0.5}, "Set temperature instead"),
+        ({"do_sample": False}, "GRPO needs sampled completions"),
+        ({"max_new_tokens": 8}, "set max_completion_length instead"),
+        ({"eos_token_id": "</s>"}, "must be a token id or a list of token ids"),
+        ("top_k=5", "must be a dict"),
+    ],
+)
 def test_generation_kwargs_that_grpokit_cannot_honour_are_refused_by_name(tmp_path, options, message):
     with pytest.raises(ValueError, match=message):
         config(tmp_path, generation_kwargs=options)
@@ -652,23 +780,37 @@ def test_beam_search_is_transformers_generate_with_trls_generation_config(tmp_pa
     options = {"num_beams": 2, "length_penalty": -0.1}
     engine = TransformersGenerateEngine(model, options=options)
     prompts, seed = tiny_prompts(tokenizer), 11
-    params = SamplingParams(max_new_tokens=6, temperature=0.9, top_k=50, eos_token_ids=(tokenizer.eos_token_id,),
-                            pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    params = SamplingParams(
+        max_new_tokens=6,
+        temperature=0.9,
+        top_k=50,
+        eos_token_ids=(tokenizer.eos_token_id,),
+        pad_token_id=tokenizer.pad_token_id,
+    )
     rollout = engine.generate(prompts, params, seed)
 
     prompt_ids, prompt_mask = prompts.padded(tokenizer.pad_token_id)
-    expected_config = GenerationConfig(max_new_tokens=6, do_sample=True, temperature=0.9, top_k=50, top_p=1.0,
-                                       repetition_penalty=1.0, eos_token_id=[tokenizer.eos_token_id],
-                                       pad_token_id=tokenizer.pad_token_id, **options)  # fmt: skip
+    expected_config = GenerationConfig(
+        max_new_tokens=6,
+        do_sample=True,
+        temperature=0.9,
+        top_k=50,
+        top_p=1.0,
+        repetition_penalty=1.0,
+        eos_token_id=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        **options,
+    )
     torch.manual_seed(seed)
     expected = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=expected_config)
-    expected = expected[:, prompt_ids.shape[1]:]
+    expected = expected[:, prompt_ids.shape[1] :]
     assert rollout.sampling_logprobs is None and torch.equal(rollout.prompt_ids, prompt_ids)
     for row, ids in enumerate(expected.tolist()):
         end = ids.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in ids else len(ids)
         assert rollout.completion_id_lists()[row] == ids[:end]
-        assert rollout.lengths[row] == end and bool(rollout.is_truncated[row]) == (end == len(ids) and
-                                                                                  ids[-1] != tokenizer.eos_token_id)
+        assert rollout.lengths[row] == end and bool(rollout.is_truncated[row]) == (
+            end == len(ids) and ids[-1] != tokenizer.eos_token_id
+        )
         assert rollout.loss_mask[row].sum() == end
     # The beams are what made these rows: the same seed without them samples others.
     plain = TransformersGenerateEngine(model).generate(prompts, params, seed)
@@ -681,8 +823,11 @@ def test_generation_kwargs_only_generate_honours_train_through_it_and_the_defaul
 
     # TRL's test_train_with_generation_kwargs, on the tiny model.
     trl_options = {"do_sample": True, "top_k": 50, "num_beams": 2, "length_penalty": -0.1}
-    trainer = trainer_for(tmp_path, args=config(tmp_path, max_steps=2, generation_kwargs=trl_options),
-                          reward_funcs=lambda completions, **kwargs: [float(len(c)) for c in completions])
+    trainer = trainer_for(
+        tmp_path,
+        args=config(tmp_path, max_steps=2, generation_kwargs=trl_options),
+        reward_funcs=lambda completions, **kwargs: [float(len(c)) for c in completions],
+    )
     assert isinstance(trainer.engine, TransformersGenerateEngine)
     assert trainer.engine.options == {"num_beams": 2, "length_penalty": -0.1}
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
@@ -690,8 +835,10 @@ def test_generation_kwargs_only_generate_honours_train_through_it_and_the_defaul
     assert trainer.state.global_step == 2 and math.isfinite(trainer.state.log_history[-1]["train_loss"])
     assert any(not torch.equal(before[name], p) for name, p in trainer.model.named_parameters())
     # One of generate's logits processors: no bigram repeats in any completion.
-    trainer = trainer_for(tmp_path / "ngram", args=config(tmp_path / "ngram", max_completion_length=12,
-                                                          generation_kwargs={"no_repeat_ngram_size": 2}))  # fmt: skip
+    trainer = trainer_for(
+        tmp_path / "ngram",
+        args=config(tmp_path / "ngram", max_completion_length=12, generation_kwargs={"no_repeat_ngram_size": 2}),
+    )
     batch = trainer.generate_batch()
     rows = [ids[:length].tolist() for ids, length in zip(batch.completion_ids, batch.lengths.tolist())]
     bigrams = [list(itertools.pairwise(row)) for row in rows]
@@ -719,9 +866,19 @@ def test_a_mocked_transformers_generate_samples_as_in_trls_mask_truncated_comple
     def fake_generate(input_ids, **kwargs):
         return torch.cat([input_ids, torch.tensor(rows)], dim=1)
 
-    args = config(tmp_path, per_device_train_batch_size=3, num_generations=3, max_completion_length=8, max_steps=1,
-                  mask_truncated_completions=True, loss_type="dapo", learning_rate=0.1)  # fmt: skip
-    trainer = trainer_for(tmp_path, args=args, reward_funcs=lambda completions, **k: [float(len(c)) for c in completions])
+    args = config(
+        tmp_path,
+        per_device_train_batch_size=3,
+        num_generations=3,
+        max_completion_length=8,
+        max_steps=1,
+        mask_truncated_completions=True,
+        loss_type="dapo",
+        learning_rate=0.1,
+    )
+    trainer = trainer_for(
+        tmp_path, args=args, reward_funcs=lambda completions, **k: [float(len(c)) for c in completions]
+    )
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     with patch("transformers.generation.utils.GenerationMixin.generate", side_effect=fake_generate) as generate:
         batch = trainer.generate_batch()
@@ -746,9 +903,19 @@ def test_generation_kwargs_suppressed_token_outside_the_vocabulary_is_refused(tm
 def test_load_best_model_at_end_loads_the_checkpoint_with_the_best_metric_and_keeps_it(tmp_path):
     from safetensors.torch import load_file
 
-    args = config(tmp_path, max_steps=6, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
-                  save_total_limit=1, load_best_model_at_end=True, metric_for_best_model="completions/mean_length",
-                  greater_is_better=True, per_device_eval_batch_size=8)  # fmt: skip
+    args = config(
+        tmp_path,
+        max_steps=6,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        save_total_limit=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="completions/mean_length",
+        greater_is_better=True,
+        per_device_eval_batch_size=8,
+    )
     trainer = trainer_for(tmp_path, args=args, eval_dataset=letters(1).select(range(4)))
     trainer.train()
     metric = "eval/completions/mean_length"  # the name given, found under grpokit's eval/ prefix
@@ -771,26 +938,51 @@ def test_load_best_model_at_end_loads_the_checkpoint_with_the_best_metric_and_ke
 
 
 def test_metric_for_best_model_names_are_checked_and_defaults_follow_transformers(tmp_path):
-    args = config(tmp_path, eval_strategy="steps", save_strategy="steps", save_steps=2, eval_steps=2,
-                  load_best_model_at_end=True)  # fmt: skip
+    args = config(
+        tmp_path, eval_strategy="steps", save_strategy="steps", save_steps=2, eval_steps=2, load_best_model_at_end=True
+    )
     assert args.metric_for_best_model == "loss" and args.greater_is_better is False
     assert config(tmp_path, metric_for_best_model="eval/reward").greater_is_better is True
     with pytest.raises(ValueError, match="needs a checkpoint where there is an evaluation"):
         config(tmp_path, load_best_model_at_end=True, eval_strategy="no")
     with pytest.raises(ValueError, match=r"save_steps \(3\) to be a multiple of eval_steps \(2\)"):
-        config(tmp_path, load_best_model_at_end=True, eval_strategy="steps", eval_steps=2, save_steps=3,
-               save_strategy="steps")
-    trainer = trainer_for(tmp_path, eval_dataset=letters(1).select(range(2)),
-                          args=config(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=2, save_steps=2,
-                                      save_strategy="steps", metric_for_best_model="accuracy",
-                                      per_device_eval_batch_size=8))  # fmt: skip
+        config(
+            tmp_path,
+            load_best_model_at_end=True,
+            eval_strategy="steps",
+            eval_steps=2,
+            save_steps=3,
+            save_strategy="steps",
+        )
+    trainer = trainer_for(
+        tmp_path,
+        eval_dataset=letters(1).select(range(2)),
+        args=config(
+            tmp_path,
+            max_steps=2,
+            eval_strategy="steps",
+            eval_steps=2,
+            save_steps=2,
+            save_strategy="steps",
+            metric_for_best_model="accuracy",
+            per_device_eval_batch_size=8,
+        ),
+    )
     with pytest.raises(ValueError, match=r"metric_for_best_model='accuracy' is not among the evaluation's metrics"):
         trainer.train()
 
 
-@pytest.mark.parametrize("keep, best, kept", [
-    (1, 2, [2, 5]), (1, 5, [5]), (2, 2, [2, 5]), (2, 5, [4, 5]), (3, 1, [1, 4, 5]), (3, None, [3, 4, 5]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "keep, best, kept",
+    [
+        (1, 2, [2, 5]),
+        (1, 5, [5]),
+        (2, 2, [2, 5]),
+        (2, 5, [4, 5]),
+        (3, 1, [1, 4, 5]),
+        (3, None, [3, 4, 5]),
+    ],
+)
 def test_rotation_keeps_the_best_checkpoint_among_save_total_limit(tmp_path, keep, best, kept):
     from grpokit.checkpoint import list_checkpoints, rotate_checkpoints, write_checkpoint
 
@@ -807,8 +999,13 @@ def test_suppressed_tokens_reach_the_vllm_engine(tmp_path):
 
 
 # ---------------------------------------------------------------------------------- deepspeed (TRL's field)
-ZERO2 = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
-         "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"}}  # fmt: skip
+ZERO2 = {
+    "zero_optimization": {"stage": 2},
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "bf16": {"enabled": "auto"},
+}
 LAUNCHED = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 
 
@@ -823,12 +1020,15 @@ def test_deepspeed_config_is_read_from_a_dict_a_json_string_or_a_file(tmp_path):
     assert args.deepspeed["zero_optimization"]["stage"] == 2 and config(tmp_path).deepspeed_config() is None
 
 
-@pytest.mark.parametrize("given, message", [
-    ({**ZERO2, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, "'optimizer' section"),
-    ({**ZERO2, "optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR"}}, "'optimizer' and 'scheduler'"),
-    ({"train_micro_batch_size_per_gpu": "auto"}, "no 'zero_optimization' section"),
-    ("no/such/ds_config.json", "neither a dict, a JSON object nor the path of a JSON file"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        ({**ZERO2, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, "'optimizer' section"),
+        ({**ZERO2, "optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR"}}, "'optimizer' and 'scheduler'"),
+        ({"train_micro_batch_size_per_gpu": "auto"}, "no 'zero_optimization' section"),
+        ("no/such/ds_config.json", "neither a dict, a JSON object nor the path of a JSON file"),
+    ],
+)
 def test_deepspeed_config_grpokit_cannot_follow_is_refused_at_once(tmp_path, given, message):
     with pytest.raises(ValueError, match=message):
         config(tmp_path, deepspeed=given)
@@ -838,9 +1038,17 @@ def test_deepspeed_values_that_disagree_with_the_run_are_named(tmp_path, monkeyp
     pytest.importorskip("deepspeed")
     from grpokit.distributed import deepspeed_plugin
 
-    args = config(tmp_path, deepspeed={**ZERO2, "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
-                                       "train_batch_size": 16, "bf16": {"enabled": True}})  # fmt: skip
-    with pytest.raises(ValueError, match="needs a distributed launcher .RANK, LOCAL_RANK, WORLD_SIZE"):
+    args = config(
+        tmp_path,
+        deepspeed={
+            **ZERO2,
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_clipping": 1.0,
+            "train_batch_size": 16,
+            "bf16": {"enabled": True},
+        },
+    )
+    with pytest.raises(ValueError, match=r"needs a distributed launcher .RANK, LOCAL_RANK, WORLD_SIZE"):
         deepspeed_plugin(args, 1)
     for name, value in LAUNCHED.items():
         monkeypatch.setenv(name, value)
@@ -849,7 +1057,8 @@ def test_deepspeed_values_that_disagree_with_the_run_are_named(tmp_path, monkeyp
     # per device 8 (not 4), accumulation 1, 2 processes: 16 in all (as given); clipping 1.0 (as given); bf16 off.
     assert str(error.value).splitlines()[1:3] == [
         "  train_micro_batch_size_per_gpu: 4 in the DeepSpeed config, 8 from GRPOConfig",
-        "  bf16.enabled: True in the DeepSpeed config, False from GRPOConfig"]
+        "  bf16.enabled: True in the DeepSpeed config, False from GRPOConfig",
+    ]
     plugin = deepspeed_plugin(config(tmp_path, deepspeed={**ZERO2, "train_batch_size": 16}), 2)
     assert plugin.zero_stage == 2 and plugin.deepspeed_config["train_batch_size"] == 16
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
@@ -860,36 +1069,67 @@ def test_deepspeed_values_that_disagree_with_the_run_are_named(tmp_path, monkeyp
 # ------------------------------------------------------------------------------- fsdp / fsdp_config (TRL's fields)
 def test_fsdp_fields_become_accelerates_fsdp2_plugin_arguments_as_transformers_makes_them(tmp_path):
     path = tmp_path / "fsdp.json"
-    path.write_text(json.dumps({"fsdp_transformer_layer_cls_to_wrap": "Qwen2DecoderLayer",
-                                "fsdp_state_dict_type": "SHARDED_STATE_DICT", "activation_checkpointing": "true"}))
-    base = {"fsdp_version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "state_dict_type": "FULL_STATE_DICT",
-            "reshard_after_forward": True, "cpu_ram_efficient_loading": False}  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {
+                "fsdp_transformer_layer_cls_to_wrap": "Qwen2DecoderLayer",
+                "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+                "activation_checkpointing": "true",
+            }
+        )
+    )
+    base = {
+        "fsdp_version": 2,
+        "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "state_dict_type": "FULL_STATE_DICT",
+        "reshard_after_forward": True,
+        "cpu_ram_efficient_loading": False,
+    }
     assert config(tmp_path).fsdp_plugin_kwargs() is None
     assert config(tmp_path, fsdp="full_shard auto_wrap").fsdp_plugin_kwargs() == base
     assert config(tmp_path, fsdp=True).fsdp_plugin_kwargs() == base
     assert config(tmp_path, fsdp=["shard_grad_op", "offload"]).fsdp_plugin_kwargs() == {
-        **base, "reshard_after_forward": False, "cpu_offload": True}
+        **base,
+        "reshard_after_forward": False,
+        "cpu_offload": True,
+    }
     # fsdp_config (a file here, keys with and without the prefix) wins over the legacy option string.
     assert config(tmp_path, fsdp="shard_grad_op", fsdp_config=str(path)).fsdp_plugin_kwargs() == {
-        **base, "reshard_after_forward": False, "state_dict_type": "SHARDED_STATE_DICT",
-        "activation_checkpointing": True, "transformer_cls_names_to_wrap": "Qwen2DecoderLayer"}
-    assert config(tmp_path, fsdp=True, fsdp_config={"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 1000,
-                                                    "reshard_after_forward": False}).fsdp_plugin_kwargs() == {
-        **base, "auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 1000, "reshard_after_forward": False}
+        **base,
+        "reshard_after_forward": False,
+        "state_dict_type": "SHARDED_STATE_DICT",
+        "activation_checkpointing": True,
+        "transformer_cls_names_to_wrap": "Qwen2DecoderLayer",
+    }
+    assert config(
+        tmp_path,
+        fsdp=True,
+        fsdp_config={"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 1000, "reshard_after_forward": False},
+    ).fsdp_plugin_kwargs() == {
+        **base,
+        "auto_wrap_policy": "SIZE_BASED_WRAP",
+        "min_num_params": 1000,
+        "reshard_after_forward": False,
+    }
     with pytest.warns(UserWarning, match="fsdp_config is set but fsdp is not: FSDP stays off"):
         assert config(tmp_path, fsdp_config={"version": 2}).fsdp_plugin_kwargs() is None
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"fsdp": "hybrid_shard"}, "'hybrid_shard' is an FSDP1 strategy"),
-    ({"fsdp": "full_shard sideways"}, "unknown option 'sideways'"),
-    ({"fsdp": True, "fsdp_config": {"fsdp_version": 1}}, "version 1 .FSDP1. is not supported"),
-    ({"fsdp": True, "fsdp_config": {"backward_prefetch": "BACKWARD_PRE", "xla": True}},
-     r"\['backward_prefetch', 'xla'\]: not FSDP2 options"),
-    ({"fsdp": True, "fsdp_config": {"auto_wrap_policy": "EVERYTHING"}}, "auto_wrap_policy='EVERYTHING'"),
-    ({"fsdp": True, "fsdp_config": {"state_dict_type": "LOCAL_STATE_DICT"}}, "state_dict_type='LOCAL_STATE_DICT'"),
-    ({"fsdp": True, "deepspeed": ZERO2}, "fsdp and deepspeed are both set"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"fsdp": "hybrid_shard"}, "'hybrid_shard' is an FSDP1 strategy"),
+        ({"fsdp": "full_shard sideways"}, "unknown option 'sideways'"),
+        ({"fsdp": True, "fsdp_config": {"fsdp_version": 1}}, "version 1 .FSDP1. is not supported"),
+        (
+            {"fsdp": True, "fsdp_config": {"backward_prefetch": "BACKWARD_PRE", "xla": True}},
+            r"\['backward_prefetch', 'xla'\]: not FSDP2 options",
+        ),
+        ({"fsdp": True, "fsdp_config": {"auto_wrap_policy": "EVERYTHING"}}, "auto_wrap_policy='EVERYTHING'"),
+        ({"fsdp": True, "fsdp_config": {"state_dict_type": "LOCAL_STATE_DICT"}}, "state_dict_type='LOCAL_STATE_DICT'"),
+        ({"fsdp": True, "deepspeed": ZERO2}, "fsdp and deepspeed are both set"),
+    ],
+)
 def test_fsdp_fields_grpokit_would_not_run_are_refused_at_once(tmp_path, fields, message):
     with pytest.raises(ValueError, match=message):
         config(tmp_path, **fields)
@@ -900,15 +1140,24 @@ def test_accelerator_config_is_read_from_a_dict_a_json_string_a_file_or_an_accel
     from transformers.trainer_pt_utils import AcceleratorConfig
 
     given = {"even_batches": False, "gradient_accumulation_kwargs": {"sync_each_batch": True}}
-    expected = {"split_batches": False, "dispatch_batches": None, "even_batches": False, "use_seedable_sampler": True,
-                "non_blocking": False, "gradient_accumulation_kwargs": {"sync_each_batch": True},
-                "use_configured_state": False}  # fmt: skip
+    expected = {
+        "split_batches": False,
+        "dispatch_batches": None,
+        "even_batches": False,
+        "use_seedable_sampler": True,
+        "non_blocking": False,
+        "gradient_accumulation_kwargs": {"sync_each_batch": True},
+        "use_configured_state": False,
+    }
     path = tmp_path / "accelerator.json"
     path.write_text(json.dumps(given))
     for form in (given, json.dumps(given), str(path), AcceleratorConfig(**given)):
         assert config(tmp_path, accelerator_config=form).accelerator_options() == expected
-    assert config(tmp_path).accelerator_options() == {**expected, "even_batches": True,
-                                                      "gradient_accumulation_kwargs": {}}  # fmt: skip
+    assert config(tmp_path).accelerator_options() == {
+        **expected,
+        "even_batches": True,
+        "gradient_accumulation_kwargs": {},
+    }
     both = {"gradient_accumulation_kwargs": {"num_steps": 2}}  # the same count twice: fine
     assert config(tmp_path, gradient_accumulation_steps=2, accelerator_config=both).accelerator_options()
 
@@ -926,8 +1175,14 @@ def test_accelerator_config_is_held_as_transformers_accelerator_config(tmp_path)
     yaml_file.write_text("accelerator_config:\n  even_batches: false\n")
     from_yaml = parse_train_args([str(yaml_file)])[1]["accelerator_config"]
     from_flag = parse_train_args(["--accelerator_config", '{"even_batches": false}'])[1]["accelerator_config"]
-    for form in ({"even_batches": False}, json.dumps({"even_batches": False}), str(path),
-                 AcceleratorConfig(even_batches=False), from_yaml, from_flag):  # fmt: skip
+    for form in (
+        {"even_batches": False},
+        json.dumps({"even_batches": False}),
+        str(path),
+        AcceleratorConfig(even_batches=False),
+        from_yaml,
+        from_flag,
+    ):
         held = config(tmp_path, accelerator_config=form).accelerator_config
         assert held == AcceleratorConfig(even_batches=False), form
     default = config(tmp_path).accelerator_config
@@ -943,13 +1198,19 @@ def test_accelerator_config_is_held_as_transformers_accelerator_config(tmp_path)
     assert trainer.args.accelerator_options()["dispatch_batches"] is False
 
 
-@pytest.mark.parametrize("given, message", [
-    ({"split_batches": True}, "split_batches=True is not supported: per_device_train_batch_size is each process's"),
-    ({"dispatch_batch": True}, r"\['dispatch_batch'\]: not options of transformers' AcceleratorConfig"),
-    ({"gradient_accumulation_kwargs": {"num_steps": 4}}, "num_steps=4 disagrees with gradient_accumulation_steps=1"),
-    ({"gradient_accumulation_kwargs": {"sync_every": True}}, r"\['sync_every'\]: not options of accelerate's"),
-    ("no/such/accelerator.json", "neither a dict, a JSON object nor the path of a JSON file"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        ({"split_batches": True}, "split_batches=True is not supported: per_device_train_batch_size is each process's"),
+        ({"dispatch_batch": True}, r"\['dispatch_batch'\]: not options of transformers' AcceleratorConfig"),
+        (
+            {"gradient_accumulation_kwargs": {"num_steps": 4}},
+            "num_steps=4 disagrees with gradient_accumulation_steps=1",
+        ),
+        ({"gradient_accumulation_kwargs": {"sync_every": True}}, r"\['sync_every'\]: not options of accelerate's"),
+        ("no/such/accelerator.json", "neither a dict, a JSON object nor the path of a JSON file"),
+    ],
+)
 def test_accelerator_config_grpokit_cannot_follow_is_refused_at_once(tmp_path, given, message):
     with pytest.raises(ValueError, match=message):
         config(tmp_path, accelerator_config=given)
@@ -963,10 +1224,16 @@ def test_sync_each_batch_synchronises_every_micro_batch(tmp_path):
     model, tokenizer = tiny()
     for sync_each_batch, expected in ((False, [False, False, True]), (True, [True, True, True])):
         options = {"gradient_accumulation_kwargs": {"sync_each_batch": sync_each_batch}}
-        trainer = GRPOTrainer(model=model, reward_funcs=repeat_letter, processing_class=tokenizer,
-                              train_dataset=letters(), args=config(tmp_path, accelerator_config=options))  # fmt: skip
-        synced = [isinstance(trainer.stepper.micro_batch(is_last), contextlib.nullcontext)
-                  for is_last in (False, False, True)]  # fmt: skip
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=repeat_letter,
+            processing_class=tokenizer,
+            train_dataset=letters(),
+            args=config(tmp_path, accelerator_config=options),
+        )
+        synced = [
+            isinstance(trainer.stepper.micro_batch(is_last), contextlib.nullcontext) for is_last in (False, False, True)
+        ]
         assert synced == expected
 
 
@@ -976,12 +1243,21 @@ def test_use_configured_state_takes_the_scripts_accelerate_state_and_needs_one(t
     from grpokit.compat import reset_accelerate_state
 
     model, tokenizer = tiny()
-    build = lambda: GRPOTrainer(model=model, reward_funcs=repeat_letter, processing_class=tokenizer,  # noqa: E731
-                                train_dataset=letters(),
-                                args=config(tmp_path, accelerator_config={"use_configured_state": True}))
+
+    def build():
+        return GRPOTrainer(
+            model=model,
+            reward_funcs=repeat_letter,
+            processing_class=tokenizer,
+            train_dataset=letters(),
+            args=config(tmp_path, accelerator_config={"use_configured_state": True}),
+        )
+
     reset_accelerate_state()
-    with pytest.raises(ValueError, match="use_configured_state=True needs accelerate's state set up before the "
-                                         "trainer .* create it first"):
+    with pytest.raises(
+        ValueError,
+        match=r"use_configured_state=True needs accelerate's state set up before the trainer .* create it first",
+    ):
         build()
     state = PartialState(cpu=True)
     assert build().accelerator.state.num_processes == state.num_processes == 1
@@ -992,8 +1268,13 @@ def test_debug_underflow_overflow_stops_at_the_first_inf_and_names_the_module(tm
     model, tokenizer = tiny()
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight[0, 0] = float("inf")  # the second layer's MLP makes infs
-    trainer = GRPOTrainer(model=model, reward_funcs=repeat_letter, processing_class=tokenizer, train_dataset=letters(),
-                          args=config(tmp_path, debug="underflow_overflow"))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=repeat_letter,
+        processing_class=tokenizer,
+        train_dataset=letters(),
+        args=config(tmp_path, debug="underflow_overflow"),
+    )
     with pytest.raises(ValueError, match="DebugUnderflowOverflow: inf/nan detected"):
         trainer.train()
     report = capsys.readouterr().out
@@ -1008,15 +1289,21 @@ def test_ignore_data_skip_starts_the_current_epoch_over_on_resume(tmp_path):
         def reward(prompts, completions, letter, **kwargs):
             seen.append(sorted(set(prompts)))
             return repeat_letter(completions, letter)
+
         return reward
 
     first = []  # 16 prompts, 2 a step: the epoch lasts 8 steps
-    trainer_for(tmp_path, reward_funcs=recording(first), args=config(tmp_path, save_strategy="steps", save_steps=2)).train()
+    trainer_for(
+        tmp_path, reward_funcs=recording(first), args=config(tmp_path, save_strategy="steps", save_steps=2)
+    ).train()
     checkpoint = tmp_path / "out" / "checkpoint-2"
     for ignore, expected in ((False, first[2:4]), (True, first[0:2])):
         seen = []
-        trainer = trainer_for(tmp_path / str(ignore), reward_funcs=recording(seen),
-                              args=config(tmp_path / str(ignore), ignore_data_skip=ignore))  # fmt: skip
+        trainer = trainer_for(
+            tmp_path / str(ignore),
+            reward_funcs=recording(seen),
+            args=config(tmp_path / str(ignore), ignore_data_skip=ignore),
+        )
         trainer.train(resume_from_checkpoint=str(checkpoint))
         assert seen == expected and trainer.state.global_step == 4
     assert first[0:2] != first[2:4]
@@ -1024,8 +1311,11 @@ def test_ignore_data_skip_starts_the_current_epoch_over_on_resume(tmp_path):
 
 @pytest.mark.parametrize("name, dtype", [("bf16_full_eval", torch.bfloat16), ("fp16_full_eval", torch.float16)])
 def test_full_eval_casts_the_model_for_evaluate_outside_train_only(tmp_path, name, dtype):
-    trainer = trainer_for(tmp_path, eval_dataset=letters(1),
-                          args=config(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=2, **{name: True}))
+    trainer = trainer_for(
+        tmp_path,
+        eval_dataset=letters(1),
+        args=config(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=2, **{name: True}),
+    )
     trainer.train()  # evaluates at step 2 in float32, as transformers' Trainer does inside train()
     assert "eval/reward" in trainer.state.log_history[-2]
     assert {p.dtype for p in trainer.unwrapped_model.parameters()} == {torch.float32}
@@ -1040,15 +1330,17 @@ def test_torch_compile_compiles_the_decoder_layers_and_keeps_the_run(tmp_path):
     # slow test below runs inductor). The run must be the eager one: same losses, same weights.
     eager = trainer_for(tmp_path / "eager", args=config(tmp_path / "eager", max_steps=2))
     eager.train()
-    compiled = trainer_for(tmp_path / "compiled", args=config(tmp_path / "compiled", max_steps=2,
-                                                               torch_compile_backend="aot_eager"))  # fmt: skip
+    compiled = trainer_for(
+        tmp_path / "compiled", args=config(tmp_path / "compiled", max_steps=2, torch_compile_backend="aot_eager")
+    )
     assert compiled.args.torch_compile and compiled.args.torch_compile_backend == "aot_eager"
     layers = compiled.unwrapped_model.model.layers
     assert all(layer._compiled_call_impl is not None for layer in layers)
     assert compiled.unwrapped_model.model.embed_tokens._compiled_call_impl is None  # the rest stays eager
     compiled.train()
     assert [e["loss"] for e in compiled.state.log_history[:-1]] == pytest.approx(
-        [e["loss"] for e in eager.state.log_history[:-1]], abs=1e-6)  # fmt: skip
+        [e["loss"] for e in eager.state.log_history[:-1]], abs=1e-6
+    )
     for (name, a), b in zip(eager.unwrapped_model.state_dict().items(), compiled.unwrapped_model.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-6), name
     assert config(tmp_path, torch_compile=True).torch_compile_backend == "inductor"
@@ -1061,7 +1353,8 @@ def test_torch_compile_with_inductor_keeps_the_run(tmp_path):
     compiled = trainer_for(tmp_path / "compiled", args=config(tmp_path / "compiled", max_steps=3, torch_compile=True))
     compiled.train()
     assert [e["loss"] for e in compiled.state.log_history[:-1]] == pytest.approx(
-        [e["loss"] for e in eager.state.log_history[:-1]], abs=1e-5)  # fmt: skip
+        [e["loss"] for e in eager.state.log_history[:-1]], abs=1e-5
+    )
     for (name, a), b in zip(eager.unwrapped_model.state_dict().items(), compiled.unwrapped_model.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-4), name
 
@@ -1078,8 +1371,18 @@ def test_the_summary_record_carries_the_metrics_of_the_steps_after_the_last_reco
     steps = [r["step"] for r in trainer.state.log_history]
     assert steps == [2, 3]
     summary = trainer.state.log_history[-1]
-    assert {"train_runtime", "train_loss", "reward", "reward_std", "rewards/repeat_letter/mean",
-            "rewards/repeat_letter/std", "policy_loss", "step_time", "num_tokens", "entropy"} <= set(summary)
+    assert {
+        "train_runtime",
+        "train_loss",
+        "reward",
+        "reward_std",
+        "rewards/repeat_letter/mean",
+        "rewards/repeat_letter/std",
+        "policy_loss",
+        "step_time",
+        "num_tokens",
+        "entropy",
+    } <= set(summary)
     assert not {"loss", "learning_rate", "grad_norm"} & set(summary)  # transformers reports train_loss instead
     assert output.metrics["reward"] == summary["reward"] and summary["num_tokens"] == trainer.state.num_tokens
     # The steps' own records: the window of steps 1-2 in the first, step 3's alone in the summary.
@@ -1096,8 +1399,9 @@ def test_no_window_left_means_the_plain_summary(tmp_path):
 def test_trls_public_attributes(tmp_path):
     from grpokit.rewards.model import RewardModel
 
-    trainer = trainer_for(tmp_path, args=config(tmp_path, beta=0.04, use_adaptive_entropy=True, entropy_coef=0.01,
-                                                max_steps=2))  # fmt: skip
+    trainer = trainer_for(
+        tmp_path, args=config(tmp_path, beta=0.04, use_adaptive_entropy=True, entropy_coef=0.01, max_steps=2)
+    )
     assert trainer.ref_model is not None and trainer.ref_model is trainer.reference
     assert trainer.reward_funcs == [repeat_letter] and trainer.reward_func_names == ["repeat_letter"]
     assert trainer.reward_processing_classes == [None]
@@ -1127,8 +1431,10 @@ def test_the_static_helpers_equal_trls(tmp_path):
     logps, sampling = -torch.rand(4, 6), -torch.rand(4, 6)
     sampling[2, 1] = float("nan")
     for threshold in (0.0, 0.1, 1.0):
-        assert torch.equal(GRPOTrainer.get_off_policy_mask(advantages, logps, sampling, mask.float(), threshold),
-                           trl.GRPOTrainer.get_off_policy_mask(advantages, logps, sampling, mask.float(), threshold))
+        assert torch.equal(
+            GRPOTrainer.get_off_policy_mask(advantages, logps, sampling, mask.float(), threshold),
+            trl.GRPOTrainer.get_off_policy_mask(advantages, logps, sampling, mask.float(), threshold),
+        )
 
 
 def test_compute_loss_training_step_and_log_are_hooks_the_loop_calls(tmp_path):
@@ -1148,9 +1454,13 @@ def test_compute_loss_training_step_and_log_are_hooks_the_loop_calls(tmp_path):
 
     model, tokenizer = tiny()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = Frozen(model=model, reward_funcs=repeat_letter, processing_class=tokenizer, train_dataset=letters(),
-                     args=config(tmp_path, max_steps=2, gradient_accumulation_steps=2, steps_per_generation=2,
-                                 weight_decay=0.0))  # fmt: skip
+    trainer = Frozen(
+        model=model,
+        reward_funcs=repeat_letter,
+        processing_class=tokenizer,
+        train_dataset=letters(),
+        args=config(tmp_path, max_steps=2, gradient_accumulation_steps=2, steps_per_generation=2, weight_decay=0.0),
+    )
     trainer.train()
     assert calls["training_step"] == 4  # 2 steps x 2 micro-batches
     assert all(torch.equal(before[k], v) for k, v in trainer.unwrapped_model.state_dict().items())
@@ -1183,7 +1493,8 @@ def test_defaults_are_trls_but_the_listed_ones(tmp_path):
     changed = {**committed, "fields": {**committed["fields"], "beta": 0.5}}  # a default that would drift silently
     assert script.grpokit_default_differences(changed) == [
         "grpokit default differs: beta: TRL 0.5, grpokit 0.0 (make it TRL's, or list it with its reason in "
-        "grpokit.config.TRL_DEFAULT_DIFFERENCES)"]  # fmt: skip
+        "grpokit.config.TRL_DEFAULT_DIFFERENCES)"
+    ]
     guide = (root / "docs" / "guides" / "from-trl.md").read_text()
     assert all(f"| `{name}` |" in guide for name in TRL_DEFAULT_DIFFERENCES)
     assert GRPOConfig(output_dir=str(tmp_path)).freeze_vision_tower is False
@@ -1205,24 +1516,41 @@ def test_advisories_go_through_the_logger_and_errors_carry_trls_phrases(tmp_path
     caplog.set_level("WARNING")
     logging.getLogger("grpokit").setLevel(logging.NOTSET)
     model, tokenizer = tiny()
-    GRPOTrainer(model=model, reward_funcs=repeat_letter, train_dataset=letters(), processing_class=tokenizer,
-                args=config(tmp_path, model_init_kwargs={"dtype": "float32"}, importance_sampling_level="sequence",
-                            loss_type="bnpo"))  # fmt: skip
+    GRPOTrainer(
+        model=model,
+        reward_funcs=repeat_letter,
+        train_dataset=letters(),
+        processing_class=tokenizer,
+        args=config(
+            tmp_path, model_init_kwargs={"dtype": "float32"}, importance_sampling_level="sequence", loss_type="bnpo"
+        ),
+    )
     logged = [(r.name, r.levelname, r.getMessage()) for r in caplog.records]
-    assert ("grpokit.build", "WARNING", "You passed `model_init_kwargs` to the `GRPOConfig`, but your model is "
-            "already instantiated. The `model_init_kwargs` will be ignored.") in logged  # TRL's sentence
-    assert any(name == "grpokit.build" and "When using `importance_sampling_level='sequence'`, the `'bnpo'` loss sums "
-               "per-token contributions" in message for name, _, message in logged)  # fmt: skip
+    assert (
+        "grpokit.build",
+        "WARNING",
+        "You passed `model_init_kwargs` to the `GRPOConfig`, but your model is "
+        "already instantiated. The `model_init_kwargs` will be ignored.",
+    ) in logged  # TRL's sentence
+    assert any(
+        name == "grpokit.build"
+        and "When using `importance_sampling_level='sequence'`, the `'bnpo'` loss sums per-token contributions"
+        in message
+        for name, _, message in logged
+    )
     with pytest.raises(ValueError, match=r"generation_batch_size \(8\) must be divisible by num_generations \(3\)"):
         trainer_for(tmp_path, args=config(tmp_path, num_generations=3))
-    for values, phrase in [({"num_generations": 1}, "GRPO requires at least 2 generations per prompt"),
-                           ({"auto_find_batch_size": True}, "auto_find_batch_size is not supported by GRPO")]:
+    for values, phrase in [
+        ({"num_generations": 1}, "GRPO requires at least 2 generations per prompt"),
+        ({"auto_find_batch_size": True}, "auto_find_batch_size is not supported by GRPO"),
+    ]:
         with pytest.raises(ValueError, match=phrase):
             config(tmp_path, **values)
     caplog.clear()
     try:  # log_level reaches grpokit's logger as it sets transformers' verbosity
-        trainer_for(tmp_path, args=config(tmp_path, log_level="error", importance_sampling_level="sequence",
-                                          loss_type="dapo"))  # fmt: skip
+        trainer_for(
+            tmp_path, args=config(tmp_path, log_level="error", importance_sampling_level="sequence", loss_type="dapo")
+        )
     finally:
         logging.getLogger("grpokit").setLevel(logging.NOTSET)
     assert "loss sums per-token" not in caplog.text
@@ -1236,26 +1564,46 @@ def test_iterable_datasets_are_configured_as_trl_does(tmp_path, caplog):
     trainer = trainer_for(tmp_path, train_dataset=stream(rows), args=args)
     assert trainer.args.dataloader_num_workers == 0
     assert trainer.args.accelerator_options()["dispatch_batches"] is False
-    assert ("Iterable datasets require `dataloader_num_workers=0` to preserve prompt grouping; overriding the "
-            "provided value (2).") in caplog.text  # fmt: skip
+    assert (
+        "Iterable datasets require `dataloader_num_workers=0` to preserve prompt grouping; overriding the "
+        "provided value (2)."
+    ) in caplog.text
     trainer.train()
     assert trainer.state.global_step == 4
-    kept = trainer_for(tmp_path / "eval", eval_dataset=stream(rows[:2]),
-                       args=config(tmp_path / "eval", dataloader_num_workers=2))  # fmt: skip
+    kept = trainer_for(
+        tmp_path / "eval", eval_dataset=stream(rows[:2]), args=config(tmp_path / "eval", dataloader_num_workers=2)
+    )
     assert kept.args.dataloader_num_workers == 2 and kept.args.accelerator_options()["dispatch_batches"] is False
     with pytest.raises(ValueError, match="Iterable datasets require `dispatch_batches=False`"):
-        trainer_for(tmp_path / "d", train_dataset=stream(rows),
-                    args=config(tmp_path / "d", accelerator_config={"dispatch_batches": True}))  # fmt: skip
+        trainer_for(
+            tmp_path / "d",
+            train_dataset=stream(rows),
+            args=config(tmp_path / "d", accelerator_config={"dispatch_batches": True}),
+        )
 
 
 def test_generation_kwargs_that_leave_sampling_as_it_is_pass(tmp_path):
     """Item 5. TRL hands generation_kwargs to transformers' GenerationConfig or vLLM's SamplingParams; the keys that do
     not change what is sampled pass (beam options without beams, output options, neutral penalties), the rest is
     refused by name (test above)."""
-    options = {"num_beams": 1, "length_penalty": 2.0, "early_stopping": True, "num_return_sequences": 1,
-               "use_cache": True, "output_scores": True, "return_dict_in_generate": True, "typical_p": 1.0,
-               "presence_penalty": 0.0, "frequency_penalty": 0, "min_new_tokens": 0, "bad_words_ids": None,
-               "skip_special_tokens": False, "n": 1, "seed": None, "top_k": 5}  # fmt: skip
+    options = {
+        "num_beams": 1,
+        "length_penalty": 2.0,
+        "early_stopping": True,
+        "num_return_sequences": 1,
+        "use_cache": True,
+        "output_scores": True,
+        "return_dict_in_generate": True,
+        "typical_p": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0,
+        "min_new_tokens": 0,
+        "bad_words_ids": None,
+        "skip_special_tokens": False,
+        "n": 1,
+        "seed": None,
+        "top_k": 5,
+    }
     args = config(tmp_path, generation_kwargs=options, max_steps=1)
     assert args.top_k == 5
     trainer = trainer_for(tmp_path, args=args)
@@ -1269,13 +1617,19 @@ def test_use_liger_kernel_is_validated_as_trl_does(tmp_path, monkeypatch):
     """Item 8. With use_liger_kernel=True TRL refuses a PEFT adapter on lm_head and
     liger_kernel_config={"fused_linear_cross_entropy": True} (ValueError), and transformers' Trainer raises
     ImportError when liger-kernel is missing; grpokit refuses prompt learning too. It runs no Liger kernel (warned)."""
-    from peft import LoraConfig, PromptTuningConfig
     import transformers.utils
+    from peft import LoraConfig, PromptTuningConfig
 
     def build(peft_config=None, **values):
         model, tokenizer = tiny()
-        return GRPOTrainer(model=model, reward_funcs=repeat_letter, train_dataset=letters(), processing_class=tokenizer,
-                           args=config(tmp_path, use_liger_kernel=True, **values), peft_config=peft_config)
+        return GRPOTrainer(
+            model=model,
+            reward_funcs=repeat_letter,
+            train_dataset=letters(),
+            processing_class=tokenizer,
+            args=config(tmp_path, use_liger_kernel=True, **values),
+            peft_config=peft_config,
+        )
 
     with pytest.warns(UserWarning, match="use_liger_kernel"):  # not implemented: warned by name at config time
         config(tmp_path, use_liger_kernel=True)
@@ -1291,8 +1645,9 @@ def test_use_liger_kernel_is_validated_as_trl_does(tmp_path, monkeypatch):
     trainer_for(tmp_path / "off", peft_config=LoraConfig(target_modules=["q_proj", "lm_head"]))  # off: no check
 
 
-def _trl_compute_loss(loss_type, logprobs, entropies, ref_logprobs, advantages, mask, *, beta, entropy_coef,
-                      accumulation_steps=1):  # fmt: skip
+def _trl_compute_loss(
+    loss_type, logprobs, entropies, ref_logprobs, advantages, mask, *, beta, entropy_coef, accumulation_steps=1
+):
     """TRL 1.16's own `GRPOTrainer._compute_loss` on given log-probs and entropies (a stub `self` supplies what it
     reads: the config values, a one-process accelerator, the forward's output)."""
     from collections import defaultdict
@@ -1301,24 +1656,54 @@ def _trl_compute_loss(loss_type, logprobs, entropies, ref_logprobs, advantages, 
     import trl
 
     n, t = mask.shape
-    one_process = SimpleNamespace(gather=lambda x: x, gather_for_metrics=lambda x: x, reduce=lambda x, reduction: x,
-                                  num_processes=1, sync_gradients=True)  # fmt: skip
+    one_process = SimpleNamespace(
+        gather=lambda x: x,
+        gather_for_metrics=lambda x: x,
+        reduce=lambda x, reduction: x,
+        num_processes=1,
+        sync_gradients=True,
+    )
     stub = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (logprobs, entropies, None),
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta,
-        loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28, use_vllm=False, aux_loss_enabled=False,
-        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=accumulation_steps,
-        max_completion_length=t, _entropy_bonus_enabled=entropy_coef != 0, entropy_coef=entropy_coef,
-        use_adaptive_entropy=False, accelerator=one_process, _metrics=defaultdict(lambda: defaultdict(list)),
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        importance_sampling_level="token",
+        beta=beta,
+        loss_type=loss_type,
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+        use_vllm=False,
+        aux_loss_enabled=False,
+        model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=accumulation_steps,
+        max_completion_length=t,
+        _entropy_bonus_enabled=entropy_coef != 0,
+        entropy_coef=entropy_coef,
+        use_adaptive_entropy=False,
+        accelerator=one_process,
+        _metrics=defaultdict(lambda: defaultdict(list)),
         get_gamma_weights=trl.GRPOTrainer.get_gamma_weights,
-        args=SimpleNamespace(use_bias_correction_kl=True, delta=None, steps_per_generation=accumulation_steps,
-                             sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0,
-                             vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0),
-    )  # fmt: skip
-    inputs = {"prompt_ids": torch.zeros(n, 1, dtype=torch.long), "prompt_mask": torch.ones(n, 1, dtype=torch.long),
-              "completion_ids": torch.zeros(n, t, dtype=torch.long), "completion_mask": mask.long(),
-              "advantages": advantages, "ref_per_token_logps": ref_logprobs,
-              "num_items_in_batch": mask.sum()}  # fmt: skip
+        args=SimpleNamespace(
+            use_bias_correction_kl=True,
+            delta=None,
+            steps_per_generation=accumulation_steps,
+            sapo_temperature_pos=1.0,
+            sapo_temperature_neg=1.05,
+            vespo_k_pos=2.0,
+            vespo_lambda_pos=3.0,
+            vespo_k_neg=3.0,
+            vespo_lambda_neg=2.0,
+        ),
+    )
+    inputs = {
+        "prompt_ids": torch.zeros(n, 1, dtype=torch.long),
+        "prompt_mask": torch.ones(n, 1, dtype=torch.long),
+        "completion_ids": torch.zeros(n, t, dtype=torch.long),
+        "completion_mask": mask.long(),
+        "advantages": advantages,
+        "ref_per_token_logps": ref_logprobs,
+        "num_items_in_batch": mask.sum(),
+    }
     return trl.GRPOTrainer._compute_loss(stub, None, inputs)
 
 
@@ -1339,13 +1724,26 @@ def test_a_batch_whose_completions_are_all_truncated_is_a_zero_gradient_step_as_
         logprobs = (-torch.rand(4, 5, generator=torch.Generator().manual_seed(1))).requires_grad_()
         entropies = (torch.rand(4, 5, generator=torch.Generator().manual_seed(2)) * 2).requires_grad_()
         if ours:
-            loss, _ = policy_loss(logprobs, None, ref_logprobs, advantages, mask, loss_type=loss_type, beta=0.04,
-                                  epsilon=0.2, epsilon_high=0.28, use_bias_correction_kl=True, entropies=entropies,
-                                  entropy_coef=0.1, entropy_normalization="token_mean",
-                                  importance_sampling_level="token")  # fmt: skip
+            loss, _ = policy_loss(
+                logprobs,
+                None,
+                ref_logprobs,
+                advantages,
+                mask,
+                loss_type=loss_type,
+                beta=0.04,
+                epsilon=0.2,
+                epsilon_high=0.28,
+                use_bias_correction_kl=True,
+                entropies=entropies,
+                entropy_coef=0.1,
+                entropy_normalization="token_mean",
+                importance_sampling_level="token",
+            )
         else:
-            loss = _trl_compute_loss(loss_type, logprobs, entropies, ref_logprobs, advantages, mask, beta=0.04,
-                                     entropy_coef=0.1)  # fmt: skip
+            loss = _trl_compute_loss(
+                loss_type, logprobs, entropies, ref_logprobs, advantages, mask, beta=0.04, entropy_coef=0.1
+            )
         loss.backward()
         assert loss.item() == 0.0
         grads.append((logprobs.grad, entropies.grad))
@@ -1355,8 +1753,12 @@ def test_a_batch_whose_completions_are_all_truncated_is_a_zero_gradient_step_as_
         return
     # The run: at max_completion_length=1 the steps whose completions are all cut are zero-gradient steps that still
     # count, as transformers' Trainer takes them.
-    trainer = trainer_for(tmp_path, args=config(tmp_path, max_completion_length=1, mask_truncated_completions=True,
-                                                max_steps=3, beta=0.1, entropy_coef=0.1))  # fmt: skip
+    trainer = trainer_for(
+        tmp_path,
+        args=config(
+            tmp_path, max_completion_length=1, mask_truncated_completions=True, max_steps=3, beta=0.1, entropy_coef=0.1
+        ),
+    )
     trainer.train()
     records = [r for r in trainer.state.log_history if "loss" in r]
     assert trainer.state.global_step == 3 and [r["step"] for r in records] == [1, 2, 3]
@@ -1377,12 +1779,34 @@ def test_bnpo_equals_trls_compute_loss_under_accumulation():
         logprobs = (-torch.rand(4, 6, generator=torch.Generator().manual_seed(1))).requires_grad_()
         entropies = (torch.rand(4, 6, generator=torch.Generator().manual_seed(2)) * 2).requires_grad_()
         if ours:
-            loss, _ = policy_loss(logprobs, None, ref_logprobs, advantages, mask, loss_type="bnpo", beta=0.04,
-                                  epsilon=0.2, epsilon_high=0.28, use_bias_correction_kl=True, entropies=entropies,
-                                  entropy_coef=0.1, entropy_normalization="token_mean", num_micro_batches=2)
+            loss, _ = policy_loss(
+                logprobs,
+                None,
+                ref_logprobs,
+                advantages,
+                mask,
+                loss_type="bnpo",
+                beta=0.04,
+                epsilon=0.2,
+                epsilon_high=0.28,
+                use_bias_correction_kl=True,
+                entropies=entropies,
+                entropy_coef=0.1,
+                entropy_normalization="token_mean",
+                num_micro_batches=2,
+            )
         else:
-            loss = _trl_compute_loss("bnpo", logprobs, entropies, ref_logprobs, advantages, mask, beta=0.04,
-                                     entropy_coef=0.1, accumulation_steps=2)  # fmt: skip
+            loss = _trl_compute_loss(
+                "bnpo",
+                logprobs,
+                entropies,
+                ref_logprobs,
+                advantages,
+                mask,
+                beta=0.04,
+                entropy_coef=0.1,
+                accumulation_steps=2,
+            )
         loss.backward()
         results.append((loss.detach(), logprobs.grad, entropies.grad))
     for theirs, ours in zip(*results):
@@ -1410,12 +1834,22 @@ def test_a_dataset_of_environment_names_only_and_tool_metrics_without_calls(tmp_
             return 0.5
 
     rows = [{"environment": "riddles"}, {"environment": "counter"}]
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **k: [0.0] * len(completions),
-                          args=config(tmp_path, per_device_train_batch_size=4, num_generations=2, max_steps=2,
-                                      max_completion_length=64, learning_rate=1e-3),
-                          train_dataset=Dataset.from_list(rows),
-                          processing_class=tokenizer, environment_factory={"riddles": Riddles, "counter": Counter},
-                          rollout_engine=engine)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **k: [0.0] * len(completions),
+        args=config(
+            tmp_path,
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_steps=2,
+            max_completion_length=64,
+            learning_rate=1e-3,
+        ),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        environment_factory={"riddles": Riddles, "counter": Counter},
+        rollout_engine=engine,
+    )
     assert trainer.reward_func_names == ["<lambda>", "Riddles"]  # TRL: the environment's class name, after reward_funcs
     trainer.train()
     assert trainer.state.global_step == 2
@@ -1434,10 +1868,16 @@ def test_a_dataset_of_environment_names_only_and_tool_metrics_without_calls(tmp_
 
 def trl_inputs(batch: TrainBatch, num_items_in_batch: torch.Tensor) -> dict:
     """A micro-batch in the layout of TRL 1.16's `_generate_and_score_completions` output."""
-    return {"prompt_ids": batch.prompt_ids, "prompt_mask": batch.prompt_mask, "completion_ids": batch.completion_ids,
-            "completion_mask": batch.attention_mask, "advantages": batch.advantages[:, 0],
-            "num_items_in_batch": num_items_in_batch, "old_per_token_logps": batch.old_logprobs,
-            "ref_per_token_logps": batch.ref_logprobs}  # fmt: skip
+    return {
+        "prompt_ids": batch.prompt_ids,
+        "prompt_mask": batch.prompt_mask,
+        "completion_ids": batch.completion_ids,
+        "completion_mask": batch.attention_mask,
+        "advantages": batch.advantages[:, 0],
+        "num_items_in_batch": num_items_in_batch,
+        "old_per_token_logps": batch.old_logprobs,
+        "ref_per_token_logps": batch.ref_logprobs,
+    }
 
 
 @pytest.mark.parametrize("training", [True, False])
@@ -1450,13 +1890,32 @@ def test_compute_loss_takes_trls_dict_and_gives_trls_loss(tmp_path, training):
     from grpokit.testing import save_tiny_model
 
     model_dir = str(save_tiny_model(tmp_path / "tiny", chars=LETTERS + ":", hidden_size=32))
-    values = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=3, gradient_accumulation_steps=2,
-                  steps_per_generation=4, num_iterations=2, beta=0.04, bf16=False, report_to="none",
-                  save_strategy="no", gradient_checkpointing=False, epsilon_high=0.28)  # fmt: skip
-    ours = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letters(),
-                       args=GRPOConfig(output_dir=str(tmp_path / "ours"), **values))  # fmt: skip
-    theirs = trl.GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, train_dataset=letters(),
-                             args=trl.GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **values))
+    values = dict(
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=3,
+        gradient_accumulation_steps=2,
+        steps_per_generation=4,
+        num_iterations=2,
+        beta=0.04,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        gradient_checkpointing=False,
+        epsilon_high=0.28,
+    )
+    ours = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=repeat_letter,
+        train_dataset=letters(),
+        args=GRPOConfig(output_dir=str(tmp_path / "ours"), **values),
+    )
+    theirs = trl.GRPOTrainer(
+        model=model_dir,
+        reward_funcs=repeat_letter,
+        train_dataset=letters(),
+        args=trl.GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **values),
+    )
     generation = ours.generate_batch()
     assert generation.old_logprobs is not None and generation.ref_logprobs is not None
     with torch.no_grad():  # the same step away from π_old on both policies: ratios other than 1, some clipped

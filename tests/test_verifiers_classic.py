@@ -8,15 +8,22 @@ import time
 
 import pytest
 import torch
+from agents_helpers import (
+    TABLE,
+    call_text,
+    dapo_update,
+    key_of,
+    lookup,
+    relative_error,
+    tiny_agent_model,
+    tool_call_script,
+)
+from conftest import has_verifiers_v1
 from datasets import Dataset
 
-from agents_helpers import (TABLE, call_text, dapo_update, key_of, lookup, relative_error, tiny_agent_model,
-                            tool_call_script)  # fmt: skip
 from grpokit import GRPOConfig, GRPOTrainer, group_advantages
 from grpokit.integrations import adapt_environment
 from grpokit.rollout import SamplingParams
-
-from conftest import has_verifiers_v1  # noqa: E402
 
 if has_verifiers_v1():  # verifiers 0.4 has no classic API at its top level: its own tests are -m verifiers_v1
     pytest.skip("classic verifiers tests need verifiers < 0.4; 0.4 is installed", allow_module_level=True)
@@ -27,9 +34,19 @@ REPLY = "\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"  # a user tu
 
 
 def config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=2, max_steps=1,
-                  max_completion_length=64, learning_rate=1e-3, logging_steps=1, save_strategy="no",
-                  disable_tqdm=True, report_to="none", seed=0)  # fmt: skip
+    values = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        num_generations=2,
+        max_steps=1,
+        max_completion_length=64,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        report_to="none",
+        seed=0,
+    )
     return GRPOConfig(**{**values, **overrides})
 
 
@@ -73,18 +90,22 @@ def test_a_single_turn_env_supplies_its_prompts_and_its_weighted_rubric(tmp_path
     model, tokenizer = tiny_agent_model()
     few_shot = [{"role": "user", "content": "key k99"}, {"role": "assistant", "content": TABLE["k99"]}]
     rubric = vf.Rubric(funcs=[exact, slow_length], weights=[1.0, 0.5])
-    env = vf.SingleTurnEnv(dataset=questions(), system_prompt="Answer with the value.", few_shot=few_shot,
-                           rubric=rubric)  # fmt: skip
+    env = vf.SingleTurnEnv(
+        dataset=questions(), system_prompt="Answer with the value.", few_shot=few_shot, rubric=rubric
+    )
     engine = Recording(tool_call_script(tokenizer, lambda user, results, index: "v??<|im_end|>"))
     SCORING.clear()
-    trainer = GRPOTrainer(model=model, args=config(tmp_path), processing_class=tokenizer, environment=env,
-                          rollout_engine=engine)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model, args=config(tmp_path), processing_class=tokenizer, environment=env, rollout_engine=engine
+    )
     assert trainer.args.reward_weights == [1.0, 0.5, 0.0]  # the rubric's, its num_turns metric included
     trainer.train()
     # The environment's formatting: system prompt, few-shot, question, as the chat template renders them.
-    expected = tokenizer.apply_chat_template([{"role": "system", "content": "Answer with the value."}, *few_shot,
-                                              {"role": "user", "content": "key k0"}], add_generation_prompt=True,
-                                             tokenize=False)  # fmt: skip
+    expected = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Answer with the value."}, *few_shot, {"role": "user", "content": "key k0"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     assert expected in [tokenizer.decode(p) for p in engine.prompts]
     log = trainer.state.log_history[0]
     # Every row answered "v??": exact 0, length 3 — logged unweighted, `reward` weighted (1·0 + 0.5·3 + 0·1).
@@ -99,10 +120,13 @@ def test_single_turn_rewards_follow_the_answers(tmp_path):
     model, tokenizer = tiny_agent_model()
     env = vf.SingleTurnEnv(dataset=questions(), rubric=vf.Rubric(funcs=[exact], weights=[2.0]))
     # k0 and k2 answered right, k1 and k3 wrong: exact = 0.5, reward = 2 · 0.5.
-    engine = tool_call_script(tokenizer, lambda user, results, index: (
-        TABLE[key_of(user)] if key_of(user) in ("k0", "k2") else "no") + "<|im_end|>")  # fmt: skip
-    trainer = GRPOTrainer(model=model, args=config(tmp_path), processing_class=tokenizer, environment=env,
-                          rollout_engine=engine)  # fmt: skip
+    engine = tool_call_script(
+        tokenizer,
+        lambda user, results, index: (TABLE[key_of(user)] if key_of(user) in ("k0", "k2") else "no") + "<|im_end|>",
+    )
+    trainer = GRPOTrainer(
+        model=model, args=config(tmp_path), processing_class=tokenizer, environment=env, rollout_engine=engine
+    )
     trainer.train()
     log = trainer.state.log_history[0]
     assert log["rewards/exact/mean"] == 0.5 and log["reward"] == pytest.approx(1.0)
@@ -139,17 +163,22 @@ def test_a_multi_turn_env_reply_is_context_without_loss_the_transcript_is_sample
     env = Guess(dataset=questions(2), rubric=vf.Rubric(funcs=[second_answer_right]))
     driver = adapt_environment(env).driver(tokenizer, config("/tmp/unused"), None)
     rows = [row for row in env.get_dataset() for _ in range(2)]
-    params = SamplingParams(max_new_tokens=64, eos_token_ids=(tokenizer.eos_token_id,),
-                            pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    params = SamplingParams(
+        max_new_tokens=64, eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id
+    )
     rollout, completions = driver.rollout(guess_engine(tokenizer), rows, params, seed=0)
     for row in range(4):
         key = f"k{row // 2}"
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": f"key {key}"}], add_generation_prompt=True,
-                                               tokenize=True, return_dict=True)["input_ids"]  # fmt: skip
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"key {key}"}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
         assert rollout.prompt_ids[row][rollout.prompt_mask[row].bool()].tolist() == prompt
         second = (TABLE[key] if row % 2 == 0 else "value") + "<|im_end|>"
-        parts = [(ids(tokenizer, "v??<|im_end|>"), 1), (ids(tokenizer, REPLY.format("again")), 0),
-                 (ids(tokenizer, second), 1)]  # fmt: skip
+        parts = [
+            (ids(tokenizer, "v??<|im_end|>"), 1),
+            (ids(tokenizer, REPLY.format("again")), 0),
+            (ids(tokenizer, second), 1),
+        ]
         length = int(rollout.attention_mask[row].sum())
         assert rollout.completion_ids[row, :length].tolist() == [t for part, _ in parts for t in part]
         assert rollout.loss_mask[row, :length].tolist() == [m for part, m in parts for _ in part]
@@ -167,19 +196,32 @@ def test_the_trainer_update_equals_a_plain_forward_of_the_transcript_with_the_re
     reference_model, _ = tiny_agent_model()
     env = Guess(dataset=questions(2), rubric=vf.Rubric(funcs=[second_answer_right]))
     lr, eps = 1e6, 1e6
-    args = config(tmp_path, per_device_train_batch_size=4, learning_rate=lr, adam_epsilon=eps, max_grad_norm=0.0,
-                  lr_scheduler_type="constant", loss_type="dapo")  # fmt: skip
-    trainer = GRPOTrainer(model=model, args=args, processing_class=tokenizer, environment=env,
-                          rollout_engine=guess_engine(tokenizer))  # fmt: skip
+    args = config(
+        tmp_path,
+        per_device_train_batch_size=4,
+        learning_rate=lr,
+        adam_epsilon=eps,
+        max_grad_norm=0.0,
+        lr_scheduler_type="constant",
+        loss_type="dapo",
+    )
+    trainer = GRPOTrainer(
+        model=model, args=args, processing_class=tokenizer, environment=env, rollout_engine=guess_engine(tokenizer)
+    )
     initial = {k: v.detach().clone() for k, v in trainer.unwrapped_model.named_parameters()}
     transcripts, masks = [], []
     for row in range(4):
         key = f"k{row // 2}"
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": f"key {key}"}], add_generation_prompt=True,
-                                               tokenize=True, return_dict=True)["input_ids"]  # fmt: skip
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"key {key}"}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
         second = (TABLE[key] if row % 2 == 0 else "value") + "<|im_end|>"
-        parts = [(prompt, 0), (ids(tokenizer, "v??<|im_end|>"), 1), (ids(tokenizer, REPLY.format("again")), 0),
-                 (ids(tokenizer, second), 1)]  # fmt: skip
+        parts = [
+            (prompt, 0),
+            (ids(tokenizer, "v??<|im_end|>"), 1),
+            (ids(tokenizer, REPLY.format("again")), 0),
+            (ids(tokenizer, second), 1),
+        ]
         transcripts.append([t for part, _ in parts for t in part])
         masks.append([m for part, m in parts for _ in part])
     width = max(map(len, transcripts))
@@ -194,8 +236,10 @@ def test_the_trainer_update_equals_a_plain_forward_of_the_transcript_with_the_re
     # The test can fail: training on the environment's reply too is another update.
     reply_too = attention[:, 1:].float()
     reply_too[:, : int(masks[0].index(1)) - 1] = 0
-    assert relative_error(dapo_update(reference_model, input_ids, attention, reply_too, advantages, lr, eps),
-                          expected) > 0.1  # fmt: skip
+    assert (
+        relative_error(dapo_update(reference_model, input_ids, attention, reply_too, advantages, lr, eps), expected)
+        > 0.1
+    )
     assert trainer.state.log_history[0]["rewards/second_answer_right/mean"] == 0.5
 
 
@@ -215,8 +259,13 @@ def test_a_tool_env_calls_the_tests_tool_and_counts_calls_and_unknown_tools(tmp_
             return call_text("nosuch", {"key": key})
         return call_text("lookup", {"key": key}) if key in ("k0", "k1") else "v??<|im_end|>"
 
-    trainer = GRPOTrainer(model=model, args=config(tmp_path), processing_class=tokenizer, environment=env,
-                          rollout_engine=tool_call_script(tokenizer, turn))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        args=config(tmp_path),
+        processing_class=tokenizer,
+        environment=env,
+        rollout_engine=tool_call_script(tokenizer, turn),
+    )
     trainer.train()
     log = trainer.state.log_history[0]
     # k0, k1 look the value up and answer it; k2 answers at once (wrong); k3 calls an unknown tool, then answers
@@ -248,8 +297,13 @@ class Moody(vf.MultiTurnEnv):
 def test_environment_errors_timeouts_and_refused_actions_are_counted_excluded_and_training_goes_on(tmp_path):
     model, tokenizer = tiny_agent_model()
     env = Moody(dataset=questions(), rubric=vf.Rubric(funcs=[second_answer_right]))
-    trainer = GRPOTrainer(model=model, args=config(tmp_path, max_steps=2), processing_class=tokenizer, environment=env,
-                          rollout_engine=guess_engine(tokenizer))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        args=config(tmp_path, max_steps=2),
+        processing_class=tokenizer,
+        environment=env,
+        rollout_engine=guess_engine(tokenizer),
+    )
     start = time.monotonic()
     trainer.train()
     assert time.monotonic() - start < 20  # the hanging reply cost its timeout, not its 30 s
@@ -287,13 +341,23 @@ def test_a_tiny_model_learns_to_play_both_turns_of_a_classic_multi_turn_env(tmp_
     model, tokenizer = tiny_agent_model(hidden_size=64)
     data = Dataset.from_list([{"question": f"key k{i}", "answer": "value"} for i in range(32)])
     env = Guess(dataset=data, rubric=vf.Rubric(funcs=[answers_again, says_value_again], weights=[0.5, 1.0]))
-    args = config(tmp_path, per_device_train_batch_size=32, num_generations=8, max_steps=30, max_completion_length=16,
-                  learning_rate=1e-2, lr_scheduler_type="constant")  # fmt: skip
+    args = config(
+        tmp_path,
+        per_device_train_batch_size=32,
+        num_generations=8,
+        max_steps=30,
+        max_completion_length=16,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+    )
     trainer = GRPOTrainer(model=model, args=args, processing_class=tokenizer, environment=env)
     trainer.train()
     logs = [log for log in trainer.state.log_history if "reward" in log]
     first, last = logs[:5], logs[-5:]
-    mean = lambda logs, name: sum(log[name] for log in logs) / len(logs)
+
+    def mean(logs, name):
+        return sum(log[name] for log in logs) / len(logs)
+
     assert mean(last, "reward") > mean(first, "reward") + 0.3
     assert mean(last, "rewards/num_turns/mean") > mean(first, "rewards/num_turns/mean") + 0.5
 

@@ -15,15 +15,26 @@ def lookup_env():
     import verifiers.v1 as vf
     from verifiers.v1.runtimes import SubprocessConfig
 
-    config = vf.SingleAgentEnvConfig(taskset=vf.TasksetConfig(id="verifiers_v1_lookup"),
-                                     agent=vf.AgentConfig(runtime=SubprocessConfig()))  # fmt: skip
+    config = vf.SingleAgentEnvConfig(
+        taskset=vf.TasksetConfig(id="verifiers_v1_lookup"), agent=vf.AgentConfig(runtime=SubprocessConfig())
+    )
     return vf.SingleAgentEnv(config)
 
 
 def config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=2, max_steps=1,
-                  max_completion_length=48, learning_rate=1e-3, logging_steps=1, save_strategy="no",
-                  disable_tqdm=True, report_to="none", seed=0)  # fmt: skip
+    values = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        num_generations=2,
+        max_steps=1,
+        max_completion_length=48,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        report_to="none",
+        seed=0,
+    )
     return GRPOConfig(**{**values, **overrides})
 
 
@@ -35,10 +46,15 @@ def test_a_verifiers_v1_env_trains_through_the_endpoint_with_its_episode_rewards
     env = lookup_env()
     model, tokenizer = tiny_agent_model()
     # A scripted policy: the value for k1 and k2, a wrong answer for the others (rewards that differ).
-    engine = tool_call_script(tokenizer, lambda user, results, index: f"{verifiers_v1_lookup.TABLE[key_of(user)]}"
-                              f"<|im_end|>" if key_of(user) in ("k1", "k2") else "v??<|im_end|>")  # fmt: skip
-    trainer = GRPOTrainer(model=model, args=config(tmp_path), processing_class=tokenizer, environment=env,
-                          rollout_engine=engine)  # fmt: skip
+    engine = tool_call_script(
+        tokenizer,
+        lambda user, results, index: (
+            f"{verifiers_v1_lookup.TABLE[key_of(user)]}<|im_end|>" if key_of(user) in ("k1", "k2") else "v??<|im_end|>"
+        ),
+    )
+    trainer = GRPOTrainer(
+        model=model, args=config(tmp_path), processing_class=tokenizer, environment=env, rollout_engine=engine
+    )
     assert isinstance(trainer.agents.play.__self__, VerifiersV1Environment)
     verifiers_v1_lookup.RETURNED.clear()
     trainer.train()
@@ -58,8 +74,15 @@ def test_a_tiny_model_improves_on_a_verifiers_v1_env(tmp_path):
     episodes' rewards (the brevity term: the values are out of a random model's reach) makes the answers short.
     Measured on CPU: 0.48 over the first 8 steps -> 1.00 over the last 8 (empty answers), about 100 s."""
     model, tokenizer = tiny_agent_model()
-    args = config(tmp_path, max_steps=60, per_device_train_batch_size=16, num_generations=4, learning_rate=2e-2,
-                  lr_scheduler_type="constant", max_completion_length=32)  # fmt: skip
+    args = config(
+        tmp_path,
+        max_steps=60,
+        per_device_train_batch_size=16,
+        num_generations=4,
+        learning_rate=2e-2,
+        lr_scheduler_type="constant",
+        max_completion_length=32,
+    )
     trainer = GRPOTrainer(model=model, args=args, processing_class=tokenizer, environment=lookup_env())
     trainer.train()
     rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]

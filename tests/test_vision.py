@@ -54,8 +54,9 @@ def sample(model, processor, rows, generations: int = 3, max_new_tokens: int = 5
 def training_forward(model, rollout, **options):
     ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
     mask = torch.cat([rollout.prompt_mask, rollout.attention_mask], 1)
-    return token_logprobs(model, ids, mask, rollout.completion_ids.shape[1], multimodal=rollout.multimodal,
-                          **options)[0]  # fmt: skip
+    return token_logprobs(model, ids, mask, rollout.completion_ids.shape[1], multimodal=rollout.multimodal, **options)[
+        0
+    ]
 
 
 @pytest.mark.parametrize("model_type", VLM_TYPES)
@@ -129,11 +130,20 @@ def test_multimodal_inputs_collate_by_hand():
 
 
 def test_train_batch_keeps_images_through_select_split_and_checkpoint(tmp_path):
-    inputs = MultimodalInputs([{"pixel_values": torch.randn(1, 3, 4, 4)}, {"pixel_values": torch.randn(1, 3, 4, 4)}],
-                              torch.tensor([0, 0, 1, 1]))
-    batch = TrainBatch(torch.ones(4, 3, dtype=torch.long), torch.ones(4, 3, dtype=torch.long),
-                       torch.ones(4, 2, dtype=torch.long), torch.ones(4, 2, dtype=torch.long),
-                       torch.ones(4, 2, dtype=torch.long), torch.full((4,), 2), torch.zeros(4, 2), multimodal=inputs)
+    inputs = MultimodalInputs(
+        [{"pixel_values": torch.randn(1, 3, 4, 4)}, {"pixel_values": torch.randn(1, 3, 4, 4)}],
+        torch.tensor([0, 0, 1, 1]),
+    )
+    batch = TrainBatch(
+        torch.ones(4, 3, dtype=torch.long),
+        torch.ones(4, 3, dtype=torch.long),
+        torch.ones(4, 2, dtype=torch.long),
+        torch.ones(4, 2, dtype=torch.long),
+        torch.ones(4, 2, dtype=torch.long),
+        torch.full((4,), 2),
+        torch.zeros(4, 2),
+        multimodal=inputs,
+    )
     shuffled = batch.select(torch.tensor([3, 0, 2, 1]))
     assert [part.multimodal.index.tolist() for part in shuffled.split(2)] == [[1, 0], [1, 0]]
     torch.save(shuffled.state_dict(), tmp_path / "batch.pt")
@@ -154,9 +164,19 @@ def test_prepare_multimodal_messages_follows_trl():
 
 
 def vlm_config(tmp_path, **overrides) -> GRPOConfig:
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2,
-                  max_completion_length=3, learning_rate=1e-2, max_steps=2, logging_steps=1, save_strategy="no",
-                  disable_tqdm=True, report_to=[], seed=0)  # fmt: skip
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=3,
+        learning_rate=1e-2,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        report_to=[],
+        seed=0,
+    )
     return GRPOConfig(**{**values, **overrides})
 
 
@@ -176,8 +196,12 @@ def test_trl_style_training_from_a_checkpoint(tmp_path, model_type):
         return [float(c[0]["content"][:1] == a[:1]) + ids[0] / 100 for c, ids, a in rows]
 
     dataset = Dataset.from_list(colour_rows(copies=2))
-    trainer = GRPOTrainer(model=str(tmp_path / "vlm"), reward_funcs=colour_reward, train_dataset=dataset,
-                          args=vlm_config(tmp_path, beta=0.1, freeze_vision_tower=True))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=str(tmp_path / "vlm"),
+        reward_funcs=colour_reward,
+        train_dataset=dataset,
+        args=vlm_config(tmp_path, beta=0.1, freeze_vision_tower=True),
+    )
     assert type(trainer.model) is type(model) and type(trainer.processing_class) is type(processor)
     vision = set(vision_parameter_names(trainer.model))
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -201,9 +225,14 @@ def test_lora_adapts_the_language_model_only(tmp_path):
     vision_before = {n: p.detach().clone() for n, p in model.named_parameters() if n in vision_parameter_names(model)}
     dataset = Dataset.from_list(colour_rows(copies=2))
     reward = lambda completions, **kwargs: [float(len(c[0]["content"])) for c in completions]  # noqa: E731
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, train_dataset=dataset, processing_class=processor,
-                          args=vlm_config(tmp_path, beta=0.1, freeze_vision_tower=True),
-                          peft_config=LoraConfig(target_modules="all-linear"))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        train_dataset=dataset,
+        processing_class=processor,
+        args=vlm_config(tmp_path, beta=0.1, freeze_vision_tower=True),
+        peft_config=LoraConfig(target_modules="all-linear"),
+    )
     adapted = [n for n, _ in trainer.model.named_modules() if n.endswith("lora_A")]
     assert adapted and not any(".vision_tower." in n or ".multi_modal_projector." in n for n in adapted)
     trainer.train()
@@ -213,9 +242,14 @@ def test_lora_adapts_the_language_model_only(tmp_path):
 
     model, processor = build_tiny_vlm("gemma3")
     assert vision_module_prefixes(model) == ["model.vision_tower", "model.multi_modal_projector"]
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, train_dataset=dataset, processing_class=processor,
-                          args=vlm_config(tmp_path),
-                          peft_config=LoraConfig(target_modules="all-linear"))  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        train_dataset=dataset,
+        processing_class=processor,
+        args=vlm_config(tmp_path),
+        peft_config=LoraConfig(target_modules="all-linear"),
+    )
     assert any(".vision_tower." in n for n, _ in trainer.model.named_modules() if n.endswith("lora_A"))
 
 
@@ -225,13 +259,18 @@ def test_image_errors(tmp_path):
     dataset = Dataset.from_list(colour_rows())
     reward = lambda completions, **kwargs: [0.0] * len(completions)  # noqa: E731
     model, tokenizer = tiny_letter_model()
-    with pytest.raises(ValueError, match="image column .*text tokenizer"):
-        GRPOTrainer(model=model, reward_funcs=reward, train_dataset=dataset, processing_class=tokenizer,
-                    args=vlm_config(tmp_path))  # fmt: skip
+    with pytest.raises(ValueError, match=r"image column .*text tokenizer"):
+        GRPOTrainer(
+            model=model,
+            reward_funcs=reward,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            args=vlm_config(tmp_path),
+        )
     model, processor = build_tiny_vlm("llava")
     codec = PromptCodec(processor, model, max_prompt_length=8)  # cut text prompts; keep those with images whole
     with pytest.warns(UserWarning, match="not cut"):
-        kept = codec.encode(colour_rows()[:1] + [{"prompt": [{"role": "user", "content": "a" * 20}]}], [1, 1])
+        kept = codec.encode([*colour_rows()[:1], {"prompt": [{"role": "user", "content": "a" * 20}]}], [1, 1])
     assert len(kept.ids[0]) == len(PromptCodec(processor, model).encode(colour_rows()[:1], [1]).ids[0]) > 8
     assert len(kept.ids[1]) == 8
     codec = PromptCodec(processor, model)
@@ -240,14 +279,19 @@ def test_image_errors(tmp_path):
 
 
 # Learning: the answer depends on the image only (the prompt's text is the same for every row).
-TRAIN_SHADES = {"red": [(220, 20, 20), (250, 60, 40), (200, 0, 30)],
-                "blue": [(20, 20, 220), (40, 60, 250), (0, 30, 200)]}
+TRAIN_SHADES = {
+    "red": [(220, 20, 20), (250, 60, 40), (200, 0, 30)],
+    "blue": [(20, 20, 220), (40, 60, 250), (0, 30, 200)],
+}
 HELD_OUT_SHADES = {"red": [(180, 40, 40), (240, 30, 70)], "blue": [(40, 40, 180), (70, 30, 240)]}
 
 
 def shade_rows(table) -> list[dict]:
-    return [{"prompt": QUESTION, "image": solid_image(rgb), "answer": name} for name, shades in table.items()
-            for rgb in shades]  # fmt: skip
+    return [
+        {"prompt": QUESTION, "image": solid_image(rgb), "answer": name}
+        for name, shades in table.items()
+        for rgb in shades
+    ]
 
 
 def warm_up(model, processor, steps: int = 30) -> None:
@@ -278,12 +322,26 @@ def learn_colours(tmp_path, model_type: str, model=None, processor=None, steps: 
     if model is None:
         model, processor = build_tiny_vlm(model_type)
     warm_up(model, processor)
-    args = vlm_config(tmp_path, per_device_train_batch_size=24, num_generations=8, max_completion_length=1,
-                      max_steps=steps, learning_rate=3e-3, lr_scheduler_type="constant", num_generations_eval=16,
-                      per_device_eval_batch_size=64, **config)  # fmt: skip
-    trainer = GRPOTrainer(model=model, processing_class=processor, reward_funcs=colour_letter, args=args,
-                          train_dataset=Dataset.from_list(shade_rows(TRAIN_SHADES)),
-                          eval_dataset=Dataset.from_list(shade_rows(HELD_OUT_SHADES)))  # fmt: skip
+    args = vlm_config(
+        tmp_path,
+        per_device_train_batch_size=24,
+        num_generations=8,
+        max_completion_length=1,
+        max_steps=steps,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        num_generations_eval=16,
+        per_device_eval_batch_size=64,
+        **config,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        processing_class=processor,
+        reward_funcs=colour_letter,
+        args=args,
+        train_dataset=Dataset.from_list(shade_rows(TRAIN_SHADES)),
+        eval_dataset=Dataset.from_list(shade_rows(HELD_OUT_SHADES)),
+    )
     before = trainer.evaluate()["eval/reward"]
     trainer.train()
     after = trainer.evaluate()["eval/reward"]
@@ -311,8 +369,13 @@ def test_qwen_vl_positions_sampling_and_training_forward(model_type):
     assert supports_chunked_head(model) and can_share_prompts(model)
     encoded = [encode([3, 10, 11], [solid_image(rgb)]) for rgb in COLOURS.values()]
     encoded.append(encode([3, 12], [solid_image((0, 200, 0)), solid_image((90, 90, 90))]))  # two images, shorter
-    prompts = PromptBatch(ids=[ids for ids, _ in encoded], counts=[2, 2, 2], raw=[None] * 3,
-                          images=[[], [], []], processed=[tensors for _, tensors in encoded])  # fmt: skip
+    prompts = PromptBatch(
+        ids=[ids for ids, _ in encoded],
+        counts=[2, 2, 2],
+        raw=[None] * 3,
+        images=[[], [], []],
+        processed=[tensors for _, tensors in encoded],
+    )
     params = SamplingParams(max_new_tokens=4, eos_token_ids=(1,), pad_token_id=0, suppress_token_ids=(60,))
     rollout = HFEngine(model).generate(prompts, params, seed=0)
     for chunked in (True, False):
@@ -341,8 +404,13 @@ def test_log_multimodal_writes_images_to_the_completions_log_and_report(tmp_path
     model, processor = build_tiny_vlm("llava")
     reward = lambda completions, **kwargs: [float(len(c[0]["content"])) for c in completions]  # noqa: E731
     args = vlm_config(tmp_path, max_steps=1, log_completions=True, log_multimodal=log_multimodal)
-    GRPOTrainer(model=model, reward_funcs=reward, train_dataset=Dataset.from_list(colour_rows(copies=2)),
-                processing_class=processor, args=args).train()  # fmt: skip
+    GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        train_dataset=Dataset.from_list(colour_rows(copies=2)),
+        processing_class=processor,
+        args=args,
+    ).train()
     output = tmp_path / "out"
     records = [json.loads(line) for line in (output / "completions.jsonl").read_text().splitlines()]
     assert records and all(r["prompt"][0]["content"][0] == {"type": "image"} for r in records)  # no pixels inlined
@@ -375,8 +443,10 @@ def test_example_script_trains_two_steps_and_saves(tmp_path):
     trainer = example.main(["--tiny", "--max_steps", "2", "--output_dir", str(output)])
     assert trainer.state.global_step == 2
     reloaded = AutoModelForImageTextToText.from_pretrained(output)
-    assert type(reloaded) is type(trainer.model) and type(AutoProcessor.from_pretrained(output)).__name__ == \
-        "Gemma3Processor"  # fmt: skip
+    assert (
+        type(reloaded) is type(trainer.model)
+        and type(AutoProcessor.from_pretrained(output)).__name__ == "Gemma3Processor"
+    )
     for name, value in trainer.model.state_dict().items():
         assert torch.equal(reloaded.state_dict()[name], value), name
 
@@ -432,8 +502,10 @@ def test_images_given_as_paths_or_bytes_encode_as_the_images_themselves(tmp_path
     encoded = io.BytesIO()
     image.save(encoded, format="PNG")
     codec = PromptCodec(processor, model)
-    batches = [codec.encode([{"prompt": QUESTION, "images": [source]}], [1])
-               for source in (image, str(tmp_path / "green.png"), {"bytes": encoded.getvalue(), "path": None})]
+    batches = [
+        codec.encode([{"prompt": QUESTION, "images": [source]}], [1])
+        for source in (image, str(tmp_path / "green.png"), {"bytes": encoded.getvalue(), "path": None})
+    ]
     for batch in batches[1:]:
         assert batch.ids == batches[0].ids
         torch.testing.assert_close(batch.processed[0]["pixel_values"], batches[0].processed[0]["pixel_values"])
@@ -442,8 +514,11 @@ def test_images_given_as_paths_or_bytes_encode_as_the_images_themselves(tmp_path
     # Issue 39: an image that cannot be decoded is named by its row and column (it was PIL's "cannot identify image
     # file <_io.BytesIO ...>", naming neither).
     rows = [{"prompt": QUESTION, "images": [image]}, {"prompt": QUESTION, "images": [image, b"\x89PNG broken"]}]
-    with pytest.raises(ValueError, match=r"The image at row 1 of this batch \(prompt .*colour\?.*\), column 'images' "
-                                         r"\(item 1\) cannot be read \(11 bytes: cannot identify image file"):
+    with pytest.raises(
+        ValueError,
+        match=r"The image at row 1 of this batch \(prompt .*colour\?.*\), column 'images' "
+        r"\(item 1\) cannot be read \(11 bytes: cannot identify image file",
+    ):
         codec.encode(rows, [1, 1])
     with pytest.raises(ValueError, match=r"row 0 of this batch .*column 'image' cannot be read \(.*missing.png"):
         codec.encode([{"prompt": QUESTION, "image": str(tmp_path / "missing.png")}], [1])
@@ -483,13 +558,13 @@ def test_static_decoding_with_images_samples_what_the_default_decoder_samples(mo
     M-RoPE positions for Qwen2-VL) is copied into the static cache and the decode steps continue from it; the same
     tokens as the default decoder and log-probs within float32 rounding. The decode steps take the packed one-token
     attention through the text config (what the compiled step runs on a GPU); the vision tower keeps SDPA."""
-    from grpokit.rollout import PromptBatch, SamplingParams
-    from grpokit.rollout import fast
+    from grpokit.rollout import PromptBatch, SamplingParams, fast
 
     query_lengths = []
     original = fast.one_token_attention_forward
-    monkeypatch.setattr(fast, "one_token_attention_forward",
-                        lambda *a, **k: query_lengths.append(a[1].shape[2]) or original(*a, **k))  # fmt: skip
+    monkeypatch.setattr(
+        fast, "one_token_attention_forward", lambda *a, **k: query_lengths.append(a[1].shape[2]) or original(*a, **k)
+    )
     fast._register_one_token_attention.cache_clear()  # registers the spy
 
     if model_type != "qwen2_vl":
@@ -500,8 +575,13 @@ def test_static_decoding_with_images_samples_what_the_default_decoder_samples(mo
     else:
         model, encode = build_tiny_qwen_vl(model_type)
         encoded = [encode([3, 10, 11], [solid_image(rgb)]) for rgb in COLOURS.values()]
-        prompts = PromptBatch(ids=[ids for ids, _ in encoded], counts=[3, 3], raw=[None] * 2, images=[[], []],
-                              processed=[tensors for _, tensors in encoded])  # fmt: skip
+        prompts = PromptBatch(
+            ids=[ids for ids, _ in encoded],
+            counts=[3, 3],
+            raw=[None] * 2,
+            images=[[], []],
+            processed=[tensors for _, tensors in encoded],
+        )
         params = SamplingParams(max_new_tokens=6, eos_token_ids=(1,), pad_token_id=0, suppress_token_ids=(60,))
     default = HFEngine(model).generate(prompts, params, seed=0)
     assert not query_lengths  # the default decoder leaves multimodal models on SDPA

@@ -6,17 +6,18 @@ attention needs head sizes of 32 or more, so the models here have 2 heads of 32.
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 import torch
+from letters import LETTERS, letter_config, letter_dataset, repeat_letter
 
 from grpokit import GRPOTrainer
 from grpokit.batch import TrainBatch
 from grpokit.logprobs import token_logprobs
 from grpokit.rollout import PromptBatch, SamplingParams
 from grpokit.testing import build_char_tokenizer, build_tiny_model
-from letters import LETTERS, letter_config, letter_dataset, repeat_letter
 
 pytestmark = pytest.mark.vllm
 
@@ -29,9 +30,17 @@ AGENT_WARM_UP_STEPS = 100
 
 def tiny(tied: bool = True, seed: int = 0):
     tokenizer = build_char_tokenizer(LETTERS + ":")
-    model = build_tiny_model(len(tokenizer), hidden_size=64, num_heads=2, num_kv_heads=1, seed=seed,
-                             tie_word_embeddings=tied, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)  # fmt: skip
+    model = build_tiny_model(
+        len(tokenizer),
+        hidden_size=64,
+        num_heads=2,
+        num_kv_heads=1,
+        seed=seed,
+        tie_word_embeddings=tied,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
     return model, tokenizer
 
 
@@ -45,8 +54,12 @@ PROMPTS = PromptBatch(ids=[[3, 4, 5], [6, 7], [8]], counts=[4, 4, 4], raw=["p0",
 
 
 def params_for(tokenizer):
-    return SamplingParams(max_new_tokens=8, temperature=TEMPERATURE, eos_token_ids=(tokenizer.eos_token_id,),
-                          pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    return SamplingParams(
+        max_new_tokens=8,
+        temperature=TEMPERATURE,
+        eos_token_ids=(tokenizer.eos_token_id,),
+        pad_token_id=tokenizer.pad_token_id,
+    )
 
 
 def logprob_gap(engine, model, tokenizer, seed: int = 1, prompts: PromptBatch = PROMPTS) -> float:
@@ -54,11 +67,19 @@ def logprob_gap(engine, model, tokenizer, seed: int = 1, prompts: PromptBatch = 
     rollout = engine.generate(prompts, params_for(tokenizer), seed)
     n = prompts.num_rows
     assert rollout.completion_ids.shape[0] == n and int(rollout.loss_mask.sum()) > n
-    batch = TrainBatch(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.attention_mask,
-                       rollout.loss_mask, rollout.lengths, torch.zeros(n, rollout.completion_ids.shape[1]))
+    batch = TrainBatch(
+        rollout.prompt_ids,
+        rollout.prompt_mask,
+        rollout.completion_ids,
+        rollout.attention_mask,
+        rollout.loss_mask,
+        rollout.lengths,
+        torch.zeros(n, rollout.completion_ids.shape[1]),
+    )
     with torch.no_grad():
-        logprobs, _ = token_logprobs(model, batch.input_ids, batch.input_mask, batch.completion_ids.shape[1],
-                                     TEMPERATURE)  # fmt: skip
+        logprobs, _ = token_logprobs(
+            model, batch.input_ids, batch.input_mask, batch.completion_ids.shape[1], TEMPERATURE
+        )
     return ((logprobs - rollout.sampling_logprobs) * rollout.loss_mask).abs().max().item()
 
 
@@ -174,21 +195,32 @@ def test_groups_of_one_prompt_draw_independent_samples():
     engine = engine_for(model)
     # An EOS id outside the model's vocabulary (a tokenizer's added special token) cannot be sampled; vLLM would
     # refuse it as a stop id, the engine leaves it out.
-    params = SamplingParams(max_new_tokens=1, temperature=1.0, eos_token_ids=(tokenizer.eos_token_id, 10_000),
-                            pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    params = SamplingParams(
+        max_new_tokens=1,
+        temperature=1.0,
+        eos_token_ids=(tokenizer.eos_token_id, 10_000),
+        pad_token_id=tokenizer.pad_token_id,
+    )
     prompts = PromptBatch(ids=[[14, 7]] * 4, counts=[8] * 4, raw=[None] * 4)
     for seed in range(3):
         groups = engine.generate(prompts, params, seed).completion_ids[:, 0].view(4, 8).tolist()
-        for previous, current in zip(groups, groups[1:]):
+        for previous, current in itertools.pairwise(groups):
             assert current[:-1] != previous[1:] and current != previous, groups
 
 
 def letter_run(tmp_path, use_vllm: bool, seed: int = 0):
     model, tokenizer = tiny(seed=seed)
-    args = letter_config(tmp_path, max_steps=60, logging_steps=5, use_vllm=use_vllm, seed=seed,
-                         vllm_importance_sampling_mode="token_truncate")  # fmt: skip
-    trainer = GRPOTrainer(model=model, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset(),
-                          processing_class=tokenizer)  # fmt: skip
+    args = letter_config(
+        tmp_path,
+        max_steps=60,
+        logging_steps=5,
+        use_vllm=use_vllm,
+        seed=seed,
+        vllm_importance_sampling_mode="token_truncate",
+    )
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset(), processing_class=tokenizer
+    )
     trainer.train()
     return trainer, [r["reward"] for r in trainer.state.log_history[:-1]]
 
@@ -225,17 +257,23 @@ def test_tool_calling_rollouts_on_vllm_score_as_the_training_forward_across_turn
     context (attention 1) without loss, and vLLM's log-probs of every policy token, in every turn, equal the
     training forward's over the whole transcript (prompt, calls, tool results, answers)."""
     from agents_helpers import lookup, tiny_agent_model, warm_up
+
     from grpokit.agents import Agents
     from grpokit.rollout.vllm import VLLMEngine
 
     model, tokenizer = tiny_agent_model(hidden_size=64, num_heads=2, num_kv_heads=1, seed=0)
     warm_up(model, tokenizer, [f"k{i}" for i in range(50)], steps=AGENT_WARM_UP_STEPS, lr=1e-2)
     engine = VLLMEngine(model, max_model_len=256, max_num_seqs=16, seed=0)
-    runner = Agents(tokenizer, tools=[lookup], max_completion_length=96, max_tool_calling_iterations=2,
-                    max_model_length=256)  # fmt: skip
+    runner = Agents(
+        tokenizer, tools=[lookup], max_completion_length=96, max_tool_calling_iterations=2, max_model_length=256
+    )
     rows = [{"prompt": [{"role": "user", "content": f"key {k}"}]} for k in ("k3", "k17", "k42", "k60")]
-    params = SamplingParams(max_new_tokens=96, temperature=TEMPERATURE, eos_token_ids=(tokenizer.eos_token_id,),
-                            pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    params = SamplingParams(
+        max_new_tokens=96,
+        temperature=TEMPERATURE,
+        eos_token_ids=(tokenizer.eos_token_id,),
+        pad_token_id=tokenizer.pad_token_id,
+    )
     rollout, completions = runner.rollout(engine, [row for row in rows for _ in range(2)], params, seed=3)
     calls = sum(m["role"] == "tool" for c in completions for m in c)
     assert calls >= 1, [c[0]["content"] for c in completions]
@@ -248,8 +286,9 @@ def test_tool_calling_rollouts_on_vllm_score_as_the_training_forward_across_turn
         ids = rollout.completion_id_lists()[row]
         for message in messages:
             if message["role"] == "tool":
-                suffix = tokenizer(f"<tool_response>\n{message['content']}\n</tool_response>",
-                                   add_special_tokens=False)["input_ids"]  # fmt: skip
+                suffix = tokenizer(
+                    f"<tool_response>\n{message['content']}\n</tool_response>", add_special_tokens=False
+                )["input_ids"]
                 start = next(i for i in range(len(ids)) if ids[i : i + len(suffix)] == suffix)
                 assert not rollout.loss_mask[row, start : start + len(suffix)].any()
                 assert rollout.attention_mask[row, start : start + len(suffix)].all()
@@ -260,13 +299,19 @@ def test_tool_calling_rollouts_on_vllm_score_as_the_training_forward_across_turn
         after_tools[row, : (int(tools_at.max()) + 1 if len(tools_at) else rollout.completion_ids.shape[1])] = False
     assert int(after_tools.sum()) >= 1
     with torch.no_grad():
-        training, _ = token_logprobs(model, torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
-                                     torch.cat([rollout.prompt_mask, rollout.attention_mask], 1),
-                                     rollout.completion_ids.shape[1], TEMPERATURE)  # fmt: skip
+        training, _ = token_logprobs(
+            model,
+            torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
+            torch.cat([rollout.prompt_mask, rollout.attention_mask], 1),
+            rollout.completion_ids.shape[1],
+            TEMPERATURE,
+        )
     gap = (training - rollout.sampling_logprobs)[trained].abs().max().item()
-    print(f"agents on vLLM: {calls} tool calls, {int(trained.sum())} policy tokens "
-          f"({int(after_tools.sum())} after a tool result), {int(inserted.sum())} tool-result tokens, "
-          f"max gap {gap:.2e}")  # fmt: skip
+    print(
+        f"agents on vLLM: {calls} tool calls, {int(trained.sum())} policy tokens "
+        f"({int(after_tools.sum())} after a tool result), {int(inserted.sum())} tool-result tokens, "
+        f"max gap {gap:.2e}"
+    )
     assert gap <= TOLERANCE, gap
     # The check can fail: a row's policy tokens scored without its tool results in context differ.
     row = int(after_tools.any(1).nonzero()[0])
@@ -289,8 +334,9 @@ def test_a_prompt_seen_before_a_push_is_not_continued_from_the_old_weights_kv_ca
     engine = VLLMEngine(model, dtype="float32", max_model_len=512, max_num_seqs=16)
     assert engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
     block = engine.llm.llm_engine.vllm_config.cache_config.block_size
-    prompts = PromptBatch(ids=[[3 + (i * 7 + j) % 8 for i in range(2 * block + 44)] for j in range(2)], counts=[4, 4],
-                          raw=["a", "b"])  # fmt: skip
+    prompts = PromptBatch(
+        ids=[[3 + (i * 7 + j) % 8 for i in range(2 * block + 44)] for j in range(2)], counts=[4, 4], raw=["a", "b"]
+    )
     for step in range(2):
         assert logprob_gap(engine, model, tokenizer, prompts=prompts) <= TOLERANCE
         train_a_step(model, seed=step)
@@ -460,8 +506,9 @@ def batch_inputs(rollout) -> dict:
     from grpokit.multimodal import batch_model_inputs
 
     width = rollout.prompt_ids.shape[1]
-    return batch_model_inputs(rollout.multimodal, torch.arange(len(rollout)), width,
-                              width + rollout.completion_ids.shape[1])  # fmt: skip
+    return batch_model_inputs(
+        rollout.multimodal, torch.arange(len(rollout)), width, width + rollout.completion_ids.shape[1]
+    )
 
 
 @pytest.mark.parametrize("model_type", ["llava", "gemma3", "qwen2_vl"])
@@ -476,11 +523,17 @@ def test_a_vision_language_model_learns_the_colour_of_the_image_with_vllm(tmp_pa
     from test_vision import learn_colours
 
     model, processor = tiny_vlm(model_type)
-    before, after, _, trainer = learn_colours(tmp_path, model_type, model, processor,
-                                              steps=40 if model_type == "qwen2_vl" else 30, use_vllm=True,
-                                              vllm_max_model_length=128,
-                                              vllm_importance_sampling_mode="token_truncate",
-                                              freeze_vision_tower=True)  # fmt: skip
+    before, after, _, trainer = learn_colours(
+        tmp_path,
+        model_type,
+        model,
+        processor,
+        steps=40 if model_type == "qwen2_vl" else 30,
+        use_vllm=True,
+        vllm_max_model_length=128,
+        vllm_importance_sampling_mode="token_truncate",
+        freeze_vision_tower=True,
+    )
     assert type(trainer.engine).__name__ == "VLLMEngine"
     history = [r for r in trainer.state.log_history if "reward" in r]
     gaps = [r["sampling/sampling_logp_difference/max"] for r in history]
@@ -500,10 +553,17 @@ def test_asynchronous_generation_drives_vllm_within_the_staleness_bound_and_lear
     from grpokit.rollout.vllm import VLLMEngine
 
     model, tokenizer = tiny()
-    args = letter_config(tmp_path, max_steps=40, logging_steps=1, use_vllm=True, max_staleness=1,
-                         vllm_importance_sampling_mode="token_truncate")  # fmt: skip
-    trainer = GRPOTrainer(model=model, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset(),
-                          processing_class=tokenizer)  # fmt: skip
+    args = letter_config(
+        tmp_path,
+        max_steps=40,
+        logging_steps=1,
+        use_vllm=True,
+        max_staleness=1,
+        vllm_importance_sampling_mode="token_truncate",
+    )
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset(), processing_class=tokenizer
+    )
     assert isinstance(trainer.engine, VLLMEngine)
     trainer.train()
     steps = [r for r in trainer.state.log_history if "loss" in r]
@@ -520,10 +580,11 @@ def test_an_openai_sdk_agent_is_served_by_vllm_through_the_endpoint(tmp_path):
     training forward's over the whole transcript, and whose tool result is context without loss."""
     pytest.importorskip("openai")
     from agents_helpers import tiny_agent_model, warm_up
-    from grpokit.integrations.openai_agent import OpenAIAgentEnvironment
-    from grpokit.rollout.vllm import VLLMEngine
     from test_endpoint import config as endpoint_config
     from test_endpoint import dataset, lookup_agent
+
+    from grpokit.integrations.openai_agent import OpenAIAgentEnvironment
+    from grpokit.rollout.vllm import VLLMEngine
 
     model, tokenizer = tiny_agent_model(hidden_size=64, num_heads=2, num_kv_heads=1, seed=0)
     warm_up(model, tokenizer, [f"k{i}" for i in range(50)], steps=AGENT_WARM_UP_STEPS, lr=1e-2)
@@ -532,8 +593,12 @@ def test_an_openai_sdk_agent_is_served_by_vllm_through_the_endpoint(tmp_path):
     keys = ("k3", "k17", "k42", "k60")
     environment = OpenAIAgentEnvironment(lookup_agent(rewards), dataset(*keys), timeout=120)
     driver = environment.driver(tokenizer, endpoint_config(tmp_path, max_completion_length=96), None)
-    params = SamplingParams(max_new_tokens=96, temperature=TEMPERATURE, eos_token_ids=(tokenizer.eos_token_id,),
-                            pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    params = SamplingParams(
+        max_new_tokens=96,
+        temperature=TEMPERATURE,
+        eos_token_ids=(tokenizer.eos_token_id,),
+        pad_token_id=tokenizer.pad_token_id,
+    )
     rollout, _ = driver.rollout(engine, list(dataset(*keys)), params, seed=3, host=None)
     # An agent whose sampled call does not parse or names no key raises: its rollout scores None (the endpoint's
     # rule), as happens to k3 where this CPU's kernels sample another call than the warm-up's machine did.
@@ -541,13 +606,20 @@ def test_an_openai_sdk_agent_is_served_by_vllm_through_the_endpoint(tmp_path):
     assert rollout.extra["agent_reward"] == expected and sum(r is not None for r in expected) >= 2, expected
     trained = rollout.loss_mask.bool()
     inserted = rollout.attention_mask.bool() & ~trained
-    tool_rows = [row for row in range(len(rollout)) if "<tool_response>" in tokenizer.decode(
-        rollout.completion_ids[row][inserted[row]])]  # fmt: skip
+    tool_rows = [
+        row
+        for row in range(len(rollout))
+        if "<tool_response>" in tokenizer.decode(rollout.completion_ids[row][inserted[row]])
+    ]
     assert tool_rows, [tokenizer.decode(rollout.completion_ids[r][trained[r]]) for r in range(len(rollout))]
     with torch.no_grad():
-        training, _ = token_logprobs(model, torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
-                                     torch.cat([rollout.prompt_mask, rollout.attention_mask], 1),
-                                     rollout.completion_ids.shape[1], TEMPERATURE)  # fmt: skip
+        training, _ = token_logprobs(
+            model,
+            torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
+            torch.cat([rollout.prompt_mask, rollout.attention_mask], 1),
+            rollout.completion_ids.shape[1],
+            TEMPERATURE,
+        )
     gap = (training - rollout.sampling_logprobs)[trained].abs().max().item()
     assert gap <= TOLERANCE, gap
     assert (rollout.sampling_logprobs[inserted] == 0).all()

@@ -10,14 +10,18 @@ import time
 import pytest
 
 from grpokit.rollout import SamplingParams
-from grpokit.rollout.vllm_client import (VLLMServerEngine, check_context_fits, check_same_model,
-                                         weight_shape_config)
+from grpokit.rollout.vllm_client import VLLMServerEngine, check_context_fits, check_same_model, weight_shape_config
 from grpokit.testing import build_tiny_model
 
 
 def served(config, **changes):
-    info = {"model_type": config.model_type, "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-            "num_hidden_layers": config.num_hidden_layers, "model": "/srv/model"}  # fmt: skip
+    info = {
+        "model_type": config.model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "model": "/srv/model",
+    }
     return {**info, **changes}
 
 
@@ -26,8 +30,11 @@ def test_the_served_model_must_be_the_policys():
     check_same_model(config, served(config), "http://h:1")  # the same: no error
     with pytest.raises(ValueError, match="serves a model with a vocabulary of 41 tokens; the policy's has 40"):
         check_same_model(config, served(config, vocab_size=41), "http://h:1")
-    with pytest.raises(ValueError, match=r"another model \(hidden_size: server 64, policy 32, num_hidden_layers: "
-                                         r"server 3, policy 2\) \(/srv/model\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"another model \(hidden_size: server 64, policy 32, num_hidden_layers: "
+        r"server 3, policy 2\) \(/srv/model\)",
+    ):
         check_same_model(config, served(config, hidden_size=64, num_hidden_layers=3), "http://h:1")
     with pytest.raises(ValueError, match="model_type: server 'llama', policy 'qwen2'"):
         check_same_model(config, served(config, model_type="llama"), "http://h:1")
@@ -41,12 +48,18 @@ def test_a_server_whose_weights_have_other_shapes_is_refused(tmp_path):
 
     policy = build_tiny_model(40, hidden_size=32)
     shape = weight_shape_config(policy.config)
-    assert {"intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "tie_word_embeddings": True}.items() <= shape.items()  # fmt: skip
-    for changes, shown in (({"intermediate_size": 64}, "intermediate_size: server 64, policy 128"),
-                           ({"num_heads": 2}, "num_attention_heads: server 2, policy 4"),
-                           ({"num_kv_heads": 4}, "num_key_value_heads: server 4, policy 2"),
-                           ({"tie_word_embeddings": False}, "tie_word_embeddings: server False, policy True")):
+    assert {
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
+    }.items() <= shape.items()
+    for changes, shown in (
+        ({"intermediate_size": 64}, "intermediate_size: server 64, policy 128"),
+        ({"num_heads": 2}, "num_attention_heads: server 2, policy 4"),
+        ({"num_kv_heads": 4}, "num_key_value_heads: server 4, policy 2"),
+        ({"tie_word_embeddings": False}, "tie_word_embeddings: server False, policy True"),
+    ):
         other = build_tiny_model(40, hidden_size=32, **changes)
         other.save_pretrained(tmp_path / "served")
         _, info = served_model_info(tmp_path / "served")
@@ -71,8 +84,11 @@ def test_the_server_refuses_pushed_weights_of_other_shapes(tmp_path):
     policy = dict(build_tiny_model(40, hidden_size=32, seed=1).named_parameters())
     check_pushed_shapes(shapes, {name: tensor.shape for name, tensor in policy.items()})  # same shapes: fine
     narrower = dict(build_tiny_model(40, hidden_size=32, intermediate_size=64).named_parameters())
-    with pytest.raises(ValueError, match=r"pushed weights have other shapes than the served model's \(6 tensors; "
-                                         r"model.layers.0.mlp.gate_proj.weight: served \[128, 32\], pushed \[64, 32\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"pushed weights have other shapes than the served model's \(6 tensors; "
+        r"model.layers.0.mlp.gate_proj.weight: served \[128, 32\], pushed \[64, 32\]",
+    ):
         check_pushed_shapes(shapes, {name: tensor.shape for name, tensor in narrower.items()})
 
 
@@ -90,13 +106,19 @@ def test_a_server_shorter_than_the_trainers_budget_is_found_at_start():
         check_context_fits(None, 512, 512, 2048, "http://h:1")  # a server that does not say: nothing to check
         check_context_fits(512, 512, 256, 512, "http://h:1")  # prompts are cut to the model's 512 positions anyway
         check_context_fits(512, None, 256, 2048, "http://h:1")  # uncut prompts: only the completion is known
-    with pytest.raises(ValueError, match=r"takes at most 512 tokens of prompt \+ completion \(its max_model_len\), "
-                                         r"which leaves no room for a prompt before a completion of "
-                                         r"max_completion_length=512 tokens"):
+    with pytest.raises(
+        ValueError,
+        match=r"takes at most 512 tokens of prompt \+ completion \(its max_model_len\), "
+        r"which leaves no room for a prompt before a completion of "
+        r"max_completion_length=512 tokens",
+    ):
         check_context_fits(512, None, 512, 2048, "http://h:1")
-    with pytest.warns(UserWarning, match=r"takes at most 512 tokens .* may send up to 768 \(max_prompt_length=512 "
-                                         r"\+ max_completion_length=256\): a prompt longer than 256 tokens will stop "
-                                         r"the run. Restart the server with `grpokit vllm-serve --max-model-len 768`"):
+    with pytest.warns(
+        UserWarning,
+        match=r"takes at most 512 tokens .* may send up to 768 \(max_prompt_length=512 "
+        r"\+ max_completion_length=256\): a prompt longer than 256 tokens will stop "
+        r"the run. Restart the server with `grpokit vllm-serve --max-model-len 768`",
+    ):
         check_context_fits(512, 512, 256, 2048, "http://h:1")
     model = build_tiny_model(40, hidden_size=32)
     with stand_in_server({**served(model.config), "instance": "i", "max_model_len": 256}) as url:
@@ -105,15 +127,21 @@ def test_a_server_shorter_than_the_trainers_budget_is_found_at_start():
         engine = VLLMServerEngine(model, url, timeout=10, max_prompt_length=100, max_completion_length=100)
         params = SamplingParams(max_new_tokens=100, eos_token_ids=(1,), pad_token_id=0)
         long_prompts = PromptBatch(ids=[[3] * 10, [4] * 157], counts=[1, 1], raw=[None, None])
-        with pytest.raises(ValueError, match=r"Prompt 1 of this generation has 157 tokens, and with "
-                                             r"max_completion_length=100 it does not fit the 256 tokens"):
+        with pytest.raises(
+            ValueError,
+            match=r"Prompt 1 of this generation has 157 tokens, and with "
+            r"max_completion_length=100 it does not fit the 256 tokens",
+        ):
             engine.generate(long_prompts, params, seed=0)
 
 
-@pytest.mark.parametrize("options, limit, name", [
-    ({"timeout": 3, "retries": 3}, 3, "vllm_server_timeout"),  # was 4 x 3 s + 2 + 4 + 8 s of pauses
-    ({"timeout": 30, "request_timeout": 2}, 2, "request_timeout"),  # AsyncGRPOConfig's bound on one request
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "options, limit, name",
+    [
+        ({"timeout": 3, "retries": 3}, 3, "vllm_server_timeout"),  # was 4 x 3 s + 2 + 4 + 8 s of pauses
+        ({"timeout": 30, "request_timeout": 2}, 2, "request_timeout"),  # AsyncGRPOConfig's bound on one request
+    ],
+)
 def test_a_frozen_server_stops_the_trainer_within_the_timeout(options, limit, name):
     """A server that takes requests and never answers: every try of a request, retries included, ends within
     the request's time limit in all (it was retries + 1 times that, plus the pauses)."""
@@ -125,8 +153,11 @@ def test_a_frozen_server_stops_the_trainer_within_the_timeout(options, limit, na
         try:
             engine = VLLMServerEngine(model, url, **options)
             started = time.monotonic()
-            with pytest.raises(ConnectionError, match=rf"stopped answering \(POST /generate, \d tries in {limit} s, "
-                                                      rf"{name}={limit}:"):
+            with pytest.raises(
+                ConnectionError,
+                match=rf"stopped answering \(POST /generate, \d tries in {limit} s, "
+                rf"{name}={limit}:",
+            ):
                 engine.request("POST", "/generate", {"prompt_ids": [[3]]})
             assert time.monotonic() - started < limit + 1.5
         finally:
@@ -138,8 +169,11 @@ def test_no_server_is_a_clear_error_after_the_timeout():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # free once closed: nothing listens there
     started = time.monotonic()
-    with pytest.raises(ConnectionError, match=rf"No vLLM server answers at http://127.0.0.1:{port} after 2 s "
-                                              r"\(vllm_server_timeout\): start one with `grpokit vllm-serve"):
+    with pytest.raises(
+        ConnectionError,
+        match=rf"No vLLM server answers at http://127.0.0.1:{port} after 2 s "
+        r"\(vllm_server_timeout\): start one with `grpokit vllm-serve",
+    ):
         VLLMServerEngine(build_tiny_model(40, hidden_size=32), f"http://127.0.0.1:{port}", timeout=2)
     assert time.monotonic() - started < 15
 
@@ -167,14 +201,14 @@ def stand_in_server(info: dict, on_post=None):
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             body = json.dumps({"status": "ok"} if self.path == "/health" else info).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
 
-        def do_POST(self):  # noqa: N802
+        def do_POST(self):
             if on_post is not None:
                 on_post()
 
@@ -198,12 +232,20 @@ def test_structured_outputs_need_a_server_with_the_tokenizer(tmp_path):
     model = build_tiny_model(40, hidden_size=32)
     info = {**served(model.config), "instance": "i", "structured_outputs": False}
     with stand_in_server(info) as url:
-        args = GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="server", vllm_server_timeout=10,
-                          vllm_server_base_url=url)  # fmt: skip
+        args = GRPOConfig(
+            output_dir=str(tmp_path),
+            use_vllm=True,
+            vllm_mode="server",
+            vllm_server_timeout=10,
+            vllm_server_base_url=url,
+        )
         assert build_vllm_engine(model, args).structured_outputs_regex is None  # without a regex: fine
         args.vllm_structured_outputs_regex = "a+"
-        with pytest.raises(ValueError, match=r"needs a vLLM server with the tokenizer .* has none: save the "
-                                             r"tokenizer into its --model directory"):
+        with pytest.raises(
+            ValueError,
+            match=r"needs a vLLM server with the tokenizer .* has none: save the "
+            r"tokenizer into its --model directory",
+        ):
             build_vllm_engine(model, args)
         info["structured_outputs"] = True
         assert build_vllm_engine(model, args).structured_outputs_regex == "a+"
@@ -216,14 +258,24 @@ def test_a_vision_language_policy_needs_a_server_that_takes_images(tmp_path):
 
     model, _ = build_tiny_vlm("llava", for_vllm=True)
     text = model.config.get_text_config()
-    info = {"model_type": "llava", "vocab_size": text.vocab_size, "hidden_size": text.hidden_size,
-            "num_hidden_layers": text.num_hidden_layers, "instance": "i", "model": "/srv/vlm", "images": False}
+    info = {
+        "model_type": "llava",
+        "vocab_size": text.vocab_size,
+        "hidden_size": text.hidden_size,
+        "num_hidden_layers": text.num_hidden_layers,
+        "instance": "i",
+        "model": "/srv/vlm",
+        "images": False,
+    }
     check_same_model(model.config, info, "http://h:1")
     with pytest.raises(ValueError, match="model_type: server 'gemma3', policy 'llava'"):
         check_same_model(model.config, {**info, "model_type": "gemma3"}, "http://h:1")
     with stand_in_server(info) as url:
-        with pytest.raises(ValueError, match=r"does not take images \(/srv/vlm\): start it with the "
-                                             r"vision-language policy's checkpoint and processor"):
+        with pytest.raises(
+            ValueError,
+            match=r"does not take images \(/srv/vlm\): start it with the "
+            r"vision-language policy's checkpoint and processor",
+        ):
             VLLMServerEngine(model, url, timeout=10)
         info["images"] = True
         assert VLLMServerEngine(model, url, timeout=10).info["images"]
@@ -237,29 +289,44 @@ def test_the_server_refuses_a_vision_language_checkpoint_without_its_processor(t
 
     model, processor = build_tiny_vlm("gemma3", for_vllm=True)
     model.save_pretrained(tmp_path / "vlm")
-    with pytest.raises(ValueError, match=r"holds a vision-language model \(gemma3\) without its processor.*"
-                                         r"save_pretrained\(DIR\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"holds a vision-language model \(gemma3\) without its processor.*"
+        r"save_pretrained\(DIR\)",
+    ):
         served_model_info(tmp_path / "vlm")
     processor.save_pretrained(tmp_path / "vlm")
     multimodal, info = served_model_info(tmp_path / "vlm")
     text = model.config.get_text_config()
-    assert multimodal and info == {"model_type": "gemma3", "vocab_size": text.vocab_size,
-                                   "hidden_size": text.hidden_size, "num_hidden_layers": text.num_hidden_layers,
-                                   "tie_word_embeddings": True, "shape": weight_shape_config(model.config)}  # fmt: skip
+    assert multimodal and info == {
+        "model_type": "gemma3",
+        "vocab_size": text.vocab_size,
+        "hidden_size": text.hidden_size,
+        "num_hidden_layers": text.num_hidden_layers,
+        "tie_word_embeddings": True,
+        "shape": weight_shape_config(model.config),
+    }
     text_model = build_tiny_model(40, hidden_size=32)
     text_model.save_pretrained(tmp_path / "text")
-    assert served_model_info(tmp_path / "text") == (False, {
-        "model_type": "qwen2", "vocab_size": 40, "hidden_size": 32, "num_hidden_layers": 2,
-        "tie_word_embeddings": text_model.config.tie_word_embeddings,
-        "shape": weight_shape_config(text_model.config)})  # fmt: skip
+    assert served_model_info(tmp_path / "text") == (
+        False,
+        {
+            "model_type": "qwen2",
+            "vocab_size": 40,
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "tie_word_embeddings": text_model.config.tie_word_embeddings,
+            "shape": weight_shape_config(text_model.config),
+        },
+    )
 
 
 def test_images_travel_to_the_server_losslessly():
-    from grpokit.rollout.vllm_client import image_from_wire, image_to_wire
-    from grpokit.testing import solid_image
-
     import numpy as np
     from PIL import Image
+
+    from grpokit.rollout.vllm_client import image_from_wire, image_to_wire
+    from grpokit.testing import solid_image
 
     noisy = Image.fromarray(np.random.default_rng(0).integers(0, 256, (9, 7, 3), dtype=np.uint8))
     for image in (solid_image((220, 20, 20)), noisy, noisy.convert("L"), noisy.convert("RGBA")):
@@ -314,6 +381,8 @@ def test_a_lora_layers_weight_merged_from_its_pieces_is_peft_merge_bit_for_bit(d
 def test_adapters_a_sharded_push_cannot_merge_are_refused():
     from grpokit.rollout.vllm import gathered_weights
 
-    with pytest.raises(NotImplementedError, match="merges plain LoRA linear layers only; this adapter has a Linear "
-                                                  "layer with DoRA or a LoRA bias"):
+    with pytest.raises(
+        NotImplementedError,
+        match="merges plain LoRA linear layers only; this adapter has a Linear layer with DoRA or a LoRA bias",
+    ):
         dict(gathered_weights(lora_model(target_modules=["q_proj"], use_dora=True)))

@@ -20,9 +20,9 @@ import textwrap
 
 import pytest
 import torch
+from test_distributed import FSDP2, launch, load, max_difference, run_in_this_process, zero3_env
 
 from grpokit.testing import save_tiny_model
-from test_distributed import FSDP2, launch, load, max_difference, run_in_this_process, zero3_env
 
 pytestmark = pytest.mark.vllm
 
@@ -179,8 +179,14 @@ def launch_script(directory, spec: dict, env: dict | None = None) -> None:
     launch(directory, spec, env={"VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}, script=SCRIPT)
 
 
-def check_two_processes_train_as_one(directory, model_dir, distributed_type: str, engine: str = "VLLMEngine",
-                                     pushes=([0, 1, 2], [0, 1, 2]), lora: bool = False) -> None:  # fmt: skip
+def check_two_processes_train_as_one(
+    directory,
+    model_dir,
+    distributed_type: str,
+    engine: str = "VLLMEngine",
+    pushes=([0, 1, 2], [0, 1, 2]),
+    lora: bool = False,
+) -> None:
     """The recorded 2-process run in `directory / "two"` against one process replaying its rollouts. `pushes`: each
     process's engine's pushes so far at each of the 3 generations. `lora`: the run trained a LoRA adapter."""
     two = directory / "two"
@@ -203,8 +209,18 @@ def check_two_processes_train_as_one(directory, model_dir, distributed_type: str
     assert first0["counts"] == [8, 4] and first1["counts"] == [4, 8]  # the middle group spans the processes
     assert first0["ids"][-1] == first1["ids"][0]
     # The replay in one process: the same global batches, the same update.
-    run_in_this_process(directory, dict(out=str(directory / "one"), model=model_dir, config=ONE_PROCESS,
-                                        replay=str(two), replay_processes=2, lora=lora), script=SCRIPT)  # fmt: skip
+    run_in_this_process(
+        directory,
+        dict(
+            out=str(directory / "one"),
+            model=model_dir,
+            config=ONE_PROCESS,
+            replay=str(two),
+            replay_processes=2,
+            lora=lora,
+        ),
+        script=SCRIPT,
+    )
     one = load(directory / "one" / "final_0.pt")
     if lora:  # the adapter's B starts at zero
         moved = max(v.abs().max().item() for k, v in one["weights"].items() if "lora_B" in k)
@@ -230,9 +246,13 @@ def stale_gap(model_dir, rollout) -> float:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     with torch.no_grad():
-        logprobs, _ = token_logprobs(model, torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
-                                     torch.cat([rollout.prompt_mask, rollout.attention_mask], 1),
-                                     rollout.completion_ids.shape[1], 1.0)  # fmt: skip
+        logprobs, _ = token_logprobs(
+            model,
+            torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
+            torch.cat([rollout.prompt_mask, rollout.attention_mask], 1),
+            rollout.completion_ids.shape[1],
+            1.0,
+        )
     return ((logprobs - rollout.sampling_logprobs) * rollout.loss_mask).abs().max().item()
 
 
@@ -256,15 +276,15 @@ def test_fsdp2_pushes_gathered_parameters_one_at_a_time_and_trains_as_one_proces
     check_two_processes_train_as_one(tmp_path, model_dir, "FSDP")
 
 
-
 def test_lora_under_fsdp2_pushes_each_layer_merged_from_its_gathered_pieces(model_dir, tmp_path):
     """LoRA under FSDP2 with vLLM: each push gathers a LoRA layer's base weight and adapter and sends their merge
     (W + scaling · B A, as peft merges; tests/test_vllm_client.py shows it bit for bit), the model untouched. vLLM
     samples from the merged weights (log-probs equal the training forward's, with the adapter, after every push),
     and the run trains as one process given the same samples; the frozen base never moves."""
     initial_weights(model_dir, tmp_path / "two")
-    launch_script(tmp_path, dict(out=str(tmp_path / "two"), model=model_dir, config=TWO_PROCESSES, lora=True),
-                  env=FSDP2)  # fmt: skip
+    launch_script(
+        tmp_path, dict(out=str(tmp_path / "two"), model=model_dir, config=TWO_PROCESSES, lora=True), env=FSDP2
+    )
     check_two_processes_train_as_one(tmp_path, model_dir, "FSDP", lora=True)
 
 
@@ -289,11 +309,20 @@ def test_zero3_pushes_gathered_partitions_one_parameter_at_a_time(model_dir, tmp
         config = {**TWO_PROCESSES, "vllm_mode": "server", "vllm_server_base_url": f"http://127.0.0.1:{port}"}
         pushes = ([1, 2, 3], [0, 0, 0])
     try:
-        launch_script(tmp_path, dict(out=str(tmp_path / "two"), model=model_dir, config=config,
-                                     lora=mode == "colocate_lora"), env=zero3_env(tmp_path))  # fmt: skip
+        launch_script(
+            tmp_path,
+            dict(out=str(tmp_path / "two"), model=model_dir, config=config, lora=mode == "colocate_lora"),
+            env=zero3_env(tmp_path),
+        )
     finally:
         if server is not None:
             server.kill()
             server.wait(timeout=30)
-    check_two_processes_train_as_one(tmp_path, model_dir, "DEEPSPEED", engine="VLLMServerEngine" if server else
-                                     "VLLMEngine", pushes=pushes, lora=mode == "colocate_lora")  # fmt: skip
+    check_two_processes_train_as_one(
+        tmp_path,
+        model_dir,
+        "DEEPSPEED",
+        engine="VLLMServerEngine" if server else "VLLMEngine",
+        pushes=pushes,
+        lora=mode == "colocate_lora",
+    )

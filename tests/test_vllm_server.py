@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+from letters import letter_config, letter_dataset, repeat_letter
+from test_vllm import TOLERANCE, check_pushes, logprob_gap, tiny, train_a_step
 from transformers import TrainerCallback
 
 from grpokit import GRPOTrainer
-from letters import letter_config, letter_dataset, repeat_letter
-from test_vllm import TOLERANCE, check_pushes, logprob_gap, tiny, train_a_step
 
 pytestmark = pytest.mark.vllm
 
@@ -30,17 +30,36 @@ def free_port() -> int:
 
 
 def server_command(model_dir: Path, port: int, max_model_len: int = 64) -> list[str]:
-    return [sys.executable, "-m", "grpokit.vllm_server", "--model", str(model_dir), "--host", "127.0.0.1",
-            "--port", str(port), "--max-model-len", str(max_model_len), "--max-num-seqs", "64", "--dtype", "float32"]
+    return [
+        sys.executable,
+        "-m",
+        "grpokit.vllm_server",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-seqs",
+        "64",
+        "--dtype",
+        "float32",
+    ]
 
 
 def start_server(model_dir: Path, port: int, max_model_len: int = 64) -> subprocess.Popen:
     """`grpokit vllm-serve` in its own process, waited for until it answers (or its log is shown)."""
     import urllib.request
 
-    log = open(model_dir.parent / f"server-{port}.log", "w")
-    process = subprocess.Popen(server_command(model_dir, port, max_model_len), stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, "GRPOKIT_VLLM_TOKEN": os.environ["GRPOKIT_VLLM_TOKEN"]})  # fmt: skip
+    log = open(model_dir.parent / f"server-{port}.log", "w")  # noqa: SIM115 (the server's process writes it until stopped)
+    process = subprocess.Popen(
+        server_command(model_dir, port, max_model_len),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "GRPOKIT_VLLM_TOKEN": os.environ["GRPOKIT_VLLM_TOKEN"]},
+    )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -114,8 +133,9 @@ def test_structured_outputs_in_server_mode_every_completion_matches_the_regex(se
     """vllm_structured_outputs_regex in server mode: the request carries the regex, and the server (which loaded
     the tokenizer its checkpoint directory holds) masks the tokens that cannot continue a match; the log-probs are
     the masked distribution's (test_vllm.py's check, against the training forward of the pushed weights)."""
-    from grpokit.rollout.vllm_client import VLLMServerEngine
     from test_vllm import PROMPTS, check_structured_outputs, params_for
+
+    from grpokit.rollout.vllm_client import VLLMServerEngine
 
     url, _ = server
     pattern = "[ab]{1,3}(c|de):"
@@ -136,7 +156,7 @@ def test_server_of_another_vocabulary_or_model_is_refused(server):
         VLLMServerEngine(other_vocab, url, timeout=30)
     model, _ = tiny()
     wider = build_tiny_model(model.config.vocab_size, hidden_size=128, num_heads=4, num_kv_heads=1)
-    with pytest.raises(ValueError, match="serves another model .hidden_size: server 64, policy 128"):
+    with pytest.raises(ValueError, match=r"serves another model .hidden_size: server 64, policy 128"):
         VLLMServerEngine(wider, url, timeout=30)
 
 
@@ -157,17 +177,31 @@ def test_the_server_going_away_mid_run_fails_clearly_and_the_run_resumes(tmp_pat
     model, tokenizer = tiny(seed=0)
     model_dir = save(model, tokenizer, tmp_path / "model")
     port = free_port()
-    args = letter_config(tmp_path, max_steps=6, save_steps=2, save_strategy="steps", use_vllm=True,
-                         vllm_mode="server", vllm_server_host="127.0.0.1", vllm_server_port=port,
-                         vllm_server_timeout=20, vllm_importance_sampling_mode="token_truncate",
-                         vllm_group_port=free_port() if transport == "broadcast" else None,
-                         max_staleness=max_staleness)  # fmt: skip
+    args = letter_config(
+        tmp_path,
+        max_steps=6,
+        save_steps=2,
+        save_strategy="steps",
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_host="127.0.0.1",
+        vllm_server_port=port,
+        vllm_server_timeout=20,
+        vllm_importance_sampling_mode="token_truncate",
+        vllm_group_port=free_port() if transport == "broadcast" else None,
+        max_staleness=max_staleness,
+    )
     process = start_server(model_dir, port)
     try:
-        trainer = GRPOTrainer(model=str(model_dir), reward_funcs=repeat_letter, args=args,
-                              train_dataset=letter_dataset(), callbacks=[KillAt(3, process)])  # fmt: skip
+        trainer = GRPOTrainer(
+            model=str(model_dir),
+            reward_funcs=repeat_letter,
+            args=args,
+            train_dataset=letter_dataset(),
+            callbacks=[KillAt(3, process)],
+        )
         raised_by = ConnectionError if max_staleness is None else RuntimeError  # the producer's failure
-        with pytest.raises(raised_by, match="stopped answering.*resume the run from its last checkpoint") as raised:
+        with pytest.raises(raised_by, match=r"stopped answering.*resume the run from its last checkpoint") as raised:
             trainer.train()
         if max_staleness is not None:
             assert raised.value.args[0].startswith("The generation producer failed: ConnectionError")
@@ -185,8 +219,9 @@ def test_the_server_going_away_mid_run_fails_clearly_and_the_run_resumes(tmp_pat
     # A new server (the original checkpoint: the resumed run pushes its own weights first) and a resumed run.
     process = start_server(model_dir, port)
     try:
-        resumed = GRPOTrainer(model=str(model_dir), reward_funcs=repeat_letter, args=args,
-                              train_dataset=letter_dataset())  # fmt: skip
+        resumed = GRPOTrainer(
+            model=str(model_dir), reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset()
+        )
         resumed.train(resume_from_checkpoint=True)
     finally:
         stop(process)
@@ -204,8 +239,13 @@ def test_two_training_processes_share_one_server_and_only_the_main_one_pushes(se
     main process pushes the weights and the other waits for the push before sampling, so both sample from the
     current weights (vLLM's log-probs equal the training forward's on both), and the run trains as one process
     given the same samples (tests/test_vllm_distributed.py's check)."""
-    from test_vllm_distributed import TWO_PROCESSES, check_two_processes_train_as_one, initial_weights, launch_script
-    from test_vllm_distributed import save_policy
+    from test_vllm_distributed import (
+        TWO_PROCESSES,
+        check_two_processes_train_as_one,
+        initial_weights,
+        launch_script,
+        save_policy,
+    )
 
     url, _ = server
     model_dir = save_policy(tmp_path / "policy")  # another seed than the served checkpoint: the first sync pushes
@@ -213,8 +253,9 @@ def test_two_training_processes_share_one_server_and_only_the_main_one_pushes(se
     config = {**TWO_PROCESSES, "vllm_mode": "server", "vllm_server_base_url": url, "vllm_server_timeout": 60}
     launch_script(tmp_path, dict(out=str(tmp_path / "two"), model=model_dir, config=config))
     # Only the main process pushes: before each generation (the first replaces the served checkpoint's weights).
-    check_two_processes_train_as_one(tmp_path, model_dir, "MULTI_CPU", engine="VLLMServerEngine",
-                                     pushes=([1, 2, 3], [0, 0, 0]))  # fmt: skip
+    check_two_processes_train_as_one(
+        tmp_path, model_dir, "MULTI_CPU", engine="VLLMServerEngine", pushes=([1, 2, 3], [0, 0, 0])
+    )
 
 
 def test_a_restarted_server_gets_the_weights_pushed_again(tmp_path):
@@ -252,8 +293,13 @@ def test_fsdp2_training_processes_gather_and_the_main_one_pushes_to_the_server(t
     import signal
 
     from test_distributed import FSDP2
-    from test_vllm_distributed import TWO_PROCESSES, check_two_processes_train_as_one, initial_weights, launch_script
-    from test_vllm_distributed import save_policy
+    from test_vllm_distributed import (
+        TWO_PROCESSES,
+        check_two_processes_train_as_one,
+        initial_weights,
+        launch_script,
+        save_policy,
+    )
 
     model, tokenizer = tiny(tied=True, seed=1)
     served = save(model, tokenizer, tmp_path / "served")
@@ -262,12 +308,19 @@ def test_fsdp2_training_processes_gather_and_the_main_one_pushes_to_the_server(t
     port = free_port()
     process = start_server(served, port)
     url, pid_file = f"http://127.0.0.1:{port}", tmp_path / "restarted.pid"
-    restart = dict(after_step=1, pid=process.pid, command=server_command(served, port), url=url,
-                   pid_file=str(pid_file), log=str(tmp_path / "restarted.log"))  # fmt: skip
+    restart = dict(
+        after_step=1,
+        pid=process.pid,
+        command=server_command(served, port),
+        url=url,
+        pid_file=str(pid_file),
+        log=str(tmp_path / "restarted.log"),
+    )
     config = {**TWO_PROCESSES, "vllm_mode": "server", "vllm_server_base_url": url, "vllm_server_timeout": 60}
     try:
-        launch_script(tmp_path, dict(out=str(tmp_path / "two"), model=model_dir, config=config,
-                                     restart_server=restart), env=FSDP2)  # fmt: skip
+        launch_script(
+            tmp_path, dict(out=str(tmp_path / "two"), model=model_dir, config=config, restart_server=restart), env=FSDP2
+        )
     finally:
         stop(process)
         if pid_file.exists():
@@ -275,8 +328,9 @@ def test_fsdp2_training_processes_gather_and_the_main_one_pushes_to_the_server(t
     assert pid_file.exists()  # the server was restarted
     # The main process's pushes: the first sync; at generation 2 the sync (to the new server) and the push after
     # its 409; the sync of generation 3. The other process sends none, though it gathers at each.
-    check_two_processes_train_as_one(tmp_path, model_dir, "FSDP", engine="VLLMServerEngine",
-                                     pushes=([1, 3, 4], [0, 0, 0]))  # fmt: skip
+    check_two_processes_train_as_one(
+        tmp_path, model_dir, "FSDP", engine="VLLMServerEngine", pushes=([1, 3, 4], [0, 0, 0])
+    )
 
 
 @pytest.mark.parametrize("model_type", ["llava", "gemma3", "qwen2_vl"])
@@ -286,9 +340,9 @@ def test_image_prompts_in_server_mode_are_sampled_from_the_pushed_weights(tmp_pa
     call), and after the push (the vision tower renamed to vLLM's names on the server) its log-probs are the
     training forward's (LLaVA) or the causal forward's (Gemma 3), as in colocate mode (test_vllm.py)."""
     import torch
+    from test_vllm import check_image_prompts, tiny_vlm
 
     from grpokit.rollout.vllm_client import VLLMServerEngine
-    from test_vllm import check_image_prompts, tiny_vlm
 
     served, processor = tiny_vlm(model_type, seed=1)
     model_dir = save(served, processor, tmp_path / "model")
@@ -312,14 +366,26 @@ def test_two_servers_sample_every_batch_from_the_pushed_weights_and_a_dead_one_i
     model, tokenizer = tiny(seed=0)
     model_dir = save(model, tokenizer, tmp_path / "model")
     ports = [free_port(), free_port()]
-    args = letter_config(tmp_path, max_steps=4, save_steps=1, save_strategy="steps", use_vllm=True,
-                         vllm_mode="server", vllm_server_timeout=20,
-                         vllm_server_base_url=",".join(f"http://127.0.0.1:{p}" for p in ports),
-                         vllm_importance_sampling_mode="token_truncate")  # fmt: skip
+    args = letter_config(
+        tmp_path,
+        max_steps=4,
+        save_steps=1,
+        save_strategy="steps",
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_timeout=20,
+        vllm_server_base_url=",".join(f"http://127.0.0.1:{p}" for p in ports),
+        vllm_importance_sampling_mode="token_truncate",
+    )
     processes = [start_server(model_dir, port) for port in ports]
     try:
-        trainer = GRPOTrainer(model=str(model_dir), reward_funcs=repeat_letter, args=args,
-                              train_dataset=letter_dataset(), callbacks=[KillAt(2, processes[1])])  # fmt: skip
+        trainer = GRPOTrainer(
+            model=str(model_dir),
+            reward_funcs=repeat_letter,
+            args=args,
+            train_dataset=letter_dataset(),
+            callbacks=[KillAt(2, processes[1])],
+        )
         with pytest.raises(ConnectionError, match=f"The vLLM server at http://127.0.0.1:{ports[1]} stopped answering"):
             trainer.train()
         taken = trainer.engine.pieces_taken
@@ -327,8 +393,9 @@ def test_two_servers_sample_every_batch_from_the_pushed_weights_and_a_dead_one_i
         steps = [r for r in trainer.state.log_history if "sampling/sampling_logp_difference/max" in r]
         assert len(steps) == 2 and all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in steps)
         processes[1] = start_server(model_dir, ports[1])
-        resumed = GRPOTrainer(model=str(model_dir), reward_funcs=repeat_letter, args=args,
-                              train_dataset=letter_dataset())  # fmt: skip
+        resumed = GRPOTrainer(
+            model=str(model_dir), reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset()
+        )
         resumed.train(resume_from_checkpoint=True)
         assert resumed.state.global_step == 4
         later = [r for r in resumed.state.log_history if "sampling/sampling_logp_difference/max" in r]

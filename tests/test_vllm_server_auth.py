@@ -68,7 +68,7 @@ def test_without_the_token_generation_and_weight_updates_are_refused(served):
 
 
 def test_the_trainer_sends_the_token_of_its_environment(served, monkeypatch):
-    url, service = served
+    url, _service = served
     monkeypatch.setenv("GRPOKIT_VLLM_TOKEN", "s3cret")
     assert call(url, "/generate", json.dumps({"instance": "one"}).encode(), auth_headers())[0] == 200
     monkeypatch.delenv("GRPOKIT_VLLM_TOKEN")

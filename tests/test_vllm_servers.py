@@ -49,9 +49,13 @@ class InProcessService:
         completions = []
         for row in range(len(rollout.lengths)):
             length = int(rollout.lengths[row])
-            completions.append((rollout.completion_ids[row, :length].tolist(),
-                                rollout.sampling_logprobs[row, :length].tolist(),
-                                "length" if bool(rollout.is_truncated[row]) else "stop"))  # fmt: skip
+            completions.append(
+                (
+                    rollout.completion_ids[row, :length].tolist(),
+                    rollout.sampling_logprobs[row, :length].tolist(),
+                    "length" if bool(rollout.is_truncated[row]) else "stop",
+                )
+            )
         return {"completions": completions, "version": self.version}
 
     def update_weights(self, body):
@@ -95,14 +99,33 @@ class KillAt(TrainerCallback):
 
 
 def trainer_for(model_dir, out, servers, callbacks=(), **overrides):
-    values = dict(output_dir=str(out), per_device_train_batch_size=16, num_generations=4, max_completion_length=3,
-                  max_steps=4, learning_rate=1e-2, logging_steps=1, save_strategy="steps", save_steps=1,
-                  disable_tqdm=True, report_to="none", seed=0, use_vllm=True, vllm_mode="server",
-                  vllm_server_base_url=",".join(s.url for s in servers), vllm_server_timeout=20)  # fmt: skip
+    values = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=16,
+        num_generations=4,
+        max_completion_length=3,
+        max_steps=4,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        disable_tqdm=True,
+        report_to="none",
+        seed=0,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=",".join(s.url for s in servers),
+        vllm_server_timeout=20,
+    )
     data = Dataset.from_list([{"prompt": f"{a}{b}:", "letter": a} for a in LETTERS for b in LETTERS])
-    return GRPOTrainer(model=model_dir, reward_funcs=first_letter, args=GRPOConfig(**{**values, **overrides}),
-                       train_dataset=data, processing_class=AutoTokenizer.from_pretrained(model_dir),
-                       callbacks=list(callbacks))  # fmt: skip
+    return GRPOTrainer(
+        model=model_dir,
+        reward_funcs=first_letter,
+        args=GRPOConfig(**{**values, **overrides}),
+        train_dataset=data,
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        callbacks=list(callbacks),
+    )
 
 
 def weights(trainer):
@@ -146,8 +169,9 @@ def test_a_server_that_dies_is_named_the_checkpoint_resumes_and_failover_goes_on
 
     # With vllm_server_failover the run goes on with the server left, which samples whole batches from then on.
     left = [Served(model_dir), Served(model_dir)]
-    trainer = trainer_for(model_dir, tmp_path / "failover", left, callbacks=[KillAt(2, left[1])],
-                          vllm_server_failover=True)  # fmt: skip
+    trainer = trainer_for(
+        model_dir, tmp_path / "failover", left, callbacks=[KillAt(2, left[1])], vllm_server_failover=True
+    )
     trainer.train()
     assert trainer.state.global_step == 4 and list(trainer.engine.dead) == [left[1].url]
     assert [len(piece) for version, piece in left[0].service.pieces if version >= 3] == [1] * 8

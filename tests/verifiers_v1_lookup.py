@@ -42,8 +42,10 @@ class ChatHarness(vf.Harness[vf.HarnessConfig]):
         system, prompt = self.resolve_prompt(data)
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         reply = await client.chat.completions.create(model=ctx.model, messages=messages, max_tokens=16)
-        messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
-                     {"role": "user", "content": "again"}]  # fmt: skip
+        messages += [
+            {"role": "assistant", "content": reply.choices[0].message.content or ""},
+            {"role": "user", "content": "again"},
+        ]
         await client.chat.completions.create(model=ctx.model, messages=messages, max_tokens=16)
         return ProgramResult(0, "", "")
 

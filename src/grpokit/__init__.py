@@ -1,9 +1,9 @@
 """grpokit: GRPO post-training for autoregressive token models.
 
-    from grpokit import GRPOConfig, GRPOTrainer     # drop-in for trl's classes of the same names
-    from grpokit import RLOOConfig, RLOOTrainer     # TRL's RLOO, on the same loop
-    from grpokit import DistillationConfig, DistillationTrainer
-    from grpokit import AsyncGRPOConfig, AsyncGRPOTrainer  # trl.experimental.async_grpo's, on GRPOTrainer's producer
+from grpokit import GRPOConfig, GRPOTrainer     # drop-in for trl's classes of the same names
+from grpokit import RLOOConfig, RLOOTrainer     # TRL's RLOO, on the same loop
+from grpokit import DistillationConfig, DistillationTrainer
+from grpokit import AsyncGRPOConfig, AsyncGRPOTrainer  # trl.experimental.async_grpo's, on GRPOTrainer's producer
 """
 
 import logging
@@ -42,22 +42,33 @@ if TYPE_CHECKING:  # for type checkers and the API reference; at run time __geta
 # Each public name and the module that defines it (the imports above), imported on first use (PEP 562): `import
 # grpokit`, the command line's --help and --version, and reading GRPOConfig's fields do not import torch.
 _HOMES = {
-    "group_advantages": "advantages", "process_advantages": "advantages",
-    "AsyncGRPOConfig": "async_grpo", "AsyncGRPOTrainer": "async_grpo",
+    "group_advantages": "advantages",
+    "process_advantages": "advantages",
+    "AsyncGRPOConfig": "async_grpo",
+    "AsyncGRPOTrainer": "async_grpo",
     "TrainBatch": "batch",
     "GRPOConfig": "config",
     "DistillationTrainer": "distill_trainer",
     "chunked_distillation_loss": "distillation",
     "DistillationConfig": "distillation_config",
     "pass_at_k": "evaluation",
-    "chunked_token_logprobs": "logprobs", "selective_log_softmax": "logprobs", "token_logprobs": "logprobs",
-    "distillation_loss": "loss", "generalized_jsd": "loss", "policy_loss": "loss",
+    "chunked_token_logprobs": "logprobs",
+    "selective_log_softmax": "logprobs",
+    "token_logprobs": "logprobs",
+    "distillation_loss": "loss",
+    "generalized_jsd": "loss",
+    "policy_loss": "loss",
     "build_optimizer": "optim",
-    "RLOOConfig": "rloo", "RLOOTrainer": "rloo",
-    "HFEngine": "rollout", "PromptBatch": "rollout", "Rollout": "rollout", "RolloutEngine": "rollout",
-    "SamplingParams": "rollout", "ScriptedEngine": "rollout",
+    "RLOOConfig": "rloo",
+    "RLOOTrainer": "rloo",
+    "HFEngine": "rollout",
+    "PromptBatch": "rollout",
+    "Rollout": "rollout",
+    "RolloutEngine": "rollout",
+    "SamplingParams": "rollout",
+    "ScriptedEngine": "rollout",
     "GRPOTrainer": "trainer",
-}  # fmt: skip
+}
 
 
 def __getattr__(name: str):

@@ -95,7 +95,6 @@ def group_advantages(rewards, num_generations: int, scale_rewards="group") -> to
     return torch.nan_to_num(centred, nan=0.0)
 
 
-
 def _check_flat(rewards: torch.Tensor, num_generations: int, name: str) -> None:
     if rewards.dim() != 1 or rewards.numel() % num_generations:
         raise ValueError(
@@ -198,8 +197,9 @@ def sequence_kl(old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: to
     return per_token.sum(-1)
 
 
-def shape_rewards(rewards: torch.Tensor, *, reward_clip_range: Sequence[float] | None = None,
-                  kl_penalty: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def shape_rewards(
+    rewards: torch.Tensor, *, reward_clip_range: Sequence[float] | None = None, kl_penalty: torch.Tensor | None = None
+) -> torch.Tensor:
     """Rewards [N] as TRL's RLOOTrainer feeds them to the estimator: clipped to `reward_clip_range` (lo, hi), then
     minus `kl_penalty` [N] (beta · `sequence_kl`). The clip comes first, so the penalty is never clipped; a missing
     reward (NaN) stays missing.
@@ -274,8 +274,10 @@ def combine_and_normalize(
         raise ValueError(f"token_counts weights reinforce_pp_baseline's whitening only; estimator is {estimator!r}.")
     if multi_objective_aggregation == "normalize_then_sum":
         if reward_clip_range or kl_penalty is not None:
-            raise ValueError("reward_clip_range and a KL penalty in the reward apply to the summed reward; "
-                             "multi_objective_aggregation='normalize_then_sum' has none: use 'sum_then_normalize'.")
+            raise ValueError(
+                "reward_clip_range and a KL penalty in the reward apply to the summed reward; "
+                "multi_objective_aggregation='normalize_then_sum' has none: use 'sum_then_normalize'."
+            )
         if estimator != "grpo":
             raise ValueError(
                 f"multi_objective_aggregation='normalize_then_sum' (GDPO) normalises each reward inside its group "
@@ -287,8 +289,9 @@ def combine_and_normalize(
             f"Unknown multi_objective_aggregation {multi_objective_aggregation!r}; "
             f"choose one of {list(MULTI_OBJECTIVE_AGGREGATIONS)}."
         )
-    rewards = shape_rewards(weighted_reward_sum(scores, weights), reward_clip_range=reward_clip_range,
-                            kl_penalty=kl_penalty)  # fmt: skip
+    rewards = shape_rewards(
+        weighted_reward_sum(scores, weights), reward_clip_range=reward_clip_range, kl_penalty=kl_penalty
+    )
     if estimator == "reinforce_pp_baseline":
         return reinforce_pp_baseline_advantages(rewards, num_generations, scale_rewards, token_counts=token_counts)
     return ADVANTAGE_ESTIMATORS[estimator](rewards, num_generations, scale_rewards)

@@ -42,24 +42,24 @@ def _grpo_field(name: str, default):
 # The fields of TRL's AsyncGRPOConfig that grpokit's GRPOConfig has not: name -> help.
 ASYNC_FIELDS = {
     "dtype": "The dtype the model is loaded in when `model` is a path or Hub id: 'auto', 'bfloat16', 'float16' or "
-             "'float32' (TRL's default: the trainer's precision decides the training-inference mismatch). A 'dtype' "
-             "in model_init_kwargs wins. A model passed as an object must already be in it ('auto': any).",
+    "'float32' (TRL's default: the trainer's precision decides the training-inference mismatch). A 'dtype' "
+    "in model_init_kwargs wins. A model passed as an object must already be in it ('auto': any).",
     "fork_threshold_tokens": "TRL re-tokenizes a multi-turn conversation every turn and forks a new training row "
-                             "when the re-tokenized prompt drifts by more than this many trained tokens. Accepted, "
-                             "no effect: grpokit's multi-turn runner keeps every turn's sampled token ids and never "
-                             "re-tokenizes, so there is no drift to decide on and every trained token keeps its "
-                             "signal.",
+    "when the re-tokenized prompt drifts by more than this many trained tokens. Accepted, "
+    "no effect: grpokit's multi-turn runner keeps every turn's sampled token ids and never "
+    "re-tokenizes, so there is no drift to decide on and every trained token keeps its "
+    "signal.",
     "request_timeout": "Server mode: seconds one sampling request to the vLLM server may take in all, its retries "
-                       "included (vllm_server_timeout bounds only the wait for the server to come up).",
+    "included (vllm_server_timeout bounds only the wait for the server to come up).",
     "weight_sync_timeout": "Server mode: seconds one weight push to the vLLM server may take in all; a push that "
-                           "does not complete in time raises instead of hanging the run.",
+    "does not complete in time raises instead of hanging the run.",
     "token_budget": "TRL's token-budgeted micro-batching: at most this many tokens per micro-batch row. grpokit "
-                    "micro-batches by count (per_device_train_batch_size completions), which is TRL's `<= 0`; "
-                    "None (TRL's default: the server's max_model_len) and values <= 0 are accepted and micro-batch "
-                    "by count, which does not change the update (loss_type 'dapo' divides by the whole batch's "
-                    "tokens). A positive budget is refused: bound memory with per_device_train_batch_size, and "
-                    "drop padding with padding_free=True.",
-}  # fmt: skip
+    "micro-batches by count (per_device_train_batch_size completions), which is TRL's `<= 0`; "
+    "None (TRL's default: the server's max_model_len) and values <= 0 are accepted and micro-batch "
+    "by count, which does not change the update (loss_type 'dapo' divides by the whole batch's "
+    "tokens). A positive budget is refused: bound memory with per_device_train_batch_size, and "
+    "drop padding with padding_free=True.",
+}
 
 
 @dataclass
@@ -95,8 +95,10 @@ class AsyncGRPOConfig(GRPOConfig):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {list(DTYPES)}.")
         if not (self.request_timeout > 0 and self.weight_sync_timeout > 0):
-            raise ValueError(f"request_timeout={self.request_timeout} and weight_sync_timeout="
-                             f"{self.weight_sync_timeout} must be positive numbers of seconds.")  # fmt: skip
+            raise ValueError(
+                f"request_timeout={self.request_timeout} and weight_sync_timeout="
+                f"{self.weight_sync_timeout} must be positive numbers of seconds."
+            )
         if self.token_budget is not None and self.token_budget > 0:
             raise NotImplementedError(
                 f"token_budget={self.token_budget}: grpokit micro-batches by count (per_device_train_batch_size "
@@ -118,16 +120,30 @@ class AsyncGRPOTrainer(GRPOTrainer):
     # TRL's flag for transformers' Trainer; grpokit's loss does its own accumulation scaling, as TRL's does.
     loss_is_scaled_for_ga = True
 
-    def __init__(self, model, reward_funcs=None, args: AsyncGRPOConfig | None = None, train_dataset=None,
-                 processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None, tools=None,
-                 environment_factory=None, rollout_worker=None, weight_transfer=None,
-                 **grpokit_options):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args: AsyncGRPOConfig | None = None,
+        train_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+        tools=None,
+        environment_factory=None,
+        rollout_worker=None,
+        weight_transfer=None,
+        **grpokit_options,
+    ):
         if args is None:
             args = AsyncGRPOConfig(output_dir=default_output_dir(model, "AsyncGRPO"))
         if not isinstance(args, AsyncGRPOConfig):
-            raise TypeError(f"AsyncGRPOTrainer takes an AsyncGRPOConfig (from grpokit import AsyncGRPOConfig), got "
-                            f"{type(args).__name__}; for a GRPOConfig use GRPOTrainer (its max_staleness makes "
-                            f"it asynchronous).")  # fmt: skip
+            raise TypeError(
+                f"AsyncGRPOTrainer takes an AsyncGRPOConfig (from grpokit import AsyncGRPOConfig), got "
+                f"{type(args).__name__}; for a GRPOConfig use GRPOTrainer (its max_staleness makes "
+                f"it asynchronous)."
+            )
         for option, value in (("rollout_worker", rollout_worker), ("weight_transfer", weight_transfer)):
             if value is not None:
                 raise NotImplementedError(
@@ -139,19 +155,30 @@ class AsyncGRPOTrainer(GRPOTrainer):
             args.model_init_kwargs = {"dtype": args.dtype, **(args.model_init_kwargs or {})}
         else:
             check_model_dtype(model, args.dtype)
-        super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
-                         processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
-                         peft_config=peft_config, tools=tools, environment_factory=environment_factory,
-                         **grpokit_options)  # fmt: skip
+        super().__init__(
+            model=model,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            peft_config=peft_config,
+            tools=tools,
+            environment_factory=environment_factory,
+            **grpokit_options,
+        )
         if args.max_inflight_tasks < 0:  # TRL's auto value: what the trainer can take before it is stale
-            completions_per_step = (args.per_device_train_batch_size * args.gradient_accumulation_steps
-                                    * self.accelerator.num_processes)  # fmt: skip
+            completions_per_step = (
+                args.per_device_train_batch_size * args.gradient_accumulation_steps * self.accelerator.num_processes
+            )
             args.max_inflight_tasks = max(args.max_staleness or 0, 1) * completions_per_step
 
     # TRL's AsyncGRPOTrainer attributes
     epsilon_low = property(lambda self: self.args.epsilon)
-    epsilon_high = property(lambda self: self.args.epsilon if self.args.epsilon_high is None else
-                            self.args.epsilon_high)  # fmt: skip
+    epsilon_high = property(
+        lambda self: self.args.epsilon if self.args.epsilon_high is None else self.args.epsilon_high
+    )
     temperature = property(lambda self: self.args.temperature)
     aux_loss_enabled = property(lambda self: self.router_aux_loss_coef != 0.0)
 
@@ -170,10 +197,12 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
 
 def _refuse_attribute(name: str):
-    raise AttributeError(f"AsyncGRPOTrainer.{name} is TRL's child-process rollout worker / vLLM transport, which "
-                         f"grpokit does not have: generation runs in grpokit's producer (trainer.producer while "
-                         f"training) over trainer.engine (a grpokit.rollout.RolloutEngine; the vLLM server client "
-                         f"in server mode).")  # fmt: skip
+    raise AttributeError(
+        f"AsyncGRPOTrainer.{name} is TRL's child-process rollout worker / vLLM transport, which "
+        f"grpokit does not have: generation runs in grpokit's producer (trainer.producer while "
+        f"training) over trainer.engine (a grpokit.rollout.RolloutEngine; the vLLM server client "
+        f"in server mode)."
+    )
 
 
 def check_model_dtype(model: torch.nn.Module, dtype: str) -> None:
@@ -182,6 +211,8 @@ def check_model_dtype(model: torch.nn.Module, dtype: str) -> None:
         return
     found = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if found and found != {getattr(torch, dtype)}:
-        raise ValueError(f"dtype={dtype!r} applies when the model is loaded from a path; this model's weights are "
-                         f"{sorted(str(d).removeprefix('torch.') for d in found)}. Cast it (model.to(torch.{dtype})), "
-                         f"pass its path, or set dtype='auto'.")  # fmt: skip
+        raise ValueError(
+            f"dtype={dtype!r} applies when the model is loaded from a path; this model's weights are "
+            f"{sorted(str(d).removeprefix('torch.') for d in found)}. Cast it (model.to(torch.{dtype})), "
+            f"pass its path, or set dtype='auto'."
+        )

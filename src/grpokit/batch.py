@@ -32,26 +32,43 @@ class ScoredRollout:
     offset: int  # first row's index in the global generation batch
     model_lengths: torch.Tensor  # [N] the tokens the model wrote (`rollout.runner.Generation.model_lengths`)
 
-    def select(self, indices: list[int]) -> "ScoredRollout":
+    def select(self, indices: list[int]) -> ScoredRollout:
         pick = lambda values: [values[i] for i in indices]  # noqa: E731
         index = torch.as_tensor(indices, dtype=torch.long)
-        return ScoredRollout(pick(self.rows), pick(self.prompts), pick(self.completions), pick(self.completion_ids),
-                             self.rollout.select(indices), self.scores[indices], dict(self.failures),
-                             {k: pick(v) for k, v in self.step_rewards.items()}, pick(self.step_ends), self.offset,
-                             self.model_lengths[index.to(self.model_lengths.device)])  # fmt: skip
+        return ScoredRollout(
+            pick(self.rows),
+            pick(self.prompts),
+            pick(self.completions),
+            pick(self.completion_ids),
+            self.rollout.select(indices),
+            self.scores[indices],
+            dict(self.failures),
+            {k: pick(v) for k, v in self.step_rewards.items()},
+            pick(self.step_ends),
+            self.offset,
+            self.model_lengths[index.to(self.model_lengths.device)],
+        )
 
     @staticmethod
-    def concat(parts: list["ScoredRollout"]) -> "ScoredRollout":
+    def concat(parts: list[ScoredRollout]) -> ScoredRollout:
         failures: dict[str, int] = {}
         for p in parts:
             for k, v in p.failures.items():
                 failures[k] = failures.get(k, 0) + v
         join = lambda name: [x for p in parts for x in getattr(p, name)]  # noqa: E731
-        return ScoredRollout(join("rows"), join("prompts"), join("completions"), join("completion_ids"),
-                             Rollout.concat([p.rollout for p in parts]), torch.cat([p.scores for p in parts]),
-                             failures, {k: [x for p in parts for x in p.step_rewards[k]] for k in parts[0].step_rewards},
-                             join("step_ends"), parts[0].offset,
-                             torch.cat([p.model_lengths for p in parts]))  # fmt: skip
+        return ScoredRollout(
+            join("rows"),
+            join("prompts"),
+            join("completions"),
+            join("completion_ids"),
+            Rollout.concat([p.rollout for p in parts]),
+            torch.cat([p.scores for p in parts]),
+            failures,
+            {k: [x for p in parts for x in p.step_rewards[k]] for k in parts[0].step_rewards},
+            join("step_ends"),
+            parts[0].offset,
+            torch.cat([p.model_lengths for p in parts]),
+        )
 
 
 @dataclass
@@ -79,14 +96,22 @@ class TrainBatch:
     sampling_ratio: torch.Tensor | None = None
 
     @classmethod
-    def from_rollout(cls, rollout: Rollout, advantages: torch.Tensor,
-                     loss_mask: torch.Tensor | None = None) -> "TrainBatch":  # fmt: skip
+    def from_rollout(
+        cls, rollout: Rollout, advantages: torch.Tensor, loss_mask: torch.Tensor | None = None
+    ) -> TrainBatch:
         """The batch of a rollout's rows: `advantages` [N] (a completion's, repeated over its tokens) or [N, ≥T] (per
         token); `loss_mask` replaces the rollout's (mask_truncated_completions)."""
-        return cls(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.attention_mask,
-                   rollout.loss_mask if loss_mask is None else loss_mask, rollout.lengths,
-                   per_token(advantages, rollout.completion_ids), sampling_logprobs=rollout.sampling_logprobs,
-                   multimodal=rollout.multimodal)  # fmt: skip
+        return cls(
+            rollout.prompt_ids,
+            rollout.prompt_mask,
+            rollout.completion_ids,
+            rollout.attention_mask,
+            rollout.loss_mask if loss_mask is None else loss_mask,
+            rollout.lengths,
+            per_token(advantages, rollout.completion_ids),
+            sampling_logprobs=rollout.sampling_logprobs,
+            multimodal=rollout.multimodal,
+        )
 
     @classmethod
     def from_trl_inputs(cls, inputs: dict) -> TrainBatch:
@@ -95,50 +120,75 @@ class TrainBatch:
         old_per_token_logps, ref_per_token_logps, sampling_per_token_logps, importance_sampling_ratio, tool_mask).
         TRL's completion_mask is both the attention and the loss mask; its tool_mask takes tool tokens out of the
         loss only."""
-        missing = [key for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
-                   if key not in inputs]  # fmt: skip
+        missing = [
+            key
+            for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
+            if key not in inputs
+        ]
         if missing:
-            raise ValueError(f"compute_loss was given a dict without {missing}: pass a TrainBatch, or a dict in TRL's "
-                             f"layout (prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, ...).")
+            raise ValueError(
+                f"compute_loss was given a dict without {missing}: pass a TrainBatch, or a dict in TRL's "
+                f"layout (prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, ...)."
+            )
         if any(key in inputs for key in ("pixel_values", "image_grid_thw", "num_images")):
-            raise ValueError("compute_loss with TRL's dict of a vision-language batch is not supported: pass the "
-                             "TrainBatch the loop makes (its images are encoded once per group).")  # fmt: skip
+            raise ValueError(
+                "compute_loss with TRL's dict of a vision-language batch is not supported: pass the "
+                "TrainBatch the loop makes (its images are encoded once per group)."
+            )
         completion_ids, attention_mask = inputs["completion_ids"], inputs["completion_mask"]
         loss_mask = attention_mask * inputs["tool_mask"] if "tool_mask" in inputs else attention_mask
         present = attention_mask.bool()
         # the last real token's position + 1 (TRL's mask covers the completion up to its EOS)
         lengths = torch.where(present.any(1), present.shape[1] - present.flip(1).int().argmax(1), 0)
-        return cls(inputs["prompt_ids"], inputs["prompt_mask"], completion_ids, attention_mask, loss_mask, lengths,
-                   per_token(inputs["advantages"], completion_ids), inputs.get("old_per_token_logps"),
-                   inputs.get("ref_per_token_logps"), inputs.get("sampling_per_token_logps"),
-                   sampling_ratio=inputs.get("importance_sampling_ratio"))  # fmt: skip
+        return cls(
+            inputs["prompt_ids"],
+            inputs["prompt_mask"],
+            completion_ids,
+            attention_mask,
+            loss_mask,
+            lengths,
+            per_token(inputs["advantages"], completion_ids),
+            inputs.get("old_per_token_logps"),
+            inputs.get("ref_per_token_logps"),
+            inputs.get("sampling_per_token_logps"),
+            sampling_ratio=inputs.get("importance_sampling_ratio"),
+        )
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
 
-    def _map(self, fn, multimodal_fn=lambda m: m) -> "TrainBatch":
+    def _map(self, fn, multimodal_fn=lambda m: m) -> TrainBatch:
         """fn applied to every tensor field, multimodal_fn to the images (selected by row, not sliced by column)."""
-        return TrainBatch(**{f.name: None if (value := getattr(self, f.name)) is None else
-                             multimodal_fn(value) if f.name == "multimodal" else fn(value)
-                             for f in dataclasses.fields(self)})  # fmt: skip
+        return TrainBatch(
+            **{
+                f.name: None
+                if (value := getattr(self, f.name)) is None
+                else multimodal_fn(value)
+                if f.name == "multimodal"
+                else fn(value)
+                for f in dataclasses.fields(self)
+            }
+        )
 
-    def select(self, index: torch.Tensor | slice) -> "TrainBatch":
+    def select(self, index: torch.Tensor | slice) -> TrainBatch:
         """Rows `index` (a permutation, a slice)."""
-        return self._map(lambda t: t[index.to(t.device) if torch.is_tensor(index) else index],
-                         lambda m: m.select(index))  # fmt: skip
+        return self._map(
+            lambda t: t[index.to(t.device) if torch.is_tensor(index) else index], lambda m: m.select(index)
+        )
 
-    def split(self, size: int) -> list["TrainBatch"]:
+    def split(self, size: int) -> list[TrainBatch]:
         """Consecutive micro-batches of `size` rows (the last may be smaller)."""
         return [self.select(slice(start, start + size)) for start in range(0, len(self), size)]
 
-    def to(self, device) -> "TrainBatch":
+    def to(self, device) -> TrainBatch:
         return self._map(lambda t: t.to(device), lambda m: m.to(device))
 
-    def trimmed(self) -> "TrainBatch":
+    def trimmed(self) -> TrainBatch:
         """Without the completion columns past the longest real completion (padding shared by every row)."""
         width = int(self.lengths.max().clamp(min=1)) if len(self) else 1
-        return self._map(lambda t: t[:, :width] if t.dim() == 2 and t is not self.prompt_ids
-                         and t is not self.prompt_mask else t)  # fmt: skip
+        return self._map(
+            lambda t: t[:, :width] if t.dim() == 2 and t is not self.prompt_ids and t is not self.prompt_mask else t
+        )
 
     @property
     def input_ids(self) -> torch.Tensor:  # [N, P + T]
@@ -155,15 +205,16 @@ class TrainBatch:
         return state
 
     @classmethod
-    def from_state_dict(cls, state: dict) -> "TrainBatch":
+    def from_state_dict(cls, state: dict) -> TrainBatch:
         state = dict(state)
         if state.get("multimodal") is not None:
             state["multimodal"] = MultimodalInputs.from_state_dict(state["multimodal"])
         return cls(**state)
 
 
-def trl_loss_counts(batch: TrainBatch, num_items_in_batch, accumulation: int, steps_per_generation: int,
-                    num_processes: int) -> tuple[float, float, int]:  # fmt: skip
+def trl_loss_counts(
+    batch: TrainBatch, num_items_in_batch, accumulation: int, steps_per_generation: int, num_processes: int
+) -> tuple[float, float, int]:
     """(sequences, tokens, micro-batches) of the window that give grpokit's loss of `batch`, a micro-batch in TRL's
     layout, TRL's value: TRL divides a micro-batch's loss by `accumulation` (its gradient accumulation steps; 1 in
     evaluation) and, for the token-summed losses (dapo, cispo), the tokens by the generation batch's

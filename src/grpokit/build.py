@@ -70,8 +70,9 @@ from .teacher import load_teacher
 logger = logging.getLogger(__name__)
 
 
-def check_run(args: GRPOConfig, train_dataset, eval_dataset, rollout_engine, tools, rollout_func,
-              environment_factory) -> None:  # fmt: skip
+def check_run(
+    args: GRPOConfig, train_dataset, eval_dataset, rollout_engine, tools, rollout_func, environment_factory
+) -> None:
     """The run-time checks (what GRPOConfig.validate cannot know: the data, the launch, the arguments)."""
     check_agents(tools, rollout_func, environment_factory, rollout_engine)
     environments = environment_factory is not None  # reset() may supply every prompt (TRL: prompt optional)
@@ -80,23 +81,34 @@ def check_run(args: GRPOConfig, train_dataset, eval_dataset, rollout_engine, too
         check_dataset(dataset, "eval_dataset" if name is None else f"eval_dataset[{name!r}]", environments)
     configure_iterable_datasets(args, train_dataset, eval_dataset)  # TRL's order: dispatch_batches first
     if is_iterable_dataset(train_dataset) and args.max_steps <= 0:
-        raise ValueError("train_dataset is an IterableDataset (no len()): set max_steps > 0 to say how long to "
-                         "train, as with transformers' Trainer.")  # fmt: skip
+        raise ValueError(
+            "train_dataset is an IterableDataset (no len()): set max_steps > 0 to say how long to "
+            "train, as with transformers' Trainer."
+        )
     if eval_dataset is None and args.eval_strategy != "no":
-        raise ValueError(f"eval_strategy={args.eval_strategy!r} needs an eval_dataset: pass "
-                         f"GRPOTrainer(eval_dataset=...), or set eval_strategy='no'.")  # fmt: skip
+        raise ValueError(
+            f"eval_strategy={args.eval_strategy!r} needs an eval_dataset: pass "
+            f"GRPOTrainer(eval_dataset=...), or set eval_strategy='no'."
+        )
     if eval_dataset is None and args.eval_on_start:
-        raise ValueError("eval_on_start=True needs an eval_dataset: pass GRPOTrainer(eval_dataset=...), or set "
-                         "eval_on_start=False.")  # fmt: skip
+        raise ValueError(
+            "eval_on_start=True needs an eval_dataset: pass GRPOTrainer(eval_dataset=...), or set eval_on_start=False."
+        )
     if args.dynamic_sampling and (args.generation_batch_per_process % args.num_generations):
-        raise ValueError("dynamic_sampling keeps or drops whole groups: make the per-process generation batch a "
-                         "multiple of num_generations.")  # fmt: skip
+        raise ValueError(
+            "dynamic_sampling keeps or drops whole groups: make the per-process generation batch a "
+            "multiple of num_generations."
+        )
     if args.dynamic_sampling and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise NotImplementedError("dynamic_sampling runs in one process only for now: processes would draw "
-                                  "different numbers of prompt batches and fall out of step.")  # fmt: skip
+        raise NotImplementedError(
+            "dynamic_sampling runs in one process only for now: processes would draw "
+            "different numbers of prompt batches and fall out of step."
+        )
     if rollout_engine is not None and not isinstance(rollout_engine, RolloutEngine):
-        raise TypeError(f"rollout_engine={rollout_engine!r} is not a RolloutEngine: it needs generate(prompts, "
-                        f"params, seed) -> Rollout and sync_weights(model) (see grpokit.rollout.engine).")  # fmt: skip
+        raise TypeError(
+            f"rollout_engine={rollout_engine!r} is not a RolloutEngine: it needs generate(prompts, "
+            f"params, seed) -> Rollout and sync_weights(model) (see grpokit.rollout.engine)."
+        )
 
 
 def configure_iterable_datasets(args: GRPOConfig, train_dataset, eval_dataset) -> None:
@@ -108,22 +120,33 @@ def configure_iterable_datasets(args: GRPOConfig, train_dataset, eval_dataset) -
     if is_iterable_dataset(train_dataset) or iterable_eval:
         options = args.accelerator_options()
         if options.get("dispatch_batches"):
-            raise ValueError("Iterable datasets require `dispatch_batches=False`, but it is set to `True` in "
-                             "`accelerator_config`. Please set it to `False` (each process reads its own share of the "
-                             "stream).")  # fmt: skip
+            raise ValueError(
+                "Iterable datasets require `dispatch_batches=False`, but it is set to `True` in "
+                "`accelerator_config`. Please set it to `False` (each process reads its own share of the "
+                "stream)."
+            )
         args.accelerator_config.dispatch_batches = False
     if is_iterable_dataset(train_dataset) and args.dataloader_num_workers != 0:
-        logger.warning(f"Iterable datasets require `dataloader_num_workers=0` to preserve prompt grouping; overriding "
-                       f"the provided value ({args.dataloader_num_workers}).")  # fmt: skip
+        logger.warning(
+            f"Iterable datasets require `dataloader_num_workers=0` to preserve prompt grouping; overriding "
+            f"the provided value ({args.dataloader_num_workers})."
+        )
         args.dataloader_num_workers = 0
 
 
 def moe_shape(config) -> tuple[int, int] | None:
     """(experts, experts per token) of a mixture-of-experts config, whatever the family calls them; None if not MoE."""
-    experts = next((getattr(config, n) for n in ("num_experts", "num_local_experts", "n_routed_experts")
-                    if getattr(config, n, None)), None)  # fmt: skip
-    top_k = next((getattr(config, n) for n in ("num_experts_per_tok", "experts_per_token") if getattr(config, n, None)),
-                 None)  # fmt: skip
+    experts = next(
+        (
+            getattr(config, n)
+            for n in ("num_experts", "num_local_experts", "n_routed_experts")
+            if getattr(config, n, None)
+        ),
+        None,
+    )
+    top_k = next(
+        (getattr(config, n) for n in ("num_experts_per_tok", "experts_per_token") if getattr(config, n, None)), None
+    )
     return (experts, top_k) if experts and top_k else None
 
 
@@ -134,9 +157,11 @@ def router_aux_loss_coef(args: GRPOConfig, model) -> float:
     if args.router_aux_loss_coef is None:
         return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if is_moe else 0.0
     if args.router_aux_loss_coef and not is_moe:
-        raise ValueError(f"router_aux_loss_coef={args.router_aux_loss_coef} needs a mixture-of-experts model (its "
-                         f"config has num_experts and num_experts_per_tok); this model has none. "
-                         f"Set it to None.")  # fmt: skip
+        raise ValueError(
+            f"router_aux_loss_coef={args.router_aux_loss_coef} needs a mixture-of-experts model (its "
+            f"config has num_experts and num_experts_per_tok); this model has none. "
+            f"Set it to None."
+        )
     return float(args.router_aux_loss_coef)
 
 
@@ -145,8 +170,9 @@ def reward_weights(args: GRPOConfig, count: int, environment_rewards: int = 0) -
     count -= environment_rewards
     weights = args.reward_weights or [1.0] * count
     if len(weights) != count:
-        raise ValueError(f"reward_weights has {len(weights)} entries for {count} reward functions; give one weight "
-                         f"per function.")  # fmt: skip
+        raise ValueError(
+            f"reward_weights has {len(weights)} entries for {count} reward functions; give one weight per function."
+        )
     return torch.tensor(list(weights) + [1.0] * environment_rewards, dtype=torch.float32)
 
 
@@ -165,8 +191,13 @@ def build_scheduler(optimizer, args: GRPOConfig, max_steps: int):
     from transformers import get_scheduler
 
     warmup = args.warmup_steps or math.ceil(args.warmup_ratio * max_steps)
-    return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=max_steps,
-                         scheduler_specific_kwargs=args.lr_scheduler_kwargs or None)  # fmt: skip
+    return get_scheduler(
+        args.lr_scheduler_type,
+        optimizer,
+        num_warmup_steps=warmup,
+        num_training_steps=max_steps,
+        scheduler_specific_kwargs=args.lr_scheduler_kwargs or None,
+    )
 
 
 def best_metric_key(name: str, metrics: dict) -> str:
@@ -175,8 +206,10 @@ def best_metric_key(name: str, metrics: dict) -> str:
     for key in (name, f"eval_{name}", f"eval/{name}"):
         if key in metrics:
             return key
-    raise ValueError(f"metric_for_best_model={name!r} is not among the evaluation's metrics: "
-                     f"{sorted(k for k in metrics if k not in ('step', 'epoch'))}.")  # fmt: skip
+    raise ValueError(
+        f"metric_for_best_model={name!r} is not among the evaluation's metrics: "
+        f"{sorted(k for k in metrics if k not in ('step', 'epoch'))}."
+    )
 
 
 def set_log_level(name: str) -> None:
@@ -194,8 +227,10 @@ def activation_offload(args: GRPOConfig, device: torch.device) -> ActivationOffl
     if not args.activation_offloading:
         return None
     if device.type == "cpu":
-        logger.warning("activation_offloading=True has no effect on a CPU: the activations are in host memory "
-                       "already. It is left off; set it on GPU runs.")  # fmt: skip
+        logger.warning(
+            "activation_offloading=True has no effect on a CPU: the activations are in host memory "
+            "already. It is left off; set it on GPU runs."
+        )
         return None
     return ActivationOffload(device.type)
 
@@ -203,18 +238,24 @@ def activation_offload(args: GRPOConfig, device: torch.device) -> ActivationOffl
 def warn_like_trl(args: GRPOConfig, model, quantization_config) -> None:
     """TRL's advisory warnings through the logger, as TRL logs them: TRL's words first, then grpokit's advice."""
     if args.importance_sampling_level == "sequence" and args.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
-        logger.warning(f"When using `importance_sampling_level='sequence'`, the `'{args.loss_type}'` loss sums "
-                       f"per-token contributions, which effectively weights each sequence by its completion length "
-                       f"instead of optimizing the per-sequence objective. To reproduce the GSPO paper's setup, set "
-                       f"`loss_type='grpo'` (see https://huggingface.co/docs/trl/main/en/paper_index#group-sequence-"
-                       f"policy-optimization).")  # fmt: skip
+        logger.warning(
+            f"When using `importance_sampling_level='sequence'`, the `'{args.loss_type}'` loss sums "
+            f"per-token contributions, which effectively weights each sequence by its completion length "
+            f"instead of optimizing the per-sequence objective. To reproduce the GSPO paper's setup, set "
+            f"`loss_type='grpo'` (see https://huggingface.co/docs/trl/main/en/paper_index#group-sequence-"
+            f"policy-optimization)."
+        )
     if not isinstance(model, str) and quantization_config is not None:
-        logger.warning("You passed `quantization_config` to the trainer, but your model is already instantiated. The "
-                       "`quantization_config` will be ignored. Quantize the model when loading it, or pass it as a "
-                       "path.")  # fmt: skip
+        logger.warning(
+            "You passed `quantization_config` to the trainer, but your model is already instantiated. The "
+            "`quantization_config` will be ignored. Quantize the model when loading it, or pass it as a "
+            "path."
+        )
     if not isinstance(model, str) and args.model_init_kwargs:
-        logger.warning("You passed `model_init_kwargs` to the `GRPOConfig`, but your model is already instantiated. "
-                       "The `model_init_kwargs` will be ignored.")  # fmt: skip
+        logger.warning(
+            "You passed `model_init_kwargs` to the `GRPOConfig`, but your model is already instantiated. "
+            "The `model_init_kwargs` will be ignored."
+        )
 
 
 def as_steps(value: float, max_steps: int) -> int:
@@ -226,8 +267,14 @@ def build_engine(model, args: GRPOConfig, processing_class, accelerator) -> Roll
     """The default engine: vLLM (use_vllm), else sampling in this process from the policy, with transformers'
     `generate` where generation_kwargs ask for what only it does (beams, its logits processors)."""
     if args.use_vllm:
-        return build_vllm_engine(model, args, processing_class, accelerator.process_index, accelerator.num_processes,
-                                 accelerator.local_process_index)  # fmt: skip
+        return build_vllm_engine(
+            model,
+            args,
+            processing_class,
+            accelerator.process_index,
+            accelerator.num_processes,
+            accelerator.local_process_index,
+        )
     generate_options = args.transformers_generate_kwargs()
     if generate_options:
         return TransformersGenerateEngine(model, accelerator.device, generate_options, autocast=accelerator.autocast)
@@ -235,32 +282,55 @@ def build_engine(model, args: GRPOConfig, processing_class, accelerator) -> Roll
     all_done = all_processes_done if is_sharded(model) else None
     exact = not (args.bf16 or args.fp16) and full_precision(model)  # bf16 weights: not exact
     compile = False if (args.generation_kwargs or {}).get("disable_compile") else None
-    return HFEngine(model, accelerator.device, autocast=accelerator.autocast, all_done=all_done, exact_logprobs=exact,
-                    cache_implementation=args.cache_implementation, compile=compile)  # fmt: skip
+    return HFEngine(
+        model,
+        accelerator.device,
+        autocast=accelerator.autocast,
+        all_done=all_done,
+        exact_logprobs=exact,
+        cache_implementation=args.cache_implementation,
+        compile=compile,
+    )
 
 
-def build_vllm_engine(model: torch.nn.Module, args: GRPOConfig, tokenizer=None, process_index: int = 0,
-                      num_processes: int = 1, local_process_index: int = 0) -> RolloutEngine:  # fmt: skip
+def build_vllm_engine(
+    model: torch.nn.Module,
+    args: GRPOConfig,
+    tokenizer=None,
+    process_index: int = 0,
+    num_processes: int = 1,
+    local_process_index: int = 0,
+) -> RolloutEngine:
     """The engine `GRPOConfig(use_vllm=True)` asks for: colocated `VLLMEngine` (one per training process), or the
     server client (no vLLM needed in this process)."""
     if args.vllm_mode == "server":
         return VLLMServers.from_config(model, args, process_index, num_processes)
-    return VLLMEngine.from_config(model, args, tokenizer=tokenizer, process_index=process_index,
-                                  num_processes=num_processes, local_process_index=local_process_index)  # fmt: skip
+    return VLLMEngine.from_config(
+        model,
+        args,
+        tokenizer=tokenizer,
+        process_index=process_index,
+        num_processes=num_processes,
+        local_process_index=local_process_index,
+    )
 
 
 def check_checkpoint_format(args: GRPOConfig, checkpoint_format: str, sharded: bool) -> None:
     """The checkpoint options that the run's checkpoint format (plain, FSDP2 sharded, DeepSpeed) cannot honour."""
     if args.save_on_each_node and (sharded or checkpoint_format != "plain"):
-        raise NotImplementedError("save_on_each_node=True is supported with whole weights in every process "
-                                  "(DDP, or one process per node): under FSDP2 and DeepSpeed every process writes "
-                                  "its part of a checkpoint into one directory, so put output_dir on storage all "
-                                  "nodes share and leave save_on_each_node False.")  # fmt: skip
+        raise NotImplementedError(
+            "save_on_each_node=True is supported with whole weights in every process "
+            "(DDP, or one process per node): under FSDP2 and DeepSpeed every process writes "
+            "its part of a checkpoint into one directory, so put output_dir on storage all "
+            "nodes share and leave save_on_each_node False."
+        )
     if args.load_best_model_at_end and checkpoint_format != "plain":
-        raise ValueError(f"load_best_model_at_end=True loads plain checkpoints only; this run writes "
-                         f"{checkpoint_format} ones (FSDP2 SHARDED_STATE_DICT / DeepSpeed). Set it False "
-                         f"and load trainer.state.best_model_checkpoint (metric_for_best_model tracks it) "
-                         f"yourself, or use FULL_STATE_DICT checkpoints.")  # fmt: skip
+        raise ValueError(
+            f"load_best_model_at_end=True loads plain checkpoints only; this run writes "
+            f"{checkpoint_format} ones (FSDP2 SHARDED_STATE_DICT / DeepSpeed). Set it False "
+            f"and load trainer.state.best_model_checkpoint (metric_for_best_model tracks it) "
+            f"yourself, or use FULL_STATE_DICT checkpoints."
+        )
 
 
 def track_best_checkpoint(args: GRPOConfig, state, evaluation: dict | None) -> None:
@@ -269,8 +339,9 @@ def track_best_checkpoint(args: GRPOConfig, state, evaluation: dict | None) -> N
     if args.metric_for_best_model is None or evaluation is None or evaluation["step"] != state.global_step:
         return
     value = float(evaluation[best_metric_key(args.metric_for_best_model, evaluation)])
-    if state.best_metric is None or (value > state.best_metric if args.greater_is_better else
-                                     value < state.best_metric):  # fmt: skip
+    if state.best_metric is None or (
+        value > state.best_metric if args.greater_is_better else value < state.best_metric
+    ):
         state.best_metric, state.best_global_step = value, state.global_step
         state.best_model_checkpoint = str(Path(args.output_dir) / f"checkpoint-{state.global_step}")
 
@@ -286,14 +357,24 @@ class RunInputs:
     reward_weights: torch.Tensor
 
 
-def run_inputs(args: GRPOConfig, train_dataset, eval_dataset, reward_funcs, reward_processing_classes,
-               rollout_engine, tools, rollout_func, environment_factory, environment, *,
-               rewards_required: bool) -> RunInputs:  # fmt: skip
+def run_inputs(
+    args: GRPOConfig,
+    train_dataset,
+    eval_dataset,
+    reward_funcs,
+    reward_processing_classes,
+    rollout_engine,
+    tools,
+    rollout_func,
+    environment_factory,
+    environment,
+    *,
+    rewards_required: bool,
+) -> RunInputs:
     """The trainer's inputs: an environment of another library supplies its rows and rewards (and its weights go
     into args.reward_weights), environment_factory's instances the prompts when there is no dataset; then every
     check of the data, the agent arguments and the rewards."""
-    adapter = None if environment is None else adapt_environment(environment, tools, rollout_func,
-                                                                 environment_factory)  # fmt: skip
+    adapter = None if environment is None else adapt_environment(environment, tools, rollout_func, environment_factory)
     if adapter is not None:
         train_dataset, reward_funcs = environment_inputs(adapter, args, train_dataset, reward_funcs)
     environments = EnvironmentPool(environment_factory) if environment_factory is not None else None
@@ -301,14 +382,21 @@ def run_inputs(args: GRPOConfig, train_dataset, eval_dataset, reward_funcs, rewa
         train_dataset = placeholder_dataset(args, environment_factory)
     check_run(args, train_dataset, eval_dataset, rollout_engine, tools, rollout_func, environment_factory)
     functions, weights = build_rewards(
-        args, reward_funcs, reward_processing_classes, environments, (train_dataset, eval_dataset),
+        args,
+        reward_funcs,
+        reward_processing_classes,
+        environments,
+        (train_dataset, eval_dataset),
         agents=bool(tools) or environments is not None or adapter is not None,
-        columns_known=rollout_func is None and adapter is None, required=rewards_required)  # fmt: skip
+        columns_known=rollout_func is None and adapter is None,
+        required=rewards_required,
+    )
     return RunInputs(train_dataset, environments, adapter, functions, weights)
 
 
-def build_driver(inputs: RunInputs, tokenizer, model, args: GRPOConfig, max_prompt_length: int | None, tools,
-                 rollout_func):  # fmt: skip
+def build_driver(
+    inputs: RunInputs, tokenizer, model, args: GRPOConfig, max_prompt_length: int | None, tools, rollout_func
+):
     """The multi-turn driver: the environment adapter's, grpokit's agents (tools, environments, a rollout_func), or
     None for single-turn training."""
     if inputs.adapter is not None:
@@ -316,16 +404,29 @@ def build_driver(inputs: RunInputs, tokenizer, model, args: GRPOConfig, max_prom
     return build_agents(tokenizer, model, args, max_prompt_length, tools, inputs.environments, rollout_func)
 
 
-def build_rewards(args: GRPOConfig, reward_funcs, reward_processing_classes, environments, datasets, *,
-                  agents: bool, columns_known: bool, required: bool = True):  # fmt: skip
+def build_rewards(
+    args: GRPOConfig,
+    reward_funcs,
+    reward_processing_classes,
+    environments,
+    datasets,
+    *,
+    agents: bool,
+    columns_known: bool,
+    required: bool = True,
+):
     """(reward functions, their weights): the user's functions and reward models, then the environments'
     get_reward; each dataset of `datasets` (train, eval: one or named sets) checked for the columns the functions
     need (an agent's rows also carry `turn_ends`; a rollout_func's extra fields are columns known only once it has
     run: `columns_known=False`)."""
     functions = build_reward_functions(
-        reward_funcs, reward_processing_classes, args.per_device_train_batch_size, args.trust_remote_code,
+        reward_funcs,
+        reward_processing_classes,
+        args.per_device_train_batch_size,
+        args.trust_remote_code,
         environment_rewards=environments.reward_functions() if environments is not None else (),
-        required=required)  # fmt: skip
+        required=required,
+    )
     train_dataset, eval_dataset = datasets
     for dataset in (train_dataset, *named_eval_datasets(eval_dataset).values()):
         if columns_known:
@@ -348,8 +449,9 @@ def prepare_process(args: GRPOConfig, device: torch.device) -> None:
         set_seed(args.seed)
 
 
-def build_models(model, processing_class, peft_config, quantization_config, args: GRPOConfig, accelerator,
-                 datasets) -> tuple[Any, Any, Any, int | None]:  # fmt: skip
+def build_models(
+    model, processing_class, peft_config, quantization_config, args: GRPOConfig, accelerator, datasets
+) -> tuple[Any, Any, Any, int | None]:
     """(policy, processing class, reference, prompt length limit): the policy loaded or wrapped (LoRA) and placed
     on the device, each dataset of `datasets` (train, eval) checked for images the processing class cannot take,
     the frozen reference copied from the policy (None with beta = 0 or LoRA), then the policy's own training
@@ -394,49 +496,91 @@ def place_reward_models(reward_functions: list, device: torch.device) -> None:
             function.fn.to(device)
 
 
-def build_runner(inputs: RunInputs, rollout_engine: RolloutEngine | None, processing_class, model, args: GRPOConfig,
-                 accelerator, max_prompt_length: int | None, tools, rollout_func, host) -> RolloutRunner:  # fmt: skip
+def build_runner(
+    inputs: RunInputs,
+    rollout_engine: RolloutEngine | None,
+    processing_class,
+    model,
+    args: GRPOConfig,
+    accelerator,
+    max_prompt_length: int | None,
+    tools,
+    rollout_func,
+    host,
+) -> RolloutRunner:
     """What samples the completions: the prompt codec, the engine (`rollout_engine`, else `build_engine`'s), the
     multi-turn driver (`build_driver`) and the sampling settings of args. `host` is what a user's rollout_func
     receives as its trainer (TRL's contract)."""
     stop_token_ids, suppress_token_ids = args.generation_token_ids()
-    codec = PromptCodec(processing_class, model, max_prompt_length, args.chat_template_kwargs, stop_token_ids,
-                        suppress_token_ids)  # fmt: skip
+    codec = PromptCodec(
+        processing_class, model, max_prompt_length, args.chat_template_kwargs, stop_token_ids, suppress_token_ids
+    )
     engine = rollout_engine if rollout_engine is not None else build_engine(model, args, processing_class, accelerator)
     driver = build_driver(inputs, processing_class, model, args, max_prompt_length, tools, rollout_func)
-    params = codec.sampling_params(args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
-                                   top_k=args.top_k, min_p=args.min_p,
-                                   repetition_penalty=args.repetition_penalty)  # fmt: skip
+    params = codec.sampling_params(
+        args.max_completion_length,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+    )
     return RolloutRunner(engine, codec, params, accelerator.device, driver=driver, host=host)
 
 
 def build_scorer(reward_functions: list, weights: torch.Tensor, tokenizer, args: GRPOConfig) -> RewardScorer:
-    return RewardScorer(reward_functions, weights, tokenizer, on_error=args.reward_fn_errors,
-                        routing_column=args.reward_routing_column, step_separator=args.step_separator)  # fmt: skip
+    return RewardScorer(
+        reward_functions,
+        weights,
+        tokenizer,
+        on_error=args.reward_fn_errors,
+        routing_column=args.reward_routing_column,
+        step_separator=args.step_separator,
+    )
 
 
 def new_state(args: GRPOConfig, train_dataset, accelerator) -> TrainerState:
     """A run's state before its first step (`total_steps` to go)."""
-    return TrainerState(max_steps=total_steps(args, train_dataset, accelerator.num_processes),
-                        logging_steps=args.logging_steps, eval_steps=args.eval_steps, save_steps=args.save_steps,
-                        train_batch_size=args.per_device_train_batch_size, num_train_epochs=args.num_train_epochs,
-                        is_local_process_zero=accelerator.is_local_main_process,
-                        is_world_process_zero=accelerator.is_main_process)  # fmt: skip
+    return TrainerState(
+        max_steps=total_steps(args, train_dataset, accelerator.num_processes),
+        logging_steps=args.logging_steps,
+        eval_steps=args.eval_steps,
+        save_steps=args.save_steps,
+        train_batch_size=args.per_device_train_batch_size,
+        num_train_epochs=args.num_train_epochs,
+        is_local_process_zero=accelerator.is_local_main_process,
+        is_world_process_zero=accelerator.is_main_process,
+    )
 
 
 def build_stepper(accelerator, model, optimizer, scheduler, args: GRPOConfig, deepspeed: bool) -> OptimizerStepper:
     sync_each_batch = args.accelerator_options().get("gradient_accumulation_kwargs", {}).get("sync_each_batch")
-    return OptimizerStepper(accelerator, model, optimizer, scheduler, deepspeed=deepspeed,
-                            max_grad_norm=args.max_grad_norm, max_nonfinite_steps=args.max_nonfinite_steps,
-                            sync_each_batch=bool(sync_each_batch))  # fmt: skip
+    return OptimizerStepper(
+        accelerator,
+        model,
+        optimizer,
+        scheduler,
+        deepspeed=deepspeed,
+        max_grad_norm=args.max_grad_norm,
+        max_nonfinite_steps=args.max_nonfinite_steps,
+        sync_each_batch=bool(sync_each_batch),
+    )
 
 
-def build_checkpointer(accelerator, args: GRPOConfig, write_model, gather_weights, deepspeed: bool,
-                       sharded: bool) -> Checkpointer:  # fmt: skip
+def build_checkpointer(
+    accelerator, args: GRPOConfig, write_model, gather_weights, deepspeed: bool, sharded: bool
+) -> Checkpointer:
     """The checkpointer of args' options, refused where the run's checkpoint format cannot honour them."""
-    checkpointer = Checkpointer(accelerator, args.output_dir, write_model, save_total_limit=args.save_total_limit,
-                                save_only_model=args.save_only_model, deepspeed=deepspeed,
-                                gather_weights=gather_weights, save_on_each_node=args.save_on_each_node)  # fmt: skip
+    checkpointer = Checkpointer(
+        accelerator,
+        args.output_dir,
+        write_model,
+        save_total_limit=args.save_total_limit,
+        save_only_model=args.save_only_model,
+        deepspeed=deepspeed,
+        gather_weights=gather_weights,
+        save_on_each_node=args.save_on_each_node,
+    )
     check_checkpoint_format(args, checkpointer.format, sharded)
     return checkpointer
 
@@ -446,8 +590,12 @@ def build_sampler(train_dataset, args: GRPOConfig, num_processes: int) -> Prompt
     shuffled per epoch unless shuffle_dataset is False), each epoch whole generation batches as in TRL."""
     if is_iterable_dataset(train_dataset):
         return StreamSampler(train_dataset)
-    return PromptSampler(len(train_dataset), args.data_seed or args.seed, args.shuffle_dataset,
-                         args.generation_batch_size // args.num_generations)  # fmt: skip
+    return PromptSampler(
+        len(train_dataset),
+        args.data_seed or args.seed,
+        args.shuffle_dataset,
+        args.generation_batch_size // args.num_generations,
+    )
 
 
 def build_teacher(teacher_model, args: GRPOConfig, device, student, processing_class):
@@ -463,5 +611,6 @@ def build_entropy_controller(args: GRPOConfig) -> AdaptiveEntropyController | No
     """The adaptive entropy bonus's controller (use_adaptive_entropy), else None: the fixed entropy_coef."""
     if not args.use_adaptive_entropy:
         return None
-    return AdaptiveEntropyController(args.entropy_coef, args.entropy_target, args.entropy_coef_delta,
-                                     args.entropy_coef_min, args.entropy_coef_max)  # fmt: skip
+    return AdaptiveEntropyController(
+        args.entropy_coef, args.entropy_target, args.entropy_coef_delta, args.entropy_coef_min, args.entropy_coef_max
+    )

@@ -136,14 +136,23 @@ def build_train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dataset_split", default=None, help="Split of a Hub / directory dataset (default: train).")
     parser.add_argument("--eval_dataset", default=None, help="Prompts for eval_strategy=steps (forms of --dataset).")
     parser.add_argument("--eval_dataset_split", default=None, help="Split of a Hub / dir eval set (default: test).")
-    parser.add_argument("--reward", action="append", default=None,
-                        help="Reward: a built-in name (accuracy, think_format, length, code_execution, exact_match) "
-                             "or module:function / path.py:function. Repeat for several.")  # fmt: skip
+    parser.add_argument(
+        "--reward",
+        action="append",
+        default=None,
+        help="Reward: a built-in name (accuracy, think_format, length, code_execution, exact_match) "
+        "or module:function / path.py:function. Repeat for several.",
+    )
     add_rename_column(parser)
     for f in dataclasses.fields(GRPOConfig):
-        parser.add_argument(f"--{f.name}", dest=f.name, default=argparse.SUPPRESS, metavar="VALUE",
-                            help=f.metadata.get("help", ""),
-                            **({"nargs": "+"} if _is_list_field(f.name) else {"nargs": "?", "const": "true"}))
+        parser.add_argument(
+            f"--{f.name}",
+            dest=f.name,
+            default=argparse.SUPPRESS,
+            metavar="VALUE",
+            help=f.metadata.get("help", ""),
+            **({"nargs": "+"} if _is_list_field(f.name) else {"nargs": "?", "const": "true"}),
+        )
     return parser
 
 
@@ -174,8 +183,10 @@ def parse_train_args(argv: list[str]) -> tuple[dict, dict]:
     unknown = sorted(set(values) - fields)
     if unknown:
         hints = "".join(did_you_mean(key, [*fields, *RUN_KEYS]) for key in unknown)
-        raise UsageError(f"unknown key(s) in {namespace['config']}: {', '.join(unknown)}.{hints} "
-                         "`grpokit train --help` lists the fields.")
+        raise UsageError(
+            f"unknown key(s) in {namespace['config']}: {', '.join(unknown)}.{hints} "
+            "`grpokit train --help` lists the fields."
+        )
     for name in fields & set(namespace):
         raw = namespace[name]
         values[name] = _parse_value(raw) if isinstance(raw, (str, list)) else raw
@@ -208,8 +219,9 @@ def train_command(argv: list[str]) -> int:
         eval_dataset = load_data(run["eval_dataset"], run["eval_dataset_split"] or "test", run["rename_column"])
         check_columns(eval_dataset, run["eval_dataset"], rewards)
     check_model(run["model"])
-    trainer = build_trainer(model=run["model"], reward_funcs=rewards, args=args, train_dataset=dataset,
-                            eval_dataset=eval_dataset)  # fmt: skip
+    trainer = build_trainer(
+        model=run["model"], reward_funcs=rewards, args=args, train_dataset=dataset, eval_dataset=eval_dataset
+    )
     trainer.train()
     trainer.save_model(args.output_dir)
     if trainer.accelerator.is_main_process:  # once, also under torchrun / accelerate launch
@@ -234,9 +246,14 @@ def build_trainer(**kwargs):
 
 
 def add_rename_column(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rename_column", nargs="+", default=None, metavar="OLD=NEW",
-                        help="Rename dataset columns before training, e.g. --rename_column question=prompt "
-                             "answer=solution (the prompts go in 'prompt'; built-in rewards read their own columns).")
+    parser.add_argument(
+        "--rename_column",
+        nargs="+",
+        default=None,
+        metavar="OLD=NEW",
+        help="Rename dataset columns before training, e.g. --rename_column question=prompt "
+        "answer=solution (the prompts go in 'prompt'; built-in rewards read their own columns).",
+    )
 
 
 def column_renames(value) -> dict[str, str]:
@@ -258,8 +275,10 @@ def check_model(model: str) -> None:
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise UsageError(f"--model {model}: the directory has no config.json (a save_pretrained / save_model "
-                             "directory, or a checkpoint-<step> directory of a run, holds one).")  # fmt: skip
+            raise UsageError(
+                f"--model {model}: the directory has no config.json (a save_pretrained / save_model "
+                "directory, or a checkpoint-<step> directory of a run, holds one)."
+            )
         return
     folder = path.parent if path.parent.is_dir() else None
     nearby = [entry.name for entry in folder.iterdir() if entry.is_dir()] if folder is not None else []
@@ -275,8 +294,10 @@ def check_model(model: str) -> None:
     except (OSError, ValueError) as error:
         where = "no such directory" if looks_local else "not a local directory, and not loadable from the Hub"
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UsageError(f"--model {model}: {where} ({reason}). Give a model directory (save_pretrained's) or a "
-                         "Hub id this machine can download.") from None  # fmt: skip
+        raise UsageError(
+            f"--model {model}: {where} ({reason}). Give a model directory (save_pretrained's) or a "
+            "Hub id this machine can download."
+        ) from None
 
 
 def check_columns(dataset, spec: str, rewards: list) -> None:
@@ -286,19 +307,25 @@ def check_columns(dataset, spec: str, rewards: list) -> None:
 
     columns = dataset_columns(dataset)
     if not any(column in columns for column in PROMPT_COLUMNS):
-        guess = next((c for c in ("question", "problem", "query", "input", "instruction", "text") if c in columns),
-                     columns[0] if columns else "COLUMN")  # fmt: skip
-        raise UsageError(f"dataset {spec} has no 'prompt' column (its columns: {', '.join(columns)}): say which "
-                         f"column holds the prompts with --rename_column {guess}=prompt.")  # fmt: skip
+        guess = next(
+            (c for c in ("question", "problem", "query", "input", "instruction", "text") if c in columns),
+            columns[0] if columns else "COLUMN",
+        )
+        raise UsageError(
+            f"dataset {spec} has no 'prompt' column (its columns: {', '.join(columns)}): say which "
+            f"column holds the prompts with --rename_column {guess}=prompt."
+        )
     for reward in rewards:
         function = RewardFunction(reward_name(reward), reward)
         missing = [c for c in function.required_columns() if c not in columns]
         if missing:
             others = [c for c in columns if c not in PROMPT_COLUMNS]
             guess = closest(missing[0], others) or (others[0] if others else "COLUMN")
-            raise UsageError(f"reward {function.name} reads the dataset column {missing[0]!r}, which dataset {spec} "
-                             f"lacks (its columns: {', '.join(columns)}): name the column that holds it with "
-                             f"--rename_column {guess}={missing[0]}.")  # fmt: skip
+            raise UsageError(
+                f"reward {function.name} reads the dataset column {missing[0]!r}, which dataset {spec} "
+                f"lacks (its columns: {', '.join(columns)}): name the column that holds it with "
+                f"--rename_column {guess}={missing[0]}."
+            )
 
 
 def _raised_by_config_validation(error: BaseException) -> bool:
@@ -335,8 +362,10 @@ def load_data(spec: str, split: str, renames: dict[str, str] | None = None):
     columns = dataset_columns(dataset)
     for old, new in (renames or {}).items():
         if old not in columns:
-            raise UsageError(f"--rename_column {old}={new}: dataset {spec} has no column {old!r} (its columns: "
-                             f"{', '.join(columns)}).{did_you_mean(old, columns)}")  # fmt: skip
+            raise UsageError(
+                f"--rename_column {old}={new}: dataset {spec} has no column {old!r} (its columns: "
+                f"{', '.join(columns)}).{did_you_mean(old, columns)}"
+            )
     return dataset.rename_columns(renames) if renames else dataset
 
 
@@ -348,16 +377,20 @@ def report_command(argv: list[str]) -> int:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise SystemExit("grpokit report draws its plots with matplotlib, a dependency of grpokit that is missing "
-                         "here: pip install matplotlib") from None
+        raise SystemExit(
+            "grpokit report draws its plots with matplotlib, a dependency of grpokit that is missing "
+            "here: pip install matplotlib"
+        ) from None
     from .report import holds_a_run, write_report
 
     for folder in options.output_dirs:  # a mistyped or empty folder is not a run whose report is empty
         if not Path(folder).is_dir():
             raise UsageError(f"{folder} is not a directory: give the output_dir of a training run.")
         if not holds_a_run(folder):
-            raise UsageError(f"{folder} holds no run (no metrics.jsonl, completions.jsonl or *_config.json): "
-                             "give the output_dir of a training run.")
+            raise UsageError(
+                f"{folder} holds no run (no metrics.jsonl, completions.jsonl or *_config.json): "
+                "give the output_dir of a training run."
+            )
     try:
         path = write_report(options.output_dirs, Path(options.out) if options.out else None)
     except FileNotFoundError as error:
@@ -368,10 +401,25 @@ def report_command(argv: list[str]) -> int:
 
 # The GRPOConfig fields that shape an evaluation (every one is a flag of `grpokit eval`).
 EVAL_FIELDS = (
-    "num_generations_eval", "per_device_eval_batch_size", "pass_threshold", "max_completion_length",
-    "max_prompt_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "chat_template_kwargs",
-    "reward_weights", "reward_fn_errors", "seed", "bf16", "fp16", "use_cpu", "model_init_kwargs",
-)  # fmt: skip
+    "num_generations_eval",
+    "per_device_eval_batch_size",
+    "pass_threshold",
+    "max_completion_length",
+    "max_prompt_length",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "chat_template_kwargs",
+    "reward_weights",
+    "reward_fn_errors",
+    "seed",
+    "bf16",
+    "fp16",
+    "use_cpu",
+    "model_init_kwargs",
+)
 
 
 def run_config_of(model: str) -> Path | None:
@@ -392,27 +440,38 @@ def eval_command(argv: list[str]) -> int:
     parser = Parser(
         prog="grpokit eval",
         description="Sample num_generations_eval completions per prompt from a saved model or checkpoint, score them "
-                    "with the rewards, print mean rewards and pass@k, and write them with every completion to JSON. "
-                    "Sampling settings default to the run's grpo_config.json (next to the model or its checkpoint "
-                    "directory); flags override them.",
-    )  # fmt: skip
+        "with the rewards, print mean rewards and pass@k, and write them with every completion to JSON. "
+        "Sampling settings default to the run's grpo_config.json (next to the model or its checkpoint "
+        "directory); flags override them.",
+    )
     parser.add_argument("--model", required=True, help="A save_model or checkpoint-<step> directory, or a Hub id.")
     parser.add_argument("--dataset", required=True, help="Hub id, local directory, or .jsonl/.json/.csv/.parquet file.")
     parser.add_argument("--dataset_split", default=None, help="Split of a Hub / directory dataset (default: train).")
-    parser.add_argument("--reward", action="append", required=True,
-                        help="Reward, as for `grpokit train --reward`. Repeat for several.")  # fmt: skip
+    parser.add_argument(
+        "--reward", action="append", required=True, help="Reward, as for `grpokit train --reward`. Repeat for several."
+    )
     parser.add_argument("--out", default="eval_results.json", help="JSON file to write (default: %(default)s).")
     add_rename_column(parser)
     for name in EVAL_FIELDS:
-        parser.add_argument(f"--{name}", dest=name, default=argparse.SUPPRESS, metavar="VALUE",
-                            help=GRPOConfig.field_help(name),
-                            **({"nargs": "+"} if _is_list_field(name) else {"nargs": "?", "const": "true"}))
+        parser.add_argument(
+            f"--{name}",
+            dest=name,
+            default=argparse.SUPPRESS,
+            metavar="VALUE",
+            help=GRPOConfig.field_help(name),
+            **({"nargs": "+"} if _is_list_field(name) else {"nargs": "?", "const": "true"}),
+        )
     options = vars(parser.parse_args(argv))
     values = {name: _coerce(name, _parse_value(options[name])) for name in EVAL_FIELDS if name in options}
-    if "reward_weights" in values and values["reward_weights"] is not None \
-            and len(values["reward_weights"]) != len(options["reward"]):
-        raise UsageError(f"--reward_weights has {len(values['reward_weights'])} value(s) for "
-                         f"{len(options['reward'])} --reward(s); give one weight per reward.")
+    if (
+        "reward_weights" in values
+        and values["reward_weights"] is not None
+        and len(values["reward_weights"]) != len(options["reward"])
+    ):
+        raise UsageError(
+            f"--reward_weights has {len(values['reward_weights'])} value(s) for "
+            f"{len(options['reward'])} --reward(s); give one weight per reward."
+        )
     run_config = run_config_of(options["model"])
     if run_config is not None:  # the run's own sampling settings, unless a flag says otherwise
         saved = json.loads(run_config.read_text())
@@ -421,8 +480,10 @@ def eval_command(argv: list[str]) -> int:
         if weights is not None and len(weights) != len(options["reward"]):
             del inherited["reward_weights"]  # the run's weights were for its own rewards, not these
         values = {**inherited, **values}
-        print(f"Settings from {run_config} (flags override): "
-              + ", ".join(f"{k}={v}" for k, v in inherited.items() if v is not None))  # fmt: skip
+        print(
+            f"Settings from {run_config} (flags override): "
+            + ", ".join(f"{k}={v}" for k, v in inherited.items() if v is not None)
+        )
     from .evaluation import format_table
 
     rewards = resolve_rewards(options["reward"])
@@ -432,22 +493,29 @@ def eval_command(argv: list[str]) -> int:
     check_columns(dataset, options["dataset"], rewards)
     check_model(options["model"])
     # The trainer loads the model exactly as training does and evaluates exactly as it does during training.
-    trainer = build_trainer(model=options["model"], reward_funcs=rewards, args=args, train_dataset=dataset,
-                            eval_dataset=dataset)  # fmt: skip
+    trainer = build_trainer(
+        model=options["model"], reward_funcs=rewards, args=args, train_dataset=dataset, eval_dataset=dataset
+    )
     metrics = trainer.evaluate()
     if not trainer.accelerator.is_main_process:  # under accelerate launch every process evaluates its share
         return 0
     names = [f.name for f in trainer.reward_functions]
     n = args.num_generations_eval
-    print(f"{options['model']} on {options['dataset']}: {len(dataset)} prompts x {n} completions, "
-          f"pass threshold {args.pass_threshold}\n" + format_table(metrics, names, n))  # fmt: skip
+    print(
+        f"{options['model']} on {options['dataset']}: {len(dataset)} prompts x {n} completions, "
+        f"pass threshold {args.pass_threshold}\n" + format_table(metrics, names, n)
+    )
     results = {
-        "model": options["model"], "dataset": options["dataset"], "num_prompts": len(dataset),
-        "num_generations_eval": n, "pass_threshold": args.pass_threshold,
+        "model": options["model"],
+        "dataset": options["dataset"],
+        "num_prompts": len(dataset),
+        "num_generations_eval": n,
+        "pass_threshold": args.pass_threshold,
         "rewards": dict(zip(names, trainer.reward_weights.tolist())),
-        "config": {name: getattr(args, name) for name in EVAL_FIELDS}, "metrics": metrics,
+        "config": {name: getattr(args, name) for name in EVAL_FIELDS},
+        "metrics": metrics,
         "samples": trainer.eval_samples,
-    }  # fmt: skip
+    }
     out = Path(options["out"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1, default=str))
@@ -491,8 +559,11 @@ def main(argv: list[str] | None = None) -> int:
             print("grpokit (not installed: running from a checkout)")
         return 0
     if argv[0] not in COMMANDS:
-        print(f"grpokit: unknown command {argv[0]!r}.{did_you_mean(argv[0], COMMANDS)} "
-              f"Commands: {', '.join(COMMANDS)} (`grpokit --help`).", file=sys.stderr)
+        print(
+            f"grpokit: unknown command {argv[0]!r}.{did_you_mean(argv[0], COMMANDS)} "
+            f"Commands: {', '.join(COMMANDS)} (`grpokit --help`).",
+            file=sys.stderr,
+        )
         return 2
     try:
         return COMMANDS[argv[0]](argv[1:])

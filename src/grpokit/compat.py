@@ -44,8 +44,11 @@ def output_embeddings(model: torch.nn.Module) -> torch.nn.Module | None:
 
 def is_activation_checkpointing(model: torch.nn.Module) -> bool:
     """Whether gradient (activation) checkpointing is on: transformers 5 renamed `is_gradient_checkpointing`."""
-    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else \
-        "is_gradient_checkpointing"  # fmt: skip
+    name = (
+        "is_activation_checkpointing"
+        if hasattr(type(model), "is_activation_checkpointing")
+        else "is_gradient_checkpointing"
+    )
     return bool(getattr(model, name, False))
 
 
@@ -170,4 +173,3 @@ def models_written_by_this_process(writes: bool = True):
         yield
     finally:
         del PreTrainedModel.should_save_on_this_rank
-

@@ -108,8 +108,9 @@ class Float32Linear(torch.autograd.Function):
         ctx.save_for_backward(x16, weight16)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         with torch.autocast("cpu", enabled=False):
-            out = torch.nn.functional.linear(float32_copy(x16, "input"), float32_copy(weight16, "weight"),
-                                             None if bias16 is None else bias16.float())  # fmt: skip
+            out = torch.nn.functional.linear(
+                float32_copy(x16, "input"), float32_copy(weight16, "weight"), None if bias16 is None else bias16.float()
+            )
         return out.to(BF16)
 
     @staticmethod
@@ -180,9 +181,14 @@ def dequantized_float32(module) -> torch.Tensor:
     for start in range(0, out_features, rows):
         stop = min(start + rows, out_features)
         first, last = start * in_features, stop * in_features  # elements
-        piece = bnb.QuantState(absmax=absmax[first // block : -(-last // block)].float(),
-                               shape=torch.Size([stop - start, in_features]), code=state.code, blocksize=block,
-                               quant_type=state.quant_type, dtype=state.dtype)  # fmt: skip
+        piece = bnb.QuantState(
+            absmax=absmax[first // block : -(-last // block)].float(),
+            shape=torch.Size([stop - start, in_features]),
+            code=state.code,
+            blocksize=block,
+            quant_type=state.quant_type,
+            dtype=state.dtype,
+        )
         out[start:stop].copy_(bnb.dequantize_4bit(packed[first // 2 : last // 2], piece).to(BF16))
     return out
 
@@ -342,8 +348,12 @@ class Float32Head(torch.autograd.Function):
         row_max = total = shifted_dot = expected = None  # running over the blocks, relative to row_max
         for block in _blocks(weight.shape[0]):
             weight32 = float32_copy(weight[block].to(BF16), "weight")
-            logits = torch.cat([_block_logits(hidden32[rows], weight32, bias, block, temperature)
-                                for rows in _row_chunks(hidden.shape[0])])  # fmt: skip
+            logits = torch.cat(
+                [
+                    _block_logits(hidden32[rows], weight32, bias, block, temperature)
+                    for rows in _row_chunks(hidden.shape[0])
+                ]
+            )
             inside = (targets >= block.start) & (targets < block.stop)
             index = (targets - block.start).clamp(0, logits.shape[1] - 1)
             target_logits = torch.where(inside, logits.gather(1, index[:, None]).squeeze(1), target_logits)
@@ -369,8 +379,9 @@ class Float32Head(torch.autograd.Function):
         logprobs = target_logits - lse
         entropies = total.log() - shifted_dot / total if with_entropy else torch.empty(0)
         expected_rows = expected / total[:, None] if frozen_head else None
-        save_for_logprobs_backward(ctx, frozen_head, hidden, weight, bias, targets, lse, expected_rows, entropies,
-                                   temperature=temperature)  # fmt: skip
+        save_for_logprobs_backward(
+            ctx, frozen_head, hidden, weight, bias, targets, lse, expected_rows, entropies, temperature=temperature
+        )
         return logprobs, entropies
 
     @staticmethod

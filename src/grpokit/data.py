@@ -52,9 +52,11 @@ class PromptLimit(int):
             if self._warned:
                 return
             self._warned = True
-        logger.warning(f"{longer} of {total} prompts in a batch are longer than {int(self)} tokens and keep only "
-                       f"their last {int(self)} ({self.reason}); reward functions still see the whole prompt. "
-                       "Filter long prompts out of the dataset to train on whole prompts. (Said once per run.)")
+        logger.warning(
+            f"{longer} of {total} prompts in a batch are longer than {int(self)} tokens and keep only "
+            f"their last {int(self)} ({self.reason}); reward functions still see the whole prompt. "
+            "Filter long prompts out of the dataset to train on whole prompts. (Said once per run.)"
+        )
 
     def __reduce__(self):  # pickled (the engine's process) as the number and its reason
         return PromptLimit, (int(self), self.reason)
@@ -89,8 +91,11 @@ def _nearby_files(path: Path) -> str:
     folder = path.parent if path.parent.is_dir() else None
     if folder is None:
         return ""
-    candidates = [str(folder / entry.name) if str(path.parent) != "." else entry.name
-                  for entry in folder.iterdir() if entry.suffix == path.suffix]  # fmt: skip
+    candidates = [
+        str(folder / entry.name) if str(path.parent) != "." else entry.name
+        for entry in folder.iterdir()
+        if entry.suffix == path.suffix
+    ]
     close = difflib.get_close_matches(str(path), candidates, n=1, cutoff=0.6)
     return f" Did you mean {close[0]}?" if close else f" (looked in {folder.resolve()})"
 
@@ -164,9 +169,12 @@ def render_prompt(prompt: Any, tokenizer, chat_template_kwargs: dict | None = No
         )
     continue_final = prompt[-1]["role"] == "assistant"
     return tokenizer.apply_chat_template(
-        prompt, tokenize=False, add_generation_prompt=not continue_final, continue_final_message=continue_final,
+        prompt,
+        tokenize=False,
+        add_generation_prompt=not continue_final,
+        continue_final_message=continue_final,
         **(chat_template_kwargs or {}),
-    )  # fmt: skip
+    )
 
 
 def pad_left(sequences: list[list[int]], pad_token_id: int, max_length: int | None = None):
@@ -233,7 +241,11 @@ class PromptSampler:
         return self.epoch + self.position / self.epoch_rows
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, **({"requeued": self.requeued} if self.requeued else {})}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            **({"requeued": self.requeued} if self.requeued else {}),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position = state["epoch"], state["position"]

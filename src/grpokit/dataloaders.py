@@ -42,8 +42,9 @@ class _EpochDraws:
     """A copy of the loop's prompt sampler, reset to its first epoch, that gives one epoch's generation batches per
     pass, epoch after epoch, as the loop draws them (TRL's RepeatSampler, too, reshuffles at every pass)."""
 
-    def __init__(self, sampler: PromptSampler | StreamSampler, args: GRPOConfig, process_index: int,
-                 num_processes: int):  # fmt: skip
+    def __init__(
+        self, sampler: PromptSampler | StreamSampler, args: GRPOConfig, process_index: int, num_processes: int
+    ):
         self.sampler = copy.copy(sampler)
         self.sampler.load_state_dict({"epoch": 0, "position": 0})
         self.args, self.process_index = args, process_index
@@ -96,15 +97,26 @@ class StreamRows(torch.utils.data.IterableDataset):
 def _loader_options(args: GRPOConfig, one_process: bool = False) -> dict:
     """The DataLoader options transformers' Trainer takes from TrainingArguments; `one_process`: a stream's loader,
     read in the main process whatever dataloader_num_workers says (the worker options then do not apply)."""
-    workers = {"num_workers": 0, "persistent_workers": False, "prefetch_factor": None} if one_process else \
-        {"num_workers": args.dataloader_num_workers, "persistent_workers": args.dataloader_persistent_workers,
-         "prefetch_factor": args.dataloader_prefetch_factor}  # fmt: skip
-    return {"collate_fn": identity, "pin_memory": args.dataloader_pin_memory,
-            "multiprocessing_context": args.dataloader_multiprocessing_context, **workers}  # fmt: skip
+    workers = (
+        {"num_workers": 0, "persistent_workers": False, "prefetch_factor": None}
+        if one_process
+        else {
+            "num_workers": args.dataloader_num_workers,
+            "persistent_workers": args.dataloader_persistent_workers,
+            "prefetch_factor": args.dataloader_prefetch_factor,
+        }
+    )
+    return {
+        "collate_fn": identity,
+        "pin_memory": args.dataloader_pin_memory,
+        "multiprocessing_context": args.dataloader_multiprocessing_context,
+        **workers,
+    }
 
 
-def train_dataloader(dataset, sampler: PromptSampler | StreamSampler, args: GRPOConfig, process_index: int,
-                     num_processes: int) -> DataLoader:  # fmt: skip
+def train_dataloader(
+    dataset, sampler: PromptSampler | StreamSampler, args: GRPOConfig, process_index: int, num_processes: int
+) -> DataLoader:
     """This process's training rows as TRL's train DataLoader gives them: batches of per_device_train_batch_size ×
     steps_per_generation rows, made by a `batch_sampler` (as accelerate's prepared loader: `batch_size` None, the
     count in `batch_sampler.batch_size`), a stream's read by one worker. `sampler` is the loop's, left as it is."""
@@ -115,9 +127,12 @@ def train_dataloader(dataset, sampler: PromptSampler | StreamSampler, args: GRPO
     if is_iterable_dataset(dataset):
         return DataLoader(StreamRows(dataset, draws), batch_size=batch_size, **_loader_options(args, one_process=True))
     batches = BatchSampler(TrainIndexSampler(draws), batch_size, drop_last=args.dataloader_drop_last)
-    return DataLoader(dataset, batch_sampler=batches,
-                      worker_init_fn=partial(seed_worker, num_workers=args.dataloader_num_workers, rank=process_index),
-                      **_loader_options(args))  # fmt: skip
+    return DataLoader(
+        dataset,
+        batch_sampler=batches,
+        worker_init_fn=partial(seed_worker, num_workers=args.dataloader_num_workers, rank=process_index),
+        **_loader_options(args),
+    )
 
 
 def eval_dataloader(dataset, args: GRPOConfig, process_index: int, num_processes: int) -> DataLoader:

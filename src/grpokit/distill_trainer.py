@@ -71,24 +71,47 @@ class DistillationTrainer(GRPOTrainer):
         if teacher_model is None:
             teacher_model = args.teacher_model_name_or_path
         if teacher_model is None:
-            raise ValueError("DistillationTrainer needs a teacher: pass teacher_model= (a model or a path / hub id) "
-                             "or set DistillationConfig.teacher_model_name_or_path.")  # fmt: skip
+            raise ValueError(
+                "DistillationTrainer needs a teacher: pass teacher_model= (a model or a path / hub id) "
+                "or set DistillationConfig.teacher_model_name_or_path."
+            )
         self.distillation_args = args
         self.beta, self.temperature = args.beta, args.temperature  # TRL's attributes
-        super().__init__(model, None, loop_config(args), train_dataset, eval_dataset, processing_class,
-                         callbacks=callbacks, optimizers=optimizers, quantization_config=quantization_config,
-                         peft_config=peft_config, tools=tools, rollout_engine=rollout_engine)  # fmt: skip
+        super().__init__(
+            model,
+            None,
+            loop_config(args),
+            train_dataset,
+            eval_dataset,
+            processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+            tools=tools,
+            rollout_engine=rollout_engine,
+        )
         if deepspeed_stage(self.accelerator) is not None or self.accelerator.is_fsdp2:
-            raise NotImplementedError("DistillationTrainer runs on one process or under DDP: its loss reads the "
-                                      "student's LM head weight whole, which FSDP and DeepSpeed shard or wrap.")
-        self.teacher_model = load_teacher(teacher_model, args.teacher_model_init_kwargs, args.teacher_model_revision,
-                                          args.trust_remote_code, self.accelerator.device, self.unwrapped_model,
-                                          self.processing_class)  # fmt: skip
+            raise NotImplementedError(
+                "DistillationTrainer runs on one process or under DDP: its loss reads the "
+                "student's LM head weight whole, which FSDP and DeepSpeed shard or wrap."
+            )
+        self.teacher_model = load_teacher(
+            teacher_model,
+            args.teacher_model_init_kwargs,
+            args.teacher_model_revision,
+            args.trust_remote_code,
+            self.accelerator.device,
+            self.unwrapped_model,
+            self.processing_class,
+        )
         for role, lm in (("student", self.unwrapped_model), ("teacher", self.teacher_model)):
             if not supports_chunked_head(lm):
-                raise ValueError(f"The {role} ({type(causal_lm_of(lm)).__name__}) has an LM head the chunked "
-                                 f"divergence cannot compute (not a plain Linear over the decoder's last hidden "
-                                 f"state, or logits soft-capped / scaled): grpokit.logprobs.supports_chunked_head.")
+                raise ValueError(
+                    f"The {role} ({type(causal_lm_of(lm)).__name__}) has an LM head the chunked "
+                    f"divergence cannot compute (not a plain Linear over the decoder's last hidden "
+                    f"state, or logits soft-capped / scaled): grpokit.logprobs.supports_chunked_head."
+                )
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         """TRL's hook: the distillation loss of one micro-batch (`inputs`, a `TrainBatch`) under `model`: the
@@ -101,12 +124,17 @@ class DistillationTrainer(GRPOTrainer):
         batch = inputs.trimmed()
         width = batch.completion_ids.shape[1]
         with self.accelerator.autocast(), torch.no_grad():
-            teacher_hidden, _, _ = _row_major(*completion_hidden_states(
-                self.teacher_model, batch.input_ids, batch.input_mask, width, batch.multimodal), width)  # fmt: skip
+            teacher_hidden, _, _ = _row_major(
+                *completion_hidden_states(
+                    self.teacher_model, batch.input_ids, batch.input_mask, width, batch.multimodal
+                ),
+                width,
+            )
         student = unwrap_model(self.accelerator, model)
         # Under DDP the student's part runs as the wrapper's forward, so that its backward reduces the gradients.
-        loss, stats = as_wrapper_forward(model, student, self._student_loss, student, batch, teacher_hidden,
-                                         max(num_tokens, 1))  # fmt: skip
+        loss, stats = as_wrapper_forward(
+            model, student, self._student_loss, student, batch, teacher_hidden, max(num_tokens, 1)
+        )
         self._step_stats.append(stats.as_dict())
         return loss
 
@@ -114,20 +142,33 @@ class DistillationTrainer(GRPOTrainer):
         """The student's forward and the divergence from the teacher's hidden states (M rows, row-major)."""
         width = batch.completion_ids.shape[1]
         with self.accelerator.autocast():
-            hidden, rows, columns = _row_major(*completion_hidden_states(
-                student, batch.input_ids, batch.input_mask, width, batch.multimodal), width)  # fmt: skip
+            hidden, rows, columns = _row_major(
+                *completion_hidden_states(student, batch.input_ids, batch.input_mask, width, batch.multimodal), width
+            )
             student_head = causal_lm_of(student).get_output_embeddings()
             teacher_head = self.teacher_model.get_output_embeddings()
             return chunked_distillation_loss(
-                hidden[None], student_head.weight, teacher_hidden[None].to(hidden.device), teacher_head.weight,
-                batch.loss_mask[rows, columns][None], beta=self.beta, temperature=self.temperature,
-                student_bias=student_head.bias, teacher_bias=teacher_head.bias, num_tokens=num_tokens)
+                hidden[None],
+                student_head.weight,
+                teacher_hidden[None].to(hidden.device),
+                teacher_head.weight,
+                batch.loss_mask[rows, columns][None],
+                beta=self.beta,
+                temperature=self.temperature,
+                student_bias=student_head.bias,
+                teacher_bias=teacher_head.bias,
+                num_tokens=num_tokens,
+            )
 
-    def _model_card(self, method: str = "", final_keys: tuple[str, str] = ("loss", "eval_loss"),
-                    config: dict | None = None) -> str:  # fmt: skip
+    def _model_card(
+        self, method: str = "", final_keys: tuple[str, str] = ("loss", "eval_loss"), config: dict | None = None
+    ) -> str:
         teacher = getattr(self.teacher_model.config, "name_or_path", "") or type(self.teacher_model).__name__
-        return super()._model_card(f"on-policy distillation against the teacher **{teacher}**", final_keys,
-                                   dataclasses.asdict(self.distillation_args))  # fmt: skip
+        return super()._model_card(
+            f"on-policy distillation against the teacher **{teacher}**",
+            final_keys,
+            dataclasses.asdict(self.distillation_args),
+        )
 
     @torch.no_grad()
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:

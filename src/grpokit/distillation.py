@@ -63,8 +63,20 @@ class _ChunkedGeneralizedJSD(torch.autograd.Function):
     backward's centring term); the backward recomputes both models' logits chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias,
-                beta, temperature, chunk_rows, student_dtype, teacher_dtype):  # fmt: skip
+    def forward(
+        ctx,
+        student_hidden,
+        student_weight,
+        student_bias,
+        teacher_hidden,
+        teacher_weight,
+        teacher_bias,
+        beta,
+        temperature,
+        chunk_rows,
+        student_dtype,
+        teacher_dtype,
+    ):
         rows, device = student_hidden.shape[0], student_hidden.device
         out_dtype = torch.promote_types(_softmax_dtype(student_dtype), _softmax_dtype(teacher_dtype))
         divergence = torch.empty(rows, dtype=out_dtype, device=device)
@@ -97,28 +109,55 @@ class _ChunkedGeneralizedJSD(torch.autograd.Function):
                 kl_teacher = (teacher_logprobs.exp() * (teacher_logprobs - mixture_logprobs)).sum(-1)
                 divergence[chunk] = beta * kl_teacher + (1 - beta) * kl_student
                 centring[chunk] = kl_student
-        save_for_head_backward(ctx, (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-                                     teacher_bias, student_lse, teacher_lse, centring), entropy, beta=beta,
-                               temperature=temperature, chunk_rows=chunk_rows, student_dtype=student_dtype,
-                               teacher_dtype=teacher_dtype)  # fmt: skip
+        save_for_head_backward(
+            ctx,
+            (
+                student_hidden,
+                student_weight,
+                student_bias,
+                teacher_hidden,
+                teacher_weight,
+                teacher_bias,
+                student_lse,
+                teacher_lse,
+                centring,
+            ),
+            entropy,
+            beta=beta,
+            temperature=temperature,
+            chunk_rows=chunk_rows,
+            student_dtype=student_dtype,
+            teacher_dtype=teacher_dtype,
+        )
         return divergence, entropy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_divergence, grad_entropy):
-        (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, student_lse,
-         teacher_lse, centring) = ctx.saved_tensors  # fmt: skip
+        (
+            student_hidden,
+            student_weight,
+            student_bias,
+            teacher_hidden,
+            teacher_weight,
+            teacher_bias,
+            student_lse,
+            teacher_lse,
+            centring,
+        ) = ctx.saved_tensors
         if grad_divergence is None or not any(ctx.needs_input_grad[:3]):
             return (None,) * 11
         beta, temperature, chunk_rows = ctx.beta, ctx.temperature, ctx.chunk_rows
         rows, accumulate_dtype = student_hidden.shape[0], student_lse.dtype
         grad_divergence = grad_divergence.to(accumulate_dtype) / temperature  # z = logits / temperature
-        (need_hidden, need_weight, need_bias), grad_hidden, grad_weight, grad_bias = \
-            head_grad_accumulators(ctx, student_hidden, student_weight, accumulate_dtype)  # fmt: skip
+        (need_hidden, need_weight, need_bias), grad_hidden, grad_weight, grad_bias = head_grad_accumulators(
+            ctx, student_hidden, student_weight, accumulate_dtype
+        )
         student_head = _Head(student_weight, student_bias, ctx.student_dtype, min(chunk_rows, rows), accumulate_dtype)
         teacher_head = _Head(teacher_weight, teacher_bias, ctx.teacher_dtype, min(chunk_rows, rows), accumulate_dtype)
-        work = torch.empty(min(chunk_rows, rows), student_weight.shape[0], dtype=accumulate_dtype,
-                           device=student_hidden.device)  # fmt: skip
+        work = torch.empty(
+            min(chunk_rows, rows), student_weight.shape[0], dtype=accumulate_dtype, device=student_hidden.device
+        )
         with torch.autocast(student_hidden.device.type, enabled=False):
             for start in range(0, rows, chunk_rows):
                 chunk = slice(start, start + chunk_rows)
@@ -217,15 +256,24 @@ def chunked_distillation_loss(
     teacher_dtype = _head_dtype(teacher_rows, teacher_weight)
     with torch.autocast(student_rows.device.type, enabled=False):
         per_token, entropy = _ChunkedGeneralizedJSD.apply(
-            student_rows, student_weight, student_bias, teacher_rows, teacher_weight.detach(),
-            None if teacher_bias is None else teacher_bias.detach(), float(beta), float(temperature),
-            max(1, int(chunk_rows)), student_dtype, teacher_dtype,
-        )  # fmt: skip
+            student_rows,
+            student_weight,
+            student_bias,
+            teacher_rows,
+            teacher_weight.detach(),
+            None if teacher_bias is None else teacher_bias.detach(),
+            float(beta),
+            float(temperature),
+            max(1, int(chunk_rows)),
+            student_dtype,
+            teacher_dtype,
+        )
     num_valid = valid.sum()
     return distillation_reduction(per_token, num_valid, num_tokens), DistillationStats(entropy.sum(), num_valid)
 
 
 # ------------------------------------------------------------------------------------------ the tokenizers
+
 
 def _first(items, count: int = 5) -> str:
     items = sorted(items, key=repr)
@@ -264,8 +312,10 @@ def tokenizer_differences(student_tokenizer, teacher_tokenizer) -> list[str]:
         differences.append(f"{_tokens(len(moved))} with other ids (student / teacher): {examples}")
     student_eos, teacher_eos = student_tokenizer.eos_token_id, teacher_tokenizer.eos_token_id
     if student_eos != teacher_eos:
-        differences.append(f"eos_token: {student_tokenizer.eos_token!r} (id {student_eos}) in the student's, "
-                           f"{teacher_tokenizer.eos_token!r} (id {teacher_eos}) in the teacher's")  # fmt: skip
+        differences.append(
+            f"eos_token: {student_tokenizer.eos_token!r} (id {student_eos}) in the student's, "
+            f"{teacher_tokenizer.eos_token!r} (id {teacher_eos}) in the teacher's"
+        )
     return differences
 
 

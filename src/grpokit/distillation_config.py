@@ -25,17 +25,29 @@ TRL_DISTILLATION_FIELDS: dict = json.loads(files("grpokit").joinpath("trl_distil
 
 # The fields GRPOConfig has not, or has with another meaning: name -> (annotation, help)
 DISTILLATION_FIELDS = {
-    "teacher_model_name_or_path": ("str | None", (
-        "Model id or path of the teacher, when `teacher_model` is not given to the trainer. It must share the "
-        "student's tokenizer (`distillation.check_shared_tokenizer`).")),
+    "teacher_model_name_or_path": (
+        "str | None",
+        (
+            "Model id or path of the teacher, when `teacher_model` is not given to the trainer. It must share the "
+            "student's tokenizer (`distillation.check_shared_tokenizer`)."
+        ),
+    ),
     "teacher_model_revision": ("str | None", "Revision (branch, tag or commit) of the teacher model."),
-    "teacher_model_init_kwargs": ("dict | str | None", (
-        "Keyword arguments of the teacher's `from_pretrained` (e.g. its dtype or quantization), as "
-        "model_init_kwargs.")),
-    "beta": ("float", (
-        "The divergence (`loss.generalized_jsd`): 0 = forward KL(teacher ‖ student), 0.5 = JSD, 1 = reverse "
-        "KL(student ‖ teacher). Not GRPO's KL coefficient: there is no reference model.")),
-}  # fmt: skip
+    "teacher_model_init_kwargs": (
+        "dict | str | None",
+        (
+            "Keyword arguments of the teacher's `from_pretrained` (e.g. its dtype or quantization), as "
+            "model_init_kwargs."
+        ),
+    ),
+    "beta": (
+        "float",
+        (
+            "The divergence (`loss.generalized_jsd`): 0 = forward KL(teacher ‖ student), 0.5 = JSD, 1 = reverse "
+            "KL(student ‖ teacher). Not GRPO's KL coefficient: there is no reference model."
+        ),
+    ),
+}
 
 
 def _validate(config) -> None:
@@ -49,9 +61,12 @@ def _validate(config) -> None:
 DistillationConfig = dataclasses.make_dataclass(
     "DistillationConfig",
     trl_config_fields(TRL_DISTILLATION_FIELDS["fields"], DISTILLATION_FIELDS),
-    namespace={"__post_init__": _validate, "__module__": __name__,
-               "__doc__": "TRL 1.16's `DistillationConfig` fields and defaults (see the module docstring)."},
-)  # fmt: skip
+    namespace={
+        "__post_init__": _validate,
+        "__module__": __name__,
+        "__doc__": "TRL 1.16's `DistillationConfig` fields and defaults (see the module docstring).",
+    },
+)
 
 
 class DistillationLoopConfig(GRPOConfig):
@@ -67,6 +82,9 @@ def loop_config(config) -> DistillationLoopConfig:
     (steps_per_generation = gradient_accumulation_steps, the default), one pass over it (num_iterations = 1) — with
     GRPO's beta 0 (no reference model: the divergence's beta is the trainer's `beta`)."""
     grpo_names = {spec.name for spec in dataclasses.fields(GRPOConfig)}
-    shared = {name: getattr(config, name) for name in TRL_DISTILLATION_FIELDS["fields"]
-              if name in grpo_names and name != "beta"}  # fmt: skip
+    shared = {
+        name: getattr(config, name)
+        for name in TRL_DISTILLATION_FIELDS["fields"]
+        if name in grpo_names and name != "beta"
+    }
     return DistillationLoopConfig(**shared, num_generations=1, num_generations_eval=1, num_iterations=1, beta=0.0)

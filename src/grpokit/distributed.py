@@ -48,8 +48,12 @@ def build_accelerator(args: GRPOConfig):
         # process while DeepSpeed's world has all of them.
         kwargs, backend = {"mixed_precision": mixed_precision, "deepspeed_plugin": plugin}, backend or "gloo"
     # The process group and DDP as TrainingArguments' ddp_* fields set them in transformers' Trainer.
-    ddp = {"find_unused_parameters": args.ddp_find_unused_parameters, "bucket_cap_mb": args.ddp_bucket_cap_mb,
-           "broadcast_buffers": args.ddp_broadcast_buffers, "static_graph": args.ddp_static_graph}  # fmt: skip
+    ddp = {
+        "find_unused_parameters": args.ddp_find_unused_parameters,
+        "bucket_cap_mb": args.ddp_bucket_cap_mb,
+        "broadcast_buffers": args.ddp_broadcast_buffers,
+        "static_graph": args.ddp_static_graph,
+    }
     kwargs["kwargs_handlers"] = [
         InitProcessGroupKwargs(backend=backend, timeout=timedelta(seconds=args.ddp_timeout)),
         DistributedDataParallelKwargs(**{name: value for name, value in ddp.items() if value is not None}),
@@ -57,9 +61,11 @@ def build_accelerator(args: GRPOConfig):
     if args.accelerator_options().get("use_configured_state"):
         # transformers' meaning: the script set accelerate's state up, and the trainer takes it as it is.
         if not PartialState._shared_state:
-            raise ValueError("accelerator_config use_configured_state=True needs accelerate's state set up before "
-                             "the trainer (e.g. `PartialState()` or `Accelerator()` in the script), and there is "
-                             "none: create it first, or drop use_configured_state.")  # fmt: skip
+            raise ValueError(
+                "accelerator_config use_configured_state=True needs accelerate's state set up before "
+                "the trainer (e.g. `PartialState()` or `Accelerator()` in the script), and there is "
+                "none: create it first, or drop use_configured_state."
+            )
         return Accelerator(**kwargs)
     try:
         accelerator = Accelerator(**kwargs)
@@ -76,16 +82,20 @@ def build_accelerator(args: GRPOConfig):
     _fsdp_on_cpu(accelerator, fsdp)
     # Fail at once rather than hang or train wrongly later (README.md, "Scaling out").
     unsupported = {
-        "FSDP": None if accelerator.is_fsdp2 else
-                "FSDP1 (FullyShardedDataParallel) is not supported; set `fsdp_version: 2` in the accelerate config "
-                "(or FSDP_VERSION=2) to use FSDP2",
-        "DEEPSPEED": None if deepspeed_stage(accelerator) in (1, 2, 3) else
-                     f"ZeRO stage {deepspeed_stage(accelerator)} is not one of 1, 2, 3",
-    }.get(accelerator.distributed_type.value)  # fmt: skip
+        "FSDP": None
+        if accelerator.is_fsdp2
+        else "FSDP1 (FullyShardedDataParallel) is not supported; set `fsdp_version: 2` in the accelerate config "
+        "(or FSDP_VERSION=2) to use FSDP2",
+        "DEEPSPEED": None
+        if deepspeed_stage(accelerator) in (1, 2, 3)
+        else f"ZeRO stage {deepspeed_stage(accelerator)} is not one of 1, 2, 3",
+    }.get(accelerator.distributed_type.value)
     if unsupported:
-        raise NotImplementedError(f"grpokit does not support {accelerator.distributed_type.value} yet: {unsupported}. "
-                                  f"Use DDP (plain torchrun, or examples/accelerate/ddp.yaml) or FSDP2 "
-                                  f"(examples/accelerate/fsdp2.yaml).")  # fmt: skip
+        raise NotImplementedError(
+            f"grpokit does not support {accelerator.distributed_type.value} yet: {unsupported}. "
+            f"Use DDP (plain torchrun, or examples/accelerate/ddp.yaml) or FSDP2 "
+            f"(examples/accelerate/fsdp2.yaml)."
+        )
     return accelerator
 
 
@@ -101,24 +111,34 @@ def deepspeed_plugin(args: GRPOConfig, world_size: int):
     if config is None:
         return None
     if _launch_uses("FSDP"):
-        raise ValueError("GRPOConfig.deepspeed is set, but the launch asks for FSDP (ACCELERATE_USE_FSDP, from an "
-                         "accelerate config with FSDP): use one of them.")  # fmt: skip
-    missing = [name for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-               if name not in os.environ]  # fmt: skip
+        raise ValueError(
+            "GRPOConfig.deepspeed is set, but the launch asks for FSDP (ACCELERATE_USE_FSDP, from an "
+            "accelerate config with FSDP): use one of them."
+        )
+    missing = [
+        name for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ
+    ]
     if missing:  # DeepSpeed would look for MPI instead and fail on an import
-        raise ValueError(f"GRPOConfig.deepspeed needs a distributed launcher ({', '.join(missing)} not set): run the "
-                         f"script with `torchrun --nproc_per_node N` (N may be 1) or `accelerate launch`, or drop "
-                         f"`deepspeed` to train in this process.")  # fmt: skip
+        raise ValueError(
+            f"GRPOConfig.deepspeed needs a distributed launcher ({', '.join(missing)} not set): run the "
+            f"script with `torchrun --nproc_per_node N` (N may be 1) or `accelerate launch`, or drop "
+            f"`deepspeed` to train in this process."
+        )
     if _launch_uses("DEEPSPEED"):
-        warnings.warn("GRPOConfig.deepspeed is set and `accelerate launch` configured DeepSpeed too: the run uses "
-                      "GRPOConfig.deepspeed (as transformers' Trainer does).", UserWarning, stacklevel=3)  # fmt: skip
+        warnings.warn(
+            "GRPOConfig.deepspeed is set and `accelerate launch` configured DeepSpeed too: the run uses "
+            "GRPOConfig.deepspeed (as transformers' Trainer does).",
+            UserWarning,
+            stacklevel=3,
+        )
     expected = {
         "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size,
         "gradient_clipping": args.max_grad_norm if args.max_grad_norm > 0 else 0.0,
-        "bf16.enabled": bool(args.bf16), "fp16.enabled": bool(args.fp16),
-    }  # fmt: skip
+        "bf16.enabled": bool(args.bf16),
+        "fp16.enabled": bool(args.fp16),
+    }
     mismatches = []
     for key, value in expected.items():
         section, _, name = key.rpartition(".")
@@ -126,9 +146,12 @@ def deepspeed_plugin(args: GRPOConfig, world_size: int):
         if given != "auto" and given != value:
             mismatches.append(f"{key}: {given!r} in the DeepSpeed config, {value!r} from GRPOConfig")
     if mismatches:
-        raise ValueError("GRPOConfig.deepspeed disagrees with the run's settings:\n  " + "\n  ".join(mismatches)
-                         + "\nSet these to 'auto' in the DeepSpeed config (grpokit fills them), or change GRPOConfig "
-                           "(per_device_train_batch_size, gradient_accumulation_steps, max_grad_norm, bf16, fp16).")
+        raise ValueError(
+            "GRPOConfig.deepspeed disagrees with the run's settings:\n  "
+            + "\n  ".join(mismatches)
+            + "\nSet these to 'auto' in the DeepSpeed config (grpokit fills them), or change GRPOConfig "
+            "(per_device_train_batch_size, gradient_accumulation_steps, max_grad_norm, bf16, fp16)."
+        )
     from accelerate.state import AcceleratorState
     from accelerate.utils import DeepSpeedPlugin
 
@@ -136,9 +159,11 @@ def deepspeed_plugin(args: GRPOConfig, world_size: int):
         # An earlier trainer in this process set DeepSpeed up, and accelerate takes one DeepSpeed plugin per process
         # (the process group stays): the same config runs on it; another one cannot.
         if getattr(AcceleratorState().deepspeed_plugin, "grpokit_config", None) != config:
-            raise ValueError("GRPOConfig.deepspeed differs from the DeepSpeed config an earlier trainer in this "
-                             "process used, and accelerate sets DeepSpeed up once per process: run this config in "
-                             "a process of its own.")  # fmt: skip
+            raise ValueError(
+                "GRPOConfig.deepspeed differs from the DeepSpeed config an earlier trainer in this "
+                "process used, and accelerate sets DeepSpeed up once per process: run this config in "
+                "a process of its own."
+            )
         return None
     plugin = DeepSpeedPlugin(hf_ds_config=json.loads(json.dumps(config)))
     plugin.grpokit_config = config  # as given (accelerate and configure_deepspeed fill the plugin's copy)
@@ -159,8 +184,9 @@ def configure_deepspeed(accelerator, args: GRPOConfig) -> None:
     config = accelerator.state.deepspeed_plugin.deepspeed_config
     config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
     config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
-    config["train_batch_size"] = (args.per_device_train_batch_size * args.gradient_accumulation_steps
-                                  * accelerator.num_processes)  # fmt: skip
+    config["train_batch_size"] = (
+        args.per_device_train_batch_size * args.gradient_accumulation_steps * accelerator.num_processes
+    )
     config["gradient_clipping"] = args.max_grad_norm if args.max_grad_norm > 0 else 0.0
     if deepspeed_stage(accelerator) == 3:  # save_model gathers the partitioned weights into a full state dict
         config.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
@@ -189,21 +215,29 @@ def fsdp_plugin(args: GRPOConfig):
     if kwargs is None:
         return None
     if _launch_uses("DEEPSPEED"):
-        raise ValueError("GRPOConfig.fsdp is set, but the launch asks for DeepSpeed (ACCELERATE_USE_DEEPSPEED, from "
-                         "an accelerate config with DeepSpeed): use one of them.")  # fmt: skip
+        raise ValueError(
+            "GRPOConfig.fsdp is set, but the launch asks for DeepSpeed (ACCELERATE_USE_DEEPSPEED, from "
+            "an accelerate config with DeepSpeed): use one of them."
+        )
     from accelerate import FullyShardedDataParallelPlugin
     from accelerate.state import AcceleratorState
 
     if AcceleratorState._shared_state and getattr(AcceleratorState(), "fsdp_plugin", None) is not None:
         # An earlier trainer in this process set FSDP up; accelerate keeps the first plugin.
         if getattr(AcceleratorState().fsdp_plugin, "grpokit_kwargs", None) != kwargs:
-            raise ValueError("GRPOConfig.fsdp / fsdp_config differ from the FSDP setup an earlier trainer in this "
-                             "process used, and accelerate sets FSDP up once per process: run this config in a "
-                             "process of its own.")  # fmt: skip
+            raise ValueError(
+                "GRPOConfig.fsdp / fsdp_config differ from the FSDP setup an earlier trainer in this "
+                "process used, and accelerate sets FSDP up once per process: run this config in a "
+                "process of its own."
+            )
         return None
     if _launch_uses("FSDP"):
-        warnings.warn("GRPOConfig.fsdp is set and `accelerate launch` configured FSDP too: the run uses "
-                      "GRPOConfig.fsdp / fsdp_config (as transformers' Trainer does).", UserWarning, stacklevel=3)
+        warnings.warn(
+            "GRPOConfig.fsdp is set and `accelerate launch` configured FSDP too: the run uses "
+            "GRPOConfig.fsdp / fsdp_config (as transformers' Trainer does).",
+            UserWarning,
+            stacklevel=3,
+        )
     plugin = FullyShardedDataParallelPlugin(**kwargs)
     plugin.grpokit_kwargs = kwargs
     return plugin
@@ -223,8 +257,10 @@ def _fsdp_on_cpu(accelerator, plugin=None) -> None:
         if not _launch_uses("FSDP"):
             return
         if os.environ.get("FSDP_VERSION", "1") != "2":
-            raise NotImplementedError("FSDP1 (FullyShardedDataParallel) is not supported; set `fsdp_version: 2` in "
-                                      "the accelerate config (or FSDP_VERSION=2) to use FSDP2.")  # fmt: skip
+            raise NotImplementedError(
+                "FSDP1 (FullyShardedDataParallel) is not supported; set `fsdp_version: 2` in "
+                "the accelerate config (or FSDP_VERSION=2) to use FSDP2."
+            )
         plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* variables
     from accelerate.state import PartialState
 
@@ -428,8 +464,10 @@ def load_optimizer_state(model: torch.nn.Module, optimizer, state: dict) -> None
         return
     if not keyed_by_name:  # positions in the optimizer's parameter list -> parameter names
         names = [name for name, p in model.named_parameters() if p.requires_grad]
-        state = {"state": {names[i]: v for i, v in state["state"].items()},
-                 "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+        state = {
+            "state": {names[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+        }
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
@@ -445,25 +483,35 @@ def check_backend(accelerator, model: torch.nn.Module, args: GRPOConfig) -> None
     lora = is_peft_model(model)  # a frozen base with an adapter
     prompt_learning = lora and model.active_peft_config.is_prompt_learning  # prompt / prefix tuning
     if args.sync_ref_model and lora:
-        raise ValueError("sync_ref_model with LoRA is not supported: the reference is the base model with the adapter "
-                         "off, and the base weights never change. Train without LoRA to refresh the reference, or "
-                         "turn sync_ref_model off.")  # fmt: skip
+        raise ValueError(
+            "sync_ref_model with LoRA is not supported: the reference is the base model with the adapter "
+            "off, and the base weights never change. Train without LoRA to refresh the reference, or "
+            "turn sync_ref_model off."
+        )
     stage = deepspeed_stage(accelerator)
     if prompt_learning and (accelerator.is_fsdp2 or stage == 3):
         # peft saves such an adapter from its prompt encoder's live parameter, which these backends shard.
-        raise NotImplementedError("Prompt-learning adapters (prompt / prefix tuning) under FSDP2 or ZeRO-3 are not "
-                                  "supported: use a LoRA-style adapter (e.g. peft.LoraConfig), or DDP or "
-                                  "ZeRO-1/2.")  # fmt: skip
+        raise NotImplementedError(
+            "Prompt-learning adapters (prompt / prefix tuning) under FSDP2 or ZeRO-3 are not "
+            "supported: use a LoRA-style adapter (e.g. peft.LoraConfig), or DDP or "
+            "ZeRO-1/2."
+        )
     if accelerator.is_fsdp2 and args.ref_model_dtype:
-        raise NotImplementedError(f"ref_model_dtype={args.ref_model_dtype!r} under FSDP2 is not supported yet (the "
-                                  f"reference is sharded with the policy's settings); unset it, or set the dtype of "
-                                  f"both with model_init_kwargs={{'dtype': ...}}.")  # fmt: skip
+        raise NotImplementedError(
+            f"ref_model_dtype={args.ref_model_dtype!r} under FSDP2 is not supported yet (the "
+            f"reference is sharded with the policy's settings); unset it, or set the dtype of "
+            f"both with model_init_kwargs={{'dtype': ...}}."
+        )
     if args.torch_compile and (accelerator.is_fsdp2 or stage is not None):
-        raise NotImplementedError("torch_compile under FSDP2 / DeepSpeed is not verified in grpokit: turn it off "
-                                  "there, or use it under DDP or in one process.")  # fmt: skip
+        raise NotImplementedError(
+            "torch_compile under FSDP2 / DeepSpeed is not verified in grpokit: turn it off "
+            "there, or use it under DDP or in one process."
+        )
     if stage == 3 and args.sync_ref_model:
-        raise NotImplementedError("sync_ref_model under ZeRO-3 is not supported yet (the policy's weights are "
-                                  "partitioned); use ZeRO-2 or FSDP2.")  # fmt: skip
+        raise NotImplementedError(
+            "sync_ref_model under ZeRO-3 is not supported yet (the policy's weights are "
+            "partitioned); use ZeRO-2 or FSDP2."
+        )
 
 
 def place_before_reference_copy(accelerator, model: torch.nn.Module) -> torch.nn.Module:

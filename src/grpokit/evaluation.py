@@ -18,7 +18,8 @@ these functions turn the records into the `eval/...` metrics, and `grpokit eval`
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -50,8 +51,9 @@ def eval_ks(num_generations: int) -> list[int]:
     return sorted({1, num_generations})
 
 
-def evaluation_metrics(records: list[dict[str, Any]], reward_names: Sequence[str], threshold: float = 1.0,
-                       prefix: str = "eval/") -> dict[str, float]:  # fmt: skip
+def evaluation_metrics(
+    records: list[dict[str, Any]], reward_names: Sequence[str], threshold: float = 1.0, prefix: str = "eval/"
+) -> dict[str, float]:
     """The `eval/...` metrics of per-prompt records.
 
     Each record holds one prompt's n completions: `rewards` {function name: [n floats or None]}, `reward` (the
@@ -83,15 +85,26 @@ def evaluation_metrics(records: list[dict[str, Any]], reward_names: Sequence[str
         metrics[f"rewards/{name}/mean"] = _mean([x for scored in per_prompt for x in scored])
         metrics[f"rewards/{name}/mean@{n}"] = _mean([_mean(scored) for scored in per_prompt if scored])
         for k in eval_ks(n):
-            metrics[f"rewards/{name}/pass@{k}"] = _mean([
-                pass_at_k(len(scored), sum(x >= threshold for x in scored), k) for scored in per_prompt
-                if len(scored) >= k
-            ])  # fmt: skip
+            metrics[f"rewards/{name}/pass@{k}"] = _mean(
+                [
+                    pass_at_k(len(scored), sum(x >= threshold for x in scored), k)
+                    for scored in per_prompt
+                    if len(scored) >= k
+                ]
+            )
     return {prefix + key: value for key, value in metrics.items() if value is not None}
 
 
-def group_records(prompts: Sequence[Any], completions: Sequence[Any], scores, rewards, lengths, truncated,
-                  reward_names: Sequence[str], num_generations: int) -> list[dict[str, Any]]:  # fmt: skip
+def group_records(
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    scores,
+    rewards,
+    lengths,
+    truncated,
+    reward_names: Sequence[str],
+    num_generations: int,
+) -> list[dict[str, Any]]:
     """One record per prompt from a batch of N = B·G consecutive completions (G = num_generations per prompt).
 
     scores: [N, F] (NaN = None), rewards: [N], lengths: [N], truncated: [N] — tensors or nested lists. The records
@@ -107,19 +120,22 @@ def group_records(prompts: Sequence[Any], completions: Sequence[Any], scores, re
     records = []
     for start in range(0, len(completions), num_generations):
         group = range(start, start + num_generations)
-        records.append({
-            "prompt": prompts[start],
-            "completions": [completions[i] for i in group],
-            "rewards": {name: [scores[i][j] for i in group] for j, name in enumerate(reward_names)},
-            "reward": [rewards[i] for i in group],
-            "lengths": [int(lengths[i]) for i in group],
-            "truncated": [bool(truncated[i]) for i in group],
-        })  # fmt: skip
+        records.append(
+            {
+                "prompt": prompts[start],
+                "completions": [completions[i] for i in group],
+                "rewards": {name: [scores[i][j] for i in group] for j, name in enumerate(reward_names)},
+                "reward": [rewards[i] for i in group],
+                "lengths": [int(lengths[i]) for i in group],
+                "truncated": [bool(truncated[i]) for i in group],
+            }
+        )
     return records
 
 
-def format_table(metrics: dict[str, float], reward_names: Sequence[str], num_generations: int,
-                 prefix: str = "eval/") -> str:  # fmt: skip
+def format_table(
+    metrics: dict[str, float], reward_names: Sequence[str], num_generations: int, prefix: str = "eval/"
+) -> str:
     """A plain-text table: one row per reward function (mean, mean@n, pass@k), then the overall figures."""
     columns = ["mean", f"mean@{num_generations}", *(f"pass@{k}" for k in eval_ks(num_generations))]
     width = max([len("reward function"), *(len(name) for name in reward_names)])

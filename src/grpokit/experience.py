@@ -14,13 +14,20 @@ process's rows come shuffled so that each optimizer step sees a mix of groups.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from .advantages import (combine_and_normalize, group_advantages, group_stats, process_advantages, sequence_kl,
-                         teacher_advantages)  # fmt: skip
+from .advantages import (
+    combine_and_normalize,
+    group_advantages,
+    group_stats,
+    process_advantages,
+    sequence_kl,
+    teacher_advantages,
+)
 from .batch import ScoredRollout, TrainBatch, per_token
 from .config import GRPOConfig
 from .cpu_memory import return_free_memory
@@ -67,9 +74,16 @@ def logprobs_in_chunks(model, batch: TrainBatch, args: GRPOConfig, autocast) -> 
     out = []
     for part in batch.split(args.per_device_train_batch_size):
         with autocast():
-            logprobs, _ = token_logprobs(model, part.input_ids, part.input_mask, part.completion_ids.shape[1],
-                                         args.temperature, fp32_head=args.cast_lm_head_to_fp32,
-                                         multimodal=part.multimodal, padding_free=args.padding_free)  # fmt: skip
+            logprobs, _ = token_logprobs(
+                model,
+                part.input_ids,
+                part.input_mask,
+                part.completion_ids.shape[1],
+                args.temperature,
+                fp32_head=args.cast_lm_head_to_fp32,
+                multimodal=part.multimodal,
+                padding_free=args.padding_free,
+            )
         out.append(logprobs.float())
     return torch.cat(out)
 
@@ -84,10 +98,19 @@ class ExperienceMaker:
     after the rollout and the no-grad forwards (False for a producer whose engine samples in another process: the
     trim would take the allocator's locks while the trainer allocates, and there is no decode heap to give back)."""
 
-    def __init__(self, args: GRPOConfig, accelerator, runner: RolloutRunner, scorer: RewardScorer,
-                 policy: Callable[[], torch.nn.Module], reference,
-                 draw_prompts: Callable[[int], list[dict]], off_policy: bool = False,
-                 teacher: torch.nn.Module | None = None, trim_heap: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        args: GRPOConfig,
+        accelerator,
+        runner: RolloutRunner,
+        scorer: RewardScorer,
+        policy: Callable[[], torch.nn.Module],
+        reference,
+        draw_prompts: Callable[[int], list[dict]],
+        off_policy: bool = False,
+        teacher: torch.nn.Module | None = None,
+        trim_heap: bool = True,
+    ):
         self.args, self.accelerator, self.runner, self.scorer = args, accelerator, runner, scorer
         self.policy, self.reference, self.draw_prompts, self.off_policy = policy, reference, draw_prompts, off_policy
         self.teacher = teacher  # GRPOTrainer(teacher_model=...): its signal joins the advantages
@@ -100,14 +123,18 @@ class ExperienceMaker:
         `sampled`: this batch's rollouts, already run (a producer streaming groups: one process), to be scored."""
         args, acc, device = self.args, self.accelerator, self.accelerator.device
         metrics: dict[str, float] = {}
-        scored = self._sample_and_score(generation, trainer_state) if sampled is None else \
-            self._score(sampled, 0, trainer_state)  # fmt: skip
+        scored = (
+            self._sample_and_score(generation, trainer_state)
+            if sampled is None
+            else self._score(sampled, 0, trainer_state)
+        )
         rollouts = 1
         if self.trim_heap:  # the rollout's freed heap (cpu_memory: its holes fit no later tensor)
             return_free_memory()
         if args.dynamic_sampling:
-            scored, extra_rollouts, sampling_metrics = self._fill_with_varied_groups(scored, generation + 1,
-                                                                                     trainer_state)  # fmt: skip
+            scored, extra_rollouts, sampling_metrics = self._fill_with_varied_groups(
+                scored, generation + 1, trainer_state
+            )
             rollouts += extra_rollouts
             metrics.update(sampling_metrics)
         rollout, offset, n = scored.rollout, scored.offset, len(scored.rows)
@@ -119,11 +146,13 @@ class ExperienceMaker:
             loss_mask = loss_mask * (~rollout.is_truncated)[:, None].to(loss_mask.dtype)
         # The log-probs come first: with kl_in_reward (RLOO) the advantages need the KL to the reference.
         batch = TrainBatch.from_rollout(rollout, torch.zeros(n), loss_mask)
-        logprob_metrics, reward_kl = self._add_old_and_ref_logprobs(batch, rollout.sampling_logprobs,
-                                                                    streamed=sampled is not None)  # fmt: skip
+        logprob_metrics, reward_kl = self._add_old_and_ref_logprobs(
+            batch, rollout.sampling_logprobs, streamed=sampled is not None
+        )
         metrics.update(logprob_metrics)
-        advantages = self._advantages(scored, all_scores, reward_kl) if rewards is not None else \
-            torch.zeros(len(all_scores))  # fmt: skip
+        advantages = (
+            self._advantages(scored, all_scores, reward_kl) if rewards is not None else torch.zeros(len(all_scores))
+        )
         batch.advantages = per_token(advantages[offset : offset + n], rollout.completion_ids)
         if self.teacher is not None:
             metrics.update(self._add_teacher_signal(batch))
@@ -140,21 +169,33 @@ class ExperienceMaker:
         if args.log_completions:
             shown = min(args.num_completions_to_print or args.num_generations, n)
             samples = [
-                {**loggable_prompt(scored.prompts[i], args.log_multimodal), "completion": scored.completions[i],
-                 **({"rewards": {name: _none_if_nan(all_scores[offset + i, j].item())
-                                 for j, name in enumerate(self.scorer.names)},
-                     "reward": _none_if_nan(rewards[offset + i].item()),
-                     "advantage": advantages[offset + i].float().mean().item()} if rewards is not None else {}),
-                 **({"extra": {k: v[i] for k, v in extra.items() if i < len(v)}} if extra else {})}
+                {
+                    **loggable_prompt(scored.prompts[i], args.log_multimodal),
+                    "completion": scored.completions[i],
+                    **(
+                        {
+                            "rewards": {
+                                name: _none_if_nan(all_scores[offset + i, j].item())
+                                for j, name in enumerate(self.scorer.names)
+                            },
+                            "reward": _none_if_nan(rewards[offset + i].item()),
+                            "advantage": advantages[offset + i].float().mean().item(),
+                        }
+                        if rewards is not None
+                        else {}
+                    ),
+                    **({"extra": {k: v[i] for k, v in extra.items() if i < len(v)}} if extra else {}),
+                }
                 for i in range(shown)
-            ]  # fmt: skip
+            ]
         order = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed + generation + rollouts))
         return Experience(batch.select(order), metrics, samples, num_tokens, rollouts)
 
     # ------------------------------------------------------------------------------------------ the parts
 
-    def sample_and_score(self, rows: list[dict], counts: list[int], seed: int,
-                         trainer_state=None) -> tuple[Generation, Any]:  # fmt: skip
+    def sample_and_score(
+        self, rows: list[dict], counts: list[int], seed: int, trainer_state=None
+    ) -> tuple[Generation, Any]:
         """Sample rows with the current policy's weights and score them: (generation, scores) (evaluation)."""
         self.runner.sync_weights(self.policy())
         generation = self.runner.run(rows, counts, seed)
@@ -186,12 +227,23 @@ class ExperienceMaker:
 
     def _score(self, sampled: Generation, offset: int, trainer_state) -> ScoredRollout:
         scores = self._scores(sampled, trainer_state)
-        return ScoredRollout(sampled.rows, scores.prompts, sampled.completions, sampled.completion_ids,
-                             sampled.rollout, scores.scores, scores.failures, scores.step_rewards, scores.step_ends,
-                             offset, sampled.model_lengths)  # fmt: skip
+        return ScoredRollout(
+            sampled.rows,
+            scores.prompts,
+            sampled.completions,
+            sampled.completion_ids,
+            sampled.rollout,
+            scores.scores,
+            scores.failures,
+            scores.step_rewards,
+            scores.step_ends,
+            offset,
+            sampled.model_lengths,
+        )
 
-    def _fill_with_varied_groups(self, first: ScoredRollout, generation: int,
-                                 trainer_state) -> tuple[ScoredRollout, int, dict]:  # fmt: skip
+    def _fill_with_varied_groups(
+        self, first: ScoredRollout, generation: int, trainer_state
+    ) -> tuple[ScoredRollout, int, dict]:
         """DAPO's dynamic sampling: keep only groups whose rewards vary, and sample more prompts until the batch
         is full (at most max_resample_rounds more rounds; then zero-spread groups fill the rest, counted).
         Returns (the batch, the rollouts drawn beyond the first, metrics)."""
@@ -214,8 +266,9 @@ class ExperienceMaker:
             filled = ScoredRollout.concat([filled, first.select(groups(first, varied=False)[:missing])])
         return filled.select(list(range(size))), rounds, metrics
 
-    def _advantages(self, scored: ScoredRollout, all_scores: torch.Tensor,
-                    reward_kl: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def _advantages(
+        self, scored: ScoredRollout, all_scores: torch.Tensor, reward_kl: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """[N_global] or [N_global, T] (with process rewards): advantages over the whole global batch.
         reward_kl [N_global]: each completion's `sequence_kl`, subtracted from its reward times beta
         (kl_in_reward), or None."""
@@ -226,21 +279,29 @@ class ExperienceMaker:
             token_counts = None
             if args.advantage_estimator == "reinforce_pp_baseline":
                 token_counts = acc.gather(scored.rollout.loss_mask.sum(-1).to(acc.device)).cpu().float()
-            advantages = combine_and_normalize(all_scores[:, outcome], scorer.weights[outcome], args.num_generations,
-                                               estimator=args.advantage_estimator, scale_rewards=args.scale_rewards,
-                                               token_counts=token_counts, reward_clip_range=args.reward_clip_range,
-                                               kl_penalty=None if reward_kl is None else args.beta * reward_kl,
-                                               multi_objective_aggregation=args.multi_objective_aggregation)
+            advantages = combine_and_normalize(
+                all_scores[:, outcome],
+                scorer.weights[outcome],
+                args.num_generations,
+                estimator=args.advantage_estimator,
+                scale_rewards=args.scale_rewards,
+                token_counts=token_counts,
+                reward_clip_range=args.reward_clip_range,
+                kl_penalty=None if reward_kl is None else args.beta * reward_kl,
+                multi_objective_aggregation=args.multi_objective_aggregation,
+            )
         else:  # only process rewards: the per-token advantages below are the whole signal
             advantages = torch.zeros(len(all_scores))
         if process:
-            advantages = self._add_process_advantages(advantages, process, scored.step_rewards, scored.step_ends,
-                                                      scored.rollout.completion_ids.shape[1])  # fmt: skip
+            advantages = self._add_process_advantages(
+                advantages, process, scored.step_rewards, scored.step_ends, scored.rollout.completion_ids.shape[1]
+            )
         return advantages
 
     def _add_process_advantages(self, advantages, process, step_rewards, step_ends, width) -> torch.Tensor:
         """Outcome advantages [N_global] broadcast over tokens, plus each process function's weighted token
         advantages; every process gathers the step rewards of the whole batch (groups may span processes)."""
+
         def gather(values):
             return gather_objects(self.accelerator, values)
 
@@ -252,8 +313,9 @@ class ExperienceMaker:
             )
         return token_advantages
 
-    def _add_old_and_ref_logprobs(self, batch: TrainBatch, sampling_logprobs,
-                                  streamed: bool = False) -> tuple[dict[str, float], torch.Tensor | None]:  # fmt: skip
+    def _add_old_and_ref_logprobs(
+        self, batch: TrainBatch, sampling_logprobs, streamed: bool = False
+    ) -> tuple[dict[str, float], torch.Tensor | None]:
         """π_old where some optimizer step trains on the batch after the policy moved (or vLLM's correction
         needs it, or the KL in the reward), the correction itself, and π_ref when beta > 0: on the batch for the
         loss's KL term, or, with kl_in_reward, turned into each completion's `sequence_kl` (gathered over
@@ -271,25 +333,35 @@ class ExperienceMaker:
         reward_kl = args.kl_in_reward and args.beta > 0
         metrics = {}
         if streamed and sampling_logprobs is None:
-            raise RuntimeError("Streamed rollouts came without their sampling log-probs (π_old): the driver "
-                               "returned none. Its rollouts cannot be trained asynchronously; set max_staleness=None "
-                               "or 0.")  # fmt: skip
+            raise RuntimeError(
+                "Streamed rollouts came without their sampling log-probs (π_old): the driver "
+                "returned none. Its rollouts cannot be trained asynchronously; set max_staleness=None "
+                "or 0."
+            )
         if streamed:
             batch.old_logprobs = sampling_logprobs
         elif not trains_on_policy(args) or corrected or self.off_policy or reward_kl:
             # The engine's log-probs serve as π_old only where they are the training forward's (the in-process
             # engine in float32, tested to 1e-5); otherwise π_old comes from a training-style forward.
             exact = self.runner.exact_logprobs and sampling_logprobs is not None and not corrected
-            batch.old_logprobs = sampling_logprobs if exact else logprobs_in_chunks(self.policy(), batch, args,
-                                                                                    acc.autocast)  # fmt: skip
+            batch.old_logprobs = (
+                sampling_logprobs if exact else logprobs_in_chunks(self.policy(), batch, args, acc.autocast)
+            )
         if corrected:
             if sampling_logprobs is None:
-                raise ValueError(f"vllm_importance_sampling_correction needs the engine's sampling log-probs, and "
-                                 f"{type(self.runner.engine).__name__} reports none: set "
-                                 f"vllm_importance_sampling_correction=False.")  # fmt: skip
+                raise ValueError(
+                    f"vllm_importance_sampling_correction needs the engine's sampling log-probs, and "
+                    f"{type(self.runner.engine).__name__} reports none: set "
+                    f"vllm_importance_sampling_correction=False."
+                )
             batch.sampling_ratio, stats = sampling_correction(
-                batch.old_logprobs, sampling_logprobs, batch.loss_mask, mode=args.vllm_importance_sampling_mode,
-                clip_min=args.vllm_importance_sampling_clip_min, clip_max=args.vllm_importance_sampling_clip_max)
+                batch.old_logprobs,
+                sampling_logprobs,
+                batch.loss_mask,
+                mode=args.vllm_importance_sampling_mode,
+                clip_min=args.vllm_importance_sampling_clip_min,
+                clip_max=args.vllm_importance_sampling_clip_max,
+            )
             metrics = reduce_extremes(acc, stats)
         if args.beta > 0:
             with reference_policy(self.policy(), self.reference) as reference:
@@ -328,15 +400,19 @@ class ExperienceMaker:
         """With reward_fn_errors='none' a reward function that raises on every row gives every completion None: no
         advantage, no gradient, a run that trains on nothing. Stop after FAILED_BATCHES_LIMIT such batches in a
         row (a batch in which functions merely return None for every row only warns, as in TRL)."""
-        errors = {k.removeprefix("rewards/").removesuffix("/errors"): int(v) for k, v in metrics.items()
-                  if k.endswith("/errors") and v}  # fmt: skip
+        errors = {
+            k.removeprefix("rewards/").removesuffix("/errors"): int(v)
+            for k, v in metrics.items()
+            if k.endswith("/errors") and v
+        }
         self.failed_batches = self.failed_batches + 1 if errors and bool(torch.isnan(all_scores).all()) else 0
         if self.failed_batches >= FAILED_BATCHES_LIMIT:
             raise RewardFunctionError(
                 f"No completion got a reward in {self.failed_batches} generation batches in a row: the reward "
                 f"functions raised ({', '.join(f'{name} on {count} rows' for name, count in errors.items())} of the "
                 f"last {len(all_scores)}), and reward_fn_errors='none' scores such rows None, which trains on nothing. "
-                f"Set reward_fn_errors='raise' to see the first error with its row, and fix the function.")
+                f"Set reward_fn_errors='raise' to see the first error with its row, and fix the function."
+            )
 
     def _generation_metrics(self, scores, rewards, scored: ScoredRollout) -> tuple[dict[str, float], int]:
         """TRL's generation metrics over the global batch (rewards None: the completions' only), and its prompt +
@@ -350,10 +426,18 @@ class ExperienceMaker:
         keys = torch.tensor(sequence_keys(rollout.completion_ids, rollout.attention_mask), device=acc.device)
         # Reward errors are counted where they happen: the metric is the total over the processes.
         names, failures = self.scorer.names, scored.failures
-        errors = acc.reduce(torch.tensor([float(failures.get(name, 0)) for name in names], device=acc.device),
-                            "sum").tolist()  # fmt: skip
-        metrics = generation_metrics(rewards, scores, names, lengths, truncated, args.num_generations,
-                                     errors={n: e for n, e in zip(names, errors) if n in failures or e})
+        errors = acc.reduce(
+            torch.tensor([float(failures.get(name, 0)) for name in names], device=acc.device), "sum"
+        ).tolist()
+        metrics = generation_metrics(
+            rewards,
+            scores,
+            names,
+            lengths,
+            truncated,
+            args.num_generations,
+            errors={n: e for n, e in zip(names, errors) if n in failures or e},
+        )
         metrics["completions/duplicate_ratio"] = duplicate_ratio(acc.gather(keys).tolist(), args.num_generations)
         return metrics, int(tokens)
 
@@ -391,8 +475,16 @@ class Evaluator:
             if not chunk:
                 continue
             loss_sum, loss_count = loss_sum + loss, loss_count + 1
-            records += group_records(scores.prompts, sampled.completions, scores.scores, rewards,
-                                     sampled.rollout.lengths, sampled.rollout.is_truncated, names, n)  # fmt: skip
+            records += group_records(
+                scores.prompts,
+                sampled.completions,
+                scores.scores,
+                rewards,
+                sampled.rollout.lengths,
+                sampled.rollout.is_truncated,
+                names,
+                n,
+            )
         maker.scorer.logs.flush_extra()
         logged = maker.scorer.logs.flush_metrics(acc)
         totals = acc.reduce(torch.tensor([loss_sum, float(loss_count)], dtype=torch.float64, device=acc.device), "sum")

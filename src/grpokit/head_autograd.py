@@ -18,13 +18,17 @@ def save_for_head_backward(ctx, tensors: tuple, no_grad_output: torch.Tensor, **
     ctx.mark_non_differentiable(no_grad_output)
 
 
-def save_for_logprobs_backward(ctx, frozen_head: bool, hidden, weight, bias, targets, lse, expected_rows,
-                               entropies: torch.Tensor, **values) -> None:  # fmt: skip
+def save_for_logprobs_backward(
+    ctx, frozen_head: bool, hidden, weight, bias, targets, lse, expected_rows, entropies: torch.Tensor, **values
+) -> None:
     """What a token log-prob head's backward needs (`Float32Head`, `logprobs._ChunkedTokenLogprobs`): with a frozen
     head (LoRA) the weight, targets and softmax @ weight per row; else hidden, weight, bias, targets and the
     log-sum-exp per row. `ctx.saved_tensors` then reads (hidden, weight, bias, targets, lse, expected_rows)."""
-    tensors = (None, weight, None, targets, None, expected_rows) if frozen_head else \
-        (hidden, weight, bias, targets, lse, None)  # fmt: skip
+    tensors = (
+        (None, weight, None, targets, None, expected_rows)
+        if frozen_head
+        else (hidden, weight, bias, targets, lse, None)
+    )
     save_for_head_backward(ctx, tensors, entropies, frozen_head=frozen_head, hidden_dtype=hidden.dtype, **values)
 
 
@@ -47,9 +51,14 @@ def head_grad_accumulators(ctx, hidden: torch.Tensor, weight: torch.Tensor, accu
     return needs, grad_hidden, grad_weight, grad_bias
 
 
-def head_input_grads(grad_hidden, grad_weight, grad_bias, weight: torch.Tensor, bias: torch.Tensor | None,
-                     num_other_inputs: int) -> tuple:  # fmt: skip
+def head_input_grads(
+    grad_hidden, grad_weight, grad_bias, weight: torch.Tensor, bias: torch.Tensor | None, num_other_inputs: int
+) -> tuple:
     """The end of a head Function's backward: the three gradients, the weight's and the bias's in their
     parameters' dtypes, and None for each of the Function's other inputs."""
-    return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
-            None if grad_bias is None else grad_bias.to(bias.dtype), *(None,) * num_other_inputs)  # fmt: skip
+    return (
+        grad_hidden,
+        None if grad_weight is None else grad_weight.to(weight.dtype),
+        None if grad_bias is None else grad_bias.to(bias.dtype),
+        *(None,) * num_other_inputs,
+    )

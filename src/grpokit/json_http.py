@@ -67,16 +67,16 @@ class JSONHandler(BaseHTTPRequestHandler):
             status, payload = 200, self.route(method, self.path)
         except JSONError as error:
             status, payload = error.status, error.payload()
-        except Exception as error:  # noqa: BLE001 (the client gets the server's error; the server goes on)
+        except Exception as error:
             status, payload = 500, error_payload(f"{type(error).__name__}: {error}", "server_error")
         if status != 200:
             self.body()  # an unread body would reach the client as a reset connection, not this answer
         self.reply(status, payload)
 
-    def do_GET(self):  # noqa: N802 (http.server's name)
+    def do_GET(self):
         self._answer("GET")
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         self._answer("POST")
 
     def log_message(self, format, *args):  # one line per request is noise at RL request rates

@@ -84,8 +84,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         bias_c = None if bias is None else bias.to(compute_dtype)
         frozen_head = ctx.needs_input_grad[0] and not any(ctx.needs_input_grad[1:3])
         expected_rows = torch.empty(hidden.shape, dtype=out_dtype, device=hidden.device) if frozen_head else None
-        scratch = _ChunkScratch(min(chunk_rows, rows), weight.shape[0], compute_dtype, hidden.device,
-                                exp=with_entropy or frozen_head)  # fmt: skip
+        scratch = _ChunkScratch(
+            min(chunk_rows, rows), weight.shape[0], compute_dtype, hidden.device, exp=with_entropy or frozen_head
+        )
         for start in range(0, rows, chunk_rows):
             chunk = slice(start, start + chunk_rows)
             logits = scratch.logits_of(hidden[chunk], weight_c, bias_c, temperature)  # [c, V]
@@ -106,8 +107,20 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             else:
                 lse[chunk] = shifted.exp_().sum(-1).log_() + row_max.squeeze(-1)
             logprobs[chunk] = target_logits - lse[chunk]
-        save_for_logprobs_backward(ctx, frozen_head, hidden, weight, bias, targets, lse, expected_rows, entropies,
-                                   temperature=temperature, chunk_rows=chunk_rows, compute_dtype=compute_dtype)  # fmt: skip
+        save_for_logprobs_backward(
+            ctx,
+            frozen_head,
+            hidden,
+            weight,
+            bias,
+            targets,
+            lse,
+            expected_rows,
+            entropies,
+            temperature=temperature,
+            chunk_rows=chunk_rows,
+            compute_dtype=compute_dtype,
+        )
         return logprobs, entropies
 
     @staticmethod
@@ -120,12 +133,14 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         if ctx.frozen_head:
             grad_hidden = frozen_head_grad(grad_logprobs, weight, targets, expected_rows)
             return (grad_hidden.to(ctx.hidden_dtype), None, None, None, None, None, None, None)
-        (need_hidden, need_weight, need_bias), grad_hidden, grad_weight, grad_bias = \
-            head_grad_accumulators(ctx, hidden, weight, accumulate_dtype)  # fmt: skip
+        (need_hidden, need_weight, need_bias), grad_hidden, grad_weight, grad_bias = head_grad_accumulators(
+            ctx, hidden, weight, accumulate_dtype
+        )
         weight_c = weight.to(compute_dtype)
         bias_c = None if bias is None else bias.to(compute_dtype)
-        scratch = _ChunkScratch(min(chunk_rows, hidden.shape[0]), weight.shape[0], compute_dtype, hidden.device,
-                                exp=False)  # fmt: skip
+        scratch = _ChunkScratch(
+            min(chunk_rows, hidden.shape[0]), weight.shape[0], compute_dtype, hidden.device, exp=False
+        )
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], chunk_rows):
                 chunk = slice(start, start + chunk_rows)
@@ -164,8 +179,11 @@ class _ChunkScratch:
     def __init__(self, rows: int, vocab_size: int, compute_dtype, device, exp: bool = True):
         softmax_dtype = _softmax_dtype(compute_dtype)
         self.logits = torch.empty(rows, vocab_size, dtype=softmax_dtype, device=device)
-        self.product = self.logits if compute_dtype == softmax_dtype else \
-            torch.empty(rows, vocab_size, dtype=compute_dtype, device=device)  # fmt: skip
+        self.product = (
+            self.logits
+            if compute_dtype == softmax_dtype
+            else torch.empty(rows, vocab_size, dtype=compute_dtype, device=device)
+        )
         self.exp = torch.empty(rows, vocab_size, dtype=softmax_dtype, device=device) if exp else None
 
     def logits_of(self, hidden_chunk, weight, bias, temperature) -> torch.Tensor:
@@ -266,15 +284,15 @@ def chunked_token_logprobs(
         return_free_memory()
     if float32_gemm and compute_dtype == torch.bfloat16 and device_type == "cpu":
         with torch.autocast(device_type, enabled=False):
-            logprobs, entropies = Float32Head.apply(flat_hidden, weight, bias, flat_targets, float(temperature),
-                                                    with_entropy)  # fmt: skip
+            logprobs, entropies = Float32Head.apply(
+                flat_hidden, weight, bias, flat_targets, float(temperature), with_entropy
+            )
         return logprobs.view(leading), entropies.view(leading) if with_entropy else None
     with torch.autocast(device_type, enabled=False):
         logprobs, entropies = _ChunkedTokenLogprobs.apply(
             flat_hidden, weight, bias, flat_targets, float(temperature), int(chunk_rows), compute_dtype, with_entropy
         )
     return logprobs.view(leading), entropies.view(leading) if with_entropy else None
-
 
 
 # ------------------------------------------------------------------------------------------ the training forward
@@ -285,19 +303,53 @@ def chunked_token_logprobs(
 # softmax matches (read in transformers 5.23; tests/test_chunked.py compares the two paths on a tiny model of each).
 # Gemma 3 soft-caps only where its config sets `final_logit_softcapping` (refused below, as for every Gemma 2);
 # others scale (Cohere, Cohere 2, Granite) or slice the logits.
-CHUNKED_HEAD_MODEL_TYPES = frozenset({
-    "deepseek_v3", "ernie4_5", "gemma", "gemma3_text", "glm", "glm4", "glm4_moe", "gpt2", "gpt_neox", "gpt_oss",
-    "llama", "mistral", "mixtral", "nemotron_h", "olmo", "olmo2", "olmo3", "phi", "phi3", "qwen2", "qwen2_moe",
-    "qwen3", "qwen3_moe", "seed_oss", "smollm3", "stablelm", "starcoder2",
-})  # fmt: skip
+CHUNKED_HEAD_MODEL_TYPES = frozenset(
+    {
+        "deepseek_v3",
+        "ernie4_5",
+        "gemma",
+        "gemma3_text",
+        "glm",
+        "glm4",
+        "glm4_moe",
+        "gpt2",
+        "gpt_neox",
+        "gpt_oss",
+        "llama",
+        "mistral",
+        "mixtral",
+        "nemotron_h",
+        "olmo",
+        "olmo2",
+        "olmo3",
+        "phi",
+        "phi3",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "qwen3_moe",
+        "seed_oss",
+        "smollm3",
+        "stablelm",
+        "starcoder2",
+    }
+)
 # Vision-language models whose conditional-generation forward is `lm_head(base model's last hidden state)` with
 # nothing after it (read in transformers 5.23; Gemma 3's multimodal forward applies no soft-capping): the chunked
 # head runs on the base model (`decoder_of`), which takes the images. tests/test_vision.py compares the paths.
 CHUNKED_HEAD_VLM_TYPES = frozenset({"gemma3", "idefics3", "llava", "llava_next", "qwen2_vl", "qwen2_5_vl"})
 # Config fields that, where an architecture has them, change the logits after the LM head: refuse the chunked head
 # when any is set, whatever the model type claims.
-LOGIT_TRANSFORM_FIELDS = ("final_logit_softcapping", "logit_softcapping", "logits_soft_cap", "logit_scale",
-                          "logits_scaling", "output_multiplier", "lm_head_multiplier", "unpadded_vocab_size")  # fmt: skip
+LOGIT_TRANSFORM_FIELDS = (
+    "final_logit_softcapping",
+    "logit_softcapping",
+    "logits_soft_cap",
+    "logit_scale",
+    "logits_scaling",
+    "output_multiplier",
+    "lm_head_multiplier",
+    "unpadded_vocab_size",
+)
 # False forces the plain logits path everywhere (tests compare the two; also a switch for debugging).
 USE_CHUNKED_HEAD = True
 
@@ -372,8 +424,9 @@ def completion_hidden_states(
         if shared is not None:
             return shared
     images = batch_model_inputs(multimodal, None, prompt_length, input_ids.shape[1], decoder)
-    out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                  **images)  # fmt: skip
+    out = decoder(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **images
+    )
     hidden = _last_hidden(out)[:, -completion_length - 1 : -1]  # position t predicts token t + 1
     real = attention_mask[:, -completion_length:].bool()
     if bool(real.all()):  # the same rows, in the same order, without an index (a copy the reshape makes anyway)
@@ -437,15 +490,18 @@ def token_logprobs(
             reason = "it does not return the router logits of an MoE load-balancing loss (router_aux_loss_coef)"
         if reason is not None:
             raise ValueError(f"padding_free=True cannot run here: {reason}. Set padding_free=False.")
-        return packed_token_logprobs(model, input_ids, attention_mask, completion_length, temperature, with_entropy,
-                                     fp32_head)  # fmt: skip
+        return packed_token_logprobs(
+            model, input_ids, attention_mask, completion_length, temperature, with_entropy, fp32_head
+        )
     use_chunked = supports_chunked_head(model) if chunked is None else chunked
     if router_logits is not None:  # an MoE aux loss needs the router logits of the model's own forward
         use_chunked = False
     if use_chunked and with_entropy and entropy_grad and torch.is_grad_enabled():
         if chunked:
-            raise ValueError("token_logprobs: the chunked head gives entropies without a gradient; "
-                             "an entropy bonus needs chunked=False.")  # fmt: skip
+            raise ValueError(
+                "token_logprobs: the chunked head gives entropies without a gradient; "
+                "an entropy bonus needs chunked=False."
+            )
         use_chunked = False
     prompt_length = input_ids.shape[1] - completion_length
     position_ids = rope_position_ids(model, input_ids, attention_mask, multimodal, prompt_width=prompt_length)
@@ -454,15 +510,24 @@ def token_logprobs(
     targets = input_ids[:, -completion_length:]
     if use_chunked:
         head = causal_lm_of(model).get_output_embeddings()
-        hidden, rows, columns = completion_hidden_states(model, input_ids, attention_mask, completion_length,
-                                                         multimodal, share_prompts, position_ids)  # fmt: skip
-        logprobs, entropies = chunked_token_logprobs(hidden[None], head.weight, targets[rows, columns][None],
-                                                     temperature, bias=head.bias, with_entropy=with_entropy,
-                                                     fp32_head=fp32_head,
-                                                     float32_gemm=getattr(head, FLOAT32_HEAD, False))
+        hidden, rows, columns = completion_hidden_states(
+            model, input_ids, attention_mask, completion_length, multimodal, share_prompts, position_ids
+        )
+        logprobs, entropies = chunked_token_logprobs(
+            hidden[None],
+            head.weight,
+            targets[rows, columns][None],
+            temperature,
+            bias=head.bias,
+            with_entropy=with_entropy,
+            fp32_head=fp32_head,
+            float32_gemm=getattr(head, FLOAT32_HEAD, False),
+        )
         shape = tuple(targets.shape)
-        return (_scatter(logprobs[0], rows, columns, shape),
-                None if entropies is None else _scatter(entropies[0], rows, columns, shape))  # fmt: skip
+        return (
+            _scatter(logprobs[0], rows, columns, shape),
+            None if entropies is None else _scatter(entropies[0], rows, columns, shape),
+        )
 
     kwargs = {}
     if forward_accepts(model, "attention_mask"):
@@ -502,17 +567,21 @@ PACKED_ATTENTION = ("sdpa", "eager")
 def packing_refusal(model: torch.nn.Module) -> str | None:
     """Why `token_logprobs(..., padding_free=True)` cannot run `model` exactly, or None when it can."""
     if not supports_chunked_head(model):
-        return ("the packed forward runs the decoder and grpokit's chunked LM head, which this model does not take "
-                "(a wrapped model (DistributedDataParallel, FSDP2, ZeRO-3), prompt-learning PEFT, a quantised or "
-                "adapted LM head, a head with soft-capping or scaling, or an architecture outside "
-                "CHUNKED_HEAD_MODEL_TYPES)")  # fmt: skip
+        return (
+            "the packed forward runs the decoder and grpokit's chunked LM head, which this model does not take "
+            "(a wrapped model (DistributedDataParallel, FSDP2, ZeRO-3), prompt-learning PEFT, a quantised or "
+            "adapted LM head, a head with soft-capping or scaling, or an architecture outside "
+            "CHUNKED_HEAD_MODEL_TYPES)"
+        )
     lm = causal_lm_of(model)
     if is_vision_language_model(lm):
         return "vision-language models are not packed (their image tokens and multimodal position ids)"
     implementation = getattr(lm.config, "_attn_implementation", None)
     if implementation not in PACKED_ATTENTION:
-        return (f"attn_implementation={implementation!r} takes no 4D attention mask; load the model with "
-                f"attn_implementation='sdpa' or 'eager'")  # fmt: skip
+        return (
+            f"attn_implementation={implementation!r} takes no 4D attention mask; load the model with "
+            f"attn_implementation='sdpa' or 'eager'"
+        )
     if not has_only_full_attention(lm):
         return "some layers are not full attention (a sliding window or a recurrent state), which a 4D mask bypasses"
     return None
@@ -526,14 +595,23 @@ def check_padding_free(policy: torch.nn.Module, reference: torch.nn.Module | Non
         if reason is not None:
             raise ValueError(f"padding_free=True cannot run {name}: {reason}. Set padding_free=False.")
     if router_aux_loss_coef:
-        raise ValueError(f"padding_free=True does not return the router logits that the MoE load-balancing loss "
-                         f"needs (router_aux_loss_coef={router_aux_loss_coef}, the config's own when None): set "
-                         f"router_aux_loss_coef=0 or padding_free=False.")
+        raise ValueError(
+            f"padding_free=True does not return the router logits that the MoE load-balancing loss "
+            f"needs (router_aux_loss_coef={router_aux_loss_coef}, the config's own when None): set "
+            f"router_aux_loss_coef=0 or padding_free=False."
+        )
 
 
-def packed_token_logprobs(model, input_ids, attention_mask, completion_length: int, temperature: float = 1.0,
-                          with_entropy: bool = False, fp32_head: bool = False,
-                          row_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+def packed_token_logprobs(
+    model,
+    input_ids,
+    attention_mask,
+    completion_length: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    fp32_head: bool = False,
+    row_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` through a packed forward (`packing.pack_rows`): the decoder runs only the real tokens, each
     distinct prompt once per segment, with a 4D mask that lets a token see what it sees in the padded forward;
     the chunked head runs on the hidden states that predict real completion tokens. Log-probs and entropies are
@@ -553,11 +631,20 @@ def packed_token_logprobs(model, input_ids, attention_mask, completion_length: i
     out = decoder(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids, use_cache=False)
     hidden = _last_hidden(out).flatten(0, 1)[packed.hidden_index]  # [K, H]
     targets = input_ids[:, -completion_length:][packed.rows, packed.columns]
-    logprobs, entropies = chunked_token_logprobs(hidden, head.weight, targets, temperature, bias=head.bias,
-                                                 with_entropy=with_entropy, fp32_head=fp32_head,
-                                                 float32_gemm=getattr(head, FLOAT32_HEAD, False))  # fmt: skip
-    return (_scatter(logprobs, packed.rows, packed.columns, shape),
-            None if entropies is None else _scatter(entropies, packed.rows, packed.columns, shape))  # fmt: skip
+    logprobs, entropies = chunked_token_logprobs(
+        hidden,
+        head.weight,
+        targets,
+        temperature,
+        bias=head.bias,
+        with_entropy=with_entropy,
+        fp32_head=fp32_head,
+        float32_gemm=getattr(head, FLOAT32_HEAD, False),
+    )
+    return (
+        _scatter(logprobs, packed.rows, packed.columns, shape),
+        None if entropies is None else _scatter(entropies, packed.rows, packed.columns, shape),
+    )
 
 
 # A packed row holds at most this many times the padded row's positions: a wider row shares a prompt among more
@@ -632,16 +719,18 @@ def length_groups(lengths: torch.Tensor) -> list[torch.Tensor]:
     groups, start = [], 0
     values = lengths[order].tolist()
     for i in range(1, len(values) + 1):
-        ends_group = i == len(values) or (values[i] < LENGTH_GROUP_RATIO * values[start]
-                                          and len(groups) < LENGTH_GROUPS - 1)  # fmt: skip
+        ends_group = i == len(values) or (
+            values[i] < LENGTH_GROUP_RATIO * values[start] and len(groups) < LENGTH_GROUPS - 1
+        )
         if ends_group:
             groups.append(order[start:i])
             start = i
     return groups
 
 
-def shared_prompt_hidden(decoder, input_ids, attention_mask, position_ids, completion_length: int,
-                         multimodal: MultimodalInputs | None = None):  # fmt: skip
+def shared_prompt_hidden(
+    decoder, input_ids, attention_mask, position_ids, completion_length: int, multimodal: MultimodalInputs | None = None
+):
     """Hidden states of the real completion tokens of input_ids [N, P + T], each distinct prompt (first P tokens
     and mask, and its images) run once: (hidden [M, H], rows [M], columns [M]), where hidden[m] predicts token
     columns[m] of the completion of row rows[m]; None when too few rows share a prompt to gain from it. A prompt's
@@ -666,9 +755,14 @@ def shared_prompt_hidden(decoder, input_ids, attention_mask, position_ids, compl
     first = torch.full((len(distinct),), n, dtype=torch.long, device=device)
     first = first.scatter_reduce(0, row_of, torch.arange(n, device=device), reduce="amin")
     images = batch_model_inputs(multimodal, first, prompt_length, model=decoder)
-    out = decoder(input_ids=input_ids[first, :prompt_length], attention_mask=attention_mask[first, :prompt_length],
-                  position_ids=position_ids[..., first, :prompt_length], use_cache=True,
-                  **{cache_name: DynamicCache()}, **images)  # fmt: skip
+    out = decoder(
+        input_ids=input_ids[first, :prompt_length],
+        attention_mask=attention_mask[first, :prompt_length],
+        position_ids=position_ids[..., first, :prompt_length],
+        use_cache=True,
+        **{cache_name: DynamicCache()},
+        **images,
+    )
     prompt_cache = [(layer.keys, layer.values) for layer in output_cache(out).layers]
     prompt_end = _last_hidden(out)[:, -1]  # [U, H]: a prompt's last position predicts its first completion token
 
@@ -683,12 +777,15 @@ def shared_prompt_hidden(decoder, input_ids, attention_mask, position_ids, compl
         prompt_rows = row_of[group]
         states = prompt_end[prompt_rows][:, None]
         if longest > 1:
-            cache = cache_from_layers([(keys[prompt_rows], values[prompt_rows]) for keys, values in
-                                                 prompt_cache])  # fmt: skip
+            cache = cache_from_layers([(keys[prompt_rows], values[prompt_rows]) for keys, values in prompt_cache])
             end = prompt_length + longest - 1
-            rest = decoder(input_ids=input_ids[group, prompt_length:end], attention_mask=attention_mask[group, :end],
-                           position_ids=position_ids[..., group, prompt_length:end], use_cache=True,
-                           **{cache_name: cache})  # fmt: skip
+            rest = decoder(
+                input_ids=input_ids[group, prompt_length:end],
+                attention_mask=attention_mask[group, :end],
+                position_ids=position_ids[..., group, prompt_length:end],
+                use_cache=True,
+                **{cache_name: cache},
+            )
             states = torch.cat([states, _last_hidden(rest)], 1)  # [rows, longest, H]
         group_rows, group_columns = real[group, :longest].nonzero(as_tuple=True)
         hidden.append(states[group_rows, group_columns])

@@ -24,8 +24,9 @@ def completion_metrics(lengths, truncated) -> dict[str, float]:
     }
 
 
-def generation_metrics(rewards, scores, names, lengths, truncated, num_generations: int,
-                       errors: dict[str, float] | None = None) -> dict[str, float]:
+def generation_metrics(
+    rewards, scores, names, lengths, truncated, num_generations: int, errors: dict[str, float] | None = None
+) -> dict[str, float]:
     """TRL's per-generation metrics from the whole batch's rewards [N], per-function scores [N, F] (NaN = None),
     completion lengths [N] and truncation flags [N]."""
     # torch (advantages imports it): config imports this module for TRACKERS, and reading the fields must not.
@@ -76,9 +77,14 @@ def _short(value, limit: int = 60) -> str:
 def _message_line(message: dict) -> str:
     content = message.get("content")
     if isinstance(content, list):  # multimodal parts
-        content = " ".join("[image]" if isinstance(part, dict) and part.get("type") == "image"
-                           else str(part.get("text", "")) if isinstance(part, dict) else str(part)
-                           for part in content)  # fmt: skip
+        content = " ".join(
+            "[image]"
+            if isinstance(part, dict) and part.get("type") == "image"
+            else str(part.get("text", ""))
+            if isinstance(part, dict)
+            else str(part)
+            for part in content
+        )
     return f"{message['role']}: {content if content is not None else ''}"
 
 
@@ -117,8 +123,9 @@ class TensorBoardTracker:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as error:
-            raise ImportError("report_to='tensorboard' needs: pip install '.[trackers]' in grpokit's "
-                              "checkout") from error
+            raise ImportError(
+                "report_to='tensorboard' needs: pip install '.[trackers]' in grpokit's checkout"
+            ) from error
         # transformers 5 reads the directory from TENSORBOARD_LOGGING_DIR (logging_dir is grpokit's older spelling).
         directory = logging_dir or os.environ.get("TENSORBOARD_LOGGING_DIR") or str(Path(output_dir) / "runs")
         self.writer = SummaryWriter(os.path.expanduser(directory))
@@ -222,15 +229,26 @@ class TrackioTracker:
 
 
 # report_to name -> tracker: built with (output_dir, run_name, logging_dir, config); log, log_table and close.
-TRACKERS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker,
-            "trackio": TrackioTracker}  # fmt: skip
+TRACKERS = {
+    "tensorboard": TensorBoardTracker,
+    "wandb": WandbTracker,
+    "mlflow": MlflowTracker,
+    "trackio": TrackioTracker,
+}
 
 
 class MetricSink:
     """metrics.jsonl (always), the console, and the trackers named in `report_to`. Main process only."""
 
-    def __init__(self, output_dir: str, report_to: list[str], run_name: str | None, logging_dir: str | None,
-                 config: dict, enabled: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        output_dir: str,
+        report_to: list[str],
+        run_name: str | None,
+        logging_dir: str | None,
+        config: dict,
+        enabled: bool = True,
+    ):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
         self.trackers = []
@@ -283,8 +301,11 @@ class MetricSink:
             for sample in samples:
                 handle.write(json.dumps({"step": step, **sample}, default=str) + "\n")
         scored = "reward" in samples[0]  # unscored (on-policy distillation): prompt and completion only, as TRL
-        lines = [f"  {_short(s['prompt'])!r} -> {_short(s['completion'])!r}" + (
-                 f"  reward={s['reward']}  advantage={s['advantage']:+.3f}" if scored else "") for s in samples]
+        lines = [
+            f"  {_short(s['prompt'])!r} -> {_short(s['completion'])!r}"
+            + (f"  reward={s['reward']}  advantage={s['advantage']:+.3f}" if scored else "")
+            for s in samples
+        ]
         console_line(f"[step {step}] completions:\n" + "\n".join(lines))
         columns = ["prompt", "completion", "reward", "advantage"][: 4 if scored else 2]
         if unique_prompts:  # the first row of each prompt; conversations compared by their text, as in TRL
@@ -292,8 +313,12 @@ class MetricSink:
             for sample in samples:
                 first.setdefault(str(sample["prompt"]), sample)
             samples = list(first.values())
-        rows = [[_short(s["prompt"], 200), _short(s["completion"], 200), s.get("reward"), s.get("advantage")]
-                [: len(columns)] for s in samples]  # fmt: skip
+        rows = [
+            [_short(s["prompt"], 200), _short(s["completion"], 200), s.get("reward"), s.get("advantage")][
+                : len(columns)
+            ]
+            for s in samples
+        ]
         for tracker in self.trackers:
             tracker.log_table("completions", columns, rows, step)
 
@@ -321,9 +346,15 @@ def train_summary(args, state, steps: int, num_processes: int, runtime: float, l
     `num_processes` processes), the mean of their `losses` (train_loss), and the run's FLOPs, epoch and step."""
     samples = steps * args.per_device_train_batch_size * args.gradient_accumulation_steps * num_processes
     train_loss = sum(losses) / len(losses) if losses else 0.0
-    return {"train_runtime": round(runtime, 4), "train_samples_per_second": round(samples / runtime, 3),
-            "train_steps_per_second": round(steps / runtime, 3), "total_flos": float(state.total_flos),
-            "train_loss": train_loss, "epoch": round(state.epoch, 4), "step": state.global_step}  # fmt: skip
+    return {
+        "train_runtime": round(runtime, 4),
+        "train_samples_per_second": round(samples / runtime, 3),
+        "train_steps_per_second": round(steps / runtime, 3),
+        "total_flos": float(state.total_flos),
+        "train_loss": train_loss,
+        "epoch": round(state.epoch, 4),
+        "step": state.global_step,
+    }
 
 
 def console_line(text: str) -> None:

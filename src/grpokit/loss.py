@@ -255,10 +255,15 @@ def vespo_objective(terms: PolicyTerms, params: ObjectiveParams) -> torch.Tensor
     sequence, whatever `importance_sampling_level` says (TRL recommends "token").
     """
     phi = vespo_weights(
-        terms.advantages, terms.log_ratio.detach(), terms.mask,
-        k_pos=params.vespo_k_pos, lambda_pos=params.vespo_lambda_pos,
-        k_neg=params.vespo_k_neg, lambda_neg=params.vespo_lambda_neg, sampling_ratio=terms.sampling_ratio,
-    )  # fmt: skip
+        terms.advantages,
+        terms.log_ratio.detach(),
+        terms.mask,
+        k_pos=params.vespo_k_pos,
+        lambda_pos=params.vespo_lambda_pos,
+        k_neg=params.vespo_k_neg,
+        lambda_neg=params.vespo_lambda_neg,
+        sampling_ratio=terms.sampling_ratio,
+    )
     return -phi * terms.advantages * terms.logprobs
 
 
@@ -297,10 +302,15 @@ def cispo_statistics(terms: PolicyTerms, params: ObjectiveParams) -> dict[str, t
 def vespo_statistics(terms: PolicyTerms, params: ObjectiveParams) -> dict[str, torch.Tensor]:
     """TRL's `vespo/phi_seq_mean`: the mean Gamma weight, over sequences ([N, 1]) or over masked tokens."""
     phi = vespo_weights(
-        terms.advantages, terms.log_ratio.detach(), terms.mask,
-        k_pos=params.vespo_k_pos, lambda_pos=params.vespo_lambda_pos,
-        k_neg=params.vespo_k_neg, lambda_neg=params.vespo_lambda_neg, sampling_ratio=terms.sampling_ratio,
-    )  # fmt: skip
+        terms.advantages,
+        terms.log_ratio.detach(),
+        terms.mask,
+        k_pos=params.vespo_k_pos,
+        lambda_pos=params.vespo_lambda_pos,
+        k_neg=params.vespo_k_neg,
+        lambda_neg=params.vespo_lambda_neg,
+        sampling_ratio=terms.sampling_ratio,
+    )
     return {"vespo/phi_seq_mean": phi.mean() if phi.shape[-1] == 1 else masked_mean(phi, terms.mask)}
 
 
@@ -311,8 +321,11 @@ def sequence_clip_statistics(terms: PolicyTerms, params: ObjectiveParams) -> dic
     ratio, advantages = terms.ratio[:, :1], terms.advantages[:, :1]
     is_low = ((ratio < 1 - params.epsilon) & (advantages < 0)).to(ratio.dtype)
     is_high = ((ratio > 1 + params.epsilon_high) & (advantages > 0)).to(ratio.dtype)
-    return {"clip_ratio/low_mean": is_low.mean(), "clip_ratio/high_mean": is_high.mean(),
-            "clip_ratio/region_mean": torch.maximum(is_low, is_high).mean()}  # fmt: skip
+    return {
+        "clip_ratio/low_mean": is_low.mean(),
+        "clip_ratio/high_mean": is_high.mean(),
+        "clip_ratio/region_mean": torch.maximum(is_low, is_high).mean(),
+    }
 
 
 def no_statistics(terms: PolicyTerms, params: ObjectiveParams) -> dict[str, torch.Tensor]:
@@ -351,13 +364,20 @@ LOSS_TYPES: dict[str, LossType] = {
     "cispo": LossType(cispo_objective, aggregate_token_mean, cispo_statistics),
     "sapo": LossType(sapo_objective, aggregate_sequence_mean, no_statistics),
     "luspo": LossType(clipped_surrogate, aggregate_sequence_sum, clip_statistics, importance_sampling_level="sequence"),
-    "vespo": LossType(vespo_objective, aggregate_token_mean, vespo_statistics, importance_sampling_level="token",
-                      corrects_sampling_itself=True, decoupled_correction=False),
+    "vespo": LossType(
+        vespo_objective,
+        aggregate_token_mean,
+        vespo_statistics,
+        importance_sampling_level="token",
+        corrects_sampling_itself=True,
+        decoupled_correction=False,
+    ),
     # TRL 1.16's RLOOTrainer: one ratio per sequence, exp(sum_t logp - sum_t old_logp) (not length-normalised as
     # GSPO's), the clipped surrogate of it, and the mean over sequences (`grpokit.rloo`).
-    "rloo": LossType(clipped_surrogate, aggregate_sequence_mean, sequence_clip_statistics,
-                     importance_sampling_level="sequence_sum"),
-}  # fmt: skip
+    "rloo": LossType(
+        clipped_surrogate, aggregate_sequence_mean, sequence_clip_statistics, importance_sampling_level="sequence_sum"
+    ),
+}
 # The name config validation imports: a key of this table is a valid `loss_type`.
 AGGREGATIONS = LOSS_TYPES
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_sum")
@@ -404,8 +424,15 @@ def aggregate(
     num_micro_batches: int = 1,
 ) -> torch.Tensor:
     """Aggregate a per-token quantity [N, T] as `loss_type` does (counts default to this batch's own)."""
-    return _aggregate(loss_type_spec(loss_type).aggregation, per_token, mask, num_sequences, num_tokens,
-                      max_completion_length, num_micro_batches)  # fmt: skip
+    return _aggregate(
+        loss_type_spec(loss_type).aggregation,
+        per_token,
+        mask,
+        num_sequences,
+        num_tokens,
+        max_completion_length,
+        num_micro_batches,
+    )
 
 
 def _aggregate(aggregation, per_token, mask, num_sequences, num_tokens, max_completion_length, num_micro_batches=1):
@@ -425,9 +452,12 @@ def _aggregate(aggregation, per_token, mask, num_sequences, num_tokens, max_comp
 
 
 def off_policy_mask(
-    advantages: torch.Tensor, logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, mask: torch.Tensor,
+    advantages: torch.Tensor,
+    logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    mask: torch.Tensor,
     threshold: float,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """Off-policy sequence masking (DeepSeek-V3.2, arXiv 2512.02556, eq. 9; TRL 1.16 `get_off_policy_mask`):
 
         KL_i = sum_t m_t · (sampling_logp - sg(logp)) / max(sum_t m_t, 1)      (NaN log-prob differences -> 0)
@@ -474,8 +504,9 @@ def sampling_correction(
     (0 where there is nothing to measure, as in TRL).
     """
     if mode not in SAMPLING_CORRECTION_MODES:
-        raise ValueError(f"Unknown vllm_importance_sampling_mode {mode!r}; choose one of "
-                         f"{list(SAMPLING_CORRECTION_MODES)}.")  # fmt: skip
+        raise ValueError(
+            f"Unknown vllm_importance_sampling_mode {mode!r}; choose one of {list(SAMPLING_CORRECTION_MODES)}."
+        )
     with torch.no_grad():
         dtype = torch.promote_types(old_logprobs.dtype, torch.float32)  # float32, or float64 when given
         old_logprobs, sampling_logprobs = old_logprobs.to(dtype), sampling_logprobs.to(dtype)
@@ -545,8 +576,10 @@ def behaviour_weight(
         log_weight = log_weight.sum(-1, keepdim=True)
     weight = torch.exp(log_weight)
     dropped = torch.zeros_like(weight, dtype=torch.bool) if cap is None else weight > cap
-    stats = {"off_policy/behaviour_weight_mean": masked_mean(weight.expand_as(mask), mask),
-             "off_policy/masked_fraction": masked_mean(dropped.expand_as(mask).to(mask.dtype), mask)}  # fmt: skip
+    stats = {
+        "off_policy/behaviour_weight_mean": masked_mean(weight.expand_as(mask), mask),
+        "off_policy/masked_fraction": masked_mean(dropped.expand_as(mask).to(mask.dtype), mask),
+    }
     return weight.masked_fill(dropped, 0.0), stats
 
 
@@ -606,14 +639,24 @@ class AdaptiveEntropyController:
         """Close the window: update the coefficient from the window-global mean entropy; returns the new one."""
         entropy_sum, count = (self.window_sum, self.window_count) if totals is None else (float(v) for v in totals)
         self.last_entropy = entropy_sum / max(count, 1.0)
-        self.coef = update_entropy_coef(self.coef, self.last_entropy, target=self.target, delta=self.delta,
-                                        coef_min=self.coef_min, coef_max=self.coef_max)  # fmt: skip
+        self.coef = update_entropy_coef(
+            self.coef,
+            self.last_entropy,
+            target=self.target,
+            delta=self.delta,
+            coef_min=self.coef_min,
+            coef_max=self.coef_max,
+        )
         self.window_sum, self.window_count = 0.0, 0.0
         return self.coef
 
     def state_dict(self) -> dict[str, float]:
-        return {"coef": self.coef, "last_entropy": self.last_entropy, "window_sum": self.window_sum,
-                "window_count": self.window_count}  # fmt: skip
+        return {
+            "coef": self.coef,
+            "last_entropy": self.last_entropy,
+            "window_sum": self.window_sum,
+            "window_count": self.window_count,
+        }
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.coef = float(state["coef"])
@@ -651,8 +694,11 @@ def load_balancing_loss(
     device = layers[0].device
     dtype = torch.float64 if layers[0].dtype == torch.float64 else torch.float32
     rows = layers[0].shape[0]
-    weights = (torch.ones(rows, dtype=dtype, device=device) if attention_mask is None
-               else attention_mask.reshape(-1).to(device=device, dtype=dtype))  # fmt: skip
+    weights = (
+        torch.ones(rows, dtype=dtype, device=device)
+        if attention_mask is None
+        else attention_mask.reshape(-1).to(device=device, dtype=dtype)
+    )
     routed = torch.zeros(num_experts, dtype=dtype, device=device)
     probability = torch.zeros(num_experts, dtype=dtype, device=device)
     for layer in layers:
@@ -748,11 +794,15 @@ class PolicyLossSettings:
                 f"choose one of {list(IMPORTANCE_SAMPLING_LEVELS)}."
             )
         if self.entropy_normalization not in ENTROPY_NORMALIZATIONS:
-            raise ValueError(f"Unknown entropy_normalization {self.entropy_normalization!r}; choose one of "
-                             f"{list(ENTROPY_NORMALIZATIONS)}.")  # fmt: skip
+            raise ValueError(
+                f"Unknown entropy_normalization {self.entropy_normalization!r}; choose one of "
+                f"{list(ENTROPY_NORMALIZATIONS)}."
+            )
         if self.off_policy_correction not in OFF_POLICY_CORRECTIONS:
-            raise ValueError(f"Unknown off_policy_correction {self.off_policy_correction!r}; choose one of "
-                             f"{list(OFF_POLICY_CORRECTIONS)}.")  # fmt: skip
+            raise ValueError(
+                f"Unknown off_policy_correction {self.off_policy_correction!r}; choose one of "
+                f"{list(OFF_POLICY_CORRECTIONS)}."
+            )
         if self.decoupled and not spec.decoupled_correction:
             raise ValueError(
                 f"off_policy_correction='decoupled' is not defined for loss_type={self.loss_type!r}: its sequence "
@@ -769,12 +819,16 @@ class PolicyLossSettings:
 
     def objective_params(self) -> ObjectiveParams:
         return ObjectiveParams(
-            epsilon=self.epsilon, epsilon_high=self.epsilon if self.epsilon_high is None else self.epsilon_high,
-            delta=self.delta, sapo_temperature_pos=self.sapo_temperature_pos,
-            sapo_temperature_neg=self.sapo_temperature_neg, vespo_k_pos=self.vespo_k_pos,
-            vespo_lambda_pos=self.vespo_lambda_pos, vespo_k_neg=self.vespo_k_neg,
+            epsilon=self.epsilon,
+            epsilon_high=self.epsilon if self.epsilon_high is None else self.epsilon_high,
+            delta=self.delta,
+            sapo_temperature_pos=self.sapo_temperature_pos,
+            sapo_temperature_neg=self.sapo_temperature_neg,
+            vespo_k_pos=self.vespo_k_pos,
+            vespo_lambda_pos=self.vespo_lambda_pos,
+            vespo_k_neg=self.vespo_k_neg,
             vespo_lambda_neg=self.vespo_lambda_neg,
-        )  # fmt: skip
+        )
 
 
 @dataclass
@@ -828,14 +882,21 @@ def token_loss(
     ratio = torch.exp(log_ratio)
     if sampling_ratio is not None:
         sampling_ratio = sampling_ratio.to(device=logprobs.device, dtype=logprobs.dtype)
-    terms = PolicyTerms(logprobs=logprobs, log_ratio=token_log_ratio, ratio=ratio, advantages=advantages, mask=mask,
-                        sampling_ratio=sampling_ratio)  # fmt: skip
+    terms = PolicyTerms(
+        logprobs=logprobs,
+        log_ratio=token_log_ratio,
+        ratio=ratio,
+        advantages=advantages,
+        mask=mask,
+        sampling_ratio=sampling_ratio,
+    )
 
     per_token = spec.objective(terms, params)
     if settings.off_policy_mask_threshold is not None:
         behaviour = behaviour_logprobs if sampling_logprobs is None else sampling_logprobs
-        per_token = per_token * off_policy_mask(advantages, logprobs, behaviour, mask,
-                                                settings.off_policy_mask_threshold)  # fmt: skip
+        per_token = per_token * off_policy_mask(
+            advantages, logprobs, behaviour, mask, settings.off_policy_mask_threshold
+        )
     if loss_weights is not None:
         per_token = per_token * loss_weights
     if sampling_ratio is not None and not spec.corrects_sampling_itself:
@@ -844,9 +905,13 @@ def token_loss(
     if settings.decoupled:
         # With sampling_ratio = π_behav / π_sampler this makes the token's weight π_prox / π_sampler, each factor
         # truncated or masked by its own rule.
-        weight, correction_stats = behaviour_weight(old_logprobs, behaviour_logprobs, mask,
-                                                    cap=settings.off_policy_correction_cap,
-                                                    level=settings.importance_sampling_level)  # fmt: skip
+        weight, correction_stats = behaviour_weight(
+            old_logprobs,
+            behaviour_logprobs,
+            mask,
+            cap=settings.off_policy_correction_cap,
+            level=settings.importance_sampling_level,
+        )
         per_token = per_token * weight
 
     kl = None
@@ -876,8 +941,15 @@ def aggregate_token_loss(
     """The aggregation: the loss type's scalar of `token.per_token`, minus the "token_mean" entropy bonus. Returns
     (loss, the loss without that bonus, detached: None unless entropy_normalization="token_mean" with entropies)."""
     mask = token.mask
-    loss = _aggregate(settings.spec.aggregation, token.per_token, mask, num_sequences, num_tokens,
-                      settings.max_completion_length, num_micro_batches)  # fmt: skip
+    loss = _aggregate(
+        settings.spec.aggregation,
+        token.per_token,
+        mask,
+        num_sequences,
+        num_tokens,
+        settings.max_completion_length,
+        num_micro_batches,
+    )
     policy_part = None
     if entropies is not None and settings.entropy_normalization == "token_mean":
         policy_part = loss.detach()
@@ -932,18 +1004,39 @@ def policy_loss(
     if settings is None:
         unknown = sorted(set(setting_values) - {spec.name for spec in dataclasses.fields(PolicyLossSettings)})
         if unknown:
-            raise TypeError(f"policy_loss got unknown keyword(s) {unknown}: pass the tensors and counts by their "
-                            f"names and the hyper-parameters as PolicyLossSettings' fields.")  # fmt: skip
+            raise TypeError(
+                f"policy_loss got unknown keyword(s) {unknown}: pass the tensors and counts by their "
+                f"names and the hyper-parameters as PolicyLossSettings' fields."
+            )
         settings = PolicyLossSettings(**setting_values)
     elif setting_values:
-        raise TypeError(f"policy_loss got settings= and {sorted(setting_values)}: give the hyper-parameters one way, "
-                        f"e.g. settings=dataclasses.replace(settings, beta=0.1).")  # fmt: skip
-    token = token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, settings, entropies=entropies,
-                       entropy_coef=entropy_coef, loss_weights=loss_weights, sampling_logprobs=sampling_logprobs,
-                       sampling_ratio=sampling_ratio)  # fmt: skip
-    loss, policy_part = aggregate_token_loss(token, settings, num_sequences=num_sequences, num_tokens=num_tokens,
-                                             num_micro_batches=num_micro_batches, entropies=entropies,
-                                             entropy_coef=entropy_coef, loss_weights=loss_weights)  # fmt: skip
+        raise TypeError(
+            f"policy_loss got settings= and {sorted(setting_values)}: give the hyper-parameters one way, "
+            f"e.g. settings=dataclasses.replace(settings, beta=0.1)."
+        )
+    token = token_loss(
+        logprobs,
+        old_logprobs,
+        ref_logprobs,
+        advantages,
+        mask,
+        settings,
+        entropies=entropies,
+        entropy_coef=entropy_coef,
+        loss_weights=loss_weights,
+        sampling_logprobs=sampling_logprobs,
+        sampling_ratio=sampling_ratio,
+    )
+    loss, policy_part = aggregate_token_loss(
+        token,
+        settings,
+        num_sequences=num_sequences,
+        num_tokens=num_tokens,
+        num_micro_batches=num_micro_batches,
+        entropies=entropies,
+        entropy_coef=entropy_coef,
+        loss_weights=loss_weights,
+    )
     terms, mask = token.terms, token.mask
     with torch.no_grad():
         stats = LossStats(

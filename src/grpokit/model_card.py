@@ -19,10 +19,23 @@ MARKER = "<!-- grpokit model card: remove this line to keep grpokit from overwri
 
 # What distinguishes one GRPO run from another; the full configuration is in grpo_config.json.
 KEY_FIELDS = (
-    "loss_type", "beta", "num_generations", "learning_rate", "max_steps", "epsilon", "epsilon_high",
-    "num_iterations", "scale_rewards", "importance_sampling_level", "temperature", "max_completion_length",
-    "per_device_train_batch_size", "gradient_accumulation_steps", "lr_scheduler_type", "seed",
-)  # fmt: skip
+    "loss_type",
+    "beta",
+    "num_generations",
+    "learning_rate",
+    "max_steps",
+    "epsilon",
+    "epsilon_high",
+    "num_iterations",
+    "scale_rewards",
+    "importance_sampling_level",
+    "temperature",
+    "max_completion_length",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "lr_scheduler_type",
+    "seed",
+)
 # Builders whose name says how the data was stored, not which data it is.
 GENERIC_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "generator", "pandas")
 
@@ -60,18 +73,43 @@ def render_model_card(
     method: str = "GRPO",
 ) -> str:
     """Markdown text of the card. `rewards` is (function name, weight) pairs; `config` a GRPOConfig as a dict (only
-    KEY_FIELDS are shown; no reward section without rewards); `base_model` the hub id or path ("" for a model built in code: then `model_class`
-    names it); `final_metrics` / `final_eval` the last training / evaluation record of log_history."""
+    KEY_FIELDS are shown; no reward section without rewards); `base_model` the hub id or path ("" for a model built in
+    code: then `model_class` names it); `final_metrics` / `final_eval` the last training / evaluation record of
+    log_history."""
     lines = [
-        "---", "library_name: transformers", "tags: [grpokit, grpo]", "---", MARKER, "", f"# {title}", "",
+        "---",
+        "library_name: transformers",
+        "tags: [grpokit, grpo]",
+        "---",
+        MARKER,
+        "",
+        f"# {title}",
+        "",
         f"Trained with {method} (grpokit {__version__}) from "
-        f"{f'the base model **{base_model}**' if base_model else f'a `{model_class}` built in code'}.", "",
-        "## Training data", "", f"- dataset: {dataset}", "",
-        *(["## Reward functions", "", "| reward function | weight |", "|---|---|",
-           *(f"| `{name}` | {weight:g} |" for name, weight in rewards), ""] if rewards else []),
-        "## Configuration", "", "Key settings (every field is in `grpo_config.json` of the run's output_dir).", "",
+        f"{f'the base model **{base_model}**' if base_model else f'a `{model_class}` built in code'}.",
+        "",
+        "## Training data",
+        "",
+        f"- dataset: {dataset}",
+        "",
+        *(
+            [
+                "## Reward functions",
+                "",
+                "| reward function | weight |",
+                "|---|---|",
+                *(f"| `{name}` | {weight:g} |" for name, weight in rewards),
+                "",
+            ]
+            if rewards
+            else []
+        ),
+        "## Configuration",
+        "",
+        "Key settings (every field is in `grpo_config.json` of the run's output_dir).",
+        "",
         *_table(("field", "value"), [(key, config[key]) for key in KEY_FIELDS if key in config]),
-    ]  # fmt: skip
+    ]
     for heading, record in (("Final training metrics", final_metrics), ("Final evaluation", final_eval)):
         if record:
             metrics = [(key, value) for key, value in record.items() if key not in ("step", "epoch")]
@@ -79,20 +117,31 @@ def render_model_card(
     return "\n".join(lines) + "\n"
 
 
-def run_model_card(args, model, state, train_dataset, rewards: Sequence[tuple[str, float]], method: str = "GRPO",
-                   final_keys: tuple[str, str] = ("reward", "eval/reward"),
-                   config: dict | None = None) -> str:  # fmt: skip
+def run_model_card(
+    args,
+    model,
+    state,
+    train_dataset,
+    rewards: Sequence[tuple[str, float]],
+    method: str = "GRPO",
+    final_keys: tuple[str, str] = ("reward", "eval/reward"),
+    config: dict | None = None,
+) -> str:
     """The card of a run of `method`: `config` (default: args'), and the last records of state.log_history with
     `final_keys` (train, eval); `rewards` as in `render_model_card`."""
     history = state.log_history
     base_model = getattr(getattr(model, "config", None), "name_or_path", "")
     return render_model_card(
-        args.run_name or Path(args.output_dir).name, base_model, describe_dataset(train_dataset), rewards,
+        args.run_name or Path(args.output_dir).name,
+        base_model,
+        describe_dataset(train_dataset),
+        rewards,
         {**(config or args.to_dict()), "max_steps": state.max_steps},
         final_metrics=next((r for r in reversed(history) if final_keys[0] in r), None),
         final_eval=next((r for r in reversed(history) if final_keys[1] in r), None),
-        model_class=type(model).__name__, method=method,
-    )  # fmt: skip
+        model_class=type(model).__name__,
+        method=method,
+    )
 
 
 def model_card_writable(directory: str | Path) -> bool:

@@ -21,7 +21,7 @@ from .quantized import quantize_linears
 
 def looks_like_local_path(name: str) -> bool:
     """Hub ids are `name` or `org/name`; anything else (absolute, ./, ~, more slashes) is meant as a path."""
-    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
 
 
 def check_model_source(name: str) -> None:
@@ -124,21 +124,29 @@ def check_liger_kernel(model, args) -> None:
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         if isinstance(model.get_output_embeddings(), BaseTunerLayer):
-            raise ValueError("Applying a PEFT adapter to `lm_head` is not supported: the log-probabilities are "
-                             "computed from `lm_head.weight` directly, so the adapter would never be trained. Remove "
-                             "`'lm_head'` from your `target_modules`.")  # fmt: skip
+            raise ValueError(
+                "Applying a PEFT adapter to `lm_head` is not supported: the log-probabilities are "
+                "computed from `lm_head.weight` directly, so the adapter would never be trained. Remove "
+                "`'lm_head'` from your `target_modules`."
+            )
         if model.active_peft_config.is_prompt_learning:
-            raise ValueError("use_liger_kernel=True is not supported with prompt learning (prompt / prefix tuning): "
-                             "its virtual tokens are not inputs of the fused LM head. Use LoRA, or "
-                             "use_liger_kernel=False.")  # fmt: skip
+            raise ValueError(
+                "use_liger_kernel=True is not supported with prompt learning (prompt / prefix tuning): "
+                "its virtual tokens are not inputs of the fused LM head. Use LoRA, or "
+                "use_liger_kernel=False."
+            )
     if (args.liger_kernel_config or {}).get("fused_linear_cross_entropy"):
-        raise ValueError('`liger_kernel_config={"fused_linear_cross_entropy": True}` is not supported: it replaces '
-                         "the model's forward, which this trainer patches with a fused LM head.")  # fmt: skip
+        raise ValueError(
+            '`liger_kernel_config={"fused_linear_cross_entropy": True}` is not supported: it replaces '
+            "the model's forward, which this trainer patches with a fused LM head."
+        )
     from transformers.utils import is_liger_kernel_available
 
     if not is_liger_kernel_available():
-        raise ImportError("You have set `use_liger_kernel` to `True` but liger-kernel >= 0.3.0 is not available. "
-                          "Please install it with `pip install liger-kernel`")  # fmt: skip
+        raise ImportError(
+            "You have set `use_liger_kernel` to `True` but liger-kernel >= 0.3.0 is not available. "
+            "Please install it with `pip install liger-kernel`"
+        )
 
 
 @contextlib.contextmanager
@@ -183,8 +191,9 @@ def unsharded_copy(model, weights: dict[str, torch.Tensor]):
     architecture = next(c for c in type(base).__mro__ if not issubclass(c, FSDPModule))
     adapter = model.active_adapter
     with torch.device("meta"):
-        plain = get_peft_model(architecture(copy.deepcopy(base.config)), copy.deepcopy(model.peft_config[adapter]),
-                               adapter_name=adapter)  # fmt: skip
+        plain = get_peft_model(
+            architecture(copy.deepcopy(base.config)), copy.deepcopy(model.peft_config[adapter]), adapter_name=adapter
+        )
     missing, _ = plain.load_state_dict(weights, strict=False, assign=True)
     tied = tied_weight_keys(plain.get_base_model())
     missing = [k for k in missing if not any(k.endswith(t) for t in tied)]
@@ -201,8 +210,9 @@ def adapter_parameter_names(model) -> dict[str, str]:
     from peft import get_peft_model_state_dict
 
     trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    saved = get_peft_model_state_dict(model, state_dict=trainable, adapter_name=model.active_adapter,
-                                      save_embedding_layers=False)  # fmt: skip
+    saved = get_peft_model_state_dict(
+        model, state_dict=trainable, adapter_name=model.active_adapter, save_embedding_layers=False
+    )
     name_of = {id(p): name for name, p in trainable.items()}
     return {key: name_of[id(value)] for key, value in saved.items() if id(value) in name_of}
 
@@ -220,8 +230,10 @@ def load_model_weights(model, directory: Path) -> None:
         saved, names = load_file(str(directory / "adapter_model.safetensors")), adapter_parameter_names(model)
         unknown, absent = sorted(set(saved) - set(names)), sorted(set(names) - set(saved))
         if unknown or absent:
-            raise RuntimeError(f"The adapter in {directory} does not match the model's: unexpected {unknown[:5]}, "
-                               f"missing {absent[:5]}.")  # fmt: skip
+            raise RuntimeError(
+                f"The adapter in {directory} does not match the model's: unexpected {unknown[:5]}, "
+                f"missing {absent[:5]}."
+            )
         load_full_state_dict(model, {names[key]: value for key, value in saved.items()}, strict=False)
         return
     weights = {}
@@ -231,8 +243,9 @@ def load_model_weights(model, directory: Path) -> None:
     tied = tied_weight_keys(model)
     missing = [k for k in missing if k not in tied and not any(k.endswith(t) for t in tied)]
     if unexpected or missing:
-        raise RuntimeError(f"Checkpoint {directory} does not match the model: missing {missing[:5]}, "
-                           f"unexpected {unexpected[:5]}.")  # fmt: skip
+        raise RuntimeError(
+            f"Checkpoint {directory} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}."
+        )
 
 
 def prompt_length_limit(model, args) -> PromptLimit | None:
@@ -246,13 +259,18 @@ def prompt_length_limit(model, args) -> PromptLimit | None:
     if limit is None:
         return PromptLimit.of(args.max_prompt_length)
     if args.max_completion_length >= limit:
-        raise ValueError(f"max_completion_length={args.max_completion_length} does not fit the model's context "
-                         f"({limit} positions); lower max_completion_length.")  # fmt: skip
+        raise ValueError(
+            f"max_completion_length={args.max_completion_length} does not fit the model's context "
+            f"({limit} positions); lower max_completion_length."
+        )
     if args.max_prompt_length is not None and args.max_prompt_length + args.max_completion_length <= limit:
         return PromptLimit.of(args.max_prompt_length)
-    return PromptLimit(limit - args.max_completion_length, f"so that prompt + completion fits the model's {limit} "
-                                                            f"positions with max_completion_length="
-                                                            f"{args.max_completion_length}")
+    return PromptLimit(
+        limit - args.max_completion_length,
+        f"so that prompt + completion fits the model's {limit} "
+        f"positions with max_completion_length="
+        f"{args.max_completion_length}",
+    )
 
 
 def reshard(model: torch.nn.Module) -> None:
@@ -284,8 +302,10 @@ def build_policy(model, processing_class, peft_config, args, quantization_config
     Dropout is turned off when asked, LoRA applied when a peft_config is given."""
     if isinstance(model, str):
         name = model
-        init_kwargs = {**(args.model_init_kwargs or {}),
-                       **({"quantization_config": quantization_config} if quantization_config is not None else {})}
+        init_kwargs = {
+            **(args.model_init_kwargs or {}),
+            **({"quantization_config": quantization_config} if quantization_config is not None else {}),
+        }
         model = load_causal_lm(name, init_kwargs, args.trust_remote_code)
         vision = is_vision_language_model(model)
         processing_class = processing_class or load_tokenizer(name, args.trust_remote_code, vision)
@@ -374,8 +394,12 @@ def enable_gradient_checkpointing(model, args, device: torch.device) -> None:
     checkpoint_kwargs = dict(args.gradient_checkpointing_kwargs or {})
     layer_options = {key: checkpoint_kwargs.pop(key) for key in LAYER_CHECKPOINTING_OPTIONS if key in checkpoint_kwargs}
     if layer_options.get("offload") and torch.device(device).type == "cpu":  # transformers' pinning would fail
-        warnings.warn("gradient_checkpointing_kwargs offload=True has no effect on a CPU: the activations are in host "
-                      "memory already. It is left off; set it on GPU runs.", UserWarning, stacklevel=3)  # fmt: skip
+        warnings.warn(
+            "gradient_checkpointing_kwargs offload=True has no effect on a CPU: the activations are in host "
+            "memory already. It is left off; set it on GPU runs.",
+            UserWarning,
+            stacklevel=3,
+        )
         del layer_options["offload"]
     checkpoint_kwargs = checkpoint_kwargs or {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24 (gradient_* is a deprecated alias)
@@ -386,9 +410,11 @@ def enable_gradient_checkpointing(model, args, device: torch.device) -> None:
         known = inspect.signature(model.gradient_checkpointing_enable).parameters
         unknown = [key for key in layer_options if key not in known]
         if unknown:
-            raise ValueError(f"gradient_checkpointing_kwargs {unknown}: transformers {transformers.__version__} "
-                             "checkpoints every layer and has no such option (it came with transformers 5.19). "
-                             "Upgrade transformers, or remove the key.")  # fmt: skip
+            raise ValueError(
+                f"gradient_checkpointing_kwargs {unknown}: transformers {transformers.__version__} "
+                "checkpoints every layer and has no such option (it came with transformers 5.19). "
+                "Upgrade transformers, or remove the key."
+            )
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs, **layer_options)
     if is_peft_model(model):  # frozen embeddings would cut the graph through checkpointed blocks
         model.enable_input_require_grads()
@@ -402,19 +428,26 @@ def build_reference(model_argument, policy, args):
     Under ZeRO-3 with the model loaded partitioned (accelerate's zero.Init), a second load of it, partitioned the
     same way (a partitioned model cannot be copied)."""
     if args.ref_model_dtype and is_peft_model(policy):
-        raise ValueError(f"ref_model_dtype={args.ref_model_dtype!r} with LoRA: the reference is the base model with "
-                         f"the adapter off, not a copy, so it has no dtype of its own. Load the base in that dtype "
-                         f"(model_init_kwargs={{'dtype': {args.ref_model_dtype!r}}}), or unset ref_model_dtype.")
+        raise ValueError(
+            f"ref_model_dtype={args.ref_model_dtype!r} with LoRA: the reference is the base model with "
+            f"the adapter off, not a copy, so it has no dtype of its own. Load the base in that dtype "
+            f"(model_init_kwargs={{'dtype': {args.ref_model_dtype!r}}}), or unset ref_model_dtype."
+        )
     if args.ref_model_dtype and args.beta == 0:
-        warnings.warn(f"ref_model_dtype={args.ref_model_dtype!r} has no effect with beta=0: there is no reference "
-                      f"model.", UserWarning, stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"ref_model_dtype={args.ref_model_dtype!r} has no effect with beta=0: there is no reference model.",
+            UserWarning,
+            stacklevel=3,
+        )
     if args.beta == 0 or is_peft_model(policy):
         return None
     int8 = args.ref_model_dtype == "int8"  # bfloat16, then int8 linear layers (grpokit/quantized.py)
     dtype = torch.bfloat16 if int8 else getattr(torch, args.ref_model_dtype) if args.ref_model_dtype else None
     if int8 and is_zero3(policy):
-        raise NotImplementedError("ref_model_dtype='int8' under ZeRO-3 is not supported (the reference is loaded "
-                                  "partitioned there); use ref_model_dtype='bfloat16'.")  # fmt: skip
+        raise NotImplementedError(
+            "ref_model_dtype='int8' under ZeRO-3 is not supported (the reference is loaded "
+            "partitioned there); use ref_model_dtype='bfloat16'."
+        )
     if not is_zero3(policy):
         reference = frozen_copy(policy, dtype)
         if int8:
@@ -422,9 +455,11 @@ def build_reference(model_argument, policy, args):
         contiguous_head_input(reference)
         return reference
     if not isinstance(model_argument, str):
-        raise NotImplementedError("Under ZeRO-3 the model was loaded already partitioned, so its reference cannot be "
-                                  "copied from it: pass the model as a path or hub id (GRPOTrainer(model=...)), or "
-                                  "set beta=0.")  # fmt: skip
+        raise NotImplementedError(
+            "Under ZeRO-3 the model was loaded already partitioned, so its reference cannot be "
+            "copied from it: pass the model as a path or hub id (GRPOTrainer(model=...)), or "
+            "set beta=0."
+        )
     init_kwargs = {**(args.model_init_kwargs or {}), **({"dtype": dtype} if dtype is not None else {})}
     reference = load_causal_lm(model_argument, init_kwargs, args.trust_remote_code)
     if args.disable_dropout:

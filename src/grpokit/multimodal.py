@@ -57,16 +57,19 @@ def load_image(image, where: str | None = None):
     if isinstance(image, bytes):
         image, source = io.BytesIO(image), f"{len(image)} bytes"
     elif not (isinstance(image, str) or hasattr(image, "__fspath__")):
-        raise TypeError(f"An image must be a PIL image or a path; got {type(image).__name__}"
-                        f"{f' ({where})' if where else ''}.")  # fmt: skip
+        raise TypeError(
+            f"An image must be a PIL image or a path; got {type(image).__name__}{f' ({where})' if where else ''}."
+        )
     try:
         with Image.open(image) as opened:
             return opened.convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError) as error:  # PIL's UnidentifiedImageError: an OSError
         if where is None:
             raise
-        raise ValueError(f"The image at {where} cannot be read ({source!s:.80}: {error}); fix or drop that row "
-                         f"(e.g. dataset.filter).") from error  # fmt: skip
+        raise ValueError(
+            f"The image at {where} cannot be read ({source!s:.80}: {error}); fix or drop that row "
+            f"(e.g. dataset.filter)."
+        ) from error
 
 
 def load_row_images(row: dict, index: int) -> list:
@@ -74,9 +77,14 @@ def load_row_images(row: dict, index: int) -> list:
     its batch, with the prompt's start) and column."""
     column = "images" if row.get("images") is not None else "image"
     prompt = str(row.get("prompt", ""))[:60]
-    return [load_image(image, f"row {index} of this batch (prompt {prompt!r}), column {column!r}"
-                              + (f" (item {item})" if column == "images" else ""))  # fmt: skip
-            for item, image in enumerate(row_images(row) or [])]
+    return [
+        load_image(
+            image,
+            f"row {index} of this batch (prompt {prompt!r}), column {column!r}"
+            + (f" (item {item})" if column == "images" else ""),
+        )
+        for item, image in enumerate(row_images(row) or [])
+    ]
 
 
 def prepare_multimodal_messages(messages: list[dict], images: list | None = None) -> list[dict]:
@@ -99,11 +107,18 @@ def prepare_multimodal_messages(messages: list[dict], images: list | None = None
         elif isinstance(content, list):
             message = {**message, "content": [dict(part) for part in content]}
         prepared.append(message)
-    empty = [part for m in prepared if isinstance(m.get("content"), list) for part in m["content"]
-             if part.get("type") == "image" and part.get("image") is None]  # fmt: skip
+    empty = [
+        part
+        for m in prepared
+        if isinstance(m.get("content"), list)
+        for part in m["content"]
+        if part.get("type") == "image" and part.get("image") is None
+    ]
     if len(empty) != len(images):
-        raise ValueError(f"A prompt has {len(empty)} image placeholder(s) for {len(images)} image(s) in its row: give "
-                         f"one {{'type': 'image'}} part per image of the 'image'/'images' column.")  # fmt: skip
+        raise ValueError(
+            f"A prompt has {len(empty)} image placeholder(s) for {len(images)} image(s) in its row: give "
+            f"one {{'type': 'image'}} part per image of the 'image'/'images' column."
+        )
     for part, image in zip(empty, images):
         part["image"] = image
     return prepared
@@ -111,8 +126,13 @@ def prepare_multimodal_messages(messages: list[dict], images: list | None = None
 
 def message_images(messages: list[dict]) -> list:
     """The images held by the image parts of prepared messages, in order."""
-    return [part["image"] for m in messages if isinstance(m.get("content"), list) for part in m["content"]
-            if part.get("type") == "image" and part.get("image") is not None]  # fmt: skip
+    return [
+        part["image"]
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for part in m["content"]
+        if part.get("type") == "image" and part.get("image") is not None
+    ]
 
 
 def without_images(value: Any) -> Any:
@@ -129,8 +149,11 @@ def without_images(value: Any) -> Any:
 def loggable_prompt(prompt: Any, with_images: bool) -> dict:
     """A prompt for the completions log: {"prompt": without its images} and, with_images (log_multimodal), its
     images under "images" (PIL; the log writes them as PNG files)."""
-    images = message_images(prompt) if with_images and isinstance(prompt, list) and prompt and \
-        isinstance(prompt[0], dict) else []  # fmt: skip
+    images = (
+        message_images(prompt)
+        if with_images and isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)
+        else []
+    )
     return {"prompt": without_images(prompt), **({"images": images} if images else {})}
 
 
@@ -152,10 +175,12 @@ def check_images_supported(processing_class, columns: list[str], name: str = "tr
     """A dataset with image columns needs a vision-language model's processor."""
     found = [c for c in IMAGE_COLUMNS if c in columns]
     if found and not is_processor(processing_class):
-        raise ValueError(f"{name} has an image column ({found[0]!r}), but the processing class is a text tokenizer: "
-                         f"images need a vision-language model and its processor. Pass a VLM checkpoint (e.g. "
-                         f"Qwen2.5-VL, Gemma 3) or processing_class=AutoProcessor.from_pretrained(...), or drop the "
-                         f"image column for a text-only model.")  # fmt: skip
+        raise ValueError(
+            f"{name} has an image column ({found[0]!r}), but the processing class is a text tokenizer: "
+            f"images need a vision-language model and its processor. Pass a VLM checkpoint (e.g. "
+            f"Qwen2.5-VL, Gemma 3) or processing_class=AutoProcessor.from_pretrained(...), or drop the "
+            f"image column for a text-only model."
+        )
 
 
 # ---------------------------------------------------------------------------------------------- processor outputs
@@ -198,17 +223,17 @@ class MultimodalInputs:
     def __len__(self) -> int:
         return len(self.index)
 
-    def select(self, rows: torch.Tensor | slice | list[int]) -> "MultimodalInputs":
+    def select(self, rows: torch.Tensor | slice | list[int]) -> MultimodalInputs:
         if isinstance(rows, slice):
             return MultimodalInputs(self.prompts, self.index[rows])
         rows = torch.as_tensor(rows, dtype=torch.long)
         return MultimodalInputs(self.prompts, self.index[rows.to(self.index.device)])
 
-    def to(self, device) -> "MultimodalInputs":
+    def to(self, device) -> MultimodalInputs:
         return MultimodalInputs([{k: v.to(device) for k, v in p.items()} for p in self.prompts], self.index.to(device))
 
     @staticmethod
-    def concat(parts: list["MultimodalInputs"]) -> "MultimodalInputs":
+    def concat(parts: list[MultimodalInputs]) -> MultimodalInputs:
         prompts, indices = [], []
         for part in parts:
             indices.append(part.index + len(prompts))
@@ -219,11 +244,17 @@ class MultimodalInputs:
         return {"prompts": self.prompts, "index": self.index}
 
     @classmethod
-    def from_state_dict(cls, state: dict) -> "MultimodalInputs":
+    def from_state_dict(cls, state: dict) -> MultimodalInputs:
         return cls(state["prompts"], state["index"])
 
-    def model_inputs(self, rows: torch.Tensor | None, prompt_width: int, total_width: int | None = None,
-                     dtype: torch.dtype | None = None, keys: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+    def model_inputs(
+        self,
+        rows: torch.Tensor | None,
+        prompt_width: int,
+        total_width: int | None = None,
+        dtype: torch.dtype | None = None,
+        keys: tuple[str, ...] | None = None,
+    ) -> dict[str, torch.Tensor]:
         """The forward's keyword arguments for `rows` (default: every row), whose prompts are left-padded to
         `prompt_width` tokens: per-image tensors concatenated in row order, per-token ones (TOKEN_FIELDS)
         left-padded to the prompt and zero over the completion up to `total_width`. Floating tensors (pixels) are
@@ -252,8 +283,13 @@ class MultimodalInputs:
         return out
 
 
-def batch_model_inputs(multimodal: MultimodalInputs | None, rows, prompt_width: int, total_width: int | None = None,
-                       model: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+def batch_model_inputs(
+    multimodal: MultimodalInputs | None,
+    rows,
+    prompt_width: int,
+    total_width: int | None = None,
+    model: torch.nn.Module | None = None,
+) -> dict[str, torch.Tensor]:
     """`multimodal.model_inputs(...)` with pixels in the model's floating dtype, or {} for a text-only batch."""
     if multimodal is None:
         return {}
@@ -277,8 +313,14 @@ def rope_index_owner(model: torch.nn.Module):
     return None
 
 
-def rope_position_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      multimodal: MultimodalInputs | None, rows=None, prompt_width: int | None = None):  # fmt: skip
+def rope_position_ids(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    multimodal: MultimodalInputs | None,
+    rows=None,
+    prompt_width: int | None = None,
+):
     """M-RoPE positions [3, N, L] of input_ids [N, L] (prompts left-padded to prompt_width, then completions), from
     the model's own `get_rope_index`; None for a model without one or rows without image grids (whose positions
     are the usual ones, from the mask)."""
@@ -290,8 +332,10 @@ def rope_position_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention
     if "image_grid_thw" not in fields and "video_grid_thw" not in fields:
         return None
     if "mm_token_type_ids" not in fields:
-        raise ValueError("This model computes its positions from mm_token_type_ids, which the processor did not "
-                         "return; upgrade transformers (5.x processors return it).")  # fmt: skip
+        raise ValueError(
+            "This model computes its positions from mm_token_type_ids, which the processor did not "
+            "return; upgrade transformers (5.x processors return it)."
+        )
     positions, _ = owner.get_rope_index(input_ids, attention_mask=attention_mask, **fields)
     return positions
 

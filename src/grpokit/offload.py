@@ -46,7 +46,7 @@ class ActivationOffload:
         self.offloaded_bytes = 0
         self._hooks = None
 
-    def __enter__(self) -> "ActivationOffload":
+    def __enter__(self) -> ActivationOffload:
         self.offloaded = self.offloaded_bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
@@ -58,9 +58,13 @@ class ActivationOffload:
 
     def _pack(self, tensor: torch.Tensor):
         size = tensor.numel() * tensor.element_size()
-        if (type(tensor) is not torch.Tensor or tensor.layout != torch.strided
-                or isinstance(tensor._base, torch.nn.Parameter)  # a view of a weight (the weight stays anyway)
-                or tensor.device.type != self.device_type or size < self.min_bytes):  # fmt: skip
+        if (
+            type(tensor) is not torch.Tensor
+            or tensor.layout != torch.strided
+            or isinstance(tensor._base, torch.nn.Parameter)  # a view of a weight (the weight stays anyway)
+            or tensor.device.type != self.device_type
+            or size < self.min_bytes
+        ):
             return tensor
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pin_memory)
         host.copy_(tensor, non_blocking=self.pin_memory)

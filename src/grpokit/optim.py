@@ -58,15 +58,22 @@ def _grpokit_optimizer(args) -> tuple[type, dict]:
     try:
         from torchao.optim import _AdamW
     except ImportError as error:
-        raise ImportError(f"optim={args.optim!r} needs torchao: pip install '.[lowmem]' in grpokit's checkout "
-                          f"({error})") from error
+        raise ImportError(
+            f"optim={args.optim!r} needs torchao: pip install '.[lowmem]' in grpokit's checkout ({error})"
+        ) from error
     options = dict(pair.partition("=")[::2] for pair in (args.optim_args or "").replace(" ", "").split(",") if pair)
     rounding = options.pop("bf16_stochastic_round", "True").lower()
     if options or rounding not in ("true", "false"):
-        raise ValueError(f"optim={args.optim!r} takes optim_args 'bf16_stochastic_round=True|False' only; got "
-                         f"{args.optim_args!r}.")  # fmt: skip
-    return _AdamW, dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-                        weight_decay=args.weight_decay, bf16_stochastic_round=rounding == "true")  # fmt: skip
+        raise ValueError(
+            f"optim={args.optim!r} takes optim_args 'bf16_stochastic_round=True|False' only; got {args.optim_args!r}."
+        )
+    return _AdamW, dict(
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        weight_decay=args.weight_decay,
+        bf16_stochastic_round=rounding == "true",
+    )
 
 
 def build_optimizer(params_or_model, args) -> torch.optim.Optimizer:
@@ -87,8 +94,10 @@ def build_optimizer(params_or_model, args) -> torch.optim.Optimizer:
     if decayed is None:
         groups = [{"params": [p for _, p in named], "weight_decay": args.weight_decay}]
     else:
-        groups = [{"params": [p for name, p in named if name in decayed], "weight_decay": args.weight_decay},
-                  {"params": [p for name, p in named if name not in decayed], "weight_decay": 0.0}]  # fmt: skip
+        groups = [
+            {"params": [p for name, p in named if name in decayed], "weight_decay": args.weight_decay},
+            {"params": [p for name, p in named if name not in decayed], "weight_decay": 0.0},
+        ]
         groups = [group for group in groups if group["params"]]
     if args.optim in GRPOKIT_OPTIMIZERS:
         optimizer_cls, kwargs = _grpokit_optimizer(args)
@@ -166,8 +175,10 @@ class RowChunkedAdam:
         with torch._dynamo.utils.disable_cache_limit():  # as torchao: a fixed set of shapes per model
             for group in self.param_groups:
                 if not isinstance(group["lr"], torch.Tensor):
-                    raise RuntimeError("lr was changed to a non-Tensor object; torchao's optimizers need "
-                                       "optim.param_groups[i]['lr'].fill_(new_lr).")  # fmt: skip
+                    raise RuntimeError(
+                        "lr was changed to a non-Tensor object; torchao's optimizers need "
+                        "optim.param_groups[i]['lr'].fill_(new_lr)."
+                    )
                 for p in group["params"]:
                     if p.grad is None:
                         continue
@@ -183,17 +194,28 @@ class RowChunkedAdam:
                     state["step"] += 1
                     states = [state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq")]
                     round_bf16 = self.bf16_stochastic_round and p.dtype is torch.bfloat16
-                    own_rounding = round_bf16 and p.device.type == "cpu" and type(p) in (torch.Tensor,
-                                                                                          torch.nn.Parameter)
+                    own_rounding = (
+                        round_bf16 and p.device.type == "cpu" and type(p) in (torch.Tensor, torch.nn.Parameter)
+                    )
                     for rows in _row_blocks(p, states):
                         weights = _rows_of(p.detach(), rows)
                         if own_rounding:
                             if master.numel() < weights.numel():
                                 master = torch.empty(weights.numel())
                             target, weights = weights, master[: weights.numel()].view(weights.shape).copy_(weights)
-                        update(weights, _rows_of(p.grad, rows), state["step"], *[_rows_of(x, rows) for x in states],
-                               group["lr"], group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"],
-                               self.is_adamw, round_bf16 and not own_rounding)  # fmt: skip
+                        update(
+                            weights,
+                            _rows_of(p.grad, rows),
+                            state["step"],
+                            *[_rows_of(x, rows) for x in states],
+                            group["lr"],
+                            group["betas"][0],
+                            group["betas"][1],
+                            group["weight_decay"],
+                            group["eps"],
+                            self.is_adamw,
+                            round_bf16 and not own_rounding,
+                        )
                         if own_rounding:
                             seed = torch.randint(1 << 31, (), dtype=torch.int64, device=p.device)
                             rounding(weights, target, seed)
@@ -242,5 +264,6 @@ def _rows_of(state: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
     if type(sliced) is torch.Tensor:
         return sliced
     names, context = sliced.__tensor_flatten__()  # torchao's states: the appearance dtype comes last
-    return type(sliced).__tensor_unflatten__({name: getattr(sliced, name) for name in names},
-                                             [*context[:-1], state.dtype], None, None)  # fmt: skip
+    return type(sliced).__tensor_unflatten__(
+        {name: getattr(sliced, name) for name in names}, [*context[:-1], state.dtype], None, None
+    )

@@ -55,12 +55,18 @@ class PackedRows:
             return allowed
         if attn_implementation == "eager":
             return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-                ~allowed, torch.finfo(dtype).min)  # fmt: skip
+                ~allowed, torch.finfo(dtype).min
+            )
         raise ValueError(f"packed rows have no mask for attn_implementation={attn_implementation!r}")
 
 
-def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-              completion_length: int, row_tokens: int | None = None) -> PackedRows | None:  # fmt: skip
+def pack_rows(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    completion_length: int,
+    row_tokens: int | None = None,
+) -> PackedRows | None:
     """Pack rows input_ids [N, P + T] (prompt left-padded, completion of width T; attention_mask [N, P + T],
     position_ids [N, P + T] as the padded forward takes them) into `PackedRows`; None when no completion token is
     real (nothing to predict).
@@ -76,8 +82,10 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_id
     mask = attention_mask.bool()
     prompt_real = mask[:, :prompt_length]
     if not bool(prompt_real.any(-1).all()):
-        raise ValueError("pack_rows: a prompt has no real token (attention_mask all 0 over the first P columns); "
-                         "nothing predicts its first completion token.")  # fmt: skip
+        raise ValueError(
+            "pack_rows: a prompt has no real token (attention_mask all 0 over the first P columns); "
+            "nothing predicts its first completion token."
+        )
     completion_real = mask[:, prompt_length:]
     columns = torch.arange(1, completion_length + 1, device=input_ids.device)
     lengths = torch.where(completion_real, columns, 0).amax(-1).tolist()  # [N] up to the last real token
@@ -159,6 +167,11 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_id
     allowed = (segment_of[:, :, None] == segment_of[:, None, :]) & causal & is_key[:, None, :]
     allowed &= (completion_of[:, None, :] == -1) | (completion_of[:, :, None] == completion_of[:, None, :])
     allowed |= filler.view(shape)[:, :, None] & torch.eye(row_width, dtype=torch.bool, device=device)
-    return PackedRows(ids, positions, allowed, torch.tensor(hidden_index, device=device),
-                      torch.tensor(target_rows, device=device),
-                      torch.tensor(target_columns, device=device))  # fmt: skip
+    return PackedRows(
+        ids,
+        positions,
+        allowed,
+        torch.tensor(hidden_index, device=device),
+        torch.tensor(target_rows, device=device),
+        torch.tensor(target_columns, device=device),
+    )

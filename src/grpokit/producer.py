@@ -62,8 +62,14 @@ from .streaming import DaemonPool, GroupTask
 logger = logging.getLogger("grpokit")
 
 
-def check_async(args: GRPOConfig, num_processes: int, deepspeed: int | None = None,
-                sharded: bool = False, shared_engine: bool = False, lora: bool = False) -> None:  # fmt: skip
+def check_async(
+    args: GRPOConfig,
+    num_processes: int,
+    deepspeed: int | None = None,
+    sharded: bool = False,
+    shared_engine: bool = False,
+    lora: bool = False,
+) -> None:
     """What asynchronous generation supports today, refused by name otherwise. `deepspeed`: the ZeRO stage (None:
     no DeepSpeed); `shared_engine`: the producer
     samples with the trainer's own engine (vLLM, a rollout_engine), not one of its own; `lora`: a peft_config (the
@@ -72,53 +78,68 @@ def check_async(args: GRPOConfig, num_processes: int, deepspeed: int | None = No
         return
     if sharded:  # FSDP2: the producers' copies are whole models, given the gathered weights of each version
         if args.async_schedule == "latest":
-            raise NotImplementedError("async_schedule='latest' with a sharded model (FSDP2): the trainer gathers the "
-                                      "weights each batch is sampled by, at a step every process knows in advance, "
-                                      "which only the exact schedule gives. Leave async_schedule unset.")  # fmt: skip
+            raise NotImplementedError(
+                "async_schedule='latest' with a sharded model (FSDP2): the trainer gathers the "
+                "weights each batch is sampled by, at a step every process knows in advance, "
+                "which only the exact schedule gives. Leave async_schedule unset."
+            )
         if args.beta > 0 and not lora:
-            raise NotImplementedError("max_staleness with a sharded model (FSDP2) and beta > 0: the reference model is "
-                                      "sharded too, and its forwards (π_ref, in the producer) would be collectives "
-                                      "interleaving with the training's. Use beta=0 (TRL's default), LoRA (the "
-                                      "reference is the producer's copy with the adapter off), or DDP.")  # fmt: skip
+            raise NotImplementedError(
+                "max_staleness with a sharded model (FSDP2) and beta > 0: the reference model is "
+                "sharded too, and its forwards (π_ref, in the producer) would be collectives "
+                "interleaving with the training's. Use beta=0 (TRL's default), LoRA (the "
+                "reference is the producer's copy with the adapter off), or DDP."
+            )
     if deepspeed == 3:
-        raise NotImplementedError("max_staleness (asynchronous generation) does not run under DeepSpeed ZeRO-3 yet: "
-                                  "the producer's copy would hold ZeRO-3's partitioned, empty parameters. Use "
-                                  "ZeRO-1/2 or FSDP2 (whose weights the trainer gathers for the producer), or set "
-                                  "max_staleness=None.")  # fmt: skip
+        raise NotImplementedError(
+            "max_staleness (asynchronous generation) does not run under DeepSpeed ZeRO-3 yet: "
+            "the producer's copy would hold ZeRO-3's partitioned, empty parameters. Use "
+            "ZeRO-1/2 or FSDP2 (whose weights the trainer gathers for the producer), or set "
+            "max_staleness=None."
+        )
     if args.num_iterations != 1 or args.steps_per_generation != args.gradient_accumulation_steps:
         raise NotImplementedError(
             f"max_staleness (asynchronous generation) needs one optimizer step per generation batch: "
             f"num_iterations=1 and steps_per_generation == gradient_accumulation_steps (got num_iterations="
             f"{args.num_iterations}, steps_per_generation={args.steps_per_generation}, gradient_accumulation_steps="
             f"{args.gradient_accumulation_steps}), as in TRL's AsyncGRPOTrainer. Reuse of samples (μ > 1) is "
-            f"off-policy by itself; set max_staleness=None for it.")  # fmt: skip
+            f"off-policy by itself; set max_staleness=None for it."
+        )
     if num_processes > 1:
         # One producer per process, over its share of each generation batch, as the synchronous loop splits it; the
         # producers gather on a process group of their own (distributed.ProducerCollectives). Their batches must be
         # the same ones on every process, sampled by the same weights: the exact schedule, whole batches.
         if args.async_schedule == "latest":
-            raise NotImplementedError("async_schedule='latest' with several training processes: each process's "
-                                      "producer would sample its share of a batch with whichever weights it has "
-                                      "when it starts, and drop stale batches on its own, so the processes would "
-                                      "train slices of different batches. Leave async_schedule unset (the exact "
-                                      "schedule) under DDP.")  # fmt: skip
+            raise NotImplementedError(
+                "async_schedule='latest' with several training processes: each process's "
+                "producer would sample its share of a batch with whichever weights it has "
+                "when it starts, and drop stale batches on its own, so the processes would "
+                "train slices of different batches. Leave async_schedule unset (the exact "
+                "schedule) under DDP."
+            )
         if args.use_vllm and args.vllm_mode == "colocate":
-            raise NotImplementedError("max_staleness with vllm_mode='colocate' and several training processes: the "
-                                      "colocated engines share the training processes' torch.distributed world, so "
-                                      "the producers' engine calls would interleave with the training collectives. "
-                                      "Use vllm_mode='server' (the producers send their requests to it), or "
-                                      "max_staleness=None.")  # fmt: skip
+            raise NotImplementedError(
+                "max_staleness with vllm_mode='colocate' and several training processes: the "
+                "colocated engines share the training processes' torch.distributed world, so "
+                "the producers' engine calls would interleave with the training collectives. "
+                "Use vllm_mode='server' (the producers send their requests to it), or "
+                "max_staleness=None."
+            )
         if shared_engine and args.eval_strategy != "no":
-            raise NotImplementedError("Evaluation during training with max_staleness, several training processes "
-                                      "and an engine the producer shares with the trainer (vLLM, a rollout_engine): "
-                                      "each process's evaluation waits for its producer's batch in progress, whose "
-                                      "gathers wait for the other processes' producers, which may be waiting for "
-                                      "their own evaluation: the run could hang. Set eval_strategy='no' and evaluate "
-                                      "the checkpoints afterwards (grpokit eval), or use the built-in engine (each "
-                                      "producer has its own).")  # fmt: skip
+            raise NotImplementedError(
+                "Evaluation during training with max_staleness, several training processes "
+                "and an engine the producer shares with the trainer (vLLM, a rollout_engine): "
+                "each process's evaluation waits for its producer's batch in progress, whose "
+                "gathers wait for the other processes' producers, which may be waiting for "
+                "their own evaluation: the run could hang. Set eval_strategy='no' and evaluate "
+                "the checkpoints afterwards (grpokit eval), or use the built-in engine (each "
+                "producer has its own)."
+            )
     if args.sync_ref_model and args.max_staleness > 0:
-        raise NotImplementedError("max_staleness > 0 with sync_ref_model: the producer's reference forwards would run "
-                                  "while the trainer mixes the policy into the reference. Set one of them off.")
+        raise NotImplementedError(
+            "max_staleness > 0 with sync_ref_model: the producer's reference forwards would run "
+            "while the trainer mixes the policy into the reference. Set one of them off."
+        )
 
 
 def streams_groups(args: GRPOConfig, runner: RolloutRunner, num_processes: int) -> bool:
@@ -133,15 +154,19 @@ def check_streaming(args: GRPOConfig, runner: RolloutRunner, num_processes: int)
     if not streams_groups(args, runner, num_processes):
         return
     if args.async_schedule == "exact":
-        raise NotImplementedError("async_schedule='exact' cannot hold for multi-turn rollouts streamed group by group: "
-                                  "which groups share an engine call (one seed) and which weights sample a group's "
-                                  "later turns depend on timing. Leave async_schedule unset (or 'latest') for "
-                                  "them.")  # fmt: skip
+        raise NotImplementedError(
+            "async_schedule='exact' cannot hold for multi-turn rollouts streamed group by group: "
+            "which groups share an engine call (one seed) and which weights sample a group's "
+            "later turns depend on timing. Leave async_schedule unset (or 'latest') for "
+            "them."
+        )
     if args.dynamic_sampling:
-        raise NotImplementedError("dynamic_sampling with multi-turn rollouts streamed group by group (max_staleness): "
-                                  "groups are scored when a batch is assembled, not as they finish, so a group "
-                                  "without reward spread cannot be replaced by the next one to finish. Set "
-                                  "dynamic_sampling=False, or max_staleness=None (or 0) for these rollouts.")  # fmt: skip
+        raise NotImplementedError(
+            "dynamic_sampling with multi-turn rollouts streamed group by group (max_staleness): "
+            "groups are scored when a batch is assembled, not as they finish, so a group "
+            "without reward spread cannot be replaced by the next one to finish. Set "
+            "dynamic_sampling=False, or max_staleness=None (or 0) for these rollouts."
+        )
 
 
 def scheduled_version(batch: int, max_staleness: int, weight_sync_steps: int = 1) -> int:
@@ -215,16 +240,35 @@ class Produced:
     def state_dict(self) -> dict:
         """What a checkpoint keeps of it (tensors on the CPU): ids, masks, log-probs, advantages, metrics."""
         e = self.experience
-        return {"batch": e.batch.to("cpu").state_dict(), "metrics": e.metrics, "samples": e.samples,
-                "num_tokens": e.num_tokens, "rollouts": e.rollouts, "version": self.version,
-                "generation": self.generation, "sampler_state": self.sampler_state, "index": self.index}  # fmt: skip
+        return {
+            "batch": e.batch.to("cpu").state_dict(),
+            "metrics": e.metrics,
+            "samples": e.samples,
+            "num_tokens": e.num_tokens,
+            "rollouts": e.rollouts,
+            "version": self.version,
+            "generation": self.generation,
+            "sampler_state": self.sampler_state,
+            "index": self.index,
+        }
 
     @classmethod
     def from_state_dict(cls, state: dict, device) -> Produced:
-        experience = Experience(TrainBatch.from_state_dict(state["batch"]).to(device), state["metrics"],
-                                state["samples"], state["num_tokens"], state["rollouts"])  # fmt: skip
-        return cls(experience, state["version"], state["generation"], state["sampler_state"], time.perf_counter(),
-                   state["index"])  # fmt: skip
+        experience = Experience(
+            TrainBatch.from_state_dict(state["batch"]).to(device),
+            state["metrics"],
+            state["samples"],
+            state["num_tokens"],
+            state["rollouts"],
+        )
+        return cls(
+            experience,
+            state["version"],
+            state["generation"],
+            state["sampler_state"],
+            time.perf_counter(),
+            state["index"],
+        )
 
 
 class Failure:
@@ -249,11 +293,27 @@ class Producer:
     count, and batches the trainer dropped shift it earlier. `restored`: batches a checkpoint held (exact
     schedule), queued first; the producer goes on after them. `dataset`: the training rows (groups)."""
 
-    def __init__(self, args: GRPOConfig, maker: ExperienceMaker, policy: torch.nn.Module, copy: torch.nn.Module,
-                 sync: WeightSync, sampler, generation: int, trainer_state=None,
-                 threads: int | None = None, engine=None, process: ProcessEngine | None = None,
-                 exact: bool = False, restored: list[Produced] = (), runner: RolloutRunner | None = None,
-                 dataset=None, group=None, sharded: bool = False, pool=DaemonPool):  # fmt: skip
+    def __init__(
+        self,
+        args: GRPOConfig,
+        maker: ExperienceMaker,
+        policy: torch.nn.Module,
+        copy: torch.nn.Module,
+        sync: WeightSync,
+        sampler,
+        generation: int,
+        trainer_state=None,
+        threads: int | None = None,
+        engine=None,
+        process: ProcessEngine | None = None,
+        exact: bool = False,
+        restored: list[Produced] = (),
+        runner: RolloutRunner | None = None,
+        dataset=None,
+        group=None,
+        sharded: bool = False,
+        pool=DaemonPool,
+    ):
         self.args, self.maker, self.policy, self.copy, self.sync = args, maker, policy, copy, sync
         self.engine = engine  # what the producer samples with: its lock, if any, is held while weights move
         self.process = process  # the engine's process, if it has one of its own: closed with the producer
@@ -283,13 +343,17 @@ class Producer:
         self.shares_engine = False
         self._lease = threading.Lock()  # held while the producer samples a whole batch
         self.thread = threading.Thread(target=self._run, name="grpokit-producer", daemon=True)
-        self.pairs = [(mine, theirs) for mine, theirs in zip(copy.parameters(), policy.parameters())
-                      if theirs.requires_grad]  # the frozen ones never change  # fmt: skip
+        self.pairs = [
+            (mine, theirs) for mine, theirs in zip(copy.parameters(), policy.parameters()) if theirs.requires_grad
+        ]  # the frozen ones never change
         self.runner, self.dataset, self.groups = runner, dataset, runner is not None
         self.units_per_batch = args.generation_batch_per_process // args.num_generations if self.groups else 1
         if self.groups:
-            inflight = args.max_inflight_tasks if args.max_inflight_tasks > 0 else \
-                max(args.max_staleness, 1) * args.generation_batch_per_process  # fmt: skip
+            inflight = (
+                args.max_inflight_tasks
+                if args.max_inflight_tasks > 0
+                else max(args.max_staleness, 1) * args.generation_batch_per_process
+            )
             self.max_groups = max(1, inflight // args.num_generations)
             self.pool = pool(self.max_groups, "grpokit-rollout")  # grpokit.simulate's runs on its virtual clock
             self.running: dict[concurrent.futures.Future, GroupTask] = {}
@@ -338,9 +402,11 @@ class Producer:
         # a daemon, and it stops at its next check.
         self.thread.join(timeout=5)
         if self.thread.is_alive():
-            logger.warning("The generation producer thread (grpokit-producer) is still in an engine call, a reward "
-                           "function or a tool 5 s after training stopped: it is abandoned as a daemon thread, which "
-                           "never keeps the process alive.")  # fmt: skip
+            logger.warning(
+                "The generation producer thread (grpokit-producer) is still in an engine call, a reward "
+                "function or a tool 5 s after training stopped: it is abandoned as a daemon thread, which "
+                "never keeps the process alive."
+            )
         if self.groups:
             self._close_groups()
         if self.process is not None:
@@ -358,10 +424,12 @@ class Producer:
             self.running = {f: t for f, t in self.running.items() if not f.done()}
             time.sleep(0.02)
         if self.running or not idle:
-            logger.warning(f"Asynchronous generation stopped with {len(self.running)} rollout group(s) still in a "
-                           f"tool call or environment step{'' if idle else ' and an engine call that did not return'}"
-                           f": they are abandoned in daemon threads (grpokit-rollout-*), which end when their "
-                           f"call does and never keep the process alive.")  # fmt: skip
+            logger.warning(
+                f"Asynchronous generation stopped with {len(self.running)} rollout group(s) still in a "
+                f"tool call or environment step{'' if idle else ' and an engine call that did not return'}"
+                f": they are abandoned in daemon threads (grpokit-rollout-*), which end when their "
+                f"call does and never keep the process alive."
+            )
 
     # ------------------------------------------------------------------------------------------- the schedule
 
@@ -377,7 +445,7 @@ class Producer:
         try:
             with collectives_on(self.group):
                 self._run_groups() if self.groups else self._run_batches()
-        except BaseException as error:  # noqa: BLE001 - the trainer re-raises it with its traceback
+        except BaseException as error:
             self.queue.put(Failure(error))
 
     def _run_batches(self) -> None:
@@ -388,15 +456,18 @@ class Producer:
                     return
             else:
                 due = self._due(self.started)
-                if not self._wait_for_trainer(lambda: self.sync.version >= due - self.args.max_staleness):
+                if not self._wait_for_trainer(lambda due=due: self.sync.version >= due - self.args.max_staleness):
                     return
                 self._take_weights(due)
             generation = self.generation
             with self._lease:
                 experience = self.maker.make(generation, self._state_at(index))
             self.generation += experience.rollouts
-            self._put(Produced(experience, self.weights_version, generation, self.sampler.state_dict(),
-                               time.perf_counter(), index))  # fmt: skip
+            self._put(
+                Produced(
+                    experience, self.weights_version, generation, self.sampler.state_dict(), time.perf_counter(), index
+                )
+            )
             self.started += 1
             self.queued = index + 1
 
@@ -452,13 +523,15 @@ class Producer:
             self.finished = kept + self.finished
             return False
         tasks = [task for task, _ in kept]
-        experience = self.maker.make(tasks[0].generation, self.trainer_state,
-                                     sampled=Generation.concat([g for _, g in kept]))  # fmt: skip
+        experience = self.maker.make(
+            tasks[0].generation, self.trainer_state, sampled=Generation.concat([g for _, g in kept])
+        )
         # Drawn but not in this or an earlier batch: sampled again first after a resume from this batch's checkpoint.
         pending = [t.index for t in self.running.values()] + [t.index for t, _ in self.finished]
         state = {**self.sampler.state_dict(), "requeued": pending + list(self.sampler.requeued)}
-        item = Produced(experience, min(t.version for t in tasks), self.generation - experience.rollouts, state,
-                        time.perf_counter())  # fmt: skip
+        item = Produced(
+            experience, min(t.version for t in tasks), self.generation - experience.rollouts, state, time.perf_counter()
+        )
         self._put(item)
         return True
 
@@ -520,8 +593,11 @@ class Producer:
         # Never older than the weights the producer started from: a run resumed from a checkpoint that holds no
         # batches in flight (see checkpoint_state) samples the first ones with the checkpoint's weights.
         version = max(scheduled_version(index, self.args.max_staleness, self.args.weight_sync_steps), self.first_step)
-        reached = (lambda: version in self.snapshots or version == self.weights_version) if self.sharded else \
-            (lambda: self.sync.weights >= version)  # fmt: skip
+        reached = (
+            (lambda: version in self.snapshots or version == self.weights_version)
+            if self.sharded
+            else (lambda: self.sync.weights >= version)
+        )
         if not self._wait_for_trainer(reached):
             return False
         if version != self.weights_version:
@@ -531,9 +607,11 @@ class Producer:
                     staged = self.snapshots.pop(version, None)
                     if staged is None:
                         if self.sync.weights != version:
-                            raise RuntimeError(f"internal error: batch {index} is scheduled on the weights of "
-                                               f"version {version}, which the trainer moved past (now "
-                                               f"{self.sync.weights}) without staging them.")  # fmt: skip
+                            raise RuntimeError(
+                                f"internal error: batch {index} is scheduled on the weights of "
+                                f"version {version}, which the trainer moved past (now "
+                                f"{self.sync.weights}) without staging them."
+                            )
                         for mine, theirs in self.pairs:
                             mine.copy_(theirs)
                     self.weights_version, self.next_index = version, index + 1
@@ -568,7 +646,9 @@ class Producer:
         takes part in the same gathers."""
         k, every = self.args.max_staleness, self.args.weight_sync_steps
         # The producer's first version: batches scheduled before it are sampled by it (`_take_scheduled_weights`).
-        scheduled = first or version in {scheduled_version(b, k, every) for b in range(version, version + k + every + 2)}
+        scheduled = first or version in {
+            scheduled_version(b, k, every) for b in range(version, version + k + every + 2)
+        }
         if scheduled:
             self.snapshots[version] = [gathered_parameter(theirs) for _, theirs in self.pairs]
 
@@ -616,16 +696,22 @@ class Producer:
         elapsed = max(now - (self.last_taken or started), 1e-9)
         weight_wait, self.reported_weight_wait = self.weight_wait - self.reported_weight_wait, self.weight_wait
         self.last_taken = now
-        metrics = {"sample/staleness_mean": staleness, "sample/staleness_max": staleness,
-                   "sample/dropped_stale_total": self.dropped, "sample/rollout_queue_size": self.queue.qsize(),
-                   "sample/groups_in_flight": self.in_flight(),
-                   "sample/time_in_queue_s": now - item.produced_at, "perf/rollout_wait_s": now - started,
-                   "perf/rollout_wait_fraction": min((now - started) / elapsed, 1.0),
-                   "perf/weight_wait_fraction": min(weight_wait / elapsed, 1.0)}  # fmt: skip
+        metrics = {
+            "sample/staleness_mean": staleness,
+            "sample/staleness_max": staleness,
+            "sample/dropped_stale_total": self.dropped,
+            "sample/rollout_queue_size": self.queue.qsize(),
+            "sample/groups_in_flight": self.in_flight(),
+            "sample/time_in_queue_s": now - item.produced_at,
+            "perf/rollout_wait_s": now - started,
+            "perf/rollout_wait_fraction": min((now - started) / elapsed, 1.0),
+            "perf/weight_wait_fraction": min(weight_wait / elapsed, 1.0),
+        }
         if self.groups:  # drops by prompt: a prompt whose groups keep landing late is being starved
             rates = [n / self.started_by_prompt[i] for i, n in self.dropped_by_prompt.items()]
-            metrics.update({"sample/prompts_dropped": len(rates),
-                            "sample/prompt_drop_rate_max": max(rates, default=0.0)})  # fmt: skip
+            metrics.update(
+                {"sample/prompts_dropped": len(rates), "sample/prompt_drop_rate_max": max(rates, default=0.0)}
+            )
         return item, metrics
 
     def checkpoint_state(self, version: int) -> list[dict] | None:
@@ -655,9 +741,11 @@ class Producer:
             return None
         worst = sorted(self.dropped_by_prompt.items(), key=lambda item: (-item[1], item[0]))[:most]
         shown = ", ".join(f"row {i}: {n} of {self.started_by_prompt[i]}" for i, n in worst)
-        return (f"{len(self.dropped_by_prompt)} prompt(s) had groups dropped as too stale (they finished after "
-                f"max_staleness={self.args.max_staleness} steps), most often {shown}. Slow tools or environments "
-                f"starve these prompts: raise max_staleness, or make their calls faster.")  # fmt: skip
+        return (
+            f"{len(self.dropped_by_prompt)} prompt(s) had groups dropped as too stale (they finished after "
+            f"max_staleness={self.args.max_staleness} steps), most often {shown}. Slow tools or environments "
+            f"starve these prompts: raise max_staleness, or make their calls faster."
+        )
 
     def next(self) -> Produced:
         """The next queued batch; raises what the producer raised, or a timeout after heartbeat_stale_after_s
@@ -679,33 +767,54 @@ class Producer:
         if failure is not None:
             raise self._failed(failure)
         if not self.thread.is_alive():
-            raise RuntimeError(f"The generation producer thread stopped without a result while the trainer waited "
-                               f"for {waiting_for}: the run cannot go on; resume from the last checkpoint.")
+            raise RuntimeError(
+                f"The generation producer thread stopped without a result while the trainer waited "
+                f"for {waiting_for}: the run cannot go on; resume from the last checkpoint."
+            )
         silent = time.monotonic() - self.last_progress()
         if silent > self.args.heartbeat_stale_after_s:
             raise TimeoutError(
                 f"The generation producer has shown no progress for {silent:.0f} s (heartbeat_stale_after_s="
                 f"{self.args.heartbeat_stale_after_s}): a rollout, a reward function or a tool is hung. The "
-                f"last checkpoint is good: resume from it (in-flight samples are sampled again).")
+                f"last checkpoint is good: resume from it (in-flight samples are sampled again)."
+            )
 
     def _failed(self, item: Failure) -> RuntimeError:
         if self.group is not None and isinstance(item.error, RuntimeError) and "gloo" in str(item.error):
             # The producers' gathers broke because another process went away: its own error is the cause.
-            error = RuntimeError(f"The generation producer lost the other training processes' producers "
-                                 f"({item.error}): another process stopped, and its error above is the cause. The "
-                                 f"last checkpoint is good: fix the cause and resume from it.")  # fmt: skip
+            error = RuntimeError(
+                f"The generation producer lost the other training processes' producers "
+                f"({item.error}): another process stopped, and its error above is the cause. The "
+                f"last checkpoint is good: fix the cause and resume from it."
+            )
             error.__cause__ = item.error
             return error
-        error = RuntimeError(f"The generation producer failed: {type(item.error).__name__}: {item.error}. The last "
-                             f"checkpoint is good: fix the cause and resume from it.")
+        error = RuntimeError(
+            f"The generation producer failed: {type(item.error).__name__}: {item.error}. The last "
+            f"checkpoint is good: fix the cause and resume from it."
+        )
         error.__cause__ = item.error
         return error
 
 
-def start_producer(args: GRPOConfig, accelerator, policy: torch.nn.Module, engine, runner: RolloutRunner, scorer,
-                   reference, sampler, dataset, sync: WeightSync, trainer_state, processing_class,
-                   host=None, teacher=None, restored: list[Produced] = (),
-                   unwrapped_copy: torch.nn.Module | None = None) -> Producer:  # fmt: skip
+def start_producer(
+    args: GRPOConfig,
+    accelerator,
+    policy: torch.nn.Module,
+    engine,
+    runner: RolloutRunner,
+    scorer,
+    reference,
+    sampler,
+    dataset,
+    sync: WeightSync,
+    trainer_state,
+    processing_class,
+    host=None,
+    teacher=None,
+    restored: list[Produced] = (),
+    unwrapped_copy: torch.nn.Module | None = None,
+) -> Producer:
     """A producer over a copy of `policy`, drawing prompts of `dataset` from a copy of `sampler` (the trainer's
     stays at the trained position). The default in-process engine gets an engine of its own over the copy; a given
     engine (vLLM, yours) is driven from the producer's thread and synced with the copy. `runner` is the trainer's:
@@ -724,14 +833,18 @@ def start_producer(args: GRPOConfig, accelerator, policy: torch.nn.Module, engin
     shared = not isinstance(engine, HFEngine)  # the trainer's engine itself: evaluation samples with it too
     streaming = streams_groups(args, runner, accelerator.num_processes)
     if streaming and sharded:
-        raise NotImplementedError("Multi-turn rollouts streamed group by group (max_staleness) with a sharded model "
-                                  "(FSDP2) in one process: streamed groups take the newest weights at any time, "
-                                  "which a sharded model gives only in a collective. Use DDP, or max_staleness=None.")
+        raise NotImplementedError(
+            "Multi-turn rollouts streamed group by group (max_staleness) with a sharded model "
+            "(FSDP2) in one process: streamed groups take the newest weights at any time, "
+            "which a sharded model gives only in a collective. Use DDP, or max_staleness=None."
+        )
     exact = not streaming and args.async_schedule != "latest"
     if streaming:  # the turns that groups in flight ask for at once go into one engine call
+
         def behaviour(rollout):  # π_old of a turn from an engine that reports no log-probs: the copy's, at once
-            return logprobs_in_chunks(copied, TrainBatch.from_rollout(rollout, torch.zeros(len(rollout.lengths))), args,
-                                      accelerator.autocast)  # fmt: skip
+            return logprobs_in_chunks(
+                copied, TrainBatch.from_rollout(rollout, torch.zeros(len(rollout.lengths))), args, accelerator.autocast
+            )
 
         engine = BatchingEngine(engine, behaviour)
     own_runner = RolloutRunner(engine, runner.codec, runner.params, runner.device, driver=runner.driver, host=host)
@@ -739,12 +852,36 @@ def start_producer(args: GRPOConfig, accelerator, policy: torch.nn.Module, engin
     group = new_producer_group() if accelerator.num_processes > 1 else None
     if group is not None:
         accelerator = ProducerCollectives(accelerator, group)
-    maker = ExperienceMaker(args, accelerator, own_runner, scorer, lambda: copied, reference,
-                            lambda n: own_sampler.rows(dataset, n), off_policy=args.max_staleness > 0,
-                            teacher=teacher, trim_heap=process is None)  # fmt: skip
-    producer = Producer(args, maker, policy, copied, sync, own_sampler, trainer_state.generations, trainer_state,
-                        threads=torch.get_num_threads(), engine=engine, process=process, exact=exact,
-                        restored=restored, runner=own_runner if streaming else None, dataset=dataset,
-                        group=group, sharded=sharded)  # fmt: skip
+    maker = ExperienceMaker(
+        args,
+        accelerator,
+        own_runner,
+        scorer,
+        lambda: copied,
+        reference,
+        lambda n: own_sampler.rows(dataset, n),
+        off_policy=args.max_staleness > 0,
+        teacher=teacher,
+        trim_heap=process is None,
+    )
+    producer = Producer(
+        args,
+        maker,
+        policy,
+        copied,
+        sync,
+        own_sampler,
+        trainer_state.generations,
+        trainer_state,
+        threads=torch.get_num_threads(),
+        engine=engine,
+        process=process,
+        exact=exact,
+        restored=restored,
+        runner=own_runner if streaming else None,
+        dataset=dataset,
+        group=group,
+        sharded=sharded,
+    )
     producer.shares_engine = shared
     return producer.start()

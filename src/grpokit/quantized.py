@@ -36,8 +36,11 @@ class Int8Linear(torch.nn.Module):
     def dequantized_weight(self) -> torch.Tensor:
         """weight_int8 · scale (in float32) in `dtype`; the float32 product in a reused buffer on the weight's device
         (`float32_scratch`)."""
-        product = torch.mul(self.weight_int8, self.scale[:, None],
-                            out=float32_scratch("dequantized", self.weight_int8.shape, self.weight_int8.device))  # fmt: skip
+        product = torch.mul(
+            self.weight_int8,
+            self.scale[:, None],
+            out=float32_scratch("dequantized", self.weight_int8.shape, self.weight_int8.device),
+        )
         return product.to(self.dtype, copy=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -127,13 +127,24 @@ PANELS: list[tuple[str, str, list[list[str]]]] = [
     ("kl", "KL divergence", [[r"kl", r"eval/kl"]]),
     ("entropy", "Entropy", [[r"entropy", r"eval/entropy"]]),
     ("clip_ratio", "Clip ratios", [[r"clip_ratio(/.+)?"]]),
-    ("completion_length", "Completion length",
-     [[r"completions/mean_length", r"completions/min_length", r"completions/max_length",
-       r"completions/.*_length"], [r"completions/clipped_ratio"]]),
+    (
+        "completion_length",
+        "Completion length",
+        [
+            [
+                r"completions/mean_length",
+                r"completions/min_length",
+                r"completions/max_length",
+                r"completions/.*_length",
+            ],
+            [r"completions/clipped_ratio"],
+        ],
+    ),
     ("learning_rate", "Learning rate", [[r"learning_rate"]]),
     ("grad_norm", "Grad norm", [[r"grad_norm"]]),
     ("step_time", "Step time (s)", [[r"step_time"]]),
 ]
+
 
 class Series(NamedTuple):
     label: str  # legend label; carries the run name when several runs are overlaid
@@ -318,7 +329,9 @@ def _message_text(message: dict) -> str:
     text = f"{message.get('role', '?')}{name}: {message['content']}"
     for call in message.get("tool_calls") or []:
         function = call.get("function", call) if isinstance(call, dict) else {}
-        text += f"\n  → {function.get('name')}({json.dumps(function.get('arguments'), ensure_ascii=False, default=str)})"
+        text += (
+            f"\n  → {function.get('name')}({json.dumps(function.get('arguments'), ensure_ascii=False, default=str)})"
+        )
     return text
 
 
@@ -337,8 +350,14 @@ def summarize(run: Run) -> dict:
     """first/last/best reward and step counts, from the lines that have them."""
     xs, ys = _series(run, "reward")
     steps = [s for s in (_num(r.get("step")) for r in run.metrics) if s is not None]
-    summary = {"log_lines": len(run.metrics), "last_step": int(max(steps)) if steps else None,
-               "first_reward": None, "last_reward": None, "best_reward": None, "best_step": None}
+    summary = {
+        "log_lines": len(run.metrics),
+        "last_step": int(max(steps)) if steps else None,
+        "first_reward": None,
+        "last_reward": None,
+        "best_reward": None,
+        "best_step": None,
+    }
     if ys:
         best = max(range(len(ys)), key=ys.__getitem__)
         summary.update(first_reward=ys[0], last_reward=ys[-1], best_reward=ys[best], best_step=int(xs[best]))
@@ -346,8 +365,14 @@ def summarize(run: Run) -> dict:
 
 
 def _summary_html(runs: list[Run], names: list[str]) -> str:
-    cols = [("log_lines", "logged lines"), ("last_step", "last step"), ("first_reward", "first reward"),
-            ("last_reward", "last reward"), ("best_reward", "best reward"), ("best_step", "best at step")]
+    cols = [
+        ("log_lines", "logged lines"),
+        ("last_step", "last step"),
+        ("first_reward", "first reward"),
+        ("last_reward", "last reward"),
+        ("best_reward", "best reward"),
+        ("best_step", "best at step"),
+    ]
     head = "".join(f"<th>{_esc(c)}</th>" for _, c in cols)
     rows = []
     for run, name in zip(runs, names):
@@ -405,10 +430,12 @@ def _completion_card(c: dict, run_path: Path | None = None) -> str:
     cells = "".join(f"<th>{_esc(k)}</th>" for k in rewards) + "<th>reward</th><th>advantage</th>"
     vals = "".join(f'<td class="num">{_esc(_fmt(v))}</td>' for v in rewards.values())
     vals += f'<td class="num">{_esc(_fmt(c.get("reward")))}</td><td class="num">{_esc(_fmt(c.get("advantage")))}</td>'
-    return (f'<div class="card">{_images_html(c, run_path)}'
-            f'<div class="label">prompt</div><pre>{_esc(_text(c.get("prompt", "")))}</pre>'
-            f'<div class="label">completion</div><pre>{_esc(_text(c.get("completion", "")))}</pre>'
-            f"<table><tr>{cells}</tr><tr>{vals}</tr></table></div>")
+    return (
+        f'<div class="card">{_images_html(c, run_path)}'
+        f'<div class="label">prompt</div><pre>{_esc(_text(c.get("prompt", "")))}</pre>'
+        f'<div class="label">completion</div><pre>{_esc(_text(c.get("completion", "")))}</pre>'
+        f"<table><tr>{cells}</tr><tr>{vals}</tr></table></div>"
+    )
 
 
 def _samples_html(run: Run, per_step: int) -> str:
@@ -423,13 +450,16 @@ def _samples_html(run: Run, per_step: int) -> str:
     for step, when in picked:
         items = by_step[step]
         shown = f"showing {min(per_step, len(items))} of {len(items)}"
-        parts.append(f"<h3>{when}: step {_esc(_fmt(step))} <span class=\"muted\">({shown})</span></h3>")
-        parts.append('<div class="cards">' + "".join(_completion_card(c, run.path) for c in items[:per_step]) + "</div>")
+        parts.append(f'<h3>{when}: step {_esc(_fmt(step))} <span class="muted">({shown})</span></h3>')
+        parts.append(
+            '<div class="cards">' + "".join(_completion_card(c, run.path) for c in items[:per_step]) + "</div>"
+        )
     return "".join(parts)
 
 
-def write_report(output_dirs: list[str | Path] | str | Path, out: Path | None = None,
-                 samples_per_step: int = 4) -> Path:
+def write_report(
+    output_dirs: list[str | Path] | str | Path, out: Path | None = None, samples_per_step: int = 4
+) -> Path:
     """Write PNG plots and a self-contained ``report.html`` into ``out``; return the HTML path.
 
     ``out`` defaults to ``<first output_dir>/report/``. Several dirs = overlaid comparison.
@@ -446,8 +476,9 @@ def write_report(output_dirs: list[str | Path] | str | Path, out: Path | None = 
     figures = []
     for p in pngs:
         data = base64.b64encode(p.read_bytes()).decode("ascii")
-        figures.append(f'<figure><img alt="{_esc(titles.get(p.stem, p.stem))}" '
-                       f'src="data:image/png;base64,{data}"></figure>')
+        figures.append(
+            f'<figure><img alt="{_esc(titles.get(p.stem, p.stem))}" src="data:image/png;base64,{data}"></figure>'
+        )
     plots = f'<div class="plots">{"".join(figures)}</div>' if figures else '<p class="muted">No metrics logged yet.</p>'
     zero = all_zero_panels(runs)
     if zero:
@@ -457,7 +488,9 @@ def write_report(output_dirs: list[str | Path] | str | Path, out: Path | None = 
     now = _dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     samples = "".join(
         (f"<h2>Sample completions — {_esc(n)}</h2>" if len(runs) > 1 else "<h2>Sample completions</h2>")
-        + _samples_html(r, samples_per_step) for r, n in zip(runs, names))
+        + _samples_html(r, samples_per_step)
+        for r, n in zip(runs, names)
+    )
     page = (
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{_esc(title)}</title>'
         f"<style>{_CSS}</style></head><body>"

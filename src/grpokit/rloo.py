@@ -35,17 +35,28 @@ TRL_RLOO_FIELDS: dict = json.loads(files("grpokit").joinpath("trl_rloo_fields.js
 
 # The fields grpokit's GRPOConfig has not, or has with another meaning: name -> (annotation, help)
 RLOO_FIELDS = {
-    "beta": ("float", (
-        "KL coefficient. As in TRL's RLOOTrainer it is a penalty in the reward, not a loss term: each completion's "
-        "reward loses beta · sum_t (log π_old - log π_ref) before the leave-one-out baseline. 0: no reference "
-        "model.")),
-    "normalize_advantages": ("bool", (
-        "Whiten the advantages over the generation batch (mean 0, std 1, + 1e-4), as TRL's RLOOTrainer does.")),
-}  # fmt: skip
+    "beta": (
+        "float",
+        (
+            "KL coefficient. As in TRL's RLOOTrainer it is a penalty in the reward, not a loss term: each completion's "
+            "reward loses beta · sum_t (log π_old - log π_ref) before the leave-one-out baseline. 0: no reference "
+            "model."
+        ),
+    ),
+    "normalize_advantages": (
+        "bool",
+        ("Whiten the advantages over the generation batch (mean 0, std 1, + 1e-4), as TRL's RLOOTrainer does."),
+    ),
+}
 
 # What RLOO is on the shared loop (see the module docstring): the GRPOConfig values an RLOOConfig maps to.
-RLOO_ON_THE_LOOP = {"advantage_estimator": "rloo", "loss_type": "rloo", "importance_sampling_level": "sequence_sum",
-                    "kl_in_reward": True, "vllm_importance_sampling_correction": False}  # fmt: skip
+RLOO_ON_THE_LOOP = {
+    "advantage_estimator": "rloo",
+    "loss_type": "rloo",
+    "importance_sampling_level": "sequence_sum",
+    "kl_in_reward": True,
+    "vllm_importance_sampling_correction": False,
+}
 
 
 def _post_init(config) -> None:
@@ -59,16 +70,21 @@ def _post_init(config) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         derived = grpo_config(config)
-    config.steps_per_generation, config.generation_batch_size = derived.steps_per_generation, \
-        derived.generation_batch_size  # fmt: skip
+    config.steps_per_generation, config.generation_batch_size = (
+        derived.steps_per_generation,
+        derived.generation_batch_size,
+    )
 
 
 RLOOConfig = dataclasses.make_dataclass(
     "RLOOConfig",
     trl_config_fields(TRL_RLOO_FIELDS["fields"], RLOO_FIELDS, keep_kind=False),
-    namespace={"__post_init__": _post_init, "__module__": __name__,
-               "__doc__": "TRL 1.16's `RLOOConfig` fields and defaults (see the module docstring)."},
-)  # fmt: skip
+    namespace={
+        "__post_init__": _post_init,
+        "__module__": __name__,
+        "__doc__": "TRL 1.16's `RLOOConfig` fields and defaults (see the module docstring).",
+    },
+)
 
 
 def grpo_config(config) -> GRPOConfig:
@@ -86,18 +102,43 @@ class RLOOTrainer(GRPOTrainer):
 
     progress_label = "RLOO"
 
-    def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
-                 quantization_config=None, peft_config=None, **grpokit_options):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        **grpokit_options,
+    ):
         if args is None:
             args = RLOOConfig(output_dir=default_output_dir(model, "RLOO"))
         if not isinstance(args, RLOOConfig):
-            raise TypeError(f"RLOOTrainer takes an RLOOConfig (from grpokit import RLOOConfig), got "
-                            f"{type(args).__name__}; for a GRPOConfig use GRPOTrainer.")  # fmt: skip
+            raise TypeError(
+                f"RLOOTrainer takes an RLOOConfig (from grpokit import RLOOConfig), got "
+                f"{type(args).__name__}; for a GRPOConfig use GRPOTrainer."
+            )
         self.rloo_args = args
-        super().__init__(model, reward_funcs, grpo_config(args), train_dataset, eval_dataset, processing_class,
-                         reward_processing_classes, callbacks, optimizers, quantization_config, peft_config,
-                         **grpokit_options)  # fmt: skip
+        super().__init__(
+            model,
+            reward_funcs,
+            grpo_config(args),
+            train_dataset,
+            eval_dataset,
+            processing_class,
+            reward_processing_classes,
+            callbacks,
+            optimizers,
+            quantization_config,
+            peft_config,
+            **grpokit_options,
+        )
 
     # TRL's RLOOTrainer attributes of its RLOO settings
     beta = property(lambda self: self.rloo_args.beta)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 
 def duplicate_ratio(completions: Sequence[Hashable], num_generations: int) -> float:
@@ -98,8 +98,11 @@ def guard_series(log_history: Sequence[dict], guard_metric: str) -> tuple[list[f
     if with_reward and not records:
         available = sorted({key for record in with_reward for key in record} - {"step", "epoch"})
         raise ValueError(f"guard_metric={guard_metric!r} is not a logged metric; choose one of {available}.")
-    return ([float(r[reward_key]) for r in records], [float(r[guard_metric]) for r in records],
-            [int(r.get("step", i)) for i, r in enumerate(records)])  # fmt: skip
+    return (
+        [float(r[reward_key]) for r in records],
+        [float(r[guard_metric]) for r in records],
+        [int(r.get("step", i)) for i, r in enumerate(records)],
+    )
 
 
 def guard_message(log_history: Sequence[dict], guard_metric: str, window: int) -> tuple[int | None, str | None]:

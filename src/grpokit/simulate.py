@@ -254,8 +254,11 @@ class Costs:
 
     def call_s(self, prefill_tokens: int, new_tokens: list[int]) -> float:
         """One engine call on one server: `prefill_tokens` in all, then rows of `new_tokens` each."""
-        return self.prefill_token_s * prefill_tokens + self.decode_step_s * max(new_tokens, default=0) + \
-            self.decode_token_s * sum(new_tokens)  # fmt: skip
+        return (
+            self.prefill_token_s * prefill_tokens
+            + self.decode_step_s * max(new_tokens, default=0)
+            + self.decode_token_s * sum(new_tokens)
+        )
 
     def generation_s(self, prompt_tokens: int, new_tokens: list[int], num_generations: int) -> float:
         """One engine call over a whole batch (`prompt_tokens` to prefill a row): its groups (in order) split over the
@@ -279,8 +282,10 @@ def run_turns(clock: VirtualClock, workload: Workload, lengths: list[int], rng: 
     for each turn, then the rows' tool calls one row after another, as grpokit's agent loop runs them."""
     turns = workload.tool_calls + 1
     for turn in range(turns):
-        engine_call(workload.prompt_tokens if turn == 0 else workload.tool_result_tokens,
-                    [n // turns + (turn < n % turns) for n in lengths])  # fmt: skip
+        engine_call(
+            workload.prompt_tokens if turn == 0 else workload.tool_result_tokens,
+            [n // turns + (turn < n % turns) for n in lengths],
+        )
         if turn < turns - 1:
             clock.sleep(sum(workload.tool_latency_s(rng) for _ in lengths))
 
@@ -346,8 +351,13 @@ class SimulatedMaker:
         if self.weights_version() != self.pushed:
             self.clock.sleep(self.costs.weight_sync_s)
             self.pushed = self.weights_version()
-        run_turns(self.clock, workload, lengths, rng, lambda prefill, new: self.clock.sleep(
-            self.costs.generation_s(prefill, new, workload.num_generations)))  # fmt: skip
+        run_turns(
+            self.clock,
+            workload,
+            lengths,
+            rng,
+            lambda prefill, new: self.clock.sleep(self.costs.generation_s(prefill, new, workload.num_generations)),
+        )
         return SimulatedExperience(lengths, workload.tokens(lengths), self.clock.now - started)
 
 
@@ -371,8 +381,10 @@ class SimulatedServers:
         with self.clock.lock:
             if self.clock.closed:
                 return
-            load = [sum(len(request[1]) for request in [*waiting, *(call or [])])
-                    for waiting, call in zip(self.waiting, self.calls)]  # rows waiting or decoding  # fmt: skip
+            load = [
+                sum(len(request[1]) for request in [*waiting, *(call or [])])
+                for waiting, call in zip(self.waiting, self.calls)
+            ]  # rows waiting or decoding
             server = load.index(min(load))
             self.waiting[server].append((prefill_tokens * len(new_tokens), new_tokens, gate))
             if self.lock.free():
@@ -486,9 +498,13 @@ class SimulatedRollouts:
         n, seconds = len(rows), self.clock.now - started
         ones = torch.ones(n, 1, dtype=torch.long)
         rollout = Rollout(ones, ones, ones, ones, ones, torch.tensor(lengths), torch.zeros(n, dtype=torch.bool))
-        return Generation(rollout, [{**row, "completion_tokens": length, "seconds": seconds}
-                                    for row, length in zip(rows, lengths)],
-                          [None] * n, [[] for _ in range(n)], torch.tensor(lengths))  # fmt: skip
+        return Generation(
+            rollout,
+            [{**row, "completion_tokens": length, "seconds": seconds} for row, length in zip(rows, lengths)],
+            [None] * n,
+            [[] for _ in range(n)],
+            torch.tensor(lengths),
+        )
 
     def sync_weights(self, model) -> None:
         with self.servers.lock:
@@ -583,16 +599,30 @@ class SimulationResult:
         return self.dropped_samples / max(self.dropped_samples + self.trained_samples, 1)
 
     def summary(self) -> dict:
-        return {"steps": self.steps, "time_s": self.time_s, "tokens": self.tokens, "tokens_per_s": self.tokens_per_s,
-                "trainer_idle_fraction": self.trainer_idle_fraction,
-                "rollout_wait_fraction_mean": self.rollout_wait_fraction_mean,
-                "staleness_mean": sum(self.staleness) / self.steps, "staleness_max": max(self.staleness),
-                "drop_rate": self.drop_rate}  # fmt: skip
+        return {
+            "steps": self.steps,
+            "time_s": self.time_s,
+            "tokens": self.tokens,
+            "tokens_per_s": self.tokens_per_s,
+            "trainer_idle_fraction": self.trainer_idle_fraction,
+            "rollout_wait_fraction_mean": self.rollout_wait_fraction_mean,
+            "staleness_mean": sum(self.staleness) / self.steps,
+            "staleness_max": max(self.staleness),
+            "drop_rate": self.drop_rate,
+        }
 
 
-def simulate(workload: Workload, costs: Costs, steps: int, max_staleness: int | None, schedule: str | None = None,
-             weight_sync_steps: int = 1, queue_maxsize: int = 1024, max_inflight_tasks: int = -1,
-             real_timeout_s: float = 300.0) -> SimulationResult:  # fmt: skip
+def simulate(
+    workload: Workload,
+    costs: Costs,
+    steps: int,
+    max_staleness: int | None,
+    schedule: str | None = None,
+    weight_sync_steps: int = 1,
+    queue_maxsize: int = 1024,
+    max_inflight_tasks: int = -1,
+    real_timeout_s: float = 300.0,
+) -> SimulationResult:
     """`steps` optimizer steps, one per generation batch: synchronously (max_staleness None: sample, then train) or
     with grpokit's Producer at `max_staleness`. As in grpokit, completions with tool calls are streamed group by group
     when max_staleness > 0 (always under the 'latest' schedule), and whole batches follow `schedule` ('exact' by
@@ -644,24 +674,42 @@ def simulate(workload: Workload, costs: Costs, steps: int, max_staleness: int | 
     def trainer() -> None:
         try:
             synchronous() if max_staleness is None else asynchronous()
-        except BaseException as error:  # noqa: BLE001 - raised again in the caller's thread
+        except BaseException as error:
             failure.append(error)
         finally:
             clock.close()
 
     if max_staleness is not None:
-        args = GRPOConfig(output_dir="simulate", per_device_train_batch_size=workload.completions,
-                          num_generations=workload.num_generations, max_staleness=max_staleness,
-                          async_schedule=schedule, weight_sync_steps=weight_sync_steps, queue_maxsize=queue_maxsize,
-                          max_inflight_tasks=max_inflight_tasks, report_to="none", use_cpu=True)  # fmt: skip
+        args = GRPOConfig(
+            output_dir="simulate",
+            per_device_train_batch_size=workload.completions,
+            num_generations=workload.num_generations,
+            max_staleness=max_staleness,
+            async_schedule=schedule,
+            weight_sync_steps=weight_sync_steps,
+            queue_maxsize=queue_maxsize,
+            max_inflight_tasks=max_inflight_tasks,
+            report_to="none",
+            use_cpu=True,
+        )
         sync = ClockWeightSync(clock)
         policy, copy = torch.nn.Linear(1, 1, bias=False), torch.nn.Linear(1, 1, bias=False)
         maker = SimulatedMaker(clock, workload, costs, weights_version=lambda: producer.weights_version)
         if streamed:
             servers = SimulatedServers(clock, costs)
-            producer = Producer(args, maker, policy, copy, sync, maker.prompts, generation=0, engine=servers,
-                                runner=SimulatedRollouts(clock, workload, servers, costs), dataset=PromptRows(),
-                                pool=functools.partial(ClockPool, clock))  # fmt: skip
+            producer = Producer(
+                args,
+                maker,
+                policy,
+                copy,
+                sync,
+                maker.prompts,
+                generation=0,
+                engine=servers,
+                runner=SimulatedRollouts(clock, workload, servers, costs),
+                dataset=PromptRows(),
+                pool=functools.partial(ClockPool, clock),
+            )
         else:
             producer = Producer(args, maker, policy, copy, sync, maker.prompts, generation=0, exact=schedule == "exact")
         producer.queue = ClockQueue(clock, producer.queue.maxsize)  # the scheduler's bound, on the clock
@@ -676,10 +724,20 @@ def simulate(workload: Workload, costs: Costs, steps: int, max_staleness: int | 
     if producer is not None:
         producer.close()
     if thread.is_alive():
-        raise TimeoutError(f"The simulation did not end within {real_timeout_s} s of real time (stalled at simulated "
-                           f"{clock.now:.1f} s, {len(record['wait'])} steps taken).")  # fmt: skip
+        raise TimeoutError(
+            f"The simulation did not end within {real_timeout_s} s of real time (stalled at simulated "
+            f"{clock.now:.1f} s, {len(record['wait'])} steps taken)."
+        )
     if failure:
         raise failure[0]
-    return SimulationResult(steps, record["time"], record["tokens"], record["wait"], record["step"],
-                            record["staleness"], producer.dropped if producer else 0, record["trained"],
-                            record["generation"])  # fmt: skip
+    return SimulationResult(
+        steps,
+        record["time"],
+        record["tokens"],
+        record["wait"],
+        record["step"],
+        record["staleness"],
+        producer.dropped if producer else 0,
+        record["trained"],
+        record["generation"],
+    )

@@ -27,7 +27,7 @@ class TrainerState(HFTrainerState):
         path.write_text(json.dumps(dataclasses.asdict(self), indent=1))
 
     @classmethod
-    def load(cls, path: Path) -> "TrainerState":
+    def load(cls, path: Path) -> TrainerState:
         values = json.loads(path.read_text())
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in known})
@@ -62,10 +62,17 @@ class Callbacks:
     def __call__(self, event: str, args, state, **extra) -> TrainerControl:
         for callback in self.callbacks:
             result = getattr(callback, event)(
-                args, state, self.control, model=self.model, processing_class=self.processing_class,
-                optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, train_dataloader=None,
-                eval_dataloader=None, **extra,
-            )  # fmt: skip
+                args,
+                state,
+                self.control,
+                model=self.model,
+                processing_class=self.processing_class,
+                optimizer=self.optimizer,
+                lr_scheduler=self.lr_scheduler,
+                train_dataloader=None,
+                eval_dataloader=None,
+                **extra,
+            )
             if result is not None:
                 self.control = result
         return self.control

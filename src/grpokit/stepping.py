@@ -32,8 +32,18 @@ class StepResult:
 
 
 class OptimizerStepper:
-    def __init__(self, accelerator, model, optimizer, scheduler, *, max_grad_norm: float, max_nonfinite_steps: int,
-                 deepspeed: bool, sync_each_batch: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        accelerator,
+        model,
+        optimizer,
+        scheduler,
+        *,
+        max_grad_norm: float,
+        max_nonfinite_steps: int,
+        deepspeed: bool,
+        sync_each_batch: bool = False,
+    ):
         """sync_each_batch: synchronise gradients at every micro-batch, not only the window's last (accelerate's
         GradientAccumulationPlugin option: under FSDP2 each micro-batch's gradients are reduce-scattered into the
         shards at once rather than held whole until the last)."""
@@ -56,8 +66,9 @@ class OptimizerStepper:
     def step(self, loss_total: float, state: TrainerState) -> StepResult:
         """Clip, then apply the accumulated gradients unless they (or the loss) are non-finite on any process."""
         acc = self.accelerator
-        grad_norm = acc.clip_grad_norm_(self.model.parameters(),
-                                        self.max_grad_norm if self.max_grad_norm > 0 else float("inf"))  # fmt: skip
+        grad_norm = acc.clip_grad_norm_(
+            self.model.parameters(), self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
+        )
         learning_rate = self.scheduler.get_last_lr()[0]
         step_number = state.global_step + 1
         finite = math.isfinite(loss_total) and math.isfinite(float(grad_norm))
@@ -75,8 +86,12 @@ class OptimizerStepper:
         else:
             state.nonfinite_steps += 1
             state.nonfinite_in_a_row += 1
-            warnings.warn(f"Step {step_number}: non-finite loss or gradient norm; update skipped "
-                          f"({state.nonfinite_in_a_row} in a row).", RuntimeWarning, stacklevel=3)  # fmt: skip
+            warnings.warn(
+                f"Step {step_number}: non-finite loss or gradient norm; update skipped "
+                f"({state.nonfinite_in_a_row} in a row).",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             if state.nonfinite_in_a_row >= self.max_nonfinite_steps:
                 raise FloatingPointError(
                     f"{state.nonfinite_in_a_row} optimizer steps in a row had a NaN/inf loss or gradient; training "

@@ -83,5 +83,5 @@ class DaemonPool:
                 continue
             try:
                 future.set_result(function(*args))
-            except BaseException as error:  # noqa: BLE001 - the producer raises it from future.result()
+            except BaseException as error:
                 future.set_exception(error)

@@ -25,8 +25,9 @@ def vocab_size_of(model) -> int:
     return size if size is not None else model.get_output_embeddings().weight.shape[0]
 
 
-def load_teacher(teacher_model, init_kwargs, revision, trust_remote_code: bool, device, student,
-                 processing_class) -> torch.nn.Module:  # fmt: skip
+def load_teacher(
+    teacher_model, init_kwargs, revision, trust_remote_code: bool, device, student, processing_class
+) -> torch.nn.Module:
     """The teacher (a model, or a path / hub id loaded with `init_kwargs` at `revision`, as TRL's
     teacher_model_init_kwargs / teacher_model_revision), frozen, in eval mode, on `device`. Its tokenizer, where one
     can be found (a path's; a model's `name_or_path` when that is a local folder), must be the student's
@@ -46,8 +47,9 @@ def load_teacher(teacher_model, init_kwargs, revision, trust_remote_code: bool, 
         teacher_model = load_causal_lm(teacher_model, init_kwargs, trust_remote_code)
     else:
         if init_kwargs is not None:
-            raise ValueError("You passed teacher_model_init_kwargs to the config, but your teacher_model is already "
-                             "instantiated.")  # fmt: skip
+            raise ValueError(
+                "You passed teacher_model_init_kwargs to the config, but your teacher_model is already instantiated."
+            )
         name = getattr(getattr(teacher_model, "config", None), "_name_or_path", "")
         if name and looks_like_local_path(name):
             try:
@@ -56,12 +58,14 @@ def load_teacher(teacher_model, init_kwargs, revision, trust_remote_code: bool, 
                 tokenizer = None
     student_vocab, teacher_vocab = vocab_size_of(causal_lm_of(student)), vocab_size_of(teacher_model)
     if student_vocab != teacher_vocab:  # TRL's check and words, first, as TRL users match them
-        raise ValueError(f"The student model has vocab_size {student_vocab} but the teacher model has vocab_size "
-                         f"{teacher_vocab}. Distillation compares the teacher's full next-token distribution, which "
-                         f"requires a shared vocabulary. Use a teacher with the same vocab_size, or GOLD for "
-                         f"cross-tokenizer distillation. In grpokit: pick a teacher of the student's family (one "
-                         f"tokenizer, any size or dtype); grpokit has no GOLD trainer, TRL's experimental one "
-                         f"distills across tokenizers.")  # fmt: skip
+        raise ValueError(
+            f"The student model has vocab_size {student_vocab} but the teacher model has vocab_size "
+            f"{teacher_vocab}. Distillation compares the teacher's full next-token distribution, which "
+            f"requires a shared vocabulary. Use a teacher with the same vocab_size, or GOLD for "
+            f"cross-tokenizer distillation. In grpokit: pick a teacher of the student's family (one "
+            f"tokenizer, any size or dtype); grpokit has no GOLD trainer, TRL's experimental one "
+            f"distills across tokenizers."
+        )
     if tokenizer is not None:
         check_shared_tokenizer(tokenizer_of(processing_class), tokenizer)
     return teacher_model.requires_grad_(False).eval().to(device)

@@ -93,31 +93,59 @@ def build_tiny_model(
 # of layer kinds in two or three layers, sliding windows (4) shorter than a test's rollout.
 TINY_ARCHITECTURE_OVERRIDES = {
     "cohere2": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4),
-    "deepseek_v3": dict(num_key_value_heads=4, head_dim=None, moe_intermediate_size=16, n_routed_experts=4,
-                        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=0, q_lora_rank=None,
-                        kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8),
+    "deepseek_v3": dict(
+        num_key_value_heads=4,
+        head_dim=None,
+        moe_intermediate_size=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=0,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=8,
+    ),
     "gemma2": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4, query_pre_attn_scalar=8),
-    "gemma3_text": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4,
-                        query_pre_attn_scalar=8),
-    "glm4_moe": dict(moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-                     first_k_dense_replace=1),
+    "gemma3_text": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4, query_pre_attn_scalar=8),
+    "glm4_moe": dict(
+        moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1
+    ),
     "gpt2": dict(n_embd=32, n_layer=1, n_head=4, n_positions=64),
     # YaRN with its default factor expects the full context length (the RoPE tables are not preallocated).
-    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"],
-                    sliding_window=4, max_position_embeddings=131072),
+    "gpt_oss": dict(
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=4,
+        max_position_embeddings=131072,
+    ),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     # Mamba-2, attention and MoE blocks; the torch path of the Mamba mixer (no mamba-ssm / causal-conv1d kernels).
-    "nemotron_h": dict(layers_block_type=["mamba", "attention", "moe"], ssm_state_size=8, mamba_num_heads=4,
-                       mamba_head_dim=8, n_groups=1, chunk_size=8, moe_intermediate_size=16,
-                       moe_shared_expert_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                      shared_expert_intermediate_size=16),
+    "nemotron_h": dict(
+        layers_block_type=["mamba", "attention", "moe"],
+        ssm_state_size=8,
+        mamba_num_heads=4,
+        mamba_head_dim=8,
+        n_groups=1,
+        chunk_size=8,
+        moe_intermediate_size=16,
+        moe_shared_expert_intermediate_size=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+    ),
+    "qwen2_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16
+    ),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
-}  # fmt: skip
+}
 
 
-def build_tiny_model_of_type(model_type: str, num_layers: int = 1, vocab_size: int = 1024, *, seed: int = 0,
-                             **overrides):  # fmt: skip
+def build_tiny_model_of_type(
+    model_type: str, num_layers: int = 1, vocab_size: int = 1024, *, seed: int = 0, **overrides
+):
     """A random-weight transformers causal LM of `model_type` (hidden size 32, 4 query and 2 key/value heads of
     size 8), float32, in eval mode (no dropout draws), with the attention transformers picks by default (SDPA where
     the architecture supports it; Gemma 2 and GPT-OSS get eager). pad/eos/bos are ids 0/1/2, as in
@@ -125,9 +153,19 @@ def build_tiny_model_of_type(model_type: str, num_layers: int = 1, vocab_size: i
     override sets the number of layers."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kwargs = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-                  pad_token_id=0, eos_token_id=1, bos_token_id=2)  # fmt: skip
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
     kwargs.update(TINY_ARCHITECTURE_OVERRIDES.get(model_type, {}))
     kwargs.update(overrides)
     if kwargs["head_dim"] is None:  # DeepSeek-V3 derives its head sizes from the MLA ranks
@@ -176,9 +214,18 @@ VLM_CHAT_TEMPLATE = (
 VLM_TYPES = ("gemma3", "llava", "llava_next", "idefics3")
 
 
-def build_tiny_vlm(model_type: str = "gemma3", chars: str = DEFAULT_CHARS, *, seed: int = 0, image_size: int = 16,
-                   hidden_size: int = 32, num_layers: int = 2, vision_hidden_size: int = 16, vision_layers: int = 1,
-                   for_vllm: bool = False):  # fmt: skip
+def build_tiny_vlm(
+    model_type: str = "gemma3",
+    chars: str = DEFAULT_CHARS,
+    *,
+    seed: int = 0,
+    image_size: int = 16,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    vision_hidden_size: int = 16,
+    vision_layers: int = 1,
+    for_vllm: bool = False,
+):
     """A random-weight vision-language model of a real architecture and its real processor, built offline:
     (model, processor). The tokenizer is `build_char_tokenizer`'s with the architecture's image tokens; the image
     processor is the architecture's own (PIL backend), resizing images to `image_size` pixels a side.
@@ -196,8 +243,12 @@ def build_tiny_vlm(model_type: str = "gemma3", chars: str = DEFAULT_CHARS, *, se
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    image_tokens = {"gemma3": ["<image>", "<boi>", "<eoi>"], "llava": ["<image>"], "llava_next": ["<image>"],
-                    "idefics3": ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"]}
+    image_tokens = {
+        "gemma3": ["<image>", "<boi>", "<eoi>"],
+        "llava": ["<image>"],
+        "llava_next": ["<image>"],
+        "idefics3": ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"],
+    }
     if model_type not in image_tokens:
         raise ValueError(f"build_tiny_vlm: model_type must be one of {VLM_TYPES}, not {model_type!r}.")
     image_tokens = image_tokens[model_type]
@@ -210,76 +261,137 @@ def build_tiny_vlm(model_type: str = "gemma3", chars: str = DEFAULT_CHARS, *, se
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("\n\n|\n|."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(special)
-    names = {"llava": {"image_token": "<image>"}, "llava_next": {"image_token": "<image>"},
-             "gemma3": {"image_token": "<image>", "boi_token": "<boi>", "eoi_token": "<eoi>"},
-             "idefics3": {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
-                          "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"}}
+    names = {
+        "llava": {"image_token": "<image>"},
+        "llava_next": {"image_token": "<image>"},
+        "gemma3": {"image_token": "<image>", "boi_token": "<boi>", "eoi_token": "<eoi>"},
+        "idefics3": {
+            "image_token": "<image>",
+            "fake_image_token": "<fake_token_around_image>",
+            "global_image_token": "<global-img>",
+            "end_of_utterance_token": "<end_of_utterance>",
+        },
+    }
     names = names[model_type]
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
-                                        unk_token="<pad>", extra_special_tokens=names, padding_side="left")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="<pad>",
+        extra_special_tokens=names,
+        padding_side="left",
+    )
     image_id = tokenizer.convert_tokens_to_ids("<image>")
-    heads = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32) if for_vllm else \
-        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8)  # fmt: skip
+    heads = (
+        dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+        if for_vllm
+        else dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    )
     if for_vllm and hidden_size == 32:
         hidden_size = 64
-    text = dict(vocab_size=len(vocab), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                num_hidden_layers=num_layers, max_position_embeddings=512, pad_token_id=0, eos_token_id=1,
-                bos_token_id=2, **heads)  # fmt: skip
+    text = dict(
+        vocab_size=len(vocab),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        **heads,
+    )
     # 4-pixel patches for tiny images, 16 x 16 patches for larger ones (benchmarks)
-    vision = dict(hidden_size=vision_hidden_size, intermediate_size=2 * vision_hidden_size,
-                  num_hidden_layers=vision_layers, num_attention_heads=2, image_size=image_size,
-                  patch_size=max(4, image_size // 16))  # fmt: skip
+    vision = dict(
+        hidden_size=vision_hidden_size,
+        intermediate_size=2 * vision_hidden_size,
+        num_hidden_layers=vision_layers,
+        num_attention_heads=2,
+        image_size=image_size,
+        patch_size=max(4, image_size // 16),
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if model_type == "gemma3":
             image_processor = transformers.Gemma3ImageProcessor(size={"height": image_size, "width": image_size})
             processor = transformers.Gemma3Processor(
-                image_processor=image_processor, tokenizer=tokenizer, image_seq_length=4,
-                chat_template=VLM_CHAT_TEMPLATE.replace("{image}", "<boi>"))  # fmt: skip
+                image_processor=image_processor,
+                tokenizer=tokenizer,
+                image_seq_length=4,
+                chat_template=VLM_CHAT_TEMPLATE.replace("{image}", "<boi>"),
+            )
             config = transformers.Gemma3Config(
-                text_config=transformers.Gemma3TextConfig(**text, layer_types=["full_attention"] * num_layers,
-                                                          query_pre_attn_scalar=heads["head_dim"]),
-                vision_config=transformers.SiglipVisionConfig(**vision), mm_tokens_per_image=4,
-                image_token_index=image_id, boi_token_index=tokenizer.convert_tokens_to_ids("<boi>"),
-                eoi_token_index=tokenizer.convert_tokens_to_ids("<eoi>"))  # fmt: skip
+                text_config=transformers.Gemma3TextConfig(
+                    **text, layer_types=["full_attention"] * num_layers, query_pre_attn_scalar=heads["head_dim"]
+                ),
+                vision_config=transformers.SiglipVisionConfig(**vision),
+                mm_tokens_per_image=4,
+                image_token_index=image_id,
+                boi_token_index=tokenizer.convert_tokens_to_ids("<boi>"),
+                eoi_token_index=tokenizer.convert_tokens_to_ids("<eoi>"),
+            )
             model_class = transformers.Gemma3ForConditionalGeneration
         elif model_type == "llava":
-            image_processor = transformers.CLIPImageProcessor(size={"shortest_edge": image_size},
-                                                              crop_size={"height": image_size, "width": image_size})
+            image_processor = transformers.CLIPImageProcessor(
+                size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+            )
             processor = transformers.LlavaProcessor(
-                image_processor=image_processor, tokenizer=tokenizer, patch_size=vision["patch_size"],
+                image_processor=image_processor,
+                tokenizer=tokenizer,
+                patch_size=vision["patch_size"],
                 num_additional_image_tokens=1,
-                vision_feature_select_strategy="default", chat_template=VLM_CHAT_TEMPLATE.replace("{image}", "<image>"))
+                vision_feature_select_strategy="default",
+                chat_template=VLM_CHAT_TEMPLATE.replace("{image}", "<image>"),
+            )
             config = transformers.LlavaConfig(
-                text_config=transformers.LlamaConfig(**text), vision_config=transformers.CLIPVisionConfig(**vision),
-                image_token_index=image_id, vision_feature_layer=-1, vision_feature_select_strategy="default")
+                text_config=transformers.LlamaConfig(**text),
+                vision_config=transformers.CLIPVisionConfig(**vision),
+                image_token_index=image_id,
+                vision_feature_layer=-1,
+                vision_feature_select_strategy="default",
+            )
             model_class = transformers.LlavaForConditionalGeneration
         elif model_type == "llava_next":  # any-resolution: a base view and up to two tiles per image
             pinpoints = [[image_size, 2 * image_size], [2 * image_size, image_size], [2 * image_size, 2 * image_size]]
             image_processor = transformers.LlavaNextImageProcessor(
-                size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size},
-                image_grid_pinpoints=pinpoints)  # fmt: skip
+                size={"shortest_edge": image_size},
+                crop_size={"height": image_size, "width": image_size},
+                image_grid_pinpoints=pinpoints,
+            )
             processor = transformers.LlavaNextProcessor(
-                image_processor=image_processor, tokenizer=tokenizer, patch_size=vision["patch_size"],
-                num_additional_image_tokens=1, vision_feature_select_strategy="default",
-                chat_template=VLM_CHAT_TEMPLATE.replace("{image}", "<image>"))  # fmt: skip
+                image_processor=image_processor,
+                tokenizer=tokenizer,
+                patch_size=vision["patch_size"],
+                num_additional_image_tokens=1,
+                vision_feature_select_strategy="default",
+                chat_template=VLM_CHAT_TEMPLATE.replace("{image}", "<image>"),
+            )
             config = transformers.LlavaNextConfig(
-                text_config=transformers.LlamaConfig(**text), vision_config=transformers.CLIPVisionConfig(**vision),
-                image_token_index=image_id, vision_feature_layer=-1, vision_feature_select_strategy="default",
-                image_grid_pinpoints=pinpoints)  # fmt: skip
+                text_config=transformers.LlamaConfig(**text),
+                vision_config=transformers.CLIPVisionConfig(**vision),
+                image_token_index=image_id,
+                vision_feature_layer=-1,
+                vision_feature_select_strategy="default",
+                image_grid_pinpoints=pinpoints,
+            )
             model_class = transformers.LlavaNextForConditionalGeneration
         else:  # idefics3: one tile per image (no splitting), 4 tokens after the pixel shuffle (scale factor 2)
-            image_processor = transformers.Idefics3ImageProcessor(do_image_splitting=False,
-                                                                  size={"longest_edge": image_size},
-                                                                  max_image_size={"longest_edge": image_size})
+            image_processor = transformers.Idefics3ImageProcessor(
+                do_image_splitting=False, size={"longest_edge": image_size}, max_image_size={"longest_edge": image_size}
+            )
             patches = image_size // vision["patch_size"]
             processor = transformers.Idefics3Processor(
-                image_processor=image_processor, tokenizer=tokenizer, image_seq_len=patches**2 // 4,
-                chat_template=VLM_CHAT_TEMPLATE.replace("{image}", "<image>"))  # fmt: skip
+                image_processor=image_processor,
+                tokenizer=tokenizer,
+                image_seq_len=patches**2 // 4,
+                chat_template=VLM_CHAT_TEMPLATE.replace("{image}", "<image>"),
+            )
             config = transformers.Idefics3Config(
                 text_config=transformers.LlamaConfig(**text).to_dict(),
-                vision_config=transformers.Idefics3VisionConfig(**vision).to_dict(), image_token_id=image_id,
-                scale_factor=2)  # fmt: skip
+                vision_config=transformers.Idefics3VisionConfig(**vision).to_dict(),
+                image_token_id=image_id,
+                scale_factor=2,
+            )
             model_class = transformers.Idefics3ForConditionalGeneration
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -307,8 +419,16 @@ def _qwen_vl_image_options(image_size: int) -> dict:
     return dict(min_pixels=image_size**2, max_pixels=image_size**2, patch_size=4, merge_size=2, temporal_patch_size=2)
 
 
-def _tiny_qwen_vl_model(model_type: str, seed: int, vocab_size: int, width: int, heads: dict, mrope_section: list,
-                        vision_width: int, tokens: dict):  # fmt: skip
+def _tiny_qwen_vl_model(
+    model_type: str,
+    seed: int,
+    vocab_size: int,
+    width: int,
+    heads: dict,
+    mrope_section: list,
+    vision_width: int,
+    tokens: dict,
+):
     """A random-weight 2-layer Qwen2-VL / Qwen2.5-VL of decoder width `width` (MLP 2x) and vision width
     `vision_width`; `tokens`: the ids of pad, eos, bos, image, video, vision_start and vision_end."""
     import transformers
@@ -319,17 +439,31 @@ def _tiny_qwen_vl_model(model_type: str, seed: int, vocab_size: int, width: int,
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         text = getattr(transformers, f"{prefix}TextConfig")(
-            vocab_size=vocab_size, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2, **heads,
-            max_position_embeddings=512, pad_token_id=tokens["pad"], eos_token_id=tokens["eos"],
+            vocab_size=vocab_size,
+            hidden_size=width,
+            intermediate_size=2 * width,
+            num_hidden_layers=2,
+            **heads,
+            max_position_embeddings=512,
+            pad_token_id=tokens["pad"],
+            eos_token_id=tokens["eos"],
             bos_token_id=tokens["bos"],
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section})
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section},
+        )
         vision = dict(depth=1, num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
-        vision.update(dict(hidden_size=vision_width, out_hidden_size=width, intermediate_size=2 * vision_width)
-                      if model_type == "qwen2_5_vl" else dict(embed_dim=vision_width, hidden_size=width, mlp_ratio=2))
+        vision.update(
+            dict(hidden_size=vision_width, out_hidden_size=width, intermediate_size=2 * vision_width)
+            if model_type == "qwen2_5_vl"
+            else dict(embed_dim=vision_width, hidden_size=width, mlp_ratio=2)
+        )
         config = getattr(transformers, f"{prefix}Config")(
-            text_config=text.to_dict(), vision_config=getattr(transformers, f"{prefix}VisionConfig")(**vision).to_dict(),
-            image_token_id=tokens["image"], video_token_id=tokens["video"], vision_start_token_id=tokens["start"],
-            vision_end_token_id=tokens["end"])  # fmt: skip
+            text_config=text.to_dict(),
+            vision_config=getattr(transformers, f"{prefix}VisionConfig")(**vision).to_dict(),
+            image_token_id=tokens["image"],
+            video_token_id=tokens["video"],
+            vision_start_token_id=tokens["start"],
+            vision_end_token_id=tokens["end"],
+        )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config).float().eval()
@@ -347,10 +481,16 @@ def build_tiny_qwen_vl(model_type: str = "qwen2_vl", *, seed: int = 0, image_siz
     import transformers
 
     image_token, start, end = 60, 61, 62
-    model = _tiny_qwen_vl_model(model_type, seed, vocab_size=64, width=32,
-                                heads=dict(num_attention_heads=4, num_key_value_heads=2), mrope_section=[2, 1, 1],
-                                vision_width=16, tokens=dict(pad=0, eos=1, bos=2, image=image_token, video=63,
-                                                             start=start, end=end))  # fmt: skip
+    model = _tiny_qwen_vl_model(
+        model_type,
+        seed,
+        vocab_size=64,
+        width=32,
+        heads=dict(num_attention_heads=4, num_key_value_heads=2),
+        mrope_section=[2, 1, 1],
+        vision_width=16,
+        tokens=dict(pad=0, eos=1, bos=2, image=image_token, video=63, start=start, end=end),
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         image_processor = transformers.Qwen2VLImageProcessor(**_qwen_vl_image_options(image_size))
@@ -363,8 +503,11 @@ def build_tiny_qwen_vl(model_type: str = "qwen2_vl", *, seed: int = 0, image_siz
             ids += [start] + [image_token] * (int(grid.prod()) // 4) + [end]
         ids += list(text_ids)
         mm_token_type_ids = torch.tensor([[int(i == image_token) for i in ids]])
-        return ids, {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"],
-                     "mm_token_type_ids": mm_token_type_ids}
+        return ids, {
+            "pixel_values": out["pixel_values"],
+            "image_grid_thw": out["image_grid_thw"],
+            "mm_token_type_ids": mm_token_type_ids,
+        }
 
     return model, encode
 
@@ -400,18 +543,30 @@ def build_tiny_qwen_vl_with_processor(model_type: str = "qwen2_vl", *, seed: int
         import torchvision  # noqa: F401
     except Exception as error:
         raise ImportError(f"Qwen-VL processors need torchvision (their video processor): {error}") from error
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
-               "<|video_pad|>"]  # fmt: skip
+    special = [
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|vision_start|>",
+        "<|vision_end|>",
+        "<|image_pad|>",
+        "<|video_pad|>",
+    ]
     vocab: dict[str, int] = {}
-    for token in special + ["You are a helpful assistant."] + sorted(set(DEFAULT_CHARS)):
+    for token in [*special, "You are a helpful assistant.", *sorted(set(DEFAULT_CHARS))]:
         vocab.setdefault(token, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("\n|."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(special)
     tok.add_tokens(["You are a helpful assistant."])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>",
-                                        unk_token="<|endoftext|>", padding_side="left")  # fmt: skip
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        padding_side="left",
+    )
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in special}
     prefix = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL"}[model_type]
     with warnings.catch_warnings():
@@ -419,19 +574,33 @@ def build_tiny_qwen_vl_with_processor(model_type: str = "qwen2_vl", *, seed: int
         processor = getattr(transformers, f"{prefix}Processor")(
             image_processor=transformers.Qwen2VLImageProcessor(**_qwen_vl_image_options(image_size)),
             video_processor=transformers.Qwen2VLVideoProcessor(**_qwen_vl_image_options(image_size)),
-            tokenizer=tokenizer, chat_template=QWEN2_VL_CHAT_TEMPLATE)  # fmt: skip
-    model = _tiny_qwen_vl_model(model_type, seed, vocab_size=len(vocab), width=64,
-                                heads=dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32),
-                                mrope_section=[4, 6, 6], vision_width=64,
-                                tokens=dict(pad=ids["<|endoftext|>"], eos=ids["<|im_end|>"], bos=ids["<|endoftext|>"],
-                                            image=ids["<|image_pad|>"], video=ids["<|video_pad|>"],
-                                            start=ids["<|vision_start|>"], end=ids["<|vision_end|>"]))  # fmt: skip
+            tokenizer=tokenizer,
+            chat_template=QWEN2_VL_CHAT_TEMPLATE,
+        )
+    model = _tiny_qwen_vl_model(
+        model_type,
+        seed,
+        vocab_size=len(vocab),
+        width=64,
+        heads=dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32),
+        mrope_section=[4, 6, 6],
+        vision_width=64,
+        tokens=dict(
+            pad=ids["<|endoftext|>"],
+            eos=ids["<|im_end|>"],
+            bos=ids["<|endoftext|>"],
+            image=ids["<|image_pad|>"],
+            video=ids["<|video_pad|>"],
+            start=ids["<|vision_start|>"],
+            end=ids["<|vision_end|>"],
+        ),
+    )
     return model, processor
 
 
 # Qwen2.5-Instruct's chat template (public, as its tokenizer_config.json ships it): it renders tools into the system
 # message and tool calls as <tool_call>{json}</tool_call>, so that agent tests run the real format.
-QWEN2_5_CHAT_TEMPLATE = '{%- if tools %}\n    {{- \'<|im_start|>system\\n\' }}\n    {%- if messages[0][\'role\'] == \'system\' %}\n        {{- messages[0][\'content\'] }}\n    {%- else %}\n        {{- \'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.\' }}\n    {%- endif %}\n    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}\n    {%- for tool in tools %}\n        {{- "\\n" }}\n        {{- tool | tojson }}\n    {%- endfor %}\n    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}\n{%- else %}\n    {%- if messages[0][\'role\'] == \'system\' %}\n        {{- \'<|im_start|>system\\n\' + messages[0][\'content\'] + \'<|im_end|>\\n\' }}\n    {%- else %}\n        {{- \'<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n\' }}\n    {%- endif %}\n{%- endif %}\n{%- for message in messages %}\n    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}\n        {{- \'<|im_start|>\' + message.role + \'\\n\' + message.content + \'<|im_end|>\' + \'\\n\' }}\n    {%- elif message.role == "assistant" %}\n        {{- \'<|im_start|>\' + message.role }}\n        {%- if message.content %}\n            {{- \'\\n\' + message.content }}\n        {%- endif %}\n        {%- for tool_call in message.tool_calls %}\n            {%- if tool_call.function is defined %}\n                {%- set tool_call = tool_call.function %}\n            {%- endif %}\n            {{- \'\\n<tool_call>\\n{"name": "\' }}\n            {{- tool_call.name }}\n            {{- \'", "arguments": \' }}\n            {{- tool_call.arguments | tojson }}\n            {{- \'}\\n</tool_call>\' }}\n        {%- endfor %}\n        {{- \'<|im_end|>\\n\' }}\n    {%- elif message.role == "tool" %}\n        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}\n            {{- \'<|im_start|>user\' }}\n        {%- endif %}\n        {{- \'\\n<tool_response>\\n\' }}\n        {{- message.content }}\n        {{- \'\\n</tool_response>\' }}\n        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}\n            {{- \'<|im_end|>\\n\' }}\n        {%- endif %}\n    {%- endif %}\n{%- endfor %}\n{%- if add_generation_prompt %}\n    {{- \'<|im_start|>assistant\\n\' }}\n{%- endif %}\n'
+QWEN2_5_CHAT_TEMPLATE = "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n    {%- if messages[0]['role'] == 'system' %}\n        {{- messages[0]['content'] }}\n    {%- else %}\n        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}\n    {%- endif %}\n    {{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}\n    {%- for tool in tools %}\n        {{- \"\\n\" }}\n        {{- tool | tojson }}\n    {%- endfor %}\n    {{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\" }}\n{%- else %}\n    {%- if messages[0]['role'] == 'system' %}\n        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n    {%- else %}\n        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}\n    {%- endif %}\n{%- endif %}\n{%- for message in messages %}\n    {%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) or (message.role == \"assistant\" and not message.tool_calls) %}\n        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n    {%- elif message.role == \"assistant\" %}\n        {{- '<|im_start|>' + message.role }}\n        {%- if message.content %}\n            {{- '\\n' + message.content }}\n        {%- endif %}\n        {%- for tool_call in message.tool_calls %}\n            {%- if tool_call.function is defined %}\n                {%- set tool_call = tool_call.function %}\n            {%- endif %}\n            {{- '\\n<tool_call>\\n{\"name\": \"' }}\n            {{- tool_call.name }}\n            {{- '\", \"arguments\": ' }}\n            {{- tool_call.arguments | tojson }}\n            {{- '}\\n</tool_call>' }}\n        {%- endfor %}\n        {{- '<|im_end|>\\n' }}\n    {%- elif message.role == \"tool\" %}\n        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != \"tool\") %}\n            {{- '<|im_start|>user' }}\n        {%- endif %}\n        {{- '\\n<tool_response>\\n' }}\n        {{- message.content }}\n        {{- '\\n</tool_response>' }}\n        {%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}\n            {{- '<|im_end|>\\n' }}\n        {%- endif %}\n    {%- endif %}\n{%- endfor %}\n{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n"  # noqa: E501 (verbatim)
 # The fixed sentences of its tool prompt, each one token in the test tokenizer (between the added tokens).
 QWEN_TOOL_PROMPT_PHRASES = (
     "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
@@ -450,13 +619,24 @@ def build_qwen_chat_tokenizer(words: tuple[str, ...] = ()):
     template. Tokens: the fixed sentences of the tool prompt, the words of the template and `words` (any strings,
     e.g. a tool's JSON schema line) whole, any other character alone, so that the long tool-calling system prompt
     stays short in tokens and every text still round-trips."""
-    return build_chat_tokenizer(QWEN2_5_CHAT_TEMPLATE, QWEN_SPECIAL_TOKENS, eos_token="<|im_end|>",
-                                pad_token="<|endoftext|>", added_tokens=QWEN_ADDED_TOKENS,
-                                words=tuple(words) + QWEN_TOOL_PROMPT_PHRASES)  # fmt: skip
+    return build_chat_tokenizer(
+        QWEN2_5_CHAT_TEMPLATE,
+        QWEN_SPECIAL_TOKENS,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        added_tokens=QWEN_ADDED_TOKENS,
+        words=tuple(words) + QWEN_TOOL_PROMPT_PHRASES,
+    )
 
 
-def build_chat_tokenizer(chat_template: str, special_tokens: list[str], eos_token: str, pad_token: str,
-                         added_tokens: list[str] = (), words: tuple[str, ...] = ()):  # fmt: skip
+def build_chat_tokenizer(
+    chat_template: str,
+    special_tokens: list[str],
+    eos_token: str,
+    pad_token: str,
+    added_tokens: list[str] = (),
+    words: tuple[str, ...] = (),
+):
     """A `PreTrainedTokenizerFast` for a given chat template: its special and added tokens, the words of the
     template and `words` whole, any other character alone (every text round-trips)."""
     import re

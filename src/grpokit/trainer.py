@@ -134,9 +134,19 @@ class GRPOTrainer:
         environment of another library, trained on as it is: its prompts, rewards and turns; grpokit.integrations)."""
         self.args = args = args or GRPOConfig()
         # Everything a user can get wrong in the data or rewards is checked before the model is loaded.
-        inputs = run_inputs(args, train_dataset, eval_dataset, reward_funcs, reward_processing_classes, rollout_engine,
-                            tools, rollout_func, environment_factory, environment,
-                            rewards_required=self.scores_completions)  # fmt: skip
+        inputs = run_inputs(
+            args,
+            train_dataset,
+            eval_dataset,
+            reward_funcs,
+            reward_processing_classes,
+            rollout_engine,
+            tools,
+            rollout_func,
+            environment_factory,
+            environment,
+            rewards_required=self.scores_completions,
+        )
         train_dataset = inputs.train_dataset
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.reward_functions, self.reward_weights = inputs.reward_functions, inputs.reward_weights
@@ -149,9 +159,14 @@ class GRPOTrainer:
         warn_like_trl(args, model, quantization_config)  # after set_log_level: log_level decides what shows
         sharded = bool(args.fsdp) or acc.distributed_type.value == "FSDP"
         zero_stage = deepspeed_stage(acc)
-        check_async(args, acc.num_processes, deepspeed=zero_stage,
-                    sharded=sharded, shared_engine=args.use_vllm or rollout_engine is not None,
-                    lora=peft_config is not None)  # fmt: skip
+        check_async(
+            args,
+            acc.num_processes,
+            deepspeed=zero_stage,
+            sharded=sharded,
+            shared_engine=args.use_vllm or rollout_engine is not None,
+            lora=peft_config is not None,
+        )
         self.weights, self.producer = WeightSync(), None  # asynchronous generation (grpokit.producer)
         self._restored_in_flight: list[dict] = []  # generation batches in flight that a checkpoint held
         prepare_process(args, acc.device)
@@ -163,26 +178,49 @@ class GRPOTrainer:
         # (whole, and without their hooks).
         wrapped = sharded or zero_stage is not None
         self._producer_copy = copy.deepcopy(self.model) if args.max_staleness is not None and wrapped else None
-        self.model, self.optimizer, self.reference, deepspeed = prepare_models(acc, args, self.model, optimizer,
-                                                                               self.reference)  # fmt: skip
+        self.model, self.optimizer, self.reference, deepspeed = prepare_models(
+            acc, args, self.model, optimizer, self.reference
+        )
         place_reward_models(self.reward_functions, acc.device)
         # A user's rollout_func receives the trainer (TRL's contract): the runner passes it on as the host.
-        self.runner = build_runner(inputs, rollout_engine, self.processing_class, self.unwrapped_model, args, acc,
-                                   max_prompt_length, tools, rollout_func, host=self)  # fmt: skip
+        self.runner = build_runner(
+            inputs,
+            rollout_engine,
+            self.processing_class,
+            self.unwrapped_model,
+            args,
+            acc,
+            max_prompt_length,
+            tools,
+            rollout_func,
+            host=self,
+        )
         self.codec, self.engine, self.agents = self.runner.codec, self.runner.engine, self.runner.driver
         check_streaming(args, self.runner, acc.num_processes)
         self.scorer = build_scorer(self.reward_functions, self.reward_weights, self.codec.tokenizer, args)
         self.state = new_state(args, self.train_dataset, acc)
         self.scheduler = scheduler or build_scheduler(self.optimizer, args, self.state.max_steps)
         self.stepper = build_stepper(acc, self.model, self.optimizer, self.scheduler, args, deepspeed)
-        self.checkpointer = build_checkpointer(acc, args, self._write_model,
-                                               lambda model: gathered_weights(model, self.args.save_merged),
-                                               deepspeed, is_sharded(self.unwrapped_model))  # fmt: skip
+        self.checkpointer = build_checkpointer(
+            acc,
+            args,
+            self._write_model,
+            lambda model: gathered_weights(model, self.args.save_merged),
+            deepspeed,
+            is_sharded(self.unwrapped_model),
+        )
         self.sampler = build_sampler(train_dataset, args, acc.num_processes)
         teacher = build_teacher(teacher_model, args, acc.device, self.unwrapped_model, self.processing_class)
-        self.experience = ExperienceMaker(args, acc, self.runner, self.scorer, lambda: self.unwrapped_model,
-                                          self.reference, lambda n: self.sampler.rows(self.train_dataset, n),
-                                          teacher=teacher)  # fmt: skip
+        self.experience = ExperienceMaker(
+            args,
+            acc,
+            self.runner,
+            self.scorer,
+            lambda: self.unwrapped_model,
+            self.reference,
+            lambda n: self.sampler.rows(self.train_dataset, n),
+            teacher=teacher,
+        )
         self.evaluator = Evaluator(args, acc, self.experience)
         self.window = MetricWindow()
         self._window_counts, self._step_stats, self._sink = None, [], None  # the current step's (compute_loss, log)
@@ -196,8 +234,9 @@ class GRPOTrainer:
         if args.padding_free:
             check_padding_free(self.model, self.reference, self.router_aux_loss_coef)
         self.entropy_controller = build_entropy_controller(args)
-        self.callback_handler = Callbacks(callbacks, self.unwrapped_model, self.processing_class, self.optimizer,
-                                          self.scheduler)  # fmt: skip
+        self.callback_handler = Callbacks(
+            callbacks, self.unwrapped_model, self.processing_class, self.optimizer, self.scheduler
+        )
         self.callback_handler("on_init_end", args, self.state)
 
     # HF Trainer's callback API
@@ -218,8 +257,11 @@ class GRPOTrainer:
     ref_model = property(lambda self: self.reference, doc="The frozen reference (None with beta = 0 or LoRA).")
     reward_funcs = property(lambda self: [f.fn for f in self.reward_functions])
     reward_func_names = property(lambda self: [f.name for f in self.reward_functions])
-    reward_processing_classes = property(lambda self: [getattr(f.fn, "tokenizer", None) if isinstance(f.fn, RewardModel)
-                                                       else None for f in self.reward_functions])  # fmt: skip
+    reward_processing_classes = property(
+        lambda self: [
+            getattr(f.fn, "tokenizer", None) if isinstance(f.fn, RewardModel) else None for f in self.reward_functions
+        ]
+    )
     aux_loss_enabled = property(lambda self: bool(self.router_aux_loss_coef))
     num_generations = property(lambda self: self.args.num_generations)
 
@@ -229,8 +271,10 @@ class GRPOTrainer:
         tools = getattr(self.agents, "tools", None) or []
         return list(tools.values()) if isinstance(tools, dict) else list(tools)  # a verifiers ToolEnv's: name -> tool
 
-    environments = property(lambda self: getattr(self.agents, "latest_environments", None),
-                            doc="TRL's: the environment instances of the latest rollouts, one per completion.")
+    environments = property(
+        lambda self: getattr(self.agents, "latest_environments", None),
+        doc="TRL's: the environment instances of the latest rollouts, one per completion.",
+    )
 
     @property
     def entropy_coef(self) -> float:
@@ -244,9 +288,13 @@ class GRPOTrainer:
         return at_least_global_quantile(self.accelerator, entropies, mask, threshold)
 
     @staticmethod
-    def get_off_policy_mask(advantages: torch.Tensor, per_token_logps: torch.Tensor,
-                            sampling_per_token_logps: torch.Tensor, mask: torch.Tensor,
-                            off_policy_threshold: float) -> torch.Tensor:  # fmt: skip
+    def get_off_policy_mask(
+        advantages: torch.Tensor,
+        per_token_logps: torch.Tensor,
+        sampling_per_token_logps: torch.Tensor,
+        mask: torch.Tensor,
+        off_policy_threshold: float,
+    ) -> torch.Tensor:
         """TRL's off-policy sequence mask (DeepSeek-V3.2), [B, 1]: 1 keeps a sequence (`loss.off_policy_mask`)."""
         return off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold)
 
@@ -276,8 +324,14 @@ class GRPOTrainer:
         if resume:
             self._resume(True if resume in (True, "true", "True") else resume)
         state, callbacks = self.state, self.callback_handler
-        sink = MetricSink(args.output_dir, args.report_to, args.run_name, args.logging_dir, args.to_dict(),
-                          enabled=acc.is_main_process)  # fmt: skip
+        sink = MetricSink(
+            args.output_dir,
+            args.report_to,
+            args.run_name,
+            args.logging_dir,
+            args.to_dict(),
+            enabled=acc.is_main_process,
+        )
         sink.truncate_after(state.global_step)
         self._sink = sink
         if acc.is_main_process:
@@ -285,8 +339,13 @@ class GRPOTrainer:
         logging_steps = as_steps(args.logging_steps, state.max_steps)
         save_steps = as_steps(args.save_steps, state.max_steps)
         eval_steps = as_steps(args.eval_steps or args.logging_steps, state.max_steps)
-        bar = tqdm(total=state.max_steps, initial=state.global_step, desc=self.progress_label,
-                   disable=args.disable_tqdm or not acc.is_main_process, dynamic_ncols=True)  # fmt: skip
+        bar = tqdm(
+            total=state.max_steps,
+            initial=state.global_step,
+            desc=self.progress_label,
+            disable=args.disable_tqdm or not acc.is_main_process,
+            dynamic_ncols=True,
+        )
         self.model.train()
         if acc.device.type == "cpu":  # the loop's activations reuse heap memory (cpu_memory: a page fault per 4 KiB)
             reuse_activation_memory()
@@ -321,26 +380,33 @@ class GRPOTrainer:
                     self.check_guard()
                     if args.log_completions and acc.is_main_process and self._samples:
                         sink.write_completions(step, self._samples, args.log_unique_prompts)
-                if not preempted and ((args.eval_strategy == "steps" and step % eval_steps == 0
-                                       and step >= args.eval_delay) or control.should_evaluate):  # fmt: skip
+                if not preempted and (
+                    (args.eval_strategy == "steps" and step % eval_steps == 0 and step >= args.eval_delay)
+                    or control.should_evaluate
+                ):
                     control.should_evaluate = False  # before saving: the checkpoint holds the evaluation
                     self._log_evaluation(step, sink)
                 if epoch_ended:
                     control = callbacks("on_epoch_end", args, state)
-                if (args.save_strategy == "steps" and step % save_steps == 0) or control.should_save or \
-                        (args.save_strategy == "epoch" and epoch_ended) or preempted:  # fmt: skip
+                if (
+                    (args.save_strategy == "steps" and step % save_steps == 0)
+                    or control.should_save
+                    or (args.save_strategy == "epoch" and epoch_ended)
+                    or preempted
+                ):
                     control.should_save = False
                     self._save_checkpoint()
                     control = callbacks("on_save", args, state)
                 if preempted and acc.is_main_process:
-                    console_line(f"SIGTERM: saved checkpoint-{step} in {args.output_dir} and stopped; resume with "
-                          f"resume_from_checkpoint.")  # fmt: skip
+                    console_line(
+                        f"SIGTERM: saved checkpoint-{step} in {args.output_dir} and stopped; resume with "
+                        f"resume_from_checkpoint."
+                    )
                 if epoch_ended and state.global_step < state.max_steps:
                     control = callbacks("on_epoch_begin", args, state)
         bar.close()
         if args.load_best_model_at_end and state.best_model_checkpoint is not None:
-            load_best_checkpoint(self.unwrapped_model, state, args.metric_for_best_model,
-                                 announce=acc.is_main_process)  # fmt: skip
+            load_best_checkpoint(self.unwrapped_model, state, args.metric_for_best_model, announce=acc.is_main_process)
         release_scratch()  # the float32 route's reused buffers (CPU), allocated again if anything runs after
         runtime, steps = time.perf_counter() - started, state.global_step - first_step
         summary = train_summary(args, state, steps, acc.num_processes, runtime, losses)
@@ -402,8 +468,11 @@ class GRPOTrainer:
         args, acc = self.args, self.accelerator
         # Counts over the whole window (all micro-batches, all processes) normalise each micro-batch's loss; DDP
         # averages gradients over processes, so each process's share is multiplied back.
-        local_counts = torch.tensor([sum(len(b) for b in window), sum(b.loss_mask.sum().item() for b in window)],
-                                    dtype=torch.float64, device=acc.device)  # fmt: skip
+        local_counts = torch.tensor(
+            [sum(len(b) for b in window), sum(b.loss_mask.sum().item() for b in window)],
+            dtype=torch.float64,
+            device=acc.device,
+        )
         num_sequences, num_tokens = (acc.reduce(local_counts, "sum") / acc.num_processes).tolist()
         loss_total, self._window_counts, self._step_stats = 0.0, (num_sequences, num_tokens, len(window)), []
         # A producer (asynchronous generation) never copies half-updated weights: the optimizer step runs under the
@@ -411,8 +480,10 @@ class GRPOTrainer:
         steps_in_backward = self.stepper.deepspeed
         for index, micro_batch in enumerate(window):
             last = index == len(window) - 1
-            with self.stepper.micro_batch(is_last=last), \
-                    self.weights.step() if last and steps_in_backward else contextlib.nullcontext():  # fmt: skip
+            with (
+                self.stepper.micro_batch(is_last=last),
+                self.weights.step() if last and steps_in_backward else contextlib.nullcontext(),
+            ):
                 loss_total += self.training_step(self.model, micro_batch).item()
             if not last:
                 self.callback_handler("on_substep_end", args, self.state)
@@ -428,19 +499,29 @@ class GRPOTrainer:
             stats.append({"entropy_coef": args.entropy_coef})
         self.state.global_step += 1
         self.state.epoch = self.sampler.epochs_done
-        if args.sync_ref_model and self.reference is not None and \
-                self.state.global_step % args.ref_model_sync_steps == 0:  # fmt: skip
+        if (
+            args.sync_ref_model
+            and self.reference is not None
+            and self.state.global_step % args.ref_model_sync_steps == 0
+        ):
             mix_into_reference(self.reference, self.unwrapped_model, args.ref_model_mixup_alpha)
         self.weights.stepped()
-        metrics = {"loss": loss_total, "learning_rate": result.learning_rate, "grad_norm": result.grad_norm,
-                   "nonfinite_steps": self.state.nonfinite_steps,
-                   **{key: sum(s[key] for s in stats if key in s) / sum(key in s for s in stats)
-                      for key in sorted({k for s in stats for k in s})}}  # fmt: skip
+        metrics = {
+            "loss": loss_total,
+            "learning_rate": result.learning_rate,
+            "grad_norm": result.grad_norm,
+            "nonfinite_steps": self.state.nonfinite_steps,
+            **{
+                key: sum(s[key] for s in stats if key in s) / sum(key in s for s in stats)
+                for key in sorted({k for s in stats for k in s})
+            },
+        }
         # One all-reduce for all metrics. Every process has the same keys (sorted, so in the same order): a NaN is
         # kept through the reduction (the window drops it after), never dropped on one process only.
         names = sorted(metrics)
-        means = acc.reduce(torch.tensor([float(metrics[k]) for k in names], dtype=torch.float64, device=acc.device),
-                           "mean")  # fmt: skip
+        means = acc.reduce(
+            torch.tensor([float(metrics[k]) for k in names], dtype=torch.float64, device=acc.device), "mean"
+        )
         self.window.add(dict(zip(names, means.tolist())))
         return means[names.index("loss")].item()
 
@@ -466,40 +547,62 @@ class GRPOTrainer:
         if isinstance(inputs, dict):
             training = self.model.training  # TRL's mode: no accumulation in evaluation
             batch = TrainBatch.from_trl_inputs(inputs)
-            num_items_in_batch = trl_loss_counts(batch, inputs.get("num_items_in_batch"),
-                                                 args.gradient_accumulation_steps if training else 1,
-                                                 args.steps_per_generation if training else 1,
-                                                 self.accelerator.num_processes)  # fmt: skip
+            num_items_in_batch = trl_loss_counts(
+                batch,
+                inputs.get("num_items_in_batch"),
+                args.gradient_accumulation_steps if training else 1,
+                args.steps_per_generation if training else 1,
+                self.accelerator.num_processes,
+            )
             inputs = batch
-        num_sequences, num_tokens, num_micro_batches = num_items_in_batch or self._window_counts or \
-            (len(inputs), inputs.loss_mask.sum().item(), 1)  # fmt: skip
+        num_sequences, num_tokens, num_micro_batches = (
+            num_items_in_batch or self._window_counts or (len(inputs), inputs.loss_mask.sum().item(), 1)
+        )
         batch = inputs.trimmed()
         entropy_coef = controller.coef_to_apply() if controller is not None else args.entropy_coef
         router_logits = [] if self.router_aux_loss_coef else None
         offload = self.activation_offload or contextlib.nullcontext()
         with self.accelerator.autocast(), offload:  # offload: what the forward saves waits in host memory
-            logprobs, entropies = token_logprobs(model, batch.input_ids, batch.input_mask,
-                                                 batch.completion_ids.shape[1], args.temperature, with_entropy=True,
-                                                 entropy_grad=args.entropy_coef != 0 or controller is not None,
-                                                 router_logits=router_logits, fp32_head=args.cast_lm_head_to_fp32,
-                                                 multimodal=batch.multimodal,
-                                                 padding_free=args.padding_free)  # fmt: skip
+            logprobs, entropies = token_logprobs(
+                model,
+                batch.input_ids,
+                batch.input_mask,
+                batch.completion_ids.shape[1],
+                args.temperature,
+                with_entropy=True,
+                entropy_grad=args.entropy_coef != 0 or controller is not None,
+                router_logits=router_logits,
+                fp32_head=args.cast_lm_head_to_fp32,
+                multimodal=batch.multimodal,
+                padding_free=args.padding_free,
+            )
         loss_weights = None
         if args.top_entropy_quantile < 1.0:
             loss_weights = high_entropy_mask(entropies.detach(), batch.loss_mask, args.top_entropy_quantile)
         loss, stats = policy_loss(
-            logprobs, batch.old_logprobs, batch.ref_logprobs, batch.advantages, batch.loss_mask,
-            num_sequences=num_sequences, num_tokens=num_tokens, entropies=entropies, entropy_coef=entropy_coef,
-            loss_weights=loss_weights, sampling_logprobs=batch.sampling_logprobs, sampling_ratio=batch.sampling_ratio,
+            logprobs,
+            batch.old_logprobs,
+            batch.ref_logprobs,
+            batch.advantages,
+            batch.loss_mask,
+            num_sequences=num_sequences,
+            num_tokens=num_tokens,
+            entropies=entropies,
+            entropy_coef=entropy_coef,
+            loss_weights=loss_weights,
+            sampling_logprobs=batch.sampling_logprobs,
+            sampling_ratio=batch.sampling_ratio,
             num_micro_batches=num_micro_batches,
-            entropy_normalization="token_mean", **args.objective_options(),
-        )  # fmt: skip
+            entropy_normalization="token_mean",
+            **args.objective_options(),
+        )
         if controller is not None:
             mask = batch.loss_mask if loss_weights is None else batch.loss_mask * loss_weights
             controller.observe(entropies.detach(), mask)
         if router_logits is not None:  # MoE load balancing (TRL's router_aux_loss_coef), per optimizer step
-            aux = load_balancing_loss(router_logits, *moe_shape(self.unwrapped_model.config),
-                                      batch.input_mask).to(loss.device)  # fmt: skip
+            aux = load_balancing_loss(router_logits, *moe_shape(self.unwrapped_model.config), batch.input_mask).to(
+                loss.device
+            )
             loss = loss + self.router_aux_loss_coef * aux / num_micro_batches
             stats.objective["aux_loss"] = aux.detach()
         step_stats = stats.as_dict()
@@ -529,8 +632,9 @@ class GRPOTrainer:
         if isinstance(eval_dataset, str):
             eval_dataset = self.eval_dataset[eval_dataset]
         acc = self.accelerator
-        return eval_dataloader(self.eval_dataset if eval_dataset is None else eval_dataset, self.args,
-                               acc.process_index, acc.num_processes)  # fmt: skip
+        return eval_dataloader(
+            self.eval_dataset if eval_dataset is None else eval_dataset, self.args, acc.process_index, acc.num_processes
+        )
 
     # ------------------------------------------------------------------------------------------- generation
 
@@ -559,11 +663,24 @@ class GRPOTrainer:
         self.weights.version = self.weights.weights = self.state.global_step
         restored = [Produced.from_state_dict(s, self.accelerator.device) for s in self._restored_in_flight]
         self._restored_in_flight = []
-        self.producer = start_producer(self.args, self.accelerator, self.unwrapped_model, self.engine, self.runner,
-                                       self.scorer.fresh(), self.reference, self.sampler, self.train_dataset,
-                                       self.weights, self.state, self.processing_class, host=self,
-                                       teacher=self.experience.teacher, restored=restored,
-                                       unwrapped_copy=self._producer_copy)  # fmt: skip
+        self.producer = start_producer(
+            self.args,
+            self.accelerator,
+            self.unwrapped_model,
+            self.engine,
+            self.runner,
+            self.scorer.fresh(),
+            self.reference,
+            self.sampler,
+            self.train_dataset,
+            self.weights,
+            self.state,
+            self.processing_class,
+            host=self,
+            teacher=self.experience.teacher,
+            restored=restored,
+            unwrapped_copy=self._producer_copy,
+        )
         return self.producer
 
     # ------------------------------------------------------------------------------------------ evaluation
@@ -600,8 +717,9 @@ class GRPOTrainer:
         self.state.log_history.append(record)
         sink.write(record, console=False)
         if self.accelerator.is_main_process:
-            shown = " ".join(f"{k.removeprefix('eval/')}={v:.4g}" for k, v in record.items()
-                             if k == "eval/reward" or "/pass@" in k)  # fmt: skip
+            shown = " ".join(
+                f"{k.removeprefix('eval/')}={v:.4g}" for k, v in record.items() if k == "eval/reward" or "/pass@" in k
+            )
             console_line(f"[step {step}] eval: {shown}")
         self.check_guard()
 
@@ -623,12 +741,19 @@ class GRPOTrainer:
 
     def _save_checkpoint(self) -> Path | None:
         cursor, args, controller = self.cursor, self.args, self.entropy_controller
-        if cursor.batch is not None and cursor.pass_index == args.num_iterations - 1 and \
-                cursor.micro_index == math.ceil(len(cursor.batch) / args.per_device_train_batch_size):  # fmt: skip
+        if (
+            cursor.batch is not None
+            and cursor.pass_index == args.num_iterations - 1
+            and cursor.micro_index == math.ceil(len(cursor.batch) / args.per_device_train_batch_size)
+        ):
             cursor = GenerationCursor()  # used up: the resumed run samples the next one, as this one would
-        loop = {"sampler": self.sampler.state_dict(), "window": self.window.state_dict(),
-                "pass_index": cursor.pass_index, "micro_index": cursor.micro_index,
-                "entropy_controller": None if controller is None else controller.state_dict()}  # fmt: skip
+        loop = {
+            "sampler": self.sampler.state_dict(),
+            "window": self.window.state_dict(),
+            "pass_index": cursor.pass_index,
+            "micro_index": cursor.micro_index,
+            "entropy_controller": None if controller is None else controller.state_dict(),
+        }
         process = {"batch": None if cursor.batch is None else cursor.batch.to("cpu").state_dict()}
         if self.producer is not None:  # the batches in flight that a resumed run could not sample again
             process["in_flight"] = self.producer.checkpoint_state(self.state.global_step)
@@ -651,8 +776,11 @@ class GRPOTrainer:
         if batch is None:
             self.cursor = GenerationCursor()
         else:
-            self.cursor = GenerationCursor(TrainBatch.from_state_dict(batch).to(self.accelerator.device),
-                                           resumed.loop["pass_index"], resumed.loop["micro_index"])  # fmt: skip
+            self.cursor = GenerationCursor(
+                TrainBatch.from_state_dict(batch).to(self.accelerator.device),
+                resumed.loop["pass_index"],
+                resumed.loop["micro_index"],
+            )
         self.state = resumed.state
         self.state.max_steps = total_steps(self.args, self.train_dataset, self.accelerator.num_processes)
 
@@ -674,16 +802,24 @@ class GRPOTrainer:
             return push_folder(self.args, Path(self.args.output_dir), commit_message or "End of training")
         return None
 
-    def _write_model(self, output_dir: Path, weights: dict[str, torch.Tensor] | None = None,
-                     with_weights: bool = True) -> None:  # fmt: skip
+    def _write_model(
+        self, output_dir: Path, weights: dict[str, torch.Tensor] | None = None, with_weights: bool = True
+    ) -> None:
         # Each node's main process writes under save_on_each_node; transformers would leave it to rank 0 alone.
         with models_written_by_this_process(not self.accelerator.is_main_process):
-            write_model_files(output_dir, self.unwrapped_model, self.processing_class, weights,
-                              with_weights=with_weights, save_merged_model=self.args.save_merged,
-                              model_card=self._model_card)  # fmt: skip
+            write_model_files(
+                output_dir,
+                self.unwrapped_model,
+                self.processing_class,
+                weights,
+                with_weights=with_weights,
+                save_merged_model=self.args.save_merged,
+                model_card=self._model_card,
+            )
 
     def _model_card(self, method="GRPO", final_keys=("reward", "eval/reward"), config: dict | None = None) -> str:
         """The card of `method`, `config` (default: args'), and the last records with `final_keys` (train, eval)."""
         rewards = [(f.name, w) for f, w in zip(self.reward_functions, self.reward_weights.tolist())]
-        return run_model_card(self.args, self.unwrapped_model, self.state, self.train_dataset, rewards, method,
-                              final_keys, config)  # fmt: skip
+        return run_model_card(
+            self.args, self.unwrapped_model, self.state, self.train_dataset, rewards, method, final_keys, config
+        )

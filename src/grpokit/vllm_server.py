@@ -21,7 +21,8 @@ The protocol is plain HTTP with JSON (stdlib on both sides; one request at a tim
     GET  /health          {"status": "ok"}
     GET  /info            the served model's shape (model_type, vocab_size, hidden_size, num_hidden_layers,
                           tie_word_embeddings; `shape`: every config field that shapes a weight, and
-                          `max_model_len`: the longest prompt + completion vLLM takes), logprobs_mode, this server's `instance` id, weight `version`,
+                          `max_model_len`: the longest prompt + completion vLLM takes), logprobs_mode, this server's
+                          `instance` id, weight `version`,
                           `device` ("cuda" / "cpu"), `structured_outputs` (whether it has the tokenizer) and
                           `images` (a vision-language model with its processor)
     POST /generate        {"prompt_ids": [[...]], "counts": [...], "params": {SamplingParams}, "seed": int,
@@ -50,6 +51,7 @@ Without a group port, weights travel as safetensors over HTTP (on one machine ov
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hmac
 import os
 import sys
@@ -71,8 +73,12 @@ class VLLMService:
         import torch
 
         # "device": where a weight broadcast can land; NCCL only when both ends have a GPU, gloo otherwise.
-        self.info.update(logprobs_mode="processed_logprobs", instance=uuid.uuid4().hex, model=str(model_dir),
-                         device="cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
+        self.info.update(
+            logprobs_mode="processed_logprobs",
+            instance=uuid.uuid4().hex,
+            model=str(model_dir),
+            device="cuda" if torch.cuda.is_available() else "cpu",
+        )
         # With the tokenizer in DIR, vLLM loads it: structured outputs need it (token ids in and out need none), and
         # so does a vision-language model's processor.
         tokenizer = has_tokenizer(model_dir)
@@ -104,8 +110,10 @@ class VLLMService:
         params = SamplingParams(**{**request["params"], "eos_token_ids": tuple(request["params"]["eos_token_ids"])})
         regex = request.get("structured_outputs_regex")
         if regex is not None and not self.info["structured_outputs"]:
-            raise ValueError("structured outputs need the tokenizer: this server's --model directory has none "
-                             "(save it there and restart the server)")  # fmt: skip
+            raise ValueError(
+                "structured outputs need the tokenizer: this server's --model directory has none "
+                "(save it there and restart the server)"
+            )
         images = request.get("images")
         if images is not None:
             if not self.multimodal:
@@ -114,8 +122,17 @@ class VLLMService:
 
             images = [[image_from_wire(data) for data in row] for row in images]
         with guarded_process_state():
-            completions = sample(self.llm, request["prompt_ids"], request["counts"], params, int(request["seed"]),
-                                 self.info["vocab_size"], regex, images, request.get("unexpanded_ids"))  # fmt: skip
+            completions = sample(
+                self.llm,
+                request["prompt_ids"],
+                request["counts"],
+                params,
+                int(request["seed"]),
+                self.info["vocab_size"],
+                regex,
+                images,
+                request.get("unexpanded_ids"),
+            )
         return {"completions": completions, "version": self.version}
 
     def _load(self, weights: dict) -> None:
@@ -124,8 +141,9 @@ class VLLMService:
 
         named = iter(weights.items())
         with guarded_process_state():
-            push_weights(self.llm, vllm_names(named) if self.multimodal else named,
-                         bool(self.info["tie_word_embeddings"]))  # fmt: skip
+            push_weights(
+                self.llm, vllm_names(named) if self.multimodal else named, bool(self.info["tie_word_embeddings"])
+            )
 
     def update_weights(self, body: bytes) -> dict:
         from safetensors.torch import load
@@ -135,7 +153,6 @@ class VLLMService:
         self._load(weights)
         self.version += 1
         return {"version": self.version}
-
 
     # ---------------------------------------------------------------------- weights through a process group
 
@@ -207,15 +224,21 @@ def served_model_info(model_dir) -> tuple[bool, dict]:
 
     config = AutoConfig.from_pretrained(model_dir)
     text = text_config_of(config)
-    info = {"model_type": config.model_type, "vocab_size": getattr(text, "vocab_size", None),
-            "hidden_size": getattr(text, "hidden_size", None),
-            "num_hidden_layers": getattr(text, "num_hidden_layers", None),
-            "tie_word_embeddings": ties_word_embeddings(config), "shape": weight_shape_config(config)}  # fmt: skip
+    info = {
+        "model_type": config.model_type,
+        "vocab_size": getattr(text, "vocab_size", None),
+        "hidden_size": getattr(text, "hidden_size", None),
+        "num_hidden_layers": getattr(text, "num_hidden_layers", None),
+        "tie_word_embeddings": ties_word_embeddings(config),
+        "shape": weight_shape_config(config),
+    }
     multimodal = is_vision_language_model(config)
     if multimodal and not has_processor(model_dir):
-        raise ValueError(f"{model_dir} holds a vision-language model ({config.model_type}) without its processor, "
-                         f"which vLLM needs to preprocess the prompts' images: save it there "
-                         f"(AutoProcessor.from_pretrained(...).save_pretrained(DIR)) and start the server again.")
+        raise ValueError(
+            f"{model_dir} holds a vision-language model ({config.model_type}) without its processor, "
+            f"which vLLM needs to preprocess the prompts' images: save it there "
+            f"(AutoProcessor.from_pretrained(...).save_pretrained(DIR)) and start the server again."
+        )
     return multimodal, info
 
 
@@ -234,13 +257,18 @@ def check_pushed_shapes(expected: dict[str, list[int]], pushed: dict) -> None:
     """Pushed weights must have the served checkpoint's shapes (vLLM copies a weight into a larger parameter
     without an error): a second check, by the tensors themselves, behind the client's comparison of the configs.
     Names the checkpoint does not hold (a tied head it left out, a renamed vision tower) are vLLM's to place."""
-    wrong = {name: (expected[name], list(shape)) for name, shape in pushed.items()
-             if name in expected and expected[name] != list(shape)}  # fmt: skip
+    wrong = {
+        name: (expected[name], list(shape))
+        for name, shape in pushed.items()
+        if name in expected and expected[name] != list(shape)
+    }
     if wrong:
         shown = ", ".join(f"{name}: served {a}, pushed {b}" for name, (a, b) in list(wrong.items())[:4])
-        raise ValueError(f"pushed weights have other shapes than the served model's ({len(wrong)} tensors; {shown}): "
-                         f"the server serves another model than the trainer's policy; start it with the policy's "
-                         f"checkpoint")  # fmt: skip
+        raise ValueError(
+            f"pushed weights have other shapes than the served model's ({len(wrong)} tensors; {shown}): "
+            f"the server serves another model than the trainer's policy; start it with the policy's "
+            f"checkpoint"
+        )
 
 
 def checkpoint_weights(model_dir) -> dict:
@@ -278,13 +306,17 @@ def handler_for(service: VLLMService, token: str | None = None):
             if method == "POST":
                 given = self.headers.get("Authorization", "")
                 if token is not None and not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                    raise JSONError(401, f"this server takes a token: set {TOKEN_VARIABLE} in the trainer's "
-                                         f"environment to the server's", "authentication_error")  # fmt: skip
+                    raise JSONError(
+                        401,
+                        f"this server takes a token: set {TOKEN_VARIABLE} in the trainer's environment to the server's",
+                        "authentication_error",
+                    )
                 if path == "/generate":
                     request = self.json_body()
                     if request.get("instance") != service.info["instance"]:
-                        raise JSONError(409, "this server restarted: push the weights again",
-                                        instance=service.info["instance"])  # fmt: skip
+                        raise JSONError(
+                            409, "this server restarted: push the weights again", instance=service.info["instance"]
+                        )
                     return service.generate(request)
                 if path == "/update_weights":
                     return service.update_weights(self.body())
@@ -301,17 +333,25 @@ def handler_for(service: VLLMService, token: str | None = None):
 
 def arguments() -> argparse.ArgumentParser:
     """`grpokit vllm-serve`'s options."""
-    parser = argparse.ArgumentParser(prog="grpokit vllm-serve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="grpokit vllm-serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", required=True, help="the policy's checkpoint directory (config + weights)")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="the address to listen on (default: the loopback; 0.0.0.0 for every interface)")
-    parser.add_argument("--token", default=os.environ.get(TOKEN_VARIABLE) or None,
-                        help=f"a shared secret every POST must carry (default: ${TOKEN_VARIABLE}); the trainer "
-                             f"sends its own ${TOKEN_VARIABLE}")  # fmt: skip
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on (default: the loopback; 0.0.0.0 for every interface)",
+    )
+    parser.add_argument(
+        "--token",
+        default=os.environ.get(TOKEN_VARIABLE) or None,
+        help=f"a shared secret every POST must carry (default: ${TOKEN_VARIABLE}); the trainer "
+        f"sends its own ${TOKEN_VARIABLE}",
+    )
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--dtype", default="auto",
-                        help="vLLM's compute dtype (auto: vLLM's choice, 16 bits for a float32 checkpoint)")
+    parser.add_argument(
+        "--dtype", default="auto", help="vLLM's compute dtype (auto: vLLM's choice, 16 bits for a float32 checkpoint)"
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -324,21 +364,34 @@ def arguments() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     options = arguments().parse_args(argv)
-    service = VLLMService(options.model, host=options.host, dtype=options.dtype, max_model_len=options.max_model_len,
-                          max_num_seqs=options.max_num_seqs, gpu_memory_utilization=options.gpu_memory_utilization,
-                          tensor_parallel_size=options.tensor_parallel_size, model_impl=options.model_impl,
-                          kv_cache_gib=options.kv_cache_gib, seed=options.seed)  # fmt: skip
+    service = VLLMService(
+        options.model,
+        host=options.host,
+        dtype=options.dtype,
+        max_model_len=options.max_model_len,
+        max_num_seqs=options.max_num_seqs,
+        gpu_memory_utilization=options.gpu_memory_utilization,
+        tensor_parallel_size=options.tensor_parallel_size,
+        model_impl=options.model_impl,
+        kv_cache_gib=options.kv_cache_gib,
+        seed=options.seed,
+    )
     if options.token is None and options.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"WARNING: listening on {options.host} without a token: anyone who reaches port {options.port} can "
-              f"replace the policy's weights. Set --token (or {TOKEN_VARIABLE}) here and {TOKEN_VARIABLE} in the "
-              f"trainer's environment.", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"WARNING: listening on {options.host} without a token: anyone who reaches port {options.port} can "
+            f"replace the policy's weights. Set --token (or {TOKEN_VARIABLE}) here and {TOKEN_VARIABLE} in the "
+            f"trainer's environment.",
+            file=sys.stderr,
+            flush=True,
+        )
     server = HTTPServer((options.host, options.port), handler_for(service, options.token))
-    print(f"grpokit vLLM server: {options.model} at http://{options.host}:{options.port} "
-          f"(instance {service.info['instance']})", flush=True)  # fmt: skip
-    try:
+    print(
+        f"grpokit vLLM server: {options.model} at http://{options.host}:{options.port} "
+        f"(instance {service.info['instance']})",
+        flush=True,
+    )
+    with contextlib.suppress(KeyboardInterrupt):
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
     return 0
 
 

@@ -13,8 +13,10 @@ nothing at start-up (torch only when torchvision is imported). `.ci/run` install
 import importlib.abc
 import sys
 
-SCHEMAS = ("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-           "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")  # fmt: skip
+SCHEMAS = (
+    "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+)
 _library = None  # kept alive: the schemas live as long as the Library object
 
 

@@ -37,11 +37,15 @@ def check_agents(tools, rollout_func, environment_factory, rollout_engine) -> No
     if tools:
         check_tools(list(tools))
     if rollout_func is not None and not callable(rollout_func):
-        raise TypeError(f"rollout_func must be a callable rollout_func(prompts, trainer) -> dict, got {rollout_func!r}.")
+        raise TypeError(
+            f"rollout_func must be a callable rollout_func(prompts, trainer) -> dict, got {rollout_func!r}."
+        )
     if rollout_func is not None and (tools or environment_factory is not None):
-        raise NotImplementedError("rollout_func with tools or environment_factory: grpokit runs either its own "
-                                  "multi-turn loop (tools / environments) or your rollout_func, not both; do the tool "
-                                  "calls inside rollout_func (its env_mask marks the inserted tokens).")  # fmt: skip
+        raise NotImplementedError(
+            "rollout_func with tools or environment_factory: grpokit runs either its own "
+            "multi-turn loop (tools / environments) or your rollout_func, not both; do the tool "
+            "calls inside rollout_func (its env_mask marks the inserted tokens)."
+        )
 
 
 def build_agents(tokenizer, model, args, max_prompt_length, tools, environments, rollout_func) -> Agents | None:
@@ -49,9 +53,16 @@ def build_agents(tokenizer, model, args, max_prompt_length, tools, environments,
     if not tools and environments is None and rollout_func is None:
         return None
     config = getattr(model, "config", None)
-    return Agents(tokenizer, tools=list(tools or []), environments=environments, rollout_func=rollout_func,
-                  max_tool_calling_iterations=args.max_tool_calling_iterations,
-                  max_completion_length=args.max_completion_length, max_prompt_length=max_prompt_length,
-                  chat_template_kwargs=args.chat_template_kwargs, tool_timeout=args.tool_timeout,
-                  max_tool_output_chars=args.max_tool_output_chars,
-                  max_model_length=getattr(config, "max_position_embeddings", None))  # fmt: skip
+    return Agents(
+        tokenizer,
+        tools=list(tools or []),
+        environments=environments,
+        rollout_func=rollout_func,
+        max_tool_calling_iterations=args.max_tool_calling_iterations,
+        max_completion_length=args.max_completion_length,
+        max_prompt_length=max_prompt_length,
+        chat_template_kwargs=args.chat_template_kwargs,
+        tool_timeout=args.tool_timeout,
+        max_tool_output_chars=args.max_tool_output_chars,
+        max_model_length=getattr(config, "max_position_embeddings", None),
+    )

@@ -10,7 +10,8 @@ template cannot render a tool-calling conversation is refused up front (`check_t
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 # Response templates in transformers' `parse_response` format (transformers >= 5.13), one per chat family.
 QWEN_RESPONSE_TEMPLATE = {  # Qwen2.5 / Qwen3 / QwQ: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
@@ -18,21 +19,30 @@ QWEN_RESPONSE_TEMPLATE = {  # Qwen2.5 / Qwen3 / QwQ: <tool_call>{"name": ..., "a
     "start_anchor": "<|im_start|>assistant\n",
     "fields": {
         "reasoning_content": {"open": "<think>", "close_pattern": r"</think>\s*", "content": "text"},
-        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True,
-                       "content": "json", "transform": {"type": "function", "function": "{content}"}},
+        "tool_calls": {
+            "open": "<tool_call>",
+            "close_pattern": r"</tool_call>\s*",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": "{content}"},
+        },
         "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
     },
-}  # fmt: skip
+}
 LLAMA3_RESPONSE_TEMPLATE = {  # Llama 3.1 / 3.2: {"name": ..., "parameters": {...}}<|eot_id|>
     "defaults": {"role": "assistant"},
     "start_anchor": "<|start_header_id|>assistant<|end_header_id|>\n\n",
     "fields": {
-        "tool_calls": {"open_pattern": r'\{"name":\s*"(?P<name>[^"]+)",\s*"parameters":\s*',
-                       "close_pattern": r"\}<\|eot_id\|>\s*", "repeats": True, "content": "json",
-                       "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}}},
+        "tool_calls": {
+            "open_pattern": r'\{"name":\s*"(?P<name>[^"]+)",\s*"parameters":\s*',
+            "close_pattern": r"\}<\|eot_id\|>\s*",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+        },
         "content": {"close_pattern": r"<\|eot_id\|>\s*", "content": "text"},
     },
-}  # fmt: skip
+}
 # (family, markers that must all appear in the chat template, markers that must not, response template). Qwen3.5
 # writes its calls as XML (<function=name>): not this JSON family.
 RESPONSE_TEMPLATES = [
@@ -51,9 +61,11 @@ def response_template(tokenizer) -> dict:
         if all(m in chat_template for m in markers) and not any(m in chat_template for m in excluded):
             return template
     families = ", ".join(name for name, *_ in RESPONSE_TEMPLATES)
-    raise ValueError(f"Cannot parse tool calls for this tokenizer: its chat template is none of the families grpokit "
-                     f"knows ({families}) and it has no `response_template`. Set tokenizer.response_template (see "
-                     f"transformers' chat response parsing docs) to the format your model writes tool calls in.")
+    raise ValueError(
+        f"Cannot parse tool calls for this tokenizer: its chat template is none of the families grpokit "
+        f"knows ({families}) and it has no `response_template`. Set tokenizer.response_template (see "
+        f"transformers' chat response parsing docs) to the format your model writes tool calls in."
+    )
 
 
 def check_tool_calling(tokenizer) -> dict:
@@ -62,24 +74,33 @@ def check_tool_calling(tokenizer) -> dict:
     from jinja2.exceptions import TemplateError
 
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("Tools and environments need a tokenizer with a chat template that renders tool calls (e.g. "
-                         "Qwen2.5/Qwen3 or Llama 3.1); this processing_class has no chat template.")
+        raise ValueError(
+            "Tools and environments need a tokenizer with a chat template that renders tool calls (e.g. "
+            "Qwen2.5/Qwen3 or Llama 3.1); this processing_class has no chat template."
+        )
     sentinels = ("tool_name_a8f3", "arg_key_b9d4", "arg_value_d6e7", "tool_content_c4f9")
     messages = [
         {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": sentinels[0], "arguments": {sentinels[1]: sentinels[2]}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": sentinels[0], "arguments": {sentinels[1]: sentinels[2]}}}
+            ],
+        },
         {"role": "tool", "name": sentinels[0], "content": sentinels[3]},
-    ]  # fmt: skip
+    ]
     try:
         rendered = tokenizer.apply_chat_template(messages, tokenize=False)
     except (TemplateError, TypeError) as error:
         rendered = f"<error: {error}>"
     if not all(s in rendered for s in sentinels):
-        raise ValueError("This tokenizer's chat template cannot render a tool-calling conversation (an assistant "
-                         "message with tool_calls, then a tool message), so the model could not see its tool calls "
-                         "or their results. Use a model whose chat template supports tools (Qwen2.5/Qwen3, Llama "
-                         "3.1), or set processing_class.chat_template to one that does.")
+        raise ValueError(
+            "This tokenizer's chat template cannot render a tool-calling conversation (an assistant "
+            "message with tool_calls, then a tool message), so the model could not see its tool calls "
+            "or their results. Use a model whose chat template supports tools (Qwen2.5/Qwen3, Llama "
+            "3.1), or set processing_class.chat_template to one that does."
+        )
     return response_template(tokenizer)
 
 
@@ -112,14 +133,24 @@ def valid_call(call: Any) -> dict:
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise ValueError("a tool call has no name")
     arguments = function.get("arguments")
-    return {"type": call.get("type", "function"), "function": {"name": function["name"],
-                                                               "arguments": {} if arguments is None else arguments}}
+    return {
+        "type": call.get("type", "function"),
+        "function": {"name": function["name"], "arguments": {} if arguments is None else arguments},
+    }
 
 
 def render_prompt(tokenizer, messages: list[dict], tools: list[Callable], chat_template_kwargs: dict) -> list[int]:
     """A conversational prompt with the tools' schemas, ready for the assistant's turn."""
-    return list(tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
-                                              tokenize=True, return_dict=True, **chat_template_kwargs)["input_ids"])
+    return list(
+        tokenizer.apply_chat_template(
+            messages,
+            tools=tools or None,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            **chat_template_kwargs,
+        )["input_ids"]
+    )
 
 
 def tool_result_ids(tokenizer, tool_messages: list[dict], chat_template_kwargs: dict) -> list[int]:
@@ -140,14 +171,17 @@ def appended_message_ids(tokenizer, messages: list[dict], chat_template_kwargs: 
         assistant = {"role": "assistant", "content": "dummy"}
     before = [{"role": "user", "content": "dummy"}, assistant]
     prefix = tokenizer.apply_chat_template(before, tokenize=True, return_dict=True, **chat_template_kwargs)["input_ids"]
-    full = tokenizer.apply_chat_template(before + messages, add_generation_prompt=True, tokenize=True,
-                                         return_dict=True, **chat_template_kwargs)["input_ids"]  # fmt: skip
+    full = tokenizer.apply_chat_template(
+        before + messages, add_generation_prompt=True, tokenize=True, return_dict=True, **chat_template_kwargs
+    )["input_ids"]
     # The sampled turn ends at EOS; Qwen's template writes "<|im_end|>\n": cut the prefix at its last EOS.
     eos = [i for i, token in enumerate(prefix) if token == tokenizer.eos_token_id]
     if eos:
         prefix = prefix[: eos[-1] + 1]
     if list(full[: len(prefix)]) != list(prefix):
-        raise ValueError("This chat template is not prefix-preserving: appending messages re-renders the earlier "
-                         "turns, so they cannot be appended to a sampled transcript. Use a template that renders "
-                         "earlier messages the same whatever follows.")
+        raise ValueError(
+            "This chat template is not prefix-preserving: appending messages re-renders the earlier "
+            "turns, so they cannot be appended to a sampled transcript. Use a template that renders "
+            "earlier messages the same whatever follows."
+        )
     return list(full[len(prefix) :])

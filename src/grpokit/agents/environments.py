@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from .tools import check_tools
 
@@ -27,8 +27,11 @@ ENVIRONMENT_COLUMN = "environment"
 def public_methods(environment) -> list[Callable]:
     """The environment's tools: its public methods other than reset and get_reward (listed on the class, so that
     properties are not evaluated)."""
-    return [getattr(environment, name) for name, _ in inspect.getmembers(type(environment), inspect.isfunction)
-            if not name.startswith("_") and name not in ("reset", "get_reward")]  # fmt: skip
+    return [
+        getattr(environment, name)
+        for name, _ in inspect.getmembers(type(environment), inspect.isfunction)
+        if not name.startswith("_") and name not in ("reset", "get_reward")
+    ]
 
 
 class EnvironmentPool:
@@ -45,13 +48,17 @@ class EnvironmentPool:
         self.reward_types: list[type] = []  # classes that own a reward (get_reward), one reward function each
         for name, factory in self.factories.items():
             if not callable(factory):
-                raise TypeError(f"environment_factory[{name!r}] is {factory!r}, not a callable returning an environment.")
+                raise TypeError(
+                    f"environment_factory[{name!r}] is {factory!r}, not a callable returning an environment."
+                )
             instance = factory()
             if not callable(getattr(instance, "reset", None)):
-                raise ValueError(f"Each environment instance returned by `environment_factory` must define a callable "
-                                 f"`reset`. The environment {type(instance).__name__} (from environment_factory"
-                                 f"{'' if name is None else f'[{name!r}]'}) has none: add reset(**row), which returns "
-                                 f"the first observation, or None.")  # fmt: skip
+                raise ValueError(
+                    f"Each environment instance returned by `environment_factory` must define a callable "
+                    f"`reset`. The environment {type(instance).__name__} (from environment_factory"
+                    f"{'' if name is None else f'[{name!r}]'}) has none: add reset(**row), which returns "
+                    f"the first observation, or None."
+                )
             methods = public_methods(instance)
             check_tools(methods, f"environment {type(instance).__name__}")
             self.tools[name] = methods
@@ -65,13 +72,17 @@ class EnvironmentPool:
         names = []
         for row in rows:
             if ENVIRONMENT_COLUMN not in row:
-                raise ValueError(f"environment_factory is a dict of environments, so every row needs an "
-                                 f"'{ENVIRONMENT_COLUMN}' column naming one of {list(self.factories)}; this row has "
-                                 f"columns {sorted(row)}.")  # fmt: skip
+                raise ValueError(
+                    f"environment_factory is a dict of environments, so every row needs an "
+                    f"'{ENVIRONMENT_COLUMN}' column naming one of {list(self.factories)}; this row has "
+                    f"columns {sorted(row)}."
+                )
             if row[ENVIRONMENT_COLUMN] not in self.factories:
-                raise ValueError(f"Example has `{ENVIRONMENT_COLUMN}={row[ENVIRONMENT_COLUMN]!r}`, which is not among "
-                                 f"the environments passed to `environment_factory`. Expected one of: "
-                                 f"{list(self.factories)}.")  # fmt: skip
+                raise ValueError(
+                    f"Example has `{ENVIRONMENT_COLUMN}={row[ENVIRONMENT_COLUMN]!r}`, which is not among "
+                    f"the environments passed to `environment_factory`. Expected one of: "
+                    f"{list(self.factories)}."
+                )
             names.append(row[ENVIRONMENT_COLUMN])
         return names
 
@@ -102,13 +113,16 @@ class EnvironmentPool:
         observations = []
         for index, (env, row) in enumerate(zip(environments, rows)):
             try:
-                observations.append(env.reset(**{k: v for k, v in row.items()
-                                                 if not (self.routed and k == ENVIRONMENT_COLUMN)}))  # fmt: skip
+                observations.append(
+                    env.reset(**{k: v for k, v in row.items() if not (self.routed and k == ENVIRONMENT_COLUMN)})
+                )
             except Exception as error:
                 prompt = str(row.get("prompt", ""))[:120]
-                raise RuntimeError(f"The environment {type(env).__name__}'s reset() raised {type(error).__name__}: "
-                                   f"{error} (row {index} of this generation's {len(rows)}, columns {sorted(row)}, "
-                                   f"prompt {prompt!r}).") from error  # fmt: skip
+                raise RuntimeError(
+                    f"The environment {type(env).__name__}'s reset() raised {type(error).__name__}: "
+                    f"{error} (row {index} of this generation's {len(rows)}, columns {sorted(row)}, "
+                    f"prompt {prompt!r})."
+                ) from error
         return observations
 
     def retire(self, environment) -> None:
@@ -132,12 +146,14 @@ class EnvironmentPool:
         functions = []
         for env_type in self.reward_types:
             if inspect.iscoroutinefunction(env_type.get_reward):
+
                 async def reward(environments, _type=env_type, **kwargs):
-                    return [await e.get_reward() if type(e) is _type and self.scores(e) else None
-                            for e in environments]  # fmt: skip
+                    return [await e.get_reward() if type(e) is _type and self.scores(e) else None for e in environments]
             else:
+
                 def reward(environments, _type=env_type, **kwargs):
                     return [e.get_reward() if type(e) is _type and self.scores(e) else None for e in environments]
+
             reward.__name__ = env_type.__name__
             functions.append(reward)
         return functions
@@ -149,12 +165,16 @@ def placeholder_dataset(args, environment_factory):
     from datasets import Dataset
 
     if isinstance(environment_factory, dict):
-        raise ValueError("A `dict` `environment_factory` (multiple environments) requires a `train_dataset` with an "
-                         "`environment` column to route each example to its environment. Provide a dataset, or pass a "
-                         "single environment factory.")  # fmt: skip
+        raise ValueError(
+            "A `dict` `environment_factory` (multiple environments) requires a `train_dataset` with an "
+            "`environment` column to route each example to its environment. Provide a dataset, or pass a "
+            "single environment factory."
+        )
     if args.max_steps <= 0:
-        raise ValueError("When training without a `train_dataset` (the environment owns the data and returns the "
-                         "prompt from `reset()`), `max_steps` must be set to a positive value to define the training "
-                         "length. Set it via `GRPOConfig(max_steps=...)`.")  # fmt: skip
+        raise ValueError(
+            "When training without a `train_dataset` (the environment owns the data and returns the "
+            "prompt from `reset()`), `max_steps` must be set to a positive value to define the training "
+            "length. Set it via `GRPOConfig(max_steps=...)`."
+        )
     rows = max(args.generation_batch_size // args.num_generations, 1)
     return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * rows})

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -65,11 +65,21 @@ class Agents:
     """Everything multi-turn, built once per trainer: the tools, the environment pool, the tool runner and its
     counters, or the user's rollout_func. `rollout()` runs one generation's rows."""
 
-    def __init__(self, tokenizer, *, tools=None, environments: EnvironmentPool | None = None, rollout_func=None,
-                 max_tool_calling_iterations: int | None = None, max_completion_length: int = 256,
-                 max_prompt_length: int | None = None, chat_template_kwargs: dict | None = None,
-                 tool_timeout: float = 30.0, max_model_length: int | None = None,
-                 max_tool_output_chars: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        tools=None,
+        environments: EnvironmentPool | None = None,
+        rollout_func=None,
+        max_tool_calling_iterations: int | None = None,
+        max_completion_length: int = 256,
+        max_prompt_length: int | None = None,
+        chat_template_kwargs: dict | None = None,
+        tool_timeout: float = 30.0,
+        max_model_length: int | None = None,
+        max_tool_output_chars: int | None = None,
+    ):
         self.tokenizer, self.rollout_func = tokenizer, rollout_func
         self.standalone_tools = list(tools or [])
         check_tools(self.standalone_tools)
@@ -87,7 +97,7 @@ class Agents:
         # TRL's `trainer.tools`: the standalone tools, then each environment's (its probe instance's methods); a row
         # is shown the standalone tools and its own environment's. Metrics are keyed by name, each name once.
         self.tools = list(self.standalone_tools)
-        for env_tools in (self.environments.tools.values() if self.environments else []):
+        for env_tools in self.environments.tools.values() if self.environments else []:
             self.tools += [t for t in env_tools if t not in self.tools]
         self.tool_names = list(dict.fromkeys(tool_name(t) for t in self.tools))
         # The engine's log-probs are the training forward's only for rollouts this module sampled with it.
@@ -110,8 +120,9 @@ class Agents:
 
     # ------------------------------------------------------------------------------------------- one rollout
 
-    def rollout(self, engine: RolloutEngine, rows: list[dict], params: SamplingParams, seed: int,
-                trainer=None) -> tuple[Rollout, list]:  # fmt: skip
+    def rollout(
+        self, engine: RolloutEngine, rows: list[dict], params: SamplingParams, seed: int, trainer=None
+    ) -> tuple[Rollout, list]:
         """rows: one per completion (a prompt's G rows consecutive). Returns the rollout and each row's
         completion as reward functions receive it (a list of messages for conversational prompts: the assistant
         turns and tool results, TRL's form). `Rollout.extra['environments']` holds each row's environment."""
@@ -119,9 +130,11 @@ class Agents:
             return self._custom_rollout(rows, trainer)
         prompts = [row.get("prompt", EMPTY_PROMPT) for row in rows]  # without one, reset() supplies it (TRL)
         if not all(is_conversational(p) for p in prompts):
-            raise ValueError("Tools and environments need conversational prompts (lists of {'role', 'content'} "
-                             "messages), so that the chat template can render the tools and their results; a row's "
-                             f"prompt is {str(prompts[0])[:80]!r}.")
+            raise ValueError(
+                "Tools and environments need conversational prompts (lists of {'role', 'content'} "
+                "messages), so that the chat template can render the tools and their results; a row's "
+                f"prompt is {str(prompts[0])[:80]!r}."
+            )
         extra = {}
         tools_of = [list(self.standalone_tools) for _ in rows]
         if self.environments is None:
@@ -134,16 +147,26 @@ class Agents:
             self.environments.give_back(environments)
             raise
 
-    def _play(self, engine: RolloutEngine, rows: list[dict], prompts: list, tools_of: list[list], params, seed: int,
-              extra: dict) -> tuple[Rollout, list]:  # fmt: skip
+    def _play(
+        self,
+        engine: RolloutEngine,
+        rows: list[dict],
+        prompts: list,
+        tools_of: list[list],
+        params,
+        seed: int,
+        extra: dict,
+    ) -> tuple[Rollout, list]:
         """The turns of `rollout`, with each row's environment (extra['environments']) reset on its row."""
         if "environments" in extra:
             environments = extra["environments"]
             observations = self.environments.reset(environments, rows)
             prompts = [with_observation(p, o) for p, o in zip(prompts, observations)]
             tools_of = [tools + public_methods(env) for tools, env in zip(tools_of, environments)]
-        rendered = [render_prompt(self.tokenizer, prompt, tools, self.chat_template_kwargs)
-                    for prompt, tools in zip(prompts, tools_of)]  # fmt: skip
+        rendered = [
+            render_prompt(self.tokenizer, prompt, tools, self.chat_template_kwargs)
+            for prompt, tools in zip(prompts, tools_of)
+        ]
         if self.max_prompt_length is not None:
             rendered = self.max_prompt_length.cut(rendered)
         transcripts = [Transcript(ids, {tool_name(t): t for t in tools}) for ids, tools in zip(rendered, tools_of)]
@@ -161,10 +184,12 @@ class Agents:
             self.stats.add(stats)
         return transcripts_rollout(transcripts, params.pad_token_id, extra), [t.messages for t in transcripts]
 
-    def _sample(self, engine, transcripts: list[Transcript], indices: list[int], params: SamplingParams,
-                seed: int) -> None:  # fmt: skip
-        sample_turns(engine, self.tokenizer, self.template, transcripts, indices, params, seed,
-                     self.max_completion_length)  # fmt: skip
+    def _sample(
+        self, engine, transcripts: list[Transcript], indices: list[int], params: SamplingParams, seed: int
+    ) -> None:
+        sample_turns(
+            engine, self.tokenizer, self.template, transcripts, indices, params, seed, self.max_completion_length
+        )
 
     def _add_tool_results(self, transcript: Transcript, stats: ToolStats) -> bool:
         """Run the last turn's tool calls and append their results; False (and nothing appended) when the results
@@ -173,8 +198,9 @@ class Agents:
         results = self.runner.run(calls, transcript.tools, stats, on_timeout=self._retire_environment)
         ids = tool_result_ids(self.tokenizer, results, self.chat_template_kwargs)
         total = len(transcript.prompt_ids) + len(transcript.ids) + len(ids)
-        if len(transcript.ids) + len(ids) >= self.max_completion_length or \
-                (self.max_model_length is not None and total >= self.max_model_length):  # fmt: skip
+        if len(transcript.ids) + len(ids) >= self.max_completion_length or (
+            self.max_model_length is not None and total >= self.max_model_length
+        ):
             return False
         transcript.add(ids, 0)
         transcript.messages += results
@@ -196,27 +222,38 @@ class Agents:
         prompts = [row.get("prompt", row.get("prompt_ids")) for row in rows]
         output = self.rollout_func(prompts, trainer)
         if not isinstance(output, dict):
-            raise TypeError(f"rollout_func must return a dict with keys {list(ROLLOUT_FUNC_KEYS)}; it returned "
-                            f"{type(output).__name__}.")
+            raise TypeError(
+                f"rollout_func must return a dict with keys {list(ROLLOUT_FUNC_KEYS)}; it returned "
+                f"{type(output).__name__}."
+            )
         missing = [key for key in ROLLOUT_FUNC_KEYS if key not in output]
         if missing:
-            raise ValueError(f"rollout_func must return keys {missing} in its output dict (it returned "
-                             f"{sorted(output)}); each is a list with one entry per prompt it was given.")
+            raise ValueError(
+                f"rollout_func must return keys {missing} in its output dict (it returned "
+                f"{sorted(output)}); each is a list with one entry per prompt it was given."
+            )
         n = len(rows)
         for key, values in output.items():
             if not isinstance(values, (list, tuple)) or len(values) != n:
-                raise ValueError(f"rollout_func's {key!r} must be a list with one entry per prompt ({n} prompts, one "
-                                 f"per completion: each prompt comes num_generations times); got "
-                                 f"{type(values).__name__} of length {len(values) if hasattr(values, '__len__') else '?'}.")
-        prompt_ids, completion_ids = [list(x) for x in output["prompt_ids"]], [list(x) for x in output["completion_ids"]]
+                raise ValueError(
+                    f"rollout_func's {key!r} must be a list with one entry per prompt ({n} prompts, one "
+                    f"per completion: each prompt comes num_generations times); got "
+                    f"{type(values).__name__} of length {len(values) if hasattr(values, '__len__') else '?'}."
+                )
+        prompt_ids, completion_ids = (
+            [list(x) for x in output["prompt_ids"]],
+            [list(x) for x in output["completion_ids"]],
+        )
         logprobs, env_mask = output["logprobs"], output.get("env_mask")
         for row in range(n):
             if not prompt_ids[row]:
                 raise ValueError(f"rollout_func returned empty prompt_ids for row {row}; every prompt needs a token.")
             for key, values in (("logprobs", logprobs), ("env_mask", env_mask)):
                 if values is not None and values[row] is not None and len(values[row]) != len(completion_ids[row]):
-                    raise ValueError(f"rollout_func's {key}[{row}] has {len(values[row])} entries for "
-                                     f"{len(completion_ids[row])} completion tokens; give one per completion token.")
+                    raise ValueError(
+                        f"rollout_func's {key}[{row}] has {len(values[row])} entries for "
+                        f"{len(completion_ids[row])} completion tokens; give one per completion token."
+                    )
         pad = self.tokenizer.pad_token_id if self.tokenizer is not None else 0
         eos = {self.tokenizer.eos_token_id, pad} if self.tokenizer is not None else {pad}
         transcripts = []
@@ -252,12 +289,29 @@ def transcripts_rollout(transcripts: list[Transcript], pad_token_id: int, extra:
     # Each policy turn is a step for process rewards (grpokit.rewards.process): a per-turn reward credits
     # the tokens of its turn and of the turns before it.
     extra = {**extra, TURN_ENDS: [turn_ends(t.trained) for t in transcripts]}
-    return Rollout(prompt_ids, prompt_mask, completion_ids, attention_mask, loss_mask, attention_mask.sum(-1),
-                   torch.tensor([t.truncated for t in transcripts]), logprobs, extra)  # fmt: skip
+    return Rollout(
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        attention_mask,
+        loss_mask,
+        attention_mask.sum(-1),
+        torch.tensor([t.truncated for t in transcripts]),
+        logprobs,
+        extra,
+    )
 
 
-def sample_turns(engine: RolloutEngine, tokenizer, template: dict | None, transcripts: list[Transcript],
-                 indices: list[int], params: SamplingParams, seed: int, max_completion_length: int) -> None:  # fmt: skip
+def sample_turns(
+    engine: RolloutEngine,
+    tokenizer,
+    template: dict | None,
+    transcripts: list[Transcript],
+    indices: list[int],
+    params: SamplingParams,
+    seed: int,
+    max_completion_length: int,
+) -> None:
     """Sample the next assistant turn of transcripts[indices] in one engine call, each on its prompt + transcript ids
     so far and within its remaining token budget; append it (loss mask 1, the engine's log-probs) and its message
     (parsed for tool calls with `template`, plain text without one)."""
@@ -292,4 +346,4 @@ def with_observation(prompt: list[dict], observation) -> list[dict]:
         observation = [{"type": "text", "text": observation}]
     if isinstance(observation, list) and isinstance(content, str):
         content = [{"type": "text", "text": content}]
-    return prompt[:-1] + [{**prompt[-1], "content": content + observation}]
+    return [*prompt[:-1], {**prompt[-1], "content": content + observation}]

@@ -11,13 +11,17 @@ tools that only read data you control do not.
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from ..rewards.code import SandboxLimits, _resolve_mode, _run
 
 
-def python_tool(limits: SandboxLimits = SandboxLimits(), use_bubblewrap: bool | None = None,
-                require_bubblewrap: bool = False, max_output_chars: int = 2000) -> Callable[[str], str]:
+def python_tool(
+    limits: SandboxLimits = SandboxLimits(),
+    use_bubblewrap: bool | None = None,
+    require_bubblewrap: bool = False,
+    max_output_chars: int = 2000,
+) -> Callable[[str], str]:
     """A tool named `python` that runs its `code` argument in the sandbox and returns the output (stdout and
     stderr together, the last max_output_chars characters); a run that fails returns its output (e.g. the
     traceback) and says how it ended. The sandbox is probed on the first call."""
@@ -37,8 +41,9 @@ def python_tool(limits: SandboxLimits = SandboxLimits(), use_bubblewrap: bool | 
             output = output.rstrip("\n")
             output = output[: output.rfind("\n")]
         else:
-            output += f"\n[the program failed, or was stopped at {limits.wall_seconds:g} s wall / " \
-                      f"{limits.cpu_seconds} s CPU]"  # fmt: skip
+            output += (
+                f"\n[the program failed, or was stopped at {limits.wall_seconds:g} s wall / {limits.cpu_seconds} s CPU]"
+            )
         return output[-max_output_chars:]
 
     return python

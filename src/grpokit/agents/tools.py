@@ -29,8 +29,9 @@ import threading
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 
 def tool_name(tool: Callable) -> str:
@@ -48,14 +49,17 @@ def check_tools(tools: list[Callable], where: str = "tools") -> None:
         try:
             get_json_schema(tool)
         except Exception as error:
-            raise ValueError(f"{where}: tool {tool_name(tool)!r} has no usable JSON schema ({error}). A tool needs "
-                             f"type hints on every argument and a Google-style docstring with a description and an "
-                             f"'Args:' section (see transformers' chat_extras#passing-tools).") from error
+            raise ValueError(
+                f"{where}: tool {tool_name(tool)!r} has no usable JSON schema ({error}). A tool needs "
+                f"type hints on every argument and a Google-style docstring with a description and an "
+                f"'Args:' section (see transformers' chat_extras#passing-tools)."
+            ) from error
         names[tool_name(tool)] += 1
     doubles = [name for name, count in names.items() if count > 1]
     if doubles:
-        raise ValueError(f"{where}: several tools are named {doubles}; the model calls tools by name, so names must be "
-                         f"unique.")  # fmt: skip
+        raise ValueError(
+            f"{where}: several tools are named {doubles}; the model calls tools by name, so names must be unique."
+        )
 
 
 @dataclass
@@ -83,8 +87,11 @@ class ToolStats:
         if not any(totals):  # no rollout ended since the last record (streamed groups end between batches)
             return {}
         rows, (calls, failures) = max(totals[0], 1.0), totals[-2:]
-        out = {"tools/call_frequency": calls / rows, "tools/failure_frequency": failures / calls if calls else 0.0,
-               "tools/truncated_frequency": totals[-3] / calls if calls else 0.0}
+        out = {
+            "tools/call_frequency": calls / rows,
+            "tools/failure_frequency": failures / calls if calls else 0.0,
+            "tools/truncated_frequency": totals[-3] / calls if calls else 0.0,
+        }
         for i, name in enumerate(names):
             n_calls, n_failures = totals[1 + 2 * i], totals[2 + 2 * i]
             out[f"tools/{name}/call_frequency"] = n_calls / rows
@@ -117,7 +124,7 @@ def in_daemon_thread(function: Callable, arguments: dict, name: str) -> concurre
             return
         try:
             future.set_result(function(**arguments))
-        except BaseException as error:  # noqa: BLE001 (the caller decides; a thread must not die with it)
+        except BaseException as error:
             future.set_exception(error)
 
     threading.Thread(target=work, name=f"grpokit-tool-{name}", daemon=True).start()
@@ -180,13 +187,21 @@ class ToolRunner:
         future.add_done_callback(lambda _: self._running_on_loop.pop(coroutine, None))
         return future, True
 
-    def run(self, calls: list[tuple[str, Any]], tools: dict[str, Callable], stats: ToolStats,
-            on_timeout: Callable[[Callable], None] | None = None) -> list[dict]:  # fmt: skip
+    def run(
+        self,
+        calls: list[tuple[str, Any]],
+        tools: dict[str, Callable],
+        stats: ToolStats,
+        on_timeout: Callable[[Callable], None] | None = None,
+    ) -> list[dict]:
         """calls: (name, arguments) per tool call, in order; returns one tool message per call. All calls of the
         turn run concurrently, each for at most `timeout` seconds from the start of the turn. on_timeout(tool):
         told of each call that timed out (and may still be running)."""
-        outcomes = self.call([(name, tools.get(name), arguments, call_problem(name, arguments, tools))
-                              for name, arguments in calls], stats, on_timeout)  # fmt: skip
+        outcomes = self.call(
+            [(name, tools.get(name), arguments, call_problem(name, arguments, tools)) for name, arguments in calls],
+            stats,
+            on_timeout,
+        )
         messages = []
         for (name, _), (result, problem) in zip(calls, outcomes):
             content = None
@@ -202,8 +217,12 @@ class ToolRunner:
             messages.append({"role": "tool", "name": name, "content": content})
         return messages
 
-    def call(self, calls: list[tuple[str, Callable | None, Any, str | None]], stats: ToolStats,
-             on_timeout: Callable[[Callable], None] | None = None) -> list[tuple[Any, str | None]]:  # fmt: skip
+    def call(
+        self,
+        calls: list[tuple[str, Callable | None, Any, str | None]],
+        stats: ToolStats,
+        on_timeout: Callable[[Callable], None] | None = None,
+    ) -> list[tuple[Any, str | None]]:
         """calls: (name, callable, keyword arguments, a problem found before calling it or None) each. Runs them
         concurrently, each for at most `timeout` seconds from now; returns (result, None) or (None, problem) for
         each, in order, counting every call and every problem (a failure) under its name. Besides the tool loop,
@@ -241,11 +260,14 @@ class ToolRunner:
             name = self._running_on_loop.get(culprit.get_coro()) if culprit is not None else None
             shown = f"The async tool {name!r}" if name else "An async tool"
             then = f"; {name!r} runs from now on on an event loop of its own per call" if name else ""
-            warnings.warn(f"{shown} blocked the event loop that async tools share for over {self.timeout:g} s "
-                          f"(tool_timeout): a blocking call inside `async def` (time.sleep, a blocking HTTP client, "
-                          f"a long computation) stalls every async tool. grpokit leaves that loop to it and starts "
-                          f"another{then}. Make the tool await (asyncio.sleep, an async client, asyncio.to_thread) "
-                          f"or make it a plain def.", stacklevel=3)  # fmt: skip
+            warnings.warn(
+                f"{shown} blocked the event loop that async tools share for over {self.timeout:g} s "
+                f"(tool_timeout): a blocking call inside `async def` (time.sleep, a blocking HTTP client, "
+                f"a long computation) stalls every async tool. grpokit leaves that loop to it and starts "
+                f"another{then}. Make the tool await (asyncio.sleep, an async client, asyncio.to_thread) "
+                f"or make it a plain def.",
+                stacklevel=3,
+            )
             if name:
                 self._off_loop.add(name)
             self._loop, self._running_on_loop = None, {}
@@ -253,10 +275,12 @@ class ToolRunner:
         self._abandoned = [f for f in self._abandoned if not f.done()] + [future]
         if len(self._abandoned) >= ABANDONED_WARNING_AT and not self._warned_abandoned:
             self._warned_abandoned = True
-            warnings.warn(f"{len(self._abandoned)} tool calls that timed out are still running in abandoned threads "
-                          f"(Python cannot stop a thread): a tool that hangs should enforce its own time limit, e.g. "
-                          f"run its work in a subprocess it kills, as grpokit.agents.python_tool does.",
-                          stacklevel=3)  # fmt: skip
+            warnings.warn(
+                f"{len(self._abandoned)} tool calls that timed out are still running in abandoned threads "
+                f"(Python cannot stop a thread): a tool that hangs should enforce its own time limit, e.g. "
+                f"run its work in a subprocess it kills, as grpokit.agents.python_tool does.",
+                stacklevel=3,
+            )
 
 
 def loop_answers(loop: asyncio.AbstractEventLoop, wait: float) -> bool:

@@ -15,8 +15,8 @@ import re
 import shutil
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -82,7 +82,9 @@ def is_complete(checkpoint: Path) -> bool:
         files = json.loads(manifest.read_text())["files"]
     except (ValueError, KeyError):
         return False
-    return all((checkpoint / name).is_file() and (checkpoint / name).stat().st_size == size for name, size in files.items())
+    return all(
+        (checkpoint / name).is_file() and (checkpoint / name).stat().st_size == size for name, size in files.items()
+    )
 
 
 def _step_of(path: Path) -> int:
@@ -106,13 +108,17 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     # Said whether or not a complete checkpoint comes before it: an interrupted save is worth knowing about even
     # when the run resumes from an older complete checkpoint.
     for partial in sorted(output_dir.glob(f"{TMP_PREFIX}*")):
-        warnings.warn(f"Skipping partial checkpoint {partial}: a save was interrupted there (the next save removes "
-                      f"it).", stacklevel=2)  # fmt: skip
+        warnings.warn(
+            f"Skipping partial checkpoint {partial}: a save was interrupted there (the next save removes it).",
+            stacklevel=2,
+        )
     candidates = sorted((p for p in output_dir.iterdir() if p.is_dir() and _step_of(p) >= 0), key=_step_of)
     for path in reversed(candidates):
         if is_complete(path):
             return path
-        warnings.warn(f"Skipping incomplete checkpoint {path} (no valid manifest): it was not finished writing.")
+        warnings.warn(
+            f"Skipping incomplete checkpoint {path} (no valid manifest): it was not finished writing.", stacklevel=2
+        )
     return None
 
 

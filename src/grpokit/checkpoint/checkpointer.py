@@ -18,9 +18,10 @@ sharded and DeepSpeed formats leave the frozen parameters out.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -72,10 +73,18 @@ class Checkpointer:
     own state dict), or only its config and tokenizer when with_weights is False. gather_weights(model) gathers
     what write_model needs of a sharded model (a collective; default: the full state dict)."""
 
-    def __init__(self, accelerator, output_dir: str | Path, write_model: Callable[..., None], *,
-                 save_total_limit: int | None = None, save_only_model: bool = False, deepspeed: bool = False,
-                 gather_weights: Callable[[torch.nn.Module], dict] = full_state_dict,
-                 save_on_each_node: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        accelerator,
+        output_dir: str | Path,
+        write_model: Callable[..., None],
+        *,
+        save_total_limit: int | None = None,
+        save_only_model: bool = False,
+        deepspeed: bool = False,
+        gather_weights: Callable[[torch.nn.Module], dict] = full_state_dict,
+        save_on_each_node: bool = False,
+    ):
         """save_on_each_node: each node's local main process writes the whole checkpoint into its own output_dir
         (nodes that share no storage; transformers' option), rather than the main process alone. Plain
         checkpoints only: in the sharded and DeepSpeed formats every process writes its part into one directory."""
@@ -102,8 +111,8 @@ class Checkpointer:
 
     def save(self, parts: TrainingParts, state: TrainerState, loop: dict, process: dict) -> Path | None:
         """Every process calls it, each with its own `process` part; returns the checkpoint's path on the process
-        that wrote it (`writes`). Refuses (FloatingPointError) to checkpoint non-finite weights: the last good checkpoint stays.
-        save_total_limit never removes state.best_model_checkpoint."""
+        that wrote it (`writes`). Refuses (FloatingPointError) to checkpoint non-finite weights: the last good
+        checkpoint stays. save_total_limit never removes state.best_model_checkpoint."""
         from accelerate.utils import broadcast_object_list, gather_object
 
         acc, model = self.accelerator, unwrap_model(self.accelerator, parts.model)
@@ -115,15 +124,19 @@ class Checkpointer:
             tmp = broadcast_object_list([begin_checkpoint(self.output_dir, step) if acc.is_main_process else None])[0]
         if fmt == "deepspeed":
             # A LoRA model's frozen base never changes: left out, as transformers' Trainer saves PEFT models.
-            parts.model.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag="state",
-                                        **({"exclude_frozen_parameters": True} if is_peft_model(model) else {}))
+            parts.model.save_checkpoint(
+                str(tmp / DEEPSPEED_DIR),
+                tag="state",
+                **({"exclude_frozen_parameters": True} if is_peft_model(model) else {}),
+            )
             reference_weights = full_state_dict(reference) if reference is not None else None
         elif fmt == "sharded":
             save_sharded(tmp / SHARDED_DIR, model, parts.optimizer, reference, trainable_only=is_peft_model(model))
         else:  # collectives under FSDP2 / ZeRO-3: every process takes part, the main process gets full tensors
             weights = self.gather_weights(model) if is_sharded(model) else None
-            optimizer_state = (full_optimizer_state(model, parts.optimizer)
-                               if is_sharded(model) and not self.save_only_model else None)  # fmt: skip
+            optimizer_state = (
+                full_optimizer_state(model, parts.optimizer) if is_sharded(model) and not self.save_only_model else None
+            )
             reference_weights = full_state_dict(reference) if reference is not None else None
         processes = [] if self.save_only_model else gather_object([{"rng": rng_state(), **process}])
         if not self.writes:
@@ -136,12 +149,15 @@ class Checkpointer:
             if self.save_only_model:
                 return
             if fmt == "plain":
-                torch.save(parts.optimizer.state_dict() if optimizer_state is None else optimizer_state,
-                           directory / "optimizer.pt")  # fmt: skip
+                torch.save(
+                    parts.optimizer.state_dict() if optimizer_state is None else optimizer_state,
+                    directory / "optimizer.pt",
+                )
             torch.save(parts.scheduler.state_dict(), directory / "scheduler.pt")
             for rank, part in enumerate(processes):  # transformers' names: rng_state.pth in one process
-                torch.save(part.pop("rng"), directory / (f"rng_state_{rank}.pth" if len(processes) > 1
-                                                         else "rng_state.pth"))  # fmt: skip
+                torch.save(
+                    part.pop("rng"), directory / (f"rng_state_{rank}.pth" if len(processes) > 1 else "rng_state.pth")
+                )
             torch.save({"loop": loop, "processes": processes}, directory / "generation_state.pt")
             state.save(directory / "trainer_state.json")
             if reference_weights is not None:
@@ -166,8 +182,10 @@ class Checkpointer:
         if is_sharded(model) and acc.reduce(torch.tensor(float(len(bad)), device=acc.device), "sum").item() > 0:
             bad = bad or ["(on another process)"]
         if bad:
-            raise FloatingPointError(f"Refusing to checkpoint non-finite weights ({bad[:3]}...) at step {step}; "
-                                     f"the last complete checkpoint is kept.")  # fmt: skip
+            raise FloatingPointError(
+                f"Refusing to checkpoint non-finite weights ({bad[:3]}...) at step {step}; "
+                f"the last complete checkpoint is kept."
+            )
 
     # -------------------------------------------------------------------------------------------------- loading
 
@@ -190,28 +208,38 @@ class Checkpointer:
         acc, model = self.accelerator, unwrap_model(self.accelerator, parts.model)
         if (path / DEEPSPEED_DIR).is_dir():
             if not self.deepspeed:
-                raise ValueError(f"{path} was written under DeepSpeed (its optimizer state is in DeepSpeed's "
-                                 f"partitioned format): resume it under DeepSpeed with the same number of "
-                                 f"processes.")  # fmt: skip
+                raise ValueError(
+                    f"{path} was written under DeepSpeed (its optimizer state is in DeepSpeed's "
+                    f"partitioned format): resume it under DeepSpeed with the same number of "
+                    f"processes."
+                )
             # A LoRA model's checkpoint holds no frozen parameters (see save): they are not asked for.
-            loaded, _ = parts.model.load_checkpoint(str(path / DEEPSPEED_DIR), tag="state", load_optimizer_states=True,
-                                                    load_lr_scheduler_states=False,
-                                                    load_module_strict=not is_peft_model(model))  # fmt: skip
+            loaded, _ = parts.model.load_checkpoint(
+                str(path / DEEPSPEED_DIR),
+                tag="state",
+                load_optimizer_states=True,
+                load_lr_scheduler_states=False,
+                load_module_strict=not is_peft_model(model),
+            )
             if loaded is None:
                 raise RuntimeError(f"DeepSpeed could not load {path / DEEPSPEED_DIR} (written by as many processes?).")
         elif self.deepspeed:
-            raise ValueError(f"{path} was not written under DeepSpeed, and DeepSpeed's engine resumes only from its "
-                             f"own checkpoints: resume it without DeepSpeed (DDP, FSDP2 or one process), or start "
-                             f"this DeepSpeed run from its weights as the model.")  # fmt: skip
+            raise ValueError(
+                f"{path} was not written under DeepSpeed, and DeepSpeed's engine resumes only from its "
+                f"own checkpoints: resume it without DeepSpeed (DDP, FSDP2 or one process), or start "
+                f"this DeepSpeed run from its weights as the model."
+            )
         elif (path / SHARDED_DIR).is_dir():  # written by FSDP2 processes, each its shards: resharded to this layout
-            load_sharded(path / SHARDED_DIR, model, parts.optimizer, parts.reference,
-                         trainable_only=is_peft_model(model))  # fmt: skip
+            load_sharded(
+                path / SHARDED_DIR, model, parts.optimizer, parts.reference, trainable_only=is_peft_model(model)
+            )
         else:
             load_model_weights(model, path)
             # Loaded on the CPU: the state was saved from the main process's device, and loading moves it to each
             # parameter's device (and, under FSDP2, keeps this process's shard of it).
-            load_optimizer_state(model, parts.optimizer,
-                                 torch.load(path / "optimizer.pt", weights_only=False, map_location="cpu"))
+            load_optimizer_state(
+                model, parts.optimizer, torch.load(path / "optimizer.pt", weights_only=False, map_location="cpu")
+            )
         if (path / "reference.safetensors").exists() and parts.reference is not None:
             load_full_state_dict(parts.reference, load_file(str(path / "reference.safetensors")), strict=False)
         parts.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
@@ -221,22 +249,29 @@ class Checkpointer:
         if own_rng.exists():
             set_rng_state(torch.load(own_rng, weights_only=False))
         else:
-            warnings.warn(f"{path} holds no RNG state for process {acc.process_index}: it keeps its seeded RNG.",
-                          stacklevel=3)  # fmt: skip
+            warnings.warn(
+                f"{path} holds no RNG state for process {acc.process_index}: it keeps its seeded RNG.", stacklevel=3
+            )
         saved = torch.load(path / "generation_state.pt", weights_only=False, map_location="cpu")
         processes = saved["processes"]
         process = processes[acc.process_index] if len(processes) == acc.num_processes else None
         if process is None and any(p.get("batch") is not None for p in processes):
             # Each process's half-used generation batch is its slice of a global batch laid out for another
             # number of processes: the next step samples a fresh batch instead (those prompts are skipped).
-            warnings.warn(f"{path} was written by {len(processes)} process(es), this run has {acc.num_processes}: "
-                          f"its half-used generation batch is dropped and a new one is sampled.", stacklevel=3)
+            warnings.warn(
+                f"{path} was written by {len(processes)} process(es), this run has {acc.num_processes}: "
+                f"its half-used generation batch is dropped and a new one is sampled.",
+                stacklevel=3,
+            )
         if process is None and any(p.get("in_flight") for p in processes):
             # Likewise the batches asynchronous generation had sampled ahead (max_staleness): sampled again, by the
             # checkpoint's weights, so the run no longer follows the unbroken one's schedule exactly.
-            warnings.warn(f"{path} was written by {len(processes)} process(es), this run has {acc.num_processes}: "
-                          f"the generation batches it held in flight (max_staleness) are dropped and sampled again "
-                          f"with the checkpoint's weights.", stacklevel=3)
+            warnings.warn(
+                f"{path} was written by {len(processes)} process(es), this run has {acc.num_processes}: "
+                f"the generation batches it held in flight (max_staleness) are dropped and sampled again "
+                f"with the checkpoint's weights.",
+                stacklevel=3,
+            )
         return Resumed(TrainerState.load(path / "trainer_state.json"), saved["loop"], process)
 
 

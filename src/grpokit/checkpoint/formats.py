@@ -29,8 +29,9 @@ def save_sharded(directory: Path, model, optimizer, reference=None, trainable_on
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
-    model_state, optimizer_state = get_state_dict(model, _inner(optimizer),
-                                                  options=StateDictOptions(ignore_frozen_params=trainable_only))
+    model_state, optimizer_state = get_state_dict(
+        model, _inner(optimizer), options=StateDictOptions(ignore_frozen_params=trainable_only)
+    )
     state = {"model": model_state, "optimizer": optimizer_state}
     if reference is not None:
         state["reference"] = get_model_state_dict(reference)
@@ -58,7 +59,12 @@ def load_sharded(directory: Path, model, optimizer, reference=None, trainable_on
     dcp.load(state, checkpoint_id=str(directory))
     # Without the frozen parameters the model's state is partial, hence not strict (dcp.load has already failed if
     # the checkpoint lacks any parameter asked for).
-    set_state_dict(model, _inner(optimizer), model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                   options=StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only))
+    set_state_dict(
+        model,
+        _inner(optimizer),
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only),
+    )
     if reference is not None:
         set_model_state_dict(reference, state["reference"])

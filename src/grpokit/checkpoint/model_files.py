@@ -16,9 +16,16 @@ from ..model_card import model_card_writable, write_model_card
 from ..models import is_peft_model, load_model_weights, save_merged
 
 
-def write_model_files(output_dir: Path, model, processing_class, weights: dict[str, torch.Tensor] | None = None, *,
-                      with_weights: bool = True, save_merged_model: bool = False,
-                      model_card: Callable[[], str] | None = None) -> None:  # fmt: skip
+def write_model_files(
+    output_dir: Path,
+    model,
+    processing_class,
+    weights: dict[str, torch.Tensor] | None = None,
+    *,
+    with_weights: bool = True,
+    save_merged_model: bool = False,
+    model_card: Callable[[], str] | None = None,
+) -> None:
     """Write `model` (its `weights` instead, when a sharded model's were gathered) into output_dir. Without weights
     (a sharded checkpoint keeps them in its own format), the config and processing class only, which make the
     directory legible. `model_card` renders the README.md, written unless the user keeps one of their own there."""
@@ -34,8 +41,9 @@ def write_model_files(output_dir: Path, model, processing_class, weights: dict[s
         # With LoRA: the adapter only. A sharded model saves the gathered weights. Without transformers' "Writing
         # model shards" bar, which every checkpoint would print between the training logs.
         with without_progress_bars():
-            model.save_pretrained(output_dir, safe_serialization=True,
-                                  **({"state_dict": weights} if weights is not None else {}))  # fmt: skip
+            model.save_pretrained(
+                output_dir, safe_serialization=True, **({"state_dict": weights} if weights is not None else {})
+            )
             if save_merged_model and is_peft_model(model):
                 save_merged(model, output_dir / "merged", processing_class, weights)
     else:
@@ -60,13 +68,19 @@ def load_best_checkpoint(model, state, metric_name: str, announce: bool = True) 
     """load_best_model_at_end: the best checkpoint's weights (the adapter with LoRA) into the model."""
     path = Path(state.best_model_checkpoint)
     if not path.is_dir():
-        warnings.warn(f"load_best_model_at_end: the best checkpoint {path} is gone; the model keeps its last "
-                      f"weights.", UserWarning, stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"load_best_model_at_end: the best checkpoint {path} is gone; the model keeps its last weights.",
+            UserWarning,
+            stacklevel=3,
+        )
         return
     load_model_weights(model, path)
     if announce:
-        print(f"Loaded the best checkpoint, {path.name} ({metric_name} = {state.best_metric:.6g}).", file=sys.stderr,
-              flush=True)  # fmt: skip
+        print(
+            f"Loaded the best checkpoint, {path.name} ({metric_name} = {state.best_metric:.6g}).",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 @contextlib.contextmanager

@@ -21,11 +21,13 @@ class SigtermCheckpoint:
         self.requested = False
         self._previous = None
 
-    def __enter__(self) -> "SigtermCheckpoint":
+    def __enter__(self) -> SigtermCheckpoint:
         if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError("enable_jit_checkpoint=True needs train() to run in the main thread (Python delivers "
-                               "signals there only); call train() from the main thread or set "
-                               "enable_jit_checkpoint=False.")  # fmt: skip
+            raise RuntimeError(
+                "enable_jit_checkpoint=True needs train() to run in the main thread (Python delivers "
+                "signals there only); call train() from the main thread or set "
+                "enable_jit_checkpoint=False."
+            )
         self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         return self
 

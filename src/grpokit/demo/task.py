@@ -62,9 +62,17 @@ class DemoTask:
 
     def build_model(self, hidden_size: int = 64):
         tok = self.tokenizer
-        return build_tiny_model(len(tok), hidden_size=hidden_size, num_layers=2, num_heads=4, num_kv_heads=2, seed=self.seed,
-                                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                                bos_token_id=tok.bos_token_id)  # fmt: skip
+        return build_tiny_model(
+            len(tok),
+            hidden_size=hidden_size,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            seed=self.seed,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            bos_token_id=tok.bos_token_id,
+        )
 
     @torch.no_grad()
     def accuracy(self, model, words=None) -> float:
@@ -72,8 +80,9 @@ class DemoTask:
         words = words or self.heldout
         tok = self.tokenizer
         ids, mask = pad_left([tok(f"{w}>")["input_ids"] for w in words], tok.pad_token_id)
-        params = SamplingParams(max_new_tokens=3, top_k=1, eos_token_ids=(tok.eos_token_id,),
-                                pad_token_id=tok.pad_token_id)  # fmt: skip
+        params = SamplingParams(
+            max_new_tokens=3, top_k=1, eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id
+        )
         was_training = model.training
         model.eval()
         rollout = generate(model, ids, mask, params)
@@ -102,8 +111,15 @@ class DemoTask:
         return max_steps
 
 
-def run_demo(output_dir: str = "grpo-demo", max_steps: int = 300, seed: int = 0, warmup_target: float = 0.1,
-             disable_tqdm: bool = False, hidden_size: int = 64, **overrides) -> dict:  # fmt: skip
+def run_demo(
+    output_dir: str = "grpo-demo",
+    max_steps: int = 300,
+    seed: int = 0,
+    warmup_target: float = 0.1,
+    disable_tqdm: bool = False,
+    hidden_size: int = 64,
+    **overrides,
+) -> dict:
     """Warm up, measure, train with GRPO, measure again; returns the accuracies and paths."""
     from ..config import GRPOConfig
     from ..trainer import GRPOTrainer
@@ -112,30 +128,67 @@ def run_demo(output_dir: str = "grpo-demo", max_steps: int = 300, seed: int = 0,
     torch.manual_seed(seed)
     task = DemoTask(seed=seed)
     model = task.build_model(hidden_size)
-    print(f"grpokit demo: name the last of {LENGTH} letters in alphabetical order ('cfad>' -> 'f') with a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter model, built offline.")
-    print(f"Supervised warm-up (the tiny model starts from random weights; real GRPO starts from a pretrained model) until held-out accuracy >= {warmup_target:.0%} ...")
+    print(
+        f"grpokit demo: name the last of {LENGTH} letters in alphabetical order ('cfad>' -> 'f') with a "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter model, built offline."
+    )
+    print(
+        f"Supervised warm-up (the tiny model starts from random weights; real GRPO starts from a pretrained model) "
+        f"until held-out accuracy >= {warmup_target:.0%} ..."
+    )
     warm_steps = task.warm_up(model, target_accuracy=warmup_target)
     before = task.accuracy(model)
     print(f"  {warm_steps} warm-up steps. Held-out accuracy before GRPO: {before:.1%}")
     config = dict(
-        output_dir=output_dir, per_device_train_batch_size=64, num_generations=8, max_completion_length=3,
-        learning_rate=1e-3, lr_scheduler_type="constant", max_steps=max_steps, logging_steps=10, save_steps=50,
-        save_total_limit=2, beta=0.0, temperature=1.0, seed=seed, disable_tqdm=disable_tqdm, report_to="none",
+        output_dir=output_dir,
+        per_device_train_batch_size=64,
+        num_generations=8,
+        max_completion_length=3,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        max_steps=max_steps,
+        logging_steps=10,
+        save_steps=50,
+        save_total_limit=2,
+        beta=0.0,
+        temperature=1.0,
+        seed=seed,
+        disable_tqdm=disable_tqdm,
+        report_to="none",
         reward_weights=[0.2, 1.0],
-    )  # fmt: skip
+    )
     config.update(overrides)
     args = GRPOConfig(**config)
     weights = dict(zip(("answer_format", "exact_match"), args.reward_weights))
-    print(f"GRPO: reward = {weights['answer_format']} x answer_format (a single letter) + {weights['exact_match']} x "
-          f"exact_match (the right letter), {sum(weights.values()):g} at best; the log's `reward` is that weighted "
-          f"sum, rewards/<name>/mean each function alone.")
-    trainer = GRPOTrainer(model=model, reward_funcs=[answer_format, exact_match], args=args,
-                          train_dataset=task.dataset(), processing_class=task.tokenizer)  # fmt: skip
+    print(
+        f"GRPO: reward = {weights['answer_format']} x answer_format (a single letter) + {weights['exact_match']} x "
+        f"exact_match (the right letter), {sum(weights.values()):g} at best; the log's `reward` is that weighted "
+        f"sum, rewards/<name>/mean each function alone."
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[answer_format, exact_match],
+        args=args,
+        train_dataset=task.dataset(),
+        processing_class=task.tokenizer,
+    )
     trainer.train()
     after = task.accuracy(trainer.unwrapped_model)
     trainer.save_model(output_dir)
     elapsed = time.perf_counter() - started
-    print(f"Held-out accuracy: {before:.1%} before GRPO -> {after:.1%} after {trainer.state.global_step} GRPO steps ({elapsed:.0f} s in all).")
-    print(f"Model and tokenizer saved to {Path(output_dir).resolve()}; metrics in {Path(output_dir).resolve() / 'metrics.jsonl'}.")
-    return {"accuracy_before": before, "accuracy_after": after, "output_dir": output_dir, "seconds": elapsed,
-            "warmup_steps": warm_steps, "log_history": trainer.state.log_history}  # fmt: skip
+    print(
+        f"Held-out accuracy: {before:.1%} before GRPO -> {after:.1%} after {trainer.state.global_step} GRPO steps "
+        f"({elapsed:.0f} s in all)."
+    )
+    print(
+        f"Model and tokenizer saved to {Path(output_dir).resolve()}; "
+        f"metrics in {Path(output_dir).resolve() / 'metrics.jsonl'}."
+    )
+    return {
+        "accuracy_before": before,
+        "accuracy_after": after,
+        "output_dir": output_dir,
+        "seconds": elapsed,
+        "warmup_steps": warm_steps,
+        "log_history": trainer.state.log_history,
+    }

@@ -16,7 +16,8 @@ functions and their weights, and a `MultiTurnDriver` (grpokit.rollout.runner) th
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 from ..rollout.runner import MultiTurnDriver
 
@@ -69,11 +70,20 @@ def adapt_environment(environment, tools=None, rollout_func=None, environment_fa
     is an `EnvironmentAdapter`. The trainer's own multi-turn arguments are refused beside it."""
     import importlib
 
-    given = [name for name, value in (("tools", tools), ("rollout_func", rollout_func),
-                                      ("environment_factory", environment_factory)) if value]  # fmt: skip
+    given = [
+        name
+        for name, value in (
+            ("tools", tools),
+            ("rollout_func", rollout_func),
+            ("environment_factory", environment_factory),
+        )
+        if value
+    ]
     if given:
-        raise ValueError(f"GRPOTrainer(environment=...) plays the environment's own turns; {', '.join(given)} cannot "
-                         "be given beside it. Give the tools to the environment, or drop environment=.")
+        raise ValueError(
+            f"GRPOTrainer(environment=...) plays the environment's own turns; {', '.join(given)} cannot "
+            "be given beside it. Give the tools to the environment, or drop environment=."
+        )
     if isinstance(environment, EnvironmentAdapter):
         return environment
     modules = [cls.__module__ for cls in type(environment).__mro__]
@@ -83,10 +93,12 @@ def adapt_environment(environment, tools=None, rollout_func=None, environment_fa
             if adapter is not None:
                 return adapter
     known = ", ".join(sorted({p for p, _, _ in _ADAPTERS})) or "none registered"
-    raise TypeError(f"GRPOTrainer(environment=...) got a {type(environment).__module__}.{type(environment).__name__}, "
-                    f"which grpokit cannot train on. It takes environments of these libraries: {known}; or an object "
-                    "with the grpokit.integrations.EnvironmentAdapter methods (train_dataset, reward_funcs, "
-                    "reward_weights, driver). For TRL's environments, pass environment_factory=YourClass instead.")
+    raise TypeError(
+        f"GRPOTrainer(environment=...) got a {type(environment).__module__}.{type(environment).__name__}, "
+        f"which grpokit cannot train on. It takes environments of these libraries: {known}; or an object "
+        "with the grpokit.integrations.EnvironmentAdapter methods (train_dataset, reward_funcs, "
+        "reward_weights, driver). For TRL's environments, pass environment_factory=YourClass instead."
+    )
 
 
 def environment_inputs(adapter: EnvironmentAdapter, args, train_dataset, reward_funcs):

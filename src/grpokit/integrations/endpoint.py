@@ -46,8 +46,9 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from http.server import ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -60,8 +61,10 @@ from ..rollout.batching import BatchingEngine
 from ..rollout.engine import PromptBatch, Rollout, RolloutEngine, SamplingParams
 
 SESSION_HEADER = "X-Session-ID"  # verifiers' header name (HTTP header names are case-insensitive)
-ROUTE = re.compile(r"^(?:/s/(?P<session>[A-Za-z0-9_.-]+))?(?P<route>/v1/chat/completions|/inference/v1/generate"
-                   r"|/v1/models)/?$")  # fmt: skip
+ROUTE = re.compile(
+    r"^(?:/s/(?P<session>[A-Za-z0-9_.-]+))?(?P<route>/v1/chat/completions|/inference/v1/generate"
+    r"|/v1/models)/?$"
+)
 
 
 class EndpointError(JSONError):
@@ -110,8 +113,16 @@ class PolicyEndpoint:
     `with endpoint.serving(engine, params, seed, version) as window:` open sessions in it, let harnesses call,
     close them. Windows may be open at once (groups streamed under asynchronous generation)."""
 
-    def __init__(self, tokenizer, *, max_completion_length: int, chat_template_kwargs: dict | None = None,
-                 model_name: str = "grpokit-policy", max_model_length: int | None = None, port: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        max_completion_length: int,
+        chat_template_kwargs: dict | None = None,
+        model_name: str = "grpokit-policy",
+        max_model_length: int | None = None,
+        port: int = 0,
+    ):
         self.tokenizer, self.max_completion_length = tokenizer, max_completion_length
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.model_name, self.max_model_length, self.port = model_name, max_model_length, port
@@ -127,7 +138,7 @@ class PolicyEndpoint:
 
     # ------------------------------------------------------------------------------------------- lifetime
 
-    def start(self) -> "PolicyEndpoint":
+    def start(self) -> PolicyEndpoint:
         if self.server is None:
             self.server = EndpointServer(("127.0.0.1", self.port), handler_for(self))
             threading.Thread(target=self.server.serve_forever, name="grpokit-endpoint", daemon=True).start()
@@ -184,8 +195,10 @@ class PolicyEndpoint:
 
     def _session(self, name: str | None) -> Session:
         if name is None:
-            raise EndpointError(400, f"No session: call the base URL of a session (/s/<session>/v1) or send the "
-                                     f"{SESSION_HEADER} header.")  # fmt: skip
+            raise EndpointError(
+                400,
+                f"No session: call the base URL of a session (/s/<session>/v1) or send the {SESSION_HEADER} header.",
+            )
         session = self.sessions.get(name)
         if session is None:
             raise EndpointError(404, f"Session {name!r} is not open (its rollout has ended, or timed out).")
@@ -209,18 +222,31 @@ class PolicyEndpoint:
         call = self._sample(session, prompt_ids, body.get("max_completion_tokens") or body.get("max_tokens"), ())
         reply = parse_completion(self.tokenizer, self.template, call.completion_ids, prompt_ids, tools or [])
         call.messages, call.tools, call.reply = messages, tools, reply
-        tool_calls = [{"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-                       "function": {"name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"])
-                                    if not isinstance(c["function"]["arguments"], str) else c["function"]["arguments"]}}
-                      for c in reply.get("tool_calls") or []]  # fmt: skip
+        tool_calls = [
+            {
+                "id": f"call_{uuid.uuid4().hex[:12]}",
+                "type": "function",
+                "function": {
+                    "name": c["function"]["name"],
+                    "arguments": json.dumps(c["function"]["arguments"])
+                    if not isinstance(c["function"]["arguments"], str)
+                    else c["function"]["arguments"],
+                },
+            }
+            for c in reply.get("tool_calls") or []
+        ]
         message = {"role": "assistant", "content": reply.get("content") or None}
         if tool_calls:
             message["tool_calls"] = tool_calls
         finish = "length" if call.truncated else "tool_calls" if tool_calls else "stop"
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": body.get("model") or self.model_name,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
-                "usage": usage(call)}  # fmt: skip
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model") or self.model_name,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "usage": usage(call),
+        }
 
     def generate(self, session_name: str | None, body: dict) -> dict:
         """vLLM's /inference/v1/generate, as renderers.client.generate (verifiers 0.4's TrainClient) calls it."""
@@ -231,11 +257,23 @@ class PolicyEndpoint:
         stop_ids = tuple(sampling.get("stop_token_ids") or ())
         call = self._sample(session, prompt_ids, sampling.get("max_tokens"), stop_ids)
         logprobs = call.logprobs if call.logprobs is not None else [0.0] * len(call.completion_ids)  # wire: a number
-        return {"request_id": f"gen-{uuid.uuid4().hex}", "prompt_token_ids": prompt_ids, "usage": usage(call),
-                "choices": [{"index": 0, "token_ids": call.completion_ids,
-                             "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": p}
-                                                      for t, p in zip(call.completion_ids, logprobs)]},
-                             "finish_reason": "length" if call.truncated else "stop"}]}  # fmt: skip
+        return {
+            "request_id": f"gen-{uuid.uuid4().hex}",
+            "prompt_token_ids": prompt_ids,
+            "usage": usage(call),
+            "choices": [
+                {
+                    "index": 0,
+                    "token_ids": call.completion_ids,
+                    "logprobs": {
+                        "content": [
+                            {"token": f"token_id:{t}", "logprob": p} for t, p in zip(call.completion_ids, logprobs)
+                        ]
+                    },
+                    "finish_reason": "length" if call.truncated else "stop",
+                }
+            ],
+        }
 
     # ------------------------------------------------------------------------------------------- sampling
 
@@ -245,22 +283,27 @@ class PolicyEndpoint:
         previous = session.calls[-1] if session.calls else None
         if previous is None or previous.messages is None or previous.truncated or previous.tools != tools:
             return None
-        before = previous.messages + [previous.reply]
+        before = [*previous.messages, previous.reply]
         tail = messages[len(before) :]
         same = len(messages) > len(before) and all(same_message(a, b) for a, b in zip(messages, before))
         if not same or any(m.get("role") not in ("tool", "user") for m in tail):
             return None
         if self.tokenizer.eos_token_id not in previous.completion_ids[-1:]:
             return None
-        return previous.prompt_ids + previous.completion_ids + tool_result_ids(self.tokenizer, tail,
-                                                                               self.chat_template_kwargs)
+        return (
+            previous.prompt_ids
+            + previous.completion_ids
+            + tool_result_ids(self.tokenizer, tail, self.chat_template_kwargs)
+        )
 
     def _sample(self, session: Session, prompt_ids: list[int], max_tokens, stop_ids: tuple) -> Call:
         window = session.window
         with self.lock:
             if not window.open or session.closed:
-                raise EndpointError(404, "No rollout is being played: the endpoint samples only while the trainer "
-                                         "waits for its harnesses.")  # fmt: skip
+                raise EndpointError(
+                    404,
+                    "No rollout is being played: the endpoint samples only while the trainer waits for its harnesses.",
+                )
             first = session.calls[0].prompt_ids if session.calls else prompt_ids
             used = max(len(prompt_ids) - len(first), 0)  # the session's completion budget spent so far
             budget = self.max_completion_length - used
@@ -315,6 +358,7 @@ def as_template_message(message: dict) -> dict:
 def same_message(a: dict, b: dict) -> bool:
     """Whether two messages render the same: role, content and tool calls (names and arguments), nothing else (a
     harness adds ids, names and fields of its own)."""
+
     def key(m: dict) -> tuple:
         calls = [(c["function"]["name"], c["function"].get("arguments")) for c in m.get("tool_calls") or []]
         return m.get("role"), m.get("content") or "", calls
@@ -323,8 +367,11 @@ def same_message(a: dict, b: dict) -> bool:
 
 
 def usage(call: Call) -> dict:
-    return {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(call.completion_ids),
-            "total_tokens": len(call.prompt_ids) + len(call.completion_ids)}  # fmt: skip
+    return {
+        "prompt_tokens": len(call.prompt_ids),
+        "completion_tokens": len(call.completion_ids),
+        "total_tokens": len(call.prompt_ids) + len(call.completion_ids),
+    }
 
 
 class EndpointServer(ThreadingHTTPServer):
@@ -387,17 +434,29 @@ class HarnessStats:
     def metrics(self, accelerator) -> dict[str, float]:
         """Per rollout: harnesses that timed out or raised, and engine calls; per call: prefix breaks. Summed over
         processes (a collective)."""
-        totals = torch.tensor([float(self.rollouts), float(self.calls), float(self.timeouts), float(self.errors),
-                               float(self.prefix_breaks)], dtype=torch.float64, device=accelerator.device)  # fmt: skip
+        totals = torch.tensor(
+            [
+                float(self.rollouts),
+                float(self.calls),
+                float(self.timeouts),
+                float(self.errors),
+                float(self.prefix_breaks),
+            ],
+            dtype=torch.float64,
+            device=accelerator.device,
+        )
         if accelerator.num_processes > 1:
             totals = accelerator.reduce(totals, "sum")
         rollouts, calls, timeouts, errors, breaks = totals.tolist()
         self.rollouts = self.calls = self.timeouts = self.errors = self.prefix_breaks = 0
         if not rollouts:  # none ended since the last record (groups streamed: they end between batches)
             return {}
-        return {"endpoint/timeout_frequency": timeouts / rollouts, "endpoint/error_frequency": errors / rollouts,
-                "endpoint/calls_per_rollout": calls / rollouts,
-                "endpoint/prefix_break_frequency": breaks / calls if calls else 0.0}  # fmt: skip
+        return {
+            "endpoint/timeout_frequency": timeouts / rollouts,
+            "endpoint/error_frequency": errors / rollouts,
+            "endpoint/calls_per_rollout": calls / rollouts,
+            "endpoint/prefix_break_frequency": breaks / calls if calls else 0.0,
+        }
 
 
 class HarnessDriver:
@@ -413,8 +472,9 @@ class HarnessDriver:
     exact_logprobs = True  # every sampled token's log-prob is the engine's own
     concurrent_rollouts = True  # each rollout is a serving window of its own: groups may play at once (streaming)
 
-    def __init__(self, endpoint: PolicyEndpoint, play: Callable[[str, dict], Any], *, timeout: float,
-                 reward_column: str):  # fmt: skip
+    def __init__(
+        self, endpoint: PolicyEndpoint, play: Callable[[str, dict], Any], *, timeout: float, reward_column: str
+    ):
         self.endpoint, self.play, self.timeout, self.reward_column = endpoint, play, timeout, reward_column
         self.stats = HarnessStats()
         self.stats_lock = threading.Lock()  # rollouts running at once count into the same stats
@@ -424,14 +484,17 @@ class HarnessDriver:
         with self.stats_lock:
             return self.stats.metrics(accelerator)
 
-    def rollout(self, engine: RolloutEngine, rows: list[dict], params: SamplingParams, seed: int,
-                host: Any) -> tuple[Rollout, None]:  # fmt: skip
+    def rollout(
+        self, engine: RolloutEngine, rows: list[dict], params: SamplingParams, seed: int, host: Any
+    ) -> tuple[Rollout, None]:
         version = getattr(getattr(host, "state", None), "global_step", None)
         self.endpoint.start()
         with self.endpoint.serving(engine, params, seed, version) as window:
             sessions = [self.endpoint.open_session(index, window) for index in range(len(rows))]
-            futures = [in_daemon_thread(self.play, {"base_url": self.endpoint.base_url(s), "row": row}, "harness")
-                       for s, row in zip(sessions, rows)]  # fmt: skip
+            futures = [
+                in_daemon_thread(self.play, {"base_url": self.endpoint.base_url(s), "row": row}, "harness")
+                for s, row in zip(sessions, rows)
+            ]
             deadline = time.monotonic() + self.timeout
             failures = HarnessStats()  # this rollout's timeouts and errors, counted with it below
             rewards = [self._outcome(future, deadline, failures) for future in futures]
@@ -447,8 +510,9 @@ class HarnessDriver:
             self.stats.prefix_breaks += breaks
             self.stats.timeouts += failures.timeouts
             self.stats.errors += failures.errors
-        versions = [min((c.version for c in row_calls if c.version is not None), default=version)
-                    for row_calls in calls]  # fmt: skip
+        versions = [
+            min((c.version for c in row_calls if c.version is not None), default=version) for row_calls in calls
+        ]
         extra = {self.reward_column: rewards, "policy_version": versions}
         rollout = transcripts_rollout(transcripts, params.pad_token_id, extra)
         if any(call.logprobs is None for row_calls in calls for call in row_calls):
@@ -460,13 +524,19 @@ class HarnessDriver:
             return future.result(timeout=max(deadline - time.monotonic(), 0.0))
         except concurrent.futures.TimeoutError:
             failures.timeouts += 1
-            self._warn_once("timeout", f"An agent harness did not return within {self.timeout:g} s (timeout): its "
-                                       f"row scores None, and later calls from it are refused. Counted in "
-                                       f"endpoint/timeout_frequency.")  # fmt: skip
-        except Exception as error:  # noqa: BLE001 (a harness's failure is its row's, training goes on)
+            self._warn_once(
+                "timeout",
+                f"An agent harness did not return within {self.timeout:g} s (timeout): its "
+                f"row scores None, and later calls from it are refused. Counted in "
+                f"endpoint/timeout_frequency.",
+            )
+        except Exception as error:
             failures.errors += 1
-            self._warn_once(type(error).__name__, f"An agent harness raised {type(error).__name__}: {error}. Its row "
-                                                  f"scores None; counted in endpoint/error_frequency.")  # fmt: skip
+            self._warn_once(
+                type(error).__name__,
+                f"An agent harness raised {type(error).__name__}: {error}. Its row "
+                f"scores None; counted in endpoint/error_frequency.",
+            )
         return None
 
     def _warn_once(self, key: str, message: str) -> None:

@@ -10,7 +10,8 @@ tokens the policy sampled there.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .endpoint import HarnessDriver, PolicyEndpoint
 
@@ -44,6 +45,7 @@ class OpenAIAgentEnvironment:
         return None
 
     def driver(self, tokenizer, args, max_prompt_length: int | None) -> HarnessDriver:
-        endpoint = PolicyEndpoint(tokenizer, max_completion_length=args.max_completion_length,
-                                  chat_template_kwargs=args.chat_template_kwargs)  # fmt: skip
+        endpoint = PolicyEndpoint(
+            tokenizer, max_completion_length=args.max_completion_length, chat_template_kwargs=args.chat_template_kwargs
+        )
         return HarnessDriver(endpoint, self.agent, timeout=self.timeout, reward_column=agent_reward.__name__)

@@ -118,31 +118,42 @@ class LocalServer:
     """An OpenEnv environment served by openenv's own app (`create_app`) on 127.0.0.1, in a thread of this process:
     for tests, examples and environments that live in the training script."""
 
-    def __init__(self, environment: Callable, action_class: type, observation_class: type,
-                 max_concurrent_envs: int = 256, log_level: str = "warning"):  # fmt: skip
+    def __init__(
+        self,
+        environment: Callable,
+        action_class: type,
+        observation_class: type,
+        max_concurrent_envs: int = 256,
+        log_level: str = "warning",
+    ):
         require_openenv()
         import uvicorn
         from openenv.core.env_server.http_server import create_app
 
         if not getattr(environment, "SUPPORTS_CONCURRENT_SESSIONS", True):
-            raise ValueError(f"{environment.__name__} does not set SUPPORTS_CONCURRENT_SESSIONS = True, so openenv's "
-                             f"server gives it one session at a time; grpokit plays every rollout of a generation in "
-                             f"a session of its own, at once. Set it on the class when its instances share no "
-                             f"state.")  # fmt: skip
+            raise ValueError(
+                f"{environment.__name__} does not set SUPPORTS_CONCURRENT_SESSIONS = True, so openenv's "
+                f"server gives it one session at a time; grpokit plays every rollout of a generation in "
+                f"a session of its own, at once. Set it on the class when its instances share no "
+                f"state."
+            )
         app = create_app(environment, action_class, observation_class, max_concurrent_envs=max_concurrent_envs)
         self.action_class = action_class
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.bind(("127.0.0.1", 0))  # a free port, held from now on (no race with another server)
         self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
         self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
-                                        name="grpokit-openenv-server", daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._socket]}, name="grpokit-openenv-server", daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + 30.0
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"The OpenEnv server for {getattr(environment, '__name__', environment)} did not "
-                                   f"start on {self.url}; see the log above.")  # fmt: skip
+                raise RuntimeError(
+                    f"The OpenEnv server for {getattr(environment, '__name__', environment)} did not "
+                    f"start on {self.url}; see the log above."
+                )
             time.sleep(0.01)
 
     def close(self) -> None:
@@ -177,17 +188,31 @@ class OpenEnvEnvironment:
         invalid_action_reward: the reward of a turn that does not become a step. reward_name: in the metrics.
     """
 
-    def __init__(self, server: str | LocalServer, *, prompt: str | list[dict] = "", dataset=None,
-                 seeds: range | list[int] = range(64), reset_kwargs: Callable[[dict], dict] | None = None,
-                 parse_action: Callable[[str], Any] = json_action, action_class: type | None = None,
-                 client_class: type | None = None, render_observation: Callable[[Any], str] = render_observation,
-                 observation_role: Literal["user", "tool"] = "user", rewards: Literal["turns", "sum"] = "turns",
-                 max_turns: int = 8, step_timeout: float = 30.0, invalid_action_reward: float = 0.0,
-                 reward_name: str = "openenv"):  # fmt: skip
+    def __init__(
+        self,
+        server: str | LocalServer,
+        *,
+        prompt: str | list[dict] = "",
+        dataset=None,
+        seeds: range | list[int] = range(64),
+        reset_kwargs: Callable[[dict], dict] | None = None,
+        parse_action: Callable[[str], Any] = json_action,
+        action_class: type | None = None,
+        client_class: type | None = None,
+        render_observation: Callable[[Any], str] = render_observation,
+        observation_role: Literal["user", "tool"] = "user",
+        rewards: Literal["turns", "sum"] = "turns",
+        max_turns: int = 8,
+        step_timeout: float = 30.0,
+        invalid_action_reward: float = 0.0,
+        reward_name: str = "openenv",
+    ):
         require_openenv()
         if rewards not in ("turns", "sum"):
-            raise ValueError(f"rewards={rewards!r}: use 'turns' (each step's reward credits its turn) or 'sum' (the "
-                             f"steps' rewards summed into one reward per rollout).")  # fmt: skip
+            raise ValueError(
+                f"rewards={rewards!r}: use 'turns' (each step's reward credits its turn) or 'sum' (the "
+                f"steps' rewards summed into one reward per rollout)."
+            )
         if observation_role not in ("user", "tool"):
             raise ValueError(f"observation_role={observation_role!r}: use 'user' or 'tool'.")
         if max_turns < 1:
@@ -207,8 +232,15 @@ class OpenEnvEnvironment:
         self.reward_name = reward_name
 
     @classmethod
-    def serve(cls, environment: Callable, action_class: type, observation_class: type, *,
-              max_concurrent_envs: int = 256, **options) -> OpenEnvEnvironment:  # fmt: skip
+    def serve(
+        cls,
+        environment: Callable,
+        action_class: type,
+        observation_class: type,
+        *,
+        max_concurrent_envs: int = 256,
+        **options,
+    ) -> OpenEnvEnvironment:
         """Serve `environment` (an openenv `Environment` class or factory) on 127.0.0.1 with openenv's server and
         train on it; `close()` stops the server."""
         server = LocalServer(environment, action_class, observation_class, max_concurrent_envs)
@@ -235,13 +267,16 @@ class OpenEnvEnvironment:
 
     def reward_funcs(self) -> list[Callable]:
         if self.rewards == "turns":
+
             def reward(openenv_rewards, **kwargs):
                 return [None if steps is None else list(steps) for steps in openenv_rewards]
 
             reward = process_reward(reward)
         else:
+
             def reward(openenv_rewards, **kwargs):
                 return [None if steps is None else float(sum(steps)) for steps in openenv_rewards]
+
         reward.__name__ = self.reward_name
         return [reward]
 
@@ -249,9 +284,13 @@ class OpenEnvEnvironment:
         return None
 
     def driver(self, tokenizer, args, max_prompt_length: int | None) -> OpenEnvDriver:
-        return OpenEnvDriver(self, tokenizer, max_completion_length=args.max_completion_length,
-                             max_prompt_length=max_prompt_length,
-                             chat_template_kwargs=args.chat_template_kwargs)  # fmt: skip
+        return OpenEnvDriver(
+            self,
+            tokenizer,
+            max_completion_length=args.max_completion_length,
+            max_prompt_length=max_prompt_length,
+            chat_template_kwargs=args.chat_template_kwargs,
+        )
 
     # one session
 
@@ -293,7 +332,7 @@ async def close_session(client, graceful: bool):
         try:
             await send({"type": "close"})
             await asyncio.wait_for(connection.wait_closed(), timeout=5.0)
-        except Exception:  # noqa: BLE001 (a session that cannot say goodbye is closed below all the same)
+        except Exception:
             pass
     await client.close()
 
@@ -305,8 +344,15 @@ class OpenEnvDriver:
     exact_logprobs = True  # every trained token is sampled by the engine, on the context the training forward sees
     concurrent_rollouts = True  # each rollout has a session of its own: groups may play at once (grpokit.streaming)
 
-    def __init__(self, environment: OpenEnvEnvironment, tokenizer, *, max_completion_length: int,
-                 max_prompt_length: int | None, chat_template_kwargs: dict | None = None):  # fmt: skip
+    def __init__(
+        self,
+        environment: OpenEnvEnvironment,
+        tokenizer,
+        *,
+        max_completion_length: int,
+        max_prompt_length: int | None,
+        chat_template_kwargs: dict | None = None,
+    ):
         self.environment, self.tokenizer = environment, tokenizer
         self.max_completion_length, self.max_prompt_length = max_completion_length, PromptLimit.of(max_prompt_length)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
@@ -315,22 +361,36 @@ class OpenEnvDriver:
         # action (a turn parsed into an action); rollouts done, failed with an error, timed out.
         self.stats, self.counts, self.lock = ToolStats(), Counter(), threading.Lock()
 
-    def rollout(self, engine: RolloutEngine, rows: list[dict], params: SamplingParams, seed: int,
-                host: Any = None) -> tuple[Rollout, list]:  # fmt: skip
+    def rollout(
+        self, engine: RolloutEngine, rows: list[dict], params: SamplingParams, seed: int, host: Any = None
+    ) -> tuple[Rollout, list]:
         """rows: one per completion, a prompt's G rows consecutive. The rollout (`openenv_rewards`: each row's step
         rewards, None for a failed session) and each row's completion as messages."""
         env, n = self.environment, len(rows)
         clients = [env.client() for _ in rows]
         stats, counts = ToolStats(rows=n), Counter()  # this rollout's
         failed = [None] * n  # why a row's session failed: "error" or "timeout"
-        resets = self._call("reset", [functools.partial(open_session, c, **env.reset_kwargs_of(row))
-                                      for c, row in zip(clients, rows)], range(n), failed, stats)  # fmt: skip
+        resets = self._call(
+            "reset",
+            [functools.partial(open_session, c, **env.reset_kwargs_of(row)) for c, row in zip(clients, rows)],
+            range(n),
+            failed,
+            stats,
+        )
         transcripts = [self._start(row, result) for row, result in zip(rows, resets)]
         step_rewards: list[list[float]] = [[] for _ in rows]
         playing = list(range(n))  # rows that sample a turn now; a row whose reset failed samples one, unscored
         for turn in range(env.max_turns):
-            sample_turns(engine, self.tokenizer, None, transcripts, playing, params, seed + SEED_STRIDE * turn,
-                         self.max_completion_length)  # fmt: skip
+            sample_turns(
+                engine,
+                self.tokenizer,
+                None,
+                transcripts,
+                playing,
+                params,
+                seed + SEED_STRIDE * turn,
+                self.max_completion_length,
+            )
             stepping, actions = [], []
             for i in playing:
                 if failed[i]:
@@ -343,8 +403,13 @@ class OpenEnvDriver:
                 else:
                     stepping.append(i)
                     actions.append(action)
-            results = self._call("step", [functools.partial(step_session, clients[i], action)
-                                          for i, action in zip(stepping, actions)], stepping, failed, stats)  # fmt: skip
+            results = self._call(
+                "step",
+                [functools.partial(step_session, clients[i], action) for i, action in zip(stepping, actions)],
+                stepping,
+                failed,
+                stats,
+            )
             playing = []
             for i, result in zip(stepping, results):
                 if failed[i]:
@@ -355,8 +420,10 @@ class OpenEnvDriver:
                     playing.append(i)
             if not playing:
                 break
-        self.runner.call([("close", functools.partial(close_session, c, graceful=not f), {}, None)
-                          for c, f in zip(clients, failed)], ToolStats())  # fmt: skip
+        self.runner.call(
+            [("close", functools.partial(close_session, c, graceful=not f), {}, None) for c, f in zip(clients, failed)],
+            ToolStats(),
+        )
         counts.update(reason for reason in failed if reason)
         with self.lock:
             self.stats.rows += stats.rows
@@ -388,8 +455,10 @@ class OpenEnvDriver:
     def _add_observation(self, transcript: Transcript, result) -> bool:
         """Append the step's observation as the chat template renders it (a user message, or a tool result); False
         when it does not fit the completion budget (the rollout ends there)."""
-        message = {"role": self.environment.observation_role,
-                   "content": self.environment.render_observation(result.observation)}  # fmt: skip
+        message = {
+            "role": self.environment.observation_role,
+            "content": self.environment.render_observation(result.observation),
+        }
         if message["role"] == "tool":
             message["name"] = "step"
         ids = appended_message_ids(self.tokenizer, [message], self.chat_template_kwargs)
@@ -411,10 +480,17 @@ class OpenEnvDriver:
         rows, done, errors, timeouts = summed_over_processes(accelerator, values)
         if not any((rows, done, errors, timeouts)):  # no rollout ended since the last record (streamed groups)
             return {}
-        out = {key.replace("tools/", "openenv/", 1): value for key, value in tool_metrics.items() if key.count("/") == 2}
+        out = {
+            key.replace("tools/", "openenv/", 1): value for key, value in tool_metrics.items() if key.count("/") == 2
+        }
         rows = max(rows, 1.0)
-        out.update({"environment/error_frequency": errors / rows, "environment/timeout_frequency": timeouts / rows,
-                    "openenv/done_frequency": done / rows})  # fmt: skip
+        out.update(
+            {
+                "environment/error_frequency": errors / rows,
+                "environment/timeout_frequency": timeouts / rows,
+                "openenv/done_frequency": done / rows,
+            }
+        )
         return out
 
 

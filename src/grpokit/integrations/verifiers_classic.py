@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..agents.chat import appended_message_ids, check_tool_calling, render_prompt
 from ..agents.loop import Transcript, sample_turns, transcripts_rollout
@@ -43,8 +44,9 @@ try:
     from verifiers.legacy.errors import OverlongPromptError
     from verifiers.legacy.types import Response, ResponseMessage, ResponseTokens, ToolCall, Usage
 except ImportError as error:  # pragma: no cover - the message is the point
-    raise ImportError('Training on a verifiers environment needs verifiers 0.3 (the classic API): '
-                      'pip install "grpokit[verifiers]"') from error
+    raise ImportError(
+        'Training on a verifiers environment needs verifiers 0.3 (the classic API): pip install "grpokit[verifiers]"'
+    ) from error
 
 STATE_COLUMN = "verifiers_state"  # the per-row column that carries each rollout's verifiers State to the rewards
 SEED_STRIDE = 7919  # the seed of the k-th engine call of a generation is seed + SEED_STRIDE * k (as grpokit.agents)
@@ -55,10 +57,12 @@ def adapt(environment) -> ClassicEnvironment | None:
     if not isinstance(environment, Environment):
         return None
     if not isinstance(environment, MultiTurnEnv):
-        raise TypeError(f"GRPOTrainer(environment=...) trains on classic verifiers environments built on MultiTurnEnv "
-                        f"(SingleTurnEnv, MultiTurnEnv, ToolEnv and their subclasses); a "
-                        f"{type(environment).__name__} (verifiers {verifiers.__version__}) runs its rollouts some "
-                        f"other way, so grpokit cannot play its turns on its engine.")  # fmt: skip
+        raise TypeError(
+            f"GRPOTrainer(environment=...) trains on classic verifiers environments built on MultiTurnEnv "
+            f"(SingleTurnEnv, MultiTurnEnv, ToolEnv and their subclasses); a "
+            f"{type(environment).__name__} (verifiers {verifiers.__version__}) runs its rollouts some "
+            f"other way, so grpokit cannot play its turns on its engine."
+        )
     return ClassicEnvironment(environment)
 
 
@@ -78,8 +82,10 @@ class ClassicEnvironment:
         names = [getattr(f, "__name__", repr(f)) for f, _ in self.pairs]
         doubles = sorted({n for n in names if names.count(n) > 1})
         if doubles:  # the rubric sums same-named scores; grpokit logs and weights each function by name
-            raise ValueError(f"The environment's rubric has several reward functions named {doubles}; give each a "
-                             f"name of its own (__name__), so that each is logged and weighted as itself.")
+            raise ValueError(
+                f"The environment's rubric has several reward functions named {doubles}; give each a "
+                f"name of its own (__name__), so that each is logged and weighted as itself."
+            )
         self.names = names
 
     def train_dataset(self):
@@ -92,9 +98,13 @@ class ClassicEnvironment:
         return [float(w) for _, w in self.pairs]
 
     def driver(self, tokenizer, args, max_prompt_length: int | None) -> ClassicDriver:
-        return ClassicDriver(self.environment, tokenizer, max_completion_length=args.max_completion_length,
-                             max_prompt_length=max_prompt_length,
-                             chat_template_kwargs=args.chat_template_kwargs)  # fmt: skip
+        return ClassicDriver(
+            self.environment,
+            tokenizer,
+            max_completion_length=args.max_completion_length,
+            max_prompt_length=max_prompt_length,
+            chat_template_kwargs=args.chat_template_kwargs,
+        )
 
 
 def failed(state) -> bool:
@@ -118,8 +128,15 @@ class ClassicDriver:
 
     exact_logprobs = True  # every trained token is sampled by the engine, on the context the training forward sees
 
-    def __init__(self, environment, tokenizer, *, max_completion_length: int, max_prompt_length: int | None,
-                 chat_template_kwargs: dict | None = None):  # fmt: skip
+    def __init__(
+        self,
+        environment,
+        tokenizer,
+        *,
+        max_completion_length: int,
+        max_prompt_length: int | None,
+        chat_template_kwargs: dict | None = None,
+    ):
         self.environment, self.tokenizer = environment, tokenizer
         self.max_completion_length, self.max_prompt_length = max_completion_length, PromptLimit.of(max_prompt_length)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
@@ -130,16 +147,19 @@ class ClassicDriver:
         # One event loop for the driver's lifetime: environments may hold loop-bound resources across rollouts.
         self.loop = asyncio.new_event_loop()
 
-    def rollout(self, engine: RolloutEngine, rows: list[dict], params: SamplingParams, seed: int,
-                host: Any = None) -> tuple[Rollout, list]:  # fmt: skip
+    def rollout(
+        self, engine: RolloutEngine, rows: list[dict], params: SamplingParams, seed: int, host: Any = None
+    ) -> tuple[Rollout, list]:
         """rows: one per completion, a prompt's G rows consecutive. The rollout, and each row's completion as the
         environment renders it (messages)."""
-        batcher = TurnBatcher(engine, self.tokenizer, self.template, params, seed, self.max_completion_length,
-                              len(rows))  # fmt: skip
+        batcher = TurnBatcher(
+            engine, self.tokenizer, self.template, params, seed, self.max_completion_length, len(rows)
+        )
         clients = [EngineClient(self, batcher, row) for row in range(len(rows))]
         states = self.loop.run_until_complete(self._play_and_score(rows, clients))
-        transcripts = [client.transcript or Transcript(client.prompt_ids(states[i]), {})
-                       for i, client in enumerate(clients)]  # fmt: skip
+        transcripts = [
+            client.transcript or Transcript(client.prompt_ids(states[i]), {}) for i, client in enumerate(clients)
+        ]
         self.rows += len(rows)
         self.tool_stats.rows += len(rows)
         self.errors += sum(state.get("error") is not None for state in states)
@@ -157,7 +177,7 @@ class ClassicDriver:
         # The rubric scores each prompt's group together (group reward functions see the group), all groups at once.
         keys = [row.get("example_id", str(row.get("prompt"))) for row in rows]
         starts = [i for i in range(len(rows)) if i == 0 or keys[i] != keys[i - 1]]
-        groups = [states[a:b] for a, b in zip(starts, starts[1:] + [len(rows)])]
+        groups = [states[a:b] for a, b in zip(starts, [*starts[1:], len(rows)])]
         await asyncio.gather(*(self.environment.rubric.score_group(group) for group in groups))
         await asyncio.gather(*(self.environment.rubric.cleanup(state) for state in states))
         return states
@@ -181,11 +201,14 @@ class ClassicDriver:
             client.batcher.finished(client.row)
 
     def metrics(self, accelerator) -> dict[str, float]:
-        rows, errors, timeouts = summed_over_processes(accelerator, [float(self.rows), float(self.errors),
-                                                                     float(self.timeouts)])  # fmt: skip
+        rows, errors, timeouts = summed_over_processes(
+            accelerator, [float(self.rows), float(self.errors), float(self.timeouts)]
+        )
         self.rows = self.errors = self.timeouts = 0
-        out = {"environment/error_frequency": errors / max(rows, 1.0),
-               "environment/timeout_frequency": timeouts / max(rows, 1.0)}
+        out = {
+            "environment/error_frequency": errors / max(rows, 1.0),
+            "environment/timeout_frequency": timeouts / max(rows, 1.0),
+        }
         if self.tools:
             out.update(self.tool_stats.metrics(accelerator, list(self.tools)))
         return out
@@ -198,8 +221,17 @@ class TurnBatcher:
     environment reply does not spend the other rows' time (their `timeout_seconds`); the engine calls, and so the
     samples, are then no longer a function of the seed alone."""
 
-    def __init__(self, engine, tokenizer, template, params: SamplingParams, seed: int, max_completion_length: int,
-                 rows: int, straggler_wait: float = 0.5):  # fmt: skip
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        template,
+        params: SamplingParams,
+        seed: int,
+        max_completion_length: int,
+        rows: int,
+        straggler_wait: float = 0.5,
+    ):
         self.engine, self.tokenizer, self.template, self.params = engine, tokenizer, template, params
         self.seed, self.max_completion_length, self.straggler_wait = seed, max_completion_length, straggler_wait
         self.running, self.calls = set(range(rows)), 0
@@ -238,8 +270,16 @@ class TurnBatcher:
             return
         transcripts = [transcript for transcript, _ in waiting]
         try:
-            sample_turns(self.engine, self.tokenizer, self.template, transcripts, list(range(len(transcripts))),
-                         self.params, self.seed + SEED_STRIDE * self.calls, self.max_completion_length)  # fmt: skip
+            sample_turns(
+                self.engine,
+                self.tokenizer,
+                self.template,
+                transcripts,
+                list(range(len(transcripts))),
+                self.params,
+                self.seed + SEED_STRIDE * self.calls,
+                self.max_completion_length,
+            )
         except Exception as error:  # handed to the waiting rollouts; the driver re-raises it
             self.failure = error
             for _, future in waiting:
@@ -279,9 +319,11 @@ class EngineClient(Client):
             transcript = self.transcript
             new = [chat_message(m) for m in messages[self.seen :]]
             if len(messages) < self.seen or not new:
-                raise NotImplementedError("grpokit trains on environments whose turns extend the conversation (each "
-                                          "model call sees the previous one's messages and the environment's "
-                                          "reply); this environment's get_prompt_messages rewrites the history.")
+                raise NotImplementedError(
+                    "grpokit trains on environments whose turns extend the conversation (each "
+                    "model call sees the previous one's messages and the environment's "
+                    "reply); this environment's get_prompt_messages rewrites the history."
+                )
             ids = appended_message_ids(driver.tokenizer, new, driver.chat_template_kwargs)
             # No room left for the environment's reply and another turn (or the last turn was cut): the rollout
             # ends here, as verifiers ends one whose prompt outgrew the model (OverlongPromptError).
@@ -319,18 +361,38 @@ class EngineClient(Client):
 def as_response(transcript: Transcript, start: int, model: str) -> Response:
     """The turn just sampled (transcript.ids[start:]) as verifiers' Response, with its tokens and log-probs."""
     message, turn = transcript.messages[-1], transcript.ids[start:]
-    calls = [ToolCall(id=f"call_{i}", name=c["function"]["name"], arguments=json.dumps(c["function"]["arguments"]))
-             for i, c in enumerate(message.get("tool_calls") or [])]  # fmt: skip
+    calls = [
+        ToolCall(id=f"call_{i}", name=c["function"]["name"], arguments=json.dumps(c["function"]["arguments"]))
+        for i, c in enumerate(message.get("tool_calls") or [])
+    ]
     context = transcript.prompt_ids + transcript.ids[:start]
     reason = "length" if transcript.truncated else "tool_calls" if calls else "stop"
-    tokens = ResponseTokens(prompt_ids=context, prompt_mask=[0] * len(context), completion_ids=turn,
-                            completion_mask=[1] * len(turn), completion_logprobs=transcript.logprobs[start:])
-    usage = Usage(prompt_tokens=len(context), reasoning_tokens=0, completion_tokens=len(turn),
-                  total_tokens=len(context) + len(turn))  # fmt: skip
-    return Response(id=f"grpokit-{start}", created=0, model=model, usage=usage,
-                    message=ResponseMessage(content=message.get("content") or "", tool_calls=calls or None,
-                                            finish_reason=reason, is_truncated=transcript.truncated,
-                                            tokens=tokens))  # fmt: skip
+    tokens = ResponseTokens(
+        prompt_ids=context,
+        prompt_mask=[0] * len(context),
+        completion_ids=turn,
+        completion_mask=[1] * len(turn),
+        completion_logprobs=transcript.logprobs[start:],
+    )
+    usage = Usage(
+        prompt_tokens=len(context),
+        reasoning_tokens=0,
+        completion_tokens=len(turn),
+        total_tokens=len(context) + len(turn),
+    )
+    return Response(
+        id=f"grpokit-{start}",
+        created=0,
+        model=model,
+        usage=usage,
+        message=ResponseMessage(
+            content=message.get("content") or "",
+            tool_calls=calls or None,
+            finish_reason=reason,
+            is_truncated=transcript.truncated,
+            tokens=tokens,
+        ),
+    )
 
 
 def message_field(message, name: str, default=None):
@@ -346,16 +408,25 @@ def chat_message(message) -> dict:
     out = {"role": role, "content": content if content is not None else ""}
     calls = message_field(message, "tool_calls")
     if calls:
-        out["tool_calls"] = [{"type": "function", "function": {
-            "name": message_field(c, "name"), "arguments": json.loads(message_field(c, "arguments") or "{}")}}
-            for c in calls]  # fmt: skip
+        out["tool_calls"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": message_field(c, "name"),
+                    "arguments": json.loads(message_field(c, "arguments") or "{}"),
+                },
+            }
+            for c in calls
+        ]
     return out
 
 
 def tool_schema(tool) -> dict:
     """A verifiers Tool (name, description, parameters) as the chat template's tool schema."""
-    return {"type": "function", "function": {"name": tool.name, "description": tool.description,
-                                             "parameters": tool.parameters}}  # fmt: skip
+    return {
+        "type": "function",
+        "function": {"name": tool.name, "description": tool.description, "parameters": tool.parameters},
+    }
 
 
 __all__ = ["ClassicDriver", "ClassicEnvironment", "EngineClient", "TurnBatcher", "adapt"]

@@ -25,7 +25,8 @@ import atexit
 import contextlib
 import tempfile
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .endpoint import HarnessDriver, PolicyEndpoint
 
@@ -37,7 +38,7 @@ def episode_reward(completions, episode_reward, **kwargs) -> list[float | None]:
     return [None if r is None else float(r) for r in episode_reward]
 
 
-def adapt(environment) -> "VerifiersV1Environment | None":
+def adapt(environment) -> VerifiersV1Environment | None:
     """The adapter for a `verifiers.v1.Env`; None for anything else (e.g. classic verifiers' environments)."""
     from verifiers.v1 import Env
 
@@ -64,8 +65,9 @@ class VerifiersV1Environment:
     def train_dataset(self):
         from datasets import Dataset
 
-        return Dataset.from_list([{"prompt": task_prompt(task.data), "task_index": i}
-                                  for i, task in enumerate(self.tasks)])  # fmt: skip
+        return Dataset.from_list(
+            [{"prompt": task_prompt(task.data), "task_index": i} for i, task in enumerate(self.tasks)]
+        )
 
     def reward_funcs(self) -> list[Callable]:
         return [episode_reward]
@@ -77,16 +79,24 @@ class VerifiersV1Environment:
         # verifiers' renderers load the tokenizer by name: the trainer's own, saved once.
         self.renderer_model = tempfile.mkdtemp(prefix="grpokit-renderer-")
         tokenizer.save_pretrained(self.renderer_model)
-        endpoint = PolicyEndpoint(tokenizer, max_completion_length=args.max_completion_length,
-                                  chat_template_kwargs=args.chat_template_kwargs, model_name=self.model_name)  # fmt: skip
+        endpoint = PolicyEndpoint(
+            tokenizer,
+            max_completion_length=args.max_completion_length,
+            chat_template_kwargs=args.chat_template_kwargs,
+            model_name=self.model_name,
+        )
         return HarnessDriver(endpoint, self.play, timeout=self.timeout, reward_column=episode_reward.__name__)
 
     def play(self, base_url: str, row: dict) -> float | None:
         """One episode of the row's task against the session at base_url; its reward."""
         from verifiers.v1 import ModelContext, TrainClientConfig
 
-        client = TrainClientConfig(base_url=base_url, api_key_var=API_KEY_VARIABLE, renderer=self.renderer,
-                                   renderer_model_name=self.renderer_model)  # fmt: skip
+        client = TrainClientConfig(
+            base_url=base_url,
+            api_key_var=API_KEY_VARIABLE,
+            renderer=self.renderer,
+            renderer_model_name=self.renderer_model,
+        )
         context = ModelContext(model=self.model_name, client=client)
         task = self.tasks[int(row["task_index"])]
         episode = asyncio.run_coroutine_threadsafe(self.env.run_episode(task, context), self._event_loop())
@@ -130,6 +140,7 @@ def task_prompt(data: Any) -> list[dict]:
     prompt = data.prompt
     messages = [] if data.system_prompt is None else [{"role": "system", "content": data.system_prompt}]
     if isinstance(prompt, str) or prompt is None:
-        return messages + [{"role": "user", "content": prompt or ""}]
-    return messages + [message.model_dump(exclude_none=True) if hasattr(message, "model_dump") else dict(message)
-                       for message in prompt]  # fmt: skip
+        return [*messages, {"role": "user", "content": prompt or ""}]
+    return messages + [
+        message.model_dump(exclude_none=True) if hasattr(message, "model_dump") else dict(message) for message in prompt
+    ]

@@ -6,10 +6,10 @@ from .model import RewardModel
 
 __all__ = [
     "BUILTIN_REWARDS",
-    "build_reward_functions",
     "RewardFunction",
     "RewardFunctionError",
     "accuracy_reward",
+    "build_reward_functions",
     "code_execution_reward",
     "compute_rewards",
     "length_reward",
@@ -27,29 +27,43 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-def build_reward_functions(reward_funcs, processing_classes=None, batch_size: int = 8,
-                           trust_remote_code: bool = False, environment_rewards=(),
-                           required: bool = True) -> list[RewardFunction]:  # fmt: skip
+def build_reward_functions(
+    reward_funcs,
+    processing_classes=None,
+    batch_size: int = 8,
+    trust_remote_code: bool = False,
+    environment_rewards=(),
+    required: bool = True,
+) -> list[RewardFunction]:
     """The trainer's reward functions: callables keep TRL's contract; a path / hub id or a PreTrainedModel is a
     reward model (with its processing class from `processing_classes`, one per function, None for callables).
     `environment_rewards` (the get_reward of environments, grpokit.agents) come after them. `required`: refuse a run
     with none (False for an objective that scores no completions: on-policy distillation)."""
     from transformers import PreTrainedModel
 
-    funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else \
-        [reward_funcs]  # fmt: skip
+    funcs = (
+        []
+        if reward_funcs is None
+        else list(reward_funcs)
+        if isinstance(reward_funcs, (list, tuple))
+        else [reward_funcs]
+    )
     if not funcs and not environment_rewards and required:
-        raise ValueError("No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose "
-                         "environment defines a `get_reward` method. `reward_funcs` is a function, a reward model "
-                         "(a path, hub id or model) or a list of them.")  # fmt: skip
+        raise ValueError(
+            "No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose "
+            "environment defines a `get_reward` method. `reward_funcs` is a function, a reward model "
+            "(a path, hub id or model) or a list of them."
+        )
     if processing_classes is None:
         classes = [None] * len(funcs)
     else:
         classes = list(processing_classes) if isinstance(processing_classes, (list, tuple)) else [processing_classes]
         if len(classes) != len(funcs):
-            raise ValueError(f"The number of reward processing classes ({len(classes)}) must match the number of "
-                             f"reward functions ({len(funcs)}): give one per function (None for plain "
-                             f"functions).")  # fmt: skip
+            raise ValueError(
+                f"The number of reward processing classes ({len(classes)}) must match the number of "
+                f"reward functions ({len(funcs)}): give one per function (None for plain "
+                f"functions)."
+            )
     out = []
     for f, tokenizer in zip(funcs, classes):
         if isinstance(f, (str, PreTrainedModel)):

@@ -11,9 +11,10 @@ import asyncio
 import inspect
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from numbers import Real
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -35,7 +36,7 @@ class RewardFunction:
 
     def __post_init__(self):
         self.is_async = inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(
-            getattr(self.fn, "__call__", None)
+            getattr(self.fn, "__call__", None)  # noqa: B004 (a callable object's `async def __call__`)
         )
         self.is_process = bool(getattr(self.fn, "is_process_reward", False))
 
@@ -136,9 +137,10 @@ def _locate_failure(function: RewardFunction, kwargs: dict, error: Exception, n:
         except Exception:
             prompt = kwargs["prompts"][row]
             if isinstance(error, ImportError):  # a missing package fails every row: scoring them None would train on
-                return RewardFunctionError(   # nothing, so reward_fn_errors='none' is no way out
+                return RewardFunctionError(  # nothing, so reward_fn_errors='none' is no way out
                     f"Reward function {function.name!r} raised {type(error).__name__}: {error}. Install the missing "
-                    "package and run again.")
+                    "package and run again."
+                )
             return RewardFunctionError(
                 f"Reward function {function.name!r} raised {type(error).__name__}: {error} — on row {row} (prompt: "
                 f"{_excerpt(prompt)!r}). Fix the function, or set reward_fn_errors='none' to score such rows None."
@@ -203,8 +205,13 @@ def compute_rewards(
     n = len(completions)
     base_kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
     rows_of = [list(range(n)) if routes is None else [i for i in range(n) if f.name in routes[i]] for f in functions]
-    kwargs_of = [{**(base_kwargs if len(rows) == n else {k: [v[i] for i in rows] for k, v in base_kwargs.items()}),
-                  **(context or {})} for rows in rows_of]  # context (trainer_state, log_metric, ...): not per row
+    kwargs_of = [
+        {
+            **(base_kwargs if len(rows) == n else {k: [v[i] for i in rows] for k, v in base_kwargs.items()}),
+            **(context or {}),
+        }
+        for rows in rows_of
+    ]  # context (trainer_state, log_metric, ...): not per row
     results: dict[int, Any] = {}
     errors: dict[int, Exception] = {}
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-
 import re
 from typing import Any
 
@@ -36,8 +35,11 @@ def accuracy_reward(completions, solution, **kwargs) -> list[float | None]:
         if not any(not isinstance(g, str) for g in gold):
             scores.append(None)
             continue
-        predicted = parse(completion_text(completion), extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
-                          extraction_mode="first_match")  # fmt: skip
+        predicted = parse(
+            completion_text(completion),
+            extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
+            extraction_mode="first_match",
+        )
         scores.append(float(verify(gold, predicted)) if predicted else 0.0)
     return scores
 

@@ -121,14 +121,30 @@ def _completion_text(completion) -> str:
 
 
 def _bwrap_argv(mode: _Mode, work: str) -> list[str]:
-    argv = ["bwrap",
-            "--unshare-all",  # new user/pid/net/ipc/uts/cgroup namespaces: no network, no host pids
-            "--die-with-parent",  # trainer dies -> sandbox dies
-            "--new-session",  # no controlling tty (TIOCSTI injection)
-            "--cap-drop", "ALL",  # bwrap keeps all capabilities when started as root
-            "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
-            "--setenv", "HOME", _WORK, "--setenv", "TMPDIR", _WORK,
-            "--ro-bind", "/usr", "/usr", "--ro-bind-try", "/etc", "/etc"]
+    argv = [
+        "bwrap",
+        "--unshare-all",  # new user/pid/net/ipc/uts/cgroup namespaces: no network, no host pids
+        "--die-with-parent",  # trainer dies -> sandbox dies
+        "--new-session",  # no controlling tty (TIOCSTI injection)
+        "--cap-drop",
+        "ALL",  # bwrap keeps all capabilities when started as root
+        "--clearenv",
+        "--setenv",
+        "PATH",
+        "/usr/local/bin:/usr/bin:/bin",
+        "--setenv",
+        "HOME",
+        _WORK,
+        "--setenv",
+        "TMPDIR",
+        _WORK,
+        "--ro-bind",
+        "/usr",
+        "/usr",
+        "--ro-bind-try",
+        "/etc",
+        "/etc",
+    ]
     # Merged-/usr systems have /bin etc. as symlinks; recreate them as such.
     for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
         if os.path.islink(d):
@@ -142,7 +158,7 @@ def _bwrap_argv(mode: _Mode, work: str) -> list[str]:
     for prefix in prefixes:
         if prefix not in ("/", "/usr") and not prefix.startswith("/usr/"):
             argv += ["--ro-bind-try", prefix, prefix]
-    return argv + ["--proc", "/proc", "--dev", "/dev", "--bind", work, _WORK, "--chdir", _WORK, "--"]
+    return [*argv, "--proc", "/proc", "--dev", "/dev", "--bind", work, _WORK, "--chdir", _WORK, "--"]
 
 
 def _kill_session(sid: int) -> None:
@@ -192,8 +208,12 @@ def _run(source: str, limits: SandboxLimits, mode: _Mode) -> tuple[bool, str]:
             os.chown(work, mode.uid, mode.uid)
             os.chmod(tmp, 0o711)  # the dropped uid (and bwrap) must traverse to work/
         token = secrets.token_hex(16)
-        rlimits = (max(1, math.ceil(limits.cpu_seconds)), limits.memory_bytes,
-                   limits.file_size_bytes, limits.max_processes)
+        rlimits = (
+            max(1, math.ceil(limits.cpu_seconds)),
+            limits.memory_bytes,
+            limits.file_size_bytes,
+            limits.max_processes,
+        )
         argv = [mode.python, "-I", "-S", "-c", _WRAPPER, *map(str, map(int, rlimits)), "solution.py"]
         if mode.bubblewrap:
             argv = _bwrap_argv(mode, work) + argv
@@ -202,8 +222,16 @@ def _run(source: str, limits: SandboxLimits, mode: _Mode) -> tuple[bool, str]:
         # Output goes to a file outside the work dir (bounded by RLIMIT_FSIZE), never a
         # pipe: a chatty child cannot deadlock us.
         with open(os.path.join(tmp, "out"), "w+b") as out:
-            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
-                                    cwd=work, env=env, start_new_session=True, **drop)
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=work,
+                env=env,
+                start_new_session=True,
+                **drop,
+            )
             try:
                 proc.stdin.write(token.encode() + b"\n")
                 proc.stdin.close()
@@ -233,9 +261,13 @@ def _warn_weak_isolation(reason: str) -> None:
     with _warn_lock:
         if not _warned:
             _warned = True
-            warnings.warn(f"grpokit code_execution_reward: {reason}; generated code runs with resource "
-                          "limits only (no network, filesystem or PID isolation). Install bubblewrap "
-                          "(apt-get install bubblewrap) for a real sandbox.", RuntimeWarning, stacklevel=5)
+            warnings.warn(
+                f"grpokit code_execution_reward: {reason}; generated code runs with resource "
+                "limits only (no network, filesystem or PID isolation). Install bubblewrap "
+                "(apt-get install bubblewrap) for a real sandbox.",
+                RuntimeWarning,
+                stacklevel=5,
+            )
 
 
 def _resolve_mode(limits: SandboxLimits, use_bubblewrap: bool | None, require_bubblewrap: bool) -> _Mode:
@@ -248,8 +280,9 @@ def _resolve_mode(limits: SandboxLimits, use_bubblewrap: bool | None, require_bu
     uids = [_NOBODY, None] if os.geteuid() == 0 else [None]
     wraps = [True] if use_bubblewrap is not False and shutil.which("bwrap") else []
     wraps += [] if require_bubblewrap else [False]
-    candidates = [_Mode(bw, uid, py) for bw in wraps for uid in uids
-                  for py in (pythons if uid is not None else [python])]
+    candidates = [
+        _Mode(bw, uid, py) for bw in wraps for uid in uids for py in (pythons if uid is not None else [python])
+    ]
     errors = []
     for mode in candidates:
         try:
@@ -258,13 +291,18 @@ def _resolve_mode(limits: SandboxLimits, use_bubblewrap: bool | None, require_bu
             ok, tail = False, str(e)
         if ok:
             if not mode.bubblewrap:
-                _warn_weak_isolation("bubblewrap disabled" if use_bubblewrap is False
-                                     else "bubblewrap (bwrap) is missing or unusable here")
+                _warn_weak_isolation(
+                    "bubblewrap disabled"
+                    if use_bubblewrap is False
+                    else "bubblewrap (bwrap) is missing or unusable here"
+                )
                 if errors:
                     logger.warning("bubblewrap failed: %s", "; ".join(errors))
             if mode.uid is None and os.geteuid() == 0:
-                logger.warning("code_execution_reward: sandboxed code runs as root (uid drop failed); "
-                               "RLIMIT_NPROC is not enforced for root")
+                logger.warning(
+                    "code_execution_reward: sandboxed code runs as root (uid drop failed); "
+                    "RLIMIT_NPROC is not enforced for root"
+                )
             logger.info("code_execution_reward sandbox: %s", mode)
             return mode
         errors.append(f"{mode}: {tail[-500:]!r}")
@@ -273,8 +311,12 @@ def _resolve_mode(limits: SandboxLimits, use_bubblewrap: bool | None, require_bu
     raise RuntimeError(f"no working {what} for code_execution_reward:\n" + "\n".join(errors))
 
 
-def make_code_execution_reward(limits: SandboxLimits = SandboxLimits(), workers: int | None = None,
-                               require_bubblewrap: bool = False, use_bubblewrap: bool | None = None):
+def make_code_execution_reward(
+    limits: SandboxLimits = SandboxLimits(),
+    workers: int | None = None,
+    require_bubblewrap: bool = False,
+    use_bubblewrap: bool | None = None,
+):
     """Build a TRL-style reward ``f(completions, tests, **kwargs) -> list[float]``.
 
     ``use_bubblewrap``: None = use it if it works, False = never (resource limits

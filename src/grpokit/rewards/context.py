@@ -31,8 +31,11 @@ class RewardLogs:
         names = sorted(self.metrics)
         if accelerator.num_processes > 1:  # sorted, so that every process reduces the same names in one order
             names = sorted({name for names_of_one in gather_objects(accelerator, [names]) for name in names_of_one})
-        totals = torch.tensor([[sum(self.metrics.get(n, [])), len(self.metrics.get(n, []))] for n in names],
-                              dtype=torch.float64, device=accelerator.device).reshape(-1, 2)  # fmt: skip
+        totals = torch.tensor(
+            [[sum(self.metrics.get(n, [])), len(self.metrics.get(n, []))] for n in names],
+            dtype=torch.float64,
+            device=accelerator.device,
+        ).reshape(-1, 2)
         if accelerator.num_processes > 1 and names:
             totals = accelerator.reduce(totals, "sum")
         self.metrics.clear()

@@ -16,15 +16,22 @@ from ..models import check_model_source
 
 
 class RewardModel:
-    def __init__(self, model, tokenizer=None, batch_size: int = 16, max_length: int | None = None,
-                 trust_remote_code: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        batch_size: int = 16,
+        max_length: int | None = None,
+        trust_remote_code: bool = False,
+    ):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         if isinstance(model, str):
             check_model_source(model)
             name = model
-            model = AutoModelForSequenceClassification.from_pretrained(model, num_labels=1,
-                                                                       trust_remote_code=trust_remote_code)
+            model = AutoModelForSequenceClassification.from_pretrained(
+                model, num_labels=1, trust_remote_code=trust_remote_code
+            )
         else:
             name = getattr(model.config, "_name_or_path", "") or type(model).__name__
         if getattr(model.config, "num_labels", 1) != 1:
@@ -43,13 +50,15 @@ class RewardModel:
         self.batch_size, self.max_length = batch_size, max_length
         self.__name__ = str(name).rstrip("/").split("/")[-1]
 
-    def to(self, device) -> "RewardModel":
+    def to(self, device) -> RewardModel:
         self.model.to(device)
         return self
 
     def render(self, prompt: Any, completion: Any) -> str:
         if is_conversational(prompt):
-            messages = prompt + (completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}])
+            messages = prompt + (
+                completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
+            )
             if getattr(self.tokenizer, "chat_template", None) is None:
                 raise ValueError(f"Reward model {self.__name__!r} has no chat template for conversational prompts.")
             return self.tokenizer.apply_chat_template(messages, tokenize=False)
@@ -62,8 +71,14 @@ class RewardModel:
         device = next(self.model.parameters()).device
         scores: list[float] = []
         for start in range(0, len(texts), self.batch_size):
-            batch = self.tokenizer(texts[start : start + self.batch_size], return_tensors="pt", padding=True,
-                                   padding_side="right", truncation=self.max_length is not None,
-                                   max_length=self.max_length, add_special_tokens=False).to(device)  # fmt: skip
+            batch = self.tokenizer(
+                texts[start : start + self.batch_size],
+                return_tensors="pt",
+                padding=True,
+                padding_side="right",
+                truncation=self.max_length is not None,
+                max_length=self.max_length,
+                add_special_tokens=False,
+            ).to(device)
             scores.extend(self.model(**batch).logits[:, 0].float().tolist())
         return scores

@@ -14,7 +14,7 @@ are multiplied by its weight and added to that. A run with only process function
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 
 def process_reward(fn: Callable) -> Callable:
@@ -49,8 +49,9 @@ def step_token_ends(completion_ids: list[int], tokenizer, separator) -> list[int
         position += len(step)
         char_ends.append(position)
     # Length of the text decoded from the first k tokens, for every k: a step ends at the first k that covers it.
-    prefix_lengths = [len(tokenizer.decode(completion_ids[:k], skip_special_tokens=True))
-                      for k in range(1, len(completion_ids) + 1)]  # fmt: skip
+    prefix_lengths = [
+        len(tokenizer.decode(completion_ids[:k], skip_special_tokens=True)) for k in range(1, len(completion_ids) + 1)
+    ]
     ends, k = [], 0
     for char_end in char_ends:
         while k < len(prefix_lengths) and prefix_lengths[k] < char_end:
@@ -66,7 +67,9 @@ def soft_overlong_punishment(max_completion_length: int, buffer_length: int, pen
     max_completion_length: r = penalty * ((L_max - L_buffer) - |y|) / L_buffer.
     """
     if not 0 < buffer_length <= max_completion_length:
-        raise ValueError(f"buffer_length={buffer_length} must be in (0, max_completion_length={max_completion_length}].")
+        raise ValueError(
+            f"buffer_length={buffer_length} must be in (0, max_completion_length={max_completion_length}]."
+        )
     start = max_completion_length - buffer_length
 
     def soft_overlong_reward(completion_ids, **kwargs) -> list[float]:

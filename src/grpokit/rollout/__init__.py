@@ -3,8 +3,15 @@
 for tests (`scripted.py`), and the prompt codec every engine's inputs and outputs pass through (`prompts.py`), and
 the runner that turns rows into a decoded rollout, single-turn or multi-turn (`runner.py`)."""
 
-from .engine import (EVAL_SEED_OFFSET, PromptBatch, Rollout, RolloutEngine, SamplingParams, engine_logprobs_exact,
-                     rollout_seed)  # fmt: skip
+from .engine import (
+    EVAL_SEED_OFFSET,
+    PromptBatch,
+    Rollout,
+    RolloutEngine,
+    SamplingParams,
+    engine_logprobs_exact,
+    rollout_seed,
+)
 from .hf import HFEngine, generate
 from .hf_generate import TransformersGenerateEngine
 from .prompts import PromptCodec, eos_token_ids, group_counts

@@ -118,7 +118,7 @@ class BatchingEngine:
                 part = merged if len(requests) == 1 else merged.select(list(range(start, start + rows))).trimmed()
                 request.rollout = part.cut_to(request.params.max_new_tokens)
                 start += rows
-        except BaseException as error:  # noqa: BLE001 - every request of the call raises it in its own thread
+        except BaseException as error:
             for request in requests:
                 request.error = error
         self.returned_at = time.monotonic()

@@ -33,26 +33,36 @@ class CachedDecoder:
         self.next_position = None  # [n]
         self.rope_offset = None  # [n] M-RoPE models: 3D position of a text token minus its 1D one
 
-    def prefill(self, ids, mask, repeats: int = 1, prompt_inputs: dict | None = None,
-                rope_positions: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def prefill(
+        self, ids, mask, repeats: int = 1, prompt_inputs: dict | None = None, rope_positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """prompt_inputs: the processor's tensors of these rows' images (`MultimodalInputs.model_inputs`);
         rope_positions: a Qwen-VL model's 3D positions of the prompts [3, n, P] (`rope_position_ids`)."""
         self.cache = sampling_cache(self.model, max(self.capacity, ids.shape[1]))
         positions = position_ids_from_mask(mask)
         out = self.model(
-            input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1,
+            input_ids=ids,
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=1,
             position_ids=positions if rope_positions is None else rope_positions,
-            **{self.cache_argument: self.cache}, **self.forward_kwargs, **(prompt_inputs or {}),
-        )  # fmt: skip
+            **{self.cache_argument: self.cache},
+            **self.forward_kwargs,
+            **(prompt_inputs or {}),
+        )
         self.cache = output_cache(out)
         logits = logits_of(out)[:, -1]
         # Text after the images continues from the largest 3D position: a per-row offset to the 1D position.
-        offset = torch.zeros_like(positions[:, -1]) if rope_positions is None else \
-            rope_positions[..., -1].amax(0) - positions[:, -1]  # fmt: skip
+        offset = (
+            torch.zeros_like(positions[:, -1])
+            if rope_positions is None
+            else rope_positions[..., -1].amax(0) - positions[:, -1]
+        )
         if repeats > 1:  # one prefill per group, shared by its G rows
             select_cache_rows(self.cache, torch.arange(len(ids), device=ids.device).repeat_interleave(repeats))
-            logits, mask, positions, offset = (x.repeat_interleave(repeats, 0) for x in (logits, mask, positions,
-                                                                                          offset))  # fmt: skip
+            logits, mask, positions, offset = (
+                x.repeat_interleave(repeats, 0) for x in (logits, mask, positions, offset)
+            )
         self.mask, self.next_position = mask, positions[:, -1] + 1
         self.rope_offset = None if rope_positions is None else offset
         return logits
@@ -63,9 +73,13 @@ class CachedDecoder:
         if self.rope_offset is not None:  # a text token: its three M-RoPE positions are equal
             positions = (positions + self.rope_offset[:, None])[None].expand(3, -1, -1)
         out = self.model(
-            input_ids=tokens[:, None], attention_mask=self.mask, position_ids=positions, use_cache=True,
-            **{self.cache_argument: self.cache}, **self.forward_kwargs,
-        )  # fmt: skip
+            input_ids=tokens[:, None],
+            attention_mask=self.mask,
+            position_ids=positions,
+            use_cache=True,
+            **{self.cache_argument: self.cache},
+            **self.forward_kwargs,
+        )
         self.cache = output_cache(out)
         self.next_position = self.next_position + 1
         return logits_of(out)[:, -1]
@@ -88,8 +102,12 @@ class FullForwardDecoder:
 
     def _forward(self) -> torch.Tensor:
         if self.use_mask:
-            out = self.model(self.ids, attention_mask=self.mask, position_ids=position_ids_from_mask(self.mask),
-                             **self.forward_kwargs)  # fmt: skip
+            out = self.model(
+                self.ids,
+                attention_mask=self.mask,
+                position_ids=position_ids_from_mask(self.mask),
+                **self.forward_kwargs,
+            )
         else:
             if not bool(self.mask.all()):
                 raise ValueError(

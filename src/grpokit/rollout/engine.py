@@ -74,7 +74,7 @@ class PromptBatch:
         return pad_left([self.ids[i] for i in self.rows()], pad_token_id)
 
     @staticmethod
-    def concat(parts: list["PromptBatch"]) -> "PromptBatch":
+    def concat(parts: list[PromptBatch]) -> PromptBatch:
         """The prompts of several batches as one, in order (images and processor tensors where every part has them)."""
         if len(parts) == 1:
             return parts[0]
@@ -87,9 +87,14 @@ class PromptBatch:
                 raise ValueError(f"PromptBatch.concat: some parts have {name} and others none.")
             return [x for v in values for x in v]
 
-        return PromptBatch([x for p in parts for x in p.ids], [x for p in parts for x in p.counts],
-                           [x for p in parts for x in p.raw], joined("images"), joined("processed"),
-                           joined("unexpanded_ids"))  # fmt: skip
+        return PromptBatch(
+            [x for p in parts for x in p.ids],
+            [x for p in parts for x in p.counts],
+            [x for p in parts for x in p.raw],
+            joined("images"),
+            joined("processed"),
+            joined("unexpanded_ids"),
+        )
 
     def multimodal(self) -> MultimodalInputs | None:
         """The processor's tensors for the rows (one entry per prompt, indexed by row), None for text prompts."""
@@ -129,22 +134,38 @@ class Rollout:
         """Each completion's real tokens (attention mask 1), as lists."""
         return [ids[mask.bool()].tolist() for ids, mask in zip(self.completion_ids, self.attention_mask)]
 
-    def to(self, device) -> "Rollout":
+    def to(self, device) -> Rollout:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return Rollout(move(self.prompt_ids), move(self.prompt_mask), move(self.completion_ids),
-                       move(self.attention_mask), move(self.loss_mask), move(self.lengths), move(self.is_truncated),
-                       move(self.sampling_logprobs), self.extra,
-                       None if self.multimodal is None else self.multimodal.to(device))  # fmt: skip
+        return Rollout(
+            move(self.prompt_ids),
+            move(self.prompt_mask),
+            move(self.completion_ids),
+            move(self.attention_mask),
+            move(self.loss_mask),
+            move(self.lengths),
+            move(self.is_truncated),
+            move(self.sampling_logprobs),
+            self.extra,
+            None if self.multimodal is None else self.multimodal.to(device),
+        )
 
-    def select(self, index: list[int] | torch.Tensor) -> "Rollout":
+    def select(self, index: list[int] | torch.Tensor) -> Rollout:
         index = torch.as_tensor(index, dtype=torch.long)
         pick = lambda t: None if t is None else t[index.to(t.device)]  # noqa: E731
-        return Rollout(pick(self.prompt_ids), pick(self.prompt_mask), pick(self.completion_ids),
-                       pick(self.attention_mask), pick(self.loss_mask), pick(self.lengths), pick(self.is_truncated),
-                       pick(self.sampling_logprobs), {k: [v[i] for i in index.tolist()] for k, v in self.extra.items()},
-                       None if self.multimodal is None else self.multimodal.select(index))  # fmt: skip
+        return Rollout(
+            pick(self.prompt_ids),
+            pick(self.prompt_mask),
+            pick(self.completion_ids),
+            pick(self.attention_mask),
+            pick(self.loss_mask),
+            pick(self.lengths),
+            pick(self.is_truncated),
+            pick(self.sampling_logprobs),
+            {k: [v[i] for i in index.tolist()] for k, v in self.extra.items()},
+            None if self.multimodal is None else self.multimodal.select(index),
+        )
 
-    def trimmed(self) -> "Rollout":
+    def trimmed(self) -> Rollout:
         """Without the padding columns no row uses (prompt columns on the left, completion columns on the right): what
         is left over after `select` takes rows of a wider batch."""
         used = self.prompt_mask.bool().any(0).nonzero()
@@ -153,18 +174,25 @@ class Rollout:
         width = int(used[-1]) + 1 if len(used) else 0
         if first == 0 and width == self.completion_ids.shape[1]:
             return self
-        return dataclasses.replace(self, prompt_ids=self.prompt_ids[:, first:], prompt_mask=self.prompt_mask[:, first:],
-                                   **self._completion_columns(width))  # fmt: skip
+        return dataclasses.replace(
+            self,
+            prompt_ids=self.prompt_ids[:, first:],
+            prompt_mask=self.prompt_mask[:, first:],
+            **self._completion_columns(width),
+        )
 
-    def cut_to(self, max_new_tokens: int) -> "Rollout":
+    def cut_to(self, max_new_tokens: int) -> Rollout:
         """Each completion cut to its first max_new_tokens tokens; a row cut short is truncated (as if sampled with
         that limit)."""
         if self.completion_ids.shape[1] <= max_new_tokens:
             return self
         cut = self.lengths > max_new_tokens
-        return dataclasses.replace(self, lengths=self.lengths.clamp(max=max_new_tokens),
-                                   is_truncated=self.is_truncated | cut,
-                                   **self._completion_columns(max_new_tokens))  # fmt: skip
+        return dataclasses.replace(
+            self,
+            lengths=self.lengths.clamp(max=max_new_tokens),
+            is_truncated=self.is_truncated | cut,
+            **self._completion_columns(max_new_tokens),
+        )
 
     def _completion_columns(self, width: int) -> dict[str, torch.Tensor | None]:
         columns = {name: getattr(self, name)[:, :width] for name in ("completion_ids", "attention_mask", "loss_mask")}
@@ -172,7 +200,7 @@ class Rollout:
         return {**columns, "sampling_logprobs": None if logprobs is None else logprobs[:, :width]}
 
     @staticmethod
-    def concat(parts: list["Rollout"]) -> "Rollout":
+    def concat(parts: list[Rollout]) -> Rollout:
         """Join rollouts, re-padding prompts on the left and completions on the right to a common width (the new
         padding is masked out everywhere)."""
 
@@ -186,14 +214,17 @@ class Rollout:
         if any(m is not None for m in multimodal) and any(m is None for m in multimodal):
             raise ValueError("Rollout.concat: some parts have images and others none.")
         return Rollout(
-            pad([p.prompt_ids for p in parts], True), pad([p.prompt_mask for p in parts], True),
-            pad([p.completion_ids for p in parts], False), pad([p.attention_mask for p in parts], False),
-            pad([p.loss_mask for p in parts], False), torch.cat([p.lengths for p in parts]),
+            pad([p.prompt_ids for p in parts], True),
+            pad([p.prompt_mask for p in parts], True),
+            pad([p.completion_ids for p in parts], False),
+            pad([p.attention_mask for p in parts], False),
+            pad([p.loss_mask for p in parts], False),
+            torch.cat([p.lengths for p in parts]),
             torch.cat([p.is_truncated for p in parts]),
             None if any(x is None for x in logprobs) else pad(logprobs, False),
             {k: [x for p in parts for x in p.extra[k]] for k in parts[0].extra},
             None if multimodal[0] is None else MultimodalInputs.concat(multimodal),
-        )  # fmt: skip
+        )
 
 
 @runtime_checkable
@@ -220,8 +251,10 @@ def engine_logprobs_exact(engine: RolloutEngine) -> bool:
     """The engine's declared `exact_logprobs` (see `RolloutEngine`); False where it declares nothing."""
     declared = getattr(engine, "exact_logprobs", False)
     if not isinstance(declared, bool):
-        raise TypeError(f"{type(engine).__name__}.exact_logprobs must be a bool (whether its sampling log-probs equal "
-                        f"the training forward's), got {declared!r}.")
+        raise TypeError(
+            f"{type(engine).__name__}.exact_logprobs must be a bool (whether its sampling log-probs equal "
+            f"the training forward's), got {declared!r}."
+        )
     return declared
 
 

@@ -16,8 +16,12 @@ import functools
 
 import torch
 
-from ..compat import (attention_implementation, attention_implementation_set_to, replace_cache_layer,
-                      replicate_layers_with)  # fmt: skip
+from ..compat import (
+    attention_implementation,
+    attention_implementation_set_to,
+    replace_cache_layer,
+    replicate_layers_with,
+)
 from ..forward import model_cache, model_config
 
 
@@ -130,8 +134,9 @@ CASTING_ATTENTION = frozenset({"sdpa", ONE_TOKEN_ATTENTION, "flash_attention_2",
 AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)  # what autocast casts (float64 it leaves alone)
 
 
-def one_token_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                                is_causal=None, **kwargs):  # fmt: skip
+def one_token_attention_forward(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
+):
     """transformers' SDPA attention, except for one-token queries (decode steps), which take two matmuls over the
     key/value heads (grouped-query heads packed, no repeat): on CPU, torch's SDPA kernels cost more than the
     arithmetic for these shapes (bf16 especially: 1.4 ms a call where the matmuls take 0.3). Same values up to
@@ -139,8 +144,9 @@ def one_token_attention_forward(module, query, key, value, attention_mask, dropo
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if query.shape[2] != 1 or dropout or kwargs.get("sinks") is not None or kwargs.get("s_aux") is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)  # fmt: skip
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     batch, heads, _, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)  # head h attends with key/value head h // g

@@ -35,8 +35,10 @@ def generates_otherwise(model: torch.nn.Module) -> bool:
     if generate is None:  # a plain module: nothing else to call
         return False
     function = getattr(generate, "__func__", generate)
-    return (getattr(function, "__module__", None), getattr(function, "__qualname__", None)) != \
-        ("transformers.generation.utils", "GenerationMixin.generate")  # fmt: skip
+    return (getattr(function, "__module__", None), getattr(function, "__qualname__", None)) != (
+        "transformers.generation.utils",
+        "GenerationMixin.generate",
+    )
 
 
 class HFEngine:
@@ -46,22 +48,32 @@ class HFEngine:
     Its log-probs are the training forward's (to float rounding) when no autocast is given: `exact_logprobs`.
     """
 
-    def __init__(self, model: torch.nn.Module, device: torch.device | str = "cpu",
-                 autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
-                 all_done: Callable[[bool], bool] | None = None, exact_logprobs: bool | None = None,
-                 cache_implementation: str | None = None, compile: bool | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: torch.device | str = "cpu",
+        autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
+        all_done: Callable[[bool], bool] | None = None,
+        exact_logprobs: bool | None = None,
+        cache_implementation: str | None = None,
+        compile: bool | None = None,
+    ):
         self.model, self.device = model, torch.device(device)
         self.autocast, self.all_done = autocast or contextlib.nullcontext, all_done
         self.exact_logprobs = autocast is None if exact_logprobs is None else exact_logprobs
         if cache_implementation not in CACHE_IMPLEMENTATIONS:
-            raise ValueError(f"cache_implementation={cache_implementation!r} is not supported by the in-process "
-                             f"sampler; use None or 'dynamic' (its preallocated cache) or 'static' (fixed shapes, "
-                             f"compiled with CUDA graphs on a GPU).")  # fmt: skip
+            raise ValueError(
+                f"cache_implementation={cache_implementation!r} is not supported by the in-process "
+                f"sampler; use None or 'dynamic' (its preallocated cache) or 'static' (fixed shapes, "
+                f"compiled with CUDA graphs on a GPU)."
+            )
         self.static = None
         if cache_implementation == "static":
             if all_done is not None or is_sharded(model):
-                raise ValueError("cache_implementation='static' is not supported with sharded models (FSDP2, "
-                                 "ZeRO-3), whose every forward is a collective; leave it unset.")  # fmt: skip
+                raise ValueError(
+                    "cache_implementation='static' is not supported with sharded models (FSDP2, "
+                    "ZeRO-3), whose every forward is a collective; leave it unset."
+                )
             self.static = StaticDecoding(model, compile=compile)
 
     def sync_weights(self, model: torch.nn.Module) -> None:
@@ -87,9 +99,17 @@ class HFEngine:
         # A sharded model's parameters belong to FSDP2 / ZeRO-3, which gather them per forward: their flags stay.
         casts_kept = contextlib.nullcontext() if is_sharded(self.model) else autocast_keeps_frozen_casts(self.model)
         with self.autocast(), casts_kept:
-            return generate(self.model, ids, mask, params, generator=generator,
-                            num_generations=counts.pop() if len(counts) == 1 else 1, all_done=self.all_done,
-                            multimodal=prompts.multimodal(), static=self.static)  # fmt: skip
+            return generate(
+                self.model,
+                ids,
+                mask,
+                params,
+                generator=generator,
+                num_generations=counts.pop() if len(counts) == 1 else 1,
+                all_done=self.all_done,
+                multimodal=prompts.multimodal(),
+                static=self.static,
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +125,12 @@ class AutocastSettings:
     @classmethod
     def of(cls, autocast: Callable[[], contextlib.AbstractContextManager], device_type: str) -> AutocastSettings:
         with autocast():
-            return cls(device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type),
-                       torch.is_autocast_cache_enabled())  # fmt: skip
+            return cls(
+                device_type,
+                torch.is_autocast_enabled(device_type),
+                torch.get_autocast_dtype(device_type),
+                torch.is_autocast_cache_enabled(),
+            )
 
     def __call__(self) -> contextlib.AbstractContextManager:
         if not self.enabled:  # as accelerate: no context at all, not one that turns an outer autocast off
@@ -159,8 +183,12 @@ def adapter_wraps_kv_cache_model(model: torch.nn.Module) -> bool:
 # ------------------------------------------------------------------------------------------------ the loop
 
 
-def groups_share_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_generations: int,
-                         multimodal: MultimodalInputs | None = None) -> bool:  # fmt: skip
+def groups_share_prompts(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    num_generations: int,
+    multimodal: MultimodalInputs | None = None,
+) -> bool:
     """Whether rows come in groups of num_generations with one prompt each (the same ids, mask and images)."""
     n = prompt_ids.shape[0]
     if num_generations <= 1 or n % num_generations:
@@ -224,14 +252,38 @@ def generate(
     model.eval()
     try:
         with one_token_attention(model, prompt_ids.device, static=static is not None):
-            return _generate(model, prompt_ids, prompt_mask, params, generator, num_generations, use_cache,
-                             share_prefix, drop_finished, all_done, multimodal, static)  # fmt: skip
+            return _generate(
+                model,
+                prompt_ids,
+                prompt_mask,
+                params,
+                generator,
+                num_generations,
+                use_cache,
+                share_prefix,
+                drop_finished,
+                all_done,
+                multimodal,
+                static,
+            )
     finally:
         model.train(was_training)
 
 
-def _generate(model, prompt_ids, prompt_mask, params, generator, num_generations, use_cache, share_prefix,
-              drop_finished, all_done, multimodal=None, static=None) -> Rollout:  # fmt: skip
+def _generate(
+    model,
+    prompt_ids,
+    prompt_mask,
+    params,
+    generator,
+    num_generations,
+    use_cache,
+    share_prefix,
+    drop_finished,
+    all_done,
+    multimodal=None,
+    static=None,
+) -> Rollout:
     n, device = prompt_ids.shape[0], prompt_ids.device
     if use_cache is None:
         use_cache = supports_kv_cache(model) or adapter_wraps_kv_cache_model(model)
@@ -244,8 +296,11 @@ def _generate(model, prompt_ids, prompt_mask, params, generator, num_generations
         decoder, drop_finished = StaticDecoder(model, static, capacity), False
     else:
         decoder = CachedDecoder(model, capacity) if use_cache else FullForwardDecoder(model)
-    repeats = num_generations if share_prefix and groups_share_prompts(prompt_ids, prompt_mask, num_generations,
-                                                                       multimodal) else 1  # fmt: skip
+    repeats = (
+        num_generations
+        if share_prefix and groups_share_prompts(prompt_ids, prompt_mask, num_generations, multimodal)
+        else 1
+    )
     multimodal = None if multimodal is None else multimodal.to(device)
     prefill_rows = torch.arange(0, n, repeats, device=device)
     prompt_inputs = batch_model_inputs(multimodal, prefill_rows, prompt_ids.shape[1], model=model)

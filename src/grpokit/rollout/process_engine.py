@@ -98,7 +98,7 @@ def _serve(pickled: PickledEngine, connection) -> None:
     try:
         engine = pickle.loads(pickled.data)
         reply = ("ready",)
-    except BaseException as error:  # noqa: BLE001 - reported to the parent, which raises it
+    except BaseException as error:
         engine, reply = None, ("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
     connection.send_bytes(pickle.dumps(reply))
     while engine is not None:
@@ -110,7 +110,7 @@ def _serve(pickled: PickledEngine, connection) -> None:
             break
         try:
             reply = ("ok", engine.generate(*request[1:]))
-        except BaseException as error:  # noqa: BLE001 - reported to the parent, which raises it
+        except BaseException as error:
             reply = ("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
         connection.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
     # Nothing to clean up: end at once rather than tear down an interpreter that imported torch (seconds).
@@ -146,24 +146,31 @@ class ProcessEngine:
     `request_timeout_s` (None: no limit) kills the child; so does a start that takes longer than `start_timeout_s`.
     """
 
-    def __init__(self, engine: RolloutEngine, model: torch.nn.Module, poll_s: float = 0.5,
-                 request_timeout_s: float | None = REQUEST_TIMEOUT_S,
-                 start_timeout_s: float = START_TIMEOUT_S):  # fmt: skip
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        model: torch.nn.Module,
+        poll_s: float = 0.5,
+        request_timeout_s: float | None = REQUEST_TIMEOUT_S,
+        start_timeout_s: float = START_TIMEOUT_S,
+    ):
         self.model, self.poll_s, self.request_timeout_s = model.share_memory(), poll_s, request_timeout_s
         self.exact_logprobs = bool(getattr(engine, "exact_logprobs", False))
         self.lock = threading.Lock()
         self.ended: EngineProcessDied | None = None  # why this side ended the child, if it did: raised again
         context = torch.multiprocessing.get_context("spawn")
         self.connection, child_end = context.Pipe()
-        self.process = context.Process(target=_serve, args=(PickledEngine(engine), child_end), daemon=True,
-                                       name="grpokit-engine")  # fmt: skip
+        self.process = context.Process(
+            target=_serve, args=(PickledEngine(engine), child_end), daemon=True, name="grpokit-engine"
+        )
         try:
             with _script_not_reimported(engine, model):
                 self.process.start()  # pickles the engine, before the child exists
         except (pickle.PicklingError, TypeError, AttributeError) as error:
             self.connection.close()
-            raise TypeError(f"{type(engine).__name__} cannot be pickled to the engine process, which needs it to "
-                            f"be: {error}") from error  # fmt: skip
+            raise TypeError(
+                f"{type(engine).__name__} cannot be pickled to the engine process, which needs it to be: {error}"
+            ) from error
         finally:
             child_end.close()
         self.owner = os.getpid()
@@ -174,8 +181,10 @@ class ProcessEngine:
                 self._check_alive(wait=True, starting=True)
                 raise
             if status[0] == "error":
-                raise EngineProcessDied(f"The engine process (pid {self.pid}) could not rebuild the "
-                                        f"{type(engine).__name__} it was sent:\n{status[1]}")  # fmt: skip
+                raise EngineProcessDied(
+                    f"The engine process (pid {self.pid}) could not rebuild the "
+                    f"{type(engine).__name__} it was sent:\n{status[1]}"
+                )
         except BaseException:
             self.close(timeout=0)
             raise
@@ -214,10 +223,8 @@ class ProcessEngine:
             if self.ended is None:
                 self.ended = EngineProcessDied(f"The engine process (pid {self.pid}) was closed (ProcessEngine.close).")
             if idle and self.process.is_alive():
-                try:
+                with contextlib.suppress(OSError):
                     self.connection.send_bytes(pickle.dumps(("stop",)))
-                except OSError:
-                    pass
                 self.process.join(timeout)
             if self.process.is_alive():
                 self.process.kill()
@@ -233,17 +240,20 @@ class ProcessEngine:
         """The child's next message; the child is killed and `EngineProcessHung` raised if none comes within
         `timeout` seconds, and `EngineProcessDied` raised if it dies meanwhile."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.connection.poll(self.poll_s if deadline is None else
-                                       min(self.poll_s, max(deadline - time.monotonic(), 0.0))):  # fmt: skip
+        while not self.connection.poll(
+            self.poll_s if deadline is None else min(self.poll_s, max(deadline - time.monotonic(), 0.0))
+        ):
             self._check_alive(starting=starting)
             if deadline is not None and time.monotonic() >= deadline:
                 self.ended = EngineProcessHung(
                     f"The engine process (pid {self.pid}) did not start within {timeout} s (start_timeout_s): it "
-                    f"was killed (SIGKILL)." if starting else
-                    f"The engine process (pid {self.pid}) did not answer a request within {timeout} s: it was killed "
-                    f"(SIGKILL). Its sampler hung (a deadlock), or one request takes longer than that. The last "
+                    f"was killed (SIGKILL)."
+                    if starting
+                    else f"The engine process (pid {self.pid}) did not answer a request within {timeout} s: it was "
+                    f"killed (SIGKILL). Its sampler hung (a deadlock), or one request takes longer than that. The last "
                     f"checkpoint is good: resume from it. If requests are that slow, raise the timeout (GRPOConfig's "
-                    f"heartbeat_stale_after_s, which the producer passes as request_timeout_s).")  # fmt: skip
+                    f"heartbeat_stale_after_s, which the producer passes as request_timeout_s)."
+                )
                 self.process.kill()
                 self._check_alive(wait=True)
         return pickle.loads(self.connection.recv_bytes())
@@ -256,16 +266,19 @@ class ProcessEngine:
         if self.ended is not None:
             raise type(self.ended)(*self.ended.args)
         code = self.process.exitcode
-        how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else
-               f"exited with code {code}")  # fmt: skip
+        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exited with code {code}"
         if starting:
-            raise EngineProcessDied(f"The engine process (pid {self.pid}) {how} while starting (its traceback, if "
-                                    f"any, is above). If it shows your script running again, start training "
-                                    f"under `if __name__ == '__main__':` (a spawned process imports a script that "
-                                    f"defines the model's classes).")  # fmt: skip
+            raise EngineProcessDied(
+                f"The engine process (pid {self.pid}) {how} while starting (its traceback, if "
+                f"any, is above). If it shows your script running again, start training "
+                f"under `if __name__ == '__main__':` (a spawned process imports a script that "
+                f"defines the model's classes)."
+            )
         memory = "The system may be out of memory (dmesg shows the OOM killer). " if code == -9 else ""
-        raise EngineProcessDied(f"The engine process (pid {self.pid}) {how}: generation cannot go on. {memory}"
-                                f"The last checkpoint is good: resume from it.")  # fmt: skip
+        raise EngineProcessDied(
+            f"The engine process (pid {self.pid}) {how}: generation cannot go on. {memory}"
+            f"The last checkpoint is good: resume from it."
+        )
 
     def __del__(self):
         # A process forked from this one later (a DataLoader worker) holds a copy of this object, not its child.

@@ -27,8 +27,10 @@ def eos_token_ids(tokenizer, model) -> tuple[int, ...]:
     """The tokens that end a completion: the tokenizer's EOS and every EOS of the model's generation_config (a chat
     model often ends its turns with a token other than the tokenizer's EOS), as TRL does."""
     found: list[int] = []
-    for source in (getattr(tokenizer, "eos_token_id", None),
-                   getattr(getattr(model, "generation_config", None), "eos_token_id", None)):  # fmt: skip
+    for source in (
+        getattr(tokenizer, "eos_token_id", None),
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+    ):
         for token in source if isinstance(source, (list, tuple)) else [source]:
             if token is not None and token not in found:
                 found.append(int(token))
@@ -60,9 +62,15 @@ class PromptCodec:
     vision-language model's processor, which renders and encodes prompts with their images (`multimodal`).
     """
 
-    def __init__(self, tokenizer, model: torch.nn.Module, max_prompt_length: int | None = None,
-                 chat_template_kwargs: dict | None = None, stop_token_ids: tuple[int, ...] = (),
-                 suppress_token_ids: tuple[int, ...] = ()):  # fmt: skip
+    def __init__(
+        self,
+        tokenizer,
+        model: torch.nn.Module,
+        max_prompt_length: int | None = None,
+        chat_template_kwargs: dict | None = None,
+        stop_token_ids: tuple[int, ...] = (),
+        suppress_token_ids: tuple[int, ...] = (),
+    ):
         self.processor = tokenizer if is_processor(tokenizer) else None
         self._warned_long_image_prompt = False
         tokenizer = tokenizer_of(tokenizer)
@@ -73,17 +81,22 @@ class PromptCodec:
         vocab_size = model_vocab_size(model)
         outside = [t for t in suppress_token_ids if vocab_size is not None and t >= vocab_size]
         if outside:
-            raise ValueError(f"generation_kwargs suppress_tokens {outside} are not in the model's vocabulary "
-                             f"({vocab_size} tokens).")  # fmt: skip
+            raise ValueError(
+                f"generation_kwargs suppress_tokens {outside} are not in the model's vocabulary ({vocab_size} tokens)."
+            )
         model_suppressed = image_token_ids(model) if self.processor is not None else ()
         self.suppress_token_ids = tuple(dict.fromkeys(model_suppressed + tuple(suppress_token_ids)))
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
 
     def sampling_params(self, max_new_tokens: int, **sampling) -> SamplingParams:
-        return SamplingParams(max_new_tokens=max_new_tokens, eos_token_ids=self.eos_token_ids,
-                              pad_token_id=self.pad_token_id, suppress_token_ids=self.suppress_token_ids,
-                              **sampling)  # fmt: skip
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            suppress_token_ids=self.suppress_token_ids,
+            **sampling,
+        )
 
     def encode(self, rows: list[dict], counts: list[int]) -> PromptBatch:
         """A PromptBatch of rows (one per distinct prompt), sampled counts[i] times each. Prompts longer than
@@ -112,14 +125,18 @@ class PromptCodec:
             prompt, row_imgs = row["prompt"], load_row_images(row, index)
             if not is_conversational(prompt):
                 if row_imgs:
-                    raise ValueError("Multimodal training needs conversational prompts (a list of messages): this "
-                                     "row has images and a text prompt. Give the raw messages and let the trainer "
-                                     "apply the chat template, as in TRL.")  # fmt: skip
+                    raise ValueError(
+                        "Multimodal training needs conversational prompts (a list of messages): this "
+                        "row has images and a text prompt. Give the raw messages and let the trainer "
+                        "apply the chat template, as in TRL."
+                    )
                 text = prompt
             else:
                 prompt = prepare_multimodal_messages(prompt, row_imgs)
-                row_imgs = [load_image(image, f"row {index} of this batch, column 'prompt' (image part {item})")
-                            for item, image in enumerate(message_images(prompt))]  # fmt: skip
+                row_imgs = [
+                    load_image(image, f"row {index} of this batch, column 'prompt' (image part {item})")
+                    for item, image in enumerate(message_images(prompt))
+                ]
                 text = render_prompt(prompt, self.processor, self.chat_template_kwargs)
             if row_imgs:
                 prompt_ids, tensors = process_prompt(self.processor, text, row_imgs)
@@ -131,10 +148,14 @@ class PromptCodec:
             if self.max_prompt_length is not None and len(prompt_ids) > self.max_prompt_length:
                 if row_imgs:  # kept whole, as TRL 1.16 keeps every prompt: a cut would split the image tokens
                     if not self._warned_long_image_prompt:
-                        warnings.warn(f"A prompt with images has {len(prompt_ids)} tokens, more than the "
-                                      f"{int(self.max_prompt_length)} kept ({self.max_prompt_length.reason}): "
-                                      "prompts with images are not cut (that would cut image tokens); they are kept "
-                                      "whole.", UserWarning, stacklevel=3)  # fmt: skip
+                        warnings.warn(
+                            f"A prompt with images has {len(prompt_ids)} tokens, more than the "
+                            f"{int(self.max_prompt_length)} kept ({self.max_prompt_length.reason}): "
+                            "prompts with images are not cut (that would cut image tokens); they are kept "
+                            "whole.",
+                            UserWarning,
+                            stacklevel=3,
+                        )
                         self._warned_long_image_prompt = True
                 else:
                     prompt_ids, cut = prompt_ids[-self.max_prompt_length :], cut + 1
@@ -146,8 +167,9 @@ class PromptCodec:
             processed.append(tensors)
         if cut:
             self.max_prompt_length.warn(cut, len(rows))
-        return PromptBatch(ids=ids, counts=list(counts), raw=raw, images=images, processed=processed,
-                           unexpanded_ids=unexpanded)  # fmt: skip
+        return PromptBatch(
+            ids=ids, counts=list(counts), raw=raw, images=images, processed=processed, unexpanded_ids=unexpanded
+        )
 
     def decode(self, rollout: Rollout, raw_prompts: list[Any]) -> tuple[list[Any], list[list[int]]]:
         """(completions as reward functions receive them, completion token ids) for each row: text (a list with

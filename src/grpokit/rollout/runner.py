@@ -36,9 +36,13 @@ class Generation:
     @staticmethod
     def concat(parts: list[Generation]) -> Generation:
         """Generations of separate rows as one (rows in the order of `parts`)."""
-        return Generation(Rollout.concat([p.rollout for p in parts]), [r for p in parts for r in p.rows],
-                          [c for p in parts for c in p.completions], [i for p in parts for i in p.completion_ids],
-                          torch.cat([p.model_lengths for p in parts]))  # fmt: skip
+        return Generation(
+            Rollout.concat([p.rollout for p in parts]),
+            [r for p in parts for r in p.rows],
+            [c for p in parts for c in p.completions],
+            [i for p in parts for i in p.completion_ids],
+            torch.cat([p.model_lengths for p in parts]),
+        )
 
 
 class MultiTurnDriver(Protocol):
@@ -50,13 +54,13 @@ class MultiTurnDriver(Protocol):
 
     exact_logprobs: bool  # False when the driver's log-probs are not the engine's (a user's rollout_func)
 
-    def rollout(self, engine: RolloutEngine, rows: list[dict], params: SamplingParams, seed: int,
-                host: Any) -> tuple[Rollout, list | None]:  # fmt: skip
+    def rollout(
+        self, engine: RolloutEngine, rows: list[dict], params: SamplingParams, seed: int, host: Any
+    ) -> tuple[Rollout, list | None]:
         """(the rollout, each row's completion as reward functions receive it, or None to decode it)."""
         ...
 
-    def metrics(self, accelerator) -> dict[str, float]:
-        ...
+    def metrics(self, accelerator) -> dict[str, float]: ...
 
 
 class RolloutRunner:
@@ -64,8 +68,15 @@ class RolloutRunner:
 
     `host` is what a user's rollout_func receives as its `trainer` argument (TRL's contract)."""
 
-    def __init__(self, engine: RolloutEngine, codec: PromptCodec, params: SamplingParams, device: torch.device,
-                 driver: MultiTurnDriver | None = None, host: Any = None):  # fmt: skip
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        codec: PromptCodec,
+        params: SamplingParams,
+        device: torch.device,
+        driver: MultiTurnDriver | None = None,
+        host: Any = None,
+    ):
         self.engine, self.codec, self.params, self.device = engine, codec, params, device
         self.driver, self.host = driver, host
 
@@ -97,11 +108,14 @@ class RolloutRunner:
             completions, completion_ids = self.codec.decode(rollout, prompts.raw)
             model_lengths = rollout.lengths
             if prompts.images is not None:  # reward functions receive the messages with their images, as in TRL
-                rows = [{**row, "prompt": prompts.raw[b]} if prompts.images[b] else row
-                        for row, b in zip(rows, prompts.rows())]  # fmt: skip
+                rows = [
+                    {**row, "prompt": prompts.raw[b]} if prompts.images[b] else row
+                    for row, b in zip(rows, prompts.rows())
+                ]
         if rollout.extra:
-            rows = [{**row, **{name: values[i] for name, values in rollout.extra.items()}}
-                    for i, row in enumerate(rows)]  # fmt: skip
+            rows = [
+                {**row, **{name: values[i] for name, values in rollout.extra.items()}} for i, row in enumerate(rows)
+            ]
         return Generation(rollout, rows, completions, completion_ids, model_lengths)
 
     def metrics(self, accelerator) -> dict[str, float]:

@@ -11,8 +11,8 @@ max_new_tokens is cut there and counts as truncated, like a sampled one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -62,5 +62,13 @@ class ScriptedEngine:
             completion_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             attention_mask[row, : len(ids)] = 1
             loss_mask[row, : len(ids)] = torch.tensor(trained, dtype=torch.long)
-        return Rollout(prompt_ids, prompt_mask, completion_ids, attention_mask, loss_mask, attention_mask.sum(-1),
-                       torch.tensor(truncated), sampling_logprobs=None)  # fmt: skip
+        return Rollout(
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            attention_mask,
+            loss_mask,
+            attention_mask.sum(-1),
+            torch.tensor(truncated),
+            sampling_logprobs=None,
+        )

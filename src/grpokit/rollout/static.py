@@ -43,14 +43,18 @@ def check_static_decoding(model: torch.nn.Module) -> None:
 
     config = model_config(model)
     if not isinstance(config, PretrainedConfig):
-        raise ValueError(f"cache_implementation='static' needs a transformers model with a KV cache; "
-                         f"{type(model).__name__} has no transformers config. Leave cache_implementation unset.")  # fmt: skip
+        raise ValueError(
+            f"cache_implementation='static' needs a transformers model with a KV cache; "
+            f"{type(model).__name__} has no transformers config. Leave cache_implementation unset."
+        )
     kinds = {type(layer).__name__ for layer in model_cache(config).layers}
     if not kinds or kinds != {DynamicLayer.__name__}:
-        raise ValueError(f"cache_implementation='static' supports models whose layers all use full attention; "
-                         f"{getattr(config, 'model_type', type(model).__name__)} has cache layers {sorted(kinds)} "
-                         f"(sliding windows, Mamba or linear attention). Leave cache_implementation unset: the "
-                         f"default sampler keeps each layer's own cache.")  # fmt: skip
+        raise ValueError(
+            f"cache_implementation='static' supports models whose layers all use full attention; "
+            f"{getattr(config, 'model_type', type(model).__name__)} has cache layers {sorted(kinds)} "
+            f"(sliding windows, Mamba or linear attention). Leave cache_implementation unset: the "
+            f"default sampler keeps each layer's own cache."
+        )
 
 
 class StaticDecoding:
@@ -88,12 +92,15 @@ class StaticDecoding:
 
         def fits(cache) -> bool:
             return all(
-                static.batch_size == rows and static.max_cache_len >= capacity
-                and static.keys.dtype == dynamic.keys.dtype and static.values.dtype == dynamic.values.dtype
+                static.batch_size == rows
+                and static.max_cache_len >= capacity
+                and static.keys.dtype == dynamic.keys.dtype
+                and static.values.dtype == dynamic.values.dtype
                 and static.keys.device == dynamic.keys.device
-                and static.keys.shape[1] == dynamic.keys.shape[1] and static.values.shape[1] == dynamic.values.shape[1]
+                and static.keys.shape[1] == dynamic.keys.shape[1]
+                and static.values.shape[1] == dynamic.values.shape[1]
                 for static, dynamic in zip(cache.layers, prefilled.layers, strict=True)
-            )  # fmt: skip
+            )
 
         if self.cache is None or not fits(self.cache):
             self.cache = None  # the old buffers go before the new ones are made
@@ -102,8 +109,10 @@ class StaticDecoding:
             layer_class = casting_static_layer_class()
             for index, dynamic in enumerate(prefilled.layers):
                 layer = layer_class(max_cache_len=size)
-                layer.lazy_initialization(dynamic.keys.new_empty(rows, *dynamic.keys.shape[1:]),
-                                          dynamic.values.new_empty(rows, *dynamic.values.shape[1:]))  # fmt: skip
+                layer.lazy_initialization(
+                    dynamic.keys.new_empty(rows, *dynamic.keys.shape[1:]),
+                    dynamic.values.new_empty(rows, *dynamic.values.shape[1:]),
+                )
                 replace_cache_layer(cache, index, layer)
             self.cache = cache
         return self.cache
@@ -125,8 +134,7 @@ def casting_static_layer_class():
                 torch._dynamo.mark_static_address(self.values)
 
         def update(self, key_states, value_states, *args, **kwargs):
-            return super().update(key_states.to(self.keys.dtype), value_states.to(self.values.dtype), *args,
-                                  **kwargs)  # fmt: skip
+            return super().update(key_states.to(self.keys.dtype), value_states.to(self.values.dtype), *args, **kwargs)
 
     return CastingStaticLayer
 
@@ -141,8 +149,9 @@ class StaticDecoder(CachedDecoder):
         self.decoding, self.static_capacity = decoding, capacity
         self.step_function = None
 
-    def prefill(self, ids, mask, repeats: int = 1, prompt_inputs: dict | None = None,
-                rope_positions: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def prefill(
+        self, ids, mask, repeats: int = 1, prompt_inputs: dict | None = None, rope_positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         logits = super().prefill(ids, mask, repeats, prompt_inputs, rope_positions)
         prefilled, (rows, width) = self.cache, self.mask.shape
         self.cache = self.decoding.cache_for(prefilled, rows, max(self.static_capacity, width))
@@ -161,14 +170,19 @@ class StaticDecoder(CachedDecoder):
         if self.decoding.uses_cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are consumed: replay over them
         out = self.step_function(
-            input_ids=tokens[:, None], attention_mask=self.mask, position_ids=positions, use_cache=True,
-            **{self.cache_argument: self.cache}, **self.forward_kwargs,
-        )  # fmt: skip
+            input_ids=tokens[:, None],
+            attention_mask=self.mask,
+            position_ids=positions,
+            use_cache=True,
+            **{self.cache_argument: self.cache},
+            **self.forward_kwargs,
+        )
         self.next_position = self.next_position + 1
         logits = logits_of(out)[:, -1]
         # A CUDA graph's outputs live in its pool and are overwritten by the next replay.
         return logits.clone() if self.decoding.uses_cuda_graphs else logits
 
     def keep(self, rows: torch.Tensor) -> None:
-        raise RuntimeError("static decoding keeps every row in the batch (fixed shapes); call generate with "
-                           "drop_finished=False")  # fmt: skip
+        raise RuntimeError(
+            "static decoding keeps every row in the batch (fixed shapes); call generate with drop_finished=False"
+        )

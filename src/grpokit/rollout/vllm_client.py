@@ -64,11 +64,21 @@ class VLLMServerEngine:
 
     exact_logprobs = False
 
-    def __init__(self, model: torch.nn.Module, base_url: str, timeout: float = 240.0, retries: int = 3,
-                 process_index: int = 0, num_processes: int = 1, group_port: int | None = None,
-                 structured_outputs_regex: str | None = None, max_prompt_length: int | None = None,
-                 max_completion_length: int | None = None, request_timeout: float | None = None,
-                 weight_sync_timeout: float | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        base_url: str,
+        timeout: float = 240.0,
+        retries: int = 3,
+        process_index: int = 0,
+        num_processes: int = 1,
+        group_port: int | None = None,
+        structured_outputs_regex: str | None = None,
+        max_prompt_length: int | None = None,
+        max_completion_length: int | None = None,
+        request_timeout: float | None = None,
+        weight_sync_timeout: float | None = None,
+    ):
         """group_port: push the weights through a process group with the server at that port (NCCL between GPUs,
         gloo between CPUs; TRL's vllm_group_port) instead of as safetensors over HTTP. structured_outputs_regex:
         every completion matches this regex (the server needs the tokenizer in its checkpoint directory).
@@ -77,10 +87,12 @@ class VLLMServerEngine:
         (None: `timeout`, as for everything else)."""
         self.base_url, self.timeout, self.retries = base_url.rstrip("/"), timeout, retries
         # (seconds, the config field that set them): the field is named in the error when a request runs out.
-        self.request_timeout = (request_timeout, "request_timeout") if request_timeout else (timeout,
-                                                                                              "vllm_server_timeout")
-        self.weight_sync_timeout = (weight_sync_timeout, "weight_sync_timeout") if weight_sync_timeout else (
-            timeout, "vllm_server_timeout")  # fmt: skip
+        self.request_timeout = (
+            (request_timeout, "request_timeout") if request_timeout else (timeout, "vllm_server_timeout")
+        )
+        self.weight_sync_timeout = (
+            (weight_sync_timeout, "weight_sync_timeout") if weight_sync_timeout else (timeout, "vllm_server_timeout")
+        )
         self.group_port, self.group, self.group_instance = group_port, None, None
         self.process_index, self.num_processes = process_index, num_processes
         self.structured_outputs_regex = structured_outputs_regex
@@ -90,34 +102,56 @@ class VLLMServerEngine:
         self.info = self.request("GET", "/info")
         config = base_model_of(model).config
         check_same_model(config, self.info, self.base_url)
-        check_context_fits(self.info.get("max_model_len"), max_prompt_length, max_completion_length,
-                           getattr(text_config_of(config), "max_position_embeddings", None), self.base_url)
+        check_context_fits(
+            self.info.get("max_model_len"),
+            max_prompt_length,
+            max_completion_length,
+            getattr(text_config_of(config), "max_position_embeddings", None),
+            self.base_url,
+        )
         if is_vision_language_model(config) and not self.info.get("images"):
-            raise ValueError(f"The vLLM server at {self.base_url} does not take images ({self.info.get('model')}): "
-                             f"start it with the vision-language policy's checkpoint and processor (`grpokit "
-                             f"vllm-serve --model DIR`, DIR holding both).")  # fmt: skip
+            raise ValueError(
+                f"The vLLM server at {self.base_url} does not take images ({self.info.get('model')}): "
+                f"start it with the vision-language policy's checkpoint and processor (`grpokit "
+                f"vllm-serve --model DIR`, DIR holding both)."
+            )
         if structured_outputs_regex is not None and not self.info.get("structured_outputs"):
-            raise ValueError(f"vllm_structured_outputs_regex needs a vLLM server with the tokenizer (vLLM masks the "
-                             f"tokens that cannot continue a match), and the one at {self.base_url} has none: save "
-                             f"the tokenizer into its --model directory (tokenizer.save_pretrained(DIR)) and restart "
-                             f"it.")  # fmt: skip
+            raise ValueError(
+                f"vllm_structured_outputs_regex needs a vLLM server with the tokenizer (vLLM masks the "
+                f"tokens that cannot continue a match), and the one at {self.base_url} has none: save "
+                f"the tokenizer into its --model directory (tokenizer.save_pretrained(DIR)) and restart "
+                f"it."
+            )
         self.tied = bool(self.info.get("tie_word_embeddings"))
         self.pushed_versions = None  # the server's weights are not known to be the policy's: push at the first sync
         self.pushes = 0
 
     @classmethod
-    def from_config(cls, model: torch.nn.Module, args, process_index: int = 0, num_processes: int = 1,
-                    base_url: str | None = None, group_port: int | None = None) -> VLLMServerEngine:  # fmt: skip
+    def from_config(
+        cls,
+        model: torch.nn.Module,
+        args,
+        process_index: int = 0,
+        num_processes: int = 1,
+        base_url: str | None = None,
+        group_port: int | None = None,
+    ) -> VLLMServerEngine:
         """The engine of the config's server (`base_url`: one of several, see `server_urls`)."""
         base_url = base_url or server_urls(args)[0]
-        return cls(model, base_url, timeout=args.vllm_server_timeout, process_index=process_index,
-                   num_processes=num_processes, group_port=group_port if group_port is not None else args.vllm_group_port,
-                   structured_outputs_regex=args.vllm_structured_outputs_regex,
-                   max_prompt_length=args.max_prompt_length,
-                   max_completion_length=args.max_completion_length,
-                   # AsyncGRPOConfig's (TRL's async trainer's); GRPOConfig has neither: vllm_server_timeout bounds all
-                   request_timeout=getattr(args, "request_timeout", None),
-                   weight_sync_timeout=getattr(args, "weight_sync_timeout", None))  # fmt: skip
+        return cls(
+            model,
+            base_url,
+            timeout=args.vllm_server_timeout,
+            process_index=process_index,
+            num_processes=num_processes,
+            group_port=group_port if group_port is not None else args.vllm_group_port,
+            structured_outputs_regex=args.vllm_structured_outputs_regex,
+            max_prompt_length=args.max_prompt_length,
+            max_completion_length=args.max_completion_length,
+            # AsyncGRPOConfig's (TRL's async trainer's); GRPOConfig has neither: vllm_server_timeout bounds all
+            request_timeout=getattr(args, "request_timeout", None),
+            weight_sync_timeout=getattr(args, "weight_sync_timeout", None),
+        )
 
     # ------------------------------------------------------------------------------------------ the protocol
 
@@ -147,10 +181,15 @@ class VLLMServerEngine:
                 refuse_images(prompts)
             images = [[image_to_wire(image) for image in row] for row in prompts.images]
         check_prompts_fit(prompts, params.max_new_tokens, self.info.get("max_model_len"), self.base_url)
-        body = {"prompt_ids": prompts.ids, "counts": prompts.counts, "seed": seed,
-                "params": {**params.__dict__, "eos_token_ids": list(params.eos_token_ids)},
-                "structured_outputs_regex": self.structured_outputs_regex, "images": images,
-                "unexpanded_ids": prompts.unexpanded_ids if images is not None else None}  # fmt: skip
+        body = {
+            "prompt_ids": prompts.ids,
+            "counts": prompts.counts,
+            "seed": seed,
+            "params": {**params.__dict__, "eos_token_ids": list(params.eos_token_ids)},
+            "structured_outputs_regex": self.structured_outputs_regex,
+            "images": images,
+            "unexpanded_ids": prompts.unexpanded_ids if images is not None else None,
+        }
         answer = None
         try:
             answer = self.request("POST", "/generate", {**body, "instance": self.info["instance"]})
@@ -195,8 +234,9 @@ class VLLMServerEngine:
             if not sends:
                 return
             if self.group_port is None:
-                self.request("POST", "/update_weights", save({k: v.cpu() for k, v in tensors.items()}),
-                             self.weight_sync_timeout)
+                self.request(
+                    "POST", "/update_weights", save({k: v.cpu() for k, v in tensors.items()}), self.weight_sync_timeout
+                )
             else:
                 self._broadcast(list(tensors.items()))
         self._model = model
@@ -207,8 +247,11 @@ class VLLMServerEngine:
         # NCCL between two GPUs; gloo (CPU tensors) when either end has none, e.g. a GPU trainer and a CPU server.
         backend = "nccl" if torch.cuda.is_available() and self.info.get("device") == "cuda" else "gloo"
         if self.group is None or self.group_instance != self.info["instance"]:
-            self.request("POST", "/init_communicator", {"port": self.group_port, "backend": backend,
-                                                         "timeout": self.weight_sync_timeout[0]})  # fmt: skip
+            self.request(
+                "POST",
+                "/init_communicator",
+                {"port": self.group_port, "backend": backend, "timeout": self.weight_sync_timeout[0]},
+            )
             host = urllib.parse.urlparse(self.base_url).hostname
             self.group = open_group(backend, host, self.group_port, TRAINER_RANK, self.weight_sync_timeout[0])
             self.group_instance = self.info["instance"]
@@ -222,9 +265,11 @@ class VLLMServerEngine:
         """Waits up to `timeout` s for the server's /health; says at once that it waits, for what, and the ways out."""
         deadline, said = time.monotonic() + self.timeout, False
         port = urllib.parse.urlparse(self.base_url).port or "PORT"
-        ways_out = (f"start one with `grpokit vllm-serve --model MODEL_DIR --port {port}` (or check "
-                    "vllm_server_base_url / vllm_server_host / vllm_server_port), or sample in this process instead "
-                    "with use_vllm=False")  # fmt: skip
+        ways_out = (
+            f"start one with `grpokit vllm-serve --model MODEL_DIR --port {port}` (or check "
+            "vllm_server_base_url / vllm_server_host / vllm_server_port), or sample in this process instead "
+            "with use_vllm=False"
+        )
         while True:
             try:
                 with urllib.request.urlopen(self.base_url + "/health", timeout=5) as response:
@@ -235,12 +280,16 @@ class VLLMServerEngine:
             except CONNECTION_ERRORS:
                 pass
             if time.monotonic() > deadline:
-                raise ConnectionError(f"No vLLM server answers at {self.base_url} after {self.timeout:g} s "
-                                      f"(vllm_server_timeout): {ways_out}.")  # fmt: skip
+                raise ConnectionError(
+                    f"No vLLM server answers at {self.base_url} after {self.timeout:g} s "
+                    f"(vllm_server_timeout): {ways_out}."
+                )
             if not said:
-                logger.warning(f"Waiting up to {self.timeout:g} s (vllm_server_timeout) for a vLLM server at "
-                               f"{self.base_url} (use_vllm=True, vllm_mode='server'): none answers yet. Either "
-                               f"{ways_out}.")  # fmt: skip
+                logger.warning(
+                    f"Waiting up to {self.timeout:g} s (vllm_server_timeout) for a vLLM server at "
+                    f"{self.base_url} (use_vllm=True, vllm_mode='server'): none answers yet. Either "
+                    f"{ways_out}."
+                )
                 said = True
             time.sleep(1.0)
 
@@ -271,13 +320,15 @@ class VLLMServerEngine:
                 detail = error_of(json.loads(error.read() or b"{}"))
                 if error.code == 409:
                     raise ServerRestarted(detail.get("instance")) from None
-                raise ServerError(f"The vLLM server at {self.base_url} failed {method} {path}: "
-                                  f"{detail.get('message', error)}") from None  # fmt: skip
+                raise ServerError(
+                    f"The vLLM server at {self.base_url} failed {method} {path}: {detail.get('message', error)}"
+                ) from None
             except CONNECTION_ERRORS as error:
                 last_error = error
         raise ConnectionError(
             f"The vLLM server at {self.base_url} stopped answering ({method} {path}, {tries} tries in "
-            f"{time.monotonic() - started:.0f} s, {timeout_field}={timeout_s:g}: {last_error}). Restart it (`grpokit vllm-serve --model MODEL_DIR ...`) and resume the run from its "
+            f"{time.monotonic() - started:.0f} s, {timeout_field}={timeout_s:g}: {last_error}). "
+            f"Restart it (`grpokit vllm-serve --model MODEL_DIR ...`) and resume the run from its "
             f"last checkpoint (`trainer.train(resume_from_checkpoint=True)`)."
         )
 
@@ -289,8 +340,10 @@ def server_urls(args) -> list[str]:
         return [f"http://{args.vllm_server_host}:{args.vllm_server_port}"]
     urls = [url.strip() for url in str(args.vllm_server_base_url).split(",")]
     if any(not url for url in urls) or len(set(urls)) != len(urls):
-        raise ValueError(f"vllm_server_base_url={args.vllm_server_base_url!r}: give one URL, or several distinct ones "
-                         f"separated by commas (e.g. 'http://host1:8000,http://host2:8000').")  # fmt: skip
+        raise ValueError(
+            f"vllm_server_base_url={args.vllm_server_base_url!r}: give one URL, or several distinct ones "
+            f"separated by commas (e.g. 'http://host1:8000,http://host2:8000')."
+        )
     return urls
 
 
@@ -312,26 +365,32 @@ class VLLMServers:
     def __init__(self, servers: list[VLLMServerEngine], failover: bool = False, pieces_per_server: int = 4):
         self.servers, self.failover, self.pieces_per_server = list(servers), failover, pieces_per_server
         if any(server.sharded for server in self.servers):
-            raise NotImplementedError("Several vLLM servers with a sharded model (FSDP2, ZeRO-3): each push gathers "
-                                      "the weights in a collective, and a restarted server's push is decided by all "
-                                      "processes together, which one generation spread over servers in threads "
-                                      "cannot do in step. Use one server, or DDP / ZeRO-1/2.")  # fmt: skip
+            raise NotImplementedError(
+                "Several vLLM servers with a sharded model (FSDP2, ZeRO-3): each push gathers "
+                "the weights in a collective, and a restarted server's push is decided by all "
+                "processes together, which one generation spread over servers in threads "
+                "cannot do in step. Use one server, or DDP / ZeRO-1/2."
+            )
         self.dead: dict[str, BaseException] = {}  # URL -> what stopped it (failover)
         self.pushed_versions = None
         self.pieces_taken = {server.base_url: 0 for server in self.servers}  # by server, over the run: the load
 
     @classmethod
-    def from_config(cls, model: torch.nn.Module, args, process_index: int = 0,
-                    num_processes: int = 1) -> VLLMServers | VLLMServerEngine:  # fmt: skip
+    def from_config(
+        cls, model: torch.nn.Module, args, process_index: int = 0, num_processes: int = 1
+    ) -> VLLMServers | VLLMServerEngine:
         """One engine per URL of vllm_server_base_url (one URL: the plain `VLLMServerEngine`). With
         vllm_group_port, server i is reached through the process group at vllm_group_port + i."""
         urls = server_urls(args)
         if len(urls) == 1:
             return VLLMServerEngine.from_config(model, args, process_index, num_processes)
         port = args.vllm_group_port
-        servers = [VLLMServerEngine.from_config(model, args, process_index, num_processes, base_url=url,
-                                                group_port=None if port is None else port + i)
-                   for i, url in enumerate(urls)]  # fmt: skip
+        servers = [
+            VLLMServerEngine.from_config(
+                model, args, process_index, num_processes, base_url=url, group_port=None if port is None else port + i
+            )
+            for i, url in enumerate(urls)
+        ]
         return cls(servers, failover=getattr(args, "vllm_server_failover", False))
 
     @property
@@ -387,8 +446,10 @@ class VLLMServers:
         # One thread per server, each taking pieces until none is left; a piece a failed server gave back goes to
         # the servers still up (another round, should they all have finished before it came back).
         while waiting and self.live and not stopped:
-            threads = [threading.Thread(target=serve, args=(server,), name=f"grpokit-vllm-{i}", daemon=True)
-                       for i, server in enumerate(self.live)]  # fmt: skip
+            threads = [
+                threading.Thread(target=serve, args=(server,), name=f"grpokit-vllm-{i}", daemon=True)
+                for i, server in enumerate(self.live)
+            ]
             for thread in threads:
                 thread.start()
             for thread in threads:
@@ -397,8 +458,10 @@ class VLLMServers:
             raise stopped[0]
         if waiting:
             lost = "; ".join(f"{url}: {error}" for url, error in self.dead.items())
-            raise ConnectionError(f"No vLLM server is left to sample with (vllm_server_failover): {lost}. Restart "
-                                  f"them and resume the run from its last checkpoint.")  # fmt: skip
+            raise ConnectionError(
+                f"No vLLM server is left to sample with (vllm_server_failover): {lost}. Restart "
+                f"them and resume the run from its last checkpoint."
+            )
         completions = [row for part in results for row in part]
         return rollout_from_completions(prompts, completions, params)
 
@@ -407,8 +470,10 @@ class VLLMServers:
             raise error
         if server.base_url not in self.dead:
             self.dead[server.base_url] = error
-            logger.warning(f"The vLLM server at {server.base_url} failed while {doing} ({error}): it is left out for "
-                           f"the rest of the run (vllm_server_failover); {len(self.live)} server(s) remain.")
+            logger.warning(
+                f"The vLLM server at {server.base_url} failed while {doing} ({error}): it is left out for "
+                f"the rest of the run (vllm_server_failover); {len(self.live)} server(s) remain."
+            )
 
 
 def _failure_of(function, *args) -> BaseException | None:
@@ -425,8 +490,14 @@ def _piece(prompts: PromptBatch, rows: range) -> PromptBatch:
     def part(values):
         return None if values is None else [values[i] for i in rows]
 
-    return PromptBatch(part(prompts.ids), part(prompts.counts), part(prompts.raw), part(prompts.images),
-                       part(prompts.processed), part(prompts.unexpanded_ids))  # fmt: skip
+    return PromptBatch(
+        part(prompts.ids),
+        part(prompts.counts),
+        part(prompts.raw),
+        part(prompts.images),
+        part(prompts.processed),
+        part(prompts.unexpanded_ids),
+    )
 
 
 class ServerRestarted(Exception):
@@ -458,10 +529,19 @@ def image_from_wire(data: str):
 
 # Config fields that fix a weight's shape or how the weights are wired: by name, so that every architecture's own
 # (moe_intermediate_size, kv_lora_rank, qk_rope_head_dim, n_routed_experts, ...) is covered without a list per model.
-SHAPE_FIELDS = re.compile(r"^(num_|n_)|_(size|dim|dims|rank|bias|heads|layers|experts)$|^(head_dim|vocab_size|"
-                          r"tie_word_embeddings|layer_types|first_k_dense_replace|decoder_sparse_step)$")
-NOT_SHAPE_FIELDS = {"chunk_size_feed_forward", "num_beams", "num_beam_groups", "num_return_sequences",
-                    "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "max_window_layers"}  # fmt: skip
+SHAPE_FIELDS = re.compile(
+    r"^(num_|n_)|_(size|dim|dims|rank|bias|heads|layers|experts)$|^(head_dim|vocab_size|"
+    r"tie_word_embeddings|layer_types|first_k_dense_replace|decoder_sparse_step)$"
+)
+NOT_SHAPE_FIELDS = {
+    "chunk_size_feed_forward",
+    "num_beams",
+    "num_beam_groups",
+    "num_return_sequences",
+    "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size",
+    "max_window_layers",
+}
 
 
 def weight_shape_config(config) -> dict:
@@ -469,8 +549,11 @@ def weight_shape_config(config) -> dict:
     shapes: what the server reports in /info and the trainer compares with its policy's (issue 39: a server whose
     model differs only in intermediate_size took the pushed weights into wrong-sized layers without an error)."""
     text = text_config_of(config)
-    fields = {k: v for k, v in text.to_dict().items()
-              if SHAPE_FIELDS.search(k) and k not in NOT_SHAPE_FIELDS and v is not None}  # fmt: skip
+    fields = {
+        k: v
+        for k, v in text.to_dict().items()
+        if SHAPE_FIELDS.search(k) and k not in NOT_SHAPE_FIELDS and v is not None
+    }
     for name in ("head_dim", "num_key_value_heads"):  # attributes some configs derive rather than store
         value = getattr(text, name, None)
         if isinstance(value, int) and name not in fields:
@@ -490,23 +573,35 @@ def check_same_model(config, info: dict, base_url: str) -> None:
     text model's), down to every field that shapes a weight; say which differs."""
     model_type, text = config.model_type, text_config_of(config)
     if info.get("vocab_size") != text.vocab_size:
-        raise ValueError(f"The vLLM server at {base_url} serves a model with a vocabulary of {info.get('vocab_size')} "
-                         f"tokens; the policy's has {text.vocab_size}: start the server with the policy's "
-                         f"checkpoint (`grpokit vllm-serve --model ...`).")  # fmt: skip
-    ours = {"model_type": model_type, "hidden_size": getattr(text, "hidden_size", None),
-            "num_hidden_layers": getattr(text, "num_hidden_layers", None)}  # fmt: skip
+        raise ValueError(
+            f"The vLLM server at {base_url} serves a model with a vocabulary of {info.get('vocab_size')} "
+            f"tokens; the policy's has {text.vocab_size}: start the server with the policy's "
+            f"checkpoint (`grpokit vllm-serve --model ...`)."
+        )
+    ours = {
+        "model_type": model_type,
+        "hidden_size": getattr(text, "hidden_size", None),
+        "num_hidden_layers": getattr(text, "num_hidden_layers", None),
+    }
     different = {k: (info.get(k), v) for k, v in ours.items() if info.get(k) != v}
     if not different and "shape" in info:
         different = shape_differences(weight_shape_config(config), info["shape"])
     if different:
         shown = ", ".join(f"{k}: server {a!r}, policy {b!r}" for k, (a, b) in different.items())
-        raise ValueError(f"The vLLM server at {base_url} serves another model ({shown}) ({info.get('model')}): "
-                         f"its weights have other shapes than the policy's, which it would take without an error "
-                         f"and sample wrongly. Start it with the policy's checkpoint.")  # fmt: skip
+        raise ValueError(
+            f"The vLLM server at {base_url} serves another model ({shown}) ({info.get('model')}): "
+            f"its weights have other shapes than the policy's, which it would take without an error "
+            f"and sample wrongly. Start it with the policy's checkpoint."
+        )
 
 
-def check_context_fits(max_model_len: int | None, max_prompt_length: int | None, max_completion_length: int | None,
-                       max_positions: int | None, base_url: str) -> None:  # fmt: skip
+def check_context_fits(
+    max_model_len: int | None,
+    max_prompt_length: int | None,
+    max_completion_length: int | None,
+    max_positions: int | None,
+    base_url: str,
+) -> None:
     """When the trainer connects: the server must take a whole completion after a prompt (an error otherwise), and
     should take the longest prompt the trainer may send, max_prompt_length (as cut to the model's positions), plus
     max_completion_length (a warning otherwise: the run works while the dataset's prompts are shorter, and a longer
@@ -514,22 +609,28 @@ def check_context_fits(max_model_len: int | None, max_prompt_length: int | None,
     if max_model_len is None or max_completion_length is None:
         return
     if max_completion_length >= max_model_len:
-        raise ValueError(f"The vLLM server at {base_url} takes at most {max_model_len} tokens of prompt + completion "
-                         f"(its max_model_len), which leaves no room for a prompt before a completion of "
-                         f"max_completion_length={max_completion_length} tokens: restart it with a larger "
-                         f"`grpokit vllm-serve --max-model-len`, or lower max_completion_length.")  # fmt: skip
+        raise ValueError(
+            f"The vLLM server at {base_url} takes at most {max_model_len} tokens of prompt + completion "
+            f"(its max_model_len), which leaves no room for a prompt before a completion of "
+            f"max_completion_length={max_completion_length} tokens: restart it with a larger "
+            f"`grpokit vllm-serve --max-model-len`, or lower max_completion_length."
+        )
     if max_prompt_length is None:
         return
     longest = max_prompt_length + max_completion_length
     if max_positions is not None:
         longest = min(longest, max_positions)
     if longest > max_model_len:
-        warnings.warn(f"The vLLM server at {base_url} takes at most {max_model_len} tokens of prompt + completion "
-                      f"(its max_model_len), and this run may send up to {longest} (max_prompt_length="
-                      f"{max_prompt_length} + max_completion_length={max_completion_length}): a prompt longer than "
-                      f"{max_model_len - max_completion_length} tokens will stop the run. Restart the server with "
-                      f"`grpokit vllm-serve --max-model-len {longest}`, or set max_prompt_length="
-                      f"{max_model_len - max_completion_length}.", UserWarning, stacklevel=4)  # fmt: skip
+        warnings.warn(
+            f"The vLLM server at {base_url} takes at most {max_model_len} tokens of prompt + completion "
+            f"(its max_model_len), and this run may send up to {longest} (max_prompt_length="
+            f"{max_prompt_length} + max_completion_length={max_completion_length}): a prompt longer than "
+            f"{max_model_len - max_completion_length} tokens will stop the run. Restart the server with "
+            f"`grpokit vllm-serve --max-model-len {longest}`, or set max_prompt_length="
+            f"{max_model_len - max_completion_length}.",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def check_prompts_fit(prompts: PromptBatch, max_new_tokens: int, max_model_len: int | None, base_url: str) -> None:
@@ -539,9 +640,11 @@ def check_prompts_fit(prompts: PromptBatch, max_new_tokens: int, max_model_len: 
         return
     for index, ids in enumerate(prompts.ids):
         if len(ids) + max_new_tokens > max_model_len:
-            raise ValueError(f"Prompt {index} of this generation has {len(ids)} tokens, and with max_completion_length"
-                             f"={max_new_tokens} it does not fit the {max_model_len} tokens the vLLM server at "
-                             f"{base_url} takes (its max_model_len): restart the server with `grpokit vllm-serve "
-                             f"--max-model-len {len(ids) + max_new_tokens}` (or more), set max_prompt_length="
-                             f"{max_model_len - max_new_tokens} to cut prompts, or filter long prompts out of the "
-                             f"dataset.")  # fmt: skip
+            raise ValueError(
+                f"Prompt {index} of this generation has {len(ids)} tokens, and with max_completion_length"
+                f"={max_new_tokens} it does not fit the {max_model_len} tokens the vLLM server at "
+                f"{base_url} takes (its max_model_len): restart the server with `grpokit vllm-serve "
+                f"--max-model-len {len(ids) + max_new_tokens}` (or more), set max_prompt_length="
+                f"{max_model_len - max_new_tokens} to cut prompts, or filter long prompts out of the "
+                f"dataset."
+            )
