@@ -292,7 +292,7 @@ class GRPOConfig:
         "'error', 'critical'; 'passive' leaves it as it is).",
     )
     log_level_replica: str = _f("warning", "transformers' logging level on the other processes (same values).")
-    report_to: str | list[str] | None = _f(
+    report_to: None | str | list[str] = _f(
         "none",
         f"Trackers besides metrics.jsonl: {', '.join(TRACKERS)}, a list of them, 'all' (those installed) or 'none'.",
     )
@@ -325,7 +325,7 @@ class GRPOConfig:
         "weights' dtype, bf16 stochastic rounding): grpokit.optim.build_optimizer.",
     )
     optim_args: str | None = _f(None, "Extra optimizer arguments as 'key=value,key=value' (transformers' format).")
-    optim_target_modules: str | list[str] | None = _f(None, "Modules that GaLore / APOLLO optimizers project.")
+    optim_target_modules: None | str | list[str] = _f(None, "Modules that GaLore / APOLLO optimizers project.")
     weight_decay: float = _f(0.0, "Weight decay (not applied to biases and norm weights, as in transformers).")
     adam_beta1: float = _f(0.9, "Adam beta1.")
     adam_beta2: float = _f(0.999, "Adam beta2.")
@@ -736,7 +736,7 @@ class GRPOConfig:
     trackio_bucket_id: str | None = _not_implemented(
         None, "Hub bucket of a Trackio Space; grpokit logs to Trackio locally."
     )
-    trackio_static_space_id: str | Literal[False] | None = _not_implemented(
+    trackio_static_space_id: str | None | Literal[False] = _not_implemented(
         None, "TRL publishes a static Trackio Space; grpokit logs to Trackio locally."
     )
     save_on_each_node: bool = _f(
