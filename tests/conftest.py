@@ -1,4 +1,6 @@
-"""Slow and GPU tests are skipped by default: `pytest --runslow` runs the slow ones, `-m gpu` needs CUDA. vLLM tests
+"""Slow, multi-process and GPU tests are skipped by default: `pytest --runslow` runs the slow ones, `-m distributed`
+(or `--rundistributed`) those that launch several training processes (torchrun, accelerate launch; .ci/run runs them
+after the default suite), `-m gpu` needs CUDA. vLLM tests
 (`-m vllm`) need vllm installed (docs/guides/vllm.md: CPU recipe; `.ci/run` builds it) and skip without it,
 unless GRPOKIT_REQUIRE_VLLM=1, which turns a missing vllm into a failure (CI sets it, so a broken install shows).
 Likewise verifiers' tests (`-m verifiers`, classic verifiers environments) skip without verifiers, unless
@@ -29,6 +31,9 @@ def pytest_report_header(config):
 
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
+    parser.addoption(
+        "--rundistributed", action="store_true", default=False, help="run tests that launch several processes"
+    )
 
 
 def pytest_sessionstart(session):
@@ -46,9 +51,12 @@ def pytest_sessionstart(session):
 
 def pytest_collection_modifyitems(config, items):
     run_slow = config.getoption("--runslow") or "slow" in (config.getoption("-m") or "")
+    run_distributed = config.getoption("--rundistributed") or "distributed" in (config.getoption("-m") or "")
     for item in items:
         if "slow" in item.keywords and not run_slow:
             item.add_marker(pytest.mark.skip(reason="slow: run with --runslow"))
+        if "distributed" in item.keywords and not run_distributed:
+            item.add_marker(pytest.mark.skip(reason="several processes: run with -m distributed (.ci/run does)"))
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
         if "vllm" in item.keywords and importlib.util.find_spec("vllm") is None:

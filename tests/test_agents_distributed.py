@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 from test_distributed import free_port, load, max_difference, run_in_this_process, run_launcher
 
+# Several training processes: `python -m pytest -m distributed` runs them (.ci/run does, after the default suite).
+pytestmark = pytest.mark.distributed
+
 TESTS = str(Path(__file__).resolve().parent)
 
 SCRIPT = textwrap.dedent(

@@ -21,6 +21,9 @@ from test_distributed import DEEPSPEED_ZERO2, FSDP2, LETTERS, free_port, launch,
 from grpokit import group_advantages
 from grpokit.testing import save_tiny_model
 
+# Several training processes: `python -m pytest -m distributed` runs them (.ci/run does, after the default suite).
+pytestmark = pytest.mark.distributed
+
 # 12 completions per process, 24 in all: 3 prompts of G=8, the second one's group spanning the processes (8 + 4 | 4
 # + 8); one optimizer step per generation batch, as asynchronous generation needs.
 RUN = dict(

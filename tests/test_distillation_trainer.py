@@ -604,6 +604,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_two_processes_under_ddp_make_the_update_of_one(student_dir, teacher_dir, tmp_path):
     # The same 16 completions: 1 process x 16 rows against 2 processes x 8 (as 2 micro-batches of 4). With
     # adam_epsilon = learning_rate >> |g| the update is the gradient: any error in the normalisation over the

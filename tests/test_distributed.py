@@ -23,6 +23,9 @@ from transformers import AutoModelForCausalLM
 from grpokit import group_advantages
 from grpokit.testing import save_tiny_model
 
+# Several training processes: `python -m pytest -m distributed` runs them (.ci/run does, after the default suite).
+pytestmark = pytest.mark.distributed
+
 LETTERS = "abcdefgh"
 
 SCRIPT = textwrap.dedent(

@@ -593,6 +593,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.distributed
 def test_two_processes_fold_the_kl_of_the_whole_group(tmp_path):
     """2 processes x 6 completions, groups of 4: the middle prompt's group spans the processes. Each rank's
     advantages are TRL's code's over the gathered rows (rewards, π_old and π_ref of both ranks)."""
