@@ -1,20 +1,21 @@
 """Asynchronous generation on a simulated cluster: grpokit's scheduler (grpokit.producer) driven by simulated inference
 servers and a simulated trainer (grpokit.simulate), on a virtual clock.
 
-    python benchmarks/simulate_cluster.py --measure --repeats 3   # async_overlap's runs, every phase timed
-    python benchmarks/simulate_cluster.py --check                 # each measured run against its simulation
-    python benchmarks/simulate_cluster.py                         # a Qwen2.5-7B-like run on 8 trainer GPUs
+    python benchmarks/simulate_cluster.py --measure --synchronous  # async_overlap's runs, every phase timed
+    python benchmarks/simulate_cluster.py --check                  # each measured run against its simulation
+    python benchmarks/simulate_cluster.py                          # a Qwen2.5-7B-like run on 8 trainer GPUs
 
 --measure runs benchmarks/async_overlap.py's cases (the options recorded in results/async_overlap_<case>.json) at
-max_staleness=1 on one thread each side, `--repeats` times, and each case's synchronous loop once (the agent's
-excepted), timing every generation batch where it is made (engine call and scoring) with its completions' lengths,
-and every optimizer step with its tokens (results/simulate_cluster_measured.json). --check fits the simulation's
-cost model to each run's own phases (a batch: a part a batch, a part a decode step of its longest row, a part a
-row-token decoded; a training step: a part a step, a part a token), replays the run's completion lengths batch by
-batch, adds the measured start of the engine process and end of the run, and simulates the run: its tokens/s and
-the trainer's idle fraction against the measured ones (results/simulate_cluster_check.json). What it checks is the
-schedule given the phases; the phases themselves are the asynchronous run's, which differ from the synchronous
-loop's (the two sides share the machine).
+max_staleness=1 on one thread each side, `--repeats` times, and with --synchronous each case's synchronous loop once
+(the agent's excepted), timing every generation batch where it is made (engine call and scoring) with its
+completions' lengths, and every optimizer step with its tokens (results/simulate_cluster_measured.json). --check
+fits the simulation's cost model to each run's own phases (a batch: a part a batch, a part a decode step of its
+longest row, a part a row-token decoded; a training step: a part a step, a part a token), replays the run's
+completion lengths batch by batch, adds the measured start of the engine process and end of the run, and simulates
+the run: its tokens/s and the trainer's idle fraction against the measured ones (results/simulate_cluster_check.json).
+What it checks is the schedule given the phases; the phases themselves are the asynchronous run's, which differ from
+the synchronous loop's (the two sides share the machine): the asynchronous runs are also simulated from their
+synchronous loop's phases, to show by how much.
 
 The cluster table derives its costs from FLOP and byte counts, not from measurements (see `cluster_costs`): a
 simulation of the schedule, under stated assumptions, not a measured run (results/simulate_cluster_h100.json).
@@ -162,17 +163,16 @@ def measure_once(name: str, asynchronous: bool) -> dict:
     }
 
 
-def measure(names: list[str], repeats: int) -> None:
+def measure(names: list[str], repeats: int, synchronous: bool) -> None:
     """Each case's asynchronous run `repeats` times, interleaved (a slow spell of the machine then hits every case
-    alike), and its synchronous loop once; results/simulate_cluster_measured.json keeps every run."""
+    alike), and with `synchronous` its synchronous loop once, first (not the agent's: its tool calls run inside the
+    batch's making); results/simulate_cluster_measured.json keeps every run."""
     logging.getLogger("grpokit").setLevel(logging.ERROR)
     out = RESULTS / "simulate_cluster_measured.json"
     runs = json.loads(out.read_text()) if out.exists() else {}
     for repeat in range(repeats):
         for name in names:
-            # The synchronous loop once (not the agent's: its tool calls run inside the batch's making), to compare its
-            # phases with the asynchronous run's; the asynchronous run every time.
-            for asynchronous in (False, True) if repeat == 0 and name != "tool" else (True,):
+            for asynchronous in (False, True) if synchronous and repeat == 0 and name != "tool" else (True,):
                 run = measure_once(name, asynchronous)
                 runs.setdefault(name, []).append(run)
                 print(f"{name}, {setting(run)}: {run['tokens'] / run['runtime_s']:.1f} tokens/s", flush=True)
@@ -262,20 +262,27 @@ def async_overlap_options(name: str) -> argparse.Namespace:
     return argparse.Namespace(**json.loads((RESULTS / f"async_overlap_{name}.json").read_text())["options"])
 
 
-def check_one(name: str, run: dict) -> dict:
+def check_one(name: str, run: dict, synchronous: dict | None = None) -> dict:
     """One measured run of case `name` against its simulation from its own phase costs (`measured_costs`) and
-    lengths: the engine process's start and the run's end (after its last step) are measured, the rest simulated."""
+    lengths: the engine process's start and the run's end (after its last step) are measured, the rest simulated.
+    With the case's `synchronous` run, the asynchronous one is also simulated from the synchronous loop's phases
+    (what the check assumed before: each side as fast as in the loop that alternates them)."""
     options = async_overlap_options(name)
     workload = case_workload(name, run, options.steps, options.batch)
     costs, startup_s = measured_costs(run, workload)
-    predicted = simulate(workload, costs, steps=options.steps, max_staleness=1 if run["asynchronous"] else None)
-    ending_s = run["runtime_s"] - run["step_end_s"][-1]
-    time_s = startup_s + predicted.time_s + max(ending_s, 0.0)
-    return {
+    ending_s = max(run["runtime_s"] - run["step_end_s"][-1], 0.0)
+
+    def simulated(costs: Costs) -> tuple[float, float]:
+        predicted = simulate(workload, costs, steps=options.steps, max_staleness=1 if run["asynchronous"] else None)
+        time_s = startup_s + predicted.time_s + ending_s
+        return predicted.tokens / time_s, (startup_s + sum(predicted.trainer_wait_s)) / time_s
+
+    tokens_per_s, idle = simulated(costs)
+    checked = {
         "setting": setting(run),
-        "tokens_per_s": {"simulated": predicted.tokens / time_s, "measured": run["tokens"] / run["runtime_s"]},
+        "tokens_per_s": {"simulated": tokens_per_s, "measured": run["tokens"] / run["runtime_s"]},
         "trainer_idle": {
-            "simulated": (startup_s + sum(predicted.trainer_wait_s)) / time_s,
+            "simulated": idle,
             "measured": (run["calls"][0]["start"] + sum(run["waits_s"])) / run["runtime_s"],
         },
         "costs": vars(costs),
@@ -283,6 +290,11 @@ def check_one(name: str, run: dict) -> dict:
         "ending_s": ending_s,
         "load_average": run["load_average"],
     }
+    if synchronous is not None and run["asynchronous"]:
+        loop_costs, _ = measured_costs(synchronous, case_workload(name, synchronous, options.steps, options.batch))
+        checked["from_synchronous_phases"] = dict(zip(("tokens_per_s", "trainer_idle"), simulated(loop_costs)))
+        checked["synchronous_costs"] = vars(loop_costs)
+    return checked
 
 
 def spread(values: list[float], form: str) -> str:
@@ -294,7 +306,10 @@ def spread(values: list[float], form: str) -> str:
 def check() -> None:
     """Every measured run (`--measure`) against its simulation; the table of docs/benchmarks.md."""
     measured = json.loads((RESULTS / "simulate_cluster_measured.json").read_text())
-    rows = {name: [check_one(name, run) for run in runs] for name, runs in measured.items()}
+    rows = {}
+    for name, runs in measured.items():
+        loop = next((run for run in runs if not run["asynchronous"]), None)
+        rows[name] = [check_one(name, run, loop) for run in runs]
     print(
         "| run | setting | runs | tokens/s: measured | simulated | simulated / measured | trainer idle: measured | "
         "simulated |"
@@ -312,6 +327,18 @@ def check() -> None:
                 f"{spread([t['simulated'] / t['measured'] for t in tokens], '{:.2f}')} | "
                 f"{spread([100 * i['measured'] for i in idle], '{:.0f}%')} | "
                 f"{spread([100 * i['simulated'] for i in idle], '{:.0f}%')} |"
+            )
+    print("\nThe asynchronous runs simulated from their synchronous loop's phases (the same lengths):\n")
+    print("| run | simulated / measured tokens/s | trainer idle: measured | simulated |")
+    print("|---|---|---|---|")
+    for name, checked in rows.items():
+        runs = [r for r in checked if "from_synchronous_phases" in r]
+        if runs:
+            ratios = [r["from_synchronous_phases"]["tokens_per_s"] / r["tokens_per_s"]["measured"] for r in runs]
+            print(
+                f"| {name} | {spread(ratios, '{:.2f}')} | "
+                f"{spread([100 * r['trainer_idle']['measured'] for r in runs], '{:.0f}%')} | "
+                f"{spread([100 * r['from_synchronous_phases']['trainer_idle'] for r in runs], '{:.0f}%')} |"
             )
     (RESULTS / "simulate_cluster_check.json").write_text(json.dumps(rows, indent=1))
 
@@ -442,6 +469,7 @@ def main() -> None:
         "adding to results/simulate_cluster_measured.json",
     )
     parser.add_argument("--repeats", type=int, default=3, help="--measure: runs of each case, interleaved")
+    parser.add_argument("--synchronous", action="store_true", help="--measure: each case's synchronous loop too, once")
     parser.add_argument("--check", action="store_true", help="simulate every measured run from its phases")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--prompts", type=int, nargs="+", default=[64, 128, 256], help="prompts a step")
@@ -463,7 +491,7 @@ def main() -> None:
     parser.add_argument("--tool-result-tokens", type=int, default=100)
     options = parser.parse_args()
     if options.measure is not None:
-        measure(options.measure or list(CASES), options.repeats)
+        measure(options.measure or list(CASES), options.repeats, options.synchronous)
     elif options.check:
         check()
     else:

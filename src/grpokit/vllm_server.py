@@ -431,7 +431,7 @@ class DataParallelService(ServedWeights):
     (one request at a time): a request's parts go to all engines before any reply is read, so they sample at once."""
 
     def __init__(self, model_dir: str, engines: list[EngineProcess], host: str = "127.0.0.1"):
-        self.multimodal, _ = served_model_info(model_dir)  # refuses a vision-language model without its processor
+        served_model_info(model_dir)  # refuses a vision-language model without its processor, before the engines do
         self.engines = engines
         self.dead: EngineDied | None = None  # the first engine found dead: every request fails with it from then on
         try:
