@@ -28,6 +28,7 @@ import contextlib
 import json
 import logging
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -298,9 +299,9 @@ def check_one(name: str, run: dict, synchronous: dict | None = None) -> dict:
 
 
 def spread(values: list[float], form: str) -> str:
-    ordered = sorted(values)
-    median = ordered[len(ordered) // 2]
-    return f"{form.format(median)} ({form.format(ordered[0])}–{form.format(ordered[-1])})"
+    """The median (of two: their mean), then the lowest and the highest."""
+    low, high = min(values), max(values)
+    return f"{form.format(statistics.median(values))} ({form.format(low)}–{form.format(high)})"
 
 
 def check() -> None:
