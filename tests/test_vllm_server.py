@@ -439,19 +439,21 @@ def test_a_data_parallel_server_splits_each_request_over_its_engines_pushes_to_b
             gap = ((ours.sampling_logprobs - theirs.sampling_logprobs) * ours.loss_mask).abs().max().item()
             assert gap <= TOLERANCE, gap
 
-        same_samples()  # the checkpoint's weights, on one engine and split over two
-        engines = parallel.request("GET", "/info")["engines"]
-        assert [e["prompts"] for e in engines] == [3, 3], engines
-
-        # Pushes over HTTP: rows from both engines score as the training forward after each, none before.
+        # The same weights in both (the one-engine server is the module's, which other tests push to).
         started = time.monotonic()
         parallel.sync_weights(model)
         print(f"push to 2 engines: {time.monotonic() - started:.2f} s")
         assert parallel.request("GET", "/info")["version"] == 1
+        alone.sync_weights(model)
+        same_samples()  # on one engine and split over two
+        engines = parallel.request("GET", "/info")["engines"]
+        assert [e["prompts"] for e in engines] == [3, 3], engines
+
+        # Pushes over HTTP: rows from both engines score as the training forward after each, none before.
         parallel.pushes = 0
         check_pushes(parallel, model, tokenizer)
         alone.sync_weights(model)
-        same_samples()  # the pushed weights, on one engine and split over two
+        same_samples()  # after two more pushes
         # A push through a process group (gloo: the server's /info says "cpu") reaches both engines as well.
         broadcast = VLLMServerEngine(model, url, timeout=30, group_port=free_port())
         assert broadcast.info["device"] == "cpu"
