@@ -74,6 +74,29 @@ def test_at_max_staleness_0_long_tailed_batches_add_up_one_by_one():
     assert result.time_s == pytest.approx(expected, rel=1e-12)
 
 
+def test_replayed_lengths_are_sampled_and_trained_batch_by_batch():
+    # A measured run's lengths, replayed in order (and again from the start past the last): at max_staleness=0 each
+    # batch costs 0.01 s a decode step of its longest row, 1 ms a row a step, and 2 ms a token trained, plus 0.05 s
+    # a call and 0.1 s a step (prompts of 3 tokens: 0.05 / 6 s a prefill token over a call's 2 rows).
+    batches = ((5, 1), (2, 2), (9, 3))
+    workload = Workload(
+        prompts=1,
+        num_generations=2,
+        prompt_tokens=3,
+        completion_median=0,
+        completion_sigma=0,
+        max_completion_length=9,
+        replayed=batches,
+    )
+    costs = Costs(
+        decode_step_s=0.01, decode_token_s=0.001, prefill_token_s=0.05 / 6, train_token_s=0.002, train_step_s=0.1
+    )
+    result = simulate(workload, costs, steps=4, max_staleness=0)
+    expected = [0.05 + 0.01 * max(b) + 0.001 * sum(b) + 0.1 + 0.002 * (sum(b) + 6) for b in (*batches, batches[0])]
+    assert result.time_s == pytest.approx(sum(expected), rel=1e-12)
+    assert result.tokens == sum(sum(b) + 6 for b in (*batches, batches[0]))
+
+
 @pytest.mark.parametrize("schedule", ["exact", "latest"])
 def test_when_generation_is_slower_the_trainer_idles_1_minus_train_over_generate(schedule):
     result = simulate(FIXED, GENERATION_BOUND, steps=20, max_staleness=1, schedule=schedule)

@@ -29,7 +29,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(model_dir: Path, port: int, max_model_len: int = 64) -> list[str]:
+def server_command(model_dir: Path, port: int, max_model_len: int = 64, extra: tuple[str, ...] = ()) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -46,16 +46,17 @@ def server_command(model_dir: Path, port: int, max_model_len: int = 64) -> list[
         "64",
         "--dtype",
         "float32",
+        *extra,
     ]
 
 
-def start_server(model_dir: Path, port: int, max_model_len: int = 64) -> subprocess.Popen:
+def start_server(model_dir: Path, port: int, max_model_len: int = 64, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     """`grpokit vllm-serve` in its own process, waited for until it answers (or its log is shown)."""
     import urllib.request
 
     log = open(model_dir.parent / f"server-{port}.log", "w")  # noqa: SIM115 (the server's process writes it until stopped)
     process = subprocess.Popen(
-        server_command(model_dir, port, max_model_len),
+        server_command(model_dir, port, max_model_len, extra),
         stdout=log,
         stderr=subprocess.STDOUT,
         env={**os.environ, "GRPOKIT_VLLM_TOKEN": os.environ["GRPOKIT_VLLM_TOKEN"]},
@@ -403,3 +404,70 @@ def test_two_servers_sample_every_batch_from_the_pushed_weights_and_a_dead_one_i
     finally:
         for process in processes:
             stop(process)
+
+
+def test_a_data_parallel_server_splits_each_request_over_its_engines_pushes_to_both_and_names_a_dead_one(server):
+    """`grpokit vllm-serve --data-parallel-size 2`: one URL, two vLLM engines in processes of their own. Each samples
+    part of every request, what a one-engine server samples (each prompt keeps its seed); every push, over HTTP or
+    through a process group, reaches both (the log-probs of rows from both engines equal the training forward's);
+    an engine killed is named by the next request and by /health."""
+    import json
+    import signal
+    import urllib.error
+    import urllib.request
+
+    import torch
+    from test_vllm import PROMPTS, params_for
+
+    from grpokit.rollout import PromptBatch
+    from grpokit.rollout.vllm_client import ServerError, VLLMServerEngine
+
+    single_url, model_dir = server
+    port = free_port()
+    process = start_server(model_dir, port, extra=("--data-parallel-size", "2"))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        model, tokenizer = tiny(tied=True, seed=3)  # neither the served checkpoint nor the other tests' weights
+        parallel, alone = VLLMServerEngine(model, url, timeout=30), VLLMServerEngine(model, single_url, timeout=30)
+        assert parallel.info["data_parallel_size"] == 2 and len({e["pid"] for e in parallel.info["engines"]}) == 2
+        prompts = PromptBatch(PROMPTS.ids * 2, PROMPTS.counts * 2, PROMPTS.raw * 2)  # 6 prompts: 3 an engine
+        params = params_for(tokenizer)
+
+        def same_samples():
+            ours, theirs = parallel.generate(prompts, params, seed=5), alone.generate(prompts, params, seed=5)
+            assert torch.equal(ours.completion_ids, theirs.completion_ids)
+            gap = ((ours.sampling_logprobs - theirs.sampling_logprobs) * ours.loss_mask).abs().max().item()
+            assert gap <= TOLERANCE, gap
+
+        # The same weights in both (the one-engine server is the module's, which other tests push to).
+        started = time.monotonic()
+        parallel.sync_weights(model)
+        print(f"push to 2 engines: {time.monotonic() - started:.2f} s")
+        assert parallel.request("GET", "/info")["version"] == 1
+        alone.sync_weights(model)
+        same_samples()  # on one engine and split over two
+        engines = parallel.request("GET", "/info")["engines"]
+        assert [e["prompts"] for e in engines] == [3, 3], engines
+
+        # Pushes over HTTP: rows from both engines score as the training forward after each, none before.
+        parallel.pushes = 0
+        check_pushes(parallel, model, tokenizer)
+        alone.sync_weights(model)
+        same_samples()  # after two more pushes
+        # A push through a process group (gloo: the server's /info says "cpu") reaches both engines as well.
+        broadcast = VLLMServerEngine(model, url, timeout=30, group_port=free_port())
+        assert broadcast.info["device"] == "cpu"
+        train_a_step(model, seed=11)
+        broadcast.sync_weights(model)
+        assert logprob_gap(broadcast, model, tokenizer, prompts=prompts) <= TOLERANCE
+
+        # One engine killed: the next request, and /health, name it.
+        pid = parallel.request("GET", "/info")["engines"][1]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(ServerError, match=rf"vLLM engine 1 of 2 \(pid {pid}\) was killed by SIGKILL"):
+            parallel.generate(prompts, params, seed=5)
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(url + "/health", timeout=10)
+        assert health.value.code == 503 and "engine 1 of 2" in json.loads(health.value.read())["error"]["message"]
+    finally:
+        stop(process)

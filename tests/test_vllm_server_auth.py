@@ -23,6 +23,9 @@ class Service:
     def __init__(self):
         self.generated = []
 
+    def health(self):
+        return {"status": "ok"}
+
     def describe(self):
         return {"model_type": "qwen2", **self.info}
 

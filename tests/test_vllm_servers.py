@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpokit import GRPOConfig, GRPOTrainer
 from grpokit.rollout import HFEngine, PromptBatch, SamplingParams
-from grpokit.rollout.vllm_client import VLLMServers
+from grpokit.rollout.vllm import prompt_seeds
+from grpokit.rollout.vllm_client import VLLMServerEngine, VLLMServers
 from grpokit.state import TrainerCallback
 from grpokit.testing import save_tiny_model
 from grpokit.vllm_server import handler_for, served_model_info
@@ -37,25 +38,31 @@ class InProcessService:
         self.engine = HFEngine(self.model, torch.device("cpu"), exact_logprobs=True)
         self.delay, self.version, self.pieces = delay, 0, []
 
+    def health(self):
+        return {"status": "ok"}
+
     def describe(self):
         return {**self.info, "version": self.version}
 
     def generate(self, request):
         time.sleep(self.delay)
         params = SamplingParams(**{**request["params"], "eos_token_ids": tuple(request["params"]["eos_token_ids"])})
-        prompts = PromptBatch(request["prompt_ids"], request["counts"], [None] * len(request["counts"]))
-        rollout = self.engine.generate(prompts, params, int(request["seed"]))
-        self.pieces.append((self.version, [tuple(ids) for ids in request["prompt_ids"]]))
+        # As vLLM's service: each prompt with its own seed, given or drawn from the request's (prompt_seeds).
+        ids, counts = request["prompt_ids"], request["counts"]
+        seeds = request.get("prompt_seeds") or prompt_seeds(int(request["seed"]), len(ids))
         completions = []
-        for row in range(len(rollout.lengths)):
-            length = int(rollout.lengths[row])
-            completions.append(
-                (
-                    rollout.completion_ids[row, :length].tolist(),
-                    rollout.sampling_logprobs[row, :length].tolist(),
-                    "length" if bool(rollout.is_truncated[row]) else "stop",
+        for prompt, count, seed in zip(ids, counts, seeds):
+            rollout = self.engine.generate(PromptBatch([prompt], [count], [None]), params, seed)
+            for row in range(len(rollout.lengths)):
+                length = int(rollout.lengths[row])
+                completions.append(
+                    (
+                        rollout.completion_ids[row, :length].tolist(),
+                        rollout.sampling_logprobs[row, :length].tolist(),
+                        "length" if bool(rollout.is_truncated[row]) else "stop",
+                    )
                 )
-            )
+        self.pieces.append((self.version, [tuple(prompt) for prompt in ids]))
         return {"completions": completions, "version": self.version}
 
     def update_weights(self, body):
@@ -153,6 +160,31 @@ def test_two_servers_share_every_batch_by_load_and_both_get_every_version_of_the
     assert slow < fast, (slow, fast)
     # ...and which server sampled a piece changes nothing: a piece's seed is its place in the batch.
     assert all(torch.equal(runs["even"][k], runs["uneven"][k]) for k in runs["even"])
+
+
+def test_the_samples_do_not_depend_on_how_many_servers_share_a_batch(model_dir):
+    """Each prompt's seed is its place in the batch, whatever the pieces: one server (the whole batch), two (pieces
+    of 2 prompts) and three (pieces of 1) sample the same completions."""
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    served = [Served(model_dir) for _ in range(3)]
+    try:
+        ids = [tokenizer(f"{a}{b}:")["input_ids"] for a in LETTERS[:4] for b in LETTERS[:3]]
+        prompts = PromptBatch(ids, [2] * len(ids), [None] * len(ids))
+        params = SamplingParams(
+            max_new_tokens=4, temperature=1.0, eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=0
+        )
+        rollouts = [VLLMServerEngine(model, served[0].url, timeout=120).generate(prompts, params, seed=3)]
+        for n in (2, 3):
+            servers = VLLMServers([VLLMServerEngine(model, s.url, timeout=120) for s in served[:n]])
+            rollouts.append(servers.generate(prompts, params, seed=3))
+            assert all(taken > 0 for taken in servers.pieces_taken.values())
+        assert {len(piece) for _, piece in served[1].service.pieces} == {2, 1}  # pieces of 2, then of 1
+        assert {len(piece) for _, piece in served[2].service.pieces} == {1}
+        assert all(torch.equal(r.completion_ids, rollouts[0].completion_ids) for r in rollouts[1:])
+        assert rollouts[0].completion_ids.unique().numel() > 3  # sampled, not one token repeated
+    finally:
+        for s in served:
+            s.kill()
 
 
 def test_a_server_that_dies_is_named_the_checkpoint_resumes_and_failover_goes_on_without_it(model_dir, tmp_path):

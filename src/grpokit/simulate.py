@@ -212,6 +212,9 @@ class Workload:
     tool_latency_sigma: float = 0.0  # ...and this σ of its log
     tool_result_tokens: int = 0
     seed: int = 0
+    # Each whole generation batch's completion lengths, in order, replayed instead of drawn (a measured run's: its
+    # policy's lengths, which no log-normal of one median reproduces batch by batch); empty: drawn.
+    replayed: tuple[tuple[int, ...], ...] = ()
 
     @property
     def completions(self) -> int:
@@ -224,6 +227,12 @@ class Workload:
     def completion_lengths(self, rng: random.Random, n: int) -> list[int]:
         draws = [self._log_normal(rng, self.completion_median, self.completion_sigma) for _ in range(n)]
         return [max(1, min(self.max_completion_length, round(length))) for length in draws]
+
+    def batch_lengths(self, generation: int, rng: random.Random) -> list[int]:
+        """Whole generation batch `generation`'s completion lengths: replayed, or drawn from `rng`."""
+        if self.replayed:
+            return list(self.replayed[generation % len(self.replayed)])
+        return self.completion_lengths(rng, self.completions)
 
     def tool_latency_s(self, rng: random.Random) -> float:
         return self._log_normal(rng, self.tool_latency_median_s, self.tool_latency_sigma)
@@ -347,7 +356,7 @@ class SimulatedMaker:
         started, workload = self.clock.now, self.workload
         self.prompts.draw(workload.prompts)
         rng = workload.draws(generation)
-        lengths = workload.completion_lengths(rng, workload.completions)
+        lengths = workload.batch_lengths(generation, rng)
         if self.weights_version() != self.pushed:
             self.clock.sleep(self.costs.weight_sync_s)
             self.pushed = self.weights_version()

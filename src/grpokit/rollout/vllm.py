@@ -588,6 +588,14 @@ def refuse_images(prompts: PromptBatch) -> None:
         )
 
 
+def prompt_seeds(seed: int, count: int) -> list[int]:
+    """The seeds of `count` prompts sampled with `seed`, one a prompt (a vLLM request), by the prompt's place: a batch
+    split over servers or engines (`VLLMServers`, `grpokit vllm-serve --data-parallel-size`) gives each prompt the
+    seed it has in one request. Drawn rather than consecutive: vLLM seeds the n samples of a request with consecutive
+    seeds, so consecutive request seeds would give the next prompt's samples the same random draws, shifted by one."""
+    return torch.randint(0, 2**31 - 1, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 def sample(
     llm,
     prompt_ids: list[list[int]],
@@ -598,8 +606,10 @@ def sample(
     structured_outputs_regex: str | None = None,
     images: list[list] | None = None,
     unexpanded_ids: list[list[int]] | None = None,
+    request_seeds: list[int] | None = None,
 ) -> list:
-    """counts[b] completions of each prompt b: (token ids, their log-probs, finish reason) per row. EOS ids outside
+    """counts[b] completions of each prompt b: (token ids, their log-probs, finish reason) per row, prompt b's
+    drawn with seed request_seeds[b] (default: `prompt_seeds(seed, len(prompt_ids))`). EOS ids outside
     the model's vocabulary (a tokenizer's extra special token) cannot be sampled: vLLM refuses them as stop ids.
     images: each prompt's images (vLLM's `multi_modal_data`), with `unexpanded_ids`: the prompts' ids before the
     processor expanded their image placeholders, which vLLM expands itself; it must arrive at `prompt_ids` (what
@@ -618,9 +628,8 @@ def sample(
 
         structured = StructuredOutputsParams(regex=structured_outputs_regex)
 
-    # One seed per request, drawn from `seed`: vLLM seeds the n samples of a request with consecutive seeds, so
-    # consecutive request seeds would give the next prompt's samples the same random draws, shifted by one.
-    request_seeds = torch.randint(0, 2**31 - 1, (len(prompt_ids),), generator=torch.Generator().manual_seed(seed))
+    if request_seeds is None:
+        request_seeds = prompt_seeds(seed, len(prompt_ids))
     requests, options = [], []
     bias = {int(t): -100.0 for t in params.suppress_token_ids} or None
     for index, (ids, count) in enumerate(zip(prompt_ids, counts)):

@@ -47,7 +47,7 @@ from ..distributed import all_processes_done, barrier, is_sharded
 from ..json_http import error_of
 from ..multimodal import is_vision_language_model, text_config_of, ties_word_embeddings
 from .engine import PromptBatch, Rollout, SamplingParams
-from .vllm import base_model_of, policy_weights, refuse_images, rollout_from_completions
+from .vllm import base_model_of, policy_weights, prompt_seeds, refuse_images, rollout_from_completions
 from .weight_broadcast import TRAINER_RANK, describe, open_group, send
 
 logger = logging.getLogger(__name__)
@@ -173,8 +173,11 @@ class VLLMServerEngine:
     def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
         return rollout_from_completions(prompts, self.completions(prompts, params, seed), params)
 
-    def completions(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> list[tuple]:
-        """The server's (ids, log-probs, finish reason) of each row of `prompts`."""
+    def completions(
+        self, prompts: PromptBatch, params: SamplingParams, seed: int, seeds: list[int] | None = None
+    ) -> list[tuple]:
+        """The server's (ids, log-probs, finish reason) of each row of `prompts`, prompt b's sampled with seeds[b]
+        (default: the server draws them from `seed`, as `prompt_seeds` does)."""
         images = None
         if prompts.images is not None and any(prompts.images):
             if not self.info.get("images"):
@@ -185,6 +188,7 @@ class VLLMServerEngine:
             "prompt_ids": prompts.ids,
             "counts": prompts.counts,
             "seed": seed,
+            "prompt_seeds": seeds,
             "params": {**params.__dict__, "eos_token_ids": list(params.eos_token_ids)},
             "structured_outputs_regex": self.structured_outputs_regex,
             "images": images,
@@ -351,9 +355,12 @@ class VLLMServers:
     """`RolloutEngine` over several `grpokit vllm-serve` servers of the same model (vllm_server_base_url with several
     URLs). Every server gets the weights; each generation's prompts are cut into pieces of whole prompts (each with
     its completions), and a server takes the next piece as soon as it has answered its last, so that a slow server
-    samples less (spread by load, not in turn). A piece's seed comes from the generation's seed and the piece's place,
-    never from the server that takes it; the servers hold the same weights, so which one samples a piece changes
-    nothing but timing, and every batch is sampled by one version of the weights.
+    samples less (spread by load, not in turn). Each prompt's seed comes from the generation's seed and the prompt's
+    place (`prompt_seeds`, as one server draws them for a whole request), never from the server that takes it nor
+    from how the batch was cut: the servers hold the same weights, so which one samples a piece changes nothing but
+    timing (and the last bits of the arithmetic, which vary with a batch's size), and every batch is sampled by one
+    version of the weights. A server may itself be data-parallel (`grpokit vllm-serve --data-parallel-size`), which
+    splits each piece over its engines by the same rule.
 
     A server that fails (stops answering, answers with an error) stops the generation with its URL; the run stops with
     a good checkpoint and resumes once the server is back. With `failover` (vllm_server_failover) its piece goes to
@@ -419,7 +426,7 @@ class VLLMServers:
     def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
         size = math.ceil(len(prompts.ids) / max(1, len(self.live) * self.pieces_per_server))
         pieces = [range(start, min(start + size, len(prompts.ids))) for start in range(0, len(prompts.ids), size)]
-        seeds = torch.randint(0, 2**31 - 1, (len(pieces),), generator=torch.Generator().manual_seed(seed)).tolist()
+        seeds = prompt_seeds(seed, len(prompts.ids))
         results: list[list | None] = [None] * len(pieces)
         waiting = collections.deque(range(len(pieces)))
         lock, stopped = threading.Lock(), []
@@ -431,7 +438,10 @@ class VLLMServers:
                         return
                     index = waiting.popleft()
                 try:
-                    results[index] = server.completions(_piece(prompts, pieces[index]), params, seeds[index])
+                    rows = pieces[index]
+                    results[index] = server.completions(
+                        _piece(prompts, rows), params, seeds[rows[0]], [seeds[row] for row in rows]
+                    )
                 except (ConnectionError, ServerError) as error:
                     with lock:
                         waiting.appendleft(index)

@@ -1,0 +1,125 @@
+"""`grpokit vllm-serve --data-parallel-size N` without vLLM: the server's real engine processes (`EngineProcess`) and
+its splitting, ordering, seeding and weight pushes (`DataParallelService`), over a stand-in sampler whose completions
+say which prompt, seed, weights and process made them. tests/test_vllm_server.py drives real vLLM engines."""
+
+import os
+import signal
+
+import pytest
+import torch
+from safetensors.torch import save
+
+from grpokit.json_http import JSONError
+from grpokit.rollout.vllm import prompt_seeds
+from grpokit.testing import save_tiny_model
+from grpokit.vllm_server import DataParallelService, EngineDied, engine_environments, split_rows, start_engines
+
+
+class RecordingSampler:
+    """Stands in for `VLLMService` in an engine process: completion j of a prompt is the prompt's ids then j, and its
+    "log-probs" are the prompt's seed, the sum of the last pushed `marker` weight, and the engine's pid."""
+
+    def __init__(self, model_dir, **options):
+        self.marker = 0.0
+        self.info = {"model_type": "recording", "max_model_len": 64, "version": 0, "options": options}
+
+    def describe(self) -> dict:
+        return dict(self.info)
+
+    def generate(self, request: dict) -> dict:
+        if request.get("structured_outputs_regex") == "refuse":
+            raise ValueError("this sampler refuses the regex")
+        rows = []
+        for ids, count, seed in zip(request["prompt_ids"], request["counts"], request["prompt_seeds"]):
+            rows += [([*ids, j], [float(seed), self.marker, float(os.getpid())], "stop") for j in range(count)]
+        return {"completions": rows}
+
+    def _load(self, weights: dict) -> None:
+        self.marker = float(weights["marker"].sum())
+
+
+def test_split_rows_is_contiguous_and_balanced_by_completions():
+    assert split_rows([4] * 6, 2) == [range(3), range(3, 6)]
+    assert split_rows([4] * 5, 2) == [range(2), range(2, 5)]  # a tie: the earlier boundary
+    assert split_rows([4] * 6, 3) == [range(2), range(2, 4), range(4, 6)]
+    assert split_rows([1, 1, 1, 9], 2) == [range(3), range(3, 4)]  # 3 and 9 completions, not 12 and 0
+    assert split_rows([4], 3) == [range(0), range(1), range(1, 1)]  # fewer prompts than engines
+    for counts in ([3, 1, 4, 1, 5, 9, 2, 6], [2] * 7, [8]):
+        for parts in (1, 2, 3, 4):
+            ranges = split_rows(counts, parts)
+            assert [i for part in ranges for i in part] == list(range(len(counts)))
+
+
+def test_each_engine_gets_its_gpus_or_its_share_of_the_cores():
+    gpus = ["0", "1", "2", "3"]
+    assert engine_environments(2, 2, gpus, 16) == [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}]
+    assert engine_environments(4, 1, ["4", "5", "6", "7"], 16)[3] == {"CUDA_VISIBLE_DEVICES": "7"}
+    with pytest.raises(ValueError, match="needs 6 GPUs, and 4 are visible"):
+        engine_environments(3, 2, gpus, 16)
+    assert engine_environments(2, 1, None, 2) == [{"OMP_NUM_THREADS": "1"}] * 2
+    assert engine_environments(3, 1, None, 2) == [{"OMP_NUM_THREADS": "1"}] * 3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("served") / "tiny", chars="ab", hidden_size=16))
+
+
+def served(model_dir, engines: int) -> DataParallelService:
+    return DataParallelService(model_dir, start_engines(model_dir, engines, {"seed": 3}, service=RecordingSampler))
+
+
+def push(service: DataParallelService, value: float) -> dict:
+    return service.update_weights(save({"marker": torch.full((2,), value / 2)}))
+
+
+def test_engines_sample_their_parts_at_once_answer_in_order_take_every_push_and_a_dead_one_is_named(model_dir):
+    request = {"prompt_ids": [[1], [2, 2], [3], [4, 4], [5]], "counts": [2, 2, 2, 2, 2], "seed": 7, "params": {}}
+    seeds = prompt_seeds(7, 5)
+    one, two = served(model_dir, 1), served(model_dir, 2)
+    try:
+        info = two.describe()
+        assert info["data_parallel_size"] == 2 and info["device"] == "cpu" and info["options"] == {"seed": 3}
+        pids = [engine["pid"] for engine in info["engines"]]
+        assert len(set(pids)) == 2 and os.getpid() not in pids
+
+        answer = two.generate({**request, "instance": info["instance"]})["completions"]
+        # In the request's order, each prompt with the seed it has in one request...
+        assert [ids for ids, _, _ in answer] == [[*p, j] for p in request["prompt_ids"] for j in range(2)]
+        assert [logprobs[0] for _, logprobs, _ in answer] == [float(s) for s in seeds for _ in range(2)]
+        # ...the first two prompts by one engine, the last three by the other (4 and 6 completions)...
+        assert [logprobs[2] for _, logprobs, _ in answer] == [float(pids[0])] * 4 + [float(pids[1])] * 6
+        assert [engine["prompts"] for engine in two.describe()["engines"]] == [2, 3]
+        # ...and, but for which process made them, what one engine answers.
+        alone = one.generate(request)["completions"]
+        assert [(ids, lp[:2]) for ids, lp, _ in alone] == [(ids, lp[:2]) for ids, lp, _ in answer]
+        # Seeds given by the client (several servers: `VLLMServers`) are kept.
+        given = two.generate({**request, "prompt_seeds": [11, 12, 13, 14, 15]})["completions"]
+        assert [lp[0] for _, lp, _ in given] == [11.0, 11.0, 12.0, 12.0, 13.0, 13.0, 14.0, 14.0, 15.0, 15.0]
+
+        # A push reaches every engine before it is answered.
+        assert push(two, 5.0) == {"version": 1} and two.describe()["version"] == 1
+        assert {lp[1] for _, lp, _ in two.generate(request)["completions"]} == {5.0}
+        assert push(two, 9.0) == {"version": 2}
+        assert {lp[1] for _, lp, _ in two.generate(request)["completions"]} == {9.0}
+        with pytest.raises(ValueError, match="other shapes than the served model's"):
+            two.update_weights(save({"model.embed_tokens.weight": torch.zeros(3, 3)}))
+
+        # An engine's own error comes back naming the engine; the server goes on.
+        with pytest.raises(RuntimeError, match=r"engine 0 of 2 \(pid \d+\): ValueError: this sampler refuses"):
+            two.generate({**request, "structured_outputs_regex": "refuse"})
+        assert two.health() == {"status": "ok"}
+
+        # An engine that dies is named, by /health and by every request from then on.
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(EngineDied, match=rf"vLLM engine 1 of 2 \(pid {pids[1]}\) was killed by SIGKILL"):
+            two.generate(request)
+        with pytest.raises(EngineDied, match="engine 1 of 2"):
+            push(two, 1.0)
+        with pytest.raises(JSONError, match="engine 1 of 2") as refused:
+            two.health()
+        assert refused.value.status == 503
+    finally:
+        one.close()
+        two.close()
+    assert not any(engine.process.is_alive() for engine in one.engines + two.engines)
