@@ -146,7 +146,7 @@ def test_resume_inside_a_generation_batch(model_dir, tmp_path):
         args=config(tmp_path / "split", **{**args, "max_steps": 2}),
     )
     first.train()
-    assert first.cursor.micro_index == 2  # stopped inside the generation batch
+    assert first.generation.micro_index == 2  # stopped inside the generation batch
     resumed = GRPOTrainer(
         model=model_dir,
         reward_funcs=repeat_letter,
