@@ -659,10 +659,10 @@ class GRPOTrainer:
     def generate_batch(self) -> TrainBatch:
         """This process's next generation batch (`ExperienceMaker.make`: sample, score, advantages, π_old and π_ref
         where the loss needs them), with what it produced recorded: its metrics into the logging window, its tokens
-        into state.num_tokens, its rollouts into state.generations (the next seeds), its completions-log rows."""
+        into state.num_tokens, its rollouts into state.rollouts (the next rollout index), its completions-log rows."""
         if self.args.max_staleness is None:
-            experience = self.experience.make(self.state.generations, self.state)
-            self.state.generations += experience.rollouts
+            experience = self.experience.make(self.state.rollouts, self.state)
+            self.state.rollouts += experience.rollouts
         else:  # from the producer (train() starts it): the sampler's position and the seeds move to the batch's end
             if self.producer is None:
                 raise RuntimeError(
@@ -671,7 +671,7 @@ class GRPOTrainer:
                 )
             produced, metrics = self.producer.take(self.state.global_step)
             experience = produced.experience
-            self.state.generations = produced.generation + experience.rollouts
+            self.state.rollouts = produced.rollout_index + experience.rollouts
             self.sampler.load_state_dict(produced.sampler_state)
             self.window.add(metrics)
             self._batch_staleness = int(metrics["sample/staleness_max"])
