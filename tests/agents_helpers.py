@@ -161,7 +161,7 @@ class ForcedCallsEngine:
     is a forced tool call (with log-probs from a plain forward): so that a random tiny model makes calls, and the
     turns the engine samples come after tool results of different lengths."""
 
-    exact_logprobs = True
+    logprobs_match_training = True
 
     def __init__(self, model, tokenizer, calls=2):
         self.inner, self.model, self.tokenizer, self.calls = HFEngine(model), model, tokenizer, calls

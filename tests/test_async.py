@@ -42,7 +42,7 @@ def test_the_staleness_bound_holds_on_every_trained_batch(tmp_path, schedule):
     assert len(staleness) == 6 and max(staleness) <= 1
     assert 1 in staleness  # it ran ahead: some batch was sampled by the weights one step before those it trained
     assert trainer.state.log_history[-2]["sample/dropped_stale_total"] == 0  # the schedule keeps every batch fresh
-    assert trainer.state.generations == 6 and trainer.producer is None  # six batches taken; the producer stopped
+    assert trainer.state.rollouts == 6 and trainer.producer is None  # six batches taken; the producer stopped
 
 
 def batch_of(rows: int) -> TrainBatch:
@@ -65,14 +65,14 @@ def test_batches_past_the_bound_are_dropped_and_counted():
 class FlakyEngine:
     """The in-process engine over whatever model it is synced with, failing (or hanging) at one call."""
 
-    exact_logprobs = True
+    logprobs_match_training = True
 
     def __init__(self, fail_at: int | None = None, hang: bool = False):
         self.fail_at, self.hang, self.calls, self.engine = fail_at, hang, 0, None
 
     def sync_weights(self, model):
         if self.engine is None or self.engine.model is not model:
-            self.engine = HFEngine(model, torch.device("cpu"), exact_logprobs=True)
+            self.engine = HFEngine(model, torch.device("cpu"), logprobs_match_training=True)
 
     def generate(self, prompts, params, seed):
         self.calls += 1
@@ -196,7 +196,7 @@ def test_dynamic_sampling_at_staleness_zero_is_the_synchronous_loop_bitwise_and_
     steps = [r for r in trainer.state.log_history if "dynamic_sampling/rounds" in r]
     assert len(steps) == 4 and [r["sample/staleness_max"] for r in steps] == [0, 1, 1, 1]
     # The producer drew more prompts for batches short of groups with reward spread: the seeds follow the rounds.
-    assert trainer.state.generations == 4 + sum(r["dynamic_sampling/rounds"] for r in steps)
+    assert trainer.state.rollouts == 4 + sum(r["dynamic_sampling/rounds"] for r in steps)
 
 
 def test_an_iterable_dataset_at_staleness_zero_is_the_synchronous_loop_bitwise_and_resumes_exactly_at_one(tmp_path):

@@ -47,14 +47,14 @@ def test_the_schedule_names_each_batchs_version(every, staleness, expected):
 class SlowEngine:
     """The in-process engine over whatever model it is synced with; each call first sleeps `delay` seconds."""
 
-    exact_logprobs = True
+    logprobs_match_training = True
 
     def __init__(self, delay: float = 0.0):
         self.delay, self.engine = delay, None
 
     def sync_weights(self, model):
         if self.engine is None or self.engine.model is not model:
-            self.engine = HFEngine(model, torch.device("cpu"), exact_logprobs=True)
+            self.engine = HFEngine(model, torch.device("cpu"), logprobs_match_training=True)
 
     def generate(self, prompts, params, seed):
         time.sleep(self.delay)

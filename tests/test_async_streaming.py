@@ -272,7 +272,7 @@ class HangingEngine:
 
     def __init__(self, engine, hang_at: int, limit: float = 40.0):
         self.engine, self.hang_at, self.limit = engine, hang_at, limit
-        self.exact_logprobs = engine.exact_logprobs
+        self.logprobs_match_training = engine.logprobs_match_training
         self.calls, self.hung_at, self.release = 0, None, threading.Event()
 
     def generate(self, prompts, params, seed):
@@ -366,16 +366,18 @@ def test_copies_are_labelled_with_the_version_of_the_weights_they_copied(tmp_pat
     from grpokit.producer import Producer, WeightSync
 
     sync = WeightSync()
-    policy, copy = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    policy, policy_copy = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
 
     class Args:
         max_staleness, weight_sync_steps, queue_maxsize, generation_batch_per_process = 1, 1, 1, 1
 
-    producer = Producer(Args(), maker=None, policy=policy, copy=copy, sync=sync, sampler=None, generation=0)
+    producer = Producer(
+        Args(), maker=None, policy=policy, policy_copy=policy_copy, sync=sync, sampler=None, rollout_index=0
+    )
     with sync.step(), torch.no_grad():  # the trainer's optimizer step
         policy.weight.add_(1.0)
     producer._take_weights(due=2)  # before the trainer's bookkeeping and callbacks end (sync.stepped())
-    assert torch.equal(copy.weight, policy.weight) and producer.weights_version == 1
+    assert torch.equal(policy_copy.weight, policy.weight) and producer.weights_version == 1
     sync.stepped()
     assert sync.version == 1
 
@@ -474,7 +476,7 @@ class RecordingScript:
     synced with, and how many calls ran at once."""
 
     def __init__(self, engine):
-        self.engine, self.exact_logprobs, self.model = engine, engine.exact_logprobs, None
+        self.engine, self.logprobs_match_training, self.model = engine, engine.logprobs_match_training, None
         self.active, self.most_active, self.sampled, self.count_lock = 0, 0, [], threading.Lock()
 
     def sync_weights(self, model):
@@ -526,7 +528,7 @@ class BehaviourRecorder:
     """A scripted engine (it reports no log-probs) that records, at each call, the log-probs of each row's turn under
     the weights it samples with at that moment: the behaviour policy's, keyed by the row's context and turn."""
 
-    exact_logprobs = False
+    logprobs_match_training = False
 
     def __init__(self, engine):
         self.engine, self.model, self.turns = engine, None, {}

@@ -133,7 +133,7 @@ class SlowEngine:
     """A scripted engine whose every call takes 50 ms whatever its rows (as a decode step reads every weight),
     recording how many rows each call had."""
 
-    exact_logprobs = False
+    logprobs_match_training = False
 
     def __init__(self, engine):
         self.engine, self.rows = engine, []

@@ -234,7 +234,7 @@ def test_the_generate_route_speaks_vllms_token_format_and_sessions_come_from_a_h
 class SlowEngine:
     """A scripted engine whose every call takes 50 ms whatever its rows, recording how many rows each call had."""
 
-    exact_logprobs = False
+    logprobs_match_training = False
 
     def __init__(self, engine):
         self.engine, self.rows = engine, []

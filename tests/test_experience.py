@@ -11,7 +11,7 @@ from datasets import Dataset
 
 import grpokit
 from grpokit import GRPOConfig, GRPOTrainer, TrainBatch
-from grpokit.rollout import ScriptedEngine, engine_logprobs_exact
+from grpokit.rollout import ScriptedEngine, engine_logprobs_match_training
 from grpokit.testing import build_char_tokenizer, build_tiny_model
 
 PACKAGE = Path(grpokit.__file__).resolve().parent  # the installed package under test
@@ -75,14 +75,14 @@ def same_batch(a: TrainBatch, b: TrainBatch) -> None:
 
 def test_make_returns_the_generation_and_writes_no_trainer_state(tmp_path):
     maker_run, trainer_run = letter_trainer(tmp_path / "a"), letter_trainer(tmp_path / "b")
-    before = (maker_run.state.generations, maker_run.state.num_tokens)
-    experience = maker_run.experience.make(maker_run.state.generations, maker_run.state)
-    assert (maker_run.state.generations, maker_run.state.num_tokens) == before
+    before = (maker_run.state.rollouts, maker_run.state.num_tokens)
+    experience = maker_run.experience.make(maker_run.state.rollouts, maker_run.state)
+    assert (maker_run.state.rollouts, maker_run.state.num_tokens) == before
     assert maker_run.window.flush() == {}  # nothing recorded behind the trainer's back
     # What generate_batch records is exactly what the maker returned.
     batch = trainer_run.generate_batch()
     same_batch(experience.batch, batch)
-    assert trainer_run.state.generations == experience.rollouts == 1
+    assert trainer_run.state.rollouts == experience.rollouts == 1
     rollout_tokens = int(batch.prompt_mask.sum() + batch.attention_mask.sum())
     assert experience.num_tokens == trainer_run.state.num_tokens == rollout_tokens
     assert trainer_run.window.flush() == pytest.approx(experience.metrics)
@@ -94,8 +94,8 @@ def test_make_returns_the_generation_and_writes_no_trainer_state(tmp_path):
 
 def test_train_batch_from_a_rollout_repeats_outcome_advantages_and_takes_token_ones(tmp_path):
     trainer = letter_trainer(tmp_path)
-    generation = trainer.runner.run([{"prompt": "a:"}] * 4, [4], seed=3)
-    rollout, width = generation.rollout, generation.rollout.completion_ids.shape[1]
+    decoded = trainer.runner.run([{"prompt": "a:"}] * 4, [4], seed=3)
+    rollout, width = decoded.rollout, decoded.rollout.completion_ids.shape[1]
     batch = TrainBatch.from_rollout(rollout, torch.tensor([1.0, -1.0, 0.5, 0.0]))
     assert torch.equal(batch.advantages, torch.tensor([1.0, -1.0, 0.5, 0.0])[:, None].expand(-1, width))
     assert batch.advantages.is_contiguous() and torch.equal(batch.loss_mask, rollout.loss_mask)
@@ -107,20 +107,30 @@ def test_train_batch_from_a_rollout_repeats_outcome_advantages_and_takes_token_o
 
 
 def test_the_runner_says_whether_its_logprobs_may_serve_as_pi_old(tmp_path):
-    assert letter_trainer(tmp_path / "f32").runner.exact_logprobs  # the in-process engine in float32
-    assert not letter_trainer(tmp_path / "bf16", bf16=True).runner.exact_logprobs
+    assert letter_trainer(tmp_path / "f32").runner.logprobs_match_training  # the in-process engine in float32
+    assert not letter_trainer(tmp_path / "bf16", bf16=True).runner.logprobs_match_training
     scripted = ScriptedEngine(lambda prompt_ids, index: [1, 2])
-    assert not engine_logprobs_exact(scripted)
+    assert not engine_logprobs_match_training(scripted)
 
     class Undeclared:
         def generate(self, prompts, params, seed): ...
 
         def sync_weights(self, model): ...
 
-    assert not engine_logprobs_exact(Undeclared())
-    Undeclared.exact_logprobs = "yes"
-    with pytest.raises(TypeError, match="exact_logprobs must be a bool"):
-        engine_logprobs_exact(Undeclared())
+    assert not engine_logprobs_match_training(Undeclared())
+    Undeclared.logprobs_match_training = "yes"
+    with pytest.raises(TypeError, match="logprobs_match_training must be a bool"):
+        engine_logprobs_match_training(Undeclared())
+
+    class FormerName:  # an engine written when the attribute was called exact_logprobs
+        exact_logprobs = True
+
+        def generate(self, prompts, params, seed): ...
+
+        def sync_weights(self, model): ...
+
+    with pytest.warns(DeprecationWarning, match="exact_logprobs is now named logprobs_match_training"):
+        assert engine_logprobs_match_training(FormerName())
 
 
 def test_with_mu_2_the_float32_engine_logprobs_are_pi_old_and_equal_a_training_forward(tmp_path):

@@ -232,7 +232,7 @@ def test_process_rewards_give_hand_computed_token_advantages(model_dir, tmp_path
     batch = trainer.generate_batch()
     tokenizer = trainer.processing_class
     # Undo the shuffle to regroup the completions by prompt, then recompute the advantages by hand.
-    order = torch.randperm(32, generator=torch.Generator().manual_seed(trainer.args.seed + trainer.state.generations))
+    order = torch.randperm(32, generator=torch.Generator().manual_seed(trainer.args.seed + trainer.state.rollouts))
     ids = torch.empty_like(batch.completion_ids)
     ids[order], mask = batch.completion_ids, torch.empty_like(batch.attention_mask)
     mask[order] = batch.attention_mask

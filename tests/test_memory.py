@@ -353,7 +353,7 @@ def test_bf16_weights_do_not_claim_exact_sampling_logprobs(model_dir, tmp_path):
         train_dataset=letter_dataset(),
         args=config(tmp_path / "b", model_init_kwargs={"dtype": "bfloat16"}),
     )
-    assert full.engine.exact_logprobs and not half.engine.exact_logprobs
+    assert full.engine.logprobs_match_training and not half.engine.logprobs_match_training
     assert all(p.dtype == torch.bfloat16 for p in half.unwrapped_model.parameters())
 
 

@@ -28,7 +28,7 @@ SLACK_S = 3.0  # a loaded 2-core machine: what a bound may be late by
 class HangingEngine:
     """Never answers: a deadlock in the sampler, as far as the trainer can tell."""
 
-    exact_logprobs = False
+    logprobs_match_training = False
 
     def generate(self, prompts, params, seed):
         time.sleep(3600)
@@ -39,7 +39,7 @@ class LockingEngine:
     malloc's, logging's or OpenMP's locks, and never gets it: what a fork beside threads can deadlock on."""
 
     def __init__(self, engine):
-        self.engine, self.exact_logprobs = engine, engine.exact_logprobs
+        self.engine, self.logprobs_match_training = engine, engine.logprobs_match_training
 
     def generate(self, prompts, params, seed):
         if not HELD.acquire(timeout=5):

@@ -15,6 +15,7 @@ from test_pinned import CPU, digest
 
 from grpokit import GRPOConfig, GRPOTrainer
 from grpokit.checkpoint import latest_checkpoint
+from grpokit.state import TrainerState
 from grpokit.testing import save_tiny_model
 
 LETTERS = "abcdefgh"
@@ -146,7 +147,7 @@ def test_resume_inside_a_generation_batch(model_dir, tmp_path):
         args=config(tmp_path / "split", **{**args, "max_steps": 2}),
     )
     first.train()
-    assert first.cursor.micro_index == 2  # stopped inside the generation batch
+    assert first.generation.micro_index == 2  # stopped inside the generation batch
     resumed = GRPOTrainer(
         model=model_dir,
         reward_funcs=repeat_letter,
@@ -444,3 +445,10 @@ def test_tokenizer_without_pad_token_uses_eos(model_dir, tmp_path):
         )
     assert trainer.processing_class.pad_token == trainer.processing_class.eos_token
     trainer.train()
+
+
+def test_a_trainer_state_written_before_rollouts_was_named_so_keeps_its_count(tmp_path):
+    path = tmp_path / "trainer_state.json"
+    path.write_text(json.dumps({"global_step": 3, "generations": 5}))
+    state = TrainerState.load(path)
+    assert (state.global_step, state.rollouts) == (3, 5)

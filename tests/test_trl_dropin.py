@@ -447,7 +447,7 @@ def test_an_optimizer_step_straddling_two_generation_batches_is_one_big_batch(tm
 
     trainer.optimizer_step = observe
     trainer.train()
-    assert trainer.state.generations == 2 and [len(w) for w in windows] == [2, 2]
+    assert trainer.state.rollouts == 2 and [len(w) for w in windows] == [2, 2]
     straddling = windows[1]
     assert straddling[0].old_logprobs is not None  # trained after the policy moved: π_old kept
     update = {k: v.detach() - before[k] for k, v in trainer.unwrapped_model.state_dict().items()}

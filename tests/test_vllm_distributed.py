@@ -64,7 +64,7 @@ SCRIPT = textwrap.dedent(
     class Replay:
         """Returns, for the k-th generation, the rollouts the processes of a recorded run sampled, joined."""
 
-        exact_logprobs = False
+        logprobs_match_training = False
 
         def __init__(self, recorded):
             self.recorded, self.calls = recorded, 0

@@ -35,7 +35,7 @@ class InProcessService:
         _, self.info = served_model_info(model_dir)
         self.info.update(instance=uuid.uuid4().hex, model=model_dir, device="cpu", max_model_len=None)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir)
-        self.engine = HFEngine(self.model, torch.device("cpu"), exact_logprobs=True)
+        self.engine = HFEngine(self.model, torch.device("cpu"), logprobs_match_training=True)
         self.delay, self.version, self.pieces = delay, 0, []
 
     def health(self):

@@ -30,7 +30,7 @@ class ScoredRollout:
     step_rewards: dict[int, list[list[float]]]  # process reward function index -> per row, one reward per step
     step_ends: list[list[int]]  # [N] token position where each step ends
     offset: int  # first row's index in the global generation batch
-    model_lengths: torch.Tensor  # [N] the tokens the model wrote (`rollout.runner.Generation.model_lengths`)
+    model_lengths: torch.Tensor  # [N] the tokens the model wrote (`rollout.runner.DecodedRollout.model_lengths`)
 
     def select(self, indices: list[int]) -> ScoredRollout:
         pick = lambda values: [values[i] for i in indices]  # noqa: E731

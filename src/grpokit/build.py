@@ -287,7 +287,7 @@ def build_engine(model, args: GRPOConfig, processing_class, accelerator) -> Roll
         accelerator.device,
         autocast=accelerator.autocast,
         all_done=all_done,
-        exact_logprobs=exact,
+        logprobs_match_training=exact,
         cache_implementation=args.cache_implementation,
         compile=compile,
     )

@@ -42,7 +42,7 @@ from .models import reference_policy
 from .multimodal import loggable_prompt
 from .rewards.base import RewardFunctionError
 from .rewards.scorer import RewardScorer
-from .rollout import EVAL_SEED_OFFSET, Generation, RolloutRunner, group_counts, rollout_seed
+from .rollout import EVAL_SEED_OFFSET, DecodedRollout, RolloutRunner, group_counts, rollout_seed
 from .signals import duplicate_ratio, sequence_keys
 
 
@@ -54,7 +54,7 @@ class Experience:
     metrics: dict[str, float]  # TRL's generation metrics and grpokit's, reduced over processes
     samples: list[dict] | None  # the completions-log rows (log_completions), else None
     num_tokens: int  # prompt + completion tokens of the whole global batch
-    rollouts: int  # rollouts drawn (dynamic sampling may draw more than one); each took one generation seed
+    rollouts: int  # rollouts drawn (dynamic sampling may draw more than one); each took one rollout index
 
 
 # Generation batches in a row in which every reward function raised on every row before the run stops (`make`).
@@ -117,14 +117,15 @@ class ExperienceMaker:
         self.trim_heap = trim_heap and accelerator.device.type == "cpu"
         self.failed_batches = 0  # consecutive generation batches in which no completion was scored (all raised)
 
-    def make(self, generation: int, trainer_state=None, sampled: Generation | None = None) -> Experience:
-        """The experience of generation `generation` (its rollout seeds: generation, generation + 1, ... for each
-        rollout drawn). `trainer_state` is what reward functions receive as their `trainer_state` argument.
+    def make(self, rollout_index: int, trainer_state=None, sampled: DecodedRollout | None = None) -> Experience:
+        """The experience of the generation batch whose first rollout is `rollout_index` (the rollouts it draws take
+        the indices rollout_index, rollout_index + 1, ...: each seeds one rollout, `rollout_seed`). `trainer_state`
+        is what reward functions receive as their `trainer_state` argument.
         `sampled`: this batch's rollouts, already run (a producer streaming groups: one process), to be scored."""
         args, acc, device = self.args, self.accelerator, self.accelerator.device
         metrics: dict[str, float] = {}
         scored = (
-            self._sample_and_score(generation, trainer_state)
+            self._sample_and_score(rollout_index, trainer_state)
             if sampled is None
             else self._score(sampled, 0, trainer_state)
         )
@@ -133,7 +134,7 @@ class ExperienceMaker:
             return_free_memory()
         if args.dynamic_sampling:
             scored, extra_rollouts, sampling_metrics = self._fill_with_varied_groups(
-                scored, generation + 1, trainer_state
+                scored, rollout_index + 1, trainer_state
             )
             rollouts += extra_rollouts
             metrics.update(sampling_metrics)
@@ -188,44 +189,44 @@ class ExperienceMaker:
                 }
                 for i in range(shown)
             ]
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed + generation + rollouts))
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed + rollout_index + rollouts))
         return Experience(batch.select(order), metrics, samples, num_tokens, rollouts)
 
     # ------------------------------------------------------------------------------------------ the parts
 
     def sample_and_score(
         self, rows: list[dict], counts: list[int], seed: int, trainer_state=None
-    ) -> tuple[Generation, Any]:
-        """Sample rows with the current policy's weights and score them: (generation, scores) (evaluation)."""
+    ) -> tuple[DecodedRollout, Any]:
+        """Sample rows with the current policy's weights and score them: (the decoded rollout, scores) (evaluation)."""
         self.runner.sync_weights(self.policy())
-        generation = self.runner.run(rows, counts, seed)
-        return generation, self._scores(generation, trainer_state)
+        decoded = self.runner.run(rows, counts, seed)
+        return decoded, self._scores(decoded, trainer_state)
 
-    def _sample_and_score(self, generation: int, trainer_state) -> ScoredRollout:
+    def _sample_and_score(self, rollout_index: int, trainer_state) -> ScoredRollout:
         """Draw this process's next rows, sample their completions and score them."""
         offset = self.accelerator.process_index * self.args.generation_batch_per_process
-        return self._score(self.sample(generation), offset, trainer_state)
+        return self._score(self.sample(rollout_index), offset, trainer_state)
 
-    def sample(self, generation: int) -> Generation:
+    def sample(self, rollout_index: int) -> DecodedRollout:
         """This process's next rows (each prompt G times), sampled with the policy's current weights, from the
-        rollout seed of `generation`."""
+        seed of rollout `rollout_index`."""
         args, acc = self.args, self.accelerator
         per_process = args.generation_batch_per_process
         prompts = self.draw_prompts(args.generation_batch_size // args.num_generations)
         offset = acc.process_index * per_process
         rows = generation_share(prompts, args.num_generations, acc.process_index, per_process)
-        seed = rollout_seed(args.seed, generation, acc.process_index)
+        seed = rollout_seed(args.seed, rollout_index, acc.process_index)
         self.runner.sync_weights(self.policy())
         return self.runner.run(rows, group_counts(len(rows), args.num_generations, offset), seed)
 
-    def _scores(self, sampled: Generation, trainer_state):
+    def _scores(self, sampled: DecodedRollout, trainer_state):
         """The scorer's scores of `sampled`; then what its driver lent it (environments) goes back."""
         try:
             return self.scorer.score(sampled.rows, sampled.completions, sampled.completion_ids, trainer_state)
         finally:
             self.runner.scored(sampled)
 
-    def _score(self, sampled: Generation, offset: int, trainer_state) -> ScoredRollout:
+    def _score(self, sampled: DecodedRollout, offset: int, trainer_state) -> ScoredRollout:
         scores = self._scores(sampled, trainer_state)
         return ScoredRollout(
             sampled.rows,
@@ -242,7 +243,7 @@ class ExperienceMaker:
         )
 
     def _fill_with_varied_groups(
-        self, first: ScoredRollout, generation: int, trainer_state
+        self, first: ScoredRollout, rollout_index: int, trainer_state
     ) -> tuple[ScoredRollout, int, dict]:
         """DAPO's dynamic sampling: keep only groups whose rewards vary, and sample more prompts until the batch
         is full (at most max_resample_rounds more rounds; then zero-spread groups fill the rest, counted).
@@ -258,7 +259,7 @@ class ExperienceMaker:
             kept.append(current.select(groups(current, varied=True)))
             if sum(len(k.rows) for k in kept) >= size or rounds >= args.max_resample_rounds:
                 break
-            current, rounds = self._sample_and_score(generation + rounds, trainer_state), rounds + 1
+            current, rounds = self._sample_and_score(rollout_index + rounds, trainer_state), rounds + 1
         filled = ScoredRollout.concat(kept)
         missing = size - len(filled.rows)
         metrics = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/filled_groups": max(missing, 0) / G}
@@ -343,7 +344,7 @@ class ExperienceMaker:
         elif not trains_on_policy(args) or corrected or self.off_policy or reward_kl:
             # The engine's log-probs serve as π_old only where they are the training forward's (the in-process
             # engine in float32, tested to 1e-5); otherwise π_old comes from a training-style forward.
-            exact = self.runner.exact_logprobs and sampling_logprobs is not None and not corrected
+            exact = self.runner.logprobs_match_training and sampling_logprobs is not None and not corrected
             batch.old_logprobs = (
                 sampling_logprobs if exact else logprobs_in_chunks(self.policy(), batch, args, acc.autocast)
             )
@@ -382,7 +383,7 @@ class ExperienceMaker:
         KL, for tasks with both a verifier and a teacher. The student's log-probs are the sampler's where exact,
         else π_old, else a forward of the policy. Returns `teacher/reverse_kl`, its token mean over processes."""
         args, acc = self.args, self.accelerator
-        if self.runner.exact_logprobs and batch.sampling_logprobs is not None:
+        if self.runner.logprobs_match_training and batch.sampling_logprobs is not None:
             student = batch.sampling_logprobs
         elif batch.old_logprobs is not None:
             student = batch.old_logprobs

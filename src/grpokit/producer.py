@@ -54,7 +54,7 @@ from .build import build_engine
 from .config import GRPOConfig
 from .distributed import ProducerCollectives, collectives_on, gathered_parameter, is_sharded, new_producer_group
 from .experience import Experience, ExperienceMaker, logprobs_in_chunks
-from .rollout import Generation, HFEngine, RolloutRunner, rollout_seed
+from .rollout import DecodedRollout, HFEngine, RolloutRunner, rollout_seed
 from .rollout.batching import BatchingEngine
 from .rollout.process_engine import ProcessEngine
 from .streaming import DaemonPool, GroupTask
@@ -232,7 +232,7 @@ class Produced:
 
     experience: Experience
     version: int  # the policy version whose weights sampled it
-    generation: int  # its first rollout seed
+    rollout_index: int  # its first rollout's index
     sampler_state: dict  # the prompt sampler's position after its prompts were drawn
     produced_at: float  # time.perf_counter() when it was queued
     index: int | None = None  # the batch's number in the run: the version it is trained at (exact schedule)
@@ -247,7 +247,7 @@ class Produced:
             "num_tokens": e.num_tokens,
             "rollouts": e.rollouts,
             "version": self.version,
-            "generation": self.generation,
+            "rollout_index": self.rollout_index,
             "sampler_state": self.sampler_state,
             "index": self.index,
         }
@@ -264,7 +264,7 @@ class Produced:
         return cls(
             experience,
             state["version"],
-            state["generation"],
+            state.get("rollout_index", state.get("generation")),  # "generation": an older checkpoint's
             state["sampler_state"],
             time.perf_counter(),
             state["index"],
@@ -298,10 +298,10 @@ class Producer:
         args: GRPOConfig,
         maker: ExperienceMaker,
         policy: torch.nn.Module,
-        copy: torch.nn.Module,
+        policy_copy: torch.nn.Module,
         sync: WeightSync,
         sampler,
-        generation: int,
+        rollout_index: int,
         trainer_state=None,
         threads: int | None = None,
         engine=None,
@@ -314,10 +314,11 @@ class Producer:
         sharded: bool = False,
         pool=DaemonPool,
     ):
-        self.args, self.maker, self.policy, self.copy, self.sync = args, maker, policy, copy, sync
+        self.args, self.maker, self.policy, self.policy_copy, self.sync = args, maker, policy, policy_copy, sync
         self.engine = engine  # what the producer samples with: its lock, if any, is held while weights move
         self.process = process  # the engine's process, if it has one of its own: closed with the producer
-        self.sampler, self.generation, self.trainer_state, self.threads = sampler, generation, trainer_state, threads
+        self.sampler, self.trainer_state, self.threads = sampler, trainer_state, threads
+        self.rollout_index = rollout_index  # the next rollout's index (its seed: rollout_seed)
         self.first_step = sync.version
         self.exact = exact
         self.group = group  # several processes: the producers' own process group (distributed.ProducerCollectives)
@@ -344,7 +345,9 @@ class Producer:
         self._lease = threading.Lock()  # held while the producer samples a whole batch
         self.thread = threading.Thread(target=self._run, name="grpokit-producer", daemon=True)
         self.pairs = [
-            (mine, theirs) for mine, theirs in zip(copy.parameters(), policy.parameters()) if theirs.requires_grad
+            (mine, theirs)
+            for mine, theirs in zip(policy_copy.parameters(), policy.parameters())
+            if theirs.requires_grad
         ]  # the frozen ones never change
         self.runner, self.dataset, self.groups = runner, dataset, runner is not None
         self.units_per_batch = args.generation_batch_per_process // args.num_generations if self.groups else 1
@@ -357,7 +360,7 @@ class Producer:
             self.max_groups = max(1, inflight // args.num_generations)
             self.pool = pool(self.max_groups, "grpokit-rollout")  # grpokit.simulate's runs on its virtual clock
             self.running: dict[concurrent.futures.Future, GroupTask] = {}
-            self.finished: list[tuple[GroupTask, Generation]] = []  # in the order they finished
+            self.finished: list[tuple[GroupTask, DecodedRollout]] = []  # in the order they finished
             self.pushed: int | None = None  # the version of the copy's weights the engine holds (None: not the copy's)
             # By prompt (dataset index): groups started, and dropped as too stale. A prompt whose tools are slow
             # lands late again and again: its drop rate says it is being starved.
@@ -370,7 +373,7 @@ class Producer:
             self.next_index = self.queued = last.index + 1
             self.started = self.next_index - self.first_step
             self.sampler.load_state_dict(last.sampler_state)
-            self.generation = last.generation + last.experience.rollouts
+            self.rollout_index = last.rollout_index + last.experience.rollouts
         if exact and sharded:
             sync.after_step = self.gather_scheduled
             self.gather_scheduled(sync.weights, first=True)  # the weights the first batches are sampled by
@@ -459,13 +462,18 @@ class Producer:
                 if not self._wait_for_trainer(lambda due=due: self.sync.version >= due - self.args.max_staleness):
                     return
                 self._take_weights(due)
-            generation = self.generation
+            rollout_index = self.rollout_index
             with self._lease:
-                experience = self.maker.make(generation, self._state_at(index))
-            self.generation += experience.rollouts
+                experience = self.maker.make(rollout_index, self._state_at(index))
+            self.rollout_index += experience.rollouts
             self._put(
                 Produced(
-                    experience, self.weights_version, generation, self.sampler.state_dict(), time.perf_counter(), index
+                    experience,
+                    self.weights_version,
+                    rollout_index,
+                    self.sampler.state_dict(),
+                    time.perf_counter(),
+                    index,
                 )
             )
             self.started += 1
@@ -492,13 +500,13 @@ class Producer:
                 return
             self._take_weights(due)
             if self.pushed != self.weights_version:  # an engine that keeps weights of its own (vLLM, a user's)
-                self.runner.sync_weights(self.copy)  # between engine calls (BatchingEngine's lock)
+                self.runner.sync_weights(self.policy_copy)  # between engine calls (BatchingEngine's lock)
                 self.pushed = self.weights_version
             index = self.sampler.draw(1)[0]
             self.started_by_prompt[index] += 1
-            task = GroupTask(index, self.generation, self.weights_version)
-            self.generation += 1
-            seed = rollout_seed(self.args.seed, task.generation, 0)
+            task = GroupTask(index, self.rollout_index, self.weights_version)
+            self.rollout_index += 1
+            seed = rollout_seed(self.args.seed, task.rollout_index, 0)
             size = self.args.num_generations
             future = self.pool.submit(self.runner.run, [self.dataset[index]] * size, [size], seed)
             self.running[future] = task
@@ -511,26 +519,30 @@ class Producer:
         trained_at = self.first_step + batch - self.dropped_batches
         taken, kept = self.finished[: self.units_per_batch], []
         self.finished = self.finished[self.units_per_batch :]
-        for task, generation in taken:
+        for task, decoded in taken:
             if trained_at - task.version > self.args.max_staleness:
-                self.dropped += len(generation.rows)
+                self.dropped += len(decoded.rows)
                 self.dropped_units += 1
                 self.dropped_by_prompt[task.index] += 1
-                self.runner.scored(generation)  # never scored: its environments go back to the pool
+                self.runner.scored(decoded)  # never scored: its environments go back to the pool
             else:
-                kept.append((task, generation))
+                kept.append((task, decoded))
         if len(kept) < self.units_per_batch:  # wait for fresher groups to fill it
             self.finished = kept + self.finished
             return False
         tasks = [task for task, _ in kept]
         experience = self.maker.make(
-            tasks[0].generation, self.trainer_state, sampled=Generation.concat([g for _, g in kept])
+            tasks[0].rollout_index, self.trainer_state, sampled=DecodedRollout.concat([d for _, d in kept])
         )
         # Drawn but not in this or an earlier batch: sampled again first after a resume from this batch's checkpoint.
         pending = [t.index for t in self.running.values()] + [t.index for t, _ in self.finished]
         state = {**self.sampler.state_dict(), "requeued": pending + list(self.sampler.requeued)}
         item = Produced(
-            experience, min(t.version for t in tasks), self.generation - experience.rollouts, state, time.perf_counter()
+            experience,
+            min(t.version for t in tasks),
+            self.rollout_index - experience.rollouts,
+            state,
+            time.perf_counter(),
         )
         self._put(item)
         return True
@@ -574,9 +586,9 @@ class Producer:
         first (an engine shared by rollouts at once, ProcessEngine or BatchingEngine, takes weights between requests)
         and only then takes the step lock, so a hung engine call never holds the trainer's optimizer step."""
         with self.sync.lock:
-            current, copied, every = self.sync.weights, self.weights_version, self.args.weight_sync_steps
-            scheduled = copied is None or current // every > copied // every
-            needed = (scheduled or due - copied > self.args.max_staleness) and current != copied
+            current, copy_version, every = self.sync.weights, self.weights_version, self.args.weight_sync_steps
+            scheduled = copy_version is None or current // every > copy_version // every
+            needed = (scheduled or due - copy_version > self.args.max_staleness) and current != copy_version
         if needed:
             engine_idle = getattr(self.engine, "lock", None) or contextlib.nullcontext()
             with engine_idle, self.sync.lock:
@@ -666,7 +678,7 @@ class Producer:
                 yield
             finally:
                 if self.pushed is not None:
-                    self.engine.engine.sync_weights(self.copy)
+                    self.engine.engine.sync_weights(self.policy_copy)
 
     def beat(self) -> None:
         """A sign of progress (see `next`)."""
@@ -824,12 +836,12 @@ def start_producer(
     sharded = is_sharded(policy)
     if sharded and unwrapped_copy is None:
         raise RuntimeError("internal error: a sharded policy's producer needs the copy taken before sharding.")
-    copied, process = (unwrapped_copy if unwrapped_copy is not None else copy.deepcopy(policy)), None
+    policy_copy, process = (unwrapped_copy if unwrapped_copy is not None else copy.deepcopy(policy)), None
     if isinstance(engine, HFEngine):  # an engine of its own over the copy
-        engine = build_engine(copied, args, processing_class, accelerator)
+        engine = build_engine(policy_copy, args, processing_class, accelerator)
         # On the CPU, in a process of its own when it may run ahead (at max_staleness=0 it never overlaps training).
         if accelerator.device.type == "cpu" and args.max_staleness > 0:
-            engine = process = ProcessEngine(engine, copied, request_timeout_s=args.heartbeat_stale_after_s)
+            engine = process = ProcessEngine(engine, policy_copy, request_timeout_s=args.heartbeat_stale_after_s)
     shared = not isinstance(engine, HFEngine)  # the trainer's engine itself: evaluation samples with it too
     streaming = streams_groups(args, runner, accelerator.num_processes)
     if streaming and sharded:
@@ -843,7 +855,10 @@ def start_producer(
 
         def behaviour(rollout):  # π_old of a turn from an engine that reports no log-probs: the copy's, at once
             return logprobs_in_chunks(
-                copied, TrainBatch.from_rollout(rollout, torch.zeros(len(rollout.lengths))), args, accelerator.autocast
+                policy_copy,
+                TrainBatch.from_rollout(rollout, torch.zeros(len(rollout.lengths))),
+                args,
+                accelerator.autocast,
             )
 
         engine = BatchingEngine(engine, behaviour)
@@ -857,7 +872,7 @@ def start_producer(
         accelerator,
         own_runner,
         scorer,
-        lambda: copied,
+        lambda: policy_copy,
         reference,
         lambda n: own_sampler.rows(dataset, n),
         off_policy=args.max_staleness > 0,
@@ -868,10 +883,10 @@ def start_producer(
         args,
         maker,
         policy,
-        copied,
+        policy_copy,
         sync,
         own_sampler,
-        trainer_state.generations,
+        trainer_state.rollouts,
         trainer_state,
         threads=torch.get_num_threads(),
         engine=engine,

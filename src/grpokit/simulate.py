@@ -43,7 +43,7 @@ import torch
 
 from .config import GRPOConfig
 from .producer import Producer, WeightSync
-from .rollout import Generation, Rollout
+from .rollout import DecodedRollout, Rollout
 from .streaming import DaemonPool
 
 # ------------------------------------------------------------------------------------------------ the clock
@@ -228,10 +228,10 @@ class Workload:
         draws = [self._log_normal(rng, self.completion_median, self.completion_sigma) for _ in range(n)]
         return [max(1, min(self.max_completion_length, round(length))) for length in draws]
 
-    def batch_lengths(self, generation: int, rng: random.Random) -> list[int]:
-        """Whole generation batch `generation`'s completion lengths: replayed, or drawn from `rng`."""
+    def batch_lengths(self, rollout_index: int, rng: random.Random) -> list[int]:
+        """Whole generation batch `rollout_index`'s completion lengths: replayed, or drawn from `rng`."""
         if self.replayed:
-            return list(self.replayed[generation % len(self.replayed)])
+            return list(self.replayed[rollout_index % len(self.replayed)])
         return self.completion_lengths(rng, self.completions)
 
     def tool_latency_s(self, rng: random.Random) -> float:
@@ -340,7 +340,7 @@ class PromptRows:
 
 
 class SimulatedMaker:
-    """ExperienceMaker's `make` in simulated time. Whole batches: batch `generation` of the workload costs its engine
+    """ExperienceMaker's `make` in simulated time. Whole batches: batch `rollout_index` of the workload costs its engine
     calls on the servers (and its tool calls), plus a weight push when the weights that sample it are not the ones
     the servers hold. Streamed groups (`sampled`): already sampled; scoring costs nothing."""
 
@@ -349,14 +349,14 @@ class SimulatedMaker:
         self.weights_version = weights_version  # () -> the version of the weights that sample the next batch
         self.prompts, self.pushed = Prompts(), None
 
-    def make(self, generation: int, trainer_state=None, sampled=None) -> SimulatedExperience:
+    def make(self, rollout_index: int, trainer_state=None, sampled=None) -> SimulatedExperience:
         if sampled is not None:
             lengths = [row["completion_tokens"] for row in sampled.rows]
             return SimulatedExperience(lengths, self.workload.tokens(lengths), max(r["seconds"] for r in sampled.rows))
         started, workload = self.clock.now, self.workload
         self.prompts.draw(workload.prompts)
-        rng = workload.draws(generation)
-        lengths = workload.batch_lengths(generation, rng)
+        rng = workload.draws(rollout_index)
+        lengths = workload.batch_lengths(rollout_index, rng)
         if self.weights_version() != self.pushed:
             self.clock.sleep(self.costs.weight_sync_s)
             self.pushed = self.weights_version()
@@ -500,14 +500,14 @@ class SimulatedRollouts:
     def __init__(self, clock: VirtualClock, workload: Workload, servers: SimulatedServers, costs: Costs):
         self.clock, self.workload, self.servers, self.costs = clock, workload, servers, costs
 
-    def run(self, rows: list[dict], counts: list[int], seed: int) -> Generation:
+    def run(self, rows: list[dict], counts: list[int], seed: int) -> DecodedRollout:
         started, rng = self.clock.now, self.workload.draws(seed)
         lengths = self.workload.completion_lengths(rng, len(rows))
         run_turns(self.clock, self.workload, lengths, rng, self.servers.generate)
         n, seconds = len(rows), self.clock.now - started
         ones = torch.ones(n, 1, dtype=torch.long)
         rollout = Rollout(ones, ones, ones, ones, ones, torch.tensor(lengths), torch.zeros(n, dtype=torch.bool))
-        return Generation(
+        return DecodedRollout(
             rollout,
             [{**row, "completion_tokens": length, "seconds": seconds} for row, length in zip(rows, lengths)],
             [None] * n,
@@ -519,7 +519,7 @@ class SimulatedRollouts:
         with self.servers.lock:
             self.clock.sleep(self.costs.weight_sync_s)
 
-    def scored(self, generation: Generation) -> None:
+    def scored(self, decoded: DecodedRollout) -> None:
         """A dropped group: nothing to give back."""
 
 
@@ -702,7 +702,7 @@ def simulate(
             use_cpu=True,
         )
         sync = ClockWeightSync(clock)
-        policy, copy = torch.nn.Linear(1, 1, bias=False), torch.nn.Linear(1, 1, bias=False)
+        policy, policy_copy = torch.nn.Linear(1, 1, bias=False), torch.nn.Linear(1, 1, bias=False)
         maker = SimulatedMaker(clock, workload, costs, weights_version=lambda: producer.weights_version)
         if streamed:
             servers = SimulatedServers(clock, costs)
@@ -710,17 +710,19 @@ def simulate(
                 args,
                 maker,
                 policy,
-                copy,
+                policy_copy,
                 sync,
                 maker.prompts,
-                generation=0,
+                rollout_index=0,
                 engine=servers,
                 runner=SimulatedRollouts(clock, workload, servers, costs),
                 dataset=PromptRows(),
                 pool=functools.partial(ClockPool, clock),
             )
         else:
-            producer = Producer(args, maker, policy, copy, sync, maker.prompts, generation=0, exact=schedule == "exact")
+            producer = Producer(
+                args, maker, policy, policy_copy, sync, maker.prompts, rollout_index=0, exact=schedule == "exact"
+            )
         producer.queue = ClockQueue(clock, producer.queue.maxsize)  # the scheduler's bound, on the clock
     # Both threads count as running before either starts, so that time cannot move before the other has begun.
     for _ in range(1 if producer is None else 2):

@@ -19,7 +19,7 @@ from transformers import TrainerState as HFTrainerState
 @dataclass
 class TrainerState(HFTrainerState):
     num_tokens: int = 0  # prompt + completion tokens sampled so far (TRL's `num_tokens`)
-    generations: int = 0  # generation batches produced so far (seeds each rollout)
+    rollouts: int = 0  # rollouts drawn so far: the next one's index (its seed: rollout.rollout_seed)
     nonfinite_steps: int = 0  # updates skipped for a NaN/inf loss or gradient
     nonfinite_in_a_row: int = 0
 
@@ -29,6 +29,8 @@ class TrainerState(HFTrainerState):
     @classmethod
     def load(cls, path: Path) -> TrainerState:
         values = json.loads(path.read_text())
+        if "generations" in values:  # an older checkpoint's name for `rollouts`
+            values["rollouts"] = values.pop("generations")
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in known})
 

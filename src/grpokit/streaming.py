@@ -39,7 +39,7 @@ from dataclasses import dataclass
 @dataclass
 class GroupTask:
     index: int  # the prompt's dataset index
-    generation: int  # its rollout seed's generation number
+    rollout_index: int  # its rollout's index (its seed: `rollout_seed`)
     version: int  # the weights' version when it started
 
 

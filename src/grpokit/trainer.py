@@ -1,15 +1,16 @@
 """GRPOTrainer: rollout → rewards → advantages → μ optimisation passes → optimizer steps, on accelerate.
 
-One training step, top to bottom (`train`):
+One training step, top to bottom (`train`; docs/guides/how-it-works.md walks through it):
 
     for each optimizer step:
-        window = the next gradient_accumulation_steps micro-batches of the stream:
-            for each generation batch (`generate_batch`: engine → rewards → advantages → TrainBatch)
-                for each of the μ = num_iterations passes over it
-                    its micro-batches of per_device_train_batch_size rows, in order
-        for each micro-batch of the window: forward, loss, backward   (`training_step`, `compute_loss`)
-        one optimizer step                                             (`OptimizerStepper`)
-        log, evaluate, save
+        window = generation.take(gradient_accumulation_steps)    the next micro-batches (grpokit.generation): for
+                                                                each generation batch (`generate_batch`: engine →
+                                                                rewards → advantages → TrainBatch; or the producer's,
+                                                                with max_staleness), for each of its μ passes, its
+                                                                micro-batches in order
+        optimizer_step(window): for each micro-batch, forward, loss, backward (`training_step`, `compute_loss`);
+                                then one optimizer step (`OptimizerStepper`)
+        _after_step: callbacks, log, evaluate, save, stop
 
 Batch semantics are TRL's: the processes generate `generation_batch_size` = per_device_train_batch_size × processes
 × steps_per_generation completions at a time (G per prompt; a prompt's group may span processes) and reuses them μ
@@ -23,13 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import logging
-import math
 import time
 import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate.utils.memory import clear_device_cache
@@ -78,6 +79,7 @@ from .distributed import (
     unwrap_model,
 )
 from .experience import Evaluator, ExperienceMaker
+from .generation import Generation
 from .hub import check_hub, push_folder
 from .logprobs import check_padding_free, token_logprobs
 from .logs import MetricSink, MetricWindow, console_line, train_summary
@@ -94,13 +96,18 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class GenerationCursor:
-    """Where the loop is inside the current generation batch: saved in checkpoints, so that a resumed run takes
-    exactly the micro-batches the interrupted one would have taken next."""
+class TrainRun:
+    """What train() keeps while it runs (`GRPOTrainer._begin_run`)."""
 
-    batch: TrainBatch | None = None  # this process's generation batch being trained on (None: sample the next)
-    pass_index: int = 0  # which of the μ passes over it
-    micro_index: int = 0  # micro-batches of this pass already taken
+    sink: MetricSink
+    bar: Any  # the progress bar (tqdm)
+    logging_steps: int  # the step schedules, in steps
+    eval_steps: int
+    save_steps: int
+    preemption: SigtermCheckpoint | None  # enable_jit_checkpoint: the SIGTERM watch
+    first_step: int  # the step it started (or resumed) at
+    started: float = field(default_factory=time.perf_counter)
+    losses: list[float] = field(default_factory=list)  # each optimizer step's
 
 
 class GRPOTrainer:
@@ -226,7 +233,11 @@ class GRPOTrainer:
         self._window_counts, self._step_stats, self._sink = None, [], None  # the current step's (compute_loss, log)
         self._samples: list[dict] | None = None  # the latest generation's completions-log rows
         self._batch_staleness: int | None = None  # max_staleness: the trained batch's (optimizer steps behind)
-        self.cursor = GenerationCursor()
+        # The micro-batches the loop trains on, one generation batch at a time (`generate_batch`, late-bound: a test
+        # may replace it), and the cursor into them that checkpoints save.
+        self.generation = Generation(
+            lambda: self.generate_batch(), self.sampler, args.per_device_train_batch_size, args.num_iterations
+        )
         self._last_evaluation: dict | None = None  # the latest evaluation's record (metric_for_best_model)
         self._in_train = False
         self.router_aux_loss_coef = router_aux_loss_coef(args, self.unwrapped_model)
@@ -316,14 +327,38 @@ class GRPOTrainer:
                 self.producer = None
 
     def _train(self, resume_from_checkpoint: bool | str | None):
-        from tqdm.auto import tqdm
-        from transformers.trainer_utils import TrainOutput
-
         args, acc = self.args, self.accelerator
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
         if resume:
             self._resume(True if resume in (True, "true", "True") else resume)
         state, callbacks = self.state, self.callback_handler
+        run = self._begin_run()
+        self.model.train()
+        if acc.device.type == "cpu":  # the loop's activations reuse heap memory (cpu_memory: a page fault per 4 KiB)
+            reuse_activation_memory()
+        control = callbacks("on_train_begin", args, state)
+        if args.eval_on_start:
+            self._log_evaluation(state.global_step, run.sink)
+        if state.global_step == 0 or int(state.epoch) == state.epoch:
+            control = callbacks("on_epoch_begin", args, state)
+        if args.max_staleness is not None:  # asynchronous generation: from here on a producer samples ahead
+            self._start_producer()
+        with run.preemption or contextlib.nullcontext():
+            while state.global_step < state.max_steps and not control.should_training_stop:
+                step_started, epoch_before = time.perf_counter(), int(state.epoch)
+                control = callbacks("on_step_begin", args, state)
+                window = self.generation.take(args.gradient_accumulation_steps)
+                run.losses.append(self.optimizer_step(window))
+                self.window.add({"step_time": time.perf_counter() - step_started})
+                control = self._after_step(run, epoch_ended=int(state.epoch) > epoch_before)
+        return self._end_run(run)
+
+    def _begin_run(self) -> TrainRun:
+        """What train() keeps while it runs: the metrics sink (its records after the resumed step dropped), the step
+        schedules, the progress bar, the SIGTERM watch (enable_jit_checkpoint). Writes the configuration used."""
+        from tqdm.auto import tqdm
+
+        args, acc, state = self.args, self.accelerator, self.state
         sink = MetricSink(
             args.output_dir,
             args.report_to,
@@ -336,9 +371,6 @@ class GRPOTrainer:
         self._sink = sink
         if acc.is_main_process:
             args.save(Path(args.output_dir) / self.config_file)
-        logging_steps = as_steps(args.logging_steps, state.max_steps)
-        save_steps = as_steps(args.save_steps, state.max_steps)
-        eval_steps = as_steps(args.eval_steps or args.logging_steps, state.max_steps)
         bar = tqdm(
             total=state.max_steps,
             initial=state.global_step,
@@ -346,79 +378,80 @@ class GRPOTrainer:
             disable=args.disable_tqdm or not acc.is_main_process,
             dynamic_ncols=True,
         )
-        self.model.train()
-        if acc.device.type == "cpu":  # the loop's activations reuse heap memory (cpu_memory: a page fault per 4 KiB)
-            reuse_activation_memory()
-        micro_batches = self._micro_batch_stream()
-        first_step, started, losses = state.global_step, time.perf_counter(), []
-        control = callbacks("on_train_begin", args, state)
-        if args.eval_on_start:
-            self._log_evaluation(state.global_step, sink)
-        if state.global_step == 0 or int(state.epoch) == state.epoch:
+        return TrainRun(
+            sink,
+            bar,
+            logging_steps=as_steps(args.logging_steps, state.max_steps),
+            eval_steps=as_steps(args.eval_steps or args.logging_steps, state.max_steps),
+            save_steps=as_steps(args.save_steps, state.max_steps),
+            preemption=SigtermCheckpoint() if args.enable_jit_checkpoint else None,
+            first_step=state.global_step,
+        )
+
+    def _after_step(self, run: TrainRun, epoch_ended: bool):
+        """What follows an optimizer step, in this order: the step-end callbacks; a SIGTERM on any process; the metrics
+        record; an evaluation; the epoch's end; a checkpoint; stopping. Returns the callbacks' TrainerControl."""
+        args, acc, state, callbacks = self.args, self.accelerator, self.state, self.callback_handler
+        step = state.global_step
+        run.bar.update(1)
+        control = callbacks("on_step_end", args, state)
+        # SIGTERM on any process: every process saves this step and stops (a collective, every step).
+        preempted = run.preemption is not None and not all_processes_done(not run.preemption.requested)
+        if preempted:
+            control.should_training_stop = True
+        if self._log_due(step, epoch_ended, run.logging_steps, control):
+            control.should_log = False
+            self.log({"step": step, "epoch": round(state.epoch, 4)})
+            control = callbacks.control
+            run.bar.set_postfix(reward=f"{state.log_history[-1].get('reward', float('nan')):.3f}")
+            self.check_guard()
+            if args.log_completions and acc.is_main_process and self._samples:
+                run.sink.write_completions(step, self._samples, args.log_unique_prompts)
+        if not preempted and (
+            (args.eval_strategy == "steps" and step % run.eval_steps == 0 and step >= args.eval_delay)
+            or control.should_evaluate
+        ):
+            control.should_evaluate = False  # before saving: the checkpoint holds the evaluation
+            self._log_evaluation(step, run.sink)
+        if epoch_ended:
+            control = callbacks("on_epoch_end", args, state)
+        if (
+            (args.save_strategy == "steps" and step % run.save_steps == 0)
+            or control.should_save
+            or (args.save_strategy == "epoch" and epoch_ended)
+            or preempted
+        ):
+            control.should_save = False
+            self._save_checkpoint()
+            control = callbacks("on_save", args, state)
+        if preempted and acc.is_main_process:
+            console_line(
+                f"SIGTERM: saved checkpoint-{step} in {args.output_dir} and stopped; resume with "
+                f"resume_from_checkpoint."
+            )
+        if epoch_ended and state.global_step < state.max_steps:
             control = callbacks("on_epoch_begin", args, state)
-        preemption = SigtermCheckpoint() if args.enable_jit_checkpoint else None
-        with preemption or contextlib.nullcontext():
-            while state.global_step < state.max_steps and not control.should_training_stop:
-                step_started, epoch_before = time.perf_counter(), int(state.epoch)
-                control = callbacks("on_step_begin", args, state)
-                window = [next(micro_batches) for _ in range(args.gradient_accumulation_steps)]
-                losses.append(self.optimizer_step(window))
-                self.window.add({"step_time": time.perf_counter() - step_started})
-                step = state.global_step
-                bar.update(1)
-                control = callbacks("on_step_end", args, state)
-                epoch_ended = int(state.epoch) > epoch_before
-                # SIGTERM on any process: every process saves this step and stops (a collective, every step).
-                preempted = preemption is not None and not all_processes_done(not preemption.requested)
-                if preempted:
-                    control.should_training_stop = True
-                if self._log_due(step, epoch_ended, logging_steps, control):
-                    control.should_log = False
-                    self.log({"step": step, "epoch": round(state.epoch, 4)})
-                    control = callbacks.control
-                    bar.set_postfix(reward=f"{state.log_history[-1].get('reward', float('nan')):.3f}")
-                    self.check_guard()
-                    if args.log_completions and acc.is_main_process and self._samples:
-                        sink.write_completions(step, self._samples, args.log_unique_prompts)
-                if not preempted and (
-                    (args.eval_strategy == "steps" and step % eval_steps == 0 and step >= args.eval_delay)
-                    or control.should_evaluate
-                ):
-                    control.should_evaluate = False  # before saving: the checkpoint holds the evaluation
-                    self._log_evaluation(step, sink)
-                if epoch_ended:
-                    control = callbacks("on_epoch_end", args, state)
-                if (
-                    (args.save_strategy == "steps" and step % save_steps == 0)
-                    or control.should_save
-                    or (args.save_strategy == "epoch" and epoch_ended)
-                    or preempted
-                ):
-                    control.should_save = False
-                    self._save_checkpoint()
-                    control = callbacks("on_save", args, state)
-                if preempted and acc.is_main_process:
-                    console_line(
-                        f"SIGTERM: saved checkpoint-{step} in {args.output_dir} and stopped; resume with "
-                        f"resume_from_checkpoint."
-                    )
-                if epoch_ended and state.global_step < state.max_steps:
-                    control = callbacks("on_epoch_begin", args, state)
-        bar.close()
+        return control
+
+    def _end_run(self, run: TrainRun):
+        """The best checkpoint's weights back (load_best_model_at_end), the summary record and train_results.json,
+        the on_train_end callbacks; returns transformers' TrainOutput."""
+        from transformers.trainer_utils import TrainOutput
+
+        args, acc, state = self.args, self.accelerator, self.state
+        run.bar.close()
         if args.load_best_model_at_end and state.best_model_checkpoint is not None:
             load_best_checkpoint(self.unwrapped_model, state, args.metric_for_best_model, announce=acc.is_main_process)
         release_scratch()  # the float32 route's reused buffers (CPU), allocated again if anything runs after
-        runtime, steps = time.perf_counter() - started, state.global_step - first_step
-        summary = train_summary(args, state, steps, acc.num_processes, runtime, losses)
+        runtime, steps = time.perf_counter() - run.started, state.global_step - run.first_step
+        summary = train_summary(args, state, steps, acc.num_processes, runtime, run.losses)
         train_loss = summary["train_loss"]
         self.log(summary)  # with the metrics of the steps after the last record, as TRL's log() merges them
         summary = state.log_history[-1]
         if acc.is_main_process:  # the HF Trainer's save_metrics("train", ...) file
-            import json
-
             (Path(args.output_dir) / "train_results.json").write_text(json.dumps(summary, indent=1))
-        sink.close()
-        callbacks("on_train_end", args, state)
+        run.sink.close()
+        self.callback_handler("on_train_end", args, state)
         return TrainOutput(state.global_step, train_loss, summary)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -446,21 +479,6 @@ class GRPOTrainer:
         if strategy == "no":  # not even logging_first_step (grpokit's default True would override the choice)
             return control.should_log
         return due or (step == 1 and args.logging_first_step) or control.should_log
-
-    def _micro_batch_stream(self) -> Iterator[TrainBatch]:
-        """For each generation batch, for each of the μ passes over it, its micro-batches in order, from the
-        cursor's position on (a resumed run continues where the checkpoint was taken)."""
-        args, cursor = self.args, self.cursor
-        while True:
-            if cursor.batch is None:
-                cursor.batch, cursor.pass_index, cursor.micro_index = self.generate_batch(), 0, 0
-            micro_batches = cursor.batch.split(args.per_device_train_batch_size)
-            while cursor.pass_index < args.num_iterations:
-                while cursor.micro_index < len(micro_batches):
-                    cursor.micro_index += 1
-                    yield micro_batches[cursor.micro_index - 1]
-                cursor.pass_index, cursor.micro_index = cursor.pass_index + 1, 0
-            cursor.batch = None
 
     def optimizer_step(self, window: list[TrainBatch]) -> float:
         """One optimizer step on a window of micro-batches (a public seam: tests feed it typed batches). Returns
@@ -641,14 +659,19 @@ class GRPOTrainer:
     def generate_batch(self) -> TrainBatch:
         """This process's next generation batch (`ExperienceMaker.make`: sample, score, advantages, π_old and π_ref
         where the loss needs them), with what it produced recorded: its metrics into the logging window, its tokens
-        into state.num_tokens, its rollouts into state.generations (the next seeds), its completions-log rows."""
+        into state.num_tokens, its rollouts into state.rollouts (the next rollout index), its completions-log rows."""
         if self.args.max_staleness is None:
-            experience = self.experience.make(self.state.generations, self.state)
-            self.state.generations += experience.rollouts
-        else:  # from the producer: the sampler's position and the seeds move to where that batch's end
-            produced, metrics = (self.producer or self._start_producer()).take(self.state.global_step)
+            experience = self.experience.make(self.state.rollouts, self.state)
+            self.state.rollouts += experience.rollouts
+        else:  # from the producer (train() starts it): the sampler's position and the seeds move to the batch's end
+            if self.producer is None:
+                raise RuntimeError(
+                    "With max_staleness, generation batches come from the producer that train() starts: "
+                    "call train(), or set max_staleness=None to sample batches with generate_batch()."
+                )
+            produced, metrics = self.producer.take(self.state.global_step)
             experience = produced.experience
-            self.state.generations = produced.generation + experience.rollouts
+            self.state.rollouts = produced.rollout_index + experience.rollouts
             self.sampler.load_state_dict(produced.sampler_state)
             self.window.add(metrics)
             self._batch_staleness = int(metrics["sample/staleness_max"])
@@ -740,21 +763,14 @@ class GRPOTrainer:
         return TrainingParts(self.model, self.optimizer, self.scheduler, self.reference if moving_reference else None)
 
     def _save_checkpoint(self) -> Path | None:
-        cursor, args, controller = self.cursor, self.args, self.entropy_controller
-        if (
-            cursor.batch is not None
-            and cursor.pass_index == args.num_iterations - 1
-            and cursor.micro_index == math.ceil(len(cursor.batch) / args.per_device_train_batch_size)
-        ):
-            cursor = GenerationCursor()  # used up: the resumed run samples the next one, as this one would
+        controller = self.entropy_controller
+        position = self.generation.state_dict()
+        process = {"batch": position.pop("batch")}  # each process's own slice of the generation batch
         loop = {
-            "sampler": self.sampler.state_dict(),
+            **position,
             "window": self.window.state_dict(),
-            "pass_index": cursor.pass_index,
-            "micro_index": cursor.micro_index,
             "entropy_controller": None if controller is None else controller.state_dict(),
         }
-        process = {"batch": None if cursor.batch is None else cursor.batch.to("cpu").state_dict()}
         if self.producer is not None:  # the batches in flight that a resumed run could not sample again
             process["in_flight"] = self.producer.checkpoint_state(self.state.global_step)
         track_best_checkpoint(self.args, self.state, self._last_evaluation)
@@ -765,22 +781,14 @@ class GRPOTrainer:
         resumed = self.checkpointer.load(path, self._training_parts())
         if self.accelerator.is_main_process:  # said, as it matters most with resume_from_checkpoint=True
             logger.warning(f"Resuming from {path.resolve()} (step {resumed.state.global_step}).")
-        self.sampler.load_state_dict(resumed.loop["sampler"])
+        process = resumed.process or {}
+        self.generation.load_state_dict({**resumed.loop, "batch": process.get("batch")}, self.accelerator.device)
         if self.args.ignore_data_skip:  # transformers' meaning: the current epoch's data starts over
             self.sampler.position = 0
         self.window.load_state_dict(resumed.loop["window"])
         if self.entropy_controller is not None and resumed.loop.get("entropy_controller"):
             self.entropy_controller.load_state_dict(resumed.loop["entropy_controller"])
-        batch = (resumed.process or {}).get("batch")
-        self._restored_in_flight = (resumed.process or {}).get("in_flight") or []
-        if batch is None:
-            self.cursor = GenerationCursor()
-        else:
-            self.cursor = GenerationCursor(
-                TrainBatch.from_state_dict(batch).to(self.accelerator.device),
-                resumed.loop["pass_index"],
-                resumed.loop["micro_index"],
-            )
+        self._restored_in_flight = process.get("in_flight") or []
         self.state = resumed.state
         self.state.max_steps = total_steps(self.args, self.train_dataset, self.accelerator.num_processes)
 

@@ -101,7 +101,7 @@ class Agents:
             self.tools += [t for t in env_tools if t not in self.tools]
         self.tool_names = list(dict.fromkeys(tool_name(t) for t in self.tools))
         # The engine's log-probs are the training forward's only for rollouts this module sampled with it.
-        self.exact_logprobs = rollout_func is None
+        self.logprobs_match_training = rollout_func is None
         # Rollouts of disjoint rows may run at once (a streaming producer; the environment pool lends each rollout
         # its own instances until it is scored), except a user's rollout_func, which is not known to allow it.
         self.concurrent_rollouts = rollout_func is None

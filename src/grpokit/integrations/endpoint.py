@@ -469,7 +469,7 @@ class HarnessDriver:
     Rows come back with their reward in the column `reward_column` (read by the adapter's reward function) and the
     oldest policy version their calls were sampled at in `policy_version`."""
 
-    exact_logprobs = True  # every sampled token's log-prob is the engine's own
+    logprobs_match_training = True  # every sampled token's log-prob is the engine's own
     concurrent_rollouts = True  # each rollout is a serving window of its own: groups may play at once (streaming)
 
     def __init__(

@@ -341,7 +341,9 @@ class OpenEnvDriver:
     """`MultiTurnDriver` that plays OpenEnv sessions turn by turn on the trainer's engine: every row's turn sampled
     in one engine call (grpokit.agents.loop.sample_turns), the sessions' resets and steps sent together."""
 
-    exact_logprobs = True  # every trained token is sampled by the engine, on the context the training forward sees
+    logprobs_match_training = (
+        True  # every trained token is sampled by the engine, on the context the training forward sees
+    )
     concurrent_rollouts = True  # each rollout has a session of its own: groups may play at once (grpokit.streaming)
 
     def __init__(

@@ -126,7 +126,9 @@ def scored(name: str) -> Callable:
 class ClassicDriver:
     """`MultiTurnDriver` that runs a classic verifiers environment's rollouts on a grpokit engine."""
 
-    exact_logprobs = True  # every trained token is sampled by the engine, on the context the training forward sees
+    logprobs_match_training = (
+        True  # every trained token is sampled by the engine, on the context the training forward sees
+    )
 
     def __init__(
         self,

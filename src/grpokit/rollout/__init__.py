@@ -9,18 +9,18 @@ from .engine import (
     Rollout,
     RolloutEngine,
     SamplingParams,
-    engine_logprobs_exact,
+    engine_logprobs_match_training,
     rollout_seed,
 )
 from .hf import HFEngine, generate
 from .hf_generate import TransformersGenerateEngine
 from .prompts import PromptCodec, eos_token_ids, group_counts
-from .runner import Generation, MultiTurnDriver, RolloutRunner
+from .runner import DecodedRollout, MultiTurnDriver, RolloutRunner
 from .scripted import ScriptedCompletion, ScriptedEngine
 
 __all__ = [
     "EVAL_SEED_OFFSET",
-    "Generation",
+    "DecodedRollout",
     "HFEngine",
     "MultiTurnDriver",
     "PromptBatch",
@@ -32,7 +32,7 @@ __all__ = [
     "ScriptedCompletion",
     "ScriptedEngine",
     "TransformersGenerateEngine",
-    "engine_logprobs_exact",
+    "engine_logprobs_match_training",
     "eos_token_ids",
     "generate",
     "group_counts",

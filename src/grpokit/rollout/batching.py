@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from .engine import PromptBatch, Rollout, SamplingParams
+from .engine import PromptBatch, Rollout, SamplingParams, engine_logprobs_match_training
 
 
 class EngineClosed(RuntimeError):
@@ -52,7 +52,7 @@ class BatchingEngine:
     def __init__(self, engine, behaviour=None):
         self.engine = engine
         self.behaviour = behaviour  # Rollout -> [N, T] log-probs of its completions under the sampling weights
-        self.exact_logprobs = bool(getattr(engine, "exact_logprobs", False))
+        self.logprobs_match_training = engine_logprobs_match_training(engine)
         self.lock = threading.Lock()  # held while the engine samples or takes weights
         self.waiting: list[Request] = []
         self.waiting_lock = threading.Lock()

@@ -12,6 +12,7 @@ P prompt tokens (left-padded); T completion tokens (right-padded).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -231,11 +232,11 @@ class Rollout:
 class RolloutEngine(Protocol):
     """Anything that samples completions for the trainer (`GRPOTrainer(rollout_engine=...)`).
 
-    What an engine guarantees about its log-probs is declared by a class attribute, `exact_logprobs: bool`
+    What an engine guarantees about its log-probs is declared by a class attribute, `logprobs_match_training: bool`
     (optional; absent means False): True only where `Rollout.sampling_logprobs` equal the training forward's
     log-probs of the same weights (grpokit's in-process engine in float32, tested to 1e-5). Then they serve as π_old
     without another forward; otherwise they only feed the sampling corrections. Read it with
-    `engine_logprobs_exact(engine)`. It is not a protocol member, so that an engine without it still is one.
+    `engine_logprobs_match_training(engine)`. It is not a protocol member, so that an engine without it still is one.
     """
 
     def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
@@ -247,20 +248,30 @@ class RolloutEngine(Protocol):
         ...
 
 
-def engine_logprobs_exact(engine: RolloutEngine) -> bool:
-    """The engine's declared `exact_logprobs` (see `RolloutEngine`); False where it declares nothing."""
-    declared = getattr(engine, "exact_logprobs", False)
+def engine_logprobs_match_training(engine: RolloutEngine) -> bool:
+    """The engine's declared `logprobs_match_training` (see `RolloutEngine`); False where it declares nothing. An
+    engine that declares it under its former name, `exact_logprobs`, is read, with a DeprecationWarning."""
+    name = "logprobs_match_training"
+    if not hasattr(engine, name) and hasattr(engine, "exact_logprobs"):
+        warnings.warn(
+            f"{type(engine).__name__}.exact_logprobs is now named logprobs_match_training: rename the attribute.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        name = "exact_logprobs"
+    declared = getattr(engine, name, False)
     if not isinstance(declared, bool):
         raise TypeError(
-            f"{type(engine).__name__}.exact_logprobs must be a bool (whether its sampling log-probs equal "
+            f"{type(engine).__name__}.logprobs_match_training must be a bool (whether its sampling log-probs equal "
             f"the training forward's), got {declared!r}."
         )
     return declared
 
 
-def rollout_seed(seed: int, generation: int, process_index: int) -> int:
-    """The seed of one generation on one process: every engine and every evaluation batch gets its seed here."""
-    return seed * 1_000_003 + generation * 1009 + process_index
+def rollout_seed(seed: int, rollout_index: int, process_index: int) -> int:
+    """The seed of rollout `rollout_index` on one process (training counts its rollouts in `TrainerState.rollouts`;
+    an evaluation batch's index is its number): every engine and every evaluation batch gets its seed here."""
+    return seed * 1_000_003 + rollout_index * 1009 + process_index
 
 
 # Evaluation batches draw from their own seeds (rollout_seed(seed + EVAL_SEED_OFFSET, batch, process)): the same

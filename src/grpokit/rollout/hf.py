@@ -45,7 +45,7 @@ class HFEngine:
     """Samples from the model being trained, in this process (`RolloutEngine`).
 
     autocast: a context factory the forwards run under (the trainer's mixed precision); all_done: see `generate`.
-    Its log-probs are the training forward's (to float rounding) when no autocast is given: `exact_logprobs`.
+    Its log-probs are the training forward's (to float rounding) when no autocast is given: `logprobs_match_training`.
     """
 
     def __init__(
@@ -54,13 +54,13 @@ class HFEngine:
         device: torch.device | str = "cpu",
         autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
         all_done: Callable[[bool], bool] | None = None,
-        exact_logprobs: bool | None = None,
+        logprobs_match_training: bool | None = None,
         cache_implementation: str | None = None,
         compile: bool | None = None,
     ):
         self.model, self.device = model, torch.device(device)
         self.autocast, self.all_done = autocast or contextlib.nullcontext, all_done
-        self.exact_logprobs = autocast is None if exact_logprobs is None else exact_logprobs
+        self.logprobs_match_training = autocast is None if logprobs_match_training is None else logprobs_match_training
         if cache_implementation not in CACHE_IMPLEMENTATIONS:
             raise ValueError(
                 f"cache_implementation={cache_implementation!r} is not supported by the in-process "

@@ -29,7 +29,7 @@ class TransformersGenerateEngine:
     options: generation options for `GenerationConfig` beyond `SamplingParams` (num_beams, no_repeat_ngram_size,
     ...); autocast: a context factory the generation runs under (the trainer's mixed precision)."""
 
-    exact_logprobs = False  # no sampling log-probs: π_old comes from the training forward
+    logprobs_match_training = False  # no sampling log-probs: π_old comes from the training forward
 
     def __init__(
         self,

@@ -43,7 +43,7 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 import torch.multiprocessing  # registers the reductions that pickle shared-memory tensors as handles
 
-from .engine import PromptBatch, Rollout, RolloutEngine, SamplingParams
+from .engine import PromptBatch, Rollout, RolloutEngine, SamplingParams, engine_logprobs_match_training
 
 # GRPOConfig.heartbeat_stale_after_s's default: one request that takes longer would stop the run anyway.
 REQUEST_TIMEOUT_S = 300.0
@@ -155,7 +155,7 @@ class ProcessEngine:
         start_timeout_s: float = START_TIMEOUT_S,
     ):
         self.model, self.poll_s, self.request_timeout_s = model.share_memory(), poll_s, request_timeout_s
-        self.exact_logprobs = bool(getattr(engine, "exact_logprobs", False))
+        self.logprobs_match_training = engine_logprobs_match_training(engine)
         self.lock = threading.Lock()
         self.ended: EngineProcessDied | None = None  # why this side ended the child, if it did: raised again
         context = torch.multiprocessing.get_context("spawn")

@@ -1,12 +1,12 @@
-"""One seam for every rollout the trainer asks for: dataset rows in, a `Generation` out, whether one engine call
+"""One seam for every rollout the trainer asks for: dataset rows in, a `DecodedRollout` out, whether one engine call
 samples each completion (single-turn) or a multi-turn driver (grpokit.agents: tools, environments, a user's
 rollout_func) calls the engine turn after turn.
 
 The runner owns what both cases share: encoding the prompts once per group, putting the rollout on the training
 device, decoding the completions as reward functions receive them, joining the per-row fields an engine or driver
-reports (`Rollout.extra`) to the rows, and saying whether the rollout's sampling log-probs are the engine's own
-(`exact_logprobs`). It samples from whatever weights the engine holds: `sync_weights` is a separate call, so that a
-producer running ahead of training can choose when to take new weights.
+reports (`Rollout.extra`) to the rows, and saying whether the rollout's sampling log-probs equal the training
+forward's (`logprobs_match_training`). It samples from whatever weights the engine holds: `sync_weights` is a
+separate call, so that a producer running ahead of training can choose when to take new weights.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from typing import Any, Protocol
 import torch
 
 from ..data import with_prompt
-from .engine import Rollout, RolloutEngine, SamplingParams, engine_logprobs_exact
+from .engine import Rollout, RolloutEngine, SamplingParams, engine_logprobs_match_training
 from .prompts import PromptCodec
 
 
 @dataclass
-class Generation:
+class DecodedRollout:
     """One rollout of rows, decoded. N rows, one per completion."""
 
     rollout: Rollout  # on the training device
@@ -34,9 +34,9 @@ class Generation:
     model_lengths: torch.Tensor
 
     @staticmethod
-    def concat(parts: list[Generation]) -> Generation:
-        """Generations of separate rows as one (rows in the order of `parts`)."""
-        return Generation(
+    def concat(parts: list[DecodedRollout]) -> DecodedRollout:
+        """Decoded rollouts of separate rows as one (rows in the order of `parts`)."""
+        return DecodedRollout(
             Rollout.concat([p.rollout for p in parts]),
             [r for p in parts for r in p.rows],
             [c for p in parts for c in p.completions],
@@ -52,7 +52,7 @@ class MultiTurnDriver(Protocol):
     from different threads, on disjoint rows: an asynchronous producer then streams its rollouts group by group. An
     optional `scored(rollout)` is called once the rollout's rewards are computed (to take back what it lent)."""
 
-    exact_logprobs: bool  # False when the driver's log-probs are not the engine's (a user's rollout_func)
+    logprobs_match_training: bool  # False when the driver's log-probs are not the engine's (a user's rollout_func)
 
     def rollout(
         self, engine: RolloutEngine, rows: list[dict], params: SamplingParams, seed: int, host: Any
@@ -64,7 +64,7 @@ class MultiTurnDriver(Protocol):
 
 
 class RolloutRunner:
-    """Rows → `Generation`, single-turn or through a multi-turn driver, on any `RolloutEngine`.
+    """Rows → `DecodedRollout`, single-turn or through a multi-turn driver, on any `RolloutEngine`.
 
     `host` is what a user's rollout_func receives as its `trainer` argument (TRL's contract)."""
 
@@ -81,19 +81,21 @@ class RolloutRunner:
         self.driver, self.host = driver, host
 
     @property
-    def exact_logprobs(self) -> bool:
+    def logprobs_match_training(self) -> bool:
         """Whether a rollout's sampling log-probs are the training forward's (so they may serve as π_old)."""
-        return engine_logprobs_exact(self.engine) and (self.driver is None or self.driver.exact_logprobs)
+        return engine_logprobs_match_training(self.engine) and (
+            self.driver is None or self.driver.logprobs_match_training
+        )
 
     def sync_weights(self, policy: torch.nn.Module) -> None:
         self.engine.sync_weights(policy)
 
-    def scored(self, generation: Generation) -> None:
-        """`generation`'s rewards are computed: what its driver lent it (environments) may be lent again."""
+    def scored(self, decoded: DecodedRollout) -> None:
+        """`decoded`'s rewards are computed: what its driver lent it (environments) may be lent again."""
         if self.driver is not None and hasattr(self.driver, "scored"):
-            self.driver.scored(generation.rollout)
+            self.driver.scored(decoded.rollout)
 
-    def run(self, rows: list[dict], counts: list[int], seed: int) -> Generation:
+    def run(self, rows: list[dict], counts: list[int], seed: int) -> DecodedRollout:
         """Sample rows (consecutive runs of counts[i] rows share a prompt) reproducibly from seed."""
         starts = [sum(counts[:i]) for i in range(len(counts))]
         prompts = self.codec.encode([with_prompt(rows[s]) for s in starts], counts)
@@ -116,7 +118,7 @@ class RolloutRunner:
             rows = [
                 {**row, **{name: values[i] for name, values in rollout.extra.items()}} for i, row in enumerate(rows)
             ]
-        return Generation(rollout, rows, completions, completion_ids, model_lengths)
+        return DecodedRollout(rollout, rows, completions, completion_ids, model_lengths)
 
     def metrics(self, accelerator) -> dict[str, float]:
         """The driver's counters since the last call (tools/...), reduced over processes; {} for single-turn."""

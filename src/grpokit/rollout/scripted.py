@@ -29,7 +29,7 @@ class ScriptedEngine:
     """`RolloutEngine` returning `script`'s completions; it reports no sampling log-probs, so the trainer computes
     π_old with its own forward whenever it needs one."""
 
-    exact_logprobs = False
+    logprobs_match_training = False
 
     def __init__(self, script: Callable[[list[int], int], list[int] | ScriptedCompletion]):
         self.script = script

@@ -259,7 +259,7 @@ class VLLMEngine:
     it whenever the old one happens to be collected.
     """
 
-    exact_logprobs = False  # vLLM's kernels: π_old comes from the training forward
+    logprobs_match_training = False  # vLLM's kernels: π_old comes from the training forward
 
     def __init__(
         self,

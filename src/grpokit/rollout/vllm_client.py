@@ -62,7 +62,7 @@ class ServerError(RuntimeError):
 class VLLMServerEngine:
     """`RolloutEngine` over a running `grpokit vllm-serve` at `base_url` (e.g. "http://127.0.0.1:8000")."""
 
-    exact_logprobs = False
+    logprobs_match_training = False
 
     def __init__(
         self,
@@ -367,7 +367,7 @@ class VLLMServers:
     the others instead, and it is left out for the rest of the run, with a warning; the run stops only when none is
     left."""
 
-    exact_logprobs = False
+    logprobs_match_training = False
 
     def __init__(self, servers: list[VLLMServerEngine], failover: bool = False, pieces_per_server: int = 4):
         self.servers, self.failover, self.pieces_per_server = list(servers), failover, pieces_per_server
