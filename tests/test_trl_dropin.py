@@ -1943,3 +1943,26 @@ def test_compute_loss_takes_trls_dict_and_gives_trls_loss(tmp_path, training):
     assert len({round(value, 6) for value in losses[:4]}) == 4, losses
     with pytest.raises(ValueError, match=r"without \['advantages'\]"):
         ours.compute_loss(ours.model, {k: v for k, v in inputs.items() if k != "advantages"})
+
+
+def test_a_hub_id_in_the_local_cache_loads_offline(tmp_path, monkeypatch):
+    # TRL's tests (and offline clusters) load "org/name" from a pre-filled Hugging Face cache with HF_HUB_OFFLINE=1,
+    # as from_pretrained does; grpokit refused every such id before looking in the cache.
+    import huggingface_hub.constants
+
+    from grpokit.models import check_model_source
+
+    model, tokenizer = tiny()
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    model.save_pretrained(repo / "snapshots" / "abc123")
+    tokenizer.save_pretrained(repo / "snapshots" / "abc123")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    trainer = GRPOTrainer(model="org/tiny", reward_funcs=repeat_letter, args=config(tmp_path), train_dataset=letters())
+    assert trainer.model.config.vocab_size == model.config.vocab_size
+    assert trainer.processing_class.get_vocab() == tokenizer.get_vocab()
+    with pytest.raises(FileNotFoundError, match="nor is it in the Hugging Face cache"):
+        check_model_source("org/missing")

@@ -24,15 +24,31 @@ def looks_like_local_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
 
 
-def check_model_source(name: str) -> None:
-    """Fail early, before any network call, for a path that does not exist."""
+def in_hub_cache(name: str, cache_dir: str | None = None) -> bool:
+    """Whether the Hugging Face cache (HF_HUB_CACHE, or `cache_dir`) holds `name`'s config.json at refs/main: what
+    `from_pretrained` loads offline."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(name, "config.json", cache_dir=cache_dir), str)
+    except ValueError:  # not a valid repo id
+        return False
+
+
+def check_model_source(name: str, cache_dir: str | None = None) -> None:
+    """Fail early, before any network call, for a path that does not exist (offline: for a Hub id that is not in
+    the local Hugging Face cache either)."""
     if Path(name).expanduser().exists():
         return
     offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
-    if looks_like_local_path(name) or offline:
+    if looks_like_local_path(name) or (offline and not in_hub_cache(name, cache_dir)):
         raise FileNotFoundError(
             f"Model {name!r} not found: no such local directory"
-            + (" (and HF_HUB_OFFLINE is set, so the Hub is not tried)" if offline else "")
+            + (
+                " (and HF_HUB_OFFLINE is set, so the Hub is not tried; nor is it in the Hugging Face cache)"
+                if offline
+                else ""
+            )
             + ". Pass the directory that holds config.json and the weights, or a Hugging Face Hub id."
         )
 
@@ -43,8 +59,8 @@ def load_causal_lm(name: str, model_init_kwargs: dict | None = None, trust_remot
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    check_model_source(name)
     kwargs = {"trust_remote_code": trust_remote_code, **(model_init_kwargs or {})}
+    check_model_source(name, kwargs.get("cache_dir"))
     if "torch_dtype" in kwargs:  # the transformers 4 spelling
         kwargs["dtype"] = kwargs.pop("torch_dtype")
     config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
