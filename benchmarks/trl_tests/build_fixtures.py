@@ -65,10 +65,13 @@ TEXT_MODELS = {
     ),
 }
 BOS = {"llama": "<|begin_of_text|>", "mistral": "<s>", "gemma2": "<bos>", "cohere2": "<BOS_TOKEN>"}
+# Special tokens of the family's tokenizer that its template does not name (TRL's tests use Llama's pad token).
+SPECIAL = {"llama": ["<|end_of_text|>", "<|finetune_right_pad_id|>", "<|eom_id|>", "<|python_tag|>"]}
 # Tokens the families' tokenizers hold as added tokens (tool calls, thinking).
 ADDED = {"qwen2": ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]}
 ADDED["qwen3"] = ADDED["qwen3_moe"] = ADDED["qwen2"] + ["<think>", "</think>"]
 ADDED["nemotron_h"] = ADDED["qwen3"]
+QWEN_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Mistral-7B-Instruct-v0.2's template (TRL ships none for it).
 MISTRAL_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
@@ -100,12 +103,39 @@ def snapshot_dir(hub_cache: Path, repo_id: str) -> Path:
     return path
 
 
+# Qwen's special tokens start at id 151643 (<|endoftext|>, <|im_start|>, <|im_end|> = 151643-151645) in a vocabulary of
+# 151,665: TRL's tests write those ids (a mocked generate's completions) and rely on EOS being one token in 150k.
+QWEN_FIRST_SPECIAL_ID = 151643
+
+
+def build_chat_tokenizer(chat_template, special_tokens, eos_token, pad_token, added_tokens=(), first_id=0):
+    """grpokit.testing.build_chat_tokenizer's tokenizer with its special tokens from id `first_id` on (the ids
+    below are fillers no text maps to, as a large vocabulary's other tokens for a random-weight model)."""
+    import re
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    known = sorted(set(re.findall(r"[A-Za-z_]{2,}", chat_template)), key=lambda w: (-len(w), w))
+    vocab = {f"<|filler_{i}|>": i for i in range(first_id)}
+    for token in list(special_tokens) + list(added_tokens) + known + list(string.printable):
+        vocab.setdefault(token, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=pad_token))
+    pattern = "|".join(re.escape(w) for w in known) + "|."
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(f"(?m:{pattern})"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(special_tokens))
+    tok.add_tokens(list(added_tokens))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad_token, eos_token=eos_token)
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
 def build_tokenizer(model_type: str, template_name: str | None, eos: str, pad: str | None):
     import re
 
     import trl
-
-    from grpokit.testing import build_chat_tokenizer
 
     if template_name is None:
         template = MISTRAL_TEMPLATE
@@ -113,9 +143,19 @@ def build_tokenizer(model_type: str, template_name: str | None, eos: str, pad: s
         template = (Path(trl.__file__).parent / "chat_templates" / f"{template_name}.jinja").read_text()
     bos = BOS.get(model_type)
     special = sorted(set(re.findall(r"<\|[A-Za-z_]+\|>|<(?:start|end)_of_turn>", template)))
-    special = [token for token in [eos, pad, bos] if token] + [t for t in special if t not in (eos, pad, bos)]
+    special += SPECIAL.get(model_type, [])
+    first_id = 0
+    if model_type in (
+        "qwen2",
+        "qwen3",
+        "qwen3_moe",
+    ):  # the Qwen families: <|endoftext|>, <|im_start|>, <|im_end|> at 151643-151645
+        first_id = QWEN_FIRST_SPECIAL_ID
+        special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [t for t in special if t not in QWEN_SPECIAL]
+    else:
+        special = [token for token in [eos, pad, bos] if token] + [t for t in special if t not in (eos, pad, bos)]
     tokenizer = build_chat_tokenizer(
-        template, special, eos_token=eos, pad_token=pad or eos, added_tokens=ADDED.get(model_type, [])
+        template, special, eos, pad or eos, added_tokens=ADDED.get(model_type, []), first_id=first_id
     )
     if bos:
         tokenizer.bos_token = bos
@@ -160,6 +200,42 @@ def build_vlm(hub_cache: Path, repo_id: str, model_type: str) -> None:
     processor.save_pretrained(path)
 
 
+def build_remote_model(hub_cache: Path, scripts: Path) -> None:
+    """tiny-RemoteForCausalLM: a Llama under another model_type whose code travels with the checkpoint
+    (trust_remote_code), from the modules of TRL's generator (scripts/.../_remote_code)."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(scripts))
+    configuration = importlib.import_module("remote_code.configuration_remote")
+    modeling = importlib.import_module("remote_code.modeling_remote")
+    configuration.RemoteConfig.register_for_auto_class()
+    modeling.RemoteModel.register_for_auto_class("AutoModel")
+    modeling.RemoteForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+    modeling.RemoteForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
+    tokenizer = build_tokenizer("llama", "llama3_2", "<|eot_id|>", None)
+    config = configuration.RemoteConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    config.auto_map = {
+        "AutoModel": "modeling_remote.RemoteModel",
+        "AutoModelForSequenceClassification": "modeling_remote.RemoteForSequenceClassification",
+    }
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = modeling.RemoteForCausalLM(config).to(torch.bfloat16)
+    path = snapshot_dir(hub_cache, "trl-internal-testing/tiny-RemoteForCausalLM")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
 def build_datasets(root: Path, scripts: Path) -> None:
     """Run TRL's dataset generators with push_to_hub writing parquet files and a README with `configs:`."""
     import datasets
@@ -201,6 +277,8 @@ def main() -> None:
     for repo_id, model_type in VLMS.items():
         build_vlm(args.hub_cache, repo_id, model_type)
         print("built", repo_id)
+    build_remote_model(args.hub_cache, args.trl_scripts)
+    print("built trl-internal-testing/tiny-RemoteForCausalLM")
     build_datasets(args.datasets_root, args.trl_scripts)
     print("built datasets", sorted(DATASET_SCRIPTS))
 

@@ -147,9 +147,9 @@ def check_liger_kernel(model, args) -> None:
             )
         if model.active_peft_config.is_prompt_learning:
             raise ValueError(
-                "use_liger_kernel=True is not supported with prompt learning (prompt / prefix tuning): "
-                "its virtual tokens are not inputs of the fused LM head. Use LoRA, or "
-                "use_liger_kernel=False."
+                "use_liger_kernel=True is not supported with prompt-learning PEFT methods (PromptTuning, "
+                "PrefixTuning, P-Tuning): their virtual tokens are not inputs of the fused LM head. Use a "
+                "weight-based adapter such as LoRA, or use_liger_kernel=False."
             )
     if (args.liger_kernel_config or {}).get("fused_linear_cross_entropy"):
         raise ValueError(
