@@ -347,8 +347,27 @@ def build_policy(model, processing_class, peft_config, args, quantization_config
     if peft_config is not None:
         model = apply_peft(model, peft_config)
     check_liger_kernel(model, args)
+    if args.cast_lm_head_to_fp32:
+        keep_head_in_float32(model)
     contiguous_head_input(model)
     return model, processing_class
+
+
+def keep_head_in_float32(model: torch.nn.Module) -> None:
+    """TRL's cast_lm_head_to_fp32 (ScaleRL): the LM head's weight is held, trained and saved in float32, and its
+    input cast to float32, so the logits are float32. A tied input embedding shares the weight: its output is cast
+    back to the model's dtype, so that the rest of the model computes as before."""
+    head = output_embeddings(model)
+    if not isinstance(head, torch.nn.Linear) or not head.weight.is_floating_point():
+        raise ValueError("cast_lm_head_to_fp32 needs a model whose output embedding is an nn.Linear.")
+    dtype = head.weight.dtype
+    if dtype == torch.float32:
+        return
+    head.float()  # in place: a tied embedding holds the same Parameter, which becomes float32 too
+    head.register_forward_pre_hook(lambda module, args: (args[0].to(torch.float32), *args[1:]))
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embeddings is not None and embeddings.weight is head.weight:
+        embeddings.register_forward_hook(lambda module, args, output: output.to(dtype))
 
 
 def _contiguous_input(module, args):
