@@ -195,6 +195,12 @@ def build_vlm(hub_cache: Path, repo_id: str, model_type: str) -> None:
     from grpokit.testing import build_tiny_vlm
 
     model, processor = build_tiny_vlm(model_type, seed=0)
+    if model_type == "gemma3":  # Gemma 3's SigLIP has no pooling head (vision_use_head=False): it would never train
+        for module in model.modules():
+            if getattr(module, "use_head", False):
+                module.use_head = False
+                del module.head
+        model.config.vision_config.vision_use_head = False
     path = snapshot_dir(hub_cache, repo_id)
     model.to(torch.bfloat16).save_pretrained(path)
     processor.save_pretrained(path)
