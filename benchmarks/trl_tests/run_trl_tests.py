@@ -24,6 +24,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
@@ -138,6 +139,17 @@ def outcomes(report: Path) -> dict[str, tuple[str, str]]:
     return results
 
 
+def last_outcomes(work: Path, mode: str, name: str) -> dict[str, tuple[str, str]]:
+    """The last full run's outcomes, updated with those of a later partial run (-k, --trl-where-grpokit-fails)."""
+    full = work / f"{mode}-{name}.xml"
+    results = outcomes(full)
+    since = full.stat().st_mtime if full.exists() else 0
+    for partial in sorted(work.glob(f"{mode}-{name}-partial*.xml"), key=lambda path: path.stat().st_mtime):
+        if partial.stat().st_mtime > since:
+            results.update(outcomes(partial))
+    return results
+
+
 def node_id(test_file: str, test_id: str) -> str:
     """pytest's node id of a table row's test id (Class::name, or module::name for a function)."""
     cls, name = test_id.split("::")
@@ -246,7 +258,7 @@ def main() -> None:
         for name in args.files:
             # A -k run updates the last full run's results for the tests it selects.
             partial = args.keyword or (mode == "trl" and args.trl_where_grpokit_fails)
-            report = work / f"{mode}-{name}{'-partial' if partial else ''}.xml"
+            report = work / f"{mode}-{name}{f'-partial-{time.time():.0f}' if partial else ''}.xml"
             report.unlink(missing_ok=True)
             tests = [FILES[name]]
             if mode == "trl" and args.trl_where_grpokit_fails:
@@ -255,15 +267,9 @@ def main() -> None:
                 if not tests:
                     continue
             run_pytest(run_dir, tests, report, env, args.keyword)
-            if partial:
-                full = outcomes(work / f"{mode}-{name}.xml")
-                full.update(outcomes(report))
-                full_report = work / f"{mode}-{name}.xml"
-                results[mode, name] = full if full_report.exists() else outcomes(report)
     for mode in ("trl", "grpokit"):
         for name in args.files:
-            if (mode, name) not in results:
-                results[mode, name] = outcomes(work / f"{mode}-{name}.xml")  # the last full run's
+            results[mode, name] = last_outcomes(work, mode, name)
 
     import trl
 
