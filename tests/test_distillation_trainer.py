@@ -220,6 +220,35 @@ def full_logits(model, batch: TrainBatch) -> torch.Tensor:
     return logits[:, batch.prompt_ids.shape[1] - 1 : -1]
 
 
+def test_compute_loss_takes_trls_dict_and_its_num_items_in_batch(tmp_path):
+    # TRL's test_loss_normalizes_by_num_items_in_batch calls compute_loss with a dict in GRPO's key layout and a
+    # token count (HF Trainer's num_items_in_batch): the divergence summed over that many tokens, None: a mean.
+    tokenizer = build_char_tokenizer(CHARS)
+    ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    student = build_tiny_model(len(tokenizer), hidden_size=32, seed=0, **ids)
+    teacher = build_tiny_model(len(tokenizer), hidden_size=48, num_layers=3, seed=1, **ids)
+    trainer = DistillationTrainer(
+        student, teacher, args=config(tmp_path), train_dataset=letter_dataset(1), processing_class=tokenizer
+    )
+    batch = fixed_batch(tokenizer, torch.Generator().manual_seed(0))
+    batch.loss_mask = batch.attention_mask.float()  # TRL's dict has one mask for both
+    trl_inputs = dict(
+        prompt_ids=batch.prompt_ids,
+        prompt_mask=batch.prompt_mask,
+        completion_ids=batch.completion_ids,
+        completion_mask=batch.attention_mask,
+    )
+    with torch.no_grad():
+        expected = trainer.compute_loss(trainer.model, batch, num_items_in_batch=(4, 14.0, 1))  # 14 real tokens
+        mean = trainer.compute_loss(trainer.model, trl_inputs)
+        over_28 = trainer.compute_loss(trainer.model, trl_inputs, num_items_in_batch=torch.tensor(28))
+    assert expected.item() > 1e-3
+    assert mean.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert over_28.item() == pytest.approx(expected.item() / 2, rel=1e-6)
+    with pytest.raises(ValueError, match="completion_mask"):
+        trainer.compute_loss(trainer.model, {"prompt_ids": batch.prompt_ids})
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_the_trainers_loss_is_distillation_loss_on_full_logits(tmp_path, beta, temperature):

@@ -121,3 +121,43 @@ def test_fp32_head_computes_the_head_in_float32_under_bf16_autocast_on_both_path
                 errors[chunked, fp32_head] = (values.float() - expected).abs().max().item()
     for chunked in (False, True):
         assert errors[chunked, True] < 1e-4 < errors[chunked, False], errors
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_cast_lm_head_to_fp32_holds_and_trains_the_head_in_float32_as_trl(tmp_path, tied):
+    """TRL casts the head's weight to float32 (TRL's test_train_with_cast_lm_head_to_fp32 checks its dtype after
+    training); a tied embedding shares it and still hands the decoder bfloat16 activations."""
+    from grpokit.testing import build_tiny_model
+
+    tokenizer = build_char_tokenizer(LETTERS + ":")
+    model = build_tiny_model(len(tokenizer), hidden_size=32, tie_word_embeddings=tied, seed=0).to(torch.bfloat16)
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=3,
+        learning_rate=0.1,
+        max_steps=2,
+        bf16=False,
+        cast_lm_head_to_fp32=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    dataset = Dataset.from_list([{"prompt": f"{c}:"} for c in LETTERS])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **kw: [float(ord(c[0])) if c else 0.0 for c in completions],
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    head = trainer.model.lm_head.weight
+    assert head.dtype == torch.float32
+    assert (trainer.model.model.embed_tokens.weight is head) == tied
+    assert trainer.model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    assert trainer.model.model.embed_tokens(torch.tensor([[3, 4]])).dtype == torch.bfloat16
+    before = head.detach().clone()
+    trainer.train()
+    assert trainer.model.lm_head.weight.dtype == torch.float32
+    assert not torch.equal(before, trainer.model.lm_head.weight)

@@ -1635,7 +1635,7 @@ def test_use_liger_kernel_is_validated_as_trl_does(tmp_path, monkeypatch):
         config(tmp_path, use_liger_kernel=True)
     with pytest.raises(ValueError, match="Applying a PEFT adapter to `lm_head` is not supported"):
         build(LoraConfig(target_modules=["q_proj", "lm_head"]))
-    with pytest.raises(ValueError, match="not supported with prompt learning"):
+    with pytest.raises(ValueError, match="not supported with prompt-learning"):  # TRL's test matches "prompt-learning"
         build(PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
     with pytest.raises(ValueError, match='liger_kernel_config=\\{"fused_linear_cross_entropy": True\\}` is not'):
         build(liger_kernel_config={"fused_linear_cross_entropy": True})
@@ -1943,3 +1943,43 @@ def test_compute_loss_takes_trls_dict_and_gives_trls_loss(tmp_path, training):
     assert len({round(value, 6) for value in losses[:4]}) == 4, losses
     with pytest.raises(ValueError, match=r"without \['advantages'\]"):
         ours.compute_loss(ours.model, {k: v for k, v in inputs.items() if k != "advantages"})
+
+
+def test_a_hub_id_in_the_local_cache_loads_offline(tmp_path, monkeypatch):
+    # TRL's tests (and offline clusters) load "org/name" from a pre-filled Hugging Face cache with HF_HUB_OFFLINE=1,
+    # as from_pretrained does; grpokit refused every such id before looking in the cache.
+    import huggingface_hub.constants
+
+    from grpokit.models import check_model_source
+
+    model, tokenizer = tiny()
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    model.save_pretrained(repo / "snapshots" / "abc123")
+    tokenizer.save_pretrained(repo / "snapshots" / "abc123")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    trainer = GRPOTrainer(model="org/tiny", reward_funcs=repeat_letter, args=config(tmp_path), train_dataset=letters())
+    assert trainer.model.config.vocab_size == model.config.vocab_size
+    assert trainer.processing_class.get_vocab() == tokenizer.get_vocab()
+    with pytest.raises(FileNotFoundError, match="nor is it in the Hugging Face cache"):
+        check_model_source("org/missing")
+
+
+def test_with_neither_data_nor_reward_the_reward_is_named_first_as_in_trl(tmp_path):
+    # TRL builds the reward functions before it looks at the data: with both missing its message is the reward's.
+    model, tokenizer = tiny()
+    with pytest.raises(ValueError, match="No reward source provided"):
+        GRPOTrainer(model=model, processing_class=tokenizer, args=config(tmp_path))
+    with pytest.raises(ValueError, match="`train_dataset` is required unless an `environment_factory` is provided"):
+        GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=repeat_letter, args=config(tmp_path))
+    with pytest.raises(ValueError, match="needs column"):  # the columns are still checked, after the data
+        GRPOTrainer(
+            model=model,
+            processing_class=tokenizer,
+            reward_funcs=repeat_letter,
+            args=config(tmp_path),
+            train_dataset=Dataset.from_list([{"prompt": "a:"}] * 8),
+        )

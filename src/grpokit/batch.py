@@ -114,21 +114,21 @@ class TrainBatch:
         )
 
     @classmethod
-    def from_trl_inputs(cls, inputs: dict) -> TrainBatch:
+    def from_trl_inputs(cls, inputs: dict, with_advantages: bool = True) -> TrainBatch:
         """The batch of TRL's layout (a dict as TRL's `_generate_and_score_completions` returns it: prompt_ids,
         prompt_mask, completion_ids, completion_mask, advantages [N] or [N, T], and where present
         old_per_token_logps, ref_per_token_logps, sampling_per_token_logps, importance_sampling_ratio, tool_mask).
         TRL's completion_mask is both the attention and the loss mask; its tool_mask takes tool tokens out of the
-        loss only."""
+        loss only. with_advantages=False: a distillation batch, which has none (they are zero)."""
+        required = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
         missing = [
-            key
-            for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
-            if key not in inputs
+            key for key in (*required, "advantages") if key not in inputs and (with_advantages or key in required)
         ]
         if missing:
+            layout = ", ".join(required + (("advantages", "...") if with_advantages else ()))
             raise ValueError(
                 f"compute_loss was given a dict without {missing}: pass a TrainBatch, or a dict in TRL's "
-                f"layout (prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, ...)."
+                f"layout ({layout})."
             )
         if any(key in inputs for key in ("pixel_values", "image_grid_thw", "num_images")):
             raise ValueError(
@@ -147,7 +147,12 @@ class TrainBatch:
             attention_mask,
             loss_mask,
             lengths,
-            per_token(inputs["advantages"], completion_ids),
+            per_token(
+                inputs["advantages"]
+                if with_advantages
+                else completion_ids.new_zeros(len(completion_ids), dtype=torch.float32),
+                completion_ids,
+            ),
             inputs.get("old_per_token_logps"),
             inputs.get("ref_per_token_logps"),
             inputs.get("sampling_per_token_logps"),

@@ -380,17 +380,12 @@ def run_inputs(
     environments = EnvironmentPool(environment_factory) if environment_factory is not None else None
     if train_dataset is None and environments is not None:  # the environments supply the prompts (reset)
         train_dataset = placeholder_dataset(args, environment_factory)
+    # TRL's order: the reward source before the data (with neither, the message names the reward)
+    functions, weights = build_rewards(args, reward_funcs, reward_processing_classes, environments, rewards_required)
     check_run(args, train_dataset, eval_dataset, rollout_engine, tools, rollout_func, environment_factory)
-    functions, weights = build_rewards(
-        args,
-        reward_funcs,
-        reward_processing_classes,
-        environments,
-        (train_dataset, eval_dataset),
-        agents=bool(tools) or environments is not None or adapter is not None,
-        columns_known=rollout_func is None and adapter is None,
-        required=rewards_required,
-    )
+    if rollout_func is None and adapter is None:  # a rollout_func's extra fields are columns known once it has run
+        agents = bool(tools) or environments is not None
+        check_reward_columns(functions, (train_dataset, eval_dataset), agents)
     return RunInputs(train_dataset, environments, adapter, functions, weights)
 
 
@@ -404,21 +399,9 @@ def build_driver(
     return build_agents(tokenizer, model, args, max_prompt_length, tools, inputs.environments, rollout_func)
 
 
-def build_rewards(
-    args: GRPOConfig,
-    reward_funcs,
-    reward_processing_classes,
-    environments,
-    datasets,
-    *,
-    agents: bool,
-    columns_known: bool,
-    required: bool = True,
-):
+def build_rewards(args: GRPOConfig, reward_funcs, reward_processing_classes, environments, required: bool = True):
     """(reward functions, their weights): the user's functions and reward models, then the environments'
-    get_reward; each dataset of `datasets` (train, eval: one or named sets) checked for the columns the functions
-    need (an agent's rows also carry `turn_ends`; a rollout_func's extra fields are columns known only once it has
-    run: `columns_known=False`)."""
+    get_reward."""
     functions = build_reward_functions(
         reward_funcs,
         reward_processing_classes,
@@ -427,12 +410,16 @@ def build_rewards(
         environment_rewards=environments.reward_functions() if environments is not None else (),
         required=required,
     )
-    train_dataset, eval_dataset = datasets
-    for dataset in (train_dataset, *named_eval_datasets(eval_dataset).values()):
-        if columns_known:
-            check_required_columns(functions, dataset_columns(dataset) + (["turn_ends"] if agents else []))
     weights = reward_weights(args, len(functions), len(environments.reward_types) if environments is not None else 0)
     return functions, weights
+
+
+def check_reward_columns(functions, datasets, agents: bool) -> None:
+    """Each dataset of `datasets` (train, eval: one or named sets) has the columns the functions need (an agent's
+    rows also carry `turn_ends`)."""
+    train_dataset, eval_dataset = datasets
+    for dataset in (train_dataset, *named_eval_datasets(eval_dataset).values()):
+        check_required_columns(functions, dataset_columns(dataset) + (["turn_ends"] if agents else []))
 
 
 def prepare_process(args: GRPOConfig, device: torch.device) -> None:

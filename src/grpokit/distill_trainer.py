@@ -117,9 +117,16 @@ class DistillationTrainer(GRPOTrainer):
         """TRL's hook: the distillation loss of one micro-batch (`inputs`, a `TrainBatch`) under `model`: the
         divergence summed over its loss-mask tokens (tool output and other inserted tokens are not the student's
         and take no part) over the window's token count (`num_items_in_batch` = (sequences, tokens, micro-batches)
-        of the optimizer step's window; None: the current step's). Logs TRL's `entropy` (the student's, nats)."""
+        of the optimizer step's window; None: the current step's). Logs TRL's `entropy` (the student's, nats).
+        `inputs` may also be a dict in TRL's layout (prompt_ids, prompt_mask, completion_ids, completion_mask): its
+        loss is then TRL's, the divergence summed over `num_items_in_batch` tokens (a number; None: the mean over
+        the batch's own tokens)."""
         if return_outputs:
             raise ValueError("The DistillationTrainer does not support returning outputs")
+        if isinstance(inputs, dict):
+            inputs = TrainBatch.from_trl_inputs(inputs, with_advantages=False)
+            local_tokens = inputs.loss_mask.sum().item()
+            num_items_in_batch = (0, local_tokens if num_items_in_batch is None else float(num_items_in_batch), 1)
         num_tokens = (num_items_in_batch or self._window_counts or (0, inputs.loss_mask.sum().item(), 1))[1]
         batch = inputs.trimmed()
         width = batch.completion_ids.shape[1]

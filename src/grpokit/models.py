@@ -24,15 +24,31 @@ def looks_like_local_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
 
 
-def check_model_source(name: str) -> None:
-    """Fail early, before any network call, for a path that does not exist."""
+def in_hub_cache(name: str, cache_dir: str | None = None) -> bool:
+    """Whether the Hugging Face cache (HF_HUB_CACHE, or `cache_dir`) holds `name`'s config.json at refs/main: what
+    `from_pretrained` loads offline."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(name, "config.json", cache_dir=cache_dir), str)
+    except ValueError:  # not a valid repo id
+        return False
+
+
+def check_model_source(name: str, cache_dir: str | None = None) -> None:
+    """Fail early, before any network call, for a path that does not exist (offline: for a Hub id that is not in
+    the local Hugging Face cache either)."""
     if Path(name).expanduser().exists():
         return
     offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
-    if looks_like_local_path(name) or offline:
+    if looks_like_local_path(name) or (offline and not in_hub_cache(name, cache_dir)):
         raise FileNotFoundError(
             f"Model {name!r} not found: no such local directory"
-            + (" (and HF_HUB_OFFLINE is set, so the Hub is not tried)" if offline else "")
+            + (
+                " (and HF_HUB_OFFLINE is set, so the Hub is not tried; nor is it in the Hugging Face cache)"
+                if offline
+                else ""
+            )
             + ". Pass the directory that holds config.json and the weights, or a Hugging Face Hub id."
         )
 
@@ -43,8 +59,8 @@ def load_causal_lm(name: str, model_init_kwargs: dict | None = None, trust_remot
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    check_model_source(name)
     kwargs = {"trust_remote_code": trust_remote_code, **(model_init_kwargs or {})}
+    check_model_source(name, kwargs.get("cache_dir"))
     if "torch_dtype" in kwargs:  # the transformers 4 spelling
         kwargs["dtype"] = kwargs.pop("torch_dtype")
     config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
@@ -131,9 +147,9 @@ def check_liger_kernel(model, args) -> None:
             )
         if model.active_peft_config.is_prompt_learning:
             raise ValueError(
-                "use_liger_kernel=True is not supported with prompt learning (prompt / prefix tuning): "
-                "its virtual tokens are not inputs of the fused LM head. Use LoRA, or "
-                "use_liger_kernel=False."
+                "use_liger_kernel=True is not supported with prompt-learning PEFT methods (PromptTuning, "
+                "PrefixTuning, P-Tuning): their virtual tokens are not inputs of the fused LM head. Use a "
+                "weight-based adapter such as LoRA, or use_liger_kernel=False."
             )
     if (args.liger_kernel_config or {}).get("fused_linear_cross_entropy"):
         raise ValueError(
@@ -331,8 +347,27 @@ def build_policy(model, processing_class, peft_config, args, quantization_config
     if peft_config is not None:
         model = apply_peft(model, peft_config)
     check_liger_kernel(model, args)
+    if args.cast_lm_head_to_fp32:
+        keep_head_in_float32(model)
     contiguous_head_input(model)
     return model, processing_class
+
+
+def keep_head_in_float32(model: torch.nn.Module) -> None:
+    """TRL's cast_lm_head_to_fp32 (ScaleRL): the LM head's weight is held, trained and saved in float32, and its
+    input cast to float32, so the logits are float32. A tied input embedding shares the weight: its output is cast
+    back to the model's dtype, so that the rest of the model computes as before."""
+    head = output_embeddings(model)
+    if not isinstance(head, torch.nn.Linear) or not head.weight.is_floating_point():
+        raise ValueError("cast_lm_head_to_fp32 needs a model whose output embedding is an nn.Linear.")
+    dtype = head.weight.dtype
+    if dtype == torch.float32:
+        return
+    head.float()  # in place: a tied embedding holds the same Parameter, which becomes float32 too
+    head.register_forward_pre_hook(lambda module, args: (args[0].to(torch.float32), *args[1:]))
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embeddings is not None and embeddings.weight is head.weight:
+        embeddings.register_forward_hook(lambda module, args, output: output.to(dtype))
 
 
 def _contiguous_input(module, args):

@@ -1,0 +1,294 @@
+"""Run TRL's own trainer tests against grpokit, as a TRL user would: only the trainer/config import changed.
+
+For each of TRL's test files (tests/test_grpo_trainer.py, tests/test_rloo_trainer.py,
+tests/experimental/test_distillation_trainer.py) the harness
+
+1. copies the file and the helpers it imports (tests/__init__.py, conftest.py, testing_utils.py,
+   testing_constants.py) out of a TRL checkout into a scratch folder;
+2. builds offline stand-ins for the Hub models and datasets the tests load (build_fixtures.py);
+3. runs the file twice, offline on CPU: once as TRL wrote it (TRL's trainer: a test that fails there fails for
+   reasons of this environment, and is not fair to count) and once with the import switched to grpokit's classes;
+4. writes a per-test table (results.md) and the counts: a test is fair when it passes with TRL's trainer and does
+   not read TRL's private internals (PRIVATE below, each with its reason).
+
+    python benchmarks/trl_tests/run_trl_tests.py [--work DIR] [--files grpo rloo distillation] [-k EXPR]
+
+grpokit is imported from wherever Python finds it (PYTHONPATH=src for a checkout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TRL_REPO = "/work/.mirror/huggingface+trl/repo"
+FILES = {
+    "grpo": "tests/test_grpo_trainer.py",
+    "rloo": "tests/test_rloo_trainer.py",
+    "distillation": "tests/experimental/test_distillation_trainer.py",
+}
+HELPERS = ["tests/__init__.py", "tests/conftest.py", "tests/testing_utils.py", "tests/testing_constants.py"]
+HELPERS += ["tests/experimental/__init__.py"]
+SCRIPTS = ["scripts/generate_zen_dataset.py", "scripts/generate_zen_image_dataset.py"]
+SCRIPTS += ["scripts/generate_zen_multi_image_dataset.py"]
+REMOTE_CODE = "scripts/generate_tiny_models/for_causal_lm/_remote_code/"
+SCRIPTS += [REMOTE_CODE + name for name in ("__init__.py", "configuration_remote.py", "modeling_remote.py")]
+# The only lines changed: the public trainer/config imports, as a user switches them.
+IMPORTS = {
+    "from trl import GRPOConfig, GRPOTrainer": "from grpokit import GRPOConfig, GRPOTrainer",
+    "from trl import RLOOConfig, RLOOTrainer": "from grpokit import RLOOConfig, RLOOTrainer",
+    "from trl.experimental.distillation import DistillationConfig, DistillationTrainer": (
+        "from grpokit import DistillationConfig, DistillationTrainer"
+    ),
+}
+# Where the TRL checkout's tests predate the installed TRL (1.16): the same edit in both runs, so that the file
+# collects. TRL 1.16 dropped distillation_trainer._RepeatBatchDataLoader (the one test using it fails in both).
+SKEW = {
+    "from trl.experimental.distillation.distillation_trainer import _RepeatBatchDataLoader": (
+        "try:\n    from trl.experimental.distillation.distillation_trainer import _RepeatBatchDataLoader\n"
+        "except ImportError:  # not in TRL 1.16\n    _RepeatBatchDataLoader = None"
+    ),
+}
+# Tests that read TRL's private internals (a private method or module-level helper of TRL's trainer), so that no
+# other trainer can pass them with only the import changed. Name (without parameters) -> what it reads.
+PRIVATE = {
+    "test_compute_entropy_mask_0": "GRPOTrainer._compute_entropy_mask",
+    "test_compute_entropy_mask_1": "GRPOTrainer._compute_entropy_mask",
+    "test_compute_entropy_mask_lower_threshold": "GRPOTrainer._compute_entropy_mask",
+    "test_compute_entropy_threshold_0": "GRPOTrainer._compute_entropy_mask",
+    "test_compute_entropy_threshold_1": "GRPOTrainer._compute_entropy_mask",
+    "test_compute_entropy_all_masked": "GRPOTrainer._compute_entropy_mask",
+    "test_generate_prefers_rollout_func": "GRPOTrainer._generate with a mocked self",
+    "test_generate_rollout_func_syncs_vllm_weights_when_needed": "GRPOTrainer._generate with a mocked self",
+    "test_generate_rollout_func_raises_when_required_keys_are_missing": "GRPOTrainer._generate with a mocked self",
+    "test_get_off_policy_mask": "GRPOTrainer.get_off_policy_mask (TRL's static helper)",
+    "test_get_off_policy_mask_padding": "GRPOTrainer.get_off_policy_mask (TRL's static helper)",
+    "test_compute_liger_loss_passes_vllm_is_ratio": "GRPOTrainer.compute_liger_loss with a mocked self",
+    "test_repeat_batch_dataloader_delegates_set_epoch_via_getattr": "trl's _RepeatBatchDataLoader",
+    "test_entropy_bonus_flows_gradients": "GRPOTrainer._entropy_bonus_enabled / _get_per_token_logps_and_entropies",
+    "test_train_reward_func_with_log_extra": "GRPOTrainer._logs (its only assertion)",
+    "test_train_vlm_log_multimodal_false": "GRPOTrainer._logs (its only assertion)",
+}
+
+
+def git_show(repo: str, ref: str, path: str) -> str:
+    return subprocess.run(
+        ["git", "-C", repo, "show", f"{ref}:{path}"], check=True, capture_output=True, text=True
+    ).stdout
+
+
+def tolerant_imports(text: str) -> str:
+    """testing_utils' `from trl.import_utils import (...)` names a checker per optional dependency; one the installed
+    TRL lacks reads as 'not available' instead of failing every test file's collection."""
+    match = re.search(r"from trl\.import_utils import \(([^)]*)\)", text)
+    if not match:
+        return text
+    names = [name.strip() for name in match.group(1).split(",") if name.strip()]
+    lines = ["import trl.import_utils as _trl_import_utils", ""]
+    lines += [f"{name} = getattr(_trl_import_utils, {name!r}, lambda: False)" for name in names]
+    return text.replace(match.group(0), "\n".join(lines))
+
+
+def copy_tests(repo: str, ref: str, dest: Path, switch: bool) -> None:
+    for path in HELPERS + list(FILES.values()):
+        text = git_show(repo, ref, path)
+        for before, after in SKEW.items():
+            text = text.replace(before, after)
+        if path == "tests/testing_utils.py":
+            text = tolerant_imports(text)
+        if switch and path in FILES.values():
+            for before, after in IMPORTS.items():
+                text = text.replace(before, after)
+        target = dest / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+
+
+def run_pytest(run_dir: Path, tests: list[str], report: Path, env: dict, keyword: str | None) -> None:
+    command = [sys.executable, "-m", "pytest", *tests, "-p", "harness_plugin", "-q", "-rN", "--tb=line"]
+    command += ["-p", "no:cacheprovider", f"--junitxml={report}", "-o", "junit_family=xunit1"]
+    if keyword:
+        command += ["-k", keyword]
+    subprocess.run(command, cwd=run_dir, env=env)
+
+
+def outcomes(report: Path) -> dict[str, tuple[str, str]]:
+    """test id -> (passed | failed | skipped, first line of the reason)."""
+    results = {}
+    if not report.exists():
+        return results
+    for case in ElementTree.parse(report).getroot().iter("testcase"):
+        name = case.get("classname", "").split(".")[-1] + "::" + case.get("name")
+        status, reason = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            element = case.find(tag)
+            if element is not None:
+                status = "skipped" if tag == "skipped" else "failed"
+                message = element.get("message") or (element.text or "")
+                reason = " ".join(message.split())[:160]
+                break
+        results[name] = (status, reason)
+    return results
+
+
+def last_outcomes(work: Path, mode: str, name: str) -> dict[str, tuple[str, str]]:
+    """The last full run's outcomes, updated with those of a later partial run (-k, --trl-where-grpokit-fails)."""
+    full = work / f"{mode}-{name}.xml"
+    results = outcomes(full)
+    since = full.stat().st_mtime if full.exists() else 0
+    for partial in sorted(work.glob(f"{mode}-{name}-partial*.xml"), key=lambda path: path.stat().st_mtime):
+        if partial.stat().st_mtime > since:
+            results.update(outcomes(partial))
+    return results
+
+
+def node_id(test_file: str, test_id: str) -> str:
+    """pytest's node id of a table row's test id (Class::name, or module::name for a function)."""
+    cls, name = test_id.split("::")
+    return f"{test_file}::{name}" if cls == Path(test_file).stem else f"{test_file}::{cls}::{name}"
+
+
+def base_name(test_id: str) -> str:
+    return re.sub(r"\[.*\]$", "", test_id.split("::")[-1])
+
+
+def table(name: str, trl: dict, grpokit: dict) -> tuple[list[str], dict]:
+    rows = [f"### {name}", "", "| test | TRL 1.16 | grpokit | fair | reason |", "|---|---|---|---|---|"]
+    counts = dict(total=0, fair=0, passed=0, env=0, private=0, skipped=0, unverified=0)
+    for test_id in sorted(set(trl) | set(grpokit)):
+        trl_status, trl_reason = trl.get(test_id, ("not run", ""))
+        ours, our_reason = grpokit.get(test_id, ("not run", ""))
+        counts["total"] += 1
+        if trl_status == "not run" and ours == "skipped":
+            trl_status, trl_reason = "skipped", our_reason  # the same skip markers (accelerator, vllm, liger)
+        if trl_status == "not run" and ours == "passed":
+            counts["unverified"] += 1  # grpokit passes it; TRL's run was left out (--trl-where-grpokit-fails)
+        if trl_status == "skipped":
+            fair, reason = "no", f"skipped: {trl_reason}"
+            counts["skipped"] += 1
+        elif trl_status not in ("passed", "not run"):
+            fair, reason = "no", f"fails with TRL's trainer here: {trl_reason}"
+            counts["env"] += 1
+        elif base_name(test_id) in PRIVATE:
+            fair, reason = "no", f"reads TRL's private {PRIVATE[base_name(test_id)]}"
+            counts["private"] += 1
+        else:
+            fair, reason = "yes", our_reason
+            counts["fair"] += 1
+            counts["passed"] += ours == "passed"
+        rows.append(f"| {test_id} | {trl_status} | {ours} | {fair} | {reason.replace('|', '/')} |")
+    rows.insert(
+        2,
+        f"{counts['passed']} of {counts['fair']} fair tests pass with grpokit; not counted: {counts['env']} that fail "
+        f"with TRL's own trainer here, {counts['skipped']} skipped here, {counts['private']} that read TRL's "
+        "private internals"
+        + (
+            f"; {counts['unverified']} of the fair tests not run with TRL's trainer (grpokit passes them)"
+            if counts["unverified"]
+            else ""
+        )
+        + ".\n",
+    )
+    return rows, counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/trl-tests-work"))
+    parser.add_argument("--trl-repo", default=os.environ.get("TRL_REPO", TRL_REPO), help="a TRL git checkout or mirror")
+    parser.add_argument("--ref", default="HEAD", help="the TRL commit whose tests to run")
+    parser.add_argument("--files", nargs="+", choices=sorted(FILES), default=sorted(FILES))
+    parser.add_argument(
+        "--modes", nargs="*", choices=["trl", "grpokit"], default=["trl", "grpokit"], help="none: the table only"
+    )
+    parser.add_argument("-k", dest="keyword", help="pytest -k expression (a partial run; the table covers it only)")
+    parser.add_argument(
+        "--trl-where-grpokit-fails",
+        action="store_true",
+        help="run TRL's trainer only on the tests that fail with grpokit (the last grpokit run's); the tests grpokit "
+        "passes are then counted fair without TRL's run (a quick measurement: TRL's trainer takes hours on 2 cores)",
+    )
+    parser.add_argument("--rebuild", action="store_true", help="rebuild the models and datasets")
+    parser.add_argument("--table", type=Path, default=HERE / "results.md")
+    args = parser.parse_args()
+
+    work = args.work.resolve()
+    hub_cache, datasets_root = work / "hf" / "hub", work / "datasets"
+    if args.rebuild or not (work / "fixtures.done").exists():
+        scripts = work / "trl-scripts"
+        for path in SCRIPTS:
+            target = scripts / ("remote_code/" if path.startswith(REMOTE_CODE) else "") / Path(path).name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(git_show(args.trl_repo, args.ref, path))
+        fixture_paths = [f"--datasets-root={datasets_root}", f"--trl-scripts={scripts}"]
+        shutil.rmtree(hub_cache, ignore_errors=True)
+        shutil.rmtree(datasets_root, ignore_errors=True)
+        subprocess.run(
+            [sys.executable, str(HERE / "build_fixtures.py"), f"--hub-cache={hub_cache}", *fixture_paths],
+            check=True,
+        )
+        (work / "fixtures.done").write_text("")
+
+    env = dict(os.environ, HF_HOME=str(work / "hf"), HF_HUB_CACHE=str(hub_cache), HF_HUB_OFFLINE="1")
+    env.update(HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="", WANDB_DISABLED="true")
+    env.update(TOKENIZERS_PARALLELISM="false", HF_DATASETS_CACHE=str(work / "hf" / "datasets-cache"))
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    commit = subprocess.run(
+        ["git", "-C", args.trl_repo, "rev-parse", args.ref], capture_output=True, text=True
+    ).stdout.strip()
+
+    results = {}
+    for mode in args.modes:
+        # The tests load "trl-internal-testing/zen" etc. as paths relative to the run folder: the datasets live there.
+        run_dir = work / f"run-{mode}"
+        shutil.rmtree(run_dir / "tests", ignore_errors=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        link = run_dir / "trl-internal-testing"
+        if not link.exists():
+            link.symlink_to(datasets_root / "trl-internal-testing")
+        copy_tests(args.trl_repo, args.ref, run_dir, switch=mode == "grpokit")
+        for name in args.files:
+            # A -k run updates the last full run's results for the tests it selects.
+            partial = args.keyword or (mode == "trl" and args.trl_where_grpokit_fails)
+            report = work / f"{mode}-{name}{f'-partial-{time.time():.0f}' if partial else ''}.xml"
+            report.unlink(missing_ok=True)
+            tests = [FILES[name]]
+            if mode == "trl" and args.trl_where_grpokit_fails:
+                failing = outcomes(work / f"grpokit-{name}.xml")
+                tests = [node_id(FILES[name], test) for test, (status, _) in failing.items() if status == "failed"]
+                if not tests:
+                    continue
+            run_pytest(run_dir, tests, report, env, args.keyword)
+    for mode in ("trl", "grpokit"):
+        for name in args.files:
+            results[mode, name] = last_outcomes(work, mode, name)
+
+    import trl
+
+    lines = [
+        "# TRL's trainer tests with the import switched to grpokit",
+        "",
+        f"TRL's tests at {commit[:12]} of {args.trl_repo} (installed trl {trl.__version__}), offline on CPU with the "
+        "stand-in models and datasets of build_fixtures.py. Command: `python benchmarks/trl_tests/run_trl_tests.py`"
+        + (f" -k '{args.keyword}'" if args.keyword else "")
+        + ".",
+        "",
+    ]
+    for name in args.files:
+        rows, _ = table(FILES[name], results.get(("trl", name), {}), results.get(("grpokit", name), {}))
+        lines += [*rows, ""]
+    args.table.write_text("\n".join(lines))
+    print("\n".join(line for line in lines if "fair tests pass" in line or line.startswith("###")))
+    print(f"table: {args.table}")
+
+
+if __name__ == "__main__":
+    main()
