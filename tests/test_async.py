@@ -146,26 +146,22 @@ def test_what_asynchronous_generation_does_not_support_is_refused_by_name(tmp_pa
         GRPOConfig(max_staleness=-1, report_to="none")
 
 
-def test_zero3_is_refused_and_fsdp2_only_where_it_cannot_run():
-    """ZeRO-1/2 run (tests/test_async_distributed.py: DeepSpeed's step inside the last backward runs under the
-    weights' lock); ZeRO-3's copy would hold empty partitions, so it is refused by name."""
+@pytest.mark.parametrize("layout", [dict(sharded=True), dict(deepspeed=3)], ids=["fsdp2", "zero3"])
+def test_sharded_models_are_refused_only_where_they_cannot_run(layout):
+    """ZeRO-1/2, ZeRO-3 and FSDP2 run (tests/test_async_distributed.py), but a sharded model (FSDP2, ZeRO-3) not
+    with what needs its forwards in the producer (a sharded reference) or timing (the latest schedule)."""
     from grpokit.producer import check_async
 
     args = GRPOConfig(max_staleness=1, report_to="none")
-    with pytest.raises(NotImplementedError, match="does not run under DeepSpeed ZeRO-3 yet"):
-        check_async(args, num_processes=2, deepspeed=3)
     check_async(args, num_processes=2, deepspeed=2)
-    check_async(GRPOConfig(report_to="none"), num_processes=1, deepspeed=3)  # synchronous
-    # FSDP2 runs (tests/test_async_distributed.py), but not with what needs a sharded model's forwards or timing.
-    check_async(args, num_processes=2, sharded=True)
+    check_async(args, num_processes=2, **layout)
     with pytest.raises(NotImplementedError, match="async_schedule='latest' with a sharded model"):
-        check_async(
-            GRPOConfig(max_staleness=1, async_schedule="latest", report_to="none"), num_processes=1, sharded=True
-        )
+        check_async(GRPOConfig(max_staleness=1, async_schedule="latest", report_to="none"), num_processes=1, **layout)
     with_reference = GRPOConfig(max_staleness=1, beta=0.04, report_to="none")
     with pytest.raises(NotImplementedError, match="the reference model is sharded too"):
-        check_async(with_reference, num_processes=2, sharded=True)
-    check_async(with_reference, num_processes=2, sharded=True, lora=True)  # LoRA's reference: the adapter off
+        check_async(with_reference, num_processes=2, **layout)
+    check_async(with_reference, num_processes=2, lora=True, **layout)  # LoRA's reference: the adapter off
+    check_async(with_reference, num_processes=2, deepspeed=2)  # ZeRO-2: the reference is whole on every process
 
 
 @pytest.mark.parametrize(

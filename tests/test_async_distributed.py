@@ -16,7 +16,17 @@ import textwrap
 
 import pytest
 import torch
-from test_distributed import DEEPSPEED_ZERO2, FSDP2, LETTERS, free_port, launch, load, max_difference, write_script
+from test_distributed import (
+    DEEPSPEED_ZERO2,
+    FSDP2,
+    LETTERS,
+    free_port,
+    launch,
+    load,
+    max_difference,
+    write_script,
+    zero3_env,
+)
 
 from grpokit import group_advantages
 from grpokit.testing import save_tiny_model
@@ -170,6 +180,54 @@ def test_under_zero2_the_optimizer_step_inside_backward_is_under_the_weights_loc
         [e["reward"] for e in ddp["log_history"]], abs=1e-6
     )
     assert max_difference(zero2["weights"], ddp["weights"]) < 1e-4
+
+
+def test_under_zero3_the_trainer_gathers_each_scheduled_version_for_whole_copies_and_the_run_resumes(
+    model_dir, runs, tmp_path
+):
+    # The model is loaded partitioned (accelerate's zero.Init): the producers' copies are rebuilt whole from its
+    # gathered weights, and after each optimizer step whose weights the schedule samples a batch with, the trainer
+    # gathers them (a collective of its own thread) as under FSDP2. k=1 gives DDP's k=1 run, up to the rounding of
+    # DeepSpeed's reduction; a run resumed from checkpoint-3 (a batch in flight) ends on the unbroken run's weights.
+    pytest.importorskip("deepspeed")
+    env = {**zero3_env(tmp_path), "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true"}
+    config = {**RUN, "max_staleness": 1}
+    # LoRA with beta > 0: the reference is the producer's copy with its adapter off (the copy is a PeftModel rebuilt
+    # whole); its run is compared with the same run under DDP.
+    lora = dict(job="train", model=model_dir, config={**config, "beta": 0.04}, tiebreak=0.01, adapter="lora")
+    launch(
+        tmp_path,
+        dict(job="train", model=model_dir, out=str(tmp_path / "k1"), config=config, tiebreak=0.01),
+        {**lora, "out": str(tmp_path / "lora")},
+        env=env,
+    )
+    launch(tmp_path, {**lora, "out": str(tmp_path / "ddp_lora")})
+    resume = str(tmp_path / "k1" / "checkpoint-3")
+    launch(
+        tmp_path,
+        dict(job="train", model=model_dir, out=str(tmp_path / "resumed"), config=config, tiebreak=0.01, resume=resume),
+        env=env,
+    )
+    zero3, ddp = load(tmp_path / "k1" / "final_0.pt"), load(runs / "k1" / "final_0.pt")
+    assert zero3["distributed_type"] == "DEEPSPEED" and zero3["zero3_init"] and zero3["global_step"] == 6
+    assert max_difference(zero3["weights"], load(tmp_path / "k1" / "final_1.pt")["weights"]) == 0.0
+    assert [e["sample/staleness_max"] for e in zero3["log_history"]] == [0, 1, 1, 1, 1, 1]
+    assert [e["reward"] for e in zero3["log_history"]] == pytest.approx(
+        [e["reward"] for e in ddp["log_history"]], abs=1e-6
+    )
+    assert max_difference(zero3["weights"], ddp["weights"]) < 1e-4
+    resumed = load(tmp_path / "resumed" / "final_0.pt")
+    assert max_difference(resumed["weights"], zero3["weights"]) == 0.0
+    assert [e["loss"] for e in resumed["log_history"]] == [e["loss"] for e in zero3["log_history"]]
+    lora, ddp_lora = load(tmp_path / "lora" / "final_0.pt"), load(tmp_path / "ddp_lora" / "final_0.pt")
+    assert max_difference(lora["weights"], load(tmp_path / "lora" / "final_1.pt")["weights"]) == 0.0
+    assert [e["sample/staleness_max"] for e in lora["log_history"]] == [0, 1, 1, 1, 1, 1]
+    for key in ("reward", "kl"):
+        assert [e[key] for e in lora["log_history"]] == pytest.approx(
+            [e[key] for e in ddp_lora["log_history"]], abs=1e-6
+        )
+    assert lora["log_history"][-1]["kl"] > 0  # the adapter moved the policy away from its reference
+    assert max_difference(lora["weights"], ddp_lora["weights"]) < 1e-4
 
 
 FAILING = textwrap.dedent(

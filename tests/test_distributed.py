@@ -38,6 +38,7 @@ SCRIPT = textwrap.dedent(
 
     from grpokit import GRPOConfig, GRPOTrainer, TrainBatch, group_advantages
     from grpokit.distributed import full_state_dict
+    from transformers.integrations import is_deepspeed_zero3_enabled
 
     RANK = int(os.environ.get("RANK", 0))
     LETTERS = "abcdefgh"
@@ -156,6 +157,7 @@ SCRIPT = textwrap.dedent(
             trainer.save_model(str(out / "final_model"))
         torch.save({"weights": full_state_dict(trainer.unwrapped_model),
                     "distributed_type": trainer.accelerator.distributed_type.value, "log_history": trainer.state.log_history[:-1],
+                    "zero3_init": is_deepspeed_zero3_enabled(),
                     "global_step": trainer.state.global_step, "num_processes": trainer.accelerator.num_processes,
                     "batches": batches, "reductions": len(reductions)}, out / f"final_{RANK}.pt")
 

@@ -335,12 +335,15 @@ class ProducerCollectives:
         return (total * scale if scale != 1.0 else total).to(tensor.device)
 
 
-def gathered_parameter(parameter: torch.Tensor) -> torch.Tensor:
-    """A whole copy of a parameter: an FSDP2 DTensor gathered (a collective: every process calls it), another
-    cloned."""
-    if hasattr(parameter, "full_tensor"):
-        return parameter.detach().full_tensor().clone()
-    return parameter.detach().clone()
+def gathered_parameters(parameters: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Whole copies of parameters: ZeRO-3 partitions gathered together, FSDP2 DTensors one by one (collectives
+    either way: every process calls it with the same parameters), others cloned."""
+    if parameters and hasattr(parameters[0], "ds_id"):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(parameters, modifier_rank=None):
+            return [p.detach().clone() for p in parameters]
+    return [(p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()).clone() for p in parameters]
 
 
 def new_producer_group():

@@ -14,7 +14,7 @@ import torch
 from .compat import is_peft_model, output_embeddings, tied_weight_keys
 from .cpu_matmul import is_linear4bit
 from .data import PromptLimit
-from .distributed import is_sharded, is_zero3, load_full_state_dict
+from .distributed import full_state_dict, is_sharded, is_zero3, load_full_state_dict
 from .multimodal import freeze_vision, is_vision_language_model, language_only_lora, text_config_of, tokenizer_of
 from .quantized import quantize_linears
 
@@ -217,6 +217,43 @@ def unsharded_copy(model, weights: dict[str, torch.Tensor]):
         raise RuntimeError(f"The gathered weights do not cover the model: missing {missing[:5]}.")
     plain.get_base_model().tie_weights()  # a tied head given no tensor of its own takes the embeddings'
     return plain
+
+
+def whole_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the policy with whole parameters of its own and no wrapper's hooks (the asynchronous producer's,
+    taken before accelerate wraps the policy). A model that ZeRO-3 loaded partitioned (accelerate's zero.Init) holds
+    empty partitions: the copy is built on the meta device and given the gathered weights (a collective: every
+    process calls it), and the buffers and tensor attributes, which ZeRO-3 does not partition, of the model."""
+    if not is_zero3(model):
+        return copy.deepcopy(model)
+    from peft import get_peft_model
+
+    weights = full_state_dict(model)
+    base = model.get_base_model() if is_peft_model(model) else model
+    with torch.device("meta"):
+        plain = type(base)(copy.deepcopy(base.config))
+        if is_peft_model(model):
+            adapter = model.active_adapter
+            plain = get_peft_model(plain, copy.deepcopy(model.peft_config[adapter]), adapter_name=adapter)
+    missing, _ = plain.load_state_dict(weights, strict=False, assign=True)
+    plain_base = plain.get_base_model() if is_peft_model(plain) else plain
+    plain_base.generation_config = copy.deepcopy(base.generation_config)
+    tied = tied_weight_keys(plain_base)
+    missing = [k for k in missing if not any(k.endswith(t) for t in tied)]
+    if missing:
+        raise RuntimeError(f"The gathered weights do not cover the model: missing {missing[:5]}.")
+    plain_base.tie_weights()
+    # Non-persistent buffers (rotary frequencies) and plain tensor attributes were made on the meta device.
+    for mine, theirs in zip(plain.modules(), model.modules()):
+        for name, value in vars(mine).items():
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                setattr(mine, name, getattr(theirs, name).detach().clone())
+        for name, buffer in list(mine.named_buffers(recurse=False)):
+            if buffer.is_meta:
+                mine.register_buffer(name, theirs.get_buffer(name).detach().clone(), persistent=False)
+    for mine, theirs in zip(plain.parameters(), model.parameters()):
+        mine.requires_grad_(theirs.requires_grad)
+    return plain.train(model.training)
 
 
 def adapter_parameter_names(model) -> dict[str, str]:

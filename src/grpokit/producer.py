@@ -52,7 +52,7 @@ import torch
 from .batch import TrainBatch
 from .build import build_engine
 from .config import GRPOConfig
-from .distributed import ProducerCollectives, collectives_on, gathered_parameter, is_sharded, new_producer_group
+from .distributed import ProducerCollectives, collectives_on, gathered_parameters, is_sharded, new_producer_group
 from .experience import Experience, ExperienceMaker, logprobs_in_chunks
 from .rollout import DecodedRollout, HFEngine, RolloutRunner, rollout_seed
 from .rollout.batching import BatchingEngine
@@ -76,27 +76,21 @@ def check_async(
     reference is the policy with its adapter off)."""
     if args.max_staleness is None:
         return
-    if sharded:  # FSDP2: the producers' copies are whole models, given the gathered weights of each version
+    if sharded or deepspeed == 3:
+        # FSDP2 / ZeRO-3: the producers' copies are whole models, given the gathered weights of each version
         if args.async_schedule == "latest":
             raise NotImplementedError(
-                "async_schedule='latest' with a sharded model (FSDP2): the trainer gathers the "
-                "weights each batch is sampled by, at a step every process knows in advance, "
+                "async_schedule='latest' with a sharded model (FSDP2 or ZeRO-3): the trainer gathers "
+                "the weights each batch is sampled by, at a step every process knows in advance, "
                 "which only the exact schedule gives. Leave async_schedule unset."
             )
         if args.beta > 0 and not lora:
             raise NotImplementedError(
-                "max_staleness with a sharded model (FSDP2) and beta > 0: the reference model is "
-                "sharded too, and its forwards (π_ref, in the producer) would be collectives "
+                "max_staleness with a sharded model (FSDP2 or ZeRO-3) and beta > 0: the reference "
+                "model is sharded too, and its forwards (π_ref, in the producer) would be collectives "
                 "interleaving with the training's. Use beta=0 (TRL's default), LoRA (the "
-                "reference is the producer's copy with the adapter off), or DDP."
+                "reference is the producer's copy with the adapter off), or DDP / ZeRO-2."
             )
-    if deepspeed == 3:
-        raise NotImplementedError(
-            "max_staleness (asynchronous generation) does not run under DeepSpeed ZeRO-3 yet: "
-            "the producer's copy would hold ZeRO-3's partitioned, empty parameters. Use "
-            "ZeRO-1/2 or FSDP2 (whose weights the trainer gathers for the producer), or set "
-            "max_staleness=None."
-        )
     if args.num_iterations != 1 or args.steps_per_generation != args.gradient_accumulation_steps:
         raise NotImplementedError(
             f"max_staleness (asynchronous generation) needs one optimizer step per generation batch: "
@@ -322,8 +316,9 @@ class Producer:
         self.first_step = sync.version
         self.exact = exact
         self.group = group  # several processes: the producers' own process group (distributed.ProducerCollectives)
-        # A sharded policy (FSDP2): the producer never reads its parameters (local shards); the trainer gathers each
-        # scheduled version's weights when it reaches it (`gather_scheduled`), the producer copies them from there.
+        # A sharded policy (FSDP2, ZeRO-3): the producer never reads its parameters (local shards); the trainer
+        # gathers each scheduled version's weights when it reaches it (`gather_scheduled`), the producer copies them
+        # from there.
         self.sharded = sharded
         # In the exact schedule a checkpoint waits for the batches sampled by weights it does not hold (up to
         # max_staleness of them): the queue must have room for them.
@@ -651,7 +646,7 @@ class Producer:
 
     @torch.no_grad()
     def gather_scheduled(self, version: int, first: bool = False) -> None:
-        """WeightSync.after_step for a sharded policy (FSDP2), under the step lock, on every process at the same
+        """WeightSync.after_step for a sharded policy (FSDP2, ZeRO-3), under the step lock, on every process at the same
         step: if a batch is scheduled on the weights of `version` (they just came out of the optimizer step, or the
         producer starts on them), they are gathered whole (a collective of the trainer's thread) and kept for the
         producer. The decision depends on the schedule alone, never on where the producer is, so every process
@@ -662,7 +657,7 @@ class Producer:
             scheduled_version(b, k, every) for b in range(version, version + k + every + 2)
         }
         if scheduled:
-            self.snapshots[version] = [gathered_parameter(theirs) for _, theirs in self.pairs]
+            self.snapshots[version] = gathered_parameters([theirs for _, theirs in self.pairs])
 
     def lease(self):
         """The engine, for the trainer's evaluation: while held, the producer does not sample with it. Whole batches:
@@ -847,7 +842,7 @@ def start_producer(
     if streaming and sharded:
         raise NotImplementedError(
             "Multi-turn rollouts streamed group by group (max_staleness) with a sharded model "
-            "(FSDP2) in one process: streamed groups take the newest weights at any time, "
+            "(FSDP2, ZeRO-3) in one process: streamed groups take the newest weights at any time, "
             "which a sharded model gives only in a collective. Use DDP, or max_staleness=None."
         )
     exact = not streaming and args.async_schedule != "latest"

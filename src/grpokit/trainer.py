@@ -23,7 +23,6 @@ definition).
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import logging
 import time
@@ -85,7 +84,7 @@ from .logprobs import check_padding_free, token_logprobs
 from .logs import MetricSink, MetricWindow, console_line, train_summary
 from .loss import high_entropy_mask, load_balancing_loss, off_policy_mask, policy_loss
 from .model_card import run_model_card
-from .models import mix_into_reference
+from .models import mix_into_reference, whole_copy
 from .producer import Produced, Producer, WeightSync, check_async, check_streaming, start_producer
 from .rewards.model import RewardModel
 from .rollout import RolloutEngine
@@ -184,7 +183,7 @@ class GRPOTrainer:
         # Asynchronous generation under FSDP2 or DeepSpeed: the producer's copy is taken before they wrap the policy
         # (whole, and without their hooks).
         wrapped = sharded or zero_stage is not None
-        self._producer_copy = copy.deepcopy(self.model) if args.max_staleness is not None and wrapped else None
+        self._producer_copy = whole_copy(self.model) if args.max_staleness is not None and wrapped else None
         self.model, self.optimizer, self.reference, deepspeed = prepare_models(
             acc, args, self.model, optimizer, self.reference
         )
