@@ -17,7 +17,8 @@ from grpokit.vllm_server import DataParallelService, EngineDied, engine_environm
 
 class RecordingSampler:
     """Stands in for `VLLMService` in an engine process: completion j of a prompt is the prompt's ids then j, and its
-    "log-probs" are the prompt's seed, the sum of the last pushed `marker` weight, and the engine's pid."""
+    "log-probs" are the prompt's seed, the sum of the last pushed `marker` weight, and the engine's pid; then, where
+    the request has them, what the engine got of the prompt's images and unexpanded ids, and its regex."""
 
     def __init__(self, model_dir, **options):
         self.marker = 0.0
@@ -29,9 +30,15 @@ class RecordingSampler:
     def generate(self, request: dict) -> dict:
         if request.get("structured_outputs_regex") == "refuse":
             raise ValueError("this sampler refuses the regex")
-        rows = []
-        for ids, count, seed in zip(request["prompt_ids"], request["counts"], request["prompt_seeds"]):
-            rows += [([*ids, j], [float(seed), self.marker, float(os.getpid())], "stop") for j in range(count)]
+        rows, images, unexpanded = [], request.get("images"), request.get("unexpanded_ids")
+        for i, (ids, count, seed) in enumerate(zip(request["prompt_ids"], request["counts"], request["prompt_seeds"])):
+            recorded = [float(seed), self.marker, float(os.getpid())]
+            if images is not None:  # the prompt's images (their count, the first one's first byte) and unexpanded ids
+                recorded += [float(len(images[i])), float(ord(images[i][0][0]) if images[i] else -1)]
+                recorded += [float(sum(unexpanded[i]))]
+            if request.get("structured_outputs_regex") is not None:
+                recorded += [float(len(request["structured_outputs_regex"]))]
+            rows += [([*ids, j], recorded, "stop") for j in range(count)]
         return {"completions": rows}
 
     def _load(self, weights: dict) -> None:
@@ -123,3 +130,30 @@ def test_engines_sample_their_parts_at_once_answer_in_order_take_every_push_and_
         one.close()
         two.close()
     assert not any(engine.process.is_alive() for engine in one.engines + two.engines)
+
+
+def test_each_engine_gets_the_images_of_its_own_prompts_and_every_engine_the_regex(model_dir):
+    # What a vision-language model's prompts and structured outputs carry, split with the prompts: each prompt's
+    # images (as the wire gives them: PNG in base64) and its ids before the placeholders were expanded go to the
+    # engine that samples the prompt; the regex to every engine.
+    request = {
+        "prompt_ids": [[1], [2, 2], [3], [4, 4], [5]],
+        "counts": [2, 2, 2, 2, 2],
+        "seed": 7,
+        "params": {},
+        "images": [["A"], ["B", "C"], [], ["D", "E", "F"], ["G"]],
+        "unexpanded_ids": [[10], [20, 1], [30], [40, 2], [50]],
+        "structured_outputs_regex": "(a|b)+",
+    }
+    two = served(model_dir, 2)
+    try:
+        pids = [engine["pid"] for engine in two.describe()["engines"]]
+        answer = two.generate(request)["completions"]
+    finally:
+        two.close()
+    assert [lp[2] for _, lp, _ in answer] == [float(pids[0])] * 4 + [float(pids[1])] * 6
+    assert [lp[3:] for _, lp, _ in answer] == [
+        [float(len(images)), float(ord(images[0])) if images else -1.0, float(sum(unexpanded)), 6.0]
+        for images, unexpanded in zip(request["images"], request["unexpanded_ids"])
+        for _ in range(2)
+    ]
