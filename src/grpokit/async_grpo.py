@@ -53,12 +53,13 @@ ASYNC_FIELDS = {
     "included (vllm_server_timeout bounds only the wait for the server to come up).",
     "weight_sync_timeout": "Server mode: seconds one weight push to the vLLM server may take in all; a push that "
     "does not complete in time raises instead of hanging the run.",
-    "token_budget": "TRL's token-budgeted micro-batching: at most this many tokens per micro-batch row. grpokit "
-    "micro-batches by count (per_device_train_batch_size completions), which is TRL's `<= 0`; "
-    "None (TRL's default: the server's max_model_len) and values <= 0 are accepted and micro-batch "
-    "by count, which does not change the update (loss_type 'dapo' divides by the whole batch's "
-    "tokens). A positive budget is refused: bound memory with per_device_train_batch_size, and "
-    "drop padding with padding_free=True.",
+    "token_budget": "TRL's token-budgeted micro-batching: at most this many tokens per rank's row, a dynamic number "
+    "of samples per micro-batch; TRL's default, None, budgets by the vLLM server's max_model_len, and with its "
+    "default gradient_accumulation_steps=1 each optimizer step then trains on as many samples as the budget holds. "
+    "grpokit's optimizer step trains on a generation batch, per_device_train_batch_size completions per micro-batch "
+    "(TRL's token_budget <= 0): None and values <= 0 are accepted and mean that. A positive budget is refused "
+    "(grpokit's steps are whole generation batches, not budget-filled micro-batches): bound memory with "
+    "per_device_train_batch_size, and drop padding with padding_free=True.",
 }
 
 
