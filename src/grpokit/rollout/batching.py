@@ -12,8 +12,10 @@ which of them together:
 - `EVERY_CALLER_WAITS`: when every caller still running waits on the model (the others are in an environment's code,
   or done), in the callers' order. The engine calls, and so the samples, are a function of the seed: the k-th call
   of a rollout is seeded `seed + SEED_STRIDE * k`, however the callers' turns interleave in time. The callers must
-  be known (a generation's rows), and a caller that waited `straggler_wait` seconds on one still in an
-  environment's code goes without it (`AsyncBatcher`), at the price of that determinism.
+  be known (a generation's rows). grpokit's tool loop holds all its rows at once and calls `answer` itself
+  (`agents.loop.sample_turns`); a classic verifiers environment's rows are coroutines (`AsyncBatcher`), where a row
+  that waited `straggler_wait` seconds on one still in an environment's code goes without it, at the price of that
+  determinism.
 - `ARRIVED_WHILE_BUSY`: whatever arrived while the engine was busy goes into its next call: continuous batching at
   the granularity of engine calls (a request does not join a call already running). For callers that come and go
   (streamed groups: `BatchingEngine`), whose samples depend on timing anyway. The merged call is seeded with its
@@ -31,8 +33,9 @@ engine that reports none (a scripted engine, a user's), `behaviour`'s forward of
 the same call, before any weights move (streamed turns are trained with them as π_old). An engine's error reaches
 every request of its call.
 
-The policies are kept apart by adapters: `BatchingEngine` for threads (a `RolloutEngine` itself), `AsyncBatcher`
-for coroutines of one event loop; both keep their waiting requests in a `Waiting`, and both call `answer`.
+Callers that ask concurrently go through an adapter: `BatchingEngine` for threads (a `RolloutEngine` itself),
+`AsyncBatcher` for coroutines of one event loop. Both keep their waiting requests in a `Waiting`, which applies the
+policy, and both call `answer`.
 """
 
 from __future__ import annotations
