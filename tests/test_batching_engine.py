@@ -1,6 +1,7 @@
 """Concurrent engine requests merged into one engine call (grpokit.rollout.batching), as asynchronous generation does
-for the turns of multi-turn groups in flight at once."""
+for the turns of multi-turn groups in flight at once, and the flush policies that say which requests go together."""
 
+import asyncio
 import threading
 import time
 from dataclasses import replace
@@ -11,8 +12,9 @@ from datasets import Dataset
 from letters import tiny_letter_model
 
 from grpokit import GRPOConfig, GRPOTrainer
-from grpokit.rollout import HFEngine
-from grpokit.rollout.batching import BatchingEngine
+from grpokit.agents.loop import Transcript, add_turn, sample_turns, turn_request
+from grpokit.rollout import HFEngine, ScriptedEngine
+from grpokit.rollout.batching import SEED_STRIDE, AsyncBatcher, BatchingEngine, Flush, Request
 from grpokit.rollout.engine import PromptBatch, SamplingParams
 
 
@@ -202,3 +204,124 @@ def test_streamed_groups_share_engine_calls_and_each_group_gets_its_own_turns(tm
     assert max(engine.rows) > 2, engine.rows  # some call sampled turns of several groups
     assert sum(engine.rows) >= 2 * 2 * 2 * 4  # two turns of every completion trained on (4 steps of 2 groups)
     assert len(engine.rows) < sum(engine.rows) // 2  # fewer calls than one per group's turn
+
+
+class RecordingEngine:
+    """`engine` recording each call's prompts and seed; with `gate`, its first call waits for the gate to open."""
+
+    def __init__(self, engine, gate: threading.Event | None = None):
+        self.engine, self.gate = engine, gate
+        self.prompts, self.seeds, self.entered = [], [], threading.Event()
+
+    def generate(self, prompts, params, seed):
+        self.prompts.append(prompts)
+        self.seeds.append(seed)
+        self.entered.set()
+        if self.gate is not None and len(self.seeds) == 1:
+            assert self.gate.wait(30)
+        return self.engine.generate(prompts, params, seed)
+
+    def sync_weights(self, model):
+        self.engine.sync_weights(model)
+
+    @property
+    def rows(self) -> list[int]:
+        return [p.num_rows for p in self.prompts]
+
+
+def test_every_caller_waits_makes_one_engine_call_per_turn_with_the_samples_of_the_synchronous_loop():
+    """Three rows (prompts a, a, b) play two turns each as coroutines that reach each turn in a different order (the
+    environment's code between them takes longer for row 0 than for row 2). Under EVERY_CALLER_WAITS each turn is one
+    engine call of all three rows, in row order, the two equal prompts of the first turn sampled as one prompt twice;
+    seeded seed, then seed + SEED_STRIDE. So every token and log-prob is the synchronous loop's (`sample_turns`)."""
+    model, tokenizer = tiny_letter_model()
+    model.eval()
+    params = SamplingParams(max_new_tokens=0, eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=0)
+    prompts = [tokenizer(f"{c}:")["input_ids"] for c in "aab"]
+    budgets = (6, 12)  # max_completion_length at each turn: the second turn samples within what the first left
+
+    synchronous = [Transcript(p, {}) for p in prompts]
+    for turn, budget in enumerate(budgets):
+        sample_turns(HFEngine(model), tokenizer, None, synchronous, [0, 1, 2], params, 7 + SEED_STRIDE * turn, budget)
+
+    engine = RecordingEngine(HFEngine(model))
+    batcher = AsyncBatcher(engine, callers=3, seed=7, straggler_wait=60.0)
+    batched = [Transcript(p, {}) for p in prompts]
+
+    async def play(row: int):
+        for budget in budgets:
+            await asyncio.sleep(0.01 * (3 - row))  # the environment's code: row 2 asks first
+            rollout = await batcher.generate(turn_request(batched[row], params, budget, caller=row))
+            add_turn(tokenizer, None, batched[row], rollout)
+        batcher.finished(row)
+
+    async def play_all():
+        await asyncio.gather(*(play(row) for row in range(3)))
+
+    asyncio.run(play_all())
+    assert engine.rows == [3, 3] and engine.seeds == [7, 7 + SEED_STRIDE]
+    assert engine.prompts[0].ids == [prompts[0], prompts[2]] and engine.prompts[0].counts == [2, 1]
+    for mine, theirs in zip(batched, synchronous):
+        assert mine.ids == theirs.ids and mine.logprobs == theirs.logprobs and mine.truncated == theirs.truncated
+    assert any(t.ids for t in batched)
+
+
+def test_a_straggler_is_left_behind_after_straggler_wait_and_later_sampled_alone():
+    """Rows 0 and 1 ask for their second turn at once; row 2's environment takes 0.5 s. After straggler_wait
+    (0.05 s) rows 0 and 1 are sampled without it; row 2, alone running when it asks, is sampled at once: calls of
+    3, 2 and 1 rows, seeded seed + SEED_STRIDE * k."""
+    engine = RecordingEngine(ScriptedEngine(lambda prompt, index: [1, 2]))
+    params = SamplingParams(max_new_tokens=4, eos_token_ids=(2,), pad_token_id=0)
+    batcher = AsyncBatcher(engine, callers=3, seed=3, straggler_wait=0.05)
+
+    async def play(row: int):
+        for turn in range(2):
+            if row == 2 and turn == 1:
+                await asyncio.sleep(0.5)
+            prompts = PromptBatch(ids=[[5 + row, 6 + turn]], counts=[1], raw=[None])
+            await batcher.generate(Request(prompts, params, caller=row))
+        batcher.finished(row)
+
+    async def play_all():
+        await asyncio.gather(*(play(row) for row in range(3)))
+
+    asyncio.run(play_all())
+    assert engine.rows == [3, 2, 1]
+    assert engine.seeds == [3, 3 + SEED_STRIDE, 3 + 2 * SEED_STRIDE]
+
+
+def requests_while_busy(flush: Flush) -> RecordingEngine:
+    """Request 0 starts an engine call that waits at a gate; requests 1, 2 and 3 arrive, in that order, while it
+    waits; then the gate opens."""
+    gate = threading.Event()
+    engine = RecordingEngine(ScriptedEngine(lambda prompt, index: [1, 2]), gate)
+    batching = BatchingEngine(engine, flush=flush)
+    params = SamplingParams(max_new_tokens=4, eos_token_ids=(2,), pad_token_id=0)
+
+    def ask(seed: int):
+        rollout = batching.generate(PromptBatch(ids=[[5, seed]], counts=[1], raw=[None]), params, seed)
+        assert rollout.prompt_ids.tolist() == [[5, seed]] and rollout.completion_id_lists() == [[1, 2]]
+
+    threads = [threading.Thread(target=ask, args=(seed,)) for seed in range(4)]
+    threads[0].start()
+    assert engine.entered.wait(30)
+    for waiting, thread in enumerate(threads[1:], start=1):
+        thread.start()
+        while len(batching.waiting) < waiting:
+            time.sleep(0.01)
+    gate.set()
+    for thread in threads:
+        thread.join(30)
+    assert (batching.calls, batching.requests) == (len(engine.seeds), 4)
+    return engine
+
+
+def test_requests_that_arrive_while_the_engine_is_busy_go_into_its_next_call_together():
+    engine = requests_while_busy(Flush.ARRIVED_WHILE_BUSY)
+    assert engine.rows == [1, 3] and engine.seeds == [0, 1]  # the merged call: its first request's seed
+    assert engine.prompts[1].ids == [[5, 1], [5, 2], [5, 3]]
+
+
+def test_one_at_a_time_answers_each_request_alone_in_the_order_they_came_with_its_own_seed():
+    engine = requests_while_busy(Flush.ONE_AT_A_TIME)
+    assert engine.rows == [1, 1, 1, 1] and engine.seeds == [0, 1, 2, 3]

@@ -247,7 +247,7 @@ def test_reference_sync_happens_exactly_when_configured(model_dir, tmp_path, alp
 
 
 def test_high_entropy_mask_keeps_the_top_share():
-    from grpokit.trainer import high_entropy_mask
+    from grpokit.loss import high_entropy_mask
 
     entropies = torch.tensor([[0.1, 0.9, 0.5, 7.0], [0.3, 0.7, 0.2, 0.0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])

@@ -6,8 +6,10 @@ attention needs head sizes of 32 or more, so the models here have 2 heads of 32.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
+from unittest import mock
 
 import pytest
 import torch
@@ -93,17 +95,24 @@ def train_a_step(model, seed: int) -> None:
     optimizer.zero_grad()
 
 
+def counted_pushes(engine):
+    """`engine.push` (the weights sent to vLLM) counted from here on: `with counted_pushes(engine) as push`, then
+    `push.call_count`."""
+    return mock.patch.object(engine, "push", wraps=engine.push)
+
+
 def check_pushes(engine, model, tokenizer):
     assert logprob_gap(engine, model, tokenizer) <= TOLERANCE
-    for step in range(2):
-        train_a_step(model, seed=step)
-        stale = logprob_gap(engine, model, tokenizer)
-        assert stale > 1e-2, stale  # before the push vLLM samples from the old weights: the check can fail
-        engine.sync_weights(model)
-        assert engine.pushes == step + 1
-        assert logprob_gap(engine, model, tokenizer) <= TOLERANCE
-    engine.sync_weights(model)  # nothing changed since: no push
-    assert engine.pushes == 2
+    with counted_pushes(engine) as push:
+        for step in range(2):
+            train_a_step(model, seed=step)
+            stale = logprob_gap(engine, model, tokenizer)
+            assert stale > 1e-2, stale  # before the push vLLM samples from the old weights: the check can fail
+            engine.sync_weights(model)
+            assert push.call_count == step + 1
+            assert logprob_gap(engine, model, tokenizer) <= TOLERANCE
+        engine.sync_weights(model)  # nothing changed since: no push
+        assert push.call_count == 2
 
 
 def test_logprobs_equal_the_training_forward_after_each_push_untied():
@@ -221,8 +230,10 @@ def letter_run(tmp_path, use_vllm: bool, seed: int = 0):
     trainer = GRPOTrainer(
         model=model, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset(), processing_class=tokenizer
     )
-    trainer.train()
-    return trainer, [r["reward"] for r in trainer.state.log_history[:-1]]
+    with counted_pushes(trainer.engine) if use_vllm else contextlib.nullcontext() as push:
+        trainer.train()
+    pushes = push.call_count if use_vllm else None  # after the engine's first, made when it was built
+    return trainer, [r["reward"] for r in trainer.state.log_history[:-1]], pushes
 
 
 def test_a_use_vllm_run_learns_the_letter_task_as_well_as_the_in_process_engine(tmp_path):
@@ -234,10 +245,10 @@ def test_a_use_vllm_run_learns_the_letter_task_as_well_as_the_in_process_engine(
     final = lambda rewards: sum(rewards[-4:]) / 4  # noqa: E731  (the last 20 steps)
     vllm_finals, hf_finals = [], []
     for seed in range(4):
-        trainer, vllm_rewards = letter_run(tmp_path / f"vllm{seed}", use_vllm=True, seed=seed)
+        trainer, vllm_rewards, pushes = letter_run(tmp_path / f"vllm{seed}", use_vllm=True, seed=seed)
         assert isinstance(trainer.engine, VLLMEngine)
-        assert trainer.engine.pushes == 59  # before each generation but the first (every step changes the weights)
-        _, hf_rewards = letter_run(tmp_path / f"hf{seed}", use_vllm=False, seed=seed)
+        assert pushes == 59  # before each generation but the first (every step changes the weights)
+        _, hf_rewards, _ = letter_run(tmp_path / f"hf{seed}", use_vllm=False, seed=seed)
         assert vllm_rewards[0] < 0.25, vllm_rewards  # a random policy names the letter ~1 time in 10
         assert final(vllm_rewards) >= vllm_rewards[0] + 0.15, vllm_rewards  # every run learns
         vllm_finals.append(final(vllm_rewards))

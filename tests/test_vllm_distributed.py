@@ -126,17 +126,21 @@ SCRIPT = textwrap.dedent(
         trainer = GRPOTrainer(model=spec["model"], reward_funcs=repeat_letter, args=config(out, **spec["config"]),
                               train_dataset=dataset(), rollout_engine=Replay(recorded) if recorded else None,
                               callbacks=callbacks, peft_config=peft_config)
-        engine, rollouts = trainer.engine, []
+        engine, rollouts, pushes = trainer.engine, [], [0]
         if not recorded:  # observe the real generation: its rollouts are the evidence
-            generate = engine.generate
+            generate, push = engine.generate, engine.push
+
+            def counted_push(*args, **kwargs):  # the weights sent to vLLM, after the engine's first (when built)
+                pushes[0] += 1
+                return push(*args, **kwargs)
 
             def observed(prompts, params, seed):
                 rollout = generate(prompts, params, seed)
                 rollouts.append({"ids": prompts.ids, "counts": prompts.counts, "rollout": rollout,
-                                 "pushes": engine.pushes})
+                                 "pushes": pushes[0]})
                 return rollout
 
-            engine.generate = observed
+            engine.generate, engine.push = observed, counted_push
         trainer.train()
         out.mkdir(parents=True, exist_ok=True)
         torch.save(rollouts, out / f"rollouts_{RANK}.pt")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from letters import letter_config, letter_dataset, repeat_letter
-from test_vllm import TOLERANCE, check_pushes, logprob_gap, tiny, train_a_step
+from test_vllm import TOLERANCE, check_pushes, counted_pushes, logprob_gap, tiny, train_a_step
 from transformers import TrainerCallback
 
 from grpokit import GRPOTrainer
@@ -103,9 +103,9 @@ def test_server_logprobs_equal_the_training_forward_after_each_push(server):
     model, tokenizer = tiny(tied=True, seed=0)
     engine = VLLMServerEngine(model, url, timeout=30)
     assert logprob_gap(engine, model, tokenizer) > 1e-2
-    engine.sync_weights(model)
-    assert engine.pushes == 1
-    engine.pushes = 0
+    with counted_pushes(engine) as push:
+        engine.sync_weights(model)
+    assert push.call_count == 1
     check_pushes(engine, model, tokenizer)
 
 
@@ -118,10 +118,10 @@ def test_broadcast_pushes_through_a_process_group_give_the_training_forwards_log
     engine = VLLMServerEngine(model, url, timeout=30, group_port=free_port())
     assert logprob_gap(engine, model, tokenizer) > 1e-2
     version = engine.request("GET", "/info")["version"]
-    engine.sync_weights(model)
-    assert engine.pushes == 1 and engine.group is not None
+    with counted_pushes(engine) as push:
+        engine.sync_weights(model)
+    assert push.call_count == 1 and engine.group is not None
     assert engine.request("GET", "/info")["version"] == version + 1
-    engine.pushes = 0
     check_pushes(engine, model, tokenizer)
     # A second client (a new run against the same server) joins a group of its own at another port.
     again = VLLMServerEngine(model, url, timeout=30, group_port=free_port())
@@ -271,16 +271,17 @@ def test_a_restarted_server_gets_the_weights_pushed_again(tmp_path):
     process = start_server(model_dir, port)
     try:
         engine = VLLMServerEngine(model, f"http://127.0.0.1:{port}", timeout=30)
-        engine.sync_weights(model)
-        first = engine.info["instance"]
-        stop(process)
-        process = start_server(model_dir, port)
-        engine.sync_weights(model)  # the weights did not change: nothing is pushed here
-        assert engine.pushes == 1
-        # Without the second push vLLM would sample from the checkpoint's weights (a gap > 1e-2, as check_pushes
-        # shows after a training step).
-        assert logprob_gap(engine, model, tokenizer) <= TOLERANCE
-        assert engine.pushes == 2 and engine.info["instance"] != first
+        with counted_pushes(engine) as push:
+            engine.sync_weights(model)
+            first = engine.info["instance"]
+            stop(process)
+            process = start_server(model_dir, port)
+            engine.sync_weights(model)  # the weights did not change: nothing is pushed here
+            assert push.call_count == 1
+            # Without the second push vLLM would sample from the checkpoint's weights (a gap > 1e-2, as
+            # check_pushes shows after a training step).
+            assert logprob_gap(engine, model, tokenizer) <= TOLERANCE
+            assert push.call_count == 2 and engine.info["instance"] != first
     finally:
         stop(process)
 
@@ -450,7 +451,6 @@ def test_a_data_parallel_server_splits_each_request_over_its_engines_pushes_to_b
         assert [e["prompts"] for e in engines] == [3, 3], engines
 
         # Pushes over HTTP: rows from both engines score as the training forward after each, none before.
-        parallel.pushes = 0
         check_pushes(parallel, model, tokenizer)
         alone.sync_weights(model)
         same_samples()  # after two more pushes

@@ -80,9 +80,10 @@ from .distributed import (
 from .experience import Evaluator, ExperienceMaker
 from .generation import Generation
 from .hub import check_hub, push_folder
-from .logprobs import check_padding_free, token_logprobs
+from .logprobs import check_padding_free
 from .logs import MetricSink, MetricWindow, console_line, train_summary
-from .loss import high_entropy_mask, load_balancing_loss, off_policy_mask, policy_loss
+from .loss import off_policy_mask
+from .micro_batch import micro_batch_loss
 from .model_card import run_model_card
 from .models import mix_into_reference, whole_copy
 from .producer import Produced, Producer, WeightSync, check_async, check_streaming, start_producer
@@ -560,7 +561,7 @@ class GRPOTrainer:
         normalised as TRL normalises a micro-batch (`batch.trl_loss_counts`; `num_items_in_batch` unused, as TRL's)."""
         if return_outputs:
             raise ValueError("The GRPOTrainer does not support returning outputs")
-        args, controller = self.args, self.entropy_controller
+        args = self.args
         if isinstance(inputs, dict):
             training = self.model.training  # TRL's mode: no accumulation in evaluation
             batch = TrainBatch.from_trl_inputs(inputs)
@@ -572,57 +573,19 @@ class GRPOTrainer:
                 self.accelerator.num_processes,
             )
             inputs = batch
-        num_sequences, num_tokens, num_micro_batches = (
-            num_items_in_batch or self._window_counts or (len(inputs), inputs.loss_mask.sum().item(), 1)
+        counts = num_items_in_batch or self._window_counts or (len(inputs), inputs.loss_mask.sum().item(), 1)
+        load_balancing = self.router_aux_loss_coef  # MoE (TRL's router_aux_loss_coef)
+        loss, step_stats = micro_batch_loss(
+            model,
+            inputs.trimmed(),
+            counts,
+            args,
+            self.accelerator.autocast,
+            entropy_controller=self.entropy_controller,
+            router_aux_loss_coef=load_balancing,
+            moe=moe_shape(self.unwrapped_model.config) if load_balancing else None,
+            offload=self.activation_offload,
         )
-        batch = inputs.trimmed()
-        entropy_coef = controller.coef_to_apply() if controller is not None else args.entropy_coef
-        router_logits = [] if self.router_aux_loss_coef else None
-        offload = self.activation_offload or contextlib.nullcontext()
-        with self.accelerator.autocast(), offload:  # offload: what the forward saves waits in host memory
-            logprobs, entropies = token_logprobs(
-                model,
-                batch.input_ids,
-                batch.input_mask,
-                batch.completion_ids.shape[1],
-                args.temperature,
-                with_entropy=True,
-                entropy_grad=args.entropy_coef != 0 or controller is not None,
-                router_logits=router_logits,
-                fp32_head=args.cast_lm_head_to_fp32,
-                multimodal=batch.multimodal,
-                padding_free=args.padding_free,
-            )
-        loss_weights = None
-        if args.top_entropy_quantile < 1.0:
-            loss_weights = high_entropy_mask(entropies.detach(), batch.loss_mask, args.top_entropy_quantile)
-        loss, stats = policy_loss(
-            logprobs,
-            batch.old_logprobs,
-            batch.ref_logprobs,
-            batch.advantages,
-            batch.loss_mask,
-            num_sequences=num_sequences,
-            num_tokens=num_tokens,
-            entropies=entropies,
-            entropy_coef=entropy_coef,
-            loss_weights=loss_weights,
-            sampling_logprobs=batch.sampling_logprobs,
-            sampling_ratio=batch.sampling_ratio,
-            num_micro_batches=num_micro_batches,
-            entropy_normalization="token_mean",
-            **args.objective_options(),
-        )
-        if controller is not None:
-            mask = batch.loss_mask if loss_weights is None else batch.loss_mask * loss_weights
-            controller.observe(entropies.detach(), mask)
-        if router_logits is not None:  # MoE load balancing (TRL's router_aux_loss_coef), per optimizer step
-            aux = load_balancing_loss(router_logits, *moe_shape(self.unwrapped_model.config), batch.input_mask).to(
-                loss.device
-            )
-            loss = loss + self.router_aux_loss_coef * aux / num_micro_batches
-            stats.objective["aux_loss"] = aux.detach()
-        step_stats = stats.as_dict()
         clipped = step_stats.get("clip_ratio/region_mean")
         if self._batch_staleness is not None and clipped is not None:
             # Under max_staleness a step trains one generation batch: its clip ratio, keyed by the batch's staleness,

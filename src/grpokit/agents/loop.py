@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from ..data import EMPTY_PROMPT, PromptLimit, is_conversational, pad_left
+from ..rollout.batching import SEED_STRIDE, Request, answer
 from ..rollout.engine import PromptBatch, Rollout, RolloutEngine, SamplingParams
 from .chat import check_tool_calling, parse_completion, render_prompt, tool_result_ids
 from .environments import EnvironmentPool, public_methods
@@ -47,18 +48,6 @@ class Transcript:
         self.ids += ids
         self.trained += [trained] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
-
-
-def grouped(prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-    """Runs of equal consecutive prompts → (distinct prompts, counts), so that an engine can share their prefix."""
-    ids, counts = [], []
-    for prompt in prompt_ids:
-        if ids and ids[-1] == prompt:
-            counts[-1] += 1
-        else:
-            ids.append(prompt)
-            counts.append(1)
-    return ids, counts
 
 
 class Agents:
@@ -177,7 +166,7 @@ class Agents:
         while waiting and iteration < self.max_iterations:
             waiting = [i for i in waiting if self._add_tool_results(transcripts[i], stats)]
             if waiting:
-                self._sample(engine, transcripts, waiting, params, seed + 7919 * (iteration + 1))
+                self._sample(engine, transcripts, waiting, params, seed + SEED_STRIDE * (iteration + 1))
             waiting = [i for i in waiting if transcripts[i].messages[-1].get("tool_calls")]
             iteration += 1
         with self.stats_lock:
@@ -312,23 +301,34 @@ def sample_turns(
     seed: int,
     max_completion_length: int,
 ) -> None:
-    """Sample the next assistant turn of transcripts[indices] in one engine call, each on its prompt + transcript ids
-    so far and within its remaining token budget; append it (loss mask 1, the engine's log-probs) and its message
-    (parsed for tool calls with `template`, plain text without one)."""
-    contexts = [transcripts[i].prompt_ids + transcripts[i].ids for i in indices]
-    budgets = [max_completion_length - len(transcripts[i].ids) for i in indices]
-    ids, counts = grouped(contexts)
-    batch = PromptBatch(ids=ids, counts=counts, raw=[None] * len(ids))
-    out = engine.generate(batch, dataclasses.replace(params, max_new_tokens=max(budgets)), seed)
-    sampled = out.completion_id_lists()
-    for row, (i, budget) in enumerate(zip(indices, budgets)):
-        transcript, turn = transcripts[i], sampled[row][:budget]
-        logprobs = None if out.sampling_logprobs is None else out.sampling_logprobs[row, : len(turn)].tolist()
-        transcript.truncated = bool(out.is_truncated[row]) or len(sampled[row]) > budget
-        context = transcript.prompt_ids + transcript.ids
-        transcript.add(turn, 1, logprobs)
-        tools = list(transcript.tools.values())
-        transcript.messages.append(parse_completion(tokenizer, template, turn, context, tools))
+    """Sample the next assistant turn of transcripts[indices] in one engine call (`rollout.batching.answer`: every
+    row waits on the model, the rows in order) and append each (`add_turn`)."""
+    requests = [turn_request(transcripts[i], params, max_completion_length) for i in indices]
+    answer(engine, requests, seed)
+    if requests and requests[0].error is not None:
+        raise requests[0].error
+    for i, request in zip(indices, requests):
+        add_turn(tokenizer, template, transcripts[i], request.rollout)
+
+
+def turn_request(transcript: Transcript, params: SamplingParams, max_completion_length: int, caller: int = 0):
+    """The request for a transcript's next turn: sampled on its prompt + transcript ids so far (never re-tokenized
+    text), within its remaining token budget."""
+    context = transcript.prompt_ids + transcript.ids
+    budget = max_completion_length - len(transcript.ids)
+    prompts = PromptBatch(ids=[context], counts=[1], raw=[None])
+    return Request(prompts, dataclasses.replace(params, max_new_tokens=budget), caller=caller)
+
+
+def add_turn(tokenizer, template: dict | None, transcript: Transcript, turn: Rollout) -> None:
+    """Append the turn sampled for `turn_request` (loss mask 1, the engine's log-probs; truncated where the budget
+    cut it) and its message (parsed for tool calls with `template`, plain text without one)."""
+    ids = turn.completion_id_lists()[0]
+    logprobs = None if turn.sampling_logprobs is None else turn.sampling_logprobs[0, : len(ids)].tolist()
+    transcript.truncated = bool(turn.is_truncated[0])
+    context = transcript.prompt_ids + transcript.ids
+    transcript.add(ids, 1, logprobs)
+    transcript.messages.append(parse_completion(tokenizer, template, ids, context, list(transcript.tools.values())))
 
 
 def turn_ends(trained: list[int]) -> list[int]:

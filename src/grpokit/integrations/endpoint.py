@@ -21,8 +21,9 @@ and every session shares the completion budget `max_completion_length`. Engine c
 `serving` window their session was opened in, and leaving a window waits for its calls in flight: the in-process
 engine samples from the very model being trained, so no call may run while it trains (a harness that outlives its
 rollout gets HTTP 404). Calls take turns on the engine, in the order they come, each seeded by its session and
-turn; under asynchronous generation, where several windows (groups) are open at once and the engine is a
-`BatchingEngine`, calls that arrive together go into one engine call.
+turn (`rollout.batching`, Flush.ONE_AT_A_TIME); under asynchronous generation, where several windows (groups) are
+open at once and the engine is already a `BatchingEngine` that merges what arrived while it was busy, calls that
+arrive together go into one engine call.
 
 Stitching (`stitch`): a rollout is trained as one sequence, prompt + completion, so each call's prompt must extend
 the previous call's prompt + completion token for token; what lies between (tool results, later user turns) is
@@ -57,7 +58,7 @@ from ..agents.loop import Transcript, transcripts_rollout
 from ..agents.tools import in_daemon_thread
 from ..data import is_conversational
 from ..json_http import JSONError, JSONHandler
-from ..rollout.batching import BatchingEngine
+from ..rollout.batching import BatchingEngine, Flush
 from ..rollout.engine import PromptBatch, Rollout, RolloutEngine, SamplingParams
 
 SESSION_HEADER = "X-Session-ID"  # verifiers' header name (HTTP header names are case-insensitive)
@@ -92,7 +93,7 @@ class Call:
 class Window:
     """One `serving` window: the engine and what its calls are sampled with, and its calls in flight."""
 
-    engine: RolloutEngine
+    engine: BatchingEngine
     params: SamplingParams
     seed: int
     version: int | None
@@ -132,7 +133,7 @@ class PolicyEndpoint:
             self.template = None
         self.lock = threading.Lock()  # the sessions and windows (not held during engine calls)
         self.idle = threading.Condition(self.lock)  # notified when a call in flight ends
-        self.engine_lock = threading.Lock()  # one engine call at a time, unless the engine merges concurrent ones
+        self.one_at_a_time: BatchingEngine | None = None  # the latest plain engine served, its calls taking turns
         self.sessions: dict[str, Session] = {}
         self.server: ThreadingHTTPServer | None = None
 
@@ -162,7 +163,7 @@ class PolicyEndpoint:
     def serving(self, engine: RolloutEngine, params: SamplingParams, seed: int, version: int | None):
         """The window's sessions may call the engine inside this block only; leaving it waits for their calls in
         flight and closes them."""
-        window = Window(engine, params, seed, version)
+        window = Window(self._batching(engine), params, seed, version)
         try:
             yield window
         finally:
@@ -172,6 +173,17 @@ class PolicyEndpoint:
                     self.idle.wait()
                 for name in [n for n, s in self.sessions.items() if s.window is window]:
                     self.sessions.pop(name).closed = True
+
+    def _batching(self, engine: RolloutEngine) -> BatchingEngine:
+        """The engine as the sessions call it. A plain one answers one call at a time, each alone with its own
+        seed, so that a call's sample is a function of its session and turn, not of the calls it met; a
+        BatchingEngine (asynchronous generation) as it is, merging the calls that arrive while it is busy."""
+        if isinstance(engine, BatchingEngine):
+            return engine
+        with self.lock:
+            if self.one_at_a_time is None or self.one_at_a_time.engine is not engine:
+                self.one_at_a_time = BatchingEngine(engine, flush=Flush.ONE_AT_A_TIME)
+            return self.one_at_a_time
 
     def open_session(self, index: int, window: Window) -> str:
         """A session of `window` playing row `index`."""
@@ -319,10 +331,7 @@ class PolicyEndpoint:
             window.in_flight += 1
         try:
             prompts = PromptBatch(ids=[list(prompt_ids)], counts=[1], raw=[None])
-            # A BatchingEngine takes concurrent calls (and merges them); any other engine one call at a time.
-            turns = contextlib.nullcontext() if isinstance(window.engine, BatchingEngine) else self.engine_lock
-            with turns:
-                out = window.engine.generate(prompts, params, seed)
+            out = window.engine.generate(prompts, params, seed)
         finally:
             with self.lock:
                 window.in_flight -= 1

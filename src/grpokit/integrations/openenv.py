@@ -52,12 +52,12 @@ from ..agents.loop import Transcript, sample_turns, transcripts_rollout, with_ob
 from ..agents.tools import ToolRunner, ToolStats, summed_over_processes
 from ..data import PromptLimit
 from ..rewards.process import process_reward
+from ..rollout.batching import SEED_STRIDE
 from ..rollout.engine import Rollout, RolloutEngine, SamplingParams
 
 INSTALL = 'pip install "grpokit[openenv]"'
 REWARDS_COLUMN = "openenv_rewards"  # per row: the reward of each of its turns, or None when its session failed
 PARSE_ERRORS = (ValueError, TypeError, KeyError)  # what a parser raises for an action it cannot read
-SEED_STRIDE = 7919  # the seed of a generation's k-th turn is seed + SEED_STRIDE * k (as grpokit.agents)
 
 
 def require_openenv() -> None:

@@ -8,7 +8,8 @@ their subclasses), trained on as they are: `GRPOTrainer(model, args=..., environ
   `vf.Client`) that samples on token ids with any `RolloutEngine`. Each continuation is sampled on the prompt ids
   plus the transcript ids so far (never re-tokenized text); the environment's messages in between are the chat
   template's rendering of them (loss mask 0). The model calls of all rows wait for one another and run as one
-  engine call (`TurnBatcher`), as grpokit's own tool loop samples a turn of every row at once.
+  engine call (`rollout.batching.AsyncBatcher`, Flush.EVERY_CALLER_WAITS), as grpokit's own tool loop samples a turn
+  of every row at once.
 - Rewards: the rubric's functions and weights, metrics included (weight 0: logged, not rewarded). The rubric
   scores each group of a prompt's rollouts with its own `score_group` (async functions run concurrently,
   asyncio.gather); the reward functions the trainer sees read those scores back, named as the rubric names them.
@@ -32,9 +33,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ..agents.chat import appended_message_ids, check_tool_calling, render_prompt
-from ..agents.loop import Transcript, sample_turns, transcripts_rollout
+from ..agents.loop import Transcript, add_turn, transcripts_rollout, turn_request
 from ..agents.tools import ToolStats, summed_over_processes
 from ..data import PromptLimit
+from ..rollout.batching import AsyncBatcher
 from ..rollout.engine import Rollout, RolloutEngine, SamplingParams
 
 try:
@@ -49,7 +51,6 @@ except ImportError as error:  # pragma: no cover - the message is the point
     ) from error
 
 STATE_COLUMN = "verifiers_state"  # the per-row column that carries each rollout's verifiers State to the rewards
-SEED_STRIDE = 7919  # the seed of the k-th engine call of a generation is seed + SEED_STRIDE * k (as grpokit.agents)
 
 
 def adapt(environment) -> ClassicEnvironment | None:
@@ -154,10 +155,8 @@ class ClassicDriver:
     ) -> tuple[Rollout, list]:
         """rows: one per completion, a prompt's G rows consecutive. The rollout, and each row's completion as the
         environment renders it (messages)."""
-        batcher = TurnBatcher(
-            engine, self.tokenizer, self.template, params, seed, self.max_completion_length, len(rows)
-        )
-        clients = [EngineClient(self, batcher, row) for row in range(len(rows))]
+        batcher = AsyncBatcher(engine, len(rows), seed)
+        clients = [EngineClient(self, batcher, row, params) for row in range(len(rows))]
         states = self.loop.run_until_complete(self._play_and_score(rows, clients))
         transcripts = [
             client.transcript or Transcript(client.prompt_ids(states[i]), {}) for i, client in enumerate(clients)
@@ -216,90 +215,13 @@ class ClassicDriver:
         return out
 
 
-class TurnBatcher:
-    """Gathers the model calls of a generation's rows and answers them with one engine call once every row still
-    running waits on the model (the others are in the environment's code, or done). Rows that have waited
-    `straggler_wait` seconds on rows still in the environment's code are sampled without them, so that a slow
-    environment reply does not spend the other rows' time (their `timeout_seconds`); the engine calls, and so the
-    samples, are then no longer a function of the seed alone."""
-
-    def __init__(
-        self,
-        engine,
-        tokenizer,
-        template,
-        params: SamplingParams,
-        seed: int,
-        max_completion_length: int,
-        rows: int,
-        straggler_wait: float = 0.5,
-    ):
-        self.engine, self.tokenizer, self.template, self.params = engine, tokenizer, template, params
-        self.seed, self.max_completion_length, self.straggler_wait = seed, max_completion_length, straggler_wait
-        self.running, self.calls = set(range(rows)), 0
-        self.waiting: dict[int, tuple[Transcript, asyncio.Future]] = {}
-        self.timer: asyncio.TimerHandle | None = None
-        self.failure: BaseException | None = None  # the engine's error: it stops training, unlike an environment's
-
-    async def next_turn(self, row: int, transcript: Transcript) -> None:
-        future = asyncio.get_running_loop().create_future()
-        self.waiting[row] = (transcript, future)
-        self._flush_when_all_wait()
-        await future
-
-    def finished(self, row: int) -> None:
-        """The row's rollout ended (a rollout timed out while it waited on the model ends too)."""
-        self.running.discard(row)
-        self.waiting.pop(row, None)
-        self._flush_when_all_wait()
-
-    def _flush_when_all_wait(self) -> None:
-        if not self.waiting:
-            return
-        if set(self.waiting) == self.running:
-            self._flush()
-        elif self.timer is None:
-            self.timer = asyncio.get_running_loop().call_later(self.straggler_wait, self._flush)
-
-    def _flush(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        order = sorted(self.waiting)  # rows in order: a prompt's G rows stay consecutive, so the engine shares them
-        waiting, self.waiting = [self.waiting[r] for r in order], {}
-        waiting = [(transcript, future) for transcript, future in waiting if not future.done()]
-        if not waiting:
-            return
-        transcripts = [transcript for transcript, _ in waiting]
-        try:
-            sample_turns(
-                self.engine,
-                self.tokenizer,
-                self.template,
-                transcripts,
-                list(range(len(transcripts))),
-                self.params,
-                self.seed + SEED_STRIDE * self.calls,
-                self.max_completion_length,
-            )
-        except Exception as error:  # handed to the waiting rollouts; the driver re-raises it
-            self.failure = error
-            for _, future in waiting:
-                future.set_exception(error)
-            return
-        finally:
-            self.calls += 1
-        for _, future in waiting:
-            future.set_result(None)
-
-
 class EngineClient(Client):
     """The `vf.Client` one row's rollout talks to: it keeps the row's transcript as token ids and samples each turn
-    through the `TurnBatcher`, on the prompt ids plus the transcript ids so far."""
+    through the driver's `AsyncBatcher` (as caller `row`), on the prompt ids plus the transcript ids so far."""
 
-    def __init__(self, driver: ClassicDriver, batcher: TurnBatcher, row: int):
+    def __init__(self, driver: ClassicDriver, batcher: AsyncBatcher, row: int, params: SamplingParams):
         super().__init__(None)
-        self.driver, self.batcher, self.row = driver, batcher, row
+        self.driver, self.batcher, self.row, self.params = driver, batcher, row, params
         self.transcript: Transcript | None = None
         self.seen = 0  # how many of the rollout's messages the transcript holds (prompt and every turn so far)
         self.state = None  # the row's verifiers State, from its first model call
@@ -334,7 +256,8 @@ class EngineClient(Client):
             transcript.add(ids, 0)
         self.seen = len(messages) + 1  # the prompt and the turn about to be sampled
         start = len(self.transcript.ids)
-        await self.batcher.next_turn(self.row, self.transcript)
+        request = turn_request(self.transcript, self.params, driver.max_completion_length, caller=self.row)
+        add_turn(driver.tokenizer, driver.template, self.transcript, await self.batcher.generate(request))
         return as_response(self.transcript, start, model)
 
     # The rest of vf.Client's interface speaks to an HTTP API; the engine needs none of it.
@@ -431,4 +354,4 @@ def tool_schema(tool) -> dict:
     }
 
 
-__all__ = ["ClassicDriver", "ClassicEnvironment", "EngineClient", "TurnBatcher", "adapt"]
+__all__ = ["ClassicDriver", "ClassicEnvironment", "EngineClient", "adapt"]

@@ -323,9 +323,8 @@ class VLLMEngine:
             self.close()  # vLLM has read the config (and tokenizer): weights come as tensors from here on
         self.asleep, self.is_shut_down = self.sleep_mode, False
         _set_live_engine(self)
-        self.pushed_versions, self.pushes = None, 0
+        self.pushed_versions = None
         self.sync_weights(model)  # the policy's weights replace the dummy ones
-        self.pushes = 0  # weight pushes since (tests read it)
 
     @classmethod
     def from_config(
@@ -375,7 +374,6 @@ class VLLMEngine:
             self.push(weights)
         # Merging and unmerging bump the counters too: the fingerprint is taken after them.
         self.pushed_versions = parameter_versions(model)
-        self.pushes += 1
 
     def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
         self._check_running()

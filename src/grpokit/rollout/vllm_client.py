@@ -124,7 +124,6 @@ class VLLMServerEngine:
             )
         self.tied = bool(self.info.get("tie_word_embeddings"))
         self.pushed_versions = None  # the server's weights are not known to be the policy's: push at the first sync
-        self.pushes = 0
 
     @classmethod
     def from_config(
@@ -164,8 +163,7 @@ class VLLMServerEngine:
         if versions is not None and versions == self.pushed_versions:
             return
         self._model = model
-        if self.process_index == 0 or self.sharded:
-            self.push(model)
+        self._push_together(model)
         if self.num_processes > 1:  # on the producers' own group when a producer pushes (distributed.barrier)
             barrier()
         self.pushed_versions = parameter_versions(model)  # after the merge / unmerge of a LoRA adapter
@@ -216,27 +214,31 @@ class VLLMServerEngine:
         if all_processes_done(not restarted_here):
             return
         self.info["instance"] = self.request("GET", "/info")["instance"]
-        self.push(self._model)
+        self._push_together(self._model)
 
     # ------------------------------------------------------------------------------------------ transport
 
     _model = None
 
+    def _push_together(self, model: torch.nn.Module) -> None:
+        """The main process pushes; with a sharded model, every other process takes part in the push's gathers."""
+        if self.process_index == 0:
+            self.push(model)
+        elif self.sharded:
+            self.take_part_in_push(model)
+
     def push(self, model: torch.nn.Module) -> None:
-        """Send the policy's weights (LoRA: merged). A sharded model's are gathered one parameter at a time on every
-        process (each must take part); only the main process keeps them, and sends."""
+        """Send the policy's weights (LoRA: merged) to the server. A sharded model's are gathered one parameter at a
+        time, a collective: the other processes take part at the same time (`take_part_in_push`)."""
         from safetensors.torch import save
 
-        sends = self.process_index == 0 or not self.sharded
         with policy_weights(model) as weights:
             tensors, seen = {}, set()
             for name, tensor in weights:
                 key = (tensor.data_ptr(), tuple(tensor.shape))
-                if sends and key not in seen:  # a tied weight once (the server ties it back)
+                if key not in seen:  # a tied weight once (the server ties it back)
                     seen.add(key)
                     tensors[name] = tensor.detach().contiguous()
-            if not sends:
-                return
             if self.group_port is None:
                 self.request(
                     "POST", "/update_weights", save({k: v.cpu() for k, v in tensors.items()}), self.weight_sync_timeout
@@ -244,7 +246,12 @@ class VLLMServerEngine:
             else:
                 self._broadcast(list(tensors.items()))
         self._model = model
-        self.pushes += 1
+
+    def take_part_in_push(self, model: torch.nn.Module) -> None:
+        """A sharded model's part in the main process's push: each parameter's gather, nothing kept or sent."""
+        with policy_weights(model) as weights:
+            for _ in weights:
+                pass
 
     def _broadcast(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """The weights through the process group (joined at the first push, and again with a restarted server)."""
