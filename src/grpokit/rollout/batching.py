@@ -1,5 +1,5 @@
 """Concurrent model calls answered together: the one mechanism by which grpokit batches the turns its rollouts ask
-for (issue 49, "one way to batch concurrent engine calls").
+for.
 
 Rollouts ask the engine for their next turn on their own: the rows of a classic verifiers environment (asyncio
 coroutines), the groups streamed under asynchronous generation (threads), the sessions of the policy endpoint (HTTP
