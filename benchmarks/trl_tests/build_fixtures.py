@@ -85,6 +85,32 @@ VLMS = {
     "trl-internal-testing/tiny-LlavaNextForConditionalGeneration": "llava_next",
     "trl-internal-testing/tiny-SmolVLMForConditionalGeneration": "idefics3",
 }
+# model id -> (model_type, TRL chat template file): the Qwen-VL family, whose processors need torchvision (their video
+# processor), built only where it imports. Sizes as TRL's generator scripts (scripts/generate_tiny_models/
+# for_conditional_generation/), on transformers' default configurations (the Hub's are not reachable here).
+QWEN_VLMS = {
+    "trl-internal-testing/tiny-Qwen2VLForConditionalGeneration": ("qwen2_vl", "qwen2_5_vl"),
+    "trl-internal-testing/tiny-Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "qwen2_5_vl"),
+    "trl-internal-testing/tiny-Qwen3_5ForConditionalGeneration-NoThink": ("qwen3_5", "qwen3_5_nothink"),
+    "trl-internal-testing/tiny-Qwen3_5MoeForConditionalGeneration-3.6": ("qwen3_5_moe", "qwen3_6"),
+}
+GEMMA4 = "trl-internal-testing/tiny-Gemma4ForConditionalGeneration"
+# Gemma 4's media tokens: begin / placeholder / end of an image and of an audio clip, a video's placeholder.
+GEMMA4_MEDIA = ("<|image>", "<image|>", "<|image|>", "<|audio>", "<audio|>", "<|audio|>", "<|video|>")
+# Qwen's special tokens after <|im_end|>, in their tokenizer's order (151646-151656 in Qwen2-VL's vocabulary).
+QWEN_VISION_SPECIAL = (
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
 DATASET_SCRIPTS = {
     "trl-internal-testing/zen": "generate_zen_dataset.py",
     "trl-internal-testing/zen-image": "generate_zen_image_dataset.py",
@@ -206,6 +232,190 @@ def build_vlm(hub_cache: Path, repo_id: str, model_type: str) -> None:
     processor.save_pretrained(path)
 
 
+def build_byte_level_qwen_tokenizer(chat_template: str, special_tokens: list[str], added_tokens: list[str]):
+    """Qwen 3.5's tokenizer class (byte-level BPE; transformers loads a qwen3_5 checkpoint's tokenizer with it
+    whatever tokenizer_config.json names) with the 256 byte symbols and no merges, so every text round-trips one
+    byte a token; the special tokens from Qwen's id 151643 on."""
+    from tokenizers import AddedToken
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import Qwen3_5Tokenizer
+
+    vocab = {f"<|filler_{i}|>": i for i in range(QWEN_FIRST_SPECIAL_ID)}
+    for token in [*special_tokens, *added_tokens, *sorted(ByteLevel.alphabet())]:
+        vocab.setdefault(token, len(vocab))
+    tokenizer = Qwen3_5Tokenizer(
+        vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<|endoftext|>"
+    )
+    tokenizer.add_tokens([AddedToken(token, special=True, normalized=False) for token in special_tokens])
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in added_tokens])
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def build_qwen_vlm(hub_cache: Path, repo_id: str, model_type: str, template_name: str) -> None:
+    """A Qwen2-VL / Qwen2.5-VL / Qwen3.5 / Qwen3.5-MoE (Qwen 3.6) of TRL's tiny sizes (2 decoder layers of width 16,
+    a 2-block vision tower; Qwen 3.5: one linear-attention and one full-attention layer), with the family's processor
+    (transformers' classes at their defaults; Qwen 3.5: 16-pixel patches and its 0.5 normalisation) around a
+    tokenizer with TRL's copy of the family's chat template and Qwen's special-token ids."""
+    import re
+
+    import transformers
+    import trl
+
+    template = (Path(trl.__file__).parent / "chat_templates" / f"{template_name}.jinja").read_text()
+    special = [*QWEN_SPECIAL, *QWEN_VISION_SPECIAL]
+    special += sorted(set(re.findall(r"<\|[A-Za-z_]+\|>", template)) - set(special))
+    if model_type.startswith("qwen3_5"):
+        tokenizer = build_byte_level_qwen_tokenizer(template, special, ADDED["qwen3"])
+    else:
+        tokenizer = build_chat_tokenizer(
+            template, special, "<|im_end|>", "<|endoftext|>", ADDED["qwen3"], first_id=QWEN_FIRST_SPECIAL_ID
+        )
+    token_id = tokenizer.convert_tokens_to_ids
+    text = dict(
+        vocab_size=len(tokenizer),
+        num_hidden_layers=2,
+        hidden_size=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=token_id("<|endoftext|>"),
+        bos_token_id=token_id("<|endoftext|>"),
+        eos_token_id=token_id("<|im_end|>"),
+    )
+    vision_tokens = dict(
+        image_token_id=token_id("<|image_pad|>"),
+        video_token_id=token_id("<|video_pad|>"),
+        vision_start_token_id=token_id("<|vision_start|>"),
+        vision_end_token_id=token_id("<|vision_end|>"),
+    )
+    image_processor = transformers.Qwen2VLImageProcessor()
+    if model_type in ("qwen2_vl", "qwen2_5_vl"):
+        text.update(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [1, 1]})
+        vision = dict(hidden_size=16, num_heads=4, depth=2)
+        if model_type == "qwen2_vl":
+            vision.update(embed_dim=64)
+        else:
+            vision.update(fullatt_block_indexes=[1], out_hidden_size=16)
+        prefix = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL"}[model_type]
+        video_processor = transformers.Qwen2VLVideoProcessor()
+    else:
+        text.update(layer_types=["linear_attention", "full_attention"])
+        if model_type == "qwen3_5_moe":
+            text.update(
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+            )
+        vision = dict(hidden_size=16, depth=2, num_heads=4, intermediate_size=32, out_hidden_size=16)
+        prefix = {"qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe"}[model_type]
+        half = [0.5, 0.5, 0.5]
+        image_processor = transformers.Qwen2VLImageProcessor(
+            patch_size=16, image_mean=half, image_std=half, size={"shortest_edge": 65536, "longest_edge": 16777216}
+        )
+        video_processor = transformers.Qwen3VLVideoProcessor()
+    processor_class = transformers.Qwen3VLProcessor if model_type.startswith("qwen3") else None
+    processor_class = processor_class or getattr(transformers, f"{prefix}Processor")
+    processor = processor_class(
+        image_processor=image_processor, video_processor=video_processor, tokenizer=tokenizer, chat_template=template
+    )
+    config = getattr(transformers, f"{prefix}Config")(
+        text_config=getattr(transformers, f"{prefix}TextConfig")(**text).to_dict(),
+        vision_config=getattr(transformers, f"{prefix}VisionConfig")(**vision).to_dict(),
+        **vision_tokens,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config).to(torch.bfloat16)
+    if model_type == "qwen3_5":  # Qwen 3.5 keeps its linear attention's A_log and norm in float32 (TRL's script)
+        for layer in model.model.language_model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.A_log.data = layer.linear_attn.A_log.data.float()
+                layer.linear_attn.norm.weight.data = layer.linear_attn.norm.weight.data.float()
+    model.generation_config.eos_token_id = [token_id("<|im_end|>"), token_id("<|endoftext|>")]
+    model.generation_config.pad_token_id = token_id("<|endoftext|>")
+    path = snapshot_dir(hub_cache, repo_id)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+
+
+def build_gemma4_vlm(hub_cache: Path) -> None:
+    """Gemma 4 (google/gemma-4-E2B-it's architecture) of TRL's tiny sizes (2 decoder layers of width 16, one sliding
+    and one full attention layer, no audio tower; a 2-layer vision tower of 70 soft tokens an image, TRL's smallest),
+    with Gemma4Processor (its image, video and audio processors at transformers' defaults, 70 tokens an image as TRL
+    sets them) around a tokenizer with TRL's copy of the current Gemma 4 chat template and its special tokens."""
+    import re
+
+    import transformers
+    import trl
+
+    template = (Path(trl.__file__).parent / "chat_templates" / "gemma4_v5.jinja").read_text()
+    special = ["<pad>", "<eos>", "<bos>", *GEMMA4_MEDIA]
+    special += sorted(set(re.findall(r"<\|[a-z_\"]+\|?>|<[a-z_]+\|>", template)) - set(special))
+    words = build_chat_tokenizer(template, special, "<eos>", "<pad>")
+    names = dict(image_token="<|image|>", boi_token="<|image>", eoi_token="<image|>")
+    names.update(audio_token="<|audio|>", boa_token="<|audio>", eoa_token="<audio|>")
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words._tokenizer,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        extra_special_tokens=names,
+    )
+    tokenizer.chat_template = template
+    token_id = tokenizer.convert_tokens_to_ids
+    image_tokens = 70  # TRL's: the smallest max_soft_tokens Gemma 4 supports; 630 patches (3 x 3 pooled) an image
+    processor = transformers.Gemma4Processor(
+        feature_extractor=transformers.Gemma4AudioFeatureExtractor(),
+        image_processor=transformers.Gemma4ImageProcessor(max_soft_tokens=image_tokens, image_seq_length=image_tokens),
+        tokenizer=tokenizer,
+        video_processor=transformers.Gemma4VideoProcessor(),
+        chat_template=template,
+        image_seq_length=image_tokens,
+    )
+    text = transformers.Gemma4TextConfig(
+        vocab_size=len(tokenizer),
+        vocab_size_per_layer_input=len(tokenizer),
+        num_hidden_layers=2,
+        hidden_size=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=32,
+        layer_types=["sliding_attention", "full_attention"],
+        num_kv_shared_layers=0,
+        global_head_dim=8,
+        hidden_size_per_layer_input=16,
+        pad_token_id=token_id("<pad>"),
+        eos_token_id=token_id("<eos>"),
+        bos_token_id=token_id("<bos>"),
+    )
+    vision = transformers.Gemma4VisionConfig(
+        num_hidden_layers=2,
+        hidden_size=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=32,
+        position_embedding_size=image_tokens * 9,
+        default_output_length=image_tokens,
+    )
+    config = transformers.Gemma4Config(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        audio_config=None,
+        boi_token_id=token_id("<|image>"),
+        eoi_token_id=token_id("<image|>"),
+        image_token_id=token_id("<|image|>"),
+        video_token_id=token_id("<|video|>"),
+        boa_token_id=token_id("<|audio>"),
+        eoa_token_index=token_id("<audio|>"),
+        audio_token_id=token_id("<|audio|>"),
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.Gemma4ForConditionalGeneration(config).to(torch.bfloat16)
+    model.generation_config.eos_token_id = [token_id("<eos>"), token_id("<turn|>")]  # as Gemma's: a turn's end too
+    path = snapshot_dir(hub_cache, GEMMA4)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+
+
 def build_remote_model(hub_cache: Path, scripts: Path) -> None:
     """tiny-RemoteForCausalLM: a Llama under another model_type whose code travels with the checkpoint
     (trust_remote_code), from the modules of TRL's generator (scripts/.../_remote_code)."""
@@ -275,14 +485,37 @@ def main() -> None:
     parser.add_argument("--hub-cache", type=Path, required=True)
     parser.add_argument("--datasets-root", type=Path, required=True)
     parser.add_argument("--trl-scripts", type=Path, required=True, help="TRL's scripts/ folder")
+    parser.add_argument("--only", nargs="+", metavar="MODEL_ID", help="build only these models (no datasets)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
+    if args.only:
+        for repo_id in args.only:
+            if repo_id in QWEN_VLMS:
+                build_qwen_vlm(args.hub_cache, repo_id, *QWEN_VLMS[repo_id])
+            elif repo_id == GEMMA4:
+                build_gemma4_vlm(args.hub_cache)
+            elif repo_id in VLMS:
+                build_vlm(args.hub_cache, repo_id, VLMS[repo_id])
+            else:
+                build_text_model(args.hub_cache, repo_id, TEXT_MODELS[repo_id])
+            print("built", repo_id)
+        return
     for repo_id, spec in TEXT_MODELS.items():
         build_text_model(args.hub_cache, repo_id, spec)
         print("built", repo_id)
     for repo_id, model_type in VLMS.items():
         build_vlm(args.hub_cache, repo_id, model_type)
         print("built", repo_id)
+    try:
+        import torchvision  # noqa: F401
+    except Exception as error:  # a CUDA build beside a CPU torch fails here (tests/vllm_env/torchvision_cpu_shim.py)
+        print(f"not built: {[*QWEN_VLMS, GEMMA4]} (their processors need torchvision: {error})")
+    else:
+        for repo_id, (model_type, template) in QWEN_VLMS.items():
+            build_qwen_vlm(args.hub_cache, repo_id, model_type, template)
+            print("built", repo_id)
+        build_gemma4_vlm(args.hub_cache)
+        print("built", GEMMA4)
     build_remote_model(args.hub_cache, args.trl_scripts)
     print("built trl-internal-testing/tiny-RemoteForCausalLM")
     build_datasets(args.datasets_root, args.trl_scripts)

@@ -9,7 +9,8 @@ tests/experimental/test_distillation_trainer.py) the harness
 3. runs the file twice, offline on CPU: once as TRL wrote it (TRL's trainer: a test that fails there fails for
    reasons of this environment, and is not fair to count) and once with the import switched to grpokit's classes;
 4. writes a per-test table (results.md) and the counts: a test is fair when it passes with TRL's trainer and does
-   not read TRL's private internals (PRIVATE below, each with its reason).
+   not read TRL's private internals (PRIVATE below, each with its reason) nor assert how TRL's loop is built
+   (REFUSED: grpokit's differs by design).
 
     python benchmarks/trl_tests/run_trl_tests.py [--work DIR] [--files grpo rloo distillation] [-k EXPR]
 
@@ -76,6 +77,15 @@ PRIVATE = {
     "test_entropy_bonus_flows_gradients": "GRPOTrainer._entropy_bonus_enabled / _get_per_token_logps_and_entropies",
     "test_train_reward_func_with_log_extra": "GRPOTrainer._logs (its only assertion)",
     "test_train_vlm_log_multimodal_false": "GRPOTrainer._logs (its only assertion)",
+}
+
+# Tests that assert how TRL's loop is built, which grpokit's differs from by design (README, "Refused"), so that no
+# other loop passes them. Name -> what it asserts.
+REFUSED = {
+    "test_prepare_input_called_with_correct_data": (
+        "that training_step receives the generation batch's raw dataset rows (TRL generates inside it, in "
+        "_prepare_inputs); grpokit's receives the typed micro-batch it trains on"
+    ),
 }
 
 
@@ -162,7 +172,7 @@ def base_name(test_id: str) -> str:
 
 def table(name: str, trl: dict, grpokit: dict) -> tuple[list[str], dict]:
     rows = [f"### {name}", "", "| test | TRL 1.16 | grpokit | fair | reason |", "|---|---|---|---|---|"]
-    counts = dict(total=0, fair=0, passed=0, env=0, private=0, skipped=0, unverified=0)
+    counts = dict(total=0, fair=0, passed=0, env=0, private=0, refused=0, skipped=0, unverified=0)
     for test_id in sorted(set(trl) | set(grpokit)):
         trl_status, trl_reason = trl.get(test_id, ("not run", ""))
         ours, our_reason = grpokit.get(test_id, ("not run", ""))
@@ -180,6 +190,9 @@ def table(name: str, trl: dict, grpokit: dict) -> tuple[list[str], dict]:
         elif base_name(test_id) in PRIVATE:
             fair, reason = "no", f"reads TRL's private {PRIVATE[base_name(test_id)]}"
             counts["private"] += 1
+        elif base_name(test_id) in REFUSED:
+            fair, reason = "no", f"refused: asserts {REFUSED[base_name(test_id)]}"
+            counts["refused"] += 1
         else:
             fair, reason = "yes", our_reason
             counts["fair"] += 1
@@ -189,7 +202,7 @@ def table(name: str, trl: dict, grpokit: dict) -> tuple[list[str], dict]:
         2,
         f"{counts['passed']} of {counts['fair']} fair tests pass with grpokit; not counted: {counts['env']} that fail "
         f"with TRL's own trainer here, {counts['skipped']} skipped here, {counts['private']} that read TRL's "
-        "private internals"
+        f"private internals, {counts['refused']} that assert TRL's loop design (refused)"
         + (
             f"; {counts['unverified']} of the fair tests not run with TRL's trainer (grpokit passes them)"
             if counts["unverified"]
@@ -240,7 +253,10 @@ def main() -> None:
     env = dict(os.environ, HF_HOME=str(work / "hf"), HF_HUB_CACHE=str(hub_cache), HF_HUB_OFFLINE="1")
     env.update(HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="", WANDB_DISABLED="true")
     env.update(TOKENIZERS_PARALLELISM="false", HF_DATASETS_CACHE=str(work / "hf" / "datasets-cache"))
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    # Absolute: pytest runs in the run folder, where PYTHONPATH=src would name nothing and grpokit would be imported
+    # from wherever else it is installed.
+    paths = [str(Path(path).resolve()) for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), *paths])
     commit = subprocess.run(
         ["git", "-C", args.trl_repo, "rev-parse", args.ref], capture_output=True, text=True
     ).stdout.strip()
