@@ -226,13 +226,13 @@ def whole_copy(model: torch.nn.Module) -> torch.nn.Module:
     process calls it), and the buffers and tensor attributes, which ZeRO-3 does not partition, of the model."""
     if not is_zero3(model):
         return copy.deepcopy(model)
-    from peft import get_peft_model
-
     weights = full_state_dict(model)
     base = model.get_base_model() if is_peft_model(model) else model
     with torch.device("meta"):
         plain = type(base)(copy.deepcopy(base.config))
         if is_peft_model(model):
+            from peft import get_peft_model  # optional (grpokit[peft]): only a LoRA policy needs it
+
             adapter = model.active_adapter
             plain = get_peft_model(plain, copy.deepcopy(model.peft_config[adapter]), adapter_name=adapter)
     missing, _ = plain.load_state_dict(weights, strict=False, assign=True)
