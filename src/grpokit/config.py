@@ -986,8 +986,8 @@ class GRPOConfig:
         None,
         "transformers 5 dropped it; set the TENSORBOARD_LOGGING_DIR environment variable (default: output_dir/runs).",
     )
-    use_liger_loss: bool = _deprecated(False, "TRL renamed it use_liger_kernel (TRL_RENAMES).")
-    wandb_log_unique_prompts: bool = _deprecated(False, "TRL renamed it log_unique_prompts (TRL_RENAMES).")
+    use_liger_loss: bool = _deprecated(False, "TRL 0.25.0 renamed it use_liger_kernel.")
+    wandb_log_unique_prompts: bool = _deprecated(False, "TRL 0.26.0 renamed it log_unique_prompts.")
     overwrite_output_dir: bool = _deprecated(
         False,
         "transformers 5 dropped it; nothing replaces it: grpokit always "
@@ -1051,10 +1051,8 @@ class GRPOConfig:
             if rename["config"] not in classes:
                 continue
             old, new = rename["old"], rename["new"]
-            (old_value, old_default), (new_value, new_default) = (
-                _value_and_default(self, old),
-                _value_and_default(self, new),
-            )
+            old_value, old_default = getattr(self, old), _default_of(old, type(self))
+            new_value, new_default = getattr(self, new), _default_of(new, type(self))
             if _is_default(old_value, old_default):
                 continue
             if not _is_default(new_value, new_default) and new_value != old_value:
@@ -1893,16 +1891,10 @@ def _same(value, neutral) -> bool:
     return isinstance(value, (int, float)) and value == neutral
 
 
-def _default_of(name: str):
-    spec = GRPOConfig.__dataclass_fields__[name]
+def _default_of(name: str, config_class: type | None = None):
+    """The field's default on `config_class` (GRPOConfig's by default; a subclass may change it)."""
+    spec = (config_class or GRPOConfig).__dataclass_fields__[name]
     return spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
-
-
-def _value_and_default(config: GRPOConfig, name: str) -> tuple[Any, Any]:
-    """A field's value and its default on the config's own class (a subclass may change the default)."""
-    spec = type(config).__dataclass_fields__[name]
-    default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
-    return getattr(config, name), default
 
 
 def _is_empty(value) -> bool:
