@@ -227,3 +227,49 @@ def test_an_unknown_family_is_named_with_the_way_out():
         chat.response_template(tokenizer)
     tokenizer.response_template = family(build_family_tokenizer("qwen3").chat_template)[1]
     assert chat.response_template(tokenizer) is tokenizer.response_template
+
+
+def test_check_tool_calling_accepts_every_tool_template_but_deepseek_v3s_original():
+    """grpokit's check passes every template TRL's `supports_tool_calling` passes, and returns its family's response
+    template, except DeepSeek-V3's original: TRL passes it by retrying with the arguments as a JSON string, but
+    grpokit renders them as a dict (as the tool-result rendering does), which that template cannot concatenate."""
+    for name in TOOL_TEMPLATES:
+        tokenizer = build_family_tokenizer(name)
+        if name == "deepseekv3":
+            with pytest.raises(ValueError, match="cannot render a tool-calling conversation"):
+                chat.check_tool_calling(tokenizer)
+        else:
+            assert chat.check_tool_calling(tokenizer) is family(tokenizer.chat_template)[1], name
+
+
+@pytest.mark.parametrize(
+    "name, text, expected",
+    [
+        # GPT-OSS models also write the recipient after the channel, with a <|constrain|> hint.
+        (
+            "gptoss",
+            '<|channel|>commentary to=functions.ping <|constrain|>json<|message|>{"a": [1, {"b": null}]}<|call|>',
+            [("ping", {"a": [1, {"b": None}]})],
+        ),
+        # GLM-4.7 writes no line break after the name.
+        (
+            "glm4moe",
+            "<tool_call>ping<arg_key>a</arg_key><arg_value>x</arg_value></tool_call><|observation|>",
+            [("ping", {"a": "x"})],
+        ),
+        # A comma and a parenthesis in LFM2.5's text are no call; a call's list and mapping nest to any depth.
+        ("lfm2_2_5", "Hi, see(this)<|im_end|>", []),
+        (
+            "lfm2_2_5",
+            "<|tool_call_start|>[ping(a=[[['x', {'k': [1, [2, [3]]]}]]], b='y')]<|tool_call_end|><|im_end|>",
+            [("ping", {"a": [[["x", {"k": [1, [2, [3]]]}]]], "b": "y"})],
+        ),
+    ],
+)
+def test_formats_the_models_write_beyond_their_templates_rendering(name, text, expected):
+    tokenizer = build_family_tokenizer(name)
+    prompt = token_ids(tokenizer, [{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    message = parse(tokenizer, prompt, tokenizer(text, add_special_tokens=False)["input_ids"])
+    calls = [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in expected]
+    assert message.get("tool_calls", []) == calls
+    assert message["content"] == ("" if calls else "Hi, see(this)")
