@@ -6,8 +6,8 @@ comparing the whole template with known copies (TRL's `add_response_schema` does
 template that keeps its tool-call syntax keeps its parser. Families grpokit parses and TRL 1.16 does not:
 DeepSeek-V3, DiffusionGemma (Gemma 4's syntax) and Muse Glimmer (whose checkpoints ship their own template).
 
-Argument values that a family writes as bare text (the XML families: a string `"3"` and a number `3` look the
-same) are kept as text by the template and typed by transformers from the tool's JSON schema (`tools=`).
+Argument values that a family writes as bare text (the XML-like families: a string `"3"` and a number `3` look
+the same) are read as text, then typed by transformers from the tool's JSON schema (`parse_response(tools=...)`).
 """
 
 from __future__ import annotations
