@@ -666,3 +666,61 @@ def tiny_output_dir(example: str) -> str:
     import tempfile
 
     return str(Path(tempfile.gettempdir()) / "grpokit-examples" / example)
+
+
+# Per family of TRL's chat templates (the longest prefix of the template's name that matches): its stop tokens, the
+# first being its EOS (the token that ends an assistant turn), then its pad and BOS tokens (None where the template
+# writes none). A stop token is where sampling of a turn ends: a token that ends the turn, or (GLM-4, Gemma 4 after a
+# tool call) the token that opens the next message.
+FAMILY_TOKENS = {
+    "cohere": (("<|END_OF_TURN_TOKEN|>",), "<PAD>", "<BOS_TOKEN>"),
+    "deepseek": (("<｜end▁of▁sentence｜>",), "<｜▁pad▁｜>", "<｜begin▁of▁sentence｜>"),
+    "diffusion_gemma": (("<turn|>", "<|tool_response>", "<eos>"), "<pad>", "<bos>"),
+    "gemma": (("<end_of_turn>", "<eos>"), "<pad>", "<bos>"),
+    "gemma4": (("<turn|>", "<|tool_response>", "<eos>"), "<pad>", "<bos>"),
+    "glm4moe": (("<|endoftext|>", "<|user|>", "<|observation|>"), "<|endoftext|>", None),
+    "gptoss": (("<|return|>", "<|call|>"), "<|endoftext|>", None),
+    "idefics3": (("<end_of_utterance>",), "<|endoftext|>", "<|begin_of_text|>"),
+    "lfm2": (("<|im_end|>",), "<|pad|>", "<|startoftext|>"),
+    "llama3": (("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"), "<|finetune_right_pad_id|>", "<|begin_of_text|>"),
+    "llava_next": (("</s>",), "<pad>", "<s>"),
+    "muse_glimmer": (("<|eot|>",), "<|pad|>", None),
+    "nemotron": (("<|im_end|>",), "<pad>", None),
+    "phi3": (("<|end|>", "<|endoftext|>"), "<|endoftext|>", None),
+    "qwen": (("<|im_end|>", "<|endoftext|>"), "<|endoftext|>", None),
+    "smolvlm": (("<end_of_utterance>",), "<|endoftext|>", None),
+}
+# The control tokens a template writes: <|...|>, <｜...｜>, Gemma 4's one-sided <|tool_call> / <tool_call|>, and
+# XML-like tags (<tool_call>, </think>, <atem:invoke>).
+_MARKER = r"<\|[^\s<>|]*\|>|<｜[^｜]*｜>|<\|[\w\"]+>|<[\w\"]+\|>|</?[a-z_:]+>"
+
+
+def build_family_tokenizer(template_name: str):
+    """A `PreTrainedTokenizerFast` with TRL's shipped chat template `trl/chat_templates/<template_name>.jinja`
+    (e.g. "qwen3", "gemma4_v2", "glm4moe_training"), built by `build_chat_tokenizer`: every control token the
+    template writes is a special token, and EOS, pad and BOS are the family's (`FAMILY_TOKENS`); the template's
+    text and any printable ASCII text round-trip. `tokenizer.stop_token_ids` lists the ids sampling stops on, EOS
+    first (GLM-4 stops on <|observation|> and <|user|>, GPT-OSS on <|return|> and <|call|>, Gemma 4 on <turn|>
+    and <|tool_response>)."""
+    import re
+
+    import trl
+
+    path = Path(trl.__file__).parent / "chat_templates" / f"{template_name}.jinja"
+    if not path.is_file():
+        raise ValueError(f"TRL {trl.__version__} ships no chat template {template_name!r} ({path} is missing).")
+    chat_template = path.read_text(encoding="utf-8")
+    family = max((name for name in FAMILY_TOKENS if template_name.startswith(name)), key=len, default=None)
+    if family is None:
+        raise ValueError(f"No tokens known for chat template {template_name!r}: add its family to FAMILY_TOKENS.")
+    stop_tokens, pad_token, bos_token = FAMILY_TOKENS[family]
+    extra = [*stop_tokens, pad_token] + ([bos_token] if bos_token else [])
+    special_tokens = list(dict.fromkeys(extra + sorted(set(re.findall(_MARKER, chat_template)))))
+    non_ascii = tuple(sorted(set(re.findall(r"[^\x00-\x7f]", chat_template))))  # (e.g. GPT-OSS's 【】)
+    tokenizer = build_chat_tokenizer(
+        chat_template, special_tokens, eos_token=stop_tokens[0], pad_token=pad_token, words=non_ascii
+    )
+    if bos_token:
+        tokenizer.bos_token = bos_token
+    tokenizer.stop_token_ids = tokenizer.convert_tokens_to_ids(list(stop_tokens))
+    return tokenizer

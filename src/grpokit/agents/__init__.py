@@ -1,7 +1,7 @@
 """Multi-turn agents with TRL 1.16's API: `GRPOTrainer(tools=[...])`, `environment_factory=...` and
 `rollout_func=...`, on any rollout engine (`loop.py`); tools and their time limits (`tools.py`); environments and
 their pool (`environments.py`); the chat template's part: tool schemas, tool-call parsing, tool results as tokens
-(`chat.py`)."""
+(`chat.py`), and how each chat family writes its tool calls (`response_templates.py`)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ completion, and render tool results as the tokens that continue a transcript.
 
 Tool calls are parsed with transformers' `tokenizer.parse_response` (TRL 1.16 does the same through its
 `parse_response` helper): with the tokenizer's own `response_template` when it ships one, otherwise with the
-template of its chat family (`RESPONSE_TEMPLATES`), recognised from the chat template text. A tokenizer whose chat
+template of its chat family, recognised from the chat template text (`response_templates.py`). A tokenizer whose chat
 template cannot render a tool-calling conversation is refused up front (`check_tool_calling`), as TRL does with
 `supports_tool_calling`.
 """
@@ -15,43 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..multimodal import tokenizer_of
-
-# Response templates in transformers' `parse_response` format (transformers >= 5.13), one per chat family.
-QWEN_RESPONSE_TEMPLATE = {  # Qwen2.5 / Qwen3 / QwQ: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
-    "defaults": {"role": "assistant"},
-    "start_anchor": "<|im_start|>assistant\n",
-    "fields": {
-        "reasoning_content": {"open": "<think>", "close_pattern": r"</think>\s*", "content": "text"},
-        "tool_calls": {
-            "open": "<tool_call>",
-            "close_pattern": r"</tool_call>\s*",
-            "repeats": True,
-            "content": "json",
-            "transform": {"type": "function", "function": "{content}"},
-        },
-        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
-    },
-}
-LLAMA3_RESPONSE_TEMPLATE = {  # Llama 3.1 / 3.2: {"name": ..., "parameters": {...}}<|eot_id|>
-    "defaults": {"role": "assistant"},
-    "start_anchor": "<|start_header_id|>assistant<|end_header_id|>\n\n",
-    "fields": {
-        "tool_calls": {
-            "open_pattern": r'\{"name":\s*"(?P<name>[^"]+)",\s*"parameters":\s*',
-            "close_pattern": r"\}<\|eot_id\|>\s*",
-            "repeats": True,
-            "content": "json",
-            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
-        },
-        "content": {"close_pattern": r"<\|eot_id\|>\s*", "content": "text"},
-    },
-}
-# (family, markers that must all appear in the chat template, markers that must not, response template). Qwen3.5
-# writes its calls as XML (<function=name>): not this JSON family.
-RESPONSE_TEMPLATES = [
-    ("Qwen2.5/Qwen3", ("<|im_start|>", "<tool_call>", "tool_call.arguments"), ("<function=",), QWEN_RESPONSE_TEMPLATE),
-    ("Llama 3.1/3.2", ("<|start_header_id|>", '"parameters": '), (), LLAMA3_RESPONSE_TEMPLATE),
-]
+from .response_templates import family
 
 
 def response_template(tokenizer) -> dict:
@@ -59,16 +23,7 @@ def response_template(tokenizer) -> dict:
     own = getattr(tokenizer, "response_template", None)
     if own is not None:
         return own
-    chat_template = getattr(tokenizer, "chat_template", None) or ""
-    for _, markers, excluded, template in RESPONSE_TEMPLATES:
-        if all(m in chat_template for m in markers) and not any(m in chat_template for m in excluded):
-            return template
-    families = ", ".join(name for name, *_ in RESPONSE_TEMPLATES)
-    raise ValueError(
-        f"Cannot parse tool calls for this tokenizer: its chat template is none of the families grpokit "
-        f"knows ({families}) and it has no `response_template`. Set tokenizer.response_template (see "
-        f"transformers' chat response parsing docs) to the format your model writes tool calls in."
-    )
+    return family(getattr(tokenizer, "chat_template", None) or "")[1]
 
 
 def check_tool_calling(tokenizer) -> dict:
@@ -94,7 +49,7 @@ def check_tool_calling(tokenizer) -> dict:
         {"role": "tool", "name": sentinels[0], "content": sentinels[3]},
     ]
     try:
-        rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+        rendered = render_conversation(tokenizer, messages, tokenize=False)
     except (TemplateError, TypeError) as error:
         rendered = f"<error: {error}>"
     if not all(s in rendered for s in sentinels):
@@ -235,8 +190,6 @@ def _render_after_dummy_turn(tokenizer, messages: list[dict], chat_template_kwar
     """The template's text of: a user turn, a dummy assistant turn (a call of the first tool message's tool,
     with the real tool name: GPT-OSS writes it in the result's header; or plain text), `messages`, and the
     generation prompt."""
-    from jinja2.exceptions import TemplateError
-
     if messages[0].get("role") == "tool":  # tool results follow an assistant turn that called the tool
         arguments: Any = {"input": _TURN_ARGUMENT}
         name = messages[0].get("name", "tool")
@@ -244,15 +197,33 @@ def _render_after_dummy_turn(tokenizer, messages: list[dict], chat_template_kwar
     else:
         assistant = {"role": "assistant", "content": _TURN_SENTINEL}
     conversation = [{"role": "user", "content": "hello"}, assistant, *messages]
-    render = dict(add_generation_prompt=True, tokenize=False, **chat_template_kwargs)
+    return render_conversation(
+        tokenizer, conversation, add_generation_prompt=True, tokenize=False, **chat_template_kwargs
+    )
+
+
+def render_conversation(tokenizer, messages: list[dict], **options):
+    """`apply_chat_template`, except that a template that cannot take a tool call's arguments as an object
+    (DeepSeek-V3's concatenates them as a string: transformers#45419) gets them as JSON text."""
+    from jinja2.exceptions import TemplateError
+
     try:
-        return tokenizer.apply_chat_template(conversation, **render)
+        return tokenizer.apply_chat_template(messages, **options)
     except (TypeError, TemplateError):
-        if "tool_calls" not in assistant:
+        if not any(m.get("tool_calls") for m in messages):
             raise
-        # DeepSeek-V3's template concatenates the arguments as a string (transformers#45419): give them as JSON.
-        assistant["tool_calls"] = [_call(assistant["tool_calls"][0]["function"]["name"], json.dumps(arguments))]
-        return tokenizer.apply_chat_template(conversation, **render)
+        as_text = [
+            {
+                **m,
+                "tool_calls": [
+                    _call(c["function"]["name"], json.dumps(c["function"]["arguments"])) for c in m["tool_calls"]
+                ],
+            }
+            if m.get("tool_calls")
+            else m
+            for m in messages
+        ]
+        return tokenizer.apply_chat_template(as_text, **options)
 
 
 def _call(name: str, arguments) -> dict:
