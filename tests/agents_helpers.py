@@ -9,6 +9,7 @@ import torch
 
 from grpokit import token_logprobs
 from grpokit.agents import tool_result_ids
+from grpokit.agents.chat import render_conversation
 from grpokit.rollout import HFEngine, PromptBatch, Rollout, SamplingParams, ScriptedEngine
 from grpokit.testing import (
     QWEN_ADDED_TOKENS,
@@ -82,15 +83,29 @@ def qwen_family_tokenizer(template: str):
     )
 
 
-def model_turn(tokenizer, before: list[dict], message: dict, tools, **chat_template_kwargs) -> list[int]:
+def model_turn(
+    tokenizer, before: list[dict], message: dict, tools, stop_ids=None, after=(), **chat_template_kwargs
+) -> list[int]:
     """The tokens a model writes for `message` after `before` and the generation prompt, as the chat template
-    renders that message last (Qwen3: with its think block), up to and including the EOS that ends the turn."""
+    renders that message last (Qwen3: with its think block), up to and including the first stop token (default:
+    the EOS) that ends the turn. Where the template's generation prompt opens a block the rendered turn does not
+    (DeepSeek-V3 and Nemotron 3 prefill "<think>\n"), the turn closes that block, then goes on with the tokens after
+    what the two have in common; where the template writes a turn's stop token only when more follows (GLM-4's
+    <|observation|>), `after` is rendered after the message too."""
     options = dict(tools=tools, tokenize=False, **chat_template_kwargs)
-    render = lambda messages, **kw: tokenizer.apply_chat_template(messages, **options, **kw)  # noqa: E731
-    prompt, full = render(before, add_generation_prompt=True), render([*before, message])
-    assert full.startswith(prompt), (prompt, full)
-    ids = tokenizer(full[len(prompt) :], add_special_tokens=False)["input_ids"]
-    return ids[: ids.index(tokenizer.eos_token_id) + 1]
+    render = lambda messages, **kw: render_conversation(tokenizer, messages, **options, **kw)  # noqa: E731
+    tokens = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompt = tokens(render(before, add_generation_prompt=True))
+    stops = set(stop_ids or (tokenizer.eos_token_id,))
+    for following in ((), tuple(after)):
+        full = tokens(render([*before, message, *following]))
+        common = next((i for i, (a, b) in enumerate(zip(prompt, full)) if a != b), len(prompt))
+        ends = [i for i, token in enumerate(full[common:]) if token in stops]
+        if ends:
+            # A model continuing a prefilled "<think>\n" closes the block before it writes the turn.
+            opened = tokens("</think>\n") if render(before, add_generation_prompt=True).endswith("<think>\n") else []
+            return opened + full[common : common + ends[0] + 1]
+    raise AssertionError(f"no stop token ends the turn: {tokenizer.decode(full[common:])!r}")
 
 
 def call_text(name: str, arguments) -> str:
