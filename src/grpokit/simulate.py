@@ -44,6 +44,7 @@ import torch
 from .config import GRPOConfig
 from .producer import Producer, WeightSync
 from .rollout import DecodedRollout, Rollout
+from .rollout.batching import Abandoned
 from .streaming import DaemonPool
 
 # ------------------------------------------------------------------------------------------------ the clock
@@ -286,11 +287,16 @@ class Costs:
         return self.train_step_s + self.train_token_s * tokens
 
 
-def run_turns(clock: VirtualClock, workload: Workload, lengths: list[int], rng: random.Random, engine_call) -> None:
+def run_turns(
+    clock: VirtualClock, workload: Workload, lengths: list[int], rng: random.Random, engine_call, stop=None
+) -> None:
     """Rows of completions of `lengths` written turn by turn: `engine_call(prefill tokens a row, new tokens a row)`
-    for each turn, then the rows' tool calls one row after another, as grpokit's agent loop runs them."""
+    for each turn, then the rows' tool calls one row after another. `stop` set (a streamed group abandoned as too
+    stale): the next turn is not sampled (`Abandoned`), as in grpokit's agent loop."""
     turns = workload.tool_calls + 1
     for turn in range(turns):
+        if stop is not None and stop.is_set():
+            raise Abandoned("This simulated rollout was abandoned (too stale to train).")
         engine_call(
             workload.prompt_tokens if turn == 0 else workload.tool_result_tokens,
             [n // turns + (turn < n % turns) for n in lengths],
@@ -500,10 +506,10 @@ class SimulatedRollouts:
     def __init__(self, clock: VirtualClock, workload: Workload, servers: SimulatedServers, costs: Costs):
         self.clock, self.workload, self.servers, self.costs = clock, workload, servers, costs
 
-    def run(self, rows: list[dict], counts: list[int], seed: int) -> DecodedRollout:
+    def run(self, rows: list[dict], counts: list[int], seed: int, stop=None) -> DecodedRollout:
         started, rng = self.clock.now, self.workload.draws(seed)
         lengths = self.workload.completion_lengths(rng, len(rows))
-        run_turns(self.clock, self.workload, lengths, rng, self.servers.generate)
+        run_turns(self.clock, self.workload, lengths, rng, self.servers.generate, stop)
         n, seconds = len(rows), self.clock.now - started
         ones = torch.ones(n, 1, dtype=torch.long)
         rollout = Rollout(ones, ones, ones, ones, ones, torch.tensor(lengths), torch.zeros(n, dtype=torch.bool))

@@ -33,7 +33,7 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -41,22 +41,35 @@ class GroupTask:
     index: int  # the prompt's dataset index
     rollout_index: int  # its rollout's index (its seed: `rollout_seed`)
     version: int  # the weights' version when it started
+    stop: threading.Event = field(default_factory=threading.Event)  # set when the group is abandoned as too stale
 
 
 class DaemonPool:
-    """`workers` daemon threads running submitted calls, each with its future. concurrent.futures' pool joins its
-    threads at interpreter exit, so one rollout still waiting on a tool call when training ends kept the process
-    alive for the tool's whole timeout; a daemon thread never holds up exit. `shutdown` cancels what has not
-    started and lets idle threads end."""
+    """Daemon threads running submitted calls, each with its future: `workers` to begin with, and one more whenever a
+    call is submitted while none is idle (a thread still finishing an abandoned group's engine call must not delay the
+    group started in its place; the caller bounds how many calls it keeps running). concurrent.futures' pool joins
+    its threads at interpreter exit, so one rollout still waiting on a tool call when training ends kept the process
+    alive for the tool's whole timeout; a daemon thread never holds up exit. `shutdown` cancels what has not started
+    and lets idle threads end."""
 
     def __init__(self, workers: int, name: str):
         self.tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self.workers = workers
-        for number in range(workers):
-            threading.Thread(target=self._work, name=f"{name}-{number}", daemon=True).start()
+        self.name, self.workers, self.idle = name, 0, workers
+        self.lock = threading.Lock()
+        for _ in range(workers):
+            self._spawn()
+
+    def _spawn(self) -> None:
+        threading.Thread(target=self._work, name=f"{self.name}-{self.workers}", daemon=True).start()
+        self.workers += 1
 
     def submit(self, function, *args) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
+        with self.lock:
+            if self.idle > 0:
+                self.idle -= 1
+            else:
+                self._spawn()
         self.tasks.put((future, function, args))
         return future
 
@@ -80,8 +93,17 @@ class DaemonPool:
         while (item := self.tasks.get()) is not None:
             future, function, args = item
             if not future.set_running_or_notify_cancel():
+                with self.lock:
+                    self.idle += 1
                 continue
+            result, error = None, None
             try:
-                future.set_result(function(*args))
-            except BaseException as error:
+                result = function(*args)
+            except BaseException as raised:
+                error = raised
+            with self.lock:  # idle before the future is done: a caller woken by it reuses this thread
+                self.idle += 1
+            if error is not None:
                 future.set_exception(error)
+            else:
+                future.set_result(result)
