@@ -27,8 +27,9 @@ TRL's asynchronous GRPO; the clip and the TIS/MIS corrections apply around them 
 
 Faults: an exception in the producer (an engine, a reward function, a tool) reaches the trainer with its traceback
 at the next batch it asks for; a producer that shows no progress (its heartbeat: a batch queued, a wait for the
-trainer, an engine call returned, a group started or finished) for `heartbeat_stale_after_s` seconds stops the run
-with a message. Either way the last checkpoint stays good. A checkpoint records where the *trained* batches end
+trainer, an engine call returned, a group started, finished or was abandoned) for `heartbeat_stale_after_s` seconds
+stops the run with a message that names the engine call or the tool calls in progress, within twice the heartbeat
+of the hang's start. Either way the last checkpoint stays good. A checkpoint records where the *trained* batches end
 (the prompt sampler's position and the rollout seeds after the last consumed batch) and, under the exact schedule,
 the queued batches sampled by weights older than the checkpoint's (`checkpoint_state`): a resumed run trains them,
 then samples on as the unbroken run did, and ends on its weights bitwise. Under the latest schedule a resumed run

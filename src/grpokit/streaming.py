@@ -15,7 +15,11 @@ return): group g belongs nominally to batch b = g // (groups per batch), trained
 version c(b) = first_step + b; it starts only once the trainer's version is at least c(b) - max_staleness, with
 weights no older than that. A group that finishes so late that the batch it lands in is trained past its version +
 max_staleness is dropped and counted (`sample/dropped_stale_total`, and by prompt: `sample/prompts_dropped`,
-`sample/prompt_drop_rate_max`, and a warning naming the most-dropped prompts when generation stops). Weights move
+`sample/prompt_drop_rate_max`, and a warning naming the most-dropped prompts when generation stops). A group still
+running when the next batch to assemble is already trained past its version + max_staleness can never be trained:
+it is abandoned at once (`Producer._abandon_stale_groups`), dropped and counted the same way, and the next group
+starts in its place; its `GroupTask.stop` is set, so it stops at its next engine call or tool wait (`Abandoned`) and
+gives back its environments, leaving the tool calls still running to their timeout. Weights move
 between engine calls: a group's later turns may be sampled by newer weights than its first; its version is the one
 it started with (the oldest), and every token's π_old is the log-prob it was sampled with, recorded in the engine
 call (the engine's, or BatchingEngine's forward of the sampling weights for an engine that reports none).

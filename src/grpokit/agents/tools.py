@@ -7,6 +7,9 @@ result that cannot be turned into text returns `{'error': ...}` to the model as 
 counted as a failure: it never stops training. A result longer than `max_tool_output_chars` characters is cut there
 (before it is tokenized) and counted (`tools/truncated_frequency`).
 
+The calls of one generation's turn, all rows together, run at once (`ToolRunner.run_turns`): a turn takes its
+slowest call's time, not the sum of the rows' calls, and each row's results come back in its own order.
+
 Calls are isolated, so that a hung call costs its own row and nothing else (issue 39):
 - a synchronous call runs in a daemon thread of its own. Python cannot interrupt a thread: a call that times out is
   abandoned and finishes on its own, but it holds no worker another call waits for, and it does not keep the
