@@ -8,8 +8,8 @@ a fixed part plus a part per token. Completion lengths and tool latencies are lo
 drawn from a seed per generation batch (per group, when streamed), so every schedule is given the same batches.
 Whole generation batches are spread over the servers by groups and take their slowest server's time. Completions with
 tool calls are streamed group by group when max_staleness > 0, as grpokit streams agents: each server then runs one
-engine call at a time over the turns that waited for it (grpokit's BatchingEngine), and a rollout's tool calls run
-one row after another (grpokit's agent loop).
+engine call at a time over the turns that waited for it (grpokit's BatchingEngine), a rollout's tool calls run all
+at once (grpokit's agent loop), and a group that can no longer be trained within max_staleness is abandoned.
 
 Time is a `VirtualClock`, not real sleeps scaled down: simulated time moves only when every thread of the simulation
 is blocked (in a simulated cost, or waiting on the scheduler's condition variable, queue, engine lock or rollout
@@ -291,7 +291,8 @@ def run_turns(
     clock: VirtualClock, workload: Workload, lengths: list[int], rng: random.Random, engine_call, stop=None
 ) -> None:
     """Rows of completions of `lengths` written turn by turn: `engine_call(prefill tokens a row, new tokens a row)`
-    for each turn, then the rows' tool calls one row after another. `stop` set (a streamed group abandoned as too
+    for each turn, then the rows' tool calls, all at once (the turn waits for the slowest), as grpokit's agent loop
+    runs them. `stop` set (a streamed group abandoned as too
     stale): the next turn is not sampled (`Abandoned`), as in grpokit's agent loop."""
     turns = workload.tool_calls + 1
     for turn in range(turns):
@@ -302,7 +303,7 @@ def run_turns(
             [n // turns + (turn < n % turns) for n in lengths],
         )
         if turn < turns - 1:
-            clock.sleep(sum(workload.tool_latency_s(rng) for _ in lengths))
+            clock.sleep(max(workload.tool_latency_s(rng) for _ in lengths))
 
 
 # ----------------------------------------------------------------------------------- what the producer drives
