@@ -284,3 +284,55 @@ def test_a_hung_tool_call_is_named_within_twice_the_heartbeat(tmp_path):
     finally:
         hang.set()
     assert stopped - first_call[0] < 2 * 3, stopped - first_call[0]
+
+
+# ---------------------------------------------------------------------------- an abandoned group
+
+
+class Shelf:
+    """An environment whose `read` takes 2 s for key k1 and no time for the others."""
+
+    def reset(self, **row):
+        self.key = row["key"]
+
+    def read(self, key: str) -> str:
+        """Read the value stored under a key.
+
+        Args:
+            key: the key to read
+        """
+        if self.key == "k1":
+            time.sleep(2.0)
+        return TABLE[self.key]
+
+    def get_reward(self) -> float:
+        return 1.0
+
+
+def test_an_abandoned_rollout_stops_during_its_tool_calls_and_gives_its_environments_back():
+    """Two rows of a group in their tool calls (k1's takes 2 s); the group is abandoned 0.3 s in: the rollout stops at
+    once with Abandoned, k2's instance goes back to the pool, k1's (its call still running, left to its timeout) is
+    retired and let go, and nothing stays lent."""
+    from grpokit.agents.environments import EnvironmentPool
+    from grpokit.rollout.batching import Abandoned, BatchingEngine
+
+    _, tokenizer = tiny_agent_model()
+    script = tool_call_script(
+        tokenizer,
+        lambda user, results, index: (
+            f"{results[-1]}<|im_end|>" if results else call_text("read", {"key": key_of(user)})
+        ),
+    )
+    pool = EnvironmentPool(Shelf)
+    agents = Agents(tokenizer, environments=pool, max_completion_length=64, tool_timeout=10)
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    rows = [{**row, "key": key} for row, key in zip(prompts("k1", "k2"), ("k1", "k2"))]
+    started = time.perf_counter()
+    with pytest.raises(Abandoned, match="during its tool calls"):
+        agents.rollout(BatchingEngine(script).caller(stop), rows, sampling(tokenizer, 64), seed=0)
+    assert time.perf_counter() - started < 1.2
+    assert not pool.lent
+    kept = [environment.key for environment in pool.pool[None]]
+    assert kept == ["k2"]  # the probe instance is not pooled; k1's instance was retired
+    assert not pool.retired  # let go with its rollout, which is never scored
