@@ -35,7 +35,9 @@ every request of its call.
 
 Callers that ask concurrently go through an adapter: `BatchingEngine` for threads (a `RolloutEngine` itself),
 `AsyncBatcher` for coroutines of one event loop. Both keep their waiting requests in a `Waiting`, which applies the
-policy, and both call `answer`.
+policy, and both call `answer`. A caller that may be given up (a streamed group too stale to train) asks through its
+own view, `BatchingEngine.caller(stop)`: once `stop` is set its waiting request leaves the queue and its calls raise
+`Abandoned`.
 """
 
 from __future__ import annotations
