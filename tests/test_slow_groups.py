@@ -336,3 +336,50 @@ def test_an_abandoned_rollout_stops_during_its_tool_calls_and_gives_its_environm
     kept = [environment.key for environment in pool.pool[None]]
     assert kept == ["k2"]  # the probe instance is not pooled; k1's instance was retired
     assert not pool.retired  # let go with its rollout, which is never scored
+
+
+def test_an_abandoned_callers_waiting_request_leaves_the_engine_queue():
+    """One caller's call holds the engine; another's request waits behind it through its view (`caller(stop)`).
+    The waiting caller is abandoned: it raises Abandoned at once, its request is never sampled, and the engine's next
+    call takes only a third caller's request."""
+    from grpokit.rollout import ScriptedEngine
+    from grpokit.rollout.batching import Abandoned, BatchingEngine
+    from grpokit.rollout.engine import PromptBatch
+
+    release, asked = threading.Event(), []
+
+    def script(prompt_ids, index):
+        asked.append(prompt_ids[0])
+        if prompt_ids[0] == 1:
+            release.wait(10)
+        return [7, 0]
+
+    engine = BatchingEngine(ScriptedEngine(script))
+    params = SamplingParams(max_new_tokens=2, eos_token_ids=(0,), pad_token_id=0)
+    batch = lambda token: PromptBatch(ids=[[token]], counts=[1], raw=[None])  # noqa: E731
+    first = threading.Thread(target=engine.generate, args=(batch(1), params, 0))
+    first.start()
+    while engine.busy_since is None:
+        time.sleep(0.01)
+    stop, raised = threading.Event(), []
+
+    def abandoned_caller():
+        try:
+            engine.caller(stop).generate(batch(2), params, 0)
+        except Abandoned as error:
+            raised.append((time.monotonic(), error))
+
+    second = threading.Thread(target=abandoned_caller)
+    second.start()
+    time.sleep(0.2)
+    assert len(engine.waiting) == 1
+    stop.set()
+    stopped = time.monotonic()
+    second.join(timeout=2)
+    assert raised and raised[0][0] - stopped < 0.5 and len(engine.waiting) == 0
+    third = threading.Thread(target=engine.generate, args=(batch(3), params, 0))
+    third.start()
+    release.set()
+    first.join(timeout=5)
+    third.join(timeout=5)
+    assert asked == [1, 3] and engine.calls == 2
