@@ -162,7 +162,7 @@ class StepClock(TrainerCallback):
 
 
 def test_slow_groups_never_hold_the_gaps_between_steps(tmp_path):
-    """Every third prompt's tool call takes 2 s. Its group starts at some version and can be trained at most one
+    """Every third prompt's tool call takes 3 s. Its group starts at some version and can be trained at most one
     version later; the fast groups fill two batches long before the call ends, so the slow group is abandoned then
     and the next group takes its place: after the first steps the trainer never waits for samples, and the gap
     between two optimizer steps is the step's own training time (each gap minus the time it waited) plus a margin,
@@ -176,7 +176,7 @@ def test_slow_groups_never_hold_the_gaps_between_steps(tmp_path):
             key: the key to look up
         """
         if key in slow:
-            time.sleep(2.0)
+            time.sleep(3.0)
         return TABLE[key]
 
     rows = [{"prompt": [{"role": "user", "content": f"key k{i}"}], "key": f"k{i}"} for i in range(100)]
@@ -198,12 +198,12 @@ def test_slow_groups_never_hold_the_gaps_between_steps(tmp_path):
     gaps = [later - earlier for earlier, later in zip(clock.ends, clock.ends[1:])]
     waits = [r["perf/rollout_wait_s"] for r in steps[1:]]
     training = [gap - wait for gap, wait in zip(gaps, waits)]
-    # Before: a group's two slow calls ran one after the other (4 s), and a group too stale kept its place until
-    # they ended; gaps of 3.4-3.9 s came every few steps. Now the trainer waits at most the producer's own work
-    # (scoring and assembling a batch: 0.1-0.4 s on a loaded 2-core machine).
+    # A group's two slow calls one after the other (6 s), or a group too stale keeping its place until its calls end
+    # (3 s), made gaps of seconds every few steps. Now the trainer waits at most the producer's own work (scoring and
+    # assembling a batch: 0.1-0.4 s on a loaded 2-core machine). A step's own time (the gap less the wait for its
+    # batch) varies with the machine's load, and is not what this checks.
     for step, (gap, own) in enumerate(zip(gaps[2:], training[2:]), start=4):
         assert gap <= own + 1.0, (step, gaps, training)
-    assert max(gaps[2:]) < 1.5, gaps
 
 
 # ---------------------------------------------------------------------------- hangs, named within twice the heartbeat
