@@ -164,8 +164,8 @@ def test_a_weight_push_is_paid_once_per_new_version_of_the_sampling_weights():
     assert result.time_s == pytest.approx(0.55 + 2 * 0.5 + 7 * 0.55 + 0.3, abs=1e-9)
 
 
-# Agents: 4 prompts × 2 completions a batch, each completion with one tool call of exactly 0.5 s (a group's two run
-# one after the other: 1 s); the turns cost nothing on the engine. Training a batch takes 0.5 s.
+# Agents: 4 prompts × 2 completions a batch, each completion with one tool call of exactly 1 s (a group's two run at
+# once: 1 s); the turns cost nothing on the engine. Training a batch takes 0.5 s.
 AGENT = Workload(
     prompts=4,
     num_generations=2,
@@ -174,15 +174,16 @@ AGENT = Workload(
     completion_sigma=0,
     max_completion_length=2,
     tool_calls=1,
-    tool_latency_median_s=0.5,
+    tool_latency_median_s=1.0,
 )
 FREE_ENGINE = Costs(decode_step_s=0.0, decode_token_s=0.0, train_token_s=0.0, train_step_s=0.5)
 
 
-def test_synchronously_an_agents_tool_calls_run_one_after_another():
-    # grpokit's agent loop (as TRL's) calls the batch's tools in turn: 8 × 0.5 s, then 0.5 s of training.
+def test_synchronously_an_agents_tool_calls_run_at_once():
+    # grpokit's agent loop calls the batch's 8 tools at once (TRL's, one after another: 8 s): 1 s, then 0.5 s of
+    # training.
     result = simulate(AGENT, FREE_ENGINE, steps=5, max_staleness=None)
-    assert result.time_s == pytest.approx(5 * 4.5, abs=1e-9)
+    assert result.time_s == pytest.approx(5 * 1.5, abs=1e-9)
 
 
 def test_streamed_groups_run_their_tool_calls_at_once_within_the_bound():
@@ -227,7 +228,9 @@ def test_long_tailed_tools_make_groups_too_stale_and_the_producer_drops_them():
         result = simulate(workload, costs, steps=20, max_staleness=k)
         assert max(result.staleness) <= k
         assert result.dropped_samples > 0 and result.trained_samples == 20 * 32
-        assert result.time_s < synchronous.time_s / 2
+        # The synchronous loop runs a batch's calls at once too: streaming adds the overlap with training, and
+        # other batches' groups while a slow call holds one (0.76× the synchronous time at k=1, 0.53× at k=2).
+        assert result.time_s < synchronous.time_s * (0.85 if k == 1 else 0.65)
 
 
 def test_simulated_hours_never_trip_the_schedulers_heartbeat():
@@ -245,7 +248,7 @@ def test_simulated_hours_never_trip_the_schedulers_heartbeat():
     )
     started = time.monotonic()
     result = simulate(workload, FREE_ENGINE, steps=3, max_staleness=1)
-    assert result.time_s == pytest.approx(3 * 2000.0 + 0.5, abs=1e-6)  # each batch's groups: two 1,000 s calls
+    assert result.time_s == pytest.approx(3 * 1000.0 + 0.5, abs=1e-6)  # each batch's groups: 1,000 s calls at once
     assert time.monotonic() - started < 60
 
 

@@ -27,8 +27,9 @@ TRL's asynchronous GRPO; the clip and the TIS/MIS corrections apply around them 
 
 Faults: an exception in the producer (an engine, a reward function, a tool) reaches the trainer with its traceback
 at the next batch it asks for; a producer that shows no progress (its heartbeat: a batch queued, a wait for the
-trainer, an engine call returned, a group started or finished) for `heartbeat_stale_after_s` seconds stops the run
-with a message. Either way the last checkpoint stays good. A checkpoint records where the *trained* batches end
+trainer, an engine call returned, a group started, finished or was abandoned) for `heartbeat_stale_after_s` seconds
+stops the run with a message that names the engine call or the tool calls in progress, within twice the heartbeat
+of the hang's start. Either way the last checkpoint stays good. A checkpoint records where the *trained* batches end
 (the prompt sampler's position and the rollout seeds after the last consumed batch) and, under the exact schedule,
 the queued batches sampled by weights older than the checkpoint's (`checkpoint_state`): a resumed run trains them,
 then samples on as the unbroken run did, and ends on its weights bitwise. Under the latest schedule a resumed run
@@ -55,7 +56,7 @@ from .config import GRPOConfig
 from .distributed import ProducerCollectives, collectives_on, gathered_parameters, is_sharded, new_producer_group
 from .experience import Experience, ExperienceMaker, logprobs_in_chunks
 from .rollout import DecodedRollout, HFEngine, RolloutRunner, rollout_seed
-from .rollout.batching import BatchingEngine
+from .rollout.batching import Abandoned, BatchingEngine, EngineClosed
 from .rollout.process_engine import ProcessEngine
 from .streaming import DaemonPool, GroupTask
 
@@ -346,21 +347,37 @@ class Producer:
         ]  # the frozen ones never change
         self.runner, self.dataset, self.groups = runner, dataset, runner is not None
         self.units_per_batch = args.generation_batch_per_process // args.num_generations if self.groups else 1
+        self.hung = False  # the heartbeat ran out (see `_check_alive`)
         if self.groups:
-            inflight = (
-                args.max_inflight_tasks
-                if args.max_inflight_tasks > 0
-                else max(args.max_staleness, 1) * args.generation_batch_per_process
-            )
-            self.max_groups = max(1, inflight // args.num_generations)
-            self.pool = pool(self.max_groups, "grpokit-rollout")  # grpokit.simulate's runs on its virtual clock
-            self.running: dict[concurrent.futures.Future, GroupTask] = {}
-            self.finished: list[tuple[GroupTask, DecodedRollout]] = []  # in the order they finished
-            self.pushed: int | None = None  # the version of the copy's weights the engine holds (None: not the copy's)
-            # By prompt (dataset index): groups started, and dropped as too stale. A prompt whose tools are slow
-            # lands late again and again: its drop rate says it is being starved.
-            self.started_by_prompt: collections.Counter = collections.Counter()
-            self.dropped_by_prompt: collections.Counter = collections.Counter()
+            self._init_groups(pool)
+        self._restore(restored)
+        if exact and sharded:
+            sync.after_step = self.gather_scheduled
+            self.gather_scheduled(sync.weights, first=True)  # the weights the first batches are sampled by
+        elif exact:
+            sync.before_step = self.stage
+
+    def _init_groups(self, pool) -> None:
+        """The state of streamed groups: the pool of rollout threads and its bound, the groups running and
+        finished, the version the engine holds, and the counts by prompt."""
+        args = self.args
+        inflight = (
+            args.max_inflight_tasks
+            if args.max_inflight_tasks > 0
+            else max(args.max_staleness, 1) * args.generation_batch_per_process
+        )
+        self.max_groups = max(1, inflight // args.num_generations)
+        self.pool = pool(self.max_groups, "grpokit-rollout")  # grpokit.simulate's runs on its virtual clock
+        self.running: dict[concurrent.futures.Future, GroupTask] = {}
+        self.finished: list[tuple[GroupTask, DecodedRollout]] = []  # in the order they finished
+        self.pushed: int | None = None  # the version of the copy's weights the engine holds (None: not the copy's)
+        # By prompt (dataset index): groups started, and dropped as too stale. A prompt whose tools are slow lands
+        # late again and again: its drop rate says it is being starved.
+        self.started_by_prompt: collections.Counter = collections.Counter()
+        self.dropped_by_prompt: collections.Counter = collections.Counter()
+
+    def _restore(self, restored: list[Produced]) -> None:
+        """Batches a checkpoint held (exact schedule) queued first; the producer goes on after the last."""
         for item in restored:
             self.queue.put_nowait(item)
         if restored:
@@ -369,11 +386,6 @@ class Producer:
             self.started = self.next_index - self.first_step
             self.sampler.load_state_dict(last.sampler_state)
             self.rollout_index = last.rollout_index + last.experience.rollouts
-        if exact and sharded:
-            sync.after_step = self.gather_scheduled
-            self.gather_scheduled(sync.weights, first=True)  # the weights the first batches are sampled by
-        elif exact:
-            sync.before_step = self.stage
 
     def start(self) -> Producer:
         self.thread.start()
@@ -396,19 +408,24 @@ class Producer:
                 self.queue.get_nowait()
             except queue.Empty:
                 break
-        # A batch in progress is not waited for past a few seconds (a hung engine or tool never ends): the thread is
-        # a daemon, and it stops at its next check.
-        self.thread.join(timeout=5)
+        # A batch in progress is not waited for past a few seconds (a hung engine or tool never ends), nor at all once
+        # the producer was found hung: the thread is a daemon, and it stops at its next check.
+        self.thread.join(timeout=self._close_wait())
         if self.thread.is_alive():
             logger.warning(
-                "The generation producer thread (grpokit-producer) is still in an engine call, a reward "
-                "function or a tool 5 s after training stopped: it is abandoned as a daemon thread, which "
-                "never keeps the process alive."
+                f"The generation producer thread (grpokit-producer) is still in an engine call, a reward "
+                f"function or a tool {self._close_wait():g} s after training stopped: it is abandoned as a daemon "
+                f"thread, which never keeps the process alive."
             )
         if self.groups:
             self._close_groups()
         if self.process is not None:
             self.process.close()
+
+    def _close_wait(self) -> float:
+        """Seconds close() waits for a call in progress to end: a few, or a moment once the producer was found hung
+        (the hang is named when the heartbeat runs out: the cleanup must not delay the error by seconds more)."""
+        return 0.2 if self.hung else 5.0
 
     def _close_groups(self) -> None:
         """Groups still running stop at their next engine call (EngineClosed), and the environments they were lent
@@ -416,8 +433,8 @@ class Producer:
         interpreter exits (a daemon thread in C++ code then aborts the process: "terminate called without an active
         exception"); a call hung for good is not waited for past a few seconds. A rollout inside a tool call ends
         when the call does, in its daemon thread: named in a warning."""
-        idle = self.engine.close(timeout=5)
-        deadline = time.monotonic() + 1.0
+        idle = self.engine.close(timeout=self._close_wait())
+        deadline = time.monotonic() + min(1.0, self._close_wait())
         while self.running and time.monotonic() < deadline:
             self.running = {f: t for f, t in self.running.items() if not f.done()}
             time.sleep(0.02)
@@ -486,6 +503,38 @@ class Producer:
                 self.beat()  # progress only: groups that all hang in a tool call are a hang
             if len(self.finished) >= self.units_per_batch and self._queue_batch(batches):
                 batches += 1
+            self._abandon_stale_groups(batches)
+
+    def _abandon_stale_groups(self, batch: int) -> None:
+        """Groups running that can no longer be trained within max_staleness (the next batch to queue, `batch`, and
+        every later one are trained past their version + max_staleness) are dropped and counted now, and their
+        places go to the next groups. Each stops at its next engine or tool call (`Abandoned`) and gives back its
+        environments; its tool calls still running are left to their timeout (async ones are cancelled)."""
+        trained_at = self.first_step + batch - self.dropped_batches
+        for future, task in list(self.running.items()):
+            if trained_at - task.version > self.args.max_staleness:
+                del self.running[future]
+                task.stop.set()
+                self._count_dropped(task, self.args.num_generations)
+                future.add_done_callback(self._discard_abandoned)
+                self.beat()  # a place freed: progress
+
+    def _count_dropped(self, task: GroupTask, samples: int) -> None:
+        """A group dropped as too stale: its samples, and its place in the schedule freed (see `_due`)."""
+        self.dropped += samples
+        self.dropped_units += 1
+        self.dropped_by_prompt[task.index] += 1
+
+    def _discard_abandoned(self, future: concurrent.futures.Future) -> None:
+        """An abandoned group's rollout ended (in its thread): one that finished before it saw the stop gives back
+        its environments here; one that stopped gave them back itself."""
+        if future.cancelled():
+            return
+        error = future.exception()
+        if error is None:
+            self.runner.scored(future.result())
+        elif not isinstance(error, (Abandoned, EngineClosed)):
+            logger.warning(f"A rollout group abandoned as too stale failed afterwards: {type(error).__name__}: {error}")
 
     def _start_groups(self) -> None:
         """Start groups while fewer than max_groups run and the next one's version is within reach."""
@@ -503,7 +552,7 @@ class Producer:
             self.rollout_index += 1
             seed = rollout_seed(self.args.seed, task.rollout_index, 0)
             size = self.args.num_generations
-            future = self.pool.submit(self.runner.run, [self.dataset[index]] * size, [size], seed)
+            future = self.pool.submit(self.runner.run, [self.dataset[index]] * size, [size], seed, task.stop)
             self.running[future] = task
             self.started += 1
             self.beat()
@@ -516,9 +565,7 @@ class Producer:
         self.finished = self.finished[self.units_per_batch :]
         for task, decoded in taken:
             if trained_at - task.version > self.args.max_staleness:
-                self.dropped += len(decoded.rows)
-                self.dropped_units += 1
-                self.dropped_by_prompt[task.index] += 1
+                self._count_dropped(task, len(decoded.rows))
                 self.runner.scored(decoded)  # never scored: its environments go back to the pool
             else:
                 kept.append((task, decoded))
@@ -758,8 +805,8 @@ class Producer:
         """The next queued batch; raises what the producer raised, or a timeout after heartbeat_stale_after_s
         seconds without a sign of life."""
         while True:
-            try:
-                item = self.queue.get(timeout=1.0)
+            try:  # a hang is named within the heartbeat plus a quarter of it (at most a second) of its start
+                item = self.queue.get(timeout=min(1.0, self.args.heartbeat_stale_after_s / 4))
             except queue.Empty:
                 self._check_alive(waiting_for="a generation batch")
                 continue
@@ -780,11 +827,28 @@ class Producer:
             )
         silent = time.monotonic() - self.last_progress()
         if silent > self.args.heartbeat_stale_after_s:
+            self.hung = True  # close() then waits for nothing that is hung
             raise TimeoutError(
                 f"The generation producer has shown no progress for {silent:.0f} s (heartbeat_stale_after_s="
-                f"{self.args.heartbeat_stale_after_s}): a rollout, a reward function or a tool is hung. The "
-                f"last checkpoint is good: resume from it (in-flight samples are sampled again)."
+                f"{self.args.heartbeat_stale_after_s}): hung in {self._hung_calls()}. The last checkpoint "
+                f"is good: resume from it (in-flight samples are sampled again)."
             )
+
+    def _hung_calls(self) -> str:
+        """What the producer waits on, named where it is known: the engine call in progress, the tool calls that
+        rollouts wait for (oldest first); else the kinds of call that can hang."""
+        named = []
+        since = getattr(self.engine, "busy_since", None)
+        if since is not None:
+            named.append(f"an engine call (running for {time.monotonic() - since:.1f} s)")
+        driver = self.maker.runner.driver if self.maker is not None else None
+        in_progress = getattr(driver, "calls_in_progress", None)
+        calls = in_progress() if in_progress is not None else []
+        if calls:
+            shown = ", ".join(f"{name!r} (running for {seconds:.1f} s)" for name, seconds in calls[:3])
+            more = f" and {len(calls) - 3} more" if len(calls) > 3 else ""
+            named.append(f"{'a tool call' if len(calls) == 1 else f'{len(calls)} tool calls'}: {shown}{more}")
+        return " and ".join(named) if named else "a rollout, a reward function or a tool"
 
     def _failed(self, item: Failure) -> RuntimeError:
         if self.group is not None and isinstance(item.error, RuntimeError) and "gloo" in str(item.error):
@@ -831,13 +895,7 @@ def start_producer(
     sharded = is_sharded(policy)
     if sharded and unwrapped_copy is None:
         raise RuntimeError("internal error: a sharded policy's producer needs the copy taken before sharding.")
-    policy_copy, process = (unwrapped_copy if unwrapped_copy is not None else copy.deepcopy(policy)), None
-    if isinstance(engine, HFEngine):  # an engine of its own over the copy
-        engine = build_engine(policy_copy, args, processing_class, accelerator)
-        # On the CPU, in a process of its own when it may run ahead (at max_staleness=0 it never overlaps training).
-        if accelerator.device.type == "cpu" and args.max_staleness > 0:
-            engine = process = ProcessEngine(engine, policy_copy, request_timeout_s=args.heartbeat_stale_after_s)
-    shared = not isinstance(engine, HFEngine)  # the trainer's engine itself: evaluation samples with it too
+    policy_copy = unwrapped_copy if unwrapped_copy is not None else copy.deepcopy(policy)
     streaming = streams_groups(args, runner, accelerator.num_processes)
     if streaming and sharded:
         raise NotImplementedError(
@@ -845,18 +903,8 @@ def start_producer(
             "(FSDP2, ZeRO-3) in one process: streamed groups take the newest weights at any time, "
             "which a sharded model gives only in a collective. Use DDP, or max_staleness=None."
         )
+    engine, process, shared = producer_engine(args, accelerator, engine, policy_copy, processing_class, streaming)
     exact = not streaming and args.async_schedule != "latest"
-    if streaming:  # the turns that groups in flight ask for at once go into one engine call
-
-        def behaviour(rollout):  # π_old of a turn from an engine that reports no log-probs: the copy's, at once
-            return logprobs_in_chunks(
-                policy_copy,
-                TrainBatch.from_rollout(rollout, torch.zeros(len(rollout.lengths))),
-                args,
-                accelerator.autocast,
-            )
-
-        engine = BatchingEngine(engine, behaviour)
     own_runner = RolloutRunner(engine, runner.codec, runner.params, runner.device, driver=runner.driver, host=host)
     own_sampler = copy.deepcopy(sampler)
     group = new_producer_group() if accelerator.num_processes > 1 else None
@@ -895,3 +943,28 @@ def start_producer(
     )
     producer.shares_engine = shared
     return producer.start()
+
+
+def producer_engine(args: GRPOConfig, accelerator, engine, policy_copy, processing_class, streaming: bool):
+    """What the producer samples with: (the engine, its process if it has one of its own, whether it is the
+    trainer's own engine). The default in-process engine becomes one of the producer's over the copy (on the CPU, in
+    a process of its own when it may run ahead: at max_staleness=0 it never overlaps training); streamed groups go
+    through a BatchingEngine, so the turns that groups in flight ask for at once go into one engine call."""
+    process = None
+    if isinstance(engine, HFEngine):
+        engine = build_engine(policy_copy, args, processing_class, accelerator)
+        if accelerator.device.type == "cpu" and args.max_staleness > 0:
+            engine = process = ProcessEngine(engine, policy_copy, request_timeout_s=args.heartbeat_stale_after_s)
+    shared = not isinstance(engine, HFEngine)  # the trainer's engine itself: evaluation samples with it too
+    if streaming:
+
+        def behaviour(rollout):  # π_old of a turn from an engine that reports no log-probs: the copy's, at once
+            return logprobs_in_chunks(
+                policy_copy,
+                TrainBatch.from_rollout(rollout, torch.zeros(len(rollout.lengths))),
+                args,
+                accelerator.autocast,
+            )
+
+        engine = BatchingEngine(engine, behaviour)
+    return engine, process, shared

@@ -8,8 +8,8 @@ a fixed part plus a part per token. Completion lengths and tool latencies are lo
 drawn from a seed per generation batch (per group, when streamed), so every schedule is given the same batches.
 Whole generation batches are spread over the servers by groups and take their slowest server's time. Completions with
 tool calls are streamed group by group when max_staleness > 0, as grpokit streams agents: each server then runs one
-engine call at a time over the turns that waited for it (grpokit's BatchingEngine), and a rollout's tool calls run
-one row after another (grpokit's agent loop).
+engine call at a time over the turns that waited for it (grpokit's BatchingEngine), a rollout's tool calls run all
+at once (grpokit's agent loop), and a group that can no longer be trained within max_staleness is abandoned.
 
 Time is a `VirtualClock`, not real sleeps scaled down: simulated time moves only when every thread of the simulation
 is blocked (in a simulated cost, or waiting on the scheduler's condition variable, queue, engine lock or rollout
@@ -44,6 +44,7 @@ import torch
 from .config import GRPOConfig
 from .producer import Producer, WeightSync
 from .rollout import DecodedRollout, Rollout
+from .rollout.batching import Abandoned
 from .streaming import DaemonPool
 
 # ------------------------------------------------------------------------------------------------ the clock
@@ -286,17 +287,23 @@ class Costs:
         return self.train_step_s + self.train_token_s * tokens
 
 
-def run_turns(clock: VirtualClock, workload: Workload, lengths: list[int], rng: random.Random, engine_call) -> None:
+def run_turns(
+    clock: VirtualClock, workload: Workload, lengths: list[int], rng: random.Random, engine_call, stop=None
+) -> None:
     """Rows of completions of `lengths` written turn by turn: `engine_call(prefill tokens a row, new tokens a row)`
-    for each turn, then the rows' tool calls one row after another, as grpokit's agent loop runs them."""
+    for each turn, then the rows' tool calls, all at once (the turn waits for the slowest), as grpokit's agent loop
+    runs them. `stop` set (a streamed group abandoned as too
+    stale): the next turn is not sampled (`Abandoned`), as in grpokit's agent loop."""
     turns = workload.tool_calls + 1
     for turn in range(turns):
+        if stop is not None and stop.is_set():
+            raise Abandoned("This simulated rollout was abandoned (too stale to train).")
         engine_call(
             workload.prompt_tokens if turn == 0 else workload.tool_result_tokens,
             [n // turns + (turn < n % turns) for n in lengths],
         )
         if turn < turns - 1:
-            clock.sleep(sum(workload.tool_latency_s(rng) for _ in lengths))
+            clock.sleep(max(workload.tool_latency_s(rng) for _ in lengths))
 
 
 # ----------------------------------------------------------------------------------- what the producer drives
@@ -500,10 +507,10 @@ class SimulatedRollouts:
     def __init__(self, clock: VirtualClock, workload: Workload, servers: SimulatedServers, costs: Costs):
         self.clock, self.workload, self.servers, self.costs = clock, workload, servers, costs
 
-    def run(self, rows: list[dict], counts: list[int], seed: int) -> DecodedRollout:
+    def run(self, rows: list[dict], counts: list[int], seed: int, stop=None) -> DecodedRollout:
         started, rng = self.clock.now, self.workload.draws(seed)
         lengths = self.workload.completion_lengths(rng, len(rows))
-        run_turns(self.clock, self.workload, lengths, rng, self.servers.generate)
+        run_turns(self.clock, self.workload, lengths, rng, self.servers.generate, stop)
         n, seconds = len(rows), self.clock.now - started
         ones = torch.ones(n, 1, dtype=torch.long)
         rollout = Rollout(ones, ones, ones, ones, ones, torch.tensor(lengths), torch.zeros(n, dtype=torch.bool))

@@ -15,7 +15,11 @@ return): group g belongs nominally to batch b = g // (groups per batch), trained
 version c(b) = first_step + b; it starts only once the trainer's version is at least c(b) - max_staleness, with
 weights no older than that. A group that finishes so late that the batch it lands in is trained past its version +
 max_staleness is dropped and counted (`sample/dropped_stale_total`, and by prompt: `sample/prompts_dropped`,
-`sample/prompt_drop_rate_max`, and a warning naming the most-dropped prompts when generation stops). Weights move
+`sample/prompt_drop_rate_max`, and a warning naming the most-dropped prompts when generation stops). A group still
+running when the next batch to assemble is already trained past its version + max_staleness can never be trained:
+it is abandoned at once (`Producer._abandon_stale_groups`), dropped and counted the same way, and the next group
+starts in its place; its `GroupTask.stop` is set, so it stops at its next engine call or tool wait (`Abandoned`) and
+gives back its environments, leaving the tool calls still running to their timeout. Weights move
 between engine calls: a group's later turns may be sampled by newer weights than its first; its version is the one
 it started with (the oldest), and every token's π_old is the log-prob it was sampled with, recorded in the engine
 call (the engine's, or BatchingEngine's forward of the sampling weights for an engine that reports none).
@@ -33,7 +37,7 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -41,22 +45,35 @@ class GroupTask:
     index: int  # the prompt's dataset index
     rollout_index: int  # its rollout's index (its seed: `rollout_seed`)
     version: int  # the weights' version when it started
+    stop: threading.Event = field(default_factory=threading.Event)  # set when the group is abandoned as too stale
 
 
 class DaemonPool:
-    """`workers` daemon threads running submitted calls, each with its future. concurrent.futures' pool joins its
-    threads at interpreter exit, so one rollout still waiting on a tool call when training ends kept the process
-    alive for the tool's whole timeout; a daemon thread never holds up exit. `shutdown` cancels what has not
-    started and lets idle threads end."""
+    """Daemon threads running submitted calls, each with its future: `workers` to begin with, and one more whenever a
+    call is submitted while none is idle (a thread still finishing an abandoned group's engine call must not delay the
+    group started in its place; the caller bounds how many calls it keeps running). concurrent.futures' pool joins
+    its threads at interpreter exit, so one rollout still waiting on a tool call when training ends kept the process
+    alive for the tool's whole timeout; a daemon thread never holds up exit. `shutdown` cancels what has not started
+    and lets idle threads end."""
 
     def __init__(self, workers: int, name: str):
         self.tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self.workers = workers
-        for number in range(workers):
-            threading.Thread(target=self._work, name=f"{name}-{number}", daemon=True).start()
+        self.name, self.workers, self.idle = name, 0, workers
+        self.lock = threading.Lock()
+        for _ in range(workers):
+            self._spawn()
+
+    def _spawn(self) -> None:
+        threading.Thread(target=self._work, name=f"{self.name}-{self.workers}", daemon=True).start()
+        self.workers += 1
 
     def submit(self, function, *args) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
+        with self.lock:
+            if self.idle > 0:
+                self.idle -= 1
+            else:
+                self._spawn()
         self.tasks.put((future, function, args))
         return future
 
@@ -80,8 +97,17 @@ class DaemonPool:
         while (item := self.tasks.get()) is not None:
             future, function, args = item
             if not future.set_running_or_notify_cancel():
+                with self.lock:
+                    self.idle += 1
                 continue
+            result, error = None, None
             try:
-                future.set_result(function(*args))
-            except BaseException as error:
+                result = function(*args)
+            except BaseException as raised:
+                error = raised
+            with self.lock:  # idle before the future is done: a caller woken by it reuses this thread
+                self.idle += 1
+            if error is not None:
                 future.set_exception(error)
+            else:
+                future.set_result(result)

@@ -103,10 +103,12 @@ class EnvironmentPool:
         return out
 
     def give_back(self, environments: list) -> None:
-        """The rollouts of `environments` are scored: they may be lent again (retired ones never are)."""
+        """The rollouts of `environments` are scored, or never will be (dropped, abandoned, failed): they may be lent
+        again (retired ones never are, and are let go)."""
         with self.lock:
             for environment in environments:
                 self.lent.discard(id(environment))
+                self.retired.pop(id(environment), None)
 
     def reset(self, environments: list, rows: list[dict]) -> list:
         """reset(**row) of each row's environment (without the routing column); returns the observations."""

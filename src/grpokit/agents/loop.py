@@ -102,6 +102,10 @@ class Agents:
         if self.environments is not None and "environments" in rollout.extra:
             self.environments.give_back(rollout.extra["environments"])
 
+    def calls_in_progress(self) -> list[tuple[str, float]]:
+        """The tool calls rollouts wait for now: (tool name, seconds running), oldest first."""
+        return self.runner.calls_in_progress() if self.runner is not None else []
+
     def reward_functions(self) -> list[Callable]:
         return self.environments.reward_functions() if self.environments is not None else []
 
@@ -164,9 +168,9 @@ class Agents:
         stats = ToolStats(rows=len(rows))
         self._sample(engine, transcripts, list(range(len(rows))), params, seed)
         waiting = [i for i, t in enumerate(transcripts) if t.messages[-1].get("tool_calls")]
-        iteration = 0
+        iteration, stop = 0, getattr(engine, "stop", None)  # a streamed group's engine: set once it is abandoned
         while waiting and iteration < self.max_iterations:
-            waiting = [i for i in waiting if self._add_tool_results(transcripts[i], stats)]
+            waiting = self._add_tool_results(transcripts, waiting, stats, stop)
             if waiting:
                 self._sample(engine, transcripts, waiting, params, seed + SEED_STRIDE * (iteration + 1))
             waiting = [i for i in waiting if transcripts[i].messages[-1].get("tool_calls")]
@@ -182,11 +186,22 @@ class Agents:
             engine, self.tokenizer, self.template, transcripts, indices, params, seed, self.max_completion_length
         )
 
-    def _add_tool_results(self, transcript: Transcript, stats: ToolStats) -> bool:
-        """Run the last turn's tool calls and append their results; False (and nothing appended) when the results
-        would not fit in the completion budget or the model's context."""
-        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in transcript.messages[-1]["tool_calls"]]
-        results = self.runner.run(calls, transcript.tools, stats, on_timeout=self._retire_environment)
+    def _add_tool_results(
+        self, transcripts: list[Transcript], indices: list[int], stats: ToolStats, stop=None
+    ) -> list[int]:
+        """Run the last turn's tool calls of transcripts[indices] all at once (each row waits for the slowest call of
+        the turn, not for the calls of the rows before it) and append each row's results, in row order; returns the
+        rows whose results fit (the others get nothing appended and end). `stop`: see ToolRunner.call."""
+        turns = [
+            ([(c["function"]["name"], c["function"]["arguments"]) for c in t.messages[-1]["tool_calls"]], t.tools)
+            for t in (transcripts[i] for i in indices)
+        ]
+        results = self.runner.run_turns(turns, stats, on_timeout=self._retire_environment, stop=stop)
+        return [i for i, messages in zip(indices, results) if self._append_results(transcripts[i], messages)]
+
+    def _append_results(self, transcript: Transcript, results: list[dict]) -> bool:
+        """Append a turn's tool results; False (and nothing appended) when they would not fit in the completion
+        budget or the model's context."""
         ids = tool_result_ids(self.tokenizer, results, self.chat_template_kwargs, self.stop_ids)
         total = len(transcript.prompt_ids) + len(transcript.ids) + len(ids)
         if len(transcript.ids) + len(ids) >= self.max_completion_length or (

@@ -7,6 +7,9 @@ result that cannot be turned into text returns `{'error': ...}` to the model as 
 counted as a failure: it never stops training. A result longer than `max_tool_output_chars` characters is cut there
 (before it is tokenized) and counted (`tools/truncated_frequency`).
 
+The calls of one generation's turn, all rows together, run at once (`ToolRunner.run_turns`): a turn takes its
+slowest call's time, not the sum of the rows' calls, and each row's results come back in its own order.
+
 Calls are isolated, so that a hung call costs its own row and nothing else (issue 39):
 - a synchronous call runs in a daemon thread of its own. Python cannot interrupt a thread: a call that times out is
   abandoned and finishes on its own, but it holds no worker another call waits for, and it does not keep the
@@ -32,6 +35,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..rollout.batching import Abandoned
 
 
 def tool_name(tool: Callable) -> str:
@@ -167,6 +172,16 @@ class ToolRunner:
         self._abandoned: list[concurrent.futures.Future] = []
         self._warned_abandoned = False
         self._loop_lock = threading.Lock()
+        self._running: dict[concurrent.futures.Future, tuple[str, float]] = {}  # calls not done: name, start
+        self._running_lock = threading.Lock()
+
+    def calls_in_progress(self) -> list[tuple[str, float]]:
+        """The calls running now that a rollout still waits for: (tool name, seconds since it started), oldest
+        first (the producer names them when it finds no progress)."""
+        now = time.monotonic()
+        with self._running_lock:
+            running = sorted(self._running.values(), key=lambda call: call[1])
+        return [(name, now - started) for name, started in running]
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         with self._loop_lock:  # rollouts running at once (concurrent_rollouts) share one loop
@@ -177,6 +192,17 @@ class ToolRunner:
 
     def submit(self, name: str, tool: Callable, arguments: dict) -> tuple[concurrent.futures.Future, bool]:
         """The call's future, and whether it runs on the shared event loop."""
+        future, on_loop = self._start(name, tool, arguments)
+        with self._running_lock:
+            self._running[future] = (name, time.monotonic())
+        future.add_done_callback(self._forget)
+        return future, on_loop
+
+    def _forget(self, future: concurrent.futures.Future) -> None:
+        with self._running_lock:
+            self._running.pop(future, None)
+
+    def _start(self, name: str, tool: Callable, arguments: dict) -> tuple[concurrent.futures.Future, bool]:
         if not inspect.iscoroutinefunction(tool):
             return in_daemon_thread(tool, arguments, name), False
         if name in self._off_loop:
@@ -193,45 +219,74 @@ class ToolRunner:
         tools: dict[str, Callable],
         stats: ToolStats,
         on_timeout: Callable[[Callable], None] | None = None,
+        stop: threading.Event | None = None,
     ) -> list[dict]:
         """calls: (name, arguments) per tool call, in order; returns one tool message per call. All calls of the
         turn run concurrently, each for at most `timeout` seconds from the start of the turn. on_timeout(tool):
-        told of each call that timed out (and may still be running)."""
-        outcomes = self.call(
-            [(name, tools.get(name), arguments, call_problem(name, arguments, tools)) for name, arguments in calls],
-            stats,
-            on_timeout,
-        )
-        messages = []
-        for (name, _), (result, problem) in zip(calls, outcomes):
-            content = None
-            if problem is None:
-                try:
-                    content, truncated = as_text(result, self.max_output_chars)
-                    stats.truncated[name] += truncated
-                except Exception as error:  # a result whose __str__ raises is the tool's failure, not ours
-                    problem = f"Tool {name!r} returned a {type(result).__name__} that str() fails on: {error!r}."
-                    stats.failures[name] += 1
-            if problem is not None:
-                content = str({"error": problem})
-            messages.append({"role": "tool", "name": name, "content": content})
-        return messages
+        told of each call that timed out (and may still be running). `stop`: see `call`."""
+        return self.run_turns([(calls, tools)], stats, on_timeout, stop)[0]
+
+    def run_turns(
+        self,
+        turns: list[tuple[list[tuple[str, Any]], dict[str, Callable]]],
+        stats: ToolStats,
+        on_timeout: Callable[[Callable], None] | None = None,
+        stop: threading.Event | None = None,
+    ) -> list[list[dict]]:
+        """The tool calls of several transcripts' turns (each: its (name, arguments) calls and the tools it may
+        call), all at once: a generation's rows wait for their slowest call, not for the sum of their calls. Returns
+        each turn's tool messages, in the order of `turns` and of their calls, whatever order the calls end in."""
+        flat = [
+            (name, tools.get(name), arguments, call_problem(name, arguments, tools))
+            for calls, tools in turns
+            for name, arguments in calls
+        ]
+        outcomes = iter(self.call(flat, stats, on_timeout, stop))
+        return [[self._message(name, *next(outcomes), stats) for name, _ in calls] for calls, _ in turns]
+
+    def _message(self, name: str, result: Any, problem: str | None, stats: ToolStats) -> dict:
+        """A call's outcome as the tool message the model sees: its result as text, or {'error': problem}."""
+        content = None
+        if problem is None:
+            try:
+                content, truncated = as_text(result, self.max_output_chars)
+                stats.truncated[name] += truncated
+            except Exception as error:  # a result whose __str__ raises is the tool's failure, not ours
+                problem = f"Tool {name!r} returned a {type(result).__name__} that str() fails on: {error!r}."
+                stats.failures[name] += 1
+        if problem is not None:
+            content = str({"error": problem})
+        return {"role": "tool", "name": name, "content": content}
 
     def call(
         self,
         calls: list[tuple[str, Callable | None, Any, str | None]],
         stats: ToolStats,
         on_timeout: Callable[[Callable], None] | None = None,
+        stop: threading.Event | None = None,
     ) -> list[tuple[Any, str | None]]:
         """calls: (name, callable, keyword arguments, a problem found before calling it or None) each. Runs them
         concurrently, each for at most `timeout` seconds from now; returns (result, None) or (None, problem) for
         each, in order, counting every call and every problem (a failure) under its name. Besides the tool loop,
-        environments of other libraries run their sessions' calls through this (grpokit.integrations)."""
+        environments of other libraries run their sessions' calls through this (grpokit.integrations).
+
+        `stop` set (the rollout was abandoned: grpokit.streaming) ends the wait at once: the calls still running are
+        left as timed-out ones are (on_timeout told; async ones cancelled), and `Abandoned` is raised."""
+        if stop is not None and stop.is_set():
+            raise Abandoned("This rollout was abandoned before its tool calls.")
         pending = []
         for name, tool, arguments, problem in calls:
             stats.calls[name] += 1
             pending.append((name, tool, problem, *((None, False) if problem else self.submit(name, tool, arguments))))
         deadline = time.monotonic() + self.timeout
+        self._wait_all([p[3] for p in pending if p[3] is not None], deadline, stop)
+        if stop is not None and stop.is_set():
+            for _, tool, _, future, on_loop in pending:
+                if future is not None and not future.done():
+                    self._abandon(future, on_loop)
+                    if on_timeout is not None:
+                        on_timeout(tool)
+            raise Abandoned("This rollout was abandoned during its tool calls; those still running are left.")
         outcomes = []
         for name, tool, problem, future, on_loop in pending:
             result = None
@@ -251,6 +306,15 @@ class ToolRunner:
                 stats.failures[name] += 1
             outcomes.append((result, problem))
         return outcomes
+
+    @staticmethod
+    def _wait_all(futures: list[concurrent.futures.Future], deadline: float, stop: threading.Event | None) -> None:
+        """Until every future is done, `deadline` (time.monotonic()) passes, or `stop` is set (polled every 50 ms)."""
+        while futures and (remaining := deadline - time.monotonic()) > 0:
+            wait = remaining if stop is None else min(remaining, 0.05)
+            futures = list(concurrent.futures.wait(futures, timeout=wait).not_done)
+            if stop is not None and stop.is_set():
+                return
 
     def _abandon(self, future: concurrent.futures.Future, on_loop: bool) -> None:
         """A call past its time: an async call is cancelled (if its loop answers); a sync one runs on in its thread.
@@ -272,6 +336,7 @@ class ToolRunner:
                 self._off_loop.add(name)
             self._loop, self._running_on_loop = None, {}
         future.cancel()
+        self._forget(future)  # no rollout waits for it any more
         self._abandoned = [f for f in self._abandoned if not f.done()] + [future]
         if len(self._abandoned) >= ABANDONED_WARNING_AT and not self._warned_abandoned:
             self._warned_abandoned = True

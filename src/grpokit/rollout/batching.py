@@ -35,7 +35,9 @@ every request of its call.
 
 Callers that ask concurrently go through an adapter: `BatchingEngine` for threads (a `RolloutEngine` itself),
 `AsyncBatcher` for coroutines of one event loop. Both keep their waiting requests in a `Waiting`, which applies the
-policy, and both call `answer`.
+policy, and both call `answer`. A caller that may be given up (a streamed group too stale to train) asks through its
+own view, `BatchingEngine.caller(stop)`: once `stop` is set its waiting request leaves the queue and its calls raise
+`Abandoned`.
 """
 
 from __future__ import annotations
@@ -176,6 +178,11 @@ class EngineClosed(RuntimeError):
     """The engine was closed (training ended): a rollout still in flight stops at its next call."""
 
 
+class Abandoned(RuntimeError):
+    """The rollout's caller gave it up (a streamed group too stale to train: grpokit.streaming): it stops at its next
+    engine call or tool call, and gives back what it was lent."""
+
+
 class BatchingEngine:
     """`engine` for several threads at once, under `flush` (ARRIVED_WHILE_BUSY or ONE_AT_A_TIME): each call waits
     while the engine is busy, and whoever gets the engine answers the waiting requests the policy takes, its own or
@@ -196,20 +203,28 @@ class BatchingEngine:
         self.waiting_lock = threading.Lock()
         self.calls = self.requests = 0
         self.returned_at = 0.0  # time.monotonic() when the engine last returned (the producer's heartbeat reads it)
+        self.busy_since: float | None = None  # time.monotonic() when the call in progress began; None: idle
         self.closed = False
 
-    def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
+    def caller(self, stop: threading.Event) -> CallerEngine:
+        """This engine as one caller (a streamed group) sees it: once `stop` is set, its requests leave the queue
+        and its next call raises `Abandoned`."""
+        return CallerEngine(self, stop)
+
+    def generate(
+        self, prompts: PromptBatch, params: SamplingParams, seed: int, stop: threading.Event | None = None
+    ) -> Rollout:
         request = Request(prompts, params, seed)
         with self.waiting_lock:
-            self._check_open()
+            self._check_open(stop)
             self.waiting.add(request)
         while not request.answered:
             # A closed engine answers the waiting requests at once (its lock stays held: see close).
             if not self.lock.acquire(timeout=0.1):
-                self._check_open()
+                self._check_open(stop, request)
                 continue
             try:
-                self._check_open()
+                self._check_open(stop, request)
                 if not request.answered:
                     with self.waiting_lock:
                         requests = self.waiting.take()
@@ -228,18 +243,43 @@ class BatchingEngine:
         self.closed = True
         return self.lock.acquire(timeout=timeout)
 
-    def _check_open(self) -> None:
+    def _check_open(self, stop: threading.Event | None = None, request: Request | None = None) -> None:
         if self.closed:
             raise EngineClosed("The producer's engine is closed (training ended): this rollout stops here.")
+        if stop is not None and stop.is_set():
+            if request is not None:
+                with self.waiting_lock:
+                    self.waiting.requests = [r for r in self.waiting.requests if r is not request]
+            raise Abandoned("This rollout was abandoned (too stale to train): its next turn is not sampled.")
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         with self.lock:
             self.engine.sync_weights(model)
 
     def _serve(self, requests: list[Request]) -> None:
-        answer(self.engine, requests, requests[0].seed, self.behaviour)
+        self.busy_since = time.monotonic()
+        try:
+            answer(self.engine, requests, requests[0].seed, self.behaviour)
+        finally:
+            self.busy_since = None
         self.calls, self.requests = self.calls + 1, self.requests + len(requests)
         self.returned_at = time.monotonic()
+
+
+class CallerEngine:
+    """One caller's view of a `BatchingEngine` (`BatchingEngine.caller`): its calls go to the shared engine until
+    `stop` is set, then raise `Abandoned` (a request waiting leaves the queue). A multi-turn driver may read `stop`
+    to end its own waits too (grpokit's tool loop does)."""
+
+    def __init__(self, engine: BatchingEngine, stop: threading.Event):
+        self.engine, self.stop = engine, stop
+        self.logprobs_match_training = engine.logprobs_match_training
+
+    def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
+        return self.engine.generate(prompts, params, seed, self.stop)
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        self.engine.sync_weights(model)
 
 
 class AsyncBatcher:

@@ -50,7 +50,9 @@ class MultiTurnDriver(Protocol):
 
     A driver whose `concurrent_rollouts` is True (an optional attribute) may run several `rollout` calls at once
     from different threads, on disjoint rows: an asynchronous producer then streams its rollouts group by group. An
-    optional `scored(rollout)` is called once the rollout's rewards are computed (to take back what it lent)."""
+    optional `scored(rollout)` is called once the rollout's rewards are computed (to take back what it lent). A
+    streamed rollout gets its group's view of the engine (`batching.CallerEngine`): once its `stop` is set (the group
+    is abandoned as too stale) the next engine call raises `Abandoned`; a driver may end its own waits on `stop`."""
 
     logprobs_match_training: bool  # False when the driver's log-probs are not the engine's (a user's rollout_func)
 
@@ -95,18 +97,21 @@ class RolloutRunner:
         if self.driver is not None and hasattr(self.driver, "scored"):
             self.driver.scored(decoded.rollout)
 
-    def run(self, rows: list[dict], counts: list[int], seed: int) -> DecodedRollout:
-        """Sample rows (consecutive runs of counts[i] rows share a prompt) reproducibly from seed."""
+    def run(self, rows: list[dict], counts: list[int], seed: int, stop=None) -> DecodedRollout:
+        """Sample rows (consecutive runs of counts[i] rows share a prompt) reproducibly from seed. `stop` (a
+        threading.Event; the engine must be a `BatchingEngine`): set, the rollout stops at its next engine or tool
+        call with `Abandoned` (a streamed group too stale to train)."""
         starts = [sum(counts[:i]) for i in range(len(counts))]
         prompts = self.codec.encode([with_prompt(rows[s]) for s in starts], counts)
+        engine = self.engine if stop is None else self.engine.caller(stop)
         if self.driver is not None:
-            rollout, completions = self.driver.rollout(self.engine, rows, self.params, seed, self.host)
+            rollout, completions = self.driver.rollout(engine, rows, self.params, seed, self.host)
             rollout = rollout.to(self.device)
             decoded, completion_ids = self.codec.decode(rollout, prompts.raw)
             completions = decoded if completions is None else completions
             model_lengths = rollout.loss_mask.sum(1)
         else:
-            rollout = self.engine.generate(prompts, self.params, seed).to(self.device)
+            rollout = engine.generate(prompts, self.params, seed).to(self.device)
             completions, completion_ids = self.codec.decode(rollout, prompts.raw)
             model_lengths = rollout.lengths
             if prompts.images is not None:  # reward functions receive the messages with their images, as in TRL
