@@ -11,8 +11,10 @@ forward up to float rounding (tests/test_chunked.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from .compat import cache_argument, cache_from_layers, is_activation_checkpointing, output_cache, output_embeddings
 from .cpu_matmul import FLOAT32_HEAD, Float32Head
@@ -23,6 +25,7 @@ from .head_autograd import frozen_head_grad, head_grad_accumulators, head_input_
 from .models import is_peft_model
 from .multimodal import MultimodalInputs, batch_model_inputs, is_vision_language_model, rope_position_ids
 from .packing import pack_rows
+from .sampling_mask import SamplingMask, first_seen_positions, replayed_token_logprobs
 
 # --------------------------------------------------------------------------------------------- log-probabilities
 
@@ -163,6 +166,17 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         return head_input_grads(grad_hidden, grad_weight, grad_bias, weight, bias, num_other_inputs=5)
 
 
+def _head_compute_dtype(hidden: torch.Tensor, weight: torch.Tensor, fp32_head: bool) -> torch.dtype:
+    """The dtype of the LM head's matmul, as the plain `nn.Linear` head would run it: float32 with fp32_head, else
+    the autocast dtype under autocast, else the inputs'."""
+    device_type = hidden.device.type
+    if fp32_head:
+        return torch.float32
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
 def _softmax_dtype(compute_dtype: torch.dtype) -> torch.dtype:
     """float32 for float32 and half-precision matmuls, float64 for float64."""
     return torch.promote_types(compute_dtype, torch.float32)
@@ -269,12 +283,7 @@ def chunked_token_logprobs(
     blocks of the vocabulary; `chunk_rows` does not apply then.
     """
     device_type = hidden.device.type
-    if fp32_head:
-        compute_dtype = torch.float32
-    elif torch.is_autocast_enabled(device_type):
-        compute_dtype = torch.get_autocast_dtype(device_type)
-    else:
-        compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    compute_dtype = _head_compute_dtype(hidden, weight, fp32_head)
     if chunk_rows is None:
         chunk_rows = default_chunk_rows(weight, bias)
     leading = targets.shape
@@ -451,6 +460,7 @@ def token_logprobs(
     fp32_head: bool = False,
     multimodal: MultimodalInputs | None = None,
     padding_free: bool = False,
+    sampling_mask: SamplingMask | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [N, T] (and entropies [N, T]) of the last T tokens of input_ids [N, P + T] under the model.
 
@@ -481,18 +491,69 @@ def token_logprobs(
     its completions after it, no padding and no KV cache (so also under gradient checkpointing). The same values
     and gradients as the padded forward up to float rounding (tests/test_packing.py); a model it cannot run
     exactly, or an entropy with a gradient or router logits, raises ValueError (`packing_refusal` says why).
+    sampling_mask: the sampler's kept sets [N, T, K] (`grpokit.sampling_mask`): the log-probs are then those of the
+    distribution the tokens were drawn from, renormalised over each position's kept set with the repetition
+    penalty replayed (`replayed_head_logprobs`); the entropies stay the full vocabulary's.
     """
     if padding_free:
-        reason = packing_refusal(model)
-        if reason is None and with_entropy and entropy_grad and torch.is_grad_enabled():
-            reason = "its entropies carry no gradient (an entropy bonus, entropy_coef != 0, needs the padded forward)"
-        if reason is None and router_logits is not None:
-            reason = "it does not return the router logits of an MoE load-balancing loss (router_aux_loss_coef)"
-        if reason is not None:
-            raise ValueError(f"padding_free=True cannot run here: {reason}. Set padding_free=False.")
+        _check_padding_free_call(model, with_entropy, entropy_grad, router_logits)
         return packed_token_logprobs(
-            model, input_ids, attention_mask, completion_length, temperature, with_entropy, fp32_head
+            model,
+            input_ids,
+            attention_mask,
+            completion_length,
+            temperature,
+            with_entropy,
+            fp32_head,
+            sampling_mask=sampling_mask,
         )
+    use_chunked = _takes_chunked_head(model, chunked, with_entropy, entropy_grad, router_logits)
+    prompt_length = input_ids.shape[1] - completion_length
+    position_ids = rope_position_ids(model, input_ids, attention_mask, multimodal, prompt_width=prompt_length)
+    if position_ids is None:  # [N, P + T], or a Qwen-VL model's [3, N, P + T]
+        position_ids = position_ids_from_mask(attention_mask)
+    if use_chunked:
+        hidden, rows, columns = completion_hidden_states(
+            model, input_ids, attention_mask, completion_length, multimodal, share_prompts, position_ids
+        )
+        head = causal_lm_of(model).get_output_embeddings()
+        replay = None
+        if sampling_mask is not None:
+            vocab_size = head.weight.shape[0]
+            replay = SamplingReplay.of(sampling_mask, input_ids, attention_mask, completion_length, vocab_size)
+        return _head_logprobs(
+            head, hidden, input_ids, rows, columns, completion_length, temperature, with_entropy, fp32_head, replay
+        )
+    return _plain_logprobs(
+        model,
+        input_ids,
+        attention_mask,
+        position_ids,
+        completion_length,
+        temperature,
+        with_entropy,
+        entropy_grad,
+        router_logits,
+        fp32_head,
+        multimodal,
+        sampling_mask,
+    )
+
+
+def _check_padding_free_call(model, with_entropy: bool, entropy_grad: bool, router_logits) -> None:
+    """Raise ValueError where `token_logprobs(..., padding_free=True)` cannot run this call exactly."""
+    reason = packing_refusal(model)
+    if reason is None and with_entropy and entropy_grad and torch.is_grad_enabled():
+        reason = "its entropies carry no gradient (an entropy bonus, entropy_coef != 0, needs the padded forward)"
+    if reason is None and router_logits is not None:
+        reason = "it does not return the router logits of an MoE load-balancing loss (router_aux_loss_coef)"
+    if reason is not None:
+        raise ValueError(f"padding_free=True cannot run here: {reason}. Set padding_free=False.")
+
+
+def _takes_chunked_head(model, chunked: bool | None, with_entropy: bool, entropy_grad: bool, router_logits) -> bool:
+    """Whether `token_logprobs` runs the chunked head: where the model supports it (or `chunked` says so), unless an
+    MoE aux loss needs the model's own forward or an entropy needs a gradient."""
     use_chunked = supports_chunked_head(model) if chunked is None else chunked
     if router_logits is not None:  # an MoE aux loss needs the router logits of the model's own forward
         use_chunked = False
@@ -503,32 +564,57 @@ def token_logprobs(
                 "an entropy bonus needs chunked=False."
             )
         use_chunked = False
-    prompt_length = input_ids.shape[1] - completion_length
-    position_ids = rope_position_ids(model, input_ids, attention_mask, multimodal, prompt_width=prompt_length)
-    if position_ids is None:  # [N, P + T], or a Qwen-VL model's [3, N, P + T]
-        position_ids = position_ids_from_mask(attention_mask)
-    targets = input_ids[:, -completion_length:]
-    if use_chunked:
-        head = causal_lm_of(model).get_output_embeddings()
-        hidden, rows, columns = completion_hidden_states(
-            model, input_ids, attention_mask, completion_length, multimodal, share_prompts, position_ids
-        )
-        logprobs, entropies = chunked_token_logprobs(
-            hidden[None],
-            head.weight,
-            targets[rows, columns][None],
-            temperature,
-            bias=head.bias,
-            with_entropy=with_entropy,
-            fp32_head=fp32_head,
-            float32_gemm=getattr(head, FLOAT32_HEAD, False),
-        )
-        shape = tuple(targets.shape)
-        return (
-            _scatter(logprobs[0], rows, columns, shape),
-            None if entropies is None else _scatter(entropies[0], rows, columns, shape),
-        )
+    return use_chunked
 
+
+def _head_logprobs(
+    head, hidden, input_ids, rows, columns, completion_length, temperature, with_entropy, fp32_head, replay
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The chunked head on the hidden states [M, H] that predict completion tokens (rows[m], columns[m]): log-probs
+    and entropies scattered to [N, T] (0 on padding). With a replay, the log-probs are the kept sets' and the
+    chunked head runs (without a gradient) for the entropies only."""
+    targets = input_ids[:, -completion_length:][rows, columns]
+    shape = (input_ids.shape[0], completion_length)
+    entropies = None
+    if replay is None or with_entropy:
+        with torch.no_grad() if replay is not None else contextlib.nullcontext():
+            logprobs, entropies = chunked_token_logprobs(
+                hidden,
+                head.weight,
+                targets,
+                temperature,
+                bias=head.bias,
+                with_entropy=with_entropy,
+                fp32_head=fp32_head,
+                float32_gemm=getattr(head, FLOAT32_HEAD, False),
+            )
+    if replay is not None:
+        logprobs = replayed_head_logprobs(
+            hidden, head.weight, head.bias, targets, temperature, replay, rows, columns, fp32_head
+        )
+    return (
+        _scatter(logprobs, rows, columns, shape),
+        None if entropies is None else _scatter(entropies, rows, columns, shape),
+    )
+
+
+def _plain_logprobs(
+    model,
+    input_ids,
+    attention_mask,
+    position_ids,
+    completion_length,
+    temperature,
+    with_entropy,
+    entropy_grad,
+    router_logits,
+    fp32_head,
+    multimodal,
+    sampling_mask,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs`' plain path: the model's own forward, and log-probs of its logits (of the kept sets with a
+    sampling mask)."""
+    prompt_length = input_ids.shape[1] - completion_length
     kwargs = {}
     if forward_accepts(model, "attention_mask"):
         kwargs.update(attention_mask=attention_mask, position_ids=position_ids)
@@ -545,13 +631,105 @@ def token_logprobs(
     logits = logits[:, -completion_length - 1 : -1]  # position t predicts token t + 1
     if temperature != 1.0:
         logits = logits / temperature
-    logprobs = selective_log_softmax(logits, targets, dtype=torch.float32)  # upcast chunk by chunk
+    targets = input_ids[:, -completion_length:]
+    if sampling_mask is None:
+        logprobs = selective_log_softmax(logits, targets, dtype=torch.float32)  # upcast chunk by chunk
+    else:
+        replay = SamplingReplay.of(sampling_mask, input_ids, attention_mask, completion_length, logits.shape[-1])
+        logprobs = replayed_logits_logprobs(logits, targets, replay)
     entropies = None
     if with_entropy:
         # The entropy keeps a graph (another softmax over V per token) only when the loss needs its gradient.
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropies = entropy_from_logits(logits)
     return logprobs, entropies
+
+
+# ------------------------------------------------------------------------------------ keep sampling mask, replayed
+
+
+@dataclasses.dataclass
+class SamplingReplay:
+    """A `SamplingMask` made ready for the training forward of one batch [N, P + T]."""
+
+    mask: SamplingMask
+    first_seen: torch.Tensor | None  # [N, V] int32 `sampling_mask.first_seen_positions`, with a repetition penalty
+    prompt_length: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, mask: SamplingMask, input_ids, attention_mask, completion_length: int, vocab_size: int):
+        if mask.kept_ids.shape[:2] != (input_ids.shape[0], completion_length):
+            raise ValueError(
+                f"sampling_mask has kept sets for {tuple(mask.kept_ids.shape[:2])} (rows, completion tokens), the "
+                f"batch {(input_ids.shape[0], completion_length)}: pass the mask of the rollout these rows came from."
+            )
+        mask = mask.map(lambda kept: kept.to(input_ids.device))
+        first_seen = None
+        if mask.repetition_penalty != 1.0:
+            first_seen = first_seen_positions(input_ids, attention_mask, vocab_size)
+        return cls(mask, first_seen, input_ids.shape[1] - completion_length, vocab_size)
+
+    def logprobs(self, logits: torch.Tensor, targets, rows, columns) -> torch.Tensor:
+        """Kept-set log-probs of targets [c] under logits / temperature [c, V] at completion positions (rows,
+        columns)."""
+        seen = None
+        if self.first_seen is not None:  # tokens before the position: the prompt's and the completion's so far
+            seen = self.first_seen[rows] < (self.prompt_length + columns)[:, None]
+        kept = self.mask.kept_ids[rows, columns]
+        mask = self.mask
+        return replayed_token_logprobs(logits, targets, kept, seen, mask.repetition_penalty, mask.suppressed_ids)
+
+
+def _replayed_in_chunks(logits_of, sources, targets, replay: SamplingReplay, rows, columns) -> torch.Tensor:
+    """Kept-set log-probs [M] of targets [M] at (rows, columns), `logits_of(sources[chunk])` giving a chunk's
+    logits / temperature [c, V], a chunk at a time. Under autograd each chunk is checkpointed (recomputed in the
+    backward), so that no [c, V] tensor outlives its chunk."""
+    budget = CHUNK_ELEMENTS.get(sources.device.type, CHUNK_ELEMENTS["default"])
+    chunk_rows = max(1, budget // replay.vocab_size)
+
+    def one_chunk(source, target, row, column):
+        return replay.logprobs(logits_of(source), target, row, column)
+
+    out = []
+    for start in range(0, len(targets), chunk_rows):
+        chunk = slice(start, start + chunk_rows)
+        arguments = (sources[chunk], targets[chunk], rows[chunk], columns[chunk])
+        if torch.is_grad_enabled():
+            out.append(checkpoint(one_chunk, *arguments, use_reentrant=False))
+        else:
+            out.append(one_chunk(*arguments))
+    return torch.cat(out) if out else torch.zeros(0, device=sources.device)
+
+
+def replayed_head_logprobs(
+    hidden, weight, bias, targets, temperature, replay: SamplingReplay, rows, columns, fp32_head=False
+) -> torch.Tensor:
+    """`chunked_token_logprobs`' log-probs renormalised over the sampler's kept sets: hidden [M, H] through the head
+    weight [V, H] (and bias), the matmul in the dtype the chunked head uses, the replay in float32."""
+    device_type = hidden.device.type
+    compute_dtype = _head_compute_dtype(hidden, weight, fp32_head)
+
+    def logits_of(hidden_chunk):
+        with torch.autocast(device_type, enabled=False):
+            weight_c = weight.to(compute_dtype)
+            logits = hidden_chunk.to(compute_dtype) @ weight_c.t()
+            if bias is not None:
+                logits = logits + bias.to(compute_dtype)
+            return logits.to(_softmax_dtype(compute_dtype)) / temperature
+
+    return _replayed_in_chunks(logits_of, hidden, targets, replay, rows, columns)
+
+
+def replayed_logits_logprobs(logits: torch.Tensor, targets: torch.Tensor, replay: SamplingReplay) -> torch.Tensor:
+    """The plain path's kept-set log-probs: logits / temperature [N, T, V], targets [N, T] -> [N, T] float32."""
+    n, width = targets.shape
+    rows = torch.arange(n, device=targets.device).repeat_interleave(width)
+    columns = torch.arange(width, device=targets.device).repeat(n)
+    flat = _replayed_in_chunks(
+        lambda chunk: chunk, logits.reshape(n * width, -1), targets.reshape(-1), replay, rows, columns
+    )
+    return flat.view(n, width)
 
 
 # ------------------------------------------------------------------------------------------ padding-free forward
@@ -611,12 +789,13 @@ def packed_token_logprobs(
     with_entropy: bool = False,
     fp32_head: bool = False,
     row_tokens: int | None = None,
+    sampling_mask: SamplingMask | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` through a packed forward (`packing.pack_rows`): the decoder runs only the real tokens, each
     distinct prompt once per segment, with a 4D mask that lets a token see what it sees in the padded forward;
     the chunked head runs on the hidden states that predict real completion tokens. Log-probs and entropies are
     0 on padding, as on the chunked path. row_tokens: `pack_rows`' bound on a packed row (default: PACKED_ROW_WIDTH
-    times the padded row)."""
+    times the padded row). sampling_mask: as `token_logprobs`'."""
     lm = causal_lm_of(model)
     head, decoder = lm.get_output_embeddings(), decoder_of(lm)
     shape = (input_ids.shape[0], completion_length)
@@ -630,20 +809,21 @@ def packed_token_logprobs(
     mask = packed.attention_mask(lm.config._attn_implementation, decoder.get_input_embeddings().weight.dtype)
     out = decoder(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids, use_cache=False)
     hidden = _last_hidden(out).flatten(0, 1)[packed.hidden_index]  # [K, H]
-    targets = input_ids[:, -completion_length:][packed.rows, packed.columns]
-    logprobs, entropies = chunked_token_logprobs(
+    replay = None
+    if sampling_mask is not None:
+        vocab_size = head.weight.shape[0]
+        replay = SamplingReplay.of(sampling_mask, input_ids, attention_mask, completion_length, vocab_size)
+    return _head_logprobs(
+        head,
         hidden,
-        head.weight,
-        targets,
+        input_ids,
+        packed.rows,
+        packed.columns,
+        completion_length,
         temperature,
-        bias=head.bias,
-        with_entropy=with_entropy,
-        fp32_head=fp32_head,
-        float32_gemm=getattr(head, FLOAT32_HEAD, False),
-    )
-    return (
-        _scatter(logprobs, packed.rows, packed.columns, shape),
-        None if entropies is None else _scatter(entropies, packed.rows, packed.columns, shape),
+        with_entropy,
+        fp32_head,
+        replay,
     )
 
 
