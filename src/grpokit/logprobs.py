@@ -461,6 +461,7 @@ def token_logprobs(
     multimodal: MultimodalInputs | None = None,
     padding_free: bool = False,
     sampling_mask: SamplingMask | None = None,
+    full_vocabulary: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [N, T] (and entropies [N, T]) of the last T tokens of input_ids [N, P + T] under the model.
 
@@ -493,7 +494,8 @@ def token_logprobs(
     exactly, or an entropy with a gradient or router logits, raises ValueError (`packing_refusal` says why).
     sampling_mask: the sampler's kept sets [N, T, K] (`grpokit.sampling_mask`): the log-probs are then those of the
     distribution the tokens were drawn from, renormalised over each position's kept set with the repetition
-    penalty replayed (`replayed_head_logprobs`); the entropies stay the full vocabulary's.
+    penalty replayed (`replayed_head_logprobs`); the entropies stay the full vocabulary's. full_vocabulary: a list
+    to receive, with a sampling mask, the full-vocabulary log-probs [N, T] too (with their graph: the KL term's).
     """
     if padding_free:
         _check_padding_free_call(model, with_entropy, entropy_grad, router_logits)
@@ -506,6 +508,7 @@ def token_logprobs(
             with_entropy,
             fp32_head,
             sampling_mask=sampling_mask,
+            full_vocabulary=full_vocabulary,
         )
     use_chunked = _takes_chunked_head(model, chunked, with_entropy, entropy_grad, router_logits)
     prompt_length = input_ids.shape[1] - completion_length
@@ -522,7 +525,17 @@ def token_logprobs(
             vocab_size = head.weight.shape[0]
             replay = SamplingReplay.of(sampling_mask, input_ids, attention_mask, completion_length, vocab_size)
         return _head_logprobs(
-            head, hidden, input_ids, rows, columns, completion_length, temperature, with_entropy, fp32_head, replay
+            head,
+            hidden,
+            input_ids,
+            rows,
+            columns,
+            completion_length,
+            temperature,
+            with_entropy,
+            fp32_head,
+            replay,
+            full_vocabulary,
         )
     return _plain_logprobs(
         model,
@@ -537,6 +550,7 @@ def token_logprobs(
         fp32_head,
         multimodal,
         sampling_mask,
+        full_vocabulary,
     )
 
 
@@ -568,16 +582,28 @@ def _takes_chunked_head(model, chunked: bool | None, with_entropy: bool, entropy
 
 
 def _head_logprobs(
-    head, hidden, input_ids, rows, columns, completion_length, temperature, with_entropy, fp32_head, replay
+    head,
+    hidden,
+    input_ids,
+    rows,
+    columns,
+    completion_length,
+    temperature,
+    with_entropy,
+    fp32_head,
+    replay,
+    full_vocabulary=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunked head on the hidden states [M, H] that predict completion tokens (rows[m], columns[m]): log-probs
-    and entropies scattered to [N, T] (0 on padding). With a replay, the log-probs are the kept sets' and the
-    chunked head runs (without a gradient) for the entropies only."""
+    and entropies scattered to [N, T] (0 on padding). With a replay, the log-probs are the kept sets'; the chunked
+    head runs for the entropies (without a gradient) and for the full-vocabulary log-probs `full_vocabulary` asks
+    for (appended, with their gradient)."""
     targets = input_ids[:, -completion_length:][rows, columns]
     shape = (input_ids.shape[0], completion_length)
     entropies = None
-    if replay is None or with_entropy:
-        with torch.no_grad() if replay is not None else contextlib.nullcontext():
+    wants_full = replay is not None and full_vocabulary is not None
+    if replay is None or with_entropy or wants_full:
+        with torch.no_grad() if replay is not None and not wants_full else contextlib.nullcontext():
             logprobs, entropies = chunked_token_logprobs(
                 hidden,
                 head.weight,
@@ -589,6 +615,8 @@ def _head_logprobs(
                 float32_gemm=getattr(head, FLOAT32_HEAD, False),
             )
     if replay is not None:
+        if wants_full:
+            full_vocabulary.append(_scatter(logprobs, rows, columns, shape))
         logprobs = replayed_head_logprobs(
             hidden, head.weight, head.bias, targets, temperature, replay, rows, columns, fp32_head
         )
@@ -611,10 +639,49 @@ def _plain_logprobs(
     fp32_head,
     multimodal,
     sampling_mask,
+    full_vocabulary=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs`' plain path: the model's own forward, and log-probs of its logits (of the kept sets with a
-    sampling mask)."""
+    sampling mask, the full vocabulary's then appended to `full_vocabulary` where given)."""
+    logits = completion_logits(
+        model, input_ids, attention_mask, position_ids, completion_length, router_logits, fp32_head, multimodal
+    )
+    if temperature != 1.0:
+        logits = logits / temperature
+    targets = input_ids[:, -completion_length:]
+    if sampling_mask is None:
+        logprobs = selective_log_softmax(logits, targets, dtype=torch.float32)  # upcast chunk by chunk
+    else:
+        if full_vocabulary is not None:
+            full_vocabulary.append(selective_log_softmax(logits, targets, dtype=torch.float32))
+        replay = SamplingReplay.of(sampling_mask, input_ids, attention_mask, completion_length, logits.shape[-1])
+        logprobs = replayed_logits_logprobs(logits, targets, replay)
+    entropies = None
+    if with_entropy:
+        # The entropy keeps a graph (another softmax over V per token) only when the loss needs its gradient.
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropies = entropy_from_logits(logits)
+    return logprobs, entropies
+
+
+def completion_logits(
+    model,
+    input_ids,
+    attention_mask,
+    position_ids=None,
+    completion_length: int = 1,
+    router_logits: list | None = None,
+    fp32_head: bool = False,
+    multimodal: MultimodalInputs | None = None,
+) -> torch.Tensor:
+    """The model's logits [N, T, V] at the positions that predict the last T tokens of input_ids [N, P + T] (its own
+    forward; of the T + 1 last positions only where it takes `logits_to_keep`). router_logits: a list to receive an
+    MoE model's router logits."""
     prompt_length = input_ids.shape[1] - completion_length
+    if position_ids is None:
+        position_ids = rope_position_ids(model, input_ids, attention_mask, multimodal, prompt_width=prompt_length)
+    if position_ids is None:
+        position_ids = position_ids_from_mask(attention_mask)
     kwargs = {}
     if forward_accepts(model, "attention_mask"):
         kwargs.update(attention_mask=attention_mask, position_ids=position_ids)
@@ -627,22 +694,7 @@ def _plain_logprobs(
         output = model(input_ids, **kwargs)
     if router_logits is not None:
         router_logits.extend(output.router_logits or ())
-    logits = logits_of(output)
-    logits = logits[:, -completion_length - 1 : -1]  # position t predicts token t + 1
-    if temperature != 1.0:
-        logits = logits / temperature
-    targets = input_ids[:, -completion_length:]
-    if sampling_mask is None:
-        logprobs = selective_log_softmax(logits, targets, dtype=torch.float32)  # upcast chunk by chunk
-    else:
-        replay = SamplingReplay.of(sampling_mask, input_ids, attention_mask, completion_length, logits.shape[-1])
-        logprobs = replayed_logits_logprobs(logits, targets, replay)
-    entropies = None
-    if with_entropy:
-        # The entropy keeps a graph (another softmax over V per token) only when the loss needs its gradient.
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropies = entropy_from_logits(logits)
-    return logprobs, entropies
+    return logits_of(output)[:, -completion_length - 1 : -1]  # position t predicts token t + 1
 
 
 # ------------------------------------------------------------------------------------ keep sampling mask, replayed
@@ -790,12 +842,13 @@ def packed_token_logprobs(
     fp32_head: bool = False,
     row_tokens: int | None = None,
     sampling_mask: SamplingMask | None = None,
+    full_vocabulary: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` through a packed forward (`packing.pack_rows`): the decoder runs only the real tokens, each
     distinct prompt once per segment, with a 4D mask that lets a token see what it sees in the padded forward;
     the chunked head runs on the hidden states that predict real completion tokens. Log-probs and entropies are
     0 on padding, as on the chunked path. row_tokens: `pack_rows`' bound on a packed row (default: PACKED_ROW_WIDTH
-    times the padded row). sampling_mask: as `token_logprobs`'."""
+    times the padded row). sampling_mask, full_vocabulary: as `token_logprobs`'."""
     lm = causal_lm_of(model)
     head, decoder = lm.get_output_embeddings(), decoder_of(lm)
     shape = (input_ids.shape[0], completion_length)

@@ -65,7 +65,11 @@ class SamplingMask:
         return self.map(lambda t: t[..., : max(used, 1)])
 
     def state_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {
+            "kept_ids": self.kept_ids,
+            "repetition_penalty": self.repetition_penalty,
+            "suppressed_ids": self.suppressed_ids,
+        }
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:

@@ -12,12 +12,14 @@ log softmax(logits / temperature), as TRL 1.16 records it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..sampling_mask import PADDING, apply_repetition_penalty, kept_ids_of
 from .engine import SamplingParams
 
-__all__ = ["apply_repetition_penalty", "filter_logits", "is_filtered", "sample_tokens", "truncates"]
+__all__ = ["apply_repetition_penalty", "filter_logits", "filter_logits_as_vllm", "is_filtered", "sample_tokens"]
 
 
 def truncates(params: SamplingParams) -> bool:
@@ -64,6 +66,16 @@ def filter_logits(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         threshold = params.min_p * probs.max(-1, keepdim=True).values
         scores = scores.masked_fill(probs < threshold, float("-inf"))
     return scores
+
+
+def filter_logits_as_vllm(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """`filter_logits` in vLLM's order (its v1 sampler: temperature, then min-p, then top-k and top-p together), which
+    differs from transformers' where min-p and top-p are both set: top-p then sees the min-p survivors."""
+    if params.min_p is not None and params.min_p > 0:
+        probs = (scores / params.temperature).softmax(-1)
+        threshold = params.min_p * probs.max(-1, keepdim=True).values
+        scores = scores.masked_fill(probs < threshold, float("-inf"))
+    return filter_logits(scores, dataclasses.replace(params, min_p=None))
 
 
 def is_filtered(params: SamplingParams, seen: torch.Tensor | None = None) -> bool:
