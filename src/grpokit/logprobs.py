@@ -877,6 +877,7 @@ def packed_token_logprobs(
         with_entropy,
         fp32_head,
         replay,
+        full_vocabulary,
     )
 
 

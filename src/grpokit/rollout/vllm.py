@@ -764,7 +764,7 @@ def rollout_from_completions(prompts: PromptBatch, completions: list, params: Sa
     EOS), float32 sampling log-probs (0 on padding), and the sampling mask where vLLM returned the kept sets."""
     prompt_ids, prompt_mask = prompts.padded(params.pad_token_id)
     n = len(completions)
-    width = max([len(ids) for ids, _, _ in completions] + [1])
+    width = max([len(entry[0]) for entry in completions] + [1])
     completion_ids = torch.full((n, width), params.pad_token_id, dtype=torch.long)
     logprobs = torch.zeros((n, width), dtype=torch.float32)
     lengths = torch.zeros(n, dtype=torch.long)
