@@ -465,51 +465,37 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [N, T] (and entropies [N, T]) of the last T tokens of input_ids [N, P + T] under the model.
 
-    Position ids skip left padding exactly as the rollout's do, so the values match the sampling log-probs.
+    Position ids skip left padding exactly as the rollout's do, so the values match the sampling log-probs. Three
+    paths give the same numbers up to float rounding (tests/test_chunked.py, tests/test_packing.py):
+    - chunked (`chunked=None` picks it where `supports_chunked_head`): the decoder runs, the LM head is applied to
+      the hidden states of real completion tokens in chunks of rows (`chunked_token_logprobs`), so the [N, T, V]
+      logits never exist; rows that repeat a prompt (`share_prompts`) run it once and share its KV cache
+      (`shared_prompt_hidden`). Log-probs and entropies are 0 on padding.
+    - padding_free: the real tokens only, packed (`packed_token_logprobs`), each distinct prompt once per packed
+      segment, no KV cache (so also under gradient checkpointing); a model it cannot run exactly, an entropy with a
+      gradient or router logits raise ValueError (`packing_refusal` says why).
+    - plain: the model's own logits (`completion_logits`). Taken for an entropy with a gradient (`entropy_grad`,
+      an entropy bonus: the chunked entropies are a metric) and for `router_logits` (a list to receive an MoE
+      model's router logits, with their graph, for a load-balancing loss).
 
-    Two paths give the same numbers. The chunked one (`chunked=None` picks it where `supports_chunked_head`) runs
-    the decoder, keeps the T hidden states that predict completion tokens, and computes their log-probs and
-    entropies from the LM head's weight in chunks of rows (`loss.chunked_token_logprobs`), so the [N, T, V] logits
-    never exist in forward or backward. The plain one takes the model's logits (of the T + 1 last positions when
-    the model supports `logits_to_keep`). An entropy that needs a gradient (`entropy_grad`, for an entropy bonus)
-    takes the plain path: the chunked entropies are a metric without one.
-
-    On the chunked path the head runs on real completion tokens only (attention_mask 1; log-probs and entropies
-    are 0 on padding). When rows repeat prompts (a GRPO batch holds G completions per prompt) and `share_prompts`
-    is on, each distinct prompt (the first P tokens, with its padding) runs through the decoder once and its KV
-    cache is shared by its rows, whose completions then run against it in groups of similar length
-    (`shared_prompt_hidden`): (G - 1) / G of the prompt tokens' forward and backward work is saved, the gradient
-    reaches the prompt's activations through the shared cache, and a completion is padded only to the longest in
-    its length group. The values are those of the full forward up to float rounding.
-
-    fp32_head: the LM head (matmul included) in float32 under autocast, on both paths (cast_lm_head_to_fp32).
-    multimodal: the rows' images (a vision-language model): the forward takes the processor's tensors; with shared
-    prompts each distinct prompt's images go through the vision encoder once (rows share a prompt only when they
-    share its images too).
-    router_logits: a list to receive an MoE model's router logits (one [N·(P+T), E] tensor per MoE layer, with
-    their graph), for a load-balancing loss; the plain path is taken then (one forward of the whole sequence).
-    padding_free: run the real tokens only, packed (`packed_hidden`): each distinct prompt once per packed segment,
-    its completions after it, no padding and no KV cache (so also under gradient checkpointing). The same values
-    and gradients as the padded forward up to float rounding (tests/test_packing.py); a model it cannot run
-    exactly, or an entropy with a gradient or router logits, raises ValueError (`packing_refusal` says why).
+    fp32_head: the LM head (matmul included) in float32 under autocast, on every path (cast_lm_head_to_fp32).
+    multimodal: the rows' images (a vision-language model); a shared prompt's images are encoded once.
     sampling_mask: the sampler's kept sets [N, T, K] (`grpokit.sampling_mask`): the log-probs are then those of the
-    distribution the tokens were drawn from, renormalised over each position's kept set with the repetition
-    penalty replayed (`replayed_head_logprobs`); the entropies stay the full vocabulary's. full_vocabulary: a list
-    to receive, with a sampling mask, the full-vocabulary log-probs [N, T] too (with their graph: the KL term's).
+    distribution the tokens were drawn from, renormalised over each kept set with the repetition penalty replayed
+    (`SamplingReplay`); the entropies stay the full vocabulary's. full_vocabulary: a list to receive, with a
+    sampling mask, the full-vocabulary log-probs [N, T] too (with their graph: the KL term's).
     """
+    # What every path takes alike.
+    common = dict(
+        temperature=temperature,
+        with_entropy=with_entropy,
+        fp32_head=fp32_head,
+        sampling_mask=sampling_mask,
+        full_vocabulary=full_vocabulary,
+    )
     if padding_free:
         _check_padding_free_call(model, with_entropy, entropy_grad, router_logits)
-        return packed_token_logprobs(
-            model,
-            input_ids,
-            attention_mask,
-            completion_length,
-            temperature,
-            with_entropy,
-            fp32_head,
-            sampling_mask=sampling_mask,
-            full_vocabulary=full_vocabulary,
-        )
+        return packed_token_logprobs(model, input_ids, attention_mask, completion_length, **common)
     use_chunked = _takes_chunked_head(model, chunked, with_entropy, entropy_grad, router_logits)
     prompt_length = input_ids.shape[1] - completion_length
     position_ids = rope_position_ids(model, input_ids, attention_mask, multimodal, prompt_width=prompt_length)
@@ -520,37 +506,17 @@ def token_logprobs(
             model, input_ids, attention_mask, completion_length, multimodal, share_prompts, position_ids
         )
         head = causal_lm_of(model).get_output_embeddings()
-        replay = None
-        if sampling_mask is not None:
-            vocab_size = head.weight.shape[0]
-            replay = SamplingReplay.of(sampling_mask, input_ids, attention_mask, completion_length, vocab_size)
-        return _head_logprobs(
-            head,
-            hidden,
-            input_ids,
-            rows,
-            columns,
-            completion_length,
-            temperature,
-            with_entropy,
-            fp32_head,
-            replay,
-            full_vocabulary,
-        )
+        return _head_logprobs(head, hidden, rows, columns, input_ids, attention_mask, completion_length, **common)
     return _plain_logprobs(
         model,
         input_ids,
         attention_mask,
         position_ids,
         completion_length,
-        temperature,
-        with_entropy,
         entropy_grad,
         router_logits,
-        fp32_head,
         multimodal,
-        sampling_mask,
-        full_vocabulary,
+        **common,
     )
 
 
@@ -584,20 +550,26 @@ def _takes_chunked_head(model, chunked: bool | None, with_entropy: bool, entropy
 def _head_logprobs(
     head,
     hidden,
-    input_ids,
     rows,
     columns,
+    input_ids,
+    attention_mask,
     completion_length,
+    *,
     temperature,
     with_entropy,
     fp32_head,
-    replay,
+    sampling_mask=None,
     full_vocabulary=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunked head on the hidden states [M, H] that predict completion tokens (rows[m], columns[m]): log-probs
-    and entropies scattered to [N, T] (0 on padding). With a replay, the log-probs are the kept sets'; the chunked
-    head runs for the entropies (without a gradient) and for the full-vocabulary log-probs `full_vocabulary` asks
-    for (appended, with their gradient)."""
+    and entropies scattered to [N, T] (0 on padding). With a sampling mask the log-probs are the kept sets'
+    (`replayed_head_logprobs`); the chunked head then runs for the entropies (without a gradient) and for the
+    full-vocabulary log-probs `full_vocabulary` asks for (appended, with their gradient)."""
+    replay = None
+    if sampling_mask is not None:
+        vocab_size = head.weight.shape[0]
+        replay = SamplingReplay.of(sampling_mask, input_ids, attention_mask, completion_length, vocab_size)
     targets = input_ids[:, -completion_length:][rows, columns]
     shape = (input_ids.shape[0], completion_length)
     entropies = None
@@ -632,13 +604,14 @@ def _plain_logprobs(
     attention_mask,
     position_ids,
     completion_length,
-    temperature,
-    with_entropy,
     entropy_grad,
     router_logits,
-    fp32_head,
     multimodal,
-    sampling_mask,
+    *,
+    temperature,
+    with_entropy,
+    fp32_head,
+    sampling_mask=None,
     full_vocabulary=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs`' plain path: the model's own forward, and log-probs of its logits (of the kept sets with a
@@ -862,22 +835,19 @@ def packed_token_logprobs(
     mask = packed.attention_mask(lm.config._attn_implementation, decoder.get_input_embeddings().weight.dtype)
     out = decoder(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids, use_cache=False)
     hidden = _last_hidden(out).flatten(0, 1)[packed.hidden_index]  # [K, H]
-    replay = None
-    if sampling_mask is not None:
-        vocab_size = head.weight.shape[0]
-        replay = SamplingReplay.of(sampling_mask, input_ids, attention_mask, completion_length, vocab_size)
     return _head_logprobs(
         head,
         hidden,
-        input_ids,
         packed.rows,
         packed.columns,
+        input_ids,
+        attention_mask,
         completion_length,
-        temperature,
-        with_entropy,
-        fp32_head,
-        replay,
-        full_vocabulary,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        fp32_head=fp32_head,
+        sampling_mask=sampling_mask,
+        full_vocabulary=full_vocabulary,
     )
 
 

@@ -653,10 +653,7 @@ def sample(
         request_seeds = prompt_seeds(seed, len(prompt_ids))
     requests, options = [], []
     bias = {int(t): -100.0 for t in params.suppress_token_ids} or None
-    top_k = params.top_k
-    if params.keep_sampling_mask and truncates(params) and vocab_size is not None:
-        # truncation bounded by an implicit top-k (`sampling.kept_set_bound`; vLLM's sampling mask needs a top-k)
-        top_k = min(top_k or vocab_size, params.sampling_mask_max_tokens)
+    top_k = bounded_top_k(params, vocab_size)
     for index, (ids, count) in enumerate(zip(prompt_ids, counts)):
         prompt_images = images[index] if images is not None else None
         requests.append(
@@ -690,22 +687,24 @@ def sample(
                 f"\n  vLLM:      {list(out.prompt_token_ids)}\nSample this model with the in-process "
                 f"engine (use_vllm=False)."
             )
-    return [
-        (
-            list(c.token_ids),
-            [step[token].logprob for step, token in zip(c.logprobs, c.token_ids)],
-            c.finish_reason,
-            kept_sets_of(c),
-        )
-        for out in outputs
-        for c in out.outputs
-    ]
+    return [completion_entry(c) for out in outputs for c in out.outputs]
 
 
-def kept_sets_of(completion) -> list[list[int]] | None:
-    """vLLM's kept set of each sampled token (`CompletionOutput.sampling_mask`, with return_sampling_mask), or None."""
+def bounded_top_k(params: SamplingParams, vocab_size: int | None) -> int | None:
+    """The top-k vLLM samples with: the user's, and with keep_sampling_mask under truncation at most
+    sampling_mask_max_tokens (`sampling.kept_set_bound`; vLLM's sampling mask needs a top-k)."""
+    if params.keep_sampling_mask and truncates(params) and vocab_size is not None:
+        return min(params.top_k or vocab_size, params.sampling_mask_max_tokens)
+    return params.top_k
+
+
+def completion_entry(completion) -> tuple:
+    """One vLLM completion as (token ids, their log-probs, finish reason, each token's kept set or None): the kept
+    sets are vLLM's `CompletionOutput.sampling_mask`, present with return_sampling_mask."""
+    logprobs = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
     mask = getattr(completion, "sampling_mask", None)
-    return None if mask is None else [list(map(int, kept)) for kept in mask.token_ids]
+    kept = None if mask is None else [list(map(int, row)) for row in mask.token_ids]
+    return list(completion.token_ids), logprobs, completion.finish_reason, kept
 
 
 def multimodal_options(multimodal: bool, given: dict) -> dict:
