@@ -706,12 +706,16 @@ class SamplingReplay:
         return replayed_token_logprobs(logits, targets, kept, seen, mask.repetition_penalty, mask.suppressed_ids)
 
 
-def _replayed_in_chunks(logits_of, sources, targets, replay: SamplingReplay, rows, columns) -> torch.Tensor:
+def _replayed_in_chunks(
+    logits_of, sources, targets, replay: SamplingReplay, rows, columns, chunk_rows: int | None = None
+) -> torch.Tensor:
     """Kept-set log-probs [M] of targets [M] at (rows, columns), `logits_of(sources[chunk])` giving a chunk's
-    logits / temperature [c, V], a chunk at a time. Under autograd each chunk is checkpointed (recomputed in the
-    backward), so that no [c, V] tensor outlives its chunk."""
-    budget = CHUNK_ELEMENTS.get(sources.device.type, CHUNK_ELEMENTS["default"])
-    chunk_rows = max(1, budget // replay.vocab_size)
+    logits / temperature [c, V], `chunk_rows` rows at a time (default: the device's element budget over V). Under
+    autograd each chunk is checkpointed (recomputed in the backward), so that no [c, V] tensor outlives its
+    chunk."""
+    if chunk_rows is None:
+        budget = CHUNK_ELEMENTS.get(sources.device.type, CHUNK_ELEMENTS["default"])
+        chunk_rows = max(1, budget // replay.vocab_size)
 
     def one_chunk(source, target, row, column):
         return replay.logprobs(logits_of(source), target, row, column)
@@ -743,7 +747,9 @@ def replayed_head_logprobs(
                 logits = logits + bias.to(compute_dtype)
             return logits.to(_softmax_dtype(compute_dtype)) / temperature
 
-    return _replayed_in_chunks(logits_of, hidden, targets, replay, rows, columns)
+    # As the chunked head's: at least MIN_CHUNK_ROWS rows where the head's weight gets a gradient
+    chunk_rows = default_chunk_rows(weight, bias)
+    return _replayed_in_chunks(logits_of, hidden, targets, replay, rows, columns, chunk_rows)
 
 
 def replayed_logits_logprobs(logits: torch.Tensor, targets: torch.Tensor, replay: SamplingReplay) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """The in-process engine: a batched, KV-cached decode loop over the policy being trained.
 
-Why our own loop rather than `model.generate`: we record the policy's log-prob of every sampled token (so that with
-μ > 1 in float32 the first pass's old log-probs need no extra forward), we compute each prompt's prefix once per
-group and share its KV cache across its rows, and we drop finished rows from the batch. Token draws are in
-`sampling.py`, the fast paths (preallocated cache, one-token attention on CPU) in `fast.py`.
+Why our own loop rather than `model.generate`: we record the log-prob of every sampled token under the distribution
+it was drawn from, with its kept set under truncation (`grpokit.sampling_mask`; so that with μ > 1 in float32 the
+first pass's old log-probs need no extra forward), we compute each prompt's prefix once per group and share its KV
+cache across its rows, and we drop finished rows from the batch. Token draws are in `sampling.py`, the fast paths
+(preallocated cache, one-token attention on CPU) in `fast.py`.
 """
 
 from __future__ import annotations
