@@ -498,6 +498,7 @@ def test_rows_without_images_mix_with_rows_with_images(model_type):
     completion = rollout.completion_ids[0, : rollout.lengths[0]]
     with torch.no_grad():
         logits = model(input_ids=torch.cat([torch.tensor(prompts.ids[0]), completion])[None]).logits[0]
+    logits = logits.index_fill(-1, suppressed_ids(rollout), float("-inf"))  # never sampled
     expected = logits[-len(completion) - 1 : -1].log_softmax(-1).gather(-1, completion[:, None]).squeeze(-1)
     torch.testing.assert_close(logprobs[0, : len(completion)], expected, atol=LOGPROB_ATOL, rtol=0)
 
