@@ -236,3 +236,38 @@ def test_kept_sets_returned_by_vllm_become_the_rollouts_sampling_mask():
     ]
     # Without kept sets (a server that returned none): no mask, the trainer replays the truncation.
     assert rollout_from_completions(prompts, [c[:3] for c in completions], params).sampling_mask is None
+
+
+def test_multi_turn_transcripts_carry_each_turns_kept_sets(model, tokenizer):
+    # Two turns sampled by the engine with a tool's tokens between them (an OpenAI-style harness's calls, stitched
+    # into one transcript): the transcript's rollout holds each sampled token's kept set, whole-vocabulary rows for
+    # the inserted tokens, and the training forward over it gives the engine's log-probs.
+    from grpokit.agents.loop import transcripts_rollout
+    from grpokit.integrations.endpoint import Call, stitch
+    from grpokit.rollout import HFEngine
+
+    engine, params = HFEngine(model), rollout_of(model, tokenizer, top_k=6, repetition_penalty=1.3)[1]
+    prompt = tokenizer("1+1=")["input_ids"]
+    calls, context = [], list(prompt)
+    for turn in range(2):
+        out = engine.generate(PromptBatch(ids=[context], counts=[1], raw=[None]), params, seed=turn)
+        ids = out.completion_id_lists()[0]
+        mask = out.sampling_mask
+        call = Call(list(context), ids, out.sampling_logprobs[0, : len(ids)].tolist(), 0, False)
+        call.kept = [[int(v) for v in row if v >= 0] for row in mask.kept_ids[0, : len(ids)].tolist()]
+        call.mask_settings = (mask.repetition_penalty, mask.suppressed_ids)
+        calls.append(call)
+        context = context + ids + tokenizer("ok")["input_ids"]  # the tool's answer, inserted
+    transcript, breaks = stitch(prompt, calls, max_completion_length=64)
+    assert breaks == 0 and 0 in transcript.trained
+    rollout = transcripts_rollout([transcript], tokenizer.pad_token_id, {})
+    kept = rollout.sampling_mask.kept_ids[0]
+    trained = torch.tensor(transcript.trained).bool()
+    assert (kept[trained, 0] >= 0).all() and (kept[~trained] == PADDING).all()
+    batch = batch_of(rollout)
+    with torch.no_grad():
+        logprobs, _ = token_logprobs(
+            model, batch.input_ids, batch.input_mask, batch.completion_ids.shape[1], params.temperature,
+            sampling_mask=batch.sampling_mask,
+        )  # fmt: skip
+    torch.testing.assert_close(logprobs[0, trained], rollout.sampling_logprobs[0, trained], rtol=0, atol=ATOL)
