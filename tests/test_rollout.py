@@ -54,7 +54,8 @@ def grouped(prompts, tokenizer, num_generations):
     return batch.padded(tokenizer.pad_token_id)
 
 
-def training_logprobs(model, rollout, temperature):
+def training_logprobs(model, rollout, temperature, chunked=None):
+    """The training forward's log-probs of the rollout's tokens, renormalised over its sampling mask where it has one."""
     with torch.no_grad():
         logprobs, _ = token_logprobs(
             model,
@@ -62,6 +63,8 @@ def training_logprobs(model, rollout, temperature):
             torch.cat([rollout.prompt_mask, rollout.attention_mask], 1),
             rollout.completion_ids.shape[1],
             temperature,
+            chunked=chunked,
+            sampling_mask=rollout.sampling_mask,
         )
     return logprobs
 
@@ -94,8 +97,8 @@ def test_sampling_logprobs_equal_training_forward(model, tokenizer, prompts, tem
     completion_mask = rollout.attention_mask.bool()
     assert completion_mask.sum() >= 2 * len(prompts)  # something was sampled for every row
 
-    # The training forward knows nothing of top-k / top-p / the penalty, so equality also shows that the recorded
-    # value is the policy's log-prob and not the filtered distribution's.
+    # With filters the engine records each token's kept set, and the training forward renormalises over it.
+    assert (rollout.sampling_mask is not None) == bool(filters)
     expected = training_logprobs(model, rollout, temperature)
     diff = (rollout.sampling_logprobs - expected).abs()[completion_mask]
     assert diff.max() <= LOGPROB_ATOL, f"max |sampling - training| log-prob = {diff.max():.2e}"
@@ -361,7 +364,7 @@ def test_repetition_penalty_on_hand_values():
 def test_inverse_cdf_picks_tokens_by_uniform():
     # CDF of PROBS: 0.5, 0.8, 0.95, 1.0.
     uniforms = torch.tensor([0.0, 0.1, 0.49, 0.51, 0.79, 0.81, 0.94, 0.96, 0.999])
-    tokens, logprobs = sample_tokens(LOGITS.expand(len(uniforms), -1), uniforms, SamplingParams(1))
+    tokens, logprobs, _ = sample_tokens(LOGITS.expand(len(uniforms), -1), uniforms, SamplingParams(1))
     assert tokens.tolist() == [0, 0, 0, 1, 1, 2, 2, 3, 3]
     expected = torch.tensor([math.log(PROBS[t]) for t in tokens.tolist()])
     assert torch.allclose(logprobs, expected, atol=1e-6)
@@ -371,23 +374,57 @@ def test_filtered_tokens_are_never_drawn_even_at_the_edges():
     # top_k = 1 keeps only token 2; uniforms at both ends of [0, 1) must still land on it.
     logits = torch.tensor([[0.0, 1.0, 3.0, 2.0]])
     uniforms = torch.tensor([0.0, 1e-9, 0.5, 1 - 2**-24])
-    tokens, _ = sample_tokens(logits.expand(4, -1), uniforms, SamplingParams(1, top_k=1))
+    tokens, _, _ = sample_tokens(logits.expand(4, -1), uniforms, SamplingParams(1, top_k=1))
     assert tokens.tolist() == [2, 2, 2, 2]
 
 
-def test_sampled_logprob_is_the_policy_not_the_filtered_distribution():
+def test_without_the_sampling_mask_the_sampled_logprob_is_the_policy_not_the_filtered_distribution():
     logits = torch.tensor([[1.0, 0.5, -0.3, 2.0]])
     temperature = 0.7
-    params = SamplingParams(1, temperature=temperature, top_k=2, repetition_penalty=1.5)
+    params = SamplingParams(1, temperature=temperature, top_k=2, repetition_penalty=1.5, keep_sampling_mask=False)
     seen = torch.tensor([[False, False, False, True]])
     uniforms = torch.tensor([0.0, 0.99])
-    tokens, logprobs = sample_tokens(logits.expand(2, -1), uniforms, params, seen.expand(2, -1))
+    tokens, logprobs, _ = sample_tokens(logits.expand(2, -1), uniforms, params, seen.expand(2, -1))
     # After the penalty token 3's logit is 2/1.5 = 1.333, still one of the top 2 (with token 0): both are drawn.
     assert tokens.tolist() == [0, 3]
     scaled = [v / temperature for v in logits[0].tolist()]
     log_total = math.log(sum(math.exp(v) for v in scaled))
     expected = [scaled[t] - log_total for t in tokens.tolist()]  # unfiltered, unpenalised softmax(logits / T)
     assert torch.allclose(logprobs, torch.tensor(expected), atol=1e-6)
+
+
+def test_with_the_sampling_mask_the_sampled_logprob_is_the_filtered_distribution():
+    # The same draw as above: the kept set is {0, 3} (token 3 penalised to 2 / 1.5), and the log-probs are the
+    # softmax over those two of the penalised logits / T, by hand.
+    logits = torch.tensor([[1.0, 0.5, -0.3, 2.0]])
+    params = SamplingParams(1, temperature=0.7, top_k=2, repetition_penalty=1.5)
+    seen = torch.tensor([[False, False, False, True]])
+    tokens, logprobs, kept = sample_tokens(logits.expand(2, -1), torch.tensor([0.0, 0.99]), params, seen.expand(2, -1))
+    assert tokens.tolist() == [0, 3]
+    assert kept.tolist() == [[3, 0], [3, 0]]  # most likely first: 2 / 1.5 / 0.7 = 1.905 > 1 / 0.7 = 1.429
+    scaled = {0: 1.0 / 0.7, 3: 2.0 / 1.5 / 0.7}
+    log_total = math.log(math.exp(scaled[0]) + math.exp(scaled[3]))
+    expected = [scaled[0] - log_total, scaled[3] - log_total]
+    assert torch.allclose(logprobs, torch.tensor(expected), atol=1e-6)
+
+
+def test_the_kept_set_is_bounded_by_sampling_mask_max_tokens():
+    # top_p = 0.99 on a flat distribution keeps almost every token; the bound makes it an implicit top-3 (exactly 3
+    # even with ties at the third), and only those 3 are ever drawn.
+    logits = torch.zeros(1, 10).expand(200, -1)
+    params = SamplingParams(1, top_p=0.99, sampling_mask_max_tokens=3)
+    tokens, logprobs, kept = sample_tokens(logits, torch.rand(200, generator=seeded(5)), params)
+    assert kept.shape == (200, 3) and set(tokens.tolist()) <= set(kept[0].tolist())
+    assert (kept == kept[:1]).all()
+    torch.testing.assert_close(logprobs, torch.full((200,), -math.log(3)), atol=1e-6, rtol=0)
+    # Without the mask the same parameters keep all 10 (TRL's sampling) and report the policy's log-prob.
+    tokens, logprobs, kept = sample_tokens(
+        logits,
+        torch.rand(200, generator=seeded(5)),
+        SamplingParams(1, top_p=0.99, sampling_mask_max_tokens=3, keep_sampling_mask=False),
+    )
+    assert kept is None and len(set(tokens.tolist())) > 3
+    torch.testing.assert_close(logprobs, torch.full((200,), -math.log(10)), atol=1e-6, rtol=0)
 
 
 def softmax(values: list[float]) -> list[float]:
@@ -407,8 +444,8 @@ def test_empirical_frequencies_match_softmax(top_k):
         expected[i] = p
 
     uniforms = torch.rand(draws, generator=seeded(1234))
-    params = SamplingParams(1, temperature=temperature, top_k=top_k)
-    tokens, logprobs = sample_tokens(torch.tensor([logits]).expand(draws, -1), uniforms, params)
+    params = SamplingParams(1, temperature=temperature, top_k=top_k, keep_sampling_mask=False)
+    tokens, logprobs, _ = sample_tokens(torch.tensor([logits]).expand(draws, -1), uniforms, params)
     counts = torch.bincount(tokens, minlength=len(logits)).tolist()
     for token, (count, p) in enumerate(zip(counts, expected)):
         if p == 0:
@@ -439,7 +476,8 @@ class TinyGRULM(torch.nn.Module):
 
 def naive_sample(model, ids, params, generator):
     """The straightforward loop: full forward each step, CTRL penalty on every token so far, inverse CDF on
-    softmax(scores / T), no early exit. Log-probs are the unpenalised policy's."""
+    softmax(scores / T), no early exit. Log-probs are those of that distribution (keep_sampling_mask), or the
+    unpenalised policy's without it."""
     completion, logprobs = [], []
     for _ in range(params.max_new_tokens):
         uniforms = torch.rand(len(ids), generator=generator)
@@ -451,20 +489,27 @@ def naive_sample(model, ids, params, generator):
         cdf = (scores / params.temperature).softmax(-1).cumsum(-1)
         tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(-1)
         completion.append(tokens)
-        logprobs.append((logits / params.temperature).log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1))
+        recorded = scores if params.keep_sampling_mask else logits
+        logprobs.append((recorded / params.temperature).log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1))
         ids = torch.cat([ids, tokens[:, None]], 1)
     return torch.stack(completion, 1), torch.stack(logprobs, 1)
 
 
+@pytest.mark.parametrize("keep_sampling_mask", [True, False])
 @pytest.mark.parametrize("repetition_penalty", [1.0, 3.0])
-def test_plain_module_generates_through_the_full_forward_path(repetition_penalty):
+def test_plain_module_generates_through_the_full_forward_path(repetition_penalty, keep_sampling_mask):
     torch.manual_seed(0)
     model = TinyGRULM().eval()
     assert not supports_kv_cache(model)
     prompt_ids = torch.tensor([[3, 4, 5], [3, 4, 5], [7, 8, 2], [7, 8, 2]])  # 2 prompts x G = 2, equal lengths
     prompt_mask = torch.ones_like(prompt_ids)
     params = SamplingParams(
-        max_new_tokens=10, temperature=0.9, repetition_penalty=repetition_penalty, eos_token_ids=(1,), pad_token_id=0
+        max_new_tokens=10,
+        temperature=0.9,
+        repetition_penalty=repetition_penalty,
+        eos_token_ids=(1,),
+        pad_token_id=0,
+        keep_sampling_mask=keep_sampling_mask,
     )
 
     rollout = generate(model, prompt_ids, prompt_mask, params, generator=seeded(7), num_generations=2)
@@ -478,7 +523,8 @@ def test_plain_module_generates_through_the_full_forward_path(repetition_penalty
         assert length == first_eos, row
         assert rollout.completion_ids[row, :length].tolist() == expected[:length], row
         assert torch.allclose(rollout.sampling_logprobs[row, :length], naive_logprobs[row, :length], atol=LOGPROB_ATOL)
-    # The training forward of a plain module (no mask) gives the same log-probs.
+    # The training forward of a plain module gives the same log-probs (the penalty replayed from the sequence).
+    assert (rollout.sampling_mask is not None) == (keep_sampling_mask and repetition_penalty != 1.0)
     expected = training_logprobs(model, rollout, params.temperature)
     mask = rollout.attention_mask.bool()
     assert (rollout.sampling_logprobs - expected).abs()[mask].max() <= LOGPROB_ATOL
@@ -505,7 +551,7 @@ def test_unfiltered_sampling_matches_the_general_path(temperature):
     uniforms = torch.rand(512, generator=generator)
     uniforms[:2] = torch.tensor([0.0, 1 - 2**-24])
     tokens, logprobs = _sample_unfiltered(logits, uniforms, temperature)
-    expected_tokens, expected_logprobs = _sample_filtered(logits, uniforms, params)
+    expected_tokens, expected_logprobs, _ = _sample_filtered(logits, uniforms, params)
     assert tokens.tolist() == expected_tokens.tolist()
     torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-5, rtol=0)
     assert (logits / temperature).softmax(-1).gather(-1, tokens[:, None]).min() > 0
@@ -515,7 +561,7 @@ def test_unfiltered_sampling_never_draws_an_underflowed_token_at_the_edge():
     # Tokens 2 and 3 have probability exp(-1000) = 0 in float32; u -> 1 must still land on token 1.
     logits = torch.tensor([[0.0, 0.0, -1000.0, -1000.0]]).expand(3, -1)
     uniforms = torch.tensor([0.0, 0.75, 1 - 2**-24])
-    tokens, logprobs = sample_tokens(logits, uniforms, SamplingParams(1))
+    tokens, logprobs, _ = sample_tokens(logits, uniforms, SamplingParams(1))
     assert tokens.tolist() == [0, 1, 1]
     torch.testing.assert_close(logprobs, torch.full((3,), -math.log(2)), atol=1e-6, rtol=0)
 

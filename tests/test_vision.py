@@ -52,11 +52,18 @@ def sample(model, processor, rows, generations: int = 3, max_new_tokens: int = 5
 
 
 def training_forward(model, rollout, **options):
+    """The training forward's log-probs of the rollout's tokens, renormalised over its sampling mask (the image token
+    is suppressed when sampling: the distribution drawn from is the rest of the vocabulary)."""
     ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
     mask = torch.cat([rollout.prompt_mask, rollout.attention_mask], 1)
-    return token_logprobs(model, ids, mask, rollout.completion_ids.shape[1], multimodal=rollout.multimodal, **options)[
-        0
-    ]
+    options = {"multimodal": rollout.multimodal, "sampling_mask": rollout.sampling_mask, **options}
+    return token_logprobs(model, ids, mask, rollout.completion_ids.shape[1], **options)[0]
+
+
+def suppressed_ids(rollout) -> torch.Tensor:
+    """The tokens the rollout was sampled without (the image token), as an index."""
+    mask = rollout.sampling_mask
+    return torch.tensor(() if mask is None else mask.suppressed_ids, dtype=torch.long)
 
 
 @pytest.mark.parametrize("model_type", VLM_TYPES)
@@ -92,6 +99,7 @@ def test_training_forward_equals_model_forward_and_sees_the_image(model_type):
             extra["token_type_ids"] = torch.cat([extra["token_type_ids"], torch.zeros_like(completion)[None]], 1)
         with torch.no_grad():
             logits = model(input_ids=ids, **extra).logits[0, -len(completion) - 1 : -1]
+        logits = logits.index_fill(-1, suppressed_ids(rollout), float("-inf"))  # never sampled
         expected = logits.log_softmax(-1).gather(-1, completion[:, None]).squeeze(-1)
         torch.testing.assert_close(logprobs[row, : len(completion)], expected, atol=LOGPROB_ATOL, rtol=0)
 
@@ -391,6 +399,7 @@ def test_qwen_vl_positions_sampling_and_training_forward(model_type):
         extra["mm_token_type_ids"] = torch.cat([extra["mm_token_type_ids"], torch.zeros_like(completion)[None]], 1)
         with torch.no_grad():
             logits = model(input_ids=ids, **extra).logits[0, -len(completion) - 1 : -1]
+        logits = logits.index_fill(-1, suppressed_ids(rollout), float("-inf"))  # never sampled
         expected = logits.log_softmax(-1).gather(-1, completion[:, None]).squeeze(-1)
         torch.testing.assert_close(logprobs[row, : len(completion)], expected, atol=LOGPROB_ATOL, rtol=0)
 
@@ -489,6 +498,7 @@ def test_rows_without_images_mix_with_rows_with_images(model_type):
     completion = rollout.completion_ids[0, : rollout.lengths[0]]
     with torch.no_grad():
         logits = model(input_ids=torch.cat([torch.tensor(prompts.ids[0]), completion])[None]).logits[0]
+    logits = logits.index_fill(-1, suppressed_ids(rollout), float("-inf"))  # never sampled
     expected = logits[-len(completion) - 1 : -1].log_softmax(-1).gather(-1, completion[:, None]).squeeze(-1)
     torch.testing.assert_close(logprobs[0, : len(completion)], expected, atol=LOGPROB_ATOL, rtol=0)
 

@@ -634,3 +634,32 @@ def test_an_openai_sdk_agent_is_served_by_vllm_through_the_endpoint(tmp_path):
     gap = (training - rollout.sampling_logprobs)[trained].abs().max().item()
     assert gap <= TOLERANCE, gap
     assert (rollout.sampling_logprobs[inserted] == 0).all()
+
+
+@pytest.mark.parametrize("keep_sampling_mask", [True, False])
+def test_with_top_p_the_importance_ratio_at_staleness_zero_is_one(tmp_path, keep_sampling_mask):
+    # vLLM's log-probs with top_p = 0.8 are normalised over the tokens that survived truncation. With the sampling
+    # mask (vLLM's own on GPU; on CPU the truncation replayed on π_old's logits) π_old is renormalised over the same
+    # sets and the ratio π_old / π_vLLM of an unchanged policy is 1; with keep_sampling_mask=False (TRL 1.16's
+    # full-vocabulary log-probs) it is the kept mass, ~0.8 on this near-uniform tiny model.
+    model, tokenizer = tiny()
+    args = letter_config(
+        tmp_path,
+        max_steps=2,
+        use_vllm=True,
+        top_p=0.8,
+        max_completion_length=4,
+        keep_sampling_mask=keep_sampling_mask,
+        vllm_importance_sampling_mode="token_truncate",
+    )
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset(), processing_class=tokenizer
+    )
+    trainer.train()
+    ratios = [r["sampling/importance_sampling_ratio/mean"] for r in trainer.state.log_history[:-1]]
+    print("mean importance ratios", ratios)
+    assert len(ratios) == 2
+    if keep_sampling_mask:
+        assert all(0.99 <= ratio <= 1.01 for ratio in ratios), ratios
+    else:
+        assert all(ratio < 0.95 for ratio in ratios), ratios

@@ -14,6 +14,7 @@ import torch
 
 from .multimodal import MultimodalInputs
 from .rollout import Rollout
+from .sampling_mask import SamplingMask
 
 
 @dataclass
@@ -94,6 +95,9 @@ class TrainBatch:
     # [N, T] or [N, 1] the correction π_old / π_sampler for an engine that samples from other kernels (vLLM:
     # `loss.sampling_correction`), None when not asked for
     sampling_ratio: torch.Tensor | None = None
+    # The sampler's kept sets (kept_ids [N, T, K]): π_θ and π_old are renormalised over them (keep_sampling_mask);
+    # None where the sampling log-probs are the policy's full-vocabulary ones.
+    sampling_mask: SamplingMask | None = None
 
     @classmethod
     def from_rollout(
@@ -111,6 +115,7 @@ class TrainBatch:
             per_token(advantages, rollout.completion_ids),
             sampling_logprobs=rollout.sampling_logprobs,
             multimodal=rollout.multimodal,
+            sampling_mask=rollout.sampling_mask,
         )
 
     @classmethod
@@ -163,13 +168,16 @@ class TrainBatch:
         return self.completion_ids.shape[0]
 
     def _map(self, fn, multimodal_fn=lambda m: m) -> TrainBatch:
-        """fn applied to every tensor field, multimodal_fn to the images (selected by row, not sliced by column)."""
+        """fn applied to every tensor field (the sampling mask's kept ids included), multimodal_fn to the images
+        (selected by row, not sliced by column)."""
         return TrainBatch(
             **{
                 f.name: None
                 if (value := getattr(self, f.name)) is None
                 else multimodal_fn(value)
                 if f.name == "multimodal"
+                else value.map(fn)
+                if f.name == "sampling_mask"
                 else fn(value)
                 for f in dataclasses.fields(self)
             }
@@ -192,7 +200,7 @@ class TrainBatch:
         """Without the completion columns past the longest real completion (padding shared by every row)."""
         width = int(self.lengths.max().clamp(min=1)) if len(self) else 1
         return self._map(
-            lambda t: t[:, :width] if t.dim() == 2 and t is not self.prompt_ids and t is not self.prompt_mask else t
+            lambda t: t[:, :width] if t.dim() >= 2 and t is not self.prompt_ids and t is not self.prompt_mask else t
         )
 
     @property
@@ -207,6 +215,8 @@ class TrainBatch:
         state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if self.multimodal is not None:
             state["multimodal"] = self.multimodal.state_dict()
+        if self.sampling_mask is not None:
+            state["sampling_mask"] = self.sampling_mask.state_dict()
         return state
 
     @classmethod
@@ -214,6 +224,8 @@ class TrainBatch:
         state = dict(state)
         if state.get("multimodal") is not None:
             state["multimodal"] = MultimodalInputs.from_state_dict(state["multimodal"])
+        if state.get("sampling_mask") is not None:
+            state["sampling_mask"] = SamplingMask(**state["sampling_mask"])
         return cls(**state)
 
 

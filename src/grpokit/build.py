@@ -532,6 +532,8 @@ def build_runner(
         top_k=args.top_k,
         min_p=args.min_p,
         repetition_penalty=args.repetition_penalty,
+        keep_sampling_mask=args.keep_sampling_mask,
+        sampling_mask_max_tokens=args.sampling_mask_max_tokens,
     )
     return RolloutRunner(engine, codec, params, accelerator.device, driver=driver, host=host)
 

@@ -412,6 +412,18 @@ class GRPOConfig:
     top_k: int | None = _f(0, "Keep only the k most likely tokens (None or 0: all).")
     min_p: float | None = _f(None, "Drop tokens less likely than min_p times the most likely one.")
     repetition_penalty: float = _f(1.0, "CTRL repetition penalty on tokens already in the prompt/completion.")
+    keep_sampling_mask: bool = _f(
+        True,
+        "With top_p, top_k, min_p, a repetition penalty or suppressed tokens: the sampler's log-probs are those of the "
+        "distribution it drew from, and π_θ and π_old are renormalised over each token's kept set (DeepSeek-V3.2's "
+        "keep sampling mask), so that an unchanged policy has importance ratio 1. False: TRL 1.16's full-vocabulary "
+        "log-probs (every ratio then carries the kept probability mass).",
+    )
+    sampling_mask_max_tokens: int = _f(
+        512,
+        "With keep_sampling_mask and truncation (top_p < 1, top_k or min_p), the sampler keeps at most this many "
+        "tokens per step (an implicit top-k; it bounds the kept sets recorded with each token).",
+    )
     chat_template_kwargs: dict | str | None = _f(None, "Extra arguments of tokenizer.apply_chat_template.")
 
     # ---- the objective
@@ -1676,6 +1688,11 @@ def _check_sampling(config: GRPOConfig) -> None:
         raise ValueError(f"min_p={config.min_p} must be in [0, 1].")
     if config.repetition_penalty <= 0:
         raise ValueError(f"repetition_penalty={config.repetition_penalty} must be > 0 (1.0 disables it).")
+    if config.sampling_mask_max_tokens < 1:
+        raise ValueError(
+            f"sampling_mask_max_tokens={config.sampling_mask_max_tokens} must be >= 1 (the largest kept set recorded "
+            f"per token; 512 by default)."
+        )
 
 
 def _check_vllm(config: GRPOConfig) -> None:

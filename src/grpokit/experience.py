@@ -44,6 +44,7 @@ from .rewards.base import RewardFunctionError
 from .rewards.scorer import RewardScorer
 from .rollout import EVAL_SEED_OFFSET, DecodedRollout, RolloutRunner, group_counts, rollout_seed
 from .signals import duplicate_ratio, sequence_keys
+from .truncation_replay import needs_replay, replayed_sampling_mask
 
 
 @dataclass
@@ -68,9 +69,11 @@ def trains_on_policy(args: GRPOConfig) -> bool:
 
 
 @torch.no_grad()
-def logprobs_in_chunks(model, batch: TrainBatch, args: GRPOConfig, autocast) -> torch.Tensor:
+def logprobs_in_chunks(model, batch: TrainBatch, args: GRPOConfig, autocast, replay_mask: bool = True) -> torch.Tensor:
     """Log-probs [N, T] of batch's completions under model (π_old, π_ref, or the policy in evaluation),
-    per_device_train_batch_size rows at a time, under `autocast` (the accelerator's)."""
+    per_device_train_batch_size rows at a time, under `autocast` (the accelerator's). replay_mask: renormalised over
+    the batch's sampling mask where it has one (π_old, as π_θ is); False for the reference, whose KL term is the
+    full vocabulary's."""
     out = []
     for part in batch.split(args.per_device_train_batch_size):
         with autocast():
@@ -83,6 +86,7 @@ def logprobs_in_chunks(model, batch: TrainBatch, args: GRPOConfig, autocast) -> 
                 fp32_head=args.cast_lm_head_to_fp32,
                 multimodal=part.multimodal,
                 padding_free=args.padding_free,
+                sampling_mask=part.sampling_mask if replay_mask else None,
             )
         out.append(logprobs.float())
     return torch.cat(out)
@@ -339,6 +343,11 @@ class ExperienceMaker:
                 "returned none. Its rollouts cannot be trained asynchronously; set max_staleness=None "
                 "or 0."
             )
+        if args.use_vllm and not streamed and sampling_logprobs is not None:
+            params = self.runner.params
+            if needs_replay(batch, params):  # vLLM's log-probs are of its kept sets, which it did not return
+                rows = args.per_device_train_batch_size
+                batch.sampling_mask = replayed_sampling_mask(self.policy(), batch, params, rows, acc.autocast)
         if streamed:
             batch.old_logprobs = sampling_logprobs
         elif not trains_on_policy(args) or corrected or self.off_policy or reward_kl:
@@ -366,11 +375,16 @@ class ExperienceMaker:
             metrics = reduce_extremes(acc, stats)
         if args.beta > 0:
             with reference_policy(self.policy(), self.reference) as reference:
-                ref_logprobs = logprobs_in_chunks(reference, batch, args, acc.autocast)
+                # The KL to the reference stays on the full vocabulary: it regularises the policy, not the sampler,
+                # and the reference never sampled from the kept sets (docs/guides/objectives.md).
+                ref_logprobs = logprobs_in_chunks(reference, batch, args, acc.autocast, replay_mask=False)
             if not reward_kl:
                 batch.ref_logprobs = ref_logprobs
                 return metrics, None
-            kl = sequence_kl(batch.old_logprobs, ref_logprobs, batch.loss_mask)
+            old_logprobs = batch.old_logprobs
+            if batch.sampling_mask is not None:  # the KL to the reference is the full vocabulary's (as the loss's)
+                old_logprobs = logprobs_in_chunks(self.policy(), batch, args, acc.autocast, replay_mask=False)
+            kl = sequence_kl(old_logprobs, ref_logprobs, batch.loss_mask)
             # TRL RLOO's `kl`: the mean per-token log-ratio over every process's loss tokens
             totals = acc.reduce(torch.stack([kl.sum(), batch.loss_mask.sum()]).double().to(acc.device), "sum")
             metrics["kl"] = (totals[0] / totals[1].clamp(min=1.0)).item()
@@ -389,7 +403,7 @@ class ExperienceMaker:
             student = batch.old_logprobs
         else:
             student = logprobs_in_chunks(self.policy(), batch, args, acc.autocast)
-        teacher = logprobs_in_chunks(self.teacher, batch, args, acc.autocast)
+        teacher = logprobs_in_chunks(self.teacher, batch, args, acc.autocast, replay_mask=False)
         signal = teacher_advantages(student, teacher, batch.loss_mask, args.teacher_kl_coef)
         batch.advantages = batch.advantages + signal
         mask = batch.loss_mask != 0
@@ -500,11 +514,21 @@ class Evaluator:
         args, maker, autocast = self.args, self.maker, self.accelerator.autocast
         batch = TrainBatch.from_rollout(rollout, advantages)
         logprobs = logprobs_in_chunks(maker.policy(), batch, args, autocast)
-        ref = None
+        ref = full_vocabulary = None
         if args.beta > 0:
             with reference_policy(maker.policy(), maker.reference) as reference:
-                ref = logprobs_in_chunks(reference, batch, args, autocast)
-        loss, _ = policy_loss(logprobs, None, ref, batch.advantages, batch.loss_mask, **args.objective_options())
+                ref = logprobs_in_chunks(reference, batch, args, autocast, replay_mask=False)
+            if batch.sampling_mask is not None:  # the KL term's, as in training
+                full_vocabulary = logprobs_in_chunks(maker.policy(), batch, args, autocast, replay_mask=False)
+        loss, _ = policy_loss(
+            logprobs,
+            None,
+            ref,
+            batch.advantages,
+            batch.loss_mask,
+            kl_logprobs=full_vocabulary,
+            **args.objective_options(),
+        )
         return loss.item()
 
 

@@ -11,8 +11,10 @@ forward up to float rounding (tests/test_chunked.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from .compat import cache_argument, cache_from_layers, is_activation_checkpointing, output_cache, output_embeddings
 from .cpu_matmul import FLOAT32_HEAD, Float32Head
@@ -23,6 +25,7 @@ from .head_autograd import frozen_head_grad, head_grad_accumulators, head_input_
 from .models import is_peft_model
 from .multimodal import MultimodalInputs, batch_model_inputs, is_vision_language_model, rope_position_ids
 from .packing import pack_rows
+from .sampling_mask import SamplingMask, first_seen_positions, replayed_token_logprobs
 
 # --------------------------------------------------------------------------------------------- log-probabilities
 
@@ -163,6 +166,17 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         return head_input_grads(grad_hidden, grad_weight, grad_bias, weight, bias, num_other_inputs=5)
 
 
+def _head_compute_dtype(hidden: torch.Tensor, weight: torch.Tensor, fp32_head: bool) -> torch.dtype:
+    """The dtype of the LM head's matmul, as the plain `nn.Linear` head would run it: float32 with fp32_head, else
+    the autocast dtype under autocast, else the inputs'."""
+    device_type = hidden.device.type
+    if fp32_head:
+        return torch.float32
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
 def _softmax_dtype(compute_dtype: torch.dtype) -> torch.dtype:
     """float32 for float32 and half-precision matmuls, float64 for float64."""
     return torch.promote_types(compute_dtype, torch.float32)
@@ -269,12 +283,7 @@ def chunked_token_logprobs(
     blocks of the vocabulary; `chunk_rows` does not apply then.
     """
     device_type = hidden.device.type
-    if fp32_head:
-        compute_dtype = torch.float32
-    elif torch.is_autocast_enabled(device_type):
-        compute_dtype = torch.get_autocast_dtype(device_type)
-    else:
-        compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    compute_dtype = _head_compute_dtype(hidden, weight, fp32_head)
     if chunk_rows is None:
         chunk_rows = default_chunk_rows(weight, bias)
     leading = targets.shape
@@ -451,48 +460,80 @@ def token_logprobs(
     fp32_head: bool = False,
     multimodal: MultimodalInputs | None = None,
     padding_free: bool = False,
+    sampling_mask: SamplingMask | None = None,
+    full_vocabulary: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [N, T] (and entropies [N, T]) of the last T tokens of input_ids [N, P + T] under the model.
 
-    Position ids skip left padding exactly as the rollout's do, so the values match the sampling log-probs.
+    Position ids skip left padding exactly as the rollout's do, so the values match the sampling log-probs. Three
+    paths give the same numbers up to float rounding (tests/test_chunked.py, tests/test_packing.py):
+    - chunked (`chunked=None` picks it where `supports_chunked_head`): the decoder runs, the LM head is applied to
+      the hidden states of real completion tokens in chunks of rows (`chunked_token_logprobs`), so the [N, T, V]
+      logits never exist; rows that repeat a prompt (`share_prompts`) run it once and share its KV cache
+      (`shared_prompt_hidden`). Log-probs and entropies are 0 on padding.
+    - padding_free: the real tokens only, packed (`packed_token_logprobs`), each distinct prompt once per packed
+      segment, no KV cache (so also under gradient checkpointing); a model it cannot run exactly, an entropy with a
+      gradient or router logits raise ValueError (`packing_refusal` says why).
+    - plain: the model's own logits (`completion_logits`). Taken for an entropy with a gradient (`entropy_grad`,
+      an entropy bonus: the chunked entropies are a metric) and for `router_logits` (a list to receive an MoE
+      model's router logits, with their graph, for a load-balancing loss).
 
-    Two paths give the same numbers. The chunked one (`chunked=None` picks it where `supports_chunked_head`) runs
-    the decoder, keeps the T hidden states that predict completion tokens, and computes their log-probs and
-    entropies from the LM head's weight in chunks of rows (`loss.chunked_token_logprobs`), so the [N, T, V] logits
-    never exist in forward or backward. The plain one takes the model's logits (of the T + 1 last positions when
-    the model supports `logits_to_keep`). An entropy that needs a gradient (`entropy_grad`, for an entropy bonus)
-    takes the plain path: the chunked entropies are a metric without one.
-
-    On the chunked path the head runs on real completion tokens only (attention_mask 1; log-probs and entropies
-    are 0 on padding). When rows repeat prompts (a GRPO batch holds G completions per prompt) and `share_prompts`
-    is on, each distinct prompt (the first P tokens, with its padding) runs through the decoder once and its KV
-    cache is shared by its rows, whose completions then run against it in groups of similar length
-    (`shared_prompt_hidden`): (G - 1) / G of the prompt tokens' forward and backward work is saved, the gradient
-    reaches the prompt's activations through the shared cache, and a completion is padded only to the longest in
-    its length group. The values are those of the full forward up to float rounding.
-
-    fp32_head: the LM head (matmul included) in float32 under autocast, on both paths (cast_lm_head_to_fp32).
-    multimodal: the rows' images (a vision-language model): the forward takes the processor's tensors; with shared
-    prompts each distinct prompt's images go through the vision encoder once (rows share a prompt only when they
-    share its images too).
-    router_logits: a list to receive an MoE model's router logits (one [N·(P+T), E] tensor per MoE layer, with
-    their graph), for a load-balancing loss; the plain path is taken then (one forward of the whole sequence).
-    padding_free: run the real tokens only, packed (`packed_hidden`): each distinct prompt once per packed segment,
-    its completions after it, no padding and no KV cache (so also under gradient checkpointing). The same values
-    and gradients as the padded forward up to float rounding (tests/test_packing.py); a model it cannot run
-    exactly, or an entropy with a gradient or router logits, raises ValueError (`packing_refusal` says why).
+    fp32_head: the LM head (matmul included) in float32 under autocast, on every path (cast_lm_head_to_fp32).
+    multimodal: the rows' images (a vision-language model); a shared prompt's images are encoded once.
+    sampling_mask: the sampler's kept sets [N, T, K] (`grpokit.sampling_mask`): the log-probs are then those of the
+    distribution the tokens were drawn from, renormalised over each kept set with the repetition penalty replayed
+    (`SamplingReplay`); the entropies stay the full vocabulary's. full_vocabulary: a list to receive, with a
+    sampling mask, the full-vocabulary log-probs [N, T] too (with their graph: the KL term's).
     """
+    # What every path takes alike.
+    common = dict(
+        temperature=temperature,
+        with_entropy=with_entropy,
+        fp32_head=fp32_head,
+        sampling_mask=sampling_mask,
+        full_vocabulary=full_vocabulary,
+    )
     if padding_free:
-        reason = packing_refusal(model)
-        if reason is None and with_entropy and entropy_grad and torch.is_grad_enabled():
-            reason = "its entropies carry no gradient (an entropy bonus, entropy_coef != 0, needs the padded forward)"
-        if reason is None and router_logits is not None:
-            reason = "it does not return the router logits of an MoE load-balancing loss (router_aux_loss_coef)"
-        if reason is not None:
-            raise ValueError(f"padding_free=True cannot run here: {reason}. Set padding_free=False.")
-        return packed_token_logprobs(
-            model, input_ids, attention_mask, completion_length, temperature, with_entropy, fp32_head
+        _check_padding_free_call(model, with_entropy, entropy_grad, router_logits)
+        return packed_token_logprobs(model, input_ids, attention_mask, completion_length, **common)
+    use_chunked = _takes_chunked_head(model, chunked, with_entropy, entropy_grad, router_logits)
+    prompt_length = input_ids.shape[1] - completion_length
+    position_ids = rope_position_ids(model, input_ids, attention_mask, multimodal, prompt_width=prompt_length)
+    if position_ids is None:  # [N, P + T], or a Qwen-VL model's [3, N, P + T]
+        position_ids = position_ids_from_mask(attention_mask)
+    if use_chunked:
+        hidden, rows, columns = completion_hidden_states(
+            model, input_ids, attention_mask, completion_length, multimodal, share_prompts, position_ids
         )
+        head = causal_lm_of(model).get_output_embeddings()
+        return _head_logprobs(head, hidden, rows, columns, input_ids, attention_mask, completion_length, **common)
+    return _plain_logprobs(
+        model,
+        input_ids,
+        attention_mask,
+        position_ids,
+        completion_length,
+        entropy_grad,
+        router_logits,
+        multimodal,
+        **common,
+    )
+
+
+def _check_padding_free_call(model, with_entropy: bool, entropy_grad: bool, router_logits) -> None:
+    """Raise ValueError where `token_logprobs(..., padding_free=True)` cannot run this call exactly."""
+    reason = packing_refusal(model)
+    if reason is None and with_entropy and entropy_grad and torch.is_grad_enabled():
+        reason = "its entropies carry no gradient (an entropy bonus, entropy_coef != 0, needs the padded forward)"
+    if reason is None and router_logits is not None:
+        reason = "it does not return the router logits of an MoE load-balancing loss (router_aux_loss_coef)"
+    if reason is not None:
+        raise ValueError(f"padding_free=True cannot run here: {reason}. Set padding_free=False.")
+
+
+def _takes_chunked_head(model, chunked: bool | None, with_entropy: bool, entropy_grad: bool, router_logits) -> bool:
+    """Whether `token_logprobs` runs the chunked head: where the model supports it (or `chunked` says so), unless an
+    MoE aux loss needs the model's own forward or an entropy needs a gradient."""
     use_chunked = supports_chunked_head(model) if chunked is None else chunked
     if router_logits is not None:  # an MoE aux loss needs the router logits of the model's own forward
         use_chunked = False
@@ -503,32 +544,117 @@ def token_logprobs(
                 "an entropy bonus needs chunked=False."
             )
         use_chunked = False
-    prompt_length = input_ids.shape[1] - completion_length
-    position_ids = rope_position_ids(model, input_ids, attention_mask, multimodal, prompt_width=prompt_length)
-    if position_ids is None:  # [N, P + T], or a Qwen-VL model's [3, N, P + T]
-        position_ids = position_ids_from_mask(attention_mask)
-    targets = input_ids[:, -completion_length:]
-    if use_chunked:
-        head = causal_lm_of(model).get_output_embeddings()
-        hidden, rows, columns = completion_hidden_states(
-            model, input_ids, attention_mask, completion_length, multimodal, share_prompts, position_ids
-        )
-        logprobs, entropies = chunked_token_logprobs(
-            hidden[None],
-            head.weight,
-            targets[rows, columns][None],
-            temperature,
-            bias=head.bias,
-            with_entropy=with_entropy,
-            fp32_head=fp32_head,
-            float32_gemm=getattr(head, FLOAT32_HEAD, False),
-        )
-        shape = tuple(targets.shape)
-        return (
-            _scatter(logprobs[0], rows, columns, shape),
-            None if entropies is None else _scatter(entropies[0], rows, columns, shape),
-        )
+    return use_chunked
 
+
+def _head_logprobs(
+    head,
+    hidden,
+    rows,
+    columns,
+    input_ids,
+    attention_mask,
+    completion_length,
+    *,
+    temperature,
+    with_entropy,
+    fp32_head,
+    sampling_mask=None,
+    full_vocabulary=None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The chunked head on the hidden states [M, H] that predict completion tokens (rows[m], columns[m]): log-probs
+    and entropies scattered to [N, T] (0 on padding). With a sampling mask the log-probs are the kept sets'
+    (`replayed_head_logprobs`); the chunked head then runs for the entropies (without a gradient) and for the
+    full-vocabulary log-probs `full_vocabulary` asks for (appended, with their gradient)."""
+    replay = None
+    if sampling_mask is not None:
+        vocab_size = head.weight.shape[0]
+        replay = SamplingReplay.of(sampling_mask, input_ids, attention_mask, completion_length, vocab_size)
+    targets = input_ids[:, -completion_length:][rows, columns]
+    shape = (input_ids.shape[0], completion_length)
+    entropies = None
+    wants_full = replay is not None and full_vocabulary is not None
+    if replay is None or with_entropy or wants_full:
+        with torch.no_grad() if replay is not None and not wants_full else contextlib.nullcontext():
+            logprobs, entropies = chunked_token_logprobs(
+                hidden,
+                head.weight,
+                targets,
+                temperature,
+                bias=head.bias,
+                with_entropy=with_entropy,
+                fp32_head=fp32_head,
+                float32_gemm=getattr(head, FLOAT32_HEAD, False),
+            )
+    if replay is not None:
+        if wants_full:
+            full_vocabulary.append(_scatter(logprobs, rows, columns, shape))
+        logprobs = replayed_head_logprobs(
+            hidden, head.weight, head.bias, targets, temperature, replay, rows, columns, fp32_head
+        )
+    return (
+        _scatter(logprobs, rows, columns, shape),
+        None if entropies is None else _scatter(entropies, rows, columns, shape),
+    )
+
+
+def _plain_logprobs(
+    model,
+    input_ids,
+    attention_mask,
+    position_ids,
+    completion_length,
+    entropy_grad,
+    router_logits,
+    multimodal,
+    *,
+    temperature,
+    with_entropy,
+    fp32_head,
+    sampling_mask=None,
+    full_vocabulary=None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs`' plain path: the model's own forward, and log-probs of its logits (of the kept sets with a
+    sampling mask, the full vocabulary's then appended to `full_vocabulary` where given)."""
+    logits = completion_logits(
+        model, input_ids, attention_mask, position_ids, completion_length, router_logits, fp32_head, multimodal
+    )
+    if temperature != 1.0:
+        logits = logits / temperature
+    targets = input_ids[:, -completion_length:]
+    if sampling_mask is None:
+        logprobs = selective_log_softmax(logits, targets, dtype=torch.float32)  # upcast chunk by chunk
+    else:
+        if full_vocabulary is not None:
+            full_vocabulary.append(selective_log_softmax(logits, targets, dtype=torch.float32))
+        replay = SamplingReplay.of(sampling_mask, input_ids, attention_mask, completion_length, logits.shape[-1])
+        logprobs = replayed_logits_logprobs(logits, targets, replay)
+    entropies = None
+    if with_entropy:
+        # The entropy keeps a graph (another softmax over V per token) only when the loss needs its gradient.
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropies = entropy_from_logits(logits)
+    return logprobs, entropies
+
+
+def completion_logits(
+    model,
+    input_ids,
+    attention_mask,
+    position_ids=None,
+    completion_length: int = 1,
+    router_logits: list | None = None,
+    fp32_head: bool = False,
+    multimodal: MultimodalInputs | None = None,
+) -> torch.Tensor:
+    """The model's logits [N, T, V] at the positions that predict the last T tokens of input_ids [N, P + T] (its own
+    forward; of the T + 1 last positions only where it takes `logits_to_keep`). router_logits: a list to receive an
+    MoE model's router logits."""
+    prompt_length = input_ids.shape[1] - completion_length
+    if position_ids is None:
+        position_ids = rope_position_ids(model, input_ids, attention_mask, multimodal, prompt_width=prompt_length)
+    if position_ids is None:
+        position_ids = position_ids_from_mask(attention_mask)
     kwargs = {}
     if forward_accepts(model, "attention_mask"):
         kwargs.update(attention_mask=attention_mask, position_ids=position_ids)
@@ -541,17 +667,100 @@ def token_logprobs(
         output = model(input_ids, **kwargs)
     if router_logits is not None:
         router_logits.extend(output.router_logits or ())
-    logits = logits_of(output)
-    logits = logits[:, -completion_length - 1 : -1]  # position t predicts token t + 1
-    if temperature != 1.0:
-        logits = logits / temperature
-    logprobs = selective_log_softmax(logits, targets, dtype=torch.float32)  # upcast chunk by chunk
-    entropies = None
-    if with_entropy:
-        # The entropy keeps a graph (another softmax over V per token) only when the loss needs its gradient.
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropies = entropy_from_logits(logits)
-    return logprobs, entropies
+    return logits_of(output)[:, -completion_length - 1 : -1]  # position t predicts token t + 1
+
+
+# ------------------------------------------------------------------------------------ keep sampling mask, replayed
+
+
+@dataclasses.dataclass
+class SamplingReplay:
+    """A `SamplingMask` made ready for the training forward of one batch [N, P + T]."""
+
+    mask: SamplingMask
+    first_seen: torch.Tensor | None  # [N, V] int32 `sampling_mask.first_seen_positions`, with a repetition penalty
+    prompt_length: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, mask: SamplingMask, input_ids, attention_mask, completion_length: int, vocab_size: int):
+        if mask.kept_ids.shape[:2] != (input_ids.shape[0], completion_length):
+            raise ValueError(
+                f"sampling_mask has kept sets for {tuple(mask.kept_ids.shape[:2])} (rows, completion tokens), the "
+                f"batch {(input_ids.shape[0], completion_length)}: pass the mask of the rollout these rows came from."
+            )
+        mask = mask.map(lambda kept: kept.to(input_ids.device))
+        first_seen = None
+        if mask.repetition_penalty != 1.0:
+            first_seen = first_seen_positions(input_ids, attention_mask, vocab_size)
+        return cls(mask, first_seen, input_ids.shape[1] - completion_length, vocab_size)
+
+    def logprobs(self, logits: torch.Tensor, targets, rows, columns) -> torch.Tensor:
+        """Kept-set log-probs of targets [c] under logits / temperature [c, V] at completion positions (rows,
+        columns)."""
+        seen = None
+        if self.first_seen is not None:  # tokens before the position: the prompt's and the completion's so far
+            seen = self.first_seen[rows] < (self.prompt_length + columns)[:, None]
+        kept = self.mask.kept_ids[rows, columns]
+        mask = self.mask
+        return replayed_token_logprobs(logits, targets, kept, seen, mask.repetition_penalty, mask.suppressed_ids)
+
+
+def _replayed_in_chunks(
+    logits_of, sources, targets, replay: SamplingReplay, rows, columns, chunk_rows: int | None = None
+) -> torch.Tensor:
+    """Kept-set log-probs [M] of targets [M] at (rows, columns), `logits_of(sources[chunk])` giving a chunk's
+    logits / temperature [c, V], `chunk_rows` rows at a time (default: the device's element budget over V). Under
+    autograd each chunk is checkpointed (recomputed in the backward), so that no [c, V] tensor outlives its
+    chunk."""
+    if chunk_rows is None:
+        budget = CHUNK_ELEMENTS.get(sources.device.type, CHUNK_ELEMENTS["default"])
+        chunk_rows = max(1, budget // replay.vocab_size)
+
+    def one_chunk(source, target, row, column):
+        return replay.logprobs(logits_of(source), target, row, column)
+
+    out = []
+    for start in range(0, len(targets), chunk_rows):
+        chunk = slice(start, start + chunk_rows)
+        arguments = (sources[chunk], targets[chunk], rows[chunk], columns[chunk])
+        if torch.is_grad_enabled():
+            out.append(checkpoint(one_chunk, *arguments, use_reentrant=False))
+        else:
+            out.append(one_chunk(*arguments))
+    return torch.cat(out) if out else torch.zeros(0, device=sources.device)
+
+
+def replayed_head_logprobs(
+    hidden, weight, bias, targets, temperature, replay: SamplingReplay, rows, columns, fp32_head=False
+) -> torch.Tensor:
+    """`chunked_token_logprobs`' log-probs renormalised over the sampler's kept sets: hidden [M, H] through the head
+    weight [V, H] (and bias), the matmul in the dtype the chunked head uses, the replay in float32."""
+    device_type = hidden.device.type
+    compute_dtype = _head_compute_dtype(hidden, weight, fp32_head)
+
+    def logits_of(hidden_chunk):
+        with torch.autocast(device_type, enabled=False):
+            weight_c = weight.to(compute_dtype)
+            logits = hidden_chunk.to(compute_dtype) @ weight_c.t()
+            if bias is not None:
+                logits = logits + bias.to(compute_dtype)
+            return logits.to(_softmax_dtype(compute_dtype)) / temperature
+
+    # As the chunked head's: at least MIN_CHUNK_ROWS rows where the head's weight gets a gradient
+    chunk_rows = default_chunk_rows(weight, bias)
+    return _replayed_in_chunks(logits_of, hidden, targets, replay, rows, columns, chunk_rows)
+
+
+def replayed_logits_logprobs(logits: torch.Tensor, targets: torch.Tensor, replay: SamplingReplay) -> torch.Tensor:
+    """The plain path's kept-set log-probs: logits / temperature [N, T, V], targets [N, T] -> [N, T] float32."""
+    n, width = targets.shape
+    rows = torch.arange(n, device=targets.device).repeat_interleave(width)
+    columns = torch.arange(width, device=targets.device).repeat(n)
+    flat = _replayed_in_chunks(
+        lambda chunk: chunk, logits.reshape(n * width, -1), targets.reshape(-1), replay, rows, columns
+    )
+    return flat.view(n, width)
 
 
 # ------------------------------------------------------------------------------------------ padding-free forward
@@ -611,12 +820,14 @@ def packed_token_logprobs(
     with_entropy: bool = False,
     fp32_head: bool = False,
     row_tokens: int | None = None,
+    sampling_mask: SamplingMask | None = None,
+    full_vocabulary: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` through a packed forward (`packing.pack_rows`): the decoder runs only the real tokens, each
     distinct prompt once per segment, with a 4D mask that lets a token see what it sees in the padded forward;
     the chunked head runs on the hidden states that predict real completion tokens. Log-probs and entropies are
     0 on padding, as on the chunked path. row_tokens: `pack_rows`' bound on a packed row (default: PACKED_ROW_WIDTH
-    times the padded row)."""
+    times the padded row). sampling_mask, full_vocabulary: as `token_logprobs`'."""
     lm = causal_lm_of(model)
     head, decoder = lm.get_output_embeddings(), decoder_of(lm)
     shape = (input_ids.shape[0], completion_length)
@@ -630,20 +841,19 @@ def packed_token_logprobs(
     mask = packed.attention_mask(lm.config._attn_implementation, decoder.get_input_embeddings().weight.dtype)
     out = decoder(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids, use_cache=False)
     hidden = _last_hidden(out).flatten(0, 1)[packed.hidden_index]  # [K, H]
-    targets = input_ids[:, -completion_length:][packed.rows, packed.columns]
-    logprobs, entropies = chunked_token_logprobs(
+    return _head_logprobs(
+        head,
         hidden,
-        head.weight,
-        targets,
-        temperature,
-        bias=head.bias,
+        packed.rows,
+        packed.columns,
+        input_ids,
+        attention_mask,
+        completion_length,
+        temperature=temperature,
         with_entropy=with_entropy,
         fp32_head=fp32_head,
-        float32_gemm=getattr(head, FLOAT32_HEAD, False),
-    )
-    return (
-        _scatter(logprobs, packed.rows, packed.columns, shape),
-        None if entropies is None else _scatter(entropies, packed.rows, packed.columns, shape),
+        sampling_mask=sampling_mask,
+        full_vocabulary=full_vocabulary,
     )
 
 

@@ -855,6 +855,7 @@ def token_loss(
     loss_weights: torch.Tensor | None = None,
     sampling_logprobs: torch.Tensor | None = None,
     sampling_ratio: torch.Tensor | None = None,
+    kl_logprobs: torch.Tensor | None = None,
 ) -> TokenLoss:
     """The objective, per token: the loss type's policy term, times the off-policy mask, `loss_weights`, the
     sampler-mismatch correction and (decoupled) the behaviour weight, plus beta·KL, minus the entropy bonus when
@@ -916,7 +917,7 @@ def token_loss(
 
     kl = None
     if ref_logprobs is not None:
-        per_token_kl = kl_k3(logprobs, ref_logprobs)
+        per_token_kl = kl_k3(logprobs if kl_logprobs is None else kl_logprobs, ref_logprobs)
         if settings.use_bias_correction_kl:
             per_token_kl = bias_corrected_kl(per_token_kl, ratio)
         kl = masked_mean(per_token_kl.detach().expand_as(mask), mask)
@@ -975,6 +976,7 @@ def policy_loss(
     loss_weights: torch.Tensor | None = None,
     sampling_logprobs: torch.Tensor | None = None,
     sampling_ratio: torch.Tensor | None = None,
+    kl_logprobs: torch.Tensor | None = None,
     **setting_values,
 ) -> tuple[torch.Tensor, LossStats]:
     """The loss type's objective plus beta·KL, aggregated by the loss type (see `LOSS_TYPES`): `token_loss`, then
@@ -998,6 +1000,9 @@ def policy_loss(
     sampling_ratio: [N, T] or [N, 1] the sampler-mismatch correction (`sampling_correction`), or None: it
                    multiplies each token's policy term (after the masks, before beta·KL), as TRL 1.16 does; VESPO
                    takes it into its sequence weight instead
+    kl_logprobs:   [N, T] log π_θ (with grad) for the KL term only, default logprobs: the full-vocabulary log-probs
+                   where logprobs are renormalised over the sampler's kept sets (keep_sampling_mask), so that the KL
+                   to the reference stays the full vocabulary's
 
     Returns (loss, stats).
     """
@@ -1026,6 +1031,7 @@ def policy_loss(
         loss_weights=loss_weights,
         sampling_logprobs=sampling_logprobs,
         sampling_ratio=sampling_ratio,
+        kl_logprobs=kl_logprobs,
     )
     loss, policy_part = aggregate_token_loss(
         token,

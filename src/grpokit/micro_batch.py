@@ -39,6 +39,9 @@ def micro_batch_loss(
     controller = entropy_controller
     entropy_coef = controller.coef_to_apply() if controller is not None else args.entropy_coef
     router_logits = [] if router_aux_loss_coef else None
+    # With a sampling mask the ratio's log-probs are the kept sets'; the KL to the reference keeps the full
+    # vocabulary's (TRL's KL term), which the forward then returns too.
+    full_vocabulary = [] if batch.sampling_mask is not None and batch.ref_logprobs is not None else None
     with autocast(), offload or contextlib.nullcontext():
         logprobs, entropies = token_logprobs(
             model,
@@ -52,6 +55,8 @@ def micro_batch_loss(
             fp32_head=args.cast_lm_head_to_fp32,
             multimodal=batch.multimodal,
             padding_free=args.padding_free,
+            sampling_mask=batch.sampling_mask,
+            full_vocabulary=full_vocabulary,
         )
     loss_weights = None
     if args.top_entropy_quantile < 1.0:
@@ -69,6 +74,7 @@ def micro_batch_loss(
         loss_weights=loss_weights,
         sampling_logprobs=batch.sampling_logprobs,
         sampling_ratio=batch.sampling_ratio,
+        kl_logprobs=full_vocabulary[0] if full_vocabulary else None,
         num_micro_batches=num_micro_batches,
         entropy_normalization="token_mean",
         **args.objective_options(),

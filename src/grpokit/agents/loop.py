@@ -24,6 +24,7 @@ import torch
 from ..data import EMPTY_PROMPT, PromptLimit, is_conversational, pad_left
 from ..rollout.batching import SEED_STRIDE, Request, answer
 from ..rollout.engine import PromptBatch, Rollout, RolloutEngine, SamplingParams
+from ..sampling_mask import PADDING, SamplingMask
 from .chat import check_chat_template, parse_completion, render_prompt, tool_result_ids
 from .environments import EnvironmentPool, public_methods
 from .tools import ToolRunner, ToolStats, check_tools, tool_name
@@ -43,11 +44,16 @@ class Transcript:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     messages: list[dict] = dataclasses.field(default_factory=list)
     truncated: bool = False
+    # Each token's kept set (`SamplingMask`: [] for the whole vocabulary, and for inserted tokens), and the
+    # penalty / suppressed tokens it was sampled with, where the engine's turns came with a sampling mask.
+    kept: list[list[int]] = dataclasses.field(default_factory=list)
+    mask_settings: tuple | None = None
 
-    def add(self, ids: list[int], trained: int, logprobs: list[float] | None = None) -> None:
+    def add(self, ids: list[int], trained: int, logprobs: list[float] | None = None, kept=None) -> None:
         self.ids += ids
         self.trained += [trained] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        self.kept += kept if kept is not None else [[] for _ in ids]
 
 
 class Agents:
@@ -295,7 +301,7 @@ def transcripts_rollout(transcripts: list[Transcript], pad_token_id: int, extra:
     # Each policy turn is a step for process rewards (grpokit.rewards.process): a per-turn reward credits
     # the tokens of its turn and of the turns before it.
     extra = {**extra, TURN_ENDS: [turn_ends(t.trained) for t in transcripts]}
-    return Rollout(
+    rollout = Rollout(
         prompt_ids,
         prompt_mask,
         completion_ids,
@@ -306,6 +312,28 @@ def transcripts_rollout(transcripts: list[Transcript], pad_token_id: int, extra:
         logprobs,
         extra,
     )
+    rollout.sampling_mask = transcripts_sampling_mask(transcripts, width)
+    return rollout
+
+
+def transcripts_sampling_mask(transcripts: list[Transcript], width: int) -> SamplingMask | None:
+    """The transcripts' kept sets as one SamplingMask [N, width, K] (a row of PADDING for a token without one), or
+    None where no turn came with a sampling mask."""
+    settings = {t.mask_settings for t in transcripts if t.mask_settings is not None}
+    if not settings:
+        return None
+    if len(settings) > 1:
+        raise ValueError(
+            f"The turns of one batch were sampled with different penalties / suppressed tokens: {settings}"
+        )
+    kept_width = max([len(kept) for t in transcripts for kept in t.kept] + [1])
+    kept_ids = torch.full((len(transcripts), width, kept_width), PADDING, dtype=torch.int32)
+    for row, t in enumerate(transcripts):
+        for position, kept in enumerate(t.kept):
+            if kept:
+                kept_ids[row, position, : len(kept)] = torch.tensor(kept, dtype=torch.int32)
+    penalty, suppressed = settings.pop()
+    return SamplingMask(kept_ids, penalty, suppressed)
 
 
 def sample_turns(
@@ -344,7 +372,12 @@ def add_turn(tokenizer, template: dict | None, transcript: Transcript, turn: Rol
     logprobs = None if turn.sampling_logprobs is None else turn.sampling_logprobs[0, : len(ids)].tolist()
     transcript.truncated = bool(turn.is_truncated[0])
     context = transcript.prompt_ids + transcript.ids
-    transcript.add(ids, 1, logprobs)
+    kept = None
+    if turn.sampling_mask is not None:
+        mask = turn.sampling_mask
+        transcript.mask_settings = (mask.repetition_penalty, mask.suppressed_ids)
+        kept = [[int(v) for v in row if v >= 0] for row in mask.kept_ids[0, : len(ids)].tolist()]
+    transcript.add(ids, 1, logprobs, kept)
     transcript.messages.append(parse_completion(tokenizer, template, ids, context, list(transcript.tools.values())))
 
 

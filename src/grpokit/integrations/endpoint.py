@@ -87,6 +87,9 @@ class Call:
     messages: list[dict] | None = None  # chat route: the request's messages, tools and the reply (for bridging)
     tools: list | None = None
     reply: dict | None = None
+    # each token's kept set and the penalty / suppressed tokens, where the engine returned a sampling mask
+    kept: list[list[int]] | None = None
+    mask_settings: tuple | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -339,6 +342,10 @@ class PolicyEndpoint:
         ids = out.completion_id_lists()[0]
         logprobs = None if out.sampling_logprobs is None else out.sampling_logprobs[0, : len(ids)].tolist()
         call = Call(list(prompt_ids), ids, logprobs, window.version, bool(out.is_truncated[0]))
+        if out.sampling_mask is not None:
+            mask = out.sampling_mask
+            call.kept = [[int(v) for v in row if v >= 0] for row in mask.kept_ids[0, : len(ids)].tolist()]
+            call.mask_settings = (mask.repetition_penalty, mask.suppressed_ids)
         with self.lock:
             if session.closed:  # its rollout ended (timed out) while the engine sampled: nothing to record into
                 raise EndpointError(404, "The session closed while its call was sampled (its rollout timed out).")
@@ -420,12 +427,14 @@ def stitch(prompt_ids: list[int], calls: list[Call], max_completion_length: int)
             segments.append(current)
         else:
             current.add(call.prompt_ids[len(context) :], 0)
-        current.add(call.completion_ids, 1, call.logprobs)
+        current.add(call.completion_ids, 1, call.logprobs, call.kept)
         current.truncated = call.truncated
+        current.mask_settings = call.mask_settings or current.mask_settings
     last = segments[-1]
     if len(last.ids) > max_completion_length:
         last.ids, last.trained = last.ids[:max_completion_length], last.trained[:max_completion_length]
         last.logprobs, last.truncated = last.logprobs[:max_completion_length], True
+        last.kept = last.kept[:max_completion_length]
     return last, len(segments) - 1 if calls else 0
 
 

@@ -20,6 +20,7 @@ import torch
 
 from ..data import pad_left
 from ..multimodal import MultimodalInputs
+from ..sampling_mask import SamplingMask
 
 
 @dataclass
@@ -35,6 +36,12 @@ class SamplingParams:
     # Tokens never sampled (a VLM's image token: a sampled one would have no image features, as TRL's
     # suppress_tokens); like top-k, a filter on what is drawn, not on the recorded policy log-prob.
     suppress_token_ids: tuple[int, ...] = ()
+    # Keep sampling mask (`grpokit.sampling_mask`): with any of the processing above, the engine reports the
+    # log-probs of the distribution it drew from and each token's kept set (`Rollout.sampling_mask`); False:
+    # the policy's full-vocabulary log-probs (TRL 1.16). Truncation then keeps at most sampling_mask_max_tokens
+    # tokens (an implicit top-k, which bounds the recorded kept sets).
+    keep_sampling_mask: bool = True
+    sampling_mask_max_tokens: int = 512
 
 
 @dataclass
@@ -127,6 +134,9 @@ class Rollout:
     # The prompts' images as the model's forward takes them (`PromptBatch.multimodal()`), for the training forward;
     # None for text prompts.
     multimodal: MultimodalInputs | None = None
+    # Each sampled token's kept set and processing (`SamplingMask`, kept_ids [N, T, K]) where the engine drew from a
+    # processed distribution and reports its log-probs; None where sampling_logprobs are the policy's.
+    sampling_mask: SamplingMask | None = None
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -148,6 +158,7 @@ class Rollout:
             move(self.sampling_logprobs),
             self.extra,
             None if self.multimodal is None else self.multimodal.to(device),
+            None if self.sampling_mask is None else self.sampling_mask.map(move),
         )
 
     def select(self, index: list[int] | torch.Tensor) -> Rollout:
@@ -164,6 +175,7 @@ class Rollout:
             pick(self.sampling_logprobs),
             {k: [v[i] for i in index.tolist()] for k, v in self.extra.items()},
             None if self.multimodal is None else self.multimodal.select(index),
+            None if self.sampling_mask is None else self.sampling_mask.map(pick),
         )
 
     def trimmed(self) -> Rollout:
@@ -197,8 +209,12 @@ class Rollout:
 
     def _completion_columns(self, width: int) -> dict[str, torch.Tensor | None]:
         columns = {name: getattr(self, name)[:, :width] for name in ("completion_ids", "attention_mask", "loss_mask")}
-        logprobs = self.sampling_logprobs
-        return {**columns, "sampling_logprobs": None if logprobs is None else logprobs[:, :width]}
+        logprobs, mask = self.sampling_logprobs, self.sampling_mask
+        return {
+            **columns,
+            "sampling_logprobs": None if logprobs is None else logprobs[:, :width],
+            "sampling_mask": None if mask is None else mask.columns(width),
+        }
 
     @staticmethod
     def concat(parts: list[Rollout]) -> Rollout:
@@ -214,6 +230,13 @@ class Rollout:
         multimodal = [p.multimodal for p in parts]
         if any(m is not None for m in multimodal) and any(m is None for m in multimodal):
             raise ValueError("Rollout.concat: some parts have images and others none.")
+        masks = [p.sampling_mask for p in parts]
+        if any(m is not None for m in masks) and any(m is None for m in masks):
+            raise ValueError(
+                "Rollout.concat: some parts carry a sampling mask (their log-probs are of the truncated "
+                "distribution) and others none; sample every part with the same keep_sampling_mask."
+            )
+        widths = [p.completion_ids.shape[1] for p in parts]
         return Rollout(
             pad([p.prompt_ids for p in parts], True),
             pad([p.prompt_mask for p in parts], True),
@@ -225,6 +248,7 @@ class Rollout:
             None if any(x is None for x in logprobs) else pad(logprobs, False),
             {k: [x for p in parts for x in p.extra[k]] for k in parts[0].extra},
             None if multimodal[0] is None else MultimodalInputs.concat(multimodal),
+            None if masks[0] is None else SamplingMask.concat(masks, widths),
         )
 
 

@@ -1,9 +1,10 @@
 """The in-process engine: a batched, KV-cached decode loop over the policy being trained.
 
-Why our own loop rather than `model.generate`: we record the policy's log-prob of every sampled token (so that with
-μ > 1 in float32 the first pass's old log-probs need no extra forward), we compute each prompt's prefix once per
-group and share its KV cache across its rows, and we drop finished rows from the batch. Token draws are in
-`sampling.py`, the fast paths (preallocated cache, one-token attention on CPU) in `fast.py`.
+Why our own loop rather than `model.generate`: we record the log-prob of every sampled token under the distribution
+it was drawn from, with its kept set under truncation (`grpokit.sampling_mask`; so that with μ > 1 in float32 the
+first pass's old log-probs need no extra forward), we compute each prompt's prefix once per group and share its KV
+cache across its rows, and we drop finished rows from the batch. Token draws are in `sampling.py`, the fast paths
+(preallocated cache, one-token attention on CPU) in `fast.py`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ..compat import cache_argument
 from ..config import CACHE_IMPLEMENTATIONS
 from ..distributed import is_sharded
 from ..multimodal import MultimodalInputs, batch_model_inputs, rope_position_ids
+from ..sampling_mask import PADDING, SamplingMask
 from .decoders import CachedDecoder, FullForwardDecoder
 from .engine import PromptBatch, Rollout, SamplingParams
 from .fast import one_token_attention
@@ -284,7 +286,7 @@ def _generate(
     multimodal=None,
     static=None,
 ) -> Rollout:
-    n, device = prompt_ids.shape[0], prompt_ids.device
+    """`generate`'s phases: pick the decoder, prefill the prompts, decode step by step, assemble the Rollout."""
     if use_cache is None:
         use_cache = supports_kv_cache(model) or adapter_wraps_kv_cache_model(model)
         if multimodal is not None and hasattr(model, "get_base_model"):  # a PeftModel without a task type
@@ -296,72 +298,129 @@ def _generate(
         decoder, drop_finished = StaticDecoder(model, static, capacity), False
     else:
         decoder = CachedDecoder(model, capacity) if use_cache else FullForwardDecoder(model)
+    multimodal = None if multimodal is None else multimodal.to(prompt_ids.device)
+    logits = _prefill(model, decoder, prompt_ids, prompt_mask, num_generations, share_prefix, multimodal)
+    state = DecodeState.start(prompt_ids, prompt_mask, params, logits.shape[-1])
+    _decode(decoder, logits, state, params, generator, drop_finished, all_done)
+    return state.rollout(prompt_ids, prompt_mask, params, multimodal)
+
+
+def _prefill(model, decoder, prompt_ids, prompt_mask, num_generations, share_prefix, multimodal) -> torch.Tensor:
+    """The prompts' forward (once per group when its rows share their prompt): the first step's logits [N, V]."""
     repeats = (
         num_generations
         if share_prefix and groups_share_prompts(prompt_ids, prompt_mask, num_generations, multimodal)
         else 1
     )
-    multimodal = None if multimodal is None else multimodal.to(device)
-    prefill_rows = torch.arange(0, n, repeats, device=device)
+    prefill_rows = torch.arange(0, prompt_ids.shape[0], repeats, device=prompt_ids.device)
     prompt_inputs = batch_model_inputs(multimodal, prefill_rows, prompt_ids.shape[1], model=model)
     if prompt_inputs:
         rope = rope_position_ids(model, prompt_ids[::repeats], prompt_mask[::repeats], multimodal, prefill_rows)
-        logits = decoder.prefill(prompt_ids[::repeats], prompt_mask[::repeats], repeats, prompt_inputs, rope)
-    else:
-        logits = decoder.prefill(prompt_ids[::repeats], prompt_mask[::repeats], repeats)
+        return decoder.prefill(prompt_ids[::repeats], prompt_mask[::repeats], repeats, prompt_inputs, rope)
+    return decoder.prefill(prompt_ids[::repeats], prompt_mask[::repeats], repeats)
 
-    vocab_size = logits.shape[-1]
-    seen = None
-    if params.repetition_penalty != 1.0:
-        seen = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
-        seen.scatter_(1, prompt_ids.clamp(max=vocab_size - 1), prompt_mask.bool())
-    eos = torch.tensor(list(params.eos_token_ids), dtype=torch.long, device=device)
-    completion_ids = torch.full((n, params.max_new_tokens), params.pad_token_id, dtype=torch.long, device=device)
-    logprobs = torch.zeros(n, params.max_new_tokens, dtype=torch.float32, device=device)
-    lengths = torch.full((n,), params.max_new_tokens, dtype=torch.long, device=device)
-    finished = torch.zeros(n, dtype=torch.bool, device=device)
-    rows = torch.arange(n, device=device)  # original row of each decode-batch row
-    check_every = finished_check_interval(device)
 
-    for t in range(params.max_new_tokens):
-        uniforms = torch.rand(n, generator=generator, device=device)[rows]
-        tokens, token_logprobs = sample_tokens(logits, uniforms, params, None if seen is None else seen[rows])
-        completion_ids[rows, t] = tokens
-        logprobs[rows, t] = token_logprobs
-        if seen is not None:
-            seen[rows, tokens] = True
+@dataclasses.dataclass
+class DecodeState:
+    """What the decode loop writes, one row per completion: N rows, T = max_new_tokens, V the vocabulary."""
+
+    completion_ids: torch.Tensor  # [N, T] sampled tokens (pad after a row's end)
+    logprobs: torch.Tensor  # [N, T] float32 their sampling log-probs
+    kept_ids: list  # per step: (rows [n], kept ids [n, K]) where the engine records a sampling mask
+    lengths: torch.Tensor  # [N] tokens up to and including EOS (T for a row that did not finish)
+    finished: torch.Tensor  # [N] bool: sampled an EOS
+    seen: torch.Tensor | None  # [N, V] bool: tokens in the prompt or sampled so far (for the repetition penalty)
+    rows: torch.Tensor  # [n] the original row of each row of the decode batch
+
+    @classmethod
+    def start(cls, prompt_ids, prompt_mask, params: SamplingParams, vocab_size: int) -> DecodeState:
+        n, device = prompt_ids.shape[0], prompt_ids.device
+        seen = None
+        if params.repetition_penalty != 1.0:
+            # Padding points at the row's first real token (already seen), so that a pad id is not marked seen.
+            real = prompt_mask.bool()
+            first_real = prompt_ids.gather(1, real.long().argmax(1, keepdim=True))
+            ids = torch.where(real, prompt_ids, first_real).clamp(max=vocab_size - 1)
+            seen = torch.zeros(n, vocab_size, dtype=torch.bool, device=device).scatter_(1, ids, True)
+        return cls(
+            completion_ids=torch.full((n, params.max_new_tokens), params.pad_token_id, dtype=torch.long, device=device),
+            logprobs=torch.zeros(n, params.max_new_tokens, dtype=torch.float32, device=device),
+            kept_ids=[],
+            lengths=torch.full((n,), params.max_new_tokens, dtype=torch.long, device=device),
+            finished=torch.zeros(n, dtype=torch.bool, device=device),
+            seen=seen,
+            rows=torch.arange(n, device=device),
+        )
+
+    def record(self, t: int, tokens, token_logprobs, kept, eos: torch.Tensor) -> None:
+        """Step t's draws of the decode batch's rows."""
+        rows = self.rows
+        self.completion_ids[rows, t] = tokens
+        self.logprobs[rows, t] = token_logprobs
+        if kept is not None:
+            self.kept_ids.append((rows, kept))
+        if self.seen is not None:
+            self.seen[rows, tokens] = True
         done_now = torch.isin(tokens, eos) if eos.numel() else torch.zeros_like(tokens, dtype=torch.bool)
-        done_now &= ~finished[rows]  # a finished row still in the batch may sample EOS again
-        lengths[rows] = torch.where(done_now, t + 1, lengths[rows])  # index writes: no wait for the device
-        finished[rows] = finished[rows] | done_now
+        done_now &= ~self.finished[rows]  # a finished row still in the batch may sample EOS again
+        self.lengths[rows] = torch.where(done_now, t + 1, self.lengths[rows])  # index writes: no wait for the device
+        self.finished[rows] = self.finished[rows] | done_now
+
+    def sampling_mask(self, params: SamplingParams, completion_mask: torch.Tensor) -> SamplingMask | None:
+        """The steps' kept sets as one [N, T', K] tensor (T' = completion_mask's width, K: the widest kept set of a
+        real token), or None where none was kept."""
+        if not self.kept_ids:
+            return None
+        (n, width), kept_width = completion_mask.shape, max(kept.shape[1] for _, kept in self.kept_ids)
+        kept_ids = torch.full((n, width, kept_width), PADDING, dtype=torch.int32, device=self.rows.device)
+        for t, (rows, kept) in enumerate(self.kept_ids[:width]):
+            kept_ids[rows, t, : kept.shape[1]] = kept
+        kept_ids.masked_fill_(completion_mask[:, :, None] == 0, PADDING)  # rows decoding on past their end
+        mask = SamplingMask(kept_ids, params.repetition_penalty, tuple(params.suppress_token_ids))
+        return mask.trimmed()
+
+    def rollout(self, prompt_ids, prompt_mask, params: SamplingParams, multimodal) -> Rollout:
+        n, device = prompt_ids.shape[0], prompt_ids.device
+        completion_mask = (torch.arange(params.max_new_tokens, device=device)[None] < self.lengths[:, None]).long()
+        completion_ids = self.completion_ids.masked_fill(completion_mask == 0, params.pad_token_id)
+        logprobs = self.logprobs * completion_mask
+        width = int(self.lengths.max()) if n else 0  # trim the all-padding tail
+        mask = completion_mask[:, :width]
+        return Rollout(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=completion_ids[:, :width],
+            attention_mask=mask,
+            loss_mask=mask.clone(),
+            lengths=self.lengths,
+            is_truncated=~self.finished,
+            sampling_logprobs=logprobs[:, :width],
+            multimodal=multimodal,
+            sampling_mask=self.sampling_mask(params, mask),
+        )
+
+
+def _decode(decoder, logits, state: DecodeState, params, generator, drop_finished, all_done) -> None:
+    """Sample a token per running row and step the decoder, until every row has finished or max_new_tokens."""
+    n, device = state.completion_ids.shape[0], state.rows.device
+    eos = torch.tensor(list(params.eos_token_ids), dtype=torch.long, device=device)
+    check_every = finished_check_interval(device)
+    for t in range(params.max_new_tokens):
+        uniforms = torch.rand(n, generator=generator, device=device)[state.rows]
+        seen = None if state.seen is None else state.seen[state.rows]
+        tokens, token_logprobs, kept = sample_tokens(logits, uniforms, params, seen)
+        state.record(t, tokens, token_logprobs, kept, eos)
         if t + 1 == params.max_new_tokens:
             break
         if (t + 1) % check_every == 0:
-            done = bool(finished.all())
+            done = bool(state.finished.all())
             if all_done(done) if all_done is not None else done:
                 break
-            running = ~finished[rows]
-            if drop_finished and int(running.sum()) <= 0.75 * len(rows):
+            running = ~state.finished[state.rows]
+            if drop_finished and int(running.sum()) <= 0.75 * len(state.rows):
                 # Under all_done a process whose rows are all finished still steps: it keeps one row to do so.
                 keep = running.nonzero().squeeze(-1) if not done else running.new_zeros(1, dtype=torch.long)
                 decoder.keep(keep)
-                rows, tokens = rows[keep], tokens[keep]
-        # Finished rows that stay in the batch keep decoding; their tokens are masked out below.
+                state.rows, tokens = state.rows[keep], tokens[keep]
+        # Finished rows that stay in the batch keep decoding; `DecodeState.rollout` masks their tokens out.
         logits = decoder.step(tokens)
-
-    completion_mask = (torch.arange(params.max_new_tokens, device=device)[None] < lengths[:, None]).long()
-    completion_ids = completion_ids.masked_fill(completion_mask == 0, params.pad_token_id)
-    logprobs = logprobs * completion_mask
-    width = int(lengths.max()) if n else 0  # trim the all-padding tail
-    mask = completion_mask[:, :width]
-    return Rollout(
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
-        completion_ids=completion_ids[:, :width],
-        attention_mask=mask,
-        loss_mask=mask.clone(),
-        lengths=lengths,
-        is_truncated=~finished,
-        sampling_logprobs=logprobs[:, :width],
-        multimodal=multimodal,
-    )

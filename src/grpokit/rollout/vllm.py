@@ -23,6 +23,12 @@ What it does, and why (TRL 1.16's semantics, with what this machine taught us; i
   (`logprobs_mode="processed_logprobs"`). They are the behaviour policy's (`Rollout.sampling_logprobs`); π_old is
   always recomputed by the training forward, and the difference feeds the importance-sampling correction
   (`grpokit.loss.sampling_correction`). In float32 they equal the training forward's to ~1e-5 (tested).
+  With top-k / top-p / min-p they are normalised over the tokens that survived truncation: the trainer then
+  renormalises π_old and π_θ over the same kept sets (keep_sampling_mask, `grpokit.sampling_mask`). Where vLLM
+  returns them (`return_sampling_mask`: vLLM >= 0.28 on GPU, Model Runner V2; asked for when the run truncates)
+  the kept sets are vLLM's own; elsewhere (CPU, server mode) the trainer replays vLLM's truncation on its own
+  logits (`truncation_replay`). Truncation is bounded by an implicit top-k of sampling_mask_max_tokens, which
+  vLLM's sampling mask requires.
 - Process state: vLLM on CPU lowers torch's thread count, replaces `torch.set_num_threads` with a no-op, seeds
   the global RNGs and may bind OpenMP threads to cores. The engine restores the thread count, the function, the
   CPU affinity and every RNG state after each call into vLLM, and asks for no OpenMP binding unless the
@@ -49,7 +55,9 @@ import torch
 from ..compat import parameter_versions
 from ..distributed import is_sharded
 from ..multimodal import is_processor, is_vision_language_model, text_config_of, ties_word_embeddings
+from ..sampling_mask import PADDING, SamplingMask
 from .engine import PromptBatch, Rollout, SamplingParams
+from .sampling import truncates
 
 INSTALL_HINT = (
     'vLLM is not installed: `pip install ".[vllm]"` in grpokit\'s checkout on a GPU machine; on CPU see '
@@ -351,6 +359,8 @@ class VLLMEngine:
             tokenizer=tokenizer,
             structured_outputs_regex=args.vllm_structured_outputs_regex,
         )
+        if returns_sampling_masks(args):
+            options["return_sampling_mask"] = True
         if num_processes > 1:
             options.update(
                 external_launcher_options(
@@ -575,6 +585,19 @@ def start_llm(
     return llm, enable_sleep_mode
 
 
+def returns_sampling_masks(args) -> bool:
+    """Whether to ask vLLM for each token's kept set (`LLM(return_sampling_mask=True)`): the run keeps the sampling
+    mask and truncates, on a GPU (vLLM builds the masks in its Model Runner V2 only), with a vLLM that has the
+    option. Elsewhere the trainer replays the truncation on its own logits."""
+    import inspect
+
+    if not (args.keep_sampling_mask and (args.top_p < 1.0 or args.top_k or args.min_p)):
+        return False
+    if not torch.cuda.is_available():
+        return False
+    return "return_sampling_mask" in inspect.signature(import_vllm().LLM.__init__).parameters
+
+
 def refuse_images(prompts: PromptBatch) -> None:
     """Prompts with images for a vLLM model that takes none: refused rather than sampled blind."""
     if prompts.images is not None and any(prompts.images):
@@ -630,6 +653,7 @@ def sample(
         request_seeds = prompt_seeds(seed, len(prompt_ids))
     requests, options = [], []
     bias = {int(t): -100.0 for t in params.suppress_token_ids} or None
+    top_k = bounded_top_k(params, vocab_size)
     for index, (ids, count) in enumerate(zip(prompt_ids, counts)):
         prompt_images = images[index] if images is not None else None
         requests.append(
@@ -643,7 +667,7 @@ def sample(
                 max_tokens=params.max_new_tokens,
                 temperature=params.temperature,
                 top_p=params.top_p,
-                top_k=params.top_k or 0,
+                top_k=top_k or 0,
                 min_p=params.min_p or 0.0,
                 repetition_penalty=params.repetition_penalty,
                 stop_token_ids=stop_ids,
@@ -663,11 +687,24 @@ def sample(
                 f"\n  vLLM:      {list(out.prompt_token_ids)}\nSample this model with the in-process "
                 f"engine (use_vllm=False)."
             )
-    return [
-        (list(c.token_ids), [step[token].logprob for step, token in zip(c.logprobs, c.token_ids)], c.finish_reason)
-        for out in outputs
-        for c in out.outputs
-    ]
+    return [completion_entry(c) for out in outputs for c in out.outputs]
+
+
+def bounded_top_k(params: SamplingParams, vocab_size: int | None) -> int | None:
+    """The top-k vLLM samples with: the user's, and with keep_sampling_mask under truncation at most
+    sampling_mask_max_tokens (`sampling.kept_set_bound`; vLLM's sampling mask needs a top-k)."""
+    if params.keep_sampling_mask and truncates(params) and vocab_size is not None:
+        return min(params.top_k or vocab_size, params.sampling_mask_max_tokens)
+    return params.top_k
+
+
+def completion_entry(completion) -> tuple:
+    """One vLLM completion as (token ids, their log-probs, finish reason, each token's kept set or None): the kept
+    sets are vLLM's `CompletionOutput.sampling_mask`, present with return_sampling_mask."""
+    logprobs = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+    mask = getattr(completion, "sampling_mask", None)
+    kept = None if mask is None else [list(map(int, row)) for row in mask.token_ids]
+    return list(completion.token_ids), logprobs, completion.finish_reason, kept
 
 
 def multimodal_options(multimodal: bool, given: dict) -> dict:
@@ -721,17 +758,17 @@ def push_weights(llm, weights, tied: bool) -> None:
 
 
 def rollout_from_completions(prompts: PromptBatch, completions: list, params: SamplingParams) -> Rollout:
-    """The typed Rollout of vLLM's completions (token ids, their log-probs, finish reason), one per row in prompt
-    order: right-padded ids, masks over the sampled tokens (up to and including EOS), float32
-    sampling log-probs (0 on padding)."""
+    """The typed Rollout of vLLM's completions (token ids, their log-probs, finish reason, and each token's kept set
+    or None), one per row in prompt order: right-padded ids, masks over the sampled tokens (up to and including
+    EOS), float32 sampling log-probs (0 on padding), and the sampling mask where vLLM returned the kept sets."""
     prompt_ids, prompt_mask = prompts.padded(params.pad_token_id)
     n = len(completions)
-    width = max([len(ids) for ids, _, _ in completions] + [1])
+    width = max([len(entry[0]) for entry in completions] + [1])
     completion_ids = torch.full((n, width), params.pad_token_id, dtype=torch.long)
     logprobs = torch.zeros((n, width), dtype=torch.float32)
     lengths = torch.zeros(n, dtype=torch.long)
     truncated = torch.zeros(n, dtype=torch.bool)
-    for row, (ids, token_logprobs, finish_reason) in enumerate(completions):
+    for row, (ids, token_logprobs, finish_reason, *_) in enumerate(completions):
         completion_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         logprobs[row, : len(ids)] = torch.tensor(token_logprobs, dtype=torch.float32)
         lengths[row] = len(ids)
@@ -747,4 +784,19 @@ def rollout_from_completions(prompts: PromptBatch, completions: list, params: Sa
         truncated,
         sampling_logprobs=logprobs,
         multimodal=prompts.multimodal(),
+        sampling_mask=sampling_mask_of(completions, width, params),
     )
+
+
+def sampling_mask_of(completions: list, width: int, params: SamplingParams) -> SamplingMask | None:
+    """The kept sets vLLM returned with completions (their 4th entries) as a SamplingMask [N, width, K], or None
+    where it returned none (the trainer then replays the truncation: `truncation_replay`)."""
+    kept_sets = [entry[3] if len(entry) > 3 else None for entry in completions]
+    if not completions or any(kept is None for kept in kept_sets):
+        return None
+    kept_width = max([len(kept) for row in kept_sets for kept in row] + [1])
+    kept_ids = torch.full((len(completions), width, kept_width), PADDING, dtype=torch.int32)
+    for row, kept_rows in enumerate(kept_sets):
+        for position, kept in enumerate(kept_rows[:width]):
+            kept_ids[row, position, : len(kept)] = torch.tensor(kept, dtype=torch.int32)
+    return SamplingMask(kept_ids, params.repetition_penalty, tuple(params.suppress_token_ids))

@@ -205,7 +205,7 @@ class VLLMServerEngine:
             self._repush_after_restart(answer is None)
         if answer is None:
             answer = self.request("POST", "/generate", {**body, "instance": self.info["instance"]})
-        return [(ids, logprobs, reason) for ids, logprobs, reason in answer["completions"]]
+        return [tuple(entry) for entry in answer["completions"]]  # ids, log-probs, finish reason, kept sets or None
 
     def _repush_after_restart(self, restarted_here: bool) -> None:
         """A sharded model's push is a collective: when any process met a restarted server, they all learn of it

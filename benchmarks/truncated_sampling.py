@@ -1,0 +1,102 @@
+#!/usr/bin/env python
+"""Truncated sampling on the letter task (tests/letters.py): top_p=1.0 against top_p=0.9 with the keep sampling mask
+(grpokit's default) and without it (TRL 1.16's full-vocabulary log-probs), same seeds, same tiny Qwen2, μ = 2 so
+that the importance ratio against π_old takes part in the loss. Per setting and seed: the reward of the first and
+of the last logging window, and the mean ratio of the first optimizer step's π_θ to the sampling log-probs (1 for
+an unchanged policy when the log-probs agree).
+
+    python benchmarks/truncated_sampling.py --steps 20 --seeds 0 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+SETTINGS = {
+    "top_p=1.0": {"top_p": 1.0},
+    "top_p=0.9, keep_sampling_mask (default)": {"top_p": 0.9},
+    "top_p=0.9, keep_sampling_mask=False (TRL 1.16)": {"top_p": 0.9, "keep_sampling_mask": False},
+}
+
+
+def first_ratio(trainer) -> float:
+    """exp(log π_θ − sampling log-prob) averaged over the loss tokens of one generation batch of the trained
+    policy, before any step on it (the first pass of μ = 2: π_θ is the weights that sampled)."""
+    import torch
+
+    from grpokit.logprobs import token_logprobs
+
+    batch = trainer.generate_batch()
+    with torch.no_grad():
+        logprobs, _ = token_logprobs(
+            trainer.unwrapped_model,
+            batch.input_ids,
+            batch.input_mask,
+            batch.completion_ids.shape[1],
+            trainer.args.temperature,
+            sampling_mask=batch.sampling_mask,
+        )
+    mask = batch.loss_mask.bool()
+    return torch.exp(logprobs - batch.sampling_logprobs)[mask].mean().item()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    root = Path(__file__).resolve().parent.parent
+    sys.path[:0] = [str(root / "src"), str(root / "tests")]  # this tree's grpokit, and the letter task
+    warnings.filterwarnings("ignore")
+    from letters import letter_config, letter_dataset, repeat_letter, tiny_letter_model
+
+    from grpokit import GRPOTrainer
+
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, options in SETTINGS.items():
+            for seed in args.seeds:
+                model, tokenizer = tiny_letter_model(seed=seed)
+                config = letter_config(
+                    Path(tmp) / f"{len(results)}",
+                    num_iterations=2,
+                    max_completion_length=4,
+                    max_steps=args.steps,
+                    logging_steps=5,
+                    seed=seed,
+                    **options,
+                )
+                started = time.perf_counter()
+                trainer = GRPOTrainer(
+                    model=model,
+                    reward_funcs=repeat_letter,
+                    args=config,
+                    train_dataset=letter_dataset(),
+                    processing_class=tokenizer,
+                )
+                ratio = first_ratio(trainer)
+                trainer.train()
+                rewards = [round(r["reward"], 3) for r in trainer.state.log_history[:-1]]
+                seconds = round(time.perf_counter() - started, 1)
+                results[f"{name}, seed {seed}"] = {
+                    "options": options,
+                    "seed": seed,
+                    "first_ratio": round(ratio, 5),
+                    "rewards": rewards,
+                    "seconds": seconds,
+                }
+                print(f"{name}, seed {seed}: ratio {ratio:.5f}, rewards {rewards} ({seconds} s)", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"steps": args.steps, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
