@@ -19,6 +19,7 @@ cross-field check lives in `validate()`, with messages that say how to fix the v
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import importlib.util
 import json
@@ -1768,9 +1769,11 @@ def _check_logging_and_evaluation(config: GRPOConfig) -> None:
     """Trackers, log levels, the evaluation schedule and the guard."""
     unknown = [name for name in config.report_to if name not in TRACKERS]
     if unknown:
+        close = difflib.get_close_matches(unknown[0], [*TRACKERS, "all", "none"], n=1, cutoff=0.6)
         raise ValueError(
-            f"report_to={unknown} is not supported by grpokit; use one or more of {list(TRACKERS)}, 'all' (those "
-            f"installed) or 'none'. metrics.jsonl in output_dir is written in every case."
+            f"report_to={unknown} is not supported by grpokit;{f' did you mean {close[0]!r}?' if close else ''} use "
+            f"one or more of {list(TRACKERS)}, 'all' (those installed) or 'none'. metrics.jsonl in output_dir is "
+            f"written in every case."
         )
     if config.logging_strategy not in ("steps", "epoch", "no"):
         raise ValueError(f"logging_strategy={config.logging_strategy!r} is not valid; use 'steps', 'epoch' or 'no'.")

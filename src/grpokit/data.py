@@ -177,6 +177,23 @@ def render_prompt(prompt: Any, tokenizer, chat_template_kwargs: dict | None = No
     )
 
 
+def unknown_token_share(dataset, tokenizer, max_rows: int = 64) -> tuple[float, int]:
+    """(share of the tokens of the first `max_rows` text prompts that are the tokenizer's unknown token, tokens
+    counted); (0.0, 0) for a tokenizer with no unknown token, token-id prompts, or a stream. Each prompt is encoded
+    alone, with no padding, so a tokenizer whose unknown token is its pad token is counted right."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None or is_iterable_dataset(dataset) or "prompt" not in dataset_columns(dataset):
+        return 0.0, 0
+    rows = [dataset[i]["prompt"] for i in range(min(max_rows, len(dataset)))]
+    texts = [
+        " ".join(m["content"] for m in p if isinstance(m.get("content"), str)) if is_conversational(p) else p
+        for p in rows
+    ]
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts if isinstance(text, str)]
+    total = sum(len(seq) for seq in ids)
+    return (sum(seq.count(unk) for seq in ids) / total if total else 0.0), total
+
+
 def pad_left(sequences: list[list[int]], pad_token_id: int, max_length: int | None = None):
     if max_length is not None:
         sequences = [s[-max_length:] for s in sequences]
