@@ -554,12 +554,16 @@ def clear_previous_run(output_dir: str, overwrite: bool) -> None:
 
 def quiet_library_progress() -> None:
     """No progress bars of datasets ("Generating train split") or transformers ("Loading weights") on every run:
-    grpokit's own bar and log lines say what the run does."""
+    grpokit's own bar and log lines say what the run does. Nor, offline, the `kernels` package's note, on
+    bitsandbytes' import, that it skips a check it cannot make offline."""
+    import logging
+
     import datasets
     import transformers
 
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
+    logging.getLogger("kernels").setLevel(logging.ERROR)
 
 
 def build_trainer(**kwargs):

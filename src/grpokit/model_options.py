@@ -118,7 +118,7 @@ def lora_config(arguments: dict):
 
     arguments = {"task_type": "CAUSAL_LM", **arguments}
     target = arguments.get("target_modules")
-    if isinstance(target, list) and len(target) == 1:  # `--lora_target_modules all-linear`, as TRL reads it
+    if target == ["all-linear"]:  # `--lora_target_modules all-linear`: peft takes the word itself, not a list
         arguments["target_modules"] = target[0]
     try:
         return LoraConfig(**arguments)

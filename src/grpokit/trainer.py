@@ -67,7 +67,7 @@ from .compat import models_written_by_this_process
 from .config import GRPOConfig
 from .cpu_matmul import release_scratch
 from .cpu_memory import reuse_activation_memory
-from .data import named_eval_datasets, unknown_token_share
+from .data import named_eval_datasets, unreadable_share
 from .dataloaders import eval_dataloader, train_dataloader
 from .distributed import (
     all_processes_done,
@@ -732,15 +732,16 @@ class GRPOTrainer:
                 warnings.warn(message, RuntimeWarning, stacklevel=2)
 
     def warn_unknown_prompt_tokens(self) -> None:
-        """Prompts the tokenizer cannot read (most of their tokens its unknown token) are said before training."""
+        """Prompts the tokenizer cannot read (most of their characters out of its vocabulary) are said before
+        training."""
         tokenizer = getattr(self.codec, "tokenizer", None)
-        share, tokens = unknown_token_share(self.train_dataset, tokenizer) if tokenizer is not None else (0.0, 0)
+        share, chars = unreadable_share(self.train_dataset, tokenizer) if tokenizer is not None else (0.0, 0)
         if share > 0.5 and self.accelerator.is_main_process:
             warnings.warn(
-                f"{share:.0%} of the prompt tokens (of {tokens} in the first prompts) are the tokenizer's unknown "
-                f"token {tokenizer.unk_token!r}: the model cannot read these prompts, and every reward will judge "
-                f"answers to nothing. Use the model's own tokenizer, or a model whose vocabulary covers the prompts' "
-                f"characters (their language, their encoding).",
+                f"{share:.0%} of the prompts' characters (of {chars} in the first prompts) are not in the "
+                f"tokenizer's vocabulary: they become its unknown token or vanish, so the model cannot read these "
+                f"prompts. Use the model's own tokenizer, or a model whose vocabulary covers the prompts' characters "
+                f"(their language, their encoding).",
                 RuntimeWarning,
                 stacklevel=2,
             )
