@@ -356,12 +356,12 @@ def train_command(argv: list[str]) -> int:
     missing = [key for key in ("model", "dataset", "reward") if not run[key]]
     if missing:
         raise UsageError(f"missing {', '.join('--' + k for k in missing)} (or give them in the YAML file).")
-    rewards = resolve_rewards(run["reward"])  # bad reward names fail before any loading
     check_eval_request(run, values)
     peft_arguments = model_options_into(run, values)
     args = build_config(values)
     check_packages(args, run["reward"], peft_arguments is not None, run["model_options"])
     check_output_dir(args, run["overwrite_output_dir"])
+    rewards = resolve_rewards(run["reward"])  # bad reward names fail before any loading
     quiet_library_progress()
     dataset = load_data(run["dataset"], run["dataset_split"] or "train", run["rename_column"])
     check_columns(dataset, run["dataset"], rewards)
@@ -399,6 +399,9 @@ def demo_command(run: dict, values: dict) -> int:
             f"{', '.join(given)} without --model and --dataset: give both (with --reward) to train your own model; "
             "without them `grpokit train` runs the built-in demo, which has its own model, data and rewards."
         )
+    # The packages the flags name, checked before the demo's imports (torch, the trainer) take their seconds.
+    light = {name: values[name] for name in ("report_to", "optim", "use_vllm", "deepspeed") if name in values}
+    check_packages(build_config(light), [], False, {})
     from .demo import run_demo
 
     def check(args: GRPOConfig) -> None:
