@@ -832,6 +832,8 @@ def eval_values(options: dict) -> dict:
         return values
     saved = json.loads(run_config.read_text())
     inherited = {name: saved[name] for name in EVAL_FIELDS if name in saved and name not in values}
+    if inherited.get("num_generations_eval", 0) is None and saved.get("num_generations"):
+        inherited["num_generations_eval"] = saved["num_generations"]  # the run evaluated with its group size
     weights = inherited.get("reward_weights")
     if weights is not None and len(weights) != len(options["reward"]):
         del inherited["reward_weights"]  # the run's weights were for its own rewards, not these
