@@ -146,3 +146,27 @@ def test_the_newcomer_path_runs_as_written(tmp_path):
     assert [len(sample["completions"]) for sample in results["samples"]] == [4, 4]
     assert (tmp_path / "my-run" / "report" / "report.html").is_file()
     assert "Generating train split" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_readmes_command_line_is_the_run_of_the_script_above_it():
+    script = re.search(r"```python\n# train_grpo.py\n(.*?)```", README, re.S).group(1)
+    commands = re.search(r"The same run from the command line:\s+```bash\n(.*?)```", README, re.S).group(1)
+    train = " ".join(commands.replace("\\\n", " ").split("grpokit train ")[1].split("\ngrpokit ")[0].split())
+    model = re.search(r'model="([^"]+)"', script).group(1)
+    dataset = re.search(r'load_dataset\("([^"]+)"', script).group(1)
+    output_dir = re.search(r'output_dir="([^"]+)"', script).group(1)
+    logging_steps = re.search(r"logging_steps=(\d+)", script).group(1)
+    for flag in (
+        f"--model {model}",
+        f"--dataset {dataset}",
+        f"--output_dir {output_dir}",
+        f"--logging_steps {logging_steps}",
+    ):
+        assert flag in train, flag
+    assert "def reward_len(" in script and "--reward rewards.py:reward_len" in train
+
+
+def test_the_development_section_says_how_to_develop_not_one_machines_timings():
+    section = README.split("## Development\n")[1].split("\n## ")[0]
+    assert "pip install -e" in section and "python -m pytest" in section
+    assert not re.search(r"\b[0-9a-f]{7,40}\b|\bminutes\b|\d[\d,]* passed|\d+ skipped", section), section
