@@ -170,3 +170,16 @@ def test_the_development_section_says_how_to_develop_not_one_machines_timings():
     section = README.split("## Development\n")[1].split("\n## ")[0]
     assert "pip install -e" in section and "python -m pytest" in section
     assert not re.search(r"\b[0-9a-f]{7,40}\b|\bminutes\b|\d[\d,]* passed|\d+ skipped", section), section
+
+
+def test_the_demo_pictures_caption_is_what_the_picture_shows():
+    """docs/demo_report.png carries its title as the PNG's Description (scripts/demo_report_picture.py draws both
+    from the run's demo_results.json); the README and Getting started quote it, and it names no local path."""
+    from PIL import Image
+
+    described = Image.open(ROOT / "docs" / "demo_report.png").info["Description"]
+    assert re.fullmatch(r"held-out accuracy went from \d+% before GRPO to \d+% after \d+ GRPO steps", described)
+    for page in (README, (ROOT / "docs" / "getting-started.md").read_text()):
+        paragraph = page.split("grpokit report grpo-demo")[1].split("![")[0]
+        assert described in " ".join(paragraph.split()), paragraph
+        assert not re.search(r"/tmp/|/home/|/work/|/Users/", paragraph)
