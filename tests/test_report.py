@@ -285,3 +285,21 @@ def test_short_runs_are_drawn_honestly(tmp_path):
     (other / "grpo_config.json").write_text(json.dumps({"beta": 0.04, "learning_rate": 1e-5, "seed": 1}))
     assert config_rows([load_run(d), load_run(other)]) == (["beta"], 2)
     assert config_rows([load_run(d)]) == (["learning_rate", "seed"], 1)
+
+
+def test_a_learning_rate_constant_to_float_rounding_is_named_not_drawn(tmp_path):
+    from grpokit.report import flat_panels
+
+    run_dir = make_run(tmp_path)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.strip().startswith("{") and line.strip().endswith("}")]
+    for number, record in enumerate(records):
+        if "learning_rate" in record:
+            record["learning_rate"] = 0.0010000000000000002 if number % 2 else 0.001  # a constant schedule's logs
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert flat_panels([load_run(run_dir)]) == {"Learning rate": 0.001}
+    records[-1]["learning_rate"] = 0.0009  # a schedule that moves is drawn
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert flat_panels([load_run(run_dir)]) == {}
+    assert (tmp_path / "plots").exists() is False
+    assert "learning_rate.png" in {p.name for p in plot_metrics([load_run(run_dir)], tmp_path / "plots")}

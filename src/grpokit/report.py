@@ -209,8 +209,12 @@ FLAT_NOT_DRAWN = ("learning_rate",)
 
 
 def _flat_value(subplots: list[list[Series]]) -> float | None:
-    values = {y for series in subplots for s in series for y in s.ys}
-    return values.pop() if len(values) == 1 else None
+    """The one value of every series, when they have one (to float rounding: a scheduler's constant 1e-3 is
+    logged as 0.001 and 0.0010000000000000002); None otherwise."""
+    values = [y for series in subplots for s in series for y in s.ys]
+    if not values or max(values) - min(values) > 1e-6 * max(abs(v) for v in values):
+        return None
+    return values[0]
 
 
 def flat_panels(runs: list[Run]) -> dict[str, float]:
