@@ -5,7 +5,10 @@
 Every GRPOConfig field is a flag; values are parsed as YAML scalars (`--bf16`, `--bf16 false`,
 `--top_k null`); list fields take `--reward_weights 1.0`, `--reward_weights 1.0 0.5`, `--reward_weights 1.0,0.5`
 or `--reward_weights "[1, 0.5]"`. A YAML file gives the same keys, plus `model`, `dataset` and `reward`; flags
-override the file. Mistakes (an unknown command, flag or key, a bad value) print one line with a suggestion.
+override the file. TRL's `ModelConfig` options (`--use_peft`, `--lora_r`, `--load_in_4bit`, ...) build the LoRA
+adapter and the model's loading arguments (model_options.py). Mistakes (an unknown command, flag or key, a bad value,
+a missing optional package, an output_dir that holds another run) print one line with a suggestion, before anything
+loads.
 
 Each command imports the package modules it runs inside its function: `grpokit --help`, `--version` and
 `train --help` read only GRPOConfig's fields, and must not import torch (seconds), as `import grpokit` does not.

@@ -991,8 +991,8 @@ class GRPOConfig:
     )
     overwrite_output_dir: bool = _deprecated(
         False,
-        "transformers 5 dropped it; nothing replaces it: grpokit always "
-        "writes into output_dir (and resumes only when asked).",
+        "transformers 5 dropped it; GRPOTrainer writes into output_dir as told. `grpokit train "
+        "--overwrite_output_dir true` starts over in a folder that holds a previous run.",
     )
 
     def __post_init__(self):
