@@ -36,6 +36,22 @@ def test_demo_through_the_cli_shortened(tmp_path):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "demo")
+    # The held-out accuracies it prints are in the run's files, and in its report.
+    results = json.loads((tmp_path / "demo" / "demo_results.json").read_text())
+    printed = (
+        f"Held-out accuracy: {results['accuracy_before']:.1%} before GRPO -> {results['accuracy_after']:.1%} after 4"
+    )
+    assert printed in out and results["grpo_steps"] == 4 and results["warmup_steps"] >= 5
+    run_cli("report", str(tmp_path / "demo"), cwd=tmp_path)
+    page = (tmp_path / "demo" / "report" / "report.html").read_text()
+    assert (
+        f'<td class="num">{results["accuracy_before"]:.0%}</td><td class="num">{results["accuracy_after"]:.0%}' in page
+    )
+    assert "<h2>Sample completions</h2>" not in page and "No sample completions: the run did not log them" in page
+    assert (
+        "Learning rate (constant at 0.001)" in page
+        and not (tmp_path / "demo" / "report" / "learning_rate.png").exists()
+    )
 
 
 def test_train_with_model_dataset_and_reward_file(tmp_path):
@@ -684,3 +700,32 @@ def test_eval_command_and_run_demo_are_at_most_80_lines():
     for module, name in ((cli_module, "eval_command"), (task, "run_demo")):
         node = next(n for n in ast.walk(ast.parse(inspect.getsource(module))) if getattr(n, "name", "") == name)
         assert node.end_lineno - node.lineno + 1 <= 80, name
+
+
+@pytest.mark.parametrize(
+    "source, command",
+    [
+        (("editable", "/src/grpokit"), "pip install -e '/src/grpokit[trackers]'"),
+        (("directory", "/src/grpokit"), "pip install '/src/grpokit[trackers]'"),
+        (("index", None), "pip install 'grpokit[trackers]'"),
+        (("file", None), "pip install wandb"),
+        (("none", None), "pip install wandb"),
+    ],
+)
+def test_the_install_command_is_for_grpokit_as_installed(monkeypatch, source, command):
+    from grpokit import extras
+
+    monkeypatch.setattr(extras, "installed_from", lambda: source)
+    assert extras.install_command("trackers", "wandb") == command
+
+
+def test_unreadable_share_counts_the_characters_a_tokenizer_loses():
+    from datasets import Dataset
+
+    from grpokit.data import unreadable_share
+    from grpokit.testing import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer("abcd:")
+    rows = Dataset.from_list([{"prompt": "ab日本"}, {"prompt": "abcd"}, {"prompt": "a b"}])
+    assert unreadable_share(rows, tokenizer) == (2 / 10, 10)  # 2 of 4 + 4 + 2 characters (spaces not counted)
+    assert unreadable_share(Dataset.from_list([{"prompt_ids": [1, 2]}]), tokenizer) == (0.0, 0)
