@@ -729,3 +729,18 @@ def test_unreadable_share_counts_the_characters_a_tokenizer_loses():
     rows = Dataset.from_list([{"prompt": "ab日本"}, {"prompt": "abcd"}, {"prompt": "a b"}])
     assert unreadable_share(rows, tokenizer) == (2 / 10, 10)  # 2 of 4 + 4 + 2 characters (spaces not counted)
     assert unreadable_share(Dataset.from_list([{"prompt_ids": [1, 2]}]), tokenizer) == (0.0, 0)
+
+
+def test_qlora_from_the_command_line_trains_an_adapter_on_a_4bit_base(letters):
+    pytest.importorskip("bitsandbytes")
+    code, _out, err, _ = cli(
+        "train", "--model", "tiny", "--dataset", "train.jsonl", "--reward", "exact_match", "--max_steps", "1",
+        "--output_dir", "out", "--use_peft", "--load_in_4bit", "--lora_target_modules", "all-linear", *TINY, *QUIET,
+        cwd=letters,
+    )  # fmt: skip
+    assert code == 0, err
+    init = json.loads((letters / "out" / "grpo_config.json").read_text())["model_init_kwargs"]
+    assert init["quantization_config"]["load_in_4bit"] is True
+    adapter = json.loads((letters / "out" / "adapter_config.json").read_text())
+    adapted = {name.rsplit(".", 1)[-1] for name in adapter["target_modules"]}  # all-linear, resolved by peft
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
