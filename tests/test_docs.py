@@ -3,6 +3,7 @@ the site builds strictly, every Python block runs (or says why it cannot offline
 
 import dataclasses
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -107,3 +108,78 @@ def test_every_guide_is_listed_on_the_front_pages():
     index = (ROOT / "docs" / "index.md").read_text()
     assert [name for name in guides if f"(guides/{name})" not in index] == []
     assert [name for name in guides if f"(docs/guides/{name})" not in README] == []
+
+
+def marked_blocks(page: Path, marker: str) -> list[tuple[str, str]]:
+    """(the marker's text, the block's body) for every fenced block whose line before is `<!-- MARKER: text -->`."""
+    lines = page.read_text().splitlines()
+    found = []
+    for number, line in enumerate(lines[:-1]):
+        match = re.fullmatch(rf"<!-- {marker}: (.+?) -->", line.strip())
+        if match and lines[number + 1].startswith("```"):
+            end = lines.index("```", number + 2)
+            found.append((match.group(1), "\n".join(lines[number + 2 : end]) + "\n"))
+    return found
+
+
+def test_the_newcomer_path_runs_as_written(tmp_path):
+    """Getting started's "your own model and data", verbatim: the JSONL files it shows, then its commands (train on
+    them with an eval set, evaluate the saved model, draw the report), on a tiny model saved as ./my-model."""
+    from grpokit.testing import save_tiny_model
+
+    page = ROOT / "docs" / "getting-started.md"
+    for name, body in marked_blocks(page, "file"):
+        (tmp_path / name).write_text(body)
+    ((_, commands),) = marked_blocks(page, "run")
+    save_tiny_model(tmp_path / "my-model", chars="0123456789+=")
+    shim = f'grpokit() {{ "{sys.executable}" -m grpokit.cli "$@"; }}\nset -e\n'
+    env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        ["bash", "-c", shim + commands], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = [json.loads(line) for line in (tmp_path / "my-run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "eval/reward" in r] == [2, 4]  # evaluated every logging step
+    assert [r["step"] for r in records if "reward" in r] == [1, 2, 4]
+    results = json.loads((tmp_path / "my-run" / "eval.json").read_text())
+    assert results["num_prompts"] == 2 and results["num_generations_eval"] == 4  # the run's group size
+    assert [len(sample["completions"]) for sample in results["samples"]] == [4, 4]
+    assert (tmp_path / "my-run" / "report" / "report.html").is_file()
+    assert "Generating train split" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_readmes_command_line_is_the_run_of_the_script_above_it():
+    script = re.search(r"```python\n# train_grpo.py\n(.*?)```", README, re.S).group(1)
+    commands = re.search(r"The same run from the command line:\s+```bash\n(.*?)```", README, re.S).group(1)
+    train = " ".join(commands.replace("\\\n", " ").split("grpokit train ")[1].split("\ngrpokit ")[0].split())
+    model = re.search(r'model="([^"]+)"', script).group(1)
+    dataset = re.search(r'load_dataset\("([^"]+)"', script).group(1)
+    output_dir = re.search(r'output_dir="([^"]+)"', script).group(1)
+    logging_steps = re.search(r"logging_steps=(\d+)", script).group(1)
+    for flag in (
+        f"--model {model}",
+        f"--dataset {dataset}",
+        f"--output_dir {output_dir}",
+        f"--logging_steps {logging_steps}",
+    ):
+        assert flag in train, flag
+    assert "def reward_len(" in script and "--reward rewards.py:reward_len" in train
+
+
+def test_the_development_section_says_how_to_develop_not_one_machines_timings():
+    section = README.split("## Development\n")[1].split("\n## ")[0]
+    assert "pip install -e" in section and "python -m pytest" in section
+    assert not re.search(r"\b[0-9a-f]{7,40}\b|\bminutes\b|\d[\d,]* passed|\d+ skipped", section), section
+
+
+def test_the_demo_pictures_caption_is_what_the_picture_shows():
+    """docs/demo_report.png carries its title as the PNG's Description (scripts/demo_report_picture.py draws both
+    from the run's demo_results.json); the README and Getting started quote it, and it names no local path."""
+    from PIL import Image
+
+    described = Image.open(ROOT / "docs" / "demo_report.png").info["Description"]
+    assert re.fullmatch(r"held-out accuracy went from \d+% before GRPO to \d+% after \d+ GRPO steps", described)
+    for page in (README, (ROOT / "docs" / "getting-started.md").read_text()):
+        paragraph = page.split("grpokit report grpo-demo")[1].split("![")[0]
+        assert described in " ".join(paragraph.split()), paragraph
+        assert not re.search(r"/tmp/|/home/|/work/|/Users/", paragraph)

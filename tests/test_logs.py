@@ -1,6 +1,7 @@
 """Trackers (`grpokit.logs`): what MetricSink logs reaches MLflow and Trackio stores, read back with their own
-clients. Each test skips when its tracker is not installed (`pip install '.[trackers]' in grpokit's checkout`)."""
+clients. Each test skips when its tracker is not installed (`pip install 'grpokit[trackers]'`, or the extra of the folder grpokit was installed from)."""
 
+import re
 import sys
 
 import pytest
@@ -101,7 +102,10 @@ def test_trackio_local_store_receives_metrics(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", ["mlflow", "trackio", "wandb"])
 def test_missing_tracker_package_says_what_to_install(tmp_path, monkeypatch, name):
     monkeypatch.setitem(sys.modules, name, None)  # makes `import name` fail
-    with pytest.raises(ImportError, match=rf"report_to='{name}' needs: pip install '\.\[trackers\]' in grpokit's"):
+    from grpokit.extras import install_command
+
+    command = install_command("trackers", {"mlflow": "mlflow-skinny"}.get(name, name))
+    with pytest.raises(ImportError, match=re.escape(f"report_to='{name}' needs {name}: {command}")):
         MetricSink(str(tmp_path), [name], None, None, {})
 
 

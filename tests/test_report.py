@@ -97,7 +97,6 @@ def test_plot_metrics_writes_valid_pngs_only_for_present_metrics(tmp_path):
         "reward_std.png",
         "clip_ratio.png",
         "completion_length.png",
-        "learning_rate.png",
         "grad_norm.png",
         "step_time.png",
     }
@@ -105,6 +104,7 @@ def test_plot_metrics_writes_valid_pngs_only_for_present_metrics(tmp_path):
         data = p.read_bytes()
         assert data[:8] == PNG_MAGIC and len(data) > 5000, p
     assert not (tmp_path / "plots" / "kl.png").exists()
+    assert not (tmp_path / "plots" / "learning_rate.png").exists()  # constant: named in the page, not drawn
     assert not (tmp_path / "plots" / "entropy.png").exists()
 
 
@@ -152,7 +152,8 @@ def test_write_report_html(tmp_path):
     assert SCRIPT not in page and "<script" not in page
     assert "&lt;script&gt;alert(&quot;pwned&quot;)&lt;/script&gt; &amp; more" in page
     assert 'src="http' not in page and "<link" not in page
-    assert page.count('src="data:image/png;base64,') == 7
+    assert page.count('src="data:image/png;base64,') == 6
+    assert "Learning rate (constant at 1e-05)" in page
     # Early and late completions shown, the middle step is not.
     assert "EARLY prompt 0" in page and "EARLY completion 1" in page
     assert "LATE prompt 1" in page and "LATE completion 0" in page
@@ -173,7 +174,7 @@ def test_write_report_comparison_and_empty_run(tmp_path):
     page = html_path.read_text()
     assert "GRPO report: run_a vs run_b vs fresh" in page
     assert "Sample completions — run_b" in page
-    assert "No completions.jsonl found." in page
+    assert "Sample completions — fresh" not in page  # a run with no completions has no empty section
 
     only_fresh = write_report([tmp_path / "fresh"])
     assert "No metrics logged yet." in only_fresh.read_text()
@@ -199,7 +200,7 @@ def test_html_renders_in_headless_chromium(tmp_path):
     dom = subprocess.run([*common, "--dump-dom", url], check=False, capture_output=True, text=True, timeout=120)
     assert dom.returncode == 0, dom.stderr[-2000:]
     assert "<title>GRPO report: run_a vs run_b</title>" in dom.stdout
-    assert dom.stdout.count("<img") == 7
+    assert dom.stdout.count("<img") == 6
     # Check that every embedded PNG actually decodes: a copy of the page (the report itself
     # has no JS) counts the loaded images into a DOM attribute that --dump-dom shows.
     probe = tmp_path / "probe.html"
@@ -284,3 +285,21 @@ def test_short_runs_are_drawn_honestly(tmp_path):
     (other / "grpo_config.json").write_text(json.dumps({"beta": 0.04, "learning_rate": 1e-5, "seed": 1}))
     assert config_rows([load_run(d), load_run(other)]) == (["beta"], 2)
     assert config_rows([load_run(d)]) == (["learning_rate", "seed"], 1)
+
+
+def test_a_learning_rate_constant_to_float_rounding_is_named_not_drawn(tmp_path):
+    from grpokit.report import flat_panels
+
+    run_dir = make_run(tmp_path)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.strip().startswith("{") and line.strip().endswith("}")]
+    for number, record in enumerate(records):
+        if "learning_rate" in record:
+            record["learning_rate"] = 0.0010000000000000002 if number % 2 else 0.001  # a constant schedule's logs
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert flat_panels([load_run(run_dir)]) == {"Learning rate": 0.001}
+    records[-1]["learning_rate"] = 0.0009  # a schedule that moves is drawn
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert flat_panels([load_run(run_dir)]) == {}
+    assert (tmp_path / "plots").exists() is False
+    assert "learning_rate.png" in {p.name for p in plot_metrics([load_run(run_dir)], tmp_path / "plots")}

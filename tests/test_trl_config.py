@@ -163,7 +163,7 @@ def test_deprecated_names_warn_naming_the_replacement_and_take_effect(tmp_path):
         "logging_dir": (str(tmp_path / "tb"), ["TENSORBOARD_LOGGING_DIR"], lambda c: c.logging_dir.endswith("tb")),
         "use_liger_loss": (True, ["use_liger_kernel"], lambda c: c.use_liger_kernel and not c.use_liger_loss),
         "wandb_log_unique_prompts": (True, ["log_unique_prompts"], lambda c: c.log_unique_prompts),
-        "overwrite_output_dir": (True, ["nothing replaces it"], lambda c: True),
+        "overwrite_output_dir": (True, ["GRPOTrainer writes into output_dir as told"], lambda c: True),
     }
     assert set(cases) == set(DEPRECATED)
     for name, (value, words, took_effect) in cases.items():

@@ -23,6 +23,7 @@ cross-field check lives in `validate()`, with messages that say how to fix the v
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import importlib.util
 import json
@@ -1002,8 +1003,8 @@ class GRPOConfig:
     wandb_log_unique_prompts: bool = _deprecated(False, "TRL 0.26.0 renamed it log_unique_prompts.")
     overwrite_output_dir: bool = _deprecated(
         False,
-        "transformers 5 dropped it; nothing replaces it: grpokit always "
-        "writes into output_dir (and resumes only when asked).",
+        "transformers 5 dropped it; GRPOTrainer writes into output_dir as told. `grpokit train "
+        "--overwrite_output_dir true` starts over in a folder that holds a previous run.",
     )
 
     def __post_init__(self):
@@ -1796,9 +1797,11 @@ def _check_logging_and_evaluation(config: GRPOConfig) -> None:
     """Trackers, log levels, the evaluation schedule and the guard."""
     unknown = [name for name in config.report_to if name not in TRACKERS]
     if unknown:
+        close = difflib.get_close_matches(unknown[0], [*TRACKERS, "all", "none"], n=1, cutoff=0.6)
         raise ValueError(
-            f"report_to={unknown} is not supported by grpokit; use one or more of {list(TRACKERS)}, 'all' (those "
-            f"installed) or 'none'. metrics.jsonl in output_dir is written in every case."
+            f"report_to={unknown} is not supported by grpokit;{f' did you mean {close[0]!r}?' if close else ''} use "
+            f"one or more of {list(TRACKERS)}, 'all' (those installed) or 'none'. metrics.jsonl in output_dir is "
+            f"written in every case."
         )
     if config.logging_strategy not in ("steps", "epoch", "no"):
         raise ValueError(f"logging_strategy={config.logging_strategy!r} is not valid; use 'steps', 'epoch' or 'no'.")

@@ -177,6 +177,26 @@ def render_prompt(prompt: Any, tokenizer, chat_template_kwargs: dict | None = No
     )
 
 
+def unreadable_share(dataset, tokenizer, max_rows: int = 64) -> tuple[float, int]:
+    """(share of the characters of the first `max_rows` text prompts that the tokenizer cannot represent, characters
+    counted): those it encodes as its unknown token, or drops, are missing from the decoded text. (0.0, 0) for
+    token-id prompts or a stream. Spaces are not counted (tokenizers may normalise them)."""
+    if is_iterable_dataset(dataset) or "prompt" not in dataset_columns(dataset):
+        return 0.0, 0
+    rows = [dataset[i]["prompt"] for i in range(min(max_rows, len(dataset)))]
+    texts = [
+        " ".join(m["content"] for m in p if isinstance(m.get("content"), str)) if is_conversational(p) else p
+        for p in rows
+    ]
+    total = lost = 0
+    for text in (t for t in texts if isinstance(t, str)):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        decoded = tokenizer.decode(ids, skip_special_tokens=True)  # an unknown token is a special token
+        chars, kept = len("".join(text.split())), len("".join(decoded.split()))
+        total, lost = total + chars, lost + max(chars - kept, 0)
+    return (lost / total if total else 0.0), total
+
+
 def pad_left(sequences: list[list[int]], pad_token_id: int, max_length: int | None = None):
     if max_length is not None:
         sequences = [s[-max_length:] for s in sequences]

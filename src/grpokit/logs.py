@@ -9,6 +9,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from .extras import install_command
+
 
 def completion_metrics(lengths, truncated) -> dict[str, float]:
     """TRL's `completions/*` metrics from the whole batch's completion lengths [N] and truncation flags [N]."""
@@ -124,7 +126,7 @@ class TensorBoardTracker:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as error:
             raise ImportError(
-                "report_to='tensorboard' needs: pip install '.[trackers]' in grpokit's checkout"
+                f"report_to='tensorboard' needs tensorboard: {install_command('trackers', 'tensorboard')}"
             ) from error
         # transformers 5 reads the directory from TENSORBOARD_LOGGING_DIR (logging_dir is grpokit's older spelling).
         directory = logging_dir or os.environ.get("TENSORBOARD_LOGGING_DIR") or str(Path(output_dir) / "runs")
@@ -153,7 +155,7 @@ class WandbTracker:
         try:
             import wandb
         except ImportError as error:
-            raise ImportError("report_to='wandb' needs: pip install '.[trackers]' in grpokit's checkout") from error
+            raise ImportError(f"report_to='wandb' needs wandb: {install_command('trackers', 'wandb')}") from error
         self.wandb = wandb
         self.run = wandb.init(name=run_name, config=config)
 
@@ -180,7 +182,9 @@ class MlflowTracker:
         try:
             import mlflow
         except ImportError as error:
-            raise ImportError("report_to='mlflow' needs: pip install '.[trackers]' in grpokit's checkout") from error
+            raise ImportError(
+                f"report_to='mlflow' needs mlflow: {install_command('trackers', 'mlflow-skinny')}"
+            ) from error
         self.mlflow = mlflow
         if os.environ.get("MLFLOW_EXPERIMENT_NAME"):
             mlflow.set_experiment(os.environ["MLFLOW_EXPERIMENT_NAME"])
@@ -212,7 +216,7 @@ class TrackioTracker:
         try:
             import trackio
         except ImportError as error:
-            raise ImportError("report_to='trackio' needs: pip install '.[trackers]' in grpokit's checkout") from error
+            raise ImportError(f"report_to='trackio' needs trackio: {install_command('trackers', 'trackio')}") from error
         self.trackio = trackio
         trackio.init(project=config.get("project") or "huggingface", name=run_name, config=config, resume="allow")
 

@@ -15,6 +15,7 @@ from .compat import is_peft_model, output_embeddings, tied_weight_keys
 from .cpu_matmul import is_linear4bit
 from .data import PromptLimit
 from .distributed import full_state_dict, is_sharded, is_zero3, load_full_state_dict
+from .extras import install_command
 from .multimodal import freeze_vision, is_vision_language_model, language_only_lora, text_config_of, tokenizer_of
 from .quantized import quantize_linears
 
@@ -130,7 +131,7 @@ def apply_peft(model, peft_config):
     try:
         from peft import get_peft_model
     except ImportError as error:
-        raise ImportError("peft_config needs peft: pip install '.[peft]' in grpokit's checkout") from error
+        raise ImportError(f"peft_config needs peft: {install_command('peft', 'peft')}") from error
     if is_peft_model(model):
         raise ValueError("The model already has a LoRA adapter (a PeftModel): do not pass peft_config as well.")
     return get_peft_model(model, peft_config)

@@ -24,6 +24,8 @@ from types import SimpleNamespace
 
 import torch
 
+from .extras import install_command
+
 
 def decay_parameter_names(model: torch.nn.Module) -> set[str]:
     """Names of the parameters weight decay applies to: all but biases and norm weights (transformers' rule)."""
@@ -59,7 +61,7 @@ def _grpokit_optimizer(args) -> tuple[type, dict]:
         from torchao.optim import _AdamW
     except ImportError as error:
         raise ImportError(
-            f"optim={args.optim!r} needs torchao: pip install '.[lowmem]' in grpokit's checkout ({error})"
+            f"optim={args.optim!r} needs torchao: {install_command('lowmem', 'torchao')} ({error})"
         ) from error
     options = dict(pair.partition("=")[::2] for pair in (args.optim_args or "").replace(" ", "").split(",") if pair)
     rounding = options.pop("bf16_stochastic_round", "True").lower()

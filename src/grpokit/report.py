@@ -42,6 +42,8 @@ class Run:
     # True when metrics.jsonl ended in an unparsable line: the run is most
     # likely still being written.
     partial: bool = False
+    # The built-in demo's demo_results.json: held-out accuracy before and after GRPO ({} for other runs).
+    heldout: dict = field(default_factory=dict)
 
 
 def _read_jsonl(path: Path) -> tuple[list[dict], bool]:
@@ -90,6 +92,7 @@ def reward_trend(log_history: list[dict]) -> str:
 # The run's configuration, as each trainer names it (GRPOTrainer and RLOOTrainer, DistillationTrainer).
 CONFIG_FILES = ("grpo_config.json", "distillation_config.json")
 RUN_FILES = ("metrics.jsonl", "completions.jsonl", *CONFIG_FILES)
+HELDOUT_FILE = "demo_results.json"  # written by the built-in demo (grpokit.demo)
 
 
 def holds_a_run(output_dir: str | Path) -> bool:
@@ -113,7 +116,13 @@ def load_run(output_dir: str | Path) -> Run:
         except json.JSONDecodeError:
             config = {}  # being rewritten right now; a report without it beats a crash
     name = path.resolve().name or str(path)
-    return Run(name, metrics, completions, config, path, partial)
+    heldout: dict = {}
+    if (path / HELDOUT_FILE).is_file():
+        try:
+            heldout = json.loads((path / HELDOUT_FILE).read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            heldout = {}
+    return Run(name, metrics, completions, config, path, partial, heldout)
 
 
 # --- plotting -----------------------------------------------------------------
@@ -194,13 +203,39 @@ def all_zero_panels(runs: list[Run]) -> list[str]:
     return [titles[stem] for stem, subplots in _collect(runs).items() if _all_zero(subplots)]
 
 
+# Panels whose flat line says nothing a number does not (a constant learning rate): not drawn when flat, but named
+# with their value.
+FLAT_NOT_DRAWN = ("learning_rate",)
+
+
+def _flat_value(subplots: list[list[Series]]) -> float | None:
+    """The one value of every series, when they have one (to float rounding: a scheduler's constant 1e-3 is
+    logged as 0.001 and 0.0010000000000000002); None otherwise."""
+    values = [y for series in subplots for s in series for y in s.ys]
+    if not values or max(values) - min(values) > 1e-6 * max(abs(v) for v in values):
+        return None
+    return values[0]
+
+
+def flat_panels(runs: list[Run]) -> dict[str, float]:
+    """Title -> value of the FLAT_NOT_DRAWN panels whose every logged value is one number: not drawn, but named."""
+    titles = {stem: title for stem, title, _ in PANELS}
+    found = {stem: _flat_value(subplots) for stem, subplots in _collect(runs).items() if stem in FLAT_NOT_DRAWN}
+    return {titles[stem]: value for stem, value in found.items() if value is not None}
+
+
 def collect_series(runs: list[Run]) -> dict[str, list[list[Series]]]:
-    """Panel stem -> subplots -> series, only for data that exists and panels not all zero.
+    """Panel stem -> subplots -> series, only for data that exists and panels not all zero (nor flat, for those of
+    FLAT_NOT_DRAWN).
 
     Separated from drawing so tests (and callers) can inspect what a plot
     will show, including the legend labels, without parsing images.
     """
-    return {stem: subplots for stem, subplots in _collect(runs).items() if not _all_zero(subplots)}
+    return {
+        stem: subplots
+        for stem, subplots in _collect(runs).items()
+        if not _all_zero(subplots) and not (stem in FLAT_NOT_DRAWN and _flat_value(subplots) is not None)
+    }
 
 
 def _collect(runs: list[Run]) -> dict[str, list[list[Series]]]:
@@ -457,6 +492,39 @@ def _samples_html(run: Run, per_step: int) -> str:
     return "".join(parts)
 
 
+def _heldout_html(runs: list[Run], names: list[str]) -> str:
+    """The built-in demo's held-out accuracy before and after GRPO, for the runs that have it ('' for none)."""
+    rows = [
+        f'<tr><td>{_esc(name)}</td><td class="num">{run.heldout.get("accuracy_before", 0):.0%}</td>'
+        f'<td class="num">{run.heldout.get("accuracy_after", 0):.0%}</td>'
+        f'<td class="num">{_esc(_fmt(run.heldout.get("grpo_steps")))}</td></tr>'
+        for run, name in zip(runs, names)
+        if "accuracy_before" in run.heldout and "accuracy_after" in run.heldout
+    ]
+    if not rows:
+        return ""
+    measure = next(r.heldout.get("heldout_accuracy_measures", "") for r in runs if r.heldout)
+    return (
+        "<h2>Held-out accuracy</h2><table><tr><th>run</th><th>before GRPO</th><th>after GRPO</th>"
+        f'<th>GRPO steps</th></tr>{"".join(rows)}</table><p class="muted">{_esc(measure)}.</p>'
+    )
+
+
+def _all_samples_html(runs: list[Run], names: list[str], per_step: int) -> str:
+    """Sample completions of each run that logged some; one line when none did (log_completions was off)."""
+    if not any(r.completions for r in runs):
+        return (
+            '<p class="muted">No sample completions: the run did not log them (log_completions=True writes '
+            "completions.jsonl, shown here).</p>"
+        )
+    return "".join(
+        (f"<h2>Sample completions — {_esc(n)}</h2>" if len(runs) > 1 else "<h2>Sample completions</h2>")
+        + _samples_html(r, per_step)
+        for r, n in zip(runs, names)
+        if r.completions
+    )
+
+
 def write_report(
     output_dirs: list[str | Path] | str | Path, out: Path | None = None, samples_per_step: int = 4
 ) -> Path:
@@ -483,20 +551,20 @@ def write_report(
     zero = all_zero_panels(runs)
     if zero:
         plots += f'<p class="muted">Not drawn, every value 0: {_esc(", ".join(zero))}.</p>'
+    flat = flat_panels(runs)
+    if flat:
+        shown = ", ".join(f"{title} (constant at {value:.4g})" for title, value in flat.items())
+        plots += f'<p class="muted">Not drawn, the same value at every step: {_esc(shown)}.</p>'
 
     title = "GRPO report: " + " vs ".join(names)
     now = _dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-    samples = "".join(
-        (f"<h2>Sample completions — {_esc(n)}</h2>" if len(runs) > 1 else "<h2>Sample completions</h2>")
-        + _samples_html(r, samples_per_step)
-        for r, n in zip(runs, names)
-    )
+    samples = _all_samples_html(runs, names, samples_per_step)
     page = (
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{_esc(title)}</title>'
         f"<style>{_CSS}</style></head><body>"
         f"<h1>{_esc(title)}</h1>"
         f'<p class="muted">Generated {now} from: {_esc(", ".join(str(d) for d in output_dirs))}</p>'
-        f"<h2>Summary</h2>{_summary_html(runs, names)}"
+        f"<h2>Summary</h2>{_summary_html(runs, names)}{_heldout_html(runs, names)}"
         f"<h2>Metrics</h2>{plots}"
         f"<h2>Configuration</h2>{_config_html(runs, names)}"
         f"{samples}</body></html>\n"

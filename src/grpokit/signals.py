@@ -119,3 +119,58 @@ def guard_message(log_history: Sequence[dict], guard_metric: str, window: int) -
         f"({rewards[first]:.4g} -> {rewards[-1]:.4g}) while {guard_metric!r} fell ({guards[first]:.4g} -> "
         f"{guards[-1]:.4g}). Look at the completions (log_completions=True) before trusting the reward."
     )
+
+
+# Signs that a run cannot learn, read from TRL's metric names: (metric, threshold, what it means, what usually fixes
+# it). Each is tested from the run's start: a run whose groups reach the same reward only after it has learned (the
+# demo, near the end) is not stalled.
+STALL_SIGNS = (
+    (
+        "frac_reward_zero_std",
+        0.9,
+        "of the groups gave every completion the same reward (frac_reward_zero_std): their advantages are 0, so "
+        "the loss is 0 and nothing is learned from them (all wrong: the task is out of the model's reach; all "
+        "right: it is too easy)",
+        "larger groups (num_generations), a higher temperature, an easier curriculum (prompts the model sometimes "
+        "solves first), a reward that gives partial credit, or a supervised warm-up before GRPO, as the built-in "
+        "demo does",
+    ),
+    (
+        "completions/clipped_ratio",
+        0.9,
+        "of the completions were cut at max_completion_length (completions/clipped_ratio): their rewards judge "
+        "unfinished text",
+        "a larger max_completion_length, a prompt or reward that asks for shorter answers, checking that the model "
+        "ends its answers with the tokenizer's EOS token, or mask_truncated_completions=True",
+    ),
+)
+STALL_STEPS = 20  # optimizer steps a sign must last, from the start, before it is said
+
+
+def stalled_since_start(
+    log_history: Sequence[dict], metric: str, threshold: float, min_steps: int = STALL_STEPS
+) -> tuple[int, float] | None:
+    """(last step, mean value) when every training record logged so far has `metric` >= `threshold` and they reach
+    optimizer step `min_steps` or later; None otherwise (eval records, `eval/...`, are not read).
+
+    Worked example (threshold 0.9, min_steps 20): records at steps 10, 20 with frac_reward_zero_std 1.0, 0.96 ->
+    (20, 0.98); the same at steps 5, 10 -> None (too few steps yet); 0.5 at step 10 then 1.0 at 20, 30 -> None.
+    """
+    values = [(int(r.get("step", 0)), float(r[metric])) for r in log_history if metric in r]
+    if not values or values[-1][0] < min_steps or any(math.isnan(v) or v < threshold for _, v in values):
+        return None
+    return values[-1][0], sum(v for _, v in values) / len(values)
+
+
+def stall_messages(log_history: Sequence[dict], min_steps: int = STALL_STEPS) -> dict[str, str]:
+    """metric -> a warning, for each of STALL_SIGNS that holds since the run's start (see stalled_since_start)."""
+    messages = {}
+    for metric, threshold, meaning, fixes in STALL_SIGNS:
+        found = stalled_since_start(log_history, metric, threshold, min_steps)
+        if found is not None:
+            step, mean = found
+            messages[metric] = (
+                f"This run may not be learning: in every logged step up to step {step}, {mean:.0%} {meaning}. "
+                f"What usually helps: {fixes}."
+            )
+    return messages

@@ -67,7 +67,7 @@ from .compat import models_written_by_this_process
 from .config import GRPOConfig
 from .cpu_matmul import release_scratch
 from .cpu_memory import reuse_activation_memory
-from .data import named_eval_datasets
+from .data import named_eval_datasets, unreadable_share
 from .dataloaders import eval_dataloader, train_dataloader
 from .distributed import (
     all_processes_done,
@@ -89,7 +89,7 @@ from .models import mix_into_reference, whole_copy
 from .producer import Produced, Producer, WeightSync, check_async, check_streaming, start_producer
 from .rewards.model import RewardModel
 from .rollout import RolloutEngine
-from .signals import guard_message
+from .signals import guard_message, stall_messages
 from .state import Callbacks
 
 logger = logging.getLogger(__name__)
@@ -211,6 +211,7 @@ class GRPOTrainer:
         )
         self.codec, self.engine, self.agents = self.runner.codec, self.runner.engine, self.runner.driver
         check_streaming(args, self.runner, acc.num_processes)
+        self.warn_unknown_prompt_tokens()
         self.scorer = build_scorer(self.reward_functions, self.reward_weights, self.codec.tokenizer, args)
         self.state = new_state(args, self.train_dataset, acc)
         self.scheduler = scheduler or build_scheduler(self.optimizer, args, self.state.max_steps)
@@ -412,6 +413,7 @@ class GRPOTrainer:
             control = callbacks.control
             run.bar.set_postfix(reward=f"{state.log_history[-1].get('reward', float('nan')):.3f}")
             self.check_guard()
+            self.check_learning_signals()
             if args.log_completions and acc.is_main_process and self._samples:
                 run.sink.write_completions(step, self._samples, args.log_unique_prompts)
         if not preempted and (
@@ -724,6 +726,32 @@ class GRPOTrainer:
         if message and getattr(self, "_guard_warned_step", None) != step:
             self._guard_warned_step = step
             warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def check_learning_signals(self) -> None:
+        """Warn, once per sign, when the logged metrics say since the start that the run cannot learn
+        (signals.STALL_SIGNS: groups with no reward spread, completions all cut at max length)."""
+        if not self.accelerator.is_main_process:
+            return
+        warned = self.__dict__.setdefault("_stall_warned", set())
+        for metric, message in stall_messages(self.state.log_history).items():
+            if metric not in warned:
+                warned.add(metric)
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def warn_unknown_prompt_tokens(self) -> None:
+        """Prompts the tokenizer cannot read (most of their characters out of its vocabulary) are said before
+        training."""
+        tokenizer = getattr(self.codec, "tokenizer", None)
+        share, chars = unreadable_share(self.train_dataset, tokenizer) if tokenizer is not None else (0.0, 0)
+        if share > 0.5 and self.accelerator.is_main_process:
+            warnings.warn(
+                f"{share:.0%} of the prompts' characters (of {chars} in the first prompts) are not in the "
+                f"tokenizer's vocabulary: they become its unknown token or vanish, so the model cannot read these "
+                f"prompts. Use the model's own tokenizer, or a model whose vocabulary covers the prompts' characters "
+                f"(their language, their encoding).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     # ------------------------------------------------------------------------------------- saving, resuming
 

@@ -10,13 +10,16 @@ seen in training.
 
 from __future__ import annotations
 
+import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ..config import GRPOConfig
 from ..data import pad_left
 from ..rewards.builtin import exact_match
 from ..rollout import SamplingParams, generate
@@ -111,23 +114,34 @@ class DemoTask:
         return max_steps
 
 
-def run_demo(
-    output_dir: str = "grpo-demo",
-    max_steps: int = 300,
-    seed: int = 0,
-    warmup_target: float = 0.1,
-    disable_tqdm: bool = False,
-    hidden_size: int = 64,
-    **overrides,
-) -> dict:
-    """Warm up, measure, train with GRPO, measure again; returns the accuracies and paths."""
-    from ..config import GRPOConfig
-    from ..trainer import GRPOTrainer
+RESULTS_FILE = "demo_results.json"  # the held-out accuracy before and after GRPO, read by `grpokit report`
 
-    started = time.perf_counter()
-    torch.manual_seed(seed)
-    task = DemoTask(seed=seed)
-    model = task.build_model(hidden_size)
+
+def demo_config(output_dir: str, max_steps: int, seed: int, disable_tqdm: bool, **overrides) -> dict:
+    """The demo's GRPOConfig values; `overrides` (the command line's flags) win."""
+    return {
+        "output_dir": output_dir,
+        "per_device_train_batch_size": 64,
+        "num_generations": 8,
+        "max_completion_length": 3,
+        "learning_rate": 1e-3,
+        "lr_scheduler_type": "constant",
+        "max_steps": max_steps,
+        "logging_steps": 10,
+        "save_steps": 50,
+        "save_total_limit": 2,
+        "beta": 0.0,
+        "temperature": 1.0,
+        "seed": seed,
+        "disable_tqdm": disable_tqdm,
+        "report_to": "none",
+        "reward_weights": [0.2, 1.0],
+        **overrides,
+    }
+
+
+def warm_up_and_measure(task: DemoTask, model, warmup_target: float) -> tuple[int, float]:
+    """The supervised warm-up, announced; returns (its steps, held-out accuracy after it)."""
     print(
         f"grpokit demo: name the last of {LENGTH} letters in alphabetical order ('cfad>' -> 'f') with a "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter model, built offline."
@@ -139,32 +153,50 @@ def run_demo(
     warm_steps = task.warm_up(model, target_accuracy=warmup_target)
     before = task.accuracy(model)
     print(f"  {warm_steps} warm-up steps. Held-out accuracy before GRPO: {before:.1%}")
-    config = dict(
-        output_dir=output_dir,
-        per_device_train_batch_size=64,
-        num_generations=8,
-        max_completion_length=3,
-        learning_rate=1e-3,
-        lr_scheduler_type="constant",
-        max_steps=max_steps,
-        logging_steps=10,
-        save_steps=50,
-        save_total_limit=2,
-        beta=0.0,
-        temperature=1.0,
-        seed=seed,
-        disable_tqdm=disable_tqdm,
-        report_to="none",
-        reward_weights=[0.2, 1.0],
-    )
-    config.update(overrides)
-    args = GRPOConfig(**config)
-    weights = dict(zip(("answer_format", "exact_match"), args.reward_weights))
+    return warm_steps, before
+
+
+def announce_rewards(reward_weights: list[float]) -> None:
+    weights = dict(zip(("answer_format", "exact_match"), reward_weights))
     print(
         f"GRPO: reward = {weights['answer_format']} x answer_format (a single letter) + {weights['exact_match']} x "
         f"exact_match (the right letter), {sum(weights.values()):g} at best; the log's `reward` is that weighted "
         f"sum, rewards/<name>/mean each function alone."
     )
+
+
+def write_results(output_dir: str, task: DemoTask, results: dict) -> Path:
+    """demo_results.json in the run's folder: the held-out accuracies, what they measure, and the steps."""
+    path = Path(output_dir) / RESULTS_FILE
+    measure = f"exact match under greedy decoding on {len(task.heldout)} held-out prompts never seen in training"
+    path.write_text(json.dumps({"heldout_accuracy_measures": measure, **results}, indent=1) + "\n")
+    return path
+
+
+def run_demo(
+    output_dir: str = "grpo-demo",
+    max_steps: int = 300,
+    seed: int = 0,
+    warmup_target: float = 0.1,
+    disable_tqdm: bool = False,
+    hidden_size: int = 64,
+    before_warm_up: Callable[[GRPOConfig], None] | None = None,
+    **overrides,
+) -> dict:
+    """Warm up, measure, train with GRPO, measure again; returns the accuracies and paths, and writes the
+    accuracies to output_dir/demo_results.json. `before_warm_up` is given the run's GRPOConfig before anything
+    runs (the command line checks the packages and the output_dir it needs)."""
+    from ..trainer import GRPOTrainer
+
+    started = time.perf_counter()
+    args = GRPOConfig(**demo_config(output_dir, max_steps, seed, disable_tqdm, **overrides))
+    if before_warm_up is not None:
+        before_warm_up(args)
+    torch.manual_seed(seed)
+    task = DemoTask(seed=seed)
+    model = task.build_model(hidden_size)
+    warm_steps, before = warm_up_and_measure(task, model, warmup_target)
+    announce_rewards(args.reward_weights)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[answer_format, exact_match],
@@ -176,19 +208,14 @@ def run_demo(
     after = task.accuracy(trainer.unwrapped_model)
     trainer.save_model(output_dir)
     elapsed = time.perf_counter() - started
+    steps = trainer.state.global_step
+    results = {"accuracy_before": before, "accuracy_after": after, "warmup_steps": warm_steps, "grpo_steps": steps}
+    write_results(output_dir, task, results)
+    out = Path(output_dir).resolve()
     print(
-        f"Held-out accuracy: {before:.1%} before GRPO -> {after:.1%} after {trainer.state.global_step} GRPO steps "
-        f"({elapsed:.0f} s in all)."
+        f"Held-out accuracy: {before:.1%} before GRPO -> {after:.1%} after {steps} GRPO steps ({elapsed:.0f} s in all)."
     )
     print(
-        f"Model and tokenizer saved to {Path(output_dir).resolve()}; "
-        f"metrics in {Path(output_dir).resolve() / 'metrics.jsonl'}."
+        f"Model and tokenizer saved to {out}; metrics in {out / 'metrics.jsonl'}, accuracies in {out / RESULTS_FILE}."
     )
-    return {
-        "accuracy_before": before,
-        "accuracy_after": after,
-        "output_dir": output_dir,
-        "seconds": elapsed,
-        "warmup_steps": warm_steps,
-        "log_history": trainer.state.log_history,
-    }
+    return {**results, "output_dir": output_dir, "seconds": elapsed, "log_history": trainer.state.log_history}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import re
 from typing import Any
@@ -107,8 +108,10 @@ def resolve_reward(spec: str):
     if spec in BUILTIN_REWARDS:
         return named(BUILTIN_REWARDS[spec], spec)
     if ":" not in spec:
+        close = difflib.get_close_matches(spec, list(BUILTIN_REWARDS), n=1, cutoff=0.6)
+        hint = f" Did you mean {close[0]}?" if close else ""
         raise ValueError(
-            f"Unknown reward {spec!r}: use a built-in name ({', '.join(BUILTIN_REWARDS)}) or 'module:function'."
+            f"Unknown reward {spec!r}:{hint} Use a built-in name ({', '.join(BUILTIN_REWARDS)}) or 'module:function'."
         )
     import importlib
     import importlib.util
@@ -125,5 +128,7 @@ def resolve_reward(spec: str):
     else:
         module = importlib.import_module(module_name)
     if not hasattr(module, function_name):
-        raise AttributeError(f"Reward {spec!r}: module {module_name!r} has no function {function_name!r}.")
+        close = difflib.get_close_matches(function_name, [n for n in dir(module) if not n.startswith("_")], n=1)
+        hint = f" Did you mean {module_name}:{close[0]}?" if close else ""
+        raise AttributeError(f"Reward {spec!r}: module {module_name!r} has no function {function_name!r}.{hint}")
     return getattr(module, function_name)
