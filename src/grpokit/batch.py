@@ -94,6 +94,9 @@ class TrainBatch:
     # [N, T] or [N, 1] the correction π_old / π_sampler for an engine that samples from other kernels (vLLM:
     # `loss.sampling_correction`), None when not asked for
     sampling_ratio: torch.Tensor | None = None
+    # [N] bool: rows sampled with the weights the training forward runs with, whose π_old is that forward's own; the
+    # micro-batch loss measures their sampling log-prob gap on it (grpokit.served). None: nothing to measure there
+    served_rows: torch.Tensor | None = None
 
     @classmethod
     def from_rollout(
