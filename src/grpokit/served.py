@@ -60,7 +60,7 @@ def check_gap(gap: float, tolerance: float | None, engine, version: int | None, 
     if tolerance is None or not gap > tolerance:  # a NaN gap (no token measured) is not a mismatch
         return
     name = type(engine).__name__
-    pushed = "the weights" if version is None else f"the weights of version {version} (after optimizer step {version})"
+    pushed = "the weights" if version is None else f"the weights of version {version} (after {version} optimizer steps)"
     raise ServedPolicyMismatch(
         f"{name} does not sample with the weights it was sent: after the push of {pushed}, its log-probs of the "
         f"tokens it sampled differ from the trainer's π_old ({where}) by {gap:.4g} nats on average "

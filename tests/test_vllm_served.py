@@ -1,0 +1,71 @@
+"""The served-policy check (grpokit.served) against a real vLLM (CPU build): a healthy run never trips it, a push that
+never reaches vLLM stops the run at the next generation. Run in the vLLM environment: `python -m pytest -m vllm`."""
+
+from __future__ import annotations
+
+import pytest
+from letters import letter_config, letter_dataset, repeat_letter
+from test_vllm import counted_pushes, tiny
+
+from grpokit import GRPOTrainer
+from grpokit.served import SERVED_GAP, ServedPolicyMismatch
+
+pytestmark = pytest.mark.vllm
+
+
+def letter_trainer(tmp_path, max_steps: int, engine=None, **overrides):
+    model, tokenizer = tiny()
+    args = letter_config(
+        tmp_path,
+        max_steps=max_steps,
+        per_device_train_batch_size=16,
+        num_generations=4,
+        use_vllm=True,
+        vllm_importance_sampling_mode="token_truncate",
+        **overrides,
+    )
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=repeat_letter,
+        args=args,
+        train_dataset=letter_dataset(),
+        processing_class=tokenizer,
+        rollout_engine=None if engine is None else engine(model),
+    )
+
+
+def dropped_push_engine(model):
+    """vLLM given the policy's weights once, when it starts; every later push is dropped on the way."""
+    from grpokit.rollout.vllm import VLLMEngine
+
+    class DroppedPushEngine(VLLMEngine):
+        def sync_weights(self, model) -> None:
+            pass
+
+    return DroppedPushEngine(model, max_model_len=64, max_num_seqs=32, seed=0)
+
+
+@pytest.mark.parametrize("correction", [True, False])
+def test_a_dropped_push_stops_the_run_at_the_next_step(tmp_path, correction):
+    """With vLLM's correction π_old is a forward, compared when the batch is made (before step 2 trains on it);
+    without it, the training forward of step 2 is π_old, and the step raises."""
+    trainer = letter_trainer(
+        tmp_path, 4, dropped_push_engine, vllm_importance_sampling_correction=correction, learning_rate=5e-2
+    )
+    where = "a forward's" if correction else "the training forward's"
+    with pytest.raises(ServedPolicyMismatch, match=rf"DroppedPushEngine does not sample.*version 1 .*{where}"):
+        trainer.train()
+    assert trainer.state.global_step == (1 if correction else 2)
+    assert trainer.state.log_history[0][SERVED_GAP] < 1e-3  # the first batch: the weights it started with
+
+
+def test_a_healthy_100_step_vllm_run_passes_every_step(tmp_path):
+    """vLLM's float32 log-probs are the training forward's to ~1e-5: the gap stays there, every step, for 100 pushes."""
+    trainer = letter_trainer(tmp_path, 100)
+    with counted_pushes(trainer.engine) as push:
+        trainer.train()
+    assert push.call_count == 99  # before each generation but the first
+    gaps = [r[SERVED_GAP] for r in trainer.state.log_history if "loss" in r]
+    assert len(gaps) == 100
+    print("max gap", max(gaps))
+    assert max(gaps) < 1e-3, max(gaps)
