@@ -9,15 +9,21 @@ import torch
 from grpokit.rollout import HFEngine
 
 
-class NoOpPushEngine(HFEngine):
-    """The in-process sampler over a copy of the policy of its own, whose weight push does nothing: it samples with
-    the initial weights for the whole run. `logprobs_match_training` as a vLLM-like engine declares it (False)."""
+class NoOpPushEngine:
+    """An engine over a copy of the policy of its own (the in-process sampler inside), whose weight push does
+    nothing: it samples with the initial weights for the whole run, and declares, as vLLM does, that its log-probs
+    are not the training forward's."""
+
+    logprobs_match_training = False
 
     def __init__(self, model: torch.nn.Module):
-        super().__init__(copy.deepcopy(model), logprobs_match_training=False)
+        self.inner = HFEngine(copy.deepcopy(model), logprobs_match_training=False)
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         pass
+
+    def generate(self, prompts, params, seed):
+        return self.inner.generate(prompts, params, seed)
 
 
 class UnmergedLoraEngine(HFEngine):

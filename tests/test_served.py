@@ -184,3 +184,50 @@ def test_a_lora_policy_with_the_in_process_engine_passes(tmp_path):
     trainer = letter_trainer(tmp_path, lora=True, learning_rate=5e-2)
     trainer.train()
     assert max(gaps(trainer)) < 1e-5
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_producer_running_ahead_names_the_version_it_pushed(tmp_path):
+    """max_staleness=1: the producer's π_old is a forward of its copy at the sampling version; batches 0 and 1 are
+    sampled by version 0, batch 2 by version 1, which the engine never got: the run stops when the trainer takes it."""
+    trainer = letter_trainer(tmp_path, NoOpPushEngine, max_staleness=1, max_steps=4)
+    with pytest.raises(RuntimeError, match=r"producer failed: ServedPolicyMismatch: NoOpPushEngine.*version 1 "):
+        trainer.train()
+    assert trainer.state.global_step == 2
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_tool_results_inserted_into_the_transcript_are_not_counted(tmp_path):
+    """A multi-turn rollout: the engine's log-probs of every policy turn equal the training forward's of the whole
+    transcript, so the gap stays at float rounding; the tool result tokens between the turns (loss mask 0, no
+    sampling log-prob) are left out, or they alone would make it several nats."""
+    from agents_helpers import ForcedCallsEngine, lookup, tiny_agent_model
+    from datasets import Dataset
+
+    model, tokenizer = tiny_agent_model()
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_steps=2,
+        max_completion_length=48,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        report_to="none",
+        log_completions=True,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **k: [float(len(completions[i])) for i in range(len(completions))],
+        args=args,
+        train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": f"key k{i}"}]} for i in (3, 12)]),
+        processing_class=tokenizer,
+        tools=[lookup],
+        rollout_engine=ForcedCallsEngine(model, tokenizer, calls=1),
+    )
+    trainer.train()
+    assert any(m["role"] == "tool" for m in trainer._samples[0]["completion"])
+    logged = gaps(trainer)
+    assert len(logged) == 2 and max(logged) < 1e-4, logged

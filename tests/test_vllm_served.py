@@ -34,15 +34,16 @@ def letter_trainer(tmp_path, max_steps: int, engine=None, **overrides):
     )
 
 
-def dropped_push_engine(model):
-    """vLLM given the policy's weights once, when it starts; every later push is dropped on the way."""
+def dropped_push_engine(first_arrives: bool):
+    """vLLM (which starts from dummy weights) whose pushes are dropped on the way: all of them, or all but the first."""
     from grpokit.rollout.vllm import VLLMEngine
 
     class DroppedPushEngine(VLLMEngine):
         def sync_weights(self, model) -> None:
-            pass
+            if first_arrives and self.pushed_versions is None:
+                super().sync_weights(model)
 
-    return DroppedPushEngine(model, max_model_len=64, max_num_seqs=32, seed=0)
+    return lambda model: DroppedPushEngine(model, max_model_len=64, max_num_seqs=32, seed=0)
 
 
 @pytest.mark.parametrize("correction", [True, False])
@@ -50,13 +51,21 @@ def test_a_dropped_push_stops_the_run_at_the_next_step(tmp_path, correction):
     """With vLLM's correction π_old is a forward, compared when the batch is made (before step 2 trains on it);
     without it, the training forward of step 2 is π_old, and the step raises."""
     trainer = letter_trainer(
-        tmp_path, 4, dropped_push_engine, vllm_importance_sampling_correction=correction, learning_rate=5e-2
+        tmp_path, 4, dropped_push_engine(True), vllm_importance_sampling_correction=correction, learning_rate=5e-2
     )
     where = "a forward's" if correction else "the training forward's"
     with pytest.raises(ServedPolicyMismatch, match=rf"DroppedPushEngine does not sample.*version 1 .*{where}"):
         trainer.train()
     assert trainer.state.global_step == (1 if correction else 2)
-    assert trainer.state.log_history[0][SERVED_GAP] < 1e-3  # the first batch: the weights it started with
+    assert trainer.state.log_history[0][SERVED_GAP] < 1e-3  # the first batch: the weights of the first push
+
+
+def test_vllm_that_never_got_the_policys_weights_is_refused_at_the_first_step(tmp_path):
+    """vLLM samples from its dummy start-up weights: the first batch is refused before any step trains on it."""
+    trainer = letter_trainer(tmp_path, 2, dropped_push_engine(False))
+    with pytest.raises(ServedPolicyMismatch, match=r"DroppedPushEngine does not sample.*version 0 "):
+        trainer.train()
+    assert trainer.state.global_step == 0
 
 
 def test_a_healthy_100_step_vllm_run_passes_every_step(tmp_path):
