@@ -23,9 +23,10 @@ Where it is measured, so that no forward is added:
 
 Not checked, by design (`skip_reason`): a user's rollout_func (its log-probs are whatever it reports); groups streamed
 one by one (their π_old is the sampler's own log-prob); truncated sampling (top_k, top_p, min_p, a repetition
-penalty: vLLM reports the log-prob of the truncated, renormalised distribution, not the policy's); an engine that
-reports no log-probs. Where an engine's log-probs serve as π_old (`logprobs_match_training`) and the batch is
-trained after the policy moved, there is nothing to compare them with, and those batches are not checked.
+penalty: vLLM reports the log-prob of the truncated, renormalised distribution, not the policy's); vLLM's structured
+outputs (the same, for the regex's mask); an engine that reports no log-probs. Where an engine's log-probs serve as
+π_old (`logprobs_match_training`) and the batch is trained after the policy moved, there is nothing to compare them
+with, and those batches are not checked.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def skip_reason(args: GRPOConfig, logprobs_are_engines: bool, streamed: bool) ->
     truncated = (args.top_k or 0) > 0 or args.top_p < 1.0 or (args.min_p or 0.0) > 0.0 or args.repetition_penalty != 1.0
     if truncated:
         return "truncated sampling (top_k, top_p, min_p, repetition_penalty)"
+    if args.use_vllm and args.vllm_structured_outputs_regex is not None:
+        return "structured outputs: vLLM reports the log-probs of the regex-masked distribution"
     return None
 
 
