@@ -15,14 +15,9 @@ pytestmark = pytest.mark.vllm
 
 def letter_trainer(tmp_path, max_steps: int, engine=None, **overrides):
     model, tokenizer = tiny()
+    values = dict(per_device_train_batch_size=16, num_generations=4, use_vllm=True)
     args = letter_config(
-        tmp_path,
-        max_steps=max_steps,
-        per_device_train_batch_size=16,
-        num_generations=4,
-        use_vllm=True,
-        vllm_importance_sampling_mode="token_truncate",
-        **overrides,
+        tmp_path, max_steps=max_steps, vllm_importance_sampling_mode="token_truncate", **{**values, **overrides}
     )
     return GRPOTrainer(
         model=model,
@@ -78,3 +73,29 @@ def test_a_healthy_100_step_vllm_run_passes_every_step(tmp_path):
     assert len(gaps) == 100
     print("max gap", max(gaps))
     assert max(gaps) < 1e-3, max(gaps)
+
+
+def test_a_server_whose_pushes_are_dropped_stops_the_run(tmp_path):
+    """Server mode (`grpokit vllm-serve`, the trainer's HTTP client): the server starts from the policy's checkpoint
+    and gets the first push; the later ones are dropped on the way, and the second step raises."""
+    from test_vllm_server import free_port, save, start_server, stop
+
+    from grpokit.rollout.vllm_client import VLLMServerEngine
+
+    class DroppedPushServerEngine(VLLMServerEngine):
+        def sync_weights(self, model) -> None:
+            if self.pushed_versions is None:
+                super().sync_weights(model)
+
+    model, tokenizer = tiny()
+    port = free_port()
+    process = start_server(save(model, tokenizer, tmp_path / "model"), port)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        engine = lambda m: DroppedPushServerEngine(m, url, timeout=30)  # noqa: E731
+        trainer = letter_trainer(tmp_path, 4, engine, use_vllm=False, learning_rate=5e-2)
+        with pytest.raises(ServedPolicyMismatch, match=r"DroppedPushServerEngine does not sample.*version 1 "):
+            trainer.train()
+        assert trainer.state.global_step == 2
+    finally:
+        stop(process)
