@@ -63,6 +63,37 @@ def test_vllm_that_never_got_the_policys_weights_is_refused_at_the_first_step(tm
     assert trainer.state.global_step == 0
 
 
+def test_a_lora_adapter_that_never_reaches_vllm_stops_the_run(tmp_path):
+    """Every push sends the frozen base weights, the adapter left out (verl #7495): the adapter starts as the
+    identity, so step 1 agrees; once it has moved the policy, the next batch is refused."""
+    from peft import LoraConfig
+
+    from grpokit.rollout.vllm import VLLMEngine, base_model_of, checkpoint_name, guarded_process_state
+
+    class BaseOnlyEngine(VLLMEngine):
+        def sync_weights(self, model) -> None:
+            state = base_model_of(model).state_dict()
+            with guarded_process_state():
+                self.push((checkpoint_name(k), v.detach()) for k, v in state.items() if checkpoint_name(k) is not None)
+
+    model, tokenizer = tiny()
+    args = letter_config(
+        tmp_path, max_steps=4, per_device_train_batch_size=16, num_generations=4, use_vllm=True, learning_rate=5e-2
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=repeat_letter,
+        args=args,
+        train_dataset=letter_dataset(),
+        processing_class=tokenizer,
+        rollout_engine=BaseOnlyEngine(model, max_model_len=64, max_num_seqs=32, seed=0),
+        peft_config=LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"]),
+    )
+    with pytest.raises(ServedPolicyMismatch, match=r"BaseOnlyEngine does not sample.*version 1 "):
+        trainer.train()
+    assert trainer.state.log_history[0][SERVED_GAP] < 1e-3
+
+
 def test_a_healthy_100_step_vllm_run_passes_every_step(tmp_path):
     """vLLM's float32 log-probs are the training forward's to ~1e-5: the gap stays there, every step, for 100 pushes."""
     trainer = letter_trainer(tmp_path, 100)
