@@ -5,6 +5,7 @@ silently fails are in tests/served_helpers.py; the vLLM ones are in tests/test_v
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 
 import pytest
@@ -158,11 +159,17 @@ def test_with_the_check_off_the_gap_is_still_logged(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_truncated_sampling_is_not_checked(tmp_path):
+def test_truncated_sampling_is_not_checked_and_the_run_says_so(tmp_path, caplog):
     """top_p < 1: an engine may report the truncated distribution's log-probs (vLLM does), which are not π_old's."""
     trainer = letter_trainer(tmp_path, NoOpPushEngine, top_p=0.9, max_steps=2)
-    trainer.train()
+    with caplog.at_level(logging.WARNING, logger="grpokit.experience"):
+        trainer.train()
     assert all(math.isnan(g) for g in gaps(trainer))
+    said = [r.getMessage() for r in caplog.records if "served-policy check" in r.getMessage()]
+    assert said == [
+        "The served-policy check does not run on these batches: truncated sampling (top_k, top_p, min_p, "
+        "repetition_penalty) (grpokit.served)."
+    ]
 
 
 # ------------------------------------------------------------------------------------------------ healthy runs

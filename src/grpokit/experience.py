@@ -13,6 +13,7 @@ process's rows come shuffled so that each optimizer step sees a mix of groups.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +46,8 @@ from .rewards.scorer import RewardScorer
 from .rollout import EVAL_SEED_OFFSET, DecodedRollout, RolloutRunner, group_counts, rollout_seed
 from .served import SERVED_GAP, check_gap, skip_reason
 from .signals import duplicate_ratio, sequence_keys
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -120,6 +123,7 @@ class ExperienceMaker:
         # The version of the weights the engine was last sent (the served-policy check's message); None: the
         # trainer's step (the synchronous loop pushes the policy's current weights). A producer sets its own.
         self.weights_version: Callable[[], int | None] | None = None
+        self.served_skip_said = False  # why the check does not run is logged once
 
     def make(self, rollout_index: int, trainer_state=None, sampled: DecodedRollout | None = None) -> Experience:
         """The experience of the generation batch whose first rollout is `rollout_index` (the rollouts it draws take
@@ -392,7 +396,12 @@ class ExperienceMaker:
         args, acc = self.args, self.accelerator
         driver = self.runner.driver  # a multi-turn driver's log-probs are the engine's unless it says otherwise
         engines = driver is None or getattr(driver, "logprobs_match_training", False)
-        if sampling_logprobs is None or skip_reason(args, engines, streamed=sampled is not None):
+        skipped = "the engine reports no log-probs" if sampling_logprobs is None else None
+        skipped = skipped or skip_reason(args, engines, streamed=sampled is not None)
+        if skipped:
+            if not self.served_skip_said and acc.is_main_process and args.served_logprob_tolerance is not None:
+                logger.warning(f"The served-policy check does not run on these batches: {skipped} (grpokit.served).")
+            self.served_skip_said = True
             return {}
         metrics = {}
         if batch.old_logprobs is not None and batch.old_logprobs is not sampling_logprobs:  # a forward's π_old
