@@ -251,3 +251,16 @@ def test_what_is_not_checked_says_why():
         assert "truncated" in skip_reason(GRPOConfig(**truncated), logprobs_are_engines=True, streamed=False)
     regex = GRPOConfig(use_vllm=True, vllm_structured_outputs_regex="[ab]+")
     assert "structured outputs" in skip_reason(regex, logprobs_are_engines=True, streamed=False)
+
+
+def test_a_multi_turn_rollout_whose_engine_reported_no_logprobs_has_none():
+    """Zeros in place of log-probs an engine did not report would read as a gap of |log π| (several nats)."""
+    from grpokit.agents.loop import Transcript, transcripts_rollout
+
+    reported, unreported = Transcript([1, 2], {}), Transcript([1], {})
+    reported.add([3, 4], 1, [-0.5, -0.25])
+    reported.add([5], 0)  # a tool's result: inserted, no log-prob to report
+    unreported.add([3], 1)
+    logprobs = transcripts_rollout([reported], 0, {}).sampling_logprobs
+    assert torch.equal(logprobs, torch.tensor([[-0.5, -0.25, 0.0]]))
+    assert transcripts_rollout([reported, unreported], 0, {}).sampling_logprobs is None
