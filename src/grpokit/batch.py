@@ -98,6 +98,9 @@ class TrainBatch:
     # The sampler's kept sets (kept_ids [N, T, K]): π_θ and π_old are renormalised over them (keep_sampling_mask);
     # None where the sampling log-probs are the policy's full-vocabulary ones.
     sampling_mask: SamplingMask | None = None
+    # [N] bool: rows sampled with the weights the training forward runs with, whose π_old is that forward's own; the
+    # micro-batch loss measures their sampling log-prob gap on it (grpokit.served). None: nothing to measure there
+    served_rows: torch.Tensor | None = None
 
     @classmethod
     def from_rollout(

@@ -972,6 +972,14 @@ class GRPOConfig:
     vllm_importance_sampling_cap: float | None = _f(
         None, "TRL's deprecated name of vllm_importance_sampling_clip_max: moved there, with a FutureWarning."
     )
+    served_logprob_tolerance: float | None = _f(
+        0.1,
+        "grpokit-only: the served-policy check. On every batch sampled with the weights "
+        "just pushed, the mean |pi_old - pi_sampler| over the sampled tokens "
+        "(sampling/sampling_logp_difference/mean) must not exceed it, or the run stops: "
+        "the engine is not sampling with the weights it was sent (grpokit.served). None: "
+        "the gap is logged, never raised (docs/guides/vllm.md).",
+    )
     sapo_temperature_neg: float = _f(1.05, "SAPO gate temperature for negative advantages.")
     sapo_temperature_pos: float = _f(1.0, "SAPO gate temperature for positive advantages.")
     vespo_k_pos: float = _f(2.0, "VESPO k for positive advantages.")
@@ -1715,6 +1723,12 @@ def _check_vllm(config: GRPOConfig) -> None:
         raise ValueError(
             f"vllm_importance_sampling_clip_min={low} is above vllm_importance_sampling_clip_max={high}; "
             f"give clip_min <= clip_max (or None for no bound)."
+        )
+    tolerance = config.served_logprob_tolerance
+    if tolerance is not None and not tolerance > 0:
+        raise ValueError(
+            f"served_logprob_tolerance={tolerance} must be > 0 (the mean log-prob gap, in nats, above which the run "
+            f"stops), or None to only log the gap."
         )
     if (
         config.loss_type == "vespo"

@@ -13,6 +13,7 @@ process's rows come shuffled so that each optimizer step sees a mix of groups.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,14 +38,17 @@ from .distributed import gather_objects, is_sharded
 from .evaluation import evaluation_metrics, group_records
 from .logprobs import token_logprobs
 from .logs import completion_metrics, generation_metrics, reduce_extremes
-from .loss import policy_loss, sampling_correction
+from .loss import logprob_gap, policy_loss, sampling_correction
 from .models import reference_policy
 from .multimodal import loggable_prompt
 from .rewards.base import RewardFunctionError
 from .rewards.scorer import RewardScorer
 from .rollout import EVAL_SEED_OFFSET, DecodedRollout, RolloutRunner, group_counts, rollout_seed
+from .served import SERVED_GAP, check_gap, skip_reason
 from .signals import duplicate_ratio, sequence_keys
 from .truncation_replay import needs_replay, replayed_sampling_mask
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -120,6 +124,10 @@ class ExperienceMaker:
         self.teacher = teacher  # GRPOTrainer(teacher_model=...): its signal joins the advantages
         self.trim_heap = trim_heap and accelerator.device.type == "cpu"
         self.failed_batches = 0  # consecutive generation batches in which no completion was scored (all raised)
+        # The version of the weights the engine was last sent (the served-policy check's message); None: the
+        # trainer's step (the synchronous loop pushes the policy's current weights). A producer sets its own.
+        self.weights_version: Callable[[], int | None] | None = None
+        self.served_skip_said = False  # why the check does not run is logged once
 
     def make(self, rollout_index: int, trainer_state=None, sampled: DecodedRollout | None = None) -> Experience:
         """The experience of the generation batch whose first rollout is `rollout_index` (the rollouts it draws take
@@ -155,6 +163,7 @@ class ExperienceMaker:
             batch, rollout.sampling_logprobs, streamed=sampled is not None
         )
         metrics.update(logprob_metrics)
+        metrics.update(self._check_served(batch, rollout.sampling_logprobs, logprob_metrics, sampled, trainer_state))
         advantages = (
             self._advantages(scored, all_scores, reward_kl) if rewards is not None else torch.zeros(len(all_scores))
         )
@@ -390,6 +399,36 @@ class ExperienceMaker:
             metrics["kl"] = (totals[0] / totals[1].clamp(min=1.0)).item()
             return metrics, acc.gather(kl.to(acc.device)).cpu()
         return metrics, None
+
+    def _check_served(
+        self, batch: TrainBatch, sampling_logprobs, logprob_metrics: dict, sampled, trainer_state
+    ) -> dict[str, float]:
+        """The served-policy check (grpokit.served) of a batch sampled with the weights just pushed. Where π_old came
+        from a forward of those weights, its gap to the engine's log-probs is measured and checked now (with vLLM's
+        correction it is already in `logprob_metrics`); where the batch is trained before the policy moves, its rows
+        are marked for the training forward to measure (`TrainBatch.served_rows`). Returns the gap metrics."""
+        args, acc = self.args, self.accelerator
+        driver = self.runner.driver  # a multi-turn driver's log-probs are the engine's unless it says otherwise
+        engines = driver is None or getattr(driver, "logprobs_match_training", False)
+        skipped = "the engine reports no log-probs" if sampling_logprobs is None else None
+        skipped = skipped or skip_reason(args, engines, streamed=sampled is not None)
+        if skipped:
+            if not self.served_skip_said and acc.is_main_process and args.served_logprob_tolerance is not None:
+                logger.warning(f"The served-policy check does not run on these batches: {skipped} (grpokit.served).")
+            self.served_skip_said = True
+            return {}
+        metrics = {}
+        if batch.old_logprobs is not None and batch.old_logprobs is not sampling_logprobs:  # a forward's π_old
+            metrics = {k: v for k, v in logprob_metrics.items() if k.startswith("sampling/sampling_logp_difference/")}
+            if not metrics:
+                metrics = reduce_extremes(acc, logprob_gap(batch.old_logprobs, sampling_logprobs, batch.loss_mask))
+            version = self.weights_version() if self.weights_version is not None else None
+            if version is None and trainer_state is not None:
+                version = trainer_state.global_step
+            check_gap(metrics[SERVED_GAP], args.served_logprob_tolerance, self.runner.engine, version, "a forward's")
+        elif trains_on_policy(args) and not self.off_policy:  # the training forward's log-probs are π_old
+            batch.served_rows = torch.ones(len(batch), dtype=torch.bool, device=batch.loss_mask.device)
+        return metrics
 
     def _add_teacher_signal(self, batch: TrainBatch) -> dict[str, float]:
         """A teacher's per-token signal teacher_kl_coef · -(log π_student - log π_teacher) added to the batch's

@@ -476,6 +476,27 @@ def off_policy_mask(
 SAMPLING_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
+@torch.no_grad()
+def logprob_gap(logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """How far an engine's sampled-token log-probs are from the trained model's on the same tokens, TRL 1.16's
+    `sampling/sampling_logp_difference/mean|max`:
+
+        gap_t = |logprobs_t - sampling_logprobs_t|   over the tokens with m_t = 1 (a NaN gap left out)
+        mean  = sum_t gap_t / count,   max = max_t gap_t                        (0 and 0 without a token)
+
+    logprobs, sampling_logprobs, mask: [N, T]. Returns scalar tensors (float32, or float64 when given), unreduced
+    over processes. With the weights the engine was sent, the mean is the engine's own noise (bf16 kernels:
+    ~1e-2); a push that did not reach it shows as the distance between the two policies (grpokit.served)."""
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    gap = (logprobs.to(dtype) - sampling_logprobs.to(dtype)).abs()
+    gap = gap[mask.bool() & ~torch.isnan(gap)]
+    zero = gap.new_zeros(())
+    return {
+        "sampling/sampling_logp_difference/mean": gap.mean() if gap.numel() else zero,
+        "sampling/sampling_logp_difference/max": gap.max() if gap.numel() else zero,
+    }
+
+
 def sampling_correction(
     old_logprobs: torch.Tensor,
     sampling_logprobs: torch.Tensor,
@@ -522,14 +543,10 @@ def sampling_correction(
             high = math.inf if clip_max is None else clip_max
             ratio = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
 
-        on = mask.bool()
-        gap = (old_logprobs - sampling_logprobs).abs()
-        gap = gap[on & ~torch.isnan(gap)]
-        measured = ratio.flatten() if sequence_level else ratio[on]
+        measured = ratio.flatten() if sequence_level else ratio[mask.bool()]
         zero = ratio.new_zeros(())
         stats = {
-            "sampling/sampling_logp_difference/mean": gap.mean() if gap.numel() else zero,
-            "sampling/sampling_logp_difference/max": gap.max() if gap.numel() else zero,
+            **logprob_gap(old_logprobs, sampling_logprobs, mask),
             "sampling/importance_sampling_ratio/min": measured.min() if measured.numel() else zero,
             "sampling/importance_sampling_ratio/mean": measured.mean() if measured.numel() else zero,
             "sampling/importance_sampling_ratio/max": measured.max() if measured.numel() else zero,

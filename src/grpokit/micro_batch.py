@@ -14,7 +14,8 @@ import torch
 from .batch import TrainBatch
 from .config import GRPOConfig
 from .logprobs import token_logprobs
-from .loss import AdaptiveEntropyController, high_entropy_mask, load_balancing_loss, policy_loss
+from .loss import AdaptiveEntropyController, high_entropy_mask, load_balancing_loss, logprob_gap, policy_loss
+from .served import SERVED_GAP
 
 
 def micro_batch_loss(
@@ -86,4 +87,8 @@ def micro_batch_loss(
         aux = load_balancing_loss(router_logits, *moe, batch.input_mask).to(loss.device)
         loss = loss + router_aux_loss_coef * aux / num_micro_batches
         stats.objective["aux_loss"] = aux.detach()
-    return loss, stats.as_dict()
+    step_stats = stats.as_dict()
+    if batch.served_rows is not None and batch.sampling_logprobs is not None:  # π_old is this forward (served.py)
+        served = batch.loss_mask * batch.served_rows[:, None].to(batch.loss_mask.dtype)
+        step_stats[SERVED_GAP] = logprob_gap(logprobs, batch.sampling_logprobs, served)[SERVED_GAP].item()
+    return loss, step_stats

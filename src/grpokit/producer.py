@@ -942,6 +942,7 @@ def start_producer(
         sharded=sharded,
     )
     producer.shares_engine = shared
+    maker.weights_version = lambda: producer.weights_version  # the served-policy check names the push it checks
     return producer.start()
 
 

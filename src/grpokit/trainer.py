@@ -89,6 +89,7 @@ from .models import mix_into_reference, whole_copy
 from .producer import Produced, Producer, WeightSync, check_async, check_streaming, start_producer
 from .rewards.model import RewardModel
 from .rollout import RolloutEngine
+from .served import check_step
 from .signals import guard_message, stall_messages
 from .state import Callbacks
 
@@ -550,6 +551,7 @@ class GRPOTrainer:
             torch.tensor([float(metrics[k]) for k in names], dtype=torch.float64, device=acc.device), "mean"
         )
         self.window.add(dict(zip(names, means.tolist())))
+        check_step(args, dict(zip(names, means.tolist())), self.engine, self.state.global_step - 1)
         return means[names.index("loss")].item()
 
     def training_step(self, model, inputs: TrainBatch, num_items_in_batch=None) -> torch.Tensor:

@@ -48,12 +48,14 @@ class Transcript:
     # penalty / suppressed tokens it was sampled with, where the engine's turns came with a sampling mask.
     kept: list[list[int]] = dataclasses.field(default_factory=list)
     mask_settings: tuple | None = None
+    unreported: bool = False  # a sampled turn came without the engine's log-probs (its zeros are no log-probs)
 
     def add(self, ids: list[int], trained: int, logprobs: list[float] | None = None, kept=None) -> None:
         self.ids += ids
         self.trained += [trained] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
         self.kept += kept if kept is not None else [[] for _ in ids]
+        self.unreported = self.unreported or bool(trained and ids and logprobs is None)
 
 
 class Agents:
@@ -285,7 +287,8 @@ class Agents:
 
 def transcripts_rollout(transcripts: list[Transcript], pad_token_id: int, extra: dict) -> Rollout:
     """Rows' transcripts as one Rollout: left-padded prompts, right-padded completions (attention mask 1 on every
-    transcript token, loss mask 1 on the sampled ones), and each row's turn ends for process rewards."""
+    transcript token, loss mask 1 on the sampled ones), and each row's turn ends for process rewards. Its sampling
+    log-probs are None where a sampled turn came without them (an engine that reports none)."""
     prompt_ids, prompt_mask = pad_left([t.prompt_ids for t in transcripts], pad_token_id)
     n, width = len(transcripts), max([len(t.ids) for t in transcripts] + [1])
     completion_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
@@ -309,7 +312,7 @@ def transcripts_rollout(transcripts: list[Transcript], pad_token_id: int, extra:
         loss_mask,
         attention_mask.sum(-1),
         torch.tensor([t.truncated for t in transcripts]),
-        logprobs,
+        None if any(t.unreported for t in transcripts) else logprobs,
         extra,
     )
     rollout.sampling_mask = transcripts_sampling_mask(transcripts, width)
