@@ -14,6 +14,7 @@ from grpokit.rollout import HFEngine, PromptBatch, Rollout, SamplingParams, Scri
 from grpokit.testing import (
     QWEN_ADDED_TOKENS,
     QWEN_SPECIAL_TOKENS,
+    QWEN_TOOL_PROMPT_PHRASES,
     build_chat_tokenizer,
     build_qwen_chat_tokenizer,
     build_tiny_model,
@@ -79,7 +80,8 @@ def qwen_family_tokenizer(template: str):
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         added_tokens=QWEN_ADDED_TOKENS,
-        words=WORDS,
+        # Qwen3's tool prompt opens its system turn with the phrase Qwen2.5's writes after its default system text
+        words=WORDS + QWEN_TOOL_PROMPT_PHRASES + ("\n" + QWEN_TOOL_PROMPT_PHRASES[1].lstrip("\n"),),
     )
 
 
