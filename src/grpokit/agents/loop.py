@@ -95,6 +95,14 @@ class Agents:
         # its own instances until it is scored), except a user's rollout_func, which is not known to allow it.
         self.concurrent_rollouts = rollout_func is None
 
+    @property
+    def tools_by_environment(self) -> dict:
+        """Environment name (None for a single factory) -> the tools its rows are shown: the standalone tools, then
+        the probe instance's methods (TRL's `_env_tools`). Empty without environments."""
+        if self.environments is None:
+            return {}
+        return {name: self.standalone_tools + methods for name, methods in self.environments.tools.items()}
+
     def scored(self, rollout: Rollout) -> None:
         """A rollout's rewards are computed: its environments go back to the pool."""
         if self.environments is not None and "environments" in rollout.extra:
