@@ -8,8 +8,15 @@ import re
 import torch
 
 from grpokit import token_logprobs
+from grpokit.agents import tool_result_ids
 from grpokit.rollout import HFEngine, PromptBatch, Rollout, SamplingParams, ScriptedEngine
-from grpokit.testing import build_qwen_chat_tokenizer, build_tiny_model
+from grpokit.testing import (
+    QWEN_ADDED_TOKENS,
+    QWEN_SPECIAL_TOKENS,
+    build_chat_tokenizer,
+    build_qwen_chat_tokenizer,
+    build_tiny_model,
+)
 
 # Whole tokens of the test tokenizer besides the template's own: tool names, the lookup tool's schema line and the
 # fixed parts of a call, so that prompts and calls are a few tokens (a fast CPU test; the format is unchanged).
@@ -40,9 +47,11 @@ def lookup(key: str) -> str:
     return TABLE[key]
 
 
-def tiny_agent_model(hidden_size: int = 32, seed: int = 0, num_layers: int = 2, **shape):
-    """shape: more of build_tiny_model's arguments (vLLM's CPU attention needs num_heads=2 at hidden size 64)."""
-    tokenizer = build_qwen_chat_tokenizer(WORDS)
+def tiny_agent_model(hidden_size: int = 32, seed: int = 0, num_layers: int = 2, template: str = "qwen2_5", **shape):
+    """template: "qwen2_5" (grpokit.testing's copy of Qwen2.5's chat template) or the name of a chat template TRL
+    ships (trl/chat_templates/<name>.jinja) of the Qwen family, e.g. "qwen3". shape: more of build_tiny_model's
+    arguments (vLLM's CPU attention needs num_heads=2 at hidden size 64)."""
+    tokenizer = build_qwen_chat_tokenizer(WORDS) if template == "qwen2_5" else qwen_family_tokenizer(template)
     model = build_tiny_model(
         len(tokenizer),
         hidden_size=hidden_size,
@@ -54,6 +63,34 @@ def tiny_agent_model(hidden_size: int = 32, seed: int = 0, num_layers: int = 2, 
         **shape,
     )
     return model, tokenizer
+
+
+def qwen_family_tokenizer(template: str):
+    """A tokenizer with Qwen's special tokens and the chat template TRL ships as `template`."""
+    from pathlib import Path
+
+    import trl
+
+    chat_template = (Path(trl.__file__).parent / "chat_templates" / f"{template}.jinja").read_text()
+    return build_chat_tokenizer(
+        chat_template,
+        QWEN_SPECIAL_TOKENS,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        added_tokens=QWEN_ADDED_TOKENS,
+        words=WORDS,
+    )
+
+
+def model_turn(tokenizer, before: list[dict], message: dict, tools, **chat_template_kwargs) -> list[int]:
+    """The tokens a model writes for `message` after `before` and the generation prompt, as the chat template
+    renders that message last (Qwen3: with its think block), up to and including the EOS that ends the turn."""
+    options = dict(tools=tools, tokenize=False, **chat_template_kwargs)
+    render = lambda messages, **kw: tokenizer.apply_chat_template(messages, **options, **kw)  # noqa: E731
+    prompt, full = render(before, add_generation_prompt=True), render([*before, message])
+    assert full.startswith(prompt), (prompt, full)
+    ids = tokenizer(full[len(prompt) :], add_special_tokens=False)["input_ids"]
+    return ids[: ids.index(tokenizer.eos_token_id) + 1]
 
 
 def call_text(name: str, arguments) -> str:
@@ -78,22 +115,24 @@ def key_of(user_text: str) -> str:
 
 
 def transcript_ids(tokenizer, key: str, tools) -> tuple[list[int], list[int], int]:
-    """The ideal rollout for a key: (prompt + call + tool result + answer ids, loss mask, prompt length)."""
+    """The ideal rollout for a key: (prompt + call + tool result + answer ids, loss mask, prompt length). The
+    model's turns are the chat template's own rendering of them; the tool result is what grpokit inserts."""
+    user = [{"role": "user", "content": f"key {key}"}]
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "lookup", "arguments": {"key": key}}}],
+    }
+    result = {"role": "tool", "name": "lookup", "content": TABLE[key]}
     prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"key {key}"}],
-        tools=tools,
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=True,
+        user, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True
     )["input_ids"]
     ids, mask = list(prompt), [0] * len(prompt)
-    suffix = "\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
-    for text, trained in (
-        (call_text("lookup", {"key": key}), 1),
-        (suffix.format(TABLE[key]), 0),
-        (f"{TABLE[key]}<|im_end|>", 1),
+    for part, trained in (
+        (model_turn(tokenizer, user, call, tools), 1),
+        (tool_result_ids(tokenizer, [result], {}), 0),
+        (model_turn(tokenizer, [*user, call, result], {"role": "assistant", "content": TABLE[key]}, tools), 1),
     ):
-        part = tokenizer(text, add_special_tokens=False)["input_ids"]
         ids, mask = ids + part, mask + [trained] * len(part)
     return ids, mask, len(prompt)
 

@@ -49,8 +49,8 @@ def dataset(keys, with_prompt=True):
     return Dataset.from_list([{"prompt": prompt(k), "key": k} for k in keys])
 
 
-def learn(tmp_path, **agent):
-    model, tokenizer = tiny_agent_model(hidden_size=64)
+def learn(tmp_path, template="qwen2_5", **agent):
+    model, tokenizer = tiny_agent_model(hidden_size=64, template=template)
     environment = "environment_factory" in agent
     args = GRPOConfig(
         output_dir=str(tmp_path),
@@ -103,3 +103,13 @@ def test_a_tiny_model_learns_to_call_the_lookup_tool_it_needs(tmp_path):
 def test_a_tiny_model_learns_to_use_an_environment(tmp_path):
     before, after = learn(tmp_path, environment_factory=KeyVault)
     assert before < 0.3 and after["eval/reward"] >= 0.6
+
+
+@pytest.mark.slow
+def test_a_tiny_model_learns_the_tool_with_qwen3s_chat_template_thinking_on(tmp_path):
+    """Qwen3's own template (TRL's copy), thinking on: it renders the think block of the last assistant turn only,
+    so earlier turns render differently once a tool result follows; the transcript keeps every sampled turn, think
+    block included, as the model wrote it."""
+    before, after = learn(tmp_path, template="qwen3", tools=[lookup])
+    assert before < 0.3 and after["eval/reward"] >= 0.6
+    assert after["eval/tools/call_frequency"] >= 0.9 and after["eval/tools/failure_frequency"] <= 0.1

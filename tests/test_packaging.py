@@ -64,12 +64,13 @@ def test_the_wheel_has_every_file_of_the_package_and_the_command(built):
     in_wheel = {name for name in names if name.startswith("grpokit/")}
     assert in_wheel == package_files(PACKAGE)
     # the files read at run time, named: the TRL field lists behind GRPOConfig, RLOOConfig, DistillationConfig and
-    # AsyncGRPOConfig (the wheel without them crashed at `import grpokit`'s first config)
+    # AsyncGRPOConfig, and TRL's renames (the wheel without them crashed at `import grpokit`'s first config)
     for name in (
         "trl_fields.json",
         "trl_rloo_fields.json",
         "trl_distillation_fields.json",
         "trl_async_grpo_fields.json",
+        "trl_renames.json",
     ):
         assert f"grpokit/{name}" in in_wheel
     assert entry_points["console_scripts"]["grpokit"] == "grpokit.cli:main"

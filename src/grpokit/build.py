@@ -11,12 +11,13 @@ import logging
 import math
 import os
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .agents import EnvironmentPool, build_agents, check_agents, placeholder_dataset
+from .agents import EnvironmentPool, build_agents, check_agents, check_chat_template, placeholder_dataset
 from .checkpoint import Checkpointer
 from .config import LOG_LEVELS, GRPOConfig
 from .cpu_matmul import float32_matmuls
@@ -50,14 +51,14 @@ from .models import (
     full_precision,
     prompt_length_limit,
 )
-from .multimodal import check_images_supported
+from .multimodal import check_images_supported, tokenizer_of
 from .offload import ActivationOffload
 from .optim import build_optimizer
 from .rewards import build_reward_functions
 from .rewards.base import check_required_columns
 from .rewards.model import RewardModel
 from .rewards.scorer import RewardScorer
-from .rollout import HFEngine, PromptCodec, RolloutEngine, RolloutRunner
+from .rollout import HFEngine, PromptCodec, RolloutEngine, RolloutRunner, eos_token_ids
 from .rollout.hf_generate import TransformersGenerateEngine
 from .rollout.vllm import VLLMEngine
 from .rollout.vllm_client import VLLMServers
@@ -355,6 +356,8 @@ class RunInputs:
     adapter: Any  # grpokit.integrations.EnvironmentAdapter (environment=), or None
     reward_functions: list
     reward_weights: torch.Tensor
+    # checks the processing class once it is known and before the weights load (the agents' chat template), or None
+    check_tokenizer: Any = None
 
 
 def run_inputs(
@@ -386,7 +389,15 @@ def run_inputs(
     if rollout_func is None and adapter is None:  # a rollout_func's extra fields are columns known once it has run
         agents = bool(tools) or environments is not None
         check_reward_columns(functions, (train_dataset, eval_dataset), agents)
-    return RunInputs(train_dataset, environments, adapter, functions, weights)
+    uses_chat_tools = adapter is None and rollout_func is None and (bool(tools) or environments is not None)
+    check_tokenizer = partial(check_agent_tokenizer, args.chat_template_kwargs) if uses_chat_tools else None
+    return RunInputs(train_dataset, environments, adapter, functions, weights, check_tokenizer)
+
+
+def check_agent_tokenizer(chat_template_kwargs, processing_class, model_or_config) -> None:
+    """Tools and environments read the chat template (agents.check_chat_template) with the engine's EOS tokens."""
+    stop_ids = eos_token_ids(tokenizer_of(processing_class), model_or_config) if processing_class else None
+    check_chat_template(processing_class, chat_template_kwargs, stop_ids)
 
 
 def build_driver(
@@ -437,13 +448,23 @@ def prepare_process(args: GRPOConfig, device: torch.device) -> None:
 
 
 def build_models(
-    model, processing_class, peft_config, quantization_config, args: GRPOConfig, accelerator, datasets
+    model,
+    processing_class,
+    peft_config,
+    quantization_config,
+    args: GRPOConfig,
+    accelerator,
+    datasets,
+    check_tokenizer=None,
 ) -> tuple[Any, Any, Any, int | None]:
     """(policy, processing class, reference, prompt length limit): the policy loaded or wrapped (LoRA) and placed
     on the device, each dataset of `datasets` (train, eval) checked for images the processing class cannot take,
     the frozen reference copied from the policy (None with beta = 0 or LoRA), then the policy's own training
-    options (gradient checkpointing, torch.compile), which the reference so does not take."""
-    policy, processing_class = build_policy(model, processing_class, peft_config, args, quantization_config)
+    options (gradient checkpointing, torch.compile), which the reference so does not take. `check_tokenizer`:
+    RunInputs.check_tokenizer."""
+    policy, processing_class = build_policy(
+        model, processing_class, peft_config, args, quantization_config, check_tokenizer
+    )
     if args.bf16 or not full_precision(policy):  # before the reference is copied: it takes the same route
         float32_matmuls(policy, accelerator.device)
     train_dataset, eval_dataset = datasets

@@ -12,6 +12,10 @@ only its import changed. Each field is one of four kinds, told by how it is decl
 - `_deprecated`: an older grpokit name that TRL 1.16 / transformers 5 dropped or renamed; it keeps working and warns
   (FutureWarning) naming the replacement (`DEPRECATED`).
 
+TRL's renamed fields are one table, `grpokit/trl_renames.json` (`TRL_RENAMES`: the old name, the new one and the TRL
+release that renamed it): the old name's value moves to the new one with a FutureWarning, and both names set to
+different values is an error naming both.
+
 YAML files and CLI flags load into this dataclass (the annotations drive the CLI's type coercion); every
 cross-field check lives in `validate()`, with messages that say how to fix the value.
 """
@@ -27,6 +31,7 @@ import os
 import types
 import warnings
 from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -242,11 +247,8 @@ def _no_effect(default, reason: str):
     return _field(default, f"Accepted, no effect: {reason}", {"kind": NO_EFFECT_KIND, "message": reason})
 
 
-def _deprecated(default, message: str, moved_to: str | None = None):
-    """`moved_to`: the field that takes the value over (a plain rename)."""
-    return _field(
-        default, f"Deprecated: {message}", {"kind": DEPRECATED_KIND, "message": message, "moved_to": moved_to}
-    )
+def _deprecated(default, message: str):
+    return _field(default, f"Deprecated: {message}", {"kind": DEPRECATED_KIND, "message": message})
 
 
 # The dataloader_* fields' effect: on the DataLoaders TRL's API returns, not on the loop.
@@ -984,10 +986,8 @@ class GRPOConfig:
         None,
         "transformers 5 dropped it; set the TENSORBOARD_LOGGING_DIR environment variable (default: output_dir/runs).",
     )
-    use_liger_loss: bool = _deprecated(False, "TRL renamed it use_liger_kernel.", moved_to="use_liger_kernel")
-    wandb_log_unique_prompts: bool = _deprecated(
-        False, "TRL renamed it log_unique_prompts.", moved_to="log_unique_prompts"
-    )
+    use_liger_loss: bool = _deprecated(False, "TRL 0.25.0 renamed it use_liger_kernel.")
+    wandb_log_unique_prompts: bool = _deprecated(False, "TRL 0.26.0 renamed it log_unique_prompts.")
     overwrite_output_dir: bool = _deprecated(
         False,
         "transformers 5 dropped it; nothing replaces it: grpokit always "
@@ -1034,29 +1034,40 @@ class GRPOConfig:
             self.report_to = [name for name, tracker in TRACKERS.items() if importlib.util.find_spec(tracker.module)]
 
     def _apply_deprecated(self) -> None:
+        self._apply_renames()
         for name, message in DEPRECATED.items():
-            default, value = _default_of(name), getattr(self, name)
-            if _is_default(value, default):
+            if _is_default(getattr(self, name), _default_of(name)):
                 continue
             warnings.warn(f"GRPOConfig.{name} is deprecated: {message}", FutureWarning, stacklevel=4)
-            moved_to = MOVED_TO.get(name)
-            if moved_to is not None:
-                setattr(self, moved_to, value)
-                setattr(self, name, default)
-        if self.vllm_importance_sampling_cap is not None:  # TRL 1.16 deprecates it the same way
-            warnings.warn(
-                "GRPOConfig.vllm_importance_sampling_cap is deprecated (TRL 1.16): use "
-                "vllm_importance_sampling_clip_max.",
-                FutureWarning,
-                stacklevel=4,
-            )
-            self.vllm_importance_sampling_clip_max, self.vllm_importance_sampling_cap = (
-                self.vllm_importance_sampling_cap,
-                None,
-            )
         # A warm-up fraction lives in warmup_ratio, whichever name gave it (the trainer reads it there).
         if 0 < self.warmup_steps < 1:
             self.warmup_ratio, self.warmup_steps = float(self.warmup_steps), 0
+
+    def _apply_renames(self) -> None:
+        """TRL_RENAMES for this config's class and the classes it extends: an old name's value moves to the new
+        name, with a FutureWarning. Both set, to different values, is an error: which one was meant is unknown."""
+        classes = {cls.__name__ for cls in type(self).__mro__}
+        for rename in TRL_RENAMES:
+            if rename["config"] not in classes:
+                continue
+            old, new = rename["old"], rename["new"]
+            old_value, old_default = getattr(self, old), _default_of(old, type(self))
+            new_value, new_default = getattr(self, new), _default_of(new, type(self))
+            if _is_default(old_value, old_default):
+                continue
+            if not _is_default(new_value, new_default) and new_value != old_value:
+                raise ValueError(
+                    f"{old}={old_value!r} and {new}={new_value!r} set one option twice: {new} is its name since "
+                    f"TRL {rename['trl']} ({old} the older one). Give only {new}."
+                )
+            warnings.warn(
+                f"{type(self).__name__}.{old} is deprecated: TRL {rename['trl']} renamed it {new}; its value "
+                f"{old_value!r} is used as {new}.",
+                FutureWarning,
+                stacklevel=5,
+            )
+            setattr(self, new, old_value)
+            setattr(self, old, old_default)
 
     def _apply_generation_kwargs(self) -> None:
         """TRL's generation_kwargs: the keys grpokit's engines honour exactly, the keys that cannot change what is
@@ -1880,8 +1891,9 @@ def _same(value, neutral) -> bool:
     return isinstance(value, (int, float)) and value == neutral
 
 
-def _default_of(name: str):
-    spec = GRPOConfig.__dataclass_fields__[name]
+def _default_of(name: str, config_class: type | None = None):
+    """The field's default on `config_class` (GRPOConfig's by default; a subclass may change it)."""
+    spec = (config_class or GRPOConfig).__dataclass_fields__[name]
     return spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
 
 
@@ -1932,10 +1944,9 @@ DEPRECATED: dict[str, str] = _fields_of_kind(DEPRECATED_KIND)
 IMPLEMENTED: tuple[str, ...] = tuple(
     spec.name for spec in dataclasses.fields(GRPOConfig) if "kind" not in spec.metadata
 )
-# name -> the field a deprecated name moved to (a plain rename)
-MOVED_TO: dict[str, str] = {
-    spec.name: spec.metadata["moved_to"] for spec in dataclasses.fields(GRPOConfig) if spec.metadata.get("moved_to")
-}
+# TRL's renamed fields: [{"config", "old", "new", "trl" (the release that renamed it), "source"}], the one table of
+# them (`_apply_renames`); docs/guides/from-trl.md lists them.
+TRL_RENAMES: list[dict[str, str]] = json.loads(files("grpokit").joinpath("trl_renames.json").read_text())["renames"]
 # Each field's metadata keeps only its "help" from here on: transformers' HfArgumentParser (TRL's TrlParser) hands a
 # field's metadata to argparse's add_argument, which refuses any other key. The kinds are in the tables above.
 for _spec in dataclasses.fields(GRPOConfig):

@@ -70,6 +70,14 @@ def load_causal_lm(name: str, model_init_kwargs: dict | None = None, trust_remot
     return AutoModelForCausalLM.from_pretrained(name, **kwargs)
 
 
+def load_config(name: str, trust_remote_code: bool = False):
+    """A checkpoint's configuration (a small file: read before the weights)."""
+    from transformers import AutoConfig
+
+    check_model_source(name)
+    return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+
+
 def load_tokenizer(name: str, trust_remote_code: bool = False, vision: bool = False):
     """The tokenizer of a checkpoint, or (vision) its processor (AutoProcessor), padding on the left."""
     from transformers import AutoProcessor, AutoTokenizer
@@ -349,23 +357,31 @@ def mix_into_reference(reference: torch.nn.Module, policy: torch.nn.Module, alph
         value.mul_(1 - alpha).add_(policy_parameters[name].detach().to(value.dtype), alpha=alpha)
 
 
-def build_policy(model, processing_class, peft_config, args, quantization_config=None):
-    """The policy and its processing class from GRPOTrainer's arguments: a path / hub id is loaded (with its
-    tokenizer); a model object is taken as it is (its tokenizer loaded from its config's name when none is given).
-    Dropout is turned off when asked, LoRA applied when a peft_config is given."""
+def build_policy(model, processing_class, peft_config, args, quantization_config=None, check_tokenizer=None):
+    """The policy and its processing class from GRPOTrainer's arguments: a path / hub id is loaded, its tokenizer
+    first, so that `check_tokenizer(processing_class, model_or_config)` refuses a tokenizer the run cannot use
+    before the weights load; a model object is taken as it is (its tokenizer loaded from its config's name when
+    none is given). Dropout is turned off when asked, LoRA applied when a peft_config is given."""
+    trust_remote_code = args.trust_remote_code
     if isinstance(model, str):
-        name = model
+        name, config = model, None
+        if processing_class is None:
+            config = load_config(name, trust_remote_code)
+            processing_class = load_tokenizer(name, trust_remote_code, is_vision_language_model(config))
+        if check_tokenizer is not None:
+            check_tokenizer(processing_class, config or load_config(name, trust_remote_code))
         init_kwargs = {
             **(args.model_init_kwargs or {}),
             **({"quantization_config": quantization_config} if quantization_config is not None else {}),
         }
-        model = load_causal_lm(name, init_kwargs, args.trust_remote_code)
-        vision = is_vision_language_model(model)
-        processing_class = processing_class or load_tokenizer(name, args.trust_remote_code, vision)
-    if processing_class is None and hasattr(model, "config"):
-        name = getattr(model.config, "_name_or_path", "")
-        vision = is_vision_language_model(model)
-        processing_class = load_tokenizer(name, args.trust_remote_code, vision) if name else None
+        model = load_causal_lm(name, init_kwargs, trust_remote_code)
+    else:
+        if processing_class is None and hasattr(model, "config"):
+            name = getattr(model.config, "_name_or_path", "")
+            vision = is_vision_language_model(model)
+            processing_class = load_tokenizer(name, trust_remote_code, vision) if name else None
+        if check_tokenizer is not None:
+            check_tokenizer(processing_class, model)
     if processing_class is not None:
         tokenizer = tokenizer_of(processing_class)
         tokenizer.padding_side = "left"

@@ -178,7 +178,14 @@ class GRPOTrainer:
         self._restored_in_flight: list[dict] = []  # generation batches in flight that a checkpoint held
         prepare_process(args, acc.device)
         self.model, self.processing_class, self.reference, max_prompt_length = build_models(
-            model, processing_class, peft_config, quantization_config, args, acc, (train_dataset, eval_dataset)
+            model,
+            processing_class,
+            peft_config,
+            quantization_config,
+            args,
+            acc,
+            (train_dataset, eval_dataset),
+            inputs.check_tokenizer,
         )
         optimizer, scheduler = optimizers
         # Asynchronous generation under FSDP2 or DeepSpeed: the producer's copy is taken before they wrap the policy

@@ -5,7 +5,9 @@ their pool (`environments.py`); the chat template's part: tool schemas, tool-cal
 
 from __future__ import annotations
 
-from .chat import check_tool_calling, parse_completion, response_template, tool_result_ids
+from ..multimodal import tokenizer_of
+from ..rollout.prompts import eos_token_ids
+from .chat import check_chat_template, check_tool_calling, parse_completion, response_template, tool_result_ids
 from .environments import EnvironmentPool, placeholder_dataset, public_methods
 from .loop import Agents, with_observation
 from .python_tool import python_tool
@@ -18,6 +20,7 @@ __all__ = [
     "ToolStats",
     "build_agents",
     "check_agents",
+    "check_chat_template",
     "check_tool_calling",
     "check_tools",
     "parse_completion",
@@ -65,4 +68,5 @@ def build_agents(tokenizer, model, args, max_prompt_length, tools, environments,
         tool_timeout=args.tool_timeout,
         max_tool_output_chars=args.max_tool_output_chars,
         max_model_length=getattr(config, "max_position_embeddings", None),
+        stop_ids=eos_token_ids(tokenizer_of(tokenizer), model),
     )

@@ -10,8 +10,11 @@ template cannot render a tool-calling conversation is refused up front (`check_t
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
+
+from ..multimodal import tokenizer_of
 
 # Response templates in transformers' `parse_response` format (transformers >= 5.13), one per chat family.
 QWEN_RESPONSE_TEMPLATE = {  # Qwen2.5 / Qwen3 / QwQ: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
@@ -104,6 +107,24 @@ def check_tool_calling(tokenizer) -> dict:
     return response_template(tokenizer)
 
 
+def check_chat_template(tokenizer, chat_template_kwargs: dict | None, stop_ids: tuple[int, ...] | None) -> dict:
+    """Everything the multi-turn loop reads off the chat template, checked before the model is loaded: it renders
+    tool calls and their results (`check_tool_calling`), the tokens after a sampled turn can be read off it
+    (`appended_message_ids`, which names the template's problem when they cannot) and they carry the tool's
+    result. Returns the response template that parses tool calls."""
+    template = check_tool_calling(tokenizer)
+    content = "grpokit_result_5b1e"
+    ids = appended_message_ids(
+        tokenizer, [{"role": "tool", "name": "probe", "content": content}], dict(chat_template_kwargs or {}), stop_ids
+    )
+    if content not in tokenizer_of(tokenizer).decode(ids):
+        raise ValueError(
+            "This chat template does not render a tool's result after the assistant turn that called it, so the "
+            "model would never see its tools' results. Set processing_class.chat_template to one that does."
+        )
+    return template
+
+
 def parse_completion(tokenizer, template: dict, ids: list[int], prefix: list[int], tools: list) -> dict:
     """One assistant turn as a message, with its `tool_calls` when it made any; a turn that does not parse (a
     malformed call) is its decoded text, as in TRL's `parse_response`; so is every turn without a template (no
@@ -153,35 +174,86 @@ def render_prompt(tokenizer, messages: list[dict], tools: list[Callable], chat_t
     )
 
 
-def tool_result_ids(tokenizer, tool_messages: list[dict], chat_template_kwargs: dict) -> list[int]:
+def tool_result_ids(
+    tokenizer, tool_messages: list[dict], chat_template_kwargs: dict, stop_ids: tuple[int, ...] | None = None
+) -> list[int]:
     """The tokens that follow an assistant turn that called tools when their results come back (see
     `appended_message_ids`)."""
-    return appended_message_ids(tokenizer, tool_messages, chat_template_kwargs)
+    return appended_message_ids(tokenizer, tool_messages, chat_template_kwargs, stop_ids)
 
 
-def appended_message_ids(tokenizer, messages: list[dict], chat_template_kwargs: dict) -> list[int]:
-    """The tokens that follow an assistant turn (ended by its EOS) when `messages` come next (tool results, or an
-    environment's reply as a user turn), up to the next assistant header: the chat template's rendering of the
-    messages, read off as the difference between a transcript with and without them (TRL's `_get_tool_suffix_ids`).
-    The template must be prefix-preserving."""
-    if messages[0].get("role") == "tool":  # tool results follow an assistant turn that called the tool
-        call = [{"type": "function", "function": {"name": messages[0].get("name", "tool"), "arguments": {}}}]
-        assistant = {"role": "assistant", "content": "", "tool_calls": call}
-    else:
-        assistant = {"role": "assistant", "content": "dummy"}
-    before = [{"role": "user", "content": "dummy"}, assistant]
-    prefix = tokenizer.apply_chat_template(before, tokenize=True, return_dict=True, **chat_template_kwargs)["input_ids"]
-    full = tokenizer.apply_chat_template(
-        before + messages, add_generation_prompt=True, tokenize=True, return_dict=True, **chat_template_kwargs
-    )["input_ids"]
-    # The sampled turn ends at EOS; Qwen's template writes "<|im_end|>\n": cut the prefix at its last EOS.
-    eos = [i for i, token in enumerate(prefix) if token == tokenizer.eos_token_id]
-    if eos:
-        prefix = prefix[: eos[-1] + 1]
-    if list(full[: len(prefix)]) != list(prefix):
+# Sentinels that mark the dummy assistant turn in a rendering (they tokenize to anything: only their place in the
+# text is read).
+_TURN_SENTINEL = "grpokit_turn_7f3a9c"
+_TURN_ARGUMENT = "grpokit_argument_2d8e"
+
+
+def appended_message_ids(
+    tokenizer, messages: list[dict], chat_template_kwargs: dict, stop_ids: tuple[int, ...] | None = None
+) -> list[int]:
+    """The tokens that follow a sampled assistant turn when `messages` come next (tool results, or an
+    environment's reply as a user turn), up to and including the next assistant header.
+
+    The sampled turn itself is never re-rendered: the transcript keeps its tokens verbatim, up to the stop token
+    the model sampled. What is read off the chat template is only what follows that stop token. The template
+    renders a conversation with a dummy assistant turn (marked by a sentinel in its text or tool call), then
+    `messages`, then the generation prompt; the answer is every token after the first stop token (`stop_ids`:
+    the engine's EOS tokens, by default the tokenizer's EOS) that follows the sentinel. So a template that
+    renders earlier turns differently once more turns follow (Qwen3 drops the empty think block of an earlier
+    assistant turn; DeepSeek-R1 and GPT-OSS drop earlier reasoning) gives the same tokens as one that does not:
+    nothing before the stop token is compared. A template that ends an assistant turn with none of the stop
+    tokens (the model could never end its turn the way the template continues it) is refused with the fix.
+    """
+    text_tokenizer = tokenizer_of(tokenizer)
+    stops = set(stop_ids) if stop_ids else {text_tokenizer.eos_token_id}
+    text = _render_after_dummy_turn(tokenizer, messages, chat_template_kwargs)
+    encoded = text_tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(encoded["input_ids"]), encoded["offset_mapping"]
+    marker = text.find(_TURN_ARGUMENT if messages[0].get("role") == "tool" else _TURN_SENTINEL)
+    if marker < 0:
         raise ValueError(
-            "This chat template is not prefix-preserving: appending messages re-renders the earlier "
-            "turns, so they cannot be appended to a sampled transcript. Use a template that renders "
-            "earlier messages the same whatever follows."
+            "This chat template drops an assistant turn once a tool result or another message follows it, so "
+            "what the model sees after its turn cannot be read off the template. Use the model family's "
+            "training template (TRL ships them: trl.chat_template_utils.get_training_chat_template) or set "
+            "processing_class.chat_template to one that keeps the assistant turns."
         )
-    return list(full[len(prefix) :])
+    for index, (token, (start, _)) in enumerate(zip(ids, offsets)):
+        if token in stops and start >= marker:
+            return ids[index + 1 :]
+    names = ", ".join(
+        repr(text_tokenizer.convert_ids_to_tokens(int(t))) for t in sorted(s for s in stops if s is not None)
+    )
+    raise ValueError(
+        f"This chat template ends an assistant turn with none of the tokens generation stops at ({names}), so a "
+        f"sampled turn cannot be continued the way the template continues it: the template writes "
+        f"{text[marker : marker + 120]!r} after the turn's text. Add the token that ends an assistant turn in this "
+        f"template to the model's generation_config.eos_token_id (or the tokenizer's eos_token)."
+    )
+
+
+def _render_after_dummy_turn(tokenizer, messages: list[dict], chat_template_kwargs: dict) -> str:
+    """The template's text of: a user turn, a dummy assistant turn (a call of the first tool message's tool,
+    with the real tool name: GPT-OSS writes it in the result's header; or plain text), `messages`, and the
+    generation prompt."""
+    from jinja2.exceptions import TemplateError
+
+    if messages[0].get("role") == "tool":  # tool results follow an assistant turn that called the tool
+        arguments: Any = {"input": _TURN_ARGUMENT}
+        name = messages[0].get("name", "tool")
+        assistant = {"role": "assistant", "content": "", "tool_calls": [_call(name, arguments)]}
+    else:
+        assistant = {"role": "assistant", "content": _TURN_SENTINEL}
+    conversation = [{"role": "user", "content": "hello"}, assistant, *messages]
+    render = dict(add_generation_prompt=True, tokenize=False, **chat_template_kwargs)
+    try:
+        return tokenizer.apply_chat_template(conversation, **render)
+    except (TypeError, TemplateError):
+        if "tool_calls" not in assistant:
+            raise
+        # DeepSeek-V3's template concatenates the arguments as a string (transformers#45419): give them as JSON.
+        assistant["tool_calls"] = [_call(assistant["tool_calls"][0]["function"]["name"], json.dumps(arguments))]
+        return tokenizer.apply_chat_template(conversation, **render)
+
+
+def _call(name: str, arguments) -> dict:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}

@@ -24,7 +24,7 @@ import torch
 from ..data import EMPTY_PROMPT, PromptLimit, is_conversational, pad_left
 from ..rollout.batching import SEED_STRIDE, Request, answer
 from ..rollout.engine import PromptBatch, Rollout, RolloutEngine, SamplingParams
-from .chat import check_tool_calling, parse_completion, render_prompt, tool_result_ids
+from .chat import check_chat_template, parse_completion, render_prompt, tool_result_ids
 from .environments import EnvironmentPool, public_methods
 from .tools import ToolRunner, ToolStats, check_tools, tool_name
 
@@ -68,18 +68,20 @@ class Agents:
         tool_timeout: float = 30.0,
         max_model_length: int | None = None,
         max_tool_output_chars: int | None = None,
+        stop_ids: tuple[int, ...] | None = None,
     ):
         self.tokenizer, self.rollout_func = tokenizer, rollout_func
+        self.stop_ids = stop_ids  # the engine's EOS tokens: a sampled turn ends at one (chat.appended_message_ids)
         self.standalone_tools = list(tools or [])
         check_tools(self.standalone_tools)
         self.environments = environments
         self.latest_environments: list | None = None  # one per row of the latest rollout call
         self.uses_tools = bool(self.standalone_tools) or self.environments is not None
-        self.template = check_tool_calling(tokenizer) if self.uses_tools else None
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.template = check_chat_template(tokenizer, self.chat_template_kwargs, stop_ids) if self.uses_tools else None
         self.max_iterations = max_tool_calling_iterations if max_tool_calling_iterations is not None else 2**62
         self.max_completion_length, self.max_prompt_length = max_completion_length, PromptLimit.of(max_prompt_length)
         self.max_model_length = max_model_length
-        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.runner = ToolRunner(tool_timeout, max_tool_output_chars) if self.uses_tools else None
         self.stats = ToolStats()
         self.stats_lock = threading.Lock()  # rollouts may run at once (concurrent_rollouts): each counts on its own
@@ -193,7 +195,7 @@ class Agents:
         would not fit in the completion budget or the model's context."""
         calls = [(c["function"]["name"], c["function"]["arguments"]) for c in transcript.messages[-1]["tool_calls"]]
         results = self.runner.run(calls, transcript.tools, stats, on_timeout=self._retire_environment)
-        ids = tool_result_ids(self.tokenizer, results, self.chat_template_kwargs)
+        ids = tool_result_ids(self.tokenizer, results, self.chat_template_kwargs, self.stop_ids)
         total = len(transcript.prompt_ids) + len(transcript.ids) + len(ids)
         if len(transcript.ids) + len(ids) >= self.max_completion_length or (
             self.max_model_length is not None and total >= self.max_model_length

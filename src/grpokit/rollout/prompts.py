@@ -25,11 +25,14 @@ from .engine import PromptBatch, Rollout, SamplingParams
 
 def eos_token_ids(tokenizer, model) -> tuple[int, ...]:
     """The tokens that end a completion: the tokenizer's EOS and every EOS of the model's generation_config (a chat
-    model often ends its turns with a token other than the tokenizer's EOS), as TRL does."""
+    model often ends its turns with a token other than the tokenizer's EOS), as TRL does; `model` may also be a
+    model's configuration (its `eos_token_id`)."""
     found: list[int] = []
+    generation_config = getattr(model, "generation_config", None)
     for source in (
         getattr(tokenizer, "eos_token_id", None),
-        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+        # a model's generation_config; a model's configuration (read before the weights load) has its own
+        getattr(generation_config, "eos_token_id", None) if generation_config else getattr(model, "eos_token_id", None),
     ):
         for token in source if isinstance(source, (list, tuple)) else [source]:
             if token is not None and token not in found:
