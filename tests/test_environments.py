@@ -479,10 +479,16 @@ def test_several_environments_in_one_run_each_rollout_calls_its_own_tools(tmp_pa
             return "I won't<|im_end|>"
         return call_text("increment", {"step": 1}) if user == "Count." else call_text("shout", {"text": "hi"})
 
+    rewarded_prompts = []
+
+    def reward(prompts, completions, **kwargs):
+        rewarded_prompts.extend(prompts)
+        return [float(len(c)) for c in completions]
+
     engine = tool_call_script(tokenizer, turns)
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=lambda completions, **k: [float(len(c)) for c in completions],
+        reward_funcs=reward,
         args=config(tmp_path, per_device_train_batch_size=4, num_generations=2, max_steps=2, shuffle_dataset=False),
         train_dataset=Dataset.from_dict({"environment": ["counter", "echo"] * 8}),
         processing_class=tokenizer,
@@ -500,6 +506,10 @@ def test_several_environments_in_one_run_each_rollout_calls_its_own_tools(tmp_pa
         assert record["tools/failure_frequency"] == 0.0
     assert len(resets["counter"]) == len(resets["echo"]) == 4  # 2 rows each per generation, 2 generations
     assert all("environment" not in row for row in resets["counter"] + resets["echo"])
+    # The rows have no prompt: as in TRL, the reward functions receive the one the model saw, an empty user turn
+    # with the environment's observation appended (a reward model needs it).
+    count, echo = [{"role": "user", "content": "Count."}], [{"role": "user", "content": "Echo."}]
+    assert rewarded_prompts == [count, count, echo, echo] * 2
     first_prompts = [tokenizer.decode(ids) for ids in engine.calls[0].ids]  # one per group: counter, echo
     assert ['"name": "increment"' in p for p in first_prompts] == [True, False]
     assert ['"name": "shout"' in p for p in first_prompts] == [False, True]

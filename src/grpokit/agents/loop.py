@@ -162,6 +162,9 @@ class Agents:
             observations = self.environments.reset(environments, rows)
             prompts = [with_observation(p, o) for p, o in zip(prompts, observations)]
             tools_of = [tools + public_methods(env) for tools, env in zip(tools_of, environments)]
+            # TRL's reward functions receive the prompt the model saw: the row's (or an empty user turn, when the
+            # environment owns the data) with reset()'s observation appended. Rollout.extra replaces the row's.
+            extra = {**extra, "prompt": prompts}
         rendered = [
             render_prompt(self.tokenizer, prompt, tools, self.chat_template_kwargs)
             for prompt, tools in zip(prompts, tools_of)
