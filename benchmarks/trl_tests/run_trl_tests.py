@@ -180,6 +180,8 @@ def outcomes(report: Path) -> dict[str, tuple[str, str]]:
     if not report.exists():
         return results
     for case in ElementTree.parse(report).getroot().iter("testcase"):
+        if not case.get("name") or not case.get("classname"):
+            continue  # an interrupted run's (Ctrl-C) entry for no test
         name = case.get("classname", "").split(".")[-1] + "::" + case.get("name")
         status, reason = "passed", ""
         for tag in ("failure", "error", "skipped"):
@@ -188,6 +190,8 @@ def outcomes(report: Path) -> dict[str, tuple[str, str]]:
                 status = "skipped" if tag == "skipped" else "failed"
                 message = element.get("message") or (element.text or "")
                 reason = " ".join(message.split())[:160]
+                if "TestTimeout" in reason:
+                    status = "timed out"  # harness_plugin's limit: no outcome
                 break
         results[name] = (status, reason)
     return results
@@ -248,6 +252,11 @@ def classify(test_id: str, trl: tuple, ours: tuple) -> tuple[str, str]:
     or that reads TRL's internals or asserts its loop's design, is not counted; a test skipped here (it needs an
     accelerator, vLLM, liger-kernel: ACCELERATOR_ONLY) is a fair test not run, counted in the denominator."""
     (trl_status, trl_reason), (status, reason) = trl[:2], ours[:2]
+    if trl_status == "timed out" or (trl_status == "failed" and "TestTimeout" in trl_reason):
+        trl_status = "not run"  # no outcome: the test ran past the per-test limit (TRL_TEST_TIMEOUT)
+    needed = {f"test requires {marker.removeprefix('require_')}" for marker in NEEDED}
+    if trl_status == "skipped" and trl_reason in needed and status != "skipped":
+        trl_status = "not run"  # a run from before the harness required the package: TRL's trainer did not run it
     if trl_status == "failed":
         return "env", f"fails with TRL's trainer here: {trl_reason}"
     if base_name(test_id) in PRIVATE:
@@ -256,6 +265,8 @@ def classify(test_id: str, trl: tuple, ours: tuple) -> tuple[str, str]:
         return "refused", f"refused: asserts {REFUSED[base_name(test_id)]}"
     if "skipped" in (trl_status, status):
         return "not run", f"skipped here: {trl_reason if trl_status == 'skipped' else reason}"
+    if status == "timed out" or (status == "failed" and "TestTimeout" in reason):
+        return "not run", f"timed out here (TRL_TEST_TIMEOUT): {reason}"
     if status == "not run":
         return "not run", "not run with grpokit"
     return "fair", reason
@@ -271,8 +282,8 @@ def table(name: str, trl: dict, grpokit: dict) -> list[str]:
         fair = {"fair": "yes", "not run": "not run"}.get(kind, "no")
         if kind in ("fair", "not run"):
             counts["fair"] += 1
-            counts["passed"] += ours[0] == "passed"
-            counts["unverified"] += kind == "fair" and trl_outcome[0] == "not run" and ours[0] == "passed"
+            counts["passed"] += kind == "fair" and ours[0] == "passed"
+            counts["unverified"] += kind == "fair" and trl_outcome[0] != "passed" and ours[0] == "passed"
             if kind == "not run":
                 counts["not_run"] += 1
                 skips[reason.removeprefix("skipped here: ")] = skips.get(reason.removeprefix("skipped here: "), 0) + 1
