@@ -416,6 +416,17 @@ def test_standalone_tools_and_each_environments_tools_are_the_trainers_tools(tmp
     )
     assert [tool.__name__ for tool in trainer.tools] == ["lookup", "read", "increment"]
     assert trainer.tools[1].__self__ is trainer.agents.environments.pool["vault"][0]  # the probe instance's method
+    # TRL's `_env_tools` and `_environment_pool` (its test_train_with_multiple_environments reads them): what each
+    # environment's rows are shown, and the pooled instances, the probe first.
+    assert {name: [t.__name__ for t in tools] for name, tools in trainer._env_tools.items()} == {
+        "vault": ["lookup", "read"],
+        "counter": ["lookup", "increment"],
+    }
+    assert trainer._env_tools["counter"][1].__self__ is trainer._environment_pool["counter"][0]
+    assert {name: [type(e) for e in pool] for name, pool in trainer._environment_pool.items()} == {
+        "vault": [Vault],
+        "counter": [Counter],
+    }
     plain = GRPOTrainer(
         model=model,
         reward_funcs=lambda completions, **k: [0.0] * len(completions),
@@ -423,7 +434,7 @@ def test_standalone_tools_and_each_environments_tools_are_the_trainers_tools(tmp
         train_dataset=Dataset.from_list(vault_rows("k1", "k2")),
         processing_class=tokenizer,
     )
-    assert plain.tools == []
+    assert plain.tools == [] and plain._env_tools == {} and plain._environment_pool == {}
 
 
 def test_several_environments_in_one_run_each_rollout_calls_its_own_tools(tmp_path):
@@ -468,10 +479,16 @@ def test_several_environments_in_one_run_each_rollout_calls_its_own_tools(tmp_pa
             return "I won't<|im_end|>"
         return call_text("increment", {"step": 1}) if user == "Count." else call_text("shout", {"text": "hi"})
 
+    rewarded_prompts = []
+
+    def reward(prompts, completions, **kwargs):
+        rewarded_prompts.extend(prompts)
+        return [float(len(c)) for c in completions]
+
     engine = tool_call_script(tokenizer, turns)
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=lambda completions, **k: [float(len(c)) for c in completions],
+        reward_funcs=reward,
         args=config(tmp_path, per_device_train_batch_size=4, num_generations=2, max_steps=2, shuffle_dataset=False),
         train_dataset=Dataset.from_dict({"environment": ["counter", "echo"] * 8}),
         processing_class=tokenizer,
@@ -479,6 +496,9 @@ def test_several_environments_in_one_run_each_rollout_calls_its_own_tools(tmp_pa
         rollout_engine=engine,
     )
     assert [tool.__name__ for tool in trainer.tools] == ["increment", "shout"]
+    assert [tool.__name__ for tool in trainer._env_tools["counter"]] == ["increment"]  # TRL's test's checks
+    assert [tool.__name__ for tool in trainer._env_tools["echo"]] == ["shout"]
+    assert len(trainer._environment_pool["counter"]) == len(trainer._environment_pool["echo"]) == 1
     trainer.train()
     assert calls == {"increment": [1, 1], "shout": ["hi", "hi"]}  # one call of each per generation
     for record in [r for r in trainer.state.log_history if "loss" in r]:
@@ -486,6 +506,10 @@ def test_several_environments_in_one_run_each_rollout_calls_its_own_tools(tmp_pa
         assert record["tools/failure_frequency"] == 0.0
     assert len(resets["counter"]) == len(resets["echo"]) == 4  # 2 rows each per generation, 2 generations
     assert all("environment" not in row for row in resets["counter"] + resets["echo"])
+    # The rows have no prompt: as in TRL, the reward functions receive the one the model saw, an empty user turn
+    # with the environment's observation appended (a reward model needs it).
+    count, echo = [{"role": "user", "content": "Count."}], [{"role": "user", "content": "Echo."}]
+    assert rewarded_prompts == [count, count, echo, echo] * 2
     first_prompts = [tokenizer.decode(ids) for ids in engine.calls[0].ids]  # one per group: counter, echo
     assert ['"name": "increment"' in p for p in first_prompts] == [True, False]
     assert ['"name": "shout"' in p for p in first_prompts] == [False, True]

@@ -72,6 +72,99 @@ ADDED = {"qwen2": ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_res
 ADDED["qwen3"] = ADDED["qwen3_moe"] = ADDED["qwen2"] + ["<think>", "</think>"]
 ADDED["nemotron_h"] = ADDED["qwen3"]
 QWEN_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# The stand-ins whose tokenizers hold Qwen's ids for the tokens TRL's tool and environment tests write into a mocked
+# generate (QWEN_IDS): decoded, those completions are the text their comments give, as with Qwen's tokenizer.
+QWEN_IDS_MODELS = {"trl-internal-testing/tiny-Qwen3MoeForCausalLM"}
+# Qwen2.5's and Qwen3's added tokens, at their ids.
+QWEN_ADDED_IDS = dict(
+    enumerate(
+        [
+            "<|endoftext|>",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<|object_ref_start|>",
+            "<|object_ref_end|>",
+            "<|box_start|>",
+            "<|box_end|>",
+            "<|quad_start|>",
+            "<|quad_end|>",
+            "<|vision_start|>",
+            "<|vision_end|>",
+            "<|vision_pad|>",
+            "<|image_pad|>",
+            "<|video_pad|>",
+            "<tool_call>",
+            "</tool_call>",
+            "<|fim_prefix|>",
+            "<|fim_middle|>",
+            "<|fim_suffix|>",
+            "<|fim_pad|>",
+            "<|repo_name|>",
+            "<|file_sep|>",
+            "<tool_response>",
+            "</tool_response>",
+            "<think>",
+            "</think>",
+        ],
+        start=151643,
+    )
+)
+# Qwen's byte-level BPE pieces of TRL's tests' tool calls and replies (besides single characters), at their ids.
+QWEN_PIECES = {
+    293: " b",
+    314: " {",
+    330: ' "',
+    397: ">\n",
+    411: "out",
+    450: "dec",
+    497: '",',
+    522: "</",
+    606: "name",
+    788: '":',
+    894: " any",
+    927: "sh",
+    944: "'t",
+    1318: "text",
+    1414: " know",
+    1513: " don",
+    2765: " won",
+    4913: '{"',
+    5212: ' {"',
+    5392: " tool",
+    6023: "hi",
+    6659: "call",
+    7692: "async",
+    9520: "step",
+    11248: "}}\n",
+    13477: "rement",
+    14172: "tool",
+    16252: " increment",
+    16370: "arguments",
+    17453: "Done",
+    22785: "_tool",
+    35744: "increment",
+    64648: "multiply",
+    93054: "_multiply",
+    95642: '"}}\n',
+}
+# A tool call of TRL's test_train_with_tools and the text its comment gives: the build checks the stand-in decodes it.
+QWEN_IDS_CHECK = (
+    [
+        *(151657, 198, 4913, 606, 788, 330, 64648, 22785, 497, 330, 16370, 788, 5212, 64, 788, 220, 18, 11, 330, 65),
+        *(788, 220, 19, 11248, 151658, 151645),
+    ],
+    '<tool_call>\n{"name": "multiply_tool", "arguments": {"a": 3, "b": 4}}\n</tool_call><|im_end|>',
+)
+
+
+def qwen_character_ids() -> dict[int, str]:
+    """Qwen's (GPT-2's byte-level) ids of the printable ASCII characters: '!'..'~' from 0, the whitespace bytes
+    from 188 (the bytes without a printable form follow the 188 that have one, in byte order)."""
+    ids = {code - 33: chr(code) for code in range(33, 127)}
+    ids.update({188 + code: chr(code) for code in (9, 10, 11, 12, 13, 32)})
+    return ids
+
+
 # Mistral-7B-Instruct-v0.2's template (TRL ships none for it).
 MISTRAL_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
@@ -134,9 +227,12 @@ def snapshot_dir(hub_cache: Path, repo_id: str) -> Path:
 QWEN_FIRST_SPECIAL_ID = 151643
 
 
-def build_chat_tokenizer(chat_template, special_tokens, eos_token, pad_token, added_tokens=(), first_id=0):
+def build_chat_tokenizer(
+    chat_template, special_tokens, eos_token, pad_token, added_tokens=(), first_id=0, fixed: dict | None = None
+):
     """grpokit.testing.build_chat_tokenizer's tokenizer with its special tokens from id `first_id` on (the ids
-    below are fillers no text maps to, as a large vocabulary's other tokens for a random-weight model)."""
+    below are fillers no text maps to, as a large vocabulary's other tokens for a random-weight model), except the
+    tokens `fixed` places (id -> token)."""
     import re
     import string
 
@@ -144,7 +240,8 @@ def build_chat_tokenizer(chat_template, special_tokens, eos_token, pad_token, ad
     from transformers import PreTrainedTokenizerFast
 
     known = sorted(set(re.findall(r"[A-Za-z_]{2,}", chat_template)), key=lambda w: (-len(w), w))
-    vocab = {f"<|filler_{i}|>": i for i in range(first_id)}
+    fixed = fixed or {}
+    vocab = {fixed.get(i, f"<|filler_{i}|>"): i for i in range(max([first_id, *(i + 1 for i in fixed)]))}
     for token in list(special_tokens) + list(added_tokens) + known + list(string.printable):
         vocab.setdefault(token, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=pad_token))
@@ -158,7 +255,7 @@ def build_chat_tokenizer(chat_template, special_tokens, eos_token, pad_token, ad
     return tokenizer
 
 
-def build_tokenizer(model_type: str, template_name: str | None, eos: str, pad: str | None):
+def build_tokenizer(model_type: str, template_name: str | None, eos: str, pad: str | None, qwen_ids: bool = False):
     import re
 
     import trl
@@ -180,9 +277,12 @@ def build_tokenizer(model_type: str, template_name: str | None, eos: str, pad: s
         special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [t for t in special if t not in QWEN_SPECIAL]
     else:
         special = [token for token in [eos, pad, bos] if token] + [t for t in special if t not in (eos, pad, bos)]
+    fixed = {**qwen_character_ids(), **QWEN_PIECES, **QWEN_ADDED_IDS} if qwen_ids else None
     tokenizer = build_chat_tokenizer(
-        template, special, eos, pad or eos, added_tokens=ADDED.get(model_type, []), first_id=first_id
+        template, special, eos, pad or eos, added_tokens=ADDED.get(model_type, []), first_id=first_id, fixed=fixed
     )
+    if qwen_ids and tokenizer.decode(QWEN_IDS_CHECK[0]) != QWEN_IDS_CHECK[1]:
+        raise RuntimeError(f"the stand-in with Qwen's ids decodes {tokenizer.decode(QWEN_IDS_CHECK[0])!r}")
     if bos:
         tokenizer.bos_token = bos
     if pad is None:
@@ -196,7 +296,7 @@ def build_text_model(hub_cache: Path, repo_id: str, spec: tuple) -> None:
     from grpokit.testing import build_tiny_model_of_type
 
     model_type, head, template, eos, pad = spec
-    tokenizer = build_tokenizer(model_type, template, eos, pad)
+    tokenizer = build_tokenizer(model_type, template, eos, pad, qwen_ids=repo_id in QWEN_IDS_MODELS)
     ids = dict(
         vocab_size=len(tokenizer),
         eos_token_id=tokenizer.eos_token_id,

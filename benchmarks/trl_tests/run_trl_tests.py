@@ -20,6 +20,9 @@ grpokit is imported from wherever Python finds it (PYTHONPATH=src for a checkout
 from __future__ import annotations
 
 import argparse
+import datetime
+import importlib.util
+import json
 import os
 import re
 import shutil
@@ -89,6 +92,47 @@ REFUSED = {
 }
 
 
+# The packages TRL's test files need on a CPU machine, by the testing_utils marker that skips a test without them
+# (marker -> (module, pip name)): a test skipped for want of one would silently leave the figure, so the harness
+# refuses to run without them. testing_utils itself imports psutil.
+NEEDED = {
+    "require_jmespath": ("jmespath", "jmespath"),
+    "require_peft": ("peft", "peft"),
+    "require_vision": ("PIL", "Pillow"),
+    "testing_utils": ("psutil", "psutil"),
+}
+# Markers of tests that need an accelerator or a package that runs only on one: on CPU they are skipped, and the
+# table counts them as fair tests not run.
+ACCELERATOR_ONLY = {
+    "require_torch_accelerator": "a CUDA/XPU accelerator",
+    "require_torch_multi_accelerator": "several accelerators",
+    "require_3_accelerators": "three accelerators",
+    "require_vllm": "vLLM",
+    "require_liger_kernel": "liger-kernel (Triton kernels)",
+    "require_kernels": "kernels (Hub GPU kernels; with flash attention on an Ampere GPU)",
+    "require_bitsandbytes": "bitsandbytes (in these files only on tests that also need an accelerator or vLLM)",
+}
+
+
+def check_requirements(texts: list[str]) -> None:
+    """Exit with one line if a package the selected test files need is not importable, or if they use a require_*
+    marker this harness does not know (a new optional dependency: add it to NEEDED or ACCELERATOR_ONLY)."""
+    used = set(re.findall(r"@(require_\w+)", "\n".join(texts)))
+    unknown = sorted(used - NEEDED.keys() - ACCELERATOR_ONLY.keys())
+    if unknown:
+        sys.exit(
+            f"run_trl_tests: TRL's test files use {', '.join(unknown)}, unknown to the harness: add each to NEEDED "
+            f"(a package the tests need on CPU) or ACCELERATOR_ONLY in {__file__}."
+        )
+    for marker in [*sorted(used & NEEDED.keys()), "testing_utils"]:
+        module, package = NEEDED[marker]
+        if importlib.util.find_spec(module) is None:
+            sys.exit(
+                f"run_trl_tests: TRL's tests need {package} ({marker} skips tests without it, which would leave them "
+                f"out of the figure): pip install {package}"
+            )
+
+
 def git_show(repo: str, ref: str, path: str) -> str:
     return subprocess.run(
         ["git", "-C", repo, "show", f"{ref}:{path}"], check=True, capture_output=True, text=True
@@ -136,6 +180,8 @@ def outcomes(report: Path) -> dict[str, tuple[str, str]]:
     if not report.exists():
         return results
     for case in ElementTree.parse(report).getroot().iter("testcase"):
+        if not case.get("name") or not case.get("classname"):
+            continue  # an interrupted run's (Ctrl-C) entry for no test
         name = case.get("classname", "").split(".")[-1] + "::" + case.get("name")
         status, reason = "passed", ""
         for tag in ("failure", "error", "skipped"):
@@ -144,20 +190,51 @@ def outcomes(report: Path) -> dict[str, tuple[str, str]]:
                 status = "skipped" if tag == "skipped" else "failed"
                 message = element.get("message") or (element.text or "")
                 reason = " ".join(message.split())[:160]
+                if "TestTimeout" in reason:
+                    status = "timed out"  # harness_plugin's limit: no outcome
                 break
         results[name] = (status, reason)
     return results
 
 
-def last_outcomes(work: Path, mode: str, name: str) -> dict[str, tuple[str, str]]:
-    """The last full run's outcomes, updated with those of a later partial run (-k, --trl-where-grpokit-fails)."""
-    full = work / f"{mode}-{name}.xml"
-    results = outcomes(full)
-    since = full.stat().st_mtime if full.exists() else 0
-    for partial in sorted(work.glob(f"{mode}-{name}-partial*.xml"), key=lambda path: path.stat().st_mtime):
-        if partial.stat().st_mtime > since:
-            results.update(outcomes(partial))
-    return results
+def load_record(path: Path) -> dict:
+    """The outcomes on record (outcomes.json): {"runs": [what ran when], "outcomes": {mode: {file: {test id:
+    [status, reason, date]}}}}. Every run updates it, so a -k rerun here keeps the other rows of earlier runs."""
+    if not path.exists():
+        return {"runs": [], "outcomes": {}}
+    return json.loads(path.read_text())
+
+
+def record_run(record: dict, mode: str, name: str, report: Path, keyword: str | None, partial: bool) -> None:
+    """Puts a report's outcomes on record, dated today: a full run of a file replaces its rows, a partial run
+    (-k, --trl-where-grpokit-fails) replaces those it ran."""
+    results = outcomes(report)
+    if not results:
+        return  # the run collected nothing (a -k selecting none of this file's tests, or a crash): nothing to record
+    today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    rows = record["outcomes"].setdefault(mode, {}).setdefault(name, {})
+    if not partial:
+        rows.clear()
+    rows.update({test: [status, reason, today] for test, (status, reason) in results.items()})
+    selection = f"-k '{keyword}'" if keyword else ("the tests grpokit failed" if partial else "the whole file")
+    run = {"date": today, "mode": mode, "file": name, "selection": selection, "tests": len(results)}
+    if mode == "grpokit":
+        run["grpokit"] = grpokit_commit()
+    record["runs"].append(run)
+
+
+def grpokit_commit() -> str:
+    """The commit of the grpokit that pytest imports (+dirty for uncommitted changes), or where it is installed."""
+    spec = importlib.util.find_spec("grpokit")
+    if spec is None or spec.origin is None:
+        return "not importable"
+    where = Path(spec.origin).resolve().parent
+    git = ["git", "-C", str(where)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    if not head:
+        return str(where)
+    dirty = subprocess.run([*git, "status", "--porcelain", "--", "."], capture_output=True, text=True).stdout
+    return head + ("+dirty" if dirty.strip() else "")
 
 
 def node_id(test_file: str, test_id: str) -> str:
@@ -170,47 +247,64 @@ def base_name(test_id: str) -> str:
     return re.sub(r"\[.*\]$", "", test_id.split("::")[-1])
 
 
-def table(name: str, trl: dict, grpokit: dict) -> tuple[list[str], dict]:
-    rows = [f"### {name}", "", "| test | TRL 1.16 | grpokit | fair | reason |", "|---|---|---|---|---|"]
-    counts = dict(total=0, fair=0, passed=0, env=0, private=0, refused=0, skipped=0, unverified=0)
+def classify(test_id: str, trl: tuple, ours: tuple) -> tuple[str, str]:
+    """(why the test is not counted, or "fair" or "not run", the reason shown). A test TRL's trainer fails here,
+    or that reads TRL's internals or asserts its loop's design, is not counted; a test skipped here (it needs an
+    accelerator, vLLM, liger-kernel: ACCELERATOR_ONLY) is a fair test not run, counted in the denominator."""
+    (trl_status, trl_reason), (status, reason) = trl[:2], ours[:2]
+    if trl_status == "timed out" or (trl_status == "failed" and "TestTimeout" in trl_reason):
+        trl_status = "not run"  # no outcome: the test ran past the per-test limit (TRL_TEST_TIMEOUT)
+    needed = {f"test requires {marker.removeprefix('require_')}" for marker in NEEDED}
+    if trl_status == "skipped" and trl_reason in needed and status != "skipped":
+        trl_status = "not run"  # a run from before the harness required the package: TRL's trainer did not run it
+    if trl_status == "failed":
+        return "env", f"fails with TRL's trainer here: {trl_reason}"
+    if base_name(test_id) in PRIVATE:
+        return "private", f"reads TRL's private {PRIVATE[base_name(test_id)]}"
+    if base_name(test_id) in REFUSED:
+        return "refused", f"refused: asserts {REFUSED[base_name(test_id)]}"
+    if "skipped" in (trl_status, status):
+        return "not run", f"skipped here: {trl_reason if trl_status == 'skipped' else reason}"
+    if status == "timed out" or (status == "failed" and "TestTimeout" in reason):
+        return "not run", f"timed out here (TRL_TEST_TIMEOUT): {reason}"
+    if status == "not run":
+        return "not run", "not run with grpokit"
+    return "fair", reason
+
+
+def table(name: str, trl: dict, grpokit: dict) -> list[str]:
+    rows = ["| test | TRL 1.16 | grpokit | fair | reason | run (TRL / grpokit) |", "|---|---|---|---|---|---|"]
+    counts = dict(fair=0, passed=0, not_run=0, env=0, private=0, refused=0, unverified=0)
+    skips: dict[str, int] = {}
     for test_id in sorted(set(trl) | set(grpokit)):
-        trl_status, trl_reason = trl.get(test_id, ("not run", ""))
-        ours, our_reason = grpokit.get(test_id, ("not run", ""))
-        counts["total"] += 1
-        if trl_status == "not run" and ours == "skipped":
-            trl_status, trl_reason = "skipped", our_reason  # the same skip markers (accelerator, vllm, liger)
-        if trl_status == "not run" and ours == "passed":
-            counts["unverified"] += 1  # grpokit passes it; TRL's run was left out (--trl-where-grpokit-fails)
-        if trl_status == "skipped":
-            fair, reason = "no", f"skipped: {trl_reason}"
-            counts["skipped"] += 1
-        elif trl_status not in ("passed", "not run"):
-            fair, reason = "no", f"fails with TRL's trainer here: {trl_reason}"
-            counts["env"] += 1
-        elif base_name(test_id) in PRIVATE:
-            fair, reason = "no", f"reads TRL's private {PRIVATE[base_name(test_id)]}"
-            counts["private"] += 1
-        elif base_name(test_id) in REFUSED:
-            fair, reason = "no", f"refused: asserts {REFUSED[base_name(test_id)]}"
-            counts["refused"] += 1
-        else:
-            fair, reason = "yes", our_reason
+        trl_outcome, ours = trl.get(test_id, ("not run", "", "")), grpokit.get(test_id, ("not run", "", ""))
+        kind, reason = classify(test_id, trl_outcome, ours)
+        fair = {"fair": "yes", "not run": "not run"}.get(kind, "no")
+        if kind in ("fair", "not run"):
             counts["fair"] += 1
-            counts["passed"] += ours == "passed"
-        rows.append(f"| {test_id} | {trl_status} | {ours} | {fair} | {reason.replace('|', '/')} |")
-    rows.insert(
-        2,
-        f"{counts['passed']} of {counts['fair']} fair tests pass with grpokit; not counted: {counts['env']} that fail "
-        f"with TRL's own trainer here, {counts['skipped']} skipped here, {counts['private']} that read TRL's "
-        f"private internals, {counts['refused']} that assert TRL's loop design (refused)"
+            counts["passed"] += kind == "fair" and ours[0] == "passed"
+            counts["unverified"] += kind == "fair" and trl_outcome[0] != "passed" and ours[0] == "passed"
+            if kind == "not run":
+                counts["not_run"] += 1
+                skips[reason.removeprefix("skipped here: ")] = skips.get(reason.removeprefix("skipped here: "), 0) + 1
+        else:
+            counts[kind] += 1
+        dates = f"{trl_outcome[2] or '-'} / {ours[2] or '-'}"
+        rows.append(f"| {test_id} | {trl_outcome[0]} | {ours[0]} | {fair} | {reason.replace('|', '/')} | {dates} |")
+    why = "; ".join(f"{count}: {reason}" for reason, count in sorted(skips.items(), key=lambda item: -item[1]))
+    summary = (
+        f"{counts['passed']} of {counts['fair']} fair tests pass with grpokit, {counts['not_run']} not run"
+        + (f" ({why})" if why else "")
+        + f". Not counted: {counts['env']} that fail with TRL's own trainer here, {counts['private']} that read "
+        f"TRL's private internals, {counts['refused']} that assert TRL's loop design (refused)"
         + (
-            f"; {counts['unverified']} of the fair tests not run with TRL's trainer (grpokit passes them)"
+            f"; {counts['unverified']} of the fair tests passed with grpokit have no TRL run on record"
             if counts["unverified"]
             else ""
         )
-        + ".\n",
+        + "."
     )
-    return rows, counts
+    return [f"### {name}", "", summary, "", *rows]
 
 
 def main() -> None:
@@ -231,7 +325,10 @@ def main() -> None:
     )
     parser.add_argument("--rebuild", action="store_true", help="rebuild the models and datasets")
     parser.add_argument("--table", type=Path, default=HERE / "results.md")
+    parser.add_argument("--record", type=Path, default=HERE / "outcomes.json", help="the outcomes on record")
     args = parser.parse_args()
+    if args.modes:
+        check_requirements([git_show(args.trl_repo, args.ref, FILES[name]) for name in args.files])
 
     work = args.work.resolve()
     hub_cache, datasets_root = work / "hf" / "hub", work / "datasets"
@@ -261,7 +358,7 @@ def main() -> None:
         ["git", "-C", args.trl_repo, "rev-parse", args.ref], capture_output=True, text=True
     ).stdout.strip()
 
-    results = {}
+    record = load_record(args.record)
     for mode in args.modes:
         # The tests load "trl-internal-testing/zen" etc. as paths relative to the run folder: the datasets live there.
         run_dir = work / f"run-{mode}"
@@ -272,20 +369,18 @@ def main() -> None:
             link.symlink_to(datasets_root / "trl-internal-testing")
         copy_tests(args.trl_repo, args.ref, run_dir, switch=mode == "grpokit")
         for name in args.files:
-            # A -k run updates the last full run's results for the tests it selects.
-            partial = args.keyword or (mode == "trl" and args.trl_where_grpokit_fails)
+            partial = bool(args.keyword) or (mode == "trl" and args.trl_where_grpokit_fails)
             report = work / f"{mode}-{name}{f'-partial-{time.time():.0f}' if partial else ''}.xml"
             report.unlink(missing_ok=True)
             tests = [FILES[name]]
             if mode == "trl" and args.trl_where_grpokit_fails:
-                failing = outcomes(work / f"grpokit-{name}.xml")
-                tests = [node_id(FILES[name], test) for test, (status, _) in failing.items() if status == "failed"]
+                ours = record["outcomes"].get("grpokit", {}).get(name, {})
+                tests = [node_id(FILES[name], test) for test, (status, *_) in ours.items() if status == "failed"]
                 if not tests:
                     continue
             run_pytest(run_dir, tests, report, env, args.keyword)
-    for mode in ("trl", "grpokit"):
-        for name in args.files:
-            results[mode, name] = last_outcomes(work, mode, name)
+            record_run(record, mode, name, report, args.keyword, partial)
+            args.record.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
 
     import trl
 
@@ -293,14 +388,20 @@ def main() -> None:
         "# TRL's trainer tests with the import switched to grpokit",
         "",
         f"TRL's tests at {commit[:12]} of {args.trl_repo} (installed trl {trl.__version__}), offline on CPU with the "
-        "stand-in models and datasets of build_fixtures.py. Command: `python benchmarks/trl_tests/run_trl_tests.py`"
-        + (f" -k '{args.keyword}'" if args.keyword else "")
-        + ".",
+        "stand-in models and datasets of build_fixtures.py, run with `python benchmarks/trl_tests/run_trl_tests.py`. "
+        "Each row is the latest outcome on record (outcomes.json) under each trainer, dated by the run that gave it:",
+        "",
+        *[
+            f"- {run['date']}: {run['mode']} on {FILES.get(run['file'], run['file'])}, {run['selection']}"
+            + (f" ({run['tests']} tests)" if "tests" in run else "")
+            + (f", grpokit {run['grpokit']}" if "grpokit" in run else "")
+            for run in record["runs"]
+        ],
         "",
     ]
     for name in args.files:
-        rows, _ = table(FILES[name], results.get(("trl", name), {}), results.get(("grpokit", name), {}))
-        lines += [*rows, ""]
+        trl_rows = record["outcomes"].get("trl", {}).get(name, {})
+        lines += [*table(FILES[name], trl_rows, record["outcomes"].get("grpokit", {}).get(name, {})), ""]
     args.table.write_text("\n".join(lines))
     print("\n".join(line for line in lines if "fair tests pass" in line or line.startswith("###")))
     print(f"table: {args.table}")

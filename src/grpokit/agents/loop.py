@@ -105,6 +105,14 @@ class Agents:
         # its own instances until it is scored), except a user's rollout_func, which is not known to allow it.
         self.concurrent_rollouts = rollout_func is None
 
+    @property
+    def tools_by_environment(self) -> dict:
+        """Environment name (None for a single factory) -> the tools its rows are shown: the standalone tools, then
+        the probe instance's methods (TRL's `_env_tools`). Empty without environments."""
+        if self.environments is None:
+            return {}
+        return {name: self.standalone_tools + methods for name, methods in self.environments.tools.items()}
+
     def scored(self, rollout: Rollout) -> None:
         """A rollout's rewards are computed: its environments go back to the pool."""
         if self.environments is not None and "environments" in rollout.extra:
@@ -166,6 +174,9 @@ class Agents:
             observations = self.environments.reset(environments, rows)
             prompts = [with_observation(p, o) for p, o in zip(prompts, observations)]
             tools_of = [tools + public_methods(env) for tools, env in zip(tools_of, environments)]
+            # TRL's reward functions receive the prompt the model saw: the row's (or an empty user turn, when the
+            # environment owns the data) with reset()'s observation appended. Rollout.extra replaces the row's.
+            extra = {**extra, "prompt": prompts}
         rendered = [
             render_prompt(self.tokenizer, prompt, tools, self.chat_template_kwargs)
             for prompt, tools in zip(prompts, tools_of)
