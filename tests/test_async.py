@@ -150,7 +150,7 @@ def test_what_asynchronous_generation_does_not_support_is_refused_by_name(tmp_pa
 def test_sharded_models_are_refused_only_where_they_cannot_run(layout):
     """ZeRO-1/2, ZeRO-3 and FSDP2 run (tests/test_async_distributed.py), but a sharded model (FSDP2, ZeRO-3) not
     with what needs its forwards in the producer (a sharded reference) or timing (the latest schedule)."""
-    from grpokit.producer import check_async
+    from grpokit.checks import check_async
 
     args = GRPOConfig(max_staleness=1, report_to="none")
     check_async(args, num_processes=2, deepspeed=2)
@@ -173,7 +173,7 @@ def test_sharded_models_are_refused_only_where_they_cannot_run(layout):
     ],
 )
 def test_what_several_processes_cannot_do_asynchronously_is_refused_by_name(overrides, shared_engine, message):
-    from grpokit.producer import check_async
+    from grpokit.checks import check_async
 
     args = GRPOConfig(max_staleness=1, report_to="none", **overrides)
     with pytest.raises(NotImplementedError, match=message):

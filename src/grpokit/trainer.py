@@ -63,6 +63,7 @@ from .build import (
 from .checkpoint import TrainingParts
 from .checkpoint.model_files import gathered_weights, load_best_checkpoint, write_model_files
 from .checkpoint.preemption import SigtermCheckpoint
+from .checks import check_async, check_streaming
 from .compat import models_written_by_this_process
 from .config import GRPOConfig
 from .cpu_matmul import release_scratch
@@ -86,7 +87,7 @@ from .loss import off_policy_mask
 from .micro_batch import micro_batch_loss
 from .model_card import run_model_card
 from .models import mix_into_reference, whole_copy
-from .producer import Produced, Producer, WeightSync, check_async, check_streaming, start_producer
+from .producer import Produced, Producer, WeightSync, start_producer
 from .rewards.model import RewardModel
 from .rollout import RolloutEngine
 from .signals import guard_message
