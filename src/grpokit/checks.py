@@ -3,8 +3,16 @@ launch, the rollout engine, the checkpoint format), each refused early with a me
 
 from __future__ import annotations
 
+import logging
+import os
+
+from .agents import check_agents
 from .config import GRPOConfig
-from .rollout import RolloutRunner
+from .data import check_dataset, dataset_columns, is_iterable_dataset, named_eval_datasets
+from .rewards.base import check_required_columns
+from .rollout import RolloutEngine, RolloutRunner
+
+logger = logging.getLogger(__name__)
 
 
 def check_async(
@@ -105,4 +113,94 @@ def check_streaming(args: GRPOConfig, runner: RolloutRunner, num_processes: int)
             "groups are scored when a batch is assembled, not as they finish, so a group "
             "without reward spread cannot be replaced by the next one to finish. Set "
             "dynamic_sampling=False, or max_staleness=None (or 0) for these rollouts."
+        )
+
+
+def check_run(
+    args: GRPOConfig, train_dataset, eval_dataset, rollout_engine, tools, rollout_func, environment_factory
+) -> None:
+    """The run-time checks (what GRPOConfig.validate cannot know: the data, the launch, the arguments)."""
+    check_agents(tools, rollout_func, environment_factory, rollout_engine)
+    environments = environment_factory is not None  # reset() may supply every prompt (TRL: prompt optional)
+    check_dataset(train_dataset, prompt_optional=environments)
+    for name, dataset in named_eval_datasets(eval_dataset).items():
+        check_dataset(dataset, "eval_dataset" if name is None else f"eval_dataset[{name!r}]", environments)
+    configure_iterable_datasets(args, train_dataset, eval_dataset)  # TRL's order: dispatch_batches first
+    if is_iterable_dataset(train_dataset) and args.max_steps <= 0:
+        raise ValueError(
+            "train_dataset is an IterableDataset (no len()): set max_steps > 0 to say how long to "
+            "train, as with transformers' Trainer."
+        )
+    if eval_dataset is None and args.eval_strategy != "no":
+        raise ValueError(
+            f"eval_strategy={args.eval_strategy!r} needs an eval_dataset: pass "
+            f"GRPOTrainer(eval_dataset=...), or set eval_strategy='no'."
+        )
+    if eval_dataset is None and args.eval_on_start:
+        raise ValueError(
+            "eval_on_start=True needs an eval_dataset: pass GRPOTrainer(eval_dataset=...), or set eval_on_start=False."
+        )
+    if args.dynamic_sampling and (args.generation_batch_per_process % args.num_generations):
+        raise ValueError(
+            "dynamic_sampling keeps or drops whole groups: make the per-process generation batch a "
+            "multiple of num_generations."
+        )
+    if args.dynamic_sampling and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise NotImplementedError(
+            "dynamic_sampling runs in one process only for now: processes would draw "
+            "different numbers of prompt batches and fall out of step."
+        )
+    if rollout_engine is not None and not isinstance(rollout_engine, RolloutEngine):
+        raise TypeError(
+            f"rollout_engine={rollout_engine!r} is not a RolloutEngine: it needs generate(prompts, "
+            f"params, seed) -> Rollout and sync_weights(model) (see grpokit.rollout.engine)."
+        )
+
+
+def configure_iterable_datasets(args: GRPOConfig, train_dataset, eval_dataset) -> None:
+    """TRL's settings for streams (grpo_trainer.py, trl#3213): accelerate's `dispatch_batches=False` when the train
+    or an eval set is iterable (True is refused), and `dataloader_num_workers=0` for an iterable train set (workers
+    would shard the stream and split the num_generations groups; map-style sets keep theirs). grpokit reads prompts
+    in the main process either way; the fields are set so that the run's config says what TRL's would."""
+    iterable_eval = any(is_iterable_dataset(d) for d in named_eval_datasets(eval_dataset).values())
+    if is_iterable_dataset(train_dataset) or iterable_eval:
+        options = args.accelerator_options()
+        if options.get("dispatch_batches"):
+            raise ValueError(
+                "Iterable datasets require `dispatch_batches=False`, but it is set to `True` in "
+                "`accelerator_config`. Please set it to `False` (each process reads its own share of the "
+                "stream)."
+            )
+        args.accelerator_config.dispatch_batches = False
+    if is_iterable_dataset(train_dataset) and args.dataloader_num_workers != 0:
+        logger.warning(
+            f"Iterable datasets require `dataloader_num_workers=0` to preserve prompt grouping; overriding "
+            f"the provided value ({args.dataloader_num_workers})."
+        )
+        args.dataloader_num_workers = 0
+
+
+def check_reward_columns(functions, datasets, agents: bool) -> None:
+    """Each dataset of `datasets` (train, eval: one or named sets) has the columns the functions need (an agent's
+    rows also carry `turn_ends`)."""
+    train_dataset, eval_dataset = datasets
+    for dataset in (train_dataset, *named_eval_datasets(eval_dataset).values()):
+        check_required_columns(functions, dataset_columns(dataset) + (["turn_ends"] if agents else []))
+
+
+def check_checkpoint_format(args: GRPOConfig, checkpoint_format: str, sharded: bool) -> None:
+    """The checkpoint options that the run's checkpoint format (plain, FSDP2 sharded, DeepSpeed) cannot honour."""
+    if args.save_on_each_node and (sharded or checkpoint_format != "plain"):
+        raise NotImplementedError(
+            "save_on_each_node=True is supported with whole weights in every process "
+            "(DDP, or one process per node): under FSDP2 and DeepSpeed every process writes "
+            "its part of a checkpoint into one directory, so put output_dir on storage all "
+            "nodes share and leave save_on_each_node False."
+        )
+    if args.load_best_model_at_end and checkpoint_format != "plain":
+        raise ValueError(
+            f"load_best_model_at_end=True loads plain checkpoints only; this run writes "
+            f"{checkpoint_format} ones (FSDP2 SHARDED_STATE_DICT / DeepSpeed). Set it False "
+            f"and load trainer.state.best_model_checkpoint (metric_for_best_model tracks it) "
+            f"yourself, or use FULL_STATE_DICT checkpoints."
         )
