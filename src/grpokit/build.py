@@ -38,6 +38,7 @@ from .distributed import (
     prepare_reference,
     unwrap_model,
 )
+from .experience import Evaluator, ExperienceMaker
 from .integrations import adapt_environment, environment_inputs
 from .loss import AdaptiveEntropyController
 from .models import (
@@ -47,6 +48,7 @@ from .models import (
     enable_gradient_checkpointing,
     full_precision,
     prompt_length_limit,
+    whole_copy,
 )
 from .multimodal import check_images_supported
 from .offload import ActivationOffload
@@ -383,6 +385,40 @@ def prepare_models(accelerator, args: GRPOConfig, policy, optimizer, reference) 
     return policy, optimizer, reference, deepspeed
 
 
+@dataclass
+class TrainedModels:
+    """The models a run trains with, prepared by accelerate (`build_trained_models`)."""
+
+    policy: Any  # prepared: DDP, FSDP2 or DeepSpeed's wrapper, or the model itself
+    processing_class: Any
+    reference: Any  # the frozen reference, placed to match; None with beta = 0 or LoRA
+    optimizer: Any
+    deepspeed: bool
+    max_prompt_length: int | None
+    producer_copy: Any  # asynchronous generation under FSDP2 or DeepSpeed: the policy whole, before wrapping; or None
+
+
+def build_trained_models(
+    model,
+    processing_class,
+    peft_config,
+    quantization_config,
+    optimizer,
+    args: GRPOConfig,
+    accelerator,
+    datasets,
+    wrapped: bool,
+) -> TrainedModels:
+    """`build_models` then `prepare_models`; with max_staleness under FSDP2 or DeepSpeed (`wrapped`), the producer's
+    copy of the policy is taken between them (whole, and without their hooks)."""
+    policy, processing_class, reference, max_prompt_length = build_models(
+        model, processing_class, peft_config, quantization_config, args, accelerator, datasets
+    )
+    producer_copy = whole_copy(policy) if args.max_staleness is not None and wrapped else None
+    policy, optimizer, reference, deepspeed = prepare_models(accelerator, args, policy, optimizer, reference)
+    return TrainedModels(policy, processing_class, reference, optimizer, deepspeed, max_prompt_length, producer_copy)
+
+
 def place_reward_models(reward_functions: list, device: torch.device) -> None:
     """The reward models among the reward functions onto the device, where the completions they score are."""
     for function in reward_functions:
@@ -490,6 +526,13 @@ def build_sampler(train_dataset, args: GRPOConfig, num_processes: int) -> Prompt
         args.shuffle_dataset,
         args.generation_batch_size // args.num_generations,
     )
+
+
+def build_experience(args: GRPOConfig, accelerator, runner, scorer, policy, reference, rows, teacher):
+    """(ExperienceMaker, Evaluator): the generation batches' maker over the runner and scorer (`policy`: a callable
+    giving the unwrapped policy now; `rows(n)`: the next n prompt rows) and the evaluation over it."""
+    experience = ExperienceMaker(args, accelerator, runner, scorer, policy, reference, rows, teacher=teacher)
+    return experience, Evaluator(args, accelerator, experience)
 
 
 def build_teacher(teacher_model, args: GRPOConfig, device, student, processing_class):

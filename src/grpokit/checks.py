@@ -9,6 +9,7 @@ import os
 from .agents import check_agents
 from .config import GRPOConfig
 from .data import check_dataset, dataset_columns, is_iterable_dataset, named_eval_datasets
+from .distributed import deepspeed_stage
 from .rewards.base import check_required_columns
 from .rollout import RolloutEngine, RolloutRunner
 
@@ -204,3 +205,20 @@ def check_checkpoint_format(args: GRPOConfig, checkpoint_format: str, sharded: b
             f"and load trainer.state.best_model_checkpoint (metric_for_best_model tracks it) "
             f"yourself, or use FULL_STATE_DICT checkpoints."
         )
+
+
+def check_launch(args: GRPOConfig, accelerator, rollout_engine, peft_config) -> bool:
+    """What the launch accelerate made (processes, FSDP2, DeepSpeed) cannot run, refused by name: asynchronous
+    generation's limits (`check_async`). Returns whether the policy will be wrapped whole-model-unfriendly (FSDP2 or
+    DeepSpeed), so that asynchronous generation's copy is taken before."""
+    sharded = bool(args.fsdp) or accelerator.distributed_type.value == "FSDP"
+    zero_stage = deepspeed_stage(accelerator)
+    check_async(
+        args,
+        accelerator.num_processes,
+        deepspeed=zero_stage,
+        sharded=sharded,
+        shared_engine=args.use_vllm or rollout_engine is not None,
+        lora=peft_config is not None,
+    )
+    return sharded or zero_stage is not None
