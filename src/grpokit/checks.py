@@ -209,8 +209,8 @@ def check_checkpoint_format(args: GRPOConfig, checkpoint_format: str, sharded: b
 
 def check_launch(args: GRPOConfig, accelerator, rollout_engine, peft_config) -> bool:
     """What the launch accelerate made (processes, FSDP2, DeepSpeed) cannot run, refused by name: asynchronous
-    generation's limits (`check_async`). Returns whether the policy will be wrapped whole-model-unfriendly (FSDP2 or
-    DeepSpeed), so that asynchronous generation's copy is taken before."""
+    generation's limits (`check_async`). Returns whether FSDP2 or DeepSpeed will wrap the policy (asynchronous
+    generation's copy of it is then taken before they do)."""
     sharded = bool(args.fsdp) or accelerator.distributed_type.value == "FSDP"
     zero_stage = deepspeed_stage(accelerator)
     check_async(
