@@ -24,11 +24,13 @@ def weights(trainer) -> str:
 @pytest.mark.parametrize("case", ["on_policy", "lora"])
 def test_staleness_zero_is_the_synchronous_loop_bitwise(tmp_path, case):
     overrides = dict(peft=True, learning_rate=5e-2) if case == "lora" else {}
-    _, synchronous = run(tmp_path / "sync", **overrides)
     trainer, asynchronous = run(tmp_path / "async", max_staleness=0, **overrides)
-    assert asynchronous == synchronous
-    if CPU in PINNED_BY_CPU:
-        assert asynchronous == PINNED_BY_CPU[CPU][case]
+    pinned = PINNED_BY_CPU.get(CPU, {}).get(case)
+    if pinned is not None:  # test_pinned holds the synchronous loop's same run to this digest: not run again here
+        assert asynchronous == pinned
+    else:
+        _, synchronous = run(tmp_path / "sync", **overrides)
+        assert asynchronous == synchronous
     steps = [r for r in trainer.state.log_history if "sample/staleness_max" in r]
     assert len(steps) == 3 and all(
         r["sample/staleness_max"] == 0 and r["sample/dropped_stale_total"] == 0 for r in steps
