@@ -408,24 +408,6 @@ def test_bf16_help_says_the_real_default():
     assert "Off by default" in GRPOConfig.field_help("bf16")
 
 
-EXAMPLES_WITH_TINY = [
-    "train_grpo",
-    "tools_grpo",
-    "environment_grpo",
-    "grpo_vlm",
-    "agent_endpoint_grpo",
-    "ar_image_grpo",
-]
-
-
-@pytest.mark.parametrize("example", EXAMPLES_WITH_TINY)
-def test_tiny_examples_write_nothing_into_the_current_directory(example, tmp_path):
-    """`python examples/X.py --tiny` from the repository root must not leave Hub-named folders there."""
-    from examples_helpers import run_tiny_example
-
-    run_tiny_example(example, tmp_path)
-
-
 # ------------------------------------------------------------ the second hour: your own data to a trained model
 
 

@@ -1,7 +1,9 @@
 """The shipped examples' `--tiny` runs, as a user runs them (a subprocess started in an empty folder): each one
 exercises the feature it shows (the tool, the environment, the agent endpoint, images), and the trend its last line
 prints is what its metrics.jsonl holds: the mean reward over the first and over the last fifth of the run, every
-step logged (one step's reward, or a record averaging ten steps set beside one of a single step, says nothing)."""
+step logged (one step's reward, or a record averaging ten steps set beside one of a single step, says nothing).
+Every run also checks (`run_tiny_example`) that the example writes its output under the temporary directory and
+nothing into the folder it was started in."""
 
 import json
 import re

@@ -1,15 +1,13 @@
-"""The trainer's set-up, outside the loop: the run-time checks (what `GRPOConfig.validate` cannot know: the data,
-the launch, the arguments), the run's inputs and multi-turn driver, TRL's advisory warnings, the process's seed,
-the models (policy, reference) and their preparation by accelerate, the parts the loop drives (rollout runner,
-reward scorer, optimizer stepper, checkpointer, prompt sampler, teacher, entropy controller, state), and the small
-parts built from the config (the schedule, the reward weights, the MoE auxiliary loss coefficient, activation
-offloading)."""
+"""The trainer's set-up, outside the loop: the run's inputs (checked by `grpokit.checks`) and multi-turn driver,
+TRL's advisory warnings, the process's seed, the models (policy, reference) and their preparation by accelerate, the
+parts the loop drives (rollout runner, reward scorer, optimizer stepper, checkpointer, prompt sampler, teacher,
+entropy controller, state), and the small parts built from the config (the schedule, the reward weights, the MoE
+auxiliary loss coefficient, activation offloading)."""
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -17,15 +15,15 @@ from typing import Any
 
 import torch
 
-from .agents import EnvironmentPool, build_agents, check_agents, check_chat_template, placeholder_dataset
+from .agents import EnvironmentPool, build_agents, check_chat_template, placeholder_dataset
 from .checkpoint import Checkpointer
+from .checks import check_checkpoint_format, check_reward_columns, check_run
 from .config import LOG_LEVELS, GRPOConfig
 from .cpu_matmul import float32_matmuls
 from .cpu_memory import keep_large_allocations_mapped
 from .data import (
     PromptSampler,
     StreamSampler,
-    check_dataset,
     dataset_columns,
     is_iterable_dataset,
     named_eval_datasets,
@@ -41,6 +39,7 @@ from .distributed import (
     prepare_reference,
     unwrap_model,
 )
+from .experience import Evaluator, ExperienceMaker
 from .integrations import adapt_environment, environment_inputs
 from .loss import AdaptiveEntropyController
 from .models import (
@@ -50,12 +49,12 @@ from .models import (
     enable_gradient_checkpointing,
     full_precision,
     prompt_length_limit,
+    whole_copy,
 )
 from .multimodal import check_images_supported, tokenizer_of
 from .offload import ActivationOffload
 from .optim import build_optimizer
 from .rewards import build_reward_functions
-from .rewards.base import check_required_columns
 from .rewards.model import RewardModel
 from .rewards.scorer import RewardScorer
 from .rollout import HFEngine, PromptCodec, RolloutEngine, RolloutRunner, eos_token_ids
@@ -69,70 +68,6 @@ from .teacher import load_teacher
 # Advisory warnings go through the logger, as TRL's do (`logging.get_logger(__name__)`): log handlers, caplog and
 # log_level see them. Deprecations stay FutureWarnings and GRPOConfig's own warnings stay Python warnings, as in TRL.
 logger = logging.getLogger(__name__)
-
-
-def check_run(
-    args: GRPOConfig, train_dataset, eval_dataset, rollout_engine, tools, rollout_func, environment_factory
-) -> None:
-    """The run-time checks (what GRPOConfig.validate cannot know: the data, the launch, the arguments)."""
-    check_agents(tools, rollout_func, environment_factory, rollout_engine)
-    environments = environment_factory is not None  # reset() may supply every prompt (TRL: prompt optional)
-    check_dataset(train_dataset, prompt_optional=environments)
-    for name, dataset in named_eval_datasets(eval_dataset).items():
-        check_dataset(dataset, "eval_dataset" if name is None else f"eval_dataset[{name!r}]", environments)
-    configure_iterable_datasets(args, train_dataset, eval_dataset)  # TRL's order: dispatch_batches first
-    if is_iterable_dataset(train_dataset) and args.max_steps <= 0:
-        raise ValueError(
-            "train_dataset is an IterableDataset (no len()): set max_steps > 0 to say how long to "
-            "train, as with transformers' Trainer."
-        )
-    if eval_dataset is None and args.eval_strategy != "no":
-        raise ValueError(
-            f"eval_strategy={args.eval_strategy!r} needs an eval_dataset: pass "
-            f"GRPOTrainer(eval_dataset=...), or set eval_strategy='no'."
-        )
-    if eval_dataset is None and args.eval_on_start:
-        raise ValueError(
-            "eval_on_start=True needs an eval_dataset: pass GRPOTrainer(eval_dataset=...), or set eval_on_start=False."
-        )
-    if args.dynamic_sampling and (args.generation_batch_per_process % args.num_generations):
-        raise ValueError(
-            "dynamic_sampling keeps or drops whole groups: make the per-process generation batch a "
-            "multiple of num_generations."
-        )
-    if args.dynamic_sampling and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise NotImplementedError(
-            "dynamic_sampling runs in one process only for now: processes would draw "
-            "different numbers of prompt batches and fall out of step."
-        )
-    if rollout_engine is not None and not isinstance(rollout_engine, RolloutEngine):
-        raise TypeError(
-            f"rollout_engine={rollout_engine!r} is not a RolloutEngine: it needs generate(prompts, "
-            f"params, seed) -> Rollout and sync_weights(model) (see grpokit.rollout.engine)."
-        )
-
-
-def configure_iterable_datasets(args: GRPOConfig, train_dataset, eval_dataset) -> None:
-    """TRL's settings for streams (grpo_trainer.py, trl#3213): accelerate's `dispatch_batches=False` when the train
-    or an eval set is iterable (True is refused), and `dataloader_num_workers=0` for an iterable train set (workers
-    would shard the stream and split the num_generations groups; map-style sets keep theirs). grpokit reads prompts
-    in the main process either way; the fields are set so that the run's config says what TRL's would."""
-    iterable_eval = any(is_iterable_dataset(d) for d in named_eval_datasets(eval_dataset).values())
-    if is_iterable_dataset(train_dataset) or iterable_eval:
-        options = args.accelerator_options()
-        if options.get("dispatch_batches"):
-            raise ValueError(
-                "Iterable datasets require `dispatch_batches=False`, but it is set to `True` in "
-                "`accelerator_config`. Please set it to `False` (each process reads its own share of the "
-                "stream)."
-            )
-        args.accelerator_config.dispatch_batches = False
-    if is_iterable_dataset(train_dataset) and args.dataloader_num_workers != 0:
-        logger.warning(
-            f"Iterable datasets require `dataloader_num_workers=0` to preserve prompt grouping; overriding "
-            f"the provided value ({args.dataloader_num_workers})."
-        )
-        args.dataloader_num_workers = 0
 
 
 def moe_shape(config) -> tuple[int, int] | None:
@@ -316,24 +251,6 @@ def build_vllm_engine(
     )
 
 
-def check_checkpoint_format(args: GRPOConfig, checkpoint_format: str, sharded: bool) -> None:
-    """The checkpoint options that the run's checkpoint format (plain, FSDP2 sharded, DeepSpeed) cannot honour."""
-    if args.save_on_each_node and (sharded or checkpoint_format != "plain"):
-        raise NotImplementedError(
-            "save_on_each_node=True is supported with whole weights in every process "
-            "(DDP, or one process per node): under FSDP2 and DeepSpeed every process writes "
-            "its part of a checkpoint into one directory, so put output_dir on storage all "
-            "nodes share and leave save_on_each_node False."
-        )
-    if args.load_best_model_at_end and checkpoint_format != "plain":
-        raise ValueError(
-            f"load_best_model_at_end=True loads plain checkpoints only; this run writes "
-            f"{checkpoint_format} ones (FSDP2 SHARDED_STATE_DICT / DeepSpeed). Set it False "
-            f"and load trainer.state.best_model_checkpoint (metric_for_best_model tracks it) "
-            f"yourself, or use FULL_STATE_DICT checkpoints."
-        )
-
-
 def track_best_checkpoint(args: GRPOConfig, state, evaluation: dict | None) -> None:
     """metric_for_best_model: when this step's evaluation beats state.best_metric (strictly, as transformers), the
     checkpoint about to be written becomes state.best_model_checkpoint."""
@@ -425,14 +342,6 @@ def build_rewards(args: GRPOConfig, reward_funcs, reward_processing_classes, env
     return functions, weights
 
 
-def check_reward_columns(functions, datasets, agents: bool) -> None:
-    """Each dataset of `datasets` (train, eval: one or named sets) has the columns the functions need (an agent's
-    rows also carry `turn_ends`)."""
-    train_dataset, eval_dataset = datasets
-    for dataset in (train_dataset, *named_eval_datasets(eval_dataset).values()):
-        check_required_columns(functions, dataset_columns(dataset) + (["turn_ends"] if agents else []))
-
-
 def prepare_process(args: GRPOConfig, device: torch.device) -> None:
     """What the process sets before the model is built: on a CPU, glibc's allocation threshold; the seed."""
     if device.type == "cpu":  # freed tensors leave the process (cpu_memory: glibc kept them, +30% peak RSS)
@@ -495,6 +404,42 @@ def prepare_models(accelerator, args: GRPOConfig, policy, optimizer, reference) 
 
         DebugUnderflowOverflow(unwrap_model(accelerator, policy))
     return policy, optimizer, reference, deepspeed
+
+
+@dataclass
+class TrainedModels:
+    """The models a run trains with, prepared by accelerate (`build_trained_models`)."""
+
+    policy: Any  # prepared: DDP, FSDP2 or DeepSpeed's wrapper, or the model itself
+    processing_class: Any
+    reference: Any  # the frozen reference, placed to match; None with beta = 0 or LoRA
+    optimizer: Any
+    deepspeed: bool
+    max_prompt_length: int | None
+    producer_copy: Any  # asynchronous generation under FSDP2 or DeepSpeed: the policy whole, before wrapping; or None
+
+
+def build_trained_models(
+    model,
+    processing_class,
+    peft_config,
+    quantization_config,
+    optimizer,
+    args: GRPOConfig,
+    accelerator,
+    datasets,
+    wrapped: bool,
+    check_tokenizer=None,
+) -> TrainedModels:
+    """`build_models` then `prepare_models`; with max_staleness under FSDP2 or DeepSpeed (`wrapped`), the producer's
+    copy of the policy is taken between them (whole, and without their hooks). `check_tokenizer`:
+    RunInputs.check_tokenizer."""
+    policy, processing_class, reference, max_prompt_length = build_models(
+        model, processing_class, peft_config, quantization_config, args, accelerator, datasets, check_tokenizer
+    )
+    producer_copy = whole_copy(policy) if args.max_staleness is not None and wrapped else None
+    policy, optimizer, reference, deepspeed = prepare_models(accelerator, args, policy, optimizer, reference)
+    return TrainedModels(policy, processing_class, reference, optimizer, deepspeed, max_prompt_length, producer_copy)
 
 
 def place_reward_models(reward_functions: list, device: torch.device) -> None:
@@ -606,6 +551,13 @@ def build_sampler(train_dataset, args: GRPOConfig, num_processes: int) -> Prompt
         args.shuffle_dataset,
         args.generation_batch_size // args.num_generations,
     )
+
+
+def build_experience(args: GRPOConfig, accelerator, runner, scorer, policy, reference, rows, teacher):
+    """(ExperienceMaker, Evaluator): the generation batches' maker over the runner and scorer (`policy`: a callable
+    giving the unwrapped policy now; `rows(n)`: the next n prompt rows) and the evaluation over it."""
+    experience = ExperienceMaker(args, accelerator, runner, scorer, policy, reference, rows, teacher=teacher)
+    return experience, Evaluator(args, accelerator, experience)
 
 
 def build_teacher(teacher_model, args: GRPOConfig, device, student, processing_class):

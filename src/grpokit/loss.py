@@ -890,14 +890,7 @@ def token_loss(
         advantages = advantages[:, None]
 
     token_log_ratio = logprobs - old_logprobs
-    log_ratio = token_log_ratio
-    if settings.importance_sampling_level == "sequence":
-        # GSPO (Zheng et al. 2025): one length-normalised ratio per sequence.
-        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
-    elif settings.importance_sampling_level == "sequence_sum":
-        # TRL's RLOOTrainer: the ratio of the whole sequences' probabilities, log-probs summed.
-        log_ratio = (log_ratio * mask).sum(-1, keepdim=True)
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(importance_log_ratio(token_log_ratio, mask, settings.importance_sampling_level))
     if sampling_ratio is not None:
         sampling_ratio = sampling_ratio.to(device=logprobs.device, dtype=logprobs.dtype)
     terms = PolicyTerms(
@@ -943,6 +936,17 @@ def token_loss(
     if entropies is not None and entropy_coef != 0 and settings.entropy_normalization == "loss_type":
         per_token = per_token - entropy_coef * entropies
     return TokenLoss(per_token=per_token, mask=mask, terms=terms, kl=kl, correction_stats=correction_stats)
+
+
+def importance_log_ratio(token_log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """The log importance ratio at `level`: per token ([N, T], "token"), or one per sequence ([N, 1]): GSPO's
+    length-normalised mean ("sequence", Zheng et al. 2025) or the whole sequences' sum ("sequence_sum", TRL's
+    RLOOTrainer: the ratio of the sequences' probabilities)."""
+    if level == "sequence":
+        return ((token_log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
+    if level == "sequence_sum":
+        return (token_log_ratio * mask).sum(-1, keepdim=True)
+    return token_log_ratio
 
 
 def aggregate_token_loss(
@@ -1023,19 +1027,7 @@ def policy_loss(
 
     Returns (loss, stats).
     """
-    if settings is None:
-        unknown = sorted(set(setting_values) - {spec.name for spec in dataclasses.fields(PolicyLossSettings)})
-        if unknown:
-            raise TypeError(
-                f"policy_loss got unknown keyword(s) {unknown}: pass the tensors and counts by their "
-                f"names and the hyper-parameters as PolicyLossSettings' fields."
-            )
-        settings = PolicyLossSettings(**setting_values)
-    elif setting_values:
-        raise TypeError(
-            f"policy_loss got settings= and {sorted(setting_values)}: give the hyper-parameters one way, "
-            f"e.g. settings=dataclasses.replace(settings, beta=0.1)."
-        )
+    settings = _settings_given(settings, setting_values)
     token = token_loss(
         logprobs,
         old_logprobs,
@@ -1060,16 +1052,40 @@ def policy_loss(
         entropy_coef=entropy_coef,
         loss_weights=loss_weights,
     )
+    return loss, loss_stats(token, settings, entropies, policy_part)
+
+
+def _settings_given(settings: PolicyLossSettings | None, setting_values: dict) -> PolicyLossSettings:
+    """policy_loss's hyper-parameters, given as `settings` or as PolicyLossSettings' fields (keywords), not both."""
+    if settings is None:
+        unknown = sorted(set(setting_values) - {spec.name for spec in dataclasses.fields(PolicyLossSettings)})
+        if unknown:
+            raise TypeError(
+                f"policy_loss got unknown keyword(s) {unknown}: pass the tensors and counts by their "
+                f"names and the hyper-parameters as PolicyLossSettings' fields."
+            )
+        return PolicyLossSettings(**setting_values)
+    if setting_values:
+        raise TypeError(
+            f"policy_loss got settings= and {sorted(setting_values)}: give the hyper-parameters one way, "
+            f"e.g. settings=dataclasses.replace(settings, beta=0.1)."
+        )
+    return settings
+
+
+def loss_stats(
+    token: TokenLoss, settings: PolicyLossSettings, entropies: torch.Tensor | None, policy_part: torch.Tensor | None
+) -> LossStats:
+    """What policy_loss reports beside the loss: KL, entropy, mean ratio, the objective's statistics, detached."""
     terms, mask = token.terms, token.mask
     with torch.no_grad():
-        stats = LossStats(
+        return LossStats(
             kl=token.kl,
             entropy=None if entropies is None else masked_mean(entropies.detach(), mask),
             ratio_mean=masked_mean(terms.ratio.expand_as(mask).detach(), mask),
             objective={**settings.spec.statistics(terms, settings.objective_params()), **token.correction_stats},
             policy_loss=policy_part,
         )
-    return loss, stats
 
 
 def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:

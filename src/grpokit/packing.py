@@ -25,7 +25,7 @@ row keeps each token's attention within k times the padded forward's (benchmarks
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -74,7 +74,7 @@ def pack_rows(
     row_tokens: the most positions in one packed row (default and minimum: P + T - 1, what the longest completion
     needs with its prompt). Raises ValueError for a row whose prompt has no real token (nothing would predict its
     first completion token)."""
-    n, width = input_ids.shape
+    width = input_ids.shape[1]
     prompt_length = width - completion_length
     if prompt_length < 1 or completion_length < 1:
         raise ValueError(f"pack_rows needs a prompt and a completion (got P={prompt_length}, T={completion_length}).")
@@ -96,10 +96,41 @@ def pack_rows(
     _, prompt_of = torch.unique(prompts, dim=0, return_inverse=True)
     first_real = prompt_real.long().argmax(-1).tolist()  # [N] first real prompt column
     prompt_of = prompt_of.tolist()
+    packed_rows = first_fit(prompt_segments(prompt_of, first_real, lengths, prompt_length, row_tokens), row_tokens)
+    row_width = max(packed[1] for packed in packed_rows)
+    layout = lay_out(packed_rows, row_width, lengths, mask.tolist(), prompt_length)
+    device = input_ids.device
+    source_row = torch.tensor(layout.source_row, device=device)
+    source_column = torch.tensor(layout.source_column, device=device)
+    filler = torch.tensor(layout.filler, device=device)
+    shape = (len(packed_rows), row_width)
+    ids = input_ids[source_row, source_column].masked_fill(filler, 0).view(shape)
+    positions = position_ids[source_row, source_column].masked_fill(filler, 0).view(shape)
+    segment_of = torch.tensor(layout.segment_of, device=device).view(shape)
+    completion_of = torch.tensor(layout.completion_of, device=device).view(shape)
+    is_key = torch.tensor(layout.is_key, device=device).view(shape)
+    # query i attends to key j: same segment, j <= i, j a real token, and j a prompt token or i's own completion's.
+    causal = torch.ones(row_width, row_width, dtype=torch.bool, device=device).tril()
+    allowed = (segment_of[:, :, None] == segment_of[:, None, :]) & causal & is_key[:, None, :]
+    allowed &= (completion_of[:, None, :] == -1) | (completion_of[:, :, None] == completion_of[:, None, :])
+    allowed |= filler.view(shape)[:, :, None] & torch.eye(row_width, dtype=torch.bool, device=device)
+    return PackedRows(
+        ids,
+        positions,
+        allowed,
+        torch.tensor(layout.hidden_index, device=device),
+        torch.tensor(layout.target_rows, device=device),
+        torch.tensor(layout.target_columns, device=device),
+    )
 
-    # Segments: (source row of the prompt, prompt's first column, [completion rows]) with at most row_tokens tokens.
+
+def prompt_segments(
+    prompt_of: list[int], first_real: list[int], lengths: list[int], prompt_length: int, row_tokens: int
+) -> list[list]:
+    """Segments: [source row of the prompt, prompt's first real column, [completion rows], tokens] with at most
+    `row_tokens` tokens, the rows of one prompt in as few segments as fit, in row order."""
     segments, open_segment = [], {}
-    for row in range(n):
+    for row in range(len(lengths)):
         if lengths[row] == 0:
             continue  # no real completion token: nothing to predict
         prompt, need = prompt_of[row], lengths[row] - 1  # the last real token predicts nothing
@@ -110,7 +141,11 @@ def pack_rows(
             open_segment[prompt] = segment
         segment[2].append(row)
         segment[3] += need
-    # Rows: first-fit of the segments, longest first.
+    return segments
+
+
+def first_fit(segments: list[list], row_tokens: int) -> list[list]:
+    """Rows [[segments], tokens used] of at most `row_tokens` tokens: first-fit of the segments, longest first."""
     segments.sort(key=lambda s: -s[3])
     packed_rows: list[list] = []
     for segment in segments:
@@ -121,57 +156,51 @@ def pack_rows(
                 break
         else:
             packed_rows.append([[segment], segment[3]])
-    row_width = max(packed[1] for packed in packed_rows)
+    return packed_rows
 
-    # Per packed position: its source (row, column) in input_ids, its segment, its completion row (-1: prompt
-    # token), whether other tokens may attend to it; and per real completion token, its predicting position.
-    source_row, source_column, segment_of, completion_of, is_key, filler = [], [], [], [], [], []
-    hidden_index, target_rows, target_columns = [], [], []
-    real = mask.tolist()
 
-    def add(row: int, column: int, segment: int, completion: int, key: bool, is_filler: bool = False) -> None:
-        source_row.append(row), source_column.append(column), segment_of.append(segment)
-        completion_of.append(completion), is_key.append(key), filler.append(is_filler)
+@dataclass
+class PackedLayout:
+    """Where a micro-batch's tokens go in the packed rows, position by position (B·L of each list but the last
+    three), and which position predicts each real completion token (K of those)."""
 
+    source_row: list[int] = field(default_factory=list)  # the position's row in input_ids
+    source_column: list[int] = field(default_factory=list)  # its column there
+    segment_of: list[int] = field(default_factory=list)  # its segment (filler: -1 - its packed row)
+    completion_of: list[int] = field(default_factory=list)  # its completion row (-1: a prompt token or filler)
+    is_key: list[bool] = field(default_factory=list)  # other tokens may attend to it (a real token)
+    filler: list[bool] = field(default_factory=list)  # filler up to the common row width
+    hidden_index: list[int] = field(default_factory=list)  # per real completion token: its predicting position
+    target_rows: list[int] = field(default_factory=list)  # its micro-batch row
+    target_columns: list[int] = field(default_factory=list)  # its completion column
+
+    def add(self, row: int, column: int, segment: int, completion: int, key: bool, is_filler: bool = False) -> None:
+        self.source_row.append(row), self.source_column.append(column), self.segment_of.append(segment)
+        self.completion_of.append(completion), self.is_key.append(key), self.filler.append(is_filler)
+
+
+def lay_out(
+    packed_rows: list[list], row_width: int, lengths: list[int], real: list[list[bool]], prompt_length: int
+) -> PackedLayout:
+    """The packed rows' positions, each row's segments one after another, then filler up to `row_width`."""
+    layout = PackedLayout()
     segment_id = 0
     for b, (row_segments, used) in enumerate(packed_rows):
         base, position = b * row_width, 0
         for prompt_row, start, completion_rows, _ in row_segments:
             for column in range(start, prompt_length):
-                add(prompt_row, column, segment_id, -1, real[prompt_row][column])
+                layout.add(prompt_row, column, segment_id, -1, real[prompt_row][column])
             position += prompt_length - start
             prompt_end = base + position - 1  # predicts each completion's first token
             for row in completion_rows:
                 for t in range(lengths[row]):
                     if real[row][prompt_length + t]:  # predicted by the prompt's end or the previous token
-                        hidden_index.append(prompt_end if t == 0 else base + position + t - 1)
-                        target_rows.append(row), target_columns.append(t)
+                        layout.hidden_index.append(prompt_end if t == 0 else base + position + t - 1)
+                        layout.target_rows.append(row), layout.target_columns.append(t)
                 for t in range(lengths[row] - 1):
-                    add(row, prompt_length + t, segment_id, row, real[row][prompt_length + t])
+                    layout.add(row, prompt_length + t, segment_id, row, real[row][prompt_length + t])
                 position += lengths[row] - 1
             segment_id += 1
         for _ in range(row_width - used):  # filler up to the common row width: attends to itself only
-            add(0, 0, -1 - b, -1, False, True)
-    device = input_ids.device
-    source_row = torch.tensor(source_row, device=device)
-    source_column = torch.tensor(source_column, device=device)
-    filler = torch.tensor(filler, device=device)
-    shape = (len(packed_rows), row_width)
-    ids = input_ids[source_row, source_column].masked_fill(filler, 0).view(shape)
-    positions = position_ids[source_row, source_column].masked_fill(filler, 0).view(shape)
-    segment_of = torch.tensor(segment_of, device=device).view(shape)
-    completion_of = torch.tensor(completion_of, device=device).view(shape)
-    is_key = torch.tensor(is_key, device=device).view(shape)
-    # query i attends to key j: same segment, j <= i, j a real token, and j a prompt token or i's own completion's.
-    causal = torch.ones(row_width, row_width, dtype=torch.bool, device=device).tril()
-    allowed = (segment_of[:, :, None] == segment_of[:, None, :]) & causal & is_key[:, None, :]
-    allowed &= (completion_of[:, None, :] == -1) | (completion_of[:, :, None] == completion_of[:, None, :])
-    allowed |= filler.view(shape)[:, :, None] & torch.eye(row_width, dtype=torch.bool, device=device)
-    return PackedRows(
-        ids,
-        positions,
-        allowed,
-        torch.tensor(hidden_index, device=device),
-        torch.tensor(target_rows, device=device),
-        torch.tensor(target_columns, device=device),
-    )
+            layout.add(0, 0, -1 - b, -1, False, True)
+    return layout

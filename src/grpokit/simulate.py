@@ -648,54 +648,11 @@ def simulate(
         raise ValueError("streamed groups (tool calls, max_staleness > 0) follow the 'latest' schedule only")
     schedule = schedule or ("latest" if streamed else "exact")
     clock = VirtualClock()
-    record = {"wait": [], "step": [], "staleness": [], "generation": [], "tokens": 0, "time": 0.0, "trained": 0}
-    producer, failure = None, []
-
-    def train(experience: SimulatedExperience) -> None:
-        clock.sleep(costs.training_s(experience.num_tokens))
-        record["tokens"] += experience.num_tokens
-        record["trained"] += len(experience.batch)
-        record["generation"].append(experience.generation_s)
-
-    def synchronous() -> None:
-        maker = SimulatedMaker(clock, workload, costs, weights_version=lambda: version)
-        last_taken = 0.0
-        for version in range(steps):  # the weights move every step: each batch pushes them
-            started = clock.now
-            experience = maker.make(version)
-            record["wait"].append(clock.now - started)
-            record["step"].append(clock.now - last_taken)
-            last_taken = clock.now
-            record["staleness"].append(0)
-            train(experience)
-            record["time"] = clock.now
-
-    def asynchronous() -> None:
-        last_taken = 0.0
-        for version in range(steps):
-            started = clock.now
-            produced, metrics = producer.take(version)
-            record["wait"].append(clock.now - started)
-            record["step"].append(clock.now - last_taken)
-            last_taken = clock.now
-            record["staleness"].append(int(metrics["sample/staleness_max"]))
-            train(produced.experience)
-            with sync.step():  # the optimizer step: the weights and their version move under the step lock
-                pass
-            sync.stepped()
-            if streamed:  # where the real producer would see the new version at its next poll
-                producer.pool.nudge()
-            record["time"] = clock.now
-
-    def trainer() -> None:
-        try:
-            synchronous() if max_staleness is None else asynchronous()
-        except BaseException as error:
-            failure.append(error)
-        finally:
-            clock.close()
-
-    if max_staleness is not None:
+    trainer = SimulatedTrainer(clock, costs, steps)
+    producer = None
+    if max_staleness is None:
+        loop = functools.partial(trainer.synchronous, workload)
+    else:
         args = GRPOConfig(
             output_dir="simulate",
             per_device_train_batch_size=workload.completions,
@@ -709,45 +666,10 @@ def simulate(
             use_cpu=True,
         )
         sync = ClockWeightSync(clock)
-        policy, policy_copy = torch.nn.Linear(1, 1, bias=False), torch.nn.Linear(1, 1, bias=False)
-        maker = SimulatedMaker(clock, workload, costs, weights_version=lambda: producer.weights_version)
-        if streamed:
-            servers = SimulatedServers(clock, costs)
-            producer = Producer(
-                args,
-                maker,
-                policy,
-                policy_copy,
-                sync,
-                maker.prompts,
-                rollout_index=0,
-                engine=servers,
-                runner=SimulatedRollouts(clock, workload, servers, costs),
-                dataset=PromptRows(),
-                pool=functools.partial(ClockPool, clock),
-            )
-        else:
-            producer = Producer(
-                args, maker, policy, policy_copy, sync, maker.prompts, rollout_index=0, exact=schedule == "exact"
-            )
-        producer.queue = ClockQueue(clock, producer.queue.maxsize)  # the scheduler's bound, on the clock
-    # Both threads count as running before either starts, so that time cannot move before the other has begun.
-    for _ in range(1 if producer is None else 2):
-        clock.spawn()
-    thread = threading.Thread(target=trainer, name="simulated-trainer", daemon=True)
-    thread.start()
-    if producer is not None:
-        producer.start()
-    thread.join(real_timeout_s)
-    if producer is not None:
-        producer.close()
-    if thread.is_alive():
-        raise TimeoutError(
-            f"The simulation did not end within {real_timeout_s} s of real time (stalled at simulated "
-            f"{clock.now:.1f} s, {len(record['wait'])} steps taken)."
-        )
-    if failure:
-        raise failure[0]
+        producer = simulated_producer(args, clock, sync, workload, costs, streamed)
+        loop = functools.partial(trainer.asynchronous, producer, sync, streamed)
+    run_on_the_clock(clock, trainer, loop, producer, real_timeout_s)
+    record = trainer.record
     return SimulationResult(
         steps,
         record["time"],
@@ -759,3 +681,121 @@ def simulate(
         record["trained"],
         record["generation"],
     )
+
+
+class SimulatedTrainer:
+    """The trainer's side of a simulated run: it takes each step's batch (sampled itself, or from the producer),
+    trains for the batch's simulated cost and records the waits, step times and staleness a result reports."""
+
+    def __init__(self, clock: VirtualClock, costs: Costs, steps: int):
+        self.clock, self.costs, self.steps = clock, costs, steps
+        self.record = {
+            "wait": [],
+            "step": [],
+            "staleness": [],
+            "generation": [],
+            "tokens": 0,
+            "time": 0.0,
+            "trained": 0,
+        }
+        self.failure: list[BaseException] = []
+
+    def train(self, experience: SimulatedExperience) -> None:
+        self.clock.sleep(self.costs.training_s(experience.num_tokens))
+        self.record["tokens"] += experience.num_tokens
+        self.record["trained"] += len(experience.batch)
+        self.record["generation"].append(experience.generation_s)
+
+    def synchronous(self, workload: Workload) -> None:
+        clock, record = self.clock, self.record
+        maker = SimulatedMaker(clock, workload, self.costs, weights_version=lambda: version)
+        last_taken = 0.0
+        for version in range(self.steps):  # the weights move every step: each batch pushes them
+            started = clock.now
+            experience = maker.make(version)
+            record["wait"].append(clock.now - started)
+            record["step"].append(clock.now - last_taken)
+            last_taken = clock.now
+            record["staleness"].append(0)
+            self.train(experience)
+            record["time"] = clock.now
+
+    def asynchronous(self, producer: Producer, sync: ClockWeightSync, streamed: bool) -> None:
+        clock, record = self.clock, self.record
+        last_taken = 0.0
+        for version in range(self.steps):
+            started = clock.now
+            produced, metrics = producer.take(version)
+            record["wait"].append(clock.now - started)
+            record["step"].append(clock.now - last_taken)
+            last_taken = clock.now
+            record["staleness"].append(int(metrics["sample/staleness_max"]))
+            self.train(produced.experience)
+            with sync.step():  # the optimizer step: the weights and their version move under the step lock
+                pass
+            sync.stepped()
+            if streamed:  # where the real producer would see the new version at its next poll
+                producer.pool.nudge()
+            record["time"] = clock.now
+
+    def run(self, loop) -> None:
+        """The trainer thread's body: `loop`, then the clock closed (a failure is kept for the caller to raise)."""
+        try:
+            loop()
+        except BaseException as error:
+            self.failure.append(error)
+        finally:
+            self.clock.close()
+
+
+def simulated_producer(
+    args: GRPOConfig, clock: VirtualClock, sync: ClockWeightSync, workload: Workload, costs: Costs, streamed: bool
+) -> Producer:
+    """grpokit's Producer over the simulated sampler (and, for streamed groups, the simulated servers and rollouts),
+    its queue on the clock."""
+    policy, policy_copy = torch.nn.Linear(1, 1, bias=False), torch.nn.Linear(1, 1, bias=False)
+    maker = SimulatedMaker(clock, workload, costs, weights_version=lambda: producer.weights_version)
+    if streamed:
+        servers = SimulatedServers(clock, costs)
+        producer = Producer(
+            args,
+            maker,
+            policy,
+            policy_copy,
+            sync,
+            maker.prompts,
+            rollout_index=0,
+            engine=servers,
+            runner=SimulatedRollouts(clock, workload, servers, costs),
+            dataset=PromptRows(),
+            pool=functools.partial(ClockPool, clock),
+        )
+    else:
+        exact = args.async_schedule == "exact"
+        producer = Producer(args, maker, policy, policy_copy, sync, maker.prompts, rollout_index=0, exact=exact)
+    producer.queue = ClockQueue(clock, producer.queue.maxsize)  # the scheduler's bound, on the clock
+    return producer
+
+
+def run_on_the_clock(
+    clock: VirtualClock, trainer: SimulatedTrainer, loop, producer: Producer | None, real_timeout_s: float
+) -> None:
+    """Runs the trainer's `loop` in a thread of its own, beside the producer's, until it ends; raises what it raised,
+    or if it has not ended within `real_timeout_s` seconds of real time."""
+    # Both threads count as running before either starts, so that time cannot move before the other has begun.
+    for _ in range(1 if producer is None else 2):
+        clock.spawn()
+    thread = threading.Thread(target=trainer.run, args=(loop,), name="simulated-trainer", daemon=True)
+    thread.start()
+    if producer is not None:
+        producer.start()
+    thread.join(real_timeout_s)
+    if producer is not None:
+        producer.close()
+    if thread.is_alive():
+        raise TimeoutError(
+            f"The simulation did not end within {real_timeout_s} s of real time (stalled at simulated "
+            f"{clock.now:.1f} s, {len(trainer.record['wait'])} steps taken)."
+        )
+    if trainer.failure:
+        raise trainer.failure[0]

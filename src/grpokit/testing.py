@@ -212,6 +212,25 @@ VLM_CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 VLM_TYPES = ("gemma3", "llava", "llava_next", "idefics3")
+# Each architecture's image tokens (added to the character tokenizer as special tokens) and the names its processor
+# knows them by.
+VLM_IMAGE_TOKENS = {
+    "gemma3": ["<image>", "<boi>", "<eoi>"],
+    "llava": ["<image>"],
+    "llava_next": ["<image>"],
+    "idefics3": ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"],
+}
+VLM_TOKEN_NAMES = {
+    "llava": {"image_token": "<image>"},
+    "llava_next": {"image_token": "<image>"},
+    "gemma3": {"image_token": "<image>", "boi_token": "<boi>", "eoi_token": "<eoi>"},
+    "idefics3": {
+        "image_token": "<image>",
+        "fake_image_token": "<fake_token_around_image>",
+        "global_image_token": "<global-img>",
+        "end_of_utterance_token": "<end_of_utterance>",
+    },
+}
 
 
 def build_tiny_vlm(
@@ -239,50 +258,9 @@ def build_tiny_vlm(
     for_vllm: what vLLM's CPU build needs of such a model: decoder heads of 32 (2 query heads, 1 key/value head;
     `hidden_size` 64 unless given), and for gemma3 the tokenizer's merged newline tokens "\n\n\n" and "\n\n\n\n"
     (vLLM's Gemma 3 processor looks them up)."""
-    import transformers
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    image_tokens = {
-        "gemma3": ["<image>", "<boi>", "<eoi>"],
-        "llava": ["<image>"],
-        "llava_next": ["<image>"],
-        "idefics3": ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"],
-    }
-    if model_type not in image_tokens:
+    if model_type not in VLM_IMAGE_TOKENS:
         raise ValueError(f"build_tiny_vlm: model_type must be one of {VLM_TYPES}, not {model_type!r}.")
-    image_tokens = image_tokens[model_type]
-    special = SPECIAL_TOKENS + image_tokens
-    vocab: dict[str, int] = {}
-    newlines = ["\n\n", "\n\n\n", "\n\n\n\n"] if for_vllm and model_type == "gemma3" else ["\n\n"]
-    for token in special + sorted(set(chars)) + newlines:
-        vocab.setdefault(token, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("\n\n|\n|."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(special)
-    names = {
-        "llava": {"image_token": "<image>"},
-        "llava_next": {"image_token": "<image>"},
-        "gemma3": {"image_token": "<image>", "boi_token": "<boi>", "eoi_token": "<eoi>"},
-        "idefics3": {
-            "image_token": "<image>",
-            "fake_image_token": "<fake_token_around_image>",
-            "global_image_token": "<global-img>",
-            "end_of_utterance_token": "<end_of_utterance>",
-        },
-    }
-    names = names[model_type]
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        eos_token="<eos>",
-        bos_token="<bos>",
-        unk_token="<pad>",
-        extra_special_tokens=names,
-        padding_side="left",
-    )
-    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    tokenizer = _vlm_tokenizer(model_type, chars, for_vllm)
     heads = (
         dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32)
         if for_vllm
@@ -291,7 +269,7 @@ def build_tiny_vlm(
     if for_vllm and hidden_size == 32:
         hidden_size = 64
     text = dict(
-        vocab_size=len(vocab),
+        vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
@@ -312,87 +290,7 @@ def build_tiny_vlm(
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if model_type == "gemma3":
-            image_processor = transformers.Gemma3ImageProcessor(size={"height": image_size, "width": image_size})
-            processor = transformers.Gemma3Processor(
-                image_processor=image_processor,
-                tokenizer=tokenizer,
-                image_seq_length=4,
-                chat_template=VLM_CHAT_TEMPLATE.replace("{image}", "<boi>"),
-            )
-            config = transformers.Gemma3Config(
-                text_config=transformers.Gemma3TextConfig(
-                    **text, layer_types=["full_attention"] * num_layers, query_pre_attn_scalar=heads["head_dim"]
-                ),
-                vision_config=transformers.SiglipVisionConfig(**vision),
-                mm_tokens_per_image=4,
-                image_token_index=image_id,
-                boi_token_index=tokenizer.convert_tokens_to_ids("<boi>"),
-                eoi_token_index=tokenizer.convert_tokens_to_ids("<eoi>"),
-            )
-            model_class = transformers.Gemma3ForConditionalGeneration
-        elif model_type == "llava":
-            image_processor = transformers.CLIPImageProcessor(
-                size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
-            )
-            processor = transformers.LlavaProcessor(
-                image_processor=image_processor,
-                tokenizer=tokenizer,
-                patch_size=vision["patch_size"],
-                num_additional_image_tokens=1,
-                vision_feature_select_strategy="default",
-                chat_template=VLM_CHAT_TEMPLATE.replace("{image}", "<image>"),
-            )
-            config = transformers.LlavaConfig(
-                text_config=transformers.LlamaConfig(**text),
-                vision_config=transformers.CLIPVisionConfig(**vision),
-                image_token_index=image_id,
-                vision_feature_layer=-1,
-                vision_feature_select_strategy="default",
-            )
-            model_class = transformers.LlavaForConditionalGeneration
-        elif model_type == "llava_next":  # any-resolution: a base view and up to two tiles per image
-            pinpoints = [[image_size, 2 * image_size], [2 * image_size, image_size], [2 * image_size, 2 * image_size]]
-            image_processor = transformers.LlavaNextImageProcessor(
-                size={"shortest_edge": image_size},
-                crop_size={"height": image_size, "width": image_size},
-                image_grid_pinpoints=pinpoints,
-            )
-            processor = transformers.LlavaNextProcessor(
-                image_processor=image_processor,
-                tokenizer=tokenizer,
-                patch_size=vision["patch_size"],
-                num_additional_image_tokens=1,
-                vision_feature_select_strategy="default",
-                chat_template=VLM_CHAT_TEMPLATE.replace("{image}", "<image>"),
-            )
-            config = transformers.LlavaNextConfig(
-                text_config=transformers.LlamaConfig(**text),
-                vision_config=transformers.CLIPVisionConfig(**vision),
-                image_token_index=image_id,
-                vision_feature_layer=-1,
-                vision_feature_select_strategy="default",
-                image_grid_pinpoints=pinpoints,
-            )
-            model_class = transformers.LlavaNextForConditionalGeneration
-        else:  # idefics3: one tile per image (no splitting), 4 tokens after the pixel shuffle (scale factor 2)
-            image_processor = transformers.Idefics3ImageProcessor(
-                do_image_splitting=False, size={"longest_edge": image_size}, max_image_size={"longest_edge": image_size}
-            )
-            patches = image_size // vision["patch_size"]
-            processor = transformers.Idefics3Processor(
-                image_processor=image_processor,
-                tokenizer=tokenizer,
-                image_seq_len=patches**2 // 4,
-                chat_template=VLM_CHAT_TEMPLATE.replace("{image}", "<image>"),
-            )
-            config = transformers.Idefics3Config(
-                text_config=transformers.LlamaConfig(**text).to_dict(),
-                vision_config=transformers.Idefics3VisionConfig(**vision).to_dict(),
-                image_token_id=image_id,
-                scale_factor=2,
-            )
-            model_class = transformers.Idefics3ForConditionalGeneration
+        processor, config, model_class = TINY_VLM_BUILDERS[model_type](tokenizer, text, vision, image_size)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = model_class(config).float().eval()
@@ -402,6 +300,143 @@ def build_tiny_vlm(
     model.generation_config.eos_token_id = 1
     model.generation_config.pad_token_id = 0
     return model, processor
+
+
+def _vlm_tokenizer(model_type: str, chars: str, for_vllm: bool):
+    """`build_char_tokenizer`'s tokenizer with `model_type`'s image tokens (and "\n\n" as one token), left-padded."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = SPECIAL_TOKENS + VLM_IMAGE_TOKENS[model_type]
+    vocab: dict[str, int] = {}
+    newlines = ["\n\n", "\n\n\n", "\n\n\n\n"] if for_vllm and model_type == "gemma3" else ["\n\n"]
+    for token in special + sorted(set(chars)) + newlines:
+        vocab.setdefault(token, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("\n\n|\n|."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(special)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="<pad>",
+        extra_special_tokens=VLM_TOKEN_NAMES[model_type],
+        padding_side="left",
+    )
+
+
+# Each tiny VLM's parts: (tokenizer, text config fields, vision config fields, image size) -> (processor, config,
+# model class).
+
+
+def _tiny_gemma3(tokenizer, text: dict, vision: dict, image_size: int):
+    import transformers
+
+    image_processor = transformers.Gemma3ImageProcessor(size={"height": image_size, "width": image_size})
+    processor = transformers.Gemma3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        image_seq_length=4,
+        chat_template=VLM_CHAT_TEMPLATE.replace("{image}", "<boi>"),
+    )
+    num_layers = text["num_hidden_layers"]
+    config = transformers.Gemma3Config(
+        text_config=transformers.Gemma3TextConfig(
+            **text, layer_types=["full_attention"] * num_layers, query_pre_attn_scalar=text["head_dim"]
+        ),
+        vision_config=transformers.SiglipVisionConfig(**vision),
+        mm_tokens_per_image=4,
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        boi_token_index=tokenizer.convert_tokens_to_ids("<boi>"),
+        eoi_token_index=tokenizer.convert_tokens_to_ids("<eoi>"),
+    )
+    return processor, config, transformers.Gemma3ForConditionalGeneration
+
+
+def _tiny_llava(tokenizer, text: dict, vision: dict, image_size: int):
+    import transformers
+
+    image_processor = transformers.CLIPImageProcessor(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+    )
+    processor = transformers.LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=vision["patch_size"],
+        num_additional_image_tokens=1,
+        vision_feature_select_strategy="default",
+        chat_template=VLM_CHAT_TEMPLATE.replace("{image}", "<image>"),
+    )
+    config = transformers.LlavaConfig(
+        text_config=transformers.LlamaConfig(**text),
+        vision_config=transformers.CLIPVisionConfig(**vision),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+    )
+    return processor, config, transformers.LlavaForConditionalGeneration
+
+
+def _tiny_llava_next(tokenizer, text: dict, vision: dict, image_size: int):
+    """Any-resolution: a base view and up to two tiles per image."""
+    import transformers
+
+    pinpoints = [[image_size, 2 * image_size], [2 * image_size, image_size], [2 * image_size, 2 * image_size]]
+    image_processor = transformers.LlavaNextImageProcessor(
+        size={"shortest_edge": image_size},
+        crop_size={"height": image_size, "width": image_size},
+        image_grid_pinpoints=pinpoints,
+    )
+    processor = transformers.LlavaNextProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=vision["patch_size"],
+        num_additional_image_tokens=1,
+        vision_feature_select_strategy="default",
+        chat_template=VLM_CHAT_TEMPLATE.replace("{image}", "<image>"),
+    )
+    config = transformers.LlavaNextConfig(
+        text_config=transformers.LlamaConfig(**text),
+        vision_config=transformers.CLIPVisionConfig(**vision),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        image_grid_pinpoints=pinpoints,
+    )
+    return processor, config, transformers.LlavaNextForConditionalGeneration
+
+
+def _tiny_idefics3(tokenizer, text: dict, vision: dict, image_size: int):
+    """One tile per image (no splitting), 4 tokens after the pixel shuffle (scale factor 2)."""
+    import transformers
+
+    image_processor = transformers.Idefics3ImageProcessor(
+        do_image_splitting=False, size={"longest_edge": image_size}, max_image_size={"longest_edge": image_size}
+    )
+    patches = image_size // vision["patch_size"]
+    processor = transformers.Idefics3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        image_seq_len=patches**2 // 4,
+        chat_template=VLM_CHAT_TEMPLATE.replace("{image}", "<image>"),
+    )
+    config = transformers.Idefics3Config(
+        text_config=transformers.LlamaConfig(**text).to_dict(),
+        vision_config=transformers.Idefics3VisionConfig(**vision).to_dict(),
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+    )
+    return processor, config, transformers.Idefics3ForConditionalGeneration
+
+
+TINY_VLM_BUILDERS = {
+    "gemma3": _tiny_gemma3,
+    "llava": _tiny_llava,
+    "llava_next": _tiny_llava_next,
+    "idefics3": _tiny_idefics3,
+}
 
 
 def solid_image(colour: tuple[int, int, int], size: int = 16):

@@ -41,17 +41,17 @@ from .build import (
     as_steps,
     build_checkpointer,
     build_entropy_controller,
-    build_models,
+    build_experience,
     build_runner,
     build_sampler,
     build_scheduler,
     build_scorer,
     build_stepper,
     build_teacher,
+    build_trained_models,
     moe_shape,
     new_state,
     place_reward_models,
-    prepare_models,
     prepare_process,
     router_aux_loss_coef,
     run_inputs,
@@ -63,6 +63,7 @@ from .build import (
 from .checkpoint import TrainingParts
 from .checkpoint.model_files import gathered_weights, load_best_checkpoint, write_model_files
 from .checkpoint.preemption import SigtermCheckpoint
+from .checks import check_launch, check_streaming
 from .compat import models_written_by_this_process
 from .config import GRPOConfig
 from .cpu_matmul import release_scratch
@@ -73,11 +74,9 @@ from .distributed import (
     all_processes_done,
     at_least_global_quantile,
     build_accelerator,
-    deepspeed_stage,
     is_sharded,
     unwrap_model,
 )
-from .experience import Evaluator, ExperienceMaker
 from .generation import Generation
 from .hub import check_hub, push_folder
 from .logprobs import check_padding_free
@@ -85,8 +84,8 @@ from .logs import MetricSink, MetricWindow, console_line, train_summary
 from .loss import off_policy_mask
 from .micro_batch import micro_batch_loss
 from .model_card import run_model_card
-from .models import mix_into_reference, whole_copy
-from .producer import Produced, Producer, WeightSync, check_async, check_streaming, start_producer
+from .models import mix_into_reference
+from .producer import Produced, Producer, WeightSync, start_producer
 from .rewards.model import RewardModel
 from .rollout import RolloutEngine
 from .served import check_step
@@ -165,38 +164,42 @@ class GRPOTrainer:
         args.check_batch(acc.num_processes)
         set_log_level(args.log_level if acc.is_main_process else args.log_level_replica)
         warn_like_trl(args, model, quantization_config)  # after set_log_level: log_level decides what shows
-        sharded = bool(args.fsdp) or acc.distributed_type.value == "FSDP"
-        zero_stage = deepspeed_stage(acc)
-        check_async(
-            args,
-            acc.num_processes,
-            deepspeed=zero_stage,
-            sharded=sharded,
-            shared_engine=args.use_vllm or rollout_engine is not None,
-            lora=peft_config is not None,
-        )
+        wrapped = check_launch(args, acc, rollout_engine, peft_config)
         self.weights, self.producer = WeightSync(), None  # asynchronous generation (grpokit.producer)
         self._restored_in_flight: list[dict] = []  # generation batches in flight that a checkpoint held
         prepare_process(args, acc.device)
-        self.model, self.processing_class, self.reference, max_prompt_length = build_models(
+        optimizer, scheduler = optimizers
+        datasets = (train_dataset, eval_dataset)
+        models = build_trained_models(
             model,
             processing_class,
             peft_config,
             quantization_config,
+            optimizer,
             args,
             acc,
-            (train_dataset, eval_dataset),
+            datasets,
+            wrapped,
             inputs.check_tokenizer,
         )
-        optimizer, scheduler = optimizers
-        # Asynchronous generation under FSDP2 or DeepSpeed: the producer's copy is taken before they wrap the policy
-        # (whole, and without their hooks).
-        wrapped = sharded or zero_stage is not None
-        self._producer_copy = whole_copy(self.model) if args.max_staleness is not None and wrapped else None
-        self.model, self.optimizer, self.reference, deepspeed = prepare_models(
-            acc, args, self.model, optimizer, self.reference
-        )
+        self.model, self.optimizer, self.reference = models.policy, models.optimizer, models.reference
+        self.processing_class, self._producer_copy = models.processing_class, models.producer_copy
         place_reward_models(self.reward_functions, acc.device)
+        self._set_up_loop(inputs, models, rollout_engine, tools, rollout_func, scheduler, teacher_model)
+        self.router_aux_loss_coef = router_aux_loss_coef(args, self.unwrapped_model)
+        self.activation_offload = activation_offload(args, acc.device)
+        if args.padding_free:
+            check_padding_free(self.model, self.reference, self.router_aux_loss_coef)
+        self.entropy_controller = build_entropy_controller(args)
+        self.callback_handler = Callbacks(
+            callbacks, self.unwrapped_model, self.processing_class, self.optimizer, self.scheduler
+        )
+        self.callback_handler("on_init_end", args, self.state)
+
+    def _set_up_loop(self, inputs, models, rollout_engine, tools, rollout_func, scheduler, teacher_model) -> None:
+        """The parts the loop drives (grpokit.build): the rollout runner, reward scorer, state, scheduler, optimizer
+        stepper, checkpointer, prompt sampler and experience maker; and the loop's records."""
+        args, acc, train_dataset, deepspeed = self.args, self.accelerator, self.train_dataset, models.deepspeed
         # A user's rollout_func receives the trainer (TRL's contract): the runner passes it on as the host.
         self.runner = build_runner(
             inputs,
@@ -205,7 +208,7 @@ class GRPOTrainer:
             self.unwrapped_model,
             args,
             acc,
-            max_prompt_length,
+            models.max_prompt_length,
             tools,
             rollout_func,
             host=self,
@@ -227,7 +230,7 @@ class GRPOTrainer:
         )
         self.sampler = build_sampler(train_dataset, args, acc.num_processes)
         teacher = build_teacher(teacher_model, args, acc.device, self.unwrapped_model, self.processing_class)
-        self.experience = ExperienceMaker(
+        self.experience, self.evaluator = build_experience(
             args,
             acc,
             self.runner,
@@ -235,9 +238,8 @@ class GRPOTrainer:
             lambda: self.unwrapped_model,
             self.reference,
             lambda n: self.sampler.rows(self.train_dataset, n),
-            teacher=teacher,
+            teacher,
         )
-        self.evaluator = Evaluator(args, acc, self.experience)
         self.window = MetricWindow()
         self._window_counts, self._step_stats, self._sink = None, [], None  # the current step's (compute_loss, log)
         self._samples: list[dict] | None = None  # the latest generation's completions-log rows
@@ -249,15 +251,6 @@ class GRPOTrainer:
         )
         self._last_evaluation: dict | None = None  # the latest evaluation's record (metric_for_best_model)
         self._in_train = False
-        self.router_aux_loss_coef = router_aux_loss_coef(args, self.unwrapped_model)
-        self.activation_offload = activation_offload(args, acc.device)
-        if args.padding_free:
-            check_padding_free(self.model, self.reference, self.router_aux_loss_coef)
-        self.entropy_controller = build_entropy_controller(args)
-        self.callback_handler = Callbacks(
-            callbacks, self.unwrapped_model, self.processing_class, self.optimizer, self.scheduler
-        )
-        self.callback_handler("on_init_end", args, self.state)
 
     # HF Trainer's callback API
     def add_callback(self, callback) -> None:

@@ -212,33 +212,7 @@ def compute_rewards(
         }
         for rows in rows_of
     ]  # context (trainer_state, log_metric, ...): not per row
-    results: dict[int, Any] = {}
-    errors: dict[int, Exception] = {}
-
-    async def run_async():
-        async def one(index, function):
-            try:
-                results[index] = await function.fn(**kwargs_of[index])
-            except Exception as error:  # handled below, with the synchronous ones
-                errors[index] = error
-
-        await asyncio.gather(*(one(i, f) for i, f in enumerate(functions) if f.is_async and rows_of[i]))
-
-    # Async functions run in their own event loop on a thread (this also works when the caller is inside a
-    # running loop, e.g. Jupyter), while the synchronous ones run here.
-    thread = None
-    if any(f.is_async and rows_of[i] for i, f in enumerate(functions)):
-        thread = threading.Thread(target=lambda: asyncio.run(run_async()), daemon=True)
-        thread.start()
-    for index, function in enumerate(functions):
-        if not function.is_async and rows_of[index]:
-            try:
-                results[index] = function.fn(**kwargs_of[index])
-            except Exception as error:
-                errors[index] = error
-    if thread is not None:
-        thread.join()
-
+    results, errors = _call_functions(functions, kwargs_of, rows_of)
     scores = torch.full((n, len(functions)), float("nan"), dtype=torch.float32)
     failures: dict[str, int] = {}
     step_rewards: dict[int, list[list[float]]] = {}
@@ -266,6 +240,40 @@ def compute_rewards(
             values = _check_values(function.name, results[index], len(rows))
         scores[rows, index] = torch.tensor(values, dtype=torch.float32)
     return scores, failures, step_rewards
+
+
+def _call_functions(
+    functions: list[RewardFunction], kwargs_of: list[dict], rows_of: list[list[int]]
+) -> tuple[dict[int, Any], dict[int, Exception]]:
+    """Each function called once on its rows (none without rows): ({function index: what it returned},
+    {function index: what it raised}). The async ones run together, the synchronous ones one after another."""
+    results: dict[int, Any] = {}
+    errors: dict[int, Exception] = {}
+
+    async def run_async():
+        async def one(index, function):
+            try:
+                results[index] = await function.fn(**kwargs_of[index])
+            except Exception as error:  # handled by the caller, with the synchronous ones
+                errors[index] = error
+
+        await asyncio.gather(*(one(i, f) for i, f in enumerate(functions) if f.is_async and rows_of[i]))
+
+    # Async functions run in their own event loop on a thread (this also works when the caller is inside a
+    # running loop, e.g. Jupyter), while the synchronous ones run here.
+    thread = None
+    if any(f.is_async and rows_of[i] for i, f in enumerate(functions)):
+        thread = threading.Thread(target=lambda: asyncio.run(run_async()), daemon=True)
+        thread.start()
+    for index, function in enumerate(functions):
+        if not function.is_async and rows_of[index]:
+            try:
+                results[index] = function.fn(**kwargs_of[index])
+            except Exception as error:
+                errors[index] = error
+    if thread is not None:
+        thread.join()
+    return results, errors
 
 
 def routes_from_column(values: list[Any], names: list[str], column: str) -> list[set[str]]:
