@@ -7,8 +7,8 @@ runs in small chunks and stops as soon as the held-out reward first reaches 0.1,
 copying circuit appears abruptly, so coarse chunks would overshoot); GRPO then raises the held-out reward to >= 0.6.
 Measured on CPU: held-out 0.167 -> 0.84 after 210 warm-up and 200 GRPO steps with Qwen2.5's chat template, and
 0.133 -> 0.78 after 250 warm-up and 200 GRPO steps with Qwen3's (thinking on: every turn opens with its think
-block), 1-5 min each on a 2-core machine. Other model seeds (standalone runs of the Qwen2.5 recipe, before the
-sampling changes of the same release): seed 1 0.117 -> 0.59, seed 2 0.125 -> 0.875; the tests use seed 0.
+block), 1-5 min each on a 2-core machine. Other model seeds (standalone runs of the Qwen2.5 recipe, not rerun
+today): seed 1 0.117 -> 0.59, seed 2 0.125 -> 0.875; the tests use seed 0.
 """
 
 import random
