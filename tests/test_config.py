@@ -240,6 +240,9 @@ def test_flags_override_the_yaml_file(tmp_path):
         "eval_dataset": None,
         "eval_dataset_split": None,
         "rename_column": {},
+        "peft_config": None,  # TRL's ModelConfig names (--use_peft, --lora_r, ...) or a YAML peft_config mapping
+        "model_options": {},
+        "overwrite_output_dir": False,
     }
     path = write_yaml(tmp_path, "model: m\nrename_column: {question: prompt}\n")
     assert parse_train_args([path, "--rename_column", "answer=target"])[0]["rename_column"] == {"answer": "target"}
