@@ -213,7 +213,8 @@ def test_imports_run_one_way():
         "async_grpo.py",
     }
     assert importers_of("grpokit.demo") - {"demo/__init__.py", "demo/task.py"} <= {"cli.py"}
-    assert importers_of("grpokit.experience") <= {"trainer.py", "producer.py"}
+    # build.py builds the trainer's experience maker (build_experience); the producer makes batches with it
+    assert importers_of("grpokit.experience") <= {"trainer.py", "build.py", "producer.py"}
     for pure in ("advantages.py", "loss.py"):  # the math imports nothing from the package
         assert not imports_of(PACKAGE / pure), pure
     # The training forward shares helpers with the sampler through grpokit.forward, not the sampler's modules.
