@@ -212,6 +212,20 @@ def relative_error(a: dict, b: dict) -> float:
     return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)).item() for k in b)
 
 
+def with_forward_logprobs(model, rollout: Rollout) -> Rollout:
+    """A scripted rollout given the sampling log-probs a plain forward of the model assigns its tokens (0 on
+    padding), as if the model had sampled them."""
+    with torch.no_grad():
+        logprobs, _ = token_logprobs(
+            model,
+            torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
+            torch.cat([rollout.prompt_mask, rollout.attention_mask], 1),
+            rollout.completion_ids.shape[1],
+        )
+    rollout.sampling_logprobs = logprobs * rollout.attention_mask
+    return rollout
+
+
 class ForcedCallsEngine:
     """The real in-process engine, except that while a transcript holds fewer than `calls` tool results its turn
     is a forced tool call (with log-probs from a plain forward): so that a random tiny model makes calls, and the
@@ -237,12 +251,4 @@ class ForcedCallsEngine:
             )["input_ids"]
         )
         rollout = forced.generate(prompts, params, seed)
-        with torch.no_grad():
-            logprobs, _ = token_logprobs(
-                self.model,
-                torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
-                torch.cat([rollout.prompt_mask, rollout.attention_mask], 1),
-                rollout.completion_ids.shape[1],
-            )
-        rollout.sampling_logprobs = logprobs * rollout.attention_mask
-        return rollout
+        return with_forward_logprobs(self.model, rollout)

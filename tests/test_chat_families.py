@@ -12,10 +12,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from agents_helpers import TABLE, assert_sampled_logprobs_match_training, lookup, model_turn, tiny_agent_model
+from agents_helpers import (
+    TABLE,
+    assert_sampled_logprobs_match_training,
+    lookup,
+    model_turn,
+    tiny_agent_model,
+    with_forward_logprobs,
+)
 from test_tool_parsers import FAMILY_OF, TOOL_TEMPLATES
 
-from grpokit import GRPOConfig, GRPOTrainer, token_logprobs
+from grpokit import GRPOConfig, GRPOTrainer
 from grpokit.agents import Agents, chat, tool_result_ids
 from grpokit.rollout import HFEngine, PromptBatch, Rollout, SamplingParams, ScriptedEngine
 from grpokit.testing import build_family_tokenizer, build_tiny_model
@@ -47,15 +54,7 @@ class FirstTurnForced:
         if self.calls > 1:
             return self.inner.generate(prompts, params, seed)
         rollout = ScriptedEngine(lambda ids, index: self.first_turn).generate(prompts, params, seed)
-        with torch.no_grad():
-            logprobs, _ = token_logprobs(
-                self.model,
-                torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
-                torch.cat([rollout.prompt_mask, rollout.attention_mask], 1),
-                rollout.completion_ids.shape[1],
-            )
-        rollout.sampling_logprobs = logprobs * rollout.attention_mask
-        return rollout
+        return with_forward_logprobs(self.model, rollout)
 
 
 def generation_header(tokenizer, kwargs: dict) -> str:
