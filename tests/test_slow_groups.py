@@ -10,8 +10,9 @@ import time
 import pytest
 from agents_helpers import TABLE, ForcedCallsEngine, call_text, key_of, tiny_agent_model, tool_call_script
 from datasets import Dataset
+from test_async_streaming import streaming_config  # the same streamed-groups run
 
-from grpokit import GRPOConfig, GRPOTrainer
+from grpokit import GRPOTrainer
 from grpokit.agents import Agents
 from grpokit.rollout import SamplingParams
 from grpokit.state import TrainerCallback
@@ -26,28 +27,6 @@ def lookup(key: str) -> str:
         key: the key to look up
     """
     return TABLE[key]
-
-
-def streaming_config(tmp_path, **overrides) -> GRPOConfig:
-    """Batches of two groups of two, prompts in order, up to four groups in flight one version ahead."""
-    values = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_steps=3,
-        max_completion_length=64,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        report_to="none",
-        seed=0,
-        shuffle_dataset=False,
-        max_staleness=1,
-        max_inflight_tasks=8,
-        tool_timeout=60,
-    )
-    return GRPOConfig(**{**values, **overrides})
 
 
 def answer_after_lookup(tokenizer):
