@@ -80,3 +80,50 @@ def test_the_guide_lists_every_rename_with_its_release():
     guide = GUIDE.read_text()
     for row in TRL_RENAMES:
         assert f"| `{row['old']}` | `{row['new']}` | {row['trl']} |" in guide, row
+
+
+# TRL v1.18.0's release notes (https://github.com/huggingface/trl/releases/tag/v1.18.0) say AsyncGRPOConfig's fields
+# were renamed and its three timeouts merged into one, without naming the new fields: grpokit takes TRL 1.16's names,
+# and a keyword that is none of them says which to write.
+TRL_116_TIMEOUTS = {"vllm_server_timeout": 30.0, "request_timeout": 60, "weight_sync_timeout": 90}
+
+
+def test_a_name_async_grpo_config_lacks_fails_naming_trl_116s_three_timeouts(tmp_path):
+    with pytest.raises(TypeError) as error:
+        grpokit.AsyncGRPOConfig(output_dir=str(tmp_path), timeout=60)
+    message = str(error.value)
+    assert message.startswith("AsyncGRPOConfig() got an unexpected keyword argument 'timeout': not a field of ")
+    assert "TRL 1.16's AsyncGRPOConfig" in message and "docs/guides/from-trl.md#trl-versions" in message
+    for name in TRL_116_TIMEOUTS:
+        assert f" {name} (" in message, name
+    assert "\n" not in message
+
+
+def test_trl_116s_three_timeouts_land_in_their_fields(tmp_path):
+    config = grpokit.AsyncGRPOConfig(output_dir=str(tmp_path), **TRL_116_TIMEOUTS)
+    assert {name: getattr(config, name) for name in TRL_116_TIMEOUTS} == TRL_116_TIMEOUTS
+
+
+def test_a_misspelt_field_names_the_nearest_one():
+    with pytest.raises(
+        TypeError,
+        match=r"^GRPOConfig\(\) got an unexpected keyword argument 'num_generation': .*"
+        r"'num_generation': did you mean 'num_generations'\? grpokit takes the names of TRL 1\.16's "
+        r"GRPOConfig",
+    ):
+        grpokit.GRPOConfig(num_generation=4)
+    with pytest.raises(TypeError, match=r"got unexpected keyword arguments 'beta_kl', 'num_generation': not fields"):
+        grpokit.GRPOConfig(num_generation=4, beta_kl=0.1)
+    with pytest.raises(ValueError, match=r"^Unknown GRPOConfig field\(s\) \['num_generation'\]: .*did you mean "):
+        grpokit.GRPOConfig.from_dict({"num_generation": 4})
+
+
+def test_copies_of_a_config_are_built_without_the_keyword_check_in_the_way(tmp_path):
+    import copy
+    import dataclasses
+    import pickle
+
+    config = grpokit.AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=3, request_timeout=60)
+    for copied in (copy.deepcopy(config), pickle.loads(pickle.dumps(config))):
+        assert type(copied) is grpokit.AsyncGRPOConfig and copied.to_dict() == config.to_dict()
+    assert dataclasses.replace(config, max_steps=5).max_steps == 5

@@ -67,6 +67,15 @@ ASYNC_FIELDS = {
 class AsyncGRPOConfig(GRPOConfig):
     """TRL 1.16's `AsyncGRPOConfig` fields and defaults on grpokit's GRPOConfig (see the module docstring)."""
 
+    # After a keyword that is not a field, most likely a TRL 1.17-1.19 name (TRL v1.18.0's release notes: renamed
+    # fields, one timeout instead of three; they do not name the new fields, so grpokit cannot take them).
+    unknown_field_hint = (
+        "grpokit takes the names of TRL 1.16's AsyncGRPOConfig and GRPOConfig. TRL 1.18 renamed AsyncGRPOConfig "
+        "fields and merged its three timeouts into one: write TRL 1.16's names, e.g. vllm_server_timeout (the vLLM "
+        "server coming up), request_timeout (one sampling request) and weight_sync_timeout (one weight push) "
+        "(docs/guides/from-trl.md#trl-versions)."
+    )
+
     # ---- GRPOConfig's fields with TRL AsyncGRPOConfig's defaults
     logging_steps: float = _grpo_field("logging_steps", 1)
     logging_first_step: bool = _grpo_field("logging_first_step", False)

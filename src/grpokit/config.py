@@ -275,6 +275,11 @@ class GRPOConfig:
     # The smallest group (not a field): GRPO's advantage compares the completions of one prompt with each other. A
     # loop that computes no advantages (on-policy distillation: `distillation_config.DistillationLoopConfig`) takes 1.
     min_num_generations = 2  # no annotation: a class attribute, not a dataclass field
+    # Said after a keyword that is not a field (`fields_note`): where this config's names come from.
+    unknown_field_hint = (
+        "grpokit takes the names of TRL 1.16's GRPOConfig; `grpokit train --help` lists every field "
+        "(docs/guides/from-trl.md)."
+    )
 
     # ---- output, logging, checkpoints
     output_dir: str | None = _f(
@@ -1015,6 +1020,19 @@ class GRPOConfig:
         "--overwrite_output_dir true` starts over in a folder that holds a previous run.",
     )
 
+    def __new__(cls, *args, **kwargs):
+        # A keyword that is not a field fails here, before the dataclass's __init__, whose TypeError names only the
+        # keyword: this one also says what to write instead.
+        unknown = sorted(set(kwargs) - set(cls.__dataclass_fields__))
+        if unknown:
+            said = (
+                f"an unexpected keyword argument {unknown[0]!r}"
+                if len(unknown) == 1
+                else f"unexpected keyword arguments {', '.join(map(repr, unknown))}"
+            )
+            raise TypeError(f"{cls.__name__}() got {said}: {fields_note(cls, unknown)}")
+        return super().__new__(cls)
+
     def __post_init__(self):
         # What the user wrote, before anything is derived: saved as the run's grpo_config.json (`save`).
         object.__setattr__(self, "_as_written", {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
@@ -1501,17 +1519,25 @@ class GRPOConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> GRPOConfig:
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(values) - known)
+        unknown = sorted(set(values) - set(cls.__dataclass_fields__))
         if unknown:
-            raise ValueError(
-                f"Unknown GRPOConfig field(s): {unknown}. Check the spelling; `grpokit train --help` lists them all."
-            )
+            raise ValueError(f"Unknown {cls.__name__} field(s) {unknown}: {fields_note(cls, unknown)}")
         values = dict(values)
         if 0 < values.get("warmup_ratio", 0) < 1 and not values.get("warmup_steps"):
             # A saved config keeps a warm-up fraction in warmup_ratio; load it under its current name.
             values["warmup_steps"] = values.pop("warmup_ratio")
         return cls(**values)
+
+
+def fields_note(config_class: type, unknown: list[str]) -> str:
+    """What to write instead of keywords that are not fields of `config_class`: the nearest field name of each
+    misspelling, and the class's `unknown_field_hint` (which TRL release its names follow)."""
+    fields = list(config_class.__dataclass_fields__)
+    nearest = {name: difflib.get_close_matches(name, fields, n=1, cutoff=0.8) for name in unknown}
+    guesses = "".join(f" {name!r}: did you mean {close[0]!r}?" for name, close in nearest.items() if close)
+    return f"not {'a field' if len(unknown) == 1 else 'fields'} of {config_class.__name__}.{guesses} " + (
+        config_class.unknown_field_hint
+    )
 
 
 def launched_processes() -> int:
