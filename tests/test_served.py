@@ -159,17 +159,70 @@ def test_with_the_check_off_the_gap_is_still_logged(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_truncated_sampling_is_not_checked_and_the_run_says_so(tmp_path, caplog):
-    """top_p < 1: an engine may report the truncated distribution's log-probs (vLLM does), which are not π_old's."""
-    trainer = letter_trainer(tmp_path, NoOpPushEngine, top_p=0.9, max_steps=2)
+def test_truncated_sampling_without_the_sampling_mask_is_not_checked_and_the_run_says_so(tmp_path, caplog):
+    """keep_sampling_mask=False: π_old is the full vocabulary's, and an engine may report the truncated distribution's
+    log-probs (vLLM does): nothing is measured, even from an engine whose pushes do nothing, and the log says why."""
+    trainer = letter_trainer(tmp_path, NoOpPushEngine, top_p=0.9, keep_sampling_mask=False, max_steps=2)
     with caplog.at_level(logging.WARNING, logger="grpokit.experience"):
         trainer.train()
-    assert all(math.isnan(g) for g in gaps(trainer))
+    assert len(gaps(trainer)) == 2 and all(math.isnan(g) for g in gaps(trainer))
     said = [r.getMessage() for r in caplog.records if "served-policy check" in r.getMessage()]
     assert said == [
-        "The served-policy check does not run on these batches: truncated sampling (top_k, top_p, min_p, "
-        "repetition_penalty) (grpokit.served)."
+        "The served-policy check does not run on these batches: truncated or penalised sampling (top_k, top_p, "
+        "min_p, repetition_penalty, suppress_tokens) with keep_sampling_mask=False: π_old is the full vocabulary's, "
+        "while an engine may report the log-probs of the distribution it drew from (vLLM does); "
+        "keep_sampling_mask=True checks them (grpokit.served)."
     ]
+
+
+# Truncated sampling with the sampling mask kept (the default): π_old is renormalised over each token's kept set,
+# the distribution the engine drew from, so the check runs. Kept sets on this 16-token vocabulary (the first batch):
+# top_p 13 tokens, top_k 8, min_p 1-16 (10.3 on average), combined 6; "bounded" would keep 16 under top_p alone,
+# and sampling_mask_max_tokens (an implicit top-k the engine samples with) keeps 3.
+TRUNCATED = {
+    "top_p": dict(top_p=0.8),
+    "top_k": dict(top_k=8),
+    "min_p": dict(min_p=0.55),
+    "combined": dict(top_k=6, top_p=0.9, min_p=0.05, repetition_penalty=1.3),
+    "bounded": dict(top_p=0.99, sampling_mask_max_tokens=3),
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("sampling", TRUNCATED.values(), ids=TRUNCATED.keys())
+def test_truncated_sampling_with_the_sampling_mask_passes_a_healthy_run(tmp_path, sampling, caplog):
+    """The in-process engine in float32: its log-probs of the kept sets equal the training forward's renormalised
+    over them to float rounding (the full vocabulary's would differ by -log of the kept mass, 0.1-1 nats here)."""
+    trainer = letter_trainer(tmp_path, max_steps=2, **sampling)
+    with caplog.at_level(logging.WARNING, logger="grpokit.experience"):
+        trainer.train()
+    logged = gaps(trainer)
+    assert len(logged) == 2 and max(logged) < 1e-5, logged
+    assert not [r for r in caplog.records if "served-policy check" in r.getMessage()]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("sampling", TRUNCATED.values(), ids=TRUNCATED.keys())
+def test_truncated_sampling_with_a_push_that_does_nothing_fails_the_next_step(tmp_path, sampling):
+    """The engine's kept sets and log-probs are its stale weights'; π_old renormalised over those sets with the
+    policy's moved weights differs: the second step raises, the first (same weights on both sides) measured ~0."""
+    trainer = letter_trainer(tmp_path, NoOpPushEngine, **sampling)
+    with pytest.raises(ServedPolicyMismatch, match=r"NoOpPushEngine does not sample.*version 1 .*training forward"):
+        trainer.train()
+    assert trainer.state.global_step == 2
+    assert gaps(trainer) == [pytest.approx(0.0, abs=1e-5)]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_truncated_sampling_with_a_push_that_does_nothing_fails_before_training_where_pi_old_is_a_forward(tmp_path):
+    """μ = 2, top_p = 0.8: π_old is a forward of the pushed weights renormalised over the engine's kept sets, compared
+    as soon as the second generation batch is made, before any step trains on it."""
+    trainer = letter_trainer(tmp_path, NoOpPushEngine, num_iterations=2, top_p=0.8)
+    with pytest.raises(ServedPolicyMismatch, match=r"NoOpPushEngine.*version 2 .*a forward's"):
+        trainer.train()
+    assert trainer.state.global_step == 2
+    first, second = gaps(trainer)
+    assert first == pytest.approx(0.0, abs=1e-5) and math.isnan(second)
 
 
 # ------------------------------------------------------------------------------------------------ healthy runs
@@ -242,15 +295,26 @@ def test_tool_results_inserted_into_the_transcript_are_not_counted(tmp_path):
 
 
 def test_what_is_not_checked_says_why():
+    from grpokit.rollout import SamplingParams
     from grpokit.served import skip_reason
 
-    assert skip_reason(GRPOConfig(), logprobs_are_engines=True, streamed=False) is None
-    assert "streamed" in skip_reason(GRPOConfig(), logprobs_are_engines=True, streamed=True)
-    assert "rollout_func" in skip_reason(GRPOConfig(), logprobs_are_engines=False, streamed=False)
-    for truncated in (dict(top_k=5), dict(top_p=0.95), dict(min_p=0.1), dict(repetition_penalty=1.1)):
-        assert "truncated" in skip_reason(GRPOConfig(**truncated), logprobs_are_engines=True, streamed=False)
+    args, plain = GRPOConfig(), SamplingParams(4)
+    assert skip_reason(args, plain, logprobs_are_engines=True, streamed=False, kept_sets=False) is None
+    assert "streamed" in skip_reason(args, plain, logprobs_are_engines=True, streamed=True, kept_sets=False)
+    assert "rollout_func" in skip_reason(args, plain, logprobs_are_engines=False, streamed=False, kept_sets=False)
+    processed = (dict(top_k=5), dict(top_p=0.95), dict(min_p=0.1), dict(repetition_penalty=1.1))
+    for sampling in (*processed, dict(suppress_token_ids=(3,))):
+        kept = SamplingParams(4, **sampling)
+        # the engine's kept sets (or vLLM's, replayed): π_old is over them, as the engine's log-probs are
+        assert skip_reason(args, kept, logprobs_are_engines=True, streamed=False, kept_sets=True) is None
+        unreported = skip_reason(args, kept, logprobs_are_engines=True, streamed=False, kept_sets=False)
+        assert "kept sets the engine did not return" in unreported
+        full = SamplingParams(4, keep_sampling_mask=False, **sampling)
+        assert "keep_sampling_mask=False" in skip_reason(args, full, True, False, kept_sets=False)
+    full_plain = SamplingParams(4, keep_sampling_mask=False)  # nothing processed: the policy's distribution
+    assert skip_reason(args, full_plain, logprobs_are_engines=True, streamed=False, kept_sets=False) is None
     regex = GRPOConfig(use_vllm=True, vllm_structured_outputs_regex="[ab]+")
-    assert "structured outputs" in skip_reason(regex, logprobs_are_engines=True, streamed=False)
+    assert "structured outputs" in skip_reason(regex, plain, logprobs_are_engines=True, streamed=False, kept_sets=True)
 
 
 def test_a_multi_turn_rollout_whose_engine_reported_no_logprobs_has_none():

@@ -411,7 +411,8 @@ class ExperienceMaker:
         driver = self.runner.driver  # a multi-turn driver's log-probs are the engine's unless it says otherwise
         engines = driver is None or getattr(driver, "logprobs_match_training", False)
         skipped = "the engine reports no log-probs" if sampling_logprobs is None else None
-        skipped = skipped or skip_reason(args, engines, streamed=sampled is not None)
+        kept_sets = batch.sampling_mask is not None
+        skipped = skipped or skip_reason(args, self.runner.params, engines, sampled is not None, kept_sets)
         if skipped:
             if not self.served_skip_said and acc.is_main_process and args.served_logprob_tolerance is not None:
                 logger.warning(f"The served-policy check does not run on these batches: {skipped} (grpokit.served).")

@@ -21,38 +21,66 @@ Where it is measured, so that no forward is added:
   the batch's rows are marked (`TrainBatch.served_rows`), the micro-batch loss measures the gap on that forward, and
   the trainer checks the optimizer step's mean (`check_step`).
 
+Truncated sampling (top_k, top_p < 1, min_p; also a repetition penalty and suppressed tokens) is checked where the
+engine's log-probs and π_old are of one distribution, the one the token was drawn from: with keep_sampling_mask (the
+default) the engine reports the log-prob of the processed distribution, and π_old is renormalised over the kept set
+of that token with the penalty replayed (`grpokit.sampling_mask`). The kept sets are the engine's own where it
+reports them (the in-process sampler, vLLM's sampling mask on GPU) and replayed on the trainer's logits of the
+pushed weights otherwise (vLLM on CPU and in server mode: `truncation_replay`, whose cut-offs may differ from vLLM's
+by float rounding: noise, far below the tolerance). sampling_mask_max_tokens is an implicit top-k the engine samples
+with, so a recorded kept set is never cut short. Where the engine sampled from other weights, its kept sets and
+log-probs are theirs and π_old's are not: the gap shows it. A position whose kept set holds only the sampled token
+(top_k=1, a small top_p on a peaked distribution) has log-prob 0 on both sides and says nothing; it still counts in
+the mean, as in TRL's metric, so a run that truncates hard dilutes the gap.
+
 Not checked, by design (`skip_reason`): a user's rollout_func (its log-probs are whatever it reports); groups streamed
-one by one (their π_old is the sampler's own log-prob); truncated sampling (top_k, top_p, min_p, a repetition
-penalty: vLLM reports the log-prob of the truncated, renormalised distribution, not the policy's); vLLM's structured
-outputs (the same, for the regex's mask); an engine that reports no log-probs. Where an engine's log-probs serve as
-π_old (`logprobs_match_training`) and the batch is trained after the policy moved, there is nothing to compare them
-with, and those batches are not checked.
+one by one (their π_old is the sampler's own log-prob); processed sampling with keep_sampling_mask=False (π_old is
+the full vocabulary's, while vLLM reports the processed distribution's log-probs, as a user's engine may: TRL 1.16's
+numbers) or whose kept sets came from no engine and no replay (a rollout_engine of your own that returns no
+`Rollout.sampling_mask`, without use_vllm); vLLM's structured outputs (the regex's mask is not replayed); an engine
+that reports no log-probs. Where an engine's log-probs serve as π_old (`logprobs_match_training`) and the batch is
+trained after the policy moved, there is nothing to compare them with, and those batches are not checked.
 """
 
 from __future__ import annotations
 
 from .config import GRPOConfig
+from .rollout.engine import SamplingParams
+from .rollout.sampling import processes
 
 # TRL 1.16's name for the quantity (its vLLM importance-sampling correction logs it): the gap the check reads.
 SERVED_GAP = "sampling/sampling_logp_difference/mean"
+
+PROCESSED = "truncated or penalised sampling (top_k, top_p, min_p, repetition_penalty, suppress_tokens)"
 
 
 class ServedPolicyMismatch(RuntimeError):
     """The engine's sampled-token log-probs are not those of the weights it was sent."""
 
 
-def skip_reason(args: GRPOConfig, logprobs_are_engines: bool, streamed: bool) -> str | None:
+def skip_reason(
+    args: GRPOConfig, params: SamplingParams, logprobs_are_engines: bool, streamed: bool, kept_sets: bool
+) -> str | None:
     """Why a generation batch's sampling log-probs cannot be compared with π_old (None: they can).
-    logprobs_are_engines: the rollout's log-probs are the engine's (False under a user's rollout_func)."""
+    params: what the engine sampled with; logprobs_are_engines: the rollout's log-probs are the engine's (False under
+    a user's rollout_func); kept_sets: the batch has the kept sets of its tokens (`TrainBatch.sampling_mask`, the
+    engine's or replayed), over which π_old is renormalised."""
     if streamed:
         return "groups streamed one by one: π_old is the sampler's own log-prob"
     if not logprobs_are_engines:
         return "a rollout_func reports the log-probs"
-    truncated = (args.top_k or 0) > 0 or args.top_p < 1.0 or (args.min_p or 0.0) > 0.0 or args.repetition_penalty != 1.0
-    if truncated:
-        return "truncated sampling (top_k, top_p, min_p, repetition_penalty)"
     if args.use_vllm and args.vllm_structured_outputs_regex is not None:
         return "structured outputs: vLLM reports the log-probs of the regex-masked distribution"
+    if processes(params) and not params.keep_sampling_mask:
+        return (
+            f"{PROCESSED} with keep_sampling_mask=False: π_old is the full vocabulary's, while an engine may report "
+            f"the log-probs of the distribution it drew from (vLLM does); keep_sampling_mask=True checks them"
+        )
+    if processes(params) and not kept_sets:
+        return (
+            f"{PROCESSED} whose kept sets the engine did not return (Rollout.sampling_mask): π_old is the full "
+            f"vocabulary's"
+        )
     return None
 
 

@@ -19,14 +19,13 @@ import torch
 from .batch import TrainBatch
 from .logprobs import completion_logits
 from .rollout.engine import SamplingParams
-from .rollout.sampling import apply_repetition_penalty, filter_logits_as_vllm, truncates
+from .rollout.sampling import apply_repetition_penalty, filter_logits_as_vllm, processes, truncates
 from .sampling_mask import PADDING, SamplingMask, first_seen_positions, kept_ids_of
 
 
 def needs_replay(batch: TrainBatch, params: SamplingParams) -> bool:
     """Whether the batch's sampling log-probs are of a processed distribution whose kept sets did not come with it."""
-    processed = truncates(params) or params.repetition_penalty != 1.0 or bool(params.suppress_token_ids)
-    return params.keep_sampling_mask and processed and batch.sampling_mask is None
+    return params.keep_sampling_mask and processes(params) and batch.sampling_mask is None
 
 
 @torch.no_grad()

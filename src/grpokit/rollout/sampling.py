@@ -31,6 +31,12 @@ def truncates(params: SamplingParams) -> bool:
     )
 
 
+def processes(params: SamplingParams) -> bool:
+    """Whether the engine draws from a processed distribution: truncation, a repetition penalty or suppressed
+    tokens (with keep_sampling_mask, the one whose log-probs it reports and whose kept sets the trainer replays)."""
+    return truncates(params) or params.repetition_penalty != 1.0 or bool(params.suppress_token_ids)
+
+
 def kept_set_bound(params: SamplingParams, vocab_size: int) -> int | None:
     """The top-k the sampler applies: the user's, and with keep_sampling_mask under truncation at most
     sampling_mask_max_tokens (it bounds the recorded kept sets; prime-rl bounds them the same way); None: none."""
