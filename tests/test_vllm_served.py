@@ -55,6 +55,21 @@ def test_a_dropped_push_stops_the_run_at_the_next_step(tmp_path, correction):
     assert trainer.state.log_history[0][SERVED_GAP] < 1e-3  # the first batch: the weights of the first push
 
 
+def test_with_top_p_a_dropped_push_stops_the_run_at_the_next_step(tmp_path):
+    """top_p = 0.8 with the sampling mask kept: vLLM's log-probs are of its kept sets, which vLLM on CPU does not
+    return; the trainer replays them on π_old's logits and renormalises π_old over them. The first batch (the weights
+    of the first push on both sides) agrees to float rounding; the second, sampled by vLLM's stale weights, is refused
+    as soon as it is made."""
+    trainer = letter_trainer(tmp_path, 4, dropped_push_engine(True), top_p=0.8, learning_rate=5e-2)
+    with pytest.raises(ServedPolicyMismatch, match=r"DroppedPushEngine does not sample.*version 1 .*a forward's"):
+        trainer.train()
+    assert trainer.state.global_step == 1
+    first = trainer.state.log_history[0]
+    print("first gap", first[SERVED_GAP], "importance ratio", first["sampling/importance_sampling_ratio/mean"])
+    assert first[SERVED_GAP] < 1e-3
+    assert 0.99 <= first["sampling/importance_sampling_ratio/mean"] <= 1.01  # the kept mass would make it ~0.8
+
+
 def test_vllm_that_never_got_the_policys_weights_is_refused_at_the_first_step(tmp_path):
     """vLLM samples from its dummy start-up weights: the first batch is refused before any step trains on it."""
     trainer = letter_trainer(tmp_path, 2, dropped_push_engine(False))
