@@ -177,13 +177,15 @@ def test_truncated_sampling_without_the_sampling_mask_is_not_checked_and_the_run
 
 # Truncated sampling with the sampling mask kept (the default): π_old is renormalised over each token's kept set,
 # the distribution the engine drew from, so the check runs. Kept sets on this 16-token vocabulary (the first batch):
-# top_p 13 tokens, top_k 8, min_p 1-16 (10.3 on average), combined 6; "bounded" would keep 16 under top_p alone,
-# and sampling_mask_max_tokens (an implicit top-k the engine samples with) keeps 3.
+# top_p 13 tokens, top_k 8, min_p 1-16 (10.3 on average), combined 6, penalty (no truncation) the whole vocabulary
+# with the penalty replayed; "bounded" would keep 16 under top_p alone, and sampling_mask_max_tokens (an implicit
+# top-k the engine samples with) keeps 3.
 TRUNCATED = {
     "top_p": dict(top_p=0.8),
     "top_k": dict(top_k=8),
     "min_p": dict(min_p=0.55),
     "combined": dict(top_k=6, top_p=0.9, min_p=0.05, repetition_penalty=1.3),
+    "penalty": dict(repetition_penalty=1.3),
     "bounded": dict(top_p=0.99, sampling_mask_max_tokens=3),
 }
 
@@ -248,10 +250,12 @@ def test_a_lora_policy_with_the_in_process_engine_passes(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_a_producer_running_ahead_names_the_version_it_pushed(tmp_path):
-    """max_staleness=1: the producer's π_old is a forward of its copy at the sampling version; batches 0 and 1 are
-    sampled by version 0, batch 2 by version 1, which the engine never got: the run stops when the trainer takes it."""
-    trainer = letter_trainer(tmp_path, NoOpPushEngine, max_staleness=1, max_steps=4)
+@pytest.mark.parametrize("sampling", [{}, dict(top_p=0.8)], ids=["full", "top_p"])
+def test_a_producer_running_ahead_names_the_version_it_pushed(tmp_path, sampling):
+    """max_staleness=1: the producer's π_old is a forward of its copy at the sampling version (renormalised over the
+    engine's kept sets under top_p); batches 0 and 1 are sampled by version 0, batch 2 by version 1, which the engine
+    never got: the run stops when the trainer takes it."""
+    trainer = letter_trainer(tmp_path, NoOpPushEngine, max_staleness=1, max_steps=4, **sampling)
     with pytest.raises(RuntimeError, match=r"producer failed: ServedPolicyMismatch: NoOpPushEngine.*version 1 "):
         trainer.train()
     assert trainer.state.global_step == 2
