@@ -1,11 +1,12 @@
 #!/usr/bin/env python
 """Truncated sampling on the letter task (tests/letters.py): top_p=1.0 against top_p=0.9 with the keep sampling mask
 (grpokit's default) and without it (TRL 1.16's full-vocabulary log-probs), same seeds, same tiny Qwen2, μ = 2 so
-that the importance ratio against π_old takes part in the loss. Per setting and seed: the reward of the first and
-of the last logging window, and the mean ratio of the first optimizer step's π_θ to the sampling log-probs (1 for
-an unchanged policy when the log-probs agree).
+that the importance ratio against π_old takes part in the loss. Per setting and seed: the reward averaged over 8
+generation batches at the start and at the end, the first optimizer step at which that average reaches 0.6, and the
+mean ratio of the first optimizer step's π_θ to the sampling log-probs (1 for an unchanged policy when the log-probs
+agree).
 
-    python benchmarks/truncated_sampling.py --steps 20 --seeds 0 1
+    python benchmarks/truncated_sampling.py --steps 100 --seeds 0 1 2 --out benchmarks/results/truncated_sampling.json
 """
 
 from __future__ import annotations
@@ -46,10 +47,23 @@ def first_ratio(trainer) -> float:
     return torch.exp(logprobs - batch.sampling_logprobs)[mask].mean().item()
 
 
+WINDOW = 8  # generation batches (with μ = 2 one is trained on for two optimizer steps)
+
+
+def moving_average(rewards: list[float]) -> list[float]:
+    """The reward averaged over each WINDOW consecutive generation batches."""
+    return [sum(rewards[i - WINDOW : i]) / WINDOW for i in range(WINDOW, len(rewards) + 1)]
+
+
+def reaches(steps: list[int], curve: list[float], level: float) -> int | None:
+    """The optimizer step at whose batch the moving average first reaches level (None: never)."""
+    return next((steps[i + WINDOW - 1] for i, r in enumerate(curve) if r >= level), None)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     root = Path(__file__).resolve().parent.parent
@@ -67,9 +81,7 @@ def main(argv=None) -> int:
                 config = letter_config(
                     Path(tmp) / f"{len(results)}",
                     num_iterations=2,
-                    max_completion_length=4,
                     max_steps=args.steps,
-                    logging_steps=5,
                     seed=seed,
                     **options,
                 )
@@ -83,16 +95,26 @@ def main(argv=None) -> int:
                 )
                 ratio = first_ratio(trainer)
                 trainer.train()
-                rewards = [round(r["reward"], 3) for r in trainer.state.log_history[:-1]]
+                logged = [(r["step"], r["reward"]) for r in trainer.state.log_history if "reward" in r]
+                steps, rewards = [step for step, _ in logged], [reward for _, reward in logged]
+                curve = moving_average(rewards)
                 seconds = round(time.perf_counter() - started, 1)
                 results[f"{name}, seed {seed}"] = {
                     "options": options,
                     "seed": seed,
                     "first_ratio": round(ratio, 5),
-                    "rewards": rewards,
+                    "start": round(curve[0], 3),
+                    "end": round(curve[-1], 3),
+                    "reaches_0.6_at": reaches(steps, curve, 0.6),
+                    "rewards": [round(r, 3) for r in rewards],
                     "seconds": seconds,
                 }
-                print(f"{name}, seed {seed}: ratio {ratio:.5f}, rewards {rewards} ({seconds} s)", flush=True)
+                row = results[f"{name}, seed {seed}"]
+                print(
+                    f"{name}, seed {seed}: ratio {ratio:.5f}, reward {row['start']} -> {row['end']}, "
+                    f"0.6 at step {row['reaches_0.6_at']} ({seconds} s)",
+                    flush=True,
+                )
     if args.out:
         Path(args.out).write_text(json.dumps({"steps": args.steps, "results": results}, indent=1))
     return 0
