@@ -26,7 +26,6 @@ import contextlib
 import json
 import logging
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,36 +46,27 @@ from .build import (
     build_scheduler,
     build_scorer,
     build_stepper,
-    build_teacher,
     build_trained_models,
+    launch,
     moe_shape,
     new_state,
     place_reward_models,
-    prepare_process,
     router_aux_loss_coef,
     run_inputs,
-    set_log_level,
     total_steps,
     track_best_checkpoint,
-    warn_like_trl,
 )
 from .checkpoint import TrainingParts
-from .checkpoint.model_files import gathered_weights, load_best_checkpoint, write_model_files
+from .checkpoint.loop_state import loop_state, restore_loop
+from .checkpoint.model_files import ModelWriter, load_best_checkpoint
 from .checkpoint.preemption import SigtermCheckpoint
-from .checks import check_launch, check_streaming
-from .compat import models_written_by_this_process
+from .checks import warn_unreadable_prompts
 from .config import GRPOConfig
 from .cpu_matmul import release_scratch
 from .cpu_memory import reuse_activation_memory
-from .data import named_eval_datasets, unreadable_share
+from .data import named_eval_datasets
 from .dataloaders import eval_dataloader, train_dataloader
-from .distributed import (
-    all_processes_done,
-    at_least_global_quantile,
-    build_accelerator,
-    is_sharded,
-    unwrap_model,
-)
+from .distributed import all_processes_done, at_least_global_quantile, is_sharded, unwrap_model
 from .generation import Generation
 from .hub import check_hub, push_folder
 from .logprobs import check_padding_free
@@ -89,7 +79,7 @@ from .producer import Produced, Producer, WeightSync, start_producer
 from .rewards.model import RewardModel
 from .rollout import RolloutEngine
 from .served import check_step
-from .signals import guard_message, stall_messages
+from .signals import SignalWarnings
 from .state import Callbacks
 
 logger = logging.getLogger(__name__)
@@ -154,22 +144,15 @@ class GRPOTrainer:
             environment,
             rewards_required=self.scores_completions,
         )
-        train_dataset = inputs.train_dataset
-        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.train_dataset, self.eval_dataset = inputs.train_dataset, eval_dataset
         self.reward_functions, self.reward_weights = inputs.reward_functions, inputs.reward_weights
         if args.push_to_hub:
             check_hub(args)
 
-        self.accelerator = acc = build_accelerator(args)
-        args.check_batch(acc.num_processes)
-        set_log_level(args.log_level if acc.is_main_process else args.log_level_replica)
-        warn_like_trl(args, model, quantization_config)  # after set_log_level: log_level decides what shows
-        wrapped = check_launch(args, acc, rollout_engine, peft_config)
+        self.accelerator, wrapped = launch(args, model, quantization_config, rollout_engine, peft_config)
         self.weights, self.producer = WeightSync(), None  # asynchronous generation (grpokit.producer)
         self._restored_in_flight: list[dict] = []  # generation batches in flight that a checkpoint held
-        prepare_process(args, acc.device)
         optimizer, scheduler = optimizers
-        datasets = (train_dataset, eval_dataset)
         models = build_trained_models(
             model,
             processing_class,
@@ -177,17 +160,16 @@ class GRPOTrainer:
             quantization_config,
             optimizer,
             args,
-            acc,
-            datasets,
+            self.accelerator,
+            inputs,
             wrapped,
-            inputs.check_tokenizer,
         )
         self.model, self.optimizer, self.reference = models.policy, models.optimizer, models.reference
         self.processing_class, self._producer_copy = models.processing_class, models.producer_copy
-        place_reward_models(self.reward_functions, acc.device)
-        self._set_up_loop(inputs, models, rollout_engine, tools, rollout_func, scheduler, teacher_model)
+        place_reward_models(self.reward_functions, self.accelerator.device)
+        self._set_up_loop(inputs, models, scheduler, teacher_model)
         self.router_aux_loss_coef = router_aux_loss_coef(args, self.unwrapped_model)
-        self.activation_offload = activation_offload(args, acc.device)
+        self.activation_offload = activation_offload(args, self.accelerator.device)
         if args.padding_free:
             check_padding_free(self.model, self.reference, self.router_aux_loss_coef)
         self.entropy_controller = build_entropy_controller(args)
@@ -196,49 +178,32 @@ class GRPOTrainer:
         )
         self.callback_handler("on_init_end", args, self.state)
 
-    def _set_up_loop(self, inputs, models, rollout_engine, tools, rollout_func, scheduler, teacher_model) -> None:
+    def _set_up_loop(self, inputs, models, scheduler, teacher_model) -> None:
         """The parts the loop drives (grpokit.build): the rollout runner, reward scorer, state, scheduler, optimizer
-        stepper, checkpointer, prompt sampler and experience maker; and the loop's records."""
-        args, acc, train_dataset, deepspeed = self.args, self.accelerator, self.train_dataset, models.deepspeed
+        stepper, model writer, checkpointer, prompt sampler and experience maker; and the loop's records."""
+        args, acc, deepspeed = self.args, self.accelerator, models.deepspeed
         # A user's rollout_func receives the trainer (TRL's contract): the runner passes it on as the host.
-        self.runner = build_runner(
-            inputs,
-            rollout_engine,
-            self.processing_class,
-            self.unwrapped_model,
-            args,
-            acc,
-            models.max_prompt_length,
-            tools,
-            rollout_func,
-            host=self,
-        )
+        self.runner = build_runner(inputs, models, args, acc, host=self)
         self.codec, self.engine, self.agents = self.runner.codec, self.runner.engine, self.runner.driver
-        check_streaming(args, self.runner, acc.num_processes)
         self.warn_unknown_prompt_tokens()
         self.scorer = build_scorer(self.reward_functions, self.reward_weights, self.codec.tokenizer, args)
         self.state = new_state(args, self.train_dataset, acc)
         self.scheduler = scheduler or build_scheduler(self.optimizer, args, self.state.max_steps)
         self.stepper = build_stepper(acc, self.model, self.optimizer, self.scheduler, args, deepspeed)
-        self.checkpointer = build_checkpointer(
-            acc,
-            args,
-            self._write_model,
-            lambda model: gathered_weights(model, self.args.save_merged),
-            deepspeed,
-            is_sharded(self.unwrapped_model),
+        self.model_writer = ModelWriter(
+            self.unwrapped_model, self.processing_class, args.save_merged, self._model_card, not acc.is_main_process
         )
-        self.sampler = build_sampler(train_dataset, args, acc.num_processes)
-        teacher = build_teacher(teacher_model, args, acc.device, self.unwrapped_model, self.processing_class)
+        sharded = is_sharded(self.unwrapped_model)
+        self.checkpointer = build_checkpointer(acc, args, self.model_writer, deepspeed, sharded)
+        self.sampler = build_sampler(self.train_dataset, args, acc.num_processes)
         self.experience, self.evaluator = build_experience(
             args,
             acc,
             self.runner,
             self.scorer,
-            lambda: self.unwrapped_model,
-            self.reference,
+            models,
+            teacher_model,
             lambda n: self.sampler.rows(self.train_dataset, n),
-            teacher,
         )
         self.window = MetricWindow()
         self._window_counts, self._step_stats, self._sink = None, [], None  # the current step's (compute_loss, log)
@@ -250,6 +215,7 @@ class GRPOTrainer:
             lambda: self.generate_batch(), self.sampler, args.per_device_train_batch_size, args.num_iterations
         )
         self._last_evaluation: dict | None = None  # the latest evaluation's record (metric_for_best_model)
+        self.signal_warnings = SignalWarnings()
         self._in_train = False
 
     # HF Trainer's callback API
@@ -719,39 +685,20 @@ class GRPOTrainer:
 
     def check_guard(self) -> None:
         """Warn, once per guard_window logging steps, when the reward rises while guard_metric falls."""
-        args = self.args
-        if args.guard_metric is None or not self.accelerator.is_main_process:  # one warning is enough
-            return
-        step, message = guard_message(self.state.log_history, args.guard_metric, args.guard_window)
-        if message and getattr(self, "_guard_warned_step", None) != step:
-            self._guard_warned_step = step
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
+        if self.accelerator.is_main_process:  # one warning is enough
+            self.signal_warnings.check_guard(self.state.log_history, self.args.guard_metric, self.args.guard_window)
 
     def check_learning_signals(self) -> None:
         """Warn, once per sign, when the logged metrics say since the start that the run cannot learn
         (signals.STALL_SIGNS: groups with no reward spread, completions all cut at max length)."""
-        if not self.accelerator.is_main_process:
-            return
-        warned = self.__dict__.setdefault("_stall_warned", set())
-        for metric, message in stall_messages(self.state.log_history).items():
-            if metric not in warned:
-                warned.add(metric)
-                warnings.warn(message, RuntimeWarning, stacklevel=2)
+        if self.accelerator.is_main_process:
+            self.signal_warnings.check_stalls(self.state.log_history)
 
     def warn_unknown_prompt_tokens(self) -> None:
         """Prompts the tokenizer cannot read (most of their characters out of its vocabulary) are said before
-        training."""
-        tokenizer = getattr(self.codec, "tokenizer", None)
-        share, chars = unreadable_share(self.train_dataset, tokenizer) if tokenizer is not None else (0.0, 0)
-        if share > 0.5 and self.accelerator.is_main_process:
-            warnings.warn(
-                f"{share:.0%} of the prompts' characters (of {chars} in the first prompts) are not in the "
-                f"tokenizer's vocabulary: they become its unknown token or vanish, so the model cannot read these "
-                f"prompts. Use the model's own tokenizer, or a model whose vocabulary covers the prompts' characters "
-                f"(their language, their encoding).",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        training (`checks.warn_unreadable_prompts`)."""
+        if self.accelerator.is_main_process:
+            warn_unreadable_prompts(self.train_dataset, getattr(self.codec, "tokenizer", None))
 
     # ------------------------------------------------------------------------------------- saving, resuming
 
@@ -760,16 +707,8 @@ class GRPOTrainer:
         return TrainingParts(self.model, self.optimizer, self.scheduler, self.reference if moving_reference else None)
 
     def _save_checkpoint(self) -> Path | None:
-        controller = self.entropy_controller
-        position = self.generation.state_dict()
-        process = {"batch": position.pop("batch")}  # each process's own slice of the generation batch
-        loop = {
-            **position,
-            "window": self.window.state_dict(),
-            "entropy_controller": None if controller is None else controller.state_dict(),
-        }
-        if self.producer is not None:  # the batches in flight that a resumed run could not sample again
-            process["in_flight"] = self.producer.checkpoint_state(self.state.global_step)
+        step = self.state.global_step
+        loop, process = loop_state(self.generation, self.window, self.entropy_controller, self.producer, step)
         track_best_checkpoint(self.args, self.state, self._last_evaluation)
         return self.checkpointer.save(self._training_parts(), self.state, loop, process)
 
@@ -778,25 +717,22 @@ class GRPOTrainer:
         resumed = self.checkpointer.load(path, self._training_parts())
         if self.accelerator.is_main_process:  # said, as it matters most with resume_from_checkpoint=True
             logger.warning(f"Resuming from {path.resolve()} (step {resumed.state.global_step}).")
-        process = resumed.process or {}
-        self.generation.load_state_dict({**resumed.loop, "batch": process.get("batch")}, self.accelerator.device)
+        acc = self.accelerator
+        in_flight = restore_loop(resumed, self.generation, self.window, self.entropy_controller, acc.device)
         if self.args.ignore_data_skip:  # transformers' meaning: the current epoch's data starts over
             self.sampler.position = 0
-        self.window.load_state_dict(resumed.loop["window"])
-        if self.entropy_controller is not None and resumed.loop.get("entropy_controller"):
-            self.entropy_controller.load_state_dict(resumed.loop["entropy_controller"])
-        self._restored_in_flight = process.get("in_flight") or []
+        self._restored_in_flight = in_flight
         self.state = resumed.state
-        self.state.max_steps = total_steps(self.args, self.train_dataset, self.accelerator.num_processes)
+        self.state.max_steps = total_steps(self.args, self.train_dataset, acc.num_processes)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Every process calls it; the main process writes (under FSDP2 / ZeRO-3 all of them gather first), or with
         save_on_each_node the main process of each node."""
         self.accelerator.wait_for_everyone()
         model = self.unwrapped_model
-        weights = gathered_weights(model, self.args.save_merged) if is_sharded(model) else None
+        weights = self.model_writer.gather(model) if is_sharded(model) else None
         if self.checkpointer.writes:
-            self._write_model(Path(output_dir or self.args.output_dir), weights)
+            self.model_writer(Path(output_dir or self.args.output_dir), weights)
             if self.args.push_to_hub and not _internal_call and self.accelerator.is_main_process:
                 push_folder(self.args, Path(output_dir or self.args.output_dir), "Model saved by grpokit")
 
@@ -806,21 +742,6 @@ class GRPOTrainer:
         if self.accelerator.is_main_process:
             return push_folder(self.args, Path(self.args.output_dir), commit_message or "End of training")
         return None
-
-    def _write_model(
-        self, output_dir: Path, weights: dict[str, torch.Tensor] | None = None, with_weights: bool = True
-    ) -> None:
-        # Each node's main process writes under save_on_each_node; transformers would leave it to rank 0 alone.
-        with models_written_by_this_process(not self.accelerator.is_main_process):
-            write_model_files(
-                output_dir,
-                self.unwrapped_model,
-                self.processing_class,
-                weights,
-                with_weights=with_weights,
-                save_merged_model=self.args.save_merged,
-                model_card=self._model_card,
-            )
 
     def _model_card(self, method="GRPO", final_keys=("reward", "eval/reward"), config: dict | None = None) -> str:
         """The card of `method`, `config` (default: args'), and the last records with `final_keys` (train, eval)."""
