@@ -196,11 +196,6 @@ def warn_like_trl(args: GRPOConfig, model, quantization_config) -> None:
         )
 
 
-def as_steps(value: float, max_steps: int) -> int:
-    """TrainingArguments allow a fraction of the run for logging/saving intervals."""
-    return max(1, math.ceil(value * max_steps)) if 0 < value < 1 else max(1, int(value))
-
-
 def build_engine(model, args: GRPOConfig, processing_class, accelerator) -> RolloutEngine:
     """The default engine: vLLM (use_vllm), else sampling in this process from the policy, with transformers'
     `generate` where generation_kwargs ask for what only it does (beams, its logits processors)."""

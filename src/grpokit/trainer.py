@@ -26,18 +26,15 @@ import contextlib
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from accelerate.utils.memory import clear_device_cache
 from torch.utils.data import DataLoader
 
-from .batch import TrainBatch, trl_loss_counts
+from .batch import TrainBatch, trl_micro_batch
 from .build import (
     activation_offload,
-    as_steps,
     build_checkpointer,
     build_entropy_controller,
     build_experience,
@@ -59,45 +56,29 @@ from .build import (
 from .checkpoint import TrainingParts
 from .checkpoint.loop_state import loop_state, restore_loop
 from .checkpoint.model_files import ModelWriter, load_best_checkpoint
-from .checkpoint.preemption import SigtermCheckpoint
 from .checks import warn_unreadable_prompts
 from .config import GRPOConfig
 from .cpu_matmul import release_scratch
 from .cpu_memory import reuse_activation_memory
-from .data import named_eval_datasets
 from .dataloaders import eval_dataloader, train_dataloader
-from .distributed import all_processes_done, at_least_global_quantile, is_sharded, unwrap_model
+from .distributed import at_least_global_quantile, is_sharded, unwrap_model
 from .generation import Generation
 from .hub import check_hub, push_folder
 from .logprobs import check_padding_free
-from .logs import MetricSink, MetricWindow, console_line, train_summary
+from .logs import MetricSink, MetricWindow, console_line, evaluation_line, reduce_step_metrics, train_summary
 from .loss import off_policy_mask
-from .micro_batch import micro_batch_loss
+from .micro_batch import micro_batch_loss, window_counts
 from .model_card import run_model_card
-from .models import mix_into_reference
-from .producer import Produced, Producer, WeightSync, start_producer
+from .models import sync_reference
+from .producer import Producer, WeightSync, start_producer
 from .rewards.model import RewardModel
 from .rollout import RolloutEngine
 from .served import check_step
 from .signals import SignalWarnings
 from .state import Callbacks
+from .train_run import TrainRun, begin_run
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainRun:
-    """What train() keeps while it runs (`GRPOTrainer._begin_run`)."""
-
-    sink: MetricSink
-    bar: Any  # the progress bar (tqdm)
-    logging_steps: int  # the step schedules, in steps
-    eval_steps: int
-    save_steps: int
-    preemption: SigtermCheckpoint | None  # enable_jit_checkpoint: the SIGTERM watch
-    first_step: int  # the step it started (or resumed) at
-    started: float = field(default_factory=time.perf_counter)
-    losses: list[float] = field(default_factory=list)  # each optimizer step's
 
 
 class GRPOTrainer:
@@ -327,39 +308,13 @@ class GRPOTrainer:
         return self._end_run(run)
 
     def _begin_run(self) -> TrainRun:
-        """What train() keeps while it runs: the metrics sink (its records after the resumed step dropped), the step
-        schedules, the progress bar, the SIGTERM watch (enable_jit_checkpoint). Writes the configuration used."""
-        from tqdm.auto import tqdm
-
-        args, acc, state = self.args, self.accelerator, self.state
-        sink = MetricSink(
-            args.output_dir,
-            args.report_to,
-            args.run_name,
-            args.logging_dir,
-            args.to_dict(),
-            enabled=acc.is_main_process,
-        )
-        sink.truncate_after(state.global_step)
-        self._sink = sink
-        if acc.is_main_process:
+        """What train() keeps while it runs (grpokit.train_run). Writes the configuration used."""
+        args, main = self.args, self.accelerator.is_main_process
+        run = begin_run(args, self.state, main, self.progress_label)
+        self._sink = run.sink
+        if main:
             args.save(Path(args.output_dir) / self.config_file)
-        bar = tqdm(
-            total=state.max_steps,
-            initial=state.global_step,
-            desc=self.progress_label,
-            disable=args.disable_tqdm or not acc.is_main_process,
-            dynamic_ncols=True,
-        )
-        return TrainRun(
-            sink,
-            bar,
-            logging_steps=as_steps(args.logging_steps, state.max_steps),
-            eval_steps=as_steps(args.eval_steps or args.logging_steps, state.max_steps),
-            save_steps=as_steps(args.save_steps, state.max_steps),
-            preemption=SigtermCheckpoint() if args.enable_jit_checkpoint else None,
-            first_step=state.global_step,
-        )
+        return run
 
     def _after_step(self, run: TrainRun, epoch_ended: bool):
         """What follows an optimizer step, in this order: the step-end callbacks; a SIGTERM on any process; the metrics
@@ -368,11 +323,10 @@ class GRPOTrainer:
         step = state.global_step
         run.bar.update(1)
         control = callbacks("on_step_end", args, state)
-        # SIGTERM on any process: every process saves this step and stops (a collective, every step).
-        preempted = run.preemption is not None and not all_processes_done(not run.preemption.requested)
+        preempted = run.preempted()
         if preempted:
             control.should_training_stop = True
-        if self._log_due(step, epoch_ended, run.logging_steps, control):
+        if run.log_due(args, step, epoch_ended, control):
             control.should_log = False
             self.log({"step": step, "epoch": round(state.epoch, 4)})
             control = callbacks.control
@@ -381,20 +335,12 @@ class GRPOTrainer:
             self.check_learning_signals()
             if args.log_completions and acc.is_main_process and self._samples:
                 run.sink.write_completions(step, self._samples, args.log_unique_prompts)
-        if not preempted and (
-            (args.eval_strategy == "steps" and step % run.eval_steps == 0 and step >= args.eval_delay)
-            or control.should_evaluate
-        ):
+        if not preempted and run.evaluate_due(args, step, control):
             control.should_evaluate = False  # before saving: the checkpoint holds the evaluation
             self._log_evaluation(step, run.sink)
         if epoch_ended:
             control = callbacks("on_epoch_end", args, state)
-        if (
-            (args.save_strategy == "steps" and step % run.save_steps == 0)
-            or control.should_save
-            or (args.save_strategy == "epoch" and epoch_ended)
-            or preempted
-        ):
+        if run.save_due(args, step, epoch_ended, control) or preempted:
             control.should_save = False
             self._save_checkpoint()
             control = callbacks("on_save", args, state)
@@ -444,29 +390,12 @@ class GRPOTrainer:
             self._sink.write(record, console="train_runtime" not in logs)
         self.callback_handler("on_log", self.args, self.state, logs=record)
 
-    def _log_due(self, step: int, epoch_ended: bool, logging_steps: int, control) -> bool:
-        """Whether this step writes a metrics record, as transformers' DefaultFlowCallback decides: logging_strategy's
-        schedule, the first step, a callback's should_log (with 'no', only that). The metrics of the steps after the
-        last record go into the final summary (`log`)."""
-        args, strategy = self.args, self.args.logging_strategy
-        due = (strategy == "steps" and step % logging_steps == 0) or (strategy == "epoch" and epoch_ended)
-        if strategy == "no":  # not even logging_first_step (grpokit's default True would override the choice)
-            return control.should_log
-        return due or (step == 1 and args.logging_first_step) or control.should_log
-
     def optimizer_step(self, window: list[TrainBatch]) -> float:
         """One optimizer step on a window of micro-batches (a public seam: tests feed it typed batches). Returns
         the step's loss, averaged over processes."""
         args, acc = self.args, self.accelerator
-        # Counts over the whole window (all micro-batches, all processes) normalise each micro-batch's loss; DDP
-        # averages gradients over processes, so each process's share is multiplied back.
-        local_counts = torch.tensor(
-            [sum(len(b) for b in window), sum(b.loss_mask.sum().item() for b in window)],
-            dtype=torch.float64,
-            device=acc.device,
-        )
-        num_sequences, num_tokens = (acc.reduce(local_counts, "sum") / acc.num_processes).tolist()
-        loss_total, self._window_counts, self._step_stats = 0.0, (num_sequences, num_tokens, len(window)), []
+        # The counts of the whole window (all micro-batches, all processes) normalise each micro-batch's loss.
+        loss_total, self._window_counts, self._step_stats = 0.0, window_counts(acc, window), []
         # A producer (asynchronous generation) never copies half-updated weights: the optimizer step runs under the
         # weights' lock, and under DeepSpeed, whose engine steps inside the window's last backward, so does that.
         steps_in_backward = self.stepper.deepspeed
@@ -491,32 +420,18 @@ class GRPOTrainer:
             stats.append({"entropy_coef": args.entropy_coef})
         self.state.global_step += 1
         self.state.epoch = self.sampler.epochs_done
-        if (
-            args.sync_ref_model
-            and self.reference is not None
-            and self.state.global_step % args.ref_model_sync_steps == 0
-        ):
-            mix_into_reference(self.reference, self.unwrapped_model, args.ref_model_mixup_alpha)
+        sync_reference(args, self.reference, self.unwrapped_model, self.state.global_step)
         self.weights.stepped()
-        metrics = {
+        step_metrics = {
             "loss": loss_total,
             "learning_rate": result.learning_rate,
             "grad_norm": result.grad_norm,
             "nonfinite_steps": self.state.nonfinite_steps,
-            **{
-                key: sum(s[key] for s in stats if key in s) / sum(key in s for s in stats)
-                for key in sorted({k for s in stats for k in s})
-            },
         }
-        # One all-reduce for all metrics. Every process has the same keys (sorted, so in the same order): a NaN is
-        # kept through the reduction (the window drops it after), never dropped on one process only.
-        names = sorted(metrics)
-        means = acc.reduce(
-            torch.tensor([float(metrics[k]) for k in names], dtype=torch.float64, device=acc.device), "mean"
-        )
-        self.window.add(dict(zip(names, means.tolist())))
-        check_step(args, dict(zip(names, means.tolist())), self.engine, self.state.global_step - 1)
-        return means[names.index("loss")].item()
+        means = reduce_step_metrics(acc, step_metrics, stats)  # over processes
+        self.window.add(means)
+        check_step(args, dict(means), self.engine, self.state.global_step - 1)
+        return means["loss"]
 
     def training_step(self, model, inputs: TrainBatch, num_items_in_batch=None) -> torch.Tensor:
         """transformers' hook, called for every micro-batch: its loss (`compute_loss`) and backward. Returns the
@@ -537,17 +452,9 @@ class GRPOTrainer:
         if return_outputs:
             raise ValueError("The GRPOTrainer does not support returning outputs")
         args = self.args
-        if isinstance(inputs, dict):
-            training = self.model.training  # TRL's mode: no accumulation in evaluation
-            batch = TrainBatch.from_trl_inputs(inputs)
-            num_items_in_batch = trl_loss_counts(
-                batch,
-                inputs.get("num_items_in_batch"),
-                args.gradient_accumulation_steps if training else 1,
-                args.steps_per_generation if training else 1,
-                self.accelerator.num_processes,
-            )
-            inputs = batch
+        if isinstance(inputs, dict):  # TRL's layout, and TRL's mode: no accumulation in evaluation
+            training, processes = self.model.training, self.accelerator.num_processes
+            inputs, num_items_in_batch = trl_micro_batch(inputs, args, training, processes)
         counts = num_items_in_batch or self._window_counts or (len(inputs), inputs.loss_mask.sum().item(), 1)
         load_balancing = self.router_aux_loss_coef  # MoE (TRL's router_aux_loss_coef)
         loss, step_stats = micro_batch_loss(
@@ -620,26 +527,19 @@ class GRPOTrainer:
 
     def _start_producer(self) -> Producer:
         """Asynchronous generation (max_staleness): grpokit.producer, from the trainer's parts."""
-        self.weights.version = self.weights.weights = self.state.global_step
-        restored = [Produced.from_state_dict(s, self.accelerator.device) for s in self._restored_in_flight]
-        self._restored_in_flight = []
+        restored, self._restored_in_flight = self._restored_in_flight, []
         self.producer = start_producer(
             self.args,
             self.accelerator,
             self.unwrapped_model,
-            self.engine,
-            self.runner,
-            self.scorer.fresh(),
-            self.reference,
+            self.experience,
             self.sampler,
             self.train_dataset,
             self.weights,
             self.state,
             self.processing_class,
-            host=self,
-            teacher=self.experience.teacher,
-            restored=restored,
-            unwrapped_copy=self._producer_copy,
+            restored,
+            self._producer_copy,
         )
         return self.producer
 
@@ -659,15 +559,11 @@ class GRPOTrainer:
         if full_eval is not None and not self._in_train:
             # transformers' Trainer: outside train(), the model itself is cast (in place, for good) for evaluation.
             self.unwrapped_model.to(dtype=full_eval)
-        metrics: dict[str, float] = {}
         producer = self.producer
         # Under max_staleness the producer may sample with this very engine: evaluation leases it.
         lease = producer.lease() if producer is not None and producer.shares_engine else contextlib.nullcontext()
         with lease:
-            for name, one in named_eval_datasets(dataset).items():
-                prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
-                found, self.eval_samples = self.evaluator.evaluate(one, prefix, self.state)
-                metrics.update(found)
+            metrics, self.eval_samples = self.evaluator.evaluate_sets(dataset, metric_key_prefix, self.state)
         self.callback_handler("on_evaluate", self.args, self.state, metrics=metrics)
         return metrics
 
@@ -677,10 +573,7 @@ class GRPOTrainer:
         self.state.log_history.append(record)
         sink.write(record, console=False)
         if self.accelerator.is_main_process:
-            shown = " ".join(
-                f"{k.removeprefix('eval/')}={v:.4g}" for k, v in record.items() if k == "eval/reward" or "/pass@" in k
-            )
-            console_line(f"[step {step}] eval: {shown}")
+            console_line(f"[step {step}] eval: {evaluation_line(record)}")
         self.check_guard()
 
     def check_guard(self) -> None:
