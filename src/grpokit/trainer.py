@@ -130,27 +130,20 @@ class GRPOTrainer:
         if args.push_to_hub:
             check_hub(args)
 
-        self.accelerator, wrapped = launch(args, model, quantization_config, rollout_engine, peft_config)
+        acc, wrapped = launch(args, model, quantization_config, rollout_engine, peft_config)
+        self.accelerator = acc
         self.weights, self.producer = WeightSync(), None  # asynchronous generation (grpokit.producer)
         self._restored_in_flight: list[dict] = []  # generation batches in flight that a checkpoint held
         optimizer, scheduler = optimizers
         models = build_trained_models(
-            model,
-            processing_class,
-            peft_config,
-            quantization_config,
-            optimizer,
-            args,
-            self.accelerator,
-            inputs,
-            wrapped,
+            model, processing_class, peft_config, quantization_config, optimizer, args, acc, inputs, wrapped
         )
         self.model, self.optimizer, self.reference = models.policy, models.optimizer, models.reference
         self.processing_class, self._producer_copy = models.processing_class, models.producer_copy
-        place_reward_models(self.reward_functions, self.accelerator.device)
+        place_reward_models(self.reward_functions, acc.device)
         self._set_up_loop(inputs, models, scheduler, teacher_model)
         self.router_aux_loss_coef = router_aux_loss_coef(args, self.unwrapped_model)
-        self.activation_offload = activation_offload(args, self.accelerator.device)
+        self.activation_offload = activation_offload(args, acc.device)
         if args.padding_free:
             check_padding_free(self.model, self.reference, self.router_aux_loss_coef)
         self.entropy_controller = build_entropy_controller(args)
@@ -606,15 +599,14 @@ class GRPOTrainer:
         return self.checkpointer.save(self._training_parts(), self.state, loop, process)
 
     def _resume(self, resume: bool | str) -> None:
-        path = self.checkpointer.find(resume)
+        acc, path = self.accelerator, self.checkpointer.find(resume)
         resumed = self.checkpointer.load(path, self._training_parts())
-        if self.accelerator.is_main_process:  # said, as it matters most with resume_from_checkpoint=True
+        if acc.is_main_process:  # said, as it matters most with resume_from_checkpoint=True
             logger.warning(f"Resuming from {path.resolve()} (step {resumed.state.global_step}).")
-        acc = self.accelerator
         in_flight = restore_loop(resumed, self.generation, self.window, self.entropy_controller, acc.device)
         if self.args.ignore_data_skip:  # transformers' meaning: the current epoch's data starts over
             self.sampler.position = 0
-        self._restored_in_flight = in_flight
+        self._restored_in_flight = in_flight  # for the producer (max_staleness) that train() starts
         self.state = resumed.state
         self.state.max_steps = total_steps(self.args, self.train_dataset, acc.num_processes)
 
