@@ -246,6 +246,15 @@ def trl_loss_counts(
     return len(batch) * accumulation, tokens, accumulation
 
 
+def trl_micro_batch(inputs: dict, args, training: bool, num_processes: int) -> tuple[TrainBatch, tuple]:
+    """(batch, counts): a micro-batch in TRL's layout (`TrainBatch.from_trl_inputs`) and the counts that give its
+    loss TRL's value (`trl_loss_counts`), in TRL's mode: accumulated over args' gradient_accumulation_steps and
+    steps_per_generation in `training`, not at all in evaluation."""
+    batch = TrainBatch.from_trl_inputs(inputs)
+    accumulation, steps = (args.gradient_accumulation_steps, args.steps_per_generation) if training else (1, 1)
+    return batch, trl_loss_counts(batch, inputs.get("num_items_in_batch"), accumulation, steps, num_processes)
+
+
 def per_token(advantages: torch.Tensor, completion_ids: torch.Tensor) -> torch.Tensor:
     """[N, T] advantages for completions [N, T]: a completion's advantage [N] repeated over its tokens, or per-token
     advantages [N, >= T] cut to T; on the completions' device."""

@@ -17,7 +17,8 @@ import torch
 
 from .agents import EnvironmentPool, build_agents, check_chat_template, placeholder_dataset
 from .checkpoint import Checkpointer
-from .checks import check_checkpoint_format, check_reward_columns, check_run
+from .checkpoint.model_files import ModelWriter
+from .checks import check_checkpoint_format, check_launch, check_reward_columns, check_run, check_streaming
 from .config import LOG_LEVELS, GRPOConfig
 from .cpu_matmul import float32_matmuls
 from .cpu_memory import keep_large_allocations_mapped
@@ -31,6 +32,7 @@ from .data import (
 )
 from .distributed import (
     all_processes_done,
+    build_accelerator,
     check_backend,
     configure_deepspeed,
     deepspeed_stage,
@@ -194,11 +196,6 @@ def warn_like_trl(args: GRPOConfig, model, quantization_config) -> None:
         )
 
 
-def as_steps(value: float, max_steps: int) -> int:
-    """TrainingArguments allow a fraction of the run for logging/saving intervals."""
-    return max(1, math.ceil(value * max_steps)) if 0 < value < 1 else max(1, int(value))
-
-
 def build_engine(model, args: GRPOConfig, processing_class, accelerator) -> RolloutEngine:
     """The default engine: vLLM (use_vllm), else sampling in this process from the policy, with transformers'
     `generate` where generation_kwargs ask for what only it does (beams, its logits processors)."""
@@ -275,6 +272,10 @@ class RunInputs:
     reward_weights: torch.Tensor
     # checks the processing class once it is known and before the weights load (the agents' chat template), or None
     check_tokenizer: Any = None
+    eval_dataset: Any = None
+    rollout_engine: RolloutEngine | None = None  # the user's, or None: build_engine's
+    tools: Any = None  # the rest as the trainer was given them
+    rollout_func: Any = None
 
 
 def run_inputs(
@@ -308,7 +309,18 @@ def run_inputs(
         check_reward_columns(functions, (train_dataset, eval_dataset), agents)
     uses_chat_tools = adapter is None and rollout_func is None and (bool(tools) or environments is not None)
     check_tokenizer = partial(check_agent_tokenizer, args.chat_template_kwargs) if uses_chat_tools else None
-    return RunInputs(train_dataset, environments, adapter, functions, weights, check_tokenizer)
+    return RunInputs(
+        train_dataset,
+        environments,
+        adapter,
+        functions,
+        weights,
+        check_tokenizer,
+        eval_dataset,
+        rollout_engine,
+        tools,
+        rollout_func,
+    )
 
 
 def check_agent_tokenizer(chat_template_kwargs, processing_class, model_or_config) -> None:
@@ -340,6 +352,20 @@ def build_rewards(args: GRPOConfig, reward_funcs, reward_processing_classes, env
     )
     weights = reward_weights(args, len(functions), len(environments.reward_types) if environments is not None else 0)
     return functions, weights
+
+
+def launch(args: GRPOConfig, model, quantization_config, rollout_engine, peft_config) -> tuple[Any, bool]:
+    """(accelerator, wrapped): the process's launch, before any model is built. accelerate's Accelerator for args
+    (the batch checked against its processes), the log level, TRL's advisory warnings, what the launch cannot run
+    refused by name (`checks.check_launch`; `wrapped`: FSDP2 or DeepSpeed will wrap the policy), then what the
+    process sets (`prepare_process`: the seed)."""
+    accelerator = build_accelerator(args)
+    args.check_batch(accelerator.num_processes)
+    set_log_level(args.log_level if accelerator.is_main_process else args.log_level_replica)
+    warn_like_trl(args, model, quantization_config)  # after set_log_level: log_level decides what shows
+    wrapped = check_launch(args, accelerator, rollout_engine, peft_config)
+    prepare_process(args, accelerator.device)
+    return accelerator, wrapped
 
 
 def prepare_process(args: GRPOConfig, device: torch.device) -> None:
@@ -427,15 +453,15 @@ def build_trained_models(
     optimizer,
     args: GRPOConfig,
     accelerator,
-    datasets,
+    inputs: RunInputs,
     wrapped: bool,
-    check_tokenizer=None,
 ) -> TrainedModels:
-    """`build_models` then `prepare_models`; with max_staleness under FSDP2 or DeepSpeed (`wrapped`), the producer's
-    copy of the policy is taken between them (whole, and without their hooks). `check_tokenizer`:
-    RunInputs.check_tokenizer."""
+    """`build_models` (for `inputs`' datasets and tokenizer check) then `prepare_models`; with max_staleness under
+    FSDP2 or DeepSpeed (`wrapped`), the producer's copy of the policy is taken between them (whole, and without
+    their hooks)."""
+    datasets = (inputs.train_dataset, inputs.eval_dataset)
     policy, processing_class, reference, max_prompt_length = build_models(
-        model, processing_class, peft_config, quantization_config, args, accelerator, datasets, check_tokenizer
+        model, processing_class, peft_config, quantization_config, args, accelerator, datasets, inputs.check_tokenizer
     )
     producer_copy = whole_copy(policy) if args.max_staleness is not None and wrapped else None
     policy, optimizer, reference, deepspeed = prepare_models(accelerator, args, policy, optimizer, reference)
@@ -449,27 +475,20 @@ def place_reward_models(reward_functions: list, device: torch.device) -> None:
             function.fn.to(device)
 
 
-def build_runner(
-    inputs: RunInputs,
-    rollout_engine: RolloutEngine | None,
-    processing_class,
-    model,
-    args: GRPOConfig,
-    accelerator,
-    max_prompt_length: int | None,
-    tools,
-    rollout_func,
-    host,
-) -> RolloutRunner:
-    """What samples the completions: the prompt codec, the engine (`rollout_engine`, else `build_engine`'s), the
-    multi-turn driver (`build_driver`) and the sampling settings of args. `host` is what a user's rollout_func
-    receives as its trainer (TRL's contract)."""
+def build_runner(inputs: RunInputs, models: TrainedModels, args: GRPOConfig, accelerator, host) -> RolloutRunner:
+    """What samples the completions: the prompt codec, the engine (the user's rollout_engine, else `build_engine`'s),
+    the multi-turn driver (`build_driver`) and the sampling settings of args; refused where groups streamed one by
+    one cannot run (`checks.check_streaming`). `host` is what a user's rollout_func receives as its trainer (TRL's
+    contract)."""
     stop_token_ids, suppress_token_ids = args.generation_token_ids()
+    processing_class, max_prompt_length = models.processing_class, models.max_prompt_length
+    model = unwrap_model(accelerator, models.policy)
     codec = PromptCodec(
         processing_class, model, max_prompt_length, args.chat_template_kwargs, stop_token_ids, suppress_token_ids
     )
-    engine = rollout_engine if rollout_engine is not None else build_engine(model, args, processing_class, accelerator)
-    driver = build_driver(inputs, processing_class, model, args, max_prompt_length, tools, rollout_func)
+    engine = inputs.rollout_engine
+    engine = engine if engine is not None else build_engine(model, args, processing_class, accelerator)
+    driver = build_driver(inputs, processing_class, model, args, max_prompt_length, inputs.tools, inputs.rollout_func)
     params = codec.sampling_params(
         args.max_completion_length,
         temperature=args.temperature,
@@ -480,7 +499,9 @@ def build_runner(
         keep_sampling_mask=args.keep_sampling_mask,
         sampling_mask_max_tokens=args.sampling_mask_max_tokens,
     )
-    return RolloutRunner(engine, codec, params, accelerator.device, driver=driver, host=host)
+    runner = RolloutRunner(engine, codec, params, accelerator.device, driver=driver, host=host)
+    check_streaming(args, runner, accelerator.num_processes)
+    return runner
 
 
 def build_scorer(reward_functions: list, weights: torch.Tensor, tokenizer, args: GRPOConfig) -> RewardScorer:
@@ -523,17 +544,18 @@ def build_stepper(accelerator, model, optimizer, scheduler, args: GRPOConfig, de
 
 
 def build_checkpointer(
-    accelerator, args: GRPOConfig, write_model, gather_weights, deepspeed: bool, sharded: bool
+    accelerator, args: GRPOConfig, model_writer: ModelWriter, deepspeed: bool, sharded: bool
 ) -> Checkpointer:
-    """The checkpointer of args' options, refused where the run's checkpoint format cannot honour them."""
+    """The checkpointer of args' options, writing the model's files with `model_writer`, refused where the run's
+    checkpoint format cannot honour the options."""
     checkpointer = Checkpointer(
         accelerator,
         args.output_dir,
-        write_model,
+        model_writer,
         save_total_limit=args.save_total_limit,
         save_only_model=args.save_only_model,
         deepspeed=deepspeed,
-        gather_weights=gather_weights,
+        gather_weights=model_writer.gather,
         save_on_each_node=args.save_on_each_node,
     )
     check_checkpoint_format(args, checkpointer.format, sharded)
@@ -553,10 +575,15 @@ def build_sampler(train_dataset, args: GRPOConfig, num_processes: int) -> Prompt
     )
 
 
-def build_experience(args: GRPOConfig, accelerator, runner, scorer, policy, reference, rows, teacher):
-    """(ExperienceMaker, Evaluator): the generation batches' maker over the runner and scorer (`policy`: a callable
-    giving the unwrapped policy now; `rows(n)`: the next n prompt rows) and the evaluation over it."""
-    experience = ExperienceMaker(args, accelerator, runner, scorer, policy, reference, rows, teacher=teacher)
+def build_experience(args: GRPOConfig, accelerator, runner, scorer, models: TrainedModels, teacher_model, rows):
+    """(ExperienceMaker, Evaluator): the generation batches' maker over the runner and scorer, the policy and
+    reference of `models` and the teacher of `teacher_model` (`build_teacher`; `rows(n)`: the next n prompt rows),
+    and the evaluation over it."""
+    policy = unwrap_model(accelerator, models.policy)
+    teacher = build_teacher(teacher_model, args, accelerator.device, policy, models.processing_class)
+    experience = ExperienceMaker(
+        args, accelerator, runner, scorer, lambda: policy, models.reference, rows, teacher=teacher
+    )
     return experience, Evaluator(args, accelerator, experience)
 
 

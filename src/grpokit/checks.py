@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 from .agents import check_agents
 from .config import GRPOConfig
-from .data import check_dataset, dataset_columns, is_iterable_dataset, named_eval_datasets
+from .data import check_dataset, dataset_columns, is_iterable_dataset, named_eval_datasets, unreadable_share
 from .distributed import deepspeed_stage
 from .rewards.base import check_required_columns
 from .rollout import RolloutEngine, RolloutRunner
@@ -222,3 +223,18 @@ def check_launch(args: GRPOConfig, accelerator, rollout_engine, peft_config) -> 
         lora=peft_config is not None,
     )
     return sharded or zero_stage is not None
+
+
+def warn_unreadable_prompts(train_dataset, tokenizer) -> None:
+    """Prompts the tokenizer cannot read (most of their characters out of its vocabulary) are said before
+    training."""
+    share, chars = unreadable_share(train_dataset, tokenizer) if tokenizer is not None else (0.0, 0)
+    if share > 0.5:
+        warnings.warn(
+            f"{share:.0%} of the prompts' characters (of {chars} in the first prompts) are not in the "
+            f"tokenizer's vocabulary: they become its unknown token or vanish, so the model cannot read these "
+            f"prompts. Use the model's own tokenizer, or a model whose vocabulary covers the prompts' characters "
+            f"(their language, their encoding).",
+            RuntimeWarning,
+            stacklevel=3,
+        )

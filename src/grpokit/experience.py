@@ -32,7 +32,7 @@ from .advantages import (
 from .batch import ScoredRollout, TrainBatch, per_token
 from .config import GRPOConfig
 from .cpu_memory import return_free_memory
-from .data import dataset_rows, is_iterable_dataset
+from .data import dataset_rows, is_iterable_dataset, named_eval_datasets
 from .dataloaders import evaluation_share, generation_share
 from .distributed import gather_objects, is_sharded
 from .evaluation import evaluation_metrics, group_records
@@ -548,6 +548,15 @@ class Evaluator:
         metrics.update({f"{prefix}/{k}": v for k, v in logged.items()})
         metrics.update({f"{prefix}/{k}": v for k, v in maker.runner.metrics(acc).items()})
         metrics[f"{prefix}_loss"] = (totals[0] / totals[1].clamp(min=1)).item()
+        return metrics, samples
+
+    def evaluate_sets(self, dataset, prefix: str, trainer_state=None) -> tuple[dict[str, float], list[dict]]:
+        """`evaluate` of each set of `dataset`: one, or named sets (a dict / DatasetDict) one by one, their metrics
+        prefixed `<prefix>_<name>`. Returns the metrics of all and the records of the last."""
+        metrics, samples = {}, []
+        for name, one in named_eval_datasets(dataset).items():
+            found, samples = self.evaluate(one, prefix if name is None else f"{prefix}_{name}", trainer_state)
+            metrics.update(found)
         return metrics, samples
 
     def _loss(self, rollout, advantages: torch.Tensor) -> float:

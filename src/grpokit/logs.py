@@ -66,6 +66,23 @@ def reduce_extremes(accelerator, stats: dict) -> dict[str, float]:
     return {k: reduce(k, gathered[:, i]).item() for i, k in enumerate(names)}
 
 
+def reduce_step_metrics(accelerator, metrics: dict[str, float], step_stats: list[dict]) -> dict[str, float]:
+    """An optimizer step's metrics averaged over processes: `metrics`, and each key of the micro-batches'
+    `step_stats` averaged over the micro-batches that have it. One all-reduce for all of them. Every process has the
+    same keys (sorted, so in the same order): a NaN is kept through the reduction (the window drops it after), never
+    dropped on one process only."""
+    import torch
+
+    keys = sorted({key for stats in step_stats for key in stats})
+    metrics = {
+        **metrics,
+        **{key: sum(s[key] for s in step_stats if key in s) / sum(key in s for s in step_stats) for key in keys},
+    }
+    names = sorted(metrics)
+    values = torch.tensor([float(metrics[k]) for k in names], dtype=torch.float64, device=accelerator.device)
+    return dict(zip(names, accelerator.reduce(values, "mean").tolist()))
+
+
 def _short(value, limit: int = 60) -> str:
     """A prompt or completion as a short line: text as it is; chat messages as 'role: text' (image parts as
     [image]), only the last message where the line is short (the question, not the system prompt)."""
@@ -359,6 +376,12 @@ def train_summary(args, state, steps: int, num_processes: int, runtime: float, l
         "epoch": round(state.epoch, 4),
         "step": state.global_step,
     }
+
+
+def evaluation_line(record: dict) -> str:
+    """An evaluation record's reward and pass@k, for the console."""
+    shown = [f"{k.removeprefix('eval/')}={v:.4g}" for k, v in record.items() if k == "eval/reward" or "/pass@" in k]
+    return " ".join(shown)
 
 
 def console_line(text: str) -> None:

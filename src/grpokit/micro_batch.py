@@ -18,6 +18,16 @@ from .loss import AdaptiveEntropyController, high_entropy_mask, load_balancing_l
 from .served import SERVED_GAP
 
 
+def window_counts(accelerator, window: list[TrainBatch]) -> tuple[float, float, int]:
+    """(sequences, tokens, micro-batches) of an optimizer step's window, the `counts` that normalise each of its
+    micro-batches' loss: over all its micro-batches and all processes, divided by the number of processes (DDP
+    averages gradients over processes, so each process's share is multiplied back)."""
+    local = [sum(len(b) for b in window), sum(b.loss_mask.sum().item() for b in window)]
+    totals = accelerator.reduce(torch.tensor(local, dtype=torch.float64, device=accelerator.device), "sum")
+    num_sequences, num_tokens = (totals / accelerator.num_processes).tolist()
+    return num_sequences, num_tokens, len(window)
+
+
 def micro_batch_loss(
     model: torch.nn.Module,
     batch: TrainBatch,

@@ -358,6 +358,13 @@ def mix_into_reference(reference: torch.nn.Module, policy: torch.nn.Module, alph
         value.mul_(1 - alpha).add_(policy_parameters[name].detach().to(value.dtype), alpha=alpha)
 
 
+def sync_reference(args, reference: torch.nn.Module | None, policy: torch.nn.Module, step: int) -> None:
+    """TRL's SyncRefModelCallback: with sync_ref_model, every ref_model_sync_steps optimizer steps (`step`: the steps
+    taken) the policy is mixed into the moving reference (`mix_into_reference`, ref_model_mixup_alpha)."""
+    if args.sync_ref_model and reference is not None and step % args.ref_model_sync_steps == 0:
+        mix_into_reference(reference, policy, args.ref_model_mixup_alpha)
+
+
 def build_policy(model, processing_class, peft_config, args, quantization_config=None, check_tokenizer=None):
     """The policy and its processing class from GRPOTrainer's arguments: a path / hub id is loaded, its tokenizer
     first, so that `check_tokenizer(processing_class, model_or_config)` refuses a tokenizer the run cannot use

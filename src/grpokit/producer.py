@@ -772,24 +772,24 @@ def start_producer(
     args: GRPOConfig,
     accelerator,
     policy: torch.nn.Module,
-    engine,
-    runner: RolloutRunner,
-    scorer,
-    reference,
+    experience: ExperienceMaker,
     sampler,
     dataset,
     sync: WeightSync,
     trainer_state,
     processing_class,
-    host=None,
-    teacher=None,
-    restored: list[Produced] = (),
+    restored: list[dict] = (),
     unwrapped_copy: torch.nn.Module | None = None,
 ) -> Producer:
     """A producer over a copy of `policy`, drawing prompts of `dataset` from a copy of `sampler` (the trainer's
-    stays at the trained position). The default in-process engine gets an engine of its own over the copy; a given
-    engine (vLLM, yours) is driven from the producer's thread and synced with the copy. `runner` is the trainer's:
-    the producer's samples with its codec, sampling parameters and multi-turn driver."""
+    stays at the trained position), at the trainer's step (`sync`'s version). `experience` is the trainer's maker:
+    the producer's samples with its runner's codec, sampling parameters and multi-turn driver, scores with a fresh
+    copy of its scorer, with its reference and teacher. The default in-process engine gets an engine of its own over
+    the copy; a given engine (vLLM, yours) is driven from the producer's thread and synced with the copy.
+    `restored`: the state dicts of the batches in flight that a checkpoint held."""
+    sync.version = sync.weights = trainer_state.global_step
+    restored = [Produced.from_state_dict(state, accelerator.device) for state in restored]
+    runner, scorer = experience.runner, experience.scorer.fresh()
     # Under FSDP2 or DeepSpeed the copy was taken before they wrapped the policy (`unwrapped_copy`: whole, without
     # their hooks); a sharded policy's weights come gathered.
     sharded = is_sharded(policy)
@@ -803,9 +803,13 @@ def start_producer(
             "(FSDP2, ZeRO-3) in one process: streamed groups take the newest weights at any time, "
             "which a sharded model gives only in a collective. Use DDP, or max_staleness=None."
         )
-    engine, process, shared = producer_engine(args, accelerator, engine, policy_copy, processing_class, streaming)
+    engine, process, shared = producer_engine(
+        args, accelerator, runner.engine, policy_copy, processing_class, streaming
+    )
     exact = not streaming and args.async_schedule != "latest"
-    own_runner = RolloutRunner(engine, runner.codec, runner.params, runner.device, driver=runner.driver, host=host)
+    own_runner = RolloutRunner(
+        engine, runner.codec, runner.params, runner.device, driver=runner.driver, host=runner.host
+    )
     own_sampler = copy.deepcopy(sampler)
     group = new_producer_group() if accelerator.num_processes > 1 else None
     if group is not None:
@@ -816,10 +820,10 @@ def start_producer(
         own_runner,
         scorer,
         lambda: policy_copy,
-        reference,
+        experience.reference,
         lambda n: own_sampler.rows(dataset, n),
         off_policy=args.max_staleness > 0,
-        teacher=teacher,
+        teacher=experience.teacher,
         trim_heap=process is None,
     )
     producer = Producer(

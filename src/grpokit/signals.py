@@ -1,4 +1,5 @@
-"""Reward-hacking signals, as pure functions: duplicated completions and a reward that rises while a guard falls.
+"""Reward-hacking signals, as pure functions: duplicated completions and a reward that rises while a guard falls;
+and `SignalWarnings`, which says them (and the signs that a run cannot learn) once each during training.
 
 A policy that finds a loophole in its reward usually shows it before the reward does: its G samples of a prompt
 collapse onto the same string (`completions/duplicate_ratio`), completions run into max_completion_length
@@ -9,6 +10,7 @@ the completion length, an eval score). `guard_alerts` finds the last kind in the
 from __future__ import annotations
 
 import math
+import warnings
 from collections import Counter
 from collections.abc import Hashable, Sequence
 
@@ -174,3 +176,28 @@ def stall_messages(log_history: Sequence[dict], min_steps: int = STALL_STEPS) ->
                 f"What usually helps: {fixes}."
             )
     return messages
+
+
+class SignalWarnings:
+    """The run's warnings read from its logged metrics (`GRPOTrainer.check_guard`, `check_learning_signals`), each
+    said once: a guard alert once per logged step it fires at, each of STALL_SIGNS once per run."""
+
+    def __init__(self):
+        self.guard_step: int | None = None  # the logged step of the last guard alert said
+        self.stalls: set[str] = set()  # the STALL_SIGNS metrics said
+
+    def check_guard(self, log_history: Sequence[dict], guard_metric: str | None, window: int) -> None:
+        """Warn when the reward rises while guard_metric falls (`guard_message`); None: no guard."""
+        if guard_metric is None:
+            return
+        step, message = guard_message(log_history, guard_metric, window)
+        if message and self.guard_step != step:
+            self.guard_step = step
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    def check_stalls(self, log_history: Sequence[dict]) -> None:
+        """Warn for each sign of STALL_SIGNS that holds since the run's start (`stall_messages`)."""
+        for metric, message in stall_messages(log_history).items():
+            if metric not in self.stalls:
+                self.stalls.add(metric)
+                warnings.warn(message, RuntimeWarning, stacklevel=3)

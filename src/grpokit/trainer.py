@@ -26,19 +26,15 @@ import contextlib
 import json
 import logging
 import time
-import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from accelerate.utils.memory import clear_device_cache
 from torch.utils.data import DataLoader
 
-from .batch import TrainBatch, trl_loss_counts
+from .batch import TrainBatch, trl_micro_batch
 from .build import (
     activation_offload,
-    as_steps,
     build_checkpointer,
     build_entropy_controller,
     build_experience,
@@ -47,67 +43,42 @@ from .build import (
     build_scheduler,
     build_scorer,
     build_stepper,
-    build_teacher,
     build_trained_models,
+    launch,
     moe_shape,
     new_state,
     place_reward_models,
-    prepare_process,
     router_aux_loss_coef,
     run_inputs,
-    set_log_level,
     total_steps,
     track_best_checkpoint,
-    warn_like_trl,
 )
 from .checkpoint import TrainingParts
-from .checkpoint.model_files import gathered_weights, load_best_checkpoint, write_model_files
-from .checkpoint.preemption import SigtermCheckpoint
-from .checks import check_launch, check_streaming
-from .compat import models_written_by_this_process
+from .checkpoint.loop_state import loop_state, restore_loop
+from .checkpoint.model_files import ModelWriter, load_best_checkpoint
+from .checks import warn_unreadable_prompts
 from .config import GRPOConfig
 from .cpu_matmul import release_scratch
 from .cpu_memory import reuse_activation_memory
-from .data import named_eval_datasets, unreadable_share
 from .dataloaders import eval_dataloader, train_dataloader
-from .distributed import (
-    all_processes_done,
-    at_least_global_quantile,
-    build_accelerator,
-    is_sharded,
-    unwrap_model,
-)
+from .distributed import at_least_global_quantile, is_sharded, unwrap_model
 from .generation import Generation
 from .hub import check_hub, push_folder
 from .logprobs import check_padding_free
-from .logs import MetricSink, MetricWindow, console_line, train_summary
+from .logs import MetricSink, MetricWindow, console_line, evaluation_line, reduce_step_metrics, train_summary
 from .loss import off_policy_mask
-from .micro_batch import micro_batch_loss
+from .micro_batch import micro_batch_loss, window_counts
 from .model_card import run_model_card
-from .models import mix_into_reference
-from .producer import Produced, Producer, WeightSync, start_producer
+from .models import sync_reference
+from .producer import Producer, WeightSync, start_producer
 from .rewards.model import RewardModel
 from .rollout import RolloutEngine
 from .served import check_step
-from .signals import guard_message, stall_messages
+from .signals import SignalWarnings
 from .state import Callbacks
+from .train_run import TrainRun, begin_run
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainRun:
-    """What train() keeps while it runs (`GRPOTrainer._begin_run`)."""
-
-    sink: MetricSink
-    bar: Any  # the progress bar (tqdm)
-    logging_steps: int  # the step schedules, in steps
-    eval_steps: int
-    save_steps: int
-    preemption: SigtermCheckpoint | None  # enable_jit_checkpoint: the SIGTERM watch
-    first_step: int  # the step it started (or resumed) at
-    started: float = field(default_factory=time.perf_counter)
-    losses: list[float] = field(default_factory=list)  # each optimizer step's
 
 
 class GRPOTrainer:
@@ -154,38 +125,23 @@ class GRPOTrainer:
             environment,
             rewards_required=self.scores_completions,
         )
-        train_dataset = inputs.train_dataset
-        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.train_dataset, self.eval_dataset = inputs.train_dataset, eval_dataset
         self.reward_functions, self.reward_weights = inputs.reward_functions, inputs.reward_weights
         if args.push_to_hub:
             check_hub(args)
 
-        self.accelerator = acc = build_accelerator(args)
-        args.check_batch(acc.num_processes)
-        set_log_level(args.log_level if acc.is_main_process else args.log_level_replica)
-        warn_like_trl(args, model, quantization_config)  # after set_log_level: log_level decides what shows
-        wrapped = check_launch(args, acc, rollout_engine, peft_config)
+        acc, wrapped = launch(args, model, quantization_config, rollout_engine, peft_config)
+        self.accelerator = acc
         self.weights, self.producer = WeightSync(), None  # asynchronous generation (grpokit.producer)
         self._restored_in_flight: list[dict] = []  # generation batches in flight that a checkpoint held
-        prepare_process(args, acc.device)
         optimizer, scheduler = optimizers
-        datasets = (train_dataset, eval_dataset)
         models = build_trained_models(
-            model,
-            processing_class,
-            peft_config,
-            quantization_config,
-            optimizer,
-            args,
-            acc,
-            datasets,
-            wrapped,
-            inputs.check_tokenizer,
+            model, processing_class, peft_config, quantization_config, optimizer, args, acc, inputs, wrapped
         )
         self.model, self.optimizer, self.reference = models.policy, models.optimizer, models.reference
         self.processing_class, self._producer_copy = models.processing_class, models.producer_copy
         place_reward_models(self.reward_functions, acc.device)
-        self._set_up_loop(inputs, models, rollout_engine, tools, rollout_func, scheduler, teacher_model)
+        self._set_up_loop(inputs, models, scheduler, teacher_model)
         self.router_aux_loss_coef = router_aux_loss_coef(args, self.unwrapped_model)
         self.activation_offload = activation_offload(args, acc.device)
         if args.padding_free:
@@ -196,49 +152,32 @@ class GRPOTrainer:
         )
         self.callback_handler("on_init_end", args, self.state)
 
-    def _set_up_loop(self, inputs, models, rollout_engine, tools, rollout_func, scheduler, teacher_model) -> None:
+    def _set_up_loop(self, inputs, models, scheduler, teacher_model) -> None:
         """The parts the loop drives (grpokit.build): the rollout runner, reward scorer, state, scheduler, optimizer
-        stepper, checkpointer, prompt sampler and experience maker; and the loop's records."""
-        args, acc, train_dataset, deepspeed = self.args, self.accelerator, self.train_dataset, models.deepspeed
+        stepper, model writer, checkpointer, prompt sampler and experience maker; and the loop's records."""
+        args, acc, deepspeed = self.args, self.accelerator, models.deepspeed
         # A user's rollout_func receives the trainer (TRL's contract): the runner passes it on as the host.
-        self.runner = build_runner(
-            inputs,
-            rollout_engine,
-            self.processing_class,
-            self.unwrapped_model,
-            args,
-            acc,
-            models.max_prompt_length,
-            tools,
-            rollout_func,
-            host=self,
-        )
+        self.runner = build_runner(inputs, models, args, acc, host=self)
         self.codec, self.engine, self.agents = self.runner.codec, self.runner.engine, self.runner.driver
-        check_streaming(args, self.runner, acc.num_processes)
         self.warn_unknown_prompt_tokens()
         self.scorer = build_scorer(self.reward_functions, self.reward_weights, self.codec.tokenizer, args)
         self.state = new_state(args, self.train_dataset, acc)
         self.scheduler = scheduler or build_scheduler(self.optimizer, args, self.state.max_steps)
         self.stepper = build_stepper(acc, self.model, self.optimizer, self.scheduler, args, deepspeed)
-        self.checkpointer = build_checkpointer(
-            acc,
-            args,
-            self._write_model,
-            lambda model: gathered_weights(model, self.args.save_merged),
-            deepspeed,
-            is_sharded(self.unwrapped_model),
+        self.model_writer = ModelWriter(
+            self.unwrapped_model, self.processing_class, args.save_merged, self._model_card, not acc.is_main_process
         )
-        self.sampler = build_sampler(train_dataset, args, acc.num_processes)
-        teacher = build_teacher(teacher_model, args, acc.device, self.unwrapped_model, self.processing_class)
+        sharded = is_sharded(self.unwrapped_model)
+        self.checkpointer = build_checkpointer(acc, args, self.model_writer, deepspeed, sharded)
+        self.sampler = build_sampler(self.train_dataset, args, acc.num_processes)
         self.experience, self.evaluator = build_experience(
             args,
             acc,
             self.runner,
             self.scorer,
-            lambda: self.unwrapped_model,
-            self.reference,
+            models,
+            teacher_model,
             lambda n: self.sampler.rows(self.train_dataset, n),
-            teacher,
         )
         self.window = MetricWindow()
         self._window_counts, self._step_stats, self._sink = None, [], None  # the current step's (compute_loss, log)
@@ -250,6 +189,7 @@ class GRPOTrainer:
             lambda: self.generate_batch(), self.sampler, args.per_device_train_batch_size, args.num_iterations
         )
         self._last_evaluation: dict | None = None  # the latest evaluation's record (metric_for_best_model)
+        self.signal_warnings = SignalWarnings()
         self._in_train = False
 
     # HF Trainer's callback API
@@ -361,39 +301,13 @@ class GRPOTrainer:
         return self._end_run(run)
 
     def _begin_run(self) -> TrainRun:
-        """What train() keeps while it runs: the metrics sink (its records after the resumed step dropped), the step
-        schedules, the progress bar, the SIGTERM watch (enable_jit_checkpoint). Writes the configuration used."""
-        from tqdm.auto import tqdm
-
-        args, acc, state = self.args, self.accelerator, self.state
-        sink = MetricSink(
-            args.output_dir,
-            args.report_to,
-            args.run_name,
-            args.logging_dir,
-            args.to_dict(),
-            enabled=acc.is_main_process,
-        )
-        sink.truncate_after(state.global_step)
-        self._sink = sink
-        if acc.is_main_process:
+        """What train() keeps while it runs (grpokit.train_run). Writes the configuration used."""
+        args, main = self.args, self.accelerator.is_main_process
+        run = begin_run(args, self.state, main, self.progress_label)
+        self._sink = run.sink
+        if main:
             args.save(Path(args.output_dir) / self.config_file)
-        bar = tqdm(
-            total=state.max_steps,
-            initial=state.global_step,
-            desc=self.progress_label,
-            disable=args.disable_tqdm or not acc.is_main_process,
-            dynamic_ncols=True,
-        )
-        return TrainRun(
-            sink,
-            bar,
-            logging_steps=as_steps(args.logging_steps, state.max_steps),
-            eval_steps=as_steps(args.eval_steps or args.logging_steps, state.max_steps),
-            save_steps=as_steps(args.save_steps, state.max_steps),
-            preemption=SigtermCheckpoint() if args.enable_jit_checkpoint else None,
-            first_step=state.global_step,
-        )
+        return run
 
     def _after_step(self, run: TrainRun, epoch_ended: bool):
         """What follows an optimizer step, in this order: the step-end callbacks; a SIGTERM on any process; the metrics
@@ -402,11 +316,10 @@ class GRPOTrainer:
         step = state.global_step
         run.bar.update(1)
         control = callbacks("on_step_end", args, state)
-        # SIGTERM on any process: every process saves this step and stops (a collective, every step).
-        preempted = run.preemption is not None and not all_processes_done(not run.preemption.requested)
+        preempted = run.preempted()
         if preempted:
             control.should_training_stop = True
-        if self._log_due(step, epoch_ended, run.logging_steps, control):
+        if run.log_due(args, step, epoch_ended, control):
             control.should_log = False
             self.log({"step": step, "epoch": round(state.epoch, 4)})
             control = callbacks.control
@@ -415,20 +328,12 @@ class GRPOTrainer:
             self.check_learning_signals()
             if args.log_completions and acc.is_main_process and self._samples:
                 run.sink.write_completions(step, self._samples, args.log_unique_prompts)
-        if not preempted and (
-            (args.eval_strategy == "steps" and step % run.eval_steps == 0 and step >= args.eval_delay)
-            or control.should_evaluate
-        ):
+        if not preempted and run.evaluate_due(args, step, control):
             control.should_evaluate = False  # before saving: the checkpoint holds the evaluation
             self._log_evaluation(step, run.sink)
         if epoch_ended:
             control = callbacks("on_epoch_end", args, state)
-        if (
-            (args.save_strategy == "steps" and step % run.save_steps == 0)
-            or control.should_save
-            or (args.save_strategy == "epoch" and epoch_ended)
-            or preempted
-        ):
+        if run.save_due(args, step, epoch_ended, control) or preempted:
             control.should_save = False
             self._save_checkpoint()
             control = callbacks("on_save", args, state)
@@ -478,29 +383,12 @@ class GRPOTrainer:
             self._sink.write(record, console="train_runtime" not in logs)
         self.callback_handler("on_log", self.args, self.state, logs=record)
 
-    def _log_due(self, step: int, epoch_ended: bool, logging_steps: int, control) -> bool:
-        """Whether this step writes a metrics record, as transformers' DefaultFlowCallback decides: logging_strategy's
-        schedule, the first step, a callback's should_log (with 'no', only that). The metrics of the steps after the
-        last record go into the final summary (`log`)."""
-        args, strategy = self.args, self.args.logging_strategy
-        due = (strategy == "steps" and step % logging_steps == 0) or (strategy == "epoch" and epoch_ended)
-        if strategy == "no":  # not even logging_first_step (grpokit's default True would override the choice)
-            return control.should_log
-        return due or (step == 1 and args.logging_first_step) or control.should_log
-
     def optimizer_step(self, window: list[TrainBatch]) -> float:
         """One optimizer step on a window of micro-batches (a public seam: tests feed it typed batches). Returns
         the step's loss, averaged over processes."""
         args, acc = self.args, self.accelerator
-        # Counts over the whole window (all micro-batches, all processes) normalise each micro-batch's loss; DDP
-        # averages gradients over processes, so each process's share is multiplied back.
-        local_counts = torch.tensor(
-            [sum(len(b) for b in window), sum(b.loss_mask.sum().item() for b in window)],
-            dtype=torch.float64,
-            device=acc.device,
-        )
-        num_sequences, num_tokens = (acc.reduce(local_counts, "sum") / acc.num_processes).tolist()
-        loss_total, self._window_counts, self._step_stats = 0.0, (num_sequences, num_tokens, len(window)), []
+        # The counts of the whole window (all micro-batches, all processes) normalise each micro-batch's loss.
+        loss_total, self._window_counts, self._step_stats = 0.0, window_counts(acc, window), []
         # A producer (asynchronous generation) never copies half-updated weights: the optimizer step runs under the
         # weights' lock, and under DeepSpeed, whose engine steps inside the window's last backward, so does that.
         steps_in_backward = self.stepper.deepspeed
@@ -525,32 +413,18 @@ class GRPOTrainer:
             stats.append({"entropy_coef": args.entropy_coef})
         self.state.global_step += 1
         self.state.epoch = self.sampler.epochs_done
-        if (
-            args.sync_ref_model
-            and self.reference is not None
-            and self.state.global_step % args.ref_model_sync_steps == 0
-        ):
-            mix_into_reference(self.reference, self.unwrapped_model, args.ref_model_mixup_alpha)
+        sync_reference(args, self.reference, self.unwrapped_model, self.state.global_step)
         self.weights.stepped()
-        metrics = {
+        step_metrics = {
             "loss": loss_total,
             "learning_rate": result.learning_rate,
             "grad_norm": result.grad_norm,
             "nonfinite_steps": self.state.nonfinite_steps,
-            **{
-                key: sum(s[key] for s in stats if key in s) / sum(key in s for s in stats)
-                for key in sorted({k for s in stats for k in s})
-            },
         }
-        # One all-reduce for all metrics. Every process has the same keys (sorted, so in the same order): a NaN is
-        # kept through the reduction (the window drops it after), never dropped on one process only.
-        names = sorted(metrics)
-        means = acc.reduce(
-            torch.tensor([float(metrics[k]) for k in names], dtype=torch.float64, device=acc.device), "mean"
-        )
-        self.window.add(dict(zip(names, means.tolist())))
-        check_step(args, dict(zip(names, means.tolist())), self.engine, self.state.global_step - 1)
-        return means[names.index("loss")].item()
+        means = reduce_step_metrics(acc, step_metrics, stats)  # over processes
+        self.window.add(means)
+        check_step(args, dict(means), self.engine, self.state.global_step - 1)
+        return means["loss"]
 
     def training_step(self, model, inputs: TrainBatch, num_items_in_batch=None) -> torch.Tensor:
         """transformers' hook, called for every micro-batch: its loss (`compute_loss`) and backward. Returns the
@@ -571,17 +445,9 @@ class GRPOTrainer:
         if return_outputs:
             raise ValueError("The GRPOTrainer does not support returning outputs")
         args = self.args
-        if isinstance(inputs, dict):
-            training = self.model.training  # TRL's mode: no accumulation in evaluation
-            batch = TrainBatch.from_trl_inputs(inputs)
-            num_items_in_batch = trl_loss_counts(
-                batch,
-                inputs.get("num_items_in_batch"),
-                args.gradient_accumulation_steps if training else 1,
-                args.steps_per_generation if training else 1,
-                self.accelerator.num_processes,
-            )
-            inputs = batch
+        if isinstance(inputs, dict):  # TRL's layout, and TRL's mode: no accumulation in evaluation
+            training, processes = self.model.training, self.accelerator.num_processes
+            inputs, num_items_in_batch = trl_micro_batch(inputs, args, training, processes)
         counts = num_items_in_batch or self._window_counts or (len(inputs), inputs.loss_mask.sum().item(), 1)
         load_balancing = self.router_aux_loss_coef  # MoE (TRL's router_aux_loss_coef)
         loss, step_stats = micro_batch_loss(
@@ -654,26 +520,19 @@ class GRPOTrainer:
 
     def _start_producer(self) -> Producer:
         """Asynchronous generation (max_staleness): grpokit.producer, from the trainer's parts."""
-        self.weights.version = self.weights.weights = self.state.global_step
-        restored = [Produced.from_state_dict(s, self.accelerator.device) for s in self._restored_in_flight]
-        self._restored_in_flight = []
+        restored, self._restored_in_flight = self._restored_in_flight, []
         self.producer = start_producer(
             self.args,
             self.accelerator,
             self.unwrapped_model,
-            self.engine,
-            self.runner,
-            self.scorer.fresh(),
-            self.reference,
+            self.experience,
             self.sampler,
             self.train_dataset,
             self.weights,
             self.state,
             self.processing_class,
-            host=self,
-            teacher=self.experience.teacher,
-            restored=restored,
-            unwrapped_copy=self._producer_copy,
+            restored,
+            self._producer_copy,
         )
         return self.producer
 
@@ -693,15 +552,11 @@ class GRPOTrainer:
         if full_eval is not None and not self._in_train:
             # transformers' Trainer: outside train(), the model itself is cast (in place, for good) for evaluation.
             self.unwrapped_model.to(dtype=full_eval)
-        metrics: dict[str, float] = {}
         producer = self.producer
         # Under max_staleness the producer may sample with this very engine: evaluation leases it.
         lease = producer.lease() if producer is not None and producer.shares_engine else contextlib.nullcontext()
         with lease:
-            for name, one in named_eval_datasets(dataset).items():
-                prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
-                found, self.eval_samples = self.evaluator.evaluate(one, prefix, self.state)
-                metrics.update(found)
+            metrics, self.eval_samples = self.evaluator.evaluate_sets(dataset, metric_key_prefix, self.state)
         self.callback_handler("on_evaluate", self.args, self.state, metrics=metrics)
         return metrics
 
@@ -711,47 +566,25 @@ class GRPOTrainer:
         self.state.log_history.append(record)
         sink.write(record, console=False)
         if self.accelerator.is_main_process:
-            shown = " ".join(
-                f"{k.removeprefix('eval/')}={v:.4g}" for k, v in record.items() if k == "eval/reward" or "/pass@" in k
-            )
-            console_line(f"[step {step}] eval: {shown}")
+            console_line(f"[step {step}] eval: {evaluation_line(record)}")
         self.check_guard()
 
     def check_guard(self) -> None:
         """Warn, once per guard_window logging steps, when the reward rises while guard_metric falls."""
-        args = self.args
-        if args.guard_metric is None or not self.accelerator.is_main_process:  # one warning is enough
-            return
-        step, message = guard_message(self.state.log_history, args.guard_metric, args.guard_window)
-        if message and getattr(self, "_guard_warned_step", None) != step:
-            self._guard_warned_step = step
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
+        if self.accelerator.is_main_process:  # one warning is enough
+            self.signal_warnings.check_guard(self.state.log_history, self.args.guard_metric, self.args.guard_window)
 
     def check_learning_signals(self) -> None:
         """Warn, once per sign, when the logged metrics say since the start that the run cannot learn
         (signals.STALL_SIGNS: groups with no reward spread, completions all cut at max length)."""
-        if not self.accelerator.is_main_process:
-            return
-        warned = self.__dict__.setdefault("_stall_warned", set())
-        for metric, message in stall_messages(self.state.log_history).items():
-            if metric not in warned:
-                warned.add(metric)
-                warnings.warn(message, RuntimeWarning, stacklevel=2)
+        if self.accelerator.is_main_process:
+            self.signal_warnings.check_stalls(self.state.log_history)
 
     def warn_unknown_prompt_tokens(self) -> None:
         """Prompts the tokenizer cannot read (most of their characters out of its vocabulary) are said before
-        training."""
-        tokenizer = getattr(self.codec, "tokenizer", None)
-        share, chars = unreadable_share(self.train_dataset, tokenizer) if tokenizer is not None else (0.0, 0)
-        if share > 0.5 and self.accelerator.is_main_process:
-            warnings.warn(
-                f"{share:.0%} of the prompts' characters (of {chars} in the first prompts) are not in the "
-                f"tokenizer's vocabulary: they become its unknown token or vanish, so the model cannot read these "
-                f"prompts. Use the model's own tokenizer, or a model whose vocabulary covers the prompts' characters "
-                f"(their language, their encoding).",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        training (`checks.warn_unreadable_prompts`)."""
+        if self.accelerator.is_main_process:
+            warn_unreadable_prompts(self.train_dataset, getattr(self.codec, "tokenizer", None))
 
     # ------------------------------------------------------------------------------------- saving, resuming
 
@@ -760,43 +593,31 @@ class GRPOTrainer:
         return TrainingParts(self.model, self.optimizer, self.scheduler, self.reference if moving_reference else None)
 
     def _save_checkpoint(self) -> Path | None:
-        controller = self.entropy_controller
-        position = self.generation.state_dict()
-        process = {"batch": position.pop("batch")}  # each process's own slice of the generation batch
-        loop = {
-            **position,
-            "window": self.window.state_dict(),
-            "entropy_controller": None if controller is None else controller.state_dict(),
-        }
-        if self.producer is not None:  # the batches in flight that a resumed run could not sample again
-            process["in_flight"] = self.producer.checkpoint_state(self.state.global_step)
+        step = self.state.global_step
+        loop, process = loop_state(self.generation, self.window, self.entropy_controller, self.producer, step)
         track_best_checkpoint(self.args, self.state, self._last_evaluation)
         return self.checkpointer.save(self._training_parts(), self.state, loop, process)
 
     def _resume(self, resume: bool | str) -> None:
-        path = self.checkpointer.find(resume)
+        acc, path = self.accelerator, self.checkpointer.find(resume)
         resumed = self.checkpointer.load(path, self._training_parts())
-        if self.accelerator.is_main_process:  # said, as it matters most with resume_from_checkpoint=True
+        if acc.is_main_process:  # said, as it matters most with resume_from_checkpoint=True
             logger.warning(f"Resuming from {path.resolve()} (step {resumed.state.global_step}).")
-        process = resumed.process or {}
-        self.generation.load_state_dict({**resumed.loop, "batch": process.get("batch")}, self.accelerator.device)
+        in_flight = restore_loop(resumed, self.generation, self.window, self.entropy_controller, acc.device)
         if self.args.ignore_data_skip:  # transformers' meaning: the current epoch's data starts over
             self.sampler.position = 0
-        self.window.load_state_dict(resumed.loop["window"])
-        if self.entropy_controller is not None and resumed.loop.get("entropy_controller"):
-            self.entropy_controller.load_state_dict(resumed.loop["entropy_controller"])
-        self._restored_in_flight = process.get("in_flight") or []
+        self._restored_in_flight = in_flight  # for the producer (max_staleness) that train() starts
         self.state = resumed.state
-        self.state.max_steps = total_steps(self.args, self.train_dataset, self.accelerator.num_processes)
+        self.state.max_steps = total_steps(self.args, self.train_dataset, acc.num_processes)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Every process calls it; the main process writes (under FSDP2 / ZeRO-3 all of them gather first), or with
         save_on_each_node the main process of each node."""
         self.accelerator.wait_for_everyone()
         model = self.unwrapped_model
-        weights = gathered_weights(model, self.args.save_merged) if is_sharded(model) else None
+        weights = self.model_writer.gather(model) if is_sharded(model) else None
         if self.checkpointer.writes:
-            self._write_model(Path(output_dir or self.args.output_dir), weights)
+            self.model_writer(Path(output_dir or self.args.output_dir), weights)
             if self.args.push_to_hub and not _internal_call and self.accelerator.is_main_process:
                 push_folder(self.args, Path(output_dir or self.args.output_dir), "Model saved by grpokit")
 
@@ -806,21 +627,6 @@ class GRPOTrainer:
         if self.accelerator.is_main_process:
             return push_folder(self.args, Path(self.args.output_dir), commit_message or "End of training")
         return None
-
-    def _write_model(
-        self, output_dir: Path, weights: dict[str, torch.Tensor] | None = None, with_weights: bool = True
-    ) -> None:
-        # Each node's main process writes under save_on_each_node; transformers would leave it to rank 0 alone.
-        with models_written_by_this_process(not self.accelerator.is_main_process):
-            write_model_files(
-                output_dir,
-                self.unwrapped_model,
-                self.processing_class,
-                weights,
-                with_weights=with_weights,
-                save_merged_model=self.args.save_merged,
-                model_card=self._model_card,
-            )
 
     def _model_card(self, method="GRPO", final_keys=("reward", "eval/reward"), config: dict | None = None) -> str:
         """The card of `method`, `config` (default: args'), and the last records with `final_keys` (train, eval)."""

@@ -1,5 +1,5 @@
 """A model directory as transformers and peft read it: the weights (a LoRA adapter alone, and the merged model when
-asked), the config, the tokenizer or processor, and the model card."""
+asked), the config, the tokenizer or processor, and the model card; `ModelWriter` writes a run's."""
 
 from __future__ import annotations
 
@@ -7,10 +7,13 @@ import contextlib
 import sys
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from ..compat import models_written_by_this_process
 from ..distributed import full_state_dict, trainable_parameters
 from ..model_card import model_card_writable, write_model_card
 from ..models import is_peft_model, load_model_weights, save_merged
@@ -62,6 +65,37 @@ def gathered_weights(model, save_merged_model: bool) -> dict[str, torch.Tensor]:
     base is never gathered), unless the merged model is written too."""
     adapter_only = is_peft_model(model) and not save_merged_model
     return trainable_parameters(model) if adapter_only else full_state_dict(model)
+
+
+@dataclass
+class ModelWriter:
+    """A run's model directories (`GRPOTrainer.save_model`'s, and each checkpoint's model files): `write_model_files`
+    with the run's model (unwrapped), processing class, save_merged and model card (`model_card()` renders it)."""
+
+    model: Any
+    processing_class: Any
+    save_merged_model: bool
+    model_card: Callable[[], str] | None = None
+    # Not the main process, and writes all the same: each node's main process under save_on_each_node
+    # (transformers would leave it to rank 0 alone).
+    replica: bool = False
+
+    def __call__(self, output_dir: Path, weights: dict[str, torch.Tensor] | None = None, with_weights: bool = True):
+        """Write the model (its gathered `weights` when sharded) into output_dir; see `write_model_files`."""
+        with models_written_by_this_process(self.replica):
+            write_model_files(
+                output_dir,
+                self.model,
+                self.processing_class,
+                weights,
+                with_weights=with_weights,
+                save_merged_model=self.save_merged_model,
+                model_card=self.model_card,
+            )
+
+    def gather(self, model) -> dict[str, torch.Tensor]:
+        """`gathered_weights` of a sharded `model`, as this writer writes them (a collective)."""
+        return gathered_weights(model, self.save_merged_model)
 
 
 def load_best_checkpoint(model, state, metric_name: str, announce: bool = True) -> None:
