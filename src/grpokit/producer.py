@@ -404,8 +404,10 @@ class Producer:
             if len(self.finished) >= self.units_per_batch and self._queue_batch(batches):
                 batches += 1
             self._abandon_stale_groups(batches)
-            if not self.running and len(self.finished) < self.units_per_batch and not self._wait_for_trainer(
-                self._may_start_group
+            if (
+                not self.running
+                and len(self.finished) < self.units_per_batch
+                and not self._wait_for_trainer(self._may_start_group)
             ):
                 return
 
