@@ -404,6 +404,8 @@ class Producer:
             if len(self.finished) >= self.units_per_batch and self._queue_batch(batches):
                 batches += 1
             self._abandon_stale_groups(batches)
+            # Nothing in flight and no batch to assemble: wait for the trainer's next version. (Polling an empty
+            # list of groups returns at once: a loop of Python holding the GIL that the trainer's steps wait for.)
             if (
                 not self.running
                 and len(self.finished) < self.units_per_batch
