@@ -185,6 +185,48 @@ def test_slow_groups_never_hold_the_gaps_between_steps(tmp_path):
         assert gap <= own + 1.0, (step, gaps, training)
 
 
+class SlowTrainer(TrainerCallback):
+    """Each optimizer step from the second on is followed by `pause` seconds of sleep (a slow trainer: the streamed
+    groups a version may start are soon all done); records the producer thread's CPU time across those pauses."""
+
+    def __init__(self, pause: float):
+        self.pause, self.trainer, self.cpu, self.slept = pause, None, [], 0.0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        producer_thread = self.trainer.producer.thread
+        self.cpu.append(time.clock_gettime(time.pthread_getcpuclockid(producer_thread.ident)))
+        if state.global_step < args.max_steps:
+            time.sleep(self.pause)
+            self.slept += self.pause
+
+
+def test_a_producer_with_no_group_to_start_waits_without_using_the_cpu(tmp_path):
+    """Streamed groups may run one version ahead; the trainer then sleeps 1 s after each step, so the producer soon
+    has finished every group it may start and none in flight. It waits for the trainer's next version: its thread uses
+    next to no CPU across those seconds (scoring and assembling a batch of the tiny model takes milliseconds). It used
+    to poll for finished groups in a loop that returned at once when none was running, a core's worth of Python
+    holding the GIL the trainer's own steps wait for (streamed tool groups trained at a third of the synchronous
+    loop's speed: benchmarks/async_overlap.py --tool-delay)."""
+    rows = [{"prompt": [{"role": "user", "content": f"key k{i}"}], "key": f"k{i}"} for i in range(40)]
+    model, tokenizer = tiny_agent_model()
+    slow = SlowTrainer(pause=1.0)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=repeat_found,
+        args=streaming_config(tmp_path, max_steps=4),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        tools=[lookup],
+        rollout_engine=answer_after_lookup(tokenizer),
+        callbacks=[slow],
+    )
+    slow.trainer = trainer
+    trainer.train()
+    assert len(slow.cpu) >= 3 and slow.slept >= 2.0, (slow.cpu, slow.slept)
+    spent = slow.cpu[-1] - slow.cpu[0]
+    assert spent < 0.1 * slow.slept, (spent, slow.slept)
+
+
 # ---------------------------------------------------------------------------- hangs, named within twice the heartbeat
 
 

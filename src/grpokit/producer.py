@@ -404,6 +404,14 @@ class Producer:
             if len(self.finished) >= self.units_per_batch and self._queue_batch(batches):
                 batches += 1
             self._abandon_stale_groups(batches)
+            # Nothing in flight and no batch to assemble: wait for the trainer's next version. (Polling an empty
+            # list of groups returns at once: a loop of Python holding the GIL that the trainer's steps wait for.)
+            if (
+                not self.running
+                and len(self.finished) < self.units_per_batch
+                and not self._wait_for_trainer(self._may_start_group)
+            ):
+                return
 
     def _abandon_stale_groups(self, batch: int) -> None:
         """Groups running that can no longer be trained within max_staleness (the next batch to queue, `batch`, and
@@ -436,13 +444,16 @@ class Producer:
         elif not isinstance(error, (Abandoned, EngineClosed)):
             logger.warning(f"A rollout group abandoned as too stale failed afterwards: {type(error).__name__}: {error}")
 
+    def _may_start_group(self) -> bool:
+        """Whether the next group's version is within reach of the trainer's (see `_start_groups`)."""
+        return self.sync.version >= self._due(self.started) - self.args.max_staleness
+
     def _start_groups(self) -> None:
         """Start groups while fewer than max_groups run and the next one's version is within reach."""
         while len(self.running) < self.max_groups and not self.stop.is_set():
-            due = self._due(self.started)
-            if self.sync.version < due - self.args.max_staleness:
+            if not self._may_start_group():
                 return
-            self._take_weights(due)
+            self._take_weights(self._due(self.started))
             if self.pushed != self.weights_version:  # an engine that keeps weights of its own (vLLM, a user's)
                 self.runner.sync_weights(self.policy_copy)  # between engine calls (BatchingEngine's lock)
                 self.pushed = self.weights_version
