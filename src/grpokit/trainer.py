@@ -549,7 +549,8 @@ class GRPOTrainer:
             torch.tensor([float(metrics[k]) for k in names], dtype=torch.float64, device=acc.device), "mean"
         )
         self.window.add(dict(zip(names, means.tolist())))
-        check_step(args, dict(zip(names, means.tolist())), self.engine, self.state.global_step - 1)
+        step_metrics, version = dict(zip(names, means.tolist())), self.state.global_step - 1
+        check_step(args, step_metrics, self.engine, version, self.experience.policy())
         return means[names.index("loss")].item()
 
     def training_step(self, model, inputs: TrainBatch, num_items_in_batch=None) -> torch.Tensor:
