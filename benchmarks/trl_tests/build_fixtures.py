@@ -10,7 +10,10 @@ Datasets: TRL's own generators (`scripts/generate_zen*_dataset.py` of the TRL ch
 whose `configs:` name each subset, so `load_dataset("trl-internal-testing/zen", "standard_prompt_only")` run from
 `<datasets_root>` loads the same rows as the Hub copy.
 
-    python build_fixtures.py --hub-cache DIR --datasets-root DIR --trl-scripts DIR
+    PYTHONPATH=tests/vllm_env python build_fixtures.py --hub-cache DIR --datasets-root DIR --trl-scripts DIR
+
+The Qwen-VL family's, Qwen 3.5's and Gemma 4's processors need torchvision (run_trl_tests.py installs it where it
+does not import).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torchvision_cpu_shim  # noqa: F401  (run_trl_tests puts it on the path: torchvision imports beside a CPU torch)
 
 # model id -> (model_type, head, TRL chat template file, eos, pad, bos, extra special tokens)
 TEXT_MODELS = {
@@ -606,16 +610,11 @@ def main() -> None:
     for repo_id, model_type in VLMS.items():
         build_vlm(args.hub_cache, repo_id, model_type)
         print("built", repo_id)
-    try:
-        import torchvision  # noqa: F401
-    except Exception as error:  # a CUDA build beside a CPU torch fails here (tests/vllm_env/torchvision_cpu_shim.py)
-        print(f"not built: {[*QWEN_VLMS, GEMMA4]} (their processors need torchvision: {error})")
-    else:
-        for repo_id, (model_type, template) in QWEN_VLMS.items():
-            build_qwen_vlm(args.hub_cache, repo_id, model_type, template)
-            print("built", repo_id)
-        build_gemma4_vlm(args.hub_cache)
-        print("built", GEMMA4)
+    for repo_id, (model_type, template) in QWEN_VLMS.items():
+        build_qwen_vlm(args.hub_cache, repo_id, model_type, template)
+        print("built", repo_id)
+    build_gemma4_vlm(args.hub_cache)
+    print("built", GEMMA4)
     build_remote_model(args.hub_cache, args.trl_scripts)
     print("built trl-internal-testing/tiny-RemoteForCausalLM")
     build_datasets(args.datasets_root, args.trl_scripts)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import importlib.util
 import json
 import os
@@ -131,6 +132,48 @@ def check_requirements(texts: list[str]) -> None:
                 f"run_trl_tests: TRL's tests need {package} ({marker} skips tests without it, which would leave them "
                 f"out of the figure): pip install {package}"
             )
+
+
+# The folder of tests/vllm_env/torchvision_cpu_shim.py, which lets PyPI's torchvision (a CUDA build; none is published
+# for a CPU build of torch 2.13) import beside a CPU torch. TRL's VLM tests need torchvision: the processors of the
+# Qwen-VL family, Qwen 3.5 and Gemma 4 build a video processor.
+SHIM_DIR = HERE.parents[1] / "tests" / "vllm_env"
+
+
+def torchvision_path(work: Path) -> list[str]:
+    """The folders the test processes need on their path for torchvision to import: the shim's (harness_plugin and
+    build_fixtures import it first), and, where the interpreter has no torchvision that imports, `work`'s
+    torchvision-site, into which the harness installs the torchvision of the installed torch's release (--no-deps,
+    leaving the caller's environment as it was). Exits with one line if that install fails."""
+    import importlib.metadata
+
+    def imports(paths: list[str]) -> bool:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")]))
+        probe = [sys.executable, "-c", "import torchvision_cpu_shim, torchvision"]
+        return subprocess.run(probe, env=env, capture_output=True).returncode == 0
+
+    paths = [str(SHIM_DIR)]
+    if imports(paths):
+        return paths
+    site = work / "torchvision-site"
+    paths.append(str(site))
+    if imports(paths):
+        return paths
+    torch_minor = int(importlib.metadata.version("torch").split(".")[1])
+    spec = f"torchvision==0.{torch_minor + 15}.*"  # torch 2.N pairs with torchvision 0.(N+15)
+    shutil.rmtree(site, ignore_errors=True)
+    install = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site), spec]
+    print("run_trl_tests: installing", spec, "into", site)
+    done = subprocess.run(install, capture_output=True, text=True)
+    if done.returncode or not imports(paths):
+        why = (done.stderr.strip().splitlines() or ["it installed, but does not import"])[-1]
+        sys.exit(f"run_trl_tests: TRL's VLM tests need torchvision, and `{' '.join(install[2:])}` failed: {why}")
+    return paths
+
+
+def fixtures_stamp() -> str:
+    """What the stand-ins were built by (build_fixtures.py's text): a different stamp rebuilds them."""
+    return hashlib.sha1((HERE / "build_fixtures.py").read_bytes()).hexdigest()
 
 
 def git_show(repo: str, ref: str, path: str) -> str:
@@ -327,12 +370,23 @@ def main() -> None:
     parser.add_argument("--table", type=Path, default=HERE / "results.md")
     parser.add_argument("--record", type=Path, default=HERE / "outcomes.json", help="the outcomes on record")
     args = parser.parse_args()
-    if args.modes:
-        check_requirements([git_show(args.trl_repo, args.ref, FILES[name]) for name in args.files])
-
     work = args.work.resolve()
     hub_cache, datasets_root = work / "hf" / "hub", work / "datasets"
-    if args.rebuild or not (work / "fixtures.done").exists():
+    env = dict(os.environ, HF_HOME=str(work / "hf"), HF_HUB_CACHE=str(hub_cache), HF_HUB_OFFLINE="1")
+    env.update(HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="", WANDB_DISABLED="true")
+    env.update(TOKENIZERS_PARALLELISM="false", HF_DATASETS_CACHE=str(work / "hf" / "datasets-cache"))
+    # One intra-op thread per test process unless the caller sets OMP_NUM_THREADS: where other work shares the cores,
+    # torch's OpenMP threads wait at every operation's barrier for a descheduled sibling, and a tiny model's many
+    # small operations then take ten times as long.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if args.modes:
+        check_requirements([git_show(args.trl_repo, args.ref, FILES[name]) for name in args.files])
+        # Absolute: pytest runs in the run folder, where PYTHONPATH=src would name nothing and grpokit would be
+        # imported from wherever else it is installed.
+        paths = [str(Path(path).resolve()) for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
+        env["PYTHONPATH"] = os.pathsep.join([str(HERE), *torchvision_path(work), *paths])
+    stamp = work / "fixtures.done"
+    if args.modes and (args.rebuild or not stamp.exists() or stamp.read_text() != fixtures_stamp()):
         scripts = work / "trl-scripts"
         for path in SCRIPTS:
             target = scripts / ("remote_code/" if path.startswith(REMOTE_CODE) else "") / Path(path).name
@@ -341,19 +395,10 @@ def main() -> None:
         fixture_paths = [f"--datasets-root={datasets_root}", f"--trl-scripts={scripts}"]
         shutil.rmtree(hub_cache, ignore_errors=True)
         shutil.rmtree(datasets_root, ignore_errors=True)
-        subprocess.run(
-            [sys.executable, str(HERE / "build_fixtures.py"), f"--hub-cache={hub_cache}", *fixture_paths],
-            check=True,
-        )
-        (work / "fixtures.done").write_text("")
+        build = [sys.executable, str(HERE / "build_fixtures.py"), f"--hub-cache={hub_cache}", *fixture_paths]
+        subprocess.run(build, check=True, env=env)
+        stamp.write_text(fixtures_stamp())
 
-    env = dict(os.environ, HF_HOME=str(work / "hf"), HF_HUB_CACHE=str(hub_cache), HF_HUB_OFFLINE="1")
-    env.update(HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="", WANDB_DISABLED="true")
-    env.update(TOKENIZERS_PARALLELISM="false", HF_DATASETS_CACHE=str(work / "hf" / "datasets-cache"))
-    # Absolute: pytest runs in the run folder, where PYTHONPATH=src would name nothing and grpokit would be imported
-    # from wherever else it is installed.
-    paths = [str(Path(path).resolve()) for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), *paths])
     commit = subprocess.run(
         ["git", "-C", args.trl_repo, "rev-parse", args.ref], capture_output=True, text=True
     ).stdout.strip()

@@ -982,8 +982,9 @@ class GRPOConfig:
         "grpokit-only: the served-policy check. On every batch sampled with the weights "
         "just pushed, the mean |pi_old - pi_sampler| over the sampled tokens "
         "(sampling/sampling_logp_difference/mean) must not exceed it, or the run stops: "
-        "the engine is not sampling with the weights it was sent (grpokit.served). None: "
-        "the gap is logged, never raised (docs/guides/vllm.md).",
+        "the engine is not sampling with the weights it was sent (grpokit.served). The "
+        "in-process engine samples with the trained module itself: its gap is logged, never "
+        "raised. None: the gap is logged, never raised (docs/guides/vllm.md).",
     )
     sapo_temperature_neg: float = _f(1.05, "SAPO gate temperature for negative advantages.")
     sapo_temperature_pos: float = _f(1.0, "SAPO gate temperature for positive advantages.")

@@ -426,7 +426,8 @@ class ExperienceMaker:
             version = self.weights_version() if self.weights_version is not None else None
             if version is None and trainer_state is not None:
                 version = trainer_state.global_step
-            check_gap(metrics[SERVED_GAP], args.served_logprob_tolerance, self.runner.engine, version, "a forward's")
+            tolerance, engine = args.served_logprob_tolerance, self.runner.engine
+            check_gap(metrics[SERVED_GAP], tolerance, engine, version, "a forward's", self.policy())
         elif trains_on_policy(args) and not self.off_policy:  # the training forward's log-probs are π_old
             batch.served_rows = torch.ones(len(batch), dtype=torch.bool, device=batch.loss_mask.device)
         return metrics

@@ -11,7 +11,8 @@ that token within the engine's own noise. The statistic is TRL's `sampling/sampl
 (`loss.logprob_gap`): the mean of |π_old - π_sampler| over the tokens the policy sampled (loss mask 1; a tool's
 output inserted into a multi-turn transcript is not counted). Healthy engines sit near 1e-2 (bf16 kernels; float32:
 ~1e-6); weights that did not arrive give the distance between two policies. The run stops at the first batch whose
-gap is above `GRPOConfig.served_logprob_tolerance` (None: measured and logged, never raised).
+gap is above `GRPOConfig.served_logprob_tolerance` (None: measured and logged, never raised). The in-process engine
+samples with the trained module itself, so nothing is pushed to it: its gap is logged, never raised.
 
 Where it is measured, so that no forward is added:
 - π_old comes from a forward of the pushed weights (vLLM's importance-sampling correction, μ > 1, a generation batch
@@ -84,11 +85,22 @@ def skip_reason(
     return None
 
 
-def check_gap(gap: float, tolerance: float | None, engine, version: int | None, where: str) -> None:
+def samples_with_policy(engine, policy) -> bool:
+    """Whether `engine` samples with the policy's module itself (the in-process `HFEngine`: its `sync_weights` keeps
+    the module it is given), so that no push can fail: its gap to π_old is its own rounding, a bf16 model's cached
+    one-token steps against the training forward, which a policy trained into peaked distributions raises past any
+    fixed tolerance (TRL's Nemotron-H test at learning rate 0.1: 0.19 nats after 24 steps)."""
+    return getattr(engine, "model", None) is policy
+
+
+def check_gap(gap: float, tolerance: float | None, engine, version: int | None, where: str, policy) -> None:
     """Raise `ServedPolicyMismatch` when `gap` (`SERVED_GAP`, reduced over processes) is above `tolerance` (None: no
-    check). engine: the engine that sampled; version: the weights' version (optimizer steps) it was sent; where:
-    what π_old was (for the message)."""
+    check), unless the engine samples with `policy` itself (`samples_with_policy`: the gap is logged, never
+    raised). engine: the engine that sampled; version: the weights' version (optimizer steps) it was sent; where:
+    what π_old was (for the message); policy: the module the trainer pushes."""
     if tolerance is None or not gap > tolerance:  # a NaN gap (no token measured) is not a mismatch
+        return
+    if samples_with_policy(engine, policy):
         return
     name = type(engine).__name__
     pushed = "the weights" if version is None else f"the weights of version {version} (after {version} optimizer steps)"
@@ -102,8 +114,9 @@ def check_gap(gap: float, tolerance: float | None, engine, version: int | None, 
     )
 
 
-def check_step(args: GRPOConfig, metrics: dict[str, float], engine, version: int) -> None:
+def check_step(args: GRPOConfig, metrics: dict[str, float], engine, version: int, policy) -> None:
     """The training-forward measure (`TrainBatch.served_rows`): the optimizer step's gap, averaged over its
     micro-batches and processes (`metrics`, the step's), checked; nothing when the step measured none."""
     if SERVED_GAP in metrics:
-        check_gap(metrics[SERVED_GAP], args.served_logprob_tolerance, engine, version, "the training forward's")
+        tolerance = args.served_logprob_tolerance
+        check_gap(metrics[SERVED_GAP], tolerance, engine, version, "the training forward's", policy)
