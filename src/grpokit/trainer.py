@@ -67,7 +67,7 @@ from .checks import check_launch, check_streaming
 from .compat import models_written_by_this_process
 from .config import GRPOConfig
 from .cpu_matmul import release_scratch
-from .cpu_memory import reuse_activation_memory
+from .cpu_memory import reuse_activation_memory, trim_heap_in_backward
 from .data import named_eval_datasets, unreadable_share
 from .dataloaders import eval_dataloader, train_dataloader
 from .distributed import (
@@ -343,6 +343,7 @@ class GRPOTrainer:
         self.model.train()
         if acc.device.type == "cpu":  # the loop's activations reuse heap memory (cpu_memory: a page fault per 4 KiB)
             reuse_activation_memory()
+            trim_heap_in_backward(self.unwrapped_model)  # but not the backward's, at the step's peak
         control = callbacks("on_train_begin", args, state)
         if args.eval_on_start:
             self._log_evaluation(state.global_step, run.sink)
