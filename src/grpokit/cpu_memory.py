@@ -98,7 +98,7 @@ def trim_heap_in_backward(model: torch.nn.Module) -> int:
     --exact-memory`), at the step's peak. A trim per layer costs a page fault per 4 KiB that the backward then
     reuses. The layers are the blocks of each ModuleList of same-class blocks (a model's decoder layers; not searched
     inside). Returns how many hooks were added (once per layer)."""
-    blocks = [child for child in model.children()]
+    blocks = list(model.children())
     added = 0
     while blocks:
         module = blocks.pop()
