@@ -156,7 +156,7 @@ def test_memory_savings_leave_a_seeded_bf16_run_bitwise(model_dir, tmp_path, mon
     import grpokit.optim
     import grpokit.trainer
 
-    monkeypatch.setattr(grpokit.optim, "CHUNK_ELEMENTS", 256)  # the tiny model's embedding in blocks of 4 rows
+    monkeypatch.setattr(grpokit.optim, "TORCH_ADAM_BLOCK_ELEMENTS", 256)  # the tiny embedding: blocks of 4 rows
     trims = []
     monkeypatch.setattr(grpokit.cpu_memory, "return_free_memory", lambda: trims.append(1) or True)
     runs = []
@@ -901,7 +901,7 @@ def test_row_blocked_torch_adam_is_torchs_update_bitwise(monkeypatch, cls, optio
     # whose length is no multiple of a vector.
     import grpokit.optim
 
-    monkeypatch.setattr(grpokit.optim, "CHUNK_ELEMENTS", 1_000)
+    monkeypatch.setattr(grpokit.optim, "TORCH_ADAM_BLOCK_ELEMENTS", 1_000)
     threads = torch.get_num_threads()
     generator = torch.Generator().manual_seed(0)
     try:
@@ -913,7 +913,7 @@ def test_row_blocked_torch_adam_is_torchs_update_bitwise(monkeypatch, cls, optio
             plain = cls([whole, small], lr=1e-2, **options)
             ours = grpokit.optim.row_chunked(cls)([blocked, small_blocked], lr=1e-2, **options)
             assert isinstance(ours, cls) and isinstance(ours, grpokit.optim.RowBlockedTorchAdam)
-            assert len(grpokit.optim._row_blocks(blocked, [])) == 38  # 27 rows (999 elements) a block
+            assert len(grpokit.optim._row_blocks(blocked, [], 1_000)) == 38  # 27 rows (999 elements) a block
             for step in range(3):
                 for a, b in ((whole, blocked), (small, small_blocked)):
                     a.grad = torch.randn(a.shape, generator=generator) * 10.0 ** (step - 1)

@@ -134,6 +134,8 @@ def build_optimizer(params_or_model, args) -> torch.optim.Optimizer:
 # once, the peak of a full fine-tuning step. Above this many elements a parameter is updated a block of rows at a
 # time instead.
 CHUNK_ELEMENTS = 1 << 23
+# torch's AdamW (`RowBlockedTorchAdam`): 8 MiB float32 temporaries, which the CPU heap serves without page faults
+TORCH_ADAM_BLOCK_ELEMENTS = 1 << 21
 
 
 @functools.cache  # one class per optimizer class
@@ -164,7 +166,9 @@ class RowBlockedTorchAdam:
     That update (torch's path for CPU tensors: no foreach kernels there) allocates `exp_avg_sq.sqrt()` and its
     quotient by the bias correction, two temporaries of a parameter's size: 1,038 MiB for the Qwen2.5-0.5B tied
     embedding, at the step's memory peak (weights, gradients and both states all live). In blocks of at most
-    CHUNK_ELEMENTS elements they are 64 MiB. The update is elementwise, so each element goes through the same
+    TORCH_ADAM_BLOCK_ELEMENTS elements they are 8 MiB each, under the training loop's mmap threshold
+    (`cpu_memory.TRAINING_MMAP_THRESHOLD`): the heap serves them again and again, without the page faults of a
+    fresh mapping per temporary. The update is elementwise, so each element goes through the same
     operations as in the whole-tensor call: bitwise the same weights and states (tested), and torch's state dict.
     Groups that torch runs otherwise (foreach, fused, capturable, differentiable, or foreach left to torch with
     parameters off the CPU) take torch's own step."""
@@ -182,7 +186,7 @@ class RowBlockedTorchAdam:
             has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
             amsgrad = group["amsgrad"]
             for i, p in enumerate(params):
-                blocks = [slice(None)] if has_complex else _row_blocks(p, [])
+                blocks = [slice(None)] if has_complex else _row_blocks(p, [], TORCH_ADAM_BLOCK_ELEMENTS)
                 for rows in blocks:
                     adam_update(
                         [_rows_of(p, rows)],
@@ -317,15 +321,17 @@ def stochastic_round_to_bf16(source: torch.Tensor, out: torch.Tensor, seed: torc
     out.copy_(rounded.view(torch.float32))
 
 
-def _row_blocks(p: torch.Tensor, states: list) -> list[slice]:
-    """Blocks of rows of p, each under CHUNK_ELEMENTS and starting on a quantization block of every state; the whole
-    tensor when it is small, not a plain tensor (DTensor), or has no rows that split so."""
-    if p.dim() < 2 or type(p) not in (torch.Tensor, torch.nn.Parameter) or p.numel() <= CHUNK_ELEMENTS:
+def _row_blocks(p: torch.Tensor, states: list, limit: int | None = None) -> list[slice]:
+    """Blocks of rows of p, each under `limit` elements (default CHUNK_ELEMENTS) and starting on a quantization
+    block of every state; the whole tensor when it is small, not a plain tensor (DTensor), or has no rows that split
+    so."""
+    limit = CHUNK_ELEMENTS if limit is None else limit
+    if p.dim() < 2 or type(p) not in (torch.Tensor, torch.nn.Parameter) or p.numel() <= limit:
         return [slice(None)]
     row = p[0].numel()
     block = max([getattr(x, "block_size", 1) for x in states if x is not None], default=1)
     step = block // math.gcd(row, block)  # rows per step so that each block of rows starts on a state block
-    rows = (CHUNK_ELEMENTS // row) // step * step
+    rows = (limit // row) // step * step
     if rows == 0 or rows >= p.shape[0]:
         return [slice(None)]
     return [slice(start, min(start + rows, p.shape[0])) for start in range(0, p.shape[0], rows)]
