@@ -115,8 +115,10 @@ class PhaseTimer:
 
 
 def instrument_grpokit(trainer, timer: PhaseTimer):
+    import grpokit.experience as experience
+    import grpokit.logprobs as glogprobs
+    import grpokit.micro_batch as micro_batch
     import grpokit.rollout.hf as hf
-    import grpokit.trainer as gtrainer
 
     trainer.engine.generate = timer.wrap(trainer.engine.generate, "rollout")
     hf.CachedDecoder.prefill = timer.wrap(hf.CachedDecoder.prefill, "rollout: model forwards")
@@ -124,24 +126,17 @@ def instrument_grpokit(trainer, timer: PhaseTimer):
     hf.CachedDecoder.keep = timer.wrap(hf.CachedDecoder.keep, "rollout: drop finished rows")
     hf.sample_tokens = timer.wrap(hf.sample_tokens, "rollout: sampling arithmetic")
     trainer.codec.decode = timer.wrap(trainer.codec.decode, "decode completions")
-    gtrainer.compute_rewards = timer.wrap(gtrainer.compute_rewards, "reward functions")
-    trainer._logprobs_in_chunks = timer.wrap(trainer._logprobs_in_chunks, "reference log-probs (forward)")
-
-    def forward_label(stack):
-        return (
-            "ref: token_logprobs"
-            if stack and stack[-1].startswith("reference")
-            else "policy forward (log-probs + entropy)"
-        )
-
-    gtrainer.token_logprobs = timer.wrap(gtrainer.token_logprobs, forward_label)
-    import grpokit.logprobs as glogprobs
+    trainer.scorer.score = timer.wrap(trainer.scorer.score, "reward functions")
+    # On-policy with beta > 0 the experience maker's no-grad forwards are the reference's (π_old is the sampler's).
+    experience.logprobs_in_chunks = timer.wrap(experience.logprobs_in_chunks, "reference log-probs (forward)")
+    experience.token_logprobs = timer.wrap(experience.token_logprobs, "ref: token_logprobs")
+    micro_batch.token_logprobs = timer.wrap(micro_batch.token_logprobs, "policy forward (log-probs + entropy)")
 
     def head_label(stack):
         return ("ref" if stack and stack[-1].startswith("ref") else "policy") + ": chunked LM head"
 
     glogprobs.chunked_token_logprobs = timer.wrap(glogprobs.chunked_token_logprobs, head_label)
-    gtrainer.policy_loss = timer.wrap(gtrainer.policy_loss, "loss")
+    micro_batch.policy_loss = timer.wrap(micro_batch.policy_loss, "loss")
     acc = trainer.accelerator
     acc.backward = timer.wrap(acc.backward, "backward")
     acc.clip_grad_norm_ = timer.wrap(acc.clip_grad_norm_, "grad clip")

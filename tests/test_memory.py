@@ -82,6 +82,115 @@ def test_bf16_reference_trains_and_learns_the_letter_task(model_dir, tmp_path):
     assert history[-1]["kl"] > 1e-3
 
 
+@pytest.mark.parametrize("routed", [False, True], ids=["bf16-kernels", "float32-gemm-route"])
+@pytest.mark.parametrize("model_type", ["qwen2", "llama", "qwen3_moe"])
+def test_reference_linears_in_bf16_give_the_float32_references_logprobs_bitwise(monkeypatch, model_type, routed):
+    # Under bf16 autocast F.linear casts a float32 weight and bias to bf16 at every call: casting them once gives
+    # the same operands. Also through cpu_matmul's float32 route (CPUs without bf16 instructions, forced here).
+    from grpokit import cpu_matmul
+    from grpokit.models import linears_in_autocast_dtype
+    from grpokit.testing import build_tiny_model_of_type
+
+    model = build_tiny_model_of_type(model_type, num_layers=2, vocab_size=64, tie_word_embeddings=True)
+    if routed:
+        monkeypatch.setattr(cpu_matmul, "cpu_has_bf16_matmul", lambda: False)
+        assert cpu_matmul.float32_matmuls(model, "cpu") > 0
+    full, light = frozen_copy(model), frozen_copy(model)
+    cast = linears_in_autocast_dtype(light, torch.bfloat16)
+    linears = [m for m in light.modules() if type(m) is torch.nn.Linear and m is not light.lm_head]
+    assert cast == sum(len(list(m.parameters())) for m in linears) > 0
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for m in linears for p in m.parameters())
+    # The embeddings (tied to the head), norms and the head stay float32.
+    assert light.lm_head.weight is light.model.embed_tokens.weight and light.lm_head.weight.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for n, p in light.named_parameters() if "norm" in n)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 64, (4, 24), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, _ = token_logprobs(full, ids, mask, 16, 1.0)
+        got, _ = token_logprobs(light, ids, mask, 16, 1.0)
+    assert torch.equal(got, expected)
+
+
+def test_linears_in_autocast_dtype_keep_shared_weights_shared_and_leave_other_modules():
+    from grpokit.models import linears_in_autocast_dtype
+
+    model, _ = tiny_letter_model()
+    shared = model.model.layers[0].mlp.up_proj.weight
+    model.model.layers[1].mlp.up_proj.weight = shared  # two linear layers, one weight
+    model.model.layers[1].self_attn.o_proj.weight = model.model.layers[0].self_attn.o_proj.weight
+    model.model.layers[1].self_attn.o_proj.register_parameter("extra", None)
+    embedding_shared = torch.nn.Parameter(torch.zeros(8, 8))
+    model.model.layers[0].self_attn.q_proj.weight = embedding_shared  # shared with a module of another kind
+    model.register_module("other", torch.nn.Embedding(8, 8))
+    model.other.weight = embedding_shared
+    reference = frozen_copy(model)
+    linears_in_autocast_dtype(reference, torch.bfloat16)
+    layers = reference.model.layers
+    assert layers[0].mlp.up_proj.weight is layers[1].mlp.up_proj.weight
+    assert layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    assert layers[0].self_attn.q_proj.weight.dtype == torch.float32  # also an embedding's: left as it is
+    assert layers[0].self_attn.q_proj.weight is reference.other.weight
+
+
+def test_the_trainer_keeps_the_float32_references_linears_in_bf16_only_under_bf16_autocast(model_dir, tmp_path):
+    def reference_dtypes(**overrides):
+        args = config(tmp_path, beta=0.04, max_steps=1, **overrides)
+        trainer = GRPOTrainer(model=model_dir, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset())
+        reference = trainer.reference
+        return reference.model.layers[0].mlp.up_proj.weight.dtype, reference.model.embed_tokens.weight.dtype
+
+    assert reference_dtypes(bf16=True) == (torch.bfloat16, torch.float32)
+    assert reference_dtypes(bf16=False) == (torch.float32, torch.float32)
+    # The reference sync mixes float32 policy weights into it: it keeps float32 there.
+    assert reference_dtypes(bf16=True, sync_ref_model=True) == (torch.float32, torch.float32)
+
+
+def test_memory_savings_leave_a_seeded_bf16_run_bitwise(model_dir, tmp_path, monkeypatch):
+    # The reference's linear layers in bf16, AdamW's update in blocks of rows and the heap trims in the backward
+    # (issue 60): a seeded bf16-autocast run with beta > 0 gives the same losses, KL and final weights bitwise as
+    # the same run with all three off.
+    import grpokit.cpu_memory
+    import grpokit.models
+    import grpokit.optim
+    import grpokit.trainer
+
+    monkeypatch.setattr(grpokit.optim, "TORCH_ADAM_BLOCK_ELEMENTS", 256)  # the tiny embedding: blocks of 4 rows
+    trims = []
+    monkeypatch.setattr(grpokit.cpu_memory, "return_free_memory", lambda: trims.append(1) or True)
+    runs = []
+    for saving in (True, False):
+        with monkeypatch.context() as patch:
+            if not saving:
+                patch.setattr(grpokit.models, "AUTOCAST_REFERENCE_LINEARS", False)
+                patch.setattr(grpokit.optim, "row_chunked", lambda cls: cls)
+                patch.setattr(grpokit.trainer, "trim_heap_in_backward", lambda model: 0)
+            args = config(tmp_path / str(saving), bf16=True, beta=0.04, max_steps=3, per_device_train_batch_size=16)
+            trainer = GRPOTrainer(
+                model=model_dir, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset()
+            )
+            trims.clear()
+            trainer.train()
+            up_proj = trainer.reference.model.layers[0].mlp.up_proj.weight.dtype
+            optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's wrapper
+            blocked = isinstance(optimizer, grpokit.optim.RowBlockedTorchAdam)
+            assert (up_proj == torch.bfloat16, blocked) == (saving, saving)
+            layers = len(trainer.unwrapped_model.model.layers)
+            runs.append((trainer, len(trims), layers))
+    (on, on_trims, layers), (off, off_trims, _) = runs
+    # A trim per layer and forward in each step's backward (the shared-prompt forward runs each layer twice).
+    assert on_trims - off_trims in (3 * layers, 6 * layers)
+    keys = ("loss", "kl", "reward", "grad_norm")
+    assert [[e[k] for k in keys] for e in on.state.log_history[:-1]] == [
+        [e[k] for k in keys] for e in off.state.log_history[:-1]
+    ]
+    assert on.state.log_history[-2]["kl"] > 0
+    for (name, a), b in zip(on.unwrapped_model.named_parameters(), off.unwrapped_model.parameters()):
+        assert torch.equal(a, b), name
+    assert not torch.equal(on.unwrapped_model.model.embed_tokens.weight, on.reference.model.embed_tokens.weight)
+
+
 # ----------------------------------------------------------------------------------------- int8 reference
 
 
@@ -782,6 +891,53 @@ def test_bf16_weights_round_torchaos_float32_update_to_one_of_its_two_bf16_neigh
         torch.testing.assert_close(away_rate, dropped[rows].mean(), atol=0.01, rtol=0)
     state = optimizer.state[parameter]
     assert torch.equal(state["exp_avg"], m) and torch.equal(state["exp_avg_sq"], v)
+
+
+@pytest.mark.parametrize("options", [{}, {"weight_decay": 0.1}, {"amsgrad": True}, {"maximize": True}])
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
+def test_row_blocked_torch_adam_is_torchs_update_bitwise(monkeypatch, cls, options):
+    # torch's single-tensor update (its path on CPU tensors), a block of rows at a time: the same weights, states
+    # and state dict bitwise, at one and two threads (which split torch's elementwise loops differently), on rows
+    # whose length is no multiple of a vector.
+    import grpokit.optim
+
+    monkeypatch.setattr(grpokit.optim, "TORCH_ADAM_BLOCK_ELEMENTS", 1_000)
+    threads = torch.get_num_threads()
+    generator = torch.Generator().manual_seed(0)
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            whole = torch.nn.Parameter(torch.randn(1001, 37, generator=generator))
+            small = torch.nn.Parameter(torch.randn(7, 5, generator=generator))
+            blocked, small_blocked = (torch.nn.Parameter(p.detach().clone()) for p in (whole, small))
+            plain = cls([whole, small], lr=1e-2, **options)
+            ours = grpokit.optim.row_chunked(cls)([blocked, small_blocked], lr=1e-2, **options)
+            assert isinstance(ours, cls) and isinstance(ours, grpokit.optim.RowBlockedTorchAdam)
+            assert len(grpokit.optim._row_blocks(blocked, [], 1_000)) == 38  # 27 rows (999 elements) a block
+            for step in range(3):
+                for a, b in ((whole, blocked), (small, small_blocked)):
+                    a.grad = torch.randn(a.shape, generator=generator) * 10.0 ** (step - 1)
+                    b.grad = a.grad.clone()
+                plain.step()
+                ours.step()
+            assert torch.equal(whole, blocked) and torch.equal(small, small_blocked)
+            expected, got = plain.state_dict(), ours.state_dict()
+            assert expected["param_groups"] == got["param_groups"]
+            for index in (0, 1):
+                assert expected["state"][index].keys() == got["state"][index].keys()
+                for key, value in expected["state"][index].items():
+                    assert torch.equal(value, got["state"][index][key]), key
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_row_blocked_torch_adam_leaves_foreach_and_fused_groups_to_torch():
+    import grpokit.optim
+
+    cls = grpokit.optim.row_chunked(torch.optim.AdamW)
+    for options, ours in (({}, True), ({"foreach": False}, True), ({"foreach": True}, False), ({"fused": True}, False)):
+        group = cls([torch.nn.Parameter(torch.zeros(2, 2))], **options).param_groups[0]
+        assert grpokit.optim._single_tensor_update(group) is ours, options
 
 
 def test_row_blocks_start_on_every_states_quantization_block(monkeypatch):

@@ -38,6 +38,8 @@ import ctypes
 import functools
 import sys
 
+import torch
+
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
 MMAP_THRESHOLD = 1 << 20  # bytes: tensors from 1 MiB up are mapped and unmapped (set-up)
 TRAINING_MMAP_THRESHOLD = 16 << 20  # bytes: the same in the training loop (activations below it reuse the heap)
@@ -71,6 +73,44 @@ def return_free_memory() -> bool:
         return False
     libc.malloc_trim(0)
     return True
+
+
+def _trim_on_gradient(_grad):
+    """A tensor hook: the heap's free pages go back to the OS when this gradient is computed."""
+    return_free_memory()
+
+
+def _trim_in_backward(module, args, output):
+    """A decoder layer's forward hook: in a forward that records a graph, the backward will trim the heap when it
+    reaches this layer's output (after the layers above gave their saved activations back)."""
+    hidden = output[0] if isinstance(output, (tuple, list)) else output
+    if torch.is_grad_enabled() and isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+        hidden.register_hook(_trim_on_gradient)
+
+
+def trim_heap_in_backward(model: torch.nn.Module) -> int:
+    """Give the heap's free pages back to the OS at every decoder layer of `model`'s backward (CPU training).
+
+    The backward frees each layer's saved activations as it passes it and allocates the weights' gradients; the
+    activations (below TRAINING_MMAP_THRESHOLD each) go back to the heap, whose pages the process keeps, so at the
+    end of the backward it would hold every gradient and the whole forward's activations at once: ~1.4 GB more than
+    the live tensors at the Qwen2.5-0.5B shape (16 rows of 72 tokens, no checkpointing; `benchmarks/profile_step.py
+    --exact-memory`), at the step's peak. A trim per layer costs a page fault per 4 KiB that the backward then
+    reuses. The layers are the blocks of each ModuleList of same-class blocks (a model's decoder layers; not searched
+    inside). Returns how many hooks were added (once per layer)."""
+    blocks = list(model.children())
+    added = 0
+    while blocks:
+        module = blocks.pop()
+        if isinstance(module, torch.nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1:
+            for layer in module:  # not searched inside: a layer's experts are not layers
+                if not getattr(layer, "_grpokit_trim_in_backward", False):
+                    layer.register_forward_hook(_trim_in_backward)
+                    layer._grpokit_trim_in_backward = True
+                    added += 1
+        else:
+            blocks += list(module.children())
+    return added
 
 
 def reuse_activation_memory(threshold: int | None = None) -> bool:

@@ -110,6 +110,39 @@ def frozen_copy(model: torch.nn.Module, dtype: torch.dtype | None = None) -> tor
     return reference.eval()
 
 
+# Whether the frozen float32 reference of a bf16-autocast run keeps its plain linear layers in bf16
+# (`linears_in_autocast_dtype`): the same log-probs bitwise for half those layers' bytes. A switch for tests and
+# measurements (False: the float32 copy, as before).
+AUTOCAST_REFERENCE_LINEARS = True
+
+
+def linears_in_autocast_dtype(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Cast, in place, the float32 weights and biases of `model`'s plain `nn.Linear` layers (not the LM head, not
+    a parameter that another kind of module shares) to `dtype`, the dtype the model's forwards autocast to. Under
+    autocast F.linear casts a float32 weight and bias to that dtype at every call (round to nearest, `Tensor.to`),
+    uncached for tensors without gradients: casting them once gives the same operands, so the same matmuls bitwise,
+    for half the bytes (683 of 1,366 MiB of linear weights at the Qwen2.5-0.5B shape). Only for a frozen model whose
+    every forward runs under that autocast (the reference). The embeddings, whose lookups autocast leaves in float32,
+    the norms and the LM head (tied to the embeddings in small models) stay as they are. Returns how many tensors
+    were cast."""
+    head = output_embeddings(model)
+    plain = {}  # id(parameter) -> whether every module holding it is a plain Linear other than the head
+    for module in model.modules():
+        is_plain = type(module) is torch.nn.Linear and module is not head
+        for parameter in module.parameters(recurse=False):
+            plain[id(parameter)] = plain.get(id(parameter), True) and is_plain
+    cast = {}  # id(old parameter) -> its cast (a weight shared by two linear layers stays shared)
+    for module in model.modules():
+        if type(module) is not torch.nn.Linear or module is head:
+            continue
+        for name, parameter in list(module.named_parameters(recurse=False)):
+            if plain[id(parameter)] and parameter.dtype == torch.float32:
+                if id(parameter) not in cast:
+                    cast[id(parameter)] = torch.nn.Parameter(parameter.detach().to(dtype), requires_grad=False)
+                setattr(module, name, cast[id(parameter)])
+    return len(cast)
+
+
 def full_precision(model: torch.nn.Module) -> bool:
     """Whether every floating-point parameter is float32 (or float64): only then do the sampler's log-probs equal
     the training forward's to float rounding (half-precision weights round differently in each kernel)."""
@@ -548,6 +581,8 @@ def build_reference(model_argument, policy, args):
         reference = frozen_copy(policy, dtype)
         if int8:
             quantize_linears(reference)
+        elif dtype is None and args.bf16 and not args.sync_ref_model and AUTOCAST_REFERENCE_LINEARS:
+            linears_in_autocast_dtype(reference, torch.bfloat16)  # its forwards run under bf16 autocast
         contiguous_head_input(reference)
         return reference
     if not isinstance(model_argument, str):

@@ -23,6 +23,7 @@ import os
 from types import SimpleNamespace
 
 import torch
+from torch.optim.adam import adam as adam_update  # torch's functional Adam (torch.optim deletes its `adam` name)
 
 from .extras import install_command
 
@@ -133,18 +134,97 @@ def build_optimizer(params_or_model, args) -> torch.optim.Optimizer:
 # once, the peak of a full fine-tuning step. Above this many elements a parameter is updated a block of rows at a
 # time instead.
 CHUNK_ELEMENTS = 1 << 23
+# torch's AdamW (`RowBlockedTorchAdam`): 8 MiB float32 temporaries, which the CPU heap serves without page faults
+TORCH_ADAM_BLOCK_ELEMENTS = 1 << 21
 
 
-@functools.cache  # one class per torchao class
+@functools.cache  # one class per optimizer class
 def row_chunked(optimizer_cls: type) -> type:
-    """torchao's AdamW classes (8-bit, 4-bit, float8 states) with `RowChunkedAdam`'s step; other classes as given."""
-    try:
-        from torchao.optim.adam import _AdamBase
-    except ImportError:
+    """torchao's AdamW classes (8-bit, 4-bit, float8 states) with `RowChunkedAdam`'s step, torch's Adam and AdamW
+    with `RowBlockedTorchAdam`'s; other classes as given."""
+    if not isinstance(optimizer_cls, type):
         return optimizer_cls
-    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, _AdamBase)):
+    mixin = None
+    if optimizer_cls in (torch.optim.Adam, torch.optim.AdamW):
+        # torch >= 2.6: AdamW is Adam with decoupled weight decay, one functional update for both
+        mixin = RowBlockedTorchAdam if issubclass(torch.optim.AdamW, torch.optim.Adam) else None
+    else:
+        try:
+            from torchao.optim.adam import _AdamBase
+        except ImportError:
+            return optimizer_cls
+        mixin = RowChunkedAdam if issubclass(optimizer_cls, _AdamBase) else None
+    if mixin is None:
         return optimizer_cls
-    return type(optimizer_cls.__name__, (RowChunkedAdam, optimizer_cls), {"__module__": optimizer_cls.__module__})
+    return type(optimizer_cls.__name__, (mixin, optimizer_cls), {"__module__": optimizer_cls.__module__})
+
+
+class RowBlockedTorchAdam:
+    """Mixin for torch's Adam / AdamW (`optim="adamw_torch"`, transformers' and so TRL's choice on a CPU): its step,
+    with each large parameter updated in blocks of rows where torch would run its single-tensor update.
+
+    That update (torch's path for CPU tensors: no foreach kernels there) allocates `exp_avg_sq.sqrt()` and its
+    quotient by the bias correction, two temporaries of a parameter's size: 1,038 MiB for the Qwen2.5-0.5B tied
+    embedding, at the step's memory peak (weights, gradients and both states all live). In blocks of at most
+    TORCH_ADAM_BLOCK_ELEMENTS elements they are 8 MiB each, under the training loop's mmap threshold
+    (`cpu_memory.TRAINING_MMAP_THRESHOLD`): the heap serves them again and again, without the page faults of a
+    fresh mapping per temporary. The update is elementwise, so each element goes through the same
+    operations as in the whole-tensor call: bitwise the same weights and states (tested), and torch's state dict.
+    Groups that torch runs otherwise (foreach, fused, capturable, differentiable, or foreach left to torch with
+    parameters off the CPU) take torch's own step."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if not all(_single_tensor_update(group) for group in self.param_groups):
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+            has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+            amsgrad = group["amsgrad"]
+            for i, p in enumerate(params):
+                blocks = [slice(None)] if has_complex else _row_blocks(p, [], TORCH_ADAM_BLOCK_ELEMENTS)
+                for rows in blocks:
+                    adam_update(
+                        [_rows_of(p, rows)],
+                        [_rows_of(grads[i], rows)],
+                        [_rows_of(exp_avgs[i], rows)],
+                        [_rows_of(exp_avg_sqs[i], rows)],
+                        [_rows_of(max_exp_avg_sqs[i], rows)] if amsgrad else [],
+                        # the update counts its step; each block counts from the same step, once for the state
+                        [steps[i] if len(blocks) == 1 else steps[i].clone()],
+                        foreach=False,
+                        capturable=False,
+                        differentiable=False,
+                        fused=False,
+                        grad_scale=None,
+                        found_inf=None,
+                        has_complex=has_complex,
+                        amsgrad=amsgrad,
+                        beta1=group["betas"][0],
+                        beta2=group["betas"][1],
+                        lr=group["lr"],
+                        weight_decay=group["weight_decay"],
+                        eps=group["eps"],
+                        maximize=group["maximize"],
+                        decoupled_weight_decay=group["decoupled_weight_decay"],
+                    )
+                if len(blocks) > 1:
+                    steps[i] += 1
+        return loss
+
+
+def _single_tensor_update(group: dict) -> bool:
+    """Whether torch's Adam runs its single-tensor update on this parameter group (what RowBlockedTorchAdam
+    reproduces): not fused, capturable or differentiable, and foreach off or left to torch with CPU parameters."""
+    if group.get("fused") or group.get("capturable") or group.get("differentiable"):
+        return False
+    if group.get("foreach") is None:
+        return all(type(p) in (torch.Tensor, torch.nn.Parameter) and p.device.type == "cpu" for p in group["params"])
+    return not group["foreach"]
 
 
 class RowChunkedAdam:
@@ -241,15 +321,17 @@ def stochastic_round_to_bf16(source: torch.Tensor, out: torch.Tensor, seed: torc
     out.copy_(rounded.view(torch.float32))
 
 
-def _row_blocks(p: torch.Tensor, states: list) -> list[slice]:
-    """Blocks of rows of p, each under CHUNK_ELEMENTS and starting on a quantization block of every state; the whole
-    tensor when it is small, not a plain tensor (DTensor), or has no rows that split so."""
-    if p.dim() < 2 or type(p) not in (torch.Tensor, torch.nn.Parameter) or p.numel() <= CHUNK_ELEMENTS:
+def _row_blocks(p: torch.Tensor, states: list, limit: int | None = None) -> list[slice]:
+    """Blocks of rows of p, each under `limit` elements (default CHUNK_ELEMENTS) and starting on a quantization
+    block of every state; the whole tensor when it is small, not a plain tensor (DTensor), or has no rows that split
+    so."""
+    limit = CHUNK_ELEMENTS if limit is None else limit
+    if p.dim() < 2 or type(p) not in (torch.Tensor, torch.nn.Parameter) or p.numel() <= limit:
         return [slice(None)]
     row = p[0].numel()
     block = max([getattr(x, "block_size", 1) for x in states if x is not None], default=1)
     step = block // math.gcd(row, block)  # rows per step so that each block of rows starts on a state block
-    rows = (CHUNK_ELEMENTS // row) // step * step
+    rows = (limit // row) // step * step
     if rows == 0 or rows >= p.shape[0]:
         return [slice(None)]
     return [slice(start, min(start + rows, p.shape[0])) for start in range(0, p.shape[0], rows)]

@@ -59,7 +59,7 @@ from .checkpoint.model_files import ModelWriter, load_best_checkpoint
 from .checks import warn_unreadable_prompts
 from .config import GRPOConfig
 from .cpu_matmul import release_scratch
-from .cpu_memory import reuse_activation_memory
+from .cpu_memory import reuse_activation_memory, trim_heap_in_backward
 from .dataloaders import eval_dataloader, train_dataloader
 from .distributed import at_least_global_quantile, is_sharded, unwrap_model
 from .generation import Generation
@@ -283,6 +283,7 @@ class GRPOTrainer:
         self.model.train()
         if acc.device.type == "cpu":  # the loop's activations reuse heap memory (cpu_memory: a page fault per 4 KiB)
             reuse_activation_memory()
+            trim_heap_in_backward(self.unwrapped_model)  # but not the backward's, at the step's peak
         control = callbacks("on_train_begin", args, state)
         if args.eval_on_start:
             self._log_evaluation(state.global_step, run.sink)
