@@ -140,6 +140,23 @@ class StepClock(TrainerCallback):
         self.ends.append(time.monotonic())
 
 
+def streamed_lookup_trainer(tmp_path, prompts: int, max_steps: int, tool, callback) -> GRPOTrainer:
+    """Streamed tool groups (`streaming_config`) on `prompts` lookup prompts, the scripted policy that calls `tool`
+    once and answers, and `callback` watching the steps."""
+    rows = [{"prompt": [{"role": "user", "content": f"key k{i}"}], "key": f"k{i}"} for i in range(prompts)]
+    model, tokenizer = tiny_agent_model()
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=repeat_found,
+        args=streaming_config(tmp_path, max_steps=max_steps),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        tools=[tool],
+        rollout_engine=answer_after_lookup(tokenizer),
+        callbacks=[callback],
+    )
+
+
 def test_slow_groups_never_hold_the_gaps_between_steps(tmp_path):
     """Every third prompt's tool call takes 3 s. Its group starts at some version and can be trained at most one
     version later; the fast groups fill two batches long before the call ends, so the slow group is abandoned then
@@ -158,19 +175,8 @@ def test_slow_groups_never_hold_the_gaps_between_steps(tmp_path):
             time.sleep(3.0)
         return TABLE[key]
 
-    rows = [{"prompt": [{"role": "user", "content": f"key k{i}"}], "key": f"k{i}"} for i in range(100)]
-    model, tokenizer = tiny_agent_model()
     clock = StepClock()
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=repeat_found,
-        args=streaming_config(tmp_path, max_steps=8),
-        train_dataset=Dataset.from_list(rows),
-        processing_class=tokenizer,
-        tools=[lookup],
-        rollout_engine=answer_after_lookup(tokenizer),
-        callbacks=[clock],
-    )
+    trainer = streamed_lookup_trainer(tmp_path, 100, 8, lookup, clock)
     trainer.train()
     steps = [r for r in trainer.state.log_history if "loss" in r]
     assert len(steps) == 8 and steps[-1]["sample/dropped_stale_total"] > 0  # slow groups were dropped
@@ -207,19 +213,8 @@ def test_a_producer_with_no_group_to_start_waits_without_using_the_cpu(tmp_path)
     to poll for finished groups in a loop that returned at once when none was running, a core's worth of Python
     holding the GIL the trainer's own steps wait for (streamed tool groups trained at a third of the synchronous
     loop's speed: benchmarks/async_overlap.py --tool-delay)."""
-    rows = [{"prompt": [{"role": "user", "content": f"key k{i}"}], "key": f"k{i}"} for i in range(40)]
-    model, tokenizer = tiny_agent_model()
     slow = SlowTrainer(pause=1.0)
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=repeat_found,
-        args=streaming_config(tmp_path, max_steps=4),
-        train_dataset=Dataset.from_list(rows),
-        processing_class=tokenizer,
-        tools=[lookup],
-        rollout_engine=answer_after_lookup(tokenizer),
-        callbacks=[slow],
-    )
+    trainer = streamed_lookup_trainer(tmp_path, 40, 4, lookup, slow)
     slow.trainer = trainer
     trainer.train()
     assert len(slow.cpu) >= 3 and slow.slept >= 2.0, (slow.cpu, slow.slept)
