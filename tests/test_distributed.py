@@ -232,12 +232,19 @@ def write_script(directory, script: str = SCRIPT) -> str:
 
 
 def launch(
-    directory, *specs: dict, nproc: int = 2, timeout: float = 600, env: dict | None = None, script: str = SCRIPT
-) -> None:
-    """Run `script`'s jobs `specs` in `nproc` processes under torchrun (gloo on CPU); fail with their output."""
+    directory,
+    *specs: dict,
+    nproc: int = 2,
+    timeout: float = 600,
+    env: dict | None = None,
+    script: str = SCRIPT,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
+    """Run `script`'s jobs `specs` in `nproc` processes under torchrun (gloo on CPU); fail with their output if they
+    fail (`check`) or run past `timeout`. Returns the launcher's exit status and output."""
     spec_path = directory / f"spec-{len(list(directory.glob('spec-*')))}.json"
     spec_path.write_text(json.dumps(specs))
-    run_launcher(
+    return run_launcher(
         [
             sys.executable,
             "-m",
@@ -253,6 +260,7 @@ def launch(
         ],
         timeout,
         env,
+        check,
     )
 
 
@@ -294,12 +302,31 @@ def launch_nodes(directory, *specs: dict, nodes: int = 2, timeout: float = 600) 
         assert run.returncode == 0, f"a node failed:\n{stdout[-2000:]}\n{stderr[-6000:]}"
 
 
-def run_launcher(command: list[str], timeout: float = 600, env: dict | None = None) -> None:
-    """Run a launcher command (one thread per process: the CPU is shared); fail with the ranks' tracebacks."""
+def run_launcher(
+    command: list[str], timeout: float = 600, env: dict | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
+    """Run a launcher command (one thread per process: the CPU is shared); fail with the ranks' tracebacks if it
+    fails (`check`). One that runs past `timeout` (a rank waiting in a collective the others never enter) is
+    stopped with its workers, which torchrun ends on SIGTERM, and fails the test with its output."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.terminate()
+            try:
+                stdout, stderr = process.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                stdout, stderr = process.communicate()
+            pytest.fail(f"launch ran past {timeout} s and was stopped:\n{stdout[-2000:]}\n{stderr[-8000:]}")
+    result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     errors = "\n".join(line for line in result.stderr.splitlines() if line.startswith("[rank"))
-    assert result.returncode == 0, f"launch failed:\n{result.stdout[-2000:]}\n{errors[-8000:] or result.stderr[-8000:]}"
+    if check:
+        assert result.returncode == 0, (
+            f"launch failed:\n{result.stdout[-2000:]}\n{errors[-8000:] or result.stderr[-8000:]}"
+        )
+    return result
 
 
 def run_in_this_process(directory, spec: dict, script: str = SCRIPT) -> None:

@@ -19,7 +19,7 @@ from grpokit.logprobs import token_logprobs
 from grpokit.loss import logprob_gap
 from grpokit.micro_batch import micro_batch_loss
 from grpokit.rollout import HFEngine
-from grpokit.served import SERVED_GAP, ServedPolicyMismatch, check_gap
+from grpokit.served import SERVED_GAP, ServedPolicyMismatch, check_gap, check_processes
 
 GAP_MAX = "sampling/sampling_logp_difference/max"
 
@@ -113,6 +113,30 @@ def test_the_training_forward_measures_marked_rows_on_sampled_tokens_only(tmp_pa
 
 def _no_autocast():
     return contextlib.nullcontext()
+
+
+class TwoProcesses:
+    """What `check_processes` reads of an accelerator: two processes, whose own gaps `gather` returns."""
+
+    num_processes, device = 2, torch.device("cpu")
+
+    def __init__(self, gaps: list[float]):
+        self.gaps = torch.tensor(gaps, dtype=torch.float64)
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.gaps
+
+
+def test_several_processes_are_checked_on_the_largest_of_their_own_gaps():
+    """The logged gap is the mean over processes: a push lost on one of N would read as 1/N of its gap. Every process
+    raises on the largest process's own gap, naming it; a process that measured nothing (NaN) does not hide another."""
+    policy = torch.nn.Linear(2, 2)
+    for gaps in ([0.0, 0.3], [math.nan, 0.3]):
+        with pytest.raises(ServedPolicyMismatch, match=r"sent on process 1 of 2: .* by 0\.3 nats on average"):
+            check_processes(TwoProcesses(gaps), 0.0, 0.2, object(), 1, "x", policy)
+    for gaps in ([0.15, 0.2], [math.nan, math.nan]):
+        check_processes(TwoProcesses(gaps), 0.0, 0.2, object(), 1, "x", policy)
+    check_processes(None, 5.0, None, object(), 1, "x", policy)  # the check off: no collective
 
 
 # ------------------------------------------------------------------------------------------- failing pushes

@@ -44,7 +44,7 @@ from .multimodal import loggable_prompt
 from .rewards.base import RewardFunctionError
 from .rewards.scorer import RewardScorer
 from .rollout import EVAL_SEED_OFFSET, DecodedRollout, RolloutRunner, group_counts, rollout_seed
-from .served import SERVED_GAP, check_gap, skip_reason
+from .served import SERVED_GAP, check_processes, skip_reason
 from .signals import duplicate_ratio, sequence_keys
 from .truncation_replay import needs_replay, replayed_sampling_mask
 
@@ -420,14 +420,14 @@ class ExperienceMaker:
             return {}
         metrics = {}
         if batch.old_logprobs is not None and batch.old_logprobs is not sampling_logprobs:  # a forward's π_old
+            gap = logprob_gap(batch.old_logprobs, sampling_logprobs, batch.loss_mask)  # this process's
             metrics = {k: v for k, v in logprob_metrics.items() if k.startswith("sampling/sampling_logp_difference/")}
-            if not metrics:
-                metrics = reduce_extremes(acc, logprob_gap(batch.old_logprobs, sampling_logprobs, batch.loss_mask))
+            metrics = metrics or reduce_extremes(acc, gap)
             version = self.weights_version() if self.weights_version is not None else None
             if version is None and trainer_state is not None:
                 version = trainer_state.global_step
             tolerance, engine = args.served_logprob_tolerance, self.runner.engine
-            check_gap(metrics[SERVED_GAP], tolerance, engine, version, "a forward's", self.policy())
+            check_processes(acc, gap[SERVED_GAP].item(), tolerance, engine, version, "a forward's", self.policy())
         elif trains_on_policy(args) and not self.off_policy:  # the training forward's log-probs are π_old
             batch.served_rows = torch.ones(len(batch), dtype=torch.bool, device=batch.loss_mask.device)
         return metrics

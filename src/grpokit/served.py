@@ -45,6 +45,10 @@ trained after the policy moved, there is nothing to compare them with, and those
 
 from __future__ import annotations
 
+import math
+
+import torch
+
 from .config import GRPOConfig
 from .rollout.engine import SamplingParams
 from .rollout.sampling import processes
@@ -93,19 +97,29 @@ def samples_with_policy(engine, policy) -> bool:
     return getattr(engine, "model", None) is policy
 
 
-def check_gap(gap: float, tolerance: float | None, engine, version: int | None, where: str, policy) -> None:
-    """Raise `ServedPolicyMismatch` when `gap` (`SERVED_GAP`, reduced over processes) is above `tolerance` (None: no
-    check), unless the engine samples with `policy` itself (`samples_with_policy`: the gap is logged, never
-    raised). engine: the engine that sampled; version: the weights' version (optimizer steps) it was sent; where:
-    what π_old was (for the message); policy: the module the trainer pushes."""
+def check_gap(
+    gap: float,
+    tolerance: float | None,
+    engine,
+    version: int | None,
+    where: str,
+    policy,
+    process: tuple[int, int] | None = None,
+) -> None:
+    """Raise `ServedPolicyMismatch` when `gap` (`SERVED_GAP`) is above `tolerance` (None: no check), unless the
+    engine samples with `policy` itself (`samples_with_policy`: the gap is logged, never raised). engine: the engine
+    that sampled; version: the weights' version (optimizer steps) it was sent; where: what π_old was (for the
+    message); policy: the module the trainer pushes; process: (index, count) of the process whose own gap this is,
+    when there are several (`check_processes`)."""
     if tolerance is None or not gap > tolerance:  # a NaN gap (no token measured) is not a mismatch
         return
     if samples_with_policy(engine, policy):
         return
     name = type(engine).__name__
     pushed = "the weights" if version is None else f"the weights of version {version} (after {version} optimizer steps)"
+    on = "" if process is None else f" on process {process[0]} of {process[1]}"
     raise ServedPolicyMismatch(
-        f"{name} does not sample with the weights it was sent: after the push of {pushed}, its log-probs of the "
+        f"{name} does not sample with the weights it was sent{on}: after the push of {pushed}, its log-probs of the "
         f"tokens it sampled differ from the trainer's π_old ({where}) by {gap:.4g} nats on average "
         f"({SERVED_GAP}), above served_logprob_tolerance={tolerance} (a healthy bf16 engine: ~0.01). The push did "
         f"not reach the engine (a LoRA adapter not merged into it, weights not reloaded after sleep mode, a "
@@ -114,9 +128,28 @@ def check_gap(gap: float, tolerance: float | None, engine, version: int | None, 
     )
 
 
-def check_step(args: GRPOConfig, metrics: dict[str, float], engine, version: int, policy) -> None:
-    """The training-forward measure (`TrainBatch.served_rows`): the optimizer step's gap, averaged over its
-    micro-batches and processes (`metrics`, the step's), checked; nothing when the step measured none."""
-    if SERVED_GAP in metrics:
+def check_processes(
+    accelerator, gap: float, tolerance: float | None, engine, version: int | None, where: str, policy
+) -> None:
+    """`check_gap` of the largest of the processes' own gaps (`gap`: this process's): a collective every process
+    calls, so that all of them raise together, with the same error, or none does. Each process has an engine of
+    its own (vLLM colocated: one per process), and a push lost on one process only must stop the run: the logged
+    gap, the mean over processes, would read as 1/N of it."""
+    if tolerance is None:
+        return
+    count = accelerator.num_processes
+    gaps = accelerator.gather(torch.tensor([gap], dtype=torch.float64, device=accelerator.device)).cpu()
+    worst = int(gaps.nan_to_num(nan=-math.inf).argmax())  # all NaN (no token measured anywhere): NaN, no mismatch
+    check_gap(gaps[worst].item(), tolerance, engine, version, where, policy, (worst, count) if count > 1 else None)
+
+
+def check_step(accelerator, args: GRPOConfig, step_stats: list[dict], engine, version: int, policy) -> None:
+    """The training-forward measure (`TrainBatch.served_rows`): the optimizer step's gap on this process (the mean
+    over its micro-batches' `step_stats`), checked over processes (`check_processes`); nothing when the step
+    measured none (on every process alike: the batches of a step are marked, or not, on all of them)."""
+    gaps = [stats[SERVED_GAP] for stats in step_stats if SERVED_GAP in stats]
+    if gaps:
         tolerance = args.served_logprob_tolerance
-        check_gap(metrics[SERVED_GAP], tolerance, engine, version, "the training forward's", policy)
+        check_processes(
+            accelerator, sum(gaps) / len(gaps), tolerance, engine, version, "the training forward's", policy
+        )

@@ -424,7 +424,7 @@ class GRPOTrainer:
         }
         means = reduce_step_metrics(acc, step_metrics, stats)  # over processes
         self.window.add(means)
-        check_step(args, dict(means), self.engine, self.state.global_step - 1, self.experience.policy())
+        check_step(acc, args, stats, self.engine, self.state.global_step - 1, self.experience.policy())
         return means["loss"]
 
     def training_step(self, model, inputs: TrainBatch, num_items_in_batch=None) -> torch.Tensor:
