@@ -47,19 +47,25 @@ class UnmergedLoraEngine(HFEngine):
             return super().generate(prompts, params, seed)
 
 
-class CopyPushEngine(HFEngine):
-    """A copy of the policy of its own that takes every push as vLLM does: the policy's full weights (each gathered
-    under FSDP2 / ZeRO-3, a collective every process takes part in) copied into the copy's, by name. Its log-probs
-    are its copy's, so the served-policy check really compares two models."""
+class CopyPushEngine:
+    """A copy of the policy of its own (the in-process sampler inside) that takes every push as vLLM does: the
+    policy's full weights (each gathered under FSDP2 / ZeRO-3, a collective every process takes part in) copied into
+    the copy's, by name. Its log-probs are its copy's, so the served-policy check really compares two models. (Not
+    an HFEngine subclass: a producer running ahead replaces an HFEngine with its own over the policy's copy.)"""
+
+    logprobs_match_training = False
 
     def __init__(self, model: torch.nn.Module):
-        super().__init__(copy.deepcopy(model), logprobs_match_training=False)
+        self.inner = HFEngine(copy.deepcopy(model), logprobs_match_training=False)
 
     def sync_weights(self, model: torch.nn.Module) -> None:
-        held = self.model.state_dict()  # tensors sharing the copy's storage: copy_ updates its parameters
+        held = self.inner.model.state_dict()  # tensors sharing the copy's storage: copy_ updates its parameters
         with torch.no_grad(), policy_weights(model) as weights:
             for name, tensor in weights:
                 held[name].copy_(tensor)
+
+    def generate(self, prompts, params, seed):
+        return self.inner.generate(prompts, params, seed)
 
 
 class LostPushEngine(CopyPushEngine):

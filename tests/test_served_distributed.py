@@ -84,7 +84,9 @@ SCRIPT = textwrap.dedent(
 )
 
 # 8 completions per process, 16 in all (4 prompts of G=4), one optimizer step per generation batch: the training
-# forward's log-probs are π_old, and each step checks the batch it trains (`served.check_step`).
+# forward's log-probs are π_old, and each step checks the batch it trains (`served.check_step`). Process 1's own gap
+# in the step after a lost push is ~0.25 nats, the logged gap (the mean over the two processes) ~0.13: a tolerance
+# between them is met only by a check of each process's own gap.
 RUN = dict(
     per_device_train_batch_size=8,
     num_generations=4,
@@ -92,13 +94,22 @@ RUN = dict(
     learning_rate=5e-2,
     lr_scheduler_type="constant",
     max_steps=3,
+    served_logprob_tolerance=0.2,
 )
+# A producer per process samples batch n with the weights of version n - 1, its π_old a forward of its copy at that
+# version (`served.check_processes` in the producer's thread, on the producers' process group). Process 1's own gap
+# on the first batch after a lost push is ~0.44 nats, the mean ~0.22.
+ASYNC = dict(max_staleness=1, served_logprob_tolerance=0.3)
 # Each process's engine (tests/served_helpers.py) and its options.
 HEALTHY = [("CopyPushEngine", {}), ("CopyPushEngine", {})]
 LOST_ON_RANK_1 = [("LostPushEngine", {"lose": False}), ("LostPushEngine", {"lose": True})]
-# Process 1's own gap after one step is ~0.25 nats; the logged gap, the mean over the two processes, ~0.13: the
-# tolerance between them is met only by a check of each process's own gap.
-CHECKED = dict(served_logprob_tolerance=0.2)
+JOBS = {
+    "healthy": (HEALTHY, RUN),
+    "lost": (LOST_ON_RANK_1, RUN),
+    "async_healthy": (HEALTHY, {**RUN, **ASYNC}),
+    "async_lost": (LOST_ON_RANK_1, {**RUN, **ASYNC}),
+}
+BACKENDS = {"ddp": "MULTI_CPU", "fsdp2": "FSDP", "zero3": "DEEPSPEED"}
 TIMEOUT_S = 120  # a launch whose processes do not raise together never ends: the launcher stops it
 
 
@@ -107,55 +118,59 @@ def model_dir(tmp_path_factory):
     return str(save_tiny_model(tmp_path_factory.mktemp("model") / "tiny", chars=LETTERS + ":", hidden_size=32))
 
 
-def backend_env(backend: str, directory: Path) -> dict:
-    return {"ddp": {}, "fsdp2": FSDP2, "zero3": zero3_env(directory) if backend == "zero3" else {}}[backend]
-
-
-def run(directory: Path, model_dir: str, backend: str, **config) -> dict[str, dict]:
-    """The healthy run and the run whose pushes are lost on process 1, in one launch; their records by name."""
+@pytest.fixture(scope="module", params=list(BACKENDS))
+def runs(request, model_dir, tmp_path_factory) -> tuple[str, dict[str, list[dict]]]:
+    """Every job of JOBS in one launch under the backend: (the backend, each job's records by process)."""
+    backend, directory = request.param, tmp_path_factory.mktemp(request.param)
     if backend == "zero3":
         pytest.importorskip("deepspeed")
-    jobs = {"healthy": HEALTHY, "lost": LOST_ON_RANK_1}
+    env = {"ddp": {}, "fsdp2": FSDP2, "zero3": zero3_env(directory) if backend == "zero3" else {}}[backend]
     specs = [
-        dict(out=str(directory / name), model=model_dir, engines=engines, tests=TESTS, config={**RUN, **config})
-        for name, engines in jobs.items()
+        dict(out=str(directory / name), model=model_dir, engines=engines, tests=TESTS, config=config)
+        for name, (engines, config) in JOBS.items()
     ]
-    launch(directory, *specs, env=backend_env(backend, directory), script=SCRIPT, timeout=TIMEOUT_S)
-    return {
-        name: [json.loads((directory / name / f"result_{rank}.json").read_text()) for rank in (0, 1)] for name in jobs
+    launch(directory, *specs, env=env, script=SCRIPT, timeout=TIMEOUT_S)
+    return backend, {
+        name: [json.loads((directory / name / f"result_{rank}.json").read_text()) for rank in (0, 1)] for name in JOBS
     }
 
 
-BACKENDS = {"ddp": "MULTI_CPU", "fsdp2": "FSDP", "zero3": "DEEPSPEED"}
-
-
-@pytest.fixture(scope="module", params=list(BACKENDS))
-def runs(request, model_dir, tmp_path_factory):
-    return request.param, run(tmp_path_factory.mktemp(request.param), model_dir, request.param, **CHECKED)
-
-
-def test_a_healthy_run_logs_a_gap_of_float_rounding_at_every_step_on_every_process(runs):
+@pytest.mark.parametrize("mode", ["", "async_"], ids=["sync", "async"])
+def test_a_healthy_run_logs_a_gap_of_float_rounding_at_every_step_on_every_process(runs, mode):
+    """Each engine's copy gets the full weights at every push (gathered under FSDP2 and ZeRO-3): its log-probs are
+    the training forward's in float32 (the lost pushes below show what a copy that does not get them measures)."""
     backend, records = runs
-    for record in records["healthy"]:
+    for record in records[f"{mode}healthy"]:
         assert record["distributed_type"] == BACKENDS[backend]
         assert record["error"] is None and record["global_step"] == 3
         assert len(record["gaps"]) == 3 and max(record["gaps"]) < 1e-5, record["gaps"]
 
 
-def test_a_push_lost_on_one_process_stops_both_at_the_next_step_together(runs):
-    """Step 1 trains on the batch sampled with the initial weights, which process 1's engine still holds; step 2 on
-    the batch its engine sampled with them again, while the policy moved: both processes raise in step 2, with the
-    same error, which names process 1's own gap (the mean over the processes would be half of it)."""
+# Per mode: how the error starts, what π_old was, the steps logged before it.
+LOST = {
+    "sync": ("ServedPolicyMismatch: ", "the training forward's", 1),
+    "async": ("RuntimeError: The generation producer failed: ServedPolicyMismatch: ", "a forward's", 2),
+}
+
+
+@pytest.mark.parametrize("mode", LOST)
+def test_a_push_lost_on_one_process_stops_both_at_the_next_step_together(runs, mode):
+    """The first batch is sampled with the initial weights, which process 1's engine still holds; the next with them
+    again, while the policy moved. Both processes raise at the same point, with the same error, which names process
+    1's own gap: in step 2, before it trains (synchronous: the training forward's gap of the step's batch), or
+    when the trainer takes batch 2, sampled with version 1 (a producer running ahead: its π_old is a forward)."""
     _, records = runs
-    rank0, rank1 = records["lost"]
+    rank0, rank1 = records["async_lost" if mode == "async" else "lost"]
+    raised, where, logged = LOST[mode]
     for record in (rank0, rank1):
         assert record["global_step"] == 2 and record["error"] is not None
-        assert len(record["gaps"]) == 1 and record["gaps"][0] < 1e-5  # step 1's, logged; step 2 raised
+        assert len(record["gaps"]) == logged and max(record["gaps"]) < 1e-5  # the healthy steps'
     assert rank0["error"] == rank1["error"]
     assert rank0["error"].startswith(
-        "ServedPolicyMismatch: LostPushEngine does not sample with the weights it was sent on process 1 of 2: after "
-        "the push of the weights of version 1 (after 1 optimizer steps), its log-probs of the tokens it sampled "
-        "differ from the trainer's π_old (the training forward's) by "
+        f"{raised}LostPushEngine does not sample with the weights it was sent on process 1 of 2: after the push of "
+        f"the weights of version 1 (after 1 optimizer steps), its log-probs of the tokens it sampled differ from the "
+        f"trainer's π_old ({where}) by "
     )
     gap = float(re.search(r"by (\S+) nats on average", rank0["error"]).group(1))
-    assert CHECKED["served_logprob_tolerance"] < gap < 1.0, gap
+    tolerance = JOBS["async_lost" if mode == "async" else "lost"][1]["served_logprob_tolerance"]
+    assert tolerance < gap < 1.0, gap
