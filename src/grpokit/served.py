@@ -17,10 +17,14 @@ samples with the trained module itself, so nothing is pushed to it: its gap is l
 Where it is measured, so that no forward is added:
 - π_old comes from a forward of the pushed weights (vLLM's importance-sampling correction, μ > 1, a generation batch
   over several optimizer steps, a producer running ahead, the KL in the reward): the experience maker compares as
-  soon as the batch is made (`check_gap`), before any training on it;
+  soon as the batch is made (`check_processes`), before any training on it;
 - otherwise every micro-batch is trained before the policy moves, so the training forward's log-probs are π_old:
   the batch's rows are marked (`TrainBatch.served_rows`), the micro-batch loss measures the gap on that forward, and
   the trainer checks the optimizer step's mean (`check_step`).
+With several training processes each has an engine of its own, and each checks its own gap, the verdict taken over
+all of them (`check_processes`, a gather): a push lost on one process stops every process together, at the same
+point, where the logged gap (the mean over processes) would read as 1/N of it and a verdict of one process alone
+would leave the others waiting in the next collective.
 
 Truncated sampling (top_k, top_p < 1, min_p; also a repetition penalty and suppressed tokens) is checked where the
 engine's log-probs and π_old are of one distribution, the one the token was drawn from: with keep_sampling_mask (the
