@@ -137,6 +137,7 @@ def test_several_processes_are_checked_on_the_largest_of_their_own_gaps():
     for gaps in ([0.15, 0.2], [math.nan, math.nan]):
         check_processes(TwoProcesses(gaps), 0.0, 0.2, object(), 1, "x", policy)
     check_processes(None, 5.0, None, object(), 1, "x", policy)  # the check off: no collective
+    check_processes(None, 5.0, 0.1, HFEngine(policy), 1, "x", policy)  # nothing pushed: no collective either
 
 
 # ------------------------------------------------------------------------------------------- failing pushes

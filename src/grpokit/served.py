@@ -138,8 +138,9 @@ def check_processes(
     """`check_gap` of the largest of the processes' own gaps (`gap`: this process's): a collective every process
     calls, so that all of them raise together, with the same error, or none does. Each process has an engine of
     its own (vLLM colocated: one per process), and a push lost on one process only must stop the run: the logged
-    gap, the mean over processes, would read as 1/N of it."""
-    if tolerance is None:
+    gap, the mean over processes, would read as 1/N of it. Nothing to gather where the check is off or the engine
+    samples with the policy itself (the in-process engine: every process alike)."""
+    if tolerance is None or samples_with_policy(engine, policy):
         return
     count = accelerator.num_processes
     gaps = accelerator.gather(torch.tensor([gap], dtype=torch.float64, device=accelerator.device)).cpu()
