@@ -1,13 +1,19 @@
 """grpokit.rollout.process_engine: the in-process engine in a process of its own (asynchronous generation on the CPU).
-The process is started safely beside the trainer's threads (spawned, not forked), samples with the weights the
+The process is started safely beside the trainer's threads (forked from a clean server process, never from the
+trainer), the server importing torch and transformers once per Python process, started as the trainer is built; it samples with the weights the
 trainer copies into shared memory after it started, and never hangs a run: a request without an answer within
 request_timeout_s kills it and raises EngineProcessHung, and close() is bounded while a request is in flight. What
 the engine is pickled with reaches the process: HFEngine's autocast, transformers' input-require-grads hook (gradient
 checkpointing), grpokit's float32-routed layers.
 
-The engines below are defined at module level: a spawned process imports them by name."""
+The engines below are defined at module level: an engine process imports them by name."""
 
+import json
+import os
 import pickle
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import warnings
@@ -132,6 +138,80 @@ def test_the_engine_process_starts_safely_beside_threads_holding_locks():
     finally:
         release.set()
     assert_same_rollout(rollout, HFEngine(model).generate(prompts, params, seed=0))
+
+
+def parent_pid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_engine_process_is_forked_from_the_server_not_from_the_trainer():
+    from multiprocessing import forkserver
+
+    model, prompts, params = tiny()
+    process = ProcessEngine(HFEngine(model), model)
+    try:
+        server = forkserver._forkserver._forkserver_pid
+        assert parent_pid(process.pid) == server != os.getpid()
+        assert parent_pid(server) == os.getpid()
+        rollout = process.generate(prompts, params, seed=0)
+    finally:
+        process.close()
+    assert_same_rollout(rollout, HFEngine(model).generate(prompts, params, seed=0))
+
+
+SERVER_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, time
+    from multiprocessing import forkserver
+    from datasets import Dataset
+    from grpokit import GRPOConfig, GRPOTrainer
+    from grpokit.testing import build_char_tokenizer, build_tiny_model
+
+    def server_pid():
+        return forkserver._forkserver._forkserver_pid
+
+    def trainer(max_staleness):
+        tokenizer = build_char_tokenizer()
+        model = build_tiny_model(len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
+        args = GRPOConfig(output_dir=sys.argv[1], per_device_train_batch_size=4, num_generations=2,
+                          max_completion_length=4, max_steps=1, max_staleness=max_staleness, report_to="none",
+                          save_strategy="no", disable_tqdm=True)
+        data = Dataset.from_list([{"prompt": "ab"}] * 4)
+        return GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                           args=args, train_dataset=data, processing_class=tokenizer)
+
+    trainer(None)
+    after_sync = server_pid()
+    async_trainer = trainer(1)
+    after_async = server_pid()
+    maps = ""
+    for _ in range(1200):  # the server imports in the background: up to 120 s on a loaded machine
+        maps = open(f"/proc/{after_async}/maps").read() if after_async else ""
+        if "libtorch_cpu" in maps:
+            break
+        time.sleep(0.1)
+    print(json.dumps({"after_sync": after_sync, "after_async": after_async, "libtorch": "libtorch_cpu" in maps,
+                      "modeling": "transformers.models.qwen2.modeling_qwen2" in forkserver._forkserver._preload_modules}))
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_an_asynchronous_cpu_trainer_starts_the_engine_server_as_it_is_built(tmp_path):
+    """Only a run whose producer samples in an engine process starts the server, when the trainer is built (its
+    imports then run beside loading the model), and the server imports torch and the model's module."""
+    script = tmp_path / "server.py"
+    script.write_text(SERVER_SCRIPT)
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "out")], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["after_sync"] is None  # the synchronous loop samples in the trainer's process: no server
+    assert seen["after_async"] is not None and seen["libtorch"] and seen["modeling"]
 
 
 def test_a_request_without_an_answer_kills_the_engine_process_within_the_timeout():

@@ -61,6 +61,7 @@ from .rewards.model import RewardModel
 from .rewards.scorer import RewardScorer
 from .rollout import HFEngine, PromptCodec, RolloutEngine, RolloutRunner, eos_token_ids
 from .rollout.hf_generate import TransformersGenerateEngine
+from .rollout.process_engine import start_engine_server
 from .rollout.vllm import VLLMEngine
 from .rollout.vllm_client import VLLMServers
 from .state import TrainerState
@@ -365,7 +366,16 @@ def launch(args: GRPOConfig, model, quantization_config, rollout_engine, peft_co
     warn_like_trl(args, model, quantization_config)  # after set_log_level: log_level decides what shows
     wrapped = check_launch(args, accelerator, rollout_engine, peft_config)
     prepare_process(args, accelerator.device)
+    if samples_in_engine_process(args, accelerator.device, rollout_engine):  # its imports run beside the model's load
+        start_engine_server([type(model).__module__] if isinstance(model, torch.nn.Module) else ())
     return accelerator, wrapped
+
+
+def samples_in_engine_process(args: GRPOConfig, device: torch.device, rollout_engine) -> bool:
+    """Whether the run's producer will sample with the built-in engine in a process of its own
+    (`producer.producer_engine`): asynchronous generation on a CPU with the default in-process sampler."""
+    default = rollout_engine is None and not args.use_vllm and not args.transformers_generate_kwargs()
+    return default and device.type == "cpu" and bool(args.max_staleness)
 
 
 def prepare_process(args: GRPOConfig, device: torch.device) -> None:

@@ -3,17 +3,21 @@ in a child process, so that sampling and training run at once without sharing on
 per-token Python would otherwise contend with training for the GIL). Asynchronous generation (grpokit.producer)
 uses it for the default engine, on the CPU.
 
-The child is spawned (a new interpreter), not forked: by the time a run starts it, the trainer has threads (the
-producer's, tqdm's monitor, the tokenizers' pool, an agent endpoint's server, OpenMP's), and a fork copies the locks
-they hold (Python's, a native library's) into a child that has no thread to release them: the child can deadlock.
-The engine is pickled to the child with torch.multiprocessing's reductions: the model's parameters and buffers,
-moved to shared memory first, travel as handles to that memory, so the child samples from the very storage the
-parent writes (`HFEngine` pickles its autocast as the autocast state it sets; transformers' input-require-grads
-hook, a local function, travels as an equivalent one: `EnginePickler`). Starting costs the child's imports
-(torch, transformers, the model's module: seconds); the constructor returns once the child is ready. A spawned process
-imports the script that started it again (as `__mp_main__`, for the classes it may define); the engine process does
-so only when the model or the engine uses a class defined in that script, and a script that trains at top level
-must then do so under `if __name__ == "__main__":`. Otherwise the script is hidden from the child while it starts.
+The child is forked from a server process (multiprocessing's forkserver; spawned where the platform has none), never
+from the trainer: by the time a run starts it, the trainer has threads (the producer's, tqdm's monitor, the
+tokenizers' pool, an agent endpoint's server, OpenMP's), and a fork copies the locks they hold (Python's, a native
+library's) into a child that has no thread to release them: the child can deadlock. The server is a new interpreter
+with one thread that imports torch, transformers, grpokit's sampler and the model's module once per Python process
+(`start_engine_server`; the trainer starts it as it is built, so that those imports, seconds, run beside loading the
+model), and forks a child per engine in milliseconds. A child gets the server's environment variables, those of
+the time the server started. The engine is pickled to the child with torch.multiprocessing's reductions: the
+model's parameters and buffers, moved to shared memory first, travel as handles to that memory, so the child
+samples from the very storage the parent writes (`HFEngine` pickles its autocast as the autocast state it sets;
+transformers' input-require-grads hook, a local function, travels as an equivalent one: `EnginePickler`). A child
+imports the script that started it again (as `__mp_main__`, for the classes it may define); the engine process
+does so only when the model or the engine uses a class defined in that script, and a script that trains at top
+level must then do so under `if __name__ == "__main__":`. Otherwise the script is hidden from the child while it
+starts.
 
 The child runs its ops on one thread, leaving the cores to the trainer's ops that run meanwhile. Weights move by
 `copy_` in the parent (`sync_weights`), never while the child samples: every request waits for the previous one (one
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import multiprocessing
 import os
 import pickle
 import signal
@@ -48,6 +53,33 @@ from .engine import PromptBatch, Rollout, RolloutEngine, SamplingParams, engine_
 # GRPOConfig.heartbeat_stale_after_s's default: one request that takes longer would stop the run anyway.
 REQUEST_TIMEOUT_S = 300.0
 START_TIMEOUT_S = 300.0  # the child imports torch and transformers: seconds, more on a loaded machine
+
+
+# What the server the engine processes are forked from imports once (`start_engine_server`), besides the model's module.
+SERVER_MODULES = ("torch", "transformers.modeling_utils", "grpokit.rollout.hf")
+
+
+def engine_context():
+    """The multiprocessing context engine processes start in: forked from a clean server (forkserver) where the
+    platform has one, else spawned."""
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    return torch.multiprocessing.get_context(method)
+
+
+def start_engine_server(modules=()) -> None:
+    """Start, once per Python process and without waiting for it, the server engine processes are forked from,
+    importing `SERVER_MODULES` and `modules` (module names; a script's own `__main__` is never imported) in it
+    meanwhile. A server already running (started by an earlier engine, or by other code of this process) is kept
+    as it is: what it lacks, a child imports as it starts."""
+    context = engine_context()
+    if context.get_start_method() != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    if forkserver._forkserver._forkserver_pid is None:
+        wanted = [*SERVER_MODULES, *modules]
+        context.set_forkserver_preload([m for m in dict.fromkeys(wanted) if m not in ("__main__", "__mp_main__")])
+    forkserver.ensure_running()
 
 
 class EngineProcessDied(RuntimeError):
@@ -78,7 +110,7 @@ class EnginePickler(ForkingPickler):
 
 
 class PickledEngine:
-    """An engine, pickled by `EnginePickler` as the child is spawned (so that its tensors' file descriptors are
+    """An engine, pickled by `EnginePickler` as the child is started (so that its tensors' file descriptors are
     passed to the child with it) and unpickled by the child in `_serve`, which reports a failure to the parent."""
 
     def __init__(self, engine: RolloutEngine | None = None, data: bytes = b""):
@@ -140,9 +172,9 @@ def _script_not_reimported(engine, model: torch.nn.Module):
 
 
 class ProcessEngine:
-    """`engine` (built over `model`, on the CPU) run in a spawned child process, on one thread. `model` must be the
-    module the engine samples from: it is moved to shared memory and the engine pickled to the child, and new
-    weights are copied into it, in this process, under `lock`. A request that gets no answer within
+    """`engine` (built over `model`, on the CPU) run in a child process (`engine_context`), on one thread. `model`
+    must be the module the engine samples from: it is moved to shared memory and the engine pickled to the child,
+    and new weights are copied into it, in this process, under `lock`. A request that gets no answer within
     `request_timeout_s` (None: no limit) kills the child; so does a start that takes longer than `start_timeout_s`.
     """
 
@@ -158,7 +190,8 @@ class ProcessEngine:
         self.logprobs_match_training = engine_logprobs_match_training(engine)
         self.lock = threading.Lock()
         self.ended: EngineProcessDied | None = None  # why this side ended the child, if it did: raised again
-        context = torch.multiprocessing.get_context("spawn")
+        start_engine_server([type(engine).__module__, *{type(m).__module__ for m in model.modules()}])
+        context = engine_context()
         self.connection, child_end = context.Pipe()
         self.process = context.Process(
             target=_serve, args=(PickledEngine(engine), child_end), daemon=True, name="grpokit-engine"
@@ -271,7 +304,7 @@ class ProcessEngine:
             raise EngineProcessDied(
                 f"The engine process (pid {self.pid}) {how} while starting (its traceback, if "
                 f"any, is above). If it shows your script running again, start training "
-                f"under `if __name__ == '__main__':` (a spawned process imports a script that "
+                f"under `if __name__ == '__main__':` (an engine process imports a script that "
                 f"defines the model's classes)."
             )
         memory = "The system may be out of memory (dmesg shows the OOM killer). " if code == -9 else ""
