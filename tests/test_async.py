@@ -148,6 +148,30 @@ def test_what_asynchronous_generation_does_not_support_is_refused_by_name(tmp_pa
         GRPOConfig(max_staleness=-1, report_to="none")
 
 
+class CountingEngine(HFEngine):
+    """An HFEngine subclass that overrides generate."""
+
+    calls = 0
+
+    def generate(self, prompts, params, seed):
+        self.calls += 1
+        return super().generate(prompts, params, seed)
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_an_hf_engine_subclass_the_producer_would_replace_is_refused_by_name(tmp_path, max_staleness):
+    model, tokenizer = tiny_letter_model()
+    engine = CountingEngine(model)
+    build = dict(reward_funcs=repeat_letter, train_dataset=letter_dataset(), processing_class=tokenizer)
+    with pytest.raises(ValueError, match=r"CountingEngine, a subclass of HFEngine.*holds an HFEngine"):
+        GRPOTrainer(model, args=letter_config(tmp_path, max_staleness=max_staleness), rollout_engine=engine, **build)
+    # HFEngine itself (the default, rebuilt over the copy) and a subclass without max_staleness are taken
+    GRPOTrainer(model, args=letter_config(tmp_path, max_staleness=1), rollout_engine=HFEngine(model), **build)
+    trainer = GRPOTrainer(model, args=letter_config(tmp_path, max_steps=1), rollout_engine=engine, **build)
+    trainer.train()
+    assert engine.calls == 1  # the subclass sampled the run's one batch
+
+
 @pytest.mark.parametrize("layout", [dict(sharded=True), dict(deepspeed=3)], ids=["fsdp2", "zero3"])
 def test_sharded_models_are_refused_only_where_they_cannot_run(layout):
     """ZeRO-1/2, ZeRO-3 and FSDP2 run (tests/test_async_distributed.py), but a sharded model (FSDP2, ZeRO-3) not

@@ -12,7 +12,7 @@ from .config import GRPOConfig
 from .data import check_dataset, dataset_columns, is_iterable_dataset, named_eval_datasets, unreadable_share
 from .distributed import deepspeed_stage
 from .rewards.base import check_required_columns
-from .rollout import RolloutEngine, RolloutRunner
+from .rollout import HFEngine, RolloutEngine, RolloutRunner
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +222,23 @@ def check_launch(args: GRPOConfig, accelerator, rollout_engine, peft_config) -> 
         shared_engine=args.use_vllm or rollout_engine is not None,
         lora=peft_config is not None,
     )
+    check_producer_engine(args, rollout_engine)
     return sharded or zero_stage is not None
+
+
+def check_producer_engine(args: GRPOConfig, rollout_engine) -> None:
+    """Under max_staleness the producer samples with an HFEngine of its own over a copy of the policy
+    (`producer.producer_engine`): a subclass of HFEngine passed as rollout_engine would be replaced, its overrides
+    unused, so it is refused."""
+    if args.max_staleness is None or not isinstance(rollout_engine, HFEngine) or type(rollout_engine) is HFEngine:
+        return
+    raise ValueError(
+        f"rollout_engine is {type(rollout_engine).__name__}, a subclass of HFEngine: with max_staleness the "
+        f"producer samples with an HFEngine of its own over a copy of the policy, so your subclass's overrides "
+        f"would not run. Set max_staleness=None, or write the engine as a class that holds an HFEngine instead of "
+        f"subclassing it (a RolloutEngine: generate and sync_weights), which the producer drives and gives every "
+        f"new copy of the weights."
+    )
 
 
 def warn_unreadable_prompts(train_dataset, tokenizer) -> None:
