@@ -106,8 +106,10 @@ def trim_heap_in_backward(model: torch.nn.Module) -> int:
     anyway) plus what the backward allocates besides them, the gradients first: so the trims lower the peak by about
     the gradients' size at most, and are added only where those take BACKWARD_TRIM_MIN_GRADIENT_BYTES or more. Below
     that they cost more than they save: the 4M-parameter `small` benchmark (16 MiB of gradients, ~100 MiB of
-    activations per layer) spent ~0.3 s of a 2 s step in the trims and in faulting the pages back in, for a peak
-    RSS ~25 MiB (2 %) lower (`benchmarks/profile_step.py --config small --exact-memory`)."""
+    activations per layer) took 0.68-0.73 s per backward with its eight trims (and the page faults after them),
+    0.53-0.56 s without (`benchmarks/profile_step.py --config small`); without them and the chunked head's
+    (`logprobs.HEAD_TRIM_MIN_BYTES`) its step is ~10 % faster and its peak RSS ~8 % higher
+    (`benchmarks/bench_vs_trl.py --config small --baseline`: 1,253 against 1,152 MiB)."""
     gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     if gradient_bytes < BACKWARD_TRIM_MIN_GRADIENT_BYTES:
         return 0

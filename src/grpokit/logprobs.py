@@ -243,7 +243,8 @@ MIN_FROZEN_CHUNK_ROWS = 128
 # The chunked head gives the heap's free pages back first (`chunked_token_logprobs`) only where one chunk's float32
 # logits take at least this many bytes: the trim lowers the peak by at most what the head then allocates (its [c, V]
 # tensors), and costs a page fault per 4 KiB of the free pages that the next tensors reuse. A 53-token vocabulary's
-# chunk is under 1 MiB, and its trims took ~60 ms of a 2 s step (`benchmarks/bench_vs_trl.py --config small`).
+# chunk is under 1 MiB, and its two trims per step took 30-60 ms of a 2 s step, besides the faults
+# (`benchmarks/profile_step.py --config small`).
 HEAD_TRIM_MIN_BYTES = 16 << 20
 
 
