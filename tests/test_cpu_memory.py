@@ -217,6 +217,37 @@ def test_the_chunked_head_returns_free_memory_first_on_the_cpu(monkeypatch):
     calls = []
     monkeypatch.setattr(logprobs, "return_free_memory", lambda: calls.append(1) or True)
     hidden, weight = torch.randn(6, 8, requires_grad=True), torch.randn(32, 8)
-    values, _ = logprobs.chunked_token_logprobs(hidden, weight, torch.arange(6))
-    assert calls == [1]  # before the head's [c, V] tensors, once per call
-    torch.testing.assert_close(values, torch.log_softmax(hidden @ weight.t(), -1)[torch.arange(6), torch.arange(6)])
+    expected = torch.log_softmax(hidden @ weight.t(), -1)[torch.arange(6), torch.arange(6)]
+    # One chunk of 6 rows x 32 float32 logits is 768 bytes: trimmed for when that reaches HEAD_TRIM_MIN_BYTES.
+    for min_bytes, trims in ((768, [1]), (769, [])):
+        monkeypatch.setattr(logprobs, "HEAD_TRIM_MIN_BYTES", min_bytes)
+        calls.clear()
+        values, _ = logprobs.chunked_token_logprobs(hidden, weight, torch.arange(6))
+        assert calls == trims  # before the head's [c, V] tensors, once per call
+        torch.testing.assert_close(values, expected)
+    # A chunk of 4 rows is 512 bytes, whatever the number of rows.
+    monkeypatch.setattr(logprobs, "HEAD_TRIM_MIN_BYTES", 513)
+    calls.clear()
+    logprobs.chunked_token_logprobs(hidden, weight, torch.arange(6), chunk_rows=4)
+    assert calls == []
+
+
+def test_the_backward_trims_only_where_the_gradients_are_large(monkeypatch):
+    import torch
+
+    from grpokit import cpu_memory
+    from grpokit.testing import build_tiny_model
+
+    model = build_tiny_model(16, hidden_size=32, num_layers=2)
+    gradient_bytes = sum(p.numel() * 4 for p in model.parameters())
+    monkeypatch.setattr(cpu_memory, "BACKWARD_TRIM_MIN_GRADIENT_BYTES", gradient_bytes + 1)
+    assert cpu_memory.trim_heap_in_backward(model) == 0
+    model.model.embed_tokens.weight.requires_grad_(False)  # frozen parameters have no gradient
+    monkeypatch.setattr(cpu_memory, "BACKWARD_TRIM_MIN_GRADIENT_BYTES", gradient_bytes - 16 * 32 * 4 + 1)
+    assert cpu_memory.trim_heap_in_backward(model) == 0
+    model.model.embed_tokens.weight.requires_grad_(True)
+    assert cpu_memory.trim_heap_in_backward(model) == 2  # a hook per decoder layer
+    trims = []
+    monkeypatch.setattr(cpu_memory, "return_free_memory", lambda: trims.append(1) or True)
+    model(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    assert trims == [1, 1]

@@ -157,6 +157,7 @@ def test_memory_savings_leave_a_seeded_bf16_run_bitwise(model_dir, tmp_path, mon
     import grpokit.trainer
 
     monkeypatch.setattr(grpokit.optim, "TORCH_ADAM_BLOCK_ELEMENTS", 256)  # the tiny embedding: blocks of 4 rows
+    monkeypatch.setattr(grpokit.cpu_memory, "BACKWARD_TRIM_MIN_GRADIENT_BYTES", 0)  # trims on the tiny model too
     trims = []
     monkeypatch.setattr(grpokit.cpu_memory, "return_free_memory", lambda: trims.append(1) or True)
     runs = []
@@ -189,6 +190,57 @@ def test_memory_savings_leave_a_seeded_bf16_run_bitwise(model_dir, tmp_path, mon
     for (name, a), b in zip(on.unwrapped_model.named_parameters(), off.unwrapped_model.parameters()):
         assert torch.equal(a, b), name
     assert not torch.equal(on.unwrapped_model.model.embed_tokens.weight, on.reference.model.embed_tokens.weight)
+
+
+def test_heap_trims_leave_a_seeded_float32_run_bitwise(model_dir, tmp_path, monkeypatch):
+    # The `small` benchmark's settings (float32, beta 0.04, groups of 8 completions sharing a prompt: the
+    # shared-prompt forward and the chunked head): the same losses, KL, grad norms and final weights bitwise with
+    # the heap trimmed wherever it can be (both thresholds at 0) as with the default thresholds, under which this
+    # tiny model's backward and head trim nothing (only the rollout and the no-grad forwards do). One thread: at two,
+    # the `small` benchmark's float32 run is not bitwise reproducible even with the same code.
+    import grpokit.cpu_memory
+    import grpokit.logprobs
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    trims = {"backward": 0, "head": 0}
+    monkeypatch.setattr(grpokit.cpu_memory, "return_free_memory", lambda: trims.update(backward=trims["backward"] + 1))
+    monkeypatch.setattr(grpokit.logprobs, "return_free_memory", lambda: trims.update(head=trims["head"] + 1))
+    runs = []
+    try:
+        for everywhere in (True, False):
+            with monkeypatch.context() as patch:
+                if everywhere:
+                    patch.setattr(grpokit.cpu_memory, "BACKWARD_TRIM_MIN_GRADIENT_BYTES", 0)
+                    patch.setattr(grpokit.logprobs, "HEAD_TRIM_MIN_BYTES", 0)
+                args = config(
+                    tmp_path / str(everywhere), beta=0.04, max_steps=3, max_completion_length=8, learning_rate=1e-3
+                )
+                trainer = GRPOTrainer(
+                    model=model_dir, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset()
+                )
+                trims.update(backward=0, head=0)
+                trainer.train()
+                runs.append((trainer, dict(trims)))
+    finally:
+        torch.set_num_threads(threads)
+    (everywhere, everywhere_trims), (default, default_trims) = runs
+    layers = len(everywhere.unwrapped_model.model.layers)
+    # One trim when training starts (`reuse_activation_memory`); in each step's backward, one per layer and decoder
+    # call (the shared prompts', then one per group of completion lengths: 2 to 5 calls); in the head, one before
+    # the reference's log-probs and one before the policy's.
+    backward_trims = everywhere_trims["backward"] - 1
+    assert backward_trims % layers == 0 and 3 * 2 * layers <= backward_trims <= 3 * 5 * layers, everywhere_trims
+    assert everywhere_trims["head"] == 3 * 2
+    assert default_trims == {"backward": 1, "head": 0}
+    keys = ("loss", "kl", "reward", "grad_norm", "entropy")
+    assert [[e[k] for k in keys] for e in everywhere.state.log_history[:-1]] == [
+        [e[k] for k in keys] for e in default.state.log_history[:-1]
+    ]
+    assert everywhere.state.log_history[-2]["kl"] > 0
+    for (name, a), b in zip(everywhere.unwrapped_model.named_parameters(), default.unwrapped_model.parameters()):
+        assert torch.equal(a, b), name
+    assert not torch.equal(everywhere.unwrapped_model.lm_head.weight, everywhere.reference.lm_head.weight)
 
 
 # ----------------------------------------------------------------------------------------- int8 reference

@@ -43,6 +43,9 @@ import torch
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
 MMAP_THRESHOLD = 1 << 20  # bytes: tensors from 1 MiB up are mapped and unmapped (set-up)
 TRAINING_MMAP_THRESHOLD = 16 << 20  # bytes: the same in the training loop (activations below it reuse the heap)
+# The backward's trims per layer only where the trainable parameters' gradients take at least this many bytes
+# (`trim_heap_in_backward`, read at its call).
+BACKWARD_TRIM_MIN_GRADIENT_BYTES = 256 << 20
 
 
 @functools.cache
@@ -97,7 +100,19 @@ def trim_heap_in_backward(model: torch.nn.Module) -> int:
     the live tensors at the Qwen2.5-0.5B shape (16 rows of 72 tokens, no checkpointing; `benchmarks/profile_step.py
     --exact-memory`), at the step's peak. A trim per layer costs a page fault per 4 KiB that the backward then
     reuses. The layers are the blocks of each ModuleList of same-class blocks (a model's decoder layers; not searched
-    inside). Returns how many hooks were added (once per layer)."""
+    inside). Returns how many hooks were added (once per layer).
+
+    Without the trims the backward's heap holds at most the forward's activations (resident at the forward's end
+    anyway) plus what the backward allocates besides them, the gradients first: so the trims lower the peak by about
+    the gradients' size at most, and are added only where those take BACKWARD_TRIM_MIN_GRADIENT_BYTES or more. Below
+    that they cost more than they save: the 4M-parameter `small` benchmark (16 MiB of gradients, ~100 MiB of
+    activations per layer) took 0.68-0.73 s per backward with its eight trims (and the page faults after them),
+    0.53-0.56 s without (`benchmarks/profile_step.py --config small`); without them and the chunked head's
+    (`logprobs.HEAD_TRIM_MIN_BYTES`) its step is ~10 % faster and its peak RSS ~8 % higher
+    (`benchmarks/bench_vs_trl.py --config small --baseline`: 1,253 against 1,152 MiB)."""
+    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    if gradient_bytes < BACKWARD_TRIM_MIN_GRADIENT_BYTES:
+        return 0
     blocks = list(model.children())
     added = 0
     while blocks:

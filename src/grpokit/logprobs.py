@@ -240,6 +240,20 @@ MIN_CHUNK_ROWS = 256
 MIN_FROZEN_CHUNK_ROWS = 128
 
 
+# The chunked head gives the heap's free pages back first (`chunked_token_logprobs`) only where one chunk's float32
+# logits take at least this many bytes: the trim lowers the peak by at most what the head then allocates (its [c, V]
+# tensors), and costs a page fault per 4 KiB of the free pages that the next tensors reuse. A 53-token vocabulary's
+# chunk is under 1 MiB, and its two trims per step took 30-60 ms of a 2 s step, besides the faults
+# (`benchmarks/profile_step.py --config small`).
+HEAD_TRIM_MIN_BYTES = 16 << 20
+
+
+def head_trims_heap(chunk_rows: int, vocab_size: int) -> bool:
+    """Whether the chunked head's chunks (chunk_rows × vocab_size float32 logits) are large enough to trim the heap
+    for before they are allocated (HEAD_TRIM_MIN_BYTES)."""
+    return chunk_rows * vocab_size * 4 >= HEAD_TRIM_MIN_BYTES
+
+
 def default_chunk_rows(weight: torch.Tensor, bias: torch.Tensor | None = None) -> int:
     """Rows per chunk of a chunked LM head [V, H]: the device's element budget over V, but at least
     `MIN_CHUNK_ROWS` when the head's weight (or bias) gets a gradient, `MIN_FROZEN_CHUNK_ROWS` otherwise."""
@@ -272,8 +286,9 @@ def chunked_token_logprobs(
     weight and bias (each only when it requires grad). With a frozen weight and bias (LoRA) the forward saves
     softmax @ weight per row instead and the backward needs no logits. The entropies carry no gradient (a metric;
     an entropy bonus needs the plain path). On a CPU the heap's free pages are first given back to the OS
-    (`cpu_memory.return_free_memory`): the decoder's forward leaves ~250 MiB of them at the Qwen2.5-0.5B shape
-    (glibc keeps what the layers freed), and the head's peak would stack on them.
+    (`cpu_memory.return_free_memory`) where a chunk is large (`head_trims_heap`): the decoder's forward leaves ~250
+    MiB of them at the Qwen2.5-0.5B shape (glibc keeps what the layers freed), and the head's peak would stack on
+    them.
 
     Precision: the matmul runs in the dtype the plain `nn.Linear` head would use — the autocast dtype under
     autocast, else the inputs' dtype — and everything after it (log-sum-exp, softmax, entropy, the logits'
@@ -289,8 +304,8 @@ def chunked_token_logprobs(
     leading = targets.shape
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_targets = targets.reshape(-1)
-    if device_type == "cpu":  # the decoder's freed activations, which the [c, V] tensors would stack on
-        return_free_memory()
+    if device_type == "cpu" and head_trims_heap(min(chunk_rows, flat_hidden.shape[0]), weight.shape[0]):
+        return_free_memory()  # the decoder's freed activations, which the [c, V] tensors would stack on
     if float32_gemm and compute_dtype == torch.bfloat16 and device_type == "cpu":
         with torch.autocast(device_type, enabled=False):
             logprobs, entropies = Float32Head.apply(
