@@ -17,7 +17,8 @@ tokens/s is grpokit's num_tokens (prompt + completion tokens of every trained ba
 warm-up run that is not counted; each setting runs --repeats times, interleaved, and the median is shown. "steady" is
 the same from the end of the first optimizer step to the end of the last: what a long run gets, without the fixed
 costs of a run's start (the first batch, which is never overlapped, and, asynchronously on the CPU, starting the
-engine's process: its interpreter imports torch and transformers, seconds). Each asynchronous setting's share of the
+engine's process: forked in milliseconds from a server that imports torch and transformers once per Python process,
+seconds, which the warm-up run starts). Each asynchronous setting's share of the
 perfect overlap (below) is shown for both. The
 synchronous runs also time their generation (generate_batch) and the rest, from which the script estimates what a
 perfect overlap of those two phases would give against the two-thread loop (`overlap_estimate`). Results go to
