@@ -5,6 +5,7 @@ silently fails are in tests/served_helpers.py; the vLLM ones are in tests/test_v
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 
@@ -340,7 +341,8 @@ def test_tool_results_inserted_into_the_transcript_are_not_counted(tmp_path):
         rollout_engine=ForcedCallsEngine(model, tokenizer, calls=1),
     )
     trainer.train()
-    assert any(m["role"] == "tool" for m in trainer._samples[0]["completion"])
+    logged_rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert any(m["role"] == "tool" for m in logged_rows[0]["completion"])
     logged = gaps(trainer)
     assert len(logged) == 1 and logged[0] < 1e-4, logged
 

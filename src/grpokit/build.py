@@ -371,11 +371,15 @@ def launch(args: GRPOConfig, model, quantization_config, rollout_engine, peft_co
     return accelerator, wrapped
 
 
-def samples_in_engine_process(args: GRPOConfig, device: torch.device, rollout_engine) -> bool:
-    """Whether the run's producer will sample with the built-in engine in a process of its own
-    (`producer.producer_engine`): asynchronous generation on a CPU with the default in-process sampler."""
-    default = rollout_engine is None and not args.use_vllm and not args.transformers_generate_kwargs()
-    return default and device.type == "cpu" and bool(args.max_staleness)
+def samples_in_engine_process(args: GRPOConfig, device: torch.device, engine) -> bool:
+    """Whether the run's producer samples with the in-process sampler in a process of its own
+    (`producer.producer_engine`): asynchronous generation on a CPU with an HFEngine, `engine` (a subclass is
+    refused: `checks.check_producer_engine`), or with the default engine, `engine` None, where that is one."""
+    if device.type != "cpu" or not args.max_staleness:
+        return False
+    if engine is not None:
+        return type(engine) is HFEngine
+    return not args.use_vllm and not args.transformers_generate_kwargs()
 
 
 def prepare_process(args: GRPOConfig, device: torch.device) -> None:

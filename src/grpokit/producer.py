@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from .batch import TrainBatch
-from .build import build_engine
+from .build import build_engine, samples_in_engine_process
 from .checks import streams_groups
 from .config import GRPOConfig
 from .distributed import ProducerCollectives, collectives_on, gathered_parameters, is_sharded, new_producer_group
@@ -869,7 +869,7 @@ def producer_engine(args: GRPOConfig, accelerator, engine, policy_copy, processi
     process = None
     if isinstance(engine, HFEngine):
         engine = build_engine(policy_copy, args, processing_class, accelerator)
-        if accelerator.device.type == "cpu" and args.max_staleness > 0:
+        if samples_in_engine_process(args, accelerator.device, engine):
             engine = process = ProcessEngine(engine, policy_copy, request_timeout_s=args.heartbeat_stale_after_s)
     shared = not isinstance(engine, HFEngine)  # the trainer's engine itself: evaluation samples with it too
     if streaming:
