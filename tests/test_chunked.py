@@ -125,6 +125,46 @@ def test_bf16_autocast_matches_the_plain_head_under_autocast():
     torch.testing.assert_close(weight_grad, expected_weight_grad, atol=5e-2, rtol=5e-2)
 
 
+def peak_live_bytes(fn) -> int:
+    """The most bytes torch's CPU allocator held at once during fn(), above what it held before (the profiler's
+    allocation events, summed in time order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def test_a_bf16_heads_weight_gradient_is_added_by_blocks_bitwise_without_a_whole_product(monkeypatch):
+    # Under bf16 autocast each chunk's [V, H] bf16 product is added into the float32 gradient: whole, it costs the
+    # product and the float32 copy torch makes to add it (1.5x a float32 head at the backward's peak); by blocks of
+    # vocabulary rows (`add_weight_grad`), neither, and the gradient is the same to the bit.
+    import grpokit.head_autograd as head_autograd
+
+    v, h = 16_384, 128
+    hidden, weight, _, targets, upstream = make_inputs(n=2, t=128, h=h, v=v, bias=False)
+    weight.data /= 4
+
+    def backward(block_elements):
+        monkeypatch.setattr(head_autograd, "WEIGHT_GRAD_BLOCK_ELEMENTS", block_elements, raising=False)
+        weight.grad = hidden.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logprobs, _ = chunked_token_logprobs(hidden, weight, targets, chunk_rows=128)
+        loss = (logprobs * upstream).sum()
+        return peak_live_bytes(loss.backward), weight.grad.clone(), hidden.grad.clone()
+
+    whole_peak, whole_grad, whole_hidden_grad = backward(v * h)  # one block: the whole product
+    blocks_peak, grad, hidden_grad = backward(2**16)  # 32 blocks
+    assert torch.equal(grad, whole_grad) and torch.equal(hidden_grad, whole_hidden_grad)
+    float32_head = v * h * 4
+    assert blocks_peak <= whole_peak - 1.25 * float32_head, (whole_peak, blocks_peak)
+
+
 class SavedTensorSizes(torch.autograd.graph.saved_tensors_hooks):
     """Records the number of elements of every tensor autograd saves for the backward (parameters aside: saving
     one costs no memory)."""

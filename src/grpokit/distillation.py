@@ -29,7 +29,7 @@ import math
 import torch
 
 from .cpu_memory import return_free_memory
-from .head_autograd import head_grad_accumulators, head_input_grads, save_for_head_backward
+from .head_autograd import add_weight_grad, head_grad_accumulators, head_input_grads, save_for_head_backward
 from .logprobs import _ChunkScratch, _softmax_dtype, default_chunk_rows
 from .loss import DistillationStats, distillation_reduction
 
@@ -182,10 +182,8 @@ class _ChunkedGeneralizedJSD(torch.autograd.Function):
                 grad_logits = student_head.cast(grad_logits)
                 if need_hidden:
                     grad_hidden[chunk] = (grad_logits @ student_head.weight).to(student_hidden.dtype)
-                if need_weight and grad_logits.dtype == accumulate_dtype:
-                    grad_weight.addmm_(grad_logits.t(), hidden_chunk.to(accumulate_dtype))
-                elif need_weight:
-                    grad_weight += (grad_logits.t() @ hidden_chunk.to(grad_logits.dtype)).to(accumulate_dtype)
+                if need_weight:
+                    add_weight_grad(grad_weight, grad_logits, hidden_chunk.to(grad_logits.dtype))
         return head_input_grads(grad_hidden, grad_weight, grad_bias, student_weight, student_bias, num_other_inputs=8)
 
 

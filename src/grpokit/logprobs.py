@@ -21,7 +21,13 @@ from .cpu_matmul import FLOAT32_HEAD, Float32Head
 from .cpu_memory import return_free_memory
 from .distributed import is_sharded
 from .forward import forward_accepts, logits_of, model_cache, model_config, position_ids_from_mask
-from .head_autograd import frozen_head_grad, head_grad_accumulators, head_input_grads, save_for_logprobs_backward
+from .head_autograd import (
+    add_weight_grad,
+    frozen_head_grad,
+    head_grad_accumulators,
+    head_input_grads,
+    save_for_logprobs_backward,
+)
 from .models import is_peft_model
 from .multimodal import MultimodalInputs, batch_model_inputs, is_vision_language_model, rope_position_ids
 from .packing import pack_rows
@@ -159,10 +165,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 if need_hidden:
                     grad_hidden[chunk] = (grad_logits @ weight_c).to(hidden.dtype)
                 if need_weight:
-                    if compute_dtype == accumulate_dtype:
-                        grad_weight.addmm_(grad_logits.t(), hidden_chunk.to(compute_dtype))
-                    else:
-                        grad_weight += (grad_logits.t() @ hidden_chunk.to(compute_dtype)).to(accumulate_dtype)
+                    add_weight_grad(grad_weight, grad_logits, hidden_chunk.to(compute_dtype))
         return head_input_grads(grad_hidden, grad_weight, grad_bias, weight, bias, num_other_inputs=5)
 
 
