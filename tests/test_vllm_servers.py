@@ -178,8 +178,14 @@ def test_the_samples_do_not_depend_on_how_many_servers_share_a_batch(model_dir):
         rollouts = [VLLMServerEngine(model, served[0].url, timeout=120).generate(prompts, params, seed=3)]
         for n in (2, 3):
             servers = VLLMServers([VLLMServerEngine(model, s.url, timeout=120) for s in served[:n]])
+            before = [len(s.service.pieces) for s in served[:n]]
             rollouts.append(servers.generate(prompts, params, seed=3))
             assert all(taken > 0 for taken in servers.pieces_taken.values())
+            # Each row is labelled with the server that sampled it (the served-policy check's samplers).
+            assert servers.samplers == [f"the vLLM server at {s.url}" for s in served[:n]]
+            took = [{p for _, piece in s.service.pieces[b:] for p in piece} for s, b in zip(served, before)]
+            labels = rollouts[-1].sampler.tolist()
+            assert [tuple(ids[row // 2]) in took[label] for row, label in enumerate(labels)] == [True] * len(labels)
         assert {len(piece) for _, piece in served[1].service.pieces} == {2, 1}  # pieces of 2, then of 1
         assert {len(piece) for _, piece in served[2].service.pieces} == {1}
         assert all(torch.equal(r.completion_ids, rollouts[0].completion_ids) for r in rollouts[1:])

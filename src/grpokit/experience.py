@@ -427,7 +427,8 @@ class ExperienceMaker:
             if version is None and trainer_state is not None:
                 version = trainer_state.global_step
             tolerance, engine = args.served_logprob_tolerance, self.runner.engine
-            count = max(1, len(sampler_names(engine)))  # each sampler's own gap (several servers)
+            # each sampler's own gap, where the engine says which drew each row (several servers)
+            count = 1 if batch.sampler is None else max(1, len(sampler_names(engine)))
             totals = gap_totals(batch.old_logprobs, sampling_logprobs, batch.loss_mask, batch.sampler, count)
             check_processes(acc, mean_gaps(totals), tolerance, engine, version, "a forward's", self.policy())
         elif trains_on_policy(args) and not self.off_policy:  # the training forward's log-probs are π_old

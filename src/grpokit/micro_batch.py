@@ -101,6 +101,6 @@ def micro_batch_loss(
     if batch.served_rows is not None and batch.sampling_logprobs is not None:  # π_old is this forward (served.py)
         served = batch.loss_mask * batch.served_rows[:, None].to(batch.loss_mask.dtype)
         step_stats[SERVED_GAP] = logprob_gap(logprobs, batch.sampling_logprobs, served)[SERVED_GAP].item()
-        # each sampler's own (several servers, a data-parallel one's engines), for the check (served.check_step)
-        step_stats[SERVED_TOTALS] = gap_totals(logprobs.detach(), batch.sampling_logprobs, served, batch.sampler)
+        if batch.sampler is not None:  # each sampler's own (several servers, a data-parallel one's engines)
+            step_stats[SERVED_TOTALS] = gap_totals(logprobs.detach(), batch.sampling_logprobs, served, batch.sampler)
     return loss, step_stats

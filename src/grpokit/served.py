@@ -219,16 +219,21 @@ def check_processes(
 
 
 def take_step_totals(step_stats: list[dict]) -> list[torch.Tensor]:
-    """The micro-batches' served-gap totals (`SERVED_TOTALS`, `gap_totals` of the rows marked `TrainBatch.served_rows`),
-    taken out of their stats: they are for `check_step`, not metrics to average and log."""
+    """The micro-batches' served-gap totals by sampler (`SERVED_TOTALS`: `gap_totals` of the rows marked
+    `TrainBatch.served_rows`, where the engine said which sampler drew each), taken out of their stats: they are
+    for `check_step`, not metrics to average and log."""
     return [stats.pop(SERVED_TOTALS) for stats in step_stats if SERVED_TOTALS in stats]
 
 
-def check_step(accelerator, args: GRPOConfig, totals: list[torch.Tensor], engine, version: int, policy) -> None:
-    """The training-forward measure (`TrainBatch.served_rows`): each sampler's gap over the optimizer step's tokens on
-    this process (`take_step_totals` of its micro-batches, summed), checked over processes (`check_processes`);
-    nothing when the step measured none (on every process alike: the batches of a step are marked, or not, on all of
-    them)."""
+def check_step(
+    accelerator, args: GRPOConfig, step_stats: list[dict], totals: list[torch.Tensor], engine, version: int, policy
+) -> None:
+    """The training-forward measure (`TrainBatch.served_rows`), checked over processes (`check_processes`): each
+    sampler's gap over the optimizer step's tokens on this process (`totals`, `take_step_totals` of its micro-batches,
+    summed) where the rows say which sampler drew them, else the step's gap on this process (the mean over its
+    micro-batches' `step_stats`); nothing when the step measured none (on every process alike: the batches of a
+    step are marked and labelled, or not, on all of them)."""
+    tolerance, where = args.served_logprob_tolerance, "the training forward's"
     if totals:
         count = max(1, len(sampler_names(engine)))  # the same on every process
         summed = torch.zeros(count, 2, dtype=torch.float64)
@@ -236,5 +241,8 @@ def check_step(accelerator, args: GRPOConfig, totals: list[torch.Tensor], engine
             if len(t) > count:
                 raise unnamed_samplers(list(range(len(t))), count)
             summed[: len(t)] += t.cpu()
-        tolerance = args.served_logprob_tolerance
-        check_processes(accelerator, mean_gaps(summed), tolerance, engine, version, "the training forward's", policy)
+        check_processes(accelerator, mean_gaps(summed), tolerance, engine, version, where, policy)
+        return
+    gaps = [stats[SERVED_GAP] for stats in step_stats if SERVED_GAP in stats]
+    if gaps:
+        check_processes(accelerator, sum(gaps) / len(gaps), tolerance, engine, version, where, policy)

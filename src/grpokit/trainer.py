@@ -425,7 +425,7 @@ class GRPOTrainer:
         served = take_step_totals(stats)  # the served-policy check's, not metrics
         means = reduce_step_metrics(acc, step_metrics, stats)  # over processes
         self.window.add(means)
-        check_step(acc, args, served, self.engine, self.state.global_step - 1, self.experience.policy())
+        check_step(acc, args, stats, served, self.engine, self.state.global_step - 1, self.experience.policy())
         return means["loss"]
 
     def training_step(self, model, inputs: TrainBatch, num_items_in_batch=None) -> torch.Tensor:
