@@ -396,7 +396,9 @@ class VLLMServers:
     from how the batch was cut: the servers hold the same weights, so which one samples a piece changes nothing but
     timing (and the last bits of the arithmetic, which vary with a batch's size), and every batch is sampled by one
     version of the weights. A server may itself be data-parallel (`grpokit vllm-serve --data-parallel-size`), which
-    splits each piece over its engines by the same rule.
+    splits each piece over its engines by the same rule. Each row says which server (and which engine of a
+    data-parallel one) sampled it (`samplers`, `Rollout.sampler`): the served-policy check takes each one's own gap
+    (grpokit.served).
 
     A server that fails (stops answering, answers with an error) stops the generation with its URL; the run stops with
     a good checkpoint and resumes once the server is back. With `failover` (vllm_server_failover) its piece goes to
