@@ -20,7 +20,7 @@ from grpokit.logprobs import token_logprobs
 from grpokit.loss import logprob_gap
 from grpokit.micro_batch import micro_batch_loss
 from grpokit.rollout import HFEngine
-from grpokit.served import SERVED_GAP, ServedPolicyMismatch, check_gap, check_processes
+from grpokit.served import SERVED_GAP, ServedPolicyMismatch, check_gap, check_processes, gap_totals, mean_gaps
 
 GAP_MAX = "sampling/sampling_logp_difference/max"
 
@@ -139,6 +139,46 @@ def test_several_processes_are_checked_on_the_largest_of_their_own_gaps():
         check_processes(TwoProcesses(gaps), 0.0, 0.2, object(), 1, "x", policy)
     check_processes(None, 5.0, None, object(), 1, "x", policy)  # the check off: no collective
     check_processes(None, 5.0, 0.1, HFEngine(policy), 1, "x", policy)  # nothing pushed: no collective either
+
+
+class NamedSamplers:
+    """An engine that spreads its batches over two samplers (several servers), named as `VLLMServers` names them."""
+
+    samplers = ["the vLLM server at http://a:1", "the vLLM server at http://b:2"]
+
+
+def test_each_samplers_gap_is_the_mean_over_the_tokens_it_sampled():
+    logprobs = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.25, -9.0], [-1.0, -1.0, -1.0]], dtype=torch.float64)
+    sampling = torch.tensor([[-1.5, -1.0, 50.0], [-0.5, float("nan"), -8.0], [-2.0, 7.0, -1.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 1]])  # masked tokens and the NaN left out
+    sampler = torch.tensor([1, 0, 1])
+    # sampler 0 (row 1): 0 + 1 over 2 tokens; sampler 1 (rows 0, 2): 0.5 + 1 + 1 + 0 over 4; sampler 2: none
+    totals = gap_totals(logprobs, sampling, mask, sampler, 3)
+    assert totals.tolist() == [[1.0, 2.0], [2.5, 4.0], [0.0, 0.0]]
+    means = mean_gaps(totals)
+    assert means[:2].tolist() == [0.5, 0.625] and math.isnan(means[2])
+    assert gap_totals(logprobs, sampling, mask, sampler).shape == (2, 2)  # up to the largest index
+    whole = gap_totals(logprobs, sampling, mask, None)  # one sampler: the batch's gap, as logprob_gap's
+    assert mean_gaps(whole).item() == pytest.approx(logprob_gap(logprobs, sampling, mask)[SERVED_GAP].item(), 1e-12)
+    with pytest.raises(ValueError, match=r"sampler indices \[0, 1, 3\], and the engine names 3 sampler"):
+        gap_totals(logprobs, sampling, mask, torch.tensor([1, 0, 3]), 3)
+
+
+def test_the_check_takes_the_worst_sampler_on_the_worst_process_and_names_both():
+    """A push lost by one of two servers shows in its rows only: the batch mean would halve its gap. Each sampler's
+    own gap is gathered from every process (S gaps a process), and the largest raises, naming the sampler."""
+    policy = torch.nn.Linear(2, 2)
+    with pytest.raises(ServedPolicyMismatch) as raised:
+        check_processes(TwoProcesses([0.0, 0.1, math.nan, 0.3]), torch.zeros(2), 0.2, NamedSamplers(), 1, "x", policy)
+    assert str(raised.value).startswith(
+        "NamedSamplers does not sample with the weights it was sent on the vLLM server at http://b:2 (the rows of "
+        "process 1 of 2): after the push of the weights of version 1 (after 1 optimizer steps), its log-probs of the "
+        "tokens it sampled differ from the trainer's π_old (x) by 0.3 nats on average"
+    ), raised.value
+    check_processes(TwoProcesses([0.0, 0.1, math.nan, 0.2]), torch.zeros(2), 0.2, NamedSamplers(), 1, "x", policy)
+    # One gap a process (rows no sampler was named for, e.g. multi-turn transcripts): no sampler is named.
+    with pytest.raises(ServedPolicyMismatch, match=r"sent on process 1 of 2: .* by 0\.3 nats"):
+        check_processes(TwoProcesses([0.0, 0.3]), 0.0, 0.2, NamedSamplers(), 1, "x", policy)
 
 
 # ------------------------------------------------------------------------------------------- failing pushes

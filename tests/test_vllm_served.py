@@ -145,3 +145,28 @@ def test_a_server_whose_pushes_are_dropped_stops_the_run(tmp_path):
         assert trainer.state.global_step == 2
     finally:
         stop(process)
+
+
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+def test_a_healthy_20_step_bf16_vllm_run_raises_no_false_alarm(tmp_path, mode):
+    """vLLM in bfloat16 (colocated: the trainer's bf16=True sets it; a server: `--dtype bfloat16`), the trainer in
+    bf16 autocast: the gap is the two sides' bf16 rounding, every step far below the default tolerance (0.1)."""
+    from test_vllm_server import free_port, save, start_server, stop
+
+    process, overrides = None, {}
+    if mode == "server":
+        model, tokenizer = tiny()
+        port = free_port()
+        process = start_server(save(model, tokenizer, tmp_path / "model"), port, extra=("--dtype", "bfloat16"))
+        overrides = dict(vllm_mode="server", vllm_server_base_url=f"http://127.0.0.1:{port}", vllm_server_timeout=60)
+    try:
+        trainer = letter_trainer(tmp_path, 20, bf16=True, learning_rate=5e-2, **overrides)
+        assert trainer.args.served_logprob_tolerance == 0.1
+        trainer.train()
+    finally:
+        if process is not None:
+            stop(process)
+    gaps = [r[SERVED_GAP] for r in trainer.state.log_history if "loss" in r]
+    assert len(gaps) == 20
+    print(f"bf16 {mode}: max gap {max(gaps):.3g}, mean {sum(gaps) / len(gaps):.3g}")
+    assert 1e-4 < max(gaps) < 0.05, gaps  # bf16 noise (float32 sits near 1e-7), well under the tolerance

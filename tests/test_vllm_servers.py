@@ -5,6 +5,7 @@ Each server is `grpokit vllm-serve`'s own HTTP handler (`handler_for`) over a se
 in-process engine on the served checkpoint and takes pushed weights as vLLM's service does (vLLM itself is not in the
 default environment; tests/test_vllm_server.py drives real vLLM servers in the vLLM one)."""
 
+import re
 import threading
 import time
 import uuid
@@ -19,6 +20,7 @@ from grpokit import GRPOConfig, GRPOTrainer
 from grpokit.rollout import HFEngine, PromptBatch, SamplingParams
 from grpokit.rollout.vllm import prompt_seeds
 from grpokit.rollout.vllm_client import VLLMServerEngine, VLLMServers
+from grpokit.served import SERVED_GAP, ServedPolicyMismatch
 from grpokit.state import TrainerCallback
 from grpokit.testing import save_tiny_model
 from grpokit.vllm_server import handler_for, served_model_info
@@ -105,7 +107,7 @@ class KillAt(TrainerCallback):
             self.served.kill()
 
 
-def trainer_for(model_dir, out, servers, callbacks=(), **overrides):
+def trainer_for(model_dir, out, servers, callbacks=(), reward=first_letter, **overrides):
     values = dict(
         output_dir=str(out),
         per_device_train_batch_size=16,
@@ -127,7 +129,7 @@ def trainer_for(model_dir, out, servers, callbacks=(), **overrides):
     data = Dataset.from_list([{"prompt": f"{a}{b}:", "letter": a} for a in LETTERS for b in LETTERS])
     return GRPOTrainer(
         model=model_dir,
-        reward_funcs=first_letter,
+        reward_funcs=reward,
         args=GRPOConfig(**{**values, **overrides}),
         train_dataset=data,
         processing_class=AutoTokenizer.from_pretrained(model_dir),
@@ -176,8 +178,14 @@ def test_the_samples_do_not_depend_on_how_many_servers_share_a_batch(model_dir):
         rollouts = [VLLMServerEngine(model, served[0].url, timeout=120).generate(prompts, params, seed=3)]
         for n in (2, 3):
             servers = VLLMServers([VLLMServerEngine(model, s.url, timeout=120) for s in served[:n]])
+            before = [len(s.service.pieces) for s in served[:n]]
             rollouts.append(servers.generate(prompts, params, seed=3))
             assert all(taken > 0 for taken in servers.pieces_taken.values())
+            # Each row is labelled with the server that sampled it (the served-policy check's samplers).
+            assert servers.samplers == [f"the vLLM server at {s.url}" for s in served[:n]]
+            took = [{p for _, piece in s.service.pieces[b:] for p in piece} for s, b in zip(served, before)]
+            labels = rollouts[-1].sampler.tolist()
+            assert [tuple(ids[row // 2]) in took[label] for row, label in enumerate(labels)] == [True] * len(labels)
         assert {len(piece) for _, piece in served[1].service.pieces} == {2, 1}  # pieces of 2, then of 1
         assert {len(piece) for _, piece in served[2].service.pieces} == {1}
         assert all(torch.equal(r.completion_ids, rollouts[0].completion_ids) for r in rollouts[1:])
@@ -217,3 +225,85 @@ def test_several_urls_are_checked(model_dir):
     for bad in ("http://a:1,,http://b:2", "http://a:1,http://a:1"):
         with pytest.raises(ValueError, match="several distinct ones separated by commas"):
             server_urls(GRPOConfig(report_to="none", vllm_server_base_url=bad))
+
+
+# ------------------------------------------------------------------------------------ the served-policy check
+
+
+class DroppedPushService(InProcessService):
+    """A server that answers every push and loads none of them (a push lost on its way into the engine)."""
+
+    def update_weights(self, body):
+        self.version += 1
+        return {"version": self.version}
+
+
+def varied(completions, letter, **kwargs):
+    """first_letter with a tie-break: every group's scores differ, so every step moves the policy."""
+    return [float(c[:1] == t) + 0.1 * (sum(map(ord, c)) % 7) for c, t in zip(completions, letter)]
+
+
+def dropped_push_run(model_dir, out, correction: bool, tolerance: float | None, dropping: bool = True):
+    """Two servers, the second one's pushes dropped (`dropping`), over batches of 2 prompts: each server samples one
+    prompt's 4 completions (pieces of one prompt; each server answers a piece in 0.2 s, so that each takes one)."""
+    servers = [Served(model_dir, delay=0.2), Served(model_dir, delay=0.2)]
+    if dropping:
+        servers[1].service.__class__ = DroppedPushService
+    trainer = trainer_for(
+        model_dir,
+        out,
+        servers,
+        reward=varied,
+        per_device_train_batch_size=8,
+        lr_scheduler_type="constant",
+        max_steps=3,
+        learning_rate=5e-2,
+        save_strategy="no",
+        vllm_importance_sampling_correction=correction,
+        served_logprob_tolerance=tolerance,
+    )
+    return trainer, servers
+
+
+# A push lost by one server of two shows in the rows it sampled, half the batch: after one step at learning rate 5e-2
+# its own gap is ~0.45 nats, the batch's mean (the logged gap) ~0.22. A tolerance between the two is met only by a
+# check of each server's own gap.
+TOLERANCE = 0.3
+
+
+@pytest.mark.parametrize("correction", [True, False], ids=["forward", "training_forward"])
+def test_a_server_that_drops_pushes_stops_the_run_naming_it_though_the_batch_mean_would_pass(
+    model_dir, tmp_path, correction
+):
+    """The first push (the checkpoint's weights, which both servers start from) agrees; the second is lost by the
+    second server: the run stops at the next batch, naming that server, and its gap, which is about twice the
+    batch's mean (the logged gap, which the same run with the check off logs below the tolerance). With vLLM's
+    correction π_old is a forward, compared as the batch is made; without it the training forward of step 2."""
+    trainer, servers = dropped_push_run(model_dir, tmp_path / "off", correction, None)
+    trainer.train()
+    logged = [r[SERVED_GAP] for r in trainer.state.log_history if "loss" in r]
+    trainer, servers = dropped_push_run(model_dir, tmp_path / "on", correction, TOLERANCE)
+    where = "a forward's" if correction else "the training forward's"
+    with pytest.raises(ServedPolicyMismatch) as raised:
+        trainer.train()
+    message = str(raised.value)
+    assert message.startswith(
+        f"VLLMServers does not sample with the weights it was sent on the vLLM server at {servers[1].url}: after "
+        f"the push of the weights of version 1 (after 1 optimizer steps), its log-probs of the tokens it sampled "
+        f"differ from the trainer's π_old ({where}) by "
+    ), message
+    own = float(re.search(r"by (\S+) nats on average", message).group(1))
+    print(f"batch mean gaps (check off): {logged}; the dropping server's own gap at step 2: {own}")
+    assert trainer.state.global_step == (1 if correction else 2)
+    assert logged[0] < 1e-5 and logged[1] < TOLERANCE < own < 1.0, (logged, own)
+    assert 0.3 < logged[1] / own < 0.7  # half the rows are the dropping server's: the batch mean dilutes its gap
+    assert [len(piece) for _, piece in servers[1].service.pieces] == [1, 1]  # one prompt a batch, as the other
+
+
+def test_two_healthy_servers_raise_nothing(model_dir, tmp_path):
+    trainer, servers = dropped_push_run(model_dir, tmp_path, True, TOLERANCE, dropping=False)
+    trainer.train()
+    logged = [r[SERVED_GAP] for r in trainer.state.log_history if "loss" in r]
+    assert len(logged) == 3 and max(logged) < 1e-5, logged
+    assert servers[0].service.version == servers[1].service.version == 3
+    assert all(len(served.service.pieces) == 3 for served in servers)  # both sampled part of every batch

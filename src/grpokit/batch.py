@@ -101,6 +101,8 @@ class TrainBatch:
     # [N] bool: rows sampled with the weights the training forward runs with, whose π_old is that forward's own; the
     # micro-batch loss measures their sampling log-prob gap on it (grpokit.served). None: nothing to measure there
     served_rows: torch.Tensor | None = None
+    # [N] int64: which of the engine's samplers drew each row (`Rollout.sampler`); None: the engine samples as one
+    sampler: torch.Tensor | None = None
 
     @classmethod
     def from_rollout(
@@ -119,6 +121,7 @@ class TrainBatch:
             sampling_logprobs=rollout.sampling_logprobs,
             multimodal=rollout.multimodal,
             sampling_mask=rollout.sampling_mask,
+            sampler=rollout.sampler,
         )
 
     @classmethod

@@ -44,7 +44,7 @@ from .multimodal import loggable_prompt
 from .rewards.base import RewardFunctionError
 from .rewards.scorer import RewardScorer
 from .rollout import EVAL_SEED_OFFSET, DecodedRollout, RolloutRunner, group_counts, rollout_seed
-from .served import SERVED_GAP, check_processes, skip_reason
+from .served import check_processes, gap_totals, mean_gaps, sampler_names, skip_reason
 from .signals import duplicate_ratio, sequence_keys
 from .truncation_replay import needs_replay, replayed_sampling_mask
 
@@ -427,7 +427,10 @@ class ExperienceMaker:
             if version is None and trainer_state is not None:
                 version = trainer_state.global_step
             tolerance, engine = args.served_logprob_tolerance, self.runner.engine
-            check_processes(acc, gap[SERVED_GAP].item(), tolerance, engine, version, "a forward's", self.policy())
+            # each sampler's own gap, where the engine says which drew each row (several servers)
+            count = 1 if batch.sampler is None else max(1, len(sampler_names(engine)))
+            totals = gap_totals(batch.old_logprobs, sampling_logprobs, batch.loss_mask, batch.sampler, count)
+            check_processes(acc, mean_gaps(totals), tolerance, engine, version, "a forward's", self.policy())
         elif trains_on_policy(args) and not self.off_policy:  # the training forward's log-probs are π_old
             batch.served_rows = torch.ones(len(batch), dtype=torch.bool, device=batch.loss_mask.device)
         return metrics

@@ -15,7 +15,7 @@ from .batch import TrainBatch
 from .config import GRPOConfig
 from .logprobs import token_logprobs
 from .loss import AdaptiveEntropyController, high_entropy_mask, load_balancing_loss, logprob_gap, policy_loss
-from .served import SERVED_GAP
+from .served import SERVED_GAP, SERVED_TOTALS, gap_totals
 
 
 def window_counts(accelerator, window: list[TrainBatch]) -> tuple[float, float, int]:
@@ -101,4 +101,6 @@ def micro_batch_loss(
     if batch.served_rows is not None and batch.sampling_logprobs is not None:  # π_old is this forward (served.py)
         served = batch.loss_mask * batch.served_rows[:, None].to(batch.loss_mask.dtype)
         step_stats[SERVED_GAP] = logprob_gap(logprobs, batch.sampling_logprobs, served)[SERVED_GAP].item()
+        if batch.sampler is not None:  # each sampler's own (several servers, a data-parallel one's engines)
+            step_stats[SERVED_TOTALS] = gap_totals(logprobs.detach(), batch.sampling_logprobs, served, batch.sampler)
     return loss, step_stats

@@ -24,7 +24,11 @@ Where it is measured, so that no forward is added:
 With several training processes each has an engine of its own, and each checks its own gap, the verdict taken over
 all of them (`check_processes`, a gather): a push lost on one process stops every process together, at the same
 point, where the logged gap (the mean over processes) would read as 1/N of it and a verdict of one process alone
-would leave the others waiting in the next collective.
+would leave the others waiting in the next collective. In the same way, an engine that spreads a batch over
+samplers holding weights of their own (several inference servers, `VLLMServers`; the engines of a data-parallel
+server, which says which engine sampled each row) names them (`RolloutEngine`: `samplers`, `Rollout.sampler`), and
+each sampler's gap over the rows it drew is checked (`gap_totals`): a push lost by one server of N, or by one engine
+of a data-parallel server, would read as about 1/N of its gap in the batch's mean. The error names the sampler.
 
 Truncated sampling (top_k, top_p < 1, min_p; also a repetition penalty and suppressed tokens) is checked where the
 engine's log-probs and π_old are of one distribution, the one the token was drawn from: with keep_sampling_mask (the
@@ -59,6 +63,8 @@ from .rollout.sampling import processes
 
 # TRL 1.16's name for the quantity (its vLLM importance-sampling correction logs it): the gap the check reads.
 SERVED_GAP = "sampling/sampling_logp_difference/mean"
+# A micro-batch's served-gap totals by sampler (`gap_totals`), for `check_step`: kept apart from the logged metrics.
+SERVED_TOTALS = "served/gap_totals"
 
 PROCESSED = "truncated or penalised sampling (top_k, top_p, min_p, repetition_penalty, suppress_tokens)"
 
@@ -101,6 +107,48 @@ def samples_with_policy(engine, policy) -> bool:
     return getattr(engine, "model", None) is policy
 
 
+def sampler_names(engine) -> list[str]:
+    """The names of the samplers `engine` spreads its batches over (`Rollout.sampler` indexes them), the same on every
+    process; [] for an engine that samples as one."""
+    return list(getattr(engine, "samplers", None) or [])
+
+
+def gap_totals(
+    logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    sampler: torch.Tensor | None,
+    count: int | None = None,
+) -> torch.Tensor:
+    """[count, 2] float64: for each sampler s, (sum_t |logprobs_t - sampling_logprobs_t|, tokens) over the tokens with
+    mask 1 of the rows it drew (sampler [N], each row's index in range(count); None: every row sampler 0), a NaN gap
+    left out as in `loss.logprob_gap`. count None: up to the largest index. A sampler's gap is its sum over its
+    tokens (`mean_gaps`)."""
+    gap = (logprobs.double() - sampling_logprobs.double()).abs()
+    kept = mask.bool() & ~torch.isnan(gap)
+    rows = torch.zeros(len(gap), dtype=torch.long, device=gap.device) if sampler is None else sampler.to(gap.device)
+    largest = int(rows.max()) if len(rows) else 0
+    count = largest + 1 if count is None else count
+    if len(rows) and (int(rows.min()) < 0 or largest >= count):
+        raise unnamed_samplers(sorted(set(rows.tolist())), count)
+    totals = torch.zeros(count, 2, dtype=torch.float64, device=gap.device)
+    totals[:, 0].index_add_(0, rows, torch.where(kept, gap, 0.0).sum(1))
+    totals[:, 1].index_add_(0, rows, kept.sum(1).double())
+    return totals
+
+
+def unnamed_samplers(labels: list[int], count: int) -> ValueError:
+    return ValueError(
+        f"Rollout.sampler holds the sampler indices {labels}, and the engine names {count} sampler(s) (its "
+        f"`samplers`): an engine that labels its rows must name every sampler it labels them with."
+    )
+
+
+def mean_gaps(totals: torch.Tensor) -> torch.Tensor:
+    """Each sampler's gap from `gap_totals` ([count, 2]): its mean over its tokens; NaN for a sampler with none."""
+    return totals[:, 0] / totals[:, 1].where(totals[:, 1] > 0, math.nan)
+
+
 def check_gap(
     gap: float,
     tolerance: float | None,
@@ -109,12 +157,14 @@ def check_gap(
     where: str,
     policy,
     process: tuple[int, int] | None = None,
+    sampler: str | None = None,
 ) -> None:
     """Raise `ServedPolicyMismatch` when `gap` (`SERVED_GAP`) is above `tolerance` (None: no check), unless the
     engine samples with `policy` itself (`samples_with_policy`: the gap is logged, never raised). engine: the engine
     that sampled; version: the weights' version (optimizer steps) it was sent; where: what π_old was (for the
     message); policy: the module the trainer pushes; process: (index, count) of the process whose own gap this is,
-    when there are several (`check_processes`)."""
+    when there are several (`check_processes`); sampler: the name of the sampler whose own gap this is, when the
+    engine names its samplers (`sampler_names`)."""
     if tolerance is None or not gap > tolerance:  # a NaN gap (no token measured) is not a mismatch
         return
     if samples_with_policy(engine, policy):
@@ -122,6 +172,8 @@ def check_gap(
     name = type(engine).__name__
     pushed = "the weights" if version is None else f"the weights of version {version} (after {version} optimizer steps)"
     on = "" if process is None else f" on process {process[0]} of {process[1]}"
+    if sampler is not None:
+        on = f" on {sampler}" + ("" if process is None else f" (the rows of process {process[0]} of {process[1]})")
     raise ServedPolicyMismatch(
         f"{name} does not sample with the weights it was sent{on}: after the push of {pushed}, its log-probs of the "
         f"tokens it sampled differ from the trainer's π_old ({where}) by {gap:.4g} nats on average "
@@ -133,28 +185,64 @@ def check_gap(
 
 
 def check_processes(
-    accelerator, gap: float, tolerance: float | None, engine, version: int | None, where: str, policy
+    accelerator,
+    gap: float | torch.Tensor,
+    tolerance: float | None,
+    engine,
+    version: int | None,
+    where: str,
+    policy,
 ) -> None:
-    """`check_gap` of the largest of the processes' own gaps (`gap`: this process's): a collective every process
-    calls, so that all of them raise together, with the same error, or none does. Each process has an engine of
-    its own (vLLM colocated: one per process), and a push lost on one process only must stop the run: the logged
-    gap, the mean over processes, would read as 1/N of it. Nothing to gather where the check is off or the engine
-    samples with the policy itself (the in-process engine: every process alike)."""
+    """`check_gap` of the largest of the processes' own gaps (`gap`: this process's; a tensor [S]: each of the
+    engine's S samplers' own, `mean_gaps`, NaN where one drew no measured token): a collective every process calls, so
+    that all of them raise together, with the same error, or none does. Each process has an engine of its own (vLLM
+    colocated: one per process), and a push lost on one process only (or by one sampler) must stop the run: the
+    logged gap, the mean over processes (and samplers), would read as 1/N of it. Nothing to gather where the check is
+    off or the engine samples with the policy itself (the in-process engine: every process alike)."""
     if tolerance is None or samples_with_policy(engine, policy):
         return
-    count = accelerator.num_processes
-    gaps = accelerator.gather(torch.tensor([gap], dtype=torch.float64, device=accelerator.device)).cpu()
+    count, names = accelerator.num_processes, sampler_names(engine)
+    local = torch.as_tensor(gap, dtype=torch.float64).reshape(-1).to(accelerator.device)
+    gaps = accelerator.gather(local).cpu().reshape(-1, len(local))  # [processes, samplers]
     worst = int(gaps.nan_to_num(nan=-math.inf).argmax())  # all NaN (no token measured anywhere): NaN, no mismatch
-    check_gap(gaps[worst].item(), tolerance, engine, version, where, policy, (worst, count) if count > 1 else None)
+    process, sampler = divmod(worst, gaps.shape[1])
+    check_gap(
+        gaps.reshape(-1)[worst].item(),
+        tolerance,
+        engine,
+        version,
+        where,
+        policy,
+        (process, count) if count > 1 else None,
+        names[sampler] if len(local) == len(names) else None,  # a gap per named sampler
+    )
 
 
-def check_step(accelerator, args: GRPOConfig, step_stats: list[dict], engine, version: int, policy) -> None:
-    """The training-forward measure (`TrainBatch.served_rows`): the optimizer step's gap on this process (the mean
-    over its micro-batches' `step_stats`), checked over processes (`check_processes`); nothing when the step
-    measured none (on every process alike: the batches of a step are marked, or not, on all of them)."""
+def take_step_totals(step_stats: list[dict]) -> list[torch.Tensor]:
+    """The micro-batches' served-gap totals by sampler (`SERVED_TOTALS`: `gap_totals` of the rows marked
+    `TrainBatch.served_rows`, where the engine said which sampler drew each), taken out of their stats: they are
+    for `check_step`, not metrics to average and log."""
+    return [stats.pop(SERVED_TOTALS) for stats in step_stats if SERVED_TOTALS in stats]
+
+
+def check_step(
+    accelerator, args: GRPOConfig, step_stats: list[dict], totals: list[torch.Tensor], engine, version: int, policy
+) -> None:
+    """The training-forward measure (`TrainBatch.served_rows`), checked over processes (`check_processes`): each
+    sampler's gap over the optimizer step's tokens on this process (`totals`, `take_step_totals` of its micro-batches,
+    summed) where the rows say which sampler drew them, else the step's gap on this process (the mean over its
+    micro-batches' `step_stats`); nothing when the step measured none (on every process alike: the batches of a
+    step are marked and labelled, or not, on all of them)."""
+    tolerance, where = args.served_logprob_tolerance, "the training forward's"
+    if totals:
+        count = max(1, len(sampler_names(engine)))  # the same on every process
+        summed = torch.zeros(count, 2, dtype=torch.float64)
+        for t in totals:
+            if len(t) > count:
+                raise unnamed_samplers(list(range(len(t))), count)
+            summed[: len(t)] += t.cpu()
+        check_processes(accelerator, mean_gaps(summed), tolerance, engine, version, where, policy)
+        return
     gaps = [stats[SERVED_GAP] for stats in step_stats if SERVED_GAP in stats]
     if gaps:
-        tolerance = args.served_logprob_tolerance
-        check_processes(
-            accelerator, sum(gaps) / len(gaps), tolerance, engine, version, "the training forward's", policy
-        )
+        check_processes(accelerator, sum(gaps) / len(gaps), tolerance, engine, version, where, policy)

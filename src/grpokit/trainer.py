@@ -73,7 +73,7 @@ from .models import sync_reference
 from .producer import Producer, WeightSync, start_producer
 from .rewards.model import RewardModel
 from .rollout import RolloutEngine
-from .served import check_step
+from .served import check_step, take_step_totals
 from .signals import SignalWarnings
 from .state import Callbacks
 from .train_run import TrainRun, begin_run
@@ -422,9 +422,10 @@ class GRPOTrainer:
             "grad_norm": result.grad_norm,
             "nonfinite_steps": self.state.nonfinite_steps,
         }
+        served = take_step_totals(stats)  # the served-policy check's, not metrics
         means = reduce_step_metrics(acc, step_metrics, stats)  # over processes
         self.window.add(means)
-        check_step(acc, args, stats, self.engine, self.state.global_step - 1, self.experience.policy())
+        check_step(acc, args, stats, served, self.engine, self.state.global_step - 1, self.experience.policy())
         return means["loss"]
 
     def training_step(self, model, inputs: TrainBatch, num_items_in_batch=None) -> torch.Tensor:

@@ -41,8 +41,9 @@ The protocol is plain HTTP with JSON (stdlib on both sides; one request at a tim
                            "prompt_seeds": [int, ...] | null (each prompt's; default: drawn from `seed`),
                            "instance": id, "structured_outputs_regex": str | null,
                            "images": [[PNG, base64], ...] | null, "unexpanded_ids": [[...]] | null}
-                          -> {"completions": [[ids, logprobs, finish_reason], ...]}; 409 when `instance` is not
-                          this server's (it restarted and lost the pushed weights)
+                          -> {"completions": [[ids, logprobs, finish_reason], ...], "engines": [int, ...] (with
+                          --data-parallel-size: the engine that sampled each completion)}; 409 when `instance` is
+                          not this server's (it restarted and lost the pushed weights)
                           images: each prompt's, with its ids before the processor expanded the image placeholders
                           (vLLM expands them itself and must arrive at prompt_ids, or the request fails)
     POST /update_weights  body: the weights as safetensors bytes, checkpoint names -> {"version": int}; a tensor
@@ -481,7 +482,12 @@ class DataParallelService(ServedWeights):
         answers = self._all([("generate", piece(part)) if part else None for part in parts])
         for engine, part in zip(self.engines, parts):
             engine.prompts += len(part)
-        return {"completions": [row for answer in answers if answer for row in answer], "version": self.version}
+        return {
+            "completions": [row for answer in answers if answer for row in answer],
+            # which engine sampled each row: the trainer checks each one's served-policy gap (grpokit.served)
+            "engines": [index for index, answer in enumerate(answers) if answer for _ in answer],
+            "version": self.version,
+        }
 
     def _load(self, weights: dict) -> None:
         """The weights to every engine, as safetensors bytes in one block of shared memory that each engine reads."""

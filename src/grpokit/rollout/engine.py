@@ -137,6 +137,10 @@ class Rollout:
     # Each sampled token's kept set and processing (`SamplingMask`, kept_ids [N, T, K]) where the engine drew from a
     # processed distribution and reports its log-probs; None where sampling_logprobs are the policy's.
     sampling_mask: SamplingMask | None = None
+    # [N] int64: which of the engine's samplers drew each row, an index into the engine's `samplers` (their names:
+    # several inference servers, the engines of a data-parallel server), so that the served-policy check takes each
+    # sampler's own gap (grpokit.served); None: the engine samples as one.
+    sampler: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -159,6 +163,7 @@ class Rollout:
             self.extra,
             None if self.multimodal is None else self.multimodal.to(device),
             None if self.sampling_mask is None else self.sampling_mask.map(move),
+            move(self.sampler),
         )
 
     def select(self, index: list[int] | torch.Tensor) -> Rollout:
@@ -176,6 +181,7 @@ class Rollout:
             {k: [v[i] for i in index.tolist()] for k, v in self.extra.items()},
             None if self.multimodal is None else self.multimodal.select(index),
             None if self.sampling_mask is None else self.sampling_mask.map(pick),
+            pick(self.sampler),
         )
 
     def trimmed(self) -> Rollout:
@@ -237,6 +243,7 @@ class Rollout:
                 "distribution) and others none; sample every part with the same keep_sampling_mask."
             )
         widths = [p.completion_ids.shape[1] for p in parts]
+        samplers = [p.sampler for p in parts]
         return Rollout(
             pad([p.prompt_ids for p in parts], True),
             pad([p.prompt_mask for p in parts], True),
@@ -249,6 +256,7 @@ class Rollout:
             {k: [x for p in parts for x in p.extra[k]] for k in parts[0].extra},
             None if multimodal[0] is None else MultimodalInputs.concat(multimodal),
             None if masks[0] is None else SamplingMask.concat(masks, widths),
+            None if any(x is None for x in samplers) else torch.cat(samplers),
         )
 
 
@@ -261,6 +269,9 @@ class RolloutEngine(Protocol):
     log-probs of the same weights (grpokit's in-process engine in float32, tested to 1e-5). Then they serve as π_old
     without another forward; otherwise they only feed the sampling corrections. Read it with
     `engine_logprobs_match_training(engine)`. It is not a protocol member, so that an engine without it still is one.
+    An engine that spreads each batch over several samplers holding weights of their own (several inference servers)
+    names them in a `samplers` attribute (a list of str, the same on every training process) and says which drew
+    each row in `Rollout.sampler`: the served-policy check then takes each one's gap (grpokit.served).
     """
 
     def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:

@@ -27,6 +27,7 @@ import collections
 import concurrent.futures
 import http.client
 import io
+import itertools
 import json
 import logging
 import math
@@ -168,14 +169,27 @@ class VLLMServerEngine:
             barrier()
         self.pushed_versions = parameter_versions(model)  # after the merge / unmerge of a LoRA adapter
 
+    @property
+    def samplers(self) -> list[str]:
+        """What samples behind this URL, by name (`RolloutEngine`): the server, or each engine of a data-parallel
+        one (`Rollout.sampler` says which sampled a row, from the server's answer)."""
+        engines = int(self.info.get("data_parallel_size") or 1)
+        if engines == 1:
+            return [f"the vLLM server at {self.base_url}"]
+        return [f"engine {i} of {engines} of the vLLM server at {self.base_url}" for i in range(engines)]
+
     def generate(self, prompts: PromptBatch, params: SamplingParams, seed: int) -> Rollout:
-        return rollout_from_completions(prompts, self.completions(prompts, params, seed), params)
+        rows, engines = self.completions(prompts, params, seed)
+        rollout = rollout_from_completions(prompts, rows, params)
+        rollout.sampler = torch.tensor(engines, dtype=torch.long)
+        return rollout
 
     def completions(
         self, prompts: PromptBatch, params: SamplingParams, seed: int, seeds: list[int] | None = None
-    ) -> list[tuple]:
+    ) -> tuple[list[tuple], list[int]]:
         """The server's (ids, log-probs, finish reason) of each row of `prompts`, prompt b's sampled with seeds[b]
-        (default: the server draws them from `seed`, as `prompt_seeds` does)."""
+        (default: the server draws them from `seed`, as `prompt_seeds` does), and the index of the engine of a
+        data-parallel server that sampled each row (one engine: 0)."""
         images = None
         if prompts.images is not None and any(prompts.images):
             if not self.info.get("images"):
@@ -205,7 +219,22 @@ class VLLMServerEngine:
             self._repush_after_restart(answer is None)
         if answer is None:
             answer = self.request("POST", "/generate", {**body, "instance": self.info["instance"]})
-        return [tuple(entry) for entry in answer["completions"]]  # ids, log-probs, finish reason, kept sets or None
+        rows = [tuple(entry) for entry in answer["completions"]]  # ids, log-probs, finish reason, kept sets or None
+        return rows, self._engines_of(answer, len(rows))
+
+    def _engines_of(self, answer: dict, rows: int) -> list[int]:
+        """Which engine sampled each row, as a data-parallel server's answer says (`engines`); 0 for every row of a
+        server that samples as one."""
+        engines = answer.get("engines")
+        if engines is None:
+            return [0] * rows
+        count = len(self.samplers)
+        if len(engines) != rows or any(not 0 <= e < count for e in engines):
+            raise ServerError(
+                f"The vLLM server at {self.base_url} answered {rows} completions with the engines {engines} "
+                f"(its /info says data_parallel_size={count}): restart it, and the trainer with it."
+            )
+        return list(engines)
 
     def _repush_after_restart(self, restarted_here: bool) -> None:
         """A sharded model's push is a collective: when any process met a restarted server, they all learn of it
@@ -367,7 +396,9 @@ class VLLMServers:
     from how the batch was cut: the servers hold the same weights, so which one samples a piece changes nothing but
     timing (and the last bits of the arithmetic, which vary with a batch's size), and every batch is sampled by one
     version of the weights. A server may itself be data-parallel (`grpokit vllm-serve --data-parallel-size`), which
-    splits each piece over its engines by the same rule.
+    splits each piece over its engines by the same rule. Each row says which server (and which engine of a
+    data-parallel one) sampled it (`samplers`, `Rollout.sampler`): the served-policy check takes each one's own gap
+    (grpokit.served).
 
     A server that fails (stops answering, answers with an error) stops the generation with its URL; the run stops with
     a good checkpoint and resumes once the server is back. With `failover` (vllm_server_failover) its piece goes to
@@ -408,6 +439,12 @@ class VLLMServers:
         return cls(servers, failover=getattr(args, "vllm_server_failover", False))
 
     @property
+    def samplers(self) -> list[str]:
+        """Every server's samplers (`VLLMServerEngine.samplers`), in the servers' order, a dead one's kept: the
+        index of a row's in `Rollout.sampler`."""
+        return [name for server in self.servers for name in server.samplers]
+
+    @property
     def live(self) -> list[VLLMServerEngine]:
         return [server for server in self.servers if server.base_url not in self.dead]
 
@@ -434,7 +471,8 @@ class VLLMServers:
         size = math.ceil(len(prompts.ids) / max(1, len(self.live) * self.pieces_per_server))
         pieces = [range(start, min(start + size, len(prompts.ids))) for start in range(0, len(prompts.ids), size)]
         seeds = prompt_seeds(seed, len(prompts.ids))
-        results: list[list | None] = [None] * len(pieces)
+        results: list[tuple | None] = [None] * len(pieces)  # each piece's rows and their samplers (`samplers`)
+        first = dict(zip(self.servers, itertools.accumulate([len(s.samplers) for s in self.servers], initial=0)))
         waiting = collections.deque(range(len(pieces)))
         lock, stopped = threading.Lock(), []
 
@@ -446,9 +484,10 @@ class VLLMServers:
                     index = waiting.popleft()
                 try:
                     rows = pieces[index]
-                    results[index] = server.completions(
+                    completions, engines = server.completions(
                         _piece(prompts, rows), params, seeds[rows[0]], [seeds[row] for row in rows]
                     )
+                    results[index] = completions, [first[server] + engine for engine in engines]
                 except (ConnectionError, ServerError) as error:
                     with lock:
                         waiting.appendleft(index)
@@ -479,8 +518,9 @@ class VLLMServers:
                 f"No vLLM server is left to sample with (vllm_server_failover): {lost}. Restart "
                 f"them and resume the run from its last checkpoint."
             )
-        completions = [row for part in results for row in part]
-        return rollout_from_completions(prompts, completions, params)
+        rollout = rollout_from_completions(prompts, [row for rows, _ in results for row in rows], params)
+        rollout.sampler = torch.tensor([sampler for _, samplers in results for sampler in samplers], dtype=torch.long)
+        return rollout
 
     def _lose(self, server: VLLMServerEngine, error: BaseException, doing: str) -> None:
         if not self.failover:
