@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from letters import letter_config, letter_dataset, repeat_letter, tiny_letter_model
+from letters import LETTERS, letter_config, letter_dataset, long_tail_letter_model, repeat_letter, tiny_letter_model
 
 from grpokit import GRPOTrainer
 from grpokit.batch import TrainBatch
@@ -203,6 +203,42 @@ def test_a_truncated_run_trains_and_logs_a_ratio_of_one(tmp_path):
     trainer.train()
     history = [r for r in trainer.state.log_history if "loss" in r]
     assert len(history) == 2 and all(math.isfinite(r["loss"]) and math.isfinite(r["kl"]) for r in history)
+
+
+def test_the_long_tail_letter_task_holds_its_tail_mass_and_top_p_drops_only_junk(tmp_path):
+    # benchmarks/truncated_sampling.py --tail: 500 junk tokens after the 16 real ones hold 0.12 of the first
+    # completion token's probability (averaged over the 8 prompts); over the real tokens the model is the letter
+    # task's. top_p=0.9 then keeps every real token and some of the junk, and the engine and the training forward
+    # both apply the LM head's bias (the ratio is 1).
+    model, tokenizer = long_tail_letter_model(500, 0.12, seed=1)
+    assert len(tokenizer) == 516 and tokenizer.convert_ids_to_tokens([15, 16, 515]) == ["h", "<w0>", "<w499>"]
+    prompts = torch.tensor([tokenizer(f"{c}:")["input_ids"] for c in LETTERS])
+    with torch.no_grad():
+        probs = model(prompts).logits[:, -1].double().softmax(-1)
+        original = tiny_letter_model(seed=1)[0](prompts).logits[:, -1].double().softmax(-1)
+    assert probs[:, 16:].sum(-1).mean().item() == pytest.approx(0.12, abs=1e-6)
+    real = probs[:, :16] / probs[:, :16].sum(-1, keepdim=True)
+    torch.testing.assert_close(real, original, rtol=0, atol=1e-6)
+    args = letter_config(tmp_path, num_iterations=2, max_completion_length=2, top_p=0.9)
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset(), processing_class=tokenizer
+    )
+    batch = trainer.generate_batch()
+    first = batch.sampling_mask.kept_ids[:, 0]  # [N, K] the first completion token's kept sets
+    kept = [set(row[row != PADDING].tolist()) for row in first]
+    assert all(set(range(16)) <= ids for ids in kept)
+    assert min(len(ids) for ids in kept) > 16 and max(len(ids) for ids in kept) < 200
+    logprobs, _ = token_logprobs(
+        trainer.unwrapped_model,
+        batch.input_ids,
+        batch.input_mask,
+        batch.completion_ids.shape[1],
+        1.0,
+        sampling_mask=batch.sampling_mask,
+    )
+    mask = batch.loss_mask.bool()
+    ratio = torch.exp(logprobs - batch.old_logprobs)[mask]
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), rtol=0, atol=ATOL)
 
 
 @pytest.mark.parametrize("filters", [{"top_p": 0.7}, {"top_k": 4, "repetition_penalty": 1.5}, {"min_p": 0.3}])
