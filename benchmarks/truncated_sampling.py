@@ -13,7 +13,11 @@ Protocol (fixed before any long-tail result was seen): 100 optimizer steps, the 
 0-29 for every setting on both tasks, run seed by seed (every setting of a seed before the next seed); for the long
 tail N = 500 and a mass of 0.12 (so top_p=0.9 keeps every real token and some of the junk at the start). Seeds
 30-99 were added on both tasks after the results of seeds 0-29 (no difference resolved on either task), to narrow
-the standard errors; docs/benchmarks.md gives both. Per run:
+the standard errors; docs/benchmarks.md gives both. Then a confirmatory run on the letter task, declared before any
+of its results were read: fresh seeds 100-399, the primary comparison top_p=0.9 with the mask minus top_p=1.0 in
+`end` over those seeds alone, "learns at least as well" shown when its mean minus 2 standard errors is above -0.03
+(a non-inferiority margin of 0.03 in end reward), "learns less well" when its mean plus 2 standard errors is below
+0. Per run:
 
 - `start`, `end`: the training reward (the run's own sampling: what a user deploying that top_p gets) averaged
   over the first and the last 8 generation batches; `reaches_0.6_at`: the optimizer step at whose batch that
@@ -33,6 +37,8 @@ neither shown nor refuted at that number of seeds.
         --out benchmarks/results/truncated_sampling.json
     python benchmarks/truncated_sampling.py --steps 100 --tail 500 --seeds $(seq 0 99) \
         --out benchmarks/results/truncated_sampling_tail.json
+    python benchmarks/truncated_sampling.py --steps 100 --seeds $(seq 100 399) \
+        --out benchmarks/results/truncated_sampling_confirm.json
 
 An existing `--out` file of the same task is resumed: the runs it holds are kept, the others added.
 """
