@@ -145,21 +145,24 @@ def test_a_bf16_heads_weight_gradient_is_added_by_blocks_bitwise_without_a_whole
     # product and the float32 copy torch makes to add it (1.5x a float32 head at the backward's peak); by blocks of
     # vocabulary rows (`add_weight_grad`), neither, and the gradient is the same to the bit.
     import grpokit.head_autograd as head_autograd
+    import grpokit.logprobs
 
     v, h = 16_384, 128
     hidden, weight, _, targets, upstream = make_inputs(n=2, t=128, h=h, v=v, bias=False)
     weight.data /= 4
+    monkeypatch.setattr(head_autograd, "WEIGHT_GRAD_BLOCK_ELEMENTS", 2**16)  # 32 blocks
 
-    def backward(block_elements):
-        monkeypatch.setattr(head_autograd, "WEIGHT_GRAD_BLOCK_ELEMENTS", block_elements, raising=False)
+    def backward():
         weight.grad = hidden.grad = None
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logprobs, _ = chunked_token_logprobs(hidden, weight, targets, chunk_rows=128)
         loss = (logprobs * upstream).sum()
         return peak_live_bytes(loss.backward), weight.grad.clone(), hidden.grad.clone()
 
-    whole_peak, whole_grad, whole_hidden_grad = backward(v * h)  # one block: the whole product
-    blocks_peak, grad, hidden_grad = backward(2**16)  # 32 blocks
+    blocks_peak, grad, hidden_grad = backward()
+    with monkeypatch.context() as patch:  # the formula before the blocks: the whole product, then its float32 copy
+        patch.setattr(grpokit.logprobs, "add_weight_grad", lambda gw, gl, hc: gw.add_((gl.t() @ hc).to(gw.dtype)))
+        whole_peak, whole_grad, whole_hidden_grad = backward()
     assert torch.equal(grad, whole_grad) and torch.equal(hidden_grad, whole_hidden_grad)
     float32_head = v * h * 4
     assert blocks_peak <= whole_peak - 1.25 * float32_head, (whole_peak, blocks_peak)

@@ -153,6 +153,7 @@ def test_memory_savings_leave_a_seeded_bf16_run_bitwise(model_dir, tmp_path, mon
     # beta > 0 gives the same losses, KL and final weights bitwise as the same run with all four off.
     import grpokit.cpu_memory
     import grpokit.head_autograd
+    import grpokit.logprobs
     import grpokit.models
     import grpokit.optim
     import grpokit.trainer
@@ -160,8 +161,6 @@ def test_memory_savings_leave_a_seeded_bf16_run_bitwise(model_dir, tmp_path, mon
     monkeypatch.setattr(grpokit.optim, "TORCH_ADAM_BLOCK_ELEMENTS", 256)  # the tiny embedding: blocks of 4 rows
     monkeypatch.setattr(grpokit.cpu_memory, "BACKWARD_TRIM_MIN_GRADIENT_BYTES", 0)  # trims on the tiny model too
     monkeypatch.setattr(grpokit.head_autograd, "WEIGHT_GRAD_BLOCK_ELEMENTS", 1)  # the head's gradient row by row
-    import grpokit.logprobs
-
     blocks = []  # (the gradient's dtype, the product's) at each call: the blocked route is a bf16 product's
     add_weight_grad = grpokit.logprobs.add_weight_grad
     monkeypatch.setattr(
@@ -178,12 +177,17 @@ def test_memory_savings_leave_a_seeded_bf16_run_bitwise(model_dir, tmp_path, mon
                 patch.setattr(grpokit.models, "AUTOCAST_REFERENCE_LINEARS", False)
                 patch.setattr(grpokit.optim, "row_chunked", lambda cls: cls)
                 patch.setattr(grpokit.trainer, "trim_heap_in_backward", lambda model: 0)
-                patch.setattr(grpokit.head_autograd, "WEIGHT_GRAD_BLOCK_ELEMENTS", 2**62)  # one whole product
+                patch.setattr(  # the formula before the blocks: the whole product, then its float32 copy
+                    grpokit.logprobs,
+                    "add_weight_grad",
+                    lambda gw, gl, h: blocks.append((gw.dtype, gl.dtype)) or gw.add_((gl.t() @ h).to(gw.dtype)),
+                )
             args = config(tmp_path / str(saving), bf16=True, beta=0.04, max_steps=3, per_device_train_batch_size=16)
             trainer = GRPOTrainer(
                 model=model_dir, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset()
             )
-            trims.clear(), blocks.clear()
+            trims.clear()
+            blocks.clear()
             trainer.train()
             assert blocks and set(blocks) == {(torch.float32, torch.bfloat16)}
             up_proj = trainer.reference.model.layers[0].mlp.up_proj.weight.dtype
