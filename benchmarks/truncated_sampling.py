@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import tempfile
 import time
@@ -132,8 +133,8 @@ def reaches(steps: list[int], curve: list[float], level: float) -> int | None:
 def paired(differences: list[float]) -> dict:
     """Mean, standard error (sd / √n) and signs of per-seed paired differences."""
     n = len(differences)
-    mean = sum(differences) / n
-    se = math.sqrt(sum((d - mean) ** 2 for d in differences) / (n - 1) / n) if n > 1 else float("nan")
+    mean = statistics.fmean(differences)
+    se = statistics.stdev(differences) / math.sqrt(n) if n > 1 else math.nan
     return {
         "n": n,
         "mean": round(mean, 4),
@@ -146,27 +147,41 @@ def paired(differences: list[float]) -> dict:
     }
 
 
+MASK, NO_MASK = list(SETTINGS)[1:]
+# The paired comparisons: each top_p=0.9 setting against top_p=1.0, and the mask against TRL's update.
+COMPARISONS = [(MASK, BASELINE), (NO_MASK, BASELINE), (MASK, NO_MASK)]
+PAIRED_METRICS = ("end", "p_right", "p_right_sampled")
+
+
 def summarize(results: dict) -> dict:
-    """Per setting the means over its seeds, and per top_p=0.9 setting its paired differences from top_p=1.0 in
-    the final training reward and in p_right (over the seeds that have both; p_right only where recorded)."""
+    """Per setting the means over its seeds, and its paired differences (`COMPARISONS`) in the final training
+    reward and the right letter's probabilities (over the seeds that have both; a metric only where recorded)."""
+    runs = {name: {r["seed"]: r for key, r in results.items() if key.startswith(f"{name}, seed ")} for name in SETTINGS}
     summary = {}
-    for name in SETTINGS:
-        runs = {r["seed"]: r for key, r in results.items() if key.startswith(f"{name}, seed ")}
-        if not runs:
+    for name, own in runs.items():
+        if not own:
             continue
-        row = {"seeds": sorted(runs)}
+        row = {"seeds": sorted(own)}
         for metric in ("start", "end", "p_right", "p_right_sampled", "greedy", "junk_mass"):
-            values = [r[metric] for r in runs.values() if metric in r]
+            values = [r[metric] for r in own.values() if metric in r]
             if values:
-                row[metric] = {"n": len(values), "mean": round(sum(values) / len(values), 4)}
-        baseline = {r["seed"]: r for key, r in results.items() if key.startswith(f"{BASELINE}, seed ")}
-        if name != BASELINE:
-            for metric in ("end", "p_right"):
-                seeds = [s for s in sorted(runs) if s in baseline and metric in runs[s] and metric in baseline[s]]
+                row[metric] = {"n": len(values), "mean": round(statistics.fmean(values), 4)}
+        for other in (b for a, b in COMPARISONS if a == name):
+            for metric in PAIRED_METRICS:
+                seeds = [s for s in sorted(own) if s in runs[other] and metric in own[s] and metric in runs[other][s]]
                 if seeds:
-                    row[f"{metric} minus {BASELINE}"] = paired([runs[s][metric] - baseline[s][metric] for s in seeds])
+                    row[f"{metric} minus {other}"] = paired([own[s][metric] - runs[other][s][metric] for s in seeds])
         summary[name] = row
     return summary
+
+
+def merged_results(paths: list[str]) -> dict:
+    """The runs of several `--out` files of one task (the same steps and tail), e.g. seeds run in two batches."""
+    documents = [json.loads(Path(path).read_text()) for path in paths]
+    tasks = {json.dumps({k: d.get(k) for k in ("steps", "tail", "tail_mass")}) for d in documents}
+    if len(tasks) > 1:
+        raise SystemExit(f"--summarize: these files hold different tasks ({sorted(tasks)}): give one task's files.")
+    return {key: row for d in documents for key, row in d["results"].items()}
 
 
 def run_one(options: dict, seed: int, args, output_dir: Path) -> dict:
@@ -215,7 +230,18 @@ def main(argv=None) -> int:
     parser.add_argument("--tail", type=int, default=0, help="junk tokens appended to the vocabulary (0: none)")
     parser.add_argument("--tail-mass", type=float, default=0.12, help="their initial probability together")
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--summarize", nargs="+", metavar="FILE", help="print the summary of these --out files' runs together, run none"
+    )
     args = parser.parse_args(argv)
+    if args.summarize:
+        summary = summarize(merged_results(args.summarize))
+        for row in summary.values():  # the means and differences, without each seed's
+            for value in row.values():
+                if isinstance(value, dict):
+                    value.pop("per_seed", None)
+        print(json.dumps(summary, indent=1))
+        return 0
     if args.tail and not 0 < args.tail_mass < 1:
         parser.error(f"--tail-mass must be in (0, 1), got {args.tail_mass}: the junk tokens' initial share.")
     root = Path(__file__).resolve().parent.parent
