@@ -146,10 +146,20 @@ def test_return_free_memory_gives_back_the_holes_between_live_tensors_in_the_tra
     assert released["keep"] < 5, released  # the loop's setting keeps them otherwise: what the trainer's calls are for
 
 
-def test_the_trainer_returns_free_memory_after_the_rollout_and_the_no_grad_forwards(monkeypatch, tmp_path):
-    from grpokit import GRPOConfig, GRPOTrainer, experience
+@pytest.mark.parametrize("model_bytes_over_threshold", [True, False])
+def test_the_trainer_returns_free_memory_after_the_rollout_and_the_no_grad_forwards_for_a_large_model(
+    monkeypatch, tmp_path, model_bytes_over_threshold
+):
+    from transformers import AutoModelForCausalLM
+
+    from grpokit import GRPOConfig, GRPOTrainer, cpu_memory, experience
     from grpokit.testing import save_tiny_model
 
+    model = str(save_tiny_model(tmp_path / "tiny"))
+    model_bytes = sum(p.numel() * p.element_size() for p in AutoModelForCausalLM.from_pretrained(model).parameters())
+    monkeypatch.setattr(
+        cpu_memory, "PHASE_TRIM_MIN_MODEL_BYTES", model_bytes + (0 if model_bytes_over_threshold else 1)
+    )
     events = []
     monkeypatch.setattr(experience, "return_free_memory", lambda: events.append("free") or True)
     logprobs_in_chunks = experience.logprobs_in_chunks
@@ -171,7 +181,7 @@ def test_the_trainer_returns_free_memory_after_the_rollout_and_the_no_grad_forwa
         beta=0.04,
     )
     run = GRPOTrainer(
-        model=str(save_tiny_model(tmp_path / "tiny")),
+        model=model,
         args=args,
         train_dataset=[{"prompt": "ab"}] * 8,
         reward_funcs=lambda completions, **kw: [0.0] * len(completions),
@@ -179,8 +189,10 @@ def test_the_trainer_returns_free_memory_after_the_rollout_and_the_no_grad_forwa
     sample = run.experience.sample
     monkeypatch.setattr(run.experience, "sample", lambda *a, **k: events.append("sample") or sample(*a, **k))
     run.train()
-    # Per step: the rollout, its free pages returned, the reference's forward, its free pages returned.
-    assert events == ["sample", "free", "logprobs_in_chunks", "free"] * 2
+    # Per step: the rollout, its free pages returned, the reference's forward, its free pages returned; for a model
+    # below the threshold, nothing returned.
+    expected = ["sample", "free", "logprobs_in_chunks", "free"] * 2
+    assert events == (expected if model_bytes_over_threshold else [e for e in expected if e != "free"])
 
 
 IMPORTS_SCRIPT = """

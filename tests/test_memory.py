@@ -212,17 +212,19 @@ def test_memory_savings_leave_a_seeded_bf16_run_bitwise(model_dir, tmp_path, mon
 def test_heap_trims_leave_a_seeded_float32_run_bitwise(model_dir, tmp_path, monkeypatch):
     # The `small` benchmark's settings (float32, beta 0.04, groups of 8 completions sharing a prompt: the
     # shared-prompt forward and the chunked head): the same losses, KL, grad norms and final weights bitwise with
-    # the heap trimmed wherever it can be (both thresholds at 0) as with the default thresholds, under which this
-    # tiny model's backward and head trim nothing (only the rollout and the no-grad forwards do). One thread: at two,
-    # the `small` benchmark's float32 run is not bitwise reproducible even with the same code.
+    # the heap trimmed wherever it can be (the three thresholds at 0) as with the default thresholds, under which
+    # this tiny model trims nowhere in the loop (not in the backward, not in the head, not between the phases). One
+    # thread: at two, the `small` benchmark's float32 run is not bitwise reproducible even with the same code.
     import grpokit.cpu_memory
+    import grpokit.experience
     import grpokit.logprobs
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    trims = {"backward": 0, "head": 0}
+    trims = {"backward": 0, "head": 0, "phases": 0}
     monkeypatch.setattr(grpokit.cpu_memory, "return_free_memory", lambda: trims.update(backward=trims["backward"] + 1))
     monkeypatch.setattr(grpokit.logprobs, "return_free_memory", lambda: trims.update(head=trims["head"] + 1))
+    monkeypatch.setattr(grpokit.experience, "return_free_memory", lambda: trims.update(phases=trims["phases"] + 1))
     runs = []
     try:
         for everywhere in (True, False):
@@ -230,13 +232,14 @@ def test_heap_trims_leave_a_seeded_float32_run_bitwise(model_dir, tmp_path, monk
                 if everywhere:
                     patch.setattr(grpokit.cpu_memory, "BACKWARD_TRIM_MIN_GRADIENT_BYTES", 0)
                     patch.setattr(grpokit.logprobs, "HEAD_TRIM_MIN_BYTES", 0)
+                    patch.setattr(grpokit.cpu_memory, "PHASE_TRIM_MIN_MODEL_BYTES", 0)
                 args = config(
                     tmp_path / str(everywhere), beta=0.04, max_steps=3, max_completion_length=8, learning_rate=1e-3
                 )
                 trainer = GRPOTrainer(
                     model=model_dir, reward_funcs=repeat_letter, args=args, train_dataset=letter_dataset()
                 )
-                trims.update(backward=0, head=0)
+                trims.update(backward=0, head=0, phases=0)
                 trainer.train()
                 runs.append((trainer, dict(trims)))
     finally:
@@ -245,11 +248,13 @@ def test_heap_trims_leave_a_seeded_float32_run_bitwise(model_dir, tmp_path, monk
     layers = len(everywhere.unwrapped_model.model.layers)
     # One trim when training starts (`reuse_activation_memory`); in each step's backward, one per layer and decoder
     # call (the shared prompts', then one per group of completion lengths: 2 to 5 calls); in the head, one before
-    # the reference's log-probs and one before the policy's.
+    # the reference's log-probs and one before the policy's; between the phases, one after the rollout and one after
+    # the reference's forward.
     backward_trims = everywhere_trims["backward"] - 1
     assert backward_trims % layers == 0 and 3 * 2 * layers <= backward_trims <= 3 * 5 * layers, everywhere_trims
     assert everywhere_trims["head"] == 3 * 2
-    assert default_trims == {"backward": 1, "head": 0}
+    assert everywhere_trims["phases"] == 3 * 2
+    assert default_trims == {"backward": 1, "head": 0, "phases": 0}
     keys = ("loss", "kl", "reward", "grad_norm", "entropy")
     assert [[e[k] for k in keys] for e in everywhere.state.log_history[:-1]] == [
         [e[k] for k in keys] for e in default.state.log_history[:-1]

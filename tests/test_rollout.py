@@ -662,6 +662,73 @@ def test_one_token_attention_samples_what_sdpa_samples(model_type):
     assert (fast.sampling_logprobs - plain.sampling_logprobs).abs().max() <= LOGPROB_ATOL
 
 
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "llama", "qwen2", "qwen3_moe"])
+def test_packed_linears_sample_what_the_plain_layers_sample(model_type, monkeypatch):
+    # Sampling on CPU in float32 runs the model's nn.Linear layers through oneDNN with weights packed per rollout:
+    # every plain linear layer takes it, the tokens are the same and the log-probs equal to float rounding; the
+    # layers have their own forward back afterwards.
+    from grpokit.rollout import fast
+    from grpokit.testing import build_tiny_model_of_type
+
+    if not fast._can_pack_linears():
+        pytest.skip("this torch has no oneDNN linear packing")
+    model = build_tiny_model_of_type(model_type, num_layers=2, vocab_size=64)
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    ids = torch.randint(3, 64, (3, 5), generator=seeded(1)).repeat_interleave(2, 0)
+    mask = torch.ones_like(ids)
+    mask[:2, :2] = 0
+    params = SamplingParams(max_new_tokens=12, eos_token_ids=(2,), pad_token_id=0)
+    packed_calls = []
+    original = fast._packed_linear_forward
+    monkeypatch.setattr(fast, "_packed_linear_forward", lambda *a: packed_calls.append(a[0]) or original(*a))
+    packed = generate(model, ids, mask, params, generator=seeded(2), num_generations=2)
+    assert {id(layer) for layer in packed_calls} == {id(layer) for layer in linears}
+    assert not any("forward" in layer.__dict__ for layer in linears)
+    monkeypatch.setattr(fast, "PACKED_LINEARS_MAX_BYTES", 0)
+    packed_calls.clear()
+    plain = generate(model, ids, mask, params, generator=seeded(2), num_generations=2)
+    assert packed_calls == []
+    assert torch.equal(packed.completion_ids, plain.completion_ids)
+    assert not torch.equal(packed.sampling_logprobs, plain.sampling_logprobs)  # another kernel: float rounding
+    assert (packed.sampling_logprobs - plain.sampling_logprobs).abs().max() <= LOGPROB_ATOL
+
+
+def test_packed_linears_pack_only_plain_float32_layers_outside_autocast(monkeypatch):
+    from grpokit.rollout import fast
+
+    if not fast._can_pack_linears():
+        pytest.skip("this torch has no oneDNN linear packing")
+
+    class Subclass(torch.nn.Linear):  # a quantized or adapter layer computes otherwise
+        pass
+
+    cpu = torch.device("cpu")
+    plain, sub, half, hooked = (
+        torch.nn.Linear(8, 4),
+        Subclass(8, 4),
+        torch.nn.Linear(8, 4).bfloat16(),
+        torch.nn.Linear(8, 4),
+    )
+    hooked.forward = hooked.forward  # replaced on the instance (accelerate's hooks): left to it
+    model = torch.nn.Sequential(plain, torch.nn.ReLU(), sub, half, hooked)
+    assert fast.packable_linears(model, cpu) == [plain]
+    assert fast.packable_linears(model, torch.device("meta")) == []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fast.packable_linears(model, cpu) == []
+    monkeypatch.setattr(fast, "PACKED_LINEARS_MAX_BYTES", 8 * 4 * 4 - 1)  # the layer's weight is 128 bytes
+    assert fast.packable_linears(model, cpu) == []
+    monkeypatch.setattr(fast, "PACKED_LINEARS_MAX_BYTES", 8 * 4 * 4)
+    x = torch.randn(5, 8, generator=seeded(0))
+    expected = torch.nn.functional.linear(x, plain.weight, plain.bias)
+    with fast.packed_linears(model, cpu):
+        assert "forward" in plain.__dict__ and "forward" not in sub.__dict__
+        with torch.no_grad():
+            torch.testing.assert_close(plain(x), expected, atol=1e-6, rtol=0)
+        with torch.enable_grad():  # a forward that records a graph: the layer's own computation, bitwise
+            assert torch.equal(plain(x), expected) and plain(x).requires_grad
+    assert "forward" not in plain.__dict__ and hooked.__dict__["forward"] is not None
+
+
 @pytest.mark.parametrize("one_token", [True, False], ids=["one-token", "sdpa"])
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "gemma", "llama", "qwen2"])
 def test_sampling_cache_under_autocast_keeps_the_autocast_dtype_and_samples_the_same(

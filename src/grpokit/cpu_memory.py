@@ -28,6 +28,8 @@ step, so each of its freed tensors leaves a hole that no later tensor fits, and 
 reference) leave theirs. `return_free_memory` (malloc_trim) hands those pages back; the trainer calls it after the
 rollout and after the no-grad forwards, so that the training forward and backward start from the live tensors.
 On a 4-layer proxy of the Qwen2.5-0.5B shape with QLoRA this took the step's peak RSS from 2,012 to 1,513 MiB.
+Most of what they hand back is the previous backward's activations, which the next training forward faults in
+again: on a small model that is the whole price and no saving (`trims_between_phases`).
 The decoder's own forward leaves ~250 MiB of freed activations at that shape, so the chunked LM head
 (`logprobs.chunked_token_logprobs`) calls it too before it starts: the full model's peak 1,825 -> 1,545 MiB.
 """
@@ -46,6 +48,9 @@ TRAINING_MMAP_THRESHOLD = 16 << 20  # bytes: the same in the training loop (acti
 # The backward's trims per layer only where the trainable parameters' gradients take at least this many bytes
 # (`trim_heap_in_backward`, read at its call).
 BACKWARD_TRIM_MIN_GRADIENT_BYTES = 256 << 20
+# The trims between a step's phases (after the rollout and after the no-grad forwards) only for a model whose
+# parameters take at least this many bytes (`trims_between_phases`, read at its call).
+PHASE_TRIM_MIN_MODEL_BYTES = 256 << 20
 
 
 @functools.cache
@@ -76,6 +81,21 @@ def return_free_memory() -> bool:
         return False
     libc.malloc_trim(0)
     return True
+
+
+def trims_between_phases(model: torch.nn.Module) -> bool:
+    """Whether a step gives the heap's free pages back to the OS after its rollout and after its no-grad forwards
+    (`experience.ExperienceMaker`): where the model's parameters take PHASE_TRIM_MIN_MODEL_BYTES or more.
+
+    What those trims return is mostly the previous step's backward (its activations, freed to the heap) and the
+    no-grad forwards' activations; the training forward then reuses the same sizes, and faults every page of them
+    in again. Where the model is large they keep the rollout's and the reference's holes from stacking on the
+    training peak (the QLoRA proxy above: 2,012 -> 1,513 MiB). On the 4M-parameter `small` benchmark (16 MiB of
+    weights) they returned ~600 MiB a step that the next forward faulted in again: 200k page faults a step
+    against 25k without them, ~0.25 s of a ~2 s step, for a peak RSS within 1 % (`benchmarks/bench_vs_trl.py
+    --config small --baseline`)."""
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return parameter_bytes >= PHASE_TRIM_MIN_MODEL_BYTES
 
 
 def _trim_on_gradient(_grad):

@@ -31,7 +31,7 @@ from .advantages import (
 )
 from .batch import ScoredRollout, TrainBatch, per_token
 from .config import GRPOConfig
-from .cpu_memory import return_free_memory
+from .cpu_memory import return_free_memory, trims_between_phases
 from .data import dataset_rows, is_iterable_dataset, named_eval_datasets
 from .dataloaders import evaluation_share, generation_share
 from .distributed import gather_objects, is_sharded
@@ -103,8 +103,9 @@ class ExperienceMaker:
     policy with its adapter off; beta = 0: none needed); draw_prompts(n): the next n distinct prompt rows;
     off_policy: the batch may be trained on after the policy moved (a producer running ahead), so the behaviour
     policy's log-probs always come with it as π_old; trim_heap: on a CPU, give the heap's free pages back to the OS
-    after the rollout and the no-grad forwards (False for a producer whose engine samples in another process: the
-    trim would take the allocator's locks while the trainer allocates, and there is no decode heap to give back)."""
+    after the rollout and the no-grad forwards, for a large enough policy (`cpu_memory.trims_between_phases`; False
+    for a producer whose engine samples in another process: the trim would take the allocator's locks while the
+    trainer allocates, and there is no decode heap to give back)."""
 
     def __init__(
         self,
@@ -122,7 +123,7 @@ class ExperienceMaker:
         self.args, self.accelerator, self.runner, self.scorer = args, accelerator, runner, scorer
         self.policy, self.reference, self.draw_prompts, self.off_policy = policy, reference, draw_prompts, off_policy
         self.teacher = teacher  # GRPOTrainer(teacher_model=...): its signal joins the advantages
-        self.trim_heap = trim_heap and accelerator.device.type == "cpu"
+        self.trim_heap = trim_heap and accelerator.device.type == "cpu" and trims_between_phases(policy())
         self.failed_batches = 0  # consecutive generation batches in which no completion was scored (all raised)
         # The version of the weights the engine was last sent (the served-policy check's message); None: the
         # trainer's step (the synchronous loop pushes the policy's current weights). A producer sets its own.

@@ -23,7 +23,7 @@ from ..multimodal import MultimodalInputs, batch_model_inputs, rope_position_ids
 from ..sampling_mask import PADDING, SamplingMask
 from .decoders import CachedDecoder, FullForwardDecoder
 from .engine import PromptBatch, Rollout, SamplingParams
-from .fast import one_token_attention
+from .fast import one_token_attention, packed_linears
 from .sampling import sample_tokens
 from .static import StaticDecoder, StaticDecoding
 
@@ -253,7 +253,8 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        with one_token_attention(model, prompt_ids.device, static=static is not None):
+        packed = contextlib.nullcontext() if static is not None else packed_linears(model, prompt_ids.device)
+        with one_token_attention(model, prompt_ids.device, static=static is not None), packed:
             return _generate(
                 model,
                 prompt_ids,
