@@ -1289,9 +1289,12 @@ def test_zero2_makes_the_update_of_one_process(zero2_runs, one_process_update, m
 def test_zero2_training_follows_ddp_and_its_checkpoint_resumes(zero2_runs, fsdp2_runs):
     zero2, ddp = load(zero2_runs / "zero2" / "final_0.pt"), load(fsdp2_runs / "ddp" / "final_0.pt")
     assert zero2["distributed_type"] == "DEEPSPEED" and zero2["global_step"] == 6
+    # ZeRO-2 reduces the gradients in other buckets than DDP: the weights part at float rounding, and so does what
+    # the next steps compute from them; the grad norm to 1e-5 of itself (the sixth step's is ~6: 1.6e-5 apart).
     for key in ("loss", "reward", "kl", "grad_norm"):
+        tolerance = {"abs": 1e-5, "rel": 1e-5} if key == "grad_norm" else {"abs": 1e-5}
         assert [e.get(key) for e in zero2["log_history"]] == pytest.approx(
-            [e.get(key) for e in ddp["log_history"]], abs=1e-5
+            [e.get(key) for e in ddp["log_history"]], **tolerance
         ), key
     assert max_difference(zero2["weights"], ddp["weights"]) < 1e-4
     assert max_difference(zero2["weights"], load(zero2_runs / "zero2" / "final_1.pt")["weights"]) == 0.0

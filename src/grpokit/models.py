@@ -300,16 +300,18 @@ def whole_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 def adapter_parameter_names(model) -> dict[str, str]:
     """{name in peft's saved adapter file: name of the model's parameter} for every trainable parameter. peft's own
-    `get_peft_model_state_dict` renames them (it drops the adapter name) and passes the tensors through, so it is
-    asked with the parameters themselves and each saved name is matched to its parameter by identity."""
+    `get_peft_model_state_dict` renames them (it drops the adapter name and wrappers' prefixes), so it is asked with
+    one small marker tensor per trainable parameter, holding the parameter's index, and each saved name is matched
+    to its parameter by the marker it comes back with. Not the parameters themselves: from peft 0.22 it gathers
+    sharded (DTensor) values into new full tensors, a collective, and they no longer are the parameters."""
     from peft import get_peft_model_state_dict
 
-    trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    markers = {name: torch.tensor([index], dtype=torch.int64) for index, name in enumerate(names)}
     saved = get_peft_model_state_dict(
-        model, state_dict=trainable, adapter_name=model.active_adapter, save_embedding_layers=False
+        model, state_dict=markers, adapter_name=model.active_adapter, save_embedding_layers=False
     )
-    name_of = {id(p): name for name, p in trainable.items()}
-    return {key: name_of[id(value)] for key, value in saved.items() if id(value) in name_of}
+    return {key: names[int(value.reshape(-1)[0])] for key, value in saved.items()}
 
 
 def load_model_weights(model, directory: Path) -> None:
