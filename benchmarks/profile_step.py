@@ -23,6 +23,7 @@ import contextlib
 import functools
 import json
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -356,10 +357,13 @@ def main(argv=None) -> int:
 
             profiler = cProfile.Profile()
 
+        faults: list[int] = []  # the process's minor page faults at each mark (a fresh page's first touch)
+
         def hook():
             if config["cuda"]:
                 torch.cuda.synchronize()
             marks.append(time.perf_counter())  # marks[0] is train()'s start, marks[k] step k's end
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
             if len(marks) == args.warmup + 1:
                 timer.active = True
                 if profiler:
@@ -390,6 +394,7 @@ def main(argv=None) -> int:
             f"{torch.get_num_threads()} threads, load average {load:.2f} -> {os.getloadavg()[0]:.2f}\n"
         )
         print(phase_table(args.impl, timer, wall, args.steps))
+        print(f"\nMinor page faults per step: {(faults[-1] - faults[args.warmup]) / args.steps:,.0f}")
         if args.memory:
             print(f"\nRSS when train() starts: {rss_at_train:,.0f} MiB (the phases' peaks above are during train())")
         if profiler:

@@ -91,9 +91,10 @@ def trims_between_phases(model: torch.nn.Module) -> bool:
     no-grad forwards' activations; the training forward then reuses the same sizes, and faults every page of them
     in again. Where the model is large they keep the rollout's and the reference's holes from stacking on the
     training peak (the QLoRA proxy above: 2,012 -> 1,513 MiB). On the 4M-parameter `small` benchmark (16 MiB of
-    weights) they returned ~600 MiB a step that the next forward faulted in again: 200k page faults a step
-    against 25k without them, ~0.25 s of a ~2 s step, for a peak RSS within 1 % (`benchmarks/bench_vs_trl.py
-    --config small --baseline`)."""
+    weights) they returned ~600 MiB a step that the next forward faulted in again: 207k minor page faults a step
+    against 17k without them (`benchmarks/profile_step.py --config small`), a step of 2.09-2.13 s against
+    1.66-1.91 s, for the same peak RSS (1,260 against 1,242 MiB; `benchmarks/bench_vs_trl.py --config small
+    --baseline`, `results/small_fp32_2threads_notrim.json`)."""
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return parameter_bytes >= PHASE_TRIM_MIN_MODEL_BYTES
 

@@ -249,10 +249,10 @@ def packable_linears(model: torch.nn.Module, device: torch.device) -> list[torch
 def packed_linears(model: torch.nn.Module, device: torch.device):
     """While sampling on CPU in float32, the model's linear layers (`packable_linears`) run oneDNN's kernel with
     their weights packed once for it (per rollout: the weights change between rollouts) instead of torch's MKL
-    gemm, which at decode shapes (64 rows through a 4M-parameter Qwen2's 28 linear layers) took 4.9 ms a step to
-    oneDNN's 3.2 ms with packed weights (`benchmarks/profile_step.py --config small`). The same products summed in
-    another order: values equal to float rounding (the log-probs stay within the training forward's 1e-5 of
-    `logprobs_match_training`). The layers get their own forward back on exit."""
+    gemm: the `small` benchmark's rollout (64 rows x 64 tokens through a 4M-parameter Qwen2) ran 1.08-1.25x faster
+    on two threads over four invocations (0.56-0.67 s against 0.61-0.83 s; `benchmarks/decode_linears.py`). The
+    same products summed in another order: the same tokens there, log-probs within 1.2e-6 (the training forward's
+    1e-5 of `logprobs_match_training` holds). The layers get their own forward back on exit."""
     layers = packable_linears(model, device)
     try:
         with torch.no_grad():
