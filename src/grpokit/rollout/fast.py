@@ -214,10 +214,11 @@ def _can_pack_linears() -> bool:
     return bool(torch.allclose(out, torch.nn.functional.linear(x, weight, bias), atol=1e-5))
 
 
-def _packed_linear_forward(layer: torch.nn.Linear, packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _packed_linear_forward(
+    layer: torch.nn.Linear, packed: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor
+) -> torch.Tensor:
     if x.dtype != torch.float32 or torch.is_grad_enabled():  # not what was packed for: the layer's own forward
         return torch.nn.functional.linear(x, layer.weight, layer.bias)
-    bias = None if layer.bias is None else layer.bias.detach()
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -258,7 +259,8 @@ def packed_linears(model: torch.nn.Module, device: torch.device):
         with torch.no_grad():
             for layer in layers:
                 packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), PACKED_BATCH_HINT)
-                layer.forward = functools.partial(_packed_linear_forward, layer, packed)
+                bias = None if layer.bias is None else layer.bias.detach()
+                layer.forward = functools.partial(_packed_linear_forward, layer, packed, bias)
         yield
     finally:
         for layer in layers:
