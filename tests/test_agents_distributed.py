@@ -8,7 +8,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from test_distributed import free_port, load, max_difference, run_in_this_process, run_launcher
+from ports import free_port
+from test_distributed import load, max_difference, run_in_this_process, run_launcher
 
 # Several training processes: `python -m pytest -m distributed` runs them (.ci/run does, after the default suite).
 pytestmark = pytest.mark.distributed

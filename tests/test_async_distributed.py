@@ -16,11 +16,11 @@ import textwrap
 
 import pytest
 import torch
+from ports import free_port
 from test_distributed import (
     DEEPSPEED_ZERO2,
     FSDP2,
     LETTERS,
-    free_port,
     launch,
     load,
     max_difference,

@@ -10,7 +10,6 @@ import json
 import os
 import runpy
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ import warnings
 
 import pytest
 import torch
+from ports import free_port
 from transformers import AutoModelForCausalLM
 
 from grpokit import group_advantages
@@ -217,12 +217,6 @@ TWO_PROCESS_RUN = dict(
     save_strategy="steps",
     save_steps=1,
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def write_script(directory, script: str = SCRIPT) -> str:

@@ -304,8 +304,9 @@ def test_zero3_pushes_gathered_partitions_one_parameter_at_a_time(model_dir, tmp
     initial_weights(model_dir, tmp_path / "two")
     config, pushes, server = TWO_PROCESSES, ([1, 2, 3], [1, 2, 3]), None
     if mode == "server":
+        from ports import free_port
         from test_vllm import tiny
-        from test_vllm_server import free_port, save, start_server
+        from test_vllm_server import save, start_server
 
         model, tokenizer = tiny(tied=True, seed=1)
         port = free_port()

@@ -124,7 +124,8 @@ def test_a_healthy_100_step_vllm_run_passes_every_step(tmp_path):
 def test_a_server_whose_pushes_are_dropped_stops_the_run(tmp_path):
     """Server mode (`grpokit vllm-serve`, the trainer's HTTP client): the server starts from the policy's checkpoint
     and gets the first push; the later ones are dropped on the way, and the second step raises."""
-    from test_vllm_server import free_port, save, start_server, stop
+    from ports import free_port
+    from test_vllm_server import save, start_server, stop
 
     from grpokit.rollout.vllm_client import VLLMServerEngine
 
@@ -151,7 +152,8 @@ def test_a_server_whose_pushes_are_dropped_stops_the_run(tmp_path):
 def test_a_healthy_20_step_bf16_vllm_run_raises_no_false_alarm(tmp_path, mode):
     """vLLM in bfloat16 (colocated: the trainer's bf16=True sets it; a server: `--dtype bfloat16`), the trainer in
     bf16 autocast: the gap is the two sides' bf16 rounding, every step far below the default tolerance (0.1)."""
-    from test_vllm_server import free_port, save, start_server, stop
+    from ports import free_port
+    from test_vllm_server import save, start_server, stop
 
     process, overrides = None, {}
     if mode == "server":

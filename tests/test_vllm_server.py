@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import os
-import random
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from letters import letter_config, letter_dataset, repeat_letter
+from ports import free_port
 from test_vllm import TOLERANCE, check_pushes, counted_pushes, logprob_gap, tiny, train_a_step
 from transformers import TrainerCallback
 
@@ -22,28 +21,6 @@ pytestmark = pytest.mark.vllm
 
 # Every server of these tests takes a token (grpokit.vllm_server), which the trainers send from this environment.
 os.environ.setdefault("GRPOKIT_VLLM_TOKEN", "grpokit-test-token")
-
-
-def free_port() -> int:
-    """A port free now, below the kernel's ephemeral range: a port from bind(("", 0)) is one the kernel hands out
-    again to any socket bound to port 0 — vLLM's engine inside the server binds its own that way while it loads,
-    before the server binds the HTTP port, and took it once ("Address already in use")."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 0
-    rng = random.Random()
-    for _ in range(200 if low > 12_000 else 0):
-        port = rng.randrange(10_000, low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_command(model_dir: Path, port: int, max_model_len: int = 64, extra: tuple[str, ...] = ()) -> list[str]:
