@@ -76,7 +76,9 @@ def start_engine_server(modules=()) -> None:
         return
     from multiprocessing import forkserver
 
-    if forkserver._forkserver._forkserver_pid is None:
+    # Private in CPython (3.10-3.14): where it is missing, the preload is set as if no server ran yet.
+    running = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None) is not None
+    if not running:
         wanted = [*SERVER_MODULES, *modules]
         context.set_forkserver_preload([m for m in dict.fromkeys(wanted) if m not in ("__main__", "__mp_main__")])
     forkserver.ensure_running()
