@@ -76,7 +76,7 @@ def start_engine_server(modules=()) -> None:
         return
     from multiprocessing import forkserver
 
-    # Private in CPython (3.10-3.14): where it is missing, the preload is set as if no server ran yet.
+    # Private in CPython (3.10-3.13 checked): where it is missing, the preload is set as if no server ran yet.
     running = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None) is not None
     if not running:
         wanted = [*SERVER_MODULES, *modules]
