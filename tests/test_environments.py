@@ -416,14 +416,13 @@ def test_standalone_tools_and_each_environments_tools_are_the_trainers_tools(tmp
     )
     assert [tool.__name__ for tool in trainer.tools] == ["lookup", "read", "increment"]
     assert trainer.tools[1].__self__ is trainer.agents.environments.pool["vault"][0]  # the probe instance's method
-    # TRL's `_env_tools` and `_environment_pool` (its test_train_with_multiple_environments reads them): what each
-    # environment's rows are shown, and the pooled instances, the probe first.
-    assert {name: [t.__name__ for t in tools] for name, tools in trainer._env_tools.items()} == {
+    # What each environment's rows are shown, and the pooled instances, the probe first.
+    assert {name: [t.__name__ for t in tools] for name, tools in trainer.environment_tools.items()} == {
         "vault": ["lookup", "read"],
         "counter": ["lookup", "increment"],
     }
-    assert trainer._env_tools["counter"][1].__self__ is trainer._environment_pool["counter"][0]
-    assert {name: [type(e) for e in pool] for name, pool in trainer._environment_pool.items()} == {
+    assert trainer.environment_tools["counter"][1].__self__ is trainer.environment_pool["counter"][0]
+    assert {name: [type(e) for e in pool] for name, pool in trainer.environment_pool.items()} == {
         "vault": [Vault],
         "counter": [Counter],
     }
@@ -434,7 +433,7 @@ def test_standalone_tools_and_each_environments_tools_are_the_trainers_tools(tmp
         train_dataset=Dataset.from_list(vault_rows("k1", "k2")),
         processing_class=tokenizer,
     )
-    assert plain.tools == [] and plain._env_tools == {} and plain._environment_pool == {}
+    assert plain.tools == [] and plain.environment_tools == {} and plain.environment_pool == {}
 
 
 def test_several_environments_in_one_run_each_rollout_calls_its_own_tools(tmp_path):
@@ -496,9 +495,11 @@ def test_several_environments_in_one_run_each_rollout_calls_its_own_tools(tmp_pa
         rollout_engine=engine,
     )
     assert [tool.__name__ for tool in trainer.tools] == ["increment", "shout"]
-    assert [tool.__name__ for tool in trainer._env_tools["counter"]] == ["increment"]  # TRL's test's checks
-    assert [tool.__name__ for tool in trainer._env_tools["echo"]] == ["shout"]
-    assert len(trainer._environment_pool["counter"]) == len(trainer._environment_pool["echo"]) == 1
+    # TRL's test_train_with_multiple_environments checks these under its private names, which name the same.
+    assert trainer._env_tools == trainer.environment_tools and trainer._environment_pool is trainer.environment_pool
+    assert [tool.__name__ for tool in trainer.environment_tools["counter"]] == ["increment"]
+    assert [tool.__name__ for tool in trainer.environment_tools["echo"]] == ["shout"]
+    assert len(trainer.environment_pool["counter"]) == len(trainer.environment_pool["echo"]) == 1
     trainer.train()
     assert calls == {"increment": [1, 1], "shout": ["hi", "hi"]}  # one call of each per generation
     for record in [r for r in trainer.state.log_history if "loss" in r]:

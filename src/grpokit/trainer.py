@@ -228,11 +228,19 @@ class GRPOTrainer:
         lambda self: getattr(self.agents, "latest_environments", None),
         doc="TRL's: the environment instances of the latest rollouts, one per completion.",
     )
-    # TRL's names for the environment pool's contents, which its tests and subclasses read: environment name (None
-    # for a single factory) -> the tools a row of that environment is shown (the standalone tools, then the probe
-    # instance's methods), and -> the pooled instances. Empty without environment_factory.
-    _env_tools = property(lambda self: getattr(self.agents, "tools_by_environment", {}))
-    _environment_pool = property(lambda self: getattr(getattr(self.agents, "environments", None), "pool", {}))
+    environment_tools = property(
+        lambda self: getattr(self.agents, "tools_by_environment", {}),
+        doc="Environment name (None for a single factory) -> the tools a row of that environment is shown (the "
+        "standalone tools, then the probe instance's methods). Empty without environment_factory.",
+    )
+    environment_pool = property(
+        lambda self: getattr(getattr(self.agents, "environments", None), "pool", {}),
+        doc="Environment name (None for a single factory) -> its pooled instances, the probe first. Empty without "
+        "environment_factory.",
+    )
+    # TRL's private names for the two, which its tests and subclasses read.
+    _env_tools = property(lambda self: self.environment_tools)
+    _environment_pool = property(lambda self: self.environment_pool)
 
     @property
     def entropy_coef(self) -> float:
