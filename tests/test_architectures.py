@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from grpokit.logprobs import can_share_prompts, supports_chunked_head, token_logprobs
-from grpokit.rollout import SamplingParams, fast
+from grpokit.rollout import SamplingParams, decoders, direct, fast
 from grpokit.rollout.hf import generate
 from grpokit.testing import build_char_tokenizer, build_tiny_model_of_type
 
@@ -29,15 +29,16 @@ class Architecture:
     shared_prompts: bool  # each prompt through the decoder once in the training forward
     one_token_attention: bool  # decode steps' attention as two matmuls (models that run SDPA, on CPU)
     cache_layers: tuple[str, ...]  # the sampling cache's layer classes for a rollout longer than the window
+    direct_step: bool = False  # decode steps through rollout/direct.py (Llama-family classes, float32 on CPU)
 
 
 PRE, SLIDING = "PreallocatedLayer", "DynamicSlidingWindowLayer"
 ROUTER_LOGITS = {"output_router_logits": True}  # as a MoE config trained with a load-balancing loss sets it
 ARCHITECTURES = {
-    "qwen2": Architecture("qwen2", {}, True, True, True, (PRE, PRE)),
-    "qwen3": Architecture("qwen3", {}, True, True, True, (PRE, PRE)),
+    "qwen2": Architecture("qwen2", {}, True, True, True, (PRE, PRE), direct_step=True),
+    "qwen3": Architecture("qwen3", {}, True, True, True, (PRE, PRE), direct_step=True),
     "qwen3_moe": Architecture("qwen3_moe", ROUTER_LOGITS, True, True, True, (PRE, PRE)),
-    "llama": Architecture("llama", {}, True, True, True, (PRE, PRE)),
+    "llama": Architecture("llama", {}, True, True, True, (PRE, PRE), direct_step=True),
     # Gemma 2: soft-capped logits (no chunked head) and attention (eager, so no one-token attention).
     "gemma2": Architecture("gemma2", {}, False, False, False, (SLIDING, PRE)),
     "gemma3_text": Architecture("gemma3_text", {}, True, False, True, (SLIDING, PRE)),
@@ -180,20 +181,32 @@ def test_each_fast_path_is_taken_or_refused_as_intended(name, monkeypatch):
     capacity = 16  # longer than the tiny sliding windows (4 positions)
     assert tuple(type(layer).__name__ for layer in fast.sampling_cache(model, capacity).layers) == arch.cache_layers
 
-    query_lengths = []
-    original = fast.one_token_attention_forward
-    monkeypatch.setattr(
-        fast, "one_token_attention_forward", lambda *a, **k: query_lengths.append(a[1].shape[2]) or original(*a, **k)
-    )
-    fast._register_one_token_attention.cache_clear()  # registers the spy
-    try:
-        prompt_ids, prompt_mask = grouped_prompts()
-        generate(model, prompt_ids, prompt_mask, PARAMS, generator=torch.Generator().manual_seed(2), num_generations=2)
-    finally:
-        monkeypatch.undo()
-        fast._register_one_token_attention.cache_clear()
-        fast._register_one_token_attention()  # the real function again
-    assert (1 in query_lengths) == arch.one_token_attention
+    def decode_paths(direct_step: bool) -> tuple[bool, bool]:
+        """Whether the decode steps went through the one-token attention, and through the direct step."""
+        query_lengths, direct_steps = [], []
+        original, original_direct = fast.one_token_attention_forward, direct.DirectStep.__call__
+        monkeypatch.setattr(
+            fast,
+            "one_token_attention_forward",
+            lambda *a, **k: query_lengths.append(a[1].shape[2]) or original(*a, **k),
+        )
+        monkeypatch.setattr(direct.DirectStep, "__call__", lambda *a: direct_steps.append(1) or original_direct(*a))
+        monkeypatch.setattr(decoders, "DIRECT_STEP", direct_step)
+        fast._register_one_token_attention.cache_clear()  # registers the spy
+        try:
+            prompt_ids, prompt_mask = grouped_prompts()
+            generate(
+                model, prompt_ids, prompt_mask, PARAMS, generator=torch.Generator().manual_seed(2), num_generations=2
+            )
+        finally:
+            monkeypatch.undo()
+            fast._register_one_token_attention.cache_clear()
+            fast._register_one_token_attention()  # the real function again
+        return 1 in query_lengths, bool(direct_steps)
+
+    # The direct step computes the one-token attention itself: with it off, the model's forward takes that path.
+    assert decode_paths(direct_step=False) == (arch.one_token_attention, False)
+    assert decode_paths(direct_step=True) == (arch.one_token_attention and not arch.direct_step, arch.direct_step)
 
 
 @pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss"])

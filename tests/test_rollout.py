@@ -633,11 +633,15 @@ def test_preallocated_cache_layer_holds_what_concatenation_would():
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "gemma", "gpt2", "llama", "mistral", "qwen2", "qwen3_moe"])
-def test_one_token_attention_samples_what_sdpa_samples(model_type):
+def test_one_token_attention_samples_what_sdpa_samples(model_type, monkeypatch):
     # Sampling on CPU swaps SDPA for two matmuls on one-token queries (grouped heads packed, masks applied): the
     # same tokens and log-probs (float32), on architectures with GQA, MLA (value size != query size), sliding
-    # windows and MoE; and the model's attention setting is back to SDPA afterwards.
+    # windows and MoE; and the model's attention setting is back to SDPA afterwards. (The direct decode step,
+    # which computes this attention itself, is off: tests/test_rollout_direct.py checks it against this path.)
+    from grpokit.rollout import decoders
     from grpokit.rollout import fast as rollout
+
+    monkeypatch.setattr(decoders, "DIRECT_STEP", False)
     from grpokit.testing import build_tiny_model_of_type
 
     window = {"sliding_window": 4} if model_type == "mistral" else {}

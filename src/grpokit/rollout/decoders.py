@@ -9,6 +9,7 @@ import torch
 
 from ..compat import cache_argument, output_cache, select_cache_rows
 from ..forward import forward_accepts, logits_of, model_config, position_ids_from_mask
+from .direct import direct_step_for
 from .fast import sampling_cache
 
 
@@ -18,6 +19,9 @@ def sampling_forward_kwargs(model: torch.nn.Module) -> dict:
     would then compute that loss from one step's logits against the whole attention mask, and fail on the shapes;
     sampling needs neither, so it asks for no router logits."""
     return {"output_router_logits": False} if getattr(model_config(model), "output_router_logits", False) else {}
+
+
+DIRECT_STEP = True  # tests turn it off to compare with the model's forward
 
 
 class CachedDecoder:
@@ -32,6 +36,9 @@ class CachedDecoder:
         self.mask = None  # [n, P + t]
         self.next_position = None  # [n]
         self.rope_offset = None  # [n] M-RoPE models: 3D position of a text token minus its 1D one
+        self.direct = None  # a DirectStep where one equals the model's forward (direct.py)
+        self.padded = False  # whether any prompt has left padding (the direct step then masks it out)
+        self.use_direct = DIRECT_STEP
 
     def prefill(
         self, ids, mask, repeats: int = 1, prompt_inputs: dict | None = None, rope_positions: torch.Tensor | None = None
@@ -65,6 +72,8 @@ class CachedDecoder:
             )
         self.mask, self.next_position = mask, positions[:, -1] + 1
         self.rope_offset = None if rope_positions is None else offset
+        if self.use_direct and rope_positions is None and not prompt_inputs:
+            self.direct, self.padded = direct_step_for(self.model, self.cache), not bool(mask.all())
         return logits
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -72,6 +81,9 @@ class CachedDecoder:
         positions = self.next_position[:, None]
         if self.rope_offset is not None:  # a text token: its three M-RoPE positions are equal
             positions = (positions + self.rope_offset[:, None])[None].expand(3, -1, -1)
+        if self.direct is not None:
+            self.next_position = self.next_position + 1
+            return self.direct(tokens, self.mask if self.padded else None, positions)
         out = self.model(
             input_ids=tokens[:, None],
             attention_mask=self.mask,

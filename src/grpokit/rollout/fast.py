@@ -246,6 +246,12 @@ def packable_linears(model: torch.nn.Module, device: torch.device) -> list[torch
     return layers
 
 
+def is_packed(layer: torch.nn.Module) -> bool:
+    """Whether `packed_linears` gave this layer its packed forward (for the rollout under way)."""
+    forward = layer.__dict__.get("forward")
+    return isinstance(forward, functools.partial) and forward.func is _packed_linear_forward
+
+
 @contextlib.contextmanager
 def packed_linears(model: torch.nn.Module, device: torch.device):
     """While sampling on CPU in float32, the model's linear layers (`packable_linears`) run oneDNN's kernel with
