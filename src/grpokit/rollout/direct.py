@@ -23,7 +23,14 @@ from __future__ import annotations
 
 import torch
 
-from .fast import ONE_TOKEN_ATTENTION, is_packed, preallocated_layer_class
+from ..models import _contiguous_input
+from .fast import (
+    ONE_TOKEN_ATTENTION,
+    PACKED_BATCH_HINT,
+    is_packed,
+    one_token_attention_products,
+    preallocated_layer_class,
+)
 
 # model class -> (its transformers module, its classes' prefix, whether attention normalises queries and keys per
 # head: Qwen3's q_norm / k_norm)
@@ -45,8 +52,6 @@ def _family(model: torch.nn.Module) -> tuple[str, str, bool] | None:
 def _no_hooks(module: torch.nn.Module) -> bool:
     """No forward hooks, except grpokit's own `models.contiguous_head_input`, which leaves the contiguous inputs
     the direct step gives alone."""
-    from ..models import _contiguous_input
-
     pre_hooks = [hook for hook in module._forward_pre_hooks.values() if hook is not _contiguous_input]
     return not (
         module._forward_hooks
@@ -128,9 +133,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _pack(weights: list[torch.Tensor], biases: list[torch.Tensor | None]):
-    from .fast import PACKED_BATCH_HINT
-
-    weight = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()
+    """Layers that read the same input as one product: their weights concatenated and packed for oneDNN, and their
+    biases concatenated (zeros for a layer without one), or None when none has a bias."""
+    weight = torch.cat([w.detach() for w in weights])
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_BATCH_HINT)
     if all(b is None for b in biases):
         return packed, None
@@ -169,12 +174,7 @@ class _Layer:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [n, heads, 1, d]
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         keys, values = self.cache.update(k, v)
-        kv_heads, length = keys.shape[1], keys.shape[2]
-        grouped = q.reshape(n, kv_heads, q.shape[1] // kv_heads, d)
-        scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * self.scaling
-        if mask is not None:
-            scores = scores.masked_fill(~mask[:, :, :, :length], float("-inf"))
-        attended = torch.matmul(scores.softmax(-1).to(values.dtype), values)
+        attended = one_token_attention_products(q, keys, values, mask, self.scaling)
         hidden = hidden + self.o_proj(attended.reshape(n, 1, -1))
         x = _rms_norm(hidden, self.post_norm)
         gate, up = linear(x, *self.gate_up, "none", [], "").split(self.intermediate, dim=-1)

@@ -151,14 +151,23 @@ def one_token_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     batch, heads, _, dim = query.shape
-    kv_heads, length = key.shape[1], key.shape[2]
-    grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)  # head h attends with key/value head h // g
-    scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * (dim**-0.5 if scaling is None else scaling)
-    if attention_mask is not None:
-        mask = attention_mask[:, :, -1:, :length]  # [batch, 1, 1, length]
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    out = torch.matmul(scores.softmax(-1).to(value.dtype), value)  # [batch, kv_heads, g, value dim]
+    mask = None if attention_mask is None else attention_mask[:, :, -1:, : key.shape[2]]  # [batch, 1, 1, length]
+    out = one_token_attention_products(query, key, value, mask, dim**-0.5 if scaling is None else scaling)
     return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def one_token_attention_products(query, key, value, mask, scaling: float) -> torch.Tensor:
+    """The one-token attention's arithmetic: query [batch, heads, 1, dim] against key/value [batch, kv_heads,
+    length, dim], mask [batch, 1, 1, length] (bool: True attends; or additive) or None -> [batch, kv_heads, g,
+    value dim] (g = heads // kv_heads). Shared by `one_token_attention_forward` and the direct decode step
+    (`direct.py`), whose logits are bitwise the model forward's."""
+    batch, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)  # head h attends with key/value head h // g
+    scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * scaling
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.matmul(scores.softmax(-1).to(value.dtype), value)
 
 
 @functools.cache
