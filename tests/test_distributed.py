@@ -198,9 +198,16 @@ SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":
         main(sys.argv[1])
+        import gc
+
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():  # a clean exit: the group's threads stopped, not killed
+            # A finished trainer is kept alive by reference cycles, and a DDP wrapper holds the process group: collected
+            # first, the group's gloo threads (gloo_tcp_loop, pt_gloo_runloop) end in destroy_process_group instead of
+            # running on into the interpreter's teardown. (Under FSDP2 something else still holds the group after the
+            # collection: there its threads end with the process, as before.)
+            gc.collect()
             dist.barrier()
             dist.destroy_process_group()
     '''

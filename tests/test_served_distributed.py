@@ -75,9 +75,12 @@ SCRIPT = textwrap.dedent(
         engine_models = [AutoModelForCausalLM.from_pretrained(spec["model"]) for spec in specs]
         for spec, engine_model in zip(specs, engine_models):
             train(spec, engine_model)
+        import gc
+
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
+            gc.collect()  # the trainers' DDP wrappers hold the group: its threads then stop in destroy_process_group
             dist.barrier()
             dist.destroy_process_group()
     """
