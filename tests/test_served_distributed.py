@@ -80,7 +80,7 @@ SCRIPT = textwrap.dedent(
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            gc.collect()  # the trainers' DDP wrappers hold the group: its threads then stop in destroy_process_group
+            gc.collect()  # finished trainers first (their DDP wrappers hold the group), as test_distributed's script
             dist.barrier()
             dist.destroy_process_group()
     """
