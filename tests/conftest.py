@@ -89,3 +89,19 @@ def has_verifiers_v1() -> bool:
         return tuple(int(x) for x in version("verifiers").split(".")[:2]) >= (0, 4)
     except (PackageNotFoundError, ValueError):
         return False
+
+
+@pytest.fixture
+def onednn_everywhere(monkeypatch):
+    """Every float32 product of a layer grpokit routes through oneDNN (grpokit/onednn_linear.py) takes it on this
+    machine, whatever the CPU (GRPOKIT_ONEDNN_LINEARS=1, no size floor); skipped where torch has no working oneDNN.
+    The cached decision is cleared before and after."""
+    from grpokit import onednn_linear
+
+    if not onednn_linear._onednn_works():
+        pytest.skip("this torch has no oneDNN float32 linear product")
+    monkeypatch.setenv(onednn_linear.ENV, "1")
+    monkeypatch.setattr(onednn_linear, "MIN_MACS", 0)
+    onednn_linear.onednn_is_faster.cache_clear()
+    yield
+    onednn_linear.onednn_is_faster.cache_clear()

@@ -105,6 +105,8 @@ def run(tmp_path, *, rewards=(repeat_letter,), peft=False, eval_dataset=None, **
 #   True, and grpokit's now too): that option changes the KL gradient, and tests/test_objectives.py checks it.
 # - the evaluation (78e02a0978ada90e before): each evaluation batch now gets its own seed (rollout_seed) instead of
 #   continuing one generator across batches, so that every engine can be seeded with an integer.
+# onednn_linears: added with grpokit/onednn_linear.py (taken with transformers 5.25; the other tables have none yet:
+# run it there and add what it prints).
 # bf16_mu2 per transformers version, as on AVX2 below: 5.24 rounds the bf16 run differently (at 6c0ec5c, on this
 # machine: 76e8d428f2ca1fa3 with transformers 5.23, df30cc79db2c5de9 with 5.24).
 PINNED_AVX512 = {
@@ -114,6 +116,7 @@ PINNED_AVX512 = {
     "accumulated": "fd4848ec47b07017",
     "bf16_mu2": "76e8d428f2ca1fa3" if _TRANSFORMERS < (5, 24) else "df30cc79db2c5de9",
     "lora": "0ad062e83b9a5551",
+    "onednn_linears": "87355641a88d7f7c",
     "process": "6d11b77dd15ffd90",
 }
 
@@ -131,6 +134,7 @@ PINNED_AVX2 = {
     "accumulated": "6adce1a83448986d",
     "bf16_mu2": None if _TRANSFORMERS < (5, 24) else "0281b3b68d0824e9",
     "lora": "bf378c54f88592f8",
+    "onednn_linears": None,
     "process": "3cb6f1de35a09ad5",
 }
 # The same runs on a 2-core Intel Xeon (Sapphire Rapids class: AVX-512 BF16 and AMX), torch CPU capability AVX512 as
@@ -144,6 +148,7 @@ PINNED_AVX512_INTEL = {
     "accumulated": "a80d975197afb3f8",
     "bf16_mu2": "b825441048de35b5",
     "lora": "e928983330e3cb79",
+    "onednn_linears": None,
     "process": "512e9d5280c4d241",
 }
 
@@ -192,6 +197,9 @@ CASES = {
     ),
     "bf16_mu2": dict(bf16=True, num_iterations=2, steps_per_generation=2, loss_type="dr_grpo"),
     "lora": dict(peft=True, learning_rate=5e-2),
+    # every linear product of policy and reference through oneDNN (grpokit/onednn_linear.py: the size floor off,
+    # on any CPU): the route the `small` benchmark's layers take on AMD CPUs with AVX-512
+    "onednn_linears": dict(onednn=True),
     "process": dict(
         rewards=(repeat_letter, "process"),
         step_separator="a",
@@ -213,13 +221,15 @@ def _process_reward():
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_final_weights_are_pinned(tmp_path, case):
+def test_final_weights_are_pinned(tmp_path, case, request):
     if CPU not in PINNED_BY_CPU:
         pytest.skip(
             f"no digests recorded for torch CPU capability {CPU!r} (known: {sorted(PINNED_BY_CPU)}): run "
             "this test at a commit whose numbers are trusted and add the digests it prints"
         )
     overrides = dict(CASES[case])
+    if overrides.pop("onednn", False):
+        request.getfixturevalue("onednn_everywhere")
     if "rewards" in overrides:
         overrides["rewards"] = tuple(_process_reward() if r == "process" else r for r in overrides["rewards"])
     trainer, found = run(tmp_path, **overrides)

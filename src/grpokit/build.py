@@ -55,6 +55,7 @@ from .models import (
 )
 from .multimodal import check_images_supported, tokenizer_of
 from .offload import ActivationOffload
+from .onednn_linear import onednn_linears, takes_onednn_linears
 from .optim import build_optimizer
 from .rewards import build_reward_functions
 from .rewards.model import RewardModel
@@ -416,6 +417,8 @@ def build_models(
     )
     if args.bf16 or not full_precision(policy):  # before the reference is copied: it takes the same route
         float32_matmuls(policy, accelerator.device)
+    elif takes_onednn_linears(args, accelerator):
+        onednn_linears(policy, accelerator.device)
     train_dataset, eval_dataset = datasets
     for dataset in (train_dataset, *named_eval_datasets(eval_dataset).values()):
         check_images_supported(processing_class, dataset_columns(dataset))

@@ -26,6 +26,7 @@ from ..compat import (
     replicate_layers_with,
 )
 from ..forward import model_cache, model_config
+from ..onednn_linear import is_onednn_routed
 
 
 def keeps_whole_rollout(layers, capacity: int) -> list[bool]:
@@ -234,8 +235,9 @@ def _packed_linear_forward(
 def packable_linears(model: torch.nn.Module, device: torch.device) -> list[torch.nn.Linear]:
     """The layers `packed_linears` packs: plain `nn.Linear` modules (not subclasses: quantized and adapter layers
     compute otherwise) with float32 weights and biases, whose forward is the class's (not one a hook library such
-    as accelerate replaced on the instance); none on an accelerator, under autocast, for a sharded model, without
-    oneDNN, or when their weights take more than PACKED_LINEARS_MAX_BYTES."""
+    as accelerate replaced on the instance) or `onednn_linear`'s route (given back on exit); none on an
+    accelerator, under autocast, for a sharded model, without oneDNN, or when their weights take more than
+    PACKED_LINEARS_MAX_BYTES."""
     from ..distributed import is_sharded
 
     if device.type != "cpu" or torch.is_autocast_enabled("cpu") or not _can_pack_linears() or is_sharded(model):
@@ -244,7 +246,7 @@ def packable_linears(model: torch.nn.Module, device: torch.device) -> list[torch
         module
         for module in model.modules()
         if type(module) is torch.nn.Linear
-        and "forward" not in module.__dict__
+        and ("forward" not in module.__dict__ or is_onednn_routed(module))
         and type(module.weight.data) is torch.Tensor
         and module.weight.dtype == torch.float32
         and module.weight.device.type == "cpu"
@@ -270,6 +272,7 @@ def packed_linears(model: torch.nn.Module, device: torch.device):
     same products summed in another order: the same tokens there, log-probs within 1.2e-6 (the training forward's
     1e-5 of `logprobs_match_training` holds). The layers get their own forward back on exit."""
     layers = packable_linears(model, device)
+    routed = {id(layer): layer.__dict__["forward"] for layer in layers if "forward" in layer.__dict__}
     try:
         with torch.no_grad():
             for layer in layers:
@@ -280,3 +283,5 @@ def packed_linears(model: torch.nn.Module, device: torch.device):
     finally:
         for layer in layers:
             layer.__dict__.pop("forward", None)
+            if id(layer) in routed:  # `onednn_linear.onednn_linears`' route, for the training passes
+                layer.forward = routed[id(layer)]
