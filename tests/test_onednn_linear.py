@@ -196,3 +196,26 @@ def test_the_letter_task_learns_through_onednn(onednn_everywhere, tmp_path):
     rewards = [r["reward"] for r in trainer.state.log_history if "reward" in r]
     assert rewards[0] < 0.1, rewards  # a random policy names the letter ~1 time in 17
     assert sum(rewards[-4:]) / 4 >= 0.2, rewards  # 0.078 -> 0.31 over the last four logs seen (AMD AVX-512)
+
+
+def test_the_small_benchmark_models_log_probs_move_by_float_rounding():
+    # benchmarks/bench_vs_trl.py's `small` shape (hidden 256, MLP 1024, 4 layers; 64 sequences of 89 tokens), the
+    # route at its real size floor: every layer's training call is above it. Seen: max 1.4e-6, mean 2.3e-7 nats.
+    import copy
+
+    from grpokit.logprobs import token_logprobs
+
+    if not onednn_linear._onednn_works():
+        pytest.skip("this torch has no oneDNN float32 linear product")
+    model = build_tiny_model(53, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024)
+    routed = copy.deepcopy(model)
+    for module in routed.modules():  # the route whatever this CPU (onednn_linears decides per machine)
+        if type(module) is torch.nn.Linear and module is not routed.get_output_embeddings():
+            module.forward = onednn_linear.RoutedForward(onednn_linear_forward, module)
+    ids = torch.randint(3, 53, (64, 89), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain, _ = token_logprobs(model, ids, torch.ones_like(ids), 64)
+        ours, _ = token_logprobs(routed, ids, torch.ones_like(ids), 64)
+    difference = (ours - plain).abs()
+    assert 0 < difference.max().item() < 1e-5, difference.max()
+    assert difference.mean().item() < 1e-6, difference.mean()

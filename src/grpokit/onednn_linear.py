@@ -4,14 +4,14 @@ torch's CPU float32 matrix product (`F.linear`, `mm`) is MKL's sgemm. MKL picks 
 only: on an AMD CPU with AVX-512 (Zen 4 and later) it runs its AVX2 kernels, at about half the machine's rate.
 oneDNN, which torch ships too (`torch.ops.mkldnn._linear_pointwise`, the kernel inductor's CPU linear layers call),
 generates AVX-512 code for any vendor: on the project's 2-core AMD EPYC the `small` benchmark's training products
-(4,296 rows through its 256 -> 256, 256 -> 1024 and 1024 -> 256 layers) took 2.1-2.4x less time forward and for
-the input's gradient (`python benchmarks/onednn_linear.py`).
+(4,296 rows through its 256 -> 256, 256 -> 128, 256 -> 1024 and 1024 -> 256 layers) ran 2.0-2.5x faster forward,
+and 1.2-1.6x forward + backward, whose weight gradient stays MKL's (`python benchmarks/onednn_linear.py`).
 
 Where it applies (`onednn_linears`, set up by the trainer): the policy's (and so the reference's) plain
 `nn.Linear` layers other than the LM head, for float32 operands on the CPU outside autocast, from `MIN_MACS`
 multiply-adds a call (rows x in x out; below that oneDNN's fixed cost per call is the larger: 256 rows x 32 x 64
-took 12 us with MKL and 21 with oneDNN). The forward and the input's gradient run oneDNN; the weight's gradient
-(a long sum over rows, where oneDNN gained less) and the bias's stay torch's own `mm` and `sum`.
+took 11 us with MKL and 21 with oneDNN, 256 x 128 x 128 48 and 37). The forward and the input's gradient run
+oneDNN; the weight's gradient and the bias's stay torch's own `mm` and `sum`, bitwise F.linear's backward.
 
 The numbers: the same products summed in another order. A layer's output differs from MKL's by float32 rounding
 (its error against the float64 product is MKL's size: `tests/test_onednn_linear.py`), so a training run's
