@@ -86,3 +86,17 @@ def long_tail_letter_model(tail: int, tail_mass: float, hidden_size: int = 32, s
     with torch.no_grad():
         head.bias[real:] = -(low + high) / 2
     return model, tokenizer
+
+
+def letter_trainer(tmp_path, hidden_size: int = 32, **overrides):
+    """A GRPOTrainer on the letter task: `tiny_letter_model(hidden_size)`, `letter_config(tmp_path, **overrides)`."""
+    from grpokit import GRPOTrainer
+
+    model, tokenizer = tiny_letter_model(hidden_size=hidden_size)
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=repeat_letter,
+        args=letter_config(tmp_path, **overrides),
+        train_dataset=letter_dataset(),
+        processing_class=tokenizer,
+    )

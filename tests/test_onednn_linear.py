@@ -3,13 +3,18 @@ F.linear (MKL) and the float64 product."""
 
 import pytest
 import torch
-from letters import letter_config, letter_dataset, repeat_letter, tiny_letter_model
+from letters import letter_trainer, tiny_letter_model
 
 from grpokit import onednn_linear
 from grpokit.onednn_linear import MIN_MACS, OnednnLinear, onednn_linear_forward, onednn_linears, takes_onednn
 from grpokit.testing import build_tiny_model
 
 EPS = torch.finfo(torch.float32).eps / 2  # float32's unit roundoff
+
+
+def body_linears(model):
+    """The model's nn.Linear layers other than its LM head: the ones `onednn_linears` routes."""
+    return [m for m in model.modules() if type(m) is torch.nn.Linear and m is not model.get_output_embeddings()]
 
 
 def inputs(rows=96, features_in=256, features_out=320, seed=0, bias=True):
@@ -110,7 +115,7 @@ def test_a_routed_model_samples_through_packed_layers_and_gets_its_route_back(on
 
     model = build_tiny_model(40, hidden_size=32, num_layers=2)
     head = model.get_output_embeddings()
-    routed = [m for m in model.modules() if type(m) is torch.nn.Linear and m is not head]
+    routed = body_linears(model)
     assert onednn_linears(model, "cpu") == len(routed) == 14
     assert "forward" not in vars(head)
     packable = fast.packable_linears(model, torch.device("cpu")) if fast._can_pack_linears() else None
@@ -130,28 +135,20 @@ def test_the_trainer_routes_policy_and_reference_and_their_update_is_mkls_to_rou
     # one step of the letter task at hidden size 64, every product of policy and reference through oneDNN, against
     # the same step with GRPOKIT_ONEDNN_LINEARS=0 (MKL): the same sampled tokens (the decode packs both runs' layers
     # alike), the loss and the updated weights equal to float32 rounding, not bitwise
-    from grpokit import GRPOTrainer
-
     calls = []
     product = onednn_linear._onednn_linear
     monkeypatch.setattr(onednn_linear, "_onednn_linear", lambda *a: calls.append(1) or product(*a))
 
     def one_step(name):
-        model, tokenizer = tiny_letter_model(hidden_size=64)
-        args = letter_config(tmp_path / name, max_steps=1, beta=0.04, per_device_train_batch_size=32, optim="sgd")
-        trainer = GRPOTrainer(
-            model=model,
-            reward_funcs=repeat_letter,
-            args=args,
-            train_dataset=letter_dataset(),
-            processing_class=tokenizer,
+        trainer = letter_trainer(
+            tmp_path / name, hidden_size=64, max_steps=1, beta=0.04, per_device_train_batch_size=32, optim="sgd"
         )
         trainer.train()
         return trainer
 
     routed = one_step("onednn")
     for model in (routed.unwrapped_model, routed.reference):
-        linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m is not model.get_output_embeddings()]
+        linears = body_linears(model)
         assert linears and all(onednn_linear.is_onednn_routed(m) for m in linears)
         assert all(m.forward.layer() is m for m in linears)  # the reference's layers route to themselves
     assert len(calls) > 0
@@ -177,41 +174,25 @@ def test_the_trainer_routes_policy_and_reference_and_their_update_is_mkls_to_rou
 
 
 def test_the_letter_task_learns_through_onednn(onednn_everywhere, tmp_path):
-    from grpokit import GRPOTrainer
-
-    model, tokenizer = tiny_letter_model()
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=repeat_letter,
-        args=letter_config(tmp_path, max_steps=30),
-        train_dataset=letter_dataset(),
-        processing_class=tokenizer,
-    )
-    assert all(
-        onednn_linear.is_onednn_routed(m)
-        for m in trainer.unwrapped_model.modules()
-        if type(m) is torch.nn.Linear and m is not trainer.unwrapped_model.get_output_embeddings()
-    )
+    trainer = letter_trainer(tmp_path, max_steps=30)
+    assert all(onednn_linear.is_onednn_routed(m) for m in body_linears(trainer.unwrapped_model))
     trainer.train()
     rewards = [r["reward"] for r in trainer.state.log_history if "reward" in r]
     assert rewards[0] < 0.1, rewards  # a random policy names the letter ~1 time in 17
     assert sum(rewards[-4:]) / 4 >= 0.2, rewards  # 0.078 -> 0.31 over the last four logs seen (AMD AVX-512)
 
 
-def test_the_small_benchmark_models_log_probs_move_by_float_rounding(monkeypatch):
+def test_the_small_benchmark_models_log_probs_move_by_float_rounding(onednn_everywhere, monkeypatch):
     # benchmarks/bench_vs_trl.py's `small` shape (hidden 256, MLP 1024, 4 layers; 64 sequences of 89 tokens), the
     # route at its real size floor: every layer's training call is above it. Seen: max 1.4e-6, mean 2.3e-7 nats.
     import copy
 
     from grpokit.logprobs import token_logprobs
 
-    if not onednn_linear._onednn_works():
-        pytest.skip("this torch has no oneDNN float32 linear product")
+    monkeypatch.setattr(onednn_linear, "MIN_MACS", MIN_MACS)  # the route whatever this CPU, at its real floor
     model = build_tiny_model(53, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024)
     routed = copy.deepcopy(model)
-    for module in routed.modules():  # the route whatever this CPU (onednn_linears decides per machine)
-        if type(module) is torch.nn.Linear and module is not routed.get_output_embeddings():
-            module.forward = onednn_linear.RoutedForward(onednn_linear_forward, module)
+    assert onednn_linears(routed, "cpu") == 4 * 7
     ids = torch.randint(3, 53, (64, 89), generator=torch.Generator().manual_seed(0))
     calls = []
     product = onednn_linear._onednn_linear

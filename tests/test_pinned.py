@@ -8,7 +8,6 @@ capability and CPU vendor (AVX512, AVX2; AMD, Intel: another kernel set rounds d
 together).
 """
 
-import contextlib
 import hashlib
 import json
 
@@ -17,6 +16,7 @@ import torch
 from datasets import Dataset
 
 from grpokit import GRPOConfig, GRPOTrainer
+from grpokit.onednn_linear import cpu_vendor
 from grpokit.testing import build_char_tokenizer, build_tiny_model
 
 LETTERS = "abcdefgh"
@@ -155,10 +155,7 @@ PINNED_AVX512_INTEL = {
 
 def cpu_kernels() -> str:
     """Which kernels round the numbers: torch's CPU capability (AVX512, AVX2) and the CPU's vendor."""
-    vendor = "unknown"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as info:
-        vendor = next((line.split(":", 1)[1].strip() for line in info if line.startswith("vendor_id")), vendor)
-    return f"{torch.backends.cpu.get_cpu_capability()} {vendor}"
+    return f"{torch.backends.cpu.get_cpu_capability()} {cpu_vendor()}"
 
 
 PINNED_BY_CPU = {

@@ -85,7 +85,6 @@ class OnednnLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
         return _onednn_linear(x, weight, bias)
 
     @staticmethod
@@ -97,7 +96,7 @@ class OnednnLinear(torch.autograd.Function):
         rows = grad_out.reshape(-1, grad_out.shape[-1])
         if ctx.needs_input_grad[1]:
             grad_weight = rows.t().mm(x.reshape(-1, x.shape[-1]))
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[2]:  # False for a bias of None
             grad_bias = rows.sum(0)
         return grad_x, grad_weight, grad_bias
 
